@@ -1,0 +1,9 @@
+//! Cloud Agents front: the stateless, NATS-fronted service.
+//!
+//! It will own authentication (JWT), admission (rate limits, the 5-active-jobs quota), the job records and their
+//! state machine in JetStream KV, dispatch to workers, expiry, the HTTP gateway, host services that need shared
+//! state, and telemetry. Today it owns [`probe`]: drive one plugin through the Executa handshake with the real
+//! codec, which is what `fleet probe` runs.
+#![forbid(unsafe_code)]
+
+pub mod probe;

@@ -1,0 +1,829 @@
+//! The fleet's own API, used over NATS and HTTP: `tools.list`, `tools.invoke`, `tools.invokeAsync`,
+//! `tools.getJob`, `tools.cancelJob`, `tools.listJobs` (spec §10), their arguments, results, the job types and
+//! the string error codes of spec §10.10.
+//!
+//! Casing follows each surface exactly as documented (spec §16 A-48): the job API is camelCase (`jobId`,
+//! `lastSeq`, `clientTag`, `deadlineMs`) except `tool_id`; the `tool_job` event is snake_case.
+//!
+//! Argument types carry `validate()` for the format rules of the contract (sizes, lengths, ranges); policy
+//! (timeouts, quotas) is the fleet's.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::{Map, Value, json};
+
+use crate::executa::invoke::ProgressType;
+use crate::limits;
+
+/// Method names (spec §10).
+pub mod methods {
+    /// List the caller's tools.
+    pub const TOOLS_LIST: &str = "tools.list";
+    /// Synchronous invoke.
+    pub const TOOLS_INVOKE: &str = "tools.invoke";
+    /// Create an async job.
+    pub const TOOLS_INVOKE_ASYNC: &str = "tools.invokeAsync";
+    /// Job snapshot.
+    pub const TOOLS_GET_JOB: &str = "tools.getJob";
+    /// Cancel a job.
+    pub const TOOLS_CANCEL_JOB: &str = "tools.cancelJob";
+    /// List jobs.
+    pub const TOOLS_LIST_JOBS: &str = "tools.listJobs";
+    /// Every method.
+    pub const ALL: &[&str] = &[
+        TOOLS_LIST,
+        TOOLS_INVOKE,
+        TOOLS_INVOKE_ASYNC,
+        TOOLS_GET_JOB,
+        TOOLS_CANCEL_JOB,
+        TOOLS_LIST_JOBS,
+    ];
+}
+
+/// NATS subjects (one place; spec §12, §16 A-51).
+pub mod subjects {
+    /// Prefix of the API service endpoints: `fleet.v1.api.tools.<method>` (queue group [`API_QUEUE_GROUP`]).
+    pub const API_PREFIX: &str = "fleet.v1.api";
+    /// Queue group of the API endpoints.
+    pub const API_QUEUE_GROUP: &str = "fleet-api";
+    /// Header carrying the caller's JWT.
+    pub const AUTH_HEADER: &str = "Authorization";
+
+    /// The subject of an API method, e.g. `fleet.v1.api.tools.invoke`.
+    pub fn api(method: &str) -> String {
+        format!("{API_PREFIX}.{method}")
+    }
+
+    /// A worker's execution subject.
+    pub fn worker_exec(worker_id: &str) -> String {
+        format!("fleet.v1.worker.{worker_id}.exec")
+    }
+
+    /// A worker's cancel subject.
+    pub fn worker_cancel(worker_id: &str) -> String {
+        format!("fleet.v1.worker.{worker_id}.cancel")
+    }
+
+    /// `tool_job` events of one user (keyed by the user's subject-safe key).
+    pub fn user_events(user_key: &str) -> String {
+        format!("fleet.v1.events.{user_key}")
+    }
+
+    /// The compatibility cancel subject, verbatim from the spec (§12.1 N6, HR-NT-04).
+    pub fn matrix_cancel(client_id: &str) -> String {
+        format!("matrix.cancel.{client_id}")
+    }
+}
+
+/// The string error codes of the app-facing API (spec §10.10).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApiErrorCode {
+    /// Bad or expired token.
+    InvalidToken,
+    /// Not allowed.
+    PermissionDenied,
+    /// Bad argument.
+    InvalidArg,
+    /// Not found (window/storage).
+    NotFound,
+    /// No worker can take the call.
+    AgentUnavailable,
+    /// Outer envelope failure: the plugin could not be run.
+    ExecutaUnavailable,
+    /// The plugin answered with a JSON-RPC error.
+    ExecutaError,
+    /// The plugin returned `success: false`.
+    ToolFailed,
+    /// The invoke or job ran out of time.
+    ToolTimeout,
+    /// A reverse-RPC subcall timed out.
+    SubcallTimeout,
+    /// Result over the cap.
+    ResultTooLarge,
+    /// The job was cancelled.
+    Cancelled,
+    /// Client-side wait elapsed (SDK only; listed for completeness).
+    WaitTimeout,
+    /// More than 5 active jobs.
+    JobQuotaExceeded,
+    /// More than 3 long jobs on the worker.
+    LongJobCapacity,
+    /// Unknown job, or another user's.
+    JobNotFound,
+    /// Too many requests.
+    RateLimited,
+    /// Not implemented.
+    NotImplemented,
+    /// Anything unhandled.
+    InternalError,
+}
+
+impl ApiErrorCode {
+    /// The wire string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ApiErrorCode::InvalidToken => "invalid_token",
+            ApiErrorCode::PermissionDenied => "permission_denied",
+            ApiErrorCode::InvalidArg => "invalid_arg",
+            ApiErrorCode::NotFound => "not_found",
+            ApiErrorCode::AgentUnavailable => "agent_unavailable",
+            ApiErrorCode::ExecutaUnavailable => "executa_unavailable",
+            ApiErrorCode::ExecutaError => "executa_error",
+            ApiErrorCode::ToolFailed => "tool_failed",
+            ApiErrorCode::ToolTimeout => "tool_timeout",
+            ApiErrorCode::SubcallTimeout => "subcall_timeout",
+            ApiErrorCode::ResultTooLarge => "result_too_large",
+            ApiErrorCode::Cancelled => "cancelled",
+            ApiErrorCode::WaitTimeout => "wait_timeout",
+            ApiErrorCode::JobQuotaExceeded => "job_quota_exceeded",
+            ApiErrorCode::LongJobCapacity => "long_job_capacity",
+            ApiErrorCode::JobNotFound => "job_not_found",
+            ApiErrorCode::RateLimited => "rate_limited",
+            ApiErrorCode::NotImplemented => "not_implemented",
+            ApiErrorCode::InternalError => "internal_error",
+        }
+    }
+
+    /// Whether retrying the same call later may succeed (spec §10.10 "Retryable").
+    pub fn retryable(self) -> bool {
+        matches!(
+            self,
+            ApiErrorCode::AgentUnavailable
+                | ApiErrorCode::ExecutaUnavailable
+                | ApiErrorCode::JobQuotaExceeded
+                | ApiErrorCode::LongJobCapacity
+                | ApiErrorCode::RateLimited
+                | ApiErrorCode::InvalidToken
+        )
+    }
+}
+
+impl fmt::Display for ApiErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An API error `{code, message, details?}` (spec §10.1).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, thiserror::Error)]
+#[error("{code}: {message}")]
+pub struct ApiError {
+    /// The string code.
+    pub code: ApiErrorCode,
+    /// Human-readable.
+    pub message: String,
+    /// Structured details (e.g. `{size, max, retriable}` for `result_too_large`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub details: Option<Value>,
+}
+
+impl ApiError {
+    /// An error without details.
+    pub fn new(code: ApiErrorCode, message: impl Into<String>) -> Self {
+        ApiError {
+            code,
+            message: message.into(),
+            details: None,
+        }
+    }
+
+    /// An error with details.
+    pub fn with_details(code: ApiErrorCode, message: impl Into<String>, details: Value) -> Self {
+        ApiError {
+            code,
+            message: message.into(),
+            details: Some(details),
+        }
+    }
+
+    /// `invalid_arg` naming the field.
+    pub fn invalid_arg(field: &str, message: impl Into<String>) -> Self {
+        ApiError::with_details(ApiErrorCode::InvalidArg, message, json!({ "field": field }))
+    }
+
+    /// `result_too_large` with `{size, max, retriable: false}` (spec §10.3 HR-SI-05).
+    pub fn result_too_large(size: usize, max: usize) -> Self {
+        ApiError::with_details(
+            ApiErrorCode::ResultTooLarge,
+            format!("the result is {size} bytes, over the limit of {max}"),
+            json!({ "size": size, "max": max, "retriable": false }),
+        )
+    }
+}
+
+/// The response envelope of every API call: `{ok: true, result}` or `{ok: false, error}` (spec §10.1).
+#[derive(Debug, Clone, PartialEq)]
+pub enum ApiResponse<T> {
+    /// `ok: true`.
+    Ok(T),
+    /// `ok: false`.
+    Err(ApiError),
+}
+
+impl<T: Serialize> Serialize for ApiResponse<T> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Wire<'a, T> {
+            ok: bool,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            result: Option<&'a T>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            error: Option<&'a ApiError>,
+        }
+        match self {
+            ApiResponse::Ok(r) => Wire {
+                ok: true,
+                result: Some(r),
+                error: None,
+            }
+            .serialize(serializer),
+            ApiResponse::Err(e) => Wire::<T> {
+                ok: false,
+                result: None,
+                error: Some(e),
+            }
+            .serialize(serializer),
+        }
+    }
+}
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for ApiResponse<T> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(bound = "T: Deserialize<'de>")]
+        struct Wire<T> {
+            ok: bool,
+            #[serde(default = "Option::default")]
+            result: Option<T>,
+            #[serde(default)]
+            error: Option<ApiError>,
+        }
+        let w = Wire::<T>::deserialize(deserializer)?;
+        match (w.ok, w.result, w.error) {
+            (true, Some(r), _) => Ok(ApiResponse::Ok(r)),
+            (false, _, Some(e)) => Ok(ApiResponse::Err(e)),
+            (true, None, _) => Err(D::Error::custom("ok: true without result")),
+            (false, _, None) => Err(D::Error::custom("ok: false without error")),
+        }
+    }
+}
+
+impl<T> From<Result<T, ApiError>> for ApiResponse<T> {
+    fn from(r: Result<T, ApiError>) -> Self {
+        match r {
+            Ok(v) => ApiResponse::Ok(v),
+            Err(e) => ApiResponse::Err(e),
+        }
+    }
+}
+
+impl<T> ApiResponse<T> {
+    /// As a `Result`.
+    pub fn into_result(self) -> Result<T, ApiError> {
+        match self {
+            ApiResponse::Ok(v) => Ok(v),
+            ApiResponse::Err(e) => Err(e),
+        }
+    }
+}
+
+/// The HTTP RPC request envelope `{id, method, args}` (spec §10.1).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ApiRequest {
+    /// Caller's correlation id, echoed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// One of [`methods::ALL`].
+    pub method: String,
+    /// The method's arguments.
+    #[serde(default)]
+    pub args: Value,
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// Jobs
+// -------------------------------------------------------------------------------------------------------------
+
+/// A job id: `tjob_` + 32 lowercase hex, also the plugin-side `invoke_id` (spec §10.4 HR-AJ-01). Nothing else
+/// can be constructed or deserialized.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct JobId(String);
+
+/// A string that is not a job id.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("a jobId must match ^tjob_[0-9a-f]{{32}}$, got {0:?}")]
+pub struct InvalidJobId(pub String);
+
+impl JobId {
+    /// The prefix.
+    pub const PREFIX: &'static str = "tjob_";
+
+    /// The id made of 16 (random) bytes.
+    pub fn from_bytes(bytes: [u8; 16]) -> JobId {
+        let mut s = String::with_capacity(37);
+        s.push_str(Self::PREFIX);
+        for b in bytes {
+            s.push(char::from_digit(u32::from(b >> 4), 16).unwrap_or('0'));
+            s.push(char::from_digit(u32::from(b & 0xf), 16).unwrap_or('0'));
+        }
+        JobId(s)
+    }
+
+    /// The id as a string.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl FromStr for JobId {
+    type Err = InvalidJobId;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let ok = s.len() == 37
+            && s.starts_with(Self::PREFIX)
+            && s[5..]
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        if ok {
+            Ok(JobId(s.to_string()))
+        } else {
+            Err(InvalidJobId(s.to_string()))
+        }
+    }
+}
+
+impl fmt::Display for JobId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Serialize for JobId {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for JobId {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let s = std::borrow::Cow::<'de, str>::deserialize(deserializer)?;
+        s.parse().map_err(D::Error::custom)
+    }
+}
+
+/// A job's state (spec §10.5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum JobState {
+    /// Accepted, not started.
+    Queued,
+    /// The invoke was sent to the plugin.
+    Running,
+    /// `success: true`.
+    Succeeded,
+    /// `success: false`, JSON-RPC error, crash, `result_too_large`, worker lost.
+    Failed,
+    /// Cancelled by the caller.
+    Cancelled,
+    /// Deadline elapsed.
+    Expired,
+}
+
+impl JobState {
+    /// Every state.
+    pub const ALL: [JobState; 6] = [
+        JobState::Queued,
+        JobState::Running,
+        JobState::Succeeded,
+        JobState::Failed,
+        JobState::Cancelled,
+        JobState::Expired,
+    ];
+
+    /// The wire string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Queued => "queued",
+            JobState::Running => "running",
+            JobState::Succeeded => "succeeded",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+            JobState::Expired => "expired",
+        }
+    }
+
+    /// Terminal states are final (spec §10.5 HR-JS-01).
+    pub fn is_terminal(self) -> bool {
+        !self.is_active()
+    }
+
+    /// Queued or running: counts against the per-user quota.
+    pub fn is_active(self) -> bool {
+        matches!(self, JobState::Queued | JobState::Running)
+    }
+
+    /// Whether the state machine allows `self → next` (spec §10.5).
+    pub fn can_become(self, next: JobState) -> bool {
+        match self {
+            JobState::Queued => next != JobState::Queued,
+            JobState::Running => next.is_terminal(),
+            _ => false,
+        }
+    }
+}
+
+impl fmt::Display for JobState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One stored progress event `{seq, type, data}` (spec §8.10 HR-PG-07).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProgressEvent {
+    /// Per-job, strictly increasing.
+    pub seq: u64,
+    /// `progress` or `tool_update`.
+    #[serde(rename = "type")]
+    pub kind: ProgressType,
+    /// The plugin's payload.
+    pub data: Value,
+}
+
+/// The authoritative view of a job (spec §10.7).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct JobSnapshot {
+    /// The id.
+    pub job_id: JobId,
+    /// The state.
+    pub state: JobState,
+    /// The tool id as the caller named it.
+    #[serde(rename = "tool_id")]
+    pub tool_id: String,
+    /// The tool name inside the plugin.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+    /// The caller's tag.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_tag: Option<String>,
+    /// The plugin payload, on `succeeded`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    /// On `failed`, `cancelled`, `expired`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ApiError>,
+    /// Events with `seq > sinceSeq`, at most `limit` (empty in `listJobs`).
+    #[serde(default)]
+    pub progress: Vec<ProgressEvent>,
+    /// The highest stored seq (0 when none).
+    pub last_seq: u64,
+    /// RFC 3339.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_heartbeat_at: Option<String>,
+    /// RFC 3339.
+    pub created_at: String,
+    /// RFC 3339.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<String>,
+    /// RFC 3339.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<String>,
+    /// RFC 3339.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub updated_at: Option<String>,
+    /// Absolute deadline, Unix epoch ms.
+    pub deadline_ms: u64,
+}
+
+/// The `tool_job` push event (spec §10.9), snake_case. Never carries the result.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolJobEvent {
+    /// The job.
+    pub job_id: JobId,
+    /// Its tool.
+    pub tool_id: String,
+    /// Its state after this event.
+    pub state: JobState,
+    /// The job's last seq.
+    pub seq: u64,
+    /// The progress event folded in, if this event is one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event: Option<ProgressEvent>,
+    /// Whether `state` is terminal.
+    pub terminal: bool,
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// Arguments and results
+// -------------------------------------------------------------------------------------------------------------
+
+/// `tools.list` result entry (spec §10.2, the superset of §16 A-44).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToolInfo {
+    /// The callable id (`plugin.tool` / `plugin__tool`, or a plugin id with `method`).
+    pub tool_id: String,
+    /// The plugin's installed id.
+    pub plugin_name: String,
+    /// The tool name inside the plugin.
+    pub tool_name: String,
+    /// Shown to the LLM.
+    pub description: String,
+    /// JSON Schema of the arguments.
+    pub input_schema: Value,
+    /// `available | deploying | unavailable`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<String>,
+}
+
+/// `tools.list` result.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ListToolsResult {
+    /// The tools.
+    pub tools: Vec<ToolInfo>,
+}
+
+/// `tools.invoke` arguments (spec §10.3).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InvokeArgs {
+    /// The tool id.
+    pub tool_id: String,
+    /// The tool name; required for ids without `.` or `__`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+    /// The tool's arguments.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args: Option<Map<String, Value>>,
+    /// Requested timeout in ms (≥ 1000; clamped to 90 000).
+    #[serde(rename = "timeoutMs", default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+}
+
+/// `tools.invokeAsync` arguments (spec §10.4).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InvokeAsyncArgs {
+    /// The tool id.
+    pub tool_id: String,
+    /// The tool name; required for ids without `.` or `__`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+    /// The tool's arguments (≤ 64 KB serialized).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args: Option<Map<String, Value>>,
+    /// The job deadline in ms (clamped to [60 s, 24 h], default 30 min).
+    #[serde(rename = "timeoutMs", default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    /// ≤ 120 chars.
+    #[serde(rename = "clientTag", default, skip_serializing_if = "Option::is_none")]
+    pub client_tag: Option<String>,
+}
+
+/// `tools.invokeAsync` result.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InvokeAsyncResult {
+    /// The new job.
+    pub job_id: JobId,
+    /// Always `queued`.
+    pub state: JobState,
+    /// Absolute deadline, Unix epoch ms.
+    pub deadline_ms: u64,
+}
+
+/// `tools.getJob` arguments (spec §10.7).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GetJobArgs {
+    /// The job.
+    pub job_id: JobId,
+    /// Only events with `seq > sinceSeq`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since_seq: Option<u64>,
+    /// 1–500.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+}
+
+/// `tools.cancelJob` arguments (spec §10.6).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CancelJobArgs {
+    /// The job.
+    pub job_id: JobId,
+    /// ≤ 200 chars; lands in the error message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// `tools.cancelJob` result.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CancelJobResult {
+    /// The job.
+    pub job_id: JobId,
+    /// Its state after the call.
+    pub state: JobState,
+    /// Whether this call cancelled it (`false` for a terminal job).
+    pub cancelled: bool,
+}
+
+/// One state or several (`tools.listJobs` `state`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany<T> {
+    /// One.
+    One(T),
+    /// Several.
+    Many(Vec<T>),
+}
+
+impl<T: Clone> OneOrMany<T> {
+    /// As a list.
+    pub fn to_vec(&self) -> Vec<T> {
+        match self {
+            OneOrMany::One(t) => vec![t.clone()],
+            OneOrMany::Many(v) => v.clone(),
+        }
+    }
+}
+
+/// `tools.listJobs` arguments (spec §10.8).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ListJobsArgs {
+    /// Only this tool.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_id: Option<String>,
+    /// Only these states.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<OneOrMany<JobState>>,
+    /// Exact match.
+    #[serde(rename = "clientTag", default, skip_serializing_if = "Option::is_none")]
+    pub client_tag: Option<String>,
+    /// RFC 3339 lower bound on `createdAt` (lookback ≤ 7 days).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<String>,
+    /// 1–100, default 20.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+}
+
+/// `tools.listJobs` result.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ListJobsResult {
+    /// Newest first.
+    pub jobs: Vec<JobSnapshot>,
+    /// More rows matched than `limit`.
+    pub truncated: bool,
+}
+
+/// Parses the arguments of a method, mapping any shape error to `invalid_arg` (booleans where numbers belong,
+/// non-string `method`, a malformed `jobId`, ...).
+pub fn parse_args<T: serde::de::DeserializeOwned>(args: &Value) -> Result<T, ApiError> {
+    let args = if args.is_null() {
+        &Value::Object(Map::new())
+    } else {
+        args
+    };
+    T::deserialize(args)
+        .map_err(|e| ApiError::new(ApiErrorCode::InvalidArg, format!("invalid arguments: {e}")))
+}
+
+/// The (plugin, tool) a call names (spec §10.3 "Resolution of (plugin_name, tool_name)").
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Target {
+    /// The installed plugin id.
+    pub plugin: String,
+    /// The tool inside it.
+    pub tool: String,
+}
+
+impl Target {
+    /// With `method`, `tool_id` is the plugin verbatim and `method` the tool; without it, `tool_id` is split on
+    /// its first `__` or `.` (whichever comes first); neither → `invalid_arg`.
+    pub fn resolve(tool_id: &str, method: Option<&str>) -> Result<Target, ApiError> {
+        if tool_id.is_empty() {
+            return Err(ApiError::invalid_arg("tool_id", "tool_id must not be empty"));
+        }
+        if let Some(m) = method {
+            if m.is_empty() {
+                return Err(ApiError::invalid_arg("method", "method must not be empty"));
+            }
+            return Ok(Target {
+                plugin: tool_id.to_string(),
+                tool: m.to_string(),
+            });
+        }
+        let dunder = tool_id.find("__").map(|i| (i, 2));
+        let dot = tool_id.find('.').map(|i| (i, 1));
+        let split = match (dunder, dot) {
+            (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+            (a, b) => a.or(b),
+        };
+        match split {
+            Some((i, w)) if i > 0 && i + w < tool_id.len() => Ok(Target {
+                plugin: tool_id[..i].to_string(),
+                tool: tool_id[i + w..].to_string(),
+            }),
+            _ => Err(ApiError::invalid_arg(
+                "method",
+                format!("tool_id {tool_id:?} has no '.' or '__' separator: method is required"),
+            )),
+        }
+    }
+}
+
+fn check_chars(field: &str, value: Option<&str>, max: usize) -> Result<(), ApiError> {
+    match value {
+        Some(v) if v.chars().count() > max => Err(ApiError::invalid_arg(
+            field,
+            format!(
+                "{field} is {} characters, over the limit of {max}",
+                v.chars().count()
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn check_limit(field: &str, value: Option<u32>, max: u32) -> Result<(), ApiError> {
+    match value {
+        Some(v) if v == 0 || v > max => Err(ApiError::invalid_arg(
+            field,
+            format!("{field} must be 1–{max}, got {v}"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+impl InvokeArgs {
+    /// The contract's format rules: `timeoutMs` ≥ 1000 (spec §10.3 HR-SI-01); the tool resolves.
+    pub fn validate(&self) -> Result<Target, ApiError> {
+        if let Some(t) = self.timeout_ms
+            && t < limits::INVOKE_TIMEOUT_MIN_MS
+        {
+            return Err(ApiError::invalid_arg(
+                "timeoutMs",
+                format!(
+                    "timeoutMs must be at least {} ms, got {t}",
+                    limits::INVOKE_TIMEOUT_MIN_MS
+                ),
+            ));
+        }
+        Target::resolve(&self.tool_id, self.method.as_deref())
+    }
+}
+
+impl InvokeAsyncArgs {
+    /// The contract's format rules: args ≤ 64 KB, `clientTag` ≤ 120 chars (spec §10.4); the tool resolves.
+    pub fn validate(&self) -> Result<Target, ApiError> {
+        if let Some(args) = &self.args {
+            let size = serde_json::to_vec(args).map(|v| v.len()).unwrap_or(usize::MAX);
+            if size > limits::MAX_JOB_ARGS_BYTES {
+                return Err(ApiError::with_details(
+                    ApiErrorCode::InvalidArg,
+                    format!(
+                        "args are {size} bytes, over the limit of {}",
+                        limits::MAX_JOB_ARGS_BYTES
+                    ),
+                    json!({ "field": "args", "size": size, "max": limits::MAX_JOB_ARGS_BYTES }),
+                ));
+            }
+        }
+        check_chars(
+            "clientTag",
+            self.client_tag.as_deref(),
+            limits::MAX_CLIENT_TAG_CHARS,
+        )?;
+        Target::resolve(&self.tool_id, self.method.as_deref())
+    }
+}
+
+impl GetJobArgs {
+    /// `limit` within 1–500 (spec §10.7).
+    pub fn validate(&self) -> Result<(), ApiError> {
+        check_limit("limit", self.limit, limits::GET_JOB_LIMIT_MAX)
+    }
+}
+
+impl CancelJobArgs {
+    /// `reason` ≤ 200 chars (spec §10.6 HR-CJ-04).
+    pub fn validate(&self) -> Result<(), ApiError> {
+        check_chars("reason", self.reason.as_deref(), limits::MAX_CANCEL_REASON_CHARS)
+    }
+}
+
+impl ListJobsArgs {
+    /// `limit` within 1–100 (spec §10.8); `clientTag` ≤ 120 chars.
+    pub fn validate(&self) -> Result<(), ApiError> {
+        check_limit("limit", self.limit, limits::LIST_JOBS_LIMIT_MAX)?;
+        check_chars(
+            "clientTag",
+            self.client_tag.as_deref(),
+            limits::MAX_CLIENT_TAG_CHARS,
+        )
+    }
+}

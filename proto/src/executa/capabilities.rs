@@ -1,0 +1,69 @@
+//! Capability names: the manifest's `host_capabilities` allow-list and the `initialize` capability keys
+//! (spec §3.3 HR-LC-15, HR-LC-16).
+
+/// Every `host_capabilities` string the platform accepts (spec §3.3 HR-LC-16). Anything else is ignored (never
+/// granted) and reported by the manifest validator.
+pub const KNOWN_HOST_CAPABILITIES: &[&str] = &[
+    LLM_SAMPLE,
+    "llm.complete",
+    LLM_EMBED,
+    "llm.agent.auto",
+    "llm.agent.fixed",
+    LLM_IMAGE,
+    LLM_IMAGE_EDIT,
+    "web.search",
+    "web.fetch",
+    "web.image_search",
+    "web.image_fetch",
+    HOST_UPLOAD,
+    APS_KV,
+    APS_FILES,
+    "aps.scope.user.read",
+    "aps.scope.user.write",
+    "aps.scope.app.read",
+    "aps.scope.app.write",
+    "aps.scope.tool.read",
+    "aps.scope.tool.write",
+    "aps.scope.admin",
+];
+
+/// `llm.sample`: `sampling/createMessage`.
+pub const LLM_SAMPLE: &str = "llm.sample";
+/// `llm.embed`: `embeddings/create`.
+pub const LLM_EMBED: &str = "llm.embed";
+/// `llm.image`: `image/generate`.
+pub const LLM_IMAGE: &str = "llm.image";
+/// `llm.image.edit`: `image/edit`.
+pub const LLM_IMAGE_EDIT: &str = "llm.image.edit";
+/// `host.upload`: `host/uploadFile`.
+pub const HOST_UPLOAD: &str = "host.upload";
+/// `aps.kv`: `storage/*`.
+pub const APS_KV: &str = "aps.kv";
+/// `aps.files`: `files/*`.
+pub const APS_FILES: &str = "aps.files";
+
+/// Whether `s` is on the platform allow-list.
+pub fn is_known_host_capability(s: &str) -> bool {
+    KNOWN_HOST_CAPABILITIES.contains(&s)
+}
+
+/// `initialize` capability keys a plugin may claim (spec §3.3: union of `capabilities` and
+/// `client_capabilities`).
+pub mod keys {
+    /// Sampling (also unlocks embeddings).
+    pub const SAMPLING: &str = "sampling";
+    /// APS storage (KV and files).
+    pub const STORAGE: &str = "storage";
+    /// Host upload.
+    pub const UPLOAD: &str = "upload";
+    /// Image generation.
+    pub const IMAGE: &str = "image";
+    /// Image editing.
+    pub const IMAGE_EDIT: &str = "image.edit";
+    /// Embeddings.
+    pub const EMBED: &str = "embed";
+    /// Agent sessions.
+    pub const AGENT: &str = "agent";
+    /// File transport support (host → plugin advertisement).
+    pub const FILE_TRANSPORT: &str = "fileTransport";
+}

@@ -1,0 +1,16 @@
+//! The Executa plugin protocol (v1.1 and v2): what host and plugin exchange over stdio.
+//!
+//! - [`lifecycle`]: method names host → plugin, `initialize` (v2 handshake, both response dialects), `health`.
+//! - [`manifest`]: the `describe` result and its validator.
+//! - [`invoke`]: `invoke` params with the per-invoke context, `InvokeResult`, `executa/progress`.
+//! - [`reverse`]: reverse-RPC method names (plugin → host) and every family's error codes (spec §7–§9).
+//! - [`capabilities`]: `host_capabilities` strings and `initialize` capability keys.
+
+pub mod capabilities;
+pub mod invoke;
+pub mod lifecycle;
+pub mod manifest;
+pub mod reverse;
+
+/// The key of a file-transport pointer frame (spec §5).
+pub const FILE_TRANSPORT_KEY: &str = "__file_transport";

@@ -1,0 +1,15 @@
+//! Every wire type of Cloud Agents, and the stdio frame codec.
+//!
+//! This crate owns the bytes on the wire and nothing else: JSON-RPC 2.0 ([`jsonrpc`]), the Executa plugin
+//! protocol — manifest, `initialize`, `invoke`, `health`, progress, reverse-RPC method names and error codes,
+//! file transport ([`executa`]) —, the fleet's own API used over NATS and HTTP ([`api`]), the spec's numeric
+//! limits ([`limits`]) and the LF-delimited frame codec ([`codec`]). It performs no I/O of its own except in the
+//! optional tokio adapter (`codec::io`, feature `tokio`). Types here are serde types with validation; behaviour
+//! (sessions, jobs, quotas) lives in `fleet-worker` and `fleet`.
+#![forbid(unsafe_code)]
+
+pub mod api;
+pub mod codec;
+pub mod executa;
+pub mod jsonrpc;
+pub mod limits;

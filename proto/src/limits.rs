@@ -1,0 +1,141 @@
+//! Every number the spec fixes, in one place.
+//!
+//! Each constant cites the section of `shared/spec/executa-host.md` (the host requirements catalogue) that
+//! defines it. Code elsewhere refers to these names, never to the literals.
+
+use std::time::Duration;
+
+const KIB: usize = 1024;
+const MIB: usize = 1024 * KIB;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Transport (spec §2)
+// ---------------------------------------------------------------------------------------------------------------
+
+/// Largest stdio frame in either direction, excluding the terminating LF (spec §2 HR-TX-04, §16 A-1: 16 MiB).
+pub const MAX_FRAME_BYTES: usize = 16 * MIB;
+
+/// Soft per-message threshold above which plugins are told to use file transport (spec §2 HR-TX-06, §5).
+pub const FILE_TRANSPORT_THRESHOLD_BYTES: usize = 512 * KIB;
+
+/// Largest file accepted through `__file_transport` (spec §5 HR-FT-03: "suggest 16 MiB, matching the frame cap").
+pub const MAX_FILE_TRANSPORT_BYTES: usize = MAX_FRAME_BYTES;
+
+/// How much of a bad frame is quoted back in an error (derived: bounded excerpts, spec §2 HR-TX-07).
+pub const FRAME_EXCERPT_BYTES: usize = 256;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Plugin lifecycle timeouts (spec §3.1, §3.9)
+// ---------------------------------------------------------------------------------------------------------------
+
+/// `initialize` must be answered within 5 s, else the session downgrades to v1 (spec §3.1 `INITIALIZE_TIMEOUT`).
+pub const INITIALIZE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Normal `describe` timeout (spec §3.1 `DESCRIBE_TIMEOUT`).
+pub const DESCRIBE_TIMEOUT: Duration = Duration::from_secs(5);
+/// `describe` timeout on the first launch of a freshly installed plugin (spec §3.1
+/// `DESCRIBE_TIMEOUT_BINARY_COLD_START`, §16 A-41).
+pub const DESCRIBE_TIMEOUT_FIRST_LAUNCH: Duration = Duration::from_secs(60);
+/// `health` timeout (spec §3.1 `HEALTH_TIMEOUT`).
+pub const HEALTH_TIMEOUT: Duration = Duration::from_secs(3);
+/// Per-invoke timeout when the manifest's tool declares none (spec §3.1 `DEFAULT_INVOKE_TIMEOUT`).
+pub const DEFAULT_INVOKE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Grace between closing stdin and SIGTERM, and between SIGTERM and SIGKILL (spec §3.7 HR-SD-01).
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+/// Restart attempts after an unexpected exit before the session is Stopped (spec §3.8 HR-RS-01).
+pub const MAX_RESTART_ATTEMPTS: u32 = 3;
+/// Base of the exponential restart backoff: 1 s, 2 s, 4 s (spec §3.8 HR-RS-01).
+pub const RESTART_BACKOFF_BASE: Duration = Duration::from_secs(1);
+/// A cancelled invoke still busy after this long gets its process tree killed (spec §10.6 HR-CJ-03).
+pub const CANCEL_KILL_FALLBACK: Duration = Duration::from_millis(500);
+/// Default timeout of a reverse `sampling/createMessage` (spec §3.9 `DEFAULT_SAMPLING_TIMEOUT`).
+pub const DEFAULT_SAMPLING_TIMEOUT: Duration = Duration::from_secs(90);
+
+// ---------------------------------------------------------------------------------------------------------------
+// App-facing sync invoke (spec §10.3)
+// ---------------------------------------------------------------------------------------------------------------
+
+/// `tools.invoke` `timeoutMs` below this is `invalid_arg` (spec §10.3 HR-SI-01).
+pub const INVOKE_TIMEOUT_MIN_MS: u64 = 1_000;
+/// `tools.invoke` `timeoutMs` above this is clamped (spec §10.3 HR-SI-01, §16 A-43).
+pub const INVOKE_TIMEOUT_MAX_MS: u64 = 90_000;
+/// `tools.invoke` default when `timeoutMs` is omitted and the manifest declares none (spec §10.3, §16 A-3).
+pub const INVOKE_TIMEOUT_DEFAULT_MS: u64 = 65_000;
+/// Host grace added to the plugin-facing deadline so cancel/ack can land (spec §10.3 HR-SI-02).
+pub const INVOKE_TIMEOUT_GRACE_MS: u64 = 2_000;
+/// Largest serialized sync result: the NATS `max_payload` (spec §10.3 HR-SI-05: 4 194 304 bytes).
+pub const MAX_SYNC_RESULT_BYTES: usize = 4 * MIB;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Async jobs (spec §10.4–§10.8, §8.10)
+// ---------------------------------------------------------------------------------------------------------------
+
+/// Default job deadline: 30 min (spec §10.4).
+pub const JOB_DEADLINE_DEFAULT_MS: u64 = 30 * 60 * 1_000;
+/// Job deadlines below this are raised to it: 60 s (spec §10.4).
+pub const JOB_DEADLINE_MIN_MS: u64 = 60_000;
+/// Job deadlines above this are clamped to it: 24 h (spec §10.4).
+pub const JOB_DEADLINE_MAX_MS: u64 = 86_400_000;
+/// Largest serialized `args` of `tools.invokeAsync`: 64 KB (spec §10.4).
+pub const MAX_JOB_ARGS_BYTES: usize = 64 * KIB;
+/// Largest serialized job result: 256 KB; above it the job fails with `result_too_large` (spec §10.4, §4.4 HR-RD-06).
+pub const MAX_JOB_RESULT_BYTES: usize = 256 * KIB;
+/// Longest `clientTag`, in characters (spec §10.4).
+pub const MAX_CLIENT_TAG_CHARS: usize = 120;
+/// Longest cancel `reason`, in characters (spec §10.6 HR-CJ-04).
+pub const MAX_CANCEL_REASON_CHARS: usize = 200;
+/// Active (queued or running) jobs per user (spec §10.4 `job_quota_exceeded`).
+pub const MAX_ACTIVE_JOBS_PER_USER: usize = 5;
+/// Long jobs running at once per agent / worker (spec §10.4 `long_job_capacity`, §12.2 HR-NT-06).
+pub const MAX_LONG_JOBS_PER_WORKER: usize = 3;
+/// Largest stored progress event: 8 KB (spec §8.10 HR-PG-05).
+pub const MAX_PROGRESS_EVENT_BYTES: usize = 8 * KIB;
+/// Progress events kept per job (the ring) (spec §8.10 HR-PG-05).
+pub const PROGRESS_RING_SIZE: usize = 500;
+/// Progress events accepted per second per invoke (spec §8.10 HR-PG-04).
+pub const PROGRESS_EVENTS_PER_SECOND: u32 = 50;
+/// `tools.getJob` `limit` range and default (spec §10.7: 1–500).
+pub const GET_JOB_LIMIT_MAX: u32 = 500;
+/// `tools.listJobs` `limit` maximum (spec §10.8: 1–100).
+pub const LIST_JOBS_LIMIT_MAX: u32 = 100;
+/// `tools.listJobs` `limit` default (spec §10.8: 20).
+pub const LIST_JOBS_LIMIT_DEFAULT: u32 = 20;
+/// `tools.listJobs` `since` lookback cap, and minimum job retention: 7 days (spec §10.8 HR-LJ-01).
+pub const JOB_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Reverse RPC budgets (spec §7.4, §8)
+// ---------------------------------------------------------------------------------------------------------------
+
+/// Largest `maxTokens` of one sampling call (spec §8.1, §7.4 `DEFAULT_SAMPLING_MAX_TOKENS_PER_CALL`).
+pub const SAMPLING_MAX_TOKENS_PER_CALL: u32 = 8_192;
+/// Sampling calls per invoke (spec §7.4 `DEFAULT_SAMPLING_MAX_CALLS_PER_INVOKE`).
+pub const SAMPLING_MAX_CALLS_PER_INVOKE: u32 = 8;
+/// Sampling tokens per invoke, from the upstream's reported usage (spec §7.4).
+pub const SAMPLING_MAX_TOKENS_PER_INVOKE: u32 = 32_000;
+/// Messages in one sampling call (spec §8.1).
+pub const SAMPLING_MAX_MESSAGES: usize = 64;
+/// Storage reverse RPCs per invoke (spec §7.4, `storage_token.max_calls`).
+pub const STORAGE_MAX_CALLS_PER_INVOKE: u32 = 200;
+/// Upload: largest inline decoded payload (spec §8.7 `INLINE_MAX_BYTES`).
+pub const UPLOAD_INLINE_MAX_BYTES: usize = 8 * MIB;
+/// Upload: default largest single file (spec §7.4, `upload_token.max_file_bytes`).
+pub const UPLOAD_MAX_FILE_BYTES: usize = 20 * MIB;
+/// Upload: bytes per invoke (spec §7.4, `upload_token.max_total_bytes`).
+pub const UPLOAD_MAX_TOTAL_BYTES_PER_INVOKE: usize = 80 * MIB;
+/// Upload: files per invoke (spec §7.4, `upload_token.max_files`).
+pub const UPLOAD_MAX_FILES_PER_INVOKE: u32 = 16;
+/// Embeddings: inputs per request (spec §7.4, Nexus's authoritative cap).
+pub const EMBED_MAX_INPUTS: usize = 64;
+/// Embeddings: characters per input (spec §7.4, Nexus's authoritative cap).
+pub const EMBED_MAX_INPUT_CHARS: usize = 32_000;
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tokens (spec §11)
+// ---------------------------------------------------------------------------------------------------------------
+
+/// TTL of the per-invoke `sampling_token`, `storage_token` and `upload_token` (spec §11).
+pub const INVOKE_TOKEN_TTL: Duration = Duration::from_secs(600);
+/// Upper bound of a long job's token TTL: `min(job_timeout + 5 min, 1 h)` (spec §11 HR-JW-02).
+pub const LONG_JOB_TOKEN_TTL_CAP: Duration = Duration::from_secs(3600);
+/// Slack added to a long job's timeout for its token TTL (spec §11 HR-JW-02).
+pub const LONG_JOB_TOKEN_TTL_SLACK: Duration = Duration::from_secs(300);
