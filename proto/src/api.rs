@@ -257,10 +257,14 @@ impl<'de, T: Deserialize<'de>> Deserialize<'de> for ApiResponse<T> {
         #[serde(bound = "T: Deserialize<'de>")]
         struct Wire<T> {
             ok: bool,
-            #[serde(default = "Option::default")]
+            // `deserialize_with` keeps `"result": null` as `Some(null)` rather than "absent".
+            #[serde(default = "Option::default", deserialize_with = "present")]
             result: Option<T>,
             #[serde(default)]
             error: Option<ApiError>,
+        }
+        fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<T>, D::Error> {
+            T::deserialize(d).map(Some)
         }
         let w = Wire::<T>::deserialize(deserializer)?;
         match (w.ok, w.result, w.error) {

@@ -14,7 +14,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use super::capabilities::is_known_host_capability;
-use crate::limits::DEFAULT_INVOKE_TIMEOUT;
+use crate::limits::{DEFAULT_INVOKE_TIMEOUT, JOB_DEADLINE_MAX_MS};
+
+/// The largest per-tool `timeout` a manifest may declare: the longest job deadline, 24 h (spec §10.4).
+pub const MAX_TOOL_TIMEOUT_SECS: f64 = (JOB_DEADLINE_MAX_MS / 1000) as f64;
 
 /// A parameter's type (spec §3.4: `string`, `integer`, `number`, `boolean`, `array`, `object`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -74,6 +77,15 @@ impl ParamType {
 
 fn yes() -> bool {
     true
+}
+
+/// `null` reads as the type's default, like an absent member (the validator treats both alike).
+fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
 /// One tool parameter.
@@ -141,10 +153,10 @@ pub struct ToolDefinition {
     /// Unique within the plugin.
     pub name: String,
     /// Shown to the LLM.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub description: String,
     /// Arguments; empty = none.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub parameters: Vec<Parameter>,
     /// Per-tool invoke timeout in seconds (default 60).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -233,10 +245,10 @@ pub struct Manifest {
     /// At least one.
     pub tools: Vec<ToolDefinition>,
     /// Declared credentials.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub credentials: Vec<CredentialDefinition>,
     /// Host capabilities the plugin uses (only known strings are kept).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub host_capabilities: Vec<String>,
     /// Free-form runtime hints.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -386,10 +398,13 @@ impl Checker {
                 format!("must be a string, found {}", type_name(v)),
             ),
         }
-        if let Some(t) = obj.get("timeout") {
+        if let Some(t) = obj.get("timeout").filter(|t| !t.is_null()) {
             match t.as_f64() {
-                Some(secs) if secs > 0.0 && secs.is_finite() => {}
-                Some(_) => self.error(format!("{path}.timeout"), "must be a positive number of seconds"),
+                Some(secs) if secs > 0.0 && secs <= MAX_TOOL_TIMEOUT_SECS => {}
+                Some(_) => self.error(
+                    format!("{path}.timeout"),
+                    format!("must be a positive number of seconds, at most {MAX_TOOL_TIMEOUT_SECS}"),
+                ),
                 None => self.error(
                     format!("{path}.timeout"),
                     format!("must be a number, found {}", type_name(t)),

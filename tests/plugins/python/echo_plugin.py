@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""Python fixture Executa plugin of the Cloud Agents tests (stdlib only, Python 3.11+).
+
+Speaks line-delimited JSON-RPC 2.0 over stdio, protocol v2: ``initialize``, ``describe``, ``health``,
+``shutdown`` and ``invoke`` of the tools ``echo``, ``sleep {ms}``, ``progress {count}``, ``fail {message}`` and
+``big_result {bytes}``. Each invoke runs on its own thread; every stdout line is written and flushed under one
+lock. Exits 0 on stdin EOF. ``--noop`` exits at once (cold-start baseline).
+
+Run: ``python3 echo_plugin.py [--noop]``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+PARSE_ERROR = -32700
+INVALID_REQUEST = -32600
+METHOD_NOT_FOUND = -32601
+INVALID_PARAMS = -32602
+INTERNAL_ERROR = -32603
+
+_out_lock = threading.Lock()
+
+
+def _send(msg: dict) -> None:
+    line = json.dumps(msg, separators=(",", ":")) + "\n"
+    with _out_lock:
+        try:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+        except (BrokenPipeError, ValueError, OSError) as e:
+            print(f"echo_plugin.py: stdout write failed: {e}", file=sys.stderr, flush=True)
+
+
+def _result(req_id, result) -> None:
+    _send({"jsonrpc": "2.0", "id": req_id, "result": result})
+
+
+def _error(req_id, code: int, message: str, data=None) -> None:
+    err = {"code": code, "message": message}
+    if data is not None:
+        err["data"] = data
+    _send({"jsonrpc": "2.0", "id": req_id, "error": err})
+
+
+def _param(name, ty, description, required, default=None):
+    p = {"name": name, "type": ty, "description": description, "required": required}
+    if default is not None:
+        p["default"] = default
+    return p
+
+
+MANIFEST = {
+    "name": "echo-py",
+    "display_name": "Echo fixture (Python)",
+    "version": "0.1.0",
+    "description": "Python fixture Executa plugin of the Cloud Agents tests.",
+    "host_capabilities": [],
+    "tools": [
+        {
+            "name": "echo",
+            "description": "Returns its arguments verbatim as data.arguments.",
+            "parameters": [_param("message", "string", "Free text.", False)],
+        },
+        {
+            "name": "sleep",
+            "description": "Sleeps then returns slept_ms.",
+            "parameters": [_param("ms", "integer", "Milliseconds to sleep.", True)],
+        },
+        {
+            "name": "progress",
+            "description": "Emits `count` executa/progress notifications, then returns emitted.",
+            "parameters": [_param("count", "integer", "Number of notifications.", True)],
+        },
+        {
+            "name": "fail",
+            "description": "Returns success:false with the message.",
+            "parameters": [_param("message", "string", "The error.", False, "fixture failure")],
+        },
+        {
+            "name": "big_result",
+            "description": "Returns a blob of `bytes` x's.",
+            "parameters": [_param("bytes", "integer", "Length of data.blob.", True)],
+        },
+    ],
+    "credentials": [{"name": "ECHO_API_KEY", "required": False, "sensitive": True}],
+}
+
+
+class BadArgs(Exception):
+    """Arguments that do not fit the tool: JSON-RPC -32602."""
+
+
+def _int_arg(args: dict, name: str, default=None) -> int:
+    v = args.get(name, default)
+    if v is None:
+        raise BadArgs(f"missing required argument {name}")
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise BadArgs(f"{name} must be a non-negative integer")
+    return v
+
+
+def _run_tool(tool: str, args: dict, context: dict):
+    """Returns ("ok", data) or ("fail", message); raises BadArgs / LookupError."""
+    if tool == "echo":
+        return "ok", {"arguments": args}
+    if tool == "sleep":
+        ms = _int_arg(args, "ms")
+        time.sleep(ms / 1000.0)
+        return "ok", {"slept_ms": ms}
+    if tool == "progress":
+        count = _int_arg(args, "count")
+        ctx = {}
+        if isinstance(context, dict) and "invoke_id" in context:
+            ctx["invoke_id"] = context["invoke_id"]
+        for i in range(count):
+            _send(
+                {
+                    "jsonrpc": "2.0",
+                    "method": "executa/progress",
+                    "params": {"type": "progress", "data": {"i": i}, "context": ctx},
+                }
+            )
+        return "ok", {"emitted": count}
+    if tool == "fail":
+        message = args.get("message", "fixture failure")
+        if not isinstance(message, str):
+            raise BadArgs("message must be a string")
+        return "fail", message
+    if tool == "big_result":
+        n = _int_arg(args, "bytes")
+        return "ok", {"blob": "x" * n}
+    raise LookupError(tool)
+
+
+def _invoke(req_id, params) -> None:
+    started = time.monotonic()
+    if not isinstance(params, dict) or not isinstance(params.get("tool"), str):
+        _error(req_id, INVALID_PARAMS, "params.tool must be a string")
+        return
+    args = params.get("arguments") or {}
+    context = params.get("context") or {}
+    if not isinstance(args, dict):
+        _error(req_id, INVALID_PARAMS, "params.arguments must be an object")
+        return
+    tool = params["tool"]
+    try:
+        kind, value = _run_tool(tool, args, context)
+    except BadArgs as e:
+        _error(req_id, INVALID_PARAMS, str(e))
+        return
+    except LookupError:
+        _error(req_id, METHOD_NOT_FOUND, f"unknown tool: {tool}")
+        return
+    except Exception as e:  # noqa: BLE001 - a fixture never dies on a tool bug
+        _error(req_id, INTERNAL_ERROR, f"tool {tool} raised: {e!r}")
+        return
+    if kind == "fail":
+        _result(req_id, {"success": False, "error": value})
+    else:
+        duration_ms = int((time.monotonic() - started) * 1000)
+        _result(req_id, {"success": True, "data": value, "duration_ms": duration_ms})
+
+
+def _handle(line: bytes) -> None:
+    line = line.strip()
+    if not line:
+        return
+    try:
+        msg = json.loads(line)
+    except ValueError as e:  # includes UnicodeDecodeError
+        _error(None, PARSE_ERROR, f"parse error: {e}")
+        return
+    if not isinstance(msg, dict):
+        _error(None, INVALID_REQUEST, "a message must be a JSON object")
+        return
+    method = msg.get("method")
+    req_id = msg.get("id")
+    if method is None:
+        # A response to a reverse RPC: this fixture sends none, so drop it.
+        print(f"echo_plugin.py: unexpected response {req_id!r} dropped", file=sys.stderr, flush=True)
+        return
+    if not isinstance(method, str) or msg.get("jsonrpc") != "2.0":
+        if "id" in msg:
+            _error(req_id, INVALID_REQUEST, "invalid request")
+        return
+    if "id" not in msg:
+        return  # notification
+    params = msg.get("params")
+    if method == "initialize":
+        _result(
+            req_id,
+            {
+                "protocolVersion": "2.0",
+                "serverInfo": {"name": "fleet-echo-plugin-py", "version": "0.1.0"},
+                "capabilities": {},
+                "client_capabilities": {},
+            },
+        )
+    elif method == "describe":
+        _result(req_id, MANIFEST)
+    elif method == "health":
+        _result(req_id, {"status": "ready"})
+    elif method == "shutdown":
+        _result(req_id, {"ok": True})
+    elif method == "invoke":
+        threading.Thread(target=_invoke, args=(req_id, params), daemon=True).start()
+    else:
+        _error(req_id, METHOD_NOT_FOUND, f"method not found: {method}")
+
+
+def main(argv: list[str]) -> int:
+    if "--noop" in argv:
+        return 0
+    stdin = sys.stdin.buffer
+    while True:
+        line = stdin.readline()
+        if not line:
+            return 0
+        _handle(line)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
