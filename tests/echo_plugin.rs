@@ -48,6 +48,9 @@ const RUST_TOOLS: &[&str] = &[
     "fork",
     "spin",
     "reverse_rpc",
+    "write_file",
+    "read_file",
+    "exit_after",
 ];
 
 async fn guard<T>(what: &str, fut: impl Future<Output = T>) -> T {
@@ -346,6 +349,37 @@ async fn v2_handshake_and_describe_camel() {
         .find(|t| t["name"] == "timed_sleep")
         .unwrap();
     assert_eq!(timed["timeout"], 1);
+    let params = |tool: &str| -> Vec<(String, String, bool)> {
+        let t = m["tools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["name"] == tool)
+            .unwrap();
+        t["parameters"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| {
+                let s = |k: &str| p[k].as_str().unwrap().to_owned();
+                (s("name"), s("type"), p["required"].as_bool().unwrap())
+            })
+            .collect()
+    };
+    let owned = |v: &[(&str, &str, bool)]| -> Vec<(String, String, bool)> {
+        v.iter()
+            .map(|(n, t, r)| ((*n).to_owned(), (*t).to_owned(), *r))
+            .collect()
+    };
+    assert_eq!(
+        params("write_file"),
+        owned(&[("path", "string", true), ("content", "string", true)])
+    );
+    assert_eq!(params("read_file"), owned(&[("path", "string", true)]));
+    assert_eq!(
+        params("exit_after"),
+        owned(&[("ms", "integer", true), ("code", "integer", false)])
+    );
 
     assert_eq!(
         p.call("health", Value::Null).await["result"],
@@ -612,6 +646,150 @@ async fn echo_and_inspect() {
         "{d}"
     );
     assert_eq!(d["cwd"], std::env::current_dir().unwrap().to_str().unwrap());
+    // The plugin inherits our credentials.
+    assert_eq!(d["gid"], json!(own_status_fields("Gid")[0]), "{d}");
+    assert_eq!(d["groups"], json!(own_status_fields("Groups")), "{d}");
+    // No handshake on this process.
+    assert_eq!(
+        (&d["initialize_calls"], &d["describe_calls"]),
+        (&json!(0), &json!(0))
+    );
+}
+
+/// The numbers after `<key>:` in our own `/proc/self/status`.
+fn own_status_fields(key: &str) -> Vec<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let prefix = format!("{key}:");
+    let line = status
+        .lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .unwrap();
+    line.split_whitespace().map(|f| f.parse().unwrap()).collect()
+}
+
+#[tokio::test]
+async fn inspect_counts_handshake_requests() {
+    let mut p = Plugin::start(&[]);
+    p.initialize().await;
+    p.call("describe", Value::Null).await;
+    let counters = |d: &Value| (d["initialize_calls"].clone(), d["describe_calls"].clone());
+    let d = p.invoke_ok("inspect", json!({})).await;
+    assert_eq!(counters(&d), (json!(1), json!(1)), "{d}");
+    p.invoke_ok("echo", json!({})).await;
+    let d = p.invoke_ok("inspect", json!({})).await;
+    assert_eq!(counters(&d), (json!(1), json!(1)), "invokes are not counted: {d}");
+    // A second handshake is counted, even one that is not answered normally.
+    let mut p = Plugin::start(&["--initialize", "error"]);
+    p.initialize().await;
+    p.initialize().await;
+    p.call("describe", Value::Null).await;
+    let d = p.invoke_ok("inspect", json!({})).await;
+    assert_eq!(counters(&d), (json!(2), json!(1)), "{d}");
+}
+
+#[tokio::test]
+async fn write_file_and_read_file() {
+    let dir = std::env::temp_dir().join(format!("fleet-e2e-files-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut cmd = Plugin::command(&[]);
+    cmd.current_dir(&dir);
+    let mut p = Plugin::spawn(cmd);
+
+    // Absolute path, written then read back (multi-byte UTF-8: `written` counts bytes).
+    let abs = dir.join("abs.txt");
+    let content = "héllo\nworld";
+    let d = p
+        .invoke_ok(
+            "write_file",
+            json!({ "path": abs.to_str().unwrap(), "content": content }),
+        )
+        .await;
+    assert_eq!(d, json!({ "written": content.len() }));
+    assert_eq!(std::fs::read_to_string(&abs).unwrap(), content);
+    let d = p
+        .invoke_ok("read_file", json!({ "path": abs.to_str().unwrap() }))
+        .await;
+    assert_eq!(d, json!({ "content": content }));
+
+    // A relative path is relative to the plugin's cwd; overwriting truncates.
+    let d = p
+        .invoke_ok("write_file", json!({ "path": "rel.txt", "content": "xyz" }))
+        .await;
+    assert_eq!(d["written"], 3);
+    assert_eq!(std::fs::read_to_string(dir.join("rel.txt")).unwrap(), "xyz");
+    p.invoke_ok("write_file", json!({ "path": "rel.txt", "content": "" }))
+        .await;
+    assert_eq!(
+        p.invoke_ok("read_file", json!({ "path": "rel.txt" })).await["content"],
+        ""
+    );
+
+    // Invalid UTF-8 is read lossily.
+    std::fs::write(dir.join("bin"), b"a\xffb").unwrap();
+    assert_eq!(
+        p.invoke_ok("read_file", json!({ "path": "bin" })).await["content"],
+        "a\u{fffd}b"
+    );
+
+    // I/O errors are tool failures carrying the OS error text, never JSON-RPC errors.
+    let fails = |r: &Value, text: &str| {
+        assert!(r.get("error").is_none(), "{r}");
+        assert_eq!(r["result"]["success"], false, "{r}");
+        let error = r["result"]["error"].as_str().unwrap();
+        assert!(error.contains(text), "{text:?} not in {r}");
+    };
+    let r = p.invoke("read_file", json!({ "path": "no-such-file" })).await;
+    fails(&r, "No such file");
+    let r = p
+        .invoke("write_file", json!({ "path": "no-such-dir/f", "content": "x" }))
+        .await;
+    fails(&r, "No such file");
+    let r = p
+        .invoke("write_file", json!({ "path": ".", "content": "x" }))
+        .await;
+    fails(&r, "Is a directory");
+    let r = p.invoke("read_file", json!({ "path": "." })).await;
+    fails(&r, "Is a directory");
+    // Missing or mistyped arguments are still -32602.
+    assert_eq!(
+        p.invoke("write_file", json!({ "path": "f" })).await["error"]["code"],
+        -32602
+    );
+    assert_eq!(
+        p.invoke("read_file", json!({ "path": 1 })).await["error"]["code"],
+        -32602
+    );
+
+    p.invoke_ok("echo", json!({})).await;
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[tokio::test]
+async fn exit_after_exits_with_the_code() {
+    let mut p = Plugin::start(&[]);
+    p.initialize().await;
+    assert_eq!(
+        p.invoke_ok("exit_after", json!({ "ms": 50, "code": 7 })).await,
+        json!({ "scheduled": true })
+    );
+    // The plugin exits on its own, idle with stdin still open.
+    assert!(p.stdin.is_some());
+    assert_eq!(p.wait().await.code(), Some(7));
+    assert_eq!(p.read_raw_line().await, None);
+
+    // Default code 0; ms 0 still answers first.
+    let mut p = Plugin::start(&[]);
+    assert_eq!(
+        p.invoke_ok("exit_after", json!({ "ms": 0 })).await,
+        json!({ "scheduled": true })
+    );
+    assert_eq!(p.wait().await.code(), Some(0));
+
+    let mut p = Plugin::start(&[]);
+    assert_eq!(p.invoke("exit_after", json!({})).await["error"]["code"], -32602);
+    let r = p.invoke("exit_after", json!({ "ms": 0, "code": i64::MAX })).await;
+    assert_eq!(r["error"]["code"], -32602);
+    p.invoke_ok("echo", json!({})).await;
 }
 
 #[tokio::test]

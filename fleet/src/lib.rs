@@ -2,8 +2,9 @@
 //!
 //! It will own authentication (JWT), admission (rate limits, the 5-active-jobs quota), the job records and their
 //! state machine in JetStream KV, dispatch to workers, expiry, the HTTP gateway, host services that need shared
-//! state, and telemetry. Today it owns [`probe`]: drive one plugin through the Executa handshake with the real
-//! codec, which is what `fleet probe` runs.
+//! state, and telemetry. Today it owns [`probe`] (`fleet probe`: drive one plugin through the Executa handshake with
+//! the real codec) and [`worker_cmd`] (`fleet worker`: the plugin host on its own).
 #![forbid(unsafe_code)]
 
 pub mod probe;
+pub mod worker_cmd;

@@ -1,6 +1,7 @@
 //! The `fleet` binary: the Cloud Agents service and its operator commands.
 //!
-//! Today: `fleet probe -- CMD ARGS…` runs one plugin through the Executa handshake with the production codec.
+//! Today: `fleet probe -- CMD ARGS…` runs one plugin through the Executa handshake with the production codec;
+//! `fleet worker` runs the plugin host on its own.
 //! `fleet up` (all roles plus a child nats-server) arrives with the fleet issue.
 #![forbid(unsafe_code)]
 
@@ -38,11 +39,14 @@ enum Cmd {
         #[arg(last = true, required = true)]
         command: Vec<String>,
     },
+    /// Run the plugin host: load the catalogue, sweep stale cgroups, prewarm, serve until SIGTERM.
+    Worker(fleet::worker_cmd::WorkerArgs),
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    init_logs();
     match cli.command {
         Cmd::Probe {
             tool,
@@ -73,7 +77,25 @@ async fn main() -> ExitCode {
                 }
             }
         }
+        Cmd::Worker(args) => match fleet::worker_cmd::run(&args).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln_error(&e.to_string());
+                ExitCode::FAILURE
+            }
+        },
     }
+}
+
+/// JSON logs on stderr; the filter comes from `FLEET_LOG` (tracing `EnvFilter` syntax), default `info`.
+fn init_logs() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("FLEET_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .json()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 #[allow(clippy::print_stderr)] // The CLI's error channel.

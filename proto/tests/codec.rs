@@ -686,3 +686,21 @@ async fn async_reader_handles_limit_and_resync() {
     ));
     assert_eq!(out[1].as_ref().unwrap().result_json(), Some("2"));
 }
+
+#[tokio::test]
+async fn close_ends_the_stream_after_queued_frames_even_with_live_handles() {
+    let (a, b) = tokio::io::duplex(1 << 16);
+    let (writer, task) = FrameWriter::spawn(a);
+    let other = writer.clone();
+    writer
+        .send(&json!({"jsonrpc": "2.0", "id": 1, "result": 1}))
+        .await
+        .unwrap();
+    writer.close().await;
+    task.await.unwrap().unwrap();
+    assert!(matches!(other.send(&json!({})).await, Err(WriteError::Closed)));
+    let frames = read_all(FrameReader::new(b)).await;
+    assert_eq!(frames.len(), 1, "the queued frame, then EOF");
+    assert_eq!(frames[0].as_ref().unwrap().id(), Some(&Id::number(1)));
+    other.close().await; // closing twice is harmless
+}

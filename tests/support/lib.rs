@@ -114,3 +114,185 @@ fn is_stale(bin: &Path) -> bool {
 pub fn python_plugin_path() -> PathBuf {
     workspace_root().join("tests/plugins/python/echo_plugin.py")
 }
+
+/// A worker over a temporary catalogue of echo-plugin installs, for the worker tests.
+pub mod worker {
+    use std::os::unix::fs::PermissionsExt as _;
+    use std::path::{Path, PathBuf};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use fleet_worker::catalogue::{Catalogue, LoadOptions};
+    use fleet_worker::config::{IsolationMode, WorkerConfig};
+    use fleet_worker::metrics::WorkerMetrics;
+    use fleet_worker::pool::Pool;
+    use fleet_worker::sandbox::Sandbox;
+    use fleet_worker::services::{HostServices, NoServices, NoTokens, TokenSource};
+    use fleet_worker::session::WorkerContext;
+    use serde_json::json;
+
+    use super::echo_plugin_bin;
+
+    /// One echo-plugin install: its tool id and the plugin's extra flags.
+    #[derive(Debug, Clone)]
+    pub struct Plugin {
+        /// The install's `tool_id`.
+        pub tool_id: String,
+        /// Flags after the binary.
+        pub flags: Vec<String>,
+        /// The raw `limits` extension, if any.
+        pub limits: Option<serde_json::Value>,
+        /// Whether its first describe already happened (no 60 s first-launch describe timeout).
+        pub described: bool,
+    }
+
+    impl Plugin {
+        /// An install of the echo plugin with these flags.
+        pub fn echo(tool_id: &str, flags: &[&str]) -> Plugin {
+            Plugin {
+                tool_id: tool_id.into(),
+                flags: flags.iter().map(|s| s.to_string()).collect(),
+                limits: None,
+                described: true,
+            }
+        }
+
+        /// With cgroup limit overrides.
+        pub fn limits(mut self, limits: serde_json::Value) -> Plugin {
+            self.limits = Some(limits);
+            self
+        }
+
+        /// As a never-described install (first launch: 60 s describe).
+        pub fn first_launch(mut self) -> Plugin {
+            self.described = false;
+            self
+        }
+    }
+
+    /// A running worker over a temporary catalogue and state directory.
+    pub struct TestWorker {
+        /// The pool.
+        pub pool: Pool,
+        /// The counters.
+        pub metrics: Arc<WorkerMetrics>,
+        /// The config in force.
+        pub config: Arc<WorkerConfig>,
+        /// The sandbox.
+        pub sandbox: Sandbox,
+        /// Keeps the directories alive.
+        pub root: tempfile::TempDir,
+    }
+
+    impl std::fmt::Debug for TestWorker {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("TestWorker")
+                .field("root", &self.root.path())
+                .finish()
+        }
+    }
+
+    /// A config for tests: a unique worker id, fast restart/shutdown knobs (each test that checks a schedule
+    /// sets its own), cgroup isolation.
+    pub fn test_config(name: &str) -> WorkerConfig {
+        WorkerConfig {
+            worker_id: format!("t-{name}-{}", std::process::id()),
+            isolation: IsolationMode::Cgroup,
+            restart_backoff: Duration::from_millis(50),
+            shutdown_grace: Duration::from_secs(2),
+            ..WorkerConfig::default()
+        }
+    }
+
+    /// Writes the catalogue for `plugins` under `root/catalogue`.
+    pub fn write_catalogue(root: &Path, plugins: &[Plugin]) -> PathBuf {
+        let dir = root.join("catalogue");
+        std::fs::create_dir_all(&dir).expect("catalogue dir");
+        for p in plugins {
+            let d = dir.join(&p.tool_id);
+            std::fs::create_dir_all(&d).expect("install dir");
+            let mut command = vec![echo_plugin_bin().display().to_string()];
+            command.extend(p.flags.iter().cloned());
+            let mut entry = json!({ "tool_id": p.tool_id, "type": "binary", "command": command });
+            if let Some(l) = &p.limits {
+                entry["limits"] = l.clone();
+            }
+            std::fs::write(
+                d.join("executa.json"),
+                serde_json::to_vec_pretty(&entry).expect("json"),
+            )
+            .expect("executa.json");
+            if p.described {
+                std::fs::write(d.join(".fleet-described"), b"").expect("marker");
+            }
+            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        }
+        std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o755)).expect("chmod root");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod catalogue");
+        dir
+    }
+
+    impl TestWorker {
+        /// A worker with `config` (catalogue and state dirs filled in) and no host services.
+        pub fn start(config: WorkerConfig, plugins: &[Plugin]) -> TestWorker {
+            Self::with_services(config, plugins, Arc::new(NoServices), Arc::new(NoTokens))
+        }
+
+        /// A worker with the given services and token source.
+        pub fn with_services(
+            mut config: WorkerConfig,
+            plugins: &[Plugin],
+            services: Arc<dyn HostServices>,
+            tokens: Arc<dyn TokenSource>,
+        ) -> TestWorker {
+            let root = tempfile::tempdir().expect("tempdir");
+            config.catalogue_dir = write_catalogue(root.path(), plugins);
+            config.state_dir = root.path().join("state");
+            let (catalogue, problems) =
+                Catalogue::load(&config.catalogue_dir, &LoadOptions::from_env()).expect("catalogue loads");
+            assert!(problems.is_empty(), "catalogue problems: {problems:?}");
+            let sandbox = Sandbox::new(&config).expect("sandbox (cgroups as root)");
+            let metrics = Arc::new(WorkerMetrics::default());
+            let config = Arc::new(config);
+            let ctx = WorkerContext {
+                config: config.clone(),
+                sandbox: sandbox.clone(),
+                services,
+                tokens,
+                metrics: metrics.clone(),
+            };
+            TestWorker {
+                pool: Pool::new(ctx, Arc::new(catalogue)),
+                metrics,
+                config,
+                sandbox,
+                root,
+            }
+        }
+    }
+
+    /// Whether a process exists (and is not a zombie).
+    pub fn alive(pid: u32) -> bool {
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Ok(stat) => stat
+                .rsplit_once(')')
+                .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')),
+            Err(_) => false,
+        }
+    }
+
+    /// Polls `cond` until it holds or `limit` passes (a failure guard, not a synchronisation by time: it returns
+    /// as soon as the observable holds).
+    pub async fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+        let deadline = Instant::now() + limit;
+        loop {
+            if cond() {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}

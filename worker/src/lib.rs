@@ -1,9 +1,20 @@
 //! The Cloud Agents worker: it owns untrusted plugin processes on behalf of many users.
 //!
-//! It will own the plugin catalogue, one long-lived session per (user, tool_id) — spawned into its own cgroup
-//! with a scrubbed environment, private workspace and TMPDIR —, the JSON-RPC multiplexer over the plugin's stdio
-//! (built on `fleet_proto::codec`), reverse-RPC routing, progress forwarding, cancellation and the warm pool.
-//! Until the worker issue lands this crate only re-exports the protocol it will speak.
-#![forbid(unsafe_code)]
+//! - [`config`]: every knob, with production defaults.
+//! - [`catalogue`]: the directory of plugin installs (`executa.json`), per-type launch commands.
+//! - [`sandbox`]: one cgroup per session (v1 or v2), spawning into it before the plugin's first instruction,
+//!   process-tree kill, OOM detection, per-user uids and directories, and the sweep of stale cgroups.
+//! - [`session`]: one long-lived plugin process per (user, tool_id): the Executa lifecycle, the JSON-RPC
+//!   multiplexer, reverse-RPC routing, progress, cancellation, restarts.
+//! - [`pool`]: the warm pool of sessions with caps, LRU and idle eviction.
+#![deny(unsafe_code)]
+
+pub mod catalogue;
+pub mod config;
+pub mod metrics;
+pub mod pool;
+pub mod sandbox;
+pub mod services;
+pub mod session;
 
 pub use fleet_proto as proto;

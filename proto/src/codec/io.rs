@@ -113,10 +113,17 @@ pub enum WriteError {
     NotOneLine,
 }
 
+/// What the writer task is asked to do.
+#[derive(Debug)]
+enum Command {
+    Frame(Bytes),
+    Close,
+}
+
 /// A cloneable handle that sends frames to the single writer task.
 #[derive(Debug, Clone)]
 pub struct FrameWriter {
-    tx: mpsc::Sender<Bytes>,
+    tx: mpsc::Sender<Command>,
     max_frame_bytes: usize,
 }
 
@@ -146,7 +153,17 @@ impl FrameWriter {
     /// Encodes and sends one message. Returns once the frame is queued (the task writes and flushes it).
     pub async fn send<T: Serialize + ?Sized>(&self, message: &T) -> Result<(), WriteError> {
         let frame = encode_frame(message, self.max_frame_bytes)?;
-        self.tx.send(frame).await.map_err(|_| WriteError::Closed)
+        self.tx
+            .send(Command::Frame(frame))
+            .await
+            .map_err(|_| WriteError::Closed)
+    }
+
+    /// Closes the stream after the frames already queued: the task writes them, then shuts the writer down
+    /// (for a child's stdin: the plugin sees EOF), even while other handles are still alive. Later sends fail
+    /// with [`WriteError::Closed`]. Closing twice is harmless.
+    pub async fn close(&self) {
+        let _ = self.tx.send(Command::Close).await;
     }
 
     /// Sends an already-encoded frame: exactly one line, ending in LF, within the limit.
@@ -162,7 +179,10 @@ impl FrameWriter {
             }
             .into());
         }
-        self.tx.send(frame).await.map_err(|_| WriteError::Closed)
+        self.tx
+            .send(Command::Frame(frame))
+            .await
+            .map_err(|_| WriteError::Closed)
     }
 
     /// Whether the writer task has stopped.
@@ -171,14 +191,22 @@ impl FrameWriter {
     }
 }
 
-async fn write_loop<W: AsyncWrite + Unpin>(mut writer: W, mut rx: mpsc::Receiver<Bytes>) -> io::Result<()> {
-    while let Some(frame) = rx.recv().await {
+async fn write_loop<W: AsyncWrite + Unpin>(mut writer: W, mut rx: mpsc::Receiver<Command>) -> io::Result<()> {
+    'outer: while let Some(command) = rx.recv().await {
+        let Command::Frame(frame) = command else { break };
         writer.write_all(&frame).await?;
         // Write whatever else is already queued, then flush once: every frame is flushed before the task waits.
-        while let Ok(frame) = rx.try_recv() {
-            writer.write_all(&frame).await?;
+        while let Ok(command) = rx.try_recv() {
+            match command {
+                Command::Frame(frame) => writer.write_all(&frame).await?,
+                Command::Close => {
+                    writer.flush().await?;
+                    break 'outer;
+                }
+            }
         }
         writer.flush().await?;
     }
+    rx.close();
     writer.shutdown().await
 }

@@ -65,6 +65,10 @@ pub(crate) struct Shared {
     pending: Mutex<Option<HashMap<String, mpsc::Sender<Value>>>>,
     next_rpc: AtomicU64,
     next_file: AtomicU64,
+    /// How many `initialize` requests this process has received (answered or not).
+    pub(crate) initialize_calls: AtomicU64,
+    /// How many `describe` requests this process has received.
+    pub(crate) describe_calls: AtomicU64,
     /// Keep running after stdin EOF.
     ignore_eof: AtomicBool,
     /// Requests being served on their own threads (invoke, describe); stdin EOF waits for them.
@@ -85,6 +89,8 @@ impl Shared {
             pending: Mutex::new(Some(HashMap::new())),
             next_rpc: AtomicU64::new(0),
             next_file: AtomicU64::new(0),
+            initialize_calls: AtomicU64::new(0),
+            describe_calls: AtomicU64::new(0),
             sigterm: OnceLock::new(),
         }
     }
@@ -366,8 +372,12 @@ fn handle_line(shared: &Arc<Shared>, line: &[u8]) {
 
 fn dispatch(shared: &Arc<Shared>, id: &Value, method: &str, params: Value) {
     match method {
-        "initialize" => initialize(shared, id),
+        "initialize" => {
+            shared.initialize_calls.fetch_add(1, Ordering::SeqCst);
+            initialize(shared, id);
+        }
         "describe" => {
+            shared.describe_calls.fetch_add(1, Ordering::SeqCst);
             let s = Arc::clone(shared);
             let id2 = id.clone();
             let guard = shared.begin_request();

@@ -25,6 +25,9 @@ pub(crate) const TOOL_NAMES: &[&str] = &[
     "fork",
     "spin",
     "reverse_rpc",
+    "write_file",
+    "read_file",
+    "exit_after",
 ];
 
 fn p(name: &str, ty: &str, description: &str, required: bool, default: Option<Value>) -> Value {
@@ -60,7 +63,8 @@ pub(crate) fn manifest(cfg: &Config) -> Value {
         ),
         tool(
             "inspect",
-            "Returns pid, ppid, pgid, sid, uid, cwd, env and the invoke context.",
+            "Returns pid, ppid, pgid, sid, uid, gid, groups, cwd, env, the invoke context, and how many \
+             initialize / describe requests the process has received (initialize_calls, describe_calls).",
             &[],
         ),
         tool(
@@ -295,6 +299,40 @@ pub(crate) fn manifest(cfg: &Config) -> Value {
                     false,
                     Some(json!(10000)),
                 ),
+            ],
+        ),
+        tool(
+            "write_file",
+            "Writes `content` to `path`; returns written (bytes). An I/O error gives success:false with the OS \
+             error text.",
+            &[
+                p(
+                    "path",
+                    "string",
+                    "Absolute, or relative to the plugin's cwd.",
+                    true,
+                    None,
+                ),
+                p("content", "string", "The text to write.", true, None),
+            ],
+        ),
+        tool(
+            "read_file",
+            "Returns content (lossy UTF-8) of `path`. An I/O error gives success:false with the OS error text.",
+            &[p(
+                "path",
+                "string",
+                "Absolute, or relative to the plugin's cwd.",
+                true,
+                None,
+            )],
+        ),
+        tool(
+            "exit_after",
+            "Answers scheduled:true at once, then exits the whole process with `code` after `ms` ms.",
+            &[
+                p("ms", "integer", "Delay before exiting.", true, None),
+                p("code", "integer", "Exit status.", false, Some(json!(0))),
             ],
         ),
     ];

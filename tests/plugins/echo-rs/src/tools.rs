@@ -4,6 +4,7 @@ use std::io::Write;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -20,6 +21,8 @@ enum Outcome {
     Fail(String),
     /// `{"success":true,"data":..}` delivered through `__file_transport`.
     ViaFile { data: Value, path: Option<String> },
+    /// `{"success":true,"data":..}`, then, once it is written, exit the process with `code` after `ms` ms.
+    ThenExit { data: Value, ms: u64, code: i32 },
 }
 
 /// A JSON-RPC error response instead of a result.
@@ -126,6 +129,7 @@ fn success(data: &Value, started: Instant) -> Value {
 /// Serves one `invoke` request and writes its response (unless the tool exits the process).
 pub(crate) fn invoke(shared: &Arc<Shared>, id: &Value, params: Value) {
     let started = Instant::now();
+    let mut exit_later = None;
     let response = match parse_invoke(params) {
         Err(e) => error_response(id, e.code, &e.message, e.data),
         Ok((tool, args, context)) => {
@@ -136,6 +140,10 @@ pub(crate) fn invoke(shared: &Arc<Shared>, id: &Value, params: Value) {
                 Err(_) => error_response(id, code::INTERNAL_ERROR, &format!("tool {tool} panicked"), None),
                 Ok(Err(e)) => error_response(id, e.code, &e.message, e.data),
                 Ok(Ok(Outcome::Data(data))) => {
+                    json!({ "jsonrpc": "2.0", "id": id, "result": success(&data, started) })
+                }
+                Ok(Ok(Outcome::ThenExit { data, ms, code })) => {
+                    exit_later = Some((ms, code));
                     json!({ "jsonrpc": "2.0", "id": id, "result": success(&data, started) })
                 }
                 Ok(Ok(Outcome::Fail(error))) => {
@@ -152,6 +160,16 @@ pub(crate) fn invoke(shared: &Arc<Shared>, id: &Value, params: Value) {
         }
     };
     shared.send(&response);
+    if let Some((ms, code)) = exit_later {
+        let spawned = spawn_named("exit_after".to_owned(), move || {
+            thread::sleep(Duration::from_millis(ms));
+            std::process::exit(code);
+        });
+        if !spawned {
+            // No thread for the delay: exit now rather than never.
+            std::process::exit(code);
+        }
+    }
     if shared.cfg.exit_after_first_response {
         std::process::exit(0);
     }
@@ -193,7 +211,7 @@ fn write_response_file(shared: &Shared, full: &Value, path: Option<String>) -> R
 fn run_tool(shared: &Arc<Shared>, tool: &str, args: &Args<'_>, context: &Value) -> ToolResult {
     match tool {
         "echo" => Ok(Outcome::Data(json!({ "arguments": args.0 }))),
-        "inspect" => Ok(Outcome::Data(inspect(context))),
+        "inspect" => Ok(Outcome::Data(inspect(shared, context))),
         "sleep" | "timed_sleep" => {
             let ms = args.u64_req("ms")?;
             thread::sleep(Duration::from_millis(ms));
@@ -270,6 +288,30 @@ fn run_tool(shared: &Arc<Shared>, tool: &str, args: &Args<'_>, context: &Value) 
         "fork" => fork(args),
         "spin" => spin(args),
         "reverse_rpc" => reverse_rpc(shared, args, context),
+        "write_file" => {
+            let path = args.str_req("path")?;
+            let content = args.str_req("content")?;
+            Ok(match std::fs::write(path, content) {
+                Ok(()) => Outcome::Data(json!({ "written": content.len() })),
+                Err(e) => Outcome::Fail(e.to_string()),
+            })
+        }
+        "read_file" => {
+            let path = args.str_req("path")?;
+            Ok(match std::fs::read(path) {
+                Ok(bytes) => Outcome::Data(json!({ "content": String::from_utf8_lossy(&bytes) })),
+                Err(e) => Outcome::Fail(e.to_string()),
+            })
+        }
+        "exit_after" => {
+            let ms = args.u64_req("ms")?;
+            let code = i32::try_from(args.i64_or("code", 0)?).map_err(|_| bad_args("code out of range"))?;
+            Ok(Outcome::ThenExit {
+                data: json!({ "scheduled": true }),
+                ms,
+                code,
+            })
+        }
         other => Err(RpcErr {
             code: code::METHOD_NOT_FOUND,
             message: format!("unknown tool: {other}"),
@@ -285,13 +327,18 @@ fn proc_stat_field(n: usize) -> Option<i64> {
     rest.split_whitespace().nth(n - 3)?.parse().ok()
 }
 
-fn proc_uid() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("Uid:"))?;
-    line.split_whitespace().nth(1)?.parse().ok()
+/// The fields after `<key>:` on that line of `/proc/self/status`, None if the file or line is missing.
+fn proc_status_fields(status: Option<&str>, key: &str) -> Option<Vec<u64>> {
+    let line = status?
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))?;
+    line.split_whitespace().map(|f| f.parse().ok()).collect()
 }
 
-fn inspect(context: &Value) -> Value {
+fn inspect(shared: &Shared, context: &Value) -> Value {
+    let status = std::fs::read_to_string("/proc/self/status").ok();
+    let status = status.as_deref();
+    let first = |key: &str| proc_status_fields(status, key).and_then(|f| f.first().copied());
     let env: Map<String, Value> = std::env::vars_os()
         .map(|(k, v)| {
             (
@@ -308,7 +355,11 @@ fn inspect(context: &Value) -> Value {
         "ppid": proc_stat_field(4).unwrap_or_else(|| i64::from(std::os::unix::process::parent_id())),
         "pgid": proc_stat_field(5),
         "sid": proc_stat_field(6),
-        "uid": proc_uid(),
+        "uid": first("Uid"),
+        "gid": first("Gid"),
+        "groups": proc_status_fields(status, "Groups"),
+        "initialize_calls": shared.initialize_calls.load(Ordering::SeqCst),
+        "describe_calls": shared.describe_calls.load(Ordering::SeqCst),
         "cwd": cwd,
         "env": env,
         "context": context,

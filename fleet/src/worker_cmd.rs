@@ -1,0 +1,179 @@
+//! `fleet worker`: run the plugin host on its own (until the fleet issue gives it a NATS front).
+//!
+//! Loads the catalogue, builds the sandbox (refusing to start if cgroups are unusable, unless `--isolation none`),
+//! sweeps what a killed predecessor with the same worker id left, prewarms the requested sessions, prints one
+//! JSON line per event on stdout (`{"swept": …}`, `{"ready": […]}`, `{"stopped": …}`), and on SIGTERM or SIGINT
+//! shuts every session down with the full ladder and removes its cgroup subtree.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use fleet_worker::catalogue::{Catalogue, LoadOptions};
+use fleet_worker::config::{IsolationMode, WorkerConfig};
+use fleet_worker::metrics::WorkerMetrics;
+use fleet_worker::pool::Pool;
+use fleet_worker::sandbox::Sandbox;
+use fleet_worker::services::{NoServices, NoTokens};
+use fleet_worker::session::WorkerContext;
+use serde_json::json;
+
+/// Options of `fleet worker`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkerArgs {
+    /// TOML file with a `WorkerConfig` (every field optional); flags override it.
+    #[arg(long, env = "FLEET_WORKER_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Stable id of this worker on its node (names its cgroup subtree).
+    #[arg(long, env = "FLEET_WORKER_ID")]
+    pub worker_id: Option<String>,
+    /// Directory of plugin installs.
+    #[arg(long, env = "FLEET_CATALOGUE_DIR")]
+    pub catalogue: Option<PathBuf>,
+    /// Root of per-user state (workspaces, TMPDIRs, uid map).
+    #[arg(long, env = "FLEET_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// `cgroup` (default) or `none` (no isolation: development only).
+    #[arg(long, env = "FLEET_ISOLATION")]
+    pub isolation: Option<String>,
+    /// Sessions to start at once, as USER:TOOL_ID (repeatable).
+    #[arg(long = "prewarm")]
+    pub prewarm: Vec<String>,
+}
+
+/// Why `fleet worker` could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerCmdError {
+    /// The config file.
+    #[error("config {path}: {reason}")]
+    Config {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// A bad flag value.
+    #[error("{0}")]
+    Usage(String),
+    /// The catalogue directory.
+    #[error(transparent)]
+    Catalogue(#[from] fleet_worker::catalogue::CatalogueError),
+    /// The sandbox.
+    #[error(transparent)]
+    Sandbox(#[from] fleet_worker::sandbox::SandboxError),
+    /// A prewarm failed.
+    #[error("prewarm {target}: {reason}")]
+    Prewarm {
+        /// USER:TOOL_ID.
+        target: String,
+        /// Why.
+        reason: String,
+    },
+    /// Signal handling.
+    #[error("signals: {0}")]
+    Signals(std::io::Error),
+}
+
+/// Builds the config from the file and flags.
+pub fn config(args: &WorkerArgs) -> Result<WorkerConfig, WorkerCmdError> {
+    let mut config = match &args.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|e| WorkerCmdError::Config {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+            toml::from_str(&text).map_err(|e| WorkerCmdError::Config {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?
+        }
+        None => WorkerConfig::default(),
+    };
+    if let Some(v) = &args.worker_id {
+        config.worker_id.clone_from(v);
+    }
+    if let Some(v) = &args.catalogue {
+        config.catalogue_dir.clone_from(v);
+    }
+    if let Some(v) = &args.state_dir {
+        config.state_dir.clone_from(v);
+    }
+    match args.isolation.as_deref() {
+        None => {}
+        Some("cgroup") => config.isolation = IsolationMode::Cgroup,
+        Some("none") => config.isolation = IsolationMode::None,
+        Some(other) => {
+            return Err(WorkerCmdError::Usage(format!(
+                "--isolation must be cgroup or none, not {other:?}"
+            )));
+        }
+    }
+    Ok(config)
+}
+
+fn emit(v: &serde_json::Value) {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{v}");
+    let _ = out.flush();
+}
+
+/// Runs the worker until SIGTERM/SIGINT.
+pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).map_err(WorkerCmdError::Signals)?;
+    let mut int = signal(SignalKind::interrupt()).map_err(WorkerCmdError::Signals)?;
+
+    let config = config(args)?;
+    let (catalogue, problems) = Catalogue::load(&config.catalogue_dir, &LoadOptions::from_env())?;
+    for p in &problems {
+        tracing::warn!(problem = %p, "catalogue entry skipped");
+    }
+    let sandbox = Sandbox::new(&config)?;
+    let swept = sandbox.sweep_stale()?;
+    emit(
+        &json!({ "swept": { "cgroups_removed": swept.cgroups_removed, "processes_killed": swept.processes_killed },
+                  "isolation": sandbox.mode(), "plugins": catalogue.len(), "problems": problems.len() }),
+    );
+    let metrics = Arc::new(WorkerMetrics::default());
+    let ctx = WorkerContext {
+        config: Arc::new(config),
+        sandbox: sandbox.clone(),
+        services: Arc::new(NoServices),
+        tokens: Arc::new(NoTokens),
+        metrics,
+    };
+    let pool = Pool::new(ctx, Arc::new(catalogue));
+
+    let mut ready = Vec::new();
+    for target in &args.prewarm {
+        let Some((user, tool_id)) = target.split_once(':') else {
+            return Err(WorkerCmdError::Usage(format!(
+                "--prewarm takes USER:TOOL_ID, not {target:?}"
+            )));
+        };
+        let session = pool
+            .prewarm(user, tool_id, Duration::from_secs(60))
+            .await
+            .map_err(|e| WorkerCmdError::Prewarm {
+                target: target.clone(),
+                reason: e.to_string(),
+            })?;
+        ready.push(json!({ "user": user, "tool_id": tool_id, "pid": session.pid() }));
+    }
+    emit(&json!({ "ready": ready }));
+
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    pool.shutdown().await;
+    let removed = tokio::task::spawn_blocking(move || sandbox.remove_subtree()).await;
+    let removed = match removed {
+        Ok(Ok(r)) => json!({ "cgroups_removed": r.cgroups_removed, "processes_killed": r.processes_killed }),
+        Ok(Err(e)) => json!({ "error": e.to_string() }),
+        Err(e) => json!({ "error": e.to_string() }),
+    };
+    emit(&json!({ "stopped": removed }));
+    Ok(())
+}

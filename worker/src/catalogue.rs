@@ -1,0 +1,972 @@
+//! The plugin catalogue: a directory of plugin installs, one sub-directory each, described by an `executa.json`
+//! (spec §14.5), resolved at load time into everything the worker needs to launch the plugin.
+//!
+//! ```text
+//! <catalogue_dir>/
+//!   weather/executa.json        {"tool_id": "tool-acme-weather-1a2b", "type": "python"}
+//!   weather/pyproject.toml
+//!   notes/executa.json          {"tool_id": "tool-acme-notes-3c4d", "type": "binary", "limits": {"memory_bytes": 268435456}}
+//!   notes/bin/tool-acme-notes-3c4d
+//!   .staging-x/                 hidden: skipped
+//!   scratch/                    no executa.json: skipped
+//! ```
+//!
+//! The `executa.json` format is the public SDK's (`tool_id`, `type`, `command`, `enabled`, `_comment`; unknown
+//! fields are ignored) plus our extensions `limits`, `env`, `idle_timeout_secs` and `protocol`. Every launch is
+//! resolved into an **absolute** argv at load time, so a missing runtime or entry point is reported when the
+//! catalogue loads, with the file and the reason, rather than as a spawn failure in a user's invoke:
+//!
+//! | `type` | Default argv | Requires |
+//! |---|---|---|
+//! | `python` | `[<uv>, "run", "--project", <dir>, <tool_id>]` | `uv` on PATH, `<dir>/pyproject.toml` |
+//! | `node` | `[<node>, <entry>]`, entry = `package.json` `bin[tool_id]` → `bin` (string) → `main` → `module` | `node` on PATH, `<dir>/package.json` with an existing entry |
+//! | `go` | `[<go>, "run", "."]` (development only: production installs ship a prebuilt `binary`) | `go` on PATH, `<dir>/go.mod` |
+//! | `binary` | `[<dir>/bin/<tool_id>]` | that file, executable; otherwise `command` must be set |
+//!
+//! An explicit `command` replaces the default entirely: its `argv[0]` is resolved against the install directory
+//! when it contains a `/` (and must be an executable file), otherwise looked up on the search path. Other
+//! arguments are passed verbatim. The working directory is always the install directory.
+//!
+//! [`Catalogue::load`] never stops at a bad entry: each one becomes a [`CatalogueProblem`] naming the file and the
+//! reason, and the rest loads. Only an unreadable catalogue directory is an error.
+
+use std::collections::HashMap;
+use std::collections::btree_map::{self, BTreeMap};
+use std::fmt;
+use std::fs::{self, File};
+use std::io::{self, Read};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use fleet_proto::limits;
+use rustix::fs::{Mode, OFlags};
+use serde_json::{Map, Value};
+
+use crate::config::LimitOverrides;
+
+/// The file that describes an install.
+pub const MANIFEST_FILE: &str = "executa.json";
+
+/// Marker file (in the install directory) written once the worker has described the install successfully.
+pub const DESCRIBED_MARKER: &str = ".fleet-described";
+
+/// Largest `executa.json` / `package.json` read (anything larger is refused, not truncated).
+pub const MAX_MANIFEST_BYTES: u64 = 1024 * 1024;
+
+/// Longest accepted `tool_id`, in characters.
+pub const MAX_TOOL_ID_CHARS: usize = 128;
+
+/// The only `protocol` accepted today.
+pub const PROTOCOL_EXECUTA: &str = "executa";
+
+/// The runtime of an install (`executa.json` `type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum InstallType {
+    /// A Python project run with `uv`.
+    Python,
+    /// A Node.js package run with `node`.
+    Node,
+    /// A Go module run with `go run` (development only).
+    Go,
+    /// A prebuilt executable.
+    Binary,
+}
+
+impl InstallType {
+    /// The `type` value in `executa.json`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InstallType::Python => "python",
+            InstallType::Node => "node",
+            InstallType::Go => "go",
+            InstallType::Binary => "binary",
+        }
+    }
+
+    /// Parses an `executa.json` `type` value (exact, lowercase).
+    pub fn parse(s: &str) -> Option<InstallType> {
+        match s {
+            "python" => Some(InstallType::Python),
+            "node" => Some(InstallType::Node),
+            "go" => Some(InstallType::Go),
+            "binary" => Some(InstallType::Binary),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for InstallType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One plugin install, validated and resolved.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Install {
+    /// The identity (`executa.json` `tool_id`), unique in the catalogue.
+    pub tool_id: String,
+    /// The runtime (`type`).
+    pub kind: InstallType,
+    /// The install directory, canonical (symbolic links resolved). The plugin's working directory.
+    pub dir: PathBuf,
+    /// The launch command, `argv[0]` an absolute path. Empty when the install is disabled (disabled installs are
+    /// listed but their launch is not resolved).
+    pub argv: Vec<String>,
+    /// `false` when `executa.json` says `"enabled": false`: listed, never launched.
+    pub enabled: bool,
+    /// Per-install resource limit overrides (`limits`).
+    pub limits: LimitOverrides,
+    /// Extra variable names passed from the worker's environment (`env`), validated, without duplicates.
+    pub env: Vec<String>,
+    /// Per-install idle timeout (`idle_timeout_secs`); `None` means the worker's default.
+    pub idle_timeout: Option<Duration>,
+    /// `true` if the worker has never described this install (no [`DESCRIBED_MARKER`] at load time): its first
+    /// `describe` gets [`limits::DESCRIBE_TIMEOUT_FIRST_LAUNCH`].
+    pub first_launch: bool,
+}
+
+impl Install {
+    /// The `executa.json` this install was loaded from.
+    pub fn manifest_path(&self) -> PathBuf {
+        self.dir.join(MANIFEST_FILE)
+    }
+
+    /// The first-launch marker's path.
+    pub fn marker_path(&self) -> PathBuf {
+        self.dir.join(DESCRIBED_MARKER)
+    }
+
+    /// Whether the worker may launch this install.
+    pub fn is_runnable(&self) -> bool {
+        self.enabled && !self.argv.is_empty()
+    }
+
+    /// The `describe` timeout for a launch of this install: 60 s on its first launch, 5 s afterwards.
+    pub fn describe_timeout(&self) -> Duration {
+        if self.first_launch {
+            limits::DESCRIBE_TIMEOUT_FIRST_LAUNCH
+        } else {
+            limits::DESCRIBE_TIMEOUT
+        }
+    }
+
+    /// Records that the install has been described once, so the next [`Catalogue::load`] reports
+    /// `first_launch == false`. (This value is not changed.) Idempotent.
+    ///
+    /// The marker is created without following symbolic links: an install shipping a `.fleet-described` symlink
+    /// cannot make the worker create or truncate a file elsewhere (the call fails instead). Fails too when the
+    /// install directory is read-only; the install then simply keeps the first-launch timeout.
+    pub fn mark_described(&self) -> io::Result<()> {
+        let fd = rustix::fs::open(
+            self.marker_path(),
+            OFlags::WRONLY | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+            Mode::from_bits_truncate(0o644),
+        )?;
+        let file = File::from(fd);
+        if file.metadata()?.is_file() {
+            Ok(())
+        } else {
+            Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{} exists and is not a regular file",
+                    self.marker_path().display()
+                ),
+            ))
+        }
+    }
+}
+
+/// How [`Catalogue::load`] resolves programs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Directories searched, in order, for bare program names (`uv`, `node`, `go`, and a `command`'s `argv[0]`
+    /// without a `/`): normally the worker's `PATH`. Relative entries are ignored.
+    pub search_path: Vec<PathBuf>,
+}
+
+impl LoadOptions {
+    /// Options searching the worker's own `PATH`.
+    pub fn from_env() -> LoadOptions {
+        let search_path = std::env::var_os("PATH")
+            .map(|p| std::env::split_paths(&p).collect())
+            .unwrap_or_default();
+        LoadOptions { search_path }
+    }
+
+    /// Options searching exactly `dirs`.
+    pub fn with_search_path<I, P>(dirs: I) -> LoadOptions
+    where
+        I: IntoIterator<Item = P>,
+        P: Into<PathBuf>,
+    {
+        LoadOptions {
+            search_path: dirs.into_iter().map(Into::into).collect(),
+        }
+    }
+
+    /// The absolute path of the first executable regular file named `program` on the search path.
+    pub fn lookup(&self, program: &str) -> Option<PathBuf> {
+        if program.is_empty() || program.contains('/') || program.contains('\0') {
+            return None;
+        }
+        self.search_path
+            .iter()
+            .filter(|dir| dir.is_absolute())
+            .map(|dir| dir.join(program))
+            .find(|candidate| executable_file(candidate) == FileCheck::Ok)
+    }
+}
+
+/// Why an install could not be loaded (or, for [`Catalogue::load`]'s `Err`, why the catalogue could not be read).
+///
+/// Errors about a file carry its path and display as `file: reason`; the others display the reason alone and are
+/// given their file by [`CatalogueProblem`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CatalogueError {
+    /// A file or directory could not be read.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// What could not be read.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// A file that must be a regular file is not (a directory, a FIFO, a device…).
+    #[error("{}: not a regular file", path.display())]
+    NotAFile {
+        /// The file.
+        path: PathBuf,
+    },
+    /// A file is larger than [`MAX_MANIFEST_BYTES`].
+    #[error("{}: larger than {limit} bytes", path.display())]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// The limit.
+        limit: u64,
+    },
+    /// A file is not valid JSON.
+    #[error("{}: invalid JSON: {source}", path.display())]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// The parser's error (line and column).
+        #[source]
+        source: serde_json::Error,
+    },
+    /// `executa.json` is JSON but not an object.
+    #[error("expected a JSON object, found {found}")]
+    NotAnObject {
+        /// What was found (`an array`, `a string`…).
+        found: &'static str,
+    },
+    /// A required field is absent.
+    #[error("missing required field `{field}`")]
+    MissingField {
+        /// The field.
+        field: &'static str,
+    },
+    /// A field has the wrong type or value.
+    #[error("invalid `{field}`: {reason}")]
+    InvalidField {
+        /// The field, with an index or key where it helps (`command[1]`, `limits`).
+        field: String,
+        /// Why.
+        reason: String,
+    },
+    /// `type` is not one of `python`, `node`, `go`, `binary`.
+    #[error("unknown type `{found}` (expected python, node, go or binary)")]
+    UnknownType {
+        /// The value found.
+        found: String,
+    },
+    /// The type's default launch needs a program that is not on the search path.
+    #[error("type {kind} needs `{program}` on PATH (or set `command`)")]
+    MissingRuntime {
+        /// The install's type.
+        kind: InstallType,
+        /// The missing program.
+        program: &'static str,
+    },
+    /// The type's default launch has nothing to run (no `package.json` entry, no `bin/<tool_id>`…).
+    #[error("{reason}")]
+    NoEntrypoint {
+        /// What is missing, and where.
+        reason: String,
+    },
+    /// A `command`'s bare `argv[0]` is not on the search path.
+    #[error("`command[0]` `{program}` was not found on PATH")]
+    CommandNotFound {
+        /// The program name.
+        program: String,
+    },
+    /// A `command`'s `argv[0]` path does not name an executable file.
+    #[error("`command[0]` resolves to {}, which {reason}", path.display())]
+    CommandUnusable {
+        /// The resolved path.
+        path: PathBuf,
+        /// `does not exist`, `is not executable`…
+        reason: String,
+    },
+    /// Another install already has this `tool_id` (the first in directory order wins).
+    #[error("duplicate tool_id `{tool_id}`: already provided by {}", first.display())]
+    Duplicate {
+        /// The contested identity.
+        tool_id: String,
+        /// The `executa.json` of the install that kept it.
+        first: PathBuf,
+    },
+    /// A path that must appear in the argv is not valid UTF-8.
+    #[error("{}: path is not valid UTF-8", path.display())]
+    NonUtf8Path {
+        /// The path.
+        path: PathBuf,
+    },
+}
+
+impl CatalogueError {
+    /// The file this error is about, when it names one itself.
+    pub fn path(&self) -> Option<&Path> {
+        match self {
+            CatalogueError::Io { path, .. }
+            | CatalogueError::NotAFile { path }
+            | CatalogueError::TooLarge { path, .. }
+            | CatalogueError::Json { path, .. }
+            | CatalogueError::NonUtf8Path { path } => Some(path),
+            _ => None,
+        }
+    }
+
+    fn invalid(field: impl Into<String>, reason: impl Into<String>) -> CatalogueError {
+        CatalogueError::InvalidField {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// An install that did not load: its `executa.json` (or its directory) and the reason.
+#[derive(Debug, thiserror::Error)]
+pub struct CatalogueProblem {
+    /// The `executa.json`, as listed under the catalogue directory (or the install directory when the problem
+    /// is the directory itself).
+    pub path: PathBuf,
+    /// Why it did not load.
+    #[source]
+    pub error: CatalogueError,
+}
+
+impl fmt::Display for CatalogueProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.error.path() == Some(self.path.as_path()) {
+            write!(f, "{}", self.error)
+        } else {
+            write!(f, "{}: {}", self.path.display(), self.error)
+        }
+    }
+}
+
+/// The loaded installs, by `tool_id`.
+#[derive(Debug, Clone, Default)]
+pub struct Catalogue {
+    dir: PathBuf,
+    installs: BTreeMap<String, Install>,
+}
+
+impl Catalogue {
+    /// Loads every `<dir>/*/executa.json`.
+    ///
+    /// Sub-directories are visited in byte order of their names; hidden ones (`.name`) and those without an
+    /// `executa.json` are skipped silently, as are plain files; symbolic links to directories are followed.
+    /// Every invalid entry is reported as a [`CatalogueProblem`] and the rest still loads. When two valid
+    /// installs share a `tool_id`, the first in directory order wins and the later ones are problems
+    /// ([`CatalogueError::Duplicate`]). Problems come in directory order.
+    ///
+    /// # Errors
+    ///
+    /// [`CatalogueError::Io`] only if `dir` itself cannot be listed.
+    pub fn load(
+        dir: &Path,
+        opts: &LoadOptions,
+    ) -> Result<(Catalogue, Vec<CatalogueProblem>), CatalogueError> {
+        let io_err = |source| CatalogueError::Io {
+            path: dir.to_path_buf(),
+            source,
+        };
+        let mut names = Vec::new();
+        for entry in fs::read_dir(dir).map_err(io_err)? {
+            let name = entry.map_err(io_err)?.file_name();
+            if !name.as_encoded_bytes().starts_with(b".") {
+                names.push(name);
+            }
+        }
+        names.sort();
+
+        let mut catalogue = Catalogue {
+            dir: dir.to_path_buf(),
+            installs: BTreeMap::new(),
+        };
+        let mut first_paths: HashMap<String, PathBuf> = HashMap::new();
+        let mut problems = Vec::new();
+        for name in names {
+            let sub = dir.join(&name);
+            if !sub.is_dir() {
+                continue;
+            }
+            let manifest = sub.join(MANIFEST_FILE);
+            match fs::symlink_metadata(&manifest) {
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                _ => {}
+            }
+            let install = match load_install(&sub, &manifest, opts) {
+                Ok(install) => install,
+                Err(error) => {
+                    problems.push(CatalogueProblem {
+                        path: manifest,
+                        error,
+                    });
+                    continue;
+                }
+            };
+            match catalogue.installs.entry(install.tool_id.clone()) {
+                btree_map::Entry::Occupied(_) => {
+                    let first = first_paths.get(&install.tool_id).cloned().unwrap_or_default();
+                    let error = CatalogueError::Duplicate {
+                        tool_id: install.tool_id,
+                        first,
+                    };
+                    problems.push(CatalogueProblem {
+                        path: manifest,
+                        error,
+                    });
+                }
+                btree_map::Entry::Vacant(slot) => {
+                    first_paths.insert(install.tool_id.clone(), manifest);
+                    slot.insert(install);
+                }
+            }
+        }
+        Ok((catalogue, problems))
+    }
+
+    /// The directory this catalogue was loaded from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The install with this `tool_id` (enabled or not).
+    pub fn get(&self, tool_id: &str) -> Option<&Install> {
+        self.installs.get(tool_id)
+    }
+
+    /// Every install, in `tool_id` order.
+    pub fn iter(&self) -> impl Iterator<Item = &Install> {
+        self.installs.values()
+    }
+
+    /// Number of installs (enabled or not).
+    pub fn len(&self) -> usize {
+        self.installs.len()
+    }
+
+    /// `true` if nothing loaded.
+    pub fn is_empty(&self) -> bool {
+        self.installs.is_empty()
+    }
+}
+
+impl<'a> IntoIterator for &'a Catalogue {
+    type Item = &'a Install;
+    type IntoIter = btree_map::Values<'a, String, Install>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.installs.values()
+    }
+}
+
+/// The fields of an `executa.json`, validated.
+struct Entry {
+    tool_id: String,
+    kind: InstallType,
+    command: Option<Vec<String>>,
+    enabled: bool,
+    limits: LimitOverrides,
+    env: Vec<String>,
+    idle_timeout: Option<Duration>,
+}
+
+fn load_install(sub: &Path, manifest: &Path, opts: &LoadOptions) -> Result<Install, CatalogueError> {
+    let bytes = read_small_file(manifest)?;
+    let value: Value = serde_json::from_slice(&bytes).map_err(|source| CatalogueError::Json {
+        path: manifest.to_path_buf(),
+        source,
+    })?;
+    let entry = parse_entry(&value)?;
+
+    let dir = fs::canonicalize(sub).map_err(|source| CatalogueError::Io {
+        path: sub.to_path_buf(),
+        source,
+    })?;
+    let dir_str = path_string(dir.clone())?;
+    let argv = if entry.enabled {
+        resolve_argv(&entry, &dir, &dir_str, opts)?
+    } else {
+        Vec::new()
+    };
+    let first_launch = !fs::symlink_metadata(dir.join(DESCRIBED_MARKER)).is_ok_and(|m| m.is_file());
+
+    Ok(Install {
+        tool_id: entry.tool_id,
+        kind: entry.kind,
+        dir,
+        argv,
+        enabled: entry.enabled,
+        limits: entry.limits,
+        env: entry.env,
+        idle_timeout: entry.idle_timeout,
+        first_launch,
+    })
+}
+
+fn parse_entry(value: &Value) -> Result<Entry, CatalogueError> {
+    let Some(obj) = value.as_object() else {
+        return Err(CatalogueError::NotAnObject {
+            found: json_kind(value),
+        });
+    };
+
+    let tool_id = match obj.get("tool_id") {
+        None | Some(Value::Null) => return Err(CatalogueError::MissingField { field: "tool_id" }),
+        Some(Value::String(s)) => s.clone(),
+        Some(other) => return Err(expected("tool_id", "a string", other)),
+    };
+    validate_tool_id(&tool_id)?;
+
+    let kind = match obj.get("type") {
+        None | Some(Value::Null) => return Err(CatalogueError::MissingField { field: "type" }),
+        Some(Value::String(s)) => {
+            InstallType::parse(s).ok_or_else(|| CatalogueError::UnknownType { found: s.clone() })?
+        }
+        Some(other) => return Err(expected("type", "a string", other)),
+    };
+
+    let command = optional(obj, "command").map(parse_command).transpose()?;
+
+    let enabled = match optional(obj, "enabled") {
+        None => true,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => return Err(expected("enabled", "a boolean", other)),
+    };
+
+    let limits = optional(obj, "limits")
+        .map(parse_limits)
+        .transpose()?
+        .unwrap_or_default();
+    let env = optional(obj, "env")
+        .map(parse_env)
+        .transpose()?
+        .unwrap_or_default();
+
+    let idle_timeout = match optional(obj, "idle_timeout_secs") {
+        None => None,
+        Some(Value::Number(n)) => {
+            let secs = n.as_f64().unwrap_or(f64::NAN);
+            if secs.is_nan() || secs <= 0.0 {
+                return Err(CatalogueError::invalid(
+                    "idle_timeout_secs",
+                    format!("must be > 0, found {n}"),
+                ));
+            }
+            let d = Duration::try_from_secs_f64(secs)
+                .map_err(|e| CatalogueError::invalid("idle_timeout_secs", format!("{n}: {e}")))?;
+            Some(d)
+        }
+        Some(other) => return Err(expected("idle_timeout_secs", "a number of seconds", other)),
+    };
+
+    match optional(obj, "protocol") {
+        None => {}
+        Some(Value::String(s)) if s == PROTOCOL_EXECUTA => {}
+        Some(Value::String(s)) => {
+            return Err(CatalogueError::invalid(
+                "protocol",
+                format!(
+                    "unsupported protocol `{s}`: only `executa` is supported (the Animus dialect is not implemented yet)"
+                ),
+            ));
+        }
+        Some(other) => return Err(expected("protocol", "a string", other)),
+    }
+
+    Ok(Entry {
+        tool_id,
+        kind,
+        command,
+        enabled,
+        limits,
+        env,
+        idle_timeout,
+    })
+}
+
+/// An optional field: absent and `null` are the same.
+fn optional<'a>(obj: &'a Map<String, Value>, field: &str) -> Option<&'a Value> {
+    obj.get(field).filter(|v| !v.is_null())
+}
+
+fn validate_tool_id(id: &str) -> Result<(), CatalogueError> {
+    let reason = if id.is_empty() {
+        "must not be empty".to_string()
+    } else if id.chars().count() > MAX_TOOL_ID_CHARS {
+        format!("longer than {MAX_TOOL_ID_CHARS} characters")
+    } else if !id.starts_with(|c: char| c.is_ascii_alphanumeric())
+        || !id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+    {
+        format!(
+            "{id:?}: must match [A-Za-z0-9][A-Za-z0-9._-]* (it is used as a file name and a command argument)"
+        )
+    } else {
+        return Ok(());
+    };
+    Err(CatalogueError::invalid("tool_id", reason))
+}
+
+fn parse_command(value: &Value) -> Result<Vec<String>, CatalogueError> {
+    let Value::Array(items) = value else {
+        return Err(expected("command", "an array of strings", value));
+    };
+    if items.is_empty() {
+        return Err(CatalogueError::invalid("command", "must not be empty"));
+    }
+    let mut argv = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let field = format!("command[{i}]");
+        let Value::String(s) = item else {
+            return Err(expected(field, "a string", item));
+        };
+        if s.contains('\0') {
+            return Err(CatalogueError::invalid(field, "must not contain NUL"));
+        }
+        if i == 0 && s.is_empty() {
+            return Err(CatalogueError::invalid(field, "must not be empty"));
+        }
+        argv.push(s.clone());
+    }
+    Ok(argv)
+}
+
+fn parse_limits(value: &Value) -> Result<LimitOverrides, CatalogueError> {
+    // serde would also accept the struct as an array (`[memory_bytes, pids_max, cpu_millis]`): refuse that.
+    if !value.is_object() {
+        return Err(expected("limits", "an object", value));
+    }
+    let limits: LimitOverrides = serde_json::from_value(value.clone())
+        .map_err(|e| CatalogueError::invalid("limits", e.to_string()))?;
+    for (name, v) in [
+        ("memory_bytes", limits.memory_bytes),
+        ("pids_max", limits.pids_max),
+        ("cpu_millis", limits.cpu_millis),
+    ] {
+        if v == Some(0) {
+            return Err(CatalogueError::invalid(format!("limits.{name}"), "must be > 0"));
+        }
+    }
+    Ok(limits)
+}
+
+fn parse_env(value: &Value) -> Result<Vec<String>, CatalogueError> {
+    let Value::Array(items) = value else {
+        return Err(expected("env", "an array of variable names", value));
+    };
+    let mut names: Vec<String> = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let field = format!("env[{i}]");
+        let Value::String(name) = item else {
+            return Err(expected(field, "a variable name", item));
+        };
+        if !is_env_name(name) {
+            return Err(CatalogueError::invalid(
+                field,
+                format!(
+                    "{name:?} is not a variable name ([A-Za-z_][A-Za-z0-9_]*); list names only, not values"
+                ),
+            ));
+        }
+        if !names.contains(name) {
+            names.push(name.clone());
+        }
+    }
+    Ok(names)
+}
+
+fn is_env_name(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+fn resolve_argv(
+    entry: &Entry,
+    dir: &Path,
+    dir_str: &str,
+    opts: &LoadOptions,
+) -> Result<Vec<String>, CatalogueError> {
+    if let Some(command) = &entry.command {
+        return resolve_command(command, dir, opts);
+    }
+    let runtime = |program: &'static str| {
+        opts.lookup(program)
+            .ok_or(CatalogueError::MissingRuntime {
+                kind: entry.kind,
+                program,
+            })
+            .and_then(path_string)
+    };
+    match entry.kind {
+        InstallType::Python => {
+            require_file(dir, "pyproject.toml", entry.kind)?;
+            let uv = runtime("uv")?;
+            Ok(vec![
+                uv,
+                "run".into(),
+                "--project".into(),
+                dir_str.to_string(),
+                entry.tool_id.clone(),
+            ])
+        }
+        InstallType::Node => {
+            let main = node_entry(dir, &entry.tool_id)?;
+            let node = runtime("node")?;
+            Ok(vec![node, path_string(main)?])
+        }
+        InstallType::Go => {
+            require_file(dir, "go.mod", entry.kind)?;
+            let go = runtime("go")?;
+            Ok(vec![go, "run".into(), ".".into()])
+        }
+        InstallType::Binary => {
+            let bin = dir.join("bin").join(&entry.tool_id);
+            match executable_file(&bin) {
+                FileCheck::Ok => Ok(vec![path_string(bin)?]),
+                FileCheck::Missing => Err(CatalogueError::NoEntrypoint {
+                    reason: format!(
+                        "type binary needs an executable `bin/{}` (or set `command`)",
+                        entry.tool_id
+                    ),
+                }),
+                problem => Err(CatalogueError::NoEntrypoint {
+                    reason: format!(
+                        "`bin/{}` {} (or set `command`)",
+                        entry.tool_id,
+                        problem.describe()
+                    ),
+                }),
+            }
+        }
+    }
+}
+
+fn resolve_command(
+    command: &[String],
+    dir: &Path,
+    opts: &LoadOptions,
+) -> Result<Vec<String>, CatalogueError> {
+    let Some((program, args)) = command.split_first() else {
+        return Err(CatalogueError::invalid("command", "must not be empty"));
+    };
+    let resolved = if program.contains('/') {
+        let path = normalize(&dir.join(program));
+        match executable_file(&path) {
+            FileCheck::Ok => path,
+            problem => {
+                return Err(CatalogueError::CommandUnusable {
+                    path,
+                    reason: problem.describe(),
+                });
+            }
+        }
+    } else {
+        opts.lookup(program)
+            .ok_or_else(|| CatalogueError::CommandNotFound {
+                program: program.clone(),
+            })?
+    };
+    let mut argv = Vec::with_capacity(command.len());
+    argv.push(path_string(resolved)?);
+    argv.extend(args.iter().cloned());
+    Ok(argv)
+}
+
+fn require_file(dir: &Path, name: &str, kind: InstallType) -> Result<(), CatalogueError> {
+    if dir.join(name).is_file() {
+        Ok(())
+    } else {
+        Err(CatalogueError::NoEntrypoint {
+            reason: format!("type {kind} needs a `{name}` in the install directory (or set `command`)"),
+        })
+    }
+}
+
+/// The file `node` should run: `package.json` `bin[tool_id]` → `bin` (a string) → `main` → `module`.
+fn node_entry(dir: &Path, tool_id: &str) -> Result<PathBuf, CatalogueError> {
+    let pkg_path = dir.join("package.json");
+    let bytes = match read_small_file(&pkg_path) {
+        Err(CatalogueError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
+            return Err(CatalogueError::NoEntrypoint {
+                reason: "type node needs a `package.json` in the install directory (or set `command`)".into(),
+            });
+        }
+        other => other?,
+    };
+    let pkg: Value = serde_json::from_slice(&bytes).map_err(|source| CatalogueError::Json {
+        path: pkg_path,
+        source,
+    })?;
+    let bin = pkg.get("bin");
+    let candidates = [
+        (
+            "bin",
+            bin.and_then(|b| b.as_object())
+                .and_then(|m| non_empty(m.get(tool_id))),
+        ),
+        ("bin", non_empty(bin)),
+        ("main", non_empty(pkg.get("main"))),
+        ("module", non_empty(pkg.get("module"))),
+    ];
+    let Some((field, entry)) = candidates
+        .into_iter()
+        .find_map(|(field, entry)| entry.map(|e| (field, e)))
+    else {
+        return Err(CatalogueError::NoEntrypoint {
+            reason: format!(
+                "`package.json` has no entry point: none of `bin.{tool_id}`, `bin` (a string), `main`, `module` (or set `command`)"
+            ),
+        });
+    };
+    let base = normalize(&dir.join(entry));
+    let mut tried = vec![base.clone()];
+    for ext in ["js", "mjs", "cjs"] {
+        let mut with_ext = base.clone().into_os_string();
+        with_ext.push(".");
+        with_ext.push(ext);
+        tried.push(PathBuf::from(with_ext));
+    }
+    tried.push(base.join("index.js"));
+    tried
+        .into_iter()
+        .find(|p| p.is_file())
+        .ok_or_else(|| CatalogueError::NoEntrypoint {
+            reason: format!(
+                "`package.json` `{field}` is {entry:?}, which does not exist in the install directory"
+            ),
+        })
+}
+
+fn non_empty(value: Option<&Value>) -> Option<&str> {
+    value.and_then(Value::as_str).filter(|s| !s.is_empty())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FileCheck {
+    Ok,
+    Missing,
+    NotAFile,
+    NotExecutable,
+    Unreadable,
+}
+
+impl FileCheck {
+    fn describe(self) -> String {
+        match self {
+            FileCheck::Ok => "is usable",
+            FileCheck::Missing => "does not exist",
+            FileCheck::NotAFile => "is not a regular file",
+            FileCheck::NotExecutable => "is not executable",
+            FileCheck::Unreadable => "cannot be inspected",
+        }
+        .to_string()
+    }
+}
+
+/// Whether `path` (symbolic links followed) is a regular file with an execute bit.
+fn executable_file(path: &Path) -> FileCheck {
+    match fs::metadata(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => FileCheck::Missing,
+        Err(_) => FileCheck::Unreadable,
+        Ok(m) if !m.is_file() => FileCheck::NotAFile,
+        Ok(m) if m.permissions().mode() & 0o111 == 0 => FileCheck::NotExecutable,
+        Ok(_) => FileCheck::Ok,
+    }
+}
+
+/// Reads a small regular file, refusing anything else (a FIFO cannot block the load: it is opened non-blocking
+/// and rejected by its type).
+fn read_small_file(path: &Path) -> Result<Vec<u8>, CatalogueError> {
+    let io_err = |source: io::Error| CatalogueError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let fd = rustix::fs::open(
+        path,
+        OFlags::RDONLY | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| io_err(e.into()))?;
+    let file = File::from(fd);
+    let meta = file.metadata().map_err(io_err)?;
+    if !meta.is_file() {
+        return Err(CatalogueError::NotAFile {
+            path: path.to_path_buf(),
+        });
+    }
+    let too_large = || CatalogueError::TooLarge {
+        path: path.to_path_buf(),
+        limit: MAX_MANIFEST_BYTES,
+    };
+    if meta.len() > MAX_MANIFEST_BYTES {
+        return Err(too_large());
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_MANIFEST_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(io_err)?;
+    if bytes.len() as u64 > MAX_MANIFEST_BYTES {
+        return Err(too_large());
+    }
+    Ok(bytes)
+}
+
+/// Drops `.` components (`/a/./b` → `/a/b`); `..` is kept (resolving it lexically would be wrong with symlinks).
+fn normalize(path: &Path) -> PathBuf {
+    path.components().collect()
+}
+
+fn path_string(path: PathBuf) -> Result<String, CatalogueError> {
+    path.into_os_string()
+        .into_string()
+        .map_err(|os| CatalogueError::NonUtf8Path {
+            path: PathBuf::from(os),
+        })
+}
+
+fn expected(field: impl Into<String>, what: &str, found: &Value) -> CatalogueError {
+    CatalogueError::invalid(field, format!("expected {what}, found {}", json_kind(found)))
+}
+
+fn json_kind(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}

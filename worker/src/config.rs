@@ -1,0 +1,197 @@
+//! Worker configuration: every knob of the plugin host, with production defaults.
+//!
+//! Spec timeouts that the spec calls "not configurable" (`initialize`, `describe`, `health`) are not here; they
+//! are `fleet_proto::limits` constants. What is here is operational policy: resource limits, pool sizes, paths,
+//! isolation, and the shutdown / restart / cancel schedule (configurable so tests and operators can tighten them,
+//! defaulting to the spec's values).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use fleet_proto::limits;
+use serde::{Deserialize, Serialize};
+
+/// Resource limits of one plugin session's cgroup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResourceLimits {
+    /// Memory limit in bytes (cgroup v1 `memory.limit_in_bytes`, v2 `memory.max`).
+    pub memory_bytes: u64,
+    /// Maximum number of processes/threads (`pids.max`).
+    pub pids_max: u64,
+    /// CPU bandwidth in millicores: 1000 = one full core (`cpu.cfs_quota_us` / `cpu.max` over a 100 ms period).
+    pub cpu_millis: u64,
+}
+
+impl Default for ResourceLimits {
+    fn default() -> Self {
+        ResourceLimits {
+            memory_bytes: 512 * 1024 * 1024,
+            pids_max: 64,
+            cpu_millis: 1000,
+        }
+    }
+}
+
+/// Per-install overrides of [`ResourceLimits`] (from `executa.json`'s `limits` extension).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitOverrides {
+    /// Overrides `memory_bytes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bytes: Option<u64>,
+    /// Overrides `pids_max`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pids_max: Option<u64>,
+    /// Overrides `cpu_millis`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_millis: Option<u64>,
+}
+
+impl ResourceLimits {
+    /// These limits with `overrides` applied.
+    pub fn with(self, overrides: &LimitOverrides) -> ResourceLimits {
+        ResourceLimits {
+            memory_bytes: overrides.memory_bytes.unwrap_or(self.memory_bytes),
+            pids_max: overrides.pids_max.unwrap_or(self.pids_max),
+            cpu_millis: overrides.cpu_millis.unwrap_or(self.cpu_millis),
+        }
+    }
+}
+
+/// How plugin processes are isolated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IsolationMode {
+    /// Every session in its own cgroup (v1 or v2, detected). The worker refuses to start if cgroups are unusable.
+    Cgroup,
+    /// No cgroups (explicit opt-out: logged as a warning and shown in the `isolation` metric label).
+    None,
+}
+
+/// Which user id plugin processes run as.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "mode")]
+pub enum RunAs {
+    /// The worker's own uid (the only choice when the worker is not root). Per-user workspaces are then
+    /// protected by nothing but the plugins' good manners: fine for development, not for production.
+    Inherit,
+    /// Each user gets a dedicated unprivileged uid (= gid) from `[first, first + count)`, allocated once per node
+    /// and persisted under the state directory; the user's workspace and TMPDIRs are owned by it, mode 0700, so one
+    /// user's plugins cannot read another's files. Requires root.
+    PerUser {
+        /// First uid of the range.
+        first: u32,
+        /// Size of the range.
+        count: u32,
+    },
+}
+
+impl Default for RunAs {
+    fn default() -> Self {
+        RunAs::PerUser {
+            first: 200_000,
+            count: 65_536,
+        }
+    }
+}
+
+/// What cancelling an invoke does when the plugin is still busy with it after the fallback delay.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CancelKill {
+    /// Kill the session's process tree (its other in-flight invokes fail; the session restarts for the next call).
+    #[default]
+    Always,
+    /// Kill only when no other invoke is in flight on the process; otherwise just abandon the cancelled one
+    /// (spec §16 A-4's stance).
+    WhenIdle,
+}
+
+/// The worker's configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerConfig {
+    /// Stable identity of this worker on its node: names its cgroup subtree, so a restarted worker finds (and
+    /// sweeps) what a killed predecessor left.
+    pub worker_id: String,
+    /// Directory of plugin installs (one sub-directory with an `executa.json` each).
+    pub catalogue_dir: PathBuf,
+    /// Root of per-user state: `users/<user_key>/workspace` and `users/<user_key>/tmp/<tool_key>`.
+    pub state_dir: PathBuf,
+    /// Isolation of plugin processes.
+    pub isolation: IsolationMode,
+    /// Default resource limits per session.
+    pub limits: ResourceLimits,
+    /// Which uid plugins run as.
+    pub run_as: RunAs,
+    /// Variables passed from the worker's environment to plugins (everything else is scrubbed).
+    pub env_allowlist: Vec<String>,
+    /// Sessions idle this long are shut down.
+    #[serde(with = "secs")]
+    pub idle_timeout: Duration,
+    /// Sessions per worker (LRU eviction of idle ones beyond it).
+    pub max_sessions: usize,
+    /// Sessions per user.
+    pub max_sessions_per_user: usize,
+    /// Invokes in flight per session.
+    pub max_in_flight_per_session: usize,
+    /// Grace between closing stdin and SIGTERM, and between SIGTERM and SIGKILL (spec §3.7: 5 s).
+    #[serde(with = "secs")]
+    pub shutdown_grace: Duration,
+    /// Restart attempts after an unexpected exit before the session is Stopped (spec §3.8: 3).
+    pub max_restarts: u32,
+    /// Base of the exponential restart backoff (spec §3.8: 1 s).
+    #[serde(with = "secs")]
+    pub restart_backoff: Duration,
+    /// Delay before a cancelled invoke's process tree is killed if the plugin is still busy (spec §10.6: 500 ms).
+    #[serde(with = "secs")]
+    pub cancel_kill_after: Duration,
+    /// What that kill does when other invokes are in flight.
+    pub cancel_kill: CancelKill,
+    /// Bytes of stderr kept per session (ring).
+    pub stderr_ring_bytes: usize,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            worker_id: "worker-0".into(),
+            catalogue_dir: PathBuf::from("/var/lib/cloud-agents/plugins"),
+            state_dir: PathBuf::from("/var/lib/cloud-agents/state"),
+            isolation: IsolationMode::Cgroup,
+            limits: ResourceLimits::default(),
+            run_as: RunAs::default(),
+            env_allowlist: ["PATH", "LANG", "LC_ALL", "TZ"]
+                .into_iter()
+                .map(String::from)
+                .collect(),
+            idle_timeout: Duration::from_secs(30 * 60),
+            max_sessions: 256,
+            max_sessions_per_user: 16,
+            max_in_flight_per_session: 64,
+            shutdown_grace: limits::SHUTDOWN_GRACE,
+            max_restarts: limits::MAX_RESTART_ATTEMPTS,
+            restart_backoff: limits::RESTART_BACKOFF_BASE,
+            cancel_kill_after: limits::CANCEL_KILL_FALLBACK,
+            cancel_kill: CancelKill::Always,
+            stderr_ring_bytes: 64 * 1024,
+        }
+    }
+}
+
+/// Durations as (fractional) seconds in config files.
+mod secs {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(d.as_secs_f64())
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let v = f64::deserialize(d)?;
+        Duration::try_from_secs_f64(v).map_err(serde::de::Error::custom)
+    }
+}

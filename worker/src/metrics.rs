@@ -1,0 +1,151 @@
+//! The worker's counters. Plain atomics, cheap to bump on hot paths; the observability issue exports them to
+//! Prometheus. Every drop and failure is counted by reason.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Why a progress notification was not delivered (spec §8.10).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ProgressDrop {
+    /// No `context.invoke_id`.
+    Uncorrelated,
+    /// The invoke id names no active invoke of the process.
+    UnknownInvoke,
+    /// The invoke has no progress channel (a synchronous invoke, spec §8.10 HR-PG-06).
+    NoChannel,
+    /// `data` over 8 KB.
+    TooLarge,
+    /// Over 50 events/s for the invoke.
+    RateLimited,
+    /// Unreadable params.
+    Malformed,
+}
+
+impl ProgressDrop {
+    /// Every reason, in a fixed order.
+    pub const ALL: [ProgressDrop; 6] = [
+        ProgressDrop::Uncorrelated,
+        ProgressDrop::UnknownInvoke,
+        ProgressDrop::NoChannel,
+        ProgressDrop::TooLarge,
+        ProgressDrop::RateLimited,
+        ProgressDrop::Malformed,
+    ];
+
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProgressDrop::Uncorrelated => "uncorrelated",
+            ProgressDrop::UnknownInvoke => "unknown_invoke",
+            ProgressDrop::NoChannel => "no_channel",
+            ProgressDrop::TooLarge => "too_large",
+            ProgressDrop::RateLimited => "rate_limited",
+            ProgressDrop::Malformed => "malformed",
+        }
+    }
+}
+
+/// Counters of one worker.
+#[derive(Debug, Default)]
+pub struct WorkerMetrics {
+    /// Processes spawned.
+    pub spawns: AtomicU64,
+    /// Sessions that fell back to v1.
+    pub v1_fallbacks: AtomicU64,
+    /// Unexpected process exits.
+    pub crashes: AtomicU64,
+    /// Exits attributed to the OOM killer.
+    pub oom_kills: AtomicU64,
+    /// Restarts after a crash.
+    pub restarts: AtomicU64,
+    /// Sessions that ended Stopped.
+    pub stopped: AtomicU64,
+    /// Process trees killed (cancel fallback, shutdown ladder's last step).
+    pub tree_kills: AtomicU64,
+    /// Frames read from plugins.
+    pub frames_read: AtomicU64,
+    /// Bytes read from plugins' stdout.
+    pub bytes_read: AtomicU64,
+    /// Frames written to plugins.
+    pub frames_written: AtomicU64,
+    /// Bad frames by kind, see [`WorkerMetrics::frame_error`].
+    pub frame_errors: [AtomicU64; 6],
+    /// Responses whose id matched nothing (late, after a timeout or cancel, or bogus).
+    pub unmatched_responses: AtomicU64,
+    /// Notifications other than progress.
+    pub ignored_notifications: AtomicU64,
+    /// Progress events delivered.
+    pub progress_accepted: AtomicU64,
+    /// Progress events dropped, by [`ProgressDrop`] (index = position in `ProgressDrop::ALL`).
+    pub progress_dropped: [AtomicU64; 6],
+    /// Reverse-RPC calls answered (any outcome).
+    pub reverse_calls: AtomicU64,
+    /// Reverse-RPC calls refused by routing or gating.
+    pub reverse_refused: AtomicU64,
+    /// Files read through `__file_transport`.
+    pub file_transports: AtomicU64,
+    /// `__file_transport` pointers refused (outside TMPDIR, too big, unreadable).
+    pub file_transport_refused: AtomicU64,
+    /// Invokes completed (a result or a JSON-RPC error came back).
+    pub invokes_completed: AtomicU64,
+    /// Invokes that timed out.
+    pub invokes_timed_out: AtomicU64,
+    /// Invokes cancelled.
+    pub invokes_cancelled: AtomicU64,
+    /// Invokes failed because their process died.
+    pub invokes_lost: AtomicU64,
+    /// Sessions evicted (idle or LRU).
+    pub evictions: AtomicU64,
+    /// Cold starts (a process spawned for a call) vs warm hits.
+    pub cold_starts: AtomicU64,
+    /// Calls served by an already-running process.
+    pub warm_hits: AtomicU64,
+}
+
+/// The frame error kinds, in the order of `WorkerMetrics::frame_errors`.
+pub const FRAME_ERROR_KINDS: [&str; 6] = [
+    "frame_too_large",
+    "invalid_utf8",
+    "invalid_json",
+    "not_an_object",
+    "not_json_rpc",
+    "truncated_at_eof",
+];
+
+impl WorkerMetrics {
+    /// Adds one to a counter.
+    pub fn inc(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a progress drop.
+    pub fn progress_drop(&self, reason: ProgressDrop) {
+        let i = ProgressDrop::ALL.iter().position(|r| *r == reason).unwrap_or(0);
+        Self::inc(&self.progress_dropped[i]);
+    }
+
+    /// Progress drops for one reason.
+    pub fn progress_dropped(&self, reason: ProgressDrop) -> u64 {
+        let i = ProgressDrop::ALL.iter().position(|r| *r == reason).unwrap_or(0);
+        self.progress_dropped[i].load(Ordering::Relaxed)
+    }
+
+    /// Counts a bad frame by its `FrameError::kind()`.
+    pub fn frame_error(&self, kind: &str) {
+        if let Some(i) = FRAME_ERROR_KINDS.iter().position(|k| *k == kind) {
+            Self::inc(&self.frame_errors[i]);
+        }
+    }
+
+    /// Bad frames of one kind.
+    pub fn frame_errors(&self, kind: &str) -> u64 {
+        FRAME_ERROR_KINDS
+            .iter()
+            .position(|k| *k == kind)
+            .map_or(0, |i| self.frame_errors[i].load(Ordering::Relaxed))
+    }
+
+    /// Reads a counter.
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+}

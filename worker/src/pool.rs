@@ -1,0 +1,262 @@
+//! The warm pool: at most one session per (user, tool_id), created on first use or by an explicit prewarm,
+//! kept warm until idle for the configured time, bounded per worker and per user with LRU eviction of idle
+//! sessions. Eviction and worker shutdown use the session shutdown ladder.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dashmap::DashMap;
+use tokio::task::{JoinHandle, JoinSet};
+
+use crate::catalogue::Catalogue;
+use crate::metrics::WorkerMetrics;
+use crate::session::{InvokeError, InvokeOutput, InvokeRequest, Session, SessionError, WorkerContext};
+
+/// Why the pool could not serve a call.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    /// No such plugin in the catalogue.
+    #[error("unknown plugin {0:?}")]
+    UnknownPlugin(String),
+    /// Every session slot is busy.
+    #[error("no session slot free ({scope} limit {limit}; every session is busy)")]
+    Capacity {
+        /// `worker` or `user`.
+        scope: &'static str,
+        /// The limit.
+        limit: usize,
+    },
+    /// The session could not be created.
+    #[error(transparent)]
+    Session(#[from] SessionError),
+    /// The invoke failed.
+    #[error(transparent)]
+    Invoke(#[from] InvokeError),
+    /// The worker is shutting down.
+    #[error("the worker is shutting down")]
+    Closed,
+}
+
+type Key = (String, String);
+
+struct Inner {
+    ctx: WorkerContext,
+    catalogue: Arc<Catalogue>,
+    sessions: Mutex<HashMap<Key, Session>>,
+    invokes: DashMap<String, Session>,
+    closed: AtomicBool,
+    reaper: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// The pool. Cheap to clone.
+#[derive(Clone)]
+pub struct Pool {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool").field("sessions", &self.len()).finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Pool {
+    /// A pool over `catalogue`; starts the idle reaper.
+    pub fn new(ctx: WorkerContext, catalogue: Arc<Catalogue>) -> Pool {
+        let inner = Arc::new(Inner {
+            ctx,
+            catalogue,
+            sessions: Mutex::new(HashMap::new()),
+            invokes: DashMap::new(),
+            closed: AtomicBool::new(false),
+            reaper: Mutex::new(None),
+        });
+        let pool = Pool { inner };
+        let period = (pool.inner.ctx.config.idle_timeout / 4)
+            .clamp(Duration::from_millis(100), Duration::from_secs(30));
+        let weak = Arc::downgrade(&pool.inner);
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(inner) = weak.upgrade() else { return };
+                Pool { inner }.evict_idle().await;
+            }
+        });
+        *lock(&pool.inner.reaper) = Some(task);
+        pool
+    }
+
+    /// The catalogue.
+    pub fn catalogue(&self) -> &Catalogue {
+        &self.inner.catalogue
+    }
+
+    /// The shared context.
+    pub fn context(&self) -> &WorkerContext {
+        &self.inner.ctx
+    }
+
+    /// Live sessions.
+    pub fn len(&self) -> usize {
+        lock(&self.inner.sessions).len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every live session.
+    pub fn sessions(&self) -> Vec<Session> {
+        lock(&self.inner.sessions).values().cloned().collect()
+    }
+
+    /// The session of (user, tool_id), created if needed (evicting the least recently used idle session when a
+    /// cap is reached).
+    pub fn session(&self, user: &str, tool_id: &str) -> Result<Session, PoolError> {
+        if self.inner.closed.load(Ordering::SeqCst) {
+            return Err(PoolError::Closed);
+        }
+        let key = (user.to_string(), tool_id.to_string());
+        let mut evicted = Vec::new();
+        let session = {
+            let mut sessions = lock(&self.inner.sessions);
+            if let Some(s) = sessions.get(&key) {
+                return Ok(s.clone());
+            }
+            let install = self
+                .inner
+                .catalogue
+                .get(tool_id)
+                .ok_or_else(|| PoolError::UnknownPlugin(tool_id.to_string()))?;
+            let config = &self.inner.ctx.config;
+            if sessions.keys().filter(|(u, _)| u == user).count() >= config.max_sessions_per_user {
+                let victim = lru_idle(&sessions, |(u, _)| u == user).ok_or(PoolError::Capacity {
+                    scope: "user",
+                    limit: config.max_sessions_per_user,
+                })?;
+                evicted.extend(sessions.remove(&victim));
+            }
+            if sessions.len() >= config.max_sessions {
+                let victim = lru_idle(&sessions, |_| true).ok_or(PoolError::Capacity {
+                    scope: "worker",
+                    limit: config.max_sessions,
+                })?;
+                evicted.extend(sessions.remove(&victim));
+            }
+            let session = Session::new(user, &Arc::new(install.clone()), &self.inner.ctx)?;
+            sessions.insert(key, session.clone());
+            session
+        };
+        for s in evicted {
+            WorkerMetrics::inc(&self.inner.ctx.metrics.evictions);
+            tokio::spawn(async move { s.shutdown().await });
+        }
+        Ok(session)
+    }
+
+    /// Starts (user, tool_id)'s plugin now and waits until it is ready.
+    pub async fn prewarm(&self, user: &str, tool_id: &str, wait: Duration) -> Result<Session, PoolError> {
+        let session = self.session(user, tool_id)?;
+        session.prewarm(wait).await?;
+        Ok(session)
+    }
+
+    /// Runs one invoke on (user, tool_id)'s session.
+    pub async fn invoke(
+        &self,
+        user: &str,
+        tool_id: &str,
+        req: InvokeRequest,
+    ) -> Result<InvokeOutput, PoolError> {
+        let invoke_id = req.invoke_id.clone();
+        for attempt in 0..2 {
+            let session = self.session(user, tool_id)?;
+            self.inner.invokes.insert(invoke_id.clone(), session.clone());
+            let result = session.invoke(req.clone()).await;
+            self.inner.invokes.remove(&invoke_id);
+            match result {
+                // The session was evicted between lookup and use: take a fresh one, once.
+                Err(InvokeError::Closed) if attempt == 0 => {
+                    let mut sessions = lock(&self.inner.sessions);
+                    let key = (user.to_string(), tool_id.to_string());
+                    if sessions
+                        .get(&key)
+                        .is_some_and(|s| s.state() == crate::session::SessionState::Closed)
+                    {
+                        sessions.remove(&key);
+                    }
+                }
+                other => return other.map_err(PoolError::from),
+            }
+        }
+        Err(PoolError::Invoke(InvokeError::Closed))
+    }
+
+    /// Cancels an invoke wherever it runs. Returns whether it was active.
+    pub fn cancel(&self, invoke_id: &str) -> bool {
+        let session = self.inner.invokes.get(invoke_id).map(|s| s.clone());
+        session.is_some_and(|s| s.cancel(invoke_id))
+    }
+
+    /// Shuts down sessions idle longer than their idle timeout (the install's, else the worker's). Returns how
+    /// many.
+    pub async fn evict_idle(&self) -> usize {
+        let now = Instant::now();
+        let victims: Vec<Session> = {
+            let mut sessions = lock(&self.inner.sessions);
+            let keys: Vec<Key> = sessions
+                .iter()
+                .filter(|(_, s)| {
+                    let timeout = self
+                        .inner
+                        .catalogue
+                        .get(s.tool_id())
+                        .and_then(|i| i.idle_timeout)
+                        .unwrap_or(self.inner.ctx.config.idle_timeout);
+                    s.in_flight() == 0 && now.duration_since(s.last_used()) >= timeout
+                })
+                .map(|(k, _)| k.clone())
+                .collect();
+            keys.iter().filter_map(|k| sessions.remove(k)).collect()
+        };
+        let n = victims.len();
+        let mut set = JoinSet::new();
+        for s in victims {
+            WorkerMetrics::inc(&self.inner.ctx.metrics.evictions);
+            set.spawn(async move { s.shutdown().await });
+        }
+        while set.join_next().await.is_some() {}
+        n
+    }
+
+    /// Shuts every session down (in parallel, each with the full ladder) and refuses new work.
+    pub async fn shutdown(&self) {
+        self.inner.closed.store(true, Ordering::SeqCst);
+        if let Some(reaper) = lock(&self.inner.reaper).take() {
+            reaper.abort();
+        }
+        let sessions: Vec<Session> = lock(&self.inner.sessions).drain().map(|(_, s)| s).collect();
+        let mut set = JoinSet::new();
+        for s in sessions {
+            set.spawn(async move { s.shutdown().await });
+        }
+        while set.join_next().await.is_some() {}
+    }
+}
+
+fn lru_idle(sessions: &HashMap<Key, Session>, filter: impl Fn(&Key) -> bool) -> Option<Key> {
+    sessions
+        .iter()
+        .filter(|(k, s)| filter(k) && s.in_flight() == 0)
+        .min_by_key(|(_, s)| s.last_used())
+        .map(|(k, _)| k.clone())
+}

@@ -1,0 +1,127 @@
+//! What the worker asks of its host (the fleet): the services behind reverse RPC, and the per-invoke tokens.
+//!
+//! The real implementations (sampling, storage, files, uploads, token minting and budgets) belong to the fleet;
+//! the worker only routes, gates and forwards. [`NoServices`] and [`NoTokens`] are the defaults: every known
+//! reverse-RPC family answers its spec "not granted" error, and no token is ever minted.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+
+use fleet_proto::executa::reverse::{Family, family_of, method_not_found};
+use fleet_proto::jsonrpc::ErrorObject;
+use serde_json::Value;
+
+/// The per-invoke tokens the plugin receives in `params.context` (spec §4.1, §11). `Debug` never prints them.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct InvokeTokens {
+    /// aud `executa-sampling`.
+    pub sampling: Option<String>,
+    /// aud `aps-storage`.
+    pub storage: Option<String>,
+    /// aud `executa-upload`.
+    pub upload: Option<String>,
+    /// aud `executa-image`.
+    pub image: Option<String>,
+    /// aud `executa-credentials`.
+    pub credentials: Option<String>,
+}
+
+impl fmt::Debug for InvokeTokens {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let has = |o: &Option<String>| o.is_some();
+        f.debug_struct("InvokeTokens")
+            .field("sampling", &has(&self.sampling))
+            .field("storage", &has(&self.storage))
+            .field("upload", &has(&self.upload))
+            .field("image", &has(&self.image))
+            .field("credentials", &has(&self.credentials))
+            .finish()
+    }
+}
+
+/// Everything a token source needs to decide which tokens an invoke gets (spec §3.3 HR-LC-15: negotiated in
+/// `initialize` AND declared in the manifest AND granted to the user).
+#[derive(Debug, Clone)]
+pub struct TokenRequest<'a> {
+    /// The user.
+    pub user: &'a str,
+    /// The plugin.
+    pub tool_id: &'a str,
+    /// The invoke (= job id for async jobs).
+    pub invoke_id: &'a str,
+    /// Capability keys the plugin negotiated in `initialize` (empty for v1).
+    pub negotiated: &'a BTreeSet<String>,
+    /// The manifest's `host_capabilities` (known strings only).
+    pub declared: &'a [String],
+    /// Absolute deadline of the invoke, Unix epoch ms.
+    pub deadline_ms: u64,
+}
+
+/// Mints the per-invoke tokens. Implemented by the fleet (the tokens issue); the worker withholds, in any case,
+/// every token whose capability the plugin did not negotiate.
+pub trait TokenSource: Send + Sync + fmt::Debug {
+    /// The tokens for one invoke.
+    fn tokens(&self, request: &TokenRequest<'_>) -> InvokeTokens;
+}
+
+/// No tokens, ever.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoTokens;
+
+impl TokenSource for NoTokens {
+    fn tokens(&self, _: &TokenRequest<'_>) -> InvokeTokens {
+        InvokeTokens::default()
+    }
+}
+
+/// One reverse-RPC call, routed to its parent invoke and gated (negotiated + declared) by the worker.
+#[derive(Debug, Clone)]
+pub struct ReverseCall {
+    /// The user the parent invoke runs for.
+    pub user: String,
+    /// The plugin.
+    pub tool_id: String,
+    /// The parent invoke.
+    pub invoke_id: String,
+    /// The method, e.g. `storage/get`.
+    pub method: String,
+    /// Its family.
+    pub family: Family,
+    /// The params with `context` and `_clientTimeoutS` stripped (spec §7 HR-RC-08).
+    pub params: Value,
+    /// `_clientTimeoutS` as sent by the SDK, if any (spec §7.3).
+    pub client_timeout_s: Option<f64>,
+    /// The parent invoke's absolute deadline, Unix epoch ms.
+    pub deadline_ms: u64,
+    /// The parent invoke's tokens (for the service to verify and present upstream). Never logged.
+    pub tokens: InvokeTokens,
+}
+
+/// The boxed future a service returns.
+pub type ServiceFuture = Pin<Box<dyn Future<Output = Result<Value, ErrorObject>> + Send>>;
+
+/// The host services behind reverse RPC (sampling, storage, files, uploads, ...), implemented by the fleet.
+/// The worker has already applied the routing rules of spec §7.2 and the negotiation and manifest gates; a
+/// service still checks its token and the user's grant, and answers with the family's codes.
+pub trait HostServices: Send + Sync + fmt::Debug {
+    /// Serves one call. The future is dropped if the parent invoke ends first (spec §7.3 HR-DL-03).
+    fn call(&self, call: ReverseCall) -> ServiceFuture;
+}
+
+/// No services: every known family answers its "not granted" error, anything else -32601.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoServices;
+
+impl HostServices for NoServices {
+    fn call(&self, call: ReverseCall) -> ServiceFuture {
+        let error = match family_of(&call.method) {
+            Some(family) => family
+                .not_granted()
+                .error(format!("{} is not available on this host", call.method)),
+            None => method_not_found(&call.method),
+        };
+        Box::pin(async move { Err(error) })
+    }
+}

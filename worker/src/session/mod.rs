@@ -1,0 +1,1175 @@
+//! One long-lived plugin process per (user, tool_id): the Executa lifecycle exactly as the spec states it.
+//!
+//! ```text
+//! caller tasks ──▶ FrameWriter (one writer task) ──▶ plugin stdin
+//! plugin stdout ──▶ one reader task: classify
+//!      response     → pending[id] → the waiting caller
+//!      request      → reverse-RPC routing (by context.invoke_id) → gates → HostServices → response
+//!      notification → executa/progress → the invoke's sink (8 KB, 50/s) ; others counted and dropped
+//!      pointer      → __file_transport, read from TMPDIR only, then classified
+//! stderr ──▶ bounded ring          exit ──▶ fail every pending call now; the supervisor decides the rest
+//! ```
+//!
+//! A supervisor task per session owns the process lifecycle: start (spawn into the cgroup → `initialize`, 5 s,
+//! falling back to v1 on timeout / -32601 / any error / a version other than "2.0" → `describe`, 5 s or 60 s on
+//! a new install's first launch, cached for the process's life), restart after an unexpected exit with
+//! exponential backoff (1 s, 2 s, 4 s: at most 3 attempts, then Stopped with the exit and stderr), lazy restart
+//! after a host-initiated kill (cancel fallback), and the shutdown ladder (close stdin → grace → SIGTERM →
+//! grace → SIGKILL of the whole tree).
+
+mod process;
+pub mod progress;
+mod stderr;
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use fleet_proto::codec::{Frame, FrameKind};
+use fleet_proto::executa::capabilities::keys;
+use fleet_proto::executa::invoke::{InvokeContext, InvokeParams};
+use fleet_proto::executa::lifecycle::{
+    Health, HealthResult, InitializeParams, InitializeResult, PROTOCOL_V2, PeerInfo, ProtocolVersion, methods,
+};
+use fleet_proto::executa::manifest::Manifest;
+use fleet_proto::jsonrpc::{ErrorObject, codes};
+use fleet_proto::limits;
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use serde_json::{Map, Value, json};
+use tokio::sync::{Notify, Semaphore, watch};
+use tokio::task::JoinHandle;
+
+use process::{ActiveInvoke, Failure, Handshake, Process};
+pub use process::{ExitInfo, SpawnError};
+use progress::{ProgressGate, ProgressSink};
+use stderr::StderrRing;
+
+use crate::catalogue::Install;
+use crate::config::WorkerConfig;
+use crate::metrics::WorkerMetrics;
+use crate::sandbox::{Sandbox, SandboxError, SessionCgroup, SpawnPlan, UserSpace};
+use crate::services::{HostServices, InvokeTokens, TokenRequest, TokenSource};
+
+/// What every session of a worker shares.
+#[derive(Debug, Clone)]
+pub struct WorkerContext {
+    /// Configuration.
+    pub config: Arc<WorkerConfig>,
+    /// Cgroups, uids, per-user directories.
+    pub sandbox: Sandbox,
+    /// Reverse-RPC services.
+    pub services: Arc<dyn HostServices>,
+    /// Token minting.
+    pub tokens: Arc<dyn TokenSource>,
+    /// Counters.
+    pub metrics: Arc<WorkerMetrics>,
+}
+
+/// A session's state as callers see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SessionState {
+    /// No process; one is started on the next call.
+    Idle,
+    /// Spawning and handshaking.
+    Starting,
+    /// Serving.
+    Ready,
+    /// Waiting before a restart after a crash.
+    Backoff,
+    /// Gave up after repeated crashes or a fatal start error; the message says why.
+    Stopped(String),
+    /// Shut down.
+    Closed,
+}
+
+#[derive(Debug, Clone)]
+enum Phase {
+    Idle,
+    Starting,
+    Ready(Arc<Process>),
+    Backoff,
+    Stopped(Arc<str>),
+    Closed,
+}
+
+/// Why a session could not be created.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    /// The sandbox refused.
+    #[error(transparent)]
+    Sandbox(#[from] SandboxError),
+    /// The install is disabled.
+    #[error("plugin {0} is disabled")]
+    Disabled(String),
+}
+
+/// Why an invoke failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum InvokeError {
+    /// The manifest has no such tool.
+    #[error("unknown tool {tool:?}; the plugin offers {available:?}")]
+    UnknownTool {
+        /// The tool asked for.
+        tool: String,
+        /// What the manifest lists.
+        available: Vec<String>,
+    },
+    /// An invoke with this id is already active on the session.
+    #[error("invoke {0} is already active")]
+    DuplicateInvokeId(String),
+    /// The session's in-flight bound is reached.
+    #[error("too many invokes in flight on this plugin session (limit {limit})")]
+    TooManyInFlight {
+        /// The bound.
+        limit: usize,
+    },
+    /// The session is Stopped.
+    #[error("the plugin session is stopped: {0}")]
+    Stopped(String),
+    /// The session is shut down.
+    #[error("the plugin session is shut down")]
+    Closed,
+    /// The process was not ready within the invoke's time.
+    #[error("the plugin was not ready within {0:?}")]
+    NotReady(Duration),
+    /// The process died while the invoke was in flight.
+    #[error("the plugin process exited during the invoke ({exit}); stderr: {stderr_tail}")]
+    ProcessExited {
+        /// How it ended.
+        exit: ExitInfo,
+        /// The last stderr lines.
+        stderr_tail: String,
+    },
+    /// No answer within the timeout.
+    #[error("the invoke timed out after {0:?}")]
+    Timeout(Duration),
+    /// Cancelled by the caller.
+    #[error("the invoke was cancelled")]
+    Cancelled,
+    /// The plugin answered with a JSON-RPC error (a programmer error, spec §4.4).
+    #[error("the plugin answered {0}")]
+    Plugin(ErrorObject),
+    /// The answer was over the frame limit.
+    #[error("the plugin's answer was {frame_bytes} bytes, over the {max_frame_bytes}-byte frame limit")]
+    FrameTooLarge {
+        /// Its size.
+        frame_bytes: u64,
+        /// The limit.
+        max_frame_bytes: u64,
+    },
+    /// The answer came by file transport and was refused.
+    #[error("file transport refused: {0}")]
+    FileTransport(String),
+    /// The answer was not an `InvokeResult`.
+    #[error("the plugin's result is unreadable: {0}")]
+    Unreadable(String),
+}
+
+/// One invoke.
+#[derive(Clone, Default)]
+pub struct InvokeRequest {
+    /// The tool (a `tools[].name` of the manifest).
+    pub tool: String,
+    /// Its arguments (declared defaults are filled in for omitted ones).
+    pub arguments: Map<String, Value>,
+    /// The invoke id (the job id for async jobs).
+    pub invoke_id: String,
+    /// Overrides the manifest's per-tool timeout.
+    pub timeout: Option<Duration>,
+    /// Absolute deadline (Unix epoch ms) for `context.deadline_ms`; defaults to now + timeout.
+    pub deadline_ms: Option<u64>,
+    /// The app-facing clamped timeout forwarded as `params.timeout` (spec §10.3 HR-SI-02).
+    pub app_timeout_ms: Option<u64>,
+    /// Credentials the user configured, by name; only those the manifest declares are passed.
+    pub credentials: Map<String, Value>,
+    /// Where progress goes (async jobs); `None` drops it (sync invokes).
+    pub progress: Option<ProgressSink>,
+    /// More `context` keys (e.g. W3C `traceparent`).
+    pub extra_context: Map<String, Value>,
+}
+
+impl std::fmt::Debug for InvokeRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InvokeRequest")
+            .field("tool", &self.tool)
+            .field("invoke_id", &self.invoke_id)
+            .field("timeout", &self.timeout)
+            .field("credentials", &self.credentials.keys().collect::<Vec<_>>())
+            .field("progress", &self.progress.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A completed invoke: the plugin's `InvokeResult`, kept as the frame it came in (no copy of `data`).
+#[derive(Debug, Clone)]
+pub struct InvokeOutput {
+    frame: Frame,
+    success: bool,
+    error: Option<String>,
+    /// Host-measured duration (from sending the invoke to its answer).
+    pub duration: Duration,
+    /// Whether the call found the process already running.
+    pub warm: bool,
+}
+
+impl InvokeOutput {
+    /// `result.success` (a missing `success` is false, spec §4.4 HR-RD-02).
+    pub fn success(&self) -> bool {
+        self.success
+    }
+
+    /// The failure message of a `success: false` result.
+    pub fn error_message(&self) -> Option<&str> {
+        self.error.as_deref()
+    }
+
+    /// The whole `InvokeResult` as raw JSON.
+    pub fn result_json(&self) -> &str {
+        self.frame.result_json().unwrap_or("null")
+    }
+
+    /// `result.data` as raw JSON, if present.
+    pub fn data_json(&self) -> Option<&str> {
+        #[derive(Deserialize)]
+        struct Data<'a> {
+            #[serde(borrow, default)]
+            data: Option<&'a RawValue>,
+        }
+        serde_json::from_str::<Data<'_>>(self.result_json())
+            .ok()?
+            .data
+            .map(RawValue::get)
+    }
+
+    /// `result.data` parsed.
+    pub fn data(&self) -> Option<Value> {
+        serde_json::from_str(self.data_json()?).ok()
+    }
+
+    /// Size of the `InvokeResult` in bytes.
+    pub fn result_bytes(&self) -> usize {
+        self.result_json().len()
+    }
+}
+
+/// Immutable per-session facts shared by the session and its processes.
+pub(crate) struct SessionShared {
+    pub(crate) user: String,
+    pub(crate) tool_id: String,
+    pub(crate) install: Arc<Install>,
+    pub(crate) config: Arc<WorkerConfig>,
+    pub(crate) space: UserSpace,
+    pub(crate) cgroup: Mutex<Option<SessionCgroup>>,
+    pub(crate) spawn_plan: SpawnPlan,
+    pub(crate) services: Arc<dyn HostServices>,
+    pub(crate) tokens: Arc<dyn TokenSource>,
+    pub(crate) metrics: Arc<WorkerMetrics>,
+    pub(crate) stderr: StderrRing,
+}
+
+impl std::fmt::Debug for SessionShared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionShared")
+            .field("tool_id", &self.tool_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SessionShared {
+    /// The plugin's environment: the allow-list, the runtime variables, nothing else (no credentials, ever).
+    pub(crate) fn environment(&self) -> Vec<(String, String)> {
+        let dir = &self.install.dir;
+        let mut env: Vec<(String, String)> = Vec::new();
+        for name in self.config.env_allowlist.iter().chain(self.install.env.iter()) {
+            if let Ok(v) = std::env::var(name)
+                && !env.iter().any(|(k, _)| k == name)
+            {
+                env.push((name.clone(), v));
+            }
+        }
+        let mut set = |k: &str, v: String| {
+            env.retain(|(name, _)| name != k);
+            env.push((k.to_string(), v));
+        };
+        set("EXECUTA_HOME", dir.display().to_string());
+        let data = dir.join("data");
+        if data.is_dir() {
+            set("EXECUTA_DATA", data.display().to_string());
+        }
+        let libs: Vec<String> = ["lib", "lib64"]
+            .iter()
+            .map(|l| dir.join(l))
+            .filter(|p| p.is_dir())
+            .map(|p| p.display().to_string())
+            .collect();
+        if !libs.is_empty() {
+            let prev = std::env::var("LD_LIBRARY_PATH")
+                .ok()
+                .filter(|_| self.allowlisted("LD_LIBRARY_PATH"));
+            set(
+                "LD_LIBRARY_PATH",
+                libs.into_iter().chain(prev).collect::<Vec<_>>().join(":"),
+            );
+        }
+        let share_bin = dir.join("share").join("bin");
+        if share_bin.is_dir() {
+            let prev = std::env::var("PATH").ok().filter(|_| self.allowlisted("PATH"));
+            set(
+                "PATH",
+                std::iter::once(share_bin.display().to_string())
+                    .chain(prev)
+                    .collect::<Vec<_>>()
+                    .join(":"),
+            );
+        }
+        set("ANNA_WORKSPACE_DIR", self.space.workspace.display().to_string());
+        set("HOME", self.space.workspace.display().to_string());
+        set("TMPDIR", self.space.tmpdir.display().to_string());
+        env
+    }
+
+    fn allowlisted(&self, name: &str) -> bool {
+        self.config
+            .env_allowlist
+            .iter()
+            .chain(self.install.env.iter())
+            .any(|n| n == name)
+    }
+
+    pub(crate) fn kill_tree(&self, pid: u32) {
+        let cgroup = self
+            .cgroup
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match cgroup.as_ref() {
+            Some(cg) => {
+                if let Err(e) = cg.kill_all() {
+                    tracing::warn!(tool_id = %self.tool_id, error = %e, "killing the session cgroup failed");
+                }
+            }
+            None => kill_group(pid, rustix::process::Signal::KILL),
+        }
+    }
+
+    pub(crate) fn signal_tree(&self, pid: u32, signal: rustix::process::Signal) {
+        let cgroup = self
+            .cgroup
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match cgroup.as_ref() {
+            Some(cg) => {
+                let _ = cg.signal_all(signal);
+            }
+            None => kill_group(pid, signal),
+        }
+    }
+
+    pub(crate) fn oom_kills(&self) -> u64 {
+        let cgroup = self
+            .cgroup
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        cgroup.as_ref().map_or(0, SessionCgroup::oom_kills)
+    }
+}
+
+/// Without cgroups, the session's process group (the plugin called setsid, so its pgid is its pid).
+fn kill_group(pid: u32, signal: rustix::process::Signal) {
+    if let Some(pid) = i32::try_from(pid).ok().and_then(rustix::process::Pid::from_raw) {
+        let _ = rustix::process::kill_process_group(pid, signal);
+    }
+}
+
+struct Inner {
+    shared: Arc<SessionShared>,
+    phase: watch::Sender<Phase>,
+    demand: Notify,
+    shutdown: watch::Sender<bool>,
+    supervisor: Mutex<Option<JoinHandle<()>>>,
+    first_launch: AtomicBool,
+    in_flight: Arc<Semaphore>,
+    last_used: Mutex<Instant>,
+}
+
+/// A plugin session. Cheap to clone.
+#[derive(Clone)]
+pub struct Session {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("user", &self.inner.shared.user)
+            .field("tool_id", &self.inner.shared.tool_id)
+            .field("state", &self.state())
+            .finish()
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+enum StartError {
+    /// Retrying cannot help (spawn refused, invalid manifest).
+    Fatal(String),
+    /// May work next time (exited during the handshake, describe timed out).
+    Transient(String),
+}
+
+impl Session {
+    /// Creates the session (cgroup, user space) in state Idle; the process starts on the first call or
+    /// [`prewarm`](Self::prewarm).
+    pub fn new(user: &str, install: &Arc<Install>, ctx: &WorkerContext) -> Result<Session, SessionError> {
+        if !install.enabled {
+            return Err(SessionError::Disabled(install.tool_id.clone()));
+        }
+        let space = ctx.sandbox.user_space(user, &install.tool_id)?;
+        let limits = ctx.config.limits.with(&install.limits);
+        // A sequence number keeps a new session's cgroup apart from an evicted one's still being removed.
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+        let cgroup = ctx.sandbox.create_session(
+            &format!(
+                "{}-{}-{seq}",
+                &space.user_key[..8.min(space.user_key.len())],
+                install.tool_id
+            ),
+            limits,
+        )?;
+        let spawn_plan = SpawnPlan::new(cgroup.as_ref(), space.uid, space.gid);
+        let shared = Arc::new(SessionShared {
+            user: user.to_string(),
+            tool_id: install.tool_id.clone(),
+            config: ctx.config.clone(),
+            space,
+            cgroup: Mutex::new(cgroup),
+            spawn_plan,
+            services: ctx.services.clone(),
+            tokens: ctx.tokens.clone(),
+            metrics: ctx.metrics.clone(),
+            stderr: StderrRing::new(ctx.config.stderr_ring_bytes),
+            install: install.clone(),
+        });
+        let (phase, _) = watch::channel(Phase::Idle);
+        let (shutdown, _) = watch::channel(false);
+        let inner = Arc::new(Inner {
+            shared,
+            phase,
+            demand: Notify::new(),
+            shutdown,
+            supervisor: Mutex::new(None),
+            first_launch: AtomicBool::new(install.first_launch),
+            in_flight: Arc::new(Semaphore::new(ctx.config.max_in_flight_per_session)),
+            last_used: Mutex::new(Instant::now()),
+        });
+        let task = tokio::spawn(supervise(inner.clone()));
+        *inner
+            .supervisor
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(task);
+        Ok(Session { inner })
+    }
+
+    /// The user.
+    pub fn user(&self) -> &str {
+        &self.inner.shared.user
+    }
+
+    /// The plugin.
+    pub fn tool_id(&self) -> &str {
+        &self.inner.shared.tool_id
+    }
+
+    /// The current state.
+    pub fn state(&self) -> SessionState {
+        match &*self.inner.phase.borrow() {
+            Phase::Idle => SessionState::Idle,
+            Phase::Starting => SessionState::Starting,
+            Phase::Ready(p) if p.exit_info().is_none() => SessionState::Ready,
+            Phase::Ready(_) | Phase::Backoff => SessionState::Backoff,
+            Phase::Stopped(e) => SessionState::Stopped(e.to_string()),
+            Phase::Closed => SessionState::Closed,
+        }
+    }
+
+    fn ready(&self) -> Option<Arc<Process>> {
+        match &*self.inner.phase.borrow() {
+            Phase::Ready(p) if p.exit_info().is_none() => Some(p.clone()),
+            _ => None,
+        }
+    }
+
+    /// The pid of the running process.
+    pub fn pid(&self) -> Option<u32> {
+        self.ready().map(|p| p.pid)
+    }
+
+    /// The cached manifest of the running process.
+    pub fn manifest(&self) -> Option<Arc<Manifest>> {
+        self.ready()?.handshake.get().map(|h| h.manifest.clone())
+    }
+
+    /// The negotiated protocol of the running process.
+    pub fn protocol(&self) -> Option<ProtocolVersion> {
+        self.ready()?.handshake.get().map(|h| h.protocol)
+    }
+
+    /// The capability keys the running process negotiated.
+    pub fn negotiated(&self) -> Option<BTreeSet<String>> {
+        self.ready()?.handshake.get().map(|h| h.negotiated.clone())
+    }
+
+    /// The stderr lines kept (redacted).
+    pub fn stderr_lines(&self) -> Vec<String> {
+        self.inner.shared.stderr.lines()
+    }
+
+    /// The per-user workspace (`ANNA_WORKSPACE_DIR`) and TMPDIR of this session.
+    pub fn dirs(&self) -> (PathBuf, PathBuf) {
+        (
+            self.inner.shared.space.workspace.clone(),
+            self.inner.shared.space.tmpdir.clone(),
+        )
+    }
+
+    /// Invokes in flight.
+    pub fn in_flight(&self) -> usize {
+        self.inner.shared.config.max_in_flight_per_session - self.inner.in_flight.available_permits()
+    }
+
+    /// When the session last served a call (or was created).
+    pub fn last_used(&self) -> Instant {
+        *self
+            .inner
+            .last_used
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The session's cgroup, if isolated.
+    pub fn with_cgroup<T>(&self, f: impl FnOnce(Option<&SessionCgroup>) -> T) -> T {
+        let cg = self
+            .inner
+            .shared
+            .cgroup
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        f(cg.as_ref())
+    }
+
+    fn touch(&self) {
+        *self
+            .inner
+            .last_used
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Instant::now();
+    }
+
+    /// Waits until a process is ready (starting one if needed).
+    async fn process(&self, wait: Duration) -> Result<(Arc<Process>, bool), InvokeError> {
+        let mut rx = self.inner.phase.subscribe();
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut first = true;
+        loop {
+            let phase = rx.borrow_and_update().clone();
+            match phase {
+                Phase::Ready(p) if p.exit_info().is_none() => return Ok((p, first)),
+                Phase::Idle => self.inner.demand.notify_one(),
+                Phase::Ready(_) | Phase::Starting | Phase::Backoff => {}
+                Phase::Stopped(e) => return Err(InvokeError::Stopped(e.to_string())),
+                Phase::Closed => return Err(InvokeError::Closed),
+            }
+            first = false;
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .map_or(true, |r| r.is_err())
+            {
+                return Err(match &*rx.borrow() {
+                    Phase::Stopped(e) => InvokeError::Stopped(e.to_string()),
+                    Phase::Closed => InvokeError::Closed,
+                    _ => InvokeError::NotReady(wait),
+                });
+            }
+        }
+    }
+
+    /// Starts the process now (if not running) and waits until it is ready or `wait` has passed.
+    pub async fn prewarm(&self, wait: Duration) -> Result<(), InvokeError> {
+        self.touch();
+        self.process(wait).await.map(|_| ())
+    }
+
+    /// Runs one invoke. Many may run at once on one process; none delays another.
+    pub async fn invoke(&self, req: InvokeRequest) -> Result<InvokeOutput, InvokeError> {
+        self.touch();
+        let limit = self.inner.shared.config.max_in_flight_per_session;
+        let _permit = self
+            .inner
+            .in_flight
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| InvokeError::TooManyInFlight { limit })?;
+        // The process must be ready within the invoke's own time (a first launch may need the 60 s describe).
+        let wait = req
+            .timeout
+            .unwrap_or(limits::DEFAULT_INVOKE_TIMEOUT)
+            .max(limits::DESCRIBE_TIMEOUT_FIRST_LAUNCH);
+        let (process, warm) = self.process(wait).await?;
+        let metrics = &self.inner.shared.metrics;
+        WorkerMetrics::inc(if warm {
+            &metrics.warm_hits
+        } else {
+            &metrics.cold_starts
+        });
+        let result = self.invoke_on(&process, req, warm).await;
+        self.touch();
+        result
+    }
+
+    async fn invoke_on(
+        &self,
+        process: &Arc<Process>,
+        req: InvokeRequest,
+        warm: bool,
+    ) -> Result<InvokeOutput, InvokeError> {
+        let shared = &self.inner.shared;
+        let Some(hs) = process.handshake.get() else {
+            return Err(InvokeError::NotReady(Duration::ZERO));
+        };
+        let Some(tool) = hs.manifest.tool(&req.tool) else {
+            return Err(InvokeError::UnknownTool {
+                tool: req.tool.clone(),
+                available: hs.manifest.tools.iter().map(|t| t.name.clone()).collect(),
+            });
+        };
+        let timeout = req.timeout.unwrap_or_else(|| tool.timeout());
+        let deadline_ms = req.deadline_ms.unwrap_or_else(|| {
+            now_ms().saturating_add(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX))
+        });
+        let minted = shared.tokens.tokens(&TokenRequest {
+            user: &shared.user,
+            tool_id: &shared.tool_id,
+            invoke_id: &req.invoke_id,
+            negotiated: &hs.negotiated,
+            declared: &hs.manifest.host_capabilities,
+            deadline_ms,
+        });
+        let tokens = withhold(minted, hs);
+        let mut arguments = req.arguments;
+        tool.apply_defaults(&mut arguments);
+        let context = InvokeContext {
+            invoke_id: Some(req.invoke_id.clone()),
+            deadline_ms: Some(deadline_ms),
+            credentials: declared_credentials(&hs.manifest, &req.credentials),
+            sampling_token: tokens.sampling.clone(),
+            storage_token: tokens.storage.clone(),
+            upload_token: tokens.upload.clone(),
+            image_token: tokens.image.clone(),
+            credentials_token: tokens.credentials.clone(),
+            plugin_name: hs
+                .manifest
+                .display_name
+                .clone()
+                .or_else(|| hs.manifest.name.clone()),
+            extra: req.extra_context,
+        };
+        let params = InvokeParams {
+            tool: req.tool,
+            arguments,
+            context,
+            timeout: req.app_timeout_ms,
+            invoke_id: Some(req.invoke_id.clone()),
+        };
+        let (done, _) = watch::channel(false);
+        let active = Arc::new(ActiveInvoke {
+            invoke_id: req.invoke_id.clone(),
+            sink: req.progress,
+            gate: ProgressGate::new(),
+            tokens,
+            deadline_ms,
+            done,
+            cancel: Notify::new(),
+            cancelled: AtomicBool::new(false),
+        });
+        if process.register(active.clone()).is_none() {
+            return Err(InvokeError::DuplicateInvokeId(req.invoke_id));
+        }
+        let _registered = Unregister {
+            process: process.clone(),
+            invoke_id: req.invoke_id.clone(),
+        };
+        let started = Instant::now();
+        let (id, rx) = process
+            .request(methods::INVOKE, Some(params))
+            .await
+            .map_err(|f| self.failure(f))?;
+        let metrics = &shared.metrics;
+        tokio::select! {
+            reply = rx => {
+                let reply = reply.unwrap_or_else(|_| Err(Failure::Exited(ExitInfo {
+                    status: "unknown".into(), clean: false, oom: false, host_initiated: false })));
+                match reply {
+                    Ok(frame) => {
+                        process.answered.store(true, Ordering::Relaxed);
+                        WorkerMetrics::inc(&metrics.invokes_completed);
+                        output(frame, started.elapsed(), warm)
+                    }
+                    Err(f) => Err(self.failure(f)),
+                }
+            }
+            () = tokio::time::sleep(timeout) => {
+                process.abandon(id);
+                WorkerMetrics::inc(&metrics.invokes_timed_out);
+                self.cancel_fallback(process.clone(), id);
+                Err(InvokeError::Timeout(timeout))
+            }
+            () = active.cancel.notified() => {
+                process.abandon(id);
+                WorkerMetrics::inc(&metrics.invokes_cancelled);
+                self.cancel_fallback(process.clone(), id);
+                Err(InvokeError::Cancelled)
+            }
+        }
+    }
+
+    fn failure(&self, f: Failure) -> InvokeError {
+        match f {
+            Failure::Exited(exit) => {
+                WorkerMetrics::inc(&self.inner.shared.metrics.invokes_lost);
+                InvokeError::ProcessExited {
+                    exit,
+                    stderr_tail: self.inner.shared.stderr.tail(5),
+                }
+            }
+            Failure::FrameTooLarge {
+                frame_bytes,
+                max_frame_bytes,
+            } => InvokeError::FrameTooLarge {
+                frame_bytes,
+                max_frame_bytes,
+            },
+            Failure::FileTransport(reason) => InvokeError::FileTransport(reason),
+        }
+    }
+
+    /// The cancel fallback (spec §10.6 HR-CJ-03): if the plugin still owes the answer after the delay, kill
+    /// the session's process tree (per [`crate::config::CancelKill`]); the session restarts for the next call.
+    fn cancel_fallback(&self, process: Arc<Process>, id: u64) {
+        let after = self.inner.shared.config.cancel_kill_after;
+        let policy = self.inner.shared.config.cancel_kill;
+        tokio::spawn(async move {
+            tokio::select! {
+                () = tokio::time::sleep(after) => {}
+                _ = process.exited() => return,
+            }
+            let idle = process.active_invokes() == 0;
+            if process.still_busy_with(id) && (policy == crate::config::CancelKill::Always || idle) {
+                tracing::info!(tool_id = %process.shared.tool_id, pid = process.pid, "plugin still busy with a cancelled invoke: killing its process tree");
+                process.kill_tree().await;
+            }
+        });
+    }
+
+    /// Cancels an active invoke: its caller gets [`InvokeError::Cancelled`] at once. Returns whether it was
+    /// active. Cancelling twice (or an unknown id) is harmless.
+    pub fn cancel(&self, invoke_id: &str) -> bool {
+        let Some(process) = self.ready() else { return false };
+        let Some(invoke) = process.find_invoke(invoke_id) else {
+            return false;
+        };
+        if invoke.cancelled.swap(true, Ordering::SeqCst) {
+            return false;
+        }
+        invoke.cancel.notify_one();
+        true
+    }
+
+    /// Whether an invoke with this id is active on the session.
+    pub fn has_invoke(&self, invoke_id: &str) -> bool {
+        self.ready().is_some_and(|p| p.find_invoke(invoke_id).is_some())
+    }
+
+    /// Health (spec §3.6): `health` with a 3 s timeout; -32601 counts as healthy.
+    pub async fn health(&self) -> Health {
+        let Some(process) = self.ready() else {
+            return match self.state() {
+                SessionState::Starting | SessionState::Backoff | SessionState::Idle => Health::Starting,
+                _ => Health::Unhealthy,
+            };
+        };
+        let Ok((id, rx)) = process.request::<Value>(methods::HEALTH, None).await else {
+            return Health::Unhealthy;
+        };
+        match tokio::time::timeout(limits::HEALTH_TIMEOUT, rx).await {
+            Ok(Ok(Ok(frame))) => match frame.kind() {
+                FrameKind::ErrorResponse => match frame.error() {
+                    Some(Ok(e)) if e.code == codes::METHOD_NOT_FOUND => Health::Healthy,
+                    _ => Health::Unhealthy,
+                },
+                _ => frame
+                    .parse_payload::<HealthResult>()
+                    .ok()
+                    .flatten()
+                    .map_or(Health::Unhealthy, |h| h.classify()),
+            },
+            Ok(_) => Health::Unhealthy,
+            Err(_) => {
+                process.abandon(id);
+                Health::Unhealthy
+            }
+        }
+    }
+
+    /// Shuts the session down (close stdin → grace → SIGTERM → grace → SIGKILL of the tree), removes its cgroup.
+    pub async fn shutdown(&self) {
+        let _ = self.inner.shutdown.send(true);
+        let task = self
+            .inner
+            .supervisor
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(task) = task {
+            let _ = task.await;
+        }
+    }
+
+    /// Clears a Stopped state so the next call starts the plugin afresh (an operator action).
+    pub fn reset(&self) {
+        self.inner.phase.send_if_modified(|p| {
+            if matches!(p, Phase::Stopped(_)) {
+                *p = Phase::Idle;
+                true
+            } else {
+                false
+            }
+        });
+        self.inner.demand.notify_one();
+    }
+}
+
+struct Unregister {
+    process: Arc<Process>,
+    invoke_id: String,
+}
+
+impl Drop for Unregister {
+    fn drop(&mut self) {
+        self.process.unregister(&self.invoke_id);
+    }
+}
+
+fn output(frame: Frame, duration: Duration, warm: bool) -> Result<InvokeOutput, InvokeError> {
+    #[derive(Deserialize)]
+    struct Head {
+        #[serde(default)]
+        success: bool,
+        #[serde(default)]
+        error: Option<Value>,
+    }
+    match frame.kind() {
+        FrameKind::ErrorResponse => {
+            let e = frame
+                .error()
+                .and_then(Result::ok)
+                .unwrap_or_else(|| ErrorObject::new(codes::INTERNAL_ERROR, "unreadable error"));
+            Err(InvokeError::Plugin(e))
+        }
+        _ => {
+            let head: Head = serde_json::from_str(frame.result_json().unwrap_or("null"))
+                .map_err(|e| InvokeError::Unreadable(e.to_string()))?;
+            let error = if head.success {
+                None
+            } else {
+                Some(match head.error {
+                    Some(Value::String(s)) => s,
+                    Some(v) => v.to_string(),
+                    None => "the plugin returned success: false without an error".into(),
+                })
+            };
+            Ok(InvokeOutput {
+                frame,
+                success: head.success,
+                error,
+                duration,
+                warm,
+            })
+        }
+    }
+}
+
+/// Only the credentials the manifest declares; a declared default fills in for an unset one (spec §4.2).
+fn declared_credentials(manifest: &Manifest, configured: &Map<String, Value>) -> Option<Map<String, Value>> {
+    let mut out = Map::new();
+    for c in &manifest.credentials {
+        if let Some(v) = configured.get(&c.name) {
+            out.insert(c.name.clone(), v.clone());
+        } else if let Some(d) = &c.default {
+            out.insert(c.name.clone(), Value::String(d.clone()));
+        }
+    }
+    (!out.is_empty()).then_some(out)
+}
+
+/// Withholds every token whose capability the plugin did not negotiate (v1: all of them).
+fn withhold(tokens: InvokeTokens, hs: &Handshake) -> InvokeTokens {
+    if hs.protocol == ProtocolVersion::V1 {
+        return InvokeTokens::default();
+    }
+    let has = |k: &str| hs.negotiated.contains(k);
+    InvokeTokens {
+        sampling: tokens
+            .sampling
+            .filter(|_| has(keys::SAMPLING) || has(keys::EMBED) || has(keys::AGENT)),
+        storage: tokens.storage.filter(|_| has(keys::STORAGE)),
+        upload: tokens.upload.filter(|_| has(keys::UPLOAD)),
+        image: tokens.image.filter(|_| has(keys::IMAGE) || has(keys::IMAGE_EDIT)),
+        credentials: tokens.credentials,
+    }
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// The supervisor
+// -------------------------------------------------------------------------------------------------------------
+
+async fn supervise(inner: Arc<Inner>) {
+    let shared = inner.shared.clone();
+    let mut shutdown = inner.shutdown.subscribe();
+    let mut crashes: u32 = 0;
+    'life: loop {
+        let shutting_down = *shutdown.borrow();
+        if shutting_down {
+            break;
+        }
+        let waiting = matches!(&*inner.phase.borrow(), Phase::Idle | Phase::Stopped(_));
+        if waiting {
+            tokio::select! {
+                () = inner.demand.notified() => {}
+                () = requested(&mut shutdown) => break 'life,
+            }
+            let stopped = matches!(&*inner.phase.borrow(), Phase::Stopped(_));
+            if stopped {
+                continue;
+            }
+        }
+        inner.phase.send_replace(Phase::Starting);
+        let last_error = match start(&inner).await {
+            Ok(process) => {
+                inner.phase.send_replace(Phase::Ready(process.clone()));
+                tokio::select! {
+                    exit = process.exited() => {
+                        if exit.host_initiated {
+                            inner.phase.send_replace(Phase::Idle);
+                            crashes = 0;
+                            continue 'life;
+                        }
+                        WorkerMetrics::inc(&shared.metrics.crashes);
+                        crashes = if process.answered.load(Ordering::Relaxed) { 1 } else { crashes + 1 };
+                        tracing::warn!(tool_id = %shared.tool_id, user = %shared.user, %exit, crashes, "plugin exited unexpectedly");
+                        format!("the plugin exited unexpectedly ({exit}); stderr: {}", shared.stderr.tail(5))
+                    }
+                    () = requested(&mut shutdown) => {
+                        shutdown_ladder(&process, shared.config.shutdown_grace).await;
+                        break 'life;
+                    }
+                }
+            }
+            Err(StartError::Fatal(msg)) => {
+                WorkerMetrics::inc(&shared.metrics.stopped);
+                tracing::warn!(tool_id = %shared.tool_id, user = %shared.user, error = %msg, "plugin session stopped");
+                inner.phase.send_replace(Phase::Stopped(msg.into()));
+                continue 'life;
+            }
+            Err(StartError::Transient(msg)) => {
+                crashes += 1;
+                msg
+            }
+        };
+        if crashes > shared.config.max_restarts {
+            WorkerMetrics::inc(&shared.metrics.stopped);
+            let msg = format!("stopped after {crashes} failures in a row; last: {last_error}");
+            tracing::warn!(tool_id = %shared.tool_id, user = %shared.user, error = %msg, "plugin session stopped");
+            inner.phase.send_replace(Phase::Stopped(msg.into()));
+            crashes = 0;
+            continue 'life;
+        }
+        inner.phase.send_replace(Phase::Backoff);
+        let delay = shared
+            .config
+            .restart_backoff
+            .saturating_mul(1 << (crashes - 1).min(16));
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = requested(&mut shutdown) => break 'life,
+        }
+        WorkerMetrics::inc(&shared.metrics.restarts);
+    }
+    inner.phase.send_replace(Phase::Closed);
+    let cgroup = shared
+        .cgroup
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take();
+    if let Some(cg) = cgroup {
+        // Removal waits for the kernel (kill, rmdir retries): off the async threads.
+        let removed = tokio::task::spawn_blocking(move || cg.remove()).await;
+        if let Ok(Err(e)) = removed {
+            tracing::warn!(tool_id = %shared.tool_id, error = %e, "removing the session cgroup failed");
+        }
+    }
+}
+
+/// Resolves once shutdown is requested (the watch guard is not held across the caller's awaits).
+async fn requested(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+/// close stdin → grace → SIGTERM → grace → SIGKILL of the whole tree (spec §3.7 HR-SD-01).
+async fn shutdown_ladder(process: &Arc<Process>, grace: Duration) {
+    process.close_stdin().await;
+    if tokio::time::timeout(grace, process.exited()).await.is_ok() {
+        return;
+    }
+    process.terminate_tree();
+    if tokio::time::timeout(grace, process.exited()).await.is_ok() {
+        return;
+    }
+    process.kill_tree().await;
+    let _ = tokio::time::timeout(grace, process.exited()).await;
+}
+
+/// Spawn → `initialize` (v1 fallback) → `describe`.
+async fn start(inner: &Arc<Inner>) -> Result<Arc<Process>, StartError> {
+    let shared = &inner.shared;
+    let process = Process::spawn(shared).map_err(|e| StartError::Fatal(e.to_string()))?;
+    let exited = |what: &str, info: ExitInfo| {
+        StartError::Transient(format!(
+            "the plugin exited during {what} ({info}); stderr: {}",
+            shared.stderr.tail(5)
+        ))
+    };
+
+    let offer = InitializeParams {
+        protocol_version: PROTOCOL_V2.into(),
+        client_info: PeerInfo {
+            name: "cloud-agents".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+        },
+        capabilities: object(json!({
+            "sampling": {
+                "modalities": ["text"],
+                "maxTokensPerCall": limits::SAMPLING_MAX_TOKENS_PER_CALL,
+                "maxCallsPerInvoke": limits::SAMPLING_MAX_CALLS_PER_INVOKE,
+                "responseFormat": ["json_object", "json_schema"],
+            },
+            "fileTransport": true,
+        })),
+        host_capabilities: object(json!({ "llm.sample": true })),
+    };
+    let (id, rx) = process
+        .request(methods::INITIALIZE, Some(offer))
+        .await
+        .map_err(|f| match f {
+            Failure::Exited(info) => exited("initialize", info),
+            other => StartError::Transient(format!("{other:?}")),
+        })?;
+    let (protocol, negotiated) = match tokio::time::timeout(limits::INITIALIZE_TIMEOUT, rx).await {
+        Ok(Ok(Ok(frame))) if frame.kind() == FrameKind::Response => {
+            match frame.parse_payload::<InitializeResult>() {
+                Ok(Some(r)) if r.protocol() == ProtocolVersion::V2 => (ProtocolVersion::V2, r.negotiated()),
+                _ => (ProtocolVersion::V1, BTreeSet::new()),
+            }
+        }
+        Ok(Ok(Ok(_error_response))) => (ProtocolVersion::V1, BTreeSet::new()),
+        Ok(Ok(Err(Failure::Exited(info)))) => return Err(exited("initialize", info)),
+        Ok(Ok(Err(_))) | Ok(Err(_)) => (ProtocolVersion::V1, BTreeSet::new()),
+        Err(_) => {
+            process.abandon(id);
+            (ProtocolVersion::V1, BTreeSet::new())
+        }
+    };
+    if protocol == ProtocolVersion::V1 {
+        WorkerMetrics::inc(&shared.metrics.v1_fallbacks);
+    }
+
+    let first = inner.first_launch.load(Ordering::Relaxed);
+    let describe_timeout = if first {
+        limits::DESCRIBE_TIMEOUT_FIRST_LAUNCH
+    } else {
+        limits::DESCRIBE_TIMEOUT
+    };
+    let (id, rx) = process
+        .request::<Value>(methods::DESCRIBE, None)
+        .await
+        .map_err(|f| match f {
+            Failure::Exited(info) => exited("describe", info),
+            other => StartError::Transient(format!("{other:?}")),
+        })?;
+    let frame = match tokio::time::timeout(describe_timeout, rx).await {
+        Ok(Ok(Ok(frame))) => frame,
+        Ok(Ok(Err(Failure::Exited(info)))) => return Err(exited("describe", info)),
+        Ok(Ok(Err(other))) => {
+            process.kill_tree().await;
+            return Err(StartError::Transient(format!("describe failed: {other:?}")));
+        }
+        Ok(Err(_)) => return Err(StartError::Transient("describe: the process went away".into())),
+        Err(_) => {
+            process.abandon(id);
+            process.kill_tree().await;
+            return Err(StartError::Transient(format!(
+                "describe timed out after {describe_timeout:?}"
+            )));
+        }
+    };
+    let manifest = match frame.kind() {
+        FrameKind::ErrorResponse => {
+            process.kill_tree().await;
+            let e = frame
+                .error()
+                .and_then(Result::ok)
+                .map_or_else(|| "an error".to_string(), |e| e.to_string());
+            return Err(StartError::Fatal(format!("describe answered {e}")));
+        }
+        _ => {
+            let value: Value = frame.parse_payload().ok().flatten().unwrap_or(Value::Null);
+            match Manifest::from_value(&value) {
+                Ok(v) => {
+                    for w in &v.warnings {
+                        tracing::info!(tool_id = %shared.tool_id, warning = %w, "manifest warning");
+                    }
+                    Arc::new(v.manifest)
+                }
+                Err(e) => {
+                    process.kill_tree().await;
+                    return Err(StartError::Fatal(e.to_string()));
+                }
+            }
+        }
+    };
+    if first {
+        inner.first_launch.store(false, Ordering::Relaxed);
+        if let Err(e) = shared.install.mark_described() {
+            tracing::debug!(tool_id = %shared.tool_id, error = %e, "cannot record the first describe");
+        }
+    }
+    let _ = process.handshake.set(Handshake {
+        protocol,
+        negotiated,
+        manifest,
+    });
+    Ok(process)
+}
+
+fn object(v: Value) -> Map<String, Value> {
+    match v {
+        Value::Object(m) => m,
+        _ => Map::new(),
+    }
+}

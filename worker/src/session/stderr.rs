@@ -1,0 +1,160 @@
+//! The stderr ring of one session: drained continuously so a chatty plugin can never block on a full pipe,
+//! bounded in bytes, long lines truncated, JWT-looking strings redacted (spec §6).
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncRead, AsyncReadExt};
+
+/// Longest line kept; the rest of a longer line is dropped.
+const MAX_LINE: usize = 4096;
+
+/// A bounded ring of stderr lines, shared between the drain task and readers.
+#[derive(Debug, Clone)]
+pub(crate) struct StderrRing {
+    inner: Arc<Mutex<Ring>>,
+}
+
+#[derive(Debug)]
+struct Ring {
+    lines: VecDeque<String>,
+    bytes: usize,
+    cap: usize,
+    dropped_lines: u64,
+}
+
+impl StderrRing {
+    pub(crate) fn new(cap: usize) -> Self {
+        StderrRing {
+            inner: Arc::new(Mutex::new(Ring {
+                lines: VecDeque::new(),
+                bytes: 0,
+                cap,
+                dropped_lines: 0,
+            })),
+        }
+    }
+
+    pub(crate) fn push(&self, line: &[u8]) {
+        let text = redact(&String::from_utf8_lossy(line));
+        let Ok(mut ring) = self.inner.lock() else { return };
+        ring.bytes += text.len();
+        ring.lines.push_back(text);
+        while ring.bytes > ring.cap {
+            match ring.lines.pop_front() {
+                Some(old) => {
+                    ring.bytes -= old.len();
+                    ring.dropped_lines += 1;
+                }
+                None => break,
+            }
+        }
+    }
+
+    /// The lines kept, oldest first.
+    pub(crate) fn lines(&self) -> Vec<String> {
+        self.inner
+            .lock()
+            .map(|r| r.lines.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// The last `n` lines joined, for error messages.
+    pub(crate) fn tail(&self, n: usize) -> String {
+        let lines = self.lines();
+        let start = lines.len().saturating_sub(n);
+        lines[start..].join("\n")
+    }
+
+    /// Drains `stderr` into the ring until EOF.
+    pub(crate) async fn drain<R: AsyncRead + Unpin>(self, mut stderr: R) {
+        let mut buf = vec![0u8; 8192];
+        let mut line: Vec<u8> = Vec::new();
+        let mut truncated = false;
+        loop {
+            let n = match stderr.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            for &b in &buf[..n] {
+                if b == b'\n' {
+                    if truncated {
+                        line.extend_from_slice(" …[truncated]".as_bytes());
+                    }
+                    self.push(&line);
+                    line.clear();
+                    truncated = false;
+                } else if line.len() < MAX_LINE {
+                    line.push(b);
+                } else {
+                    truncated = true;
+                }
+            }
+        }
+        if !line.is_empty() {
+            self.push(&line);
+        }
+    }
+}
+
+/// Replaces JWT-looking words (`eyJ…` with two dots) by `<redacted-jwt>`: plugins are told never to log tokens,
+/// and this keeps a careless one from leaking them into traces (spec §6 HR-SE-05).
+pub(crate) fn redact(text: &str) -> String {
+    if !text.contains("eyJ") {
+        return text.to_string();
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("eyJ") {
+        out.push_str(&rest[..i]);
+        let word_len = rest[i..]
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.'))
+            .unwrap_or(rest.len() - i);
+        let word = &rest[i..i + word_len];
+        if word.matches('.').count() >= 2 {
+            out.push_str("<redacted-jwt>");
+        } else {
+            out.push_str(word);
+        }
+        rest = &rest[i + word_len..];
+    }
+    out.push_str(rest);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{StderrRing, redact};
+
+    #[test]
+    fn jwts_are_redacted_and_other_text_kept() {
+        assert_eq!(
+            redact("token=eyJhbGc.eyJzdWIi.sig1 ok"),
+            "token=<redacted-jwt> ok"
+        );
+        assert_eq!(redact("eyJ alone and a.b"), "eyJ alone and a.b");
+        assert_eq!(redact("plain"), "plain");
+    }
+
+    #[test]
+    fn ring_is_bounded_in_bytes() {
+        let ring = StderrRing::new(10);
+        for l in ["aaaa", "bbbb", "cccc"] {
+            ring.push(l.as_bytes());
+        }
+        assert_eq!(ring.lines(), ["bbbb", "cccc"]);
+        assert_eq!(ring.tail(1), "cccc");
+    }
+
+    #[tokio::test]
+    async fn long_lines_are_truncated() {
+        let ring = StderrRing::new(1 << 20);
+        let mut input = vec![b'x'; 10_000];
+        input.extend_from_slice(b"\nshort\n");
+        ring.clone().drain(&input[..]).await;
+        let lines = ring.lines();
+        assert_eq!(lines.len(), 2);
+        assert!(lines[0].starts_with(&"x".repeat(4096)) && lines[0].ends_with("…[truncated]"));
+        assert_eq!(lines[1], "short");
+    }
+}
