@@ -271,6 +271,14 @@ pub mod worker {
         }
     }
 
+    impl Drop for TestWorker {
+        /// Whatever the test did (or where it panicked), its cgroups and their processes go: the sweep kills
+        /// every process in the worker's subtree and removes it.
+        fn drop(&mut self) {
+            let _ = self.sandbox.remove_subtree();
+        }
+    }
+
     /// Whether a process exists (and is not a zombie).
     pub fn alive(pid: u32) -> bool {
         match std::fs::read_to_string(format!("/proc/{pid}/stat")) {

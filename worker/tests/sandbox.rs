@@ -33,7 +33,7 @@ impl Fixture {
     fn new(test: &str) -> Fixture {
         let state = tempfile::tempdir().expect("tempdir");
         let config = WorkerConfig {
-            worker_id: format!("t-{test}-{}", std::process::id()),
+            worker_id: format!("sbx-{test}-{}", std::process::id()),
             state_dir: state.path().to_path_buf(),
             isolation: IsolationMode::Cgroup,
             run_as: RunAs::PerUser {
@@ -174,6 +174,15 @@ fn machine_is_v2() -> bool {
     std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers").is_ok_and(|c| c.contains("memory"))
 }
 
+#[test]
+fn handles_are_send_and_sync() {
+    fn send_sync<T: Send + Sync + 'static>() {}
+    send_sync::<Sandbox>();
+    send_sync::<SessionCgroup>();
+    send_sync::<SpawnPlan>();
+    send_sync::<sandbox::SandboxError>();
+}
+
 #[tokio::test]
 async fn detection_reports_the_cgroup_version_and_creates_the_subtree() {
     let f = Fixture::new("detect");
@@ -200,7 +209,7 @@ async fn detection_reports_the_cgroup_version_and_creates_the_subtree() {
 #[tokio::test]
 async fn isolation_none_creates_no_cgroups() {
     let state = tempfile::tempdir().expect("tempdir");
-    let worker_id = format!("t-none-{}", std::process::id());
+    let worker_id = format!("sbx-none-{}", std::process::id());
     let config = WorkerConfig {
         worker_id: worker_id.clone(),
         state_dir: state.path().to_path_buf(),
@@ -366,6 +375,15 @@ async fn pids_limit_stops_forks() {
     };
     peak = peak.max(cg.usage().expect("usage").pids_current);
     assert!(peak <= max, "pids_current reached {peak} > {max}");
+    // Where the kernel keeps the high-water mark (pids.peak, Linux >= 6.1), it proves "never" exactly.
+    let kernel_peak = cg
+        .paths()
+        .iter()
+        .find_map(|d| std::fs::read_to_string(d.join("pids.peak")).ok());
+    if let Some(kernel_peak) = kernel_peak {
+        let kernel_peak: u64 = kernel_peak.trim().parse().expect("pids.peak");
+        assert!(kernel_peak <= max, "pids.peak {kernel_peak} > {max}");
+    }
     assert!(
         keyed_file(&cg, "pids.events", "max").is_some_and(|n| n >= 1),
         "pids.events max"
@@ -674,4 +692,106 @@ async fn spawn_cost() {
         );
     }
     cg.remove().expect("remove");
+}
+
+fn users_only_config(state: &Path, count: u32) -> WorkerConfig {
+    WorkerConfig {
+        worker_id: format!("sbx-users-only-{}", std::process::id()),
+        state_dir: state.to_path_buf(),
+        isolation: IsolationMode::None,
+        run_as: RunAs::PerUser {
+            first: FIRST_UID,
+            count,
+        },
+        ..WorkerConfig::default()
+    }
+}
+
+#[tokio::test]
+async fn uid_range_exhaustion_is_an_error() {
+    let state = tempfile::tempdir().expect("tempdir");
+    let sb = Sandbox::new(&users_only_config(state.path(), 2)).expect("sandbox");
+    let a = sb.user_space("a", "t").expect("a").uid;
+    let b = sb.user_space("b", "t").expect("b").uid;
+    assert_eq!((a, b), (Some(FIRST_UID), Some(FIRST_UID + 1)), "sequential");
+    let err = sb.user_space("c", "t").expect_err("range of 2 is full");
+    assert!(
+        matches!(err, sandbox::SandboxError::UidRangeExhausted { count: 2, .. }),
+        "{err}"
+    );
+    assert_eq!(
+        sb.user_space("a", "t").expect("known user").uid,
+        a,
+        "known users still served"
+    );
+}
+
+#[tokio::test]
+async fn user_space_never_follows_a_planted_symlink() {
+    let state = tempfile::tempdir().expect("tempdir");
+    let sb = Sandbox::new(&users_only_config(state.path(), 10)).expect("sandbox");
+    let space = sb.user_space("mallory", "t").expect("user_space");
+    let target = tempfile::tempdir().expect("target");
+    let before = std::fs::metadata(target.path()).expect("target");
+    std::fs::remove_dir(&space.tmpdir).expect("rmdir");
+    std::os::unix::fs::symlink(target.path(), &space.tmpdir).expect("symlink");
+    let err = sb
+        .user_space("mallory", "t")
+        .expect_err("a symlink is not a directory");
+    assert!(matches!(err, sandbox::SandboxError::UserDir { .. }), "{err}");
+    let after = std::fs::metadata(target.path()).expect("target");
+    assert_eq!(
+        (after.uid(), after.mode()),
+        (before.uid(), before.mode()),
+        "the link's target was not touched"
+    );
+}
+
+#[tokio::test]
+async fn kill_all_outruns_a_fork_bomb() {
+    let f = Fixture::new("forkbomb");
+    let cg = f.session("forkbomb", limits(256 << 20, 100, 1000));
+    let mut child = spawn(
+        &SpawnPlan::new(Some(&cg), None, None),
+        "sh",
+        &["-c", "b() { b | b & }; b; wait"],
+    );
+    wait_for("the bomb to hit pids.max", || {
+        keyed_file(&cg, "pids.events", "max").is_some_and(|n| n > 0)
+    })
+    .await;
+    let killed = cg.kill_all().expect("kill_all");
+    assert!(killed > 0);
+    assert!(cg.pids().expect("pids").is_empty());
+    // Killed processes stay charged to pids.current as zombies until their parent reaps them: our direct
+    // child by us, the orphans by init (slowly, on this VM).
+    // (The root shell may have died of "Cannot fork" before the kill: its status is not the point.)
+    tokio::time::timeout(DEADLINE, child.wait())
+        .await
+        .expect("exit")
+        .expect("wait");
+    wait_for("every zombie to be reaped", || {
+        cg.usage().is_ok_and(|u| u.pids_current == 0)
+    })
+    .await;
+    cg.remove().expect("remove");
+}
+
+#[tokio::test]
+async fn a_failing_plan_fails_the_spawn_and_nothing_runs_unconfined() {
+    let f = Fixture::new("planfail");
+    let cg = f.session("gone", ResourceLimits::default());
+    let plan = SpawnPlan::new(Some(&cg), None, None);
+    cg.remove().expect("remove");
+    let mut cmd = Command::new("/bin/true");
+    sandbox::apply(&mut cmd, &plan);
+    let err = cmd.spawn().expect_err("the cgroup is gone");
+    assert_eq!(err.kind(), std::io::ErrorKind::NotFound, "{err}");
+    // (uid_t)-1 would mean "keep root": refused.
+    let mut cmd = Command::new("/bin/true");
+    sandbox::apply(&mut cmd, &SpawnPlan::new(None, Some(u32::MAX), None));
+    assert_eq!(
+        cmd.spawn().expect_err("uid -1").kind(),
+        std::io::ErrorKind::InvalidInput
+    );
 }

@@ -23,7 +23,7 @@
 //!
 //! # Raw files, not cgroups-rs
 //!
-//! The cgroup files are written with `std::fs` (see [`control`](self) for the table of files per version). The
+//! The cgroup files are written with `std::fs` (`sandbox/control.rs` has the table of files per version). The
 //! whole job is about twenty small files; doing it directly is shorter and clearer than driving cgroups-rs
 //! 0.5.1, and it lets every error name the exact file. cgroups-rs would not remove any work: its v1 builder
 //! computes paths itself (relative paths only via `/proc/self/cgroup` again), `Cgroup::kill` is v2-only (the v1

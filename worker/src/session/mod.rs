@@ -262,7 +262,7 @@ pub(crate) struct SessionShared {
     pub(crate) install: Arc<Install>,
     pub(crate) config: Arc<WorkerConfig>,
     pub(crate) space: UserSpace,
-    pub(crate) cgroup: Mutex<Option<SessionCgroup>>,
+    pub(crate) cgroup: std::sync::RwLock<Option<SessionCgroup>>,
     pub(crate) spawn_plan: SpawnPlan,
     pub(crate) services: Arc<dyn HostServices>,
     pub(crate) tokens: Arc<dyn TokenSource>,
@@ -342,7 +342,7 @@ impl SessionShared {
     pub(crate) fn kill_tree(&self, pid: u32) {
         let cgroup = self
             .cgroup
-            .lock()
+            .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         match cgroup.as_ref() {
             Some(cg) => {
@@ -357,7 +357,7 @@ impl SessionShared {
     pub(crate) fn signal_tree(&self, pid: u32, signal: rustix::process::Signal) {
         let cgroup = self
             .cgroup
-            .lock()
+            .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         match cgroup.as_ref() {
             Some(cg) => {
@@ -370,7 +370,7 @@ impl SessionShared {
     pub(crate) fn oom_kills(&self) -> u64 {
         let cgroup = self
             .cgroup
-            .lock()
+            .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         cgroup.as_ref().map_or(0, SessionCgroup::oom_kills)
     }
@@ -449,7 +449,7 @@ impl Session {
             tool_id: install.tool_id.clone(),
             config: ctx.config.clone(),
             space,
-            cgroup: Mutex::new(cgroup),
+            cgroup: std::sync::RwLock::new(cgroup),
             spawn_plan,
             services: ctx.services.clone(),
             tokens: ctx.tokens.clone(),
@@ -492,7 +492,7 @@ impl Session {
         match &*self.inner.phase.borrow() {
             Phase::Idle => SessionState::Idle,
             Phase::Starting => SessionState::Starting,
-            Phase::Ready(p) if p.exit_info().is_none() => SessionState::Ready,
+            Phase::Ready(p) if p.usable() => SessionState::Ready,
             Phase::Ready(_) | Phase::Backoff => SessionState::Backoff,
             Phase::Stopped(e) => SessionState::Stopped(e.to_string()),
             Phase::Closed => SessionState::Closed,
@@ -501,7 +501,7 @@ impl Session {
 
     fn ready(&self) -> Option<Arc<Process>> {
         match &*self.inner.phase.borrow() {
-            Phase::Ready(p) if p.exit_info().is_none() => Some(p.clone()),
+            Phase::Ready(p) if p.usable() => Some(p.clone()),
             _ => None,
         }
     }
@@ -559,7 +559,7 @@ impl Session {
             .inner
             .shared
             .cgroup
-            .lock()
+            .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         f(cg.as_ref())
     }
@@ -580,7 +580,7 @@ impl Session {
         loop {
             let phase = rx.borrow_and_update().clone();
             match phase {
-                Phase::Ready(p) if p.exit_info().is_none() => return Ok((p, first)),
+                Phase::Ready(p) if p.usable() => return Ok((p, first)),
                 Phase::Idle => self.inner.demand.notify_one(),
                 Phase::Ready(_) | Phase::Starting | Phase::Backoff => {}
                 Phase::Stopped(e) => return Err(InvokeError::Stopped(e.to_string())),
@@ -1014,7 +1014,7 @@ async fn supervise(inner: Arc<Inner>) {
     inner.phase.send_replace(Phase::Closed);
     let cgroup = shared
         .cgroup
-        .lock()
+        .write()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .take();
     if let Some(cg) = cgroup {

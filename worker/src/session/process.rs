@@ -238,6 +238,11 @@ impl Process {
         lock(&self.abandoned).contains(&id) && self.exit_info().is_none()
     }
 
+    /// Whether new calls may use this process: it is running and the host has not decided to end it.
+    pub(crate) fn usable(&self) -> bool {
+        !self.host_kill.load(Ordering::SeqCst) && self.exit_info().is_none()
+    }
+
     /// How the process ended, if it has.
     pub(crate) fn exit_info(&self) -> Option<ExitInfo> {
         self.exit.borrow().clone()
