@@ -354,3 +354,26 @@ async fn sigterm_stops_the_worker_with_no_orphans_and_kill_9_leftovers_are_swept
     assert!(exit.success(), "{exit}");
     assert!(!alive(pid));
 }
+
+#[tokio::test]
+async fn without_isolation_the_process_group_still_takes_the_tree_down() {
+    let mut config = test_config("noiso");
+    config.isolation = fleet_worker::config::IsolationMode::None;
+    let w = TestWorker::start(config, &[Plugin::echo("echo", &[])]);
+    assert_eq!(w.sandbox.mode(), "none");
+    let s = w.pool.prewarm("u", "echo", GUARD).await.unwrap();
+    assert!(s.with_cgroup(|cg| cg.is_none()));
+    let pid = s.pid().unwrap();
+    let info = data(&w, "u", "echo", "inspect", json!({})).await;
+    assert_eq!(
+        info["sid"], pid,
+        "the plugin leads its own session and process group"
+    );
+    let grandchild = pid_field(&data(&w, "u", "echo", "spawn_grandchild", json!({})).await);
+    assert!(matches!(
+        call(&w, "u", "echo", req("crash", json!({}))).await,
+        Err(InvokeError::ProcessExited { .. })
+    ));
+    assert!(eventually(GUARD, || !alive(pid) && !alive(grandchild)).await);
+    w.pool.shutdown().await;
+}

@@ -6,5 +6,15 @@
 //! the real codec) and [`worker_cmd`] (`fleet worker`: the plugin host on its own).
 #![forbid(unsafe_code)]
 
+pub mod auth;
+pub mod client_cmd;
+pub mod dispatch;
+pub mod front;
+pub mod nats_server;
+pub mod node;
+pub mod policy;
 pub mod probe;
+pub mod store;
+pub mod sweeper;
+pub mod up;
 pub mod worker_cmd;

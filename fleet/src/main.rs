@@ -9,7 +9,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use serde_json::{Map, Value};
+use fleet_proto::api::methods;
+use serde_json::{Map, Value, json};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -41,12 +42,123 @@ enum Cmd {
     },
     /// Run the plugin host: load the catalogue, sweep stale cgroups, prewarm, serve until SIGTERM.
     Worker(fleet::worker_cmd::WorkerArgs),
+    /// Run everything on this machine: nats-server (unless --nats-url), the front, N workers, HTTP.
+    Up(fleet::up::UpArgs),
+    /// Mint a dev token for a user with the data dir's signing key.
+    Token {
+        /// The user (`sub`).
+        #[arg(long)]
+        user: String,
+        /// Lifetime in seconds.
+        #[arg(long, default_value_t = 3600)]
+        ttl_secs: u64,
+        /// Add the operator claim.
+        #[arg(long)]
+        operator: bool,
+        /// The data directory of `fleet up`.
+        #[arg(long, env = "FLEET_DATA_DIR", default_value = fleet::client_cmd::DEFAULT_DATA_DIR)]
+        data_dir: std::path::PathBuf,
+    },
+    /// tools.invoke: run a tool and print its result.
+    Invoke {
+        #[command(flatten)]
+        client: fleet::client_cmd::ClientArgs,
+        /// The plugin's tool_id.
+        #[arg(long)]
+        tool_id: String,
+        /// The tool inside it.
+        #[arg(long)]
+        tool: String,
+        /// Arguments as a JSON object.
+        #[arg(long)]
+        args: Option<String>,
+        /// timeoutMs (1000–90000; larger is clamped).
+        #[arg(long)]
+        timeout_ms: Option<u64>,
+    },
+    /// tools.invokeAsync: create a job and print {jobId, state, deadlineMs}.
+    InvokeAsync {
+        #[command(flatten)]
+        client: fleet::client_cmd::ClientArgs,
+        /// The plugin's tool_id.
+        #[arg(long)]
+        tool_id: String,
+        /// The tool inside it.
+        #[arg(long)]
+        tool: String,
+        /// Arguments as a JSON object.
+        #[arg(long)]
+        args: Option<String>,
+        /// The job deadline in ms (60 s – 24 h; default 30 min).
+        #[arg(long)]
+        timeout_ms: Option<u64>,
+        /// A tag stored on the job (≤ 120 chars).
+        #[arg(long)]
+        client_tag: Option<String>,
+    },
+    /// Jobs: get, cancel, list.
+    Job {
+        #[command(subcommand)]
+        command: JobCmd,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum JobCmd {
+    /// tools.getJob.
+    Get {
+        /// The job id.
+        job_id: String,
+        #[command(flatten)]
+        client: fleet::client_cmd::ClientArgs,
+        /// Only progress events after this seq.
+        #[arg(long)]
+        since_seq: Option<u64>,
+        /// At most this many progress events (1–500).
+        #[arg(long)]
+        limit: Option<u32>,
+    },
+    /// tools.cancelJob.
+    Cancel {
+        /// The job id.
+        job_id: String,
+        #[command(flatten)]
+        client: fleet::client_cmd::ClientArgs,
+        /// Why (≤ 200 chars).
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// tools.listJobs.
+    List {
+        #[command(flatten)]
+        client: fleet::client_cmd::ClientArgs,
+        /// Only jobs in this state (repeatable).
+        #[arg(long)]
+        state: Vec<String>,
+        /// Only jobs with this tag.
+        #[arg(long)]
+        client_tag: Option<String>,
+        /// Only jobs of this tool_id.
+        #[arg(long)]
+        tool_id: Option<String>,
+        /// RFC 3339 lower bound on createdAt.
+        #[arg(long)]
+        since: Option<String>,
+        /// At most this many (1–100, default 20).
+        #[arg(long)]
+        limit: Option<u32>,
+    },
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logs();
+    // Services log at info; client commands only warn (their stdout is the JSON answer).
+    init_logs(if matches!(cli.command, Cmd::Up(_) | Cmd::Worker(_)) {
+        "info"
+    } else {
+        "warn"
+    });
     match cli.command {
         Cmd::Probe {
             tool,
@@ -84,13 +196,145 @@ async fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Cmd::Up(args) => match fleet::up::run(&args).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln_error(&e.to_string());
+                ExitCode::FAILURE
+            }
+        },
+        Cmd::Token {
+            user,
+            ttl_secs,
+            operator,
+            data_dir,
+        } => print_outcome(
+            fleet::client_cmd::mint(&data_dir, &user, Duration::from_secs(ttl_secs), operator)
+                .map(|t| json!({ "token": t })),
+        ),
+        Cmd::Invoke {
+            client,
+            tool_id,
+            tool,
+            args,
+            timeout_ms,
+        } => {
+            let outcome =
+                match fleet::client_cmd::invoke_body(&tool_id, &tool, args.as_deref(), timeout_ms, None) {
+                    Ok(body) => {
+                        let wait = fleet::client_cmd::wait_for(methods::TOOLS_INVOKE, timeout_ms);
+                        fleet::client_cmd::call(&client, methods::TOOLS_INVOKE, &body, wait).await
+                    }
+                    Err(e) => Err(e),
+                };
+            print_outcome(outcome)
+        }
+        Cmd::InvokeAsync {
+            client,
+            tool_id,
+            tool,
+            args,
+            timeout_ms,
+            client_tag,
+        } => {
+            let outcome = match fleet::client_cmd::invoke_body(
+                &tool_id,
+                &tool,
+                args.as_deref(),
+                timeout_ms,
+                client_tag.as_deref(),
+            ) {
+                Ok(body) => {
+                    let wait = fleet::client_cmd::wait_for(methods::TOOLS_INVOKE_ASYNC, None);
+                    fleet::client_cmd::call(&client, methods::TOOLS_INVOKE_ASYNC, &body, wait).await
+                }
+                Err(e) => Err(e),
+            };
+            print_outcome(outcome)
+        }
+        Cmd::Job { command } => {
+            let (client, method, body) = match command {
+                JobCmd::Get {
+                    job_id,
+                    client,
+                    since_seq,
+                    limit,
+                } => {
+                    let mut body = json!({ "jobId": job_id });
+                    if let Some(s) = since_seq {
+                        body["sinceSeq"] = json!(s);
+                    }
+                    if let Some(l) = limit {
+                        body["limit"] = json!(l);
+                    }
+                    (client, methods::TOOLS_GET_JOB, body)
+                }
+                JobCmd::Cancel {
+                    job_id,
+                    client,
+                    reason,
+                } => {
+                    let mut body = json!({ "jobId": job_id });
+                    if let Some(r) = reason {
+                        body["reason"] = json!(r);
+                    }
+                    (client, methods::TOOLS_CANCEL_JOB, body)
+                }
+                JobCmd::List {
+                    client,
+                    state,
+                    client_tag,
+                    tool_id,
+                    since,
+                    limit,
+                } => {
+                    let mut body = json!({});
+                    if !state.is_empty() {
+                        body["state"] = json!(state);
+                    }
+                    if let Some(c) = client_tag {
+                        body["clientTag"] = json!(c);
+                    }
+                    if let Some(t) = tool_id {
+                        body["tool_id"] = json!(t);
+                    }
+                    if let Some(s) = since {
+                        body["since"] = json!(s);
+                    }
+                    if let Some(l) = limit {
+                        body["limit"] = json!(l);
+                    }
+                    (client, methods::TOOLS_LIST_JOBS, body)
+                }
+            };
+            let wait = fleet::client_cmd::wait_for(method, None);
+            print_outcome(fleet::client_cmd::call(&client, method, &body, wait).await)
+        }
     }
 }
 
-/// JSON logs on stderr; the filter comes from `FLEET_LOG` (tracing `EnvFilter` syntax), default `info`.
-fn init_logs() {
+/// JSON on stdout; on error the error object on stdout, `fleet: <code>: <message>` on stderr, exit 1.
+fn print_outcome(outcome: Result<Value, fleet_proto::api::ApiError>) -> ExitCode {
+    match outcome {
+        Ok(v) => {
+            println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&json!({ "error": e })).unwrap_or_default()
+            );
+            eprintln_error(&format!("{}: {}", e.code, e.message));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// JSON logs on stderr; the filter comes from `FLEET_LOG` (tracing `EnvFilter` syntax), else `default`.
+fn init_logs(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("FLEET_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let _ = tracing_subscriber::fmt()
         .json()
         .with_env_filter(filter)

@@ -831,3 +831,96 @@ impl ListJobsArgs {
         )
     }
 }
+
+// -------------------------------------------------------------------------------------------------------------
+// Front ↔ worker (NATS, internal)
+// -------------------------------------------------------------------------------------------------------------
+
+/// What the front sends a worker on `fleet.v1.worker.<id>.exec` and what comes back (spec §12.2 HR-NT-02).
+pub mod worker {
+    use serde::{Deserialize, Serialize};
+    use serde_json::value::RawValue;
+    use serde_json::{Map, Value};
+
+    use super::{ApiError, JobId};
+
+    /// Sync invoke or job.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "snake_case")]
+    pub enum ExecKind {
+        /// `tools.invoke`: the reply carries the result.
+        Sync,
+        /// `tools.invokeAsync`: the reply only accepts (or refuses) the job; the worker records the outcome.
+        Job,
+    }
+
+    /// One execution request.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    pub struct ExecRequest {
+        /// Sync or job.
+        pub kind: ExecKind,
+        /// The user (the JWT's `sub`).
+        pub user: String,
+        /// The tool id as the caller named it.
+        pub tool_id: String,
+        /// The installed plugin.
+        pub plugin: String,
+        /// The tool inside it.
+        pub tool: String,
+        /// Arguments.
+        #[serde(default)]
+        pub arguments: Map<String, Value>,
+        /// The invoke id (= job id for jobs).
+        pub invoke_id: String,
+        /// Explicit plugin-facing timeout (clamped); `None`: the manifest's tool timeout if declared, else
+        /// `default_timeout_ms`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub timeout_ms: Option<u64>,
+        /// The default when neither the caller nor the manifest gives one.
+        pub default_timeout_ms: u64,
+        /// The ceiling a manifest timeout is clamped to.
+        pub max_timeout_ms: u64,
+        /// Absolute deadline (Unix epoch ms) for jobs.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub deadline_ms: Option<u64>,
+        /// The job, for `Job`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub job_id: Option<JobId>,
+        /// What the caller asked for, when it was clamped (for `tool_timeout` details).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub requested_timeout_ms: Option<u64>,
+    }
+
+    /// The two-layer reply: outer `success` = the worker could run it; `data` = the plugin's `InvokeResult`
+    /// (spec §12.1 N8). For jobs, `success: true` means accepted.
+    #[derive(Debug, Clone, Serialize, Deserialize)]
+    pub struct ExecReply {
+        /// Delivered and executed (sync) / accepted (job).
+        pub success: bool,
+        /// The plugin's `InvokeResult`, unparsed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub data: Option<Box<RawValue>>,
+        /// Why not.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub error: Option<ApiError>,
+    }
+
+    /// The cancel command on `fleet.v1.worker.<id>.cancel` and `matrix.cancel.<client_id>` (spec §12.1 N6).
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct CancelCommand {
+        /// Always `_cancel_invoke`.
+        pub command: String,
+        /// The invoke to cancel.
+        pub invoke_id: String,
+    }
+
+    impl CancelCommand {
+        /// `_cancel_invoke` for `invoke_id`.
+        pub fn new(invoke_id: &str) -> Self {
+            CancelCommand {
+                command: "_cancel_invoke".into(),
+                invoke_id: invoke_id.into(),
+            }
+        }
+    }
+}

@@ -116,7 +116,12 @@ pub(crate) struct Process {
     tmpdir: PathBuf,
     /// Whether any invoke got an answer (a process that answers is not crash-looping).
     pub(crate) answered: AtomicBool,
+    /// Reverse-RPC calls being served: bounded, so a plugin flooding requests cannot spawn unbounded work.
+    reverse_slots: Arc<tokio::sync::Semaphore>,
 }
+
+/// Reverse-RPC calls served at once per process; more are refused with -32603 until one finishes.
+pub(crate) const MAX_CONCURRENT_REVERSE_CALLS: usize = 256;
 
 impl std::fmt::Debug for Process {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -189,6 +194,7 @@ impl Process {
             tmpdir: std::fs::canonicalize(&shared.space.tmpdir)
                 .unwrap_or_else(|_| shared.space.tmpdir.clone()),
             answered: AtomicBool::new(false),
+            reverse_slots: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_REVERSE_CALLS)),
         });
         tokio::spawn(shared.stderr.clone().drain(stderr));
         tokio::spawn(process.clone().read_loop(FrameReader::new(stdout)));
@@ -407,9 +413,21 @@ impl Process {
                 Some(id) => self.complete(id, Ok(frame)),
                 None => WorkerMetrics::inc(&self.shared.metrics.unmatched_responses),
             },
-            FrameKind::Request => {
-                tokio::spawn(self.clone().on_request(frame));
-            }
+            FrameKind::Request => match self.reverse_slots.clone().try_acquire_owned() {
+                Ok(slot) => {
+                    tokio::spawn(self.clone().on_request(frame, slot));
+                }
+                Err(_) => {
+                    if let Some(id) = frame.id().cloned() {
+                        let error = ErrorObject::new(
+                            codes::INTERNAL_ERROR,
+                            format!("more than {MAX_CONCURRENT_REVERSE_CALLS} reverse-RPC calls in flight"),
+                        );
+                        WorkerMetrics::inc(&self.shared.metrics.reverse_refused);
+                        let _ = self.writer.send(&Response::<Value>::err(id, error)).await;
+                    }
+                }
+            },
             FrameKind::Notification => {
                 if frame.method() == Some(PROGRESS_METHOD) {
                     self.on_progress(&frame);
@@ -497,7 +515,7 @@ impl Process {
     // Reverse RPC (spec §7)
     // ---------------------------------------------------------------------------------------------------------
 
-    async fn on_request(self: Arc<Self>, frame: Frame) {
+    async fn on_request(self: Arc<Self>, frame: Frame, _slot: tokio::sync::OwnedSemaphorePermit) {
         let Some(id) = frame.id().cloned() else { return };
         let outcome = self.serve_reverse(&frame).await;
         WorkerMetrics::inc(&self.shared.metrics.reverse_calls);

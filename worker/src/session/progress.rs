@@ -22,7 +22,8 @@ pub struct ProgressUpdate {
     pub data: Box<RawValue>,
 }
 
-/// Where an invoke's progress goes (the job layer stores it; `None` for synchronous invokes).
+/// Where an invoke's progress goes (the job layer stores it; `None` for synchronous invokes). It is called on the
+/// session's reader task, in stream order: it must not block (hand the event to a channel or a task).
 pub type ProgressSink = Arc<dyn Fn(ProgressUpdate) + Send + Sync>;
 
 /// Size cap + per-invoke rate limiter (governor: a burst of 50, refilled at 50 per second).

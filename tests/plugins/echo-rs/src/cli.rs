@@ -30,6 +30,25 @@ pub(crate) enum DescribeMode {
     Invalid,
 }
 
+/// How the plugin answers `health`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HealthMode {
+    /// `{"status":"ready"}`.
+    Ready,
+    /// `{"status":"ok"}`.
+    Ok,
+    /// `{"status":"healthy"}`.
+    Healthy,
+    /// `{"status":"initializing"}`.
+    Initializing,
+    /// `{"status":"error","message":"unhealthy on purpose"}`.
+    Error,
+    /// JSON-RPC error -32601.
+    MethodNotFound,
+    /// Never answer `health` (everything else is still served).
+    Hang,
+}
+
 /// What the process does, chosen by the flags.
 #[derive(Debug)]
 pub(crate) enum Mode {
@@ -58,6 +77,8 @@ pub(crate) struct Config {
     pub(crate) startup_delay_ms: u64,
     pub(crate) describe_delay_ms: u64,
     pub(crate) describe_mode: DescribeMode,
+    /// `--health MODE`: how `health` is answered.
+    pub(crate) health: HealthMode,
     /// Declared `timeout` (seconds) of the `timed_sleep` tool.
     pub(crate) tool_timeout_s: u64,
     pub(crate) exit_after_first_response: bool,
@@ -80,6 +101,7 @@ impl Default for Config {
             startup_delay_ms: 0,
             describe_delay_ms: 0,
             describe_mode: DescribeMode::Normal,
+            health: HealthMode::Ready,
             tool_timeout_s: 1,
             exit_after_first_response: false,
             ignore_eof: false,
@@ -175,6 +197,18 @@ pub(crate) fn parse(args: impl IntoIterator<Item = String>) -> Result<Mode, CliE
                     other => return Err(err(format!("--describe-mode: unknown {other:?}"))),
                 }
             }
+            "--health" => {
+                cfg.health = match value(&mut it)?.as_str() {
+                    "ready" => HealthMode::Ready,
+                    "ok" => HealthMode::Ok,
+                    "healthy" => HealthMode::Healthy,
+                    "initializing" => HealthMode::Initializing,
+                    "error" => HealthMode::Error,
+                    "method-not-found" => HealthMode::MethodNotFound,
+                    "hang" => HealthMode::Hang,
+                    other => return Err(err(format!("--health: unknown mode {other:?}"))),
+                }
+            }
             "--tool-timeout-s" => cfg.tool_timeout_s = parse_u64(&flag, &value(&mut it)?)?,
             "--exit-after-first-response" => cfg.exit_after_first_response = true,
             "--ignore-eof" => cfg.ignore_eof = true,
@@ -211,6 +245,7 @@ mod tests {
         assert_eq!(cfg.capabilities, ["sampling", "storage"]);
         assert!(cfg.host_capabilities.is_empty());
         assert_eq!(cfg.tool_timeout_s, 1);
+        assert_eq!(cfg.health, HealthMode::Ready);
     }
 
     #[test]
@@ -223,6 +258,8 @@ mod tests {
             "--describe-mode",
             "wrapped",
             "--server-info-style=snake",
+            "--health",
+            "method-not-found",
             "--stdout-banner",
             "hello world",
         ])) else {
@@ -233,6 +270,7 @@ mod tests {
         assert!(cfg.host_capabilities.is_empty());
         assert_eq!(cfg.describe_mode, DescribeMode::Wrapped);
         assert!(cfg.server_info_snake);
+        assert_eq!(cfg.health, HealthMode::MethodNotFound);
         assert_eq!(cfg.stdout_banner.as_deref(), Some("hello world"));
     }
 
@@ -245,6 +283,7 @@ mod tests {
             Ok(Mode::SleepForever)
         ));
         assert!(parse(args(&["--bogus"])).is_err());
+        assert!(parse(args(&["--health", "sick"])).is_err());
         assert!(parse(args(&["--startup-delay-ms"])).is_err());
         assert!(parse(args(&["--startup-delay-ms", "x"])).is_err());
     }

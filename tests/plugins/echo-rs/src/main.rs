@@ -28,7 +28,7 @@ use serde_json::{Map, Value, json};
 use signal_hook::consts::SIGTERM;
 use signal_hook::iterator::Signals;
 
-use crate::cli::{Config, InitMode, Mode};
+use crate::cli::{Config, HealthMode, InitMode, Mode};
 
 /// JSON-RPC error codes used by the fixture.
 pub(crate) mod code {
@@ -404,7 +404,7 @@ fn dispatch(shared: &Arc<Shared>, id: &Value, method: &str, params: Value) {
                 shared.respond_err(id, code::INTERNAL_ERROR, "cannot spawn a thread", None);
             }
         }
-        "health" => shared.respond_ok(id, &json!({ "status": "ready" })),
+        "health" => health(shared, id),
         "shutdown" => shared.respond_ok(id, &json!({ "ok": true })),
         other => {
             shared.respond_err(
@@ -415,6 +415,32 @@ fn dispatch(shared: &Arc<Shared>, id: &Value, method: &str, params: Value) {
             );
         }
     }
+}
+
+/// Answers `health` as `--health` says (`ready` by default).
+fn health(shared: &Shared, id: &Value) {
+    let status = match shared.cfg.health {
+        HealthMode::Ready => "ready",
+        HealthMode::Ok => "ok",
+        HealthMode::Healthy => "healthy",
+        HealthMode::Initializing => "initializing",
+        HealthMode::Error => {
+            shared.respond_ok(
+                id,
+                &json!({ "status": "error", "message": "unhealthy on purpose (--health error)" }),
+            );
+            return;
+        }
+        HealthMode::MethodNotFound => {
+            shared.respond_err(id, code::METHOD_NOT_FOUND, "method not found: health", None);
+            return;
+        }
+        HealthMode::Hang => {
+            eprintln!("fleet-echo-plugin: health left unanswered (--health hang)");
+            return;
+        }
+    };
+    shared.respond_ok(id, &json!({ "status": status }));
 }
 
 fn initialize(shared: &Shared, id: &Value) {

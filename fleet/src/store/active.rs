@@ -1,0 +1,257 @@
+//! Per-user active sets (`<prefix>_active`, key `<user_key>`): the ids of the user's queued and running jobs.
+//! Every change is a compare-and-set on the key's revision, so the quota check and taking the slot are one
+//! atomic step however many replicas race.
+
+use fleet_proto::api::JobId;
+use futures::{StreamExt, TryStreamExt};
+use serde::{Deserialize, Serialize};
+
+use super::settings::ACTIVE_SET_MAX_BYTES;
+use super::{JobRecord, MAX_CAS_ATTEMPTS, Op, Store, StoreError, backoff, cas_write, now_ms, read, user_key};
+
+/// The value at `<user_key>`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub(crate) struct ActiveSet {
+    /// The real user id.
+    pub(crate) user: String,
+    /// One slot per active job.
+    #[serde(default)]
+    pub(crate) jobs: Vec<Slot>,
+}
+
+/// One taken slot.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct Slot {
+    /// The job.
+    pub(crate) job_id: JobId,
+    /// When the slot was taken (epoch ms), for the orphan grace of [`Store::heal_active_set`].
+    pub(crate) taken_at_ms: u64,
+}
+
+/// The outcome of [`Store::acquire_slot`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Acquired {
+    /// This call took the slot.
+    New {
+        /// When.
+        taken_at_ms: u64,
+    },
+    /// The job held a slot already (a retried creation): nothing changed.
+    Already {
+        /// When it was taken.
+        taken_at_ms: u64,
+    },
+}
+
+const LIMIT: (&str, usize) = ("active set", ACTIVE_SET_MAX_BYTES);
+
+/// Concurrent record reads while healing.
+const HEAL_READS: usize = 8;
+
+impl Store {
+    /// The ids in the user's active set, in the order the slots were taken.
+    pub async fn active_set(&self, user: &str) -> Result<Vec<JobId>, StoreError> {
+        let set = read::<ActiveSet>(&self.inner.active, &user_key(user), Op::ActiveSet).await?;
+        Ok(set
+            .map(|s| s.value.jobs.into_iter().map(|s| s.job_id).collect())
+            .unwrap_or_default())
+    }
+
+    /// Takes a slot for `job_id` in the user's active set if it holds fewer than `max_active` ids
+    /// ([`StoreError::QuotaExceeded`] otherwise), by compare-and-set (create when absent; retried on conflict).
+    /// When the set is full it is healed once ([`heal_active_set`](Self::heal_active_set)) before refusing.
+    ///
+    /// The low-level half of [`create_job`](Self::create_job), which is what callers normally use.
+    pub async fn acquire_slot(
+        &self,
+        user: &str,
+        job_id: &JobId,
+        max_active: usize,
+    ) -> Result<Acquired, StoreError> {
+        let key = user_key(user);
+        let mut healed = false;
+        for attempt in 0..MAX_CAS_ATTEMPTS {
+            let current = read::<ActiveSet>(&self.inner.active, &key, Op::AcquireSlot).await?;
+            let (mut set, revision) = match current {
+                Some(r) => (r.value, Some(r.revision)),
+                None => (
+                    ActiveSet {
+                        user: user.to_string(),
+                        jobs: Vec::new(),
+                    },
+                    None,
+                ),
+            };
+            if let Some(slot) = set.jobs.iter().find(|s| s.job_id == *job_id) {
+                return Ok(Acquired::Already {
+                    taken_at_ms: slot.taken_at_ms,
+                });
+            }
+            if set.jobs.len() >= max_active {
+                if !healed {
+                    healed = true;
+                    if self.heal_active_set(user).await? > 0 {
+                        continue;
+                    }
+                }
+                return Err(StoreError::QuotaExceeded {
+                    active: set.jobs.len(),
+                    max: max_active,
+                });
+            }
+            let taken_at_ms = now_ms();
+            set.user = user.to_string();
+            set.jobs.push(Slot {
+                job_id: job_id.clone(),
+                taken_at_ms,
+            });
+            match cas_write(&self.inner.active, &key, &set, revision, LIMIT, Op::AcquireSlot).await? {
+                Ok(_) => return Ok(Acquired::New { taken_at_ms }),
+                Err(_conflict) => backoff(attempt).await,
+            }
+        }
+        Err(StoreError::Contention {
+            op: Op::AcquireSlot,
+            key,
+            attempts: MAX_CAS_ATTEMPTS,
+        })
+    }
+
+    /// Puts `job_id` back into the set if it is missing, ignoring the quota (a record was created after its slot
+    /// was healed away). Returns whether it had to.
+    pub(crate) async fn ensure_slot(
+        &self,
+        user: &str,
+        job_id: &JobId,
+        taken_at_ms: u64,
+    ) -> Result<bool, StoreError> {
+        let key = user_key(user);
+        for attempt in 0..MAX_CAS_ATTEMPTS {
+            let current = read::<ActiveSet>(&self.inner.active, &key, Op::AcquireSlot).await?;
+            let (mut set, revision) = match current {
+                Some(r) => (r.value, Some(r.revision)),
+                None => (
+                    ActiveSet {
+                        user: user.to_string(),
+                        jobs: Vec::new(),
+                    },
+                    None,
+                ),
+            };
+            if set.jobs.iter().any(|s| s.job_id == *job_id) {
+                return Ok(false);
+            }
+            set.jobs.push(Slot {
+                job_id: job_id.clone(),
+                taken_at_ms,
+            });
+            match cas_write(&self.inner.active, &key, &set, revision, LIMIT, Op::AcquireSlot).await? {
+                Ok(_) => return Ok(true),
+                Err(_conflict) => backoff(attempt).await,
+            }
+        }
+        Err(StoreError::Contention {
+            op: Op::AcquireSlot,
+            key,
+            attempts: MAX_CAS_ATTEMPTS,
+        })
+    }
+
+    /// Gives the job's slot back (compare-and-set; retried on conflict). Returns whether the id was in the set.
+    pub async fn release_slot(&self, user: &str, job_id: &JobId) -> Result<bool, StoreError> {
+        let key = user_key(user);
+        for attempt in 0..MAX_CAS_ATTEMPTS {
+            let Some(current) = read::<ActiveSet>(&self.inner.active, &key, Op::ReleaseSlot).await? else {
+                return Ok(false);
+            };
+            let mut set = current.value;
+            let before = set.jobs.len();
+            set.jobs.retain(|s| s.job_id != *job_id);
+            if set.jobs.len() == before {
+                return Ok(false);
+            }
+            match cas_write(
+                &self.inner.active,
+                &key,
+                &set,
+                Some(current.revision),
+                LIMIT,
+                Op::ReleaseSlot,
+            )
+            .await?
+            {
+                Ok(_) => return Ok(true),
+                Err(_conflict) => backoff(attempt).await,
+            }
+        }
+        Err(StoreError::Contention {
+            op: Op::ReleaseSlot,
+            key,
+            attempts: MAX_CAS_ATTEMPTS,
+        })
+    }
+
+    /// Heals a user's active set: drops ids whose record is terminal, and ids whose record does not exist once
+    /// their slot is older than [`orphan_slot_grace`](super::StoreSettings::orphan_slot_grace) (a replica that
+    /// died between taking the slot and creating the record). Returns how many were dropped.
+    pub async fn heal_active_set(&self, user: &str) -> Result<usize, StoreError> {
+        let key = user_key(user);
+        let grace_ms = u64::try_from(self.inner.settings.orphan_slot_grace.as_millis()).unwrap_or(u64::MAX);
+        for attempt in 0..MAX_CAS_ATTEMPTS {
+            let Some(current) = read::<ActiveSet>(&self.inner.active, &key, Op::HealActiveSet).await? else {
+                return Ok(0);
+            };
+            let job_keys: Vec<String> = current
+                .value
+                .jobs
+                .iter()
+                .map(|s| format!("{key}.{}", s.job_id))
+                .collect();
+            // Per slot: Some(whether the record is active), None when there is no record.
+            let records: Vec<Option<bool>> = futures::stream::iter(job_keys)
+                .map(|job_key| async move {
+                    match read::<JobRecord>(&self.inner.jobs, &job_key, Op::HealActiveSet).await {
+                        Ok(r) => Ok(r.map(|r| r.value.state.is_active())),
+                        // A record that does not parse is no evidence the job is over: keep the slot.
+                        Err(StoreError::Corrupt { .. }) => Ok(Some(true)),
+                        Err(e) => Err(e),
+                    }
+                })
+                .buffered(HEAL_READS)
+                .try_collect()
+                .await?;
+            let now = now_ms();
+            let mut set = current.value.clone();
+            let mut keep = records
+                .iter()
+                .zip(&current.value.jobs)
+                .map(|(record, slot)| match record {
+                    Some(active) => *active,
+                    None => now.saturating_sub(slot.taken_at_ms) < grace_ms,
+                });
+            set.jobs.retain(|_| keep.next().unwrap_or(true));
+            let dropped = current.value.jobs.len() - set.jobs.len();
+            if dropped == 0 {
+                return Ok(0);
+            }
+            match cas_write(
+                &self.inner.active,
+                &key,
+                &set,
+                Some(current.revision),
+                LIMIT,
+                Op::HealActiveSet,
+            )
+            .await?
+            {
+                Ok(_) => return Ok(dropped),
+                Err(_conflict) => backoff(attempt).await,
+            }
+        }
+        Err(StoreError::Contention {
+            op: Op::HealActiveSet,
+            key,
+            attempts: MAX_CAS_ATTEMPTS,
+        })
+    }
+}

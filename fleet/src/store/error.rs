@@ -1,0 +1,209 @@
+//! The store's typed errors: one enum, every variant names the operation that failed.
+
+use std::fmt;
+
+use fleet_proto::api::{ApiError, ApiErrorCode, JobId};
+
+use super::settings::SettingsError;
+
+/// A boxed source error (async-nats errors, I/O).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// The store operation an error comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// [`Store::open`](super::Store::open).
+    Open,
+    /// [`Store::create_job`](super::Store::create_job).
+    CreateJob,
+    /// [`Store::get_job`](super::Store::get_job).
+    GetJob,
+    /// [`Store::transition`](super::Store::transition).
+    Transition,
+    /// [`Store::update_job`](super::Store::update_job).
+    UpdateJob,
+    /// [`Store::list_jobs`](super::Store::list_jobs).
+    ListJobs,
+    /// [`Store::active_jobs`](super::Store::active_jobs).
+    ActiveJobs,
+    /// Taking a slot in a user's active set.
+    AcquireSlot,
+    /// Giving a slot back.
+    ReleaseSlot,
+    /// Reading a user's active set.
+    ActiveSet,
+    /// [`Store::heal_active_set`](super::Store::heal_active_set).
+    HealActiveSet,
+    /// [`Store::append_progress`](super::Store::append_progress).
+    AppendProgress,
+    /// [`Store::progress`](super::Store::progress).
+    Progress,
+    /// [`Store::heartbeat_worker`](super::Store::heartbeat_worker).
+    HeartbeatWorker,
+    /// [`Store::live_workers`](super::Store::live_workers).
+    LiveWorkers,
+    /// [`Store::remove_worker`](super::Store::remove_worker).
+    RemoveWorker,
+    /// [`Store::put_manifest`](super::Store::put_manifest).
+    PutManifest,
+    /// [`Store::manifest`](super::Store::manifest).
+    GetManifest,
+    /// [`Store::manifests`](super::Store::manifests).
+    ListManifests,
+}
+
+impl Op {
+    /// A short name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Op::Open => "open",
+            Op::CreateJob => "create_job",
+            Op::GetJob => "get_job",
+            Op::Transition => "transition",
+            Op::UpdateJob => "update_job",
+            Op::ListJobs => "list_jobs",
+            Op::ActiveJobs => "active_jobs",
+            Op::AcquireSlot => "acquire_slot",
+            Op::ReleaseSlot => "release_slot",
+            Op::ActiveSet => "active_set",
+            Op::HealActiveSet => "heal_active_set",
+            Op::AppendProgress => "append_progress",
+            Op::Progress => "progress",
+            Op::HeartbeatWorker => "heartbeat_worker",
+            Op::LiveWorkers => "live_workers",
+            Op::RemoveWorker => "remove_worker",
+            Op::PutManifest => "put_manifest",
+            Op::GetManifest => "manifest",
+            Op::ListManifests => "manifests",
+        }
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The user already has `max` active jobs (spec §10.4 `job_quota_exceeded`).
+    #[error("{active} active jobs, the limit is {max}")]
+    QuotaExceeded {
+        /// Active jobs now.
+        active: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A record with this id exists already (never overwritten).
+    #[error("{op}: job {job_id} exists already")]
+    JobExists {
+        /// The operation.
+        op: Op,
+        /// The id.
+        job_id: JobId,
+    },
+    /// A value over its resource's size limit; nothing was written.
+    #[error("{op}: {what} is {size} bytes, over the limit of {max}")]
+    TooLarge {
+        /// The operation.
+        op: Op,
+        /// What was too large.
+        what: &'static str,
+        /// Its size.
+        size: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// An argument the store cannot use (a limit of 0, a worker id that is not a key, a record that is not active).
+    #[error("{op}: invalid {what}: {reason}")]
+    Invalid {
+        /// The operation.
+        op: Op,
+        /// The argument.
+        what: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// The settings cannot work.
+    #[error("open: {0}")]
+    Settings(#[from] SettingsError),
+    /// Creating or updating a JetStream resource failed.
+    #[error("open: cannot create or update {resource}: {source}")]
+    Resource {
+        /// The bucket or stream.
+        resource: String,
+        /// Why.
+        #[source]
+        source: BoxError,
+    },
+    /// Too many concurrent writers on one key: the compare-and-set lost every bounded retry.
+    #[error("{op}: gave up after {attempts} conflicting writes on {key}")]
+    Contention {
+        /// The operation.
+        op: Op,
+        /// The key.
+        key: String,
+        /// Attempts made.
+        attempts: u32,
+    },
+    /// A stored value that does not parse.
+    #[error("{op}: the value at {key} is not valid: {source}")]
+    Corrupt {
+        /// The operation.
+        op: Op,
+        /// The key or subject.
+        key: String,
+        /// Why.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// NATS or JetStream failed (timeout, no server, a server-side error).
+    #[error("{op}: {source}")]
+    Nats {
+        /// The operation.
+        op: Op,
+        /// Why.
+        #[source]
+        source: BoxError,
+    },
+}
+
+impl StoreError {
+    pub(crate) fn nats(op: Op, source: impl Into<BoxError>) -> StoreError {
+        StoreError::Nats {
+            op,
+            source: source.into(),
+        }
+    }
+
+    pub(crate) fn invalid(op: Op, what: &'static str, reason: impl Into<String>) -> StoreError {
+        StoreError::Invalid {
+            op,
+            what,
+            reason: reason.into(),
+        }
+    }
+
+    /// Whether retrying the same call later may succeed (quota, contention, NATS trouble).
+    pub fn retryable(&self) -> bool {
+        matches!(
+            self,
+            StoreError::QuotaExceeded { .. } | StoreError::Contention { .. } | StoreError::Nats { .. }
+        )
+    }
+
+    /// The app-facing error: `job_quota_exceeded` for the quota, `internal_error` for everything else
+    /// (the details stay in logs).
+    pub fn to_api_error(&self) -> ApiError {
+        match self {
+            StoreError::QuotaExceeded { active, max } => ApiError::with_details(
+                ApiErrorCode::JobQuotaExceeded,
+                format!("{active} jobs are active, the limit is {max}"),
+                serde_json::json!({ "active": active, "max": max, "retriable": true }),
+            ),
+            _ => ApiError::new(ApiErrorCode::InternalError, "the job store failed"),
+        }
+    }
+}

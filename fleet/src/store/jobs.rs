@@ -1,0 +1,322 @@
+//! Job records (`<prefix>_jobs`, key `<user_key>.<job_id>`): creation with admission, reads, compare-and-set
+//! transitions and updates, listing one user's jobs, and every active job for the sweeper.
+
+use async_nats::jetstream::consumer::DeliverPolicy;
+use fleet_proto::api::{JobId, JobState};
+use futures::{StreamExt, TryStreamExt};
+
+use super::active::{Acquired, ActiveSet};
+use super::scan::{Scan, scan};
+use super::{
+    JobFilter, JobRecord, MAX_CAS_ATTEMPTS, Op, Revisioned, Store, StoreError, Transition, backoff,
+    cas_write, encode, is_kv_marker, now_ms, read, user_key,
+};
+
+/// Concurrent record reads of [`Store::active_jobs`].
+const ACTIVE_READS: usize = 16;
+
+impl Store {
+    fn record_limit(&self) -> (&'static str, usize) {
+        ("job record", self.inner.settings.job_record_max_bytes)
+    }
+
+    /// Admission and creation: takes a slot in the user's active set (at most `max_active`, else
+    /// [`StoreError::QuotaExceeded`]), then creates the record at `<user_key>.<job_id>` (never overwriting:
+    /// [`StoreError::JobExists`]). If creating the record fails, the slot is given back. The record must be
+    /// active (`queued`, normally).
+    pub async fn create_job(
+        &self,
+        record: JobRecord,
+        max_active: usize,
+    ) -> Result<Revisioned<JobRecord>, StoreError> {
+        if !record.state.is_active() {
+            return Err(StoreError::invalid(
+                Op::CreateJob,
+                "record",
+                format!("a new job must be queued or running, not {}", record.state),
+            ));
+        }
+        let bytes = encode(&record, self.record_limit(), Op::CreateJob)?;
+        let key = Self::job_key(&record.user, &record.job_id);
+        let acquired = self
+            .acquire_slot(&record.user, &record.job_id, max_active)
+            .await?;
+        let revision = match self.inner.jobs.create(&key, bytes).await {
+            Ok(revision) => revision,
+            Err(e) => {
+                // A retried creation whose first attempt got through holds the slot already: leave it.
+                if matches!(acquired, Acquired::New { .. })
+                    && let Err(release) = self.release_slot(&record.user, &record.job_id).await
+                {
+                    tracing::warn!(job = %record.job_id, error = %release, "cannot give a slot back");
+                }
+                return Err(
+                    if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists {
+                        StoreError::JobExists {
+                            op: Op::CreateJob,
+                            job_id: record.job_id,
+                        }
+                    } else {
+                        StoreError::nats(Op::CreateJob, e)
+                    },
+                );
+            }
+        };
+        // A replica that stalled between the two steps may have had its slot healed away as an orphan: put it
+        // back, so every active record is in its user's set (the sweeper finds active jobs through the sets).
+        let (Acquired::New { taken_at_ms } | Acquired::Already { taken_at_ms }) = acquired;
+        let grace_ms =
+            u64::try_from(self.inner.settings.orphan_slot_grace.as_millis() / 2).unwrap_or(u64::MAX);
+        if now_ms().saturating_sub(taken_at_ms) >= grace_ms
+            && let Err(e) = self.ensure_slot(&record.user, &record.job_id, taken_at_ms).await
+        {
+            tracing::warn!(job = %record.job_id, error = %e, "cannot re-check the job's slot");
+        }
+        Ok(Revisioned {
+            value: record,
+            revision,
+        })
+    }
+
+    /// The record and its revision, or `None` (no such job for this user — another user's job is `None` too).
+    pub async fn get_job(
+        &self,
+        user: &str,
+        job_id: &JobId,
+    ) -> Result<Option<Revisioned<JobRecord>>, StoreError> {
+        self.read_job(user, job_id, Op::GetJob).await
+    }
+
+    async fn read_job(
+        &self,
+        user: &str,
+        job_id: &JobId,
+        op: Op,
+    ) -> Result<Option<Revisioned<JobRecord>>, StoreError> {
+        let record = read::<JobRecord>(&self.inner.jobs, &Self::job_key(user, job_id), op).await?;
+        // The key already holds the user's hash; the id inside settles a (theoretical) collision.
+        Ok(record.filter(|r| r.value.user == user && r.value.job_id == *job_id))
+    }
+
+    /// Moves a job to `to` by compare-and-set: refused ([`Transition::Refused`], with the current record) when
+    /// the state machine forbids it — in particular from any terminal state, so no job ever gets two terminal
+    /// states. `edit` may set anything but the id, user, creation time and state; the store sets `updated_at_ms`,
+    /// `started_at_ms` (on `running`) and `finished_at_ms` (on a terminal state) when `edit` left them unset.
+    /// On a revision conflict the record is re-read and the check and `edit` run again (bounded).
+    /// Reaching a terminal state also gives the user's active slot back.
+    pub async fn transition(
+        &self,
+        user: &str,
+        job_id: &JobId,
+        to: JobState,
+        edit: impl Fn(&mut JobRecord) + Send + Sync,
+    ) -> Result<Transition, StoreError> {
+        let key = Self::job_key(user, job_id);
+        for attempt in 0..MAX_CAS_ATTEMPTS {
+            let Some(current) = self.read_job(user, job_id, Op::Transition).await? else {
+                return Ok(Transition::NotFound);
+            };
+            if !current.value.state.can_become(to) {
+                return Ok(Transition::Refused(current));
+            }
+            let mut next = current.value.clone();
+            edit(&mut next);
+            keep_identity(&mut next, &current.value);
+            next.state = to;
+            let now = now_ms();
+            next.updated_at_ms = now;
+            if to == JobState::Running && next.started_at_ms.is_none() {
+                next.started_at_ms = Some(now);
+            }
+            if to.is_terminal() && next.finished_at_ms.is_none() {
+                next.finished_at_ms = Some(now);
+            }
+            let limit = self.record_limit();
+            match cas_write(
+                &self.inner.jobs,
+                &key,
+                &next,
+                Some(current.revision),
+                limit,
+                Op::Transition,
+            )
+            .await?
+            {
+                Ok(revision) => {
+                    if to.is_terminal()
+                        && let Err(e) = self.release_slot(user, job_id).await
+                    {
+                        // The job is terminal; the slot is healed later (heal_active_set, or the next admission
+                        // that finds the set full).
+                        tracing::warn!(job = %job_id, error = %e, "cannot give the slot of a finished job back");
+                    }
+                    return Ok(Transition::Done(Revisioned {
+                        value: next,
+                        revision,
+                    }));
+                }
+                Err(_conflict) => backoff(attempt).await,
+            }
+        }
+        Err(StoreError::Contention {
+            op: Op::Transition,
+            key,
+            attempts: MAX_CAS_ATTEMPTS,
+        })
+    }
+
+    /// A non-state update (heartbeat, worker, `last_seq`) by compare-and-set, retried on conflict. `edit` returns
+    /// whether it changed anything (nothing is written otherwise); it cannot change the id, user, creation time or
+    /// state. Returns the record as it is now (written, or unchanged when `edit` returned `false`), or `None`
+    /// when the job does not exist or is terminal (terminal records are never written again).
+    pub async fn update_job(
+        &self,
+        user: &str,
+        job_id: &JobId,
+        edit: impl Fn(&mut JobRecord) -> bool + Send + Sync,
+    ) -> Result<Option<Revisioned<JobRecord>>, StoreError> {
+        let key = Self::job_key(user, job_id);
+        for attempt in 0..MAX_CAS_ATTEMPTS {
+            let Some(current) = self.read_job(user, job_id, Op::UpdateJob).await? else {
+                return Ok(None);
+            };
+            if current.value.state.is_terminal() {
+                return Ok(None);
+            }
+            let mut next = current.value.clone();
+            if !edit(&mut next) {
+                return Ok(Some(current));
+            }
+            keep_identity(&mut next, &current.value);
+            next.state = current.value.state;
+            next.updated_at_ms = now_ms();
+            let limit = self.record_limit();
+            match cas_write(
+                &self.inner.jobs,
+                &key,
+                &next,
+                Some(current.revision),
+                limit,
+                Op::UpdateJob,
+            )
+            .await?
+            {
+                Ok(revision) => {
+                    return Ok(Some(Revisioned {
+                        value: next,
+                        revision,
+                    }));
+                }
+                Err(_conflict) => backoff(attempt).await,
+            }
+        }
+        Err(StoreError::Contention {
+            op: Op::UpdateJob,
+            key,
+            attempts: MAX_CAS_ATTEMPTS,
+        })
+    }
+
+    /// One user's jobs matching `filter`, newest first (ties by id), at most `limit` (≥ 1); the flag is whether
+    /// more matched. Reads only the user's keys: an ephemeral consumer on `$KV.<bucket>.<user_key>.*` delivering
+    /// the last value per key (the filter is applied by the server, other users' records are never read).
+    /// Records that do not parse are skipped (and logged).
+    pub async fn list_jobs(
+        &self,
+        user: &str,
+        filter: &JobFilter,
+        limit: usize,
+    ) -> Result<(Vec<JobRecord>, bool), StoreError> {
+        if limit == 0 {
+            return Err(StoreError::invalid(Op::ListJobs, "limit", "must be at least 1"));
+        }
+        let jobs = &self.inner.jobs;
+        let messages = scan(
+            &jobs.stream,
+            Scan {
+                filter: format!("{}{}.*", jobs.prefix, user_key(user)),
+                deliver: DeliverPolicy::LastPerSubject,
+                headers_only: false,
+                max: usize::MAX,
+            },
+        )
+        .await
+        .map_err(|e| StoreError::nats(Op::ListJobs, e))?;
+        let mut matched: Vec<JobRecord> = messages
+            .iter()
+            .filter(|m| !is_kv_marker(&m.message))
+            .filter_map(|m| match serde_json::from_slice::<JobRecord>(&m.message.payload) {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    tracing::warn!(subject = %m.message.subject, error = %e, "skipping a job record that does not parse");
+                    None
+                }
+            })
+            .filter(|r| r.user == user && filter.matches(r))
+            .collect();
+        matched.sort_by(|a, b| {
+            b.created_at_ms
+                .cmp(&a.created_at_ms)
+                .then_with(|| b.job_id.cmp(&a.job_id))
+        });
+        let truncated = matched.len() > limit;
+        matched.truncate(limit);
+        Ok((matched, truncated))
+    }
+
+    /// Every queued or running job of every user, for the expiry sweeper. Found through the active sets (small:
+    /// at most `max_active` ids per user) rather than by reading every record of the retention window.
+    pub async fn active_jobs(&self) -> Result<Vec<Revisioned<JobRecord>>, StoreError> {
+        let active = &self.inner.active;
+        let sets = scan(
+            &active.stream,
+            Scan {
+                filter: format!("{}>", active.prefix),
+                deliver: DeliverPolicy::LastPerSubject,
+                headers_only: false,
+                max: usize::MAX,
+            },
+        )
+        .await
+        .map_err(|e| StoreError::nats(Op::ActiveJobs, e))?;
+        let mut keys = Vec::new();
+        for message in sets.iter().filter(|m| !is_kv_marker(&m.message)) {
+            let Some(user_key) = message.message.subject.strip_prefix(active.prefix.as_str()) else {
+                continue;
+            };
+            match serde_json::from_slice::<ActiveSet>(&message.message.payload) {
+                Ok(set) => keys.extend(set.jobs.into_iter().map(|s| format!("{user_key}.{}", s.job_id))),
+                Err(e) => {
+                    tracing::warn!(key = %user_key, error = %e, "skipping an active set that does not parse")
+                }
+            }
+        }
+        let records: Vec<Option<Revisioned<JobRecord>>> = futures::stream::iter(keys)
+            .map(|key| async move {
+                match read::<JobRecord>(&self.inner.jobs, &key, Op::ActiveJobs).await {
+                    Err(StoreError::Corrupt { key, source, .. }) => {
+                        tracing::warn!(%key, error = %source, "skipping a job record that does not parse");
+                        Ok(None)
+                    }
+                    other => other,
+                }
+            })
+            .buffer_unordered(ACTIVE_READS)
+            .try_collect()
+            .await?;
+        let mut out: Vec<_> = records
+            .into_iter()
+            .flatten()
+            .filter(|r| r.value.state.is_active())
+            .collect();
+        out.sort_by_key(|r| r.value.created_at_ms);
+        Ok(out)
+    }
+}
+
+/// Restores what no edit may change.
+fn keep_identity(next: &mut JobRecord, current: &JobRecord) {
+    next.job_id.clone_from(&current.job_id);
+    next.user.clone_from(&current.user);
+    next.created_at_ms = current.created_at_ms;
+}

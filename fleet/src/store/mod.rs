@@ -1,0 +1,261 @@
+//! Every durable fact of the job layer, on NATS JetStream: job records, per-user active sets (the 5-job quota),
+//! progress rings, and the worker registry. The front is stateless; any replica can serve any call, and every
+//! write that decides something (admission, a state transition) is a compare-and-set on a KV revision.
+//!
+//! Resources and their settings: [`settings`] (one place; see also README "State in JetStream").
+//!
+//! Keys:
+//! * jobs: `<user_key>.<job_id>` — the user is part of the key, so reading another user's job is simply "absent"
+//!   and listing one user's jobs reads only that user's keys;
+//! * active sets: `<user_key>`;
+//! * workers: `<worker_id>`;
+//! * manifests: the [`user_key`]-style hash of the tool id (the id is kept in the value);
+//! * progress subjects: `<prefix>.v1.progress.<user_key>.<job_id>`.
+//!
+//! [`user_key`] maps any user id to 32 hex characters (user ids may hold characters subjects and keys forbid);
+//! the real id is kept inside the values.
+//!
+//! Invariants:
+//! * a job never gets two terminal states, and a terminal record is never written again
+//!   ([`Store::transition`], [`Store::update_job`]);
+//! * a user never has more than `max_active` ids in the active set, however many replicas race
+//!   ([`Store::create_job`]); a slot is taken before the record exists and given back when the record becomes
+//!   terminal, and [`Store::heal_active_set`] drops slots left behind by a replica that died in between.
+
+mod active;
+mod error;
+mod jobs;
+mod manifests;
+mod progress;
+mod record;
+mod scan;
+pub mod settings;
+mod workers;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv, stream::Stream};
+use bytes::Bytes;
+use fleet_proto::api::{JobId, JobState};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use sha2::{Digest, Sha256};
+
+pub use active::Acquired;
+pub use error::{BoxError, Op, StoreError};
+pub use record::{JobRecord, now_ms, rfc3339_ms};
+pub use settings::{SettingsError, StoreSettings};
+pub use workers::WorkerInfo;
+
+/// Compare-and-set retries before [`StoreError::Contention`].
+const MAX_CAS_ATTEMPTS: u32 = 100;
+
+/// The subject- and key-safe form of a user id: the first 32 hex characters of its SHA-256.
+pub fn user_key(user: &str) -> String {
+    let digest = Sha256::digest(user.as_bytes());
+    let mut out = String::with_capacity(32);
+    for b in digest.iter().take(16) {
+        out.push(char::from_digit(u32::from(b >> 4), 16).unwrap_or('0'));
+        out.push(char::from_digit(u32::from(b & 0xf), 16).unwrap_or('0'));
+    }
+    out
+}
+
+/// A value and the KV revision it was read or written at.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Revisioned<T> {
+    /// The value.
+    pub value: T,
+    /// Its revision (the stream sequence of the write).
+    pub revision: u64,
+}
+
+/// The outcome of [`Store::transition`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Transition {
+    /// Written: the record as stored now.
+    Done(Revisioned<JobRecord>),
+    /// The state machine forbids it (e.g. the job is terminal already): the current record, unchanged.
+    Refused(Revisioned<JobRecord>),
+    /// No such job for this user.
+    NotFound,
+}
+
+/// `listJobs` filters (spec §10.8). Empty `states` = any state.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct JobFilter {
+    /// Only this tool id.
+    pub tool_id: Option<String>,
+    /// Only these states (any, when empty).
+    pub states: Vec<JobState>,
+    /// Exact `clientTag`.
+    pub client_tag: Option<String>,
+    /// `created_at_ms >= since_ms`.
+    pub since_ms: Option<u64>,
+}
+
+impl JobFilter {
+    /// Whether a record passes the filter.
+    pub fn matches(&self, r: &JobRecord) -> bool {
+        self.tool_id.as_ref().is_none_or(|t| *t == r.tool_id)
+            && (self.states.is_empty() || self.states.contains(&r.state))
+            && self
+                .client_tag
+                .as_ref()
+                .is_none_or(|t| r.client_tag.as_ref() == Some(t))
+            && self.since_ms.is_none_or(|s| r.created_at_ms >= s)
+    }
+}
+
+/// The job store. Cheap to clone; every clone shares one JetStream context.
+#[derive(Debug, Clone)]
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    js: jetstream::Context,
+    settings: StoreSettings,
+    jobs: kv::Store,
+    active: kv::Store,
+    workers: kv::Store,
+    manifests: kv::Store,
+    progress: Stream,
+}
+
+impl Store {
+    /// Creates every resource, or updates it to `settings` (idempotent: opening twice with the same settings
+    /// changes nothing; any number of replicas may open concurrently).
+    pub async fn open(js: jetstream::Context, settings: StoreSettings) -> Result<Store, StoreError> {
+        settings.validate()?;
+        let jobs = open_kv(&js, settings.jobs_kv_config()).await?;
+        let active = open_kv(&js, settings.active_kv_config()).await?;
+        let workers = open_kv(&js, settings.workers_kv_config()).await?;
+        let manifests = open_kv(&js, settings.manifests_kv_config()).await?;
+        let config = settings.progress_stream_config();
+        let name = config.name.clone();
+        let resource = |source: BoxError| StoreError::Resource {
+            resource: name.clone(),
+            source,
+        };
+        Box::pin(js.create_or_update_stream(config))
+            .await
+            .map_err(|e| resource(e.into()))?;
+        let progress = Box::pin(js.get_stream(&name))
+            .await
+            .map_err(|e| resource(e.into()))?;
+        Ok(Store {
+            inner: Arc::new(Inner {
+                js,
+                settings,
+                jobs,
+                active,
+                workers,
+                manifests,
+                progress,
+            }),
+        })
+    }
+
+    /// The settings it was opened with.
+    pub fn settings(&self) -> &StoreSettings {
+        &self.inner.settings
+    }
+
+    fn job_key(user: &str, job_id: &JobId) -> String {
+        format!("{}.{}", user_key(user), job_id)
+    }
+}
+
+async fn open_kv(js: &jetstream::Context, config: kv::Config) -> Result<kv::Store, StoreError> {
+    let bucket = config.bucket.clone();
+    Box::pin(js.create_or_update_key_value(config))
+        .await
+        .map_err(|e| StoreError::Resource {
+            resource: bucket,
+            source: e.into(),
+        })
+}
+
+/// Reads a KV value; a deleted or purged key is `None`.
+async fn read<T: DeserializeOwned>(
+    kv: &kv::Store,
+    key: &str,
+    op: Op,
+) -> Result<Option<Revisioned<T>>, StoreError> {
+    match kv.entry(key).await.map_err(|e| StoreError::nats(op, e))? {
+        Some(entry) if entry.operation == kv::Operation::Put => {
+            let value = serde_json::from_slice(&entry.value).map_err(|source| StoreError::Corrupt {
+                op,
+                key: key.to_string(),
+                source,
+            })?;
+            Ok(Some(Revisioned {
+                value,
+                revision: entry.revision,
+            }))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// A lost compare-and-set.
+struct Conflict;
+
+/// Serializes `value`, checks it fits, and writes it: `create` when `revision` is `None` (absent or deleted key),
+/// else `update` expecting `revision`. `Ok(Err(Conflict))` when another writer got there first.
+async fn cas_write<T: Serialize>(
+    kv: &kv::Store,
+    key: &str,
+    value: &T,
+    revision: Option<u64>,
+    limit: (&'static str, usize),
+    op: Op,
+) -> Result<Result<u64, Conflict>, StoreError> {
+    let bytes = encode(value, limit, op)?;
+    match revision {
+        None => match kv.create(key, bytes).await {
+            Ok(rev) => Ok(Ok(rev)),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(Err(Conflict)),
+            Err(e) => Err(StoreError::nats(op, e)),
+        },
+        Some(rev) => match kv.update(key, bytes, rev).await {
+            Ok(rev) => Ok(Ok(rev)),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(Err(Conflict)),
+            Err(e) => Err(StoreError::nats(op, e)),
+        },
+    }
+}
+
+/// JSON of `value`, refused when over `limit`.
+fn encode<T: Serialize>(value: &T, (what, max): (&'static str, usize), op: Op) -> Result<Bytes, StoreError> {
+    let bytes = serde_json::to_vec(value).map_err(|e| StoreError::invalid(op, what, e.to_string()))?;
+    if bytes.len() > max {
+        return Err(StoreError::TooLarge {
+            op,
+            what,
+            size: bytes.len(),
+            max,
+        });
+    }
+    Ok(bytes.into())
+}
+
+/// A short random pause after a lost compare-and-set, growing with the attempt (≤ 32 ms), so racing writers
+/// spread out instead of colliding again.
+async fn backoff(attempt: u32) {
+    let cap = 1u64 << attempt.min(5);
+    let ms = rand::random_range(0..=cap);
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+}
+
+/// Whether a KV message (read through a consumer) is a delete/purge marker rather than a value.
+fn is_kv_marker(message: &async_nats::Message) -> bool {
+    message.headers.as_ref().is_some_and(|h| {
+        h.get("KV-Operation")
+            .is_some_and(|v| matches!(v.as_str(), "DEL" | "PURGE"))
+            || h.get(async_nats::header::NATS_MARKER_REASON).is_some()
+    })
+}

@@ -1,0 +1,270 @@
+//! Every JetStream resource of the job layer and its settings, in one place (design.md "State in JetStream").
+//!
+//! | Resource | Kind | Key / subject | Settings |
+//! |---|---|---|---|
+//! | `<prefix>_jobs` | KV | `<user_key>.<job_id>` → [`JobRecord`](super::JobRecord) JSON | history 1, `max_age` = job retention (8 d), `max_value_size` = 384 KiB |
+//! | `<prefix>_active` | KV | `<user_key>` → the user's active (queued + running) job ids | history 1, `max_age` = job retention, `max_value_size` = 64 KiB |
+//! | `<prefix>_workers` | KV | `<worker_id>` → [`WorkerInfo`](super::WorkerInfo) JSON | history 1, `max_age` = worker TTL (10 s): an expired key is a dead worker |
+//! | `<prefix>_manifests` | KV | `<hash of tool_id>` → `{tool_id, manifest}` | history 1, no `max_age`, `max_value_size` = 512 KiB |
+//! | `<prefix>_progress` | stream | `<prefix>.v1.progress.<user_key>.<job_id>`, header `Fleet-Seq` | 500 msgs per subject, discard old, `max_msg_size` = 8 KiB + 1 KiB, `max_age` = job retention |
+//!
+//! All are created (or updated to these settings) at [`Store::open`](super::Store::open), with `replicas` and
+//! `storage` applied to each.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{kv, stream};
+use fleet_proto::limits;
+
+const KIB: usize = 1024;
+
+/// Bytes a progress message may carry beyond the event itself: headers (`Fleet-Seq`, `Nats-Msg-Id`) and the
+/// `{seq, type, data}` envelope around `data`.
+pub const PROGRESS_ENVELOPE_HEADROOM: usize = KIB;
+
+/// Largest active-set value (a few job ids; far above `max_active` × 60 bytes).
+pub const ACTIVE_SET_MAX_BYTES: usize = 64 * KIB;
+
+/// Largest worker registry value.
+pub const WORKER_INFO_MAX_BYTES: usize = 64 * KIB;
+
+/// Largest recorded manifest (with its tool id).
+pub const MANIFEST_MAX_BYTES: usize = 512 * KIB;
+
+/// Warm sessions listed per worker at most (the rest are dropped from the summary).
+pub const WORKER_WARM_SESSIONS_MAX: usize = 256;
+
+/// Window in which a re-published progress event (same job, same seq) is dropped as a duplicate.
+pub const PROGRESS_DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
+
+/// Header carrying a progress event's per-job seq.
+pub const SEQ_HEADER: &str = "Fleet-Seq";
+
+/// Settings of every resource of the [`Store`](super::Store).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoreSettings {
+    /// Prefix of every bucket, stream and subject (`[A-Za-z0-9_-]+`). Default `fleet`.
+    pub prefix: String,
+    /// JetStream replicas of every resource (1 for a single server, 3 in a cluster). Default 1.
+    pub replicas: usize,
+    /// Storage of every resource. Default file.
+    pub storage: stream::StorageType,
+    /// How long job records, active sets and progress are kept: at least the 7-day `listJobs` lookback
+    /// (spec §10.8 HR-LJ-01). Default 8 days.
+    pub job_retention: Duration,
+    /// Largest stored job record: the 256 KB result cap + the 64 KB args cap + 64 KiB for the rest. Default 384 KiB.
+    pub job_record_max_bytes: usize,
+    /// Progress events kept per job (the ring, spec §8.10 HR-PG-05). Default 500.
+    pub progress_max_per_job: usize,
+    /// Largest progress event (`{seq, type, data}` JSON), spec §8.10 HR-PG-05. Default 8 KiB; the stream's
+    /// message limit adds [`PROGRESS_ENVELOPE_HEADROOM`].
+    pub progress_max_bytes_per_event: usize,
+    /// A worker whose registry key was not refreshed for this long is dead. Default 10 s.
+    pub worker_ttl: Duration,
+    /// An id in a user's active set whose job record does not exist is dropped by
+    /// [`heal_active_set`](super::Store::heal_active_set) only once its slot is this old (a replica may be
+    /// between taking the slot and creating the record). Default 30 s.
+    pub orphan_slot_grace: Duration,
+}
+
+impl Default for StoreSettings {
+    fn default() -> Self {
+        StoreSettings {
+            prefix: "fleet".to_string(),
+            replicas: 1,
+            storage: stream::StorageType::File,
+            job_retention: limits::JOB_RETENTION + Duration::from_secs(24 * 3600),
+            job_record_max_bytes: limits::MAX_JOB_RESULT_BYTES + limits::MAX_JOB_ARGS_BYTES + 64 * KIB,
+            progress_max_per_job: limits::PROGRESS_RING_SIZE,
+            progress_max_bytes_per_event: limits::MAX_PROGRESS_EVENT_BYTES,
+            worker_ttl: Duration::from_secs(10),
+            orphan_slot_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Settings that cannot work.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SettingsError {
+    /// The prefix must be a subject token and part of a bucket name.
+    #[error("prefix {0:?} must be 1–32 characters of [A-Za-z0-9_-]")]
+    Prefix(String),
+    /// Replicas out of range.
+    #[error("replicas must be 1–5, got {0}")]
+    Replicas(usize),
+    /// Retention below the spec's minimum.
+    #[error("job_retention {0:?} is below the 7-day listJobs lookback (spec §10.8 HR-LJ-01)")]
+    Retention(Duration),
+    /// A size or count out of range.
+    #[error("{field} = {value} is out of range ({range})")]
+    Range {
+        /// The setting.
+        field: &'static str,
+        /// Its value.
+        value: u128,
+        /// The allowed range.
+        range: &'static str,
+    },
+}
+
+impl StoreSettings {
+    /// Checks the settings can be turned into resources.
+    pub fn validate(&self) -> Result<(), SettingsError> {
+        let p = &self.prefix;
+        if p.is_empty()
+            || p.len() > 32
+            || !p
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        {
+            return Err(SettingsError::Prefix(p.clone()));
+        }
+        if !(1..=5).contains(&self.replicas) {
+            return Err(SettingsError::Replicas(self.replicas));
+        }
+        if self.job_retention < limits::JOB_RETENTION {
+            return Err(SettingsError::Retention(self.job_retention));
+        }
+        let range = |field, value: u128, ok: bool, range| {
+            if ok {
+                Ok(())
+            } else {
+                Err(SettingsError::Range { field, value, range })
+            }
+        };
+        let r = self.job_record_max_bytes;
+        range(
+            "job_record_max_bytes",
+            r as u128,
+            (KIB..=1024 * KIB).contains(&r),
+            "1 KiB–1 MiB",
+        )?;
+        let n = self.progress_max_per_job;
+        range(
+            "progress_max_per_job",
+            n as u128,
+            (1..=100_000).contains(&n),
+            "1–100000",
+        )?;
+        let b = self.progress_max_bytes_per_event;
+        range(
+            "progress_max_bytes_per_event",
+            b as u128,
+            (64..=512 * KIB).contains(&b),
+            "64 B–512 KiB",
+        )?;
+        let t = self.worker_ttl;
+        range("worker_ttl", t.as_millis(), t >= Duration::from_secs(1), "≥ 1 s")?;
+        Ok(())
+    }
+
+    /// `<prefix>_jobs`.
+    pub fn jobs_bucket(&self) -> String {
+        format!("{}_jobs", self.prefix)
+    }
+
+    /// `<prefix>_active`.
+    pub fn active_bucket(&self) -> String {
+        format!("{}_active", self.prefix)
+    }
+
+    /// `<prefix>_workers`.
+    pub fn workers_bucket(&self) -> String {
+        format!("{}_workers", self.prefix)
+    }
+
+    /// `<prefix>_manifests`.
+    pub fn manifests_bucket(&self) -> String {
+        format!("{}_manifests", self.prefix)
+    }
+
+    /// `<prefix>_progress`.
+    pub fn progress_stream(&self) -> String {
+        format!("{}_progress", self.prefix)
+    }
+
+    /// `<prefix>.v1.progress` (the stream listens on `<prefix>.v1.progress.>`).
+    pub fn progress_subject_prefix(&self) -> String {
+        format!("{}.v1.progress", self.prefix)
+    }
+
+    /// The largest progress message the stream accepts (event + headroom).
+    pub fn progress_max_message_bytes(&self) -> usize {
+        self.progress_max_bytes_per_event + PROGRESS_ENVELOPE_HEADROOM
+    }
+
+    fn kv(&self, bucket: String, description: &str, max_age: Duration, max_value_size: usize) -> kv::Config {
+        kv::Config {
+            bucket,
+            description: description.to_string(),
+            max_value_size: i32::try_from(max_value_size).unwrap_or(i32::MAX),
+            history: 1,
+            max_age,
+            max_bytes: -1,
+            storage: self.storage,
+            num_replicas: self.replicas,
+            ..Default::default()
+        }
+    }
+
+    /// The jobs bucket: one record per job, history 1, kept for the retention.
+    pub fn jobs_kv_config(&self) -> kv::Config {
+        self.kv(
+            self.jobs_bucket(),
+            "fleet job records",
+            self.job_retention,
+            self.job_record_max_bytes,
+        )
+    }
+
+    /// The per-user active sets.
+    pub fn active_kv_config(&self) -> kv::Config {
+        self.kv(
+            self.active_bucket(),
+            "fleet per-user active job sets",
+            self.job_retention,
+            ACTIVE_SET_MAX_BYTES,
+        )
+    }
+
+    /// The worker registry: keys expire after the worker TTL unless refreshed.
+    pub fn workers_kv_config(&self) -> kv::Config {
+        self.kv(
+            self.workers_bucket(),
+            "fleet live workers",
+            self.worker_ttl,
+            WORKER_INFO_MAX_BYTES,
+        )
+    }
+
+    /// The manifests of installed tools, kept until replaced.
+    pub fn manifests_kv_config(&self) -> kv::Config {
+        self.kv(
+            self.manifests_bucket(),
+            "fleet plugin manifests",
+            Duration::ZERO,
+            MANIFEST_MAX_BYTES,
+        )
+    }
+
+    /// The progress stream: one subject per job, the newest `progress_max_per_job` kept.
+    pub fn progress_stream_config(&self) -> stream::Config {
+        stream::Config {
+            name: self.progress_stream(),
+            description: Some("fleet job progress rings".to_string()),
+            subjects: vec![format!("{}.>", self.progress_subject_prefix())],
+            max_messages_per_subject: i64::try_from(self.progress_max_per_job).unwrap_or(i64::MAX),
+            max_message_size: i32::try_from(self.progress_max_message_bytes()).unwrap_or(i32::MAX),
+            max_age: self.job_retention,
+            max_messages: -1,
+            max_bytes: -1,
+            discard: stream::DiscardPolicy::Old,
+            retention: stream::RetentionPolicy::Limits,
+            storage: self.storage,
+            num_replicas: self.replicas,
+            duplicate_window: PROGRESS_DUPLICATE_WINDOW,
+            allow_direct: true,
+            ..Default::default()
+        }
+    }
+}

@@ -1,0 +1,136 @@
+//! The sweeper, run by every front replica (idempotent through compare-and-set, no leader): expires jobs past
+//! their deadline (and cancels their execution wherever it runs), fails running jobs whose worker's registry entry
+//! expired (`executa_unavailable`, retriable, `details.reason = "worker_lost"`), and dispatches queued jobs
+//! nobody took, interleaving users (round robin by user, not FIFO over everyone).
+//!
+//! Bounds: a job is terminal at most one sweep period (1 s) after its deadline while any front runs; a job whose
+//! worker died is failed within the worker TTL (10 s) plus one sweep period.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use fleet_proto::api::{ApiError, ApiErrorCode, JobState, ToolJobEvent};
+use serde_json::json;
+
+use crate::front::{Front, dispatch_job, publish_event};
+use crate::node::now_ms;
+use crate::store::{JobRecord, Transition};
+
+/// How often a sweep runs.
+pub const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// A queued job dispatched this long ago and still not running is dispatched again.
+const REDISPATCH_AFTER_MS: u64 = 10_000;
+
+/// One sweep; returns (expired, lost, dispatched).
+pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize, usize) {
+    let store = front.store();
+    let Ok(jobs) = store.active_jobs().await else {
+        return (0, 0, 0);
+    };
+    let now = now_ms();
+    let (mut expired, mut lost) = (0, 0);
+    let mut waiting: BTreeMap<String, Vec<JobRecord>> = BTreeMap::new();
+    for job in jobs {
+        let r = job.value;
+        if now >= r.deadline_ms {
+            let outcome = store
+                .transition(&r.user, &r.job_id, JobState::Expired, |rec| {
+                    rec.finished_at_ms = Some(now_ms());
+                    rec.error = Some(ApiError::new(
+                        ApiErrorCode::ToolTimeout,
+                        "the job's deadline passed",
+                    ));
+                })
+                .await;
+            if let Ok(Transition::Done(done)) = outcome {
+                expired += 1;
+                front
+                    .dispatcher()
+                    .cancel(done.value.worker.as_deref(), r.job_id.as_str())
+                    .await;
+                terminal_event(client, &done.value, JobState::Expired).await;
+            }
+            continue;
+        }
+        match r.state {
+            JobState::Running => {
+                let worker_live = match &r.worker {
+                    Some(w) => front.dispatcher().is_live(w).await,
+                    None => false,
+                };
+                if !worker_live {
+                    let outcome = store
+                        .transition(&r.user, &r.job_id, JobState::Failed, |rec| {
+                            rec.finished_at_ms = Some(now_ms());
+                            rec.error = Some(ApiError::with_details(
+                                ApiErrorCode::ExecutaUnavailable,
+                                "the worker running the job is gone",
+                                json!({ "reason": "worker_lost", "retriable": true, "worker": rec.worker }),
+                            ));
+                        })
+                        .await;
+                    if let Ok(Transition::Done(done)) = outcome {
+                        lost += 1;
+                        terminal_event(client, &done.value, JobState::Failed).await;
+                    }
+                }
+            }
+            JobState::Queued => {
+                let stale = match &r.worker {
+                    None => true,
+                    Some(w) => {
+                        !front.dispatcher().is_live(w).await
+                            || now.saturating_sub(r.updated_at_ms) > REDISPATCH_AFTER_MS
+                    }
+                };
+                if stale {
+                    waiting.entry(r.user.clone()).or_default().push(r);
+                }
+            }
+            _ => {}
+        }
+    }
+    // Round robin across users, oldest first within a user.
+    for jobs in waiting.values_mut() {
+        jobs.sort_by_key(|j| std::cmp::Reverse(j.created_at_ms));
+    }
+    let mut dispatched = 0;
+    loop {
+        let mut any = false;
+        for jobs in waiting.values_mut() {
+            if let Some(job) = jobs.pop() {
+                any = true;
+                if dispatch_job(front.dispatcher(), store, &job).await {
+                    dispatched += 1;
+                }
+            }
+        }
+        if !any {
+            break;
+        }
+    }
+    (expired, lost, dispatched)
+}
+
+async fn terminal_event(client: &async_nats::Client, r: &JobRecord, state: JobState) {
+    let ev = ToolJobEvent {
+        job_id: r.job_id.clone(),
+        tool_id: r.tool_id.clone(),
+        state,
+        seq: r.last_seq,
+        event: None,
+        terminal: true,
+    };
+    publish_event(client, &ev, &r.user).await;
+}
+
+/// Runs sweeps forever.
+pub async fn run(front: Front, client: async_nats::Client) {
+    let mut tick = tokio::time::interval(SWEEP_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        sweep(&front, &client).await;
+    }
+}

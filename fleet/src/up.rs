@@ -1,0 +1,291 @@
+//! `fleet up`: everything on one machine — a child nats-server (unless `--nats-url`), the front with its
+//! sweeper, N in-process workers over the plugin catalogue, and the HTTP listener (`/healthz`, `/readyz`,
+//! `/metrics`). Ctrl-C (or SIGTERM) shuts it all down: every plugin session through its ladder, every cgroup,
+//! the nats-server.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use fleet_worker::catalogue::{Catalogue, LoadOptions};
+use fleet_worker::config::{IsolationMode, RunAs, WorkerConfig};
+use fleet_worker::metrics::WorkerMetrics;
+use fleet_worker::pool::Pool;
+use fleet_worker::sandbox::Sandbox;
+use fleet_worker::services::{NoServices, NoTokens};
+use fleet_worker::session::WorkerContext;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+use crate::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, DevKey, Verifier};
+use crate::client_cmd::{DEFAULT_DATA_DIR, nats_url_file};
+use crate::front::{Front, FrontConfig};
+use crate::nats_server::{NatsServer, free_port};
+use crate::node::WorkerNode;
+use crate::store::{Store, StoreSettings};
+
+/// `fleet up`'s flags (this exact interface: scripts and the README use it).
+#[derive(Debug, Clone, clap::Args)]
+pub struct UpArgs {
+    /// Use this NATS server instead of starting one.
+    #[arg(long, env = "FLEET_NATS_URL")]
+    pub nats_url: Option<String>,
+    /// The plugin catalogue (default: the demo plugins shipped in the repo).
+    #[arg(long, env = "FLEET_PLUGINS_DIR")]
+    pub plugins_dir: Option<PathBuf>,
+    /// State: the nats-server store, the dev signing key, per-user workspaces.
+    #[arg(long, env = "FLEET_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
+    pub data_dir: PathBuf,
+    /// In-process workers.
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
+    /// The HTTP listener (health, metrics).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub http: String,
+    /// `cgroup` (default when root) or `none` (the default when not root: no cgroups, plugins run as you).
+    #[arg(long, env = "FLEET_ISOLATION")]
+    pub isolation: Option<String>,
+}
+
+/// Why `fleet up` could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum UpError {
+    /// The nats-server.
+    #[error(transparent)]
+    Nats(#[from] crate::nats_server::NatsServerError),
+    /// Connecting.
+    #[error("cannot connect to {url}: {reason}")]
+    Connect {
+        /// Where.
+        url: String,
+        /// Why.
+        reason: String,
+    },
+    /// Anything else, with context.
+    #[error("{0}")]
+    Other(String),
+}
+
+fn other(context: &str) -> impl Fn(&dyn std::fmt::Display) -> UpError + '_ {
+    move |e| UpError::Other(format!("{context}: {e}"))
+}
+
+/// The demo catalogue: `./plugins` when it exists, else the repo's `plugins/`.
+pub fn default_plugins_dir() -> PathBuf {
+    let local = PathBuf::from("plugins");
+    if local.join("echo-py/executa.json").is_file() {
+        return local;
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins")
+}
+
+fn say(line: &str) {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+/// Runs until Ctrl-C / SIGTERM.
+pub async fn run(args: &UpArgs) -> Result<(), UpError> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).map_err(|e| other("signals")(&e))?;
+    let mut int = signal(SignalKind::interrupt()).map_err(|e| other("signals")(&e))?;
+    std::fs::create_dir_all(&args.data_dir).map_err(|e| other("data dir")(&e))?;
+    let data_dir = std::fs::canonicalize(&args.data_dir).map_err(|e| other("data dir")(&e))?;
+
+    // NATS.
+    let mut server = None;
+    let url = match &args.nats_url {
+        Some(u) => u.clone(),
+        None => {
+            let port = if std::net::TcpListener::bind("127.0.0.1:4222").is_ok() {
+                4222
+            } else {
+                free_port()?
+            };
+            let s = NatsServer::start_on(&data_dir.join("nats"), port)?;
+            say(&format!(
+                "nats-server   {} (pid {}, JetStream in {})",
+                s.url(),
+                s.pid(),
+                s.store_dir().display()
+            ));
+            let url = s.url();
+            server = Some(s);
+            url
+        }
+    };
+    std::fs::write(nats_url_file(&data_dir), &url).map_err(|e| other("data dir")(&e))?;
+    let client = async_nats::ConnectOptions::new()
+        .connection_timeout(Duration::from_secs(5))
+        .connect(&url)
+        .await
+        .map_err(|e| UpError::Connect {
+            url: url.clone(),
+            reason: e.to_string(),
+        })?;
+    let store = Store::open(
+        async_nats::jetstream::new(client.clone()),
+        StoreSettings::default(),
+    )
+    .await
+    .map_err(|e| other("JetStream resources")(&e))?;
+
+    // Auth: the dev key in the data dir.
+    let key = DevKey::load_or_create(&data_dir).map_err(|e| other("dev signing key")(&e))?;
+    let verifier = Verifier::new(
+        vec![key.verify_key().map_err(|e| other("dev key")(&e))?],
+        DEFAULT_ISSUER,
+        DEFAULT_AUDIENCE,
+    )
+    .map_err(|e| other("verifier")(&e))?;
+
+    // Workers.
+    let plugins_dir = args.plugins_dir.clone().unwrap_or_else(default_plugins_dir);
+    let root = rustix::process::geteuid().is_root();
+    let isolation = match args.isolation.as_deref() {
+        Some("cgroup") => IsolationMode::Cgroup,
+        Some("none") => IsolationMode::None,
+        Some(o) => {
+            return Err(UpError::Other(format!(
+                "--isolation must be cgroup or none, not {o:?}"
+            )));
+        }
+        None if root => IsolationMode::Cgroup,
+        None => IsolationMode::None,
+    };
+    let mut nodes = Vec::new();
+    let mut sandboxes = Vec::new();
+    for i in 0..args.workers.max(1) {
+        let config = WorkerConfig {
+            worker_id: format!("up-{}-{i}", std::process::id()),
+            catalogue_dir: plugins_dir.clone(),
+            state_dir: data_dir.join("state"),
+            isolation,
+            run_as: if root { RunAs::default() } else { RunAs::Inherit },
+            ..WorkerConfig::default()
+        };
+        let (catalogue, problems) = Catalogue::load(&config.catalogue_dir, &LoadOptions::from_env())
+            .map_err(|e| other("catalogue")(&e))?;
+        if i == 0 {
+            for p in &problems {
+                say(&format!("catalogue     skipped {p}"));
+            }
+            say(&format!(
+                "catalogue     {} plugin(s) from {}: {}",
+                catalogue.len(),
+                plugins_dir.display(),
+                catalogue
+                    .iter()
+                    .map(|i| i.tool_id.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
+        let sandbox = Sandbox::new(&config).map_err(|e| {
+            UpError::Other(format!(
+                "{e} (run as root for cgroup isolation, or pass --isolation none)"
+            ))
+        })?;
+        let _ = sandbox.sweep_stale();
+        let ctx = WorkerContext {
+            config: Arc::new(config.clone()),
+            sandbox: sandbox.clone(),
+            services: Arc::new(NoServices),
+            tokens: Arc::new(NoTokens),
+            metrics: Arc::new(WorkerMetrics::default()),
+        };
+        let pool = Pool::new(ctx, Arc::new(catalogue));
+        let node = WorkerNode::start(client.clone(), store.clone(), pool, &config.worker_id)
+            .await
+            .map_err(|e| other("worker")(&e))?;
+        say(&format!(
+            "worker        {} (isolation {})",
+            node.id(),
+            sandbox.mode()
+        ));
+        nodes.push(node);
+        sandboxes.push(sandbox);
+    }
+
+    // Front + sweeper.
+    let front = Front::new(client.clone(), store.clone(), verifier, FrontConfig::default());
+    let service = front.serve().await.map_err(|e| other("API service")(&e))?;
+    let sweeper = tokio::spawn(crate::sweeper::run(front.clone(), client.clone()));
+    let http = tokio::net::TcpListener::bind(&args.http)
+        .await
+        .map_err(|e| other(&format!("--http {}", args.http))(&e))?;
+    let http_task = tokio::spawn(serve_http(http, client.clone()));
+    say(&format!(
+        "front         fleet.v1.api.tools.* on {url}; HTTP http://{}/healthz",
+        args.http
+    ));
+    say(
+        "try           fleet invoke --user alice --tool-id echo-py --tool echo --args '{\"hello\":\"world\"}'",
+    );
+    say(&format!(
+        "              (data dir {}; Ctrl-C stops everything)",
+        data_dir.display()
+    ));
+
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    say("stopping      …");
+    http_task.abort();
+    sweeper.abort();
+    service.stop().await;
+    for node in nodes {
+        node.shutdown().await;
+    }
+    for sandbox in sandboxes {
+        let _ = tokio::task::spawn_blocking(move || sandbox.remove_subtree()).await;
+    }
+    let _ = client.drain().await;
+    if let Some(mut s) = server {
+        tokio::task::spawn_blocking(move || s.stop())
+            .await
+            .map_err(|e| other("nats-server")(&e))?;
+    }
+    say("stopped");
+    Ok(())
+}
+
+/// A minimal HTTP/1.1 listener: `/healthz` (process up), `/readyz` (NATS connected), `/metrics` (the
+/// observability issue fills it).
+async fn serve_http(listener: tokio::net::TcpListener, client: async_nats::Client) {
+    loop {
+        let Ok((mut stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let client = client.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 2048];
+            let n = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf))
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .unwrap_or(0);
+            let head = String::from_utf8_lossy(&buf[..n]);
+            let path = head.split_whitespace().nth(1).unwrap_or("/");
+            let (status, body) = match path {
+                "/healthz" => ("200 OK", "ok\n".to_string()),
+                "/readyz" => match client.connection_state() {
+                    async_nats::connection::State::Connected => ("200 OK", "ready\n".to_string()),
+                    _ => ("503 Service Unavailable", "nats disconnected\n".to_string()),
+                },
+                "/metrics" => (
+                    "200 OK",
+                    "# metrics arrive with the observability issue\n".to_string(),
+                ),
+                _ => ("404 Not Found", "not found\n".to_string()),
+            };
+            let response = format!(
+                "HTTP/1.1 {status}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(response.as_bytes()).await;
+        });
+    }
+}

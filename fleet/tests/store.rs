@@ -1,0 +1,1055 @@
+//! `fleet::store` against a real nats-server (one per test, JetStream on a temp dir).
+//!
+//! No sleeps synchronise anything: racing tasks are joined, and time bounds are failure guards only. The one
+//! wait on the clock is the worker-TTL test, which polls (with a deadline) for JetStream's `max_age` expiry —
+//! the behaviour under test is the passing of time.
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, stream::DiscardPolicy};
+use fleet::nats_server::NatsServer;
+use fleet::store::{
+    Acquired, JobFilter, JobRecord, Revisioned, Store, StoreError, StoreSettings, Transition, WorkerInfo,
+    user_key,
+};
+use fleet_proto::api::{ApiError, ApiErrorCode, JobId, JobState, ProgressEvent};
+use fleet_proto::executa::invoke::ProgressType;
+use serde_json::{Map, Value, json};
+use tempfile::TempDir;
+
+const GUARD: Duration = Duration::from_secs(60);
+
+/// A running server and its store directory (kept alive together).
+struct Nats {
+    server: NatsServer,
+    _dir: TempDir,
+}
+
+fn nats() -> Nats {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = NatsServer::start(dir.path()).expect("nats-server (install nats-server >= 2.10)");
+    Nats { server, _dir: dir }
+}
+
+impl Nats {
+    async fn js(&self) -> jetstream::Context {
+        let client = async_nats::connect(self.server.url()).await.expect("connect");
+        jetstream::new(client)
+    }
+
+    /// A store on its own connection (a "replica").
+    async fn store(&self, settings: StoreSettings) -> Store {
+        Store::open(self.js().await, settings).await.expect("open")
+    }
+}
+
+async fn guard<T>(f: impl Future<Output = T>) -> T {
+    tokio::time::timeout(GUARD, f)
+        .await
+        .expect("test took longer than its guard")
+}
+
+fn job_id() -> JobId {
+    JobId::from_bytes(rand::random())
+}
+
+fn record(user: &str, tool_id: &str, created_at_ms: u64) -> JobRecord {
+    let mut args = Map::new();
+    args.insert("text".to_string(), json!("hello"));
+    JobRecord {
+        job_id: job_id(),
+        user: user.to_string(),
+        tool_id: tool_id.to_string(),
+        plugin: tool_id.split('.').next().unwrap_or("p").to_string(),
+        tool: "run".to_string(),
+        args,
+        client_tag: None,
+        state: JobState::Queued,
+        created_at_ms,
+        updated_at_ms: created_at_ms,
+        started_at_ms: None,
+        finished_at_ms: None,
+        deadline_ms: created_at_ms + 1_800_000,
+        timeout_ms: 1_800_000,
+        worker: None,
+        attempt: 0,
+        result: None,
+        error: None,
+        last_heartbeat_ms: None,
+        last_seq: 0,
+    }
+}
+
+fn event(seq: u64) -> ProgressEvent {
+    ProgressEvent {
+        seq,
+        kind: ProgressType::Progress,
+        data: json!({ "step": seq }),
+    }
+}
+
+fn state_of(t: &Transition) -> Option<JobState> {
+    match t {
+        Transition::Done(r) | Transition::Refused(r) => Some(r.value.state),
+        Transition::NotFound => None,
+    }
+}
+
+/// Brings a fresh job of `user` to `state` through allowed transitions.
+async fn job_in_state(store: &Store, user: &str, state: JobState) -> JobRecord {
+    let r = store
+        .create_job(record(user, "echo.run", 1_000), 100)
+        .await
+        .expect("create")
+        .value;
+    let mut path = Vec::new();
+    match state {
+        JobState::Queued => {}
+        JobState::Running => path.push(JobState::Running),
+        terminal => path.extend([JobState::Running, terminal]),
+    }
+    for to in path {
+        let t = store
+            .transition(user, &r.job_id, to, |_| {})
+            .await
+            .expect("transition");
+        assert!(matches!(t, Transition::Done(_)), "setting up {state}: {t:?}");
+    }
+    r
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn open_twice_is_idempotent_and_applies_settings() {
+    let n = nats();
+    guard(Box::pin(async {
+        let js = n.js().await;
+        let settings = StoreSettings::default();
+        let names = [
+            "KV_fleet_jobs",
+            "KV_fleet_active",
+            "KV_fleet_workers",
+            "fleet_progress",
+            "KV_fleet_manifests",
+        ];
+        let infos = async |js: &jetstream::Context| {
+            let mut out = Vec::new();
+            for name in names {
+                let info = js.get_stream(name).await.expect(name).cached_info().clone();
+                out.push((info.config, info.created));
+            }
+            out
+        };
+        Store::open(js.clone(), settings.clone())
+            .await
+            .expect("first open");
+        let first = infos(&js).await;
+        Store::open(js.clone(), settings.clone())
+            .await
+            .expect("second open");
+        let second = infos(&js).await;
+        assert_eq!(first, second, "a second open must change nothing");
+
+        let (jobs, active, workers, progress) = (&first[0].0, &first[1].0, &first[2].0, &first[3].0);
+        assert_eq!(jobs.max_messages_per_subject, 1);
+        assert_eq!(jobs.max_age, Duration::from_secs(8 * 24 * 3600));
+        assert_eq!(jobs.max_message_size, 384 * 1024);
+        assert_eq!(jobs.num_replicas, 1);
+        assert_eq!(active.max_age, Duration::from_secs(8 * 24 * 3600));
+        assert_eq!(workers.max_age, Duration::from_secs(10));
+        assert_eq!(progress.subjects, vec!["fleet.v1.progress.>".to_string()]);
+        assert_eq!(progress.max_messages_per_subject, 500);
+        assert_eq!(progress.max_message_size, 9 * 1024);
+        assert_eq!(progress.max_age, Duration::from_secs(8 * 24 * 3600));
+        assert_eq!(progress.discard, DiscardPolicy::Old);
+        assert_eq!(
+            first[4].0.max_age,
+            Duration::ZERO,
+            "manifests are kept until replaced"
+        );
+
+        // Create-or-update: a changed setting is applied to the existing resource.
+        let changed = StoreSettings {
+            worker_ttl: Duration::from_secs(20),
+            ..settings
+        };
+        Store::open(js.clone(), changed)
+            .await
+            .expect("open with a changed TTL");
+        let after = infos(&js).await;
+        assert_eq!(after[2].0.max_age, Duration::from_secs(20));
+        assert_eq!(after[2].1, first[2].1, "updated in place, not recreated");
+    }))
+    .await;
+}
+
+#[tokio::test]
+async fn invalid_settings_are_refused() {
+    let n = nats();
+    guard(Box::pin(async {
+        let js = n.js().await;
+        for bad in [
+            StoreSettings {
+                prefix: "a.b".into(),
+                ..Default::default()
+            },
+            StoreSettings {
+                prefix: String::new(),
+                ..Default::default()
+            },
+            StoreSettings {
+                replicas: 0,
+                ..Default::default()
+            },
+            StoreSettings {
+                job_retention: Duration::from_secs(3600),
+                ..Default::default()
+            },
+            StoreSettings {
+                progress_max_per_job: 0,
+                ..Default::default()
+            },
+        ] {
+            let err = Store::open(js.clone(), bad.clone())
+                .await
+                .expect_err("must be refused");
+            assert!(matches!(err, StoreError::Settings(_)), "{bad:?}: {err}");
+        }
+    }))
+    .await;
+}
+
+#[test]
+fn user_key_is_32_hex_and_stable() {
+    let k = user_key("alice@example.com");
+    assert_eq!(k.len(), 32);
+    assert!(
+        k.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    );
+    assert_eq!(k, user_key("alice@example.com"));
+    assert_ne!(k, user_key("alice@example.con"));
+    // sha256("") starts with e3b0c442...
+    assert_eq!(user_key(""), "e3b0c44298fc1c149afbf4c8996fb924");
+}
+
+#[tokio::test]
+async fn create_get_round_trip_and_other_users_see_nothing() {
+    let n = nats();
+    guard(Box::pin(async {
+        let store = n.store(StoreSettings::default()).await;
+        // A user id full of characters subjects and keys forbid.
+        let user = "ália.*>  tab\there/ünïcode";
+        let mut r = record(user, "echo.run", 1_700_000_000_123);
+        r.client_tag = Some("tag-1".into());
+        let created = store.create_job(r.clone(), 5).await.expect("create");
+        assert_eq!(created.value, r);
+        assert!(created.revision > 0);
+
+        let got = store
+            .get_job(user, &r.job_id)
+            .await
+            .expect("get")
+            .expect("present");
+        assert_eq!(got, created);
+        assert_eq!(store.get_job("mallory", &r.job_id).await.expect("get"), None);
+        assert_eq!(store.get_job(user, &job_id()).await.expect("get"), None);
+        assert_eq!(store.active_set(user).await.expect("set"), vec![r.job_id.clone()]);
+
+        // Never overwritten; the failed attempt does not take a second slot or drop the first.
+        let err = store.create_job(r.clone(), 5).await.expect_err("duplicate");
+        assert!(matches!(err, StoreError::JobExists { .. }), "{err}");
+        assert_eq!(store.active_set(user).await.expect("set"), vec![r.job_id.clone()]);
+
+        // Only active records can be created.
+        let mut done = record(user, "echo.run", 1);
+        done.state = JobState::Succeeded;
+        assert!(matches!(
+            store.create_job(done, 5).await,
+            Err(StoreError::Invalid { .. })
+        ));
+
+        let snap = got.value.snapshot(vec![event(3)]);
+        assert_eq!(snap.job_id, r.job_id);
+        assert_eq!(snap.state, JobState::Queued);
+        assert_eq!(snap.created_at, "2023-11-14T22:13:20.123Z");
+        assert_eq!(snap.client_tag.as_deref(), Some("tag-1"));
+        assert_eq!(snap.method.as_deref(), Some("run"));
+        assert_eq!(snap.last_seq, 3);
+        assert_eq!(snap.deadline_ms, r.deadline_ms);
+        let wire = serde_json::to_value(&snap).expect("json");
+        assert_eq!(wire["jobId"], json!(r.job_id.to_string()));
+        assert_eq!(wire["tool_id"], json!("echo.run"));
+    }))
+    .await;
+}
+
+#[tokio::test]
+async fn too_large_records_are_refused_before_taking_a_slot() {
+    let n = nats();
+    guard(Box::pin(async {
+        let store = n.store(StoreSettings::default()).await;
+        let mut r = record("u", "echo.run", 1);
+        r.args.insert("blob".into(), json!("x".repeat(400 * 1024)));
+        let err = store.create_job(r, 5).await.expect_err("too large");
+        assert!(
+            matches!(
+                err,
+                StoreError::TooLarge {
+                    what: "job record",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(store.active_set("u").await.expect("set").is_empty());
+
+        // A result at the 256 KB cap fits.
+        let ok = job_in_state(&store, "u", JobState::Running).await;
+        let result = json!({ "text": "y".repeat(256 * 1024 - 20) });
+        let t = store
+            .transition("u", &ok.job_id, JobState::Succeeded, |r| {
+                r.result = Some(result.clone())
+            })
+            .await
+            .expect("transition");
+        assert_eq!(state_of(&t), Some(JobState::Succeeded));
+    }))
+    .await;
+}
+
+#[tokio::test]
+async fn the_sixth_active_job_is_refused_until_one_ends() {
+    let n = nats();
+    guard(Box::pin(async {
+        let store = n.store(StoreSettings::default()).await;
+        let mut ids = Vec::new();
+        for i in 0..5 {
+            ids.push(
+                store
+                    .create_job(record("u", "echo.run", i), 5)
+                    .await
+                    .expect("create")
+                    .value
+                    .job_id,
+            );
+        }
+        let err = store
+            .create_job(record("u", "echo.run", 9), 5)
+            .await
+            .expect_err("sixth");
+        assert!(
+            matches!(err, StoreError::QuotaExceeded { active: 5, max: 5 }),
+            "{err}"
+        );
+        assert_eq!(err.to_api_error().code, ApiErrorCode::JobQuotaExceeded);
+        // Another user is not affected.
+        store
+            .create_job(record("v", "echo.run", 9), 5)
+            .await
+            .expect("other user");
+
+        // Running still counts; a terminal state frees the slot.
+        store
+            .transition("u", &ids[0], JobState::Running, |_| {})
+            .await
+            .expect("run");
+        assert!(matches!(
+            store.create_job(record("u", "echo.run", 9), 5).await,
+            Err(StoreError::QuotaExceeded { .. })
+        ));
+        let t = store
+            .transition("u", &ids[0], JobState::Succeeded, |_| {})
+            .await
+            .expect("finish");
+        assert_eq!(state_of(&t), Some(JobState::Succeeded));
+        assert_eq!(store.active_set("u").await.expect("set"), ids[1..].to_vec());
+        let sixth = store
+            .create_job(record("u", "echo.run", 10), 5)
+            .await
+            .expect("accepted again");
+        let mut expected = ids[1..].to_vec();
+        expected.push(sixth.value.job_id);
+        assert_eq!(store.active_set("u").await.expect("set"), expected);
+    }))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_racing_twenty_creations_admit_exactly_five() {
+    let n = nats();
+    guard(Box::pin(async {
+        let a = n.store(StoreSettings::default()).await;
+        let b = n.store(StoreSettings::default()).await;
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..20u64 {
+            let store = if i % 2 == 0 { a.clone() } else { b.clone() };
+            tasks.spawn(async move { store.create_job(record("racer", "echo.run", i), 5).await });
+        }
+        let mut created = BTreeSet::new();
+        let mut refused = 0;
+        while let Some(joined) = tasks.join_next().await {
+            match joined.expect("task") {
+                Ok(r) => {
+                    created.insert(r.value.job_id);
+                }
+                Err(StoreError::QuotaExceeded { active: 5, max: 5 }) => refused += 1,
+                Err(e) => panic!("unexpected error: {e}"),
+            }
+        }
+        assert_eq!(created.len(), 5);
+        assert_eq!(refused, 15);
+        let set: BTreeSet<JobId> = a.active_set("racer").await.expect("set").into_iter().collect();
+        assert_eq!(set, created);
+        let (listed, truncated) = b
+            .list_jobs("racer", &JobFilter::default(), 100)
+            .await
+            .expect("list");
+        assert!(!truncated);
+        assert_eq!(
+            listed.into_iter().map(|r| r.job_id).collect::<BTreeSet<_>>(),
+            created
+        );
+    }))
+    .await;
+}
+
+#[tokio::test]
+async fn every_transition_is_allowed_or_refused_as_the_state_machine_says() {
+    let n = nats();
+    guard(Box::pin(async {
+        let store = n.store(StoreSettings::default()).await;
+        let mut done = 0;
+        for from in JobState::ALL {
+            for to in JobState::ALL {
+                let user = format!("{from}-{to}");
+                let r = job_in_state(&store, &user, from).await;
+                let before = store
+                    .get_job(&user, &r.job_id)
+                    .await
+                    .expect("get")
+                    .expect("present");
+                let t = store
+                    .transition(&user, &r.job_id, to, |rec| {
+                        rec.worker = Some("w-1".into());
+                        rec.state = JobState::Queued; // ignored: the store sets the state
+                        rec.user = "someone else".into(); // ignored: identity is kept
+                    })
+                    .await
+                    .expect("transition");
+                if from.can_become(to) {
+                    let Transition::Done(after) = t else {
+                        panic!("{from} → {to} must be allowed: {t:?}")
+                    };
+                    assert_eq!(after.value.state, to);
+                    assert_eq!(after.value.user, user);
+                    assert_eq!(after.value.worker.as_deref(), Some("w-1"));
+                    assert!(after.revision > before.revision);
+                    if to == JobState::Running {
+                        assert!(after.value.started_at_ms.is_some());
+                    }
+                    assert_eq!(after.value.finished_at_ms.is_some(), to.is_terminal());
+                    assert_eq!(store.get_job(&user, &r.job_id).await.expect("get"), Some(after));
+                    done += 1;
+                } else {
+                    assert_eq!(
+                        t,
+                        Transition::Refused(before.clone()),
+                        "{from} → {to} must be refused"
+                    );
+                    assert_eq!(store.get_job(&user, &r.job_id).await.expect("get"), Some(before));
+                }
+                // The slot is held exactly while the job is active.
+                let state = store
+                    .get_job(&user, &r.job_id)
+                    .await
+                    .expect("get")
+                    .expect("present")
+                    .value
+                    .state;
+                let held = store.active_set(&user).await.expect("set").contains(&r.job_id);
+                assert_eq!(held, state.is_active(), "{from} → {to}");
+            }
+        }
+        // queued → 5, running → 4.
+        assert_eq!(done, 9);
+        assert_eq!(
+            store
+                .transition("nobody", &job_id(), JobState::Running, |_| {})
+                .await
+                .expect("transition"),
+            Transition::NotFound
+        );
+        let r = job_in_state(&store, "owner", JobState::Queued).await;
+        assert_eq!(
+            store
+                .transition("intruder", &r.job_id, JobState::Cancelled, |_| {})
+                .await
+                .expect("transition"),
+            Transition::NotFound
+        );
+    }))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_terminal_transitions_have_exactly_one_winner() {
+    let n = nats();
+    guard(Box::pin(async {
+        let a = n.store(StoreSettings::default()).await;
+        let b = n.store(StoreSettings::default()).await;
+        for from in [JobState::Queued, JobState::Running] {
+            let r = job_in_state(&a, "u", from).await;
+            let terminals = [
+                JobState::Succeeded,
+                JobState::Failed,
+                JobState::Cancelled,
+                JobState::Expired,
+            ];
+            let mut tasks = tokio::task::JoinSet::new();
+            for i in 0..20usize {
+                let store = if i % 2 == 0 { a.clone() } else { b.clone() };
+                let id = r.job_id.clone();
+                let to = terminals[i % terminals.len()];
+                tasks.spawn(async move {
+                    let t = store
+                        .transition("u", &id, to, |rec| {
+                            rec.error = Some(ApiError::new(ApiErrorCode::ToolFailed, format!("task {i}")));
+                        })
+                        .await
+                        .expect("transition");
+                    (i, to, t)
+                });
+            }
+            let mut winners = Vec::new();
+            let mut refused_states = BTreeSet::new();
+            while let Some(joined) = tasks.join_next().await {
+                let (i, to, t) = joined.expect("task");
+                match t {
+                    Transition::Done(rec) => winners.push((i, to, rec)),
+                    Transition::Refused(rec) => {
+                        assert!(rec.value.state.is_terminal(), "refused only by a terminal state");
+                        refused_states.insert(rec.value.state);
+                    }
+                    Transition::NotFound => panic!("the job exists"),
+                }
+            }
+            assert_eq!(
+                winners.len(),
+                1,
+                "exactly one terminal transition wins (from {from})"
+            );
+            let (i, to, won) = &winners[0];
+            let stored = a.get_job("u", &r.job_id).await.expect("get").expect("present");
+            assert_eq!(&stored, won);
+            assert_eq!(stored.value.state, *to);
+            assert_eq!(
+                stored.value.error.as_ref().map(|e| e.message.clone()),
+                Some(format!("task {i}"))
+            );
+            assert!(refused_states.iter().all(|s| s == to));
+            assert!(a.active_set("u").await.expect("set").is_empty());
+        }
+    }))
+    .await;
+}
+
+#[tokio::test]
+async fn update_job_writes_active_records_only() {
+    let n = nats();
+    guard(Box::pin(async {
+        let store = n.store(StoreSettings::default()).await;
+        let r = job_in_state(&store, "u", JobState::Running).await;
+        let updated = store
+            .update_job("u", &r.job_id, |rec| {
+                rec.last_heartbeat_ms = Some(42);
+                rec.last_seq = 7;
+                rec.state = JobState::Succeeded; // ignored
+                true
+            })
+            .await
+            .expect("update")
+            .expect("active");
+        assert_eq!(updated.value.last_heartbeat_ms, Some(42));
+        assert_eq!(updated.value.last_seq, 7);
+        assert_eq!(updated.value.state, JobState::Running);
+        assert_eq!(
+            store.get_job("u", &r.job_id).await.expect("get"),
+            Some(updated.clone())
+        );
+
+        // Declined edit: nothing written.
+        let same = store
+            .update_job("u", &r.job_id, |_| false)
+            .await
+            .expect("update")
+            .expect("active");
+        assert_eq!(same, updated);
+
+        store
+            .transition("u", &r.job_id, JobState::Cancelled, |_| {})
+            .await
+            .expect("cancel");
+        let terminal = store
+            .get_job("u", &r.job_id)
+            .await
+            .expect("get")
+            .expect("present");
+        let refused = store
+            .update_job("u", &r.job_id, |rec| {
+                rec.last_heartbeat_ms = Some(99);
+                true
+            })
+            .await
+            .expect("update");
+        assert_eq!(refused, None);
+        assert_eq!(store.get_job("u", &r.job_id).await.expect("get"), Some(terminal));
+        assert_eq!(
+            store.update_job("u", &job_id(), |_| true).await.expect("update"),
+            None
+        );
+    }))
+    .await;
+}
+
+#[tokio::test]
+async fn progress_is_a_ring_of_the_newest_500() {
+    let n = nats();
+    guard(Box::pin(async {
+        let store = n.store(StoreSettings::default()).await;
+        let id = job_id();
+        assert_eq!(
+            store.progress("u", &id, 0, 500).await.expect("empty"),
+            (Vec::new(), 0)
+        );
+        for seq in 1..=501 {
+            store
+                .append_progress("u", &id, &event(seq))
+                .await
+                .expect("append");
+        }
+        let seqs = |events: &[ProgressEvent]| events.iter().map(|e| e.seq).collect::<Vec<_>>();
+
+        let (all, last) = store.progress("u", &id, 0, 500).await.expect("all");
+        assert_eq!(last, 501);
+        assert_eq!(seqs(&all), (2..=501).collect::<Vec<_>>());
+        assert_eq!(all[0], event(2));
+
+        let (one, last) = store.progress("u", &id, 0, 1).await.expect("limit 1");
+        assert_eq!((seqs(&one), last), (vec![2], 501));
+        let (tail, last) = store.progress("u", &id, 499, 500).await.expect("since 499");
+        assert_eq!((seqs(&tail), last), (vec![500, 501], 501));
+        let (mid, _) = store.progress("u", &id, 250, 10).await.expect("since 250");
+        assert_eq!(seqs(&mid), (251..=260).collect::<Vec<_>>());
+        let (next, _) = store.progress("u", &id, 1, 1).await.expect("since 1");
+        assert_eq!(
+            seqs(&next),
+            vec![2],
+            "since_seq older than the ring: from the oldest kept"
+        );
+        let (none, last) = store.progress("u", &id, 501, 500).await.expect("nothing new");
+        assert_eq!((none.len(), last), (0, 501));
+
+        // A retried publish of the same seq is stored once.
+        store.append_progress("u", &id, &event(501)).await.expect("retry");
+        let (tail, _) = store.progress("u", &id, 499, 500).await.expect("since 499");
+        assert_eq!(seqs(&tail), vec![500, 501]);
+
+        // Another user's view of the same job id is empty; so is another job's.
+        assert_eq!(
+            store.progress("v", &id, 0, 500).await.expect("other user"),
+            (Vec::new(), 0)
+        );
+        assert_eq!(
+            store.progress("u", &job_id(), 0, 500).await.expect("other job"),
+            (Vec::new(), 0)
+        );
+
+        for bad in [0, 501] {
+            let err = store.progress("u", &id, 0, bad).await.expect_err("bad limit");
+            assert!(matches!(err, StoreError::Invalid { what: "limit", .. }), "{err}");
+        }
+        let big = ProgressEvent {
+            seq: 600,
+            kind: ProgressType::ToolUpdate,
+            data: Value::String("z".repeat(9000)),
+        };
+        let err = store
+            .append_progress("u", &id, &big)
+            .await
+            .expect_err("too large");
+        assert!(
+            matches!(
+                err,
+                StoreError::TooLarge {
+                    what: "progress event",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // An event just under the limit is stored.
+        let fits = ProgressEvent {
+            seq: 601,
+            kind: ProgressType::ToolUpdate,
+            data: Value::String("z".repeat(8000)),
+        };
+        store.append_progress("u", &id, &fits).await.expect("fits");
+        let (tail, last) = store.progress("u", &id, 501, 500).await.expect("tail");
+        assert_eq!((tail, last), (vec![fits], 601));
+    }))
+    .await;
+}
+
+#[tokio::test]
+async fn list_jobs_filters_orders_truncates_and_stays_within_the_user() {
+    let n = nats();
+    guard(Box::pin(async {
+        let store = n.store(StoreSettings::default()).await;
+        let mut ids = Vec::new();
+        // created_at 1..=6, alternating tools; two tagged; states: 1 succeeded, 2 running, 3 cancelled, rest queued.
+        for i in 1..=6u64 {
+            let tool = if i % 2 == 0 { "echo.even" } else { "echo.odd" };
+            let mut r = record("alice", tool, i * 1000);
+            if i == 2 || i == 5 {
+                r.client_tag = Some("batch-a".into());
+            }
+            ids.push(store.create_job(r, 100).await.expect("create").value.job_id);
+        }
+        store
+            .transition("alice", &ids[0], JobState::Succeeded, |_| {})
+            .await
+            .expect("t");
+        store
+            .transition("alice", &ids[1], JobState::Running, |_| {})
+            .await
+            .expect("t");
+        store
+            .transition("alice", &ids[2], JobState::Cancelled, |_| {})
+            .await
+            .expect("t");
+        for i in 1..=3u64 {
+            let mut r = record("bob", "echo.odd", i * 1000 + 500);
+            r.client_tag = Some("batch-a".into());
+            store.create_job(r, 100).await.expect("bob");
+        }
+
+        let list = async |filter: JobFilter, limit: usize| {
+            let (jobs, truncated) = store.list_jobs("alice", &filter, limit).await.expect("list");
+            assert!(jobs.iter().all(|r| r.user == "alice"), "never another user's job");
+            (
+                jobs.iter().map(|r| r.created_at_ms / 1000).collect::<Vec<_>>(),
+                truncated,
+            )
+        };
+        assert_eq!(
+            list(JobFilter::default(), 100).await,
+            (vec![6, 5, 4, 3, 2, 1], false)
+        );
+        assert_eq!(
+            list(JobFilter::default(), 6).await,
+            (vec![6, 5, 4, 3, 2, 1], false)
+        );
+        assert_eq!(list(JobFilter::default(), 5).await, (vec![6, 5, 4, 3, 2], true));
+        assert_eq!(list(JobFilter::default(), 1).await, (vec![6], true));
+        let by_tool = JobFilter {
+            tool_id: Some("echo.even".into()),
+            ..Default::default()
+        };
+        assert_eq!(list(by_tool, 100).await, (vec![6, 4, 2], false));
+        let one_state = JobFilter {
+            states: vec![JobState::Queued],
+            ..Default::default()
+        };
+        assert_eq!(list(one_state, 100).await, (vec![6, 5, 4], false));
+        let states = JobFilter {
+            states: vec![JobState::Running, JobState::Succeeded],
+            ..Default::default()
+        };
+        assert_eq!(list(states, 100).await, (vec![2, 1], false));
+        let tag = JobFilter {
+            client_tag: Some("batch-a".into()),
+            ..Default::default()
+        };
+        assert_eq!(list(tag, 100).await, (vec![5, 2], false));
+        let tag_prefix = JobFilter {
+            client_tag: Some("batch".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            list(tag_prefix, 100).await,
+            (vec![], false),
+            "clientTag is an exact match"
+        );
+        let since = JobFilter {
+            since_ms: Some(4000),
+            ..Default::default()
+        };
+        assert_eq!(list(since.clone(), 100).await, (vec![6, 5, 4], false));
+        assert_eq!(list(since, 2).await, (vec![6, 5], true));
+        let combined = JobFilter {
+            tool_id: Some("echo.odd".into()),
+            states: vec![JobState::Queued, JobState::Cancelled],
+            since_ms: Some(2000),
+            ..Default::default()
+        };
+        assert_eq!(list(combined, 100).await, (vec![5, 3], false));
+
+        let (bob, _) = store
+            .list_jobs("bob", &JobFilter::default(), 100)
+            .await
+            .expect("bob");
+        assert_eq!(bob.len(), 3);
+        assert!(bob.iter().all(|r| r.user == "bob"));
+        assert_eq!(
+            store
+                .list_jobs("carol", &JobFilter::default(), 100)
+                .await
+                .expect("carol"),
+            (vec![], false)
+        );
+        assert!(matches!(
+            store.list_jobs("alice", &JobFilter::default(), 0).await,
+            Err(StoreError::Invalid { what: "limit", .. })
+        ));
+    }))
+    .await;
+}
+
+#[tokio::test]
+async fn heal_drops_dangling_and_finished_ids_after_the_grace() {
+    let n = nats();
+    guard(Box::pin(async {
+        // Two replicas of one deployment differing only in the orphan grace (not a resource setting).
+        let patient = n.store(StoreSettings::default()).await;
+        let eager = n
+            .store(StoreSettings {
+                orphan_slot_grace: Duration::ZERO,
+                ..Default::default()
+            })
+            .await;
+        let real = patient
+            .create_job(record("u", "echo.run", 1), 5)
+            .await
+            .expect("create")
+            .value
+            .job_id;
+        // A replica that died between taking the slot and creating the record.
+        let dangling = job_id();
+        let acquired = patient.acquire_slot("u", &dangling, 5).await.expect("slot");
+        assert!(matches!(acquired, Acquired::New { .. }));
+        assert!(matches!(
+            patient.acquire_slot("u", &dangling, 5).await,
+            Ok(Acquired::Already { .. })
+        ));
+        assert_eq!(
+            patient.active_set("u").await.expect("set"),
+            vec![real.clone(), dangling.clone()]
+        );
+
+        assert_eq!(
+            patient.heal_active_set("u").await.expect("heal"),
+            0,
+            "within the grace: kept"
+        );
+        assert_eq!(eager.heal_active_set("u").await.expect("heal"), 1);
+        assert_eq!(eager.active_set("u").await.expect("set"), vec![real.clone()]);
+        assert_eq!(eager.heal_active_set("u").await.expect("heal"), 0);
+        assert_eq!(eager.heal_active_set("nobody").await.expect("heal"), 0);
+
+        // A finished job whose slot was not given back (the replica died after the terminal write).
+        let done = job_in_state(&patient, "u", JobState::Running).await.job_id;
+        patient
+            .transition("u", &done, JobState::Failed, |_| {})
+            .await
+            .expect("fail");
+        patient
+            .acquire_slot("u", &done, 5)
+            .await
+            .expect("re-take the slot, as if never released");
+        assert_eq!(
+            patient.heal_active_set("u").await.expect("heal"),
+            1,
+            "terminal ids go regardless of the grace"
+        );
+        assert_eq!(patient.active_set("u").await.expect("set"), vec![real.clone()]);
+
+        // Admission heals a full set before refusing: 4 real + 1 dangling, the 5th real job is admitted.
+        for i in 0..3 {
+            eager
+                .create_job(record("u", "echo.run", 10 + i), 5)
+                .await
+                .expect("create");
+        }
+        eager
+            .acquire_slot("u", &job_id(), 5)
+            .await
+            .expect("dangling slot");
+        assert_eq!(eager.active_set("u").await.expect("set").len(), 5);
+        eager
+            .create_job(record("u", "echo.run", 20), 5)
+            .await
+            .expect("admitted after healing");
+        let err = eager
+            .create_job(record("u", "echo.run", 21), 5)
+            .await
+            .expect_err("full of real jobs");
+        assert!(
+            matches!(err, StoreError::QuotaExceeded { active: 5, max: 5 }),
+            "{err}"
+        );
+    }))
+    .await;
+}
+
+#[tokio::test]
+async fn active_jobs_lists_every_users_queued_and_running_jobs() {
+    let n = nats();
+    guard(Box::pin(async {
+        let store = n.store(StoreSettings::default()).await;
+        assert!(store.active_jobs().await.expect("empty").is_empty());
+        let mut expected = BTreeSet::new();
+        for user in ["u1", "u2", "u3"] {
+            expected.insert(job_in_state(&store, user, JobState::Queued).await.job_id);
+            expected.insert(job_in_state(&store, user, JobState::Running).await.job_id);
+            job_in_state(&store, user, JobState::Expired).await;
+            job_in_state(&store, user, JobState::Succeeded).await;
+        }
+        let active: Vec<Revisioned<JobRecord>> = store.active_jobs().await.expect("active");
+        assert!(active.iter().all(|r| r.value.state.is_active()));
+        assert_eq!(
+            active
+                .into_iter()
+                .map(|r| r.value.job_id)
+                .collect::<BTreeSet<_>>(),
+            expected
+        );
+    }))
+    .await;
+}
+
+fn worker(id: &str, running: usize) -> WorkerInfo {
+    WorkerInfo {
+        id: id.to_string(),
+        capacity_long_jobs: 3,
+        long_jobs_running: running,
+        sessions_warm: vec![(user_key("u"), "echo.run".to_string())],
+        started_at_ms: 1,
+    }
+}
+
+#[tokio::test]
+async fn workers_register_refresh_and_leave() {
+    let n = nats();
+    guard(Box::pin(async {
+        let store = n.store(StoreSettings::default()).await;
+        assert!(store.live_workers().await.expect("none").is_empty());
+        store.heartbeat_worker(&worker("w-b", 0)).await.expect("b");
+        store.heartbeat_worker(&worker("w-a", 0)).await.expect("a");
+        store.heartbeat_worker(&worker("w-a", 2)).await.expect("a again");
+        assert_eq!(
+            store.live_workers().await.expect("live"),
+            vec![worker("w-a", 2), worker("w-b", 0)]
+        );
+
+        store.remove_worker("w-a").await.expect("remove");
+        assert_eq!(store.live_workers().await.expect("live"), vec![worker("w-b", 0)]);
+        store.heartbeat_worker(&worker("w-a", 1)).await.expect("back");
+        assert_eq!(store.live_workers().await.expect("live").len(), 2);
+
+        // The warm-session summary is bounded.
+        let mut big = worker("w-c", 0);
+        big.sessions_warm = (0..1000)
+            .map(|i| (user_key(&i.to_string()), format!("tool.{i}")))
+            .collect();
+        store.heartbeat_worker(&big).await.expect("big");
+        let live = store.live_workers().await.expect("live");
+        let c = live.iter().find(|w| w.id == "w-c").expect("w-c");
+        assert_eq!(
+            c.sessions_warm.len(),
+            fleet::store::settings::WORKER_WARM_SESSIONS_MAX
+        );
+
+        for bad in ["", "a.b", "a b", "a*"] {
+            assert!(matches!(
+                store.heartbeat_worker(&worker(bad, 0)).await,
+                Err(StoreError::Invalid { .. })
+            ));
+            assert!(matches!(
+                store.remove_worker(bad).await,
+                Err(StoreError::Invalid { .. })
+            ));
+        }
+    }))
+    .await;
+}
+
+/// Expiry is JetStream's `max_age` on the workers bucket (= `worker_ttl`): a worker that stops refreshing its key
+/// disappears without anyone deleting it. Polled with a deadline — the passing of time is what is tested.
+#[tokio::test]
+async fn a_worker_that_stops_heartbeating_expires() {
+    let n = nats();
+    guard(Box::pin(async {
+        let settings = StoreSettings {
+            prefix: "ttl".into(),
+            worker_ttl: Duration::from_secs(1),
+            ..Default::default()
+        };
+        let store = n.store(settings).await;
+        store
+            .heartbeat_worker(&worker("w-1", 0))
+            .await
+            .expect("heartbeat");
+        let registered = Instant::now();
+        assert_eq!(store.live_workers().await.expect("live").len(), 1);
+        let deadline = registered + Duration::from_secs(15);
+        loop {
+            if store.live_workers().await.expect("live").is_empty() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the worker key never expired");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(
+            registered.elapsed() >= Duration::from_millis(900),
+            "expired before its TTL"
+        );
+    }))
+    .await;
+}
+
+#[tokio::test]
+async fn manifests_are_recorded_by_tool_id() {
+    let n = nats();
+    guard(Box::pin(async {
+        let store = n.store(StoreSettings::default()).await;
+        let manifest = |tool: &str| -> fleet_proto::executa::manifest::Manifest {
+            serde_json::from_value(json!({ "tools": [{ "name": tool, "description": "does it" }] }))
+                .expect("manifest")
+        };
+        assert_eq!(store.manifest("echo").await.expect("get"), None);
+        assert!(store.manifests().await.expect("list").is_empty());
+        // Tool ids with characters a key forbids.
+        store
+            .put_manifest("@scope/echo plugin", &manifest("run"))
+            .await
+            .expect("put");
+        store.put_manifest("calc", &manifest("add")).await.expect("put");
+        store
+            .put_manifest("calc", &manifest("sum"))
+            .await
+            .expect("replace");
+        assert_eq!(store.manifest("calc").await.expect("get"), Some(manifest("sum")));
+        assert_eq!(
+            store.manifests().await.expect("list"),
+            vec![
+                ("@scope/echo plugin".to_string(), manifest("run")),
+                ("calc".to_string(), manifest("sum"))
+            ]
+        );
+    }))
+    .await;
+}

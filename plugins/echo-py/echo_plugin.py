@@ -1,0 +1,1 @@
+../../tests/plugins/python/echo_plugin.py
