@@ -39,6 +39,9 @@ pub struct WorkerArgs {
     /// Sessions to start at once, as USER:TOOL_ID (repeatable).
     #[arg(long = "prewarm")]
     pub prewarm: Vec<String>,
+    /// Join a fleet: serve `fleet.v1.worker.<id>.*` on this NATS server (without it the worker runs standalone).
+    #[arg(long, env = "FLEET_NATS_URL")]
+    pub nats_url: Option<String>,
 }
 
 /// Why `fleet worker` could not run.
@@ -161,13 +164,35 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
             })?;
         ready.push(json!({ "user": user, "tool_id": tool_id, "pid": session.pid() }));
     }
-    emit(&json!({ "ready": ready }));
+    let node = match &args.nats_url {
+        None => None,
+        Some(url) => {
+            let client = async_nats::ConnectOptions::new()
+                .connection_timeout(Duration::from_secs(5))
+                .connect(url)
+                .await
+                .map_err(|e| WorkerCmdError::Usage(format!("cannot connect to {url}: {e}")))?;
+            let store = crate::store::Store::open(async_nats::jetstream::new(client.clone()), crate::store::StoreSettings::default())
+                .await
+                .map_err(|e| WorkerCmdError::Usage(format!("JetStream: {e}")))?;
+            let worker_id = pool.context().config.worker_id.clone();
+            Some(
+                crate::node::WorkerNode::start(client, store, pool.clone(), &worker_id)
+                    .await
+                    .map_err(|e| WorkerCmdError::Usage(format!("serving on {url}: {e}")))?,
+            )
+        }
+    };
+    emit(&json!({ "ready": ready, "nats": args.nats_url }));
 
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}
     }
-    pool.shutdown().await;
+    match node {
+        Some(node) => node.shutdown().await,
+        None => pool.shutdown().await,
+    }
     let removed = tokio::task::spawn_blocking(move || sandbox.remove_subtree()).await;
     let removed = match removed {
         Ok(Ok(r)) => json!({ "cgroups_removed": r.cgroups_removed, "processes_killed": r.processes_killed }),

@@ -115,6 +115,25 @@ pub fn python_plugin_path() -> PathBuf {
     workspace_root().join("tests/plugins/python/echo_plugin.py")
 }
 
+/// The `fleet` binary, built on first use.
+pub fn fleet_bin() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let bin = profile_dir().join(format!("fleet{}", std::env::consts::EXE_SUFFIX));
+        if !bin.is_file() {
+            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+            let status = Command::new(cargo)
+                .current_dir(workspace_root())
+                .args(["build", "-p", "fleet"])
+                .status()
+                .expect("cargo build -p fleet");
+            assert!(status.success(), "cargo build -p fleet failed");
+        }
+        bin
+    })
+    .clone()
+}
+
 /// A worker over a temporary catalogue of echo-plugin installs, for the worker tests.
 pub mod worker {
     use std::os::unix::fs::PermissionsExt as _;
@@ -301,6 +320,239 @@ pub mod worker {
                 return false;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// A whole fleet in one test process: a real nats-server, the JetStream store, N front replicas (each with its
+/// own NATS connection) and M worker nodes over echo-plugin catalogues, with real JWTs.
+pub mod cluster {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, SigningKey, Verifier};
+    use fleet::front::{Front, FrontConfig, FrontService};
+    use fleet::nats_server::NatsServer;
+    use fleet::node::WorkerNode;
+    use fleet::store::{Store, StoreSettings};
+    use fleet_proto::api::{ApiError, ApiResponse, subjects};
+    use fleet_worker::catalogue::{Catalogue, LoadOptions};
+    use fleet_worker::metrics::WorkerMetrics;
+    use fleet_worker::pool::Pool;
+    use fleet_worker::sandbox::Sandbox;
+    use fleet_worker::services::{NoServices, NoTokens};
+    use fleet_worker::session::WorkerContext;
+    use serde_json::Value;
+
+    use super::worker::{Plugin, test_config, write_catalogue};
+
+    /// The HS256 secret of test tokens.
+    pub const SECRET: &[u8] = b"cloud-agents-test-secret-32-bytes-long!!";
+
+    /// One worker node and what it needs.
+    #[derive(Debug)]
+    pub struct Worker {
+        /// The node (None once killed or shut down).
+        pub node: Option<WorkerNode>,
+        /// Its sandbox (removed on drop).
+        pub sandbox: Sandbox,
+        /// Its counters.
+        pub metrics: Arc<WorkerMetrics>,
+    }
+
+    /// The fleet.
+    pub struct Cluster {
+        /// The server (dropped last).
+        pub nats: NatsServer,
+        /// A client connection for tests.
+        pub client: async_nats::Client,
+        /// The store (over `client`).
+        pub store: Store,
+        /// Front replicas.
+        pub fronts: Vec<(Front, FrontService)>,
+        /// Worker nodes.
+        pub workers: Vec<Worker>,
+        /// Signs test tokens.
+        pub key: SigningKey,
+        /// The plugins every worker serves.
+        pub plugins: Vec<Plugin>,
+        /// Keeps directories alive.
+        pub root: tempfile::TempDir,
+        name: String,
+    }
+
+    impl std::fmt::Debug for Cluster {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("Cluster").field("url", &self.nats.url()).finish_non_exhaustive()
+        }
+    }
+
+    /// A new NATS connection.
+    pub async fn connect(url: &str) -> async_nats::Client {
+        async_nats::connect(url).await.expect("connect to the test nats-server")
+    }
+
+    impl Cluster {
+        /// Starts `fronts` front replicas and `workers` worker nodes, each serving `plugins`.
+        pub async fn start(name: &str, fronts: usize, workers: usize, plugins: &[Plugin]) -> Cluster {
+            let root = tempfile::tempdir().expect("tempdir");
+            let nats = NatsServer::start(&root.path().join("nats")).expect("nats-server (run scripts/test.sh once)");
+            let client = connect(&nats.url()).await;
+            let store = Store::open(async_nats::jetstream::new(client.clone()), StoreSettings::default())
+                .await
+                .expect("store");
+            let key = SigningKey::hs256(SECRET).expect("key");
+            let mut cluster = Cluster {
+                nats,
+                client,
+                store,
+                fronts: Vec::new(),
+                workers: Vec::new(),
+                key,
+                plugins: plugins.to_vec(),
+                root,
+                name: name.to_string(),
+            };
+            for _ in 0..fronts {
+                cluster.add_front().await;
+            }
+            for _ in 0..workers {
+                cluster.add_worker().await;
+            }
+            cluster
+        }
+
+        /// Adds a front replica with its own connection.
+        pub async fn add_front(&mut self) -> usize {
+            let client = connect(&self.nats.url()).await;
+            let store = Store::open(async_nats::jetstream::new(client.clone()), StoreSettings::default())
+                .await
+                .expect("store");
+            let verifier = Verifier::new(vec![self.key.verify_key().expect("verify key")], DEFAULT_ISSUER, DEFAULT_AUDIENCE)
+                .expect("verifier");
+            let front = Front::new(client, store, verifier, FrontConfig::default());
+            let service = front.serve().await.expect("serve");
+            self.fronts.push((front, service));
+            self.fronts.len() - 1
+        }
+
+        /// Adds a worker node with its own connection, catalogue and sandbox.
+        pub async fn add_worker(&mut self) -> usize {
+            let i = self.workers.len();
+            let dir = self.root.path().join(format!("w{i}"));
+            std::fs::create_dir_all(&dir).expect("worker dir");
+            let mut config = test_config(&format!("{}-w{i}", self.name));
+            config.catalogue_dir = write_catalogue(&dir, &self.plugins);
+            config.state_dir = dir.join("state");
+            let (catalogue, problems) = Catalogue::load(&config.catalogue_dir, &LoadOptions::from_env()).expect("catalogue");
+            assert!(problems.is_empty(), "{problems:?}");
+            let sandbox = Sandbox::new(&config).expect("sandbox");
+            let metrics = Arc::new(WorkerMetrics::default());
+            let ctx = WorkerContext {
+                config: Arc::new(config.clone()),
+                sandbox: sandbox.clone(),
+                services: Arc::new(NoServices),
+                tokens: Arc::new(NoTokens),
+                metrics: metrics.clone(),
+            };
+            let client = connect(&self.nats.url()).await;
+            let store = Store::open(async_nats::jetstream::new(client.clone()), StoreSettings::default())
+                .await
+                .expect("store");
+            let node = WorkerNode::start(client, store, Pool::new(ctx, Arc::new(catalogue)), &config.worker_id)
+                .await
+                .expect("worker node");
+            self.workers.push(Worker { node: Some(node), sandbox, metrics });
+            i
+        }
+
+        /// A valid token for `user`.
+        pub fn token(&self, user: &str) -> String {
+            self.key.mint(user, DEFAULT_ISSUER, DEFAULT_AUDIENCE, Duration::from_secs(600), false).expect("mint")
+        }
+
+        /// Calls an API method as `user` and returns the response envelope.
+        pub async fn call(&self, user: &str, method: &str, args: Value) -> ApiResponse<Value> {
+            self.call_with_token(&format!("Bearer {}", self.token(user)), method, args).await
+        }
+
+        /// Calls an API method with an explicit `Authorization` header value.
+        pub async fn call_with_token(&self, auth: &str, method: &str, args: Value) -> ApiResponse<Value> {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert(subjects::AUTH_HEADER, auth);
+            let request = async_nats::Request::new()
+                .headers(headers)
+                .payload(serde_json::to_vec(&args).expect("json").into())
+                .timeout(Some(Duration::from_secs(120)));
+            let reply = self.client.send_request(subjects::api(method), request).await.expect("API reply");
+            serde_json::from_slice(&reply.payload).expect("ApiResponse")
+        }
+
+        /// `call` expecting success.
+        pub async fn ok(&self, user: &str, method: &str, args: Value) -> Value {
+            match self.call(user, method, args).await {
+                ApiResponse::Ok(v) => v,
+                ApiResponse::Err(e) => panic!("{method} failed: {e}"),
+            }
+        }
+
+        /// `call` expecting an error.
+        pub async fn err(&self, user: &str, method: &str, args: Value) -> ApiError {
+            match self.call(user, method, args).await {
+                ApiResponse::Ok(v) => panic!("{method} unexpectedly succeeded: {v}"),
+                ApiResponse::Err(e) => e,
+            }
+        }
+
+        /// Starts a worker as a separate `fleet worker --nats-url …` process (so a test can `kill -9` it),
+        /// serving the cluster's plugins; returns once it is registered.
+        pub async fn spawn_worker_process(&self, id: &str) -> std::process::Child {
+            use std::io::BufRead as _;
+            let dir = self.root.path().join(format!("proc-{id}"));
+            std::fs::create_dir_all(&dir).expect("dir");
+            let catalogue = write_catalogue(&dir, &self.plugins);
+            let mut child = std::process::Command::new(super::fleet_bin())
+                .args(["worker", "--nats-url", &self.nats.url(), "--worker-id", id])
+                .arg("--catalogue")
+                .arg(&catalogue)
+                .arg("--state-dir")
+                .arg(dir.join("state"))
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .expect("fleet worker");
+            let stdout = child.stdout.take().expect("stdout");
+            let lines = tokio::task::spawn_blocking(move || {
+                let mut lines = std::io::BufReader::new(stdout).lines();
+                let _swept = lines.next();
+                let ready = lines.next();
+                std::thread::spawn(move || for _ in lines {});
+                ready
+            })
+            .await
+            .expect("reader");
+            assert!(lines.is_some(), "fleet worker did not start");
+            child
+        }
+
+        /// Shuts everything down.
+        pub async fn shutdown(mut self) {
+            for (_, service) in self.fronts.drain(..) {
+                service.stop().await;
+            }
+            for w in &mut self.workers {
+                if let Some(node) = w.node.take() {
+                    node.shutdown().await;
+                }
+            }
+        }
+    }
+
+    impl Drop for Cluster {
+        fn drop(&mut self) {
+            for w in &self.workers {
+                let _ = w.sandbox.remove_subtree();
+            }
         }
     }
 }
