@@ -16,7 +16,7 @@ use fleet_worker::services::{NoServices, NoTokens};
 use fleet_worker::session::WorkerContext;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-use crate::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, DevKey, Verifier};
+use crate::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, DevKey, Verifier, VerifyKey};
 use crate::client_cmd::{DEFAULT_DATA_DIR, nats_url_file};
 use crate::front::{Front, FrontConfig};
 use crate::nats_server::{NatsServer, free_port};
@@ -44,6 +44,38 @@ pub struct UpArgs {
     /// `cgroup` (default when root) or `none` (the default when not root: no cgroups, plugins run as you).
     #[arg(long, env = "FLEET_ISOLATION")]
     pub isolation: Option<String>,
+    /// A file holding an HS256 secret (≥ 32 bytes) that API tokens may be signed with (repeatable). When any key
+    /// flag is given, the dev key of --data-dir is NOT accepted.
+    #[arg(long = "jwt-hs256-secret-file", env = "FLEET_JWT_HS256_SECRET_FILE")]
+    pub jwt_hs256_secret_files: Vec<PathBuf>,
+    /// A PEM file with an Ed25519 public key API tokens may be signed with (repeatable).
+    #[arg(long = "jwt-ed25519-public-key", env = "FLEET_JWT_ED25519_PUBLIC_KEY")]
+    pub jwt_ed25519_public_keys: Vec<PathBuf>,
+    /// The `iss` API tokens must carry.
+    #[arg(long, env = "FLEET_JWT_ISSUER", default_value = DEFAULT_ISSUER)]
+    pub jwt_issuer: String,
+    /// The `aud` API tokens must carry.
+    #[arg(long, env = "FLEET_JWT_AUDIENCE", default_value = DEFAULT_AUDIENCE)]
+    pub jwt_audience: String,
+}
+
+/// The verifier: the configured keys, or the dev key of the data dir when none is configured.
+fn verifier(args: &UpArgs, data_dir: &Path) -> Result<Verifier, UpError> {
+    let mut keys = Vec::new();
+    for path in &args.jwt_hs256_secret_files {
+        let secret = std::fs::read(path).map_err(|e| other(&path.display().to_string())(&e))?;
+        let secret = secret.strip_suffix(b"\n").unwrap_or(&secret);
+        keys.push(VerifyKey::hs256(secret).map_err(|e| other(&path.display().to_string())(&e))?);
+    }
+    for path in &args.jwt_ed25519_public_keys {
+        let pem = std::fs::read(path).map_err(|e| other(&path.display().to_string())(&e))?;
+        keys.push(VerifyKey::ed25519_public_pem(&pem).map_err(|e| other(&path.display().to_string())(&e))?);
+    }
+    if keys.is_empty() {
+        let key = DevKey::load_or_create(data_dir).map_err(|e| other("dev signing key")(&e))?;
+        keys.push(key.verify_key().map_err(|e| other("dev key")(&e))?);
+    }
+    Verifier::new(keys, &args.jwt_issuer, &args.jwt_audience).map_err(|e| other("verifier")(&e))
 }
 
 /// Why `fleet up` could not run.
@@ -131,14 +163,8 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     .await
     .map_err(|e| other("JetStream resources")(&e))?;
 
-    // Auth: the dev key in the data dir.
-    let key = DevKey::load_or_create(&data_dir).map_err(|e| other("dev signing key")(&e))?;
-    let verifier = Verifier::new(
-        vec![key.verify_key().map_err(|e| other("dev key")(&e))?],
-        DEFAULT_ISSUER,
-        DEFAULT_AUDIENCE,
-    )
-    .map_err(|e| other("verifier")(&e))?;
+    // Auth: the configured keys, else the dev key in the data dir.
+    let verifier = verifier(args, &data_dir)?;
 
     // Workers.
     let plugins_dir = args.plugins_dir.clone().unwrap_or_else(default_plugins_dir);

@@ -172,9 +172,12 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
                 .connect(url)
                 .await
                 .map_err(|e| WorkerCmdError::Usage(format!("cannot connect to {url}: {e}")))?;
-            let store = crate::store::Store::open(async_nats::jetstream::new(client.clone()), crate::store::StoreSettings::default())
-                .await
-                .map_err(|e| WorkerCmdError::Usage(format!("JetStream: {e}")))?;
+            let store = crate::store::Store::open(
+                async_nats::jetstream::new(client.clone()),
+                crate::store::StoreSettings::default(),
+            )
+            .await
+            .map_err(|e| WorkerCmdError::Usage(format!("JetStream: {e}")))?;
             let worker_id = pool.context().config.worker_id.clone();
             Some(
                 crate::node::WorkerNode::start(client, store, pool.clone(), &worker_id)

@@ -383,24 +383,32 @@ pub mod cluster {
 
     impl std::fmt::Debug for Cluster {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.debug_struct("Cluster").field("url", &self.nats.url()).finish_non_exhaustive()
+            f.debug_struct("Cluster")
+                .field("url", &self.nats.url())
+                .finish_non_exhaustive()
         }
     }
 
     /// A new NATS connection.
     pub async fn connect(url: &str) -> async_nats::Client {
-        async_nats::connect(url).await.expect("connect to the test nats-server")
+        async_nats::connect(url)
+            .await
+            .expect("connect to the test nats-server")
     }
 
     impl Cluster {
         /// Starts `fronts` front replicas and `workers` worker nodes, each serving `plugins`.
         pub async fn start(name: &str, fronts: usize, workers: usize, plugins: &[Plugin]) -> Cluster {
             let root = tempfile::tempdir().expect("tempdir");
-            let nats = NatsServer::start(&root.path().join("nats")).expect("nats-server (run scripts/test.sh once)");
+            let nats =
+                NatsServer::start(&root.path().join("nats")).expect("nats-server (run scripts/test.sh once)");
             let client = connect(&nats.url()).await;
-            let store = Store::open(async_nats::jetstream::new(client.clone()), StoreSettings::default())
-                .await
-                .expect("store");
+            let store = Store::open(
+                async_nats::jetstream::new(client.clone()),
+                StoreSettings::default(),
+            )
+            .await
+            .expect("store");
             let key = SigningKey::hs256(SECRET).expect("key");
             let mut cluster = Cluster {
                 nats,
@@ -425,11 +433,18 @@ pub mod cluster {
         /// Adds a front replica with its own connection.
         pub async fn add_front(&mut self) -> usize {
             let client = connect(&self.nats.url()).await;
-            let store = Store::open(async_nats::jetstream::new(client.clone()), StoreSettings::default())
-                .await
-                .expect("store");
-            let verifier = Verifier::new(vec![self.key.verify_key().expect("verify key")], DEFAULT_ISSUER, DEFAULT_AUDIENCE)
-                .expect("verifier");
+            let store = Store::open(
+                async_nats::jetstream::new(client.clone()),
+                StoreSettings::default(),
+            )
+            .await
+            .expect("store");
+            let verifier = Verifier::new(
+                vec![self.key.verify_key().expect("verify key")],
+                DEFAULT_ISSUER,
+                DEFAULT_AUDIENCE,
+            )
+            .expect("verifier");
             let front = Front::new(client, store, verifier, FrontConfig::default());
             let service = front.serve().await.expect("serve");
             self.fronts.push((front, service));
@@ -444,7 +459,8 @@ pub mod cluster {
             let mut config = test_config(&format!("{}-w{i}", self.name));
             config.catalogue_dir = write_catalogue(&dir, &self.plugins);
             config.state_dir = dir.join("state");
-            let (catalogue, problems) = Catalogue::load(&config.catalogue_dir, &LoadOptions::from_env()).expect("catalogue");
+            let (catalogue, problems) =
+                Catalogue::load(&config.catalogue_dir, &LoadOptions::from_env()).expect("catalogue");
             assert!(problems.is_empty(), "{problems:?}");
             let sandbox = Sandbox::new(&config).expect("sandbox");
             let metrics = Arc::new(WorkerMetrics::default());
@@ -456,24 +472,45 @@ pub mod cluster {
                 metrics: metrics.clone(),
             };
             let client = connect(&self.nats.url()).await;
-            let store = Store::open(async_nats::jetstream::new(client.clone()), StoreSettings::default())
-                .await
-                .expect("store");
-            let node = WorkerNode::start(client, store, Pool::new(ctx, Arc::new(catalogue)), &config.worker_id)
-                .await
-                .expect("worker node");
-            self.workers.push(Worker { node: Some(node), sandbox, metrics });
+            let store = Store::open(
+                async_nats::jetstream::new(client.clone()),
+                StoreSettings::default(),
+            )
+            .await
+            .expect("store");
+            let node = WorkerNode::start(
+                client,
+                store,
+                Pool::new(ctx, Arc::new(catalogue)),
+                &config.worker_id,
+            )
+            .await
+            .expect("worker node");
+            self.workers.push(Worker {
+                node: Some(node),
+                sandbox,
+                metrics,
+            });
             i
         }
 
         /// A valid token for `user`.
         pub fn token(&self, user: &str) -> String {
-            self.key.mint(user, DEFAULT_ISSUER, DEFAULT_AUDIENCE, Duration::from_secs(600), false).expect("mint")
+            self.key
+                .mint(
+                    user,
+                    DEFAULT_ISSUER,
+                    DEFAULT_AUDIENCE,
+                    Duration::from_secs(600),
+                    false,
+                )
+                .expect("mint")
         }
 
         /// Calls an API method as `user` and returns the response envelope.
         pub async fn call(&self, user: &str, method: &str, args: Value) -> ApiResponse<Value> {
-            self.call_with_token(&format!("Bearer {}", self.token(user)), method, args).await
+            self.call_with_token(&format!("Bearer {}", self.token(user)), method, args)
+                .await
         }
 
         /// Calls an API method with an explicit `Authorization` header value.
@@ -484,7 +521,11 @@ pub mod cluster {
                 .headers(headers)
                 .payload(serde_json::to_vec(&args).expect("json").into())
                 .timeout(Some(Duration::from_secs(120)));
-            let reply = self.client.send_request(subjects::api(method), request).await.expect("API reply");
+            let reply = self
+                .client
+                .send_request(subjects::api(method), request)
+                .await
+                .expect("API reply");
             serde_json::from_slice(&reply.payload).expect("ApiResponse")
         }
 
