@@ -137,7 +137,19 @@ impl Dispatcher {
     /// full, `agent_unavailable` when there is none.
     pub async fn job(&self, req: &ExecRequest) -> Result<String, ApiError> {
         let mut full = false;
+        // Workers whose last heartbeat reported every long-job slot taken are skipped without a round trip.
+        let busy: Vec<String> = self
+            .live()
+            .await
+            .into_iter()
+            .filter(|w| w.long_jobs_running >= w.capacity_long_jobs)
+            .map(|w| w.id)
+            .collect();
         for worker in self.ranked(&req.user, &req.plugin).await {
+            if busy.contains(&worker) {
+                full = true;
+                continue;
+            }
             match self.request(&worker, req, JOB_ACCEPT_TIMEOUT).await {
                 Ok(reply) if reply.success => return Ok(worker),
                 Ok(reply) => match reply.error {

@@ -249,6 +249,8 @@ async fn serve_exec(ctx: Arc<Ctx>, msg: async_nats::Message) {
             run_job(&ctx, req).await;
             ctx.running_long.fetch_sub(1, Ordering::Relaxed);
             drop(permit);
+            // Tell the registry a slot is free now rather than at the next tick.
+            heartbeat(&ctx).await;
         }
     }
 }
