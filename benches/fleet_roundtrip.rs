@@ -1,0 +1,521 @@
+//! The warm request path of the fleet, against the NATS / JetStream operations it is built from, measured in the
+//! same run.
+//!
+//! One process runs a whole fleet as the e2e tests do (`fleet_e2e::cluster`): a real nats-server with
+//! JetStream, the store, one front replica and one worker node (cgroup isolation) over the release build of the
+//! Rust echo plugin, with real HS256 JWTs. One user's echo session is warmed by an invoke before anything is
+//! timed. Measured, from a client connection of this process:
+//! - A `raw_echo` — NATS request/reply to a responder task (its own connection) that answers every message with
+//!   its payload: the same ≈150-byte body and the same `Authorization` header as B. The physical floor of one
+//!   API call;
+//! - B `invoke` — `tools.invoke` of `echo.echo` through the API: JWT check, rate limiter, dispatch (rendezvous
+//!   over the cached worker registry), request/reply to the worker, the plugin's stdio round trip, and back;
+//! - A and B pipelined: N requests with 64 in flight (`buffer_unordered(64)`), in requests per second;
+//! - C `invokeAsync` — create a job (active-set slot CAS, record create, event, hand-off to the worker) and
+//!   D `getJob` of the finished job (record read + last progress message), against
+//!   E a single JetStream KV `put` and F a single KV `entry` read, on a scratch bucket created here with the
+//!   jobs bucket's settings and values the size of a finished job record.
+//!
+//! C and D run as the warm user: after each `invokeAsync` the bench waits (untimed) for the job's terminal
+//! `tool_job` event, so the user never holds more than one of its 5 active slots and no job starts a cold
+//! session. The front is the cluster's front with one change: the per-user rate limit (50/s, burst 100 by
+//! default) is raised out of reach, since one user drives thousands of calls per second here; the limiter is
+//! still consulted on every call.
+//!
+//! Criterion measures A, B, E and F (sequential latency). Then an interleaved pass (A and B alternate request
+//! by request; C, D, E, F in turn; the pipelined batches of A then B each round) prints p50/p99 of every
+//! measure over all its samples, the median pipelined throughput of the rounds, and the ratios, so slow and fast
+//! phases of a noisy machine hit every measure alike. Everything is shut down at the end.
+#![allow(
+    clippy::unwrap_used,
+    clippy::print_stdout,
+    clippy::cast_possible_truncation,
+    clippy::cast_precision_loss
+)]
+
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::kv;
+use async_nats::{HeaderMap, Request};
+use bytes::Bytes;
+use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
+use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, Verifier};
+use fleet::front::{Front, FrontConfig};
+use fleet::store::{Store, StoreSettings, user_key};
+use fleet_e2e::cluster::{Cluster, connect};
+use fleet_e2e::worker::Plugin;
+use fleet_proto::api::{
+    ApiResponse, InvokeAsyncResult, JobId, JobSnapshot, JobState, ToolJobEvent, methods, subjects,
+};
+use futures::StreamExt as _;
+use serde_json::json;
+
+/// The user whose echo session is warm.
+const USER: &str = "bench-user";
+/// Size of the request body of A and B.
+const BODY_BYTES: usize = 150;
+/// Requests in flight in the pipelined batches.
+const IN_FLIGHT: usize = 64;
+/// The raw echo's subject.
+const ECHO_SUBJECT: &str = "bench.raw.echo";
+/// The bucket of E and F.
+const SCRATCH_BUCKET: &str = "bench_scratch";
+/// A failure guard for a job to finish (never reached in a healthy run).
+const JOB_WAIT: Duration = Duration::from_secs(30);
+
+/// How much the interleaved pass does.
+#[derive(Debug, Clone, Copy)]
+struct Plan {
+    rounds: usize,
+    /// Sequential A and B samples per round (each).
+    latency: usize,
+    /// Requests per pipelined batch (A and B each, per round).
+    pipelined: usize,
+    /// C, D, E and F samples per round (each).
+    jobs: usize,
+}
+
+impl Plan {
+    /// `cargo bench`: 2 000 sequential A/B samples, 500 of C–F, 10 pipelined batches of 2 000 each.
+    const FULL: Plan = Plan {
+        rounds: 10,
+        latency: 200,
+        pipelined: 2000,
+        jobs: 50,
+    };
+    /// `cargo test --benches` / `-- --test`: a smoke run.
+    const QUICK: Plan = Plan {
+        rounds: 1,
+        latency: 5,
+        pipelined: 128,
+        jobs: 2,
+    };
+}
+
+struct Bench {
+    cluster: Option<Cluster>,
+    /// The connection every measured request goes out on (the cluster's client connection).
+    client: async_nats::Client,
+    headers: HeaderMap,
+    /// The `tools.invoke` / `tools.invokeAsync` body (`BODY_BYTES`).
+    body: Bytes,
+    responder: tokio::task::JoinHandle<()>,
+    /// The warm user's `tool_job` events.
+    events: async_nats::Subscriber,
+    scratch: kv::Store,
+    /// A KV value the size of a finished job record.
+    value: Bytes,
+    record_bytes: usize,
+    /// Keys written so far on the scratch bucket.
+    puts: u64,
+}
+
+/// The `tools.invoke` body, padded to exactly `BODY_BYTES`.
+fn invoke_body() -> Bytes {
+    let make = |pad: usize| {
+        serde_json::to_vec(&json!({
+            "tool_id": "echo.echo",
+            "args": {"message": "fleet_roundtrip", "payload": {"seq": 1, "pad": "x".repeat(pad)}},
+        }))
+        .unwrap()
+    };
+    let base = make(0).len();
+    let body = make(BODY_BYTES.saturating_sub(base));
+    assert_eq!(body.len(), BODY_BYTES.max(base));
+    body.into()
+}
+
+impl Bench {
+    async fn new() -> Bench {
+        let mut cluster = Cluster::start("bench-rt", 0, 1, &[Plugin::echo("echo", &[])]).await;
+        // The cluster's front, with the per-user rate limit out of reach (see the module docs).
+        let front_client = connect(&cluster.nats.url()).await;
+        let store = Store::open(
+            async_nats::jetstream::new(front_client.clone()),
+            StoreSettings::default(),
+        )
+        .await
+        .unwrap();
+        let verifier = Verifier::new(
+            vec![cluster.key.verify_key().unwrap()],
+            DEFAULT_ISSUER,
+            DEFAULT_AUDIENCE,
+        )
+        .unwrap();
+        let config = FrontConfig {
+            rate_per_user: 1_000_000_000,
+            burst_per_user: 1_000_000_000,
+            ..FrontConfig::default()
+        };
+        let front = Front::new(front_client, store, verifier, config);
+        let service = front.serve().await.unwrap();
+        cluster.fronts.push((front, service));
+
+        // A: the responder, on its own connection.
+        let responder_client = connect(&cluster.nats.url()).await;
+        let mut sub = responder_client.subscribe(ECHO_SUBJECT).await.unwrap();
+        responder_client.flush().await.unwrap();
+        let responder = tokio::spawn(async move {
+            while let Some(msg) = sub.next().await {
+                if let Some(reply) = msg.reply {
+                    let _ = responder_client.publish(reply, msg.payload).await;
+                }
+            }
+        });
+
+        let client = cluster.client.clone();
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            subjects::AUTH_HEADER,
+            format!("Bearer {}", cluster.token(USER)).as_str(),
+        );
+        let events = client
+            .subscribe(subjects::user_events(&user_key(USER)))
+            .await
+            .unwrap();
+        client.flush().await.unwrap();
+
+        // E, F: a scratch bucket with the jobs bucket's settings.
+        let mut config = cluster.store.settings().jobs_kv_config();
+        config.bucket = SCRATCH_BUCKET.into();
+        config.description = "fleet_roundtrip scratch bucket".into();
+        let scratch = async_nats::jetstream::new(client.clone())
+            .create_key_value(config)
+            .await
+            .unwrap();
+
+        let mut bench = Bench {
+            cluster: Some(cluster),
+            client,
+            headers,
+            body: invoke_body(),
+            responder,
+            events,
+            scratch,
+            value: Bytes::new(),
+            record_bytes: 0,
+            puts: 0,
+        };
+        // Warm the session (the first invoke spawns the plugin), then one job, which also gives the size of a
+        // finished record.
+        bench.invoke().await;
+        let (_, job) = bench.invoke_async().await;
+        bench.wait_terminal(&job).await;
+        let record = bench.cluster().store.get_job(USER, &job).await.unwrap().unwrap();
+        let bytes = serde_json::to_vec(&record.value).unwrap();
+        bench.record_bytes = bytes.len();
+        bench.value = vec![b'v'; bytes.len()].into();
+        let _ = bench.get_job(&job).await;
+        bench.kv_put().await;
+        bench.kv_get().await;
+        bench.raw_echo().await;
+        bench
+    }
+
+    fn cluster(&self) -> &Cluster {
+        self.cluster.as_ref().unwrap()
+    }
+
+    fn request(&self, body: Bytes) -> Request {
+        Request::new().headers(self.headers.clone()).payload(body)
+    }
+
+    async fn send(&self, subject: String, body: Bytes) -> Bytes {
+        self.client
+            .send_request(subject, self.request(body))
+            .await
+            .unwrap()
+            .payload
+    }
+
+    /// A: one raw request/reply echo.
+    async fn raw_echo(&self) -> Duration {
+        let t = Instant::now();
+        let reply = self.send(ECHO_SUBJECT.into(), self.body.clone()).await;
+        let d = t.elapsed();
+        assert_eq!(reply.len(), BODY_BYTES);
+        d
+    }
+
+    /// B: one `tools.invoke` of the echo tool.
+    async fn invoke(&self) -> Duration {
+        let t = Instant::now();
+        let reply = self
+            .send(subjects::api(methods::TOOLS_INVOKE), self.body.clone())
+            .await;
+        let d = t.elapsed();
+        check_ok(methods::TOOLS_INVOKE, &reply);
+        d
+    }
+
+    /// C: one `tools.invokeAsync`; the job id.
+    async fn invoke_async(&self) -> (Duration, JobId) {
+        let t = Instant::now();
+        let reply = self
+            .send(subjects::api(methods::TOOLS_INVOKE_ASYNC), self.body.clone())
+            .await;
+        let d = t.elapsed();
+        match serde_json::from_slice::<ApiResponse<InvokeAsyncResult>>(&reply).unwrap() {
+            ApiResponse::Ok(r) => (d, r.job_id),
+            ApiResponse::Err(e) => panic!("tools.invokeAsync failed: {e}"),
+        }
+    }
+
+    /// Waits (untimed) for the terminal `tool_job` event of `job`.
+    async fn wait_terminal(&mut self, job: &JobId) {
+        let deadline = tokio::time::Instant::now() + JOB_WAIT;
+        loop {
+            let msg = tokio::time::timeout_at(deadline, self.events.next())
+                .await
+                .unwrap_or_else(|_| panic!("job {job} did not finish within {JOB_WAIT:?}"))
+                .unwrap();
+            let ev: ToolJobEvent = serde_json::from_slice(&msg.payload).unwrap();
+            if ev.job_id == *job && ev.terminal {
+                assert_eq!(ev.state, JobState::Succeeded, "job {job}");
+                return;
+            }
+        }
+    }
+
+    /// D: one `tools.getJob` of a finished job.
+    async fn get_job(&self, job: &JobId) -> Duration {
+        let body = serde_json::to_vec(&json!({ "jobId": job })).unwrap();
+        let t = Instant::now();
+        let reply = self
+            .send(subjects::api(methods::TOOLS_GET_JOB), body.into())
+            .await;
+        let d = t.elapsed();
+        match serde_json::from_slice::<ApiResponse<JobSnapshot>>(&reply).unwrap() {
+            ApiResponse::Ok(s) => assert_eq!(s.state, JobState::Succeeded),
+            ApiResponse::Err(e) => panic!("tools.getJob failed: {e}"),
+        }
+        d
+    }
+
+    /// E: one KV put of a new key.
+    async fn kv_put(&mut self) -> Duration {
+        self.puts += 1;
+        let key = format!("k{}", self.puts);
+        let t = Instant::now();
+        self.scratch.put(key, self.value.clone()).await.unwrap();
+        t.elapsed()
+    }
+
+    /// F: one KV read of the last key written.
+    async fn kv_get(&self) -> Duration {
+        let key = format!("k{}", self.puts);
+        let t = Instant::now();
+        let entry = self.scratch.entry(key).await.unwrap();
+        let d = t.elapsed();
+        assert_eq!(entry.unwrap().value.len(), self.record_bytes);
+        d
+    }
+
+    /// `n` requests of A (`invoke == false`) or B with `IN_FLIGHT` in flight; requests per second.
+    async fn pipelined(&self, invoke: bool, n: usize) -> f64 {
+        let subject = if invoke {
+            subjects::api(methods::TOOLS_INVOKE)
+        } else {
+            ECHO_SUBJECT.to_string()
+        };
+        let t = Instant::now();
+        let replies: Vec<Bytes> = futures::stream::iter(0..n)
+            .map(|_| self.send(subject.clone(), self.body.clone()))
+            .buffer_unordered(IN_FLIGHT)
+            .collect()
+            .await;
+        let secs = t.elapsed().as_secs_f64();
+        for reply in &replies {
+            if invoke {
+                check_ok(methods::TOOLS_INVOKE, reply);
+            } else {
+                assert_eq!(reply.len(), BODY_BYTES);
+            }
+        }
+        n as f64 / secs
+    }
+
+    /// `iters` sequential runs of one measure, for criterion's `iter_custom`.
+    async fn repeat(&mut self, m: Measure, iters: u64) -> Duration {
+        let mut sum = Duration::ZERO;
+        for _ in 0..iters {
+            sum += match m {
+                Measure::RawEcho => self.raw_echo().await,
+                Measure::Invoke => self.invoke().await,
+                Measure::KvPut => self.kv_put().await,
+                Measure::KvGet => self.kv_get().await,
+            };
+        }
+        sum
+    }
+
+    /// Stops the responder, drops the scratch bucket and shuts the fleet down (front, worker node and its plugin
+    /// sessions; the nats-server stops when the cluster is dropped).
+    async fn shutdown(mut self) {
+        self.responder.abort();
+        let _ = async_nats::jetstream::new(self.client.clone())
+            .delete_key_value(SCRATCH_BUCKET)
+            .await;
+        if let Some(cluster) = self.cluster.take() {
+            cluster.shutdown().await;
+        }
+    }
+}
+
+/// Panics unless `reply` is `{"ok":true,…}`.
+fn check_ok(method: &str, reply: &[u8]) {
+    assert!(
+        reply.starts_with(br#"{"ok":true"#),
+        "{method} failed: {}",
+        String::from_utf8_lossy(reply)
+    );
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Measure {
+    RawEcho,
+    Invoke,
+    KvPut,
+    KvGet,
+}
+
+/// Nearest-rank percentile of sorted samples.
+fn pct(sorted: &[Duration], p: f64) -> Duration {
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+#[derive(Default)]
+struct Samples {
+    a: Vec<Duration>,
+    b: Vec<Duration>,
+    c: Vec<Duration>,
+    d: Vec<Duration>,
+    e: Vec<Duration>,
+    f: Vec<Duration>,
+    a_rps: Vec<f64>,
+    b_rps: Vec<f64>,
+}
+
+/// The interleaved pass.
+async fn interleaved(bench: &mut Bench, plan: Plan) -> Samples {
+    let mut s = Samples::default();
+    for _ in 0..plan.rounds {
+        for _ in 0..plan.latency {
+            s.a.push(bench.raw_echo().await);
+            s.b.push(bench.invoke().await);
+        }
+        for _ in 0..plan.jobs {
+            let (c, job) = bench.invoke_async().await;
+            s.c.push(c);
+            bench.wait_terminal(&job).await;
+            s.d.push(bench.get_job(&job).await);
+            s.e.push(bench.kv_put().await);
+            s.f.push(bench.kv_get().await);
+        }
+        s.a_rps.push(bench.pipelined(false, plan.pipelined).await);
+        s.b_rps.push(bench.pipelined(true, plan.pipelined).await);
+    }
+    s
+}
+
+fn print_table(s: Samples, plan: Plan, bench: &Bench) {
+    let stats = |mut v: Vec<Duration>| {
+        v.sort();
+        (v.len(), pct(&v, 50.0), pct(&v, 99.0))
+    };
+    let (a, b, c, d, e, f) = (
+        stats(s.a),
+        stats(s.b),
+        stats(s.c),
+        stats(s.d),
+        stats(s.e),
+        stats(s.f),
+    );
+    let (a_rps, b_rps) = (median(s.a_rps), median(s.b_rps));
+    println!();
+    println!(
+        "fleet_roundtrip (interleaved, {} rounds; 1 front, 1 worker, warm echo session, {}; body {BODY_BYTES} B \
+         + Authorization header; KV values {} B = a finished job record; req/s = median of the rounds, \
+         {} requests with {IN_FLIGHT} in flight)",
+        plan.rounds,
+        bench.cluster().workers.first().map_or("?", |w| w.sandbox.mode()),
+        bench.record_bytes,
+        plan.pipelined,
+    );
+    println!(
+        "{:<44} {:>8} {:>10} {:>10} {:>10}",
+        "measure", "samples", "p50 µs", "p99 µs", "req/s"
+    );
+    let row = |name: &str, (n, p50, p99): (usize, Duration, Duration), rps: Option<f64>| {
+        let rps = rps.map_or_else(String::new, |r| format!("{r:.0}"));
+        println!("{name:<44} {n:>8} {:>10.1} {:>10.1} {rps:>10}", us(p50), us(p99));
+    };
+    row("A raw NATS request/reply echo", a, Some(a_rps));
+    row("B tools.invoke echo (front→worker→plugin)", b, Some(b_rps));
+    row("C tools.invokeAsync (create job)", c, None);
+    row("D tools.getJob (finished job)", d, None);
+    row("E JetStream KV put (scratch bucket)", e, None);
+    row("F JetStream KV get (scratch bucket)", f, None);
+    println!();
+    let ratio = |x: Duration, y: Duration| x.as_secs_f64() / y.as_secs_f64();
+    println!(
+        "B/A  p50 {:>6.2}x  p99 {:>6.2}x  throughput {:>6.3}x  (+{:.1} µs p50 over the raw round trip)",
+        ratio(b.1, a.1),
+        ratio(b.2, a.2),
+        b_rps / a_rps,
+        us(b.1.saturating_sub(a.1))
+    );
+    println!(
+        "C/E  p50 {:>6.2}x  p99 {:>6.2}x",
+        ratio(c.1, e.1),
+        ratio(c.2, e.2)
+    );
+    println!(
+        "D/F  p50 {:>6.2}x  p99 {:>6.2}x",
+        ratio(d.1, f.1),
+        ratio(d.2, f.2)
+    );
+}
+
+fn bench(c: &mut Criterion) {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--test") || !args.iter().any(|a| a == "--bench");
+    let plan = if quick { Plan::QUICK } else { Plan::FULL };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut b = rt.block_on(Box::pin(Bench::new()));
+    {
+        let mut g = c.benchmark_group("fleet_roundtrip");
+        g.sampling_mode(SamplingMode::Flat)
+            .sample_size(10)
+            .warm_up_time(Duration::from_millis(500))
+            .measurement_time(Duration::from_secs(2));
+        for (name, m) in [
+            ("A_raw_echo", Measure::RawEcho),
+            ("B_invoke", Measure::Invoke),
+            ("E_kv_put", Measure::KvPut),
+            ("F_kv_get", Measure::KvGet),
+        ] {
+            g.bench_function(name, |bn| bn.iter_custom(|iters| rt.block_on(b.repeat(m, iters))));
+        }
+        g.finish();
+    }
+    let samples = rt.block_on(interleaved(&mut b, plan));
+    print_table(samples, plan, &b);
+    rt.block_on(b.shutdown());
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
