@@ -46,6 +46,19 @@ else
 fi
 python3 --version
 
+# The worker runs each test user's plugins under a dedicated unprivileged uid (run_as = per_user): that uid must
+# be able to reach the fixture plugins built inside this checkout. A checkout under a 0700 directory (mktemp -d)
+# would hide them, so, as root, let "others" traverse (o+x, not list) every ancestor of the checkout.
+if [ "$(id -u)" = 0 ]; then
+    dir=$root
+    while [ "$dir" != "/" ]; do
+        if [ "$(( $(stat -c '%a' "$dir") % 2 ))" = 0 ]; then
+            chmod o+x "$dir" && echo "made $dir traversable (o+x) for the plugins' uids"
+        fi
+        dir=$(dirname "$dir")
+    done
+fi
+
 if [ "${FLEET_TEST_SKIP_LINT:-0}" != 1 ]; then
     log "format"
     cargo fmt --all -- --check
