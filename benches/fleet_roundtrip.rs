@@ -3,7 +3,9 @@
 //!
 //! One process runs a whole fleet as the e2e tests do (`fleet_e2e::cluster`): a real nats-server with
 //! JetStream, the store, one front replica and one worker node (cgroup isolation) over the release build of the
-//! Rust echo plugin, with real HS256 JWTs. One user's echo session is warmed by an invoke before anything is
+//! Rust echo plugin, with real HS256 JWTs. The echo install gets `pids_max = 256`: the fixture runs every invoke
+//! on a thread of its own, and 64 invokes in flight plus its own threads exceed the default cgroup `pids.max` of
+//! 64 ("cannot spawn a thread"). One user's echo session is warmed by an invoke before anything is
 //! timed. Measured, from a client connection of this process:
 //! - A `raw_echo` — NATS request/reply to a responder task (its own connection) that answers every message with
 //!   its payload: the same ≈150-byte body and the same `Authorization` header as B. The physical floor of one
@@ -18,9 +20,9 @@
 //!
 //! C and D run as the warm user: after each `invokeAsync` the bench waits (untimed) for the job's terminal
 //! `tool_job` event, so the user never holds more than one of its 5 active slots and no job starts a cold
-//! session. The front is the cluster's front with one change: the per-user rate limit (50/s, burst 100 by
-//! default) is raised out of reach, since one user drives thousands of calls per second here; the limiter is
-//! still consulted on every call.
+//! session. The front is built as `Cluster::add_front` builds one, with one change: the per-user rate limit
+//! (50/s, burst 100 by default) is raised out of reach, since one user drives thousands of calls per second
+//! here; the limiter is still consulted on every call.
 //!
 //! Criterion measures A, B, E and F (sequential latency). Then an interleaved pass (A and B alternate request
 //! by request; C, D, E, F in turn; the pipelined batches of A then B each round) prints p50/p99 of every
@@ -66,6 +68,8 @@ const JOB_WAIT: Duration = Duration::from_secs(30);
 /// How much the interleaved pass does.
 #[derive(Debug, Clone, Copy)]
 struct Plan {
+    /// Printed in the table's title.
+    label: &'static str,
     rounds: usize,
     /// Sequential A and B samples per round (each).
     latency: usize,
@@ -76,15 +80,17 @@ struct Plan {
 }
 
 impl Plan {
-    /// `cargo bench`: 2 000 sequential A/B samples, 500 of C–F, 10 pipelined batches of 2 000 each.
+    /// `cargo bench`: 2 000 sequential A/B samples, 1 000 of C–F, 10 pipelined batches of 5 000 each.
     const FULL: Plan = Plan {
+        label: "interleaved",
         rounds: 10,
         latency: 200,
-        pipelined: 2000,
-        jobs: 50,
+        pipelined: 5000,
+        jobs: 100,
     };
     /// `cargo test --benches` / `-- --test`: a smoke run.
     const QUICK: Plan = Plan {
+        label: "smoke run, not a measurement",
         rounds: 1,
         latency: 5,
         pipelined: 128,
@@ -127,7 +133,9 @@ fn invoke_body() -> Bytes {
 
 impl Bench {
     async fn new() -> Bench {
-        let mut cluster = Cluster::start("bench-rt", 0, 1, &[Plugin::echo("echo", &[])]).await;
+        // The fixture serves each invoke on its own thread: 64 in flight need more than the default pids.max (64).
+        let plugin = Plugin::echo("echo", &[]).limits(json!({ "pids_max": 256 }));
+        let mut cluster = Cluster::start("bench-rt", 0, 1, &[plugin]).await;
         // The cluster's front, with the per-user rate limit out of reach (see the module docs).
         let front_client = connect(&cluster.nats.url()).await;
         let store = Store::open(
@@ -444,9 +452,10 @@ fn print_table(s: Samples, plan: Plan, bench: &Bench) {
     let (a_rps, b_rps) = (median(s.a_rps), median(s.b_rps));
     println!();
     println!(
-        "fleet_roundtrip (interleaved, {} rounds; 1 front, 1 worker, warm echo session, {}; body {BODY_BYTES} B \
+        "fleet_roundtrip ({}, {} rounds; 1 front, 1 worker, warm echo session, {}; body {BODY_BYTES} B \
          + Authorization header; KV values {} B = a finished job record; req/s = median of the rounds, \
          {} requests with {IN_FLIGHT} in flight)",
+        plan.label,
         plan.rounds,
         bench.cluster().workers.first().map_or("?", |w| w.sandbox.mode()),
         bench.record_bytes,

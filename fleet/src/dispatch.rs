@@ -52,8 +52,14 @@ impl Dispatcher {
         }
     }
 
-    /// The live workers (cached for half a second).
+    /// The live workers (cached for half a second); empty when the registry cannot be read.
     pub async fn live(&self) -> Vec<WorkerInfo> {
+        self.registry().await.unwrap_or_default()
+    }
+
+    /// The live workers, or `None` when the registry cannot be read right now (so callers never mistake a
+    /// JetStream hiccup for dead workers).
+    pub async fn registry(&self) -> Option<Vec<WorkerInfo>> {
         if let Some((at, list)) = self
             .cache
             .lock()
@@ -61,19 +67,27 @@ impl Dispatcher {
             .as_ref()
             && at.elapsed() < REGISTRY_CACHE
         {
-            return list.clone();
+            return Some(list.clone());
         }
-        let list = self.store.live_workers().await.unwrap_or_default();
-        *self
-            .cache
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some((Instant::now(), list.clone()));
-        list
+        match self.store.live_workers().await {
+            Ok(list) => {
+                *self
+                    .cache
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                    Some((Instant::now(), list.clone()));
+                Some(list)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the worker registry");
+                None
+            }
+        }
     }
 
-    /// Whether a worker is registered (heartbeat not expired).
-    pub async fn is_live(&self, worker_id: &str) -> bool {
-        self.live().await.iter().any(|w| w.id == worker_id)
+    /// Whether a worker is registered (heartbeat not expired); `None` when the registry cannot be read.
+    pub async fn is_live(&self, worker_id: &str) -> Option<bool> {
+        self.registry().await.map(|l| l.iter().any(|w| w.id == worker_id))
     }
 
     async fn ranked(&self, user: &str, plugin: &str) -> Vec<String> {

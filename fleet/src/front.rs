@@ -151,6 +151,15 @@ impl Front {
                 }
             });
         }
+        // The endpoints' subscriptions are processed by the server before `serve` returns (no "no responders"
+        // right after): a message to our own inbox comes back only once every earlier SUB of this connection is in.
+        let inbox = self.inner.client.new_inbox();
+        let mut echo = self.inner.client.subscribe(inbox.clone()).await?;
+        self.inner.client.publish(inbox, Bytes::new()).await?;
+        self.inner.client.flush().await?;
+        tokio::time::timeout(Duration::from_secs(10), echo.next())
+            .await
+            .map_err(|_| "the NATS server did not confirm the API subscriptions")?;
         // Keep the service (and its $SRV handlers) alive as long as the endpoints run.
         tasks.spawn(async move {
             std::future::pending::<()>().await;
@@ -327,8 +336,8 @@ impl Front {
         )
         .await;
         // Hand it to a worker now; if none has room the job waits (queued) and the sweeper dispatches it when
-        // capacity frees, interleaving users.
-        dispatch_job(&self.inner.dispatcher, &self.inner.store, &created).await;
+        // capacity frees, interleaving users. A plugin no worker has is refused now (and the job ended).
+        dispatch_job(&self.inner.dispatcher, &self.inner.store, &created).await?;
         to_value(&InvokeAsyncResult {
             job_id,
             state: JobState::Queued,
@@ -355,8 +364,15 @@ impl Front {
             .progress(user, &args.job_id, args.since_seq.unwrap_or(0), limit)
             .await
             .map_err(internal)?;
+        // lastSeq is what to feed back as sinceSeq: the last event returned when the slice was cut by `limit`,
+        // else the highest stored.
+        let returned_last = events.last().map(|e| e.seq);
+        let truncated = events.len() == limit && returned_last.is_some_and(|s| s < last_seq);
         let mut snapshot = record.value.snapshot(events);
-        snapshot.last_seq = snapshot.last_seq.max(last_seq);
+        snapshot.last_seq = match (truncated, returned_last) {
+            (true, Some(seq)) => seq,
+            _ => snapshot.last_seq.max(last_seq),
+        };
         to_value(&snapshot)
     }
 
@@ -444,8 +460,14 @@ impl Front {
     }
 }
 
-/// Dispatches a queued job; records the accepting worker.
-pub async fn dispatch_job(dispatcher: &Dispatcher, store: &Store, record: &JobRecord) -> bool {
+/// Dispatches a queued job and records the accepting worker. `Ok(true)`: a worker took it; `Ok(false)`: none could
+/// now (it stays queued); `Err`: no worker will ever run it (e.g. an unknown plugin) — the job is failed with that
+/// error, releasing its quota slot.
+pub async fn dispatch_job(
+    dispatcher: &Dispatcher,
+    store: &Store,
+    record: &JobRecord,
+) -> Result<bool, ApiError> {
     let req = ExecRequest {
         kind: ExecKind::Job,
         user: record.user.clone(),
@@ -473,11 +495,21 @@ pub async fn dispatch_job(dispatcher: &Dispatcher, store: &Store, record: &JobRe
                     }
                 })
                 .await;
-            true
+            Ok(true)
+        }
+        Err(e) if matches!(e.code, ApiErrorCode::PermissionDenied | ApiErrorCode::InvalidArg) => {
+            let error = e.clone();
+            let _ = store
+                .transition(&record.user, &record.job_id, JobState::Failed, |r| {
+                    r.finished_at_ms = Some(now_ms());
+                    r.error = Some(error.clone());
+                })
+                .await;
+            Err(e)
         }
         Err(e) => {
             tracing::debug!(job = %record.job_id, error = %e, "job not dispatched yet");
-            false
+            Ok(false)
         }
     }
 }

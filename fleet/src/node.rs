@@ -56,6 +56,7 @@ struct Ctx {
     pool: Pool,
     long_jobs: Arc<Semaphore>,
     running_long: AtomicU64,
+    started_at_ms: u64,
 }
 
 impl WorkerNode {
@@ -76,6 +77,7 @@ impl WorkerNode {
             pool: pool.clone(),
             long_jobs: Arc::new(Semaphore::new(MAX_LONG_JOBS_PER_WORKER)),
             running_long: AtomicU64::new(0),
+            started_at_ms: now_ms(),
         });
         heartbeat(&ctx).await;
         let mut tasks = JoinSet::new();
@@ -147,7 +149,7 @@ async fn heartbeat(ctx: &Ctx) {
             .take(256)
             .map(|s| (user_key(s.user()), s.tool_id().to_string()))
             .collect(),
-        started_at_ms: now_ms(),
+        started_at_ms: ctx.started_at_ms,
     };
     if let Err(e) = ctx.store.heartbeat_worker(&info).await {
         tracing::warn!(worker = %ctx.id, error = %e, "registry heartbeat failed");

@@ -29,7 +29,7 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
         return (0, 0, 0);
     };
     let now = now_ms();
-    let (mut expired, mut lost) = (0, 0);
+    let (mut expired, mut lost_jobs) = (0, 0);
     let mut waiting: BTreeMap<String, Vec<JobRecord>> = BTreeMap::new();
     for job in jobs {
         let r = job.value;
@@ -55,11 +55,23 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
         }
         match r.state {
             JobState::Running => {
+                // Lost: its worker left the registry, or the job's own heartbeat (refreshed every 2 s by the
+                // worker running it) is older than the registry TTL — e.g. the worker restarted under the same id
+                // and no longer runs it. Unknown liveness (registry unreadable) decides nothing.
+                let ttl_ms = u64::try_from(store.settings().worker_ttl.as_millis()).unwrap_or(u64::MAX);
+                let stale = r
+                    .last_heartbeat_ms
+                    .is_some_and(|hb| now.saturating_sub(hb) > ttl_ms);
                 let worker_live = match &r.worker {
                     Some(w) => front.dispatcher().is_live(w).await,
+                    None => Some(false),
+                };
+                let lost = match worker_live {
+                    Some(false) => true,
+                    Some(true) => stale,
                     None => false,
                 };
-                if !worker_live {
+                if lost {
                     let outcome = store
                         .transition(&r.user, &r.job_id, JobState::Failed, |rec| {
                             rec.finished_at_ms = Some(now_ms());
@@ -71,7 +83,7 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
                         })
                         .await;
                     if let Ok(Transition::Done(done)) = outcome {
-                        lost += 1;
+                        lost_jobs += 1;
                         terminal_event(client, &done.value, JobState::Failed).await;
                     }
                 }
@@ -80,7 +92,7 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
                 let stale = match &r.worker {
                     None => true,
                     Some(w) => {
-                        !front.dispatcher().is_live(w).await
+                        front.dispatcher().is_live(w).await == Some(false)
                             || now.saturating_sub(r.updated_at_ms) > REDISPATCH_AFTER_MS
                     }
                 };
@@ -101,7 +113,7 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
         for jobs in waiting.values_mut() {
             if let Some(job) = jobs.pop() {
                 any = true;
-                if dispatch_job(front.dispatcher(), store, &job).await {
+                if matches!(dispatch_job(front.dispatcher(), store, &job).await, Ok(true)) {
                     dispatched += 1;
                 }
             }
@@ -110,7 +122,7 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
             break;
         }
     }
-    (expired, lost, dispatched)
+    (expired, lost_jobs, dispatched)
 }
 
 async fn terminal_event(client: &async_nats::Client, r: &JobRecord, state: JobState) {

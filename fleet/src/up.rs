@@ -287,13 +287,19 @@ async fn serve_http(listener: tokio::net::TcpListener, client: async_nats::Clien
         };
         let client = client.clone();
         tokio::spawn(async move {
-            let mut buf = [0u8; 2048];
-            let n = tokio::time::timeout(Duration::from_secs(5), stream.read(&mut buf))
-                .await
-                .ok()
-                .and_then(Result::ok)
-                .unwrap_or(0);
-            let head = String::from_utf8_lossy(&buf[..n]);
+            // Read the request head (until the blank line), however it is split; at most 8 KiB, 5 s.
+            let mut buf = Vec::with_capacity(1024);
+            let read_head = async {
+                let mut chunk = [0u8; 1024];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 8192 {
+                    match stream.read(&mut chunk).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(Duration::from_secs(5), read_head).await;
+            let head = String::from_utf8_lossy(&buf);
             let path = head.split_whitespace().nth(1).unwrap_or("/");
             let (status, body) = match path {
                 "/healthz" => ("200 OK", "ok\n".to_string()),

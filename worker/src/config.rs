@@ -27,7 +27,7 @@ impl Default for ResourceLimits {
     fn default() -> Self {
         ResourceLimits {
             memory_bytes: 512 * 1024 * 1024,
-            pids_max: 64,
+            pids_max: 256,
             cpu_millis: 1000,
         }
     }
@@ -100,11 +100,11 @@ impl Default for RunAs {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CancelKill {
-    /// Kill the session's process tree (its other in-flight invokes fail; the session restarts for the next call).
-    #[default]
+    /// Kill the session's process tree at once, even if other invokes are in flight on it (they fail).
     Always,
-    /// Kill only when no other invoke is in flight on the process; otherwise just abandon the cancelled one
-    /// (spec §16 A-4's stance).
+    /// Kill it as soon as nothing else runs on the process (at once if nothing does): a stuck invoke never takes
+    /// other calls down with it, and is still reclaimed (spec §16 A-4's stance).
+    #[default]
     WhenIdle,
 }
 
@@ -174,7 +174,7 @@ impl Default for WorkerConfig {
             max_restarts: limits::MAX_RESTART_ATTEMPTS,
             restart_backoff: limits::RESTART_BACKOFF_BASE,
             cancel_kill_after: limits::CANCEL_KILL_FALLBACK,
-            cancel_kill: CancelKill::Always,
+            cancel_kill: CancelKill::WhenIdle,
             stderr_ring_bytes: 64 * 1024,
         }
     }

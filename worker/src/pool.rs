@@ -46,6 +46,7 @@ struct Inner {
     catalogue: Arc<Catalogue>,
     sessions: Mutex<HashMap<Key, Session>>,
     invokes: DashMap<String, Session>,
+    early_cancels: crate::session::EarlyCancels,
     closed: AtomicBool,
     reaper: Mutex<Option<JoinHandle<()>>>,
 }
@@ -74,6 +75,7 @@ impl Pool {
             catalogue,
             sessions: Mutex::new(HashMap::new()),
             invokes: DashMap::new(),
+            early_cancels: crate::session::EarlyCancels::default(),
             closed: AtomicBool::new(false),
             reaper: Mutex::new(None),
         });
@@ -181,6 +183,10 @@ impl Pool {
         for attempt in 0..2 {
             let session = self.session(user, tool_id)?;
             self.inner.invokes.insert(invoke_id.clone(), session.clone());
+            // A cancel that came before the invoke reached this pool.
+            if self.inner.early_cancels.take(&invoke_id) {
+                session.cancel(&invoke_id);
+            }
             let result = session.invoke(req.clone()).await;
             self.inner.invokes.remove(&invoke_id);
             match result {
@@ -201,10 +207,19 @@ impl Pool {
         Err(PoolError::Invoke(InvokeError::Closed))
     }
 
-    /// Cancels an invoke wherever it runs. Returns whether it was active.
+    /// Cancels an invoke wherever it runs; one not started yet is cancelled when it starts (for a while).
+    /// Returns whether it was active.
     pub fn cancel(&self, invoke_id: &str) -> bool {
         let session = self.inner.invokes.get(invoke_id).map(|s| s.clone());
-        session.is_some_and(|s| s.cancel(invoke_id))
+        match session {
+            Some(s) => s.cancel(invoke_id),
+            None => {
+                self.inner.early_cancels.note(invoke_id);
+                // It may have registered in between.
+                let session = self.inner.invokes.get(invoke_id).map(|s| s.clone());
+                session.is_some_and(|s| s.cancel(invoke_id))
+            }
+        }
     }
 
     /// Shuts down sessions idle longer than their idle timeout (the install's, else the worker's). Returns how

