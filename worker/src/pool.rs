@@ -131,6 +131,10 @@ impl Pool {
         let mut evicted = Vec::new();
         let session = {
             let mut sessions = lock(&self.inner.sessions);
+            // Checked again under the lock: `shutdown` drains the map under it, so no session is created after.
+            if self.inner.closed.load(Ordering::SeqCst) {
+                return Err(PoolError::Closed);
+            }
             if let Some(s) = sessions.get(&key) {
                 return Ok(s.clone());
             }
@@ -255,7 +259,10 @@ impl Pool {
 
     /// Shuts every session down (in parallel, each with the full ladder) and refuses new work.
     pub async fn shutdown(&self) {
-        self.inner.closed.store(true, Ordering::SeqCst);
+        {
+            let _sessions = lock(&self.inner.sessions);
+            self.inner.closed.store(true, Ordering::SeqCst);
+        }
         if let Some(reaper) = lock(&self.inner.reaper).take() {
             reaper.abort();
         }
