@@ -1652,3 +1652,54 @@ async fn tool_job_events_fold_progress_and_never_carry_the_result() {
     );
     c.shutdown().await;
 }
+
+// -------------------------------------------------------------------------------------------------------------
+// Fairness at admission
+// -------------------------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_user_flooding_is_rate_limited_without_starving_another() {
+    let c = Cluster::start("api-fair", 0, 0, &[]).await;
+    let client = connect(&c.nats.url()).await;
+    let store = Store::open(
+        async_nats::jetstream::new(client.clone()),
+        StoreSettings::default(),
+    )
+    .await
+    .unwrap();
+    let verifier = fleet::auth::Verifier::new(
+        vec![c.key.verify_key().unwrap()],
+        DEFAULT_ISSUER,
+        DEFAULT_AUDIENCE,
+    )
+    .unwrap();
+    // A tight per-user budget: a burst of 3, refilled at 1 per second.
+    let config = fleet::front::FrontConfig {
+        rate_per_user: 1,
+        burst_per_user: 3,
+        ..fleet::front::FrontConfig::default()
+    };
+    let front = fleet::front::Front::new(client, store, verifier, config);
+    let flood = format!("Bearer {}", c.token("flooder"));
+    let quiet = format!("Bearer {}", c.token("quiet"));
+    let mut outcomes = Vec::new();
+    for _ in 0..10 {
+        outcomes.push(front.handle(methods::TOOLS_LIST, Some(&flood), b"{}").await);
+    }
+    let limited = outcomes
+        .iter()
+        .filter(|o| matches!(o, ApiResponse::Err(e) if e.code == ApiErrorCode::RateLimited))
+        .count();
+    assert!(
+        limited >= 6,
+        "the burst of 3 (plus at most a refill or so) passes, the rest is rate_limited: {limited}"
+    );
+    // Another user's budget is untouched.
+    for _ in 0..3 {
+        assert!(matches!(
+            front.handle(methods::TOOLS_LIST, Some(&quiet), b"{}").await,
+            ApiResponse::Ok(_)
+        ));
+    }
+    c.shutdown().await;
+}
