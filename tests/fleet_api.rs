@@ -9,22 +9,15 @@
 // Test code: helpers panic on purpose when the system under test misbehaves.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER};
-use fleet::node::WorkerNode;
 use fleet::store::{JobRecord, Store, StoreSettings, Transition, user_key};
-use fleet_e2e::cluster::{Cluster, SECRET, Worker, connect};
-use fleet_e2e::worker::{Plugin, eventually, test_config, write_catalogue};
+use fleet_e2e::cluster::{Cluster, SECRET, connect};
+use fleet_e2e::worker::{Plugin, eventually};
 use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, JobId, JobState, methods, subjects};
-use fleet_worker::catalogue::{Catalogue, LoadOptions};
 use fleet_worker::config::WorkerConfig;
-use fleet_worker::metrics::WorkerMetrics;
-use fleet_worker::pool::Pool;
-use fleet_worker::sandbox::Sandbox;
-use fleet_worker::services::{NoServices, NoTokens};
-use fleet_worker::session::{Session, WorkerContext};
+use fleet_worker::session::Session;
 use futures::StreamExt as _;
 use serde_json::{Value, json};
 
@@ -214,44 +207,7 @@ async fn raw_call(
 
 /// Adds a worker node to `c` with a tweaked configuration (the harness's `add_worker` uses the test defaults).
 async fn add_custom_worker(c: &mut Cluster, name: &str, tweak: impl FnOnce(&mut WorkerConfig)) {
-    let dir = c.root.path().join(format!("custom-{name}"));
-    std::fs::create_dir_all(&dir).expect("worker dir");
-    let mut config = test_config(name);
-    config.catalogue_dir = write_catalogue(&dir, &c.plugins);
-    config.state_dir = dir.join("state");
-    tweak(&mut config);
-    let (catalogue, problems) =
-        Catalogue::load(&config.catalogue_dir, &LoadOptions::from_env()).expect("catalogue");
-    assert!(problems.is_empty(), "{problems:?}");
-    let sandbox = Sandbox::new(&config).expect("sandbox");
-    let metrics = Arc::new(WorkerMetrics::default());
-    let ctx = WorkerContext {
-        config: Arc::new(config.clone()),
-        sandbox: sandbox.clone(),
-        services: Arc::new(NoServices),
-        tokens: Arc::new(NoTokens),
-        metrics: metrics.clone(),
-    };
-    let client = connect(&c.nats.url()).await;
-    let store = Store::open(
-        async_nats::jetstream::new(client.clone()),
-        StoreSettings::default(),
-    )
-    .await
-    .expect("store");
-    let node = WorkerNode::start(
-        client,
-        store,
-        Pool::new(ctx, Arc::new(catalogue)),
-        &config.worker_id,
-    )
-    .await
-    .expect("worker node");
-    c.workers.push(Worker {
-        node: Some(node),
-        sandbox,
-        metrics,
-    });
+    c.add_worker_with(name, tweak).await;
 }
 
 fn is_job_id(s: &str) -> bool {

@@ -453,12 +453,23 @@ pub mod cluster {
 
         /// Adds a worker node with its own connection, catalogue and sandbox.
         pub async fn add_worker(&mut self) -> usize {
+            let name = format!("{}-w{}", self.name, self.workers.len());
+            self.add_worker_with(&name, |_| {}).await
+        }
+
+        /// Adds a worker node whose configuration `tweak` adjusts (the test defaults otherwise).
+        pub async fn add_worker_with(
+            &mut self,
+            name: &str,
+            tweak: impl FnOnce(&mut fleet_worker::config::WorkerConfig),
+        ) -> usize {
             let i = self.workers.len();
-            let dir = self.root.path().join(format!("w{i}"));
+            let dir = self.root.path().join(format!("w{i}-{name}"));
             std::fs::create_dir_all(&dir).expect("worker dir");
-            let mut config = test_config(&format!("{}-w{i}", self.name));
+            let mut config = test_config(name);
             config.catalogue_dir = write_catalogue(&dir, &self.plugins);
             config.state_dir = dir.join("state");
+            tweak(&mut config);
             let (catalogue, problems) =
                 Catalogue::load(&config.catalogue_dir, &LoadOptions::from_env()).expect("catalogue");
             assert!(problems.is_empty(), "{problems:?}");
