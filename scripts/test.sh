@@ -46,6 +46,26 @@ else
 fi
 python3 --version
 
+# promtool and prometheus (tests/metrics.rs): Debian's `prometheus` package ships both (~8 s to install).
+if ! command -v promtool >/dev/null 2>&1 || ! command -v prometheus >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    else
+        echo "warning: promtool/prometheus missing and not root: tests/metrics.rs will fail" >&2
+    fi
+fi
+command -v promtool >/dev/null 2>&1 && echo "promtool: $(command -v promtool) ($(promtool --version 2>&1 | head -n1))"
+
+# Headless Chromium (tests/http_gateway.rs: the operator page is loaded, DOM-dumped and screenshotted).
+if ! command -v chromium >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && apt-get install -y -qq chromium >/dev/null
+    else
+        echo "warning: chromium missing and not root: tests/http_gateway.rs's browser test will fail" >&2
+    fi
+fi
+command -v chromium >/dev/null 2>&1 && echo "chromium: $(command -v chromium) ($(chromium --version 2>/dev/null | head -n1))"
+
 # The worker runs each test user's plugins under a dedicated unprivileged uid (run_as = per_user): that uid must
 # be able to reach the fixture plugins built inside this checkout. A checkout under a 0700 directory (mktemp -d)
 # would hide them, so, as root, let "others" traverse (o+x, not list) every ancestor of the checkout.

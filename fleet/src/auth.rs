@@ -408,6 +408,32 @@ impl Verifier {
     /// Verifies the value of an `Authorization` header: `Bearer <jwt>` (scheme case-insensitive) or the bare
     /// `<jwt>`. An absent header is `""` ([`AuthError::Missing`]).
     pub fn verify(&self, header_value: &str) -> Result<Principal, AuthError> {
+        self.verify_with_claims(header_value)
+            .map(|(principal, _)| principal)
+    }
+
+    /// A verifier with the same keys, issuer and leeway that accepts another audience (the HTTP gateway's
+    /// window tokens, `anna-app-window`): same pinned algorithms, separate audience.
+    pub fn for_audience(&self, audience: &str) -> Result<Verifier, AuthError> {
+        if audience.is_empty() {
+            return Err(AuthError::Key("the audience must not be empty".into()));
+        }
+        Ok(Verifier {
+            inner: Arc::new(VerifierInner::build(
+                self.inner.keys.clone(),
+                self.inner.issuer.clone(),
+                audience.to_owned(),
+                self.inner.leeway,
+            )),
+        })
+    }
+
+    /// [`Verifier::verify`], also returning every claim of the verified token (for custom claims such as the
+    /// window token's `wid`, `app`, `ver`, `tools`).
+    pub fn verify_with_claims(
+        &self,
+        header_value: &str,
+    ) -> Result<(Principal, Map<String, Value>), AuthError> {
         let token = bearer_token(header_value)?;
         if token.len() > MAX_TOKEN_LEN {
             return Err(malformed("the token is too long"));
@@ -425,7 +451,7 @@ impl Verifier {
         for key in of_alg.filter(|k| kid.is_none() || k.kid == kid) {
             tried = true;
             match jsonwebtoken::decode::<Map<String, Value>>(token, &key.key, validation) {
-                Ok(data) => return principal(&data.claims),
+                Ok(data) => return principal(&data.claims).map(|p| (p, data.claims)),
                 Err(e) if matches!(e.kind(), ErrorKind::InvalidSignature) => {}
                 // Every other failure is either the token's shape (the same under any key) or, once the
                 // signature has verified, its claims: no other key can change the verdict.
@@ -533,6 +559,23 @@ impl SigningKey {
         ttl: Duration,
         operator: bool,
     ) -> Result<String, AuthError> {
+        let mut extra = Map::new();
+        if operator {
+            extra.insert(OPERATOR_CLAIM.into(), Value::Bool(true));
+        }
+        self.mint_with_claims(user, issuer, audience, ttl, extra)
+    }
+
+    /// [`SigningKey::mint`] with extra custom claims (e.g. the window token's `wid`, `app`, `ver`, `tools`); they
+    /// cannot override `sub`, `iss`, `aud`, `iat` or `exp`.
+    pub fn mint_with_claims(
+        &self,
+        user: &str,
+        issuer: &str,
+        audience: &str,
+        ttl: Duration,
+        extra: Map<String, Value>,
+    ) -> Result<String, AuthError> {
         if user.is_empty() || user.len() > MAX_SUBJECT_LEN || user.chars().any(char::is_control) {
             return Err(AuthError::Mint(format!(
                 "the user must be 1 to {MAX_SUBJECT_LEN} bytes without control characters"
@@ -544,15 +587,12 @@ impl SigningKey {
             ));
         }
         let now = unix_now();
-        let mut claims = Map::new();
+        let mut claims = extra;
         claims.insert("sub".into(), Value::from(user));
         claims.insert("iss".into(), Value::from(issuer));
         claims.insert("aud".into(), Value::from(audience));
         claims.insert("iat".into(), Value::from(now));
         claims.insert("exp".into(), Value::from(now.saturating_add(ttl.as_secs())));
-        if operator {
-            claims.insert(OPERATOR_CLAIM.into(), Value::Bool(true));
-        }
         let mut header = Header::new(self.alg.jwt());
         header.kid = self.kid.clone();
         jsonwebtoken::encode(&header, &claims, &self.key)

@@ -26,6 +26,7 @@ use serde_json::{Value, json};
 
 use crate::auth::Verifier;
 use crate::dispatch::Dispatcher;
+use crate::metrics::FleetMetrics;
 use crate::node::{new_invoke_id, now_ms};
 use crate::policy::{self, SyncTimeout};
 use crate::store::{JobFilter, JobRecord, Store, StoreError, Transition, user_key};
@@ -64,6 +65,7 @@ struct Inner {
 #[derive(Clone)]
 pub struct Front {
     inner: Arc<Inner>,
+    metrics: Arc<FleetMetrics>,
 }
 
 impl std::fmt::Debug for Front {
@@ -103,7 +105,19 @@ impl Front {
                 config,
                 client,
             }),
+            metrics: Arc::new(FleetMetrics::new()),
         }
+    }
+
+    /// Records into `metrics` (the process's registry) instead of a private one.
+    pub fn with_metrics(mut self, metrics: Arc<FleetMetrics>) -> Front {
+        self.metrics = metrics;
+        self
+    }
+
+    /// The metrics this front records into.
+    pub fn metrics(&self) -> &Arc<FleetMetrics> {
+        &self.metrics
     }
 
     /// The dispatcher (shared with the sweeper).
@@ -170,6 +184,17 @@ impl Front {
 
     /// Handles one API call (also the HTTP gateway's entry point, later).
     pub async fn handle(&self, method: &str, auth: Option<&str>, payload: &[u8]) -> ApiResponse<Value> {
+        let started = std::time::Instant::now();
+        let response = self.handle_inner(method, auth, payload).await;
+        let code = match &response {
+            ApiResponse::Ok(_) => None,
+            ApiResponse::Err(e) => Some(e.code),
+        };
+        self.metrics.api_request(method, code, started.elapsed());
+        response
+    }
+
+    async fn handle_inner(&self, method: &str, auth: Option<&str>, payload: &[u8]) -> ApiResponse<Value> {
         let principal = match auth {
             None => {
                 return ApiResponse::Err(ApiError::new(
@@ -182,7 +207,24 @@ impl Front {
                 Err(e) => return ApiResponse::Err(e.to_api_error()),
             },
         };
-        if self.inner.limiter.check_key(&principal.user).is_err() {
+        self.handle_user(&principal.user, method, payload).await
+    }
+
+    /// Handles one API call for an already authenticated `user` (the HTTP gateway verifies window tokens
+    /// itself): the same rate limit, validation, handlers and metrics as [`Front::handle`], without the token.
+    pub async fn handle_as(&self, user: &str, method: &str, payload: &[u8]) -> ApiResponse<Value> {
+        let started = std::time::Instant::now();
+        let response = self.handle_user(user, method, payload).await;
+        let code = match &response {
+            ApiResponse::Ok(_) => None,
+            ApiResponse::Err(e) => Some(e.code),
+        };
+        self.metrics.api_request(method, code, started.elapsed());
+        response
+    }
+
+    async fn handle_user(&self, user: &str, method: &str, payload: &[u8]) -> ApiResponse<Value> {
+        if self.inner.limiter.check_key(&user.to_owned()).is_err() {
             return ApiResponse::Err(ApiError::new(
                 ApiErrorCode::RateLimited,
                 "too many requests; retry shortly",
@@ -201,7 +243,6 @@ impl Front {
                 }
             }
         };
-        let user = principal.user.as_str();
         let result = match method {
             methods::TOOLS_LIST => self.list_tools().await,
             methods::TOOLS_INVOKE => self.invoke(user, &args).await,
@@ -217,8 +258,28 @@ impl Front {
         result.into()
     }
 
+    fn js_error(&self, op: &'static str, e: impl std::fmt::Display) -> ApiError {
+        self.metrics.jetstream_error(op);
+        internal(e)
+    }
+
+    /// [`dispatch_job`], recording the refusal's transition.
+    pub async fn dispatch_job(&self, record: &JobRecord) -> Result<bool, ApiError> {
+        let outcome = dispatch_job(&self.inner.dispatcher, &self.inner.store, record).await;
+        if outcome.is_err() {
+            self.metrics
+                .job_transition(Some(JobState::Queued), JobState::Failed);
+        }
+        outcome
+    }
+
     async fn list_tools(&self) -> Result<Value, ApiError> {
-        let manifests = self.inner.store.manifests().await.map_err(internal)?;
+        let manifests = self
+            .inner
+            .store
+            .manifests()
+            .await
+            .map_err(|e| self.js_error("manifests", e))?;
         let mut tools = Vec::new();
         for (plugin, manifest) in manifests {
             for t in &manifest.tools {
@@ -320,8 +381,9 @@ impl Front {
                     json!({ "active": active, "max": max }),
                 ));
             }
-            Err(e) => return Err(internal(e)),
+            Err(e) => return Err(self.js_error("create_job", e)),
         };
+        self.metrics.job_transition(None, JobState::Queued);
         publish_event(
             &self.inner.client,
             &ToolJobEvent {
@@ -337,7 +399,7 @@ impl Front {
         .await;
         // Hand it to a worker now; if none has room the job waits (queued) and the sweeper dispatches it when
         // capacity frees, interleaving users. A plugin no worker has is refused now (and the job ended).
-        dispatch_job(&self.inner.dispatcher, &self.inner.store, &created).await?;
+        self.dispatch_job(&created).await?;
         to_value(&InvokeAsyncResult {
             job_id,
             state: JobState::Queued,
@@ -353,7 +415,7 @@ impl Front {
             .store
             .get_job(user, &args.job_id)
             .await
-            .map_err(internal)?
+            .map_err(|e| self.js_error("get_job", e))?
         else {
             return Err(not_found(&args.job_id));
         };
@@ -363,7 +425,7 @@ impl Front {
             .store
             .progress(user, &args.job_id, args.since_seq.unwrap_or(0), limit)
             .await
-            .map_err(internal)?;
+            .map_err(|e| self.js_error("progress", e))?;
         // lastSeq is what to feed back as sinceSeq: the last event returned when the slice was cut by `limit`,
         // else the highest stored.
         let returned_last = events.last().map(|e| e.seq);
@@ -391,9 +453,15 @@ impl Front {
                 r.error = Some(ApiError::new(ApiErrorCode::Cancelled, reason.clone()));
             })
             .await
-            .map_err(internal)?;
+            .map_err(|e| self.js_error("transition", e))?;
         match outcome {
             Transition::Done(r) => {
+                let from = if r.value.started_at_ms.is_some() {
+                    JobState::Running
+                } else {
+                    JobState::Queued
+                };
+                self.metrics.job_transition(Some(from), JobState::Cancelled);
                 // The row flipped first; now stop the execution wherever it runs.
                 self.inner
                     .dispatcher
@@ -454,7 +522,7 @@ impl Front {
             .store
             .list_jobs(user, &filter, limit)
             .await
-            .map_err(internal)?;
+            .map_err(|e| self.js_error("list_jobs", e))?;
         let jobs = records.iter().map(|r| r.snapshot(Vec::new())).collect();
         to_value(&ListJobsResult { jobs, truncated })
     }

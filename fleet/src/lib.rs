@@ -10,6 +10,7 @@ pub mod auth;
 pub mod client_cmd;
 pub mod dispatch;
 pub mod front;
+pub mod http;
 pub mod metrics;
 pub mod nats_server;
 pub mod node;

@@ -44,16 +44,29 @@ enum Cmd {
     Worker(fleet::worker_cmd::WorkerArgs),
     /// Run everything on this machine: nats-server (unless --nats-url), the front, N workers, HTTP.
     Up(fleet::up::UpArgs),
-    /// Mint a dev token for a user with the data dir's signing key.
+    /// Mint a dev token for a user with the data dir's signing key (with --window: a window token for the HTTP
+    /// gateway, audience `anna-app-window`, 120 s).
     Token {
         /// The user (`sub`).
         #[arg(long)]
         user: String,
-        /// Lifetime in seconds.
-        #[arg(long, default_value_t = 3600)]
-        ttl_secs: u64,
-        /// Add the operator claim.
+        /// Lifetime in seconds (default 3600; 120 with --window).
         #[arg(long)]
+        ttl_secs: Option<u64>,
+        /// Mint a window token for this window uuid (`wid`).
+        #[arg(long)]
+        window: Option<String>,
+        /// The window token's app id (`app`).
+        #[arg(long, default_value = "dev-app", requires = "window")]
+        app: String,
+        /// The window token's app version id (`ver`).
+        #[arg(long, default_value = "dev", requires = "window")]
+        app_version: String,
+        /// An entry of the window token's `tools` allow-list (repeatable; none: every tool).
+        #[arg(long = "allow-tool", requires = "window")]
+        allow_tools: Vec<String>,
+        /// Add the operator claim.
+        #[arg(long, conflicts_with = "window")]
         operator: bool,
         /// The data directory of `fleet up`.
         #[arg(long, env = "FLEET_DATA_DIR", default_value = fleet::client_cmd::DEFAULT_DATA_DIR)]
@@ -206,11 +219,38 @@ async fn main() -> ExitCode {
         Cmd::Token {
             user,
             ttl_secs,
+            window: Some(window),
+            app,
+            app_version,
+            allow_tools,
+            data_dir,
+            ..
+        } => print_outcome(
+            fleet::http::window::WindowToken {
+                user: &user,
+                window: &window,
+                app: &app,
+                version: &app_version,
+                tools: (!allow_tools.is_empty()).then_some(allow_tools.as_slice()),
+                ttl: ttl_secs.map_or(fleet::http::window::WINDOW_TOKEN_TTL, Duration::from_secs),
+            }
+            .mint_dev(&data_dir)
+            .map(|t| json!({ "token": t, "window_uuid": window })),
+        ),
+        Cmd::Token {
+            user,
+            ttl_secs,
             operator,
             data_dir,
+            ..
         } => print_outcome(
-            fleet::client_cmd::mint(&data_dir, &user, Duration::from_secs(ttl_secs), operator)
-                .map(|t| json!({ "token": t })),
+            fleet::client_cmd::mint(
+                &data_dir,
+                &user,
+                Duration::from_secs(ttl_secs.unwrap_or(3600)),
+                operator,
+            )
+            .map(|t| json!({ "token": t })),
         ),
         Cmd::Invoke {
             client,

@@ -25,6 +25,7 @@ use serde_json::{Value, json};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 
+use crate::metrics::FleetMetrics;
 use crate::policy;
 use crate::store::{Store, Transition, WorkerInfo, user_key};
 
@@ -44,6 +45,7 @@ pub(crate) fn now_ms() -> u64 {
 #[derive(Debug)]
 pub struct WorkerNode {
     id: String,
+    client: async_nats::Client,
     tasks: JoinSet<()>,
     pool: Pool,
     store: Store,
@@ -57,16 +59,19 @@ struct Ctx {
     long_jobs: Arc<Semaphore>,
     running_long: AtomicU64,
     started_at_ms: u64,
+    metrics: Arc<FleetMetrics>,
 }
 
 impl WorkerNode {
-    /// Subscribes and starts serving.
+    /// Subscribes and starts serving; records job metrics into `metrics` and exports the pool's there.
     pub async fn start(
         client: async_nats::Client,
         store: Store,
         pool: Pool,
         id: &str,
+        metrics: Arc<FleetMetrics>,
     ) -> Result<WorkerNode, async_nats::Error> {
+        metrics.register_pool(&pool);
         let exec = client.subscribe(subjects::worker_exec(id)).await?;
         let cancel = client.subscribe(subjects::worker_cancel(id)).await?;
         let matrix = client.subscribe(subjects::matrix_cancel(id)).await?;
@@ -78,6 +83,7 @@ impl WorkerNode {
             long_jobs: Arc::new(Semaphore::new(MAX_LONG_JOBS_PER_WORKER)),
             running_long: AtomicU64::new(0),
             started_at_ms: now_ms(),
+            metrics,
         });
         heartbeat(&ctx).await;
         let mut tasks = JoinSet::new();
@@ -112,6 +118,7 @@ impl WorkerNode {
         tasks.spawn(async move { publish_manifests(&c).await });
         Ok(WorkerNode {
             id: id.to_string(),
+            client,
             tasks,
             pool,
             store,
@@ -121,6 +128,11 @@ impl WorkerNode {
     /// The worker's id.
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// The node's NATS connection.
+    pub fn client(&self) -> &async_nats::Client {
+        &self.client
     }
 
     /// The pool.
@@ -152,6 +164,7 @@ async fn heartbeat(ctx: &Ctx) {
         started_at_ms: ctx.started_at_ms,
     };
     if let Err(e) = ctx.store.heartbeat_worker(&info).await {
+        ctx.metrics.jetstream_error("heartbeat_worker");
         tracing::warn!(worker = %ctx.id, error = %e, "registry heartbeat failed");
     }
 }
@@ -179,6 +192,7 @@ async fn publish_manifests(ctx: &Ctx) {
                 if let Some(m) = session.manifest()
                     && let Err(e) = ctx.store.put_manifest(&tool_id, &m).await
                 {
+                    ctx.metrics.jetstream_error("put_manifest");
                     tracing::warn!(%tool_id, error = %e, "cannot record the manifest");
                 }
                 session.shutdown().await;
@@ -230,6 +244,7 @@ async fn serve_exec(ctx: Arc<Ctx>, msg: async_nats::Message) {
         }
         ExecKind::Job => {
             let Ok(permit) = ctx.long_jobs.clone().try_acquire_owned() else {
+                ctx.metrics.rejection("long_job_capacity");
                 let e = ApiError::with_details(
                     ApiErrorCode::LongJobCapacity,
                     format!("this worker already runs {MAX_LONG_JOBS_PER_WORKER} long jobs"),
@@ -305,7 +320,12 @@ async fn run_sync(ctx: &Ctx, req: &ExecRequest) -> ExecReply {
                 Err(e) => refuse(ApiError::new(ApiErrorCode::InternalError, e.to_string())),
             }
         }
-        Err(e) => refuse(failure(&e, timeout_ms, req.requested_timeout_ms)),
+        Err(e) => {
+            if matches!(e, PoolError::Capacity { .. }) {
+                ctx.metrics.rejection("worker_capacity");
+            }
+            refuse(failure(&e, timeout_ms, req.requested_timeout_ms))
+        }
     }
 }
 
@@ -421,10 +441,18 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
         Ok(Transition::Done(r)) => r.value,
         Ok(_) => return, // cancelled, expired or gone before it started
         Err(e) => {
+            ctx.metrics.jetstream_error("transition");
             tracing::warn!(job = %job_id, error = %e, "cannot start the job");
             return;
         }
     };
+    ctx.metrics
+        .job_transition(Some(JobState::Queued), JobState::Running);
+    let started_at_ms = record.started_at_ms.unwrap_or_else(now_ms);
+    ctx.metrics.queue_wait(
+        &req.plugin,
+        Duration::from_millis(started_at_ms.saturating_sub(record.created_at_ms)),
+    );
     publish_event(
         ctx,
         &user,
@@ -457,6 +485,7 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
                 data,
             };
             if let Err(e) = progress_ctx.store.append_progress(&p_user, &p_job, &event).await {
+                progress_ctx.metrics.jetstream_error("append_progress");
                 tracing::warn!(job = %p_job, error = %e, "cannot store a progress event");
                 continue;
             }
@@ -501,6 +530,9 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
         ..InvokeRequest::default()
     };
     let result = ctx.pool.invoke(&user, &req.plugin, invoke).await;
+    if matches!(result, Err(PoolError::Capacity { .. })) {
+        ctx.metrics.rejection("worker_capacity");
+    }
     heartbeat.abort();
     let last_seq = progress_task.await.unwrap_or(record.last_seq);
     let (state, result_value, error) = job_outcome(&result, timeout_ms);
@@ -513,7 +545,17 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
             r.last_seq = last_seq;
         })
         .await;
+    if let Err(e) = &done {
+        ctx.metrics.jetstream_error("transition");
+        tracing::warn!(job = %job_id, error = %e, "cannot record the job's outcome");
+    }
     if let Ok(Transition::Done(r)) = done {
+        ctx.metrics.job_transition(Some(JobState::Running), state);
+        let finished = r.value.finished_at_ms.unwrap_or_else(now_ms);
+        ctx.metrics.run_time(
+            &req.plugin,
+            Duration::from_millis(finished.saturating_sub(started_at_ms)),
+        );
         publish_event(
             ctx,
             &user,

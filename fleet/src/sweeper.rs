@@ -12,7 +12,7 @@ use std::time::Duration;
 use fleet_proto::api::{ApiError, ApiErrorCode, JobState, ToolJobEvent};
 use serde_json::json;
 
-use crate::front::{Front, dispatch_job, publish_event};
+use crate::front::{Front, publish_event};
 use crate::node::now_ms;
 use crate::store::{JobRecord, Transition};
 
@@ -25,9 +25,17 @@ const REDISPATCH_AFTER_MS: u64 = 10_000;
 /// One sweep; returns (expired, lost, dispatched).
 pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize, usize) {
     let store = front.store();
+    let metrics = front.metrics();
     let Ok(jobs) = store.active_jobs().await else {
+        metrics.jetstream_error("active_jobs");
         return (0, 0, 0);
     };
+    let mut per_user: BTreeMap<&str, usize> = BTreeMap::new();
+    for j in &jobs {
+        *per_user.entry(j.value.user.as_str()).or_default() += 1;
+    }
+    let running = jobs.iter().filter(|j| j.value.state == JobState::Running).count();
+    metrics.active_jobs(per_user.into_values(), jobs.len() - running, running);
     let now = now_ms();
     let (mut expired, mut lost_jobs) = (0, 0);
     let mut waiting: BTreeMap<String, Vec<JobRecord>> = BTreeMap::new();
@@ -45,6 +53,7 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
                 .await;
             if let Ok(Transition::Done(done)) = outcome {
                 expired += 1;
+                metrics.job_transition(Some(r.state), JobState::Expired);
                 front
                     .dispatcher()
                     .cancel(done.value.worker.as_deref(), r.job_id.as_str())
@@ -84,6 +93,8 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
                         .await;
                     if let Ok(Transition::Done(done)) = outcome {
                         lost_jobs += 1;
+                        metrics.job_transition(Some(JobState::Running), JobState::Failed);
+                        metrics.job_worker_lost();
                         terminal_event(client, &done.value, JobState::Failed).await;
                     }
                 }
@@ -113,7 +124,7 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
         for jobs in waiting.values_mut() {
             if let Some(job) = jobs.pop() {
                 any = true;
-                if matches!(dispatch_job(front.dispatcher(), store, &job).await, Ok(true)) {
+                if matches!(front.dispatch_job(&job).await, Ok(true)) {
                     dispatched += 1;
                 }
             }

@@ -1,6 +1,6 @@
 //! `fleet up`: everything on one machine — a child nats-server (unless `--nats-url`), the front with its
-//! sweeper, N in-process workers over the plugin catalogue, and the HTTP listener (`/healthz`, `/readyz`,
-//! `/metrics`). Ctrl-C (or SIGTERM) shuts it all down: every plugin session through its ladder, every cgroup,
+//! sweeper, N in-process workers over the plugin catalogue, and the HTTP gateway (`crate::http`: `/v1/rpc`, SSE,
+//! `/healthz`, `/readyz`, `/metrics`, the operator page). Ctrl-C (or SIGTERM) shuts it all down: every plugin session through its ladder, every cgroup,
 //! the nats-server.
 
 use std::path::{Path, PathBuf};
@@ -14,7 +14,6 @@ use fleet_worker::pool::Pool;
 use fleet_worker::sandbox::Sandbox;
 use fleet_worker::services::{NoServices, NoTokens};
 use fleet_worker::session::WorkerContext;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 use crate::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, DevKey, Verifier, VerifyKey};
 use crate::client_cmd::{DEFAULT_DATA_DIR, nats_url_file};
@@ -125,6 +124,9 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     std::fs::create_dir_all(&args.data_dir).map_err(|e| other("data dir")(&e))?;
     let data_dir = std::fs::canonicalize(&args.data_dir).map_err(|e| other("data dir")(&e))?;
 
+    // Metrics: one registry for the front, the sweeper and every in-process worker.
+    let metrics = Arc::new(crate::metrics::FleetMetrics::new());
+
     // NATS.
     let mut server = None;
     let url = match &args.nats_url {
@@ -148,7 +150,8 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         }
     };
     std::fs::write(nats_url_file(&data_dir), &url).map_err(|e| other("data dir")(&e))?;
-    let client = async_nats::ConnectOptions::new()
+    let client = metrics
+        .nats_options(async_nats::ConnectOptions::new())
         .connection_timeout(Duration::from_secs(5))
         .connect(&url)
         .await
@@ -222,9 +225,15 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             metrics: Arc::new(WorkerMetrics::default()),
         };
         let pool = Pool::new(ctx, Arc::new(catalogue));
-        let node = WorkerNode::start(client.clone(), store.clone(), pool, &config.worker_id)
-            .await
-            .map_err(|e| other("worker")(&e))?;
+        let node = WorkerNode::start(
+            client.clone(),
+            store.clone(),
+            pool,
+            &config.worker_id,
+            metrics.clone(),
+        )
+        .await
+        .map_err(|e| other("worker")(&e))?;
         say(&format!(
             "worker        {} (isolation {})",
             node.id(),
@@ -235,15 +244,30 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     }
 
     // Front + sweeper.
-    let front = Front::new(client.clone(), store.clone(), verifier, FrontConfig::default());
+    let front = Front::new(
+        client.clone(),
+        store.clone(),
+        verifier.clone(),
+        FrontConfig::default(),
+    )
+    .with_metrics(metrics.clone());
     let service = front.serve().await.map_err(|e| other("API service")(&e))?;
     let sweeper = tokio::spawn(crate::sweeper::run(front.clone(), client.clone()));
     let http = tokio::net::TcpListener::bind(&args.http)
         .await
         .map_err(|e| other(&format!("--http {}", args.http))(&e))?;
-    let http_task = tokio::spawn(serve_http(http, client.clone()));
+    let http_state = crate::http::HttpState::start(
+        front.clone(),
+        client.clone(),
+        verifier,
+        metrics.clone(),
+        crate::http::HttpConfig::default(),
+    )
+    .await
+    .map_err(|e| other("HTTP gateway")(&e))?;
+    let http_task = tokio::spawn(crate::http::serve(http, http_state));
     say(&format!(
-        "front         fleet.v1.api.tools.* on {url}; HTTP http://{}/healthz",
+        "front         fleet.v1.api.tools.* on {url}; HTTP http://{0}/ (operator page), http://{0}/v1/rpc, /healthz",
         args.http
     ));
     say(
@@ -276,48 +300,4 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     }
     say("stopped");
     Ok(())
-}
-
-/// A minimal HTTP/1.1 listener: `/healthz` (process up), `/readyz` (NATS connected), `/metrics` (the
-/// observability issue fills it).
-async fn serve_http(listener: tokio::net::TcpListener, client: async_nats::Client) {
-    loop {
-        let Ok((mut stream, _)) = listener.accept().await else {
-            continue;
-        };
-        let client = client.clone();
-        tokio::spawn(async move {
-            // Read the request head (until the blank line), however it is split; at most 8 KiB, 5 s.
-            let mut buf = Vec::with_capacity(1024);
-            let read_head = async {
-                let mut chunk = [0u8; 1024];
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 8192 {
-                    match stream.read(&mut chunk).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                    }
-                }
-            };
-            let _ = tokio::time::timeout(Duration::from_secs(5), read_head).await;
-            let head = String::from_utf8_lossy(&buf);
-            let path = head.split_whitespace().nth(1).unwrap_or("/");
-            let (status, body) = match path {
-                "/healthz" => ("200 OK", "ok\n".to_string()),
-                "/readyz" => match client.connection_state() {
-                    async_nats::connection::State::Connected => ("200 OK", "ready\n".to_string()),
-                    _ => ("503 Service Unavailable", "nats disconnected\n".to_string()),
-                },
-                "/metrics" => (
-                    "200 OK",
-                    "# metrics arrive with the observability issue\n".to_string(),
-                ),
-                _ => ("404 Not Found", "not found\n".to_string()),
-            };
-            let response = format!(
-                "HTTP/1.1 {status}\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = stream.write_all(response.as_bytes()).await;
-        });
-    }
 }

@@ -42,6 +42,9 @@ pub struct WorkerArgs {
     /// Join a fleet: serve `fleet.v1.worker.<id>.*` on this NATS server (without it the worker runs standalone).
     #[arg(long, env = "FLEET_NATS_URL")]
     pub nats_url: Option<String>,
+    /// Serve `/metrics`, `/healthz` and `/readyz` on this address (e.g. 127.0.0.1:9101).
+    #[arg(long, env = "FLEET_WORKER_HTTP")]
+    pub http: Option<String>,
 }
 
 /// Why `fleet worker` could not run.
@@ -164,10 +167,15 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
             })?;
         ready.push(json!({ "user": user, "tool_id": tool_id, "pid": session.pid() }));
     }
+    let metrics = Arc::new(crate::metrics::FleetMetrics::new());
     let node = match &args.nats_url {
-        None => None,
+        None => {
+            metrics.register_pool(&pool);
+            None
+        }
         Some(url) => {
-            let client = async_nats::ConnectOptions::new()
+            let client = metrics
+                .nats_options(async_nats::ConnectOptions::new())
                 .connection_timeout(Duration::from_secs(5))
                 .connect(url)
                 .await
@@ -180,17 +188,34 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
             .map_err(|e| WorkerCmdError::Usage(format!("JetStream: {e}")))?;
             let worker_id = pool.context().config.worker_id.clone();
             Some(
-                crate::node::WorkerNode::start(client, store, pool.clone(), &worker_id)
+                crate::node::WorkerNode::start(client, store, pool.clone(), &worker_id, metrics.clone())
                     .await
                     .map_err(|e| WorkerCmdError::Usage(format!("serving on {url}: {e}")))?,
             )
         }
     };
-    emit(&json!({ "ready": ready, "nats": args.nats_url }));
+    let http = match &args.http {
+        None => None,
+        Some(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| WorkerCmdError::Usage(format!("--http {addr}: {e}")))?;
+            let local = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
+            let client = node.as_ref().map(|n| n.client().clone());
+            Some((
+                tokio::spawn(crate::metrics::serve(listener, metrics.clone(), client)),
+                local,
+            ))
+        }
+    };
+    emit(&json!({ "ready": ready, "nats": args.nats_url, "http": http.as_ref().map(|h| &h.1) }));
 
     tokio::select! {
         _ = term.recv() => {}
         _ = int.recv() => {}
+    }
+    if let Some((task, _)) = http {
+        task.abort();
     }
     match node {
         Some(node) => node.shutdown().await,

@@ -1,15 +1,270 @@
 //! `loadtest`: SLO scenarios against a running Cloud Agents fleet over NATS.
 //!
-//! It will own the scenario catalogue (`loadtest list`, `loadtest run SCENARIO`), its own token minting, bounded
-//! pipelined request loops on loopback, and the reports (latency percentiles, error rates, warm-hit ratio)
-//! compared against a baseline measured in the same run. Not implemented yet (the deploy-and-prove issue): the
-//! binary says so and exits with status 2.
+//! `loadtest list` prints the scenario catalogue; `loadtest run SCENARIO` drives one scenario with open-model
+//! arrivals (every request is scheduled at its intended start and its latency measured from there, so a stalled
+//! fleet shows up instead of being omitted), mints its own tokens with the dev key of `--data-dir`, and writes
+//! `report.md`, `report.json` and `latency.svg` into `--report DIR`. SLO thresholds per scenario live in
+//! `loadtest/slo.toml`. Exit codes: 0 all SLOs held, 1 an SLO failed, 2 usage error, scenario not implemented, or
+//! the run could not happen (no fleet, no key).
 #![forbid(unsafe_code)]
 
+mod chaos;
+mod engine;
+mod metrics;
+mod report;
+mod scenarios;
+mod spawn;
+
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand};
+use serde_json::{Value, json};
+
+use crate::engine::{Ctx, lock};
+
+/// Most tasks in flight at once; arrivals beyond it are counted as `overload` errors.
+const MAX_IN_FLIGHT: usize = 2000;
+/// How long accepted jobs are followed after the arrival phase before the rest count as lost.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "loadtest",
+    about = "Load and SLO scenarios against a running Cloud Agents fleet"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Print every scenario with its one-line description.
+    List,
+    /// Run one scenario and write its report.
+    Run(RunArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct RunArgs {
+    /// The scenario (see `loadtest list`).
+    scenario: String,
+    /// Start `fleet up` as a child for the run (data dir: --data-dir, else a temporary one).
+    #[arg(long)]
+    spawn: bool,
+    /// NATS URL of the fleet (default: the URL in <data-dir>/nats-url, else nats://127.0.0.1:4222).
+    #[arg(long)]
+    nats_url: Option<String>,
+    /// The fleet's data directory, holding the dev signing key tokens are minted with (default `.fleet`).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Length of the arrival phase, e.g. `10s`, `2m`.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    duration: Duration,
+    /// Arrivals per second (default: the scenario's).
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Where report.md, report.json and latency.svg go.
+    #[arg(long, default_value = "loadtest-report")]
+    report: PathBuf,
+}
 
 #[allow(clippy::print_stderr)] // The CLI's error channel.
 fn main() -> ExitCode {
-    eprintln!("loadtest: not implemented yet — scenarios arrive with the deploy-and-prove issue");
-    ExitCode::from(2)
+    let cli = Cli::parse();
+    match cli.command {
+        Cmd::List => {
+            list();
+            ExitCode::SUCCESS
+        }
+        Cmd::Run(args) => match run(&args) {
+            Ok(true) => ExitCode::SUCCESS,
+            Ok(false) => ExitCode::from(1),
+            Err(e) => {
+                eprintln!("loadtest: {e:#}");
+                ExitCode::from(2)
+            }
+        },
+    }
+}
+
+#[allow(clippy::print_stdout)] // `list` prints the catalogue.
+fn list() {
+    for s in scenarios::SCENARIOS {
+        let mark = if s.implemented {
+            ""
+        } else {
+            " [not implemented yet]"
+        };
+        println!("{:<18} {}{mark}", s.name, s.description);
+    }
+}
+
+#[allow(clippy::print_stdout, clippy::print_stderr)] // The summary and where the report is.
+fn run(args: &RunArgs) -> anyhow::Result<bool> {
+    let Some(scenario) = scenarios::find(&args.scenario) else {
+        anyhow::bail!("unknown scenario {:?} (see `loadtest list`)", args.scenario);
+    };
+    if !scenario.implemented {
+        anyhow::bail!("scenario {} is not implemented yet", scenario.name);
+    }
+    if args.rate.is_some_and(|r| !(r > 0.0 && r.is_finite())) {
+        anyhow::bail!("--rate must be a positive number");
+    }
+    let slo_text = match std::env::var_os("LOADTEST_SLO_FILE") {
+        Some(p) => std::fs::read_to_string(&p)?,
+        None => report::DEFAULT_SLO.to_string(),
+    };
+    let slo = report::parse_slo(&slo_text)?.remove(scenario.name);
+
+    // The fleet: a child `fleet up`, or the one named by the flags.
+    let mut tmp = None;
+    let data_dir = match (&args.data_dir, args.spawn) {
+        (Some(d), _) => d.clone(),
+        (None, true) => {
+            let t = tempfile::Builder::new().prefix("loadtest-fleet-").tempdir()?;
+            let p = t.path().to_path_buf();
+            tmp = Some(t);
+            p
+        }
+        (None, false) => PathBuf::from(fleet::client_cmd::DEFAULT_DATA_DIR),
+    };
+    let spawned = if args.spawn {
+        eprintln!("loadtest: starting fleet up (data dir {})", data_dir.display());
+        Some(spawn::SpawnedFleet::start(&data_dir, args.nats_url.as_deref())?)
+    } else {
+        None
+    };
+    let nats_url = match (&spawned, &args.nats_url) {
+        (Some(f), _) => f.nats_url.clone(),
+        (None, Some(u)) => u.clone(),
+        (None, None) => std::fs::read_to_string(fleet::client_cmd::nats_url_file(&data_dir))
+            .map(|s| s.trim().to_string())
+            .ok()
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| fleet::client_cmd::DEFAULT_NATS_URL.to_string()),
+    };
+    let key = fleet::auth::DevKey::load(&data_dir)
+        .map_err(|e| anyhow::anyhow!("{e} (give --data-dir of the fleet, or --spawn)"))?;
+    let params = scenarios::Params {
+        rate: args.rate.unwrap_or(scenario.default_rate),
+        duration: args.duration,
+        native_echo: false,
+        nats_url: nats_url.clone(),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let metrics_url = spawned
+        .as_ref()
+        .map(|f| f.metrics_url.clone())
+        .or_else(|| std::env::var("LOADTEST_METRICS_URL").ok());
+    let result = runtime.block_on(drive(
+        scenario,
+        params,
+        &nats_url,
+        key,
+        spawned.is_some(),
+        slo,
+        metrics_url.as_deref(),
+    ));
+    drop(runtime);
+    drop(spawned); // SIGINT to the child fleet, at the end and on error alike.
+    drop(tmp);
+    let (report, ctx) = result?;
+    report::write(&args.report, &report, &ctx.rec)?;
+    let md = report::markdown(&report);
+    println!("{md}");
+    println!("report: {}", args.report.display());
+    Ok(report["slo"]["passed"] == json!(true))
+}
+
+async fn drive(
+    scenario: &'static scenarios::Scenario,
+    mut params: scenarios::Params,
+    nats_url: &str,
+    key: fleet::auth::SigningKey,
+    spawned: bool,
+    slo: Option<report::Slo>,
+    metrics_url: Option<&str>,
+) -> anyhow::Result<(Value, Arc<Ctx>)> {
+    let nats = async_nats::ConnectOptions::new()
+        .connection_timeout(Duration::from_secs(5))
+        .connect(nats_url)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot connect to {nats_url}: {e}"))?;
+    let ctx = Arc::new(Ctx::new(nats, key, MAX_IN_FLIGHT));
+    // Which demo plugins are served (the native `echo` needs `target/release`).
+    let tools = ctx
+        .call(
+            &format!("loadtest-{}", ctx.run_tag),
+            "tools.list",
+            &json!({}),
+            Duration::from_secs(10),
+        )
+        .await
+        .map_err(|e| anyhow::anyhow!("tools.list on {nats_url}: {}: {}", e.code, e.message))?;
+    let ids: Vec<&str> = tools["tools"]
+        .as_array()
+        .map(|t| t.iter().filter_map(|t| t["tool_id"].as_str()).collect())
+        .unwrap_or_default();
+    // tools.list shows only what workers have described so far: when `echo` is not there yet, one probe call says.
+    params.native_echo = ids
+        .iter()
+        .any(|id| *id == "echo" || id.starts_with("echo.") || id.starts_with("echo__"));
+    if !params.native_echo {
+        let probe = json!({ "tool_id": "echo", "method": "echo", "args": {}, "timeoutMs": 5000 });
+        let user = format!("loadtest-{}", ctx.run_tag);
+        params.native_echo = ctx
+            .call(&user, "tools.invoke", &probe, Duration::from_secs(10))
+            .await
+            .is_ok();
+    }
+    let head = json!({
+        "scenario": scenario.name,
+        "description": scenario.description,
+        "started_at_unix_s": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or_default(),
+        "parameters": {
+            "rate": params.rate,
+            "duration_s": params.duration.as_secs_f64(),
+            "nats_url": nats_url,
+            "spawned": spawned,
+            "native_echo": params.native_echo,
+            "max_in_flight": MAX_IN_FLIGHT,
+            "drain_timeout_s": DRAIN_TIMEOUT.as_secs(),
+        },
+    });
+    *lock(&ctx.drain_deadline) = Instant::now() + params.duration + DRAIN_TIMEOUT;
+    let stop = Arc::new(AtomicBool::new(false));
+    let progress = engine::progress_line(Arc::clone(&ctx), params.duration, Arc::clone(&stop));
+    let before = metrics_url.map(metrics::scrape);
+    let started = Instant::now();
+    let outcome = scenarios::run(scenario.name, &ctx, &params).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _ = progress.await;
+    outcome?;
+    let elapsed = started.elapsed();
+    let mut report = report::build(&ctx.rec, head, elapsed, slo.as_ref());
+    match (metrics_url, before) {
+        (Some(url), Some(Ok(before))) => match metrics::scrape(url) {
+            Ok(after) => {
+                report["warm_hit_ratio"] = json!(metrics::ratio(before, after));
+                report["warm_hit_ratio_note"] = json!(format!(
+                    "warm hits / (warm hits + cold starts) of every plugin call during the run, from {url}: {} warm, {} cold",
+                    after.0 - before.0,
+                    after.1 - before.1
+                ));
+            }
+            Err(e) => report["warm_hit_ratio_note"] = json!(format!("not obtainable: {e}")),
+        },
+        (_, Some(Err(e))) => report["warm_hit_ratio_note"] = json!(format!("not obtainable: {e}")),
+        _ => {
+            report["warm_hit_ratio_note"] = json!(
+                "not measured: give --spawn, or LOADTEST_METRICS_URL=http://127.0.0.1:PORT/metrics of the fleet's HTTP listener"
+            )
+        }
+    }
+    Ok((report, ctx))
 }

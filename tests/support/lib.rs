@@ -332,6 +332,7 @@ pub mod cluster {
 
     use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, SigningKey, Verifier};
     use fleet::front::{Front, FrontConfig, FrontService};
+    use fleet::metrics::FleetMetrics;
     use fleet::nats_server::NatsServer;
     use fleet::node::WorkerNode;
     use fleet::store::{Store, StoreSettings};
@@ -376,6 +377,8 @@ pub mod cluster {
         pub key: SigningKey,
         /// The plugins every worker serves.
         pub plugins: Vec<Plugin>,
+        /// The metrics every front and worker node of the cluster records into (like `fleet up`).
+        pub metrics: Arc<FleetMetrics>,
         /// Keeps directories alive.
         pub root: tempfile::TempDir,
         name: String,
@@ -418,6 +421,7 @@ pub mod cluster {
                 workers: Vec::new(),
                 key,
                 plugins: plugins.to_vec(),
+                metrics: Arc::new(FleetMetrics::new()),
                 root,
                 name: name.to_string(),
             };
@@ -445,7 +449,8 @@ pub mod cluster {
                 DEFAULT_AUDIENCE,
             )
             .expect("verifier");
-            let front = Front::new(client, store, verifier, FrontConfig::default());
+            let front = Front::new(client, store, verifier, FrontConfig::default())
+                .with_metrics(self.metrics.clone());
             let service = front.serve().await.expect("serve");
             self.fronts.push((front, service));
             self.fronts.len() - 1
@@ -494,6 +499,7 @@ pub mod cluster {
                 store,
                 Pool::new(ctx, Arc::new(catalogue)),
                 &config.worker_id,
+                self.metrics.clone(),
             )
             .await
             .expect("worker node");

@@ -2,6 +2,7 @@
 //! Prometheus. Every drop and failure is counted by reason.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 /// Why a progress notification was not delivered (spec §8.10).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -99,7 +100,39 @@ pub struct WorkerMetrics {
     pub cold_starts: AtomicU64,
     /// Calls served by an already-running process.
     pub warm_hits: AtomicU64,
+    /// Cold-start durations (the wait for a ready process when a call found none), per bucket of
+    /// [`COLD_START_BUCKETS`] (non-cumulative; the last slot counts those above every bound).
+    pub cold_start_buckets: [AtomicU64; COLD_START_BUCKETS.len() + 1],
+    /// Sum of cold-start durations, µs.
+    pub cold_start_sum_us: AtomicU64,
+    /// Reverse-RPC calls answered, by family (index in [`REVERSE_FAMILIES`]) and outcome (0 = ok, 1 = error).
+    pub reverse_outcomes: [[AtomicU64; 2]; REVERSE_FAMILIES.len()],
+    /// Reverse-RPC calls refused because a quota or rate budget was exhausted (any `*_QUOTA_EXCEEDED` or
+    /// `*_RATE_LIMITED` code).
+    pub reverse_budget_exhausted: AtomicU64,
 }
+
+/// Upper bounds (seconds) of the cold-start histogram.
+pub const COLD_START_BUCKETS: [f64; 10] = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+
+/// Reverse-RPC families (the `family` label), `unknown` last for methods no family claims.
+pub const REVERSE_FAMILIES: [&str; 10] = [
+    "sampling",
+    "agent",
+    "storage",
+    "files",
+    "embeddings",
+    "image",
+    "upload",
+    "credentials",
+    "web",
+    "unknown",
+];
+
+/// JSON-RPC error codes that mean a budget (quota or rate) was exhausted.
+pub const BUDGET_CODES: [i64; 9] = [
+    -32002, -32024, -32026, -32045, -32047, -32102, -32202, -32502, -32522,
+];
 
 /// The frame error kinds, in the order of `WorkerMetrics::frame_errors`.
 pub const FRAME_ERROR_KINDS: [&str; 6] = [
@@ -142,6 +175,32 @@ impl WorkerMetrics {
             .iter()
             .position(|k| *k == kind)
             .map_or(0, |i| self.frame_errors[i].load(Ordering::Relaxed))
+    }
+
+    /// Records one cold start's duration.
+    pub fn observe_cold_start(&self, took: Duration) {
+        let secs = took.as_secs_f64();
+        let i = COLD_START_BUCKETS
+            .iter()
+            .position(|b| secs <= *b)
+            .unwrap_or(COLD_START_BUCKETS.len());
+        Self::inc(&self.cold_start_buckets[i]);
+        self.cold_start_sum_us.fetch_add(
+            u64::try_from(took.as_micros()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Counts an answered reverse-RPC call of `family` (a [`REVERSE_FAMILIES`] name; anything else is
+    /// `unknown`) with its error code, if it failed.
+    pub fn reverse_call(&self, family: Option<&str>, error_code: Option<i64>) {
+        let i = family
+            .and_then(|f| REVERSE_FAMILIES.iter().position(|k| *k == f))
+            .unwrap_or(REVERSE_FAMILIES.len() - 1);
+        Self::inc(&self.reverse_outcomes[i][usize::from(error_code.is_some())]);
+        if error_code.is_some_and(|c| BUDGET_CODES.contains(&c)) {
+            Self::inc(&self.reverse_budget_exhausted);
+        }
     }
 
     /// Reads a counter.

@@ -646,8 +646,12 @@ impl Session {
             .timeout
             .unwrap_or(limits::DEFAULT_INVOKE_TIMEOUT)
             .max(limits::DESCRIBE_TIMEOUT_FIRST_LAUNCH);
+        let waited = Instant::now();
         let (process, warm) = self.process(wait).await?;
         let metrics = &self.inner.shared.metrics;
+        if !warm {
+            metrics.observe_cold_start(waited.elapsed());
+        }
         WorkerMetrics::inc(if warm {
             &metrics.warm_hits
         } else {

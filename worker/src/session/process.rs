@@ -519,6 +519,10 @@ impl Process {
         let Some(id) = frame.id().cloned() else { return };
         let outcome = self.serve_reverse(&frame).await;
         WorkerMetrics::inc(&self.shared.metrics.reverse_calls);
+        self.shared.metrics.reverse_call(
+            frame.method().and_then(family_of).map(Family::as_str),
+            outcome.as_ref().err().map(|e| e.code),
+        );
         let response = match outcome {
             Ok(value) => Response::ok(id.clone(), value),
             Err(error) => {

@@ -1,0 +1,261 @@
+//! The HTTP gateway (axum): the App Host API over HTTP, window events over SSE, health, metrics and the live
+//! operator page.
+//!
+//! | Route | What | Auth |
+//! |---|---|---|
+//! | `POST /v1/rpc` | `{id, window_uuid, ns, method, args}` → `{id, ok, result}` / `{id, ok: false, error}` ([`rpc`]) | window token |
+//! | `GET /v1/windows/{window_uuid}/events` | `tool_job` events of the window's user, SSE, `Last-Event-ID` resume ([`sse`]) | window token (`Authorization: Bearer` or `?token=`) |
+//! | `GET /healthz` | the process is alive | none |
+//! | `GET /readyz` | NATS connected, a JetStream round trip, ≥ 1 live worker (else 503 and the reason) | none |
+//! | `GET /metrics` | [`FleetMetrics::encode`] | none |
+//! | `GET /` | the operator page (one embedded HTML file) ([`page`]) | none: it holds no data |
+//! | `GET /v1/ops/overview`, `GET /v1/ops/events` | the page's data: JSON snapshot, SSE stream | operator token (`"operator": true`, API audience) |
+//!
+//! The gateway is a thin adapter: after authentication, the ACL and the per-window in-flight cap it calls
+//! [`Front::handle_as`], the same code the NATS API runs (per-user rate limit, validation, handlers).
+
+pub mod page;
+pub mod rpc;
+pub mod sse;
+pub mod window;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use fleet_proto::api::{ApiError, ApiErrorCode};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::auth::{AuthError, Principal, Verifier};
+use crate::front::Front;
+use crate::metrics::FleetMetrics;
+
+/// Gateway settings.
+#[derive(Debug, Clone)]
+pub struct HttpConfig {
+    /// Requests in flight per window (`window_uuid`) before `rate_limited`.
+    pub max_in_flight_per_window: usize,
+    /// Events kept for `Last-Event-ID` resumption (all users together, newest kept).
+    pub replay_capacity: usize,
+    /// SSE heartbeat comment interval.
+    pub heartbeat: Duration,
+    /// How often the operator stream pushes an `overview`.
+    pub overview_interval: Duration,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            max_in_flight_per_window: 16,
+            replay_capacity: 10_000,
+            heartbeat: Duration::from_secs(15),
+            overview_interval: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Everything the routes share. Cheap to clone.
+#[derive(Clone)]
+pub struct HttpState {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    front: Front,
+    client: async_nats::Client,
+    api: Verifier,
+    window: Verifier,
+    metrics: Arc<FleetMetrics>,
+    config: HttpConfig,
+    windows: Mutex<HashMap<String, Arc<Semaphore>>>,
+    hub: Arc<sse::Hub>,
+    ops: Arc<page::OpsStats>,
+    pump: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.pump.abort();
+    }
+}
+
+impl std::fmt::Debug for HttpState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpState")
+            .field("config", &self.inner.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl HttpState {
+    /// The gateway's state over `front`: subscribes to every user's `tool_job` events (`fleet.v1.events.*`) for
+    /// the SSE streams and the operator page. `api` verifies API (and operator) tokens; window tokens are
+    /// verified with the same keys under the audience [`window::WINDOW_AUDIENCE`].
+    pub async fn start(
+        front: Front,
+        client: async_nats::Client,
+        api: Verifier,
+        metrics: Arc<FleetMetrics>,
+        config: HttpConfig,
+    ) -> Result<HttpState, async_nats::Error> {
+        let window = window::window_verifier(&api)?;
+        let hub = Arc::new(sse::Hub::new(config.replay_capacity));
+        let ops = Arc::new(page::OpsStats::default());
+        let pump = sse::start_pump(&client, hub.clone(), ops.clone()).await?;
+        Ok(HttpState {
+            inner: Arc::new(Inner {
+                front,
+                client,
+                api,
+                window,
+                metrics,
+                config,
+                windows: Mutex::new(HashMap::new()),
+                hub,
+                ops,
+                pump,
+            }),
+        })
+    }
+
+    /// Takes one of the window's in-flight slots, or `None` when it has none left.
+    fn acquire_window(&self, window: &str) -> Option<WindowPermit> {
+        let sem = {
+            let mut map = self.inner.windows.lock().unwrap_or_else(PoisonError::into_inner);
+            map.entry(window.to_owned())
+                .or_insert_with(|| Arc::new(Semaphore::new(self.inner.config.max_in_flight_per_window)))
+                .clone()
+        };
+        let permit = sem.clone().try_acquire_owned().ok()?;
+        Some(WindowPermit {
+            state: self.clone(),
+            window: window.to_owned(),
+            sem,
+            permit: Some(permit),
+        })
+    }
+
+    /// Verifies an operator token (`"operator": true`, API audience).
+    fn operator(&self, token: Option<&str>) -> Result<Principal, ApiError> {
+        let principal = self
+            .inner
+            .api
+            .verify(token.unwrap_or(""))
+            .map_err(|e: AuthError| e.to_api_error())?;
+        if !principal.operator {
+            return Err(ApiError::new(
+                ApiErrorCode::PermissionDenied,
+                "an operator token (\"operator\": true) is required",
+            ));
+        }
+        Ok(principal)
+    }
+}
+
+/// One in-flight slot of a window; the window's entry is forgotten when its last slot is returned.
+struct WindowPermit {
+    state: HttpState,
+    window: String,
+    sem: Arc<Semaphore>,
+    permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Drop for WindowPermit {
+    fn drop(&mut self) {
+        drop(self.permit.take());
+        let mut map = self
+            .state
+            .inner
+            .windows
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // The map's Arc and ours: nobody else holds or waits for this window.
+        if Arc::strong_count(&self.sem) == 2
+            && self.sem.available_permits() == self.state.inner.config.max_in_flight_per_window
+        {
+            map.remove(&self.window);
+        }
+    }
+}
+
+/// The token of a request: `Authorization` (`Bearer <jwt>`), else the `token` query parameter.
+fn request_token(headers: &HeaderMap, query: Option<&str>) -> Option<String> {
+    if let Some(v) = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) {
+        return Some(v.to_owned());
+    }
+    query.filter(|t| !t.is_empty()).map(str::to_owned)
+}
+
+/// The HTTP status of an API error code when it is the gateway's own verdict.
+fn status_of(code: ApiErrorCode) -> StatusCode {
+    match code {
+        ApiErrorCode::InvalidToken => StatusCode::UNAUTHORIZED,
+        ApiErrorCode::PermissionDenied => StatusCode::FORBIDDEN,
+        ApiErrorCode::RateLimited => StatusCode::TOO_MANY_REQUESTS,
+        ApiErrorCode::InvalidArg => StatusCode::BAD_REQUEST,
+        ApiErrorCode::InternalError => StatusCode::INTERNAL_SERVER_ERROR,
+        _ => StatusCode::OK,
+    }
+}
+
+/// A bare `{ok: false, error}` answer (routes without an RPC envelope).
+fn error_response(e: &ApiError) -> Response {
+    let body = serde_json::json!({ "ok": false, "error": e });
+    (status_of(e.code), axum::Json(body)).into_response()
+}
+
+/// The router.
+pub fn router(state: HttpState) -> Router {
+    Router::new()
+        .route("/", get(page::page))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/v1/rpc", post(rpc::rpc))
+        .route("/v1/windows/{window_uuid}/events", get(sse::window_events))
+        .route("/v1/ops/overview", get(page::overview))
+        .route("/v1/ops/events", get(page::ops_events))
+        .with_state(state)
+}
+
+/// Serves the router on `listener` until the task is dropped or aborted.
+pub async fn serve(listener: tokio::net::TcpListener, state: HttpState) -> std::io::Result<()> {
+    axum::serve(
+        listener,
+        router(state).into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .await
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn readyz(State(state): State<HttpState>) -> Response {
+    use async_nats::connection::State as Conn;
+    let unavailable =
+        |reason: String| (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n")).into_response();
+    if !matches!(state.inner.client.connection_state(), Conn::Connected) {
+        return unavailable("NATS is not connected".into());
+    }
+    match tokio::time::timeout(Duration::from_secs(2), state.inner.front.store().live_workers()).await {
+        Err(_) => unavailable("JetStream did not answer within 2 s".into()),
+        Ok(Err(e)) => unavailable(format!("JetStream: {e}")),
+        Ok(Ok(workers)) if workers.is_empty() => unavailable("no live worker".into()),
+        Ok(Ok(_)) => "ready\n".into_response(),
+    }
+}
+
+async fn metrics(State(state): State<HttpState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)],
+        state.inner.metrics.encode(),
+    )
+        .into_response()
+}

@@ -1,0 +1,457 @@
+//! The engine: one NATS connection, tokens minted per user, open-model arrivals, and the recorder (per-operation
+//! HDR histograms in µs, per-second buckets for the chart, error codes by count, job accounting).
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, SigningKey};
+use fleet_proto::api::subjects;
+use hdrhistogram::Histogram;
+use serde_json::{Value, json};
+
+/// Largest latency a histogram holds (1 h, in µs); larger values saturate.
+const MAX_LATENCY_US: u64 = 3_600_000_000;
+/// How often a followed job is polled with `tools.getJob`.
+pub(crate) const POLL_EVERY: Duration = Duration::from_millis(250);
+
+/// Locks, ignoring poisoning (a panicked task must not hide the rest of the report).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A non-negative, finite count or duration in f64 as u64 (saturating; NaN and negatives give 0).
+#[allow(
+    clippy::cast_possible_truncation,
+    reason = "`as` saturates float-to-int, which is what is wanted"
+)]
+pub(crate) fn to_u64(x: f64) -> u64 {
+    x as u64
+}
+
+fn histogram() -> Histogram<u64> {
+    // Bounds are constants that are valid: 1 µs .. 1 h at 3 significant digits.
+    Histogram::new_with_bounds(1, MAX_LATENCY_US, 3).expect("constant, valid histogram bounds")
+}
+
+/// Statistics of one operation.
+#[derive(Debug)]
+pub(crate) struct OpStats {
+    /// Every measured latency, µs.
+    pub(crate) hist: Histogram<u64>,
+    /// Answers that were `ok`.
+    pub(crate) ok: u64,
+    /// Everything else (API errors, client timeouts, overload).
+    pub(crate) errors: u64,
+    /// Per 1-second bucket (by intended start), the latencies, µs.
+    pub(crate) buckets: Vec<Histogram<u64>>,
+}
+
+impl OpStats {
+    fn new() -> Self {
+        OpStats {
+            hist: histogram(),
+            ok: 0,
+            errors: 0,
+            buckets: Vec::new(),
+        }
+    }
+}
+
+/// Job accounting.
+#[derive(Debug, Default)]
+pub(crate) struct Jobs {
+    /// `invokeAsync` answered with a job id.
+    pub(crate) accepted: AtomicU64,
+    /// Jobs seen in a terminal state.
+    pub(crate) terminal: AtomicU64,
+    /// Terminal states by name.
+    pub(crate) by_state: Mutex<BTreeMap<String, u64>>,
+}
+
+/// Everything a run measures.
+#[derive(Debug)]
+pub(crate) struct Recorder {
+    /// Time zero of the run.
+    pub(crate) start: Instant,
+    /// Per operation.
+    pub(crate) ops: Mutex<BTreeMap<String, OpStats>>,
+    /// Error codes by count (the API's string codes, plus `timeout`, `no_responders`, `overload`, ...).
+    pub(crate) errors: Mutex<BTreeMap<String, u64>>,
+    /// Scenario-specific counters (progress events seen, jobs not cancelled, ...).
+    pub(crate) counters: Mutex<BTreeMap<String, u64>>,
+    /// Jobs.
+    pub(crate) jobs: Jobs,
+    /// Requests sent (for the live line).
+    pub(crate) sent: AtomicU64,
+}
+
+impl Recorder {
+    /// A recorder whose time zero is now.
+    pub(crate) fn new() -> Self {
+        Recorder {
+            start: Instant::now(),
+            ops: Mutex::new(BTreeMap::new()),
+            errors: Mutex::new(BTreeMap::new()),
+            counters: Mutex::new(BTreeMap::new()),
+            jobs: Jobs::default(),
+            sent: AtomicU64::new(0),
+        }
+    }
+
+    /// Records one completed operation: latency from `intended` (the scheduled start) to now.
+    pub(crate) fn record(&self, op: &str, intended: Instant, outcome: Result<(), &str>) {
+        let now = Instant::now();
+        let latency = u64::try_from(now.saturating_duration_since(intended).as_micros())
+            .unwrap_or(MAX_LATENCY_US)
+            .clamp(1, MAX_LATENCY_US);
+        let bucket =
+            usize::try_from(intended.saturating_duration_since(self.start).as_secs()).unwrap_or(usize::MAX);
+        let mut ops = lock(&self.ops);
+        let stats = ops.entry(op.to_string()).or_insert_with(OpStats::new);
+        stats.hist.saturating_record(latency);
+        if bucket < 24 * 3600 {
+            while stats.buckets.len() <= bucket {
+                stats.buckets.push(histogram());
+            }
+            if let Some(b) = stats.buckets.get_mut(bucket) {
+                b.saturating_record(latency);
+            }
+        }
+        match outcome {
+            Ok(()) => stats.ok += 1,
+            Err(code) => {
+                stats.errors += 1;
+                drop(ops);
+                *lock(&self.errors).entry(code.to_string()).or_default() += 1;
+            }
+        }
+    }
+
+    /// Counts an error that has no latency (`overload`: the arrival was dropped, not delayed).
+    pub(crate) fn record_dropped(&self, op: &str, code: &str) {
+        lock(&self.ops)
+            .entry(op.to_string())
+            .or_insert_with(OpStats::new)
+            .errors += 1;
+        *lock(&self.errors).entry(code.to_string()).or_default() += 1;
+    }
+
+    /// Adds to a scenario counter.
+    pub(crate) fn count(&self, name: &str, n: u64) {
+        *lock(&self.counters).entry(name.to_string()).or_default() += n;
+    }
+
+    /// (completed ops, errors) so far.
+    pub(crate) fn totals(&self) -> (u64, u64) {
+        let ops = lock(&self.ops);
+        ops.values()
+            .fold((0, 0), |(c, e), s| (c + s.ok + s.errors, e + s.errors))
+    }
+}
+
+impl Default for Recorder {
+    fn default() -> Self {
+        Recorder::new()
+    }
+}
+
+/// A failed call: the API's error code, or a client-side one.
+#[derive(Debug, Clone)]
+pub(crate) struct CallError {
+    /// `job_quota_exceeded`, `rate_limited`, ..., or `timeout`, `no_responders`, `request_failed`, `bad_reply`.
+    pub(crate) code: String,
+    /// The message.
+    pub(crate) message: String,
+}
+
+/// The shared context of a run.
+#[derive(Debug)]
+pub(crate) struct Ctx {
+    /// The connection.
+    pub(crate) nats: async_nats::Client,
+    key: SigningKey,
+    tokens: Mutex<HashMap<String, String>>,
+    /// The measurements.
+    pub(crate) rec: Recorder,
+    /// Tasks in flight.
+    pub(crate) in_flight: AtomicUsize,
+    /// The concurrency guard: arrivals beyond this many tasks in flight are dropped as `overload`.
+    pub(crate) max_in_flight: usize,
+    /// After this instant, followers stop polling (their jobs count as lost).
+    pub(crate) drain_deadline: Mutex<Instant>,
+    /// Tag of this run (unique user names for cold starts, client tags).
+    pub(crate) run_tag: String,
+}
+
+impl Ctx {
+    /// A context over a connection and a signing key.
+    pub(crate) fn new(nats: async_nats::Client, key: SigningKey, max_in_flight: usize) -> Self {
+        let run_tag = format!(
+            "{:x}",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis())
+                .unwrap_or_default()
+        );
+        Ctx {
+            nats,
+            key,
+            tokens: Mutex::new(HashMap::new()),
+            rec: Recorder::new(),
+            in_flight: AtomicUsize::new(0),
+            max_in_flight,
+            drain_deadline: Mutex::new(Instant::now() + Duration::from_secs(24 * 3600)),
+            run_tag,
+        }
+    }
+
+    fn token(&self, user: &str) -> Result<String, CallError> {
+        if let Some(t) = lock(&self.tokens).get(user) {
+            return Ok(t.clone());
+        }
+        let token = self
+            .key
+            .mint(
+                user,
+                DEFAULT_ISSUER,
+                DEFAULT_AUDIENCE,
+                Duration::from_secs(6 * 3600),
+                false,
+            )
+            .map_err(|e| CallError {
+                code: "mint_failed".into(),
+                message: e.to_string(),
+            })?;
+        lock(&self.tokens).insert(user.to_string(), token.clone());
+        Ok(token)
+    }
+
+    /// One API call as `user`; the answer's `result`, or its error code.
+    pub(crate) async fn call(
+        &self,
+        user: &str,
+        method: &str,
+        body: &Value,
+        wait: Duration,
+    ) -> Result<Value, CallError> {
+        let token = self.token(user)?;
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(subjects::AUTH_HEADER, format!("Bearer {token}").as_str());
+        let payload = serde_json::to_vec(body).unwrap_or_default();
+        let request = async_nats::Request::new()
+            .headers(headers)
+            .payload(payload.into())
+            .timeout(Some(wait));
+        self.rec.sent.fetch_add(1, Ordering::Relaxed);
+        let reply = self
+            .nats
+            .send_request(subjects::api(method), request)
+            .await
+            .map_err(|e| {
+                use async_nats::RequestErrorKind as K;
+                let code = match e.kind() {
+                    K::TimedOut => "timeout",
+                    K::NoResponders => "no_responders",
+                    K::MaxPayloadExceeded => "max_payload_exceeded",
+                    _ => "request_failed",
+                };
+                CallError {
+                    code: code.into(),
+                    message: e.to_string(),
+                }
+            })?;
+        let answer: Value = serde_json::from_slice(&reply.payload).map_err(|e| CallError {
+            code: "bad_reply".into(),
+            message: e.to_string(),
+        })?;
+        if answer.get("ok").and_then(Value::as_bool) == Some(true) {
+            Ok(answer.get("result").cloned().unwrap_or(Value::Null))
+        } else {
+            let err = answer.get("error").cloned().unwrap_or(Value::Null);
+            Err(CallError {
+                code: err
+                    .get("code")
+                    .and_then(Value::as_str)
+                    .unwrap_or("bad_reply")
+                    .to_string(),
+                message: err
+                    .get("message")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_string(),
+            })
+        }
+    }
+
+    /// One measured call: the latency runs from `intended` (an open-model arrival's scheduled start, or now).
+    pub(crate) async fn op(
+        &self,
+        op: &str,
+        intended: Instant,
+        user: &str,
+        method: &str,
+        body: &Value,
+        wait: Duration,
+    ) -> Result<Value, CallError> {
+        let r = self.call(user, method, body, wait).await;
+        self.rec
+            .record(op, intended, r.as_ref().map(|_| ()).map_err(|e| e.code.as_str()));
+        r
+    }
+
+    /// `tools.invokeAsync`; counts the job as accepted when it gets an id.
+    pub(crate) async fn invoke_async(
+        &self,
+        op: &str,
+        intended: Instant,
+        user: &str,
+        body: &Value,
+    ) -> Option<String> {
+        let r = self
+            .op(
+                op,
+                intended,
+                user,
+                "tools.invokeAsync",
+                body,
+                Duration::from_secs(30),
+            )
+            .await;
+        let id = r.ok()?.get("jobId").and_then(Value::as_str).map(str::to_string)?;
+        self.rec.jobs.accepted.fetch_add(1, Ordering::Relaxed);
+        Some(id)
+    }
+
+    /// Polls `tools.getJob` until the job is terminal (counted) or the drain deadline passes (then it is lost).
+    /// Progress events seen are counted under `progress_events`. Returns the terminal state.
+    pub(crate) async fn follow(&self, user: &str, job_id: &str) -> Option<String> {
+        let mut since = 0u64;
+        loop {
+            let body = json!({ "jobId": job_id, "sinceSeq": since, "limit": 500 });
+            if let Ok(snap) = self
+                .op(
+                    "getJob",
+                    Instant::now(),
+                    user,
+                    "tools.getJob",
+                    &body,
+                    Duration::from_secs(10),
+                )
+                .await
+            {
+                let events = snap.get("progress").and_then(Value::as_array).map_or(0, Vec::len);
+                if events > 0 {
+                    self.rec.count("progress_events", events as u64);
+                }
+                since = snap.get("lastSeq").and_then(Value::as_u64).unwrap_or(since);
+                let state = snap.get("state").and_then(Value::as_str).unwrap_or_default();
+                if matches!(state, "succeeded" | "failed" | "cancelled" | "expired") {
+                    self.rec.jobs.terminal.fetch_add(1, Ordering::Relaxed);
+                    *lock(&self.rec.jobs.by_state)
+                        .entry(state.to_string())
+                        .or_default() += 1;
+                    return Some(state.to_string());
+                }
+            }
+            if Instant::now() >= *lock(&self.drain_deadline) {
+                return None;
+            }
+            tokio::time::sleep(POLL_EVERY).await;
+        }
+    }
+}
+
+/// When arrivals happen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Arrivals {
+    /// Evenly spaced at the rate.
+    Constant,
+    /// Each second, the second's `rate` arrivals all at once.
+    Burst,
+}
+
+/// Runs an open-model arrival loop: arrival `i` is scheduled at its intended start (from the rate, never from
+/// when earlier requests finished) and spawned as a task given that instant; when `max_in_flight` tasks are
+/// already running, the arrival is counted as an `overload` error on `op` instead of delaying the schedule.
+/// Returns when every spawned task has finished.
+pub(crate) async fn open_loop<F, Fut>(
+    ctx: &Arc<Ctx>,
+    op: &str,
+    arrivals: Arrivals,
+    rate: f64,
+    duration: Duration,
+    f: F,
+) where
+    F: Fn(u64, Instant) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let rate = rate.max(0.001);
+    let t0 = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut i: u64 = 0;
+    loop {
+        let offset = match arrivals {
+            Arrivals::Constant => Duration::from_secs_f64(i as f64 / rate),
+            Arrivals::Burst => Duration::from_secs(to_u64((i as f64 / rate).floor())),
+        };
+        if offset >= duration {
+            break;
+        }
+        let intended = t0 + offset;
+        tokio::time::sleep_until(intended.into()).await;
+        while tasks.try_join_next().is_some() {}
+        if ctx.in_flight.load(Ordering::Relaxed) >= ctx.max_in_flight {
+            ctx.rec.record_dropped(op, "overload");
+        } else {
+            ctx.in_flight.fetch_add(1, Ordering::Relaxed);
+            let fut = f(i, intended);
+            let c = Arc::clone(ctx);
+            tasks.spawn(async move {
+                fut.await;
+                c.in_flight.fetch_sub(1, Ordering::Relaxed);
+            });
+        }
+        i += 1;
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
+/// Prints a live progress line to stderr every second until `stop` flips.
+pub(crate) fn progress_line(
+    ctx: Arc<Ctx>,
+    total: Duration,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<()> {
+    use std::io::{IsTerminal as _, Write as _};
+    tokio::spawn(async move {
+        let tty = std::io::stderr().is_terminal();
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.tick().await;
+        while !stop.load(Ordering::Relaxed) {
+            tick.tick().await;
+            let (done, errors) = ctx.rec.totals();
+            let el = ctx.rec.start.elapsed().as_secs();
+            let line = format!(
+                "[{el:>4}s/{}s] sent {} done {done} errors {errors} in-flight {} jobs accepted {} terminal {}",
+                total.as_secs(),
+                ctx.rec.sent.load(Ordering::Relaxed),
+                ctx.in_flight.load(Ordering::Relaxed),
+                ctx.rec.jobs.accepted.load(Ordering::Relaxed),
+                ctx.rec.jobs.terminal.load(Ordering::Relaxed),
+            );
+            let mut err = std::io::stderr().lock();
+            let _ = if tty {
+                write!(err, "\r{line}\x1b[K")
+            } else {
+                writeln!(err, "{line}")
+            };
+            let _ = err.flush();
+        }
+        if tty {
+            let _ = writeln!(std::io::stderr().lock());
+        }
+    })
+}

@@ -1,0 +1,398 @@
+//! The scenario catalogue. Every scenario drives the demo plugins `fleet up` serves: `echo-py` (tools `echo`,
+//! `sleep {ms}`, `progress {count}`, `fail`, `big_result {bytes}`) and, when `tools.list` shows it, the native
+//! `echo`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::engine::{Arrivals, Ctx, open_loop, to_u64};
+
+/// One entry of the catalogue.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Scenario {
+    /// `loadtest run NAME`.
+    pub(crate) name: &'static str,
+    /// One line, for `loadtest list` and the report.
+    pub(crate) description: &'static str,
+    /// Whether it can run yet.
+    pub(crate) implemented: bool,
+    /// Default `--rate` (arrivals per second).
+    pub(crate) default_rate: f64,
+}
+
+/// Every scenario, in `list` order.
+pub(crate) const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "steady-async",
+        description: "open-model constant arrival rate of invokeAsync(echo-py.echo), each job polled with getJob until terminal",
+        implemented: true,
+        default_rate: 20.0,
+    },
+    Scenario {
+        name: "sync-burst",
+        description: "each second, the second's whole quota of sync tools.invoke(echo) arrives at once (20 users)",
+        implemented: true,
+        default_rate: 20.0,
+    },
+    Scenario {
+        name: "cold-start-storm",
+        description: "bursts of brand-new users (one per request) calling tools.invoke(echo): every call is a plugin cold start",
+        implemented: true,
+        default_rate: 5.0,
+    },
+    Scenario {
+        name: "quota-flood",
+        description: "few users submitting 1.5 s sleep jobs faster than they finish: beyond 5 active jobs each gets job_quota_exceeded, accepted jobs all finish",
+        implemented: true,
+        default_rate: 10.0,
+    },
+    Scenario {
+        name: "cancel-storm",
+        description: "invokeAsync(sleep 10 s) then cancelJob 50-300 ms later; every job must end cancelled (counter not_cancelled)",
+        implemented: true,
+        default_rate: 10.0,
+    },
+    Scenario {
+        name: "progress-flood",
+        description: "jobs emitting 200 progress events each, read back incrementally with getJob sinceSeq (counter progress_events)",
+        implemented: true,
+        default_rate: 5.0,
+    },
+    Scenario {
+        name: "big-frames",
+        description: "results near the caps: sync invoke of a ~4 MB result (cap 4 MiB) alternating with async jobs of a ~240 KB result (cap 256 KB)",
+        implemented: true,
+        default_rate: 4.0,
+    },
+    Scenario {
+        name: "fairness",
+        description: "one noisy tenant (4x the rate of 1 s sleep jobs, hitting quota and rate limits) vs 10 quiet users' sync echo: quiet p99 must hold",
+        implemented: true,
+        default_rate: 10.0,
+    },
+    Scenario {
+        name: "chaos-worker-kill",
+        description: "starts 2 extra `fleet worker` processes, SIGKILLs one halfway through a mix of async sleep jobs and sync echo: no job may be lost (they fail with worker_lost)",
+        implemented: true,
+        default_rate: 10.0,
+    },
+    Scenario {
+        name: "hostile-neighbour",
+        description: "one hostile tenant driving the native echo's spin/alloc/fork (half the rate) next to 10 quiet users' sync echo-py echo: quiet p99 must hold (needs the native `echo` plugin)",
+        implemented: true,
+        default_rate: 10.0,
+    },
+    Scenario {
+        name: "mixed",
+        description: "a weighted mix: 40% sync echo, 30% async echo, 10% async progress, 10% async sleep + cancel, 10% listJobs",
+        implemented: true,
+        default_rate: 20.0,
+    },
+];
+
+/// Looks a scenario up by name.
+pub(crate) fn find(name: &str) -> Option<&'static Scenario> {
+    SCENARIOS.iter().find(|s| s.name == name)
+}
+
+/// What a scenario runs with.
+#[derive(Debug, Clone)]
+pub(crate) struct Params {
+    /// Arrivals per second.
+    pub(crate) rate: f64,
+    /// Length of the arrival phase.
+    pub(crate) duration: Duration,
+    /// Whether the native `echo` plugin is served.
+    pub(crate) native_echo: bool,
+    /// The fleet's NATS URL (for the worker processes `chaos-worker-kill` starts).
+    pub(crate) nats_url: String,
+}
+
+const SYNC_WAIT: Duration = Duration::from_secs(30);
+const PY: &str = "echo-py";
+
+fn invoke_body(tool_id: &str, tool: &str, args: &Value) -> Value {
+    json!({ "tool_id": tool_id, "method": tool, "args": args })
+}
+
+/// Runs the named scenario's arrival phase (and, through the followers, its drain).
+pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Result<()> {
+    let rate = p.rate;
+    let d = p.duration;
+    match name {
+        "steady-async" => {
+            open_loop(ctx, "invokeAsync", Arrivals::Constant, rate, d, |i, t| {
+                let c = Arc::clone(ctx);
+                async move {
+                    let user = format!("steady-{}", i % 20);
+                    let body = invoke_body(PY, "echo", &json!({ "i": i }));
+                    if let Some(job) = c.invoke_async("invokeAsync", t, &user, &body).await {
+                        c.follow(&user, &job).await;
+                        c.rec.record("job", t, Ok(()));
+                    }
+                }
+            })
+            .await;
+        }
+        "sync-burst" => {
+            open_loop(ctx, "invoke", Arrivals::Burst, rate, d, |i, t| {
+                let c = Arc::clone(ctx);
+                async move {
+                    let user = format!("burst-{}", i % 20);
+                    let body = invoke_body(PY, "echo", &json!({ "i": i }));
+                    let _ = c.op("invoke", t, &user, "tools.invoke", &body, SYNC_WAIT).await;
+                }
+            })
+            .await;
+        }
+        "cold-start-storm" => {
+            open_loop(ctx, "invoke", Arrivals::Burst, rate, d, |i, t| {
+                let c = Arc::clone(ctx);
+                async move {
+                    let user = format!("cold-{}-{i}", c.run_tag);
+                    let body = invoke_body(PY, "echo", &json!({ "i": i }));
+                    let _ = c.op("invoke", t, &user, "tools.invoke", &body, SYNC_WAIT).await;
+                }
+            })
+            .await;
+        }
+        "quota-flood" => {
+            let users = to_u64((rate / 10.0).ceil().max(1.0));
+            open_loop(ctx, "invokeAsync", Arrivals::Constant, rate, d, move |i, t| {
+                let c = Arc::clone(ctx);
+                async move {
+                    let user = format!("flood-{}-{}", c.run_tag, i % users);
+                    let body = invoke_body(PY, "sleep", &json!({ "ms": 1500 }));
+                    if let Some(job) = c.invoke_async("invokeAsync", t, &user, &body).await {
+                        c.follow(&user, &job).await;
+                    }
+                }
+            })
+            .await;
+        }
+        "cancel-storm" => {
+            let users = to_u64((rate / 2.0).ceil().max(4.0));
+            open_loop(ctx, "invokeAsync", Arrivals::Constant, rate, d, move |i, t| {
+                let c = Arc::clone(ctx);
+                async move {
+                    let user = format!("cancel-{}", i % users);
+                    let body = invoke_body(PY, "sleep", &json!({ "ms": 10_000 }));
+                    if let Some(job) = c.invoke_async("invokeAsync", t, &user, &body).await {
+                        tokio::time::sleep(Duration::from_millis(50 + (i * 37) % 250)).await;
+                        let body = json!({ "jobId": job, "reason": "loadtest cancel-storm" });
+                        let _ = c
+                            .op(
+                                "cancelJob",
+                                Instant::now(),
+                                &user,
+                                "tools.cancelJob",
+                                &body,
+                                SYNC_WAIT,
+                            )
+                            .await;
+                        let end = c.follow(&user, &job).await;
+                        if end.is_some_and(|s| s != "cancelled") {
+                            c.rec.count("not_cancelled", 1);
+                        }
+                    }
+                }
+            })
+            .await;
+        }
+        "progress-flood" => {
+            open_loop(ctx, "invokeAsync", Arrivals::Constant, rate, d, |i, t| {
+                let c = Arc::clone(ctx);
+                async move {
+                    let user = format!("progress-{}", i % 10);
+                    let body = invoke_body(PY, "progress", &json!({ "count": 200 }));
+                    if let Some(job) = c.invoke_async("invokeAsync", t, &user, &body).await {
+                        c.rec.count("progress_events_emitted", 200);
+                        c.follow(&user, &job).await;
+                        c.rec.record("job", t, Ok(()));
+                    }
+                }
+            })
+            .await;
+        }
+        "big-frames" => {
+            open_loop(ctx, "invoke", Arrivals::Constant, rate, d, |i, t| {
+                let c = Arc::clone(ctx);
+                async move {
+                    let user = format!("big-{}", i % 4);
+                    if i % 2 == 0 {
+                        let body = invoke_body(PY, "big_result", &json!({ "bytes": 4_000_000 }));
+                        let _ = c.op("invoke", t, &user, "tools.invoke", &body, SYNC_WAIT).await;
+                    } else {
+                        let body = invoke_body(PY, "big_result", &json!({ "bytes": 240_000 }));
+                        if let Some(job) = c.invoke_async("invokeAsync", t, &user, &body).await
+                            && c.follow(&user, &job).await.is_some_and(|s| s != "succeeded")
+                        {
+                            c.rec.count("big_jobs_not_succeeded", 1);
+                        }
+                    }
+                }
+            })
+            .await;
+        }
+        "fairness" => {
+            let noisy = open_loop(
+                ctx,
+                "noisy.invokeAsync",
+                Arrivals::Constant,
+                rate * 4.0,
+                d,
+                |_, t| {
+                    let c = Arc::clone(ctx);
+                    async move {
+                        let user = format!("noisy-{}", c.run_tag);
+                        let body = invoke_body(PY, "sleep", &json!({ "ms": 1000 }));
+                        if let Some(job) = c.invoke_async("noisy.invokeAsync", t, &user, &body).await {
+                            c.follow(&user, &job).await;
+                        }
+                    }
+                },
+            );
+            let quiet = open_loop(ctx, "quiet.invoke", Arrivals::Constant, rate, d, |i, t| {
+                let c = Arc::clone(ctx);
+                async move {
+                    let user = format!("quiet-{}", i % 10);
+                    let body = invoke_body(PY, "echo", &json!({ "i": i }));
+                    let _ = c
+                        .op("quiet.invoke", t, &user, "tools.invoke", &body, SYNC_WAIT)
+                        .await;
+                }
+            });
+            tokio::join!(noisy, quiet);
+        }
+        "chaos-worker-kill" => {
+            let mut workers = crate::chaos::Workers::start(ctx, p.nats_url.as_str(), 2).await?;
+            let killer = {
+                let c = Arc::clone(ctx);
+                let victim = workers.victim();
+                async move {
+                    tokio::time::sleep(d / 2).await;
+                    if let Some(mut child) = victim {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        c.rec.count("workers_killed", 1);
+                    }
+                }
+            };
+            let load = open_loop(ctx, "invokeAsync", Arrivals::Constant, rate, d, |i, t| {
+                let c = Arc::clone(ctx);
+                async move {
+                    let user = format!("chaos-{}", i % 20);
+                    if i % 2 == 0 {
+                        let body = invoke_body(PY, "sleep", &json!({ "ms": 500 }));
+                        if let Some(job) = c.invoke_async("invokeAsync", t, &user, &body).await {
+                            c.follow(&user, &job).await;
+                        }
+                    } else {
+                        let mut body = invoke_body(PY, "echo", &json!({ "i": i }));
+                        body["timeoutMs"] = json!(5000);
+                        let wait = Duration::from_secs(10);
+                        let _ = c.op("invoke", t, &user, "tools.invoke", &body, wait).await;
+                    }
+                }
+            });
+            tokio::join!(killer, load);
+            workers.stop();
+        }
+        "hostile-neighbour" => {
+            if !p.native_echo {
+                anyhow::bail!(
+                    "hostile-neighbour needs the native `echo` plugin (fleet-echo-plugin: build target/release, or serve a \
+                     catalogue with it)"
+                );
+            }
+            let hostile = open_loop(
+                ctx,
+                "hostile.invoke",
+                Arrivals::Constant,
+                rate / 2.0,
+                d,
+                |i, t| {
+                    let c = Arc::clone(ctx);
+                    async move {
+                        let user = format!("hostile-{}", c.run_tag);
+                        let (tool, args) = match i % 3 {
+                            0 => ("spin", json!({ "ms": 300, "threads": 2 })),
+                            1 => ("alloc", json!({ "mib": 64, "hold_ms": 300 })),
+                            _ => ("fork", json!({ "count": 16, "hold_ms": 1000 })),
+                        };
+                        let body = invoke_body("echo", tool, &args);
+                        let _ = c
+                            .op("hostile.invoke", t, &user, "tools.invoke", &body, SYNC_WAIT)
+                            .await;
+                    }
+                },
+            );
+            let quiet = open_loop(ctx, "quiet.invoke", Arrivals::Constant, rate, d, |i, t| {
+                let c = Arc::clone(ctx);
+                async move {
+                    let user = format!("neighbour-{}", i % 10);
+                    let body = invoke_body(PY, "echo", &json!({ "i": i }));
+                    let _ = c
+                        .op("quiet.invoke", t, &user, "tools.invoke", &body, SYNC_WAIT)
+                        .await;
+                }
+            });
+            tokio::join!(hostile, quiet);
+        }
+        "mixed" => {
+            let native = p.native_echo;
+            open_loop(ctx, "mixed", Arrivals::Constant, rate, d, move |i, t| {
+                let c = Arc::clone(ctx);
+                async move {
+                    let user = format!("mixed-{}", i % 10);
+                    match i % 10 {
+                        0..=3 => {
+                            let tool_id = if native && i % 2 == 1 { "echo" } else { PY };
+                            let body = invoke_body(tool_id, "echo", &json!({ "i": i }));
+                            let _ = c.op("invoke", t, &user, "tools.invoke", &body, SYNC_WAIT).await;
+                        }
+                        4..=7 => {
+                            let body = if i % 10 == 7 {
+                                invoke_body(PY, "progress", &json!({ "count": 20 }))
+                            } else {
+                                invoke_body(PY, "echo", &json!({ "i": i }))
+                            };
+                            if let Some(job) = c.invoke_async("invokeAsync", t, &user, &body).await {
+                                c.follow(&user, &job).await;
+                            }
+                        }
+                        8 => {
+                            let body = invoke_body(PY, "sleep", &json!({ "ms": 5000 }));
+                            if let Some(job) = c.invoke_async("invokeAsync", t, &user, &body).await {
+                                tokio::time::sleep(Duration::from_millis(100)).await;
+                                let body = json!({ "jobId": job });
+                                let _ = c
+                                    .op(
+                                        "cancelJob",
+                                        Instant::now(),
+                                        &user,
+                                        "tools.cancelJob",
+                                        &body,
+                                        SYNC_WAIT,
+                                    )
+                                    .await;
+                                c.follow(&user, &job).await;
+                            }
+                        }
+                        _ => {
+                            let body = json!({ "limit": 20 });
+                            let _ = c
+                                .op("listJobs", t, &user, "tools.listJobs", &body, SYNC_WAIT)
+                                .await;
+                        }
+                    }
+                }
+            })
+            .await;
+        }
+        other => anyhow::bail!("scenario {other} is not implemented yet"),
+    }
+    Ok(())
+}

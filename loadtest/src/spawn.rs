@@ -1,0 +1,131 @@
+//! `--spawn`: `fleet up` as a child, stopped with SIGINT when dropped (at the end, and on any error).
+
+use std::io::{BufRead as _, BufReader, Write as _};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// How long `fleet up` may take to print its "try" line.
+const READY_WITHIN: Duration = Duration::from_secs(90);
+
+/// A running `fleet up`.
+#[derive(Debug)]
+pub(crate) struct SpawnedFleet {
+    child: Child,
+    /// Its NATS URL.
+    pub(crate) nats_url: String,
+    /// Its HTTP listener's `/metrics`.
+    pub(crate) metrics_url: String,
+}
+
+/// The `fleet` binary: next to this executable, else `fleet` on PATH.
+pub(crate) fn fleet_binary() -> PathBuf {
+    if let Ok(exe) = std::env::current_exe()
+        && let Some(dir) = exe.parent()
+    {
+        let candidate = dir.join(format!("fleet{}", std::env::consts::EXE_SUFFIX));
+        if candidate.is_file() {
+            return candidate;
+        }
+    }
+    PathBuf::from("fleet")
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+impl SpawnedFleet {
+    /// Starts `fleet up --data-dir DIR --http 127.0.0.1:<free port> [--nats-url URL]` and waits for its "try"
+    /// line. Its output goes to `DIR/fleet-up.log`.
+    pub(crate) fn start(data_dir: &Path, nats_url: Option<&str>) -> anyhow::Result<SpawnedFleet> {
+        std::fs::create_dir_all(data_dir)?;
+        let log_path = data_dir.join("fleet-up.log");
+        let log = std::fs::File::create(&log_path)?;
+        let bin = fleet_binary();
+        let http_port = free_port()?;
+        let mut cmd = Command::new(&bin);
+        cmd.arg("up")
+            .arg("--data-dir")
+            .arg(data_dir)
+            .arg("--http")
+            .arg(format!("127.0.0.1:{http_port}"))
+            .env_remove("FLEET_NATS_URL")
+            .env_remove("FLEET_DATA_DIR")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log.try_clone()?));
+        if let Some(url) = nats_url {
+            cmd.arg("--nats-url").arg(url);
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| anyhow::anyhow!("cannot start {} up: {e}", bin.display()))?;
+        let stdout = child.stdout.take();
+        let (tx, rx) = mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            let Some(stdout) = stdout else { return };
+            let mut log = log;
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = writeln!(log, "{line}");
+                let _ = tx.send(line);
+            }
+        });
+        let mut fleet = SpawnedFleet {
+            child,
+            nats_url: String::new(),
+            metrics_url: format!("http://127.0.0.1:{http_port}/metrics"),
+        };
+        let deadline = Instant::now() + READY_WITHIN;
+        loop {
+            match rx.recv_timeout(Duration::from_millis(200)) {
+                Ok(line) if line.starts_with("try") => break,
+                Ok(_) | Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    anyhow::bail!("fleet up exited before it was ready (see {})", log_path.display())
+                }
+            }
+            if let Ok(Some(status)) = fleet.child.try_wait() {
+                anyhow::bail!(
+                    "fleet up exited ({status}) before it was ready (see {})",
+                    log_path.display()
+                );
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!(
+                    "fleet up was not ready within {READY_WITHIN:?} (see {})",
+                    log_path.display()
+                );
+            }
+        }
+        fleet.nats_url = match nats_url {
+            Some(u) => u.to_string(),
+            None => std::fs::read_to_string(data_dir.join("nats-url"))?
+                .trim()
+                .to_string(),
+        };
+        Ok(fleet)
+    }
+}
+
+impl Drop for SpawnedFleet {
+    fn drop(&mut self) {
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
+        if let Some(pid) = rustix::process::Pid::from_raw(i32::try_from(self.child.id()).unwrap_or(i32::MAX))
+        {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::INT);
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,1042 @@
+//! The HTTP gateway (`fleet::http`) end to end: a real nats-server, a front, a worker running the echo fixture,
+//! and the axum router on a real socket. Requests are plain HTTP/1.0 over a `TcpStream` (the response body ends
+//! when the connection closes, so an SSE stream is read as it arrives, without chunked decoding).
+//!
+//! Covered: envelope shape errors, every token failure (missing, expired, wrong audience, `wid` mismatch, bad
+//! signature, `alg: none`, missing window claims), the `tools` allow-list, the per-window in-flight cap, SSE
+//! delivery, user isolation and `Last-Event-ID` resume, health/readiness/metrics, and the operator page in
+//! headless Chromium (DOM dump shows a job submitted through the API; a screenshot is taken).
+
+// Test code: helpers panic on purpose when the system under test misbehaves.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, Verifier};
+use fleet::http::window::{WINDOW_AUDIENCE, WindowToken};
+use fleet::http::{HttpConfig, HttpState};
+use fleet_e2e::cluster::{Cluster, SECRET};
+use fleet_e2e::worker::Plugin;
+use fleet_proto::api::{methods, subjects};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpStream;
+
+/// Failure guard of every wait.
+const GUARD: Duration = Duration::from_secs(30);
+
+// -------------------------------------------------------------------------------------------------------------
+// Harness
+// -------------------------------------------------------------------------------------------------------------
+
+struct Gateway {
+    cluster: Cluster,
+    addr: SocketAddr,
+    _task: AbortOnDrop,
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<std::io::Result<()>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl Gateway {
+    async fn stop(self) {
+        let Gateway { cluster, _task, .. } = self;
+        drop(_task);
+        cluster.shutdown().await;
+    }
+}
+
+async fn start_with(name: &str, workers: usize, config: HttpConfig) -> Gateway {
+    let cluster = Cluster::start(name, 1, workers, &[Plugin::echo("echo", &[])]).await;
+    // Front::serve returns before the server has seen every endpoint: wait until the API answers.
+    let deadline = Instant::now() + GUARD;
+    for method in methods::ALL {
+        loop {
+            let request = async_nats::Request::new()
+                .payload("{}".into())
+                .timeout(Some(GUARD));
+            match cluster.client.send_request(subjects::api(method), request).await {
+                Ok(_) => break,
+                Err(e) => assert!(Instant::now() < deadline, "{method} never answered: {e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    let front = cluster.fronts[0].0.clone();
+    let verifier = Verifier::new(
+        vec![cluster.key.verify_key().expect("verify key")],
+        DEFAULT_ISSUER,
+        DEFAULT_AUDIENCE,
+    )
+    .expect("verifier");
+    let state = HttpState::start(
+        front.clone(),
+        cluster.client.clone(),
+        verifier,
+        front.metrics().clone(),
+        config,
+    )
+    .await
+    .expect("gateway state");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let task = tokio::spawn(fleet::http::serve(listener, state));
+    Gateway {
+        cluster,
+        addr,
+        _task: AbortOnDrop(task),
+    }
+}
+
+async fn start(name: &str) -> Gateway {
+    start_with(name, 1, HttpConfig::default()).await
+}
+
+/// A window token for `user` on window `wid`.
+fn window_token(g: &Gateway, user: &str, wid: &str, tools: Option<&[String]>) -> String {
+    WindowToken {
+        user,
+        window: wid,
+        app: "app-1",
+        version: "v1",
+        tools,
+        ttl: Duration::from_secs(120),
+    }
+    .mint(&g.cluster.key, None)
+    .expect("mint window token")
+}
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs()
+}
+
+/// A token with exactly these claims, HS256 with `secret`.
+fn raw_token(claims: &Value, secret: &[u8]) -> String {
+    jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        claims,
+        &jsonwebtoken::EncodingKey::from_secret(secret).expect("key"),
+    )
+    .expect("encode")
+}
+
+fn window_claims(user: &str, wid: &str) -> Value {
+    json!({
+        "sub": user, "iss": DEFAULT_ISSUER, "aud": WINDOW_AUDIENCE, "iat": now(), "exp": now() + 120,
+        "wid": wid, "app": "app-1", "ver": "v1",
+    })
+}
+
+fn b64url(bytes: &[u8]) -> String {
+    const ABC: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = chunk.iter().fold(0u32, |acc, b| (acc << 8) | u32::from(*b)) << (8 * (3 - chunk.len()));
+        for i in 0..=chunk.len() {
+            out.push(ABC[((n >> (18 - 6 * i)) & 63) as usize] as char);
+        }
+    }
+    out
+}
+
+/// A raw HTTP/1.0 response.
+#[derive(Debug)]
+struct Reply {
+    status: u16,
+    head: String,
+    body: String,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {self:?}"))
+    }
+}
+
+async fn send_head(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    let mut req = format!(
+        "{method} {path} HTTP/1.0\r\nHost: {addr}\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    stream.write_all(req.as_bytes()).await.expect("write");
+    stream.write_all(body).await.expect("write body");
+    stream
+}
+
+fn split_reply(raw: &[u8]) -> Reply {
+    let text = String::from_utf8_lossy(raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {text:?}"));
+    Reply {
+        status,
+        head: head.to_owned(),
+        body: body.to_owned(),
+    }
+}
+
+async fn http(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Reply {
+    let mut stream = send_head(addr, method, path, headers, body).await;
+    let mut raw = Vec::new();
+    tokio::time::timeout(GUARD, stream.read_to_end(&mut raw))
+        .await
+        .expect("response in time")
+        .expect("read");
+    split_reply(&raw)
+}
+
+/// `POST /v1/rpc` with a token.
+async fn rpc(g: &Gateway, token: Option<&str>, envelope: &Value) -> Reply {
+    let bearer = token.map(|t| format!("Bearer {t}"));
+    let headers: Vec<(&str, &str)> = bearer.iter().map(|b| ("authorization", b.as_str())).collect();
+    http(
+        g.addr,
+        "POST",
+        "/v1/rpc",
+        &headers,
+        envelope.to_string().as_bytes(),
+    )
+    .await
+}
+
+fn env(id: &str, wid: &str, method: &str, args: Value) -> Value {
+    let mut envelope = json!({"id": id, "window_uuid": wid, "ns": "tools", "method": method});
+    envelope["args"] = args;
+    envelope
+}
+
+/// `{id, ok: true, result}` expected.
+async fn rpc_ok(g: &Gateway, token: &str, envelope: &Value) -> Value {
+    let r = rpc(g, Some(token), envelope).await;
+    let v = r.json();
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(v["ok"], json!(true), "{v}");
+    assert_eq!(v["id"], envelope["id"], "{v}");
+    v["result"].clone()
+}
+
+/// `{id, ok: false, error}` expected with this code and HTTP status.
+async fn rpc_err(g: &Gateway, token: Option<&str>, envelope: &Value, status: u16, code: &str) -> Value {
+    let r = rpc(g, token, envelope).await;
+    let v = r.json();
+    assert_eq!(v["ok"], json!(false), "{v}");
+    assert_eq!(v["error"]["code"], json!(code), "{v}");
+    assert_eq!(r.status, status, "{r:?}");
+    assert!(v["error"]["message"].is_string(), "{v}");
+    v
+}
+
+/// One SSE event.
+#[derive(Debug, Clone, PartialEq)]
+struct SseEvent {
+    event: String,
+    id: Option<u64>,
+    data: Value,
+}
+
+/// An open SSE stream.
+struct Sse {
+    stream: TcpStream,
+    buf: String,
+    head: Option<Reply>,
+}
+
+impl Sse {
+    async fn open(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Sse {
+        let stream = send_head(addr, "GET", path, headers, b"").await;
+        let mut sse = Sse {
+            stream,
+            buf: String::new(),
+            head: None,
+        };
+        // Read the response head.
+        let deadline = Instant::now() + GUARD;
+        while !sse.buf.contains("\r\n\r\n") {
+            assert!(Instant::now() < deadline, "no response head");
+            if sse.read_some().await == 0 {
+                break;
+            }
+        }
+        let (head, rest) = sse.buf.split_once("\r\n\r\n").unwrap_or((&sse.buf, ""));
+        let reply = split_reply(format!("{head}\r\n\r\n").as_bytes());
+        sse.buf = rest.to_owned();
+        sse.head = Some(reply);
+        sse
+    }
+
+    fn status(&self) -> u16 {
+        self.head.as_ref().map_or(0, |h| h.status)
+    }
+
+    async fn read_some(&mut self) -> usize {
+        let mut chunk = [0u8; 4096];
+        let n = tokio::time::timeout(GUARD, self.stream.read(&mut chunk))
+            .await
+            .expect("SSE data in time")
+            .expect("read");
+        self.buf.push_str(&String::from_utf8_lossy(&chunk[..n]));
+        n
+    }
+
+    /// The next event (comments skipped), or None if the stream ended.
+    async fn next(&mut self) -> Option<SseEvent> {
+        loop {
+            while let Some(end) = self.buf.find("\n\n") {
+                let block: String = self.buf.drain(..end + 2).collect();
+                let mut event = SseEvent {
+                    event: "message".into(),
+                    id: None,
+                    data: Value::Null,
+                };
+                let mut data = String::new();
+                for line in block.lines() {
+                    if let Some(v) = line.strip_prefix("event:") {
+                        event.event = v.trim().to_owned();
+                    } else if let Some(v) = line.strip_prefix("id:") {
+                        event.id = v.trim().parse().ok();
+                    } else if let Some(v) = line.strip_prefix("data:") {
+                        data.push_str(v.strip_prefix(' ').unwrap_or(v));
+                    }
+                }
+                if data.is_empty() {
+                    continue; // a comment (heartbeat)
+                }
+                event.data = serde_json::from_str(&data).unwrap_or(Value::String(data));
+                return Some(event);
+            }
+            if self.read_some().await == 0 {
+                return None;
+            }
+        }
+    }
+
+    /// The next `tool_job` events until one is terminal for `job_id`.
+    async fn until_terminal(&mut self, job_id: &str) -> Vec<SseEvent> {
+        let mut out = Vec::new();
+        loop {
+            let e = self.next().await.expect("stream ended before the terminal event");
+            if e.event != "tool_job" {
+                continue;
+            }
+            let done = e.data["job_id"] == json!(job_id) && e.data["terminal"] == json!(true);
+            out.push(e);
+            if done {
+                return out;
+            }
+        }
+    }
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// Envelope and auth
+// -------------------------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn envelope_shape_errors() {
+    let g = start("gw-envelope").await;
+    let token = window_token(&g, "alice", "w-1", None);
+    let post = |body: &'static [u8]| {
+        let bearer = format!("Bearer {token}");
+        async move { http(g.addr, "POST", "/v1/rpc", &[("authorization", &bearer)], body).await }
+    };
+    // Not JSON, not an object: id null.
+    for body in [&b"not json"[..], b"[1,2]", b"\"x\""] {
+        let r = post(body).await;
+        assert_eq!(r.status, 400, "{r:?}");
+        let v = r.json();
+        assert_eq!(v["id"], Value::Null);
+        assert_eq!(v["ok"], json!(false));
+        assert_eq!(v["error"]["code"], json!("invalid_arg"), "{v}");
+    }
+    // Each field's shape, reported by name; the id is echoed once it could be read.
+    let cases = [
+        (
+            json!({"window_uuid": "w-1", "ns": "tools", "method": "list"}),
+            "id",
+            Value::Null,
+        ),
+        (
+            json!({"id": {}, "window_uuid": "w-1", "ns": "tools", "method": "list"}),
+            "id",
+            Value::Null,
+        ),
+        (
+            json!({"id": "a", "ns": "tools", "method": "list"}),
+            "window_uuid",
+            json!("a"),
+        ),
+        (
+            json!({"id": "a", "window_uuid": "", "ns": "tools", "method": "list"}),
+            "window_uuid",
+            json!("a"),
+        ),
+        (
+            json!({"id": 7, "window_uuid": "w-1", "method": "list"}),
+            "ns",
+            json!(7),
+        ),
+        (
+            json!({"id": "a", "window_uuid": "w-1", "ns": 3, "method": "list"}),
+            "ns",
+            json!("a"),
+        ),
+        (
+            json!({"id": "a", "window_uuid": "w-1", "ns": "tools"}),
+            "method",
+            json!("a"),
+        ),
+        (
+            json!({"id": "a", "window_uuid": "w-1", "ns": "tools", "method": "list", "args": [1]}),
+            "args",
+            json!("a"),
+        ),
+        (
+            json!({"id": "a", "window_uuid": "w-1", "ns": "tools", "method": "list", "args": "x"}),
+            "args",
+            json!("a"),
+        ),
+    ];
+    for (body, field, id) in cases {
+        let v = rpc_err(&g, Some(&token), &body, 400, "invalid_arg").await;
+        assert_eq!(v["error"]["details"]["field"], json!(field), "{body}: {v}");
+        assert_eq!(v["id"], id, "{body}: {v}");
+    }
+    // Well-formed but not served: another namespace, an unknown method.
+    let mut other_ns = env("b", "w-1", "list", json!({}));
+    other_ns["ns"] = json!("storage");
+    rpc_err(&g, Some(&token), &other_ns, 200, "not_implemented").await;
+    rpc_err(
+        &g,
+        Some(&token),
+        &env("c", "w-1", "explode", json!({})),
+        200,
+        "not_implemented",
+    )
+    .await;
+    // Arguments the method refuses are the handler's invalid_arg, inside a well-formed answer.
+    let v = rpc_err(
+        &g,
+        Some(&token),
+        &env("d", "w-1", "getJob", json!({"jobId": "nope"})),
+        200,
+        "invalid_arg",
+    )
+    .await;
+    assert_eq!(v["id"], json!("d"));
+    // `args` may be absent; a numeric id is echoed as a number.
+    let r = rpc_ok(
+        &g,
+        &token,
+        &json!({"id": 42, "window_uuid": "w-1", "ns": "tools", "method": "list"}),
+    )
+    .await;
+    assert!(r["tools"].as_array().is_some_and(|t| !t.is_empty()), "{r}");
+    // Only POST.
+    assert_eq!(http(g.addr, "GET", "/v1/rpc", &[], b"").await.status, 405);
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn every_token_failure_is_invalid_token() {
+    let g = start("gw-tokens").await;
+    let list = env("1", "w-1", "list", json!({}));
+    let reason = |v: &Value| v["error"]["details"]["reason"].as_str().unwrap_or("").to_owned();
+
+    // No header.
+    let v = rpc_err(&g, None, &list, 401, "invalid_token").await;
+    assert_eq!(reason(&v), "missing");
+    // Expired (beyond the 5 s leeway).
+    let mut claims = window_claims("alice", "w-1");
+    claims["exp"] = json!(now() - 60);
+    let v = rpc_err(&g, Some(&raw_token(&claims, SECRET)), &list, 401, "invalid_token").await;
+    assert_eq!(reason(&v), "expired", "{v}");
+    // Wrong audience: an API token (aud cloud-agents) is not a window token.
+    let v = rpc_err(&g, Some(&g.cluster.token("alice")), &list, 401, "invalid_token").await;
+    assert_eq!(reason(&v), "wrong_audience", "{v}");
+    let mut claims = window_claims("alice", "w-1");
+    claims["aud"] = json!("someone-else");
+    let v = rpc_err(&g, Some(&raw_token(&claims, SECRET)), &list, 401, "invalid_token").await;
+    assert_eq!(reason(&v), "wrong_audience", "{v}");
+    // wid mismatch: a valid token for another window.
+    let other = window_token(&g, "alice", "w-2", None);
+    let v = rpc_err(&g, Some(&other), &list, 401, "invalid_token").await;
+    assert_eq!(reason(&v), "wid_mismatch", "{v}");
+    // Bad signature: another secret.
+    let forged = raw_token(
+        &window_claims("alice", "w-1"),
+        b"another-secret-that-is-32-bytes-long!!",
+    );
+    let v = rpc_err(&g, Some(&forged), &list, 401, "invalid_token").await;
+    assert_eq!(reason(&v), "bad_signature", "{v}");
+    // A tampered payload under a valid signature.
+    let good = window_token(&g, "alice", "w-1", None);
+    let parts: Vec<&str> = good.split('.').collect();
+    let tampered = format!(
+        "{}.{}.{}",
+        parts[0],
+        b64url(window_claims("mallory", "w-1").to_string().as_bytes()),
+        parts[2]
+    );
+    let v = rpc_err(&g, Some(&tampered), &list, 401, "invalid_token").await;
+    assert_eq!(reason(&v), "bad_signature", "{v}");
+    // alg: none (unsigned).
+    let none = format!(
+        "{}.{}.",
+        b64url(br#"{"alg":"none","typ":"JWT"}"#),
+        b64url(window_claims("alice", "w-1").to_string().as_bytes())
+    );
+    let v = rpc_err(&g, Some(&none), &list, 401, "invalid_token").await;
+    assert_eq!(reason(&v), "algorithm_not_allowed", "{v}");
+    // Garbage.
+    let v = rpc_err(&g, Some("not.a.jwt"), &list, 401, "invalid_token").await;
+    assert_eq!(reason(&v), "malformed", "{v}");
+    // A signed token without the window claims.
+    for claim in ["wid", "app", "ver"] {
+        let mut claims = window_claims("alice", "w-1");
+        claims.as_object_mut().unwrap().remove(claim);
+        let v = rpc_err(&g, Some(&raw_token(&claims, SECRET)), &list, 401, "invalid_token").await;
+        assert_eq!(v["error"]["details"]["claim"], json!(claim), "{v}");
+    }
+    // The id is echoed on every refusal; and the good token works.
+    assert_eq!(v["id"], json!("1"));
+    rpc_ok(&g, &good, &list).await;
+    g.stop().await;
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// The tools namespace, the allow-list and the cap
+// -------------------------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn tools_methods_and_the_allow_list() {
+    let g = start("gw-acl").await;
+    let all = window_token(&g, "alice", "w-1", None);
+    // invoke: the plugin's payload.
+    let r = rpc_ok(
+        &g,
+        &all,
+        &env(
+            "1",
+            "w-1",
+            "invoke",
+            json!({"tool_id": "echo.echo", "args": {"x": 1}}),
+        ),
+    )
+    .await;
+    assert_eq!(r["arguments"], json!({"x": 1}), "{r}");
+    // invokeAsync → getJob → listJobs → cancelJob.
+    let job = rpc_ok(
+        &g,
+        &all,
+        &env(
+            "2",
+            "w-1",
+            "invokeAsync",
+            json!({"tool_id": "echo.sleep", "args": {"ms": 60000}, "clientTag": "gw"}),
+        ),
+    )
+    .await;
+    let job_id = job["jobId"].as_str().expect("jobId").to_owned();
+    let snap = rpc_ok(&g, &all, &env("3", "w-1", "getJob", json!({"jobId": job_id}))).await;
+    assert_eq!(snap["jobId"], json!(job_id));
+    let list = rpc_ok(&g, &all, &env("4", "w-1", "listJobs", json!({"clientTag": "gw"}))).await;
+    assert_eq!(list["jobs"][0]["jobId"], json!(job_id), "{list}");
+    let cancel = rpc_ok(&g, &all, &env("5", "w-1", "cancelJob", json!({"jobId": job_id}))).await;
+    assert_eq!(cancel["state"], json!("cancelled"), "{cancel}");
+    // Another user's window never sees the job.
+    let bob = window_token(&g, "bob", "w-b", None);
+    rpc_err(
+        &g,
+        Some(&bob),
+        &env("6", "w-b", "getJob", json!({"jobId": job_id})),
+        200,
+        "job_not_found",
+    )
+    .await;
+
+    // An allow-list that does not name the plugin: invoke and invokeAsync refused, list narrowed.
+    let narrow = window_token(&g, "alice", "w-2", Some(&["other-plugin".to_owned()]));
+    for method in ["invoke", "invokeAsync"] {
+        let v = rpc_err(
+            &g,
+            Some(&narrow),
+            &env("7", "w-2", method, json!({"tool_id": "echo.echo", "args": {}})),
+            403,
+            "permission_denied",
+        )
+        .await;
+        assert_eq!(v["error"]["details"]["tool_id"], json!("echo"), "{v}");
+    }
+    let listed = rpc_ok(&g, &narrow, &env("8", "w-2", "list", json!({}))).await;
+    assert_eq!(listed["tools"], json!([]), "{listed}");
+    // Patterns that admit it: the bare id, `<prefix>:<id>`, `required:*`, `*`.
+    for pattern in ["echo", "required:echo", "required:*", "*"] {
+        let t = window_token(
+            &g,
+            "alice",
+            "w-3",
+            Some(&["other-plugin".to_owned(), pattern.to_owned()]),
+        );
+        rpc_ok(
+            &g,
+            &t,
+            &env("9", "w-3", "invoke", json!({"tool_id": "echo.echo", "args": {}})),
+        )
+        .await;
+        let listed = rpc_ok(&g, &t, &env("10", "w-3", "list", json!({}))).await;
+        assert!(
+            listed["tools"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|t| t["tool_id"] == json!("echo")),
+            "{listed}"
+        );
+        assert!(
+            !listed["tools"].as_array().unwrap().is_empty(),
+            "{pattern}: {listed}"
+        );
+    }
+    // An empty allow-list narrows nothing (spec §10.1: "omitted (or empty)").
+    let empty = window_token(&g, "alice", "w-4", Some(&[]));
+    rpc_ok(
+        &g,
+        &empty,
+        &env("11", "w-4", "invoke", json!({"tool_id": "echo.echo", "args": {}})),
+    )
+    .await;
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn in_flight_cap_per_window() {
+    let config = HttpConfig {
+        max_in_flight_per_window: 2,
+        ..HttpConfig::default()
+    };
+    let g = start_with("gw-cap", 1, config).await;
+    let t1 = window_token(&g, "alice", "w-1", None);
+    let t2 = window_token(&g, "alice", "w-2", None);
+    // Two slow invokes fill window w-1.
+    let slow = env(
+        "s",
+        "w-1",
+        "invoke",
+        json!({"tool_id": "echo.sleep", "args": {"ms": 4000}}),
+    );
+    let spawn_slow = || {
+        let (addr, bearer, body) = (g.addr, format!("Bearer {t1}"), slow.to_string());
+        tokio::spawn(async move {
+            http(
+                addr,
+                "POST",
+                "/v1/rpc",
+                &[("authorization", &bearer)],
+                body.as_bytes(),
+            )
+            .await
+        })
+    };
+    // Three at once on a window with two slots: exactly one is refused, at once, while the others run.
+    let calls = [spawn_slow(), spawn_slow(), spawn_slow()];
+    let (refused, running): (Vec<_>, Vec<_>) = {
+        let deadline = Instant::now() + GUARD;
+        while calls.iter().all(|h| !h.is_finished()) {
+            assert!(Instant::now() < deadline, "no call finished");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        calls.into_iter().partition(|h| h.is_finished())
+    };
+    assert_eq!((refused.len(), running.len()), (1, 2));
+    let refused = refused.into_iter().next().unwrap().await.unwrap();
+    assert_eq!(refused.status, 429, "{refused:?}");
+    let refused = refused.json();
+    assert_eq!(refused["error"]["code"], json!("rate_limited"), "{refused}");
+    assert_eq!(
+        refused["error"]["details"]["max_in_flight"],
+        json!(2),
+        "{refused}"
+    );
+    assert_eq!(refused["id"], json!("s"));
+    // While they run: the window is still full, and another window of the same user is not limited.
+    let again = rpc(&g, Some(&t1), &env("q", "w-1", "list", json!({}))).await;
+    assert!(
+        running.iter().all(|h| !h.is_finished()),
+        "the slow calls ended too early for this test"
+    );
+    assert_eq!(again.status, 429, "{again:?}");
+    rpc_ok(&g, &t2, &env("o", "w-2", "list", json!({}))).await;
+    // Both slow calls succeed, and the window has its slots back.
+    for h in running {
+        let r = h.await.unwrap();
+        assert_eq!(r.status, 200, "{r:?}");
+        assert_eq!(r.json()["result"], json!({"slept_ms": 4000}), "{r:?}");
+    }
+    rpc_ok(&g, &t1, &env("after", "w-1", "list", json!({}))).await;
+    g.stop().await;
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// SSE
+// -------------------------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn sse_delivers_the_users_events_and_resumes() {
+    let g = start("gw-sse").await;
+    let alice = window_token(&g, "alice", "w-a", None);
+    let bob = window_token(&g, "bob", "w-b", None);
+
+    // Auth: none, wid mismatch (path vs token), and a bad token are refused before streaming.
+    let s = Sse::open(g.addr, "/v1/windows/w-a/events", &[]).await;
+    assert_eq!(s.status(), 401);
+    let s = Sse::open(g.addr, &format!("/v1/windows/w-x/events?token={alice}"), &[]).await;
+    assert_eq!(s.status(), 401);
+    let s = Sse::open(
+        g.addr,
+        &format!("/v1/windows/w-a/events?token={}", g.cluster.token("alice")),
+        &[],
+    )
+    .await;
+    assert_eq!(s.status(), 401);
+
+    // Alice listens with ?token=, bob with the header.
+    let mut sa = Sse::open(g.addr, &format!("/v1/windows/w-a/events?token={alice}"), &[]).await;
+    assert_eq!(sa.status(), 200);
+    assert!(
+        sa.head
+            .as_ref()
+            .unwrap()
+            .head
+            .to_ascii_lowercase()
+            .contains("text/event-stream"),
+        "{:?}",
+        sa.head
+    );
+    let bearer = format!("Bearer {bob}");
+    let mut sb = Sse::open(g.addr, "/v1/windows/w-b/events", &[("authorization", &bearer)]).await;
+    assert_eq!(sb.status(), 200);
+
+    let job_b = rpc_ok(
+        &g,
+        &bob,
+        &env(
+            "b",
+            "w-b",
+            "invokeAsync",
+            json!({"tool_id": "echo.echo", "args": {}}),
+        ),
+    )
+    .await;
+    let job_a = rpc_ok(
+        &g,
+        &alice,
+        &env(
+            "a",
+            "w-a",
+            "invokeAsync",
+            json!({"tool_id": "echo.progress", "args": {"count": 3}}),
+        ),
+    )
+    .await;
+    let job_a = job_a["jobId"].as_str().unwrap().to_owned();
+    let job_b = job_b["jobId"].as_str().unwrap().to_owned();
+
+    let events = sa.until_terminal(&job_a).await;
+    // Only alice's job; ids strictly increasing; queued … running … progress … succeeded, never a result.
+    assert!(
+        events.iter().all(|e| e.data["job_id"] == json!(job_a)),
+        "{events:?}"
+    );
+    let ids: Vec<u64> = events
+        .iter()
+        .map(|e| e.id.expect("every event has an id"))
+        .collect();
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "{ids:?}");
+    assert_eq!(events[0].data["state"], json!("queued"), "{events:?}");
+    let last = events.last().unwrap();
+    assert_eq!(last.data["state"], json!("succeeded"), "{events:?}");
+    assert!(events.iter().all(|e| e.data.get("result").is_none()));
+    let progress = events.iter().filter(|e| !e.data["event"].is_null()).count();
+    assert_eq!(progress, 3, "{events:?}");
+    for key in ["job_id", "tool_id", "state", "seq", "terminal"] {
+        assert!(
+            events[0].data.get(key).is_some(),
+            "{key} missing: {:?}",
+            events[0]
+        );
+    }
+    // Bob got his own job only.
+    let bob_events = sb.until_terminal(&job_b).await;
+    assert!(
+        bob_events.iter().all(|e| e.data["job_id"] == json!(job_b)),
+        "{bob_events:?}"
+    );
+    drop(sa);
+
+    // Resume: Last-Event-ID = the first event's id replays exactly the rest, in order.
+    let first = ids[0].to_string();
+    let mut resumed = Sse::open(
+        g.addr,
+        &format!("/v1/windows/w-a/events?token={alice}"),
+        &[("last-event-id", &first)],
+    )
+    .await;
+    assert_eq!(resumed.status(), 200);
+    let replay = resumed.until_terminal(&job_a).await;
+    assert_eq!(replay, events[1..].to_vec());
+    // A resumed stream goes on live.
+    let job2 = rpc_ok(
+        &g,
+        &alice,
+        &env(
+            "c",
+            "w-a",
+            "invokeAsync",
+            json!({"tool_id": "echo.echo", "args": {}}),
+        ),
+    )
+    .await;
+    let job2 = job2["jobId"].as_str().unwrap().to_owned();
+    let live = resumed.until_terminal(&job2).await;
+    assert!(
+        live.iter().all(|e| e.id.unwrap() > *ids.last().unwrap()),
+        "{live:?}"
+    );
+    // An id this gateway never issued resumes from now (no replay).
+    let mut fresh = Sse::open(
+        g.addr,
+        &format!("/v1/windows/w-a/events?token={alice}"),
+        &[("last-event-id", "99999999999999999")],
+    )
+    .await;
+    let job3 = rpc_ok(
+        &g,
+        &alice,
+        &env(
+            "d",
+            "w-a",
+            "invokeAsync",
+            json!({"tool_id": "echo.echo", "args": {}}),
+        ),
+    )
+    .await;
+    let job3 = job3["jobId"].as_str().unwrap().to_owned();
+    let got = fresh.until_terminal(&job3).await;
+    assert_eq!(got[0].data["job_id"], json!(job3), "{got:?}");
+    g.stop().await;
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// Health, readiness, metrics
+// -------------------------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn health_readiness_and_metrics() {
+    let g = start("gw-health").await;
+    let r = http(g.addr, "GET", "/healthz", &[], b"").await;
+    assert_eq!((r.status, r.body.as_str()), (200, "ok\n"));
+    let r = http(g.addr, "GET", "/readyz", &[], b"").await;
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.body, "ready\n", "{r:?}");
+    let r = http(g.addr, "GET", "/metrics", &[], b"").await;
+    assert_eq!(r.status, 200, "{r:?}");
+    assert!(
+        r.head
+            .to_ascii_lowercase()
+            .contains(&format!("content-type: {}", fleet::metrics::CONTENT_TYPE).to_ascii_lowercase()),
+        "{r:?}"
+    );
+    assert!(r.body.contains("cloud_agents_api_requests_total"), "{r:?}");
+    assert_eq!(http(g.addr, "GET", "/nope", &[], b"").await.status, 404);
+    g.stop().await;
+
+    // No worker: not ready, with the reason.
+    let g = start_with("gw-noworker", 0, HttpConfig::default()).await;
+    let r = http(g.addr, "GET", "/readyz", &[], b"").await;
+    assert_eq!(r.status, 503, "{r:?}");
+    assert!(r.body.contains("no live worker"), "{r:?}");
+    assert_eq!(http(g.addr, "GET", "/healthz", &[], b"").await.status, 200);
+    g.stop().await;
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// The operator page
+// -------------------------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn operator_data_needs_an_operator_token() {
+    let g = start("gw-ops").await;
+    let r = http(g.addr, "GET", "/", &[], b"").await;
+    assert_eq!(r.status, 200);
+    assert!(
+        r.body.contains("<!doctype html>") && r.body.contains("EventSource"),
+        "{r:?}"
+    );
+    assert!(
+        !r.body.contains("http://") && !r.body.contains("https://"),
+        "no external resource"
+    );
+    assert_eq!(
+        http(g.addr, "GET", "/v1/ops/overview", &[], b"").await.status,
+        401
+    );
+    let user = g.cluster.token("alice");
+    let r = http(g.addr, "GET", &format!("/v1/ops/overview?token={user}"), &[], b"").await;
+    assert_eq!(r.status, 403, "{r:?}");
+    let ops = operator_token(&g);
+    let r = http(g.addr, "GET", &format!("/v1/ops/overview?token={ops}"), &[], b"").await;
+    assert_eq!(r.status, 200, "{r:?}");
+    let v = r.json();
+    assert_eq!(v["workers"].as_array().map(Vec::len), Some(1), "{v}");
+    // The operator stream: an overview at once, then every user's job events.
+    let mut s = Sse::open(g.addr, &format!("/v1/ops/events?token={ops}"), &[]).await;
+    assert_eq!(s.status(), 200);
+    assert_eq!(s.next().await.unwrap().event, "overview");
+    let job = g
+        .cluster
+        .ok(
+            "carol",
+            methods::TOOLS_INVOKE_ASYNC,
+            json!({"tool_id": "echo.echo", "args": {}}),
+        )
+        .await;
+    let job = job["jobId"].as_str().unwrap().to_owned();
+    let events = s.until_terminal(&job).await;
+    assert!(events.iter().any(|e| e.data["job_id"] == json!(job)));
+    g.stop().await;
+}
+
+fn operator_token(g: &Gateway) -> String {
+    g.cluster
+        .key
+        .mint(
+            "ops",
+            DEFAULT_ISSUER,
+            DEFAULT_AUDIENCE,
+            Duration::from_secs(600),
+            true,
+        )
+        .expect("mint")
+}
+
+/// `chromium`, or a failure saying how to get it.
+fn chromium() -> String {
+    for bin in ["chromium", "chromium-browser"] {
+        if std::process::Command::new(bin)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {
+            return bin.to_owned();
+        }
+    }
+    panic!(
+        "the operator-page test needs headless Chromium: `apt-get install -y chromium` (scripts/test.sh installs it \
+         when run as root)"
+    );
+}
+
+/// Runs headless Chromium on `url` with `extra` flags; returns stdout. Killed after the guard.
+async fn run_chromium(url: &str, profile: &std::path::Path, extra: &[&str]) -> String {
+    let mut cmd = tokio::process::Command::new(chromium());
+    cmd.args([
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--virtual-time-budget=5000",
+    ])
+    .arg(format!("--user-data-dir={}", profile.display()))
+    .args(extra)
+    .arg(url)
+    .kill_on_drop(true)
+    .stdin(std::process::Stdio::null())
+    .stderr(std::process::Stdio::null());
+    let out = tokio::time::timeout(Duration::from_secs(90), cmd.output())
+        .await
+        .expect("chromium finished within 90 s")
+        .expect("chromium ran");
+    assert!(out.status.success(), "chromium failed: {:?}", out.status);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test]
+async fn operator_page_in_headless_chromium() {
+    let bin = chromium(); // fail first, clearly, if it is missing
+    let g = start("gw-browser").await;
+    // A script submits a job through the API (over NATS, as any app dispatcher).
+    let job = g
+        .cluster
+        .ok(
+            "dave",
+            methods::TOOLS_INVOKE_ASYNC,
+            json!({"tool_id": "echo.progress", "args": {"count": 2}, "clientTag": "browser"}),
+        )
+        .await;
+    let job = job["jobId"].as_str().expect("jobId").to_owned();
+    // And a sync invoke through the gateway, for the latency table.
+    let t = window_token(&g, "dave", "w-d", None);
+    rpc_ok(
+        &g,
+        &t,
+        &env("1", "w-d", "invoke", json!({"tool_id": "echo.echo", "args": {}})),
+    )
+    .await;
+
+    // stream_ms: the page's event stream ends after 1 s and the page polls instead, so that headless Chromium's
+    // virtual time (paused while a fetch is pending) can run out and the DOM / screenshot be taken.
+    let url = format!("http://{}/?token={}&stream_ms=1000", g.addr, operator_token(&g));
+    let tmp = tempfile::tempdir().expect("tmp");
+    let dom = run_chromium(&url, &tmp.path().join("profile-dom"), &["--dump-dom"]).await;
+    assert!(dom.contains("Cloud Agents"), "not the operator page: {dom:.2000}");
+    assert!(
+        dom.contains(&job),
+        "the job {job} is not on the page ({bin}): {dom:.4000}"
+    );
+    assert!(dom.contains("echo"), "{dom:.4000}");
+    assert!(dom.contains("data-job="), "{dom:.4000}");
+
+    let png = tmp.path().join("ops.png");
+    run_chromium(
+        &url,
+        &tmp.path().join("profile-shot"),
+        &[
+            &format!("--screenshot={}", png.display()),
+            "--window-size=1280,800",
+        ],
+    )
+    .await;
+    let size = std::fs::metadata(&png).map(|m| m.len()).unwrap_or(0);
+    assert!(size > 10 * 1024, "screenshot {} is {size} bytes", png.display());
+    // Keep a copy for humans when asked to.
+    if let Ok(dir) = std::env::var("FLEET_TEST_ARTIFACTS") {
+        let _ = std::fs::create_dir_all(&dir);
+        let _ = std::fs::copy(&png, std::path::Path::new(&dir).join("ops.png"));
+    }
+    g.stop().await;
+}
