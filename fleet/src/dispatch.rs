@@ -5,9 +5,10 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use fleet_proto::api::worker::{CancelCommand, ExecReply, ExecRequest};
+use fleet_proto::api::worker::{CancelCommand, ExecKind, ExecReply, ExecRequest};
 use fleet_proto::api::{ApiError, ApiErrorCode, subjects};
 use sha2::{Digest, Sha256};
+use tracing::Instrument as _;
 
 use crate::store::{Store, WorkerInfo};
 
@@ -105,14 +106,23 @@ impl Dispatcher {
         wait: Duration,
     ) -> Result<ExecReply, RequestFailure> {
         let payload = serde_json::to_vec(req).map_err(|e| RequestFailure::Other(e.to_string()))?;
-        let request = async_nats::Request::new()
+        let subject = subjects::worker_exec(worker);
+        // The client span of this request; its context travels in the message headers (W3C `traceparent`), so
+        // the worker's `worker.exec` span is its child.
+        let span = tracing::info_span!(
+            "worker.request",
+            otel.kind = "client",
+            messaging.system = "nats",
+            messaging.destination.name = %subject,
+            fleet.worker = %worker,
+        );
+        let mut request = async_nats::Request::new()
             .payload(payload.into())
             .timeout(Some(wait));
-        match self
-            .client
-            .send_request(subjects::worker_exec(worker), request)
-            .await
-        {
+        if let Some(headers) = crate::telemetry::headers(&span) {
+            request = request.headers(headers);
+        }
+        match self.client.send_request(subject, request).instrument(span).await {
             Ok(msg) => serde_json::from_slice(&msg.payload).map_err(|e| RequestFailure::Other(e.to_string())),
             Err(e) => Err(match e.kind() {
                 async_nats::client::RequestErrorKind::NoResponders => RequestFailure::NoResponders,
@@ -125,6 +135,13 @@ impl Dispatcher {
     /// A synchronous invoke: the first ranked worker that answers runs it. A worker that is gone (no responders)
     /// or refuses for capacity is skipped; a timeout is final (the invoke may have run).
     pub async fn sync(&self, req: &ExecRequest, wait: Duration) -> Result<(String, ExecReply), ApiError> {
+        let span = dispatch_span(req);
+        let result = self.sync_inner(req, wait).instrument(span.clone()).await;
+        record_dispatch(&span, result.as_ref().map(|(w, _)| w.as_str()));
+        result
+    }
+
+    async fn sync_inner(&self, req: &ExecRequest, wait: Duration) -> Result<(String, ExecReply), ApiError> {
         for worker in self.ranked(&req.user, &req.plugin).await {
             match self.request(&worker, req, wait).await {
                 Ok(reply) if skippable(&reply) => {}
@@ -150,6 +167,13 @@ impl Dispatcher {
     /// Hands a job to the first ranked worker that accepts it. `long_job_capacity` when every live worker is
     /// full, `agent_unavailable` when there is none.
     pub async fn job(&self, req: &ExecRequest) -> Result<String, ApiError> {
+        let span = dispatch_span(req);
+        let result = self.job_inner(req).instrument(span.clone()).await;
+        record_dispatch(&span, result.as_deref());
+        result
+    }
+
+    async fn job_inner(&self, req: &ExecRequest) -> Result<String, ApiError> {
         let mut full = false;
         // Workers whose last heartbeat reported every long-job slot taken are skipped without a round trip.
         let busy: Vec<String> = self
@@ -198,13 +222,49 @@ impl Dispatcher {
             Some(w) => vec![w.to_string()],
             None => self.live().await.into_iter().map(|w| w.id).collect(),
         };
+        let headers = crate::telemetry::headers(&tracing::Span::current());
         for w in targets {
-            let _ = self
-                .client
-                .publish(subjects::worker_cancel(&w), payload.clone().into())
-                .await;
+            let subject = subjects::worker_cancel(&w);
+            let _ = match &headers {
+                Some(h) => {
+                    self.client
+                        .publish_with_headers(subject, h.clone(), payload.clone().into())
+                        .await
+                }
+                None => self.client.publish(subject, payload.clone().into()).await,
+            };
         }
         let _ = self.client.flush().await;
+    }
+}
+
+/// The `job.dispatch` span: choosing a worker and handing it a sync invoke or a job.
+fn dispatch_span(req: &ExecRequest) -> tracing::Span {
+    tracing::info_span!(
+        "job.dispatch",
+        fleet.exec.kind = match req.kind {
+            ExecKind::Sync => "sync",
+            ExecKind::Job => "job",
+        },
+        gen_ai.tool.name = %req.tool,
+        executa.tool_id = %req.plugin,
+        executa.invoke_id = %req.invoke_id,
+        fleet.worker = tracing::field::Empty,
+        fleet.outcome = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+    )
+}
+
+fn record_dispatch(span: &tracing::Span, result: Result<&str, &ApiError>) {
+    match result {
+        Ok(worker) => {
+            span.record("fleet.worker", worker);
+            span.record("fleet.outcome", "dispatched");
+        }
+        Err(e) => {
+            span.record("fleet.outcome", e.code.as_str());
+            span.record("otel.status_code", "ERROR");
+        }
     }
 }
 

@@ -23,6 +23,7 @@ use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
+use tracing::Instrument as _;
 
 use crate::auth::Verifier;
 use crate::dispatch::Dispatcher;
@@ -156,8 +157,11 @@ impl Front {
                             .as_ref()
                             .and_then(|h| h.get(subjects::AUTH_HEADER))
                             .map(|v| v.as_str().to_string());
+                        let span = api_span(method, "nats");
+                        crate::telemetry::extract_into(&span, request.message.headers.as_ref());
                         let response = front
                             .handle(method, auth.as_deref(), &request.message.payload)
+                            .instrument(span)
                             .await;
                         let payload = serde_json::to_vec(&response).unwrap_or_default();
                         let _ = request.respond(Ok(Bytes::from(payload))).await;
@@ -182,7 +186,8 @@ impl Front {
         Ok(FrontService { tasks })
     }
 
-    /// Handles one API call (also the HTTP gateway's entry point, later).
+    /// Handles one API call (also the HTTP gateway's entry point, later). Traced in the caller's span (the
+    /// NATS service opens `api.request` for it).
     pub async fn handle(&self, method: &str, auth: Option<&str>, payload: &[u8]) -> ApiResponse<Value> {
         let started = std::time::Instant::now();
         let response = self.handle_inner(method, auth, payload).await;
@@ -190,6 +195,7 @@ impl Front {
             ApiResponse::Ok(_) => None,
             ApiResponse::Err(e) => Some(e.code),
         };
+        record_outcome(&tracing::Span::current(), code);
         self.metrics.api_request(method, code, started.elapsed());
         response
     }
@@ -214,17 +220,36 @@ impl Front {
     /// itself): the same rate limit, validation, handlers and metrics as [`Front::handle`], without the token.
     pub async fn handle_as(&self, user: &str, method: &str, payload: &[u8]) -> ApiResponse<Value> {
         let started = std::time::Instant::now();
-        let response = self.handle_user(user, method, payload).await;
+        let span = api_span(method, "http");
+        let response = self
+            .handle_user(user, method, payload)
+            .instrument(span.clone())
+            .await;
         let code = match &response {
             ApiResponse::Ok(_) => None,
             ApiResponse::Err(e) => Some(e.code),
         };
+        record_outcome(&span, code);
         self.metrics.api_request(method, code, started.elapsed());
         response
     }
 
     async fn handle_user(&self, user: &str, method: &str, payload: &[u8]) -> ApiResponse<Value> {
-        if self.inner.limiter.check_key(&user.to_owned()).is_err() {
+        tracing::Span::current().record("fleet.user_hash", crate::telemetry::user_hash(user));
+        let admitted = {
+            let span = tracing::info_span!(
+                "admission",
+                fleet.admission.kind = "rate",
+                fleet.admission.outcome = tracing::field::Empty,
+            );
+            let ok = self.inner.limiter.check_key(&user.to_owned()).is_ok();
+            span.record(
+                "fleet.admission.outcome",
+                if ok { "admitted" } else { "rate_limited" },
+            );
+            ok
+        };
+        if !admitted {
             return ApiResponse::Err(ApiError::new(
                 ApiErrorCode::RateLimited,
                 "too many requests; retry shortly",
@@ -367,12 +392,28 @@ impl Front {
             last_heartbeat_ms: None,
             last_seq: 0,
         };
-        let created = match self
+        let admission = tracing::info_span!(
+            "admission",
+            fleet.admission.kind = "quota",
+            fleet.job_id = %job_id,
+            fleet.admission.outcome = tracing::field::Empty,
+        );
+        let created = self
             .inner
             .store
             .create_job(record, self.inner.config.max_active_jobs)
-            .await
-        {
+            .instrument(admission.clone())
+            .await;
+        admission.record(
+            "fleet.admission.outcome",
+            match &created {
+                Ok(_) => "admitted",
+                Err(StoreError::QuotaExceeded { .. }) => "job_quota_exceeded",
+                Err(_) => "error",
+            },
+        );
+        drop(admission);
+        let created = match created {
             Ok(r) => r.value,
             Err(StoreError::QuotaExceeded { active, max }) => {
                 return Err(ApiError::with_details(
@@ -441,6 +482,19 @@ impl Front {
     async fn cancel_job(&self, user: &str, args: &Value) -> Result<Value, ApiError> {
         let args: CancelJobArgs = parse_args(args)?;
         args.validate()?;
+        let span = tracing::info_span!(
+            "job.cancel",
+            fleet.job_id = %args.job_id,
+            fleet.job.cancelled = tracing::field::Empty,
+        );
+        let result = self.cancel_job_inner(user, args).instrument(span.clone()).await;
+        if let Ok(v) = &result {
+            span.record("fleet.job.cancelled", v["cancelled"].as_bool().unwrap_or(false));
+        }
+        result
+    }
+
+    async fn cancel_job_inner(&self, user: &str, args: CancelJobArgs) -> Result<Value, ApiError> {
         let reason = args
             .reason
             .clone()
@@ -636,4 +690,33 @@ fn unwrap_result(data: Option<&RawValue>) -> Result<Value, ApiError> {
         Some(Value::Null) | None => json!({}),
         Some(other) => json!({ "value": other }),
     })
+}
+
+/// The `api.request` span of one API call (server side; never the token or the user id: `fleet.user_hash`).
+fn api_span(method: &str, system: &'static str) -> tracing::Span {
+    tracing::info_span!(
+        "api.request",
+        otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        rpc.system = system,
+        rpc.service = "cloud-agents",
+        rpc.method = %method,
+        fleet.user_hash = tracing::field::Empty,
+        fleet.outcome = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+    )
+}
+
+/// Records an API call's outcome on its span: `ok`, or the error code (also as `error.type`).
+fn record_outcome(span: &tracing::Span, code: Option<ApiErrorCode>) {
+    match code {
+        None => {
+            span.record("fleet.outcome", "ok");
+        }
+        Some(c) => {
+            span.record("fleet.outcome", c.as_str());
+            span.record("error.type", c.as_str());
+            span.record("otel.status_code", "ERROR");
+        }
+    }
 }

@@ -18,5 +18,6 @@ pub mod policy;
 pub mod probe;
 pub mod store;
 pub mod sweeper;
+pub mod telemetry;
 pub mod up;
 pub mod worker_cmd;

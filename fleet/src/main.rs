@@ -166,12 +166,14 @@ enum JobCmd {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    // Services log at info; client commands only warn (their stdout is the JSON answer).
-    init_logs(if matches!(cli.command, Cmd::Up(_) | Cmd::Worker(_)) {
-        "info"
-    } else {
-        "warn"
-    });
+    // Services log at info; client commands only warn (their stdout is the JSON answer). Services export traces
+    // when an OTLP endpoint is configured.
+    let (default_filter, otlp, service) = match &cli.command {
+        Cmd::Up(a) => ("info", a.otlp_endpoint.as_deref(), "cloud-agents"),
+        Cmd::Worker(a) => ("info", a.otlp_endpoint.as_deref(), "cloud-agents-worker"),
+        _ => ("warn", None, "cloud-agents-cli"),
+    };
+    let _telemetry = init_logs(default_filter, otlp, service);
     match cli.command {
         Cmd::Probe {
             tool,
@@ -371,15 +373,22 @@ fn print_outcome(outcome: Result<Value, fleet_proto::api::ApiError>) -> ExitCode
     }
 }
 
-/// JSON logs on stderr; the filter comes from `FLEET_LOG` (tracing `EnvFilter` syntax), else `default`.
-fn init_logs(default: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("FLEET_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let _ = tracing_subscriber::fmt()
-        .json()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+/// JSON logs on stderr (the filter comes from `FLEET_LOG`, tracing `EnvFilter` syntax, else `default`) and, with
+/// an OTLP endpoint, traces; both layers share one subscriber (`fleet::telemetry::init`). Without a usable
+/// exporter the process runs with logs only.
+fn init_logs(
+    default: &str,
+    otlp_endpoint: Option<&str>,
+    service: &str,
+) -> Option<fleet::telemetry::TelemetryGuard> {
+    match fleet::telemetry::init(otlp_endpoint, service, default) {
+        Ok(guard) => guard,
+        Err(e) => {
+            eprintln_error(&format!("traces disabled: {e}"));
+            let _ = fleet::telemetry::init(None, service, default);
+            None
+        }
+    }
 }
 
 #[allow(clippy::print_stderr)] // The CLI's error channel.

@@ -24,6 +24,7 @@ use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
+use tracing::Instrument as _;
 
 use crate::metrics::FleetMetrics;
 use crate::policy;
@@ -101,6 +102,14 @@ impl WorkerNode {
                     if let Ok(cmd) = serde_json::from_slice::<CancelCommand>(&msg.payload)
                         && cmd.command == "_cancel_invoke"
                     {
+                        let span = tracing::info_span!(
+                            "worker.cancel",
+                            otel.kind = "consumer",
+                            executa.invoke_id = %cmd.invoke_id,
+                            fleet.worker = %c.id,
+                        );
+                        crate::telemetry::extract_into(&span, msg.headers.as_ref());
+                        let _entered = span.enter();
                         c.pool.cancel(&cmd.invoke_id);
                     }
                 }
@@ -219,6 +228,22 @@ fn refuse(error: ApiError) -> ExecReply {
 }
 
 async fn serve_exec(ctx: Arc<Ctx>, msg: async_nats::Message) {
+    // `worker.exec`: a child of the front's `worker.request` through the W3C context in the message headers.
+    let span = tracing::info_span!(
+        "worker.exec",
+        otel.kind = "server",
+        messaging.system = "nats",
+        fleet.worker = %ctx.id,
+        fleet.exec.kind = tracing::field::Empty,
+        gen_ai.tool.name = tracing::field::Empty,
+        executa.tool_id = tracing::field::Empty,
+        executa.invoke_id = tracing::field::Empty,
+    );
+    crate::telemetry::extract_into(&span, msg.headers.as_ref());
+    serve_exec_traced(ctx, msg).instrument(span).await;
+}
+
+async fn serve_exec_traced(ctx: Arc<Ctx>, msg: async_nats::Message) {
     let req: ExecRequest = match serde_json::from_slice(&msg.payload) {
         Ok(r) => r,
         Err(e) => {
@@ -230,6 +255,17 @@ async fn serve_exec(ctx: Arc<Ctx>, msg: async_nats::Message) {
             .await;
         }
     };
+    let span = tracing::Span::current();
+    span.record(
+        "fleet.exec.kind",
+        match req.kind {
+            ExecKind::Sync => "sync",
+            ExecKind::Job => "job",
+        },
+    );
+    span.record("gen_ai.tool.name", req.tool.as_str());
+    span.record("executa.tool_id", req.plugin.as_str());
+    span.record("executa.invoke_id", req.invoke_id.as_str());
     if ctx.pool.catalogue().get(&req.plugin).is_none() {
         let e = ApiError::new(
             ApiErrorCode::PermissionDenied,
@@ -301,6 +337,7 @@ async fn run_sync(ctx: &Ctx, req: &ExecRequest) -> ExecReply {
         timeout: Some(Duration::from_millis(timeout_ms)),
         deadline_ms: Some(now_ms() + timeout_ms),
         app_timeout_ms: Some(timeout_ms),
+        extra_context: trace_context(),
         ..InvokeRequest::default()
     };
     match ctx.pool.invoke(&req.user, &req.plugin, invoke).await {
@@ -527,6 +564,7 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
         deadline_ms: Some(record.deadline_ms),
         app_timeout_ms: Some(record.timeout_ms),
         progress: Some(sink),
+        extra_context: trace_context(),
         ..InvokeRequest::default()
     };
     let result = ctx.pool.invoke(&user, &req.plugin, invoke).await;
@@ -570,6 +608,15 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
         )
         .await;
     }
+}
+
+/// The plugin's share of the trace: `context.traceparent` naming the current (`worker.exec`) span, when traced.
+fn trace_context() -> serde_json::Map<String, Value> {
+    let mut extra = serde_json::Map::new();
+    if let Some(tp) = crate::telemetry::traceparent(&tracing::Span::current()) {
+        extra.insert(crate::telemetry::TRACEPARENT.into(), Value::String(tp));
+    }
+    extra
 }
 
 /// The id a sync invoke gets: `tjob_`-shaped like jobs, so one format serves both (spec §16 A-13).

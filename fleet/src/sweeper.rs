@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use fleet_proto::api::{ApiError, ApiErrorCode, JobState, ToolJobEvent};
 use serde_json::json;
+use tracing::Instrument as _;
 
 use crate::front::{Front, publish_event};
 use crate::node::now_ms;
@@ -42,23 +43,40 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
     for job in jobs {
         let r = job.value;
         if now >= r.deadline_ms {
-            let outcome = store
-                .transition(&r.user, &r.job_id, JobState::Expired, |rec| {
-                    rec.finished_at_ms = Some(now_ms());
-                    rec.error = Some(ApiError::new(
-                        ApiErrorCode::ToolTimeout,
-                        "the job's deadline passed",
-                    ));
-                })
-                .await;
-            if let Ok(Transition::Done(done)) = outcome {
-                expired += 1;
+            let span = tracing::info_span!(
+                "job.expire",
+                fleet.job_id = %r.job_id,
+                executa.tool_id = %r.plugin,
+                fleet.job.from_state = r.state.as_str(),
+                fleet.job.expired = tracing::field::Empty,
+            );
+            let done = async {
+                let outcome = store
+                    .transition(&r.user, &r.job_id, JobState::Expired, |rec| {
+                        rec.finished_at_ms = Some(now_ms());
+                        rec.error = Some(ApiError::new(
+                            ApiErrorCode::ToolTimeout,
+                            "the job's deadline passed",
+                        ));
+                    })
+                    .await;
+                tracing::Span::current()
+                    .record("fleet.job.expired", matches!(outcome, Ok(Transition::Done(_))));
+                let Ok(Transition::Done(done)) = outcome else {
+                    return false;
+                };
                 metrics.job_transition(Some(r.state), JobState::Expired);
                 front
                     .dispatcher()
                     .cancel(done.value.worker.as_deref(), r.job_id.as_str())
                     .await;
                 terminal_event(client, &done.value, JobState::Expired).await;
+                true
+            }
+            .instrument(span)
+            .await;
+            if done {
+                expired += 1;
             }
             continue;
         }

@@ -34,7 +34,7 @@ pub struct UpArgs {
     /// State: the nats-server store, the dev signing key, per-user workspaces.
     #[arg(long, env = "FLEET_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
     pub data_dir: PathBuf,
-    /// In-process workers.
+    /// In-process workers (0: a front only — the Helm layout, with `fleet worker` pods beside it).
     #[arg(long, default_value_t = 1)]
     pub workers: usize,
     /// The HTTP listener (health, metrics).
@@ -56,6 +56,9 @@ pub struct UpArgs {
     /// The `aud` API tokens must carry.
     #[arg(long, env = "FLEET_JWT_AUDIENCE", default_value = DEFAULT_AUDIENCE)]
     pub jwt_audience: String,
+    /// Export traces over OTLP/gRPC to this endpoint (e.g. http://127.0.0.1:4317); off when absent.
+    #[arg(long, env = "FLEET_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
 }
 
 /// The verifier: the configured keys, or the dev key of the data dir when none is configured.
@@ -185,7 +188,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     };
     let mut nodes = Vec::new();
     let mut sandboxes = Vec::new();
-    for i in 0..args.workers.max(1) {
+    for i in 0..args.workers {
         let config = WorkerConfig {
             worker_id: format!("up-{}-{i}", std::process::id()),
             catalogue_dir: plugins_dir.clone(),

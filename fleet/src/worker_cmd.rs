@@ -45,6 +45,9 @@ pub struct WorkerArgs {
     /// Serve `/metrics`, `/healthz` and `/readyz` on this address (e.g. 127.0.0.1:9101).
     #[arg(long, env = "FLEET_WORKER_HTTP")]
     pub http: Option<String>,
+    /// Export traces over OTLP/gRPC to this endpoint (e.g. http://127.0.0.1:4317); off when absent.
+    #[arg(long, env = "FLEET_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
 }
 
 /// Why `fleet worker` could not run.

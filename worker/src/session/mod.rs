@@ -168,6 +168,27 @@ pub enum InvokeError {
     Unreadable(String),
 }
 
+impl InvokeError {
+    /// A short, stable name of the failure (the `error.type` of traces).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            InvokeError::UnknownTool { .. } => "unknown_tool",
+            InvokeError::DuplicateInvokeId(_) => "duplicate_invoke_id",
+            InvokeError::TooManyInFlight { .. } => "too_many_in_flight",
+            InvokeError::Stopped(_) => "stopped",
+            InvokeError::Closed => "closed",
+            InvokeError::NotReady(_) => "not_ready",
+            InvokeError::ProcessExited { .. } => "process_exited",
+            InvokeError::Timeout(_) => "timeout",
+            InvokeError::Cancelled => "cancelled",
+            InvokeError::Plugin(_) => "plugin_error",
+            InvokeError::FrameTooLarge { .. } => "frame_too_large",
+            InvokeError::FileTransport(_) => "file_transport",
+            InvokeError::Unreadable(_) => "unreadable",
+        }
+    }
+}
+
 /// One invoke.
 #[derive(Clone, Default)]
 pub struct InvokeRequest {
@@ -393,6 +414,8 @@ struct Inner {
     in_flight: Arc<Semaphore>,
     last_used: Mutex<Instant>,
     early_cancels: EarlyCancels,
+    /// The span of the call that asked for a process (the parent of `plugin.session.spawn`).
+    spawn_parent: Mutex<Option<tracing::Span>>,
 }
 
 /// Cancels that arrived before their invoke was active, kept for a while so the invoke is cancelled the moment it
@@ -493,6 +516,7 @@ impl Session {
             in_flight: Arc::new(Semaphore::new(ctx.config.max_in_flight_per_session)),
             last_used: Mutex::new(Instant::now()),
             early_cancels: EarlyCancels::default(),
+            spawn_parent: Mutex::new(None),
         });
         let task = tokio::spawn(supervise(inner.clone()));
         *inner
@@ -606,7 +630,14 @@ impl Session {
             let phase = rx.borrow_and_update().clone();
             match phase {
                 Phase::Ready(p) if p.usable() => return Ok((p, first)),
-                Phase::Idle => self.inner.demand.notify_one(),
+                Phase::Idle => {
+                    *self
+                        .inner
+                        .spawn_parent
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(tracing::Span::current());
+                    self.inner.demand.notify_one();
+                }
                 Phase::Ready(_) | Phase::Starting | Phase::Backoff => {}
                 Phase::Stopped(e) => return Err(InvokeError::Stopped(e.to_string())),
                 Phase::Closed => return Err(InvokeError::Closed),
@@ -631,8 +662,44 @@ impl Session {
         self.process(wait).await.map(|_| ())
     }
 
-    /// Runs one invoke. Many may run at once on one process; none delays another.
+    /// Runs one invoke. Many may run at once on one process; none delays another. Traced as the span
+    /// `plugin.invoke` (gen-ai / MCP attribute names; never the user id, arguments or tokens).
     pub async fn invoke(&self, req: InvokeRequest) -> Result<InvokeOutput, InvokeError> {
+        use tracing::Instrument as _;
+        let span = tracing::info_span!(
+            "plugin.invoke",
+            otel.kind = "client",
+            otel.status_code = tracing::field::Empty,
+            gen_ai.operation.name = "execute_tool",
+            gen_ai.tool.name = %req.tool,
+            gen_ai.tool.call.id = %req.invoke_id,
+            mcp.method.name = "invoke",
+            rpc.system = "jsonrpc",
+            executa.invoke_id = %req.invoke_id,
+            executa.tool_id = %self.inner.shared.tool_id,
+            executa.warm = tracing::field::Empty,
+            executa.outcome = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+        );
+        let result = self.invoke_traced(req).instrument(span.clone()).await;
+        match &result {
+            Ok(out) => {
+                span.record("executa.warm", out.warm);
+                span.record(
+                    "executa.outcome",
+                    if out.success() { "success" } else { "tool_failed" },
+                );
+            }
+            Err(e) => {
+                span.record("executa.outcome", "error");
+                span.record("otel.status_code", "ERROR");
+                span.record("error.type", e.kind());
+            }
+        }
+        result
+    }
+
+    async fn invoke_traced(&self, req: InvokeRequest) -> Result<InvokeOutput, InvokeError> {
         self.touch();
         let limit = self.inner.shared.config.max_in_flight_per_session;
         let _permit = self
@@ -726,6 +793,7 @@ impl Session {
             done,
             cancel: Notify::new(),
             cancelled: AtomicBool::new(false),
+            span: tracing::Span::current(),
         });
         if process.register(active.clone()).is_none() {
             return Err(InvokeError::DuplicateInvokeId(req.invoke_id));
@@ -1008,7 +1076,46 @@ async fn supervise(inner: Arc<Inner>) {
             }
         }
         inner.phase.send_replace(Phase::Starting);
-        let last_error = match start(&inner).await {
+        let parent = inner
+            .spawn_parent
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        let span = tracing::info_span!(
+            parent: parent.as_ref().and_then(tracing::Span::id),
+            "plugin.session.spawn",
+            executa.tool_id = %shared.tool_id,
+            executa.protocol = tracing::field::Empty,
+            executa.outcome = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+        );
+        // The caller's span must not outlive the spawn (this loop iteration lasts the process's whole life).
+        drop(parent);
+        let started = {
+            use tracing::Instrument as _;
+            start(&inner).instrument(span.clone()).await
+        };
+        match &started {
+            Ok(p) => {
+                span.record("executa.outcome", "ready");
+                if let Some(hs) = p.handshake.get() {
+                    span.record(
+                        "executa.protocol",
+                        if hs.protocol == ProtocolVersion::V2 {
+                            "v2"
+                        } else {
+                            "v1"
+                        },
+                    );
+                }
+            }
+            Err(_) => {
+                span.record("executa.outcome", "failed");
+                span.record("otel.status_code", "ERROR");
+            }
+        }
+        drop(span);
+        let last_error = match started {
             Ok(process) => {
                 inner.phase.send_replace(Phase::Ready(process.clone()));
                 tokio::select! {

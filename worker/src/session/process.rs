@@ -81,6 +81,8 @@ pub(crate) struct ActiveInvoke {
     /// Notified by `cancel`.
     pub(crate) cancel: Notify,
     pub(crate) cancelled: AtomicBool,
+    /// The invoke's `plugin.invoke` span (the parent of its reverse calls' spans).
+    pub(crate) span: tracing::Span,
 }
 
 impl std::fmt::Debug for ActiveInvoke {
@@ -516,8 +518,36 @@ impl Process {
     // ---------------------------------------------------------------------------------------------------------
 
     async fn on_request(self: Arc<Self>, frame: Frame, _slot: tokio::sync::OwnedSemaphorePermit) {
+        use tracing::Instrument as _;
         let Some(id) = frame.id().cloned() else { return };
-        let outcome = self.serve_reverse(&frame).await;
+        let method = frame.method().unwrap_or_default();
+        let family = family_of(method).map(Family::as_str);
+        let parent = self.parent_span(&frame);
+        let span = tracing::info_span!(
+            parent: parent.as_ref().and_then(tracing::Span::id),
+            "plugin.reverse_rpc",
+            otel.kind = "server",
+            rpc.system = "jsonrpc",
+            rpc.method = %method,
+            mcp.method.name = %method,
+            executa.reverse.family = family.unwrap_or("unknown"),
+            executa.tool_id = %self.shared.tool_id,
+            executa.outcome = tracing::field::Empty,
+            rpc.jsonrpc.error_code = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+        );
+        let outcome = self.serve_reverse(&frame).instrument(span.clone()).await;
+        match &outcome {
+            Ok(_) => {
+                span.record("executa.outcome", "ok");
+            }
+            Err(e) => {
+                span.record("executa.outcome", "error");
+                span.record("rpc.jsonrpc.error_code", e.code);
+                span.record("otel.status_code", "ERROR");
+            }
+        }
+        drop(span);
         WorkerMetrics::inc(&self.shared.metrics.reverse_calls);
         self.shared.metrics.reverse_call(
             frame.method().and_then(family_of).map(Family::as_str),
@@ -588,6 +618,31 @@ impl Process {
         tokio::select! {
             result = service => result,
             _ = done.wait_for(|d| *d) => Err(correlation::UNKNOWN_INVOKE_CONTEXT.error("the parent invoke has finished")),
+        }
+    }
+
+    /// The span of the invoke a reverse call belongs to (named in `params.context.invoke_id`, else the only
+    /// active one), for tracing only: routing and its errors are [`Self::route`]'s.
+    fn parent_span(&self, frame: &Frame) -> Option<tracing::Span> {
+        #[derive(Deserialize)]
+        struct Ctx {
+            invoke_id: Option<String>,
+        }
+        #[derive(Deserialize)]
+        struct Params {
+            context: Option<Ctx>,
+        }
+        let named = frame
+            .parse_payload::<Params>()
+            .ok()
+            .flatten()
+            .and_then(|p| p.context)
+            .and_then(|c| c.invoke_id);
+        let invokes = lock(&self.invokes);
+        match named {
+            Some(id) => invokes.get(&id).map(|i| i.span.clone()),
+            None if invokes.len() == 1 => invokes.values().next().map(|i| i.span.clone()),
+            None => None,
         }
     }
 

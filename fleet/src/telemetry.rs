@@ -1,0 +1,157 @@
+//! Logs and traces: one `tracing` subscriber with the JSON log layer and, when an OTLP endpoint is configured
+//! (`--otlp-endpoint` / `FLEET_OTLP_ENDPOINT`; off by default), a `tracing-opentelemetry` layer exporting spans
+//! over OTLP/gRPC (tonic) with a batch processor.
+//!
+//! W3C trace context (`traceparent`, `tracestate`) travels in NATS message headers between the front and the
+//! workers ([`inject`], [`extract`]) and reaches the plugin as `context.traceparent` of the invoke.
+//!
+//! Span attributes never hold tokens, credentials or user ids: a user appears only as [`user_hash`].
+
+use opentelemetry::propagation::{Extractor, Injector};
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_otlp::WithExportConfig as _;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+use tracing_subscriber::Layer as _;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
+
+/// Flushes and shuts the tracer provider down when dropped (keep it alive for the process's life).
+#[derive(Debug)]
+pub struct TelemetryGuard {
+    provider: SdkTracerProvider,
+}
+
+impl TelemetryGuard {
+    /// Exports every finished span now.
+    pub fn force_flush(&self) -> Result<(), String> {
+        self.provider.force_flush().map_err(|e| e.to_string())
+    }
+}
+
+impl Drop for TelemetryGuard {
+    fn drop(&mut self) {
+        let _ = self.provider.force_flush();
+        let _ = self.provider.shutdown();
+    }
+}
+
+/// Why telemetry could not start.
+#[derive(Debug, thiserror::Error)]
+#[error("OTLP exporter: {0}")]
+pub struct TelemetryError(String);
+
+/// Installs the process's subscriber: JSON logs on stderr filtered by `FLEET_LOG` (else `default_filter`), plus
+/// the OpenTelemetry layer exporting to `endpoint` (e.g. `http://127.0.0.1:4317`) when given. Returns the guard
+/// of the tracer provider when traces are on. A subscriber already installed is left as it is (and `None` then).
+pub fn init(
+    endpoint: Option<&str>,
+    service_name: &str,
+    default_filter: &str,
+) -> Result<Option<TelemetryGuard>, TelemetryError> {
+    let filter = || {
+        tracing_subscriber::EnvFilter::try_from_env("FLEET_LOG")
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter))
+    };
+    let fmt = tracing_subscriber::fmt::layer()
+        .json()
+        .with_writer(std::io::stderr)
+        .with_filter(filter());
+    let Some(endpoint) = endpoint.filter(|e| !e.is_empty()) else {
+        let _ = tracing_subscriber::registry().with(fmt).try_init();
+        return Ok(None);
+    };
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_tonic()
+        .with_endpoint(endpoint)
+        .build()
+        .map_err(|e| TelemetryError(e.to_string()))?;
+    let provider = SdkTracerProvider::builder()
+        .with_batch_exporter(exporter)
+        .with_resource(
+            opentelemetry_sdk::Resource::builder()
+                .with_service_name(service_name.to_string())
+                .build(),
+        )
+        .build();
+    let tracer = provider.tracer("cloud-agents");
+    // Only this service's spans are exported (not log events, which may name users; not dependencies' spans),
+    // whatever the log filter prints.
+    let otel = tracing_opentelemetry::layer().with_tracer(tracer).with_filter(
+        tracing_subscriber::filter::filter_fn(|meta| {
+            meta.is_span() && *meta.level() <= tracing::Level::INFO && meta.target().starts_with("fleet")
+        }),
+    );
+    if tracing_subscriber::registry()
+        .with(fmt)
+        .with(otel)
+        .try_init()
+        .is_err()
+    {
+        let _ = provider.shutdown();
+        return Ok(None);
+    }
+    opentelemetry::global::set_tracer_provider(provider.clone());
+    Ok(Some(TelemetryGuard { provider }))
+}
+
+/// Writes OpenTelemetry context into NATS headers.
+struct HeaderInjector<'a>(&'a mut async_nats::HeaderMap);
+
+impl Injector for HeaderInjector<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        self.0.insert(key, value);
+    }
+}
+
+/// Reads OpenTelemetry context from NATS headers.
+struct HeaderExtractor<'a>(&'a async_nats::HeaderMap);
+
+impl Extractor for HeaderExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).map(|v| v.as_str())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.iter().map(|(k, _)| k.as_ref()).collect()
+    }
+}
+
+/// Injects the context of `span` (W3C `traceparent` / `tracestate`) into `headers`. Without a configured
+/// propagator (traces off) nothing is written.
+pub fn inject(span: &tracing::Span, headers: &mut async_nats::HeaderMap) {
+    let cx = span.context();
+    opentelemetry::global::get_text_map_propagator(|p| p.inject_context(&cx, &mut HeaderInjector(headers)));
+}
+
+/// NATS headers carrying the context of `span`, or `None` when traces are off (nothing to propagate).
+pub fn headers(span: &tracing::Span) -> Option<async_nats::HeaderMap> {
+    let mut headers = async_nats::HeaderMap::new();
+    inject(span, &mut headers);
+    headers.get(TRACEPARENT).is_some().then_some(headers)
+}
+
+/// Makes `span` a child of the context carried by `headers` (if any).
+pub fn extract_into(span: &tracing::Span, headers: Option<&async_nats::HeaderMap>) {
+    let Some(headers) = headers else { return };
+    if headers.get(TRACEPARENT).is_none() {
+        return;
+    }
+    let cx = opentelemetry::global::get_text_map_propagator(|p| p.extract(&HeaderExtractor(headers)));
+    let _ = span.set_parent(cx);
+}
+
+/// The W3C header (and invoke-context key) carrying the trace context.
+pub const TRACEPARENT: &str = "traceparent";
+
+/// The `traceparent` of `span`, when it belongs to a sampled OpenTelemetry trace.
+pub fn traceparent(span: &tracing::Span) -> Option<String> {
+    headers(span)?.get(TRACEPARENT).map(|v| v.as_str().to_string())
+}
+
+/// A user as span attributes may show it: the first 16 hex digits of SHA-256(user id), never the id itself.
+pub fn user_hash(user: &str) -> String {
+    crate::store::user_key(user).chars().take(16).collect()
+}
