@@ -51,8 +51,12 @@ pub fn init(
     default_filter: &str,
 ) -> Result<Option<TelemetryGuard>, TelemetryError> {
     let filter = || {
-        tracing_subscriber::EnvFilter::try_from_env("FLEET_LOG")
-            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter))
+        tracing_subscriber::EnvFilter::try_from_env("FLEET_LOG").unwrap_or_else(|_| {
+            // The OpenTelemetry SDK's own info lines (provider set, exporter built) are noise in service logs.
+            tracing_subscriber::EnvFilter::new(format!(
+                "{default_filter},opentelemetry=warn,opentelemetry_sdk=warn,opentelemetry_otlp=warn"
+            ))
+        })
     };
     let fmt = tracing_subscriber::fmt::layer()
         .json()
