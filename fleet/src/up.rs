@@ -59,6 +59,18 @@ pub struct UpArgs {
     /// Export traces over OTLP/gRPC to this endpoint (e.g. http://127.0.0.1:4317); off when absent.
     #[arg(long, env = "FLEET_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
+    /// Replicas of every JetStream resource (3 on a NATS cluster); every process of a fleet must agree.
+    #[arg(long, env = "FLEET_JETSTREAM_REPLICAS", default_value_t = 1)]
+    pub jetstream_replicas: usize,
+    /// Active (queued + running) jobs per user (spec: 5).
+    #[arg(long, env = "FLEET_MAX_ACTIVE_JOBS_PER_USER", default_value_t = fleet_proto::limits::MAX_ACTIVE_JOBS_PER_USER)]
+    pub max_active_jobs_per_user: usize,
+    /// Admission: requests per second per user (token bucket refill).
+    #[arg(long, env = "FLEET_RATE_LIMIT_PER_SEC", default_value_t = 50)]
+    pub rate_limit_per_sec: u32,
+    /// Admission: burst per user.
+    #[arg(long, env = "FLEET_RATE_LIMIT_BURST", default_value_t = 100)]
+    pub rate_limit_burst: u32,
 }
 
 /// The verifier: the configured keys, or the dev key of the data dir when none is configured.
@@ -164,7 +176,10 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         })?;
     let store = Store::open(
         async_nats::jetstream::new(client.clone()),
-        StoreSettings::default(),
+        StoreSettings {
+            replicas: args.jetstream_replicas,
+            ..StoreSettings::default()
+        },
     )
     .await
     .map_err(|e| other("JetStream resources")(&e))?;
@@ -251,7 +266,11 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         client.clone(),
         store.clone(),
         verifier.clone(),
-        FrontConfig::default(),
+        FrontConfig {
+            max_active_jobs: args.max_active_jobs_per_user,
+            rate_per_user: args.rate_limit_per_sec,
+            burst_per_user: args.rate_limit_burst,
+        },
     )
     .with_metrics(metrics.clone());
     let service = front.serve().await.map_err(|e| other("API service")(&e))?;

@@ -48,6 +48,9 @@ pub struct WorkerArgs {
     /// Export traces over OTLP/gRPC to this endpoint (e.g. http://127.0.0.1:4317); off when absent.
     #[arg(long, env = "FLEET_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
+    /// Replicas of every JetStream resource (3 on a NATS cluster); every process of a fleet must agree.
+    #[arg(long, env = "FLEET_JETSTREAM_REPLICAS", default_value_t = 1)]
+    pub jetstream_replicas: usize,
 }
 
 /// Why `fleet worker` could not run.
@@ -185,7 +188,10 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
                 .map_err(|e| WorkerCmdError::Usage(format!("cannot connect to {url}: {e}")))?;
             let store = crate::store::Store::open(
                 async_nats::jetstream::new(client.clone()),
-                crate::store::StoreSettings::default(),
+                crate::store::StoreSettings {
+                    replicas: args.jetstream_replicas,
+                    ..crate::store::StoreSettings::default()
+                },
             )
             .await
             .map_err(|e| WorkerCmdError::Usage(format!("JetStream: {e}")))?;

@@ -84,6 +84,8 @@ app.kubernetes.io/component: {{ .component }}
     fieldRef:
       fieldPath: metadata.namespace
 {{- with .ctx.Values.otlp.endpoint }}
+- name: FLEET_OTLP_ENDPOINT
+  value: {{ . | quote }}
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
   value: {{ . | quote }}
 - name: OTEL_SERVICE_NAME
