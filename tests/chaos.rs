@@ -146,7 +146,7 @@ fn spawn_load(
             pace.tick().await;
             let (user, auth) = &auths[n % auths.len()];
             // Half quick echoes, half short sleeps: at any moment some jobs are queued or running.
-            let args = if n % 2 == 0 {
+            let args = if n.is_multiple_of(2) {
                 json!({ "tool_id": "echo", "method": "echo", "args": { "n": n } })
             } else {
                 json!({ "tool_id": "echo", "method": "sleep", "args": { "ms": 300 } })

@@ -164,7 +164,9 @@ fn smoke(bin: &Path, scenario: &str, fleet_args: &[&str], report_dir: &Path, plu
         if check["passed"] != true {
             let name = check["check"].as_str().unwrap();
             assert!(
-                name.starts_with("p99_ms.") || name.starts_with("p50_ms."),
+                name.starts_with("p99_ms.")
+                    || name.starts_with("p50_ms.")
+                    || name.starts_with("max_p99_ratio."),
                 "{ctx}\nSLO check failed: {check}"
             );
         }

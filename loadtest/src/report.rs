@@ -48,6 +48,10 @@ pub(crate) struct Slo {
     /// Lower bounds of scenario counters (e.g. `workers_killed = 1`).
     #[serde(default)]
     pub(crate) min_counters: BTreeMap<String, u64>,
+    /// Upper bounds of p99 ratios between two operations measured in the same run, keyed `"a/b"` (p99 of `a`
+    /// over p99 of `b`): e.g. the quiet tenant next to a hostile one against its solo baseline.
+    #[serde(default)]
+    pub(crate) max_p99_ratio: BTreeMap<String, f64>,
 }
 
 /// Parses an SLO file: a table per scenario.
@@ -162,6 +166,28 @@ pub(crate) fn build(rec: &Recorder, head: Value, elapsed: Duration, slo: Option<
             };
             let rate = (rate * 10_000.0).round() / 10_000.0;
             check("max_error_rate".into(), json!(limit), json!(rate), rate <= limit);
+        }
+        for (pair, limit) in &slo.max_p99_ratio {
+            let p99 = |op: &str| {
+                operations
+                    .get(op)
+                    .and_then(|o| o.get("p99_ms"))
+                    .and_then(Value::as_f64)
+            };
+            let ratio = pair
+                .split_once('/')
+                .and_then(|(a, b)| Some((p99(a)?, p99(b)?)))
+                .filter(|(_, b)| *b > 0.0)
+                .map(|(a, b)| (a / b * 1000.0).round() / 1000.0);
+            match ratio {
+                Some(r) => check(
+                    format!("max_p99_ratio.{pair}"),
+                    json!(limit),
+                    json!(r),
+                    r <= *limit,
+                ),
+                None => check(format!("max_p99_ratio.{pair}"), json!(limit), Value::Null, false),
+            }
         }
         if let Some(limit) = slo.max_jobs_lost {
             check("max_jobs_lost".into(), json!(limit), json!(lost), lost <= limit);

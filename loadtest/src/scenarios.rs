@@ -329,6 +329,26 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
                     }
                 },
             );
+            // The quiet tenant's solo baseline first (half the duration), in the same run, then the same load
+            // next to the hostile tenant; the SLO compares the two p99s (within 2×).
+            open_loop(
+                ctx,
+                "quiet.solo.invoke",
+                Arrivals::Constant,
+                rate,
+                d / 2,
+                |i, t| {
+                    let c = Arc::clone(ctx);
+                    async move {
+                        let user = format!("neighbour-{}", i % 10);
+                        let body = invoke_body(PY, "echo", &json!({ "i": i }));
+                        let _ = c
+                            .op("quiet.solo.invoke", t, &user, "tools.invoke", &body, SYNC_WAIT)
+                            .await;
+                    }
+                },
+            )
+            .await;
             let quiet = open_loop(ctx, "quiet.invoke", Arrivals::Constant, rate, d, |i, t| {
                 let c = Arc::clone(ctx);
                 async move {
