@@ -254,16 +254,7 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
                     }
                 },
             );
-            let quiet = open_loop(ctx, "quiet.invoke", Arrivals::Constant, rate, d, |i, t| {
-                let c = Arc::clone(ctx);
-                async move {
-                    let user = format!("quiet-{}", i % 10);
-                    let body = invoke_body(PY, "echo", &json!({ "i": i }));
-                    let _ = c
-                        .op("quiet.invoke", t, &user, "tools.invoke", &body, SYNC_WAIT)
-                        .await;
-                }
-            });
+            let quiet = quiet_echo(ctx, "quiet.invoke", "quiet", rate, d);
             tokio::join!(noisy, quiet);
         }
         "chaos-worker-kill" => {
@@ -331,34 +322,8 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
             );
             // The quiet tenant's solo baseline first (half the duration), in the same run, then the same load
             // next to the hostile tenant; the SLO compares the two p99s (within 2×).
-            open_loop(
-                ctx,
-                "quiet.solo.invoke",
-                Arrivals::Constant,
-                rate,
-                d / 2,
-                |i, t| {
-                    let c = Arc::clone(ctx);
-                    async move {
-                        let user = format!("neighbour-{}", i % 10);
-                        let body = invoke_body(PY, "echo", &json!({ "i": i }));
-                        let _ = c
-                            .op("quiet.solo.invoke", t, &user, "tools.invoke", &body, SYNC_WAIT)
-                            .await;
-                    }
-                },
-            )
-            .await;
-            let quiet = open_loop(ctx, "quiet.invoke", Arrivals::Constant, rate, d, |i, t| {
-                let c = Arc::clone(ctx);
-                async move {
-                    let user = format!("neighbour-{}", i % 10);
-                    let body = invoke_body(PY, "echo", &json!({ "i": i }));
-                    let _ = c
-                        .op("quiet.invoke", t, &user, "tools.invoke", &body, SYNC_WAIT)
-                        .await;
-                }
-            });
+            quiet_echo(ctx, "quiet.solo.invoke", "neighbour", rate, d / 2).await;
+            let quiet = quiet_echo(ctx, "quiet.invoke", "neighbour", rate, d);
             tokio::join!(hostile, quiet);
         }
         "mixed" => {
@@ -415,4 +380,18 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
         other => anyhow::bail!("scenario {other} is not implemented yet"),
     }
     Ok(())
+}
+
+/// The quiet tenant of `fairness` and `hostile-neighbour`: ten users (`<prefix>-0..9`) sending sync `echo-py` echoes
+/// at `rate`, recorded as `op`.
+async fn quiet_echo(ctx: &Arc<Ctx>, op: &'static str, prefix: &'static str, rate: f64, d: Duration) {
+    open_loop(ctx, op, Arrivals::Constant, rate, d, |i, t| {
+        let c = Arc::clone(ctx);
+        async move {
+            let user = format!("{prefix}-{}", i % 10);
+            let body = invoke_body(PY, "echo", &json!({ "i": i }));
+            let _ = c.op(op, t, &user, "tools.invoke", &body, SYNC_WAIT).await;
+        }
+    })
+    .await;
 }
