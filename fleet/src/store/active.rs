@@ -68,53 +68,31 @@ impl Store {
         job_id: &JobId,
         max_active: usize,
     ) -> Result<Acquired, StoreError> {
-        let key = user_key(user);
-        let mut healed = false;
-        for attempt in 0..MAX_CAS_ATTEMPTS {
-            let current = read::<ActiveSet>(&self.inner.active, &key, Op::AcquireSlot).await?;
-            let (mut set, revision) = match current {
-                Some(r) => (r.value, Some(r.revision)),
-                None => (
-                    ActiveSet {
-                        user: user.to_string(),
-                        jobs: Vec::new(),
-                    },
-                    None,
-                ),
-            };
+        let take = |mut set: ActiveSet| {
             if let Some(slot) = set.jobs.iter().find(|s| s.job_id == *job_id) {
-                return Ok(Acquired::Already {
+                return Ok(Edit::Keep(Acquired::Already {
                     taken_at_ms: slot.taken_at_ms,
-                });
+                }));
             }
             if set.jobs.len() >= max_active {
-                if !healed {
-                    healed = true;
-                    if self.heal_active_set(user).await? > 0 {
-                        continue;
-                    }
-                }
                 return Err(StoreError::QuotaExceeded {
                     active: set.jobs.len(),
                     max: max_active,
                 });
             }
             let taken_at_ms = now_ms();
-            set.user = user.to_string();
             set.jobs.push(Slot {
                 job_id: job_id.clone(),
                 taken_at_ms,
             });
-            match cas_write(&self.inner.active, &key, &set, revision, LIMIT, Op::AcquireSlot).await? {
-                Ok(_) => return Ok(Acquired::New { taken_at_ms }),
-                Err(_conflict) => backoff(attempt).await,
+            Ok(Edit::Write(set, Acquired::New { taken_at_ms }))
+        };
+        match self.edit_active_set(user, Op::AcquireSlot, take).await {
+            Err(StoreError::QuotaExceeded { .. }) if self.heal_active_set(user).await? > 0 => {
+                self.edit_active_set(user, Op::AcquireSlot, take).await
             }
+            other => other,
         }
-        Err(StoreError::Contention {
-            op: Op::AcquireSlot,
-            key,
-            attempts: MAX_CAS_ATTEMPTS,
-        })
     }
 
     /// Puts `job_id` back into the set if it is missing, ignoring the quota (a record was created after its slot
@@ -125,10 +103,90 @@ impl Store {
         job_id: &JobId,
         taken_at_ms: u64,
     ) -> Result<bool, StoreError> {
+        self.edit_active_set(user, Op::AcquireSlot, |mut set| {
+            if set.jobs.iter().any(|s| s.job_id == *job_id) {
+                return Ok(Edit::Keep(false));
+            }
+            set.jobs.push(Slot {
+                job_id: job_id.clone(),
+                taken_at_ms,
+            });
+            Ok(Edit::Write(set, true))
+        })
+        .await
+    }
+
+    /// Gives the job's slot back (compare-and-set; retried on conflict). Returns whether the id was in the set.
+    pub async fn release_slot(&self, user: &str, job_id: &JobId) -> Result<bool, StoreError> {
+        self.edit_active_set(user, Op::ReleaseSlot, |set| {
+            Ok(remove(set, |s| s.job_id == *job_id))
+        })
+        .await
+        .map(|removed| removed > 0)
+    }
+
+    /// Heals a user's active set: drops ids whose record is terminal, and ids whose record does not exist once
+    /// their slot is older than [`orphan_slot_grace`](super::StoreSettings::orphan_slot_grace) (a replica that
+    /// died between taking the slot and creating the record). Returns how many were dropped.
+    pub async fn heal_active_set(&self, user: &str) -> Result<usize, StoreError> {
+        let key = user_key(user);
+        let grace_ms = u64::try_from(self.inner.settings.orphan_slot_grace.as_millis()).unwrap_or(u64::MAX);
+        let Some(current) = read::<ActiveSet>(&self.inner.active, &key, Op::HealActiveSet).await? else {
+            return Ok(0);
+        };
+        let job_keys: Vec<String> = current
+            .value
+            .jobs
+            .iter()
+            .map(|s| format!("{key}.{}", s.job_id))
+            .collect();
+        // Per slot: Some(whether the record is active), None when there is no record.
+        let records: Vec<Option<bool>> = futures::stream::iter(job_keys)
+            .map(|job_key| async move {
+                match read::<JobRecord>(&self.inner.jobs, &job_key, Op::HealActiveSet).await {
+                    Ok(r) => Ok(r.map(|r| r.value.state.is_active())),
+                    // A record that does not parse is no evidence the job is over: keep the slot.
+                    Err(StoreError::Corrupt { .. }) => Ok(Some(true)),
+                    Err(e) => Err(e),
+                }
+            })
+            .buffered(HEAL_READS)
+            .try_collect()
+            .await?;
+        let now = now_ms();
+        // The verdicts hold whatever happens to the set meanwhile (a terminal job stays terminal; a slot
+        // re-taken for a late record is a new entry `ensure_slot` adds after this): drop exactly these ids.
+        let dead: Vec<JobId> = records
+            .iter()
+            .zip(&current.value.jobs)
+            .filter(|(record, slot)| match record {
+                Some(active) => !*active,
+                None => now.saturating_sub(slot.taken_at_ms) >= grace_ms,
+            })
+            .map(|(_, slot)| slot.job_id.clone())
+            .collect();
+        if dead.is_empty() {
+            return Ok(0);
+        }
+        self.edit_active_set(user, Op::HealActiveSet, |set| {
+            Ok(remove(set, |s| dead.contains(&s.job_id)))
+        })
+        .await
+    }
+
+    /// The one compare-and-set loop over a user's active set: reads it (an absent key is an empty set owned by
+    /// `user`), lets `edit` decide, writes the new set at the read revision (create when absent), and on a
+    /// revision conflict reads again after a short backoff, at most [`MAX_CAS_ATTEMPTS`] times.
+    async fn edit_active_set<T>(
+        &self,
+        user: &str,
+        op: Op,
+        mut edit: impl FnMut(ActiveSet) -> Result<Edit<T>, StoreError>,
+    ) -> Result<T, StoreError> {
         let key = user_key(user);
         for attempt in 0..MAX_CAS_ATTEMPTS {
-            let current = read::<ActiveSet>(&self.inner.active, &key, Op::AcquireSlot).await?;
-            let (mut set, revision) = match current {
+            let current = read::<ActiveSet>(&self.inner.active, &key, op).await?;
+            let (set, revision) = match current {
                 Some(r) => (r.value, Some(r.revision)),
                 None => (
                     ActiveSet {
@@ -138,120 +196,39 @@ impl Store {
                     None,
                 ),
             };
-            if set.jobs.iter().any(|s| s.job_id == *job_id) {
-                return Ok(false);
-            }
-            set.jobs.push(Slot {
-                job_id: job_id.clone(),
-                taken_at_ms,
-            });
-            match cas_write(&self.inner.active, &key, &set, revision, LIMIT, Op::AcquireSlot).await? {
-                Ok(_) => return Ok(true),
-                Err(_conflict) => backoff(attempt).await,
-            }
-        }
-        Err(StoreError::Contention {
-            op: Op::AcquireSlot,
-            key,
-            attempts: MAX_CAS_ATTEMPTS,
-        })
-    }
-
-    /// Gives the job's slot back (compare-and-set; retried on conflict). Returns whether the id was in the set.
-    pub async fn release_slot(&self, user: &str, job_id: &JobId) -> Result<bool, StoreError> {
-        let key = user_key(user);
-        for attempt in 0..MAX_CAS_ATTEMPTS {
-            let Some(current) = read::<ActiveSet>(&self.inner.active, &key, Op::ReleaseSlot).await? else {
-                return Ok(false);
-            };
-            let mut set = current.value;
-            let before = set.jobs.len();
-            set.jobs.retain(|s| s.job_id != *job_id);
-            if set.jobs.len() == before {
-                return Ok(false);
-            }
-            match cas_write(
-                &self.inner.active,
-                &key,
-                &set,
-                Some(current.revision),
-                LIMIT,
-                Op::ReleaseSlot,
-            )
-            .await?
-            {
-                Ok(_) => return Ok(true),
-                Err(_conflict) => backoff(attempt).await,
-            }
-        }
-        Err(StoreError::Contention {
-            op: Op::ReleaseSlot,
-            key,
-            attempts: MAX_CAS_ATTEMPTS,
-        })
-    }
-
-    /// Heals a user's active set: drops ids whose record is terminal, and ids whose record does not exist once
-    /// their slot is older than [`orphan_slot_grace`](super::StoreSettings::orphan_slot_grace) (a replica that
-    /// died between taking the slot and creating the record). Returns how many were dropped.
-    pub async fn heal_active_set(&self, user: &str) -> Result<usize, StoreError> {
-        let key = user_key(user);
-        let grace_ms = u64::try_from(self.inner.settings.orphan_slot_grace.as_millis()).unwrap_or(u64::MAX);
-        for attempt in 0..MAX_CAS_ATTEMPTS {
-            let Some(current) = read::<ActiveSet>(&self.inner.active, &key, Op::HealActiveSet).await? else {
-                return Ok(0);
-            };
-            let job_keys: Vec<String> = current
-                .value
-                .jobs
-                .iter()
-                .map(|s| format!("{key}.{}", s.job_id))
-                .collect();
-            // Per slot: Some(whether the record is active), None when there is no record.
-            let records: Vec<Option<bool>> = futures::stream::iter(job_keys)
-                .map(|job_key| async move {
-                    match read::<JobRecord>(&self.inner.jobs, &job_key, Op::HealActiveSet).await {
-                        Ok(r) => Ok(r.map(|r| r.value.state.is_active())),
-                        // A record that does not parse is no evidence the job is over: keep the slot.
-                        Err(StoreError::Corrupt { .. }) => Ok(Some(true)),
-                        Err(e) => Err(e),
+            match edit(set)? {
+                Edit::Keep(out) => return Ok(out),
+                Edit::Write(mut set, out) => {
+                    set.user = user.to_string();
+                    match cas_write(&self.inner.active, &key, &set, revision, LIMIT, op).await? {
+                        Ok(_) => return Ok(out),
+                        Err(_conflict) => backoff(attempt).await,
                     }
-                })
-                .buffered(HEAL_READS)
-                .try_collect()
-                .await?;
-            let now = now_ms();
-            let mut set = current.value.clone();
-            let mut keep = records
-                .iter()
-                .zip(&current.value.jobs)
-                .map(|(record, slot)| match record {
-                    Some(active) => *active,
-                    None => now.saturating_sub(slot.taken_at_ms) < grace_ms,
-                });
-            set.jobs.retain(|_| keep.next().unwrap_or(true));
-            let dropped = current.value.jobs.len() - set.jobs.len();
-            if dropped == 0 {
-                return Ok(0);
-            }
-            match cas_write(
-                &self.inner.active,
-                &key,
-                &set,
-                Some(current.revision),
-                LIMIT,
-                Op::HealActiveSet,
-            )
-            .await?
-            {
-                Ok(_) => return Ok(dropped),
-                Err(_conflict) => backoff(attempt).await,
+                }
             }
         }
         Err(StoreError::Contention {
-            op: Op::HealActiveSet,
+            op,
             key,
             attempts: MAX_CAS_ATTEMPTS,
         })
+    }
+}
+
+/// What an edit of the active set decided.
+enum Edit<T> {
+    /// Nothing to write: return this.
+    Keep(T),
+    /// Write this set, then return this.
+    Write(ActiveSet, T),
+}
+
+/// Removes the slots matching `dead`; the edit writes only when something was removed, and yields how many.
+fn remove(mut set: ActiveSet, dead: impl Fn(&Slot) -> bool) -> Edit<usize> {
+    let before = set.jobs.len();
+    set.jobs.retain(|s| !dead(s));
+    match before - set.jobs.len() {
+        0 => Edit::Keep(0),
+        n => Edit::Write(set, n),
     }
 }
