@@ -6,55 +6,18 @@
 use std::io::{BufRead as _, BufReader};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use fleet_e2e::worker::{Plugin, TestWorker, alive, eventually, test_config, write_catalogue};
+use fleet_e2e::worker::{
+    Plugin, TestWorker, alive, call, data, eventually, output, req, test_config, write_catalogue,
+};
 use fleet_e2e::workspace_root;
 use fleet_worker::metrics::WorkerMetrics;
 use fleet_worker::pool::PoolError;
-use fleet_worker::session::{InvokeError, InvokeOutput, InvokeRequest};
-use serde_json::{Map, Value, json};
+use fleet_worker::session::InvokeError;
+use serde_json::{Value, json};
 
 const GUARD: Duration = Duration::from_secs(60);
-
-fn req(tool: &str, args: Value) -> InvokeRequest {
-    static N: AtomicU64 = AtomicU64::new(0);
-    let arguments: Map<String, Value> = serde_json::from_value(args).unwrap();
-    let invoke_id = format!("sb-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed));
-    InvokeRequest {
-        tool: tool.into(),
-        arguments,
-        invoke_id,
-        ..InvokeRequest::default()
-    }
-}
-
-async fn call(
-    w: &TestWorker,
-    user: &str,
-    tool_id: &str,
-    r: InvokeRequest,
-) -> Result<InvokeOutput, InvokeError> {
-    match tokio::time::timeout(GUARD, w.pool.invoke(user, tool_id, r))
-        .await
-        .expect("failure guard")
-    {
-        Ok(out) => Ok(out),
-        Err(PoolError::Invoke(e)) => Err(e),
-        Err(other) => panic!("pool error: {other}"),
-    }
-}
-
-async fn output(w: &TestWorker, user: &str, tool_id: &str, tool: &str, args: Value) -> InvokeOutput {
-    call(w, user, tool_id, req(tool, args)).await.unwrap()
-}
-
-async fn data(w: &TestWorker, user: &str, tool_id: &str, tool: &str, args: Value) -> Value {
-    let out = output(w, user, tool_id, tool, args).await;
-    assert!(out.success(), "{tool} failed: {:?}", out.error_message());
-    out.data().unwrap()
-}
 
 fn pid_field(v: &Value) -> u32 {
     v["pid"].as_u64().unwrap() as u32

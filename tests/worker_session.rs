@@ -3,61 +3,23 @@
 //! routing, progress, cancel, file transport, credentials and tokens.
 #![allow(clippy::unwrap_used, clippy::cast_possible_truncation)]
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fleet_e2e::worker::{Plugin, TestWorker, alive, eventually, test_config};
+use fleet_e2e::worker::{Plugin, TestWorker, alive, call, data, eventually, req, test_config};
 use fleet_proto::executa::invoke::ProgressType;
 use fleet_proto::executa::lifecycle::ProtocolVersion;
 use fleet_worker::metrics::{ProgressDrop, WorkerMetrics};
-use fleet_worker::pool::PoolError;
 use fleet_worker::services::{
     HostServices, InvokeTokens, ReverseCall, ServiceFuture, TokenRequest, TokenSource,
 };
 use fleet_worker::session::progress::{ProgressSink, ProgressUpdate};
-use fleet_worker::session::{InvokeError, InvokeOutput, InvokeRequest, SessionState};
-use serde_json::{Map, Value, json};
+use fleet_worker::session::{InvokeError, InvokeRequest, SessionState};
+use serde_json::{Value, json};
 
 /// Failure guard only.
 const GUARD: Duration = Duration::from_secs(60);
-
-fn next_id() -> String {
-    static N: AtomicU64 = AtomicU64::new(0);
-    format!("inv-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
-}
-
-fn req(tool: &str, args: Value) -> InvokeRequest {
-    let arguments: Map<String, Value> = serde_json::from_value(args).unwrap();
-    InvokeRequest {
-        tool: tool.into(),
-        arguments,
-        invoke_id: next_id(),
-        ..InvokeRequest::default()
-    }
-}
-
-async fn call(
-    w: &TestWorker,
-    user: &str,
-    tool_id: &str,
-    r: InvokeRequest,
-) -> Result<InvokeOutput, InvokeError> {
-    match tokio::time::timeout(GUARD, w.pool.invoke(user, tool_id, r))
-        .await
-        .expect("failure guard")
-    {
-        Ok(out) => Ok(out),
-        Err(PoolError::Invoke(e)) => Err(e),
-        Err(other) => panic!("pool error: {other}"),
-    }
-}
-
-async fn data(w: &TestWorker, user: &str, tool_id: &str, tool: &str, args: Value) -> Value {
-    let out = call(w, user, tool_id, req(tool, args)).await.unwrap();
-    assert!(out.success(), "{tool} failed: {:?}", out.error_message());
-    out.data().unwrap()
-}
 
 async fn pid_of(w: &TestWorker, user: &str, tool_id: &str) -> u32 {
     data(w, user, tool_id, "inspect", json!({})).await["pid"]

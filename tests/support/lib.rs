@@ -298,6 +298,66 @@ pub mod worker {
         }
     }
 
+    /// Failure guard of the helpers below (never a synchronisation).
+    const CALL_GUARD: Duration = Duration::from_secs(60);
+
+    /// An invoke of `tool` with `args` (a JSON object) and a fresh `inv-<pid>-<n>` invoke id.
+    pub fn req(tool: &str, args: serde_json::Value) -> fleet_worker::session::InvokeRequest {
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let arguments = serde_json::from_value(args).expect("arguments must be a JSON object");
+        fleet_worker::session::InvokeRequest {
+            tool: tool.into(),
+            arguments,
+            invoke_id: format!(
+                "inv-{}-{}",
+                std::process::id(),
+                N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            ),
+            ..fleet_worker::session::InvokeRequest::default()
+        }
+    }
+
+    /// Runs `r` on (user, tool_id)'s session; an invoke failure is `Err`, any other pool error panics.
+    pub async fn call(
+        w: &TestWorker,
+        user: &str,
+        tool_id: &str,
+        r: fleet_worker::session::InvokeRequest,
+    ) -> Result<fleet_worker::session::InvokeOutput, fleet_worker::session::InvokeError> {
+        match tokio::time::timeout(CALL_GUARD, w.pool.invoke(user, tool_id, r))
+            .await
+            .expect("failure guard")
+        {
+            Ok(out) => Ok(out),
+            Err(fleet_worker::pool::PoolError::Invoke(e)) => Err(e),
+            Err(other) => panic!("pool error: {other}"),
+        }
+    }
+
+    /// `call` of `tool` expecting an answer (successful or not).
+    pub async fn output(
+        w: &TestWorker,
+        user: &str,
+        tool_id: &str,
+        tool: &str,
+        args: serde_json::Value,
+    ) -> fleet_worker::session::InvokeOutput {
+        call(w, user, tool_id, req(tool, args)).await.expect("invoke")
+    }
+
+    /// `call` of `tool` expecting `success: true`; returns its `data`.
+    pub async fn data(
+        w: &TestWorker,
+        user: &str,
+        tool_id: &str,
+        tool: &str,
+        args: serde_json::Value,
+    ) -> serde_json::Value {
+        let out = output(w, user, tool_id, tool, args).await;
+        assert!(out.success(), "{tool} failed: {:?}", out.error_message());
+        out.data().expect("data")
+    }
+
     /// Whether a process exists (and is not a zombie).
     pub fn alive(pid: u32) -> bool {
         match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
