@@ -8,6 +8,7 @@
 //! (sessions, jobs, quotas) lives in `fleet-worker` and `fleet`.
 #![forbid(unsafe_code)]
 
+pub mod animus;
 pub mod api;
 pub mod codec;
 pub mod executa;

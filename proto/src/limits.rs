@@ -139,3 +139,28 @@ pub const INVOKE_TOKEN_TTL: Duration = Duration::from_secs(600);
 pub const LONG_JOB_TOKEN_TTL_CAP: Duration = Duration::from_secs(3600);
 /// Slack added to a long job's timeout for its token TTL (spec §11 HR-JW-02).
 pub const LONG_JOB_TOKEN_TTL_SLACK: Duration = Duration::from_secs(300);
+
+// ---------------------------------------------------------------------------------------------------------------
+// Animus (seed 004; `../shared/spec/animus.md` §1.3, §3.2, §3.4, §3.6)
+// ---------------------------------------------------------------------------------------------------------------
+
+/// Time a plugin gets to answer `initialize` (the CLI host allows 30 s; a dialect with liveness checks gets 10 s).
+pub const ANIMUS_INITIALIZE_TIMEOUT: Duration = Duration::from_secs(10);
+/// `$/ping` answer timeout (spec §6: "Hosts SHOULD impose a short timeout (≤ 1s)").
+pub const ANIMUS_PING_TIMEOUT: Duration = Duration::from_secs(1);
+/// Default period between pings of a live Animus process (per install: `ping_interval_secs`).
+pub const ANIMUS_PING_INTERVAL: Duration = Duration::from_secs(10);
+/// Consecutive ping misses after which the process is recycled ("repeated misses", spec §3.7: 3).
+pub const ANIMUS_PING_MAX_MISSES: u32 = 3;
+/// `health/check` answer timeout (the CLI host's 2 s).
+pub const ANIMUS_HEALTH_TIMEOUT: Duration = Duration::from_secs(2);
+/// `agent/cancel` answer timeout (spec §3.4 step 2: 10 s).
+pub const ANIMUS_AGENT_CANCEL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Grace for the run to end after the cancel notifications (spec §3.4 step 3: 5 s).
+pub const ANIMUS_CANCEL_GRACE: Duration = Duration::from_secs(5);
+/// `shutdown` answer timeout before `exit` is sent anyway (spec §3.4 step 4, §3.6: 2 s).
+pub const ANIMUS_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(2);
+/// `--manifest` probe: time allowed (spec §3.2: 3 s).
+pub const ANIMUS_MANIFEST_PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+/// `--manifest` probe: stdout kept (spec §3.2: 1 MiB); more is a failed probe.
+pub const ANIMUS_MANIFEST_PROBE_MAX_BYTES: usize = MIB;
