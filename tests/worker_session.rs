@@ -12,7 +12,7 @@ use fleet_proto::executa::invoke::ProgressType;
 use fleet_proto::executa::lifecycle::ProtocolVersion;
 use fleet_worker::metrics::{ProgressDrop, WorkerMetrics};
 use fleet_worker::services::{
-    HostServices, InvokeTokens, ReverseCall, ServiceFuture, TokenRequest, TokenSource,
+    HostServices, InvokeTokens, ReverseCall, ServiceFuture, TokenFuture, TokenRequest, TokenSource,
 };
 use fleet_worker::session::progress::{ProgressSink, ProgressUpdate};
 use fleet_worker::session::{InvokeError, InvokeRequest, SessionState};
@@ -469,15 +469,16 @@ impl HostServices for Recorder {
 struct AllTokens;
 
 impl TokenSource for AllTokens {
-    fn tokens(&self, r: &TokenRequest<'_>) -> InvokeTokens {
+    fn tokens(&self, r: TokenRequest) -> TokenFuture {
         let t = |aud: &str| Some(format!("tok-{aud}-{}", r.invoke_id));
-        InvokeTokens {
+        let tokens = InvokeTokens {
             sampling: t("sampling"),
             storage: t("storage"),
             upload: t("upload"),
             image: t("image"),
             credentials: None,
-        }
+        };
+        Box::pin(async move { tokens })
     }
 }
 

@@ -9,9 +9,11 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 
+use fleet_proto::executa::capabilities::keys;
 use fleet_proto::executa::reverse::{Family, family_of, method_not_found};
 use fleet_proto::jsonrpc::ErrorObject;
-use serde_json::Value;
+use fleet_proto::limits;
+use serde_json::{Map, Value};
 
 /// The per-invoke tokens the plugin receives in `params.context` (spec §4.1, §11). `Debug` never prints them.
 #[derive(Clone, Default, PartialEq, Eq)]
@@ -44,26 +46,29 @@ impl fmt::Debug for InvokeTokens {
 /// Everything a token source needs to decide which tokens an invoke gets (spec §3.3 HR-LC-15: negotiated in
 /// `initialize` AND declared in the manifest AND granted to the user).
 #[derive(Debug, Clone)]
-pub struct TokenRequest<'a> {
+pub struct TokenRequest {
     /// The user.
-    pub user: &'a str,
+    pub user: String,
     /// The plugin.
-    pub tool_id: &'a str,
+    pub tool_id: String,
     /// The invoke (= job id for async jobs).
-    pub invoke_id: &'a str,
+    pub invoke_id: String,
     /// Capability keys the plugin negotiated in `initialize` (empty for v1).
-    pub negotiated: &'a BTreeSet<String>,
+    pub negotiated: BTreeSet<String>,
     /// The manifest's `host_capabilities` (known strings only).
-    pub declared: &'a [String],
+    pub declared: Vec<String>,
     /// Absolute deadline of the invoke, Unix epoch ms.
     pub deadline_ms: u64,
 }
 
-/// Mints the per-invoke tokens. Implemented by the fleet (the tokens issue); the worker withholds, in any case,
-/// every token whose capability the plugin did not negotiate.
+/// The boxed future a token source returns.
+pub type TokenFuture = Pin<Box<dyn Future<Output = InvokeTokens> + Send>>;
+
+/// Mints the per-invoke tokens. Implemented by the fleet (it looks the user's grant up, which is I/O); the
+/// worker withholds, in any case, every token whose capability the plugin did not negotiate.
 pub trait TokenSource: Send + Sync + fmt::Debug {
     /// The tokens for one invoke.
-    fn tokens(&self, request: &TokenRequest<'_>) -> InvokeTokens;
+    fn tokens(&self, request: TokenRequest) -> TokenFuture;
 }
 
 /// No tokens, ever.
@@ -71,8 +76,8 @@ pub trait TokenSource: Send + Sync + fmt::Debug {
 pub struct NoTokens;
 
 impl TokenSource for NoTokens {
-    fn tokens(&self, _: &TokenRequest<'_>) -> InvokeTokens {
-        InvokeTokens::default()
+    fn tokens(&self, _: TokenRequest) -> TokenFuture {
+        Box::pin(async { InvokeTokens::default() })
     }
 }
 
@@ -108,6 +113,34 @@ pub type ServiceFuture = Pin<Box<dyn Future<Output = Result<Value, ErrorObject>>
 pub trait HostServices: Send + Sync + fmt::Debug {
     /// Serves one call. The future is dropped if the parent invoke ends first (spec §7.3 HR-DL-03).
     fn call(&self, call: ReverseCall) -> ServiceFuture;
+
+    /// The `capabilities` the host offers in `initialize` (spec §3.3): only what it can serve. The default is
+    /// sampling (with its caps) and file transport.
+    fn offer(&self) -> Map<String, Value> {
+        default_offer()
+    }
+
+    /// The parent invoke has ended (success, failure, timeout, cancel): drop its tokens' state and budgets
+    /// (spec §11 HR-JW-01). Called once per invoke, after its last reverse call was abandoned.
+    fn invoke_finished(&self, _invoke_id: &str) {}
+}
+
+/// The `initialize` capabilities offered by [`NoServices`] and by default: sampling and file transport.
+pub fn default_offer() -> Map<String, Value> {
+    let mut offer = Map::new();
+    offer.insert(keys::SAMPLING.into(), sampling_offer());
+    offer.insert(keys::FILE_TRANSPORT.into(), Value::Bool(true));
+    offer
+}
+
+/// The `sampling` capability object with the host's caps (spec §3.3, §8.1).
+pub fn sampling_offer() -> Value {
+    serde_json::json!({
+        "modalities": ["text"],
+        "maxTokensPerCall": limits::SAMPLING_MAX_TOKENS_PER_CALL,
+        "maxCallsPerInvoke": limits::SAMPLING_MAX_CALLS_PER_INVOKE,
+        "responseFormat": ["json_object", "json_schema"],
+    })
 }
 
 /// No services: every known family answers its "not granted" error, anything else -32601.

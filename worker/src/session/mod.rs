@@ -749,14 +749,17 @@ impl Session {
         let deadline_ms = req.deadline_ms.unwrap_or_else(|| {
             now_ms().saturating_add(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX))
         });
-        let minted = shared.tokens.tokens(&TokenRequest {
-            user: &shared.user,
-            tool_id: &shared.tool_id,
-            invoke_id: &req.invoke_id,
-            negotiated: &hs.negotiated,
-            declared: &hs.manifest.host_capabilities,
-            deadline_ms,
-        });
+        let minted = shared
+            .tokens
+            .tokens(TokenRequest {
+                user: shared.user.clone(),
+                tool_id: shared.tool_id.clone(),
+                invoke_id: req.invoke_id.clone(),
+                negotiated: hs.negotiated.clone(),
+                declared: hs.manifest.host_capabilities.clone(),
+                deadline_ms,
+            })
+            .await;
         let tokens = withhold(minted, hs);
         let mut arguments = req.arguments;
         tool.apply_defaults(&mut arguments);
@@ -1217,15 +1220,7 @@ async fn start(inner: &Arc<Inner>) -> Result<Arc<Process>, StartError> {
             name: "cloud-agents".into(),
             version: env!("CARGO_PKG_VERSION").into(),
         },
-        capabilities: object(json!({
-            "sampling": {
-                "modalities": ["text"],
-                "maxTokensPerCall": limits::SAMPLING_MAX_TOKENS_PER_CALL,
-                "maxCallsPerInvoke": limits::SAMPLING_MAX_CALLS_PER_INVOKE,
-                "responseFormat": ["json_object", "json_schema"],
-            },
-            "fileTransport": true,
-        })),
+        capabilities: shared.services.offer(),
         host_capabilities: object(json!({ "llm.sample": true })),
     };
     let (id, rx) = process

@@ -297,6 +297,7 @@ impl Process {
     pub(crate) fn unregister(&self, invoke_id: &str) {
         if let Some(invoke) = lock(&self.invokes).remove(invoke_id) {
             let _ = invoke.done.send(true);
+            self.shared.services.invoke_finished(invoke_id);
         }
     }
 

@@ -1,0 +1,420 @@
+//! User grants (spec §8 preconditions: "the user's grant allows it"): which host capabilities a user allows
+//! one plugin to use, kept in the JetStream KV bucket `<prefix>_grants`, one record per (user, tool id), set by
+//! operators with `fleet grant` through the operator API `fleet.v1.admin.grants.{set,get}` (token with the
+//! operator claim).
+//!
+//! Default: nothing is granted. A token is minted for an invoke only when the capability was negotiated in
+//! `initialize`, declared in the manifest's `host_capabilities`, **and** granted here (spec §3.3 HR-LC-15).
+//! The caps that come with a grant (calls, tokens, bytes) are the spec's defaults; the record has room for
+//! per-grant overrides (`sampling`, `storage`, `upload`), accepting both field spellings of spec §16 A-29.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv};
+use bytes::Bytes;
+use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, subjects};
+use fleet_proto::executa::capabilities::is_known_host_capability;
+use futures::StreamExt as _;
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::auth::Verifier;
+use crate::client_cmd::{DEFAULT_DATA_DIR, mint, nats_url_file};
+use crate::store::{StoreSettings, now_ms, user_key};
+
+/// Subject prefix of the operator API.
+pub const ADMIN_PREFIX: &str = "fleet.v1.admin";
+/// `fleet.v1.admin.grants.set`: `{user, tool_id, allow?: [..], revoke?: [..]}` → the grant.
+pub const GRANTS_SET: &str = "grants.set";
+/// `fleet.v1.admin.grants.get`: `{user, tool_id}` → the grant.
+pub const GRANTS_GET: &str = "grants.get";
+/// `--revoke '*'`: every capability.
+pub const REVOKE_ALL: &str = "*";
+/// Largest grant record.
+const GRANT_MAX_BYTES: usize = 16 * 1024;
+/// Compare-and-set attempts before giving up.
+const MAX_CAS_ATTEMPTS: u32 = 50;
+
+/// Upload caps a grant may narrow (spec §8.7; both spellings, §16 A-29).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UploadGrant {
+    /// Files per invoke.
+    #[serde(default, alias = "maxFiles", skip_serializing_if = "Option::is_none")]
+    pub max_files: Option<u32>,
+    /// Largest file.
+    #[serde(default, alias = "maxFileBytes", skip_serializing_if = "Option::is_none")]
+    pub max_file_bytes: Option<u64>,
+    /// Bytes per invoke.
+    #[serde(default, alias = "maxTotalBytes", skip_serializing_if = "Option::is_none")]
+    pub max_total_bytes: Option<u64>,
+    /// Purposes.
+    #[serde(default, alias = "allowedPurposes", skip_serializing_if = "Option::is_none")]
+    pub allowed_purposes: Option<Vec<String>>,
+}
+
+/// One user's grant to one plugin.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Grant {
+    /// The user.
+    pub user: String,
+    /// The plugin.
+    pub tool_id: String,
+    /// Host capabilities allowed (`aps.kv`, `aps.files`, `llm.sample`, `llm.embed`, `host.upload`, …).
+    #[serde(default)]
+    pub allow: BTreeSet<String>,
+    /// Upload caps narrower than the spec's defaults.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upload: Option<UploadGrant>,
+    /// Last change, Unix ms (0: never set).
+    #[serde(default)]
+    pub updated_at_ms: u64,
+}
+
+impl Grant {
+    /// Whether `capability` is allowed.
+    pub fn allows(&self, capability: &str) -> bool {
+        self.allow.contains(capability)
+    }
+}
+
+/// Why a grant operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum GrantError {
+    /// A capability string not on the platform allow-list.
+    #[error(
+        "unknown host capabilities {0:?}; known: aps.kv, aps.files, llm.sample, llm.embed, host.upload, …"
+    )]
+    Unknown(Vec<String>),
+    /// Missing or bad user / tool id.
+    #[error("{0}")]
+    Invalid(String),
+    /// JetStream failed.
+    #[error("grants store: {0}")]
+    Store(String),
+}
+
+impl GrantError {
+    /// The API error.
+    pub fn to_api_error(&self) -> ApiError {
+        match self {
+            GrantError::Unknown(_) | GrantError::Invalid(_) => {
+                ApiError::new(ApiErrorCode::InvalidArg, self.to_string())
+            }
+            GrantError::Store(_) => ApiError::new(ApiErrorCode::InternalError, self.to_string()),
+        }
+    }
+}
+
+fn store_err(e: impl std::fmt::Display) -> GrantError {
+    GrantError::Store(e.to_string())
+}
+
+/// The grants bucket.
+#[derive(Debug, Clone)]
+pub struct GrantStore {
+    kv: kv::Store,
+}
+
+impl GrantStore {
+    /// Creates (or opens) `<prefix>_grants`.
+    pub async fn open(js: &jetstream::Context, settings: &StoreSettings) -> Result<GrantStore, GrantError> {
+        let config = kv::Config {
+            bucket: format!("{}_grants", settings.prefix),
+            description: "Cloud Agents: user grants of host capabilities per plugin".into(),
+            history: 1,
+            max_value_size: i32::try_from(GRANT_MAX_BYTES).unwrap_or(i32::MAX),
+            num_replicas: settings.replicas,
+            ..Default::default()
+        };
+        let kv = match js.create_key_value(config.clone()).await {
+            Ok(kv) => kv,
+            Err(_) => js.get_key_value(&config.bucket).await.map_err(store_err)?,
+        };
+        Ok(GrantStore { kv })
+    }
+
+    fn key(user: &str, tool_id: &str) -> String {
+        format!("{}.{}", user_key(user), user_key(tool_id))
+    }
+
+    fn check(user: &str, tool_id: &str) -> Result<(), GrantError> {
+        if user.is_empty() || user.len() > 256 || user.chars().any(char::is_control) {
+            return Err(GrantError::Invalid(
+                "user must be 1–256 characters without control characters".into(),
+            ));
+        }
+        if tool_id.is_empty() || tool_id.len() > 128 || tool_id.chars().any(char::is_control) {
+            return Err(GrantError::Invalid(
+                "tool_id must be 1–128 characters without control characters".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The grant of `user` to `tool_id` (an empty one when none was ever set).
+    pub async fn get(&self, user: &str, tool_id: &str) -> Result<Grant, GrantError> {
+        Self::check(user, tool_id)?;
+        Ok(self
+            .read(user, tool_id)
+            .await?
+            .map(|(g, _)| g)
+            .unwrap_or_else(|| Grant {
+                user: user.to_owned(),
+                tool_id: tool_id.to_owned(),
+                ..Grant::default()
+            }))
+    }
+
+    async fn read(&self, user: &str, tool_id: &str) -> Result<Option<(Grant, u64)>, GrantError> {
+        let entry = self.kv.entry(Self::key(user, tool_id)).await.map_err(store_err)?;
+        match entry {
+            Some(e) if e.operation == kv::Operation::Put => {
+                let grant: Grant = serde_json::from_slice(&e.value).map_err(store_err)?;
+                Ok(Some((grant, e.revision)))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Adds `allow` and removes `revoke` (`*` = everything), atomically (compare-and-set).
+    pub async fn edit(
+        &self,
+        user: &str,
+        tool_id: &str,
+        allow: &[String],
+        revoke: &[String],
+    ) -> Result<Grant, GrantError> {
+        Self::check(user, tool_id)?;
+        let unknown: Vec<String> = allow
+            .iter()
+            .chain(revoke.iter().filter(|r| r.as_str() != REVOKE_ALL))
+            .filter(|c| !is_known_host_capability(c))
+            .cloned()
+            .collect();
+        if !unknown.is_empty() {
+            return Err(GrantError::Unknown(unknown));
+        }
+        let key = Self::key(user, tool_id);
+        for _ in 0..MAX_CAS_ATTEMPTS {
+            let entry = self.kv.entry(&key).await.map_err(store_err)?;
+            let (mut grant, revision) = match &entry {
+                Some(e) if e.operation == kv::Operation::Put => (
+                    serde_json::from_slice::<Grant>(&e.value).map_err(store_err)?,
+                    Some(e.revision),
+                ),
+                Some(e) => (Grant::default(), Some(e.revision)),
+                None => (Grant::default(), None),
+            };
+            grant.user = user.to_owned();
+            grant.tool_id = tool_id.to_owned();
+            if revoke.iter().any(|r| r == REVOKE_ALL) {
+                grant.allow.clear();
+            }
+            for r in revoke {
+                grant.allow.remove(r);
+            }
+            grant.allow.extend(allow.iter().cloned());
+            grant.updated_at_ms = now_ms();
+            let bytes = Bytes::from(serde_json::to_vec(&grant).map_err(store_err)?);
+            let written = match revision {
+                Some(rev) => self
+                    .kv
+                    .update(&key, bytes, rev)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
+                None => self
+                    .kv
+                    .create(&key, bytes)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
+            };
+            if written.is_ok() {
+                return Ok(grant);
+            }
+        }
+        Err(GrantError::Store(format!(
+            "grant of {tool_id} kept changing; retry"
+        )))
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct SetArgs {
+    user: String,
+    tool_id: String,
+    #[serde(default)]
+    allow: Vec<String>,
+    #[serde(default)]
+    revoke: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct GetArgs {
+    user: String,
+    tool_id: String,
+}
+
+/// Serves `fleet.v1.admin.grants.*` (queue group: any front answers) until the client closes. Every call needs
+/// an API token with the operator claim.
+pub async fn serve_admin(
+    client: async_nats::Client,
+    grants: GrantStore,
+    verifier: Verifier,
+) -> Result<tokio::task::JoinHandle<()>, async_nats::Error> {
+    let mut sub = client
+        .queue_subscribe(
+            format!("{ADMIN_PREFIX}.grants.*"),
+            format!("{}-admin", subjects::API_QUEUE_GROUP),
+        )
+        .await?;
+    client.flush().await?;
+    Ok(tokio::spawn(async move {
+        while let Some(msg) = sub.next().await {
+            let Some(reply) = msg.reply.clone() else { continue };
+            let auth = msg
+                .headers
+                .as_ref()
+                .and_then(|h| h.get(subjects::AUTH_HEADER))
+                .map(|v| v.as_str().to_owned());
+            let method = msg.subject.as_str().rsplit('.').take(2).collect::<Vec<_>>();
+            let method = format!(
+                "{}.{}",
+                method.get(1).unwrap_or(&""),
+                method.first().unwrap_or(&"")
+            );
+            let response = admin_call(&grants, &verifier, &method, auth.as_deref(), &msg.payload).await;
+            let payload = serde_json::to_vec(&response).unwrap_or_default();
+            let _ = client.publish(reply, payload.into()).await;
+        }
+    }))
+}
+
+async fn admin_call(
+    grants: &GrantStore,
+    verifier: &Verifier,
+    method: &str,
+    auth: Option<&str>,
+    payload: &[u8],
+) -> ApiResponse<Value> {
+    let principal = match auth.map(|h| verifier.verify(h)) {
+        None => {
+            return ApiResponse::Err(ApiError::new(
+                ApiErrorCode::InvalidToken,
+                "missing Authorization header",
+            ));
+        }
+        Some(Err(e)) => return ApiResponse::Err(e.to_api_error()),
+        Some(Ok(p)) => p,
+    };
+    if !principal.operator {
+        return ApiResponse::Err(ApiError::new(
+            ApiErrorCode::PermissionDenied,
+            "grants are operator actions: the token needs the operator claim",
+        ));
+    }
+    let result = match method {
+        GRANTS_SET => match serde_json::from_slice::<SetArgs>(payload) {
+            Ok(a) => grants.edit(&a.user, &a.tool_id, &a.allow, &a.revoke).await,
+            Err(e) => {
+                return ApiResponse::Err(ApiError::new(
+                    ApiErrorCode::InvalidArg,
+                    format!("bad arguments: {e}"),
+                ));
+            }
+        },
+        GRANTS_GET => match serde_json::from_slice::<GetArgs>(payload) {
+            Ok(a) => grants.get(&a.user, &a.tool_id).await,
+            Err(e) => {
+                return ApiResponse::Err(ApiError::new(
+                    ApiErrorCode::InvalidArg,
+                    format!("bad arguments: {e}"),
+                ));
+            }
+        },
+        other => {
+            return ApiResponse::Err(ApiError::new(
+                ApiErrorCode::InvalidArg,
+                format!("unknown admin method {other}"),
+            ));
+        }
+    };
+    match result {
+        Ok(g) => ApiResponse::Ok(serde_json::to_value(g).unwrap_or(Value::Null)),
+        Err(e) => ApiResponse::Err(e.to_api_error()),
+    }
+}
+
+/// `fleet grant` (this exact interface: `--user U --tool-id T --allow a,b` / `--revoke a,b`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct GrantArgs {
+    /// The user the grant is for.
+    #[arg(long)]
+    pub user: String,
+    /// The plugin.
+    #[arg(long)]
+    pub tool_id: String,
+    /// Capabilities to allow, comma-separated (aps.kv, aps.files, llm.sample, llm.embed, host.upload, …).
+    #[arg(long, value_delimiter = ',')]
+    pub allow: Vec<String>,
+    /// Capabilities to revoke, comma-separated (`*`: all).
+    #[arg(long, value_delimiter = ',')]
+    pub revoke: Vec<String>,
+    /// NATS URL of the fleet (default: the one `fleet up` recorded in --data-dir, else nats://127.0.0.1:4222).
+    #[arg(long, env = "FLEET_NATS_URL")]
+    pub nats_url: Option<String>,
+    /// The data directory of `fleet up` (its dev key mints an operator token when --token is absent).
+    #[arg(long, env = "FLEET_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
+    pub data_dir: PathBuf,
+    /// An operator JWT to present.
+    #[arg(long, env = "FLEET_TOKEN")]
+    pub token: Option<String>,
+}
+
+/// Runs `fleet grant`: prints the grant as it is now.
+pub async fn run_grant(args: &GrantArgs) -> Result<Value, ApiError> {
+    let token = match &args.token {
+        Some(t) => t.clone(),
+        None => mint(&args.data_dir, "operator", Duration::from_secs(300), true)?,
+    };
+    let url = args.nats_url.clone().unwrap_or_else(|| {
+        std::fs::read_to_string(nats_url_file(&args.data_dir))
+            .map(|s| s.trim().to_owned())
+            .ok()
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| crate::client_cmd::DEFAULT_NATS_URL.to_owned())
+    });
+    let method = if args.allow.is_empty() && args.revoke.is_empty() {
+        GRANTS_GET
+    } else {
+        GRANTS_SET
+    };
+    let body =
+        json!({ "user": args.user, "tool_id": args.tool_id, "allow": args.allow, "revoke": args.revoke });
+    let client = async_nats::ConnectOptions::new()
+        .connection_timeout(Duration::from_secs(5))
+        .connect(&url)
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                ApiErrorCode::AgentUnavailable,
+                format!("cannot connect to {url}: {e}"),
+            )
+        })?;
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(subjects::AUTH_HEADER, format!("Bearer {token}").as_str());
+    let request = async_nats::Request::new()
+        .headers(headers)
+        .payload(serde_json::to_vec(&body).unwrap_or_default().into())
+        .timeout(Some(Duration::from_secs(10)));
+    let reply = client
+        .send_request(format!("{ADMIN_PREFIX}.{method}"), request)
+        .await
+        .map_err(|e| ApiError::new(ApiErrorCode::AgentUnavailable, format!("{method} on {url}: {e}")))?;
+    let response: ApiResponse<Value> = serde_json::from_slice(&reply.payload)
+        .map_err(|e| ApiError::new(ApiErrorCode::InternalError, format!("unreadable answer: {e}")))?;
+    response.into_result()
+}

@@ -1,0 +1,315 @@
+//! Per-invoke budgets (spec §7.4): every counter of one invoke, keyed by its `invoke_id`, exact under concurrent
+//! reverse calls. A budget is exhausted exactly at its boundary: the Nth call of a cap of N is admitted, the
+//! (N+1)th is refused, however many calls race for the last slot (one mutex, held for a few instructions, never
+//! across an `.await`).
+//!
+//! Counting rules:
+//! * sampling: a call is counted when admitted (after request validation, before the upstream); tokens are
+//!   counted from the upstream's reported usage when the call settles. A call is admitted while
+//!   `calls < max_calls` and `tokens_used < max_tokens_total`; otherwise `-32006` / `-32007`.
+//! * storage (`storage/*` and `files/*`): every call counts; the 201st is `-32026`.
+//! * uploads: a file counts when it is stored (`inline`, `confirm`; `negotiate` is free); bytes are reserved
+//!   before the bytes are written and released if the write fails.
+
+use std::sync::Mutex;
+use std::time::Instant;
+
+use fleet_proto::limits;
+
+/// The caps of one invoke (the token's claims, defaulting to the spec's numbers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BudgetLimits {
+    /// Sampling calls per invoke (spec: 8).
+    pub sampling_calls: u32,
+    /// Sampling tokens per invoke, from reported usage (spec: 32 000).
+    pub sampling_tokens: u64,
+    /// `storage/*` + `files/*` calls per invoke (spec: 200).
+    pub storage_calls: u32,
+    /// Files stored by `host/uploadFile` per invoke (spec: 16).
+    pub upload_files: u32,
+    /// Bytes stored by `host/uploadFile` per invoke (spec: 80 MiB).
+    pub upload_total_bytes: u64,
+    /// Largest single uploaded file (spec: 20 MiB token default).
+    pub upload_file_bytes: u64,
+}
+
+impl Default for BudgetLimits {
+    fn default() -> Self {
+        BudgetLimits {
+            sampling_calls: limits::SAMPLING_MAX_CALLS_PER_INVOKE,
+            sampling_tokens: u64::from(limits::SAMPLING_MAX_TOKENS_PER_INVOKE),
+            storage_calls: limits::STORAGE_MAX_CALLS_PER_INVOKE,
+            upload_files: limits::UPLOAD_MAX_FILES_PER_INVOKE,
+            upload_total_bytes: limits::UPLOAD_MAX_TOTAL_BYTES_PER_INVOKE as u64,
+            upload_file_bytes: limits::UPLOAD_MAX_FILE_BYTES as u64,
+        }
+    }
+}
+
+/// Which cap refused a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Exhausted {
+    /// `-32006 SAMPLING_MAX_CALLS_EXCEEDED`.
+    #[error("the invoke has used all {0} sampling calls")]
+    SamplingCalls(u32),
+    /// `-32007 SAMPLING_MAX_TOKENS_EXCEEDED`.
+    #[error("the invoke has used {used} of its {cap} sampling tokens")]
+    SamplingTokens {
+        /// Tokens used so far.
+        used: u64,
+        /// The cap.
+        cap: u64,
+    },
+    /// `-32026 RATE_LIMITED`.
+    #[error("the invoke has used all {0} storage calls")]
+    StorageCalls(u32),
+    /// `-32211 MAX_FILES_EXCEEDED`.
+    #[error("the invoke has stored all {0} files it may upload")]
+    UploadFiles(u32),
+    /// `-32204 TOO_LARGE`.
+    #[error("{bytes} bytes exceed the {cap}-byte limit of one file")]
+    UploadFileTooLarge {
+        /// The file's size.
+        bytes: u64,
+        /// The cap.
+        cap: u64,
+    },
+    /// `-32202` with `UPLOAD_MAX_BYTES_EXCEEDED` (spec §16 A-32).
+    #[error("{bytes} more bytes would exceed the invoke's {cap}-byte upload total ({used} used)")]
+    UploadTotalBytes {
+        /// The file's size.
+        bytes: u64,
+        /// Bytes stored or reserved so far.
+        used: u64,
+        /// The cap.
+        cap: u64,
+    },
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    sampling_calls: u32,
+    sampling_tokens: u64,
+    storage_calls: u32,
+    upload_files: u32,
+    upload_bytes: u64,
+}
+
+/// The budget of one invoke.
+#[derive(Debug)]
+pub struct InvokeBudget {
+    limits: BudgetLimits,
+    counters: Mutex<Counters>,
+    created: Instant,
+}
+
+impl InvokeBudget {
+    /// A fresh budget.
+    pub fn new(limits: BudgetLimits) -> InvokeBudget {
+        InvokeBudget {
+            limits,
+            counters: Mutex::new(Counters::default()),
+            created: Instant::now(),
+        }
+    }
+
+    /// Its caps.
+    pub fn limits(&self) -> &BudgetLimits {
+        &self.limits
+    }
+
+    /// When it was created (for the sweep of budgets whose invoke-end was never reported).
+    pub fn created(&self) -> Instant {
+        self.created
+    }
+
+    fn counters(&self) -> std::sync::MutexGuard<'_, Counters> {
+        self.counters
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Admits one sampling call (counts it) or says which cap is exhausted. Returns the tokens left.
+    pub fn admit_sampling(&self) -> Result<u64, Exhausted> {
+        let mut c = self.counters();
+        if c.sampling_calls >= self.limits.sampling_calls {
+            return Err(Exhausted::SamplingCalls(self.limits.sampling_calls));
+        }
+        if c.sampling_tokens >= self.limits.sampling_tokens {
+            return Err(Exhausted::SamplingTokens {
+                used: c.sampling_tokens,
+                cap: self.limits.sampling_tokens,
+            });
+        }
+        c.sampling_calls += 1;
+        Ok(self.limits.sampling_tokens - c.sampling_tokens)
+    }
+
+    /// Adds the upstream's reported usage of an admitted call.
+    pub fn settle_sampling(&self, tokens: u64) {
+        let mut c = self.counters();
+        c.sampling_tokens = c.sampling_tokens.saturating_add(tokens);
+    }
+
+    /// Sampling calls admitted and tokens used so far.
+    pub fn sampling_used(&self) -> (u32, u64) {
+        let c = self.counters();
+        (c.sampling_calls, c.sampling_tokens)
+    }
+
+    /// Counts one `storage/*` or `files/*` call, or refuses it.
+    pub fn admit_storage(&self) -> Result<(), Exhausted> {
+        let mut c = self.counters();
+        if c.storage_calls >= self.limits.storage_calls {
+            return Err(Exhausted::StorageCalls(self.limits.storage_calls));
+        }
+        c.storage_calls += 1;
+        Ok(())
+    }
+
+    /// Storage calls counted so far.
+    pub fn storage_used(&self) -> u32 {
+        self.counters().storage_calls
+    }
+
+    /// Reserves one file of `bytes` against the upload caps. Dropping the reservation without
+    /// [`UploadReservation::commit`] gives the file and its bytes back.
+    pub fn reserve_upload(&self, bytes: u64) -> Result<UploadReservation<'_>, Exhausted> {
+        if bytes > self.limits.upload_file_bytes {
+            return Err(Exhausted::UploadFileTooLarge {
+                bytes,
+                cap: self.limits.upload_file_bytes,
+            });
+        }
+        let mut c = self.counters();
+        if c.upload_files >= self.limits.upload_files {
+            return Err(Exhausted::UploadFiles(self.limits.upload_files));
+        }
+        if c.upload_bytes.saturating_add(bytes) > self.limits.upload_total_bytes {
+            return Err(Exhausted::UploadTotalBytes {
+                bytes,
+                used: c.upload_bytes,
+                cap: self.limits.upload_total_bytes,
+            });
+        }
+        c.upload_files += 1;
+        c.upload_bytes += bytes;
+        Ok(UploadReservation {
+            budget: self,
+            bytes,
+            committed: false,
+        })
+    }
+
+    /// Files and bytes stored (or reserved) so far.
+    pub fn upload_used(&self) -> (u32, u64) {
+        let c = self.counters();
+        (c.upload_files, c.upload_bytes)
+    }
+}
+
+/// A reserved upload slot; see [`InvokeBudget::reserve_upload`].
+#[derive(Debug)]
+pub struct UploadReservation<'a> {
+    budget: &'a InvokeBudget,
+    bytes: u64,
+    committed: bool,
+}
+
+impl UploadReservation<'_> {
+    /// The file was stored: keep the slot and the bytes.
+    pub fn commit(mut self) {
+        self.committed = true;
+    }
+}
+
+impl Drop for UploadReservation<'_> {
+    fn drop(&mut self) {
+        if !self.committed {
+            let mut c = self.budget.counters();
+            c.upload_files = c.upload_files.saturating_sub(1);
+            c.upload_bytes = c.upload_bytes.saturating_sub(self.bytes);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    #[test]
+    fn sampling_calls_stop_exactly_at_the_cap_under_contention() {
+        let budget = Arc::new(InvokeBudget::new(BudgetLimits::default()));
+        for _ in 0..7 {
+            budget.admit_sampling().expect("admitted");
+        }
+        let admitted: usize = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..8)
+                .map(|_| s.spawn(|| budget.admit_sampling().is_ok()))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| usize::from(h.join().expect("thread")))
+                .sum()
+        });
+        assert_eq!(admitted, 1, "exactly one of 8 racers wins the last slot");
+        assert_eq!(budget.admit_sampling(), Err(Exhausted::SamplingCalls(8)));
+    }
+
+    #[test]
+    fn sampling_tokens_refuse_once_the_reported_usage_reaches_the_cap() {
+        let budget = InvokeBudget::new(BudgetLimits::default());
+        assert_eq!(budget.admit_sampling(), Ok(32_000));
+        budget.settle_sampling(31_999);
+        assert_eq!(budget.admit_sampling(), Ok(1), "31 999 used: one token left");
+        budget.settle_sampling(1);
+        assert_eq!(
+            budget.admit_sampling(),
+            Err(Exhausted::SamplingTokens {
+                used: 32_000,
+                cap: 32_000
+            })
+        );
+    }
+
+    #[test]
+    fn storage_calls_admit_200_and_refuse_the_201st() {
+        let budget = InvokeBudget::new(BudgetLimits::default());
+        for _ in 0..200 {
+            budget.admit_storage().expect("admitted");
+        }
+        assert_eq!(budget.admit_storage(), Err(Exhausted::StorageCalls(200)));
+        assert_eq!(budget.storage_used(), 200);
+    }
+
+    #[test]
+    fn uploads_count_files_and_bytes_and_give_back_a_failed_write() {
+        let budget = InvokeBudget::new(BudgetLimits::default());
+        let mib = 1024 * 1024;
+        assert!(matches!(
+            budget.reserve_upload(20 * mib + 1),
+            Err(Exhausted::UploadFileTooLarge { .. })
+        ));
+        budget.reserve_upload(20 * mib).expect("exactly 20 MiB").commit();
+        drop(budget.reserve_upload(mib).expect("reserved"));
+        assert_eq!(
+            budget.upload_used(),
+            (1, 20 * mib),
+            "dropped reservation given back"
+        );
+        for _ in 0..3 {
+            budget.reserve_upload(20 * mib).expect("fits").commit();
+        }
+        assert!(matches!(
+            budget.reserve_upload(1),
+            Err(Exhausted::UploadTotalBytes { used, .. }) if used == 80 * mib
+        ));
+        let budget = InvokeBudget::new(BudgetLimits::default());
+        for _ in 0..16 {
+            budget.reserve_upload(1).expect("fits").commit();
+        }
+        assert_eq!(budget.reserve_upload(1).err(), Some(Exhausted::UploadFiles(16)));
+    }
+}

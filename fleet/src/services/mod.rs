@@ -1,0 +1,447 @@
+//! The host services behind reverse RPC (spec §7, §8) and the per-invoke tokens (spec §11), as the fleet
+//! provides them on real parts: an OpenAI-compatible HTTP upstream for sampling and embeddings ([`llm`]),
+//! JetStream KV for APS storage ([`kv`]), the JetStream object store for APS files and host uploads
+//! ([`files`], [`upload`]), with signed, expiring download links served by the fleet's HTTP listener.
+//!
+//! [`FleetServices`] is both the worker's [`TokenSource`] and its [`HostServices`]:
+//!
+//! * **minting** (at each invoke): for each family, a token is minted only when the capability was negotiated
+//!   in `initialize`, declared in the manifest's `host_capabilities`, **and** allowed by the user's grant
+//!   ([`crate::grants`]); the invoke's [`InvokeBudget`] is created with the caps the tokens carry;
+//! * **serving** (each reverse call, after the worker's routing and negotiation/manifest gates): the family's
+//!   token is verified ([`tokens`]: signature, audience, expiry, and binding to this user, plugin and invoke);
+//!   a missing or bad token is the family's not-granted error; then the family's service answers;
+//! * **forgetting** (invoke end): the budget and every trace of the tokens are dropped (spec §11 HR-JW-01).
+//!
+//! Families not offered here (`image/*`, `agent/*`, `web/*`, `credentials/*`) answer their not-granted code
+//! (README "Host services": not offered).
+
+pub mod budget;
+pub mod files;
+pub mod kv;
+pub mod llm;
+pub mod tokens;
+pub mod upload;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dashmap::DashMap;
+use fleet_proto::executa::capabilities::{self, keys};
+use fleet_proto::executa::reverse::{
+    Family, family_of, method_not_found, storage as storage_codes, upload as upload_codes,
+};
+use fleet_proto::jsonrpc::ErrorObject;
+use fleet_worker::services::{
+    HostServices, InvokeTokens, ReverseCall, ServiceFuture, TokenFuture, TokenRequest, TokenSource,
+    sampling_offer,
+};
+use serde_json::{Map, Value};
+
+use crate::grants::{Grant, GrantStore};
+use crate::store::now_ms;
+
+pub use budget::{BudgetLimits, Exhausted, InvokeBudget};
+pub use tokens::{Binding, ServiceClaims, TokenError, TokenMinter};
+
+/// Budgets whose invoke-end was never reported are dropped after this long (the longest token TTL).
+const BUDGET_MAX_AGE: Duration = fleet_proto::limits::LONG_JOB_TOKEN_TTL_CAP;
+
+/// The scopes a plugin's storage token permits (spec §8.3 HR-ST-02).
+pub const PLUGIN_SCOPES: [&str; 2] = ["tool", "user"];
+
+/// What one reverse call runs with, after its token verified.
+#[derive(Debug, Clone)]
+pub struct CallContext {
+    /// The user.
+    pub user: String,
+    /// The plugin.
+    pub tool_id: String,
+    /// The parent invoke.
+    pub invoke_id: String,
+    /// The parent invoke's absolute deadline, Unix ms.
+    pub deadline_ms: u64,
+    /// `_clientTimeoutS` as the SDK sent it.
+    pub client_timeout_s: Option<f64>,
+    /// The verified claims of the family's token.
+    pub claims: ServiceClaims,
+    /// The parent invoke's budget.
+    pub budget: Arc<InvokeBudget>,
+}
+
+impl CallContext {
+    /// Time left until the parent invoke's deadline.
+    pub fn remaining(&self) -> Duration {
+        Duration::from_millis(self.deadline_ms.saturating_sub(now_ms()))
+    }
+
+    /// The effective subcall timeout (spec §7.3 HR-DL-01): `min(_clientTimeoutS, remaining, cap)`.
+    pub fn subcall_timeout(&self, cap: Duration) -> Duration {
+        let mut t = self.remaining().min(cap);
+        if let Some(c) = self.client_timeout_s.filter(|c| c.is_finite() && *c > 0.0) {
+            t = t.min(Duration::from_secs_f64(c.min(cap.as_secs_f64())));
+        }
+        t
+    }
+
+    /// Whether the verified token carries `capability` (the grant at mint time).
+    pub fn granted(&self, capability: &str) -> bool {
+        self.claims.caps.iter().any(|c| c == capability)
+    }
+}
+
+/// Configuration of the host services (`[services]` of the TOML config; flags override).
+#[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServicesConfig {
+    /// The base URL download links point at (the fleet's HTTP listener as clients reach it), e.g.
+    /// `https://fleet.example.com`. Without it, links are relative (`/v1/files/…`).
+    #[serde(default)]
+    pub public_url: Option<String>,
+    /// The OpenAI-compatible upstream for sampling and embeddings; absent: neither is offered.
+    #[serde(default)]
+    pub llm: Option<llm::LlmConfig>,
+    /// APS storage settings.
+    #[serde(default)]
+    pub storage: kv::StorageConfig,
+}
+
+/// Why the services could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServicesError {
+    /// A JetStream resource.
+    #[error("host services: {0}")]
+    Store(String),
+    /// Configuration.
+    #[error("host services configuration: {0}")]
+    Config(String),
+}
+
+/// The fleet's host services and token source (one per worker process).
+#[derive(Debug, Clone)]
+pub struct FleetServices {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    minter: TokenMinter,
+    grants: GrantStore,
+    budgets: DashMap<String, Arc<InvokeBudget>>,
+    llm: Option<llm::LlmService>,
+    kv: kv::KvService,
+    files: files::FilesService,
+    upload: upload::UploadService,
+}
+
+impl FleetServices {
+    /// Opens every resource the services need.
+    pub async fn open(
+        js: &async_nats::jetstream::Context,
+        settings: &crate::store::StoreSettings,
+        config: &ServicesConfig,
+        links: files::LinkSigner,
+    ) -> Result<FleetServices, ServicesError> {
+        let grants = GrantStore::open(js, settings)
+            .await
+            .map_err(|e| ServicesError::Store(e.to_string()))?;
+        let llm = match &config.llm {
+            Some(c) => Some(llm::LlmService::new(c)?),
+            None => None,
+        };
+        let kv = kv::KvService::open(js, settings, &config.storage).await?;
+        let files =
+            files::FilesService::open(js, settings, &config.storage, links, config.public_url.clone())
+                .await?;
+        let upload = upload::UploadService::new(files.clone());
+        Ok(FleetServices {
+            inner: Arc::new(Inner {
+                minter: TokenMinter::new().map_err(|e| ServicesError::Config(e.to_string()))?,
+                grants,
+                budgets: DashMap::new(),
+                llm,
+                kv,
+                files,
+                upload,
+            }),
+        })
+    }
+
+    /// The grants store.
+    pub fn grants(&self) -> &GrantStore {
+        &self.inner.grants
+    }
+
+    /// The token minter (tests mint tampered tokens with it).
+    pub fn minter(&self) -> &TokenMinter {
+        &self.inner.minter
+    }
+
+    /// Budgets currently held (one per invoke that has tokens).
+    pub fn budgets_held(&self) -> usize {
+        self.inner.budgets.len()
+    }
+
+    /// The budget of an invoke, if it has one.
+    pub fn budget(&self, invoke_id: &str) -> Option<Arc<InvokeBudget>> {
+        self.inner.budgets.get(invoke_id).map(|b| b.clone())
+    }
+
+    fn sweep_budgets(&self) {
+        self.inner
+            .budgets
+            .retain(|_, b| b.created().elapsed() < BUDGET_MAX_AGE);
+    }
+
+    async fn mint(&self, req: TokenRequest) -> InvokeTokens {
+        let offered = |k: &str| req.negotiated.contains(k);
+        let declared = |c: &str| req.declared.iter().any(|d| d == c);
+        // Nothing could be minted: skip the grant lookup entirely.
+        let candidates: Vec<&str> = [
+            capabilities::LLM_SAMPLE,
+            capabilities::LLM_EMBED,
+            capabilities::APS_KV,
+            capabilities::APS_FILES,
+            capabilities::HOST_UPLOAD,
+        ]
+        .into_iter()
+        .filter(|c| declared(c))
+        .collect();
+        if candidates.is_empty() {
+            return InvokeTokens::default();
+        }
+        let grant = match self.inner.grants.get(&req.user, &req.tool_id).await {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::warn!(tool_id = %req.tool_id, error = %e, "grant lookup failed: no service tokens for this invoke");
+                Grant::default()
+            }
+        };
+        let ok = |cap: &str, keys_: &[&str]| {
+            declared(cap) && grant.allows(cap) && keys_.iter().any(|k| offered(k))
+        };
+        let llm = self.inner.llm.is_some();
+        let sampling_caps: Vec<String> = [
+            (
+                capabilities::LLM_SAMPLE,
+                llm && ok(capabilities::LLM_SAMPLE, &[keys::SAMPLING]),
+            ),
+            (
+                capabilities::LLM_EMBED,
+                llm && ok(capabilities::LLM_EMBED, &[keys::EMBED, keys::SAMPLING]),
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(c, on)| on.then(|| c.to_owned()))
+        .collect();
+        let storage_caps: Vec<String> = [capabilities::APS_KV, capabilities::APS_FILES]
+            .into_iter()
+            .filter(|c| ok(c, &[keys::STORAGE]))
+            .map(str::to_owned)
+            .collect();
+        let upload_ok = ok(capabilities::HOST_UPLOAD, &[keys::UPLOAD]);
+
+        let binding = Binding {
+            user: &req.user,
+            tool_id: &req.tool_id,
+            invoke_id: &req.invoke_id,
+        };
+        let ttl = TokenMinter::ttl_for(req.deadline_ms);
+        let mut limits = BudgetLimits::default();
+        if let Some(u) = &grant.upload {
+            limits.upload_files = u
+                .max_files
+                .map_or(limits.upload_files, |m| m.min(limits.upload_files));
+            limits.upload_file_bytes = u.max_file_bytes.unwrap_or(limits.upload_file_bytes);
+            limits.upload_total_bytes = u
+                .max_total_bytes
+                .map_or(limits.upload_total_bytes, |m| m.min(limits.upload_total_bytes));
+        }
+        let mut tokens = InvokeTokens::default();
+        let sign = |c: &ServiceClaims| match self.inner.minter.sign(c) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::error!(error = %e, "service token minting failed");
+                None
+            }
+        };
+        if !sampling_caps.is_empty() {
+            let mut c = TokenMinter::claims(binding, tokens::AUD_SAMPLING, ttl);
+            c.caps = sampling_caps;
+            c.max_calls = Some(limits.sampling_calls);
+            c.max_tokens_total = Some(limits.sampling_tokens);
+            tokens.sampling = sign(&c);
+        }
+        if !storage_caps.is_empty() {
+            let mut c = TokenMinter::claims(binding, tokens::AUD_STORAGE, ttl);
+            c.caps = storage_caps;
+            c.allowed_scopes = Some(PLUGIN_SCOPES.iter().map(|s| (*s).to_owned()).collect());
+            c.max_calls = Some(limits.storage_calls);
+            tokens.storage = sign(&c);
+        }
+        if upload_ok {
+            let mut c = TokenMinter::claims(binding, tokens::AUD_UPLOAD, ttl);
+            c.caps = vec![capabilities::HOST_UPLOAD.to_owned()];
+            c.max_files = Some(limits.upload_files);
+            c.max_file_bytes = Some(limits.upload_file_bytes);
+            c.max_total_bytes = Some(limits.upload_total_bytes);
+            c.allowed_purposes = Some(
+                grant
+                    .upload
+                    .as_ref()
+                    .and_then(|u| u.allowed_purposes.clone())
+                    .unwrap_or_else(|| upload::PURPOSES.iter().map(|p| (*p).to_owned()).collect()),
+            );
+            tokens.upload = sign(&c);
+        }
+        if tokens.sampling.is_some() || tokens.storage.is_some() || tokens.upload.is_some() {
+            self.sweep_budgets();
+            self.inner
+                .budgets
+                .insert(req.invoke_id.clone(), Arc::new(InvokeBudget::new(limits)));
+        }
+        tokens
+    }
+
+    /// Serves one reverse call (the [`HostServices`] entry point, callable directly by tests).
+    pub async fn serve(&self, call: ReverseCall) -> Result<Value, ErrorObject> {
+        let (aud, token, missing) = match call.family {
+            Family::Sampling | Family::Embeddings => (
+                tokens::AUD_SAMPLING,
+                call.tokens.sampling.as_deref(),
+                call.family.not_granted().error(format!(
+                    "sampling_token missing — the user has not granted {} to this plugin",
+                    call.family.manifest_capability().unwrap_or("llm.sample")
+                )),
+            ),
+            Family::Storage | Family::Files => (
+                tokens::AUD_STORAGE,
+                call.tokens.storage.as_deref(),
+                storage_codes::STORAGE_NOT_GRANTED
+                    .error("storage_token missing — host did not authorize storage for this invoke"),
+            ),
+            Family::Upload => (
+                tokens::AUD_UPLOAD,
+                call.tokens.upload.as_deref(),
+                upload_codes::UPLOAD_NOT_GRANTED
+                    .error("Upload token missing — host did not authorize host/uploadFile"),
+            ),
+            other => {
+                return Err(other
+                    .not_granted()
+                    .error(format!("{} is not offered on this host", call.method)));
+            }
+        };
+        let binding = Binding {
+            user: &call.user,
+            tool_id: &call.tool_id,
+            invoke_id: &call.invoke_id,
+        };
+        let claims = match self.inner.minter.verify(token, aud, binding) {
+            Ok(c) => c,
+            Err(TokenError::Missing) => return Err(missing),
+            Err(e) => {
+                return Err(call
+                    .family
+                    .not_granted()
+                    .error(format!("the invoke's token was refused: {e}")));
+            }
+        };
+        // The capability within the family's token (one storage token serves aps.kv and aps.files).
+        let needed = call.family.manifest_capability();
+        if let Some(cap) = needed {
+            if !claims.caps.iter().any(|c| c == cap) {
+                return Err(call
+                    .family
+                    .not_granted()
+                    .error(format!("the user has not granted {cap} to this plugin")));
+            }
+        }
+        let budget = self
+            .inner
+            .budgets
+            .entry(call.invoke_id.clone())
+            .or_insert_with(|| Arc::new(InvokeBudget::new(BudgetLimits::default())))
+            .clone();
+        let ctx = CallContext {
+            user: call.user.clone(),
+            tool_id: call.tool_id.clone(),
+            invoke_id: call.invoke_id.clone(),
+            deadline_ms: call.deadline_ms,
+            client_timeout_s: call.client_timeout_s,
+            claims,
+            budget,
+        };
+        if matches!(call.family, Family::Storage | Family::Files) {
+            if let Err(e) = ctx.budget.admit_storage() {
+                return Err(storage_codes::RATE_LIMITED.error_with(
+                    e.to_string(),
+                    Map::from_iter([("reason".to_owned(), Value::from("invoke_budget"))]),
+                ));
+            }
+        }
+        match call.family {
+            Family::Sampling | Family::Embeddings => match &self.inner.llm {
+                Some(llm) => llm.call(&ctx, &call.method, call.params).await,
+                None => Err(call
+                    .family
+                    .not_granted()
+                    .error("no LLM upstream is configured on this host")),
+            },
+            Family::Storage => self.inner.kv.call(&ctx, &call.method, call.params).await,
+            Family::Files => self.inner.files.call(&ctx, &call.method, call.params).await,
+            Family::Upload => self.inner.upload.call(&ctx, &call.method, call.params).await,
+            _ => Err(method_not_found(&call.method)),
+        }
+    }
+}
+
+impl TokenSource for FleetServices {
+    fn tokens(&self, request: TokenRequest) -> TokenFuture {
+        let this = self.clone();
+        Box::pin(async move { this.mint(request).await })
+    }
+}
+
+impl HostServices for FleetServices {
+    fn call(&self, call: ReverseCall) -> ServiceFuture {
+        let this = self.clone();
+        if family_of(&call.method).is_none() {
+            let e = method_not_found(&call.method);
+            return Box::pin(async move { Err(e) });
+        }
+        Box::pin(async move { this.serve(call).await })
+    }
+
+    fn offer(&self) -> Map<String, Value> {
+        let mut offer = Map::new();
+        if let Some(llm) = &self.inner.llm {
+            offer.insert(keys::SAMPLING.into(), sampling_offer());
+            if llm.embeddings_enabled() {
+                offer.insert(keys::EMBED.into(), Value::Object(Map::new()));
+            }
+        }
+        offer.insert(keys::STORAGE.into(), Value::Object(Map::new()));
+        offer.insert(keys::UPLOAD.into(), Value::Object(Map::new()));
+        offer.insert(keys::FILE_TRANSPORT.into(), Value::Bool(true));
+        offer
+    }
+
+    fn invoke_finished(&self, invoke_id: &str) {
+        self.inner.budgets.remove(invoke_id);
+    }
+}
+
+/// The capability strings a grant may name for the services of this module.
+pub fn service_capabilities() -> BTreeSet<&'static str> {
+    [
+        capabilities::LLM_SAMPLE,
+        capabilities::LLM_EMBED,
+        capabilities::APS_KV,
+        capabilities::APS_FILES,
+        capabilities::HOST_UPLOAD,
+    ]
+    .into_iter()
+    .collect()
+}
