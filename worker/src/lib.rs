@@ -6,11 +6,14 @@
 //!   process-tree kill, OOM detection, per-user uids and directories, and the sweep of stale cgroups.
 //! - [`session`]: one long-lived plugin process per (user, tool_id): the Executa lifecycle, the JSON-RPC
 //!   multiplexer, reverse-RPC routing, progress, cancellation, restarts.
+//! - [`install`]: plugin installs from archives (spec §14): verify, extract (zip-slip refused), entrypoint,
+//!   atomic versioned commit, `current` pointer, `INSTALL.json`, garbage collection.
 //! - [`pool`]: the warm pool of sessions with caps, LRU and idle eviction.
 #![deny(unsafe_code)]
 
 pub mod catalogue;
 pub mod config;
+pub mod install;
 pub mod metrics;
 pub mod pool;
 pub mod sandbox;
