@@ -500,6 +500,15 @@ struct Entry {
     idle_timeout: Option<Duration>,
 }
 
+/// Loads the single install in `dir` (its `executa.json`), as [`Catalogue::load`] would load a sub-directory:
+/// used for versioned installs (`tools/{tool_id}/v{version}/`, see [`crate::install`]).
+///
+/// # Errors
+/// Every [`CatalogueError`] a catalogue entry can have.
+pub fn load_dir(dir: &Path, opts: &LoadOptions) -> Result<Install, CatalogueError> {
+    load_install(dir, &dir.join(MANIFEST_FILE), opts)
+}
+
 fn load_install(sub: &Path, manifest: &Path, opts: &LoadOptions) -> Result<Install, CatalogueError> {
     let bytes = read_small_file(manifest)?;
     let value: Value = serde_json::from_slice(&bytes).map_err(|source| CatalogueError::Json {
@@ -624,13 +633,13 @@ fn validate_tool_id(id: &str) -> Result<(), CatalogueError> {
         "must not be empty".to_string()
     } else if id.chars().count() > MAX_TOOL_ID_CHARS {
         format!("longer than {MAX_TOOL_ID_CHARS} characters")
-    } else if !id.starts_with(|c: char| c.is_ascii_alphanumeric())
+    } else if !id.starts_with(|c: char| c.is_ascii_alphanumeric() || c == '_')
         || !id
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
     {
         format!(
-            "{id:?}: must match [A-Za-z0-9][A-Za-z0-9._-]* (it is used as a file name and a command argument)"
+            "{id:?}: must match [A-Za-z0-9_][A-Za-z0-9._-]* (it is used as a file name and a command argument)"
         )
     } else {
         return Ok(());
@@ -731,6 +740,11 @@ fn resolve_argv(
     };
     match entry.kind {
         InstallType::Python => {
+            if opts.lookup("uv").is_none()
+                && let Some(argv) = python_fallback(dir, &entry.tool_id, opts)?
+            {
+                return Ok(argv);
+            }
             require_file(dir, "pyproject.toml", entry.kind)?;
             let uv = runtime("uv")?;
             Ok(vec![
@@ -802,6 +816,32 @@ fn resolve_command(
     argv.push(path_string(resolved)?);
     argv.extend(args.iter().cloned());
     Ok(argv)
+}
+
+/// The scripts the `python` fallback runs, in order (`{tool_id}` is replaced).
+pub const PYTHON_FALLBACK_SCRIPTS: [&str; 3] = ["{tool_id}.py", "main.py", "__main__.py"];
+
+/// Without `uv` on the search path, a `python` install with a stdlib-only script is run as
+/// `[<python3>, <dir>/<script>]`, the script being the first of [`PYTHON_FALLBACK_SCRIPTS`] present. `None`: no such
+/// script (the caller then reports the missing `uv`); an error: the script exists but `python3` is not on PATH.
+/// No dependency is installed by the fallback: production Python plugins should ship with `uv` present.
+fn python_fallback(
+    dir: &Path,
+    tool_id: &str,
+    opts: &LoadOptions,
+) -> Result<Option<Vec<String>>, CatalogueError> {
+    let Some(script) = PYTHON_FALLBACK_SCRIPTS
+        .iter()
+        .map(|s| dir.join(s.replace("{tool_id}", tool_id)))
+        .find(|p| fs::symlink_metadata(p).is_ok_and(|m| m.is_file()))
+    else {
+        return Ok(None);
+    };
+    let python = opts.lookup("python3").ok_or(CatalogueError::MissingRuntime {
+        kind: InstallType::Python,
+        program: "python3",
+    })?;
+    Ok(Some(vec![path_string(python)?, path_string(script)?]))
 }
 
 fn require_file(dir: &Path, name: &str, kind: InstallType) -> Result<(), CatalogueError> {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use dashmap::DashMap;
 use tokio::task::{JoinHandle, JoinSet};
 
-use crate::catalogue::Catalogue;
+use crate::catalogue::{Catalogue, Install};
 use crate::metrics::WorkerMetrics;
 use crate::session::{InvokeError, InvokeOutput, InvokeRequest, Session, SessionError, WorkerContext};
 
@@ -41,9 +41,16 @@ pub enum PoolError {
 
 type Key = (String, String);
 
+/// How often a draining session's in-flight count is checked.
+const DRAIN_POLL: Duration = Duration::from_millis(25);
+
 struct Inner {
     ctx: WorkerContext,
     catalogue: Arc<Catalogue>,
+    /// Installs added at run time (versioned installs, see `crate::install`), by tool id.
+    installed: std::sync::RwLock<HashMap<String, Arc<Install>>>,
+    /// Sessions of replaced installs, finishing their invokes before they stop.
+    draining: Mutex<Vec<Session>>,
     sessions: Mutex<HashMap<Key, Session>>,
     invokes: DashMap<String, Session>,
     early_cancels: crate::session::EarlyCancels,
@@ -73,6 +80,8 @@ impl Pool {
         let inner = Arc::new(Inner {
             ctx,
             catalogue,
+            installed: std::sync::RwLock::new(HashMap::new()),
+            draining: Mutex::new(Vec::new()),
             sessions: Mutex::new(HashMap::new()),
             invokes: DashMap::new(),
             early_cancels: crate::session::EarlyCancels::default(),
@@ -99,6 +108,85 @@ impl Pool {
     /// The catalogue.
     pub fn catalogue(&self) -> &Catalogue {
         &self.inner.catalogue
+    }
+
+    /// The install of `tool_id`: the catalogue's (the local catalogue always wins), else one added with
+    /// [`Pool::set_install`].
+    pub fn install(&self, tool_id: &str) -> Option<Arc<Install>> {
+        if let Some(i) = self.inner.catalogue.get(tool_id) {
+            return Some(Arc::new(i.clone()));
+        }
+        self.inner
+            .installed
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(tool_id)
+            .cloned()
+    }
+
+    /// The install added with [`Pool::set_install`] for `tool_id`, if any (not the catalogue's).
+    pub fn added_install(&self, tool_id: &str) -> Option<Arc<Install>> {
+        self.inner
+            .installed
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(tool_id)
+            .cloned()
+    }
+
+    /// Adds or replaces the install of `install.tool_id` (an upgrade). New sessions start on it at once; sessions
+    /// of the previous install leave the pool now and stop once their in-flight invokes have finished (their
+    /// process keeps its version directory). The returned task completes when they have all stopped.
+    pub fn set_install(&self, install: Install) -> JoinHandle<()> {
+        let tool_id = install.tool_id.clone();
+        let previous = self
+            .inner
+            .installed
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(tool_id.clone(), Arc::new(install.clone()));
+        let changed = previous.is_some_and(|p| *p != install);
+        self.drain(&tool_id, changed)
+    }
+
+    /// Removes an install added with [`Pool::set_install`]; its sessions drain as on an upgrade.
+    pub fn remove_install(&self, tool_id: &str) -> Option<JoinHandle<()>> {
+        let removed = self
+            .inner
+            .installed
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(tool_id);
+        removed.map(|_| self.drain(tool_id, true))
+    }
+
+    /// Takes `tool_id`'s sessions out of the pool (when `now`) and stops each once it has no invoke in flight.
+    fn drain(&self, tool_id: &str, now: bool) -> JoinHandle<()> {
+        let old: Vec<Session> = if now {
+            let mut sessions = lock(&self.inner.sessions);
+            let keys: Vec<Key> = sessions.keys().filter(|(_, t)| t == tool_id).cloned().collect();
+            keys.iter().filter_map(|k| sessions.remove(k)).collect()
+        } else {
+            Vec::new()
+        };
+        lock(&self.inner.draining).extend(old.iter().cloned());
+        let weak = Arc::downgrade(&self.inner);
+        tokio::spawn(async move {
+            let mut set = JoinSet::new();
+            for s in old {
+                set.spawn(async move {
+                    // The session has no idle notification: poll its in-flight count (cheap, an atomic).
+                    while s.in_flight() > 0 {
+                        tokio::time::sleep(DRAIN_POLL).await;
+                    }
+                    s.shutdown().await;
+                });
+            }
+            while set.join_next().await.is_some() {}
+            if let Some(inner) = weak.upgrade() {
+                lock(&inner.draining).retain(|s| s.state() != crate::session::SessionState::Closed);
+            }
+        })
     }
 
     /// The shared context.
@@ -139,9 +227,7 @@ impl Pool {
                 return Ok(s.clone());
             }
             let install = self
-                .inner
-                .catalogue
-                .get(tool_id)
+                .install(tool_id)
                 .ok_or_else(|| PoolError::UnknownPlugin(tool_id.to_string()))?;
             let config = &self.inner.ctx.config;
             if sessions.keys().filter(|(u, _)| u == user).count() >= config.max_sessions_per_user {
@@ -158,7 +244,7 @@ impl Pool {
                 })?;
                 evicted.extend(sessions.remove(&victim));
             }
-            let session = Session::new(user, &Arc::new(install.clone()), &self.inner.ctx)?;
+            let session = Session::new(user, &install, &self.inner.ctx)?;
             sessions.insert(key, session.clone());
             session
         };
@@ -236,9 +322,7 @@ impl Pool {
                 .iter()
                 .filter(|(_, s)| {
                     let timeout = self
-                        .inner
-                        .catalogue
-                        .get(s.tool_id())
+                        .install(s.tool_id())
                         .and_then(|i| i.idle_timeout)
                         .unwrap_or(self.inner.ctx.config.idle_timeout);
                     s.in_flight() == 0 && now.duration_since(s.last_used()) >= timeout
@@ -266,7 +350,8 @@ impl Pool {
         if let Some(reaper) = lock(&self.inner.reaper).take() {
             reaper.abort();
         }
-        let sessions: Vec<Session> = lock(&self.inner.sessions).drain().map(|(_, s)| s).collect();
+        let mut sessions: Vec<Session> = lock(&self.inner.sessions).drain().map(|(_, s)| s).collect();
+        sessions.append(&mut lock(&self.inner.draining));
         let mut set = JoinSet::new();
         for s in sessions {
             set.spawn(async move { s.shutdown().await });
