@@ -686,6 +686,54 @@ impl DevKey {
     }
 }
 
+/// A 32-byte secret kept in `<data_dir>/<name>` as 64 hex digits (mode 0600), created atomically on first use
+/// exactly like the dev key (e.g. `link-signing-key`, the HMAC secret of download links).
+pub fn load_or_create_secret(data_dir: &Path, name: &str) -> Result<Vec<u8>, AuthError> {
+    let path = data_dir.join(name);
+    let io_err = |source| AuthError::DevKeyIo {
+        path: path.clone(),
+        source,
+    };
+    if !path.exists() {
+        DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(data_dir)
+            .map_err(io_err)?;
+        let mut secret = [0u8; 32];
+        rand::rngs::OsRng
+            .try_fill_bytes(&mut secret)
+            .map_err(|e| io_err(io::Error::other(e)))?;
+        let mut text = hex_encode(&secret).into_bytes();
+        text.push(b'\n');
+        let created = create_no_replace(data_dir, &path, &text).map_err(io_err);
+        wipe(&mut secret);
+        wipe(&mut text);
+        created?;
+    }
+    load_secret_file(&path)
+}
+
+/// Reads a secret file: 64 hex digits (a trailing newline is fine), or at least 32 raw bytes.
+pub fn load_secret_file(path: &Path) -> Result<Vec<u8>, AuthError> {
+    let bytes = std::fs::read(path).map_err(|source| AuthError::DevKeyIo {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let text = String::from_utf8_lossy(&bytes);
+    if let Some(secret) = hex_decode(text.trim()).filter(|s| s.len() >= 32) {
+        return Ok(secret);
+    }
+    let raw = bytes.strip_suffix(b"\n").unwrap_or(&bytes);
+    if raw.len() >= 32 {
+        return Ok(raw.to_vec());
+    }
+    Err(AuthError::DevKeyInvalid {
+        path: path.to_path_buf(),
+        reason: "expected 64 hex digits or at least 32 bytes",
+    })
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Verification helpers.
 

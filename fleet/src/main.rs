@@ -44,6 +44,10 @@ enum Cmd {
     Worker(fleet::worker_cmd::WorkerArgs),
     /// Run everything on this machine: nats-server (unless --nats-url), the front, N workers, HTTP.
     Up(fleet::up::UpArgs),
+    /// Allow or revoke host capabilities (aps.kv, aps.files, llm.sample, llm.embed, host.upload, …) for one
+    /// user and plugin; with neither --allow nor --revoke, print the grant. An operator action (the dev key
+    /// of --data-dir mints an operator token when --token is absent).
+    Grant(fleet::grants::GrantArgs),
     /// Mint a dev token for a user with the data dir's signing key (with --window: a window token for the HTTP
     /// gateway, audience `anna-app-window`, 120 s).
     Token {
@@ -218,6 +222,7 @@ async fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Cmd::Grant(args) => print_outcome(fleet::grants::run_grant(&args).await),
         Cmd::Token {
             user,
             ttl_secs,

@@ -12,7 +12,6 @@ use fleet_worker::config::{IsolationMode, RunAs, WorkerConfig};
 use fleet_worker::metrics::WorkerMetrics;
 use fleet_worker::pool::Pool;
 use fleet_worker::sandbox::Sandbox;
-use fleet_worker::services::{NoServices, NoTokens};
 use fleet_worker::session::WorkerContext;
 
 use crate::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, DevKey, Verifier, VerifyKey};
@@ -71,6 +70,9 @@ pub struct UpArgs {
     /// Admission: burst per user.
     #[arg(long, env = "FLEET_RATE_LIMIT_BURST", default_value_t = 100)]
     pub rate_limit_burst: u32,
+    /// Host services (sampling, embeddings, APS storage and files, uploads).
+    #[command(flatten)]
+    pub services: crate::services::args::ServicesArgs,
 }
 
 /// The verifier: the configured keys, or the dev key of the data dir when none is configured.
@@ -174,15 +176,20 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             url: url.clone(),
             reason: e.to_string(),
         })?;
-    let store = Store::open(
-        async_nats::jetstream::new(client.clone()),
-        StoreSettings {
-            replicas: args.jetstream_replicas,
-            ..StoreSettings::default()
-        },
-    )
-    .await
-    .map_err(|e| other("JetStream resources")(&e))?;
+    let settings = StoreSettings {
+        replicas: args.jetstream_replicas,
+        ..StoreSettings::default()
+    };
+    let js = async_nats::jetstream::new(client.clone());
+    let store = Store::open(js.clone(), settings.clone())
+        .await
+        .map_err(|e| other("JetStream resources")(&e))?;
+    // Host services: one instance for every in-process worker and the HTTP listener's download links.
+    let services = args
+        .services
+        .open(&js, &settings, &data_dir, Some(format!("http://{}", args.http)))
+        .await
+        .map_err(|e| other("host services")(&e))?;
 
     // Auth: the configured keys, else the dev key in the data dir.
     let verifier = verifier(args, &data_dir)?;
@@ -238,8 +245,8 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         let ctx = WorkerContext {
             config: Arc::new(config.clone()),
             sandbox: sandbox.clone(),
-            services: Arc::new(NoServices),
-            tokens: Arc::new(NoTokens),
+            services: Arc::new(services.clone()),
+            tokens: Arc::new(services.clone()),
             metrics: Arc::new(WorkerMetrics::default()),
         };
         let pool = Pool::new(ctx, Arc::new(catalogue));
@@ -274,6 +281,9 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     )
     .with_metrics(metrics.clone());
     let service = front.serve().await.map_err(|e| other("API service")(&e))?;
+    let admin = crate::grants::serve_admin(client.clone(), services.grants().clone(), verifier.clone())
+        .await
+        .map_err(|e| other("operator API")(&e))?;
     let sweeper = tokio::spawn(crate::sweeper::run(front.clone(), client.clone()));
     let http = tokio::net::TcpListener::bind(&args.http)
         .await
@@ -306,6 +316,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     }
     say("stopping      …");
     http_task.abort();
+    admin.abort();
     sweeper.abort();
     service.stop().await;
     for node in nodes {

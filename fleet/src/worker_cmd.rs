@@ -14,7 +14,7 @@ use fleet_worker::config::{IsolationMode, WorkerConfig};
 use fleet_worker::metrics::WorkerMetrics;
 use fleet_worker::pool::Pool;
 use fleet_worker::sandbox::Sandbox;
-use fleet_worker::services::{NoServices, NoTokens};
+use fleet_worker::services::{HostServices, NoServices, NoTokens, TokenSource};
 use fleet_worker::session::WorkerContext;
 use serde_json::json;
 
@@ -51,6 +51,9 @@ pub struct WorkerArgs {
     /// Replicas of every JetStream resource (3 on a NATS cluster); every process of a fleet must agree.
     #[arg(long, env = "FLEET_JETSTREAM_REPLICAS", default_value_t = 1)]
     pub jetstream_replicas: usize,
+    /// Host services (with --nats-url only; a standalone worker offers none).
+    #[command(flatten)]
+    pub services: crate::services::args::ServicesArgs,
 }
 
 /// Why `fleet worker` could not run.
@@ -147,13 +150,43 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
         &json!({ "swept": { "cgroups_removed": swept.cgroups_removed, "processes_killed": swept.processes_killed },
                   "isolation": sandbox.mode(), "plugins": catalogue.len(), "problems": problems.len() }),
     );
-    let metrics = Arc::new(WorkerMetrics::default());
+    let metrics = Arc::new(crate::metrics::FleetMetrics::new());
+    // In a fleet: connect first, so the sessions get the host services (JetStream-backed) from the start.
+    let joined = match &args.nats_url {
+        None => None,
+        Some(url) => {
+            let client = metrics
+                .nats_options(async_nats::ConnectOptions::new())
+                .connection_timeout(Duration::from_secs(5))
+                .connect(url)
+                .await
+                .map_err(|e| WorkerCmdError::Usage(format!("cannot connect to {url}: {e}")))?;
+            let settings = crate::store::StoreSettings {
+                replicas: args.jetstream_replicas,
+                ..crate::store::StoreSettings::default()
+            };
+            let js = async_nats::jetstream::new(client.clone());
+            let store = crate::store::Store::open(js.clone(), settings.clone())
+                .await
+                .map_err(|e| WorkerCmdError::Usage(format!("JetStream: {e}")))?;
+            let services = args
+                .services
+                .open(&js, &settings, &config.state_dir, None)
+                .await
+                .map_err(|e| WorkerCmdError::Usage(e.to_string()))?;
+            Some((url.clone(), client, store, services))
+        }
+    };
+    let (services, tokens): (Arc<dyn HostServices>, Arc<dyn TokenSource>) = match &joined {
+        Some((_, _, _, s)) => (Arc::new(s.clone()), Arc::new(s.clone())),
+        None => (Arc::new(NoServices), Arc::new(NoTokens)),
+    };
     let ctx = WorkerContext {
         config: Arc::new(config),
         sandbox: sandbox.clone(),
-        services: Arc::new(NoServices),
-        tokens: Arc::new(NoTokens),
-        metrics,
+        services,
+        tokens,
+        metrics: Arc::new(WorkerMetrics::default()),
     };
     let pool = Pool::new(ctx, Arc::new(catalogue));
 
@@ -173,28 +206,12 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
             })?;
         ready.push(json!({ "user": user, "tool_id": tool_id, "pid": session.pid() }));
     }
-    let metrics = Arc::new(crate::metrics::FleetMetrics::new());
-    let node = match &args.nats_url {
+    let node = match joined {
         None => {
             metrics.register_pool(&pool);
             None
         }
-        Some(url) => {
-            let client = metrics
-                .nats_options(async_nats::ConnectOptions::new())
-                .connection_timeout(Duration::from_secs(5))
-                .connect(url)
-                .await
-                .map_err(|e| WorkerCmdError::Usage(format!("cannot connect to {url}: {e}")))?;
-            let store = crate::store::Store::open(
-                async_nats::jetstream::new(client.clone()),
-                crate::store::StoreSettings {
-                    replicas: args.jetstream_replicas,
-                    ..crate::store::StoreSettings::default()
-                },
-            )
-            .await
-            .map_err(|e| WorkerCmdError::Usage(format!("JetStream: {e}")))?;
+        Some((url, client, store, _services)) => {
             let worker_id = pool.context().config.worker_id.clone();
             Some(
                 crate::node::WorkerNode::start(client, store, pool.clone(), &worker_id, metrics.clone())

@@ -16,6 +16,7 @@
 //! Families not offered here (`image/*`, `agent/*`, `web/*`, `credentials/*`) answer their not-granted code
 //! (README "Host services": not offered).
 
+pub mod args;
 pub mod budget;
 pub mod files;
 pub mod kv;

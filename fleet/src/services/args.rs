@@ -1,0 +1,72 @@
+//! The host-services flags shared by `fleet up` and `fleet worker`.
+
+use std::path::{Path, PathBuf};
+
+use super::files::LinkSigner;
+use super::{FleetServices, ServicesConfig, ServicesError};
+use crate::store::StoreSettings;
+
+/// The file under the data dir holding the download-link secret when `--link-signing-key-file` is absent.
+pub const LINK_KEY_FILE: &str = "link-signing-key";
+
+/// Flags of the host services (sampling, embeddings, APS storage and files, uploads).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ServicesArgs {
+    /// TOML file configuring the host services (`public_url`, `[llm]`, `[storage]`; see README "Host
+    /// services"). Without it: storage, files and uploads on JetStream, no LLM upstream (sampling and
+    /// embeddings not offered).
+    #[arg(long, env = "FLEET_SERVICES_CONFIG")]
+    pub services_config: Option<PathBuf>,
+    /// The base URL download links point at (overrides `public_url` of the services config).
+    #[arg(long, env = "FLEET_PUBLIC_URL")]
+    pub public_url: Option<String>,
+    /// A file with the secret (64 hex digits or ≥ 32 bytes) that signs download and upload links; every fleet
+    /// process must share it. Default: `<data-dir>/link-signing-key`, created on first use.
+    #[arg(long, env = "FLEET_LINK_SIGNING_KEY_FILE")]
+    pub link_signing_key_file: Option<PathBuf>,
+}
+
+impl ServicesArgs {
+    /// The configuration: the TOML file, then the flags.
+    pub fn config(&self) -> Result<ServicesConfig, ServicesError> {
+        let mut config = match &self.services_config {
+            None => ServicesConfig::default(),
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| ServicesError::Config(format!("{}: {e}", path.display())))?;
+                toml::from_str(&text)
+                    .map_err(|e| ServicesError::Config(format!("{}: {e}", path.display())))?
+            }
+        };
+        if let Some(url) = &self.public_url {
+            config.public_url = Some(url.clone());
+        }
+        Ok(config)
+    }
+
+    /// The link signer: `--link-signing-key-file`, else `<data_dir>/link-signing-key` (created).
+    pub fn link_signer(&self, data_dir: &Path) -> Result<LinkSigner, ServicesError> {
+        let secret = match &self.link_signing_key_file {
+            Some(path) => crate::auth::load_secret_file(path),
+            None => crate::auth::load_or_create_secret(data_dir, LINK_KEY_FILE),
+        }
+        .map_err(|e| ServicesError::Config(e.to_string()))?;
+        Ok(LinkSigner::new(&secret))
+    }
+
+    /// Opens the services on `js`, with `default_public_url` when neither the file nor the flag sets one.
+    pub async fn open(
+        &self,
+        js: &async_nats::jetstream::Context,
+        settings: &StoreSettings,
+        data_dir: &Path,
+        default_public_url: Option<String>,
+    ) -> Result<FleetServices, ServicesError> {
+        let mut config = self.config()?;
+        if config.public_url.is_none() {
+            config.public_url = default_public_url;
+        }
+        let links = self.link_signer(data_dir)?;
+        FleetServices::open(js, settings, &config, links).await
+    }
+}
