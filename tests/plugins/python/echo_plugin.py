@@ -6,11 +6,20 @@ Speaks line-delimited JSON-RPC 2.0 over stdio, protocol v2: ``initialize``, ``de
 ``big_result {bytes}``. Each invoke runs on its own thread; every stdout line is written and flushed under one
 lock. Exits 0 on stdin EOF. ``--noop`` exits at once (cold-start baseline).
 
-Run: ``python3 echo_plugin.py [--noop]``.
+``--services`` makes it a v2 plugin of the host services, written only against the documented wire shapes
+(spec §7, §8): it claims the ``sampling``, ``storage`` and ``upload`` capabilities, declares ``llm.sample``,
+``aps.kv``, ``aps.files`` and ``host.upload``, and adds two tools: ``reverse {method, params}`` (one reverse RPC,
+answering ``{"result": …}`` or ``{"error": …}``) and ``summarize_and_save {text, key}`` (sampling → ``storage/set``
+→ ``storage/get`` → ``host/uploadFile`` inline, as a real plugin would). Reverse requests carry
+``params.context.invoke_id`` and ``_clientTimeoutS``; their answers are matched by id on the main loop.
+
+Run: ``python3 echo_plugin.py [--noop] [--services]``.
 """
 
 from __future__ import annotations
 
+import base64
+import itertools
 import json
 import sys
 import threading
@@ -94,6 +103,109 @@ class BadArgs(Exception):
     """Arguments that do not fit the tool: JSON-RPC -32602."""
 
 
+SERVICES = "--services" in sys.argv[1:]
+
+SERVICE_TOOLS = [
+    {
+        "name": "reverse",
+        "description": "Send one reverse RPC and return its answer.",
+        "parameters": [
+            _param("method", "string", "reverse-RPC method", True),
+            _param("params", "object", "its params", False),
+        ],
+    },
+    {
+        "name": "summarize_and_save",
+        "description": "Summarize text with the host LLM, keep it in APS KV, upload it as a file.",
+        "parameters": [
+            _param("text", "string", "text to summarize", True),
+            _param("key", "string", "storage key", True),
+        ],
+    },
+]
+
+if SERVICES:
+    MANIFEST["tools"] = MANIFEST["tools"] + SERVICE_TOOLS
+    MANIFEST["host_capabilities"] = ["llm.sample", "aps.kv", "aps.files", "host.upload"]
+
+_ids = itertools.count(1)
+_waiting: dict = {}
+_waiting_lock = threading.Lock()
+
+
+def _reverse(method: str, params: dict, context: dict, timeout_s: float = 60.0) -> dict:
+    """One reverse RPC: returns the response object ({"result": …} or {"error": …})."""
+    req_id = f"rev-{next(_ids)}"
+    params = dict(params)
+    if isinstance(context, dict) and "invoke_id" in context:
+        params["context"] = {"invoke_id": context["invoke_id"]}
+    params["_clientTimeoutS"] = timeout_s
+    slot = {"event": threading.Event(), "response": None}
+    with _waiting_lock:
+        _waiting[req_id] = slot
+    _send({"jsonrpc": "2.0", "id": req_id, "method": method, "params": params})
+    if not slot["event"].wait(timeout_s):
+        with _waiting_lock:
+            _waiting.pop(req_id, None)
+        return {"error": {"code": -32000, "message": "fixture: no answer in time"}}
+    response = slot["response"]
+    return {k: response[k] for k in ("result", "error") if k in response}
+
+
+def _deliver(msg: dict) -> None:
+    with _waiting_lock:
+        slot = _waiting.pop(msg.get("id"), None)
+    if slot is None:
+        print(f"echo_plugin.py: unexpected response {msg.get('id')!r} dropped", file=sys.stderr, flush=True)
+        return
+    slot["response"] = msg
+    slot["event"].set()
+
+
+def _summarize_and_save(args: dict, context: dict):
+    text, key = args.get("text"), args.get("key")
+    if not isinstance(text, str) or not isinstance(key, str):
+        raise BadArgs("text and key must be strings")
+    sampled = _reverse(
+        "sampling/createMessage",
+        {
+            "messages": [{"role": "user", "content": {"type": "text", "text": f"Summarize:\n{text}"}}],
+            "maxTokens": 200,
+            "metadata": {"executa_invoke_id": context.get("invoke_id")},
+        },
+        context,
+    )
+    if "error" in sampled:
+        return "fail", f"sampling failed: {sampled['error']}"
+    summary = sampled["result"]["content"]["text"]
+    stored = _reverse("storage/set", {"scope": "tool", "key": key, "value": {"summary": summary}}, context)
+    if "error" in stored:
+        return "fail", f"storage/set failed: {stored['error']}"
+    got = _reverse("storage/get", {"scope": "tool", "key": key}, context)
+    if "error" in got:
+        return "fail", f"storage/get failed: {got['error']}"
+    uploaded = _reverse(
+        "host/uploadFile",
+        {
+            "mode": "inline",
+            "filename": "summary.txt",
+            "mime_type": "text/plain",
+            "purpose": "user_artifact",
+            "content_b64": base64.b64encode(summary.encode()).decode(),
+        },
+        context,
+    )
+    if "error" in uploaded:
+        return "fail", f"host/uploadFile failed: {uploaded['error']}"
+    return "ok", {
+        "summary": summary,
+        "usage": sampled["result"].get("usage"),
+        "stored": got["result"],
+        "etag": stored["result"].get("etag"),
+        "upload": uploaded["result"],
+    }
+
+
 def _int_arg(args: dict, name: str, default=None) -> int:
     v = args.get(name, default)
     if v is None:
@@ -133,6 +245,16 @@ def _run_tool(tool: str, args: dict, context: dict):
     if tool == "big_result":
         n = _int_arg(args, "bytes")
         return "ok", {"blob": "x" * n}
+    if SERVICES and tool == "reverse":
+        method = args.get("method")
+        if not isinstance(method, str):
+            raise BadArgs("method must be a string")
+        params = args.get("params") or {}
+        if not isinstance(params, dict):
+            raise BadArgs("params must be an object")
+        return "ok", _reverse(method, params, context)
+    if SERVICES and tool == "summarize_and_save":
+        return _summarize_and_save(args, context)
     raise LookupError(tool)
 
 
@@ -180,8 +302,8 @@ def _handle(line: bytes) -> None:
     method = msg.get("method")
     req_id = msg.get("id")
     if method is None:
-        # A response to a reverse RPC: this fixture sends none, so drop it.
-        print(f"echo_plugin.py: unexpected response {req_id!r} dropped", file=sys.stderr, flush=True)
+        # A response to one of our reverse RPCs.
+        _deliver(msg)
         return
     if not isinstance(method, str) or msg.get("jsonrpc") != "2.0":
         if "id" in msg:
@@ -196,7 +318,7 @@ def _handle(line: bytes) -> None:
             {
                 "protocolVersion": "2.0",
                 "serverInfo": {"name": "fleet-echo-plugin-py", "version": "0.1.0"},
-                "capabilities": {},
+                "capabilities": {"sampling": {}, "storage": {}, "upload": {}} if SERVICES else {},
                 "client_capabilities": {},
             },
         )

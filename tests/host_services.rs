@@ -1,0 +1,368 @@
+//! The host services' gates, tokens and grants (issue 5), on a real nats-server: a service token is minted
+//! only when the capability is negotiated AND declared AND granted; every reverse call is checked against its
+//! token (signature, audience, expiry, and the user/plugin/invoke it was minted for); the grant is set by
+//! operators only, with `fleet grant`; an invoke's budget lives exactly as long as the invoke.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeSet;
+use std::process::Command;
+
+use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, Verifier};
+use fleet::grants::GrantStore;
+use fleet::nats_server::NatsServer;
+use fleet::services::args::ServicesArgs;
+use fleet::services::tokens::{AUD_SAMPLING, AUD_STORAGE};
+use fleet::services::{Binding, FleetServices, TokenMinter};
+use fleet::store::{StoreSettings, now_ms};
+use fleet_e2e::fleet_bin;
+use fleet_proto::executa::reverse::{Family, family_of};
+use fleet_worker::services::{HostServices, InvokeTokens, ReverseCall, TokenRequest, TokenSource};
+use serde_json::{Value, json};
+
+const USER: &str = "alice";
+const TOOL: &str = "tool-notes";
+
+struct Env {
+    nats: NatsServer,
+    services: FleetServices,
+    _dir: tempfile::TempDir,
+}
+
+async fn env() -> Env {
+    let dir = tempfile::tempdir().unwrap();
+    let nats = NatsServer::start(&dir.path().join("nats")).expect("nats-server (run scripts/test.sh once)");
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let services = ServicesArgs::default()
+        .open(&js, &StoreSettings::default(), dir.path(), None)
+        .await
+        .expect("services");
+    Env {
+        nats,
+        services,
+        _dir: dir,
+    }
+}
+
+fn request(invoke: &str, negotiated: &[&str], declared: &[&str]) -> TokenRequest {
+    TokenRequest {
+        user: USER.into(),
+        tool_id: TOOL.into(),
+        invoke_id: invoke.into(),
+        negotiated: negotiated
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect::<BTreeSet<_>>(),
+        declared: declared.iter().map(|s| (*s).to_owned()).collect(),
+        deadline_ms: now_ms() + 60_000,
+    }
+}
+
+fn call(invoke: &str, method: &str, params: Value, tokens: InvokeTokens) -> ReverseCall {
+    ReverseCall {
+        user: USER.into(),
+        tool_id: TOOL.into(),
+        invoke_id: invoke.into(),
+        method: method.into(),
+        family: family_of(method).expect("known family"),
+        params,
+        client_timeout_s: None,
+        deadline_ms: now_ms() + 60_000,
+        tokens,
+    }
+}
+
+fn code(r: &Result<Value, fleet_proto::jsonrpc::ErrorObject>) -> (i64, String) {
+    let e = r.as_ref().expect_err("an error");
+    (e.code, e.error_code().unwrap_or_default().to_owned())
+}
+
+#[tokio::test]
+async fn a_token_needs_negotiated_declared_and_granted() {
+    let env = env().await;
+    let all_keys = ["storage", "upload", "sampling"];
+    let all_caps = ["aps.kv", "aps.files", "host.upload", "llm.sample"];
+
+    // Nothing granted yet: no token, whatever was negotiated and declared.
+    let t = env.services.tokens(request("i-0", &all_keys, &all_caps)).await;
+    assert_eq!(t, InvokeTokens::default(), "default-deny without a grant");
+
+    env.services
+        .grants()
+        .edit(
+            USER,
+            TOOL,
+            &["aps.kv".into(), "host.upload".into(), "llm.sample".into()],
+            &[],
+        )
+        .await
+        .unwrap();
+    let t = env.services.tokens(request("i-1", &all_keys, &all_caps)).await;
+    assert!(
+        t.storage.is_some() && t.upload.is_some(),
+        "granted, declared, negotiated"
+    );
+    assert!(
+        t.sampling.is_none(),
+        "no LLM upstream configured: sampling is never minted"
+    );
+    assert!(
+        !env.services.offer().contains_key("sampling"),
+        "and not offered in initialize"
+    );
+    assert!(env.services.offer().contains_key("storage") && env.services.offer().contains_key("upload"));
+
+    // Not negotiated.
+    let t = env.services.tokens(request("i-2", &["upload"], &all_caps)).await;
+    assert!(t.storage.is_none() && t.upload.is_some());
+    // Not declared.
+    let t = env
+        .services
+        .tokens(request("i-3", &all_keys, &["host.upload"]))
+        .await;
+    assert!(t.storage.is_none() && t.upload.is_some());
+    // Not granted (revoked).
+    env.services
+        .grants()
+        .edit(USER, TOOL, &[], &["host.upload".into()])
+        .await
+        .unwrap();
+    let t = env.services.tokens(request("i-4", &all_keys, &all_caps)).await;
+    assert!(t.storage.is_some() && t.upload.is_none());
+    // Another plugin of the same user has no grant.
+    let mut other = request("i-5", &all_keys, &all_caps);
+    other.tool_id = "tool-other".into();
+    assert_eq!(env.services.tokens(other).await, InvokeTokens::default());
+    drop(env.nats);
+}
+
+#[tokio::test]
+async fn every_reverse_call_is_checked_against_its_token() {
+    let env = env().await;
+    env.services
+        .grants()
+        .edit(USER, TOOL, &["aps.kv".into(), "aps.files".into()], &[])
+        .await
+        .unwrap();
+    let tokens = env
+        .services
+        .tokens(request("inv-a", &["storage"], &["aps.kv"]))
+        .await;
+    assert!(tokens.storage.is_some());
+    let get = json!({ "scope": "tool", "key": "k" });
+
+    // Missing token: the spec's exact message.
+    let r = env
+        .services
+        .serve(call("inv-a", "storage/get", get.clone(), InvokeTokens::default()))
+        .await;
+    assert_eq!(code(&r), (-32021, "STORAGE_NOT_GRANTED".into()));
+    assert!(r.unwrap_err().message.contains("storage_token missing"));
+
+    let tampered = |token: String| InvokeTokens {
+        storage: Some(token),
+        ..InvokeTokens::default()
+    };
+    let b = Binding {
+        user: USER,
+        tool_id: TOOL,
+        invoke_id: "inv-a",
+    };
+    let ttl = std::time::Duration::from_secs(600);
+    // Signed by another key.
+    let foreign = TokenMinter::new().unwrap();
+    let mut claims = TokenMinter::claims(b, AUD_STORAGE, ttl);
+    claims.caps = vec!["aps.kv".into()];
+    let bad_sig = foreign.sign(&claims).unwrap();
+    // Another audience, our key.
+    let mut wrong_aud = TokenMinter::claims(b, AUD_SAMPLING, ttl);
+    wrong_aud.caps = vec!["aps.kv".into()];
+    let wrong_aud = env.services.minter().sign(&wrong_aud).unwrap();
+    // Expired.
+    let mut expired = claims.clone();
+    expired.exp = expired.iat - 1;
+    let expired = env.services.minter().sign(&expired).unwrap();
+    // Another invoke's token (valid in every other respect).
+    let other_invoke = env
+        .services
+        .tokens(request("inv-b", &["storage"], &["aps.kv"]))
+        .await;
+    // A token without the capability of the family (aps.files only, calling storage/*).
+    let mut files_only = claims.clone();
+    files_only.caps = vec!["aps.files".into()];
+    let files_only = env.services.minter().sign(&files_only).unwrap();
+
+    for (what, t) in [
+        ("signature", tampered(bad_sig)),
+        ("audience", tampered(wrong_aud)),
+        ("expired", tampered(expired)),
+        ("another invoke", other_invoke),
+        ("capability", tampered(files_only)),
+        ("garbage", tampered("not-a-jwt".into())),
+    ] {
+        let r = env
+            .services
+            .serve(call("inv-a", "storage/get", get.clone(), t))
+            .await;
+        assert_eq!(code(&r), (-32021, "STORAGE_NOT_GRANTED".into()), "{what}");
+    }
+    drop(env.nats);
+}
+
+#[tokio::test]
+async fn families_not_offered_answer_their_not_granted_codes() {
+    let env = env().await;
+    for (method, expected) in [
+        ("image/generate", Family::Image.not_granted().code),
+        ("agent/session.create", Family::Agent.not_granted().code),
+        ("web/search", Family::Web.not_granted().code),
+        ("credentials/listAccounts", Family::Credentials.not_granted().code),
+        // No LLM upstream: sampling and embeddings are not granted (no token could be minted).
+        ("sampling/createMessage", -32001),
+        ("embeddings/create", -32501),
+    ] {
+        let r = env
+            .services
+            .serve(call("inv-x", method, json!({}), InvokeTokens::default()))
+            .await;
+        assert_eq!(code(&r).0, expected, "{method}");
+    }
+    let unknown = HostServices::call(
+        &env.services,
+        ReverseCall {
+            method: "nope/thing".into(),
+            ..call("inv-x", "storage/get", json!({}), InvokeTokens::default())
+        },
+    )
+    .await;
+    assert_eq!(code(&unknown).0, -32601);
+    drop(env.nats);
+}
+
+#[tokio::test]
+async fn an_invoke_budget_lives_exactly_as_long_as_the_invoke() {
+    let env = env().await;
+    env.services
+        .grants()
+        .edit(USER, TOOL, &["aps.kv".into()], &[])
+        .await
+        .unwrap();
+    let before = env.services.budgets_held();
+    let t = env
+        .services
+        .tokens(request("inv-live", &["storage"], &["aps.kv"]))
+        .await;
+    assert!(t.storage.is_some());
+    assert_eq!(env.services.budgets_held(), before + 1);
+    assert!(env.services.budget("inv-live").is_some());
+    env.services.invoke_finished("inv-live");
+    assert!(env.services.budget("inv-live").is_none(), "dropped at invoke end");
+    // No token, no budget.
+    let t = env.services.tokens(request("inv-none", &[], &[])).await;
+    assert_eq!(t, InvokeTokens::default());
+    assert!(env.services.budget("inv-none").is_none());
+    drop(env.nats);
+}
+
+// Multi-threaded: the CLI runs as a blocking child process while the admin service answers on the runtime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fleet_grant_is_an_operator_action_over_nats() {
+    let dir = tempfile::tempdir().unwrap();
+    let nats = NatsServer::start(&dir.path().join("nats")).expect("nats-server");
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client.clone());
+    let grants = GrantStore::open(&js, &StoreSettings::default()).await.unwrap();
+    let key = fleet::auth::DevKey::load_or_create(dir.path()).unwrap();
+    let verifier = Verifier::new(vec![key.verify_key().unwrap()], DEFAULT_ISSUER, DEFAULT_AUDIENCE).unwrap();
+    let admin = fleet::grants::serve_admin(client, grants.clone(), verifier)
+        .await
+        .unwrap();
+
+    let fleet = |args: &[&str]| {
+        let out = Command::new(fleet_bin())
+            .args(args)
+            .args(["--nats-url", &nats.url(), "--data-dir"])
+            .arg(dir.path())
+            .env_remove("FLEET_TOKEN")
+            .output()
+            .unwrap();
+        let stdout: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.success(), stdout, stderr)
+    };
+    let (ok, g, err) = fleet(&[
+        "grant",
+        "--user",
+        USER,
+        "--tool-id",
+        TOOL,
+        "--allow",
+        "aps.kv,aps.files,llm.sample",
+    ]);
+    assert!(ok, "{err}");
+    assert_eq!(g["allow"], json!(["aps.files", "aps.kv", "llm.sample"]));
+    let (ok, g, err) = fleet(&[
+        "grant",
+        "--user",
+        USER,
+        "--tool-id",
+        TOOL,
+        "--revoke",
+        "aps.files",
+    ]);
+    assert!(ok, "{err}");
+    assert_eq!(g["allow"], json!(["aps.kv", "llm.sample"]));
+    let (ok, g, _) = fleet(&["grant", "--user", USER, "--tool-id", TOOL]);
+    assert!(ok);
+    assert_eq!(
+        g["allow"],
+        json!(["aps.kv", "llm.sample"]),
+        "no flags: prints the grant"
+    );
+    assert!(
+        grants.get(USER, TOOL).await.unwrap().allows("aps.kv"),
+        "stored in JetStream KV"
+    );
+
+    // An unknown capability is refused and changes nothing.
+    let (ok, _, err) = fleet(&[
+        "grant",
+        "--user",
+        USER,
+        "--tool-id",
+        TOOL,
+        "--allow",
+        "aps.kv,root.shell",
+    ]);
+    assert!(!ok);
+    assert!(err.contains("invalid_arg") && err.contains("root.shell"), "{err}");
+    // A user token (no operator claim) is refused.
+    let user_token = key
+        .mint(
+            USER,
+            DEFAULT_ISSUER,
+            DEFAULT_AUDIENCE,
+            std::time::Duration::from_secs(60),
+            false,
+        )
+        .unwrap();
+    let (ok, _, err) = fleet(&[
+        "grant",
+        "--user",
+        USER,
+        "--tool-id",
+        TOOL,
+        "--revoke",
+        "*",
+        "--token",
+        &user_token,
+    ]);
+    assert!(!ok);
+    assert!(err.contains("permission_denied"), "{err}");
+    assert_eq!(grants.get(USER, TOOL).await.unwrap().allow.len(), 2, "unchanged");
+    // `*` revokes everything.
+    let (ok, g, err) = fleet(&["grant", "--user", USER, "--tool-id", TOOL, "--revoke", "*"]);
+    assert!(ok, "{err}");
+    assert_eq!(g["allow"], json!([]));
+    admin.abort();
+}
