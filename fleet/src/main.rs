@@ -48,6 +48,11 @@ enum Cmd {
     /// user and plugin; with neither --allow nor --revoke, print the grant. An operator action (the dev key
     /// of --data-dir mints an operator token when --token is absent).
     Grant(fleet::grants::GrantArgs),
+    /// Plugin distribution (operator): install, list, remove, describe plugins across the fleet.
+    Plugins {
+        #[command(subcommand)]
+        command: fleet::plugins::cli::PluginsCmd,
+    },
     /// Mint a dev token for a user with the data dir's signing key (with --window: a window token for the HTTP
     /// gateway, audience `anna-app-window`, 120 s).
     Token {
@@ -223,6 +228,7 @@ async fn main() -> ExitCode {
             }
         },
         Cmd::Grant(args) => print_outcome(fleet::grants::run_grant(&args).await),
+        Cmd::Plugins { command } => print_outcome(fleet::plugins::cli::run(&command).await),
         Cmd::Token {
             user,
             ttl_secs,

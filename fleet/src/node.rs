@@ -61,6 +61,8 @@ struct Ctx {
     running_long: AtomicU64,
     started_at_ms: u64,
     metrics: Arc<FleetMetrics>,
+    /// Lazy installs of plugins published to the fleet (`crate::plugins`); `None` if its store cannot be opened.
+    installer: Option<Arc<crate::plugins::Installer>>,
 }
 
 impl WorkerNode {
@@ -76,6 +78,13 @@ impl WorkerNode {
         let exec = client.subscribe(subjects::worker_exec(id)).await?;
         let cancel = client.subscribe(subjects::worker_cancel(id)).await?;
         let matrix = client.subscribe(subjects::matrix_cancel(id)).await?;
+        let installer = match crate::plugins::Installer::for_pool(&client, &store, &pool).await {
+            Ok(i) => Some(Arc::new(i)),
+            Err(e) => {
+                tracing::warn!(worker = %id, error = %e, "plugin store unavailable: only the local catalogue is served");
+                None
+            }
+        };
         let ctx = Arc::new(Ctx {
             id: id.to_string(),
             client: client.clone(),
@@ -85,6 +94,7 @@ impl WorkerNode {
             running_long: AtomicU64::new(0),
             started_at_ms: now_ms(),
             metrics,
+            installer,
         });
         heartbeat(&ctx).await;
         let mut tasks = JoinSet::new();
@@ -266,12 +276,29 @@ async fn serve_exec_traced(ctx: Arc<Ctx>, msg: async_nats::Message) {
     span.record("gen_ai.tool.name", req.tool.as_str());
     span.record("executa.tool_id", req.plugin.as_str());
     span.record("executa.invoke_id", req.invoke_id.as_str());
-    if ctx.pool.catalogue().get(&req.plugin).is_none() {
-        let e = ApiError::new(
-            ApiErrorCode::PermissionDenied,
-            format!("unknown tool_id {:?}", req.tool_id),
-        );
-        return respond(&ctx, &msg, &refuse(e)).await;
+    // A tool id the local catalogue does not have may be published to the fleet: install it lazily (or switch
+    // to its new current version) before the call; the local catalogue always wins.
+    let published = match (&ctx.installer, ctx.pool.catalogue().get(&req.plugin)) {
+        (_, Some(_)) => Ok(true),
+        (None, None) => Ok(false),
+        (Some(installer), None) => installer
+            .ensure(&ctx.pool, &req.plugin)
+            .await
+            .map(|e| e != crate::plugins::installer::Ensured::Unknown),
+    };
+    match published {
+        Ok(true) => {}
+        Ok(false) => {
+            let e = ApiError::new(
+                ApiErrorCode::PermissionDenied,
+                format!("unknown tool_id {:?}", req.tool_id),
+            );
+            return respond(&ctx, &msg, &refuse(e)).await;
+        }
+        Err(e) => {
+            tracing::warn!(tool_id = %req.plugin, error = %e, "plugin install failed");
+            return respond(&ctx, &msg, &refuse(e.to_api_error())).await;
+        }
     }
     match req.kind {
         ExecKind::Sync => {

@@ -284,6 +284,20 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     let admin = crate::grants::serve_admin(client.clone(), services.grants().clone(), verifier.clone())
         .await
         .map_err(|e| other("operator API")(&e))?;
+    // Plugin distribution: the operator API `fleet.v1.admin.plugins.*` (packages in the object store).
+    let plugin_store =
+        crate::plugins::PluginStore::open(&async_nats::jetstream::new(client.clone()), store.settings())
+            .await
+            .map_err(|e| other("plugin store")(&e))?;
+    let plugins_api = crate::plugins::service::serve(
+        client.clone(),
+        plugin_store,
+        store.clone(),
+        verifier.clone(),
+        crate::plugins::publish::scratch_dir(&data_dir),
+    )
+    .await
+    .map_err(|e| other("plugins API")(&e))?;
     let sweeper = tokio::spawn(crate::sweeper::run(front.clone(), client.clone()));
     let http = tokio::net::TcpListener::bind(&args.http)
         .await
@@ -317,6 +331,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     say("stopping      …");
     http_task.abort();
     admin.abort();
+    plugins_api.abort();
     sweeper.abort();
     service.stop().await;
     for node in nodes {

@@ -138,14 +138,15 @@ impl Pool {
     /// of the previous install leave the pool now and stop once their in-flight invokes have finished (their
     /// process keeps its version directory). The returned task completes when they have all stopped.
     pub fn set_install(&self, install: Install) -> JoinHandle<()> {
+        let install = Arc::new(install);
         let tool_id = install.tool_id.clone();
         let previous = self
             .inner
             .installed
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(tool_id.clone(), Arc::new(install.clone()));
-        let changed = previous.is_some_and(|p| *p != install);
+            .insert(tool_id.clone(), install.clone());
+        let changed = previous.is_some_and(|p| *p != *install);
         self.drain(&tool_id, changed)
     }
 

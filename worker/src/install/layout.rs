@@ -168,6 +168,51 @@ pub(crate) fn commit(
     })
 }
 
+/// Makes an installed version current again without its package (a cached install verified by the caller
+/// against its `INSTALL.json`): swaps `current` and the shim, then collects old versions, under the tool's lock.
+///
+/// # Errors
+/// [`InstallError::NotInstalled`] when the version directory has no `INSTALL.json`, or I/O.
+pub fn activate(opts: &InstallOptions, tool_id: &str, version: &str) -> Result<Installed, InstallError> {
+    let tool_dir = opts.tool_dir(tool_id);
+    let target = opts.version_dir(tool_id, version);
+    let not_installed = || InstallError::NotInstalled {
+        tool_id: tool_id.to_string(),
+        version: Some(version.to_string()),
+    };
+    if !tool_dir.is_dir() {
+        return Err(not_installed());
+    }
+    let _lock = lock(&tool_dir)?;
+    let record = read_record(&target).ok_or_else(not_installed)?;
+    let version_name = format!("v{version}");
+    swap_link(&tool_dir.join(CURRENT), Path::new(&version_name))?;
+    if let Some(entry) = &record.entrypoint {
+        let bin = opts.home.join("bin");
+        mkdir_0755(&bin)?;
+        let shim = Path::new("..")
+            .join("tools")
+            .join(tool_id)
+            .join(CURRENT)
+            .join(entry);
+        swap_link(&bin.join(tool_id), &shim)?;
+    }
+    let collected = gc(&tool_dir, &version_name, opts.keep_versions);
+    let dir = fs::canonicalize(&target).map_err(InstallError::io(&target))?;
+    Ok(Installed {
+        record,
+        dir,
+        manifest: None,
+        reused: true,
+        collected,
+    })
+}
+
+/// The `INSTALL.json` of one installed version, if it is there.
+pub fn version_record(opts: &InstallOptions, tool_id: &str, version: &str) -> Option<InstallRecord> {
+    read_record(&opts.version_dir(tool_id, version))
+}
+
 fn swap_link(link: &Path, target: &Path) -> Result<(), InstallError> {
     let parent = link.parent().unwrap_or(Path::new("."));
     let tmp = parent.join(format!(".link-{}", rand_token()));

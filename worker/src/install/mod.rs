@@ -42,7 +42,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
-pub use layout::{current_version, installed_versions, remove};
+pub use layout::{activate, current_version, installed_versions, remove, version_record};
 
 /// Old versions kept besides `current` (spec §14.3 step 9, `EXECUTA_KEEP_VERSIONS`; the default is 1).
 pub const DEFAULT_KEEP_VERSIONS: usize = 1;

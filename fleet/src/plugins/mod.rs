@@ -1,0 +1,190 @@
+//! Plugin distribution across the fleet (spec §14): an operator publishes a package once; every worker installs
+//! it lazily on first use.
+//!
+//! - [`store`]: packages, content-addressed (`sha256-<hex>`), in the JetStream object store
+//!   `<prefix>_plugin_packages`; one [`PluginRecord`] per tool id (its versions and the `current` one) in the KV
+//!   bucket `<prefix>_plugins`.
+//! - [`download`]: `http(s)` downloads to `/tmp/executa-{tool_id}-{rand}` with progress, a size cap, and early
+//!   refusal of a `Content-Length` that contradicts the declared size.
+//! - [`publish`]: the operator side: resolve the source (URL, `binary_urls` for this platform, or an uploaded
+//!   object), download, run the whole install pipeline in a scratch home (so a bad package is refused before any
+//!   worker sees it: size, sha256, zip-slip, entrypoint), store the package, and make it current by
+//!   compare-and-set.
+//! - [`service`]: the NATS operator API `fleet.v1.admin.plugins.{install,list,remove,describe}` (operator claim).
+//! - [`cli`]: `fleet plugins install|list|remove|describe`.
+//! - [`installer`]: the worker side: on an exec for a tool id the local catalogue does not have, read its record,
+//!   and unless the current version is already active, take it from the local cache (verified by the recorded
+//!   sha256) or fetch it from the object store (verified again by hash), commit it with the pipeline, and hand it to
+//!   the pool — new sessions use it, running ones finish their invokes on the old version, then drain.
+#![forbid(unsafe_code)]
+
+pub mod cli;
+pub mod download;
+pub mod installer;
+pub mod publish;
+pub mod service;
+pub mod store;
+
+use std::collections::BTreeMap;
+
+use fleet_proto::api::{ApiError, ApiErrorCode};
+use fleet_worker::install::{Format, InstallError};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+pub use installer::Installer;
+pub use store::PluginStore;
+
+/// Largest package accepted for download or upload (ours; the extracted size is capped separately by
+/// [`fleet_worker::install::MAX_EXTRACT_BYTES`]).
+pub const MAX_PACKAGE_BYTES: u64 = 1024 * 1024 * 1024;
+
+/// Environment variable overriding a worker's install home (spec §14.3 `ANNA_EXECUTA_HOME`).
+pub const EXECUTA_HOME_ENV: &str = "ANNA_EXECUTA_HOME";
+
+/// Environment variable setting how many old versions a worker keeps (spec §14.3 `EXECUTA_KEEP_VERSIONS`).
+pub const KEEP_VERSIONS_ENV: &str = "EXECUTA_KEEP_VERSIONS";
+
+/// One published version of a plugin.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PackageVersion {
+    /// The (sanitised) version.
+    pub version: String,
+    /// The package's SHA-256 (lower hex): workers verify every copy against it.
+    pub sha256: String,
+    /// The package's size in bytes.
+    pub size: u64,
+    /// Its object in the packages bucket.
+    pub object: String,
+    /// Its container format.
+    pub format: Format,
+    /// The launcher type.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The resolved entrypoint (binary packages).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entrypoint: Option<String>,
+    /// Where it came from (`url`, `binary_urls`, `platform_key`, `upload`).
+    #[serde(default)]
+    pub source: Value,
+    /// The in-archive `manifest.json`, cached.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manifest: Option<Value>,
+    /// Warnings of the validation install (e.g. an entrypoint picked among several).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
+    /// When it was published (ms since the epoch).
+    pub published_at_ms: u64,
+}
+
+/// Everything the fleet knows about one plugin.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PluginRecord {
+    /// The (sanitised) tool id.
+    pub tool_id: String,
+    /// The version new sessions use.
+    pub current: String,
+    /// Every published version, by version.
+    pub versions: BTreeMap<String, PackageVersion>,
+    /// Last change (ms since the epoch).
+    pub updated_at_ms: u64,
+}
+
+impl PluginRecord {
+    /// The current version's package.
+    pub fn current_package(&self) -> Option<&PackageVersion> {
+        self.versions.get(&self.current)
+    }
+}
+
+/// Why a plugin operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PluginError {
+    /// The install pipeline refused the package.
+    #[error(transparent)]
+    Install(#[from] InstallError),
+    /// The download failed (nothing was committed; retrying is safe).
+    #[error("download of {url} failed: {reason}")]
+    Download {
+        /// The URL.
+        url: String,
+        /// Why.
+        reason: String,
+    },
+    /// The request is malformed.
+    #[error("{0}")]
+    BadRequest(String),
+    /// No such plugin (or version).
+    #[error("plugin {tool_id}{}: not found", version.as_deref().map(|v| format!(" v{v}")).unwrap_or_default())]
+    NotFound {
+        /// The tool id.
+        tool_id: String,
+        /// The version, if one was asked.
+        version: Option<String>,
+    },
+    /// The installed plugin cannot be launched on this worker (missing runtime, entry…).
+    #[error("plugin {tool_id} cannot be launched: {reason}")]
+    Launch {
+        /// The tool id.
+        tool_id: String,
+        /// What is missing.
+        reason: String,
+    },
+    /// JetStream (KV or object store) failed.
+    #[error("plugin store: {op}: {reason}")]
+    Store {
+        /// The operation.
+        op: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// A local file operation failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl PluginError {
+    pub(crate) fn store(op: &'static str) -> impl FnOnce(&dyn std::fmt::Display) -> PluginError {
+        move |e| PluginError::Store {
+            op,
+            reason: e.to_string(),
+        }
+    }
+
+    pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> PluginError {
+        let context = context.into();
+        move |source| PluginError::Io { context, source }
+    }
+
+    /// The API error for this failure.
+    pub fn to_api_error(&self) -> ApiError {
+        let message = self.to_string();
+        match self {
+            PluginError::Install(_) | PluginError::BadRequest(_) => {
+                ApiError::new(ApiErrorCode::InvalidArg, message)
+            }
+            PluginError::Download { .. } => {
+                ApiError::with_details(ApiErrorCode::InvalidArg, message, json!({ "retriable": true }))
+            }
+            PluginError::NotFound { .. } => ApiError::new(ApiErrorCode::NotFound, message),
+            PluginError::Launch { .. } => ApiError::new(ApiErrorCode::ExecutaUnavailable, message),
+            PluginError::Store { .. } | PluginError::Io { .. } => ApiError::with_details(
+                ApiErrorCode::AgentUnavailable,
+                message,
+                json!({ "retriable": true }),
+            ),
+        }
+    }
+}
+
+/// The object name of a package: content-addressed, so a package is stored once however often it is published.
+pub fn object_name(sha256: &str) -> String {
+    format!("sha256-{sha256}")
+}

@@ -1,0 +1,174 @@
+//! The operator API over NATS: `fleet.v1.admin.plugins.<method>` (queue group `fleet-api-plugins`: any front
+//! answers), request/reply with the `Authorization: Bearer <JWT>` header; the token needs the operator claim.
+//! Answers are the API envelope (`{"ok": …}` / `{"error": {code, message, details}}`).
+//!
+//! | Subject | Arguments | Result |
+//! |---|---|---|
+//! | `fleet.v1.admin.plugins.install` | [`InstallArgs`](super::publish::InstallArgs) | [`Published`](super::publish::Published) |
+//! | `fleet.v1.admin.plugins.list` | `{}` | `{plugins: [PluginRecord]}` |
+//! | `fleet.v1.admin.plugins.remove` | `{tool_id, version?}` | `{tool_id, removed: [version]}` |
+//! | `fleet.v1.admin.plugins.describe` | `{tool_id}` | `{plugin: PluginRecord, manifest: <described manifest or null>}` |
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, subjects};
+use futures::StreamExt as _;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::publish::{self, InstallArgs};
+use super::store::PluginStore;
+use crate::auth::Verifier;
+use crate::store::Store;
+
+/// Subject prefix of the plugin operator API.
+pub const PLUGINS_PREFIX: &str = "fleet.v1.admin.plugins";
+/// Its queue group.
+pub const PLUGINS_QUEUE_GROUP: &str = "fleet-api-plugins";
+/// `install`.
+pub const INSTALL: &str = "install";
+/// `list`.
+pub const LIST: &str = "list";
+/// `remove`.
+pub const REMOVE: &str = "remove";
+/// `describe`.
+pub const DESCRIBE: &str = "describe";
+
+/// The subject of a method.
+pub fn subject(method: &str) -> String {
+    format!("{PLUGINS_PREFIX}.{method}")
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RemoveArgs {
+    tool_id: String,
+    #[serde(default)]
+    version: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DescribeArgs {
+    tool_id: String,
+}
+
+struct Ctx {
+    plugins: PluginStore,
+    store: Store,
+    verifier: Verifier,
+    scratch: PathBuf,
+}
+
+/// Serves the operator API until the client closes. Each request is handled on its own task.
+pub async fn serve(
+    client: async_nats::Client,
+    plugins: PluginStore,
+    store: Store,
+    verifier: Verifier,
+    scratch: PathBuf,
+) -> Result<tokio::task::JoinHandle<()>, async_nats::Error> {
+    let mut sub = client
+        .queue_subscribe(format!("{PLUGINS_PREFIX}.*"), PLUGINS_QUEUE_GROUP.to_string())
+        .await?;
+    client.flush().await?;
+    let ctx = Arc::new(Ctx {
+        plugins,
+        store,
+        verifier,
+        scratch,
+    });
+    Ok(tokio::spawn(async move {
+        while let Some(msg) = sub.next().await {
+            let ctx = ctx.clone();
+            let client = client.clone();
+            tokio::spawn(async move {
+                let Some(reply) = msg.reply.clone() else { return };
+                let auth = msg
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get(subjects::AUTH_HEADER))
+                    .map(|v| v.as_str().to_owned());
+                let method = msg
+                    .subject
+                    .as_str()
+                    .rsplit('.')
+                    .next()
+                    .unwrap_or_default()
+                    .to_string();
+                let response = match call(&ctx, &method, auth.as_deref(), &msg.payload).await {
+                    Ok(v) => ApiResponse::Ok(v),
+                    Err(e) => ApiResponse::Err(e),
+                };
+                let payload = serde_json::to_vec(&response).unwrap_or_default();
+                let _ = client.publish(reply, payload.into()).await;
+            });
+        }
+    }))
+}
+
+fn bad_args(e: &serde_json::Error) -> ApiError {
+    ApiError::new(ApiErrorCode::InvalidArg, format!("bad arguments: {e}"))
+}
+
+fn parse<T: serde::de::DeserializeOwned>(payload: &[u8]) -> Result<T, ApiError> {
+    let payload = if payload.iter().all(u8::is_ascii_whitespace) {
+        b"{}".as_slice()
+    } else {
+        payload
+    };
+    serde_json::from_slice(payload).map_err(|e| bad_args(&e))
+}
+
+async fn call(ctx: &Ctx, method: &str, auth: Option<&str>, payload: &[u8]) -> Result<Value, ApiError> {
+    let principal = match auth.map(|h| ctx.verifier.verify(h)) {
+        None => {
+            return Err(ApiError::new(
+                ApiErrorCode::InvalidToken,
+                "missing Authorization header",
+            ));
+        }
+        Some(Err(e)) => return Err(e.to_api_error()),
+        Some(Ok(p)) => p,
+    };
+    if !principal.operator {
+        return Err(ApiError::new(
+            ApiErrorCode::PermissionDenied,
+            "plugin distribution is an operator action: the token needs the operator claim",
+        ));
+    }
+    match method {
+        INSTALL => {
+            let args: InstallArgs = parse(payload)?;
+            let published = publish::install(&ctx.plugins, &ctx.scratch, args)
+                .await
+                .map_err(|e| e.to_api_error())?;
+            Ok(serde_json::to_value(&published).unwrap_or(Value::Null))
+        }
+        LIST => {
+            let _: Value = parse(payload)?;
+            let plugins = publish::list(&ctx.plugins).await.map_err(|e| e.to_api_error())?;
+            Ok(json!({ "plugins": plugins }))
+        }
+        REMOVE => {
+            let args: RemoveArgs = parse(payload)?;
+            let removed = publish::remove(&ctx.plugins, &args.tool_id, args.version.as_deref())
+                .await
+                .map_err(|e| e.to_api_error())?;
+            Ok(json!({ "tool_id": args.tool_id, "removed": removed }))
+        }
+        DESCRIBE => {
+            let args: DescribeArgs = parse(payload)?;
+            let plugin = publish::describe(&ctx.plugins, &args.tool_id)
+                .await
+                .map_err(|e| e.to_api_error())?;
+            let manifest = ctx.store.manifest(&args.tool_id).await.ok().flatten();
+            Ok(json!({ "plugin": plugin, "manifest": manifest }))
+        }
+        other => Err(ApiError::new(
+            ApiErrorCode::InvalidArg,
+            format!("unknown plugins method {other:?} (install, list, remove, describe)"),
+        )),
+    }
+}
