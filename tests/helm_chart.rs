@@ -269,5 +269,56 @@ fn chart_lints_renders_validates_and_has_the_key_fields() {
         "{m}"
     );
     assert!(message("unknown key (typo)").contains("'replica' not allowed"));
+    assert!(message("public URL without a scheme").contains("/services/publicUrl"));
     assert!(message("grace shorter than the shutdown ladder").contains("shutdown ladder"));
+}
+
+/// Front and worker share one link-signing key (download and upload links are signed by workers and served by
+/// fronts): a generated, kept Secret by default, the operator's Secret when named; the services TOML and the LLM
+/// key are mounted only when configured.
+#[test]
+fn front_and_worker_share_the_link_signing_key_and_the_services_config() {
+    let (out, _) = validate();
+    let objs = objects(out.path(), "default");
+    let secret = find(&objs, "Secret", "-links");
+    assert_eq!(
+        secret["metadata"]["annotations"]["helm.sh/resource-policy"],
+        "keep"
+    );
+    for deployment in ["-front", "-worker"] {
+        let d = find(&objs, "Deployment", deployment);
+        let c = container(d);
+        assert!(
+            args(c).contains(&"--link-signing-key-file=/var/run/cloud-agents/links/link-signing-key"),
+            "{deployment}"
+        );
+        assert!(
+            !args(c).iter().any(|a| a.starts_with("--services-config")),
+            "{deployment}"
+        );
+        let volumes = d["spec"]["template"]["spec"]["volumes"].as_array().unwrap();
+        let link = volumes.iter().find(|v| v["name"] == "link-key").unwrap();
+        assert_eq!(link["secret"]["secretName"], secret["metadata"]["name"]);
+    }
+    let objs = objects(out.path(), "production-hpa");
+    for deployment in ["-front", "-worker"] {
+        let d = find(&objs, "Deployment", deployment);
+        let c = container(d);
+        assert!(args(c).contains(&"--public-url=https://fleet.example.com"));
+        assert!(args(c).contains(&"--services-config=/var/run/cloud-agents/services/services.toml"));
+        let volumes = d["spec"]["template"]["spec"]["volumes"].as_array().unwrap();
+        let link = volumes.iter().find(|v| v["name"] == "link-key").unwrap();
+        assert_eq!(
+            link["secret"]["secretName"], "cloud-agents-links",
+            "the operator's Secret"
+        );
+        assert!(volumes.iter().any(|v| v["name"] == "llm-api-key"));
+    }
+    let config = find(&objs, "ConfigMap", "-services");
+    assert!(
+        config["data"]["services.toml"]
+            .as_str()
+            .unwrap()
+            .contains("[llm]")
+    );
 }

@@ -54,6 +54,7 @@ BAD_VALUES = [
     ("grace shorter than the shutdown ladder", {"worker": {"terminationGracePeriodSeconds": 15}},
      "must be at least 2 × worker.config.shutdownGraceSeconds + 10"),
     ("no API key at all", {"auth": {"generateHs256Secret": False}}, "list at least one key"),
+    ("public URL without a scheme", {"services": {"publicUrl": "fleet.example.com"}}, "/services/publicUrl"),
 ]
 
 

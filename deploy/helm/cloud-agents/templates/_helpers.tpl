@@ -108,3 +108,61 @@ capabilities:
 seccompProfile:
   type: RuntimeDefault
 {{- end }}
+
+{{/* The Secret holding the link-signing key (given or generated). */}}
+{{- define "cloud-agents.linkSecretName" -}}
+{{- default (printf "%s-links" (include "cloud-agents.fullname" .)) .Values.services.linkSigningKey.secretName }}
+{{- end }}
+
+{{/* Host-services flags shared by front and worker. */}}
+{{- define "cloud-agents.servicesArgs" -}}
+- --link-signing-key-file=/var/run/cloud-agents/links/link-signing-key
+{{- if .Values.services.publicUrl }}
+- --public-url={{ .Values.services.publicUrl }}
+{{- end }}
+{{- if .Values.services.config }}
+- --services-config=/var/run/cloud-agents/services/services.toml
+{{- end }}
+{{- end }}
+
+{{/* Host-services volume mounts shared by front and worker. */}}
+{{- define "cloud-agents.servicesMounts" -}}
+- name: link-key
+  mountPath: /var/run/cloud-agents/links
+  readOnly: true
+{{- if .Values.services.config }}
+- name: services-config
+  mountPath: /var/run/cloud-agents/services
+  readOnly: true
+{{- end }}
+{{- if .Values.services.llmApiKey.secretName }}
+- name: llm-api-key
+  mountPath: /var/run/cloud-agents/llm
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* Host-services volumes shared by front and worker. */}}
+{{- define "cloud-agents.servicesVolumes" -}}
+- name: link-key
+  secret:
+    secretName: {{ include "cloud-agents.linkSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.services.linkSigningKey.key }}
+        path: link-signing-key
+{{- if .Values.services.config }}
+- name: services-config
+  configMap:
+    name: {{ include "cloud-agents.fullname" . }}-services
+{{- end }}
+{{- if .Values.services.llmApiKey.secretName }}
+- name: llm-api-key
+  secret:
+    secretName: {{ .Values.services.llmApiKey.secretName }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.services.llmApiKey.key }}
+        path: api-key
+{{- end }}
+{{- end }}
