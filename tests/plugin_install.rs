@@ -1,0 +1,760 @@
+//! Plugin distribution end to end (spec §14): a real nats-server, the operator API over NATS, real workers
+//! running the installed plugin under per-user uids, and a real HTTP server on 127.0.0.1 serving the packages
+//! (good ones, a size mismatch, a sha256 mismatch, every zip-slip form, an interrupted download…).
+
+use std::collections::HashMap;
+use std::io::Write as _;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, Verifier};
+use fleet::plugins::{PluginStore, cli, service};
+use fleet::store::StoreSettings;
+use fleet_e2e::cluster::Cluster;
+use fleet_e2e::worker::alive;
+use fleet_proto::api::{ApiError, ApiErrorCode, methods};
+use serde_json::{Value, json};
+use sha2::Digest as _;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+/// Failure guard of the polling helpers (never a synchronisation: they return as soon as the observable holds).
+const GUARD: Duration = Duration::from_secs(90);
+
+// ---------------------------------------------------------------------------------------------------------------
+// A tiny HTTP/1.1 server: GET <path> → the registered bytes; a route may cut its first response half-way.
+
+#[derive(Clone)]
+struct Route {
+    body: Arc<Vec<u8>>,
+    /// Close the connection after this many body bytes, once (Content-Length still announces the whole body).
+    cut_once_at: Option<usize>,
+}
+
+#[derive(Clone, Default)]
+struct Http {
+    routes: Arc<Mutex<HashMap<String, Route>>>,
+    base: String,
+}
+
+impl Http {
+    async fn start() -> Http {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let http = Http {
+            routes: Arc::default(),
+            base: format!("http://{addr}"),
+        };
+        let routes = http.routes.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(handle(stream, routes.clone()));
+            }
+        });
+        http
+    }
+
+    fn serve(&self, path: &str, body: Vec<u8>) -> String {
+        self.route(path, body, None)
+    }
+
+    fn route(&self, path: &str, body: Vec<u8>, cut_once_at: Option<usize>) -> String {
+        self.routes.lock().expect("routes").insert(
+            path.to_string(),
+            Route {
+                body: Arc::new(body),
+                cut_once_at,
+            },
+        );
+        format!("{}{path}", self.base)
+    }
+}
+
+async fn handle(mut stream: tokio::net::TcpStream, routes: Arc<Mutex<HashMap<String, Route>>>) {
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
+        match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    let line = String::from_utf8_lossy(&head);
+    let path = line.split_whitespace().nth(1).unwrap_or("/").to_string();
+    let route = {
+        let mut routes = routes.lock().expect("routes");
+        let r = routes.get(&path).cloned();
+        if let Some(stored) = routes.get_mut(&path) {
+            stored.cut_once_at = None;
+        }
+        r
+    };
+    let Some(route) = route else {
+        let _ = stream
+            .write_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            .await;
+        return;
+    };
+    let header = format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        route.body.len()
+    );
+    let _ = stream.write_all(header.as_bytes()).await;
+    let end = route.cut_once_at.unwrap_or(route.body.len());
+    let _ = stream.write_all(&route.body[..end]).await;
+    let _ = stream.flush().await;
+    let _ = stream.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Packages.
+
+type Tar = tar::Builder<flate2::write::GzEncoder<Vec<u8>>>;
+
+fn tar_gz(files: &[(&str, u32, &[u8])], extra: impl FnOnce(&mut Tar)) -> Vec<u8> {
+    let mut b = tar::Builder::new(flate2::write::GzEncoder::new(
+        Vec::new(),
+        flate2::Compression::fast(),
+    ));
+    for (path, mode, content) in files {
+        let mut h = tar::Header::new_gnu();
+        raw_name(&mut h, path);
+        h.set_size(content.len() as u64);
+        h.set_mode(*mode);
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_cksum();
+        b.append(&h, *content).expect("append");
+    }
+    extra(&mut b);
+    b.into_inner().expect("tar").finish().expect("gzip")
+}
+
+/// Writes a member name verbatim (the tar crate's `set_path` refuses `..`, which is what these tests need).
+fn raw_name(h: &mut tar::Header, name: &str) {
+    let gnu = h.as_gnu_mut().expect("gnu header");
+    gnu.name = [0; 100];
+    gnu.name[..name.len()].copy_from_slice(name.as_bytes());
+}
+
+fn special(b: &mut Tar, kind: tar::EntryType, name: &str, target: &str) {
+    let mut h = tar::Header::new_gnu();
+    raw_name(&mut h, name);
+    h.set_entry_type(kind);
+    h.set_size(0);
+    h.set_mode(0o777);
+    h.as_gnu_mut().expect("gnu").linkname[..target.len()].copy_from_slice(target.as_bytes());
+    h.set_cksum();
+    b.append(&h, std::io::empty()).expect("append");
+}
+
+fn zip_of(files: &[(&str, u32, &[u8])]) -> Vec<u8> {
+    let mut w = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+    for (name, mode, bytes) in files {
+        let o = zip::write::SimpleFileOptions::default().unix_permissions(*mode);
+        w.start_file(*name, o).expect("zip entry");
+        w.write_all(bytes).expect("zip write");
+    }
+    w.finish().expect("zip").into_inner()
+}
+
+fn sha256(bytes: &[u8]) -> String {
+    hex::encode(sha2::Sha256::digest(bytes))
+}
+
+/// The native echo plugin's bytes (a real Executa plugin: `inspect` reports its pid and working directory).
+fn echo_bytes() -> &'static [u8] {
+    static BYTES: OnceLock<Vec<u8>> = OnceLock::new();
+    BYTES.get_or_init(|| std::fs::read(fleet_e2e::echo_plugin_bin()).expect("echo plugin binary"))
+}
+
+/// A binary package of the echo plugin: `manifest.json` names it and its version, `bin/<name>` is the plugin.
+fn echo_pkg(name: &str, version: &str) -> Vec<u8> {
+    let manifest = serde_json::to_vec(&json!({ "name": name, "version": version })).expect("json");
+    tar_gz(
+        &[
+            ("manifest.json", 0o644, &manifest),
+            (&format!("bin/{name}"), 0o755, echo_bytes()),
+            ("data/readme.txt", 0o600, b"bundled data"),
+        ],
+        |_| {},
+    )
+}
+
+const SCRIPT: &[u8] = b"#!/bin/sh\nexit 0\n";
+
+// ---------------------------------------------------------------------------------------------------------------
+// The fleet under test.
+
+struct Env {
+    cluster: Cluster,
+    http: Http,
+    operator: String,
+}
+
+async fn env(name: &str, workers: usize) -> Env {
+    let cluster = Cluster::start(name, 1, workers, &[]).await;
+    let plugins = PluginStore::open(
+        &async_nats::jetstream::new(cluster.client.clone()),
+        &StoreSettings::default(),
+    )
+    .await
+    .expect("plugin store");
+    let verifier = Verifier::new(
+        vec![cluster.key.verify_key().expect("verify key")],
+        DEFAULT_ISSUER,
+        DEFAULT_AUDIENCE,
+    )
+    .expect("verifier");
+    service::serve(
+        cluster.client.clone(),
+        plugins,
+        cluster.store.clone(),
+        verifier,
+        cluster.root.path().join("plugin-scratch"),
+    )
+    .await
+    .expect("plugins API");
+    let operator = cluster
+        .key
+        .mint(
+            "ops",
+            DEFAULT_ISSUER,
+            DEFAULT_AUDIENCE,
+            Duration::from_secs(600),
+            true,
+        )
+        .expect("operator token");
+    Env {
+        cluster,
+        http: Http::start().await,
+        operator,
+    }
+}
+
+impl Env {
+    async fn plugins(&self, method: &str, body: Value) -> Result<Value, ApiError> {
+        cli::request(
+            &self.cluster.client,
+            &self.operator,
+            method,
+            &body,
+            Duration::from_secs(120),
+        )
+        .await
+    }
+
+    async fn install(&self, body: Value) -> Value {
+        match self.plugins(service::INSTALL, body.clone()).await {
+            Ok(v) => v,
+            Err(e) => panic!("install {body} failed: {e}"),
+        }
+    }
+
+    async fn install_err(&self, body: Value) -> ApiError {
+        match self.plugins(service::INSTALL, body.clone()).await {
+            Ok(v) => panic!("install {body} unexpectedly succeeded: {v}"),
+            Err(e) => e,
+        }
+    }
+
+    async fn tool_ids(&self) -> Vec<String> {
+        let list = self.plugins(service::LIST, json!({})).await.expect("list");
+        list["plugins"]
+            .as_array()
+            .expect("plugins")
+            .iter()
+            .map(|p| p["tool_id"].as_str().expect("tool_id").to_string())
+            .collect()
+    }
+
+    async fn inspect(&self, user: &str, tool_id: &str) -> Value {
+        self.cluster
+            .ok(
+                user,
+                methods::TOOLS_INVOKE,
+                json!({ "tool_id": tool_id, "method": "inspect", "args": {} }),
+            )
+            .await
+    }
+
+    async fn job(&self, user: &str, id: &str) -> Value {
+        self.cluster
+            .ok(user, methods::TOOLS_GET_JOB, json!({ "jobId": id }))
+            .await
+    }
+}
+
+async fn until<T>(mut probe: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + GUARD;
+    loop {
+        if let Some(v) = probe().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "condition not reached within the failure guard"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn assert_unsafe(e: &ApiError, reason: &str) {
+    assert_eq!(e.code, ApiErrorCode::InvalidArg, "{e}");
+    assert!(
+        e.message.contains("unsafe archive member") && e.message.contains(reason),
+        "expected an unsafe member ({reason}), got: {}",
+        e.message
+    );
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_package_is_verified_and_validated_before_it_is_published() {
+    let e = env("pkg-validate", 0).await;
+
+    // A good tar.gz and a good zip, from URLs.
+    let good = echo_pkg("pkg-good", "1.0.0");
+    let url = e.http.serve("/good.tar.gz", good.clone());
+    let published = e.install(json!({ "source": url, "sha256": sha256(&good) })).await;
+    assert_eq!(published["tool_id"], "pkg-good");
+    assert_eq!(published["version"], "1.0.0");
+    assert_eq!(published["package"]["entrypoint"], "bin/pkg-good");
+    assert_eq!(published["package"]["format"], "tar.gz");
+    assert_eq!(
+        published["package"]["object"],
+        format!("sha256-{}", sha256(&good))
+    );
+    assert_eq!(published["package"]["manifest"]["version"], "1.0.0");
+    assert_eq!(published["download"]["bytes"], good.len());
+    let zipped = zip_of(&[("bin/tool", 0o755, SCRIPT), ("lib/x.so", 0o644, b"x")]);
+    let url = e.http.serve("/good.zip", zipped);
+    let published = e.install(json!({ "source": url, "tool_id": "pkg-zip" })).await;
+    assert_eq!(
+        (
+            published["package"]["format"].as_str(),
+            published["package"]["entrypoint"].as_str()
+        ),
+        (Some("zip"), Some("bin/tool"))
+    );
+    assert_eq!(published["version"], "unknown");
+
+    // A declared size that is not the package's: refused before the body is read; nothing committed.
+    let url = e.http.serve("/size.tar.gz", good.clone());
+    let err = e
+        .install_err(json!({ "binary_urls": { "linux": { "url": url, "size": good.len() + 1 } }, "tool_id": "pkg-size" }))
+        .await;
+    assert_eq!(err.code, ApiErrorCode::InvalidArg);
+    assert!(err.message.contains("size mismatch"), "{err}");
+    // A sha256 that is not the package's.
+    let err = e
+        .install_err(json!({ "source": url, "tool_id": "pkg-sha", "sha256": "0".repeat(64) }))
+        .await;
+    assert!(err.message.contains("sha256 mismatch"), "{err}");
+
+    // Every zip-slip form.
+    let forms: Vec<(&str, Vec<u8>, &str)> = vec![
+        (
+            "dotdot",
+            tar_gz(&[("../../evil", 0o755, SCRIPT)], |_| {}),
+            "`..` path component",
+        ),
+        (
+            "absolute",
+            tar_gz(&[("/tmp/evil", 0o755, SCRIPT)], |_| {}),
+            "absolute path",
+        ),
+        (
+            "symlink",
+            tar_gz(&[("bin/tool", 0o755, SCRIPT)], |b| {
+                special(b, tar::EntryType::Symlink, "bin/passwd", "../../../../etc/passwd");
+            }),
+            "escapes the install root",
+        ),
+        (
+            "hardlink",
+            tar_gz(&[("bin/tool", 0o755, SCRIPT)], |b| {
+                special(b, tar::EntryType::Link, "bin/shadow", "/etc/shadow");
+            }),
+            "hard link",
+        ),
+        (
+            "device",
+            tar_gz(&[("bin/tool", 0o755, SCRIPT)], |b| {
+                special(b, tar::EntryType::Char, "dev/null", "");
+            }),
+            "device file",
+        ),
+    ];
+    for (name, bytes, reason) in forms {
+        let url = e.http.serve(&format!("/{name}.tar.gz"), bytes);
+        let err = e
+            .install_err(json!({ "source": url, "tool_id": format!("evil-{name}") }))
+            .await;
+        assert_unsafe(&err, reason);
+    }
+    // The same in a zip: `../` and an absolute path.
+    let url = e.http.serve("/evil.zip", zip_of(&[("../evil", 0o755, SCRIPT)]));
+    assert_unsafe(
+        &e.install_err(json!({ "source": url, "tool_id": "evil-zip" }))
+            .await,
+        "`..`",
+    );
+    let url = e
+        .http
+        .serve("/evil-abs.zip", zip_of(&[("/etc/evil", 0o755, SCRIPT)]));
+    assert_unsafe(
+        &e.install_err(json!({ "source": url, "tool_id": "evil-zip" }))
+            .await,
+        "absolute",
+    );
+
+    // No executable at all.
+    let url = e
+        .http
+        .serve("/none.tar.gz", tar_gz(&[("README", 0o644, b"read me")], |_| {}));
+    let err = e
+        .install_err(json!({ "source": url, "tool_id": "pkg-none" }))
+        .await;
+    assert!(err.message.contains("no entrypoint"), "{err}");
+    // Two candidates: the spec's tie rule (§16 A-42) picks the first in byte order, with a warning.
+    let url = e.http.serve(
+        "/two.tar.gz",
+        tar_gz(
+            &[("bin/zeta", 0o755, SCRIPT), ("bin/alpha", 0o755, SCRIPT)],
+            |_| {},
+        ),
+    );
+    let two = e.install(json!({ "source": url, "tool_id": "pkg-two" })).await;
+    assert_eq!(two["package"]["entrypoint"], "bin/alpha");
+    assert!(
+        two["package"]["warnings"][0]
+            .as_str()
+            .is_some_and(|w| w.contains("bin/zeta")),
+        "{two}"
+    );
+    // The per-platform entrypoint map of manifest.json: full key → OS segment → default.
+    let manifest = serde_json::to_vec(
+        &json!({ "name": "pkg-map", "version": "2.0.0", "runtime": { "binary": {
+        "entrypoint": { "darwin-arm64": "mac/run", "linux": "linux/run", "default": "bin/pkg-map" } } } }),
+    )
+    .expect("json");
+    let url = e.http.serve(
+        "/map.tar.gz",
+        tar_gz(
+            &[
+                ("manifest.json", 0o644, &manifest),
+                ("bin/pkg-map", 0o755, SCRIPT),
+                ("linux/run", 0o644, SCRIPT),
+            ],
+            |_| {},
+        ),
+    );
+    let map = e.install(json!({ "source": url })).await;
+    assert_eq!(
+        (map["tool_id"].as_str(), map["package"]["entrypoint"].as_str()),
+        (Some("pkg-map"), Some("linux/run"))
+    );
+
+    // binary_urls: no exact key for this host, so the OS entry wins over the wildcard; nothing matching is the
+    // spec's error.
+    let good_url = e.http.serve("/linux.tar.gz", echo_pkg("pkg-platform", "1.0.0"));
+    let platform = e
+        .install(json!({ "binary_urls": {
+            "darwin-arm64": format!("{}/missing", e.http.base),
+            "linux": { "url": good_url, "sha256": sha256(&echo_pkg("pkg-platform", "1.0.0")) },
+            "*": format!("{}/missing", e.http.base),
+        } }))
+        .await;
+    assert_eq!(platform["package"]["source"]["asset_key"], "linux");
+    let err = e
+        .install_err(json!({ "binary_urls": { "darwin-arm64": good_url, "windows-x86_64": good_url } }))
+        .await;
+    assert!(
+        err.message
+            .starts_with("No binary available for platform 'linux-")
+            && err.message.ends_with("Available: darwin-arm64, windows-x86_64"),
+        "{err}"
+    );
+
+    // A download cut half-way: refused, nothing committed; the retry installs.
+    let pkg = echo_pkg("pkg-cut", "1.0.0");
+    let half = pkg.len() / 2;
+    let url = e.http.route("/cut.tar.gz", pkg, Some(half));
+    let err = e.install_err(json!({ "source": url })).await;
+    assert!(
+        err.message.contains("download") && err.message.contains("failed"),
+        "{err}"
+    );
+    assert_eq!(
+        err.details.as_ref().and_then(|d| d.get("retriable")),
+        Some(&json!(true))
+    );
+    assert!(!e.tool_ids().await.contains(&"pkg-cut".to_string()));
+    let retried = e.install(json!({ "source": url })).await;
+    assert_eq!(retried["tool_id"], "pkg-cut");
+
+    // Only the good packages exist; nothing of the refused ones.
+    assert_eq!(
+        e.tool_ids().await,
+        [
+            "pkg-cut",
+            "pkg-good",
+            "pkg-map",
+            "pkg-platform",
+            "pkg-two",
+            "pkg-zip"
+        ]
+    );
+    // Operator actions need the operator claim.
+    let user = e.cluster.token("alice");
+    let err = cli::request(
+        &e.cluster.client,
+        &user,
+        service::LIST,
+        &json!({}),
+        Duration::from_secs(10),
+    )
+    .await
+    .expect_err("a user token is refused");
+    assert_eq!(err.code, ApiErrorCode::PermissionDenied);
+    // The scratch directory holds nothing once the calls are answered.
+    let scratch: Vec<_> = std::fs::read_dir(e.cluster.root.path().join("plugin-scratch"))
+        .expect("scratch")
+        .flatten()
+        .map(|d| d.file_name())
+        .collect();
+    assert!(scratch.is_empty(), "{scratch:?}");
+    e.cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn upgrades_drain_old_sessions_gc_old_versions_and_new_workers_install_lazily() {
+    let mut e = env("pkg-upgrade", 1).await;
+    let tool = "pkg-echo";
+    let v1 = e.http.serve("/v1.tar.gz", echo_pkg(tool, "1.0.0"));
+    let v2 = e.http.serve("/v2.tar.gz", echo_pkg(tool, "2.0.0"));
+    let v3 = e.http.serve("/v3.tar.gz", echo_pkg(tool, "3.0.0"));
+
+    // Not published yet: unknown.
+    let err = e
+        .cluster
+        .err(
+            "alice",
+            methods::TOOLS_INVOKE,
+            json!({ "tool_id": tool, "method": "inspect", "args": {} }),
+        )
+        .await;
+    assert_eq!(err.code, ApiErrorCode::PermissionDenied);
+
+    // v1: the worker installs it on first use and runs it from its version directory, under alice's uid.
+    e.install(json!({ "source": v1 })).await;
+    let first = e.inspect("alice", tool).await;
+    let cwd = first["cwd"].as_str().expect("cwd").to_string();
+    assert!(cwd.ends_with(&format!("/executa/tools/{tool}/v1.0.0")), "{cwd}");
+    assert_ne!(first["uid"], json!("0"), "plugins never run as root");
+    let pid1 = first["pid"].as_u64().expect("pid");
+    let tool_dir = std::path::Path::new(&cwd)
+        .parent()
+        .expect("tool dir")
+        .to_path_buf();
+    let install: Value =
+        serde_json::from_slice(&std::fs::read(tool_dir.join("v1.0.0/INSTALL.json")).expect("INSTALL.json"))
+            .expect("json");
+    assert_eq!(install["sha256"], sha256(&echo_pkg(tool, "1.0.0")));
+    assert_eq!(
+        std::fs::read_link(tool_dir.join("current")).expect("current"),
+        std::path::Path::new("v1.0.0")
+    );
+
+    // A long job on v1: wait until the plugin is running it (its first progress event is stored).
+    let job = e
+        .cluster
+        .ok(
+            "alice",
+            methods::TOOLS_INVOKE_ASYNC,
+            json!({ "tool_id": tool, "method": "progress", "args": { "count": 2, "interval_ms": 8000 } }),
+        )
+        .await;
+    let job_id = job["jobId"].as_str().expect("jobId").to_string();
+    until(async || {
+        let j = e.job("alice", &job_id).await;
+        (!j["progress"].as_array().is_none_or(Vec::is_empty)).then_some(())
+    })
+    .await;
+
+    // v2 is published while it runs: the next call runs on v2 in a new process…
+    e.install(json!({ "source": v2 })).await;
+    let second = e.inspect("alice", tool).await;
+    assert!(
+        second["cwd"].as_str().is_some_and(|c| c.ends_with("/v2.0.0")),
+        "{second}"
+    );
+    let pid2 = second["pid"].as_u64().expect("pid");
+    assert_ne!(pid1, pid2);
+    // …while the job still runs on v1 and finishes there.
+    assert_eq!(e.job("alice", &job_id).await["state"], "running");
+    assert!(alive(u32::try_from(pid1).expect("pid")));
+    let done = until(async || {
+        let j = e.job("alice", &job_id).await;
+        (j["state"] != "running" && j["state"] != "queued").then_some(j)
+    })
+    .await;
+    assert_eq!(done["state"], "succeeded", "{done}");
+    assert_eq!(done["result"], json!({ "emitted": 2 }));
+    // Then the v1 process drains away.
+    until(async || (!alive(u32::try_from(pid1).expect("pid"))).then_some(())).await;
+
+    // v3: one old version is kept (v2), older ones are collected.
+    e.install(json!({ "source": v3 })).await;
+    let third = e.inspect("alice", tool).await;
+    assert!(
+        third["cwd"].as_str().is_some_and(|c| c.ends_with("/v3.0.0")),
+        "{third}"
+    );
+    let mut versions: Vec<String> = std::fs::read_dir(&tool_dir)
+        .expect("tool dir")
+        .flatten()
+        .map(|d| d.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with('v'))
+        .collect();
+    versions.sort();
+    assert_eq!(versions, ["v2.0.0", "v3.0.0"]);
+
+    // The record, the cached in-archive manifest, and (once a worker described it) the described manifest.
+    let described = until(async || {
+        let d = e
+            .plugins(service::DESCRIBE, json!({ "tool_id": tool }))
+            .await
+            .expect("describe");
+        (!d["manifest"].is_null()).then_some(d)
+    })
+    .await;
+    assert_eq!(described["plugin"]["current"], "3.0.0");
+    assert_eq!(
+        described["plugin"]["versions"].as_object().map(|v| v.len()),
+        Some(3)
+    );
+    assert_eq!(
+        described["plugin"]["versions"]["3.0.0"]["manifest"]["version"],
+        "3.0.0"
+    );
+    assert!(described["manifest"]["tools"].is_array(), "{described}");
+
+    // A new worker needs no manual step: with the first one gone, it installs v3 from the object store.
+    e.cluster.add_worker().await;
+    if let Some(node) = e.cluster.workers[0].node.take() {
+        node.shutdown().await;
+    }
+    let fourth = e.inspect("bob", tool).await;
+    let cwd4 = fourth["cwd"].as_str().expect("cwd");
+    assert!(
+        cwd4.ends_with("/v3.0.0") && !cwd4.starts_with(tool_dir.to_str().expect("utf-8")),
+        "{cwd4}"
+    );
+
+    // Removal: an old version; never the current one while others remain; then the plugin.
+    let removed = e
+        .plugins(service::REMOVE, json!({ "tool_id": tool, "version": "1.0.0" }))
+        .await
+        .expect("remove");
+    assert_eq!(removed["removed"], json!(["1.0.0"]));
+    let err = e
+        .plugins(service::REMOVE, json!({ "tool_id": tool, "version": "3.0.0" }))
+        .await
+        .expect_err("the current version stays");
+    assert_eq!(err.code, ApiErrorCode::InvalidArg);
+    e.plugins(service::REMOVE, json!({ "tool_id": tool }))
+        .await
+        .expect("remove all");
+    let err = e
+        .cluster
+        .err(
+            "bob",
+            methods::TOOLS_INVOKE,
+            json!({ "tool_id": tool, "method": "inspect", "args": {} }),
+        )
+        .await;
+    assert_eq!(err.code, ApiErrorCode::PermissionDenied);
+    let err = e
+        .plugins(service::DESCRIBE, json!({ "tool_id": tool }))
+        .await
+        .expect_err("gone");
+    assert_eq!(err.code, ApiErrorCode::NotFound);
+    e.cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_cli_installs_a_directory_lists_describes_and_removes() {
+    let e = env("pkg-cli", 1).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pkg = dir.path().join("cli-echo");
+    std::fs::create_dir_all(pkg.join("bin")).expect("mkdir");
+    std::fs::write(pkg.join("bin/cli-echo"), echo_bytes()).expect("binary");
+    std::fs::set_permissions(
+        pkg.join("bin/cli-echo"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .expect("chmod");
+    std::fs::write(
+        pkg.join("manifest.json"),
+        br#"{"name": "cli-echo", "version": "0.3.0"}"#,
+    )
+    .expect("manifest");
+    let url = e.cluster.nats.url();
+    let fleet = |args: &[&str]| {
+        let out = std::process::Command::new(fleet_e2e::fleet_bin())
+            .args(args)
+            .args(["--nats-url", &url, "--token", &e.operator])
+            .output()
+            .expect("fleet");
+        let stdout: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        (
+            out.status.success(),
+            stdout,
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, out, err) = fleet(&["plugins", "install", pkg.to_str().expect("utf-8")]);
+    assert!(ok, "{out} {err}");
+    assert_eq!(
+        (out["tool_id"].as_str(), out["version"].as_str()),
+        (Some("cli-echo"), Some("0.3.0"))
+    );
+    // A wrong --sha256 aborts.
+    let (ok, out, err) = fleet(&[
+        "plugins",
+        "install",
+        pkg.to_str().expect("utf-8"),
+        "--tool-id",
+        "other",
+        "--sha256",
+        &"a".repeat(64),
+    ]);
+    assert!(!ok && err.contains("sha256 mismatch"), "{out} {err}");
+    let (ok, out, _) = fleet(&["plugins", "list"]);
+    assert!(ok);
+    assert_eq!(out["plugins"].as_array().map(Vec::len), Some(1), "{out}");
+    let res = e.inspect("carol", "cli-echo").await;
+    assert!(
+        res["cwd"]
+            .as_str()
+            .is_some_and(|c| c.ends_with("/cli-echo/v0.3.0")),
+        "{res}"
+    );
+    let (ok, out, _) = fleet(&["plugins", "describe", "cli-echo"]);
+    assert!(ok);
+    assert_eq!(out["plugin"]["current"], "0.3.0");
+    let (ok, out, err) = fleet(&["plugins", "remove", "cli-echo", "--version", "0.3.0"]);
+    assert!(ok, "the only version may go: {out} {err}");
+    let (ok, _, err) = fleet(&["plugins", "describe", "cli-echo"]);
+    assert!(!ok && err.contains("not_found"), "{err}");
+    // Without the operator claim: refused.
+    let user = e.cluster.token("carol");
+    let out = std::process::Command::new(fleet_e2e::fleet_bin())
+        .args(["plugins", "list", "--nats-url", &url, "--token", &user])
+        .output()
+        .expect("fleet");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("permission_denied"));
+    e.cluster.shutdown().await;
+}
