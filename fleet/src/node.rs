@@ -202,19 +202,17 @@ async fn publish_manifests(ctx: &Ctx) {
         if matches!(ctx.store.manifest(&tool_id).await, Ok(Some(_))) {
             continue;
         }
+        // Either dialect: Executa `describe`, or the tools an Animus plugin maps to (detected first, once).
         match ctx
             .pool
-            .prewarm(CATALOGUE_USER, &tool_id, Duration::from_secs(60))
+            .describe(CATALOGUE_USER, &tool_id, Duration::from_secs(60))
             .await
         {
-            Ok(session) => {
-                if let Some(m) = session.manifest()
-                    && let Err(e) = ctx.store.put_manifest(&tool_id, &m).await
-                {
+            Ok(m) => {
+                if let Err(e) = ctx.store.put_manifest(&tool_id, &m).await {
                     ctx.metrics.jetstream_error("put_manifest");
                     tracing::warn!(%tool_id, error = %e, "cannot record the manifest");
                 }
-                session.shutdown().await;
             }
             Err(e) => tracing::warn!(%tool_id, error = %e, "describing the plugin failed"),
         }
@@ -348,9 +346,11 @@ fn manifest_timeout_ms(ctx: &Ctx, req: &ExecRequest) -> Option<u64> {
 
 async fn run_sync(ctx: &Ctx, req: &ExecRequest) -> ExecReply {
     // Warm the session first so the manifest's per-tool timeout is known (spec §16 A-3).
-    if let Ok(s) = ctx.pool.session(&req.user, &req.plugin) {
-        let _ = s.prewarm(Duration::from_secs(60)).await;
-    }
+    // (Animus installs have no Executa session: `prewarm` refuses them and the default timeout applies.)
+    let _ = ctx
+        .pool
+        .prewarm(&req.user, &req.plugin, Duration::from_secs(60))
+        .await;
     let timeout_ms = policy::effective_timeout_ms(
         req.timeout_ms,
         manifest_timeout_ms(ctx, req),
@@ -422,6 +422,31 @@ fn failure(e: &PoolError, timeout_ms: u64, requested_ms: Option<u64>) -> ApiErro
         | PoolError::Invoke(InvokeError::TooManyInFlight { .. })
         | PoolError::Closed => ApiError::new(ApiErrorCode::AgentUnavailable, message),
         PoolError::UnknownPlugin(_) => ApiError::new(ApiErrorCode::PermissionDenied, message),
+        // Refused at detection or quarantined: retrying the same install cannot help.
+        PoolError::Refused(_) | PoolError::NotExecuta(_) => ApiError::with_details(
+            ApiErrorCode::ExecutaUnavailable,
+            message,
+            json!({ "retriable": false, "dialect": "animus" }),
+        ),
+        // Animus errors by the spec's table (§3.4), host → plugin direction.
+        PoolError::Invoke(InvokeError::Animus { class, error }) => {
+            use fleet_worker::proto::animus::RunErrorClass;
+            let details = json!({
+                "dialect": "animus",
+                "class": class.as_str(),
+                "code": error.code,
+                "message": error.message,
+                "data": error.data,
+                "retriable": *class == RunErrorClass::Unavailable,
+            });
+            let code = match class {
+                RunErrorClass::InvalidArguments => ApiErrorCode::InvalidArg,
+                RunErrorClass::Unavailable => ApiErrorCode::ExecutaUnavailable,
+                RunErrorClass::Unsupported | RunErrorClass::NotInitialized => ApiErrorCode::ExecutaError,
+                _ => ApiErrorCode::ToolFailed,
+            };
+            ApiError::with_details(code, message, details)
+        }
         _ => ApiError::with_details(
             ApiErrorCode::ExecutaUnavailable,
             message,

@@ -12,7 +12,8 @@
 //! ```
 //!
 //! The `executa.json` format is the public SDK's (`tool_id`, `type`, `command`, `enabled`, `_comment`; unknown
-//! fields are ignored) plus our extensions `limits`, `env`, `idle_timeout_secs` and `protocol`. Every launch is
+//! fields are ignored) plus our extensions `limits`, `env`, `idle_timeout_secs`, `protocol` (`executa` | `animus`;
+//! absent: probed once), and for Animus plugins `ping_interval_secs` and `allow_methods`. Every launch is
 //! resolved into an **absolute** argv at load time, so a missing runtime or entry point is reported when the
 //! catalogue loads, with the file and the reason, rather than as a spawn failure in a user's invoke:
 //!
@@ -57,8 +58,37 @@ pub const MAX_MANIFEST_BYTES: u64 = 1024 * 1024;
 /// Longest accepted `tool_id`, in characters.
 pub const MAX_TOOL_ID_CHARS: usize = 128;
 
-/// The only `protocol` accepted today.
+/// `protocol` of an Executa plugin.
 pub const PROTOCOL_EXECUTA: &str = "executa";
+
+/// `protocol` of an Animus plugin (seed 004).
+pub const PROTOCOL_ANIMUS: &str = "animus";
+
+/// The stdio dialect a plugin speaks. Declared by `executa.json` `protocol` (then verified), otherwise probed once
+/// (`--manifest`, then Executa `describe`) by [`crate::animus::detect`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Dialect {
+    /// Executa (seeds 000/001).
+    Executa,
+    /// Animus (seed 004).
+    Animus,
+}
+
+impl Dialect {
+    /// The `protocol` value (and the `dialect` metric label).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Dialect::Executa => PROTOCOL_EXECUTA,
+            Dialect::Animus => PROTOCOL_ANIMUS,
+        }
+    }
+}
+
+impl fmt::Display for Dialect {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 /// The runtime of an install (`executa.json` `type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -125,6 +155,13 @@ pub struct Install {
     /// `true` if the worker has never described this install (no [`DESCRIBED_MARKER`] at load time): its first
     /// `describe` gets [`limits::DESCRIBE_TIMEOUT_FIRST_LAUNCH`].
     pub first_launch: bool,
+    /// The declared dialect (`protocol`); `None`: probed once before the first spawn.
+    pub protocol: Option<Dialect>,
+    /// Animus: period of `$/ping` (`ping_interval_secs`); `None`: [`limits::ANIMUS_PING_INTERVAL`].
+    pub ping_interval: Option<Duration>,
+    /// Animus `custom` kind: the operator's allow-list of methods / MCP tools exposed as tools
+    /// (`allow_methods`); `None` or empty exposes none.
+    pub allow_methods: Option<Vec<String>>,
 }
 
 impl Install {
@@ -498,6 +535,9 @@ struct Entry {
     limits: LimitOverrides,
     env: Vec<String>,
     idle_timeout: Option<Duration>,
+    protocol: Option<Dialect>,
+    ping_interval: Option<Duration>,
+    allow_methods: Option<Vec<String>>,
 }
 
 /// Loads the single install in `dir` (its `executa.json`), as [`Catalogue::load`] would load a sub-directory:
@@ -539,6 +579,9 @@ fn load_install(sub: &Path, manifest: &Path, opts: &LoadOptions) -> Result<Insta
         env: entry.env,
         idle_timeout: entry.idle_timeout,
         first_launch,
+        protocol: entry.protocol,
+        ping_interval: entry.ping_interval,
+        allow_methods: entry.allow_methods,
     })
 }
 
@@ -598,19 +641,50 @@ fn parse_entry(value: &Value) -> Result<Entry, CatalogueError> {
         Some(other) => return Err(expected("idle_timeout_secs", "a number of seconds", other)),
     };
 
-    match optional(obj, "protocol") {
-        None => {}
-        Some(Value::String(s)) if s == PROTOCOL_EXECUTA => {}
+    let protocol = match optional(obj, "protocol") {
+        None => None,
+        Some(Value::String(s)) if s == PROTOCOL_EXECUTA => Some(Dialect::Executa),
+        Some(Value::String(s)) if s == PROTOCOL_ANIMUS => Some(Dialect::Animus),
         Some(Value::String(s)) => {
             return Err(CatalogueError::invalid(
                 "protocol",
-                format!(
-                    "unsupported protocol `{s}`: only `executa` is supported (the Animus dialect is not implemented yet)"
-                ),
+                format!("unsupported protocol `{s}` (expected `executa` or `animus`, or omit it to probe)"),
             ));
         }
         Some(other) => return Err(expected("protocol", "a string", other)),
-    }
+    };
+
+    let ping_interval = match optional(obj, "ping_interval_secs") {
+        None => None,
+        Some(Value::Number(n)) => {
+            let secs = n.as_f64().unwrap_or(f64::NAN);
+            if secs.is_nan() || secs <= 0.0 {
+                return Err(CatalogueError::invalid(
+                    "ping_interval_secs",
+                    format!("must be > 0, found {n}"),
+                ));
+            }
+            let d = Duration::try_from_secs_f64(secs)
+                .map_err(|e| CatalogueError::invalid("ping_interval_secs", format!("{n}: {e}")))?;
+            Some(d)
+        }
+        Some(other) => return Err(expected("ping_interval_secs", "a number of seconds", other)),
+    };
+
+    let allow_methods = match optional(obj, "allow_methods") {
+        None => None,
+        Some(Value::Array(items)) => {
+            let mut names = Vec::with_capacity(items.len());
+            for (i, item) in items.iter().enumerate() {
+                match item {
+                    Value::String(s) if !s.is_empty() => names.push(s.clone()),
+                    other => return Err(expected(format!("allow_methods[{i}]"), "a method name", other)),
+                }
+            }
+            Some(names)
+        }
+        Some(other) => return Err(expected("allow_methods", "an array of method names", other)),
+    };
 
     Ok(Entry {
         tool_id,
@@ -620,6 +694,9 @@ fn parse_entry(value: &Value) -> Result<Entry, CatalogueError> {
         limits,
         env,
         idle_timeout,
+        protocol,
+        ping_interval,
+        allow_methods,
     })
 }
 

@@ -9,8 +9,11 @@
 //! - [`install`]: plugin installs from archives (spec §14): verify, extract (zip-slip refused), entrypoint,
 //!   atomic versioned commit, `current` pointer, `INSTALL.json`, garbage collection.
 //! - [`pool`]: the warm pool of sessions with caps, LRU and idle eviction.
+//! - [`animus`]: the second dialect (Animus, seed 004): detection, lifecycle, liveness, provider runs as jobs,
+//!   the cancellation ladder.
 #![deny(unsafe_code)]
 
+pub mod animus;
 pub mod catalogue;
 pub mod config;
 pub mod install;

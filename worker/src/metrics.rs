@@ -110,6 +110,8 @@ pub struct WorkerMetrics {
     /// Reverse-RPC calls refused because a quota or rate budget was exhausted (any `*_QUOTA_EXCEEDED` or
     /// `*_RATE_LIMITED` code).
     pub reverse_budget_exhausted: AtomicU64,
+    /// The Animus driver's counters (detection probes, liveness, cancellation paths).
+    pub animus: crate::animus::AnimusMetrics,
 }
 
 /// Upper bounds (seconds) of the cold-start histogram.

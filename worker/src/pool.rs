@@ -37,6 +37,12 @@ pub enum PoolError {
     /// The worker is shutting down.
     #[error("the worker is shutting down")]
     Closed,
+    /// The install was refused at detection or quarantined (kind not hosted, version, changed binary…).
+    #[error(transparent)]
+    Refused(#[from] crate::animus::DetectError),
+    /// The install speaks Animus: it has no Executa [`Session`] (use [`Pool::invoke`]).
+    #[error("plugin {0:?} speaks Animus: it is served by Pool::invoke, not by an Executa session")]
+    NotExecuta(String),
 }
 
 type Key = (String, String);
@@ -56,6 +62,7 @@ struct Inner {
     early_cancels: crate::session::EarlyCancels,
     closed: AtomicBool,
     reaper: Mutex<Option<JoinHandle<()>>>,
+    animus: crate::animus::AnimusHost,
 }
 
 /// The pool. Cheap to clone.
@@ -78,6 +85,7 @@ impl Pool {
     /// A pool over `catalogue`; starts the idle reaper.
     pub fn new(ctx: WorkerContext, catalogue: Arc<Catalogue>) -> Pool {
         let inner = Arc::new(Inner {
+            animus: crate::animus::AnimusHost::new(ctx.clone()),
             ctx,
             catalogue,
             installed: std::sync::RwLock::new(HashMap::new()),
@@ -230,6 +238,17 @@ impl Pool {
             let install = self
                 .install(tool_id)
                 .ok_or_else(|| PoolError::UnknownPlugin(tool_id.to_string()))?;
+            // Never an Executa session (and its `initialize`) for an install known to speak Animus.
+            if install.protocol == Some(crate::catalogue::Dialect::Animus)
+                || self
+                    .inner
+                    .animus
+                    .registry()
+                    .known(&install)
+                    .is_some_and(|d| d.is_ok_and(|d| d.dialect == crate::catalogue::Dialect::Animus))
+            {
+                return Err(PoolError::NotExecuta(tool_id.to_string()));
+            }
             let config = &self.inner.ctx.config;
             if sessions.keys().filter(|(u, _)| u == user).count() >= config.max_sessions_per_user {
                 let victim = lru_idle(&sessions, |(u, _)| u == user).ok_or(PoolError::Capacity {
@@ -256,8 +275,48 @@ impl Pool {
         Ok(session)
     }
 
-    /// Starts (user, tool_id)'s plugin now and waits until it is ready.
+    /// The Animus side of the pool (detection records, cancellation records, health).
+    pub fn animus(&self) -> &crate::animus::AnimusHost {
+        &self.inner.animus
+    }
+
+    /// The dialect of `tool_id`, detected once (see [`crate::animus::detect`]) and cross-checked against the
+    /// install's files on every call: a changed binary is quarantined.
+    pub async fn dialect(&self, tool_id: &str) -> Result<crate::catalogue::Dialect, PoolError> {
+        let install = self
+            .install(tool_id)
+            .ok_or_else(|| PoolError::UnknownPlugin(tool_id.to_string()))?;
+        if !install.is_runnable() {
+            return Ok(install.protocol.unwrap_or(crate::catalogue::Dialect::Executa));
+        }
+        Ok(self.inner.animus.resolve(&install).await?.dialect)
+    }
+
+    /// The manifest `tools.list` shows for `tool_id`, whatever its dialect: Executa `describe` (the session is
+    /// started as `user`, then shut down), or the tools an Animus plugin maps to.
+    pub async fn describe(
+        &self,
+        user: &str,
+        tool_id: &str,
+        wait: Duration,
+    ) -> Result<Arc<fleet_proto::executa::manifest::Manifest>, PoolError> {
+        if self.dialect(tool_id).await? == crate::catalogue::Dialect::Animus {
+            let install = self
+                .install(tool_id)
+                .ok_or_else(|| PoolError::UnknownPlugin(tool_id.to_string()))?;
+            return Ok(Arc::new(self.inner.animus.describe(user, &install).await?));
+        }
+        let session = self.prewarm(user, tool_id, wait).await?;
+        let manifest = session.manifest();
+        session.shutdown().await;
+        manifest.ok_or(PoolError::Invoke(InvokeError::NotReady(wait)))
+    }
+
+    /// Starts (user, tool_id)'s plugin now and waits until it is ready (Executa installs only).
     pub async fn prewarm(&self, user: &str, tool_id: &str, wait: Duration) -> Result<Session, PoolError> {
+        if self.dialect(tool_id).await? == crate::catalogue::Dialect::Animus {
+            return Err(PoolError::NotExecuta(tool_id.to_string()));
+        }
         let session = self.session(user, tool_id)?;
         session.prewarm(wait).await?;
         Ok(session)
@@ -271,6 +330,20 @@ impl Pool {
         req: InvokeRequest,
     ) -> Result<InvokeOutput, PoolError> {
         let invoke_id = req.invoke_id.clone();
+        if let Some(install) = self.install(tool_id)
+            && install.is_runnable()
+        {
+            let detected = self.inner.animus.resolve(&install).await?;
+            if detected.dialect == crate::catalogue::Dialect::Animus {
+                if self.inner.closed.load(Ordering::SeqCst) {
+                    return Err(PoolError::Closed);
+                }
+                if self.inner.early_cancels.take(&invoke_id) {
+                    return Err(PoolError::Invoke(InvokeError::Cancelled));
+                }
+                return Ok(self.inner.animus.invoke(user, &install, &detected, req).await?);
+            }
+        }
         for attempt in 0..2 {
             let session = self.session(user, tool_id)?;
             self.inner.invokes.insert(invoke_id.clone(), session.clone());
@@ -301,6 +374,9 @@ impl Pool {
     /// Cancels an invoke wherever it runs; one not started yet is cancelled when it starts (for a while).
     /// Returns whether it was active.
     pub fn cancel(&self, invoke_id: &str) -> bool {
+        if self.inner.animus.cancel(invoke_id) {
+            return true;
+        }
         let session = self.inner.invokes.get(invoke_id).map(|s| s.clone());
         match session {
             Some(s) => s.cancel(invoke_id),
@@ -339,7 +415,16 @@ impl Pool {
             set.spawn(async move { s.shutdown().await });
         }
         while set.join_next().await.is_some() {}
-        n
+        let animus = self
+            .inner
+            .animus
+            .evict_idle(|tool_id| {
+                self.install(tool_id)
+                    .and_then(|i| i.idle_timeout)
+                    .unwrap_or(self.inner.ctx.config.idle_timeout)
+            })
+            .await;
+        n + animus
     }
 
     /// Shuts every session down (in parallel, each with the full ladder) and refuses new work.
@@ -357,6 +442,8 @@ impl Pool {
         for s in sessions {
             set.spawn(async move { s.shutdown().await });
         }
+        let animus = self.inner.animus.clone();
+        set.spawn(async move { animus.shutdown().await });
         while set.join_next().await.is_some() {}
     }
 }

@@ -638,9 +638,19 @@ fn bad_enabled_idle_timeout_and_protocol() {
         "expected a number",
     );
     assert_invalid(
-        &format!(r#"{{{base}, "protocol": "animus"}}"#),
+        &format!(r#"{{{base}, "protocol": "mcp"}}"#),
         "protocol",
-        "unsupported protocol `animus`",
+        "unsupported protocol `mcp`",
+    );
+    assert_invalid(
+        &format!(r#"{{{base}, "ping_interval_secs": 0}}"#),
+        "ping_interval_secs",
+        "must be > 0",
+    );
+    assert_invalid(
+        &format!(r#"{{{base}, "allow_methods": ["ok", 3]}}"#),
+        "allow_methods[1]",
+        "expected a method name",
     );
     assert_invalid(
         &format!(r#"{{{base}, "protocol": 1}}"#),

@@ -166,6 +166,15 @@ pub enum InvokeError {
     /// The answer was not an `InvokeResult`.
     #[error("the plugin's result is unreadable: {0}")]
     Unreadable(String),
+    /// An Animus plugin answered a JSON-RPC error, classified by the Animus table (host → plugin direction,
+    /// `fleet_proto::animus::classify_run_error`); never a sign of a dead process.
+    #[error("the Animus plugin answered {error} ({})", class.as_str())]
+    Animus {
+        /// What the error means.
+        class: fleet_proto::animus::RunErrorClass,
+        /// The error as answered.
+        error: ErrorObject,
+    },
 }
 
 impl InvokeError {
@@ -185,6 +194,7 @@ impl InvokeError {
             InvokeError::FrameTooLarge { .. } => "frame_too_large",
             InvokeError::FileTransport(_) => "file_transport",
             InvokeError::Unreadable(_) => "unreadable",
+            InvokeError::Animus { .. } => "animus_error",
         }
     }
 }
@@ -268,6 +278,15 @@ impl InvokeOutput {
     /// `result.data` parsed.
     pub fn data(&self) -> Option<Value> {
         serde_json::from_str(self.data_json()?).ok()
+    }
+
+    /// An output the host composed from another dialect's answer (an Animus run): `result` has the
+    /// `InvokeResult` shape (`{success, data, error?}`).
+    pub(crate) fn composed(result: &Value, duration: Duration, warm: bool) -> Result<InvokeOutput, InvokeError> {
+        let body = serde_json::json!({ "jsonrpc": "2.0", "id": 0, "result": result });
+        let bytes = serde_json::to_vec(&body).map_err(|e| InvokeError::Unreadable(e.to_string()))?;
+        let frame = Frame::parse(bytes.into()).map_err(|e| InvokeError::Unreadable(e.to_string()))?;
+        output(frame, duration, warm)
     }
 
     /// Size of the `InvokeResult` in bytes.
