@@ -128,6 +128,22 @@ pub const UPLOAD_MAX_FILES_PER_INVOKE: u32 = 16;
 pub const EMBED_MAX_INPUTS: usize = 64;
 /// Embeddings: characters per input (spec §7.4, Nexus's authoritative cap).
 pub const EMBED_MAX_INPUT_CHARS: usize = 32_000;
+/// Sampling: the model budget derived from `_clientTimeoutS` is clamped to at least this (spec §7.3 HR-DL-01).
+pub const SAMPLING_MODEL_BUDGET_MIN: Duration = Duration::from_secs(30);
+/// Sampling: the model budget derived from `_clientTimeoutS` is clamped to at most this (spec §7.3 HR-DL-01).
+pub const SAMPLING_MODEL_BUDGET_MAX: Duration = Duration::from_secs(300);
+/// Sampling: `temperature` the host substitutes when the plugin sends none (spec §8.1).
+pub const SAMPLING_DEFAULT_TEMPERATURE: f64 = 0.7;
+/// Sampling: largest serialized `responseFormat` JSON schema, 32 KB (spec §8.1 schema hard limits).
+pub const SAMPLING_SCHEMA_MAX_BYTES: usize = 32 * KIB;
+/// Sampling: deepest nesting of a `responseFormat` JSON schema (spec §8.1 schema hard limits).
+pub const SAMPLING_SCHEMA_MAX_DEPTH: usize = 8;
+/// Sampling: most nodes (objects + arrays + leaves) of a `responseFormat` JSON schema (spec §8.1).
+pub const SAMPLING_SCHEMA_MAX_NODES: usize = 512;
+/// Sampling: longest `json_schema.name`, which must match `^[a-zA-Z0-9_-]{1,64}$` (spec §8.1).
+pub const SAMPLING_SCHEMA_NAME_MAX_CHARS: usize = 64;
+/// Embeddings: timeout of the upstream HTTP call (spec §8.5 HR-EM-01 `EMBED_REQUEST_TIMEOUT`).
+pub const EMBED_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 // ---------------------------------------------------------------------------------------------------------------
 // Tokens (spec §11)

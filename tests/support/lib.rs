@@ -134,6 +134,8 @@ pub fn fleet_bin() -> PathBuf {
     .clone()
 }
 
+pub mod fake_llm;
+
 /// A worker over a temporary catalogue of echo-plugin installs, for the worker tests.
 pub mod worker {
     use std::os::unix::fs::PermissionsExt as _;
