@@ -163,7 +163,9 @@ pub async fn install(
             .await
             .map(|m| m.len())
             .unwrap_or(0);
-        download_stats = Some(json!({ "bytes": bytes, "ms": started.elapsed().as_millis() as u64 }));
+        download_stats = Some(
+            json!({ "bytes": bytes, "ms": u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX) }),
+        );
         let raw_name = url
             .split(['?', '#'])
             .next()
