@@ -758,3 +758,156 @@ async fn the_cli_installs_a_directory_lists_describes_and_removes() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("permission_denied"));
     e.cluster.shutdown().await;
 }
+
+/// A minimal Executa plugin in JavaScript (stdlib only): `whoami` reports the runtime and working directory.
+const NODE_PLUGIN: &str = r#"
+const readline = require('readline');
+const send = (m) => process.stdout.write(JSON.stringify(m) + '\n');
+readline.createInterface({ input: process.stdin }).on('line', (line) => {
+  let m;
+  try { m = JSON.parse(line); } catch (e) { return; }
+  if (m.id === undefined || typeof m.method !== 'string') return;
+  const ok = (result) => send({ jsonrpc: '2.0', id: m.id, result });
+  switch (m.method) {
+    case 'initialize':
+      return ok({ protocolVersion: '2.0', serverInfo: { name: 'node-echo', version: '1.0.0' }, capabilities: {}, client_capabilities: {} });
+    case 'describe':
+      return ok({ name: 'node-echo', version: '1.0.0', description: 'Node fixture', tools: [{ name: 'whoami', description: 'runtime and cwd', parameters: [] }] });
+    case 'invoke':
+      return ok({ success: true, data: { runtime: 'node', cwd: process.cwd(), arguments: m.params.arguments } });
+    case 'health':
+      return ok({ status: 'ready' });
+    case 'shutdown':
+      ok({ ok: true });
+      return process.exit(0);
+    default:
+      return send({ jsonrpc: '2.0', id: m.id, error: { code: -32601, message: 'method not found' } });
+  }
+}).on('close', () => process.exit(0));
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn launchers_run_installed_python_node_and_binary_packages_and_name_what_is_missing() {
+    use fleet_e2e::worker::{TestWorker, data, test_config};
+    use fleet_worker::catalogue::{CatalogueError, InstallType, LoadOptions, load_dir};
+    use fleet_worker::install::{InstallOptions, InstallRequest, install};
+
+    let w = TestWorker::start(test_config("pkg-launch"), &[]);
+    let opts = InstallOptions::new(w.root.path().join("executa"));
+    // The system's runtimes only (no pyenv shim under /root: plugins run under per-user uids).
+    let runtimes = LoadOptions::with_search_path(["/usr/bin", "/bin"]);
+    let put = |name: &str, bytes: Vec<u8>| {
+        let path = w.root.path().join(name);
+        std::fs::write(&path, bytes).expect("package");
+        path
+    };
+    let exe = |kind: &str| serde_json::to_vec(&json!({ "type": kind })).expect("json");
+    let python = std::fs::read(fleet_e2e::python_plugin_path()).expect("python fixture");
+
+    // python without uv: the documented fallback runs `python3 main.py`.
+    let py = put(
+        "py.tar.gz",
+        tar_gz(
+            &[
+                ("executa.json", 0o644, &exe("python")),
+                ("main.py", 0o644, &python),
+            ],
+            |_| {},
+        ),
+    );
+    // node: the entry is package.json `main`.
+    let pkg_json = br#"{"name": "node-echo", "version": "1.0.0", "main": "index.js"}"#;
+    let node = put(
+        "node.zip",
+        zip_of(&[
+            ("executa.json", 0o644, &exe("node")),
+            ("package.json", 0o644, pkg_json),
+            ("index.js", 0o644, NODE_PLUGIN.as_bytes()),
+        ]),
+    );
+    // binary: the resolved entrypoint.
+    let bin = put("bin.tar.gz", echo_pkg("bin-echo", "1.0.0"));
+    // go: a source package needs `go`, which this host does not have (production ships a prebuilt binary).
+    let go = put(
+        "go.tar.gz",
+        tar_gz(
+            &[
+                ("executa.json", 0o644, &exe("go")),
+                ("go.mod", 0o644, b"module x\n"),
+            ],
+            |_| {},
+        ),
+    );
+
+    let mut loaded = Vec::new();
+    for (tool_id, package) in [
+        ("py-echo", &py),
+        ("node-echo", &node),
+        ("bin-echo", &bin),
+        ("go-echo", &go),
+    ] {
+        let req = InstallRequest {
+            package: package.clone(),
+            tool_id: Some(tool_id.into()),
+            version: Some("1.0.0".into()),
+            ..InstallRequest::default()
+        };
+        let installed = install(&opts, &req).expect("install");
+        loaded.push((tool_id, load_dir(&installed.dir, &runtimes)));
+    }
+    let mut installs = HashMap::new();
+    for (tool_id, result) in loaded {
+        installs.insert(tool_id, result);
+    }
+    let py_install = installs.remove("py-echo").expect("py").expect("python loads");
+    assert_eq!(py_install.kind, InstallType::Python);
+    assert_eq!(py_install.argv[0], "/usr/bin/python3");
+    assert!(
+        py_install.argv[1].ends_with("/py-echo/v1.0.0/main.py"),
+        "{:?}",
+        py_install.argv
+    );
+    let node_install = installs.remove("node-echo").expect("node").expect("node loads");
+    assert_eq!(node_install.argv[0], "/usr/bin/node");
+    let go_err = installs
+        .remove("go-echo")
+        .expect("go")
+        .expect_err("no go on this host");
+    assert!(
+        matches!(
+            go_err,
+            CatalogueError::MissingRuntime {
+                kind: InstallType::Go,
+                program: "go"
+            }
+        ),
+        "{go_err}"
+    );
+    assert_eq!(
+        go_err.to_string(),
+        "type go needs `go` on PATH (or set `command`)"
+    );
+    let bin_install = installs.remove("bin-echo").expect("bin").expect("binary loads");
+
+    for install in [py_install, node_install, bin_install] {
+        drop(w.pool.set_install(install));
+    }
+    let py = data(&w, "dave", "py-echo", "echo", json!({ "via": "python3" })).await;
+    assert_eq!(py, json!({ "arguments": { "via": "python3" } }));
+    let node = data(&w, "dave", "node-echo", "whoami", json!({ "x": 1 })).await;
+    assert_eq!(node["runtime"], "node");
+    assert!(
+        node["cwd"]
+            .as_str()
+            .is_some_and(|c| c.ends_with("/node-echo/v1.0.0")),
+        "{node}"
+    );
+    let bin = data(&w, "dave", "bin-echo", "inspect", json!({})).await;
+    assert!(
+        bin["cwd"]
+            .as_str()
+            .is_some_and(|c| c.ends_with("/bin-echo/v1.0.0")),
+        "{bin}"
+    );
+    w.pool.shutdown().await;
+}
