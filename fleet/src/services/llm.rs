@@ -83,6 +83,7 @@ pub struct LlmConfig {
     #[serde(default)]
     pub provider: Option<String>,
     /// The chat models, in preference order (`modelPreferences.hints` pick the first containing the hint).
+    /// May be empty when `default_model` is set (that one model, without structured output).
     #[serde(default)]
     pub models: Vec<ModelConfig>,
     /// The model used when no hint matches (default: the first of `models`).
@@ -116,7 +117,7 @@ pub enum LlmConfigError {
     #[error("services.llm.base_url must be an absolute http(s) URL without credentials: {0}")]
     BaseUrl(String),
     /// No chat model.
-    #[error("services.llm.models must name at least one model")]
+    #[error("services.llm: set default_model or list at least one of models")]
     NoModels,
     /// A model name is empty or repeated.
     #[error("services.llm.models: model name {0:?} is empty or repeated")]
@@ -226,21 +227,26 @@ impl LlmService {
         if url.query().is_some() || url.fragment().is_some() {
             return Err(LlmConfigError::BaseUrl("no query or fragment".into()));
         }
-        if config.models.is_empty() {
-            return Err(LlmConfigError::NoModels);
-        }
-        for (i, m) in config.models.iter().enumerate() {
-            if m.name.trim().is_empty() || config.models[..i].iter().any(|o| o.name == m.name) {
+        // `default_model` alone is a one-model configuration (without structured output).
+        let models = match (&config.default_model, config.models.is_empty()) {
+            (Some(name), true) => vec![ModelConfig {
+                name: name.clone(),
+                structured_output: false,
+            }],
+            (None, true) => return Err(LlmConfigError::NoModels),
+            (_, false) => config.models.clone(),
+        };
+        for (i, m) in models.iter().enumerate() {
+            if m.name.trim().is_empty() || models[..i].iter().any(|o| o.name == m.name) {
                 return Err(LlmConfigError::BadModelName(m.name.clone()));
             }
         }
         let default_model = match &config.default_model {
-            Some(name) => config
-                .models
+            Some(name) => models
                 .iter()
                 .find(|m| &m.name == name)
                 .ok_or_else(|| LlmConfigError::UnknownDefaultModel(name.clone()))?,
-            None => config.models.first().ok_or(LlmConfigError::NoModels)?,
+            None => models.first().ok_or(LlmConfigError::NoModels)?,
         }
         .clone();
         let mut embed_aliases = BTreeMap::new();
@@ -272,7 +278,7 @@ impl LlmService {
                 .provider
                 .clone()
                 .unwrap_or_else(|| DEFAULT_PROVIDER.to_owned()),
-            models: config.models.clone(),
+            models,
             default_model,
             embed_aliases,
         })
@@ -1567,6 +1573,48 @@ mod tests {
         .expect("toml");
         assert_eq!(toml_cfg.models[0].name, "m");
         assert!(toml::from_str::<LlmConfig>("base_url = \"x\"\nbogus = 1\n").is_err());
+        let only_default = LlmService::build(&LlmConfig {
+            default_model: Some("solo".into()),
+            ..config(&[])
+        })
+        .expect("default_model alone");
+        assert_eq!(only_default.select_model(&[]).name, "solo");
+        assert!(!only_default.embeddings_enabled());
+    }
+
+    /// The example of the README's "Sampling and embeddings" section.
+    #[test]
+    fn the_readme_example_parses() {
+        #[derive(serde::Deserialize)]
+        struct File {
+            llm: LlmConfig,
+        }
+        let file: File = toml::from_str(
+            r#"
+            [llm]
+            base_url = "https://api.openai.com/v1"
+            api_key_env = "PATH"
+            provider = "openai"
+            default_model = "gpt-4o-mini"
+            embedding_model = "text-embedding-3-small"
+            embedding_aliases = { "anna-managed-v2" = "text-embedding-3-large" }
+
+            [[llm.models]]
+            name = "gpt-4o-mini"
+            structured_output = true
+
+            [[llm.models]]
+            name = "llama-3.1-8b-instruct"
+            "#,
+        )
+        .expect("toml");
+        let svc = LlmService::build(&file.llm).expect("service");
+        assert!(svc.embeddings_enabled());
+        assert_eq!(svc.embed_aliases.len(), 2);
+        assert_eq!(svc.select_model(&["LLAMA".into()]).name, "llama-3.1-8b-instruct");
+        assert!(!svc.select_model(&["llama".into()]).structured_output);
+        assert_eq!(svc.chat_url, "https://api.openai.com/v1/chat/completions");
+        assert_eq!(svc.embed_url, "https://api.openai.com/v1/embeddings");
     }
 
     #[test]
