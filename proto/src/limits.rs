@@ -146,6 +146,45 @@ pub const SAMPLING_SCHEMA_NAME_MAX_CHARS: usize = 64;
 pub const EMBED_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 // ---------------------------------------------------------------------------------------------------------------
+// APS storage and files, host uploads (spec §8.3, §8.4, §8.7, §16)
+// ---------------------------------------------------------------------------------------------------------------
+
+/// Longest `storage/*` key and list prefix, in characters (spec §8.3 HR-ST-04 `validate_kv_key`).
+pub const STORAGE_KEY_MAX_CHARS: usize = 1024;
+/// Largest KV value, canonical UTF-8 JSON (spec §8.3 HR-ST-04, §16 A-23: 256 KB) → `-32025`.
+pub const STORAGE_VALUE_MAX_BYTES: usize = 256 * KIB;
+/// Largest `storage/set` `ttl_seconds` (spec §8.3 HR-ST-04: 1..31 536 000).
+pub const STORAGE_TTL_MAX_SECONDS: u64 = 31_536_000;
+/// Tags per `storage/set` (spec §8.3: `tags?` ≤ 32).
+pub const STORAGE_TAGS_MAX: usize = 32;
+/// `storage/list` and `files/list` `limit` default (spec §8.3).
+pub const STORAGE_LIST_LIMIT_DEFAULT: usize = 100;
+/// `storage/list` and `files/list` `limit` maximum (spec §8.3: 1..1000).
+pub const STORAGE_LIST_LIMIT_MAX: usize = 1000;
+/// Per-user storage quota, KV values and files together (spec §8.4 `-32024`: "default 5 GB per user").
+pub const STORAGE_QUOTA_DEFAULT_BYTES: u64 = 5 * 1024 * 1024 * 1024;
+/// Time one storage call may take (spec §7.3 HR-DL-01: "storage HTTP 15 s").
+pub const STORAGE_REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
+/// Longest `files/*` path, in characters (spec §8.4 HR-FI-02 `validate_path`).
+pub const FILES_PATH_MAX_CHARS: usize = 1024;
+/// Largest APS file (spec §8.4 `OBJECT_MAX_BYTES = 256 * 1024 * 1024`) → `-32025`.
+pub const FILES_OBJECT_MAX_BYTES: u64 = 256 * 1024 * 1024;
+/// Longest `files/upload_begin` `content_type` (spec §8.4: ≤ 120).
+pub const FILES_CONTENT_TYPE_MAX_CHARS: usize = 120;
+/// `files/upload_begin` presigned PUT lifetime (spec §8.4: soft reservation `ttl_seconds=600`).
+pub const FILES_UPLOAD_TTL: Duration = Duration::from_secs(600);
+/// `files/download_url` default link lifetime (spec §8.4, §16 A-26: `ttl` default 300).
+pub const FILES_DOWNLOAD_TTL_DEFAULT: Duration = Duration::from_secs(300);
+/// `files/download_url` longest link lifetime (spec §8.4, §16 A-26: `ttl` 1..3600).
+pub const FILES_DOWNLOAD_TTL_MAX: Duration = Duration::from_secs(3600);
+/// `host/uploadFile` negotiate PUT URL lifetime (spec §8.7 `DEFAULT_PRESIGN_PUT_EXPIRY`: 300 s).
+pub const UPLOAD_PUT_URL_TTL: Duration = Duration::from_secs(300);
+/// `host/uploadFile` download URL lifetime (spec §8.7 `R2_TRANSIENT_PRESIGN_EXPIRY`, §16 A-33: 1800 s).
+pub const UPLOAD_GET_URL_TTL: Duration = Duration::from_secs(1800);
+/// `host/uploadFile` channel cap (spec §7.3 `UPLOAD_MAX_REQUEST_TIMEOUT_S`: 300 s).
+pub const UPLOAD_REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
+
+// ---------------------------------------------------------------------------------------------------------------
 // Tokens (spec §11)
 // ---------------------------------------------------------------------------------------------------------------
 

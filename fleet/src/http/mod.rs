@@ -10,10 +10,12 @@
 //! | `GET /metrics` | [`FleetMetrics::encode`] | none |
 //! | `GET /` | the operator page (one embedded HTML file) ([`page`]) | none: it holds no data |
 //! | `GET /v1/ops/overview`, `GET /v1/ops/events` | the page's data: JSON snapshot, SSE stream | operator token (`"operator": true`, API audience) |
+//! | `GET`, `PUT /v1/files/{bucket}/{object}` | host files and uploads: signed download links and presigned PUTs ([`files`]; only with [`serve_with_files`]) | the link's HMAC signature and expiry |
 //!
 //! The gateway is a thin adapter: after authentication, the ACL and the per-window in-flight cap it calls
 //! [`Front::handle_as`], the same code the NATS API runs (per-user rate limit, validation, handlers).
 
+pub mod files;
 pub mod page;
 pub mod rpc;
 pub mod sse;
@@ -229,6 +231,21 @@ pub async fn serve(listener: tokio::net::TcpListener, state: HttpState) -> std::
     axum::serve(
         listener,
         router(state).into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .await
+}
+
+/// Like [`serve`], with the routes of host files and uploads ([`files::router`]).
+pub async fn serve_with_files(
+    listener: tokio::net::TcpListener,
+    state: HttpState,
+    objects: crate::services::files::HostObjects,
+) -> std::io::Result<()> {
+    axum::serve(
+        listener,
+        router(state)
+            .merge(files::router(objects))
+            .into_make_service_with_connect_info::<SocketAddr>(),
     )
     .await
 }

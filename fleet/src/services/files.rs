@@ -1,46 +1,962 @@
-//! APS files (`files/*`, spec §8.4) on the JetStream object store, and the signed download links the fleet's
-//! HTTP listener serves. (Being written: see the issue-5 helper's module.)
+//! APS files (`files/*`, spec §8.4) on the JetStream object store, and the signed links the fleet's HTTP
+//! listener serves ([`crate::http::files`]).
+//!
+//! Resources (all with the store's `replicas` and `storage`):
+//!
+//! | Resource | Kind | What |
+//! |---|---|---|
+//! | `<prefix>_aps_files` | KV ([`Index`]) | `f.<user_key>.<scope>.<sha256(path)>` → `{path, object, size, content_type, etag, updated_at_ms}` |
+//! | `<prefix>_aps_pending` | KV, `max_age` 1 h | `<user_key>.<scope>.<sha256(path)>` → the begun upload of a path |
+//! | `<prefix>_aps_objects` | object store | the bytes of committed files, `<user_key>/<scope>/<hash>/<nonce>` |
+//! | `<prefix>_aps_staging` | object store, `max_age` 1 h | bytes PUT after `upload_begin`, until `upload_complete` (abandoned ones expire) |
+//! | `<prefix>_uploads` | object store, `max_age` 24 h | `host/uploadFile` objects, named by their `r2_key` |
+//!
+//! Flow: `upload_begin` checks the path, the size (≤ 256 MiB, `-32025`) and that the quota has room (`-32024`),
+//! records the pending upload and returns a signed PUT link (600 s) into staging; the PUT streams the body into
+//! the object store (capped at the declared size, same `Content-Type`); `upload_complete` reserves the quota for
+//! the bytes that landed, copies them from staging into `<prefix>_aps_objects`, swaps the index entry with a
+//! compare-and-set, and removes what it replaced. `download_url` signs a GET link (1..3600 s, default 300).
+//!
+//! Links: `GET|PUT /v1/files/{bucket}/{base64url(object)}?exp=<unix s>&…&sig=<hex>`, where `sig` is
+//! HMAC-SHA256, keyed with the secret every fleet process shares ([`LinkSigner`]), over the method, the bucket,
+//! the object, the expiry and (GET) the disposition and file name or (PUT) the content type and the byte cap.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, object_store};
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use fleet_proto::executa::reverse::{method_not_found, methods, storage as codes};
 use fleet_proto::jsonrpc::ErrorObject;
-use serde_json::Value;
+use fleet_proto::limits;
+use rand::RngCore as _;
+use serde_json::{Map, Value, json};
+use sha2::{Digest, Sha256};
 
-use super::kv::StorageConfig;
+use super::kv::{
+    Head, Index, IndexError, Page, Quota, Scope, StorageConfig, heads_headers, object, paging, required_str,
+    scope, timed,
+};
 use super::{CallContext, ServicesError};
-use crate::store::StoreSettings;
+use crate::store::{StoreSettings, now_ms, rfc3339_ms};
 
-/// Signs and verifies download links (HMAC-SHA256 with a secret shared by every fleet process).
-#[derive(Debug, Clone)]
+/// How long staged bytes and pending records are kept without `upload_complete`.
+pub const STAGING_RETENTION: Duration = Duration::from_secs(3600);
+/// How long `host/uploadFile` objects are kept.
+pub const UPLOAD_RETENTION: Duration = Duration::from_secs(24 * 3600);
+/// Object metadata: the content type.
+pub const META_CONTENT_TYPE: &str = "content-type";
+/// Object metadata: set once a host upload was confirmed.
+pub const META_CONFIRMED: &str = "confirmed";
+
+// ------------------------------------------------------------------------------------------------------------
+// Link signing
+// ------------------------------------------------------------------------------------------------------------
+
+/// HMAC-SHA256 (RFC 2104) over SHA-256.
+fn hmac_sha256(key: &[u8], message: &[u8]) -> [u8; 32] {
+    let mut k = [0_u8; 64];
+    if key.len() > 64 {
+        k[..32].copy_from_slice(&Sha256::digest(key));
+    } else {
+        k[..key.len()].copy_from_slice(key);
+    }
+    let mut ipad = [0x36_u8; 64];
+    let mut opad = [0x5c_u8; 64];
+    for i in 0..64 {
+        ipad[i] ^= k[i];
+        opad[i] ^= k[i];
+    }
+    let inner = Sha256::new().chain_update(ipad).chain_update(message).finalize();
+    Sha256::new()
+        .chain_update(opad)
+        .chain_update(inner)
+        .finalize()
+        .into()
+}
+
+/// Signs and verifies links (HMAC-SHA256 with a secret shared by every fleet process).
+#[derive(Clone)]
 pub struct LinkSigner {
-    _secret: Vec<u8>,
+    secret: Arc<[u8]>,
+}
+
+impl std::fmt::Debug for LinkSigner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LinkSigner").finish_non_exhaustive()
+    }
 }
 
 impl LinkSigner {
     /// A signer with `secret`.
     pub fn new(secret: &[u8]) -> LinkSigner {
         LinkSigner {
-            _secret: secret.to_vec(),
+            secret: Arc::from(secret),
+        }
+    }
+
+    /// The hex signature of `parts` (joined by LF).
+    pub fn sign(&self, parts: &[&str]) -> String {
+        hex::encode(hmac_sha256(&self.secret, parts.join("\n").as_bytes()))
+    }
+
+    /// Whether `sig` is the signature of `parts` (constant time).
+    pub fn verify(&self, parts: &[&str], sig: &str) -> bool {
+        let Ok(given) = hex::decode(sig) else {
+            return false;
+        };
+        let want = hmac_sha256(&self.secret, parts.join("\n").as_bytes());
+        given.len() == want.len()
+            && given
+                .iter()
+                .zip(want.iter())
+                .fold(0_u8, |acc, (a, b)| acc | (a ^ b))
+                == 0
+    }
+}
+
+/// The object store a link points into (its path segment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bucket {
+    /// Committed APS files (`f`).
+    Files,
+    /// Staged APS uploads (`s`).
+    Staging,
+    /// Host uploads (`u`).
+    Uploads,
+}
+
+impl Bucket {
+    /// The path segment.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Bucket::Files => "f",
+            Bucket::Staging => "s",
+            Bucket::Uploads => "u",
+        }
+    }
+
+    /// From the path segment.
+    pub fn parse(s: &str) -> Option<Bucket> {
+        match s {
+            "f" => Some(Bucket::Files),
+            "s" => Some(Bucket::Staging),
+            "u" => Some(Bucket::Uploads),
+            _ => None,
         }
     }
 }
 
+/// `inline` only for `image/*`, `audio/*`, `video/*` and `application/pdf` (spec §8.7); `image/svg+xml`, which
+/// can carry script, is an attachment too.
+pub fn disposition_for(content_type: &str) -> &'static str {
+    let ct = content_type
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    let inline = (ct.starts_with("image/") && ct != "image/svg+xml")
+        || ct.starts_with("audio/")
+        || ct.starts_with("video/")
+        || ct == "application/pdf";
+    if inline { "inline" } else { "attachment" }
+}
+
+/// Why a link was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LinkError {
+    /// Not a link this fleet signed (or altered).
+    #[error("the link's signature does not verify")]
+    BadSignature,
+    /// Past its expiry.
+    #[error("the link expired at {0} (Unix seconds)")]
+    Expired(u64),
+    /// Not a link at all.
+    #[error("malformed link: {0}")]
+    Malformed(&'static str),
+}
+
+/// A verified GET link.
+#[derive(Debug, Clone)]
+pub struct GetLink {
+    /// The bucket.
+    pub bucket: Bucket,
+    /// The object name.
+    pub object: String,
+    /// `inline` or `attachment`.
+    pub disposition: String,
+    /// The file name for `Content-Disposition`.
+    pub filename: String,
+}
+
+/// A verified PUT link.
+#[derive(Debug, Clone)]
+pub struct PutLink {
+    /// The bucket.
+    pub bucket: Bucket,
+    /// The object name.
+    pub object: String,
+    /// The `Content-Type` the PUT must send.
+    pub content_type: String,
+    /// The most bytes the PUT may send.
+    pub max_bytes: u64,
+}
+
+fn unb64(s: &str) -> Option<String> {
+    String::from_utf8(URL_SAFE_NO_PAD.decode(s).ok()?).ok()
+}
+
+fn b64(s: &str) -> String {
+    URL_SAFE_NO_PAD.encode(s.as_bytes())
+}
+
+/// The object stores of host files and uploads, and the link signer: what the services and the HTTP routes
+/// share. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct HostObjects {
+    inner: Arc<ObjectsInner>,
+}
+
+struct ObjectsInner {
+    files: object_store::ObjectStore,
+    staging: object_store::ObjectStore,
+    uploads: object_store::ObjectStore,
+    signer: LinkSigner,
+    public_url: Option<String>,
+}
+
+impl std::fmt::Debug for ObjectsInner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostObjects")
+            .field("public_url", &self.public_url)
+            .finish_non_exhaustive()
+    }
+}
+
+async fn open_objects(
+    js: &jetstream::Context,
+    settings: &StoreSettings,
+    bucket: String,
+    description: &str,
+    max_age: Duration,
+) -> Result<object_store::ObjectStore, ServicesError> {
+    let config = object_store::Config {
+        bucket: bucket.clone(),
+        description: Some(description.to_owned()),
+        max_age,
+        storage: settings.storage,
+        num_replicas: settings.replicas,
+        ..Default::default()
+    };
+    match js.get_object_store(&bucket).await {
+        Ok(s) => Ok(s),
+        Err(_) => match js.create_object_store(config).await {
+            Ok(s) => Ok(s),
+            // Another process created it in between.
+            Err(e) => js
+                .get_object_store(&bucket)
+                .await
+                .map_err(|_| ServicesError::Store(format!("{bucket}: {e}"))),
+        },
+    }
+}
+
+impl HostObjects {
+    /// Opens (creating if needed) `<prefix>_aps_objects`, `<prefix>_aps_staging` and `<prefix>_uploads`.
+    /// `public_url` makes links absolute (`https://fleet.example.com` + `/v1/files/…`).
+    pub async fn open(
+        js: &jetstream::Context,
+        settings: &StoreSettings,
+        signer: LinkSigner,
+        public_url: Option<String>,
+    ) -> Result<HostObjects, ServicesError> {
+        let p = &settings.prefix;
+        let files = open_objects(
+            js,
+            settings,
+            format!("{p}_aps_objects"),
+            "APS files",
+            Duration::ZERO,
+        )
+        .await?;
+        let staging = open_objects(
+            js,
+            settings,
+            format!("{p}_aps_staging"),
+            "APS files uploaded but not completed",
+            STAGING_RETENTION,
+        )
+        .await?;
+        let uploads = open_objects(
+            js,
+            settings,
+            format!("{p}_uploads"),
+            "host/uploadFile objects",
+            UPLOAD_RETENTION,
+        )
+        .await?;
+        Ok(HostObjects {
+            inner: Arc::new(ObjectsInner {
+                files,
+                staging,
+                uploads,
+                signer,
+                public_url: public_url.map(|u| u.trim_end_matches('/').to_owned()),
+            }),
+        })
+    }
+
+    /// The object store behind a bucket.
+    pub fn store(&self, bucket: Bucket) -> &object_store::ObjectStore {
+        match bucket {
+            Bucket::Files => &self.inner.files,
+            Bucket::Staging => &self.inner.staging,
+            Bucket::Uploads => &self.inner.uploads,
+        }
+    }
+
+    fn base(&self) -> &str {
+        self.inner.public_url.as_deref().unwrap_or("")
+    }
+
+    /// A signed GET link valid for `ttl`; returns the URL and its expiry (Unix seconds).
+    pub fn get_link(
+        &self,
+        bucket: Bucket,
+        object: &str,
+        filename: &str,
+        content_type: &str,
+        ttl: Duration,
+    ) -> (String, u64) {
+        let exp = now_ms() / 1000 + ttl.as_secs();
+        let (b, o, d, f) = (
+            bucket.as_str(),
+            b64(object),
+            disposition_for(content_type),
+            b64(filename),
+        );
+        let e = exp.to_string();
+        let sig = self.inner.signer.sign(&["GET", b, &o, &e, d, &f]);
+        (
+            format!("{}/v1/files/{b}/{o}?exp={e}&d={d}&fn={f}&sig={sig}", self.base()),
+            exp,
+        )
+    }
+
+    /// A signed PUT link valid for `ttl`; returns the URL and its expiry (Unix seconds).
+    pub fn put_link(
+        &self,
+        bucket: Bucket,
+        object: &str,
+        content_type: &str,
+        max_bytes: u64,
+        ttl: Duration,
+    ) -> (String, u64) {
+        let exp = now_ms() / 1000 + ttl.as_secs();
+        let (b, o, ct, n) = (
+            bucket.as_str(),
+            b64(object),
+            b64(content_type),
+            max_bytes.to_string(),
+        );
+        let e = exp.to_string();
+        let sig = self.inner.signer.sign(&["PUT", b, &o, &e, &ct, &n]);
+        (
+            format!("{}/v1/files/{b}/{o}?exp={e}&ct={ct}&n={n}&sig={sig}", self.base()),
+            exp,
+        )
+    }
+
+    fn check(&self, parts: &[&str], sig: &str, exp: u64) -> Result<(), LinkError> {
+        if !self.inner.signer.verify(parts, sig) {
+            return Err(LinkError::BadSignature);
+        }
+        if now_ms() / 1000 >= exp {
+            return Err(LinkError::Expired(exp));
+        }
+        Ok(())
+    }
+
+    /// Verifies a GET link's parts (the signature first, then the expiry).
+    pub fn verify_get(
+        &self,
+        bucket: &str,
+        object: &str,
+        exp: u64,
+        disposition: &str,
+        filename: &str,
+        sig: &str,
+    ) -> Result<GetLink, LinkError> {
+        let e = exp.to_string();
+        self.check(&["GET", bucket, object, &e, disposition, filename], sig, exp)?;
+        Ok(GetLink {
+            bucket: Bucket::parse(bucket).ok_or(LinkError::Malformed("bucket"))?,
+            object: unb64(object).ok_or(LinkError::Malformed("object"))?,
+            disposition: disposition.to_owned(),
+            filename: unb64(filename).ok_or(LinkError::Malformed("fn"))?,
+        })
+    }
+
+    /// Verifies a PUT link's parts.
+    pub fn verify_put(
+        &self,
+        bucket: &str,
+        object: &str,
+        exp: u64,
+        content_type: &str,
+        max_bytes: u64,
+        sig: &str,
+    ) -> Result<PutLink, LinkError> {
+        let (e, n) = (exp.to_string(), max_bytes.to_string());
+        self.check(&["PUT", bucket, object, &e, content_type, &n], sig, exp)?;
+        Ok(PutLink {
+            bucket: Bucket::parse(bucket).ok_or(LinkError::Malformed("bucket"))?,
+            object: unb64(object).ok_or(LinkError::Malformed("object"))?,
+            content_type: unb64(content_type).ok_or(LinkError::Malformed("ct"))?,
+            max_bytes,
+        })
+    }
+}
+
+/// A random 32-hex nonce.
+pub(crate) fn nonce() -> String {
+    let mut b = [0_u8; 16];
+    rand::rng().fill_bytes(&mut b);
+    hex::encode(b)
+}
+
+/// The hex etag of an object store digest (`SHA-256=<base64url>`).
+pub(crate) fn etag_of_digest(digest: Option<&str>) -> String {
+    let raw = digest
+        .and_then(|d| d.strip_prefix("SHA-256="))
+        .and_then(|d| URL_SAFE_NO_PAD.decode(d.trim_end_matches('=')).ok())
+        .unwrap_or_default();
+    let mut h = hex::encode(raw);
+    h.truncate(32);
+    h
+}
+
+/// A content type's syntax: `type/subtype[; params]` with token characters, ≤ 120 characters.
+pub(crate) fn valid_content_type(ct: &str) -> bool {
+    let token = |s: &str| {
+        !s.is_empty()
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"!#$&-^_.+".contains(&b))
+    };
+    let essence = ct.split(';').next().unwrap_or_default().trim();
+    ct.chars().count() <= limits::FILES_CONTENT_TYPE_MAX_CHARS
+        && !ct.chars().any(char::is_control)
+        && essence.split_once('/').is_some_and(|(t, s)| token(t) && token(s))
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// files/*
+// ------------------------------------------------------------------------------------------------------------
+
+/// `validate_path` (spec §8.4 HR-FI-02) → `-32027`.
+pub fn validate_path(path: &str) -> Result<(), ErrorObject> {
+    let n = path.chars().count();
+    if n == 0 || n > limits::FILES_PATH_MAX_CHARS {
+        return Err(codes::INVALID_PATH.error(format!(
+            "path must be 1–{} characters, got {n}",
+            limits::FILES_PATH_MAX_CHARS
+        )));
+    }
+    if path.starts_with('/') {
+        return Err(codes::INVALID_PATH.error("path must be relative (no leading '/')"));
+    }
+    if path.split('/').any(|s| s.is_empty() || s == "." || s == "..") {
+        return Err(codes::INVALID_PATH.error("path must not contain empty, '.' or '..' segments"));
+    }
+    let forbidden = |c: char| {
+        c.is_control()
+            || c == '\\'
+            || matches!(c, '\u{200B}'..='\u{200F}' | '\u{2060}' | '\u{FEFF}' | '\u{061C}')
+            || matches!(c, '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
+    };
+    if path.chars().any(forbidden) {
+        return Err(codes::INVALID_PATH.error(
+            "path must not contain control, backslash, zero-width or bidirectional-override characters",
+        ));
+    }
+    Ok(())
+}
+
+/// A committed file.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct FileRecord {
+    path: String,
+    object: String,
+    size: u64,
+    content_type: String,
+    etag: String,
+    updated_at_ms: u64,
+}
+
+/// A begun upload.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct PendingRecord {
+    path: String,
+    object: String,
+    content_type: String,
+    size: u64,
+    expires_at_ms: u64,
+}
+
 /// The files service.
 #[derive(Debug, Clone)]
-pub struct FilesService {}
+pub struct FilesService {
+    objects: HostObjects,
+    index: Index,
+    pending: Index,
+    quota: Quota,
+}
 
 impl FilesService {
-    /// Opens its object store.
+    /// Opens its buckets and object stores.
     pub async fn open(
-        _js: &async_nats::jetstream::Context,
-        _settings: &StoreSettings,
-        _config: &StorageConfig,
-        _links: LinkSigner,
-        _public_url: Option<String>,
+        js: &jetstream::Context,
+        settings: &StoreSettings,
+        config: &StorageConfig,
+        links: LinkSigner,
+        public_url: Option<String>,
     ) -> Result<FilesService, ServicesError> {
-        Ok(FilesService {})
+        let objects = HostObjects::open(js, settings, links, public_url).await?;
+        let max = 16 * 1024;
+        let index = Index::open(
+            js,
+            settings,
+            format!("{}_aps_files", settings.prefix),
+            "APS files (files/*)",
+            max,
+            Duration::ZERO,
+        )
+        .await?;
+        let pending = Index::open(
+            js,
+            settings,
+            format!("{}_aps_pending", settings.prefix),
+            "APS files begun, not completed",
+            max,
+            STAGING_RETENTION,
+        )
+        .await?;
+        let quota = Quota::open(js, settings, config).await?;
+        Ok(FilesService {
+            objects,
+            index,
+            pending,
+            quota,
+        })
+    }
+
+    /// The object stores and signer (for the HTTP routes and uploads).
+    pub fn objects(&self) -> &HostObjects {
+        &self.objects
     }
 
     /// Serves one call.
-    pub async fn call(&self, _ctx: &CallContext, method: &str, _params: Value) -> Result<Value, ErrorObject> {
-        Err(fleet_proto::executa::reverse::method_not_found(method))
+    pub async fn call(&self, ctx: &CallContext, method: &str, params: Value) -> Result<Value, ErrorObject> {
+        let p = object(params)?;
+        let scope = scope(ctx, &p)?;
+        match method {
+            methods::FILES_UPLOAD_BEGIN => timed(ctx, Box::pin(self.begin(ctx, &scope, &p))).await,
+            methods::FILES_UPLOAD_COMPLETE => timed(ctx, Box::pin(self.complete(ctx, &scope, &p))).await,
+            methods::FILES_DOWNLOAD_URL => timed(ctx, Box::pin(self.download_url(&scope, &p))).await,
+            methods::FILES_LIST => timed(ctx, Box::pin(self.list(&scope, &p))).await,
+            methods::FILES_DELETE => timed(ctx, Box::pin(self.delete(ctx, &scope, &p))).await,
+            _ => Err(method_not_found(method)),
+        }
+    }
+
+    fn key(scope: &Scope, path: &str) -> String {
+        format!("f.{}.{}", scope.space, super::kv::name_hash(path))
+    }
+
+    fn pending_key(scope: &Scope, path: &str) -> String {
+        format!("{}.{}", scope.space, super::kv::name_hash(path))
+    }
+
+    fn object_name(scope: &Scope, path: &str) -> String {
+        format!(
+            "{}/{}/{}",
+            scope.space.replace('.', "/"),
+            &super::kv::name_hash(path)[..32],
+            nonce()
+        )
+    }
+
+    async fn record(&self, scope: &Scope, path: &str) -> Result<(u64, Option<FileRecord>), ErrorObject> {
+        let slot = self
+            .index
+            .read(&Self::key(scope, path))
+            .await
+            .map_err(|e| e.to_rpc())?;
+        let rec = match slot.envelope {
+            Some(v) => Some(
+                serde_json::from_value(v)
+                    .map_err(|_| IndexError::Corrupt(Self::key(scope, path)).to_rpc())?,
+            ),
+            None => None,
+        };
+        Ok((slot.revision, rec))
+    }
+
+    async fn pending_record(&self, scope: &Scope, path: &str) -> Result<Option<PendingRecord>, ErrorObject> {
+        let slot = self
+            .pending
+            .read(&Self::pending_key(scope, path))
+            .await
+            .map_err(|e| e.to_rpc())?;
+        Ok(slot
+            .envelope
+            .and_then(|v| serde_json::from_value::<PendingRecord>(v).ok())
+            .filter(|p| p.expires_at_ms > now_ms()))
+    }
+
+    async fn begin(
+        &self,
+        ctx: &CallContext,
+        scope: &Scope,
+        p: &Map<String, Value>,
+    ) -> Result<Value, ErrorObject> {
+        let path = required_str(p, "path")?;
+        validate_path(path)?;
+        let ct = required_str(p, "content_type")?.trim();
+        if !valid_content_type(ct) {
+            return Err(codes::INVALID_REQUEST.error(format!(
+                "content_type {ct:?} is not a media type of at most {} characters",
+                limits::FILES_CONTENT_TYPE_MAX_CHARS
+            )));
+        }
+        let size = super::kv::opt_u64(p, "size_bytes")?
+            .ok_or_else(|| codes::INVALID_REQUEST.error("missing required field 'size_bytes'"))?;
+        if size > limits::FILES_OBJECT_MAX_BYTES {
+            return Err(codes::VALUE_TOO_LARGE.error(format!(
+                "size_bytes {size} exceeds the {}-byte object limit",
+                limits::FILES_OBJECT_MAX_BYTES
+            )));
+        }
+        let (_, current) = self.record(scope, path).await?;
+        let old = current.map_or(0, |c| c.size);
+        let used = self.quota.used(&ctx.user).await.map_err(|e| e.to_rpc())?;
+        let cap = self.quota.cap();
+        if used.saturating_add(size.saturating_sub(old)) > cap {
+            return Err(IndexError::Quota {
+                used,
+                cap,
+                wanted: size.saturating_sub(old),
+            }
+            .to_rpc());
+        }
+        let object = Self::object_name(scope, path);
+        let upload_id = object.rsplit('/').next().unwrap_or_default().to_owned();
+        let expires_at_ms = now_ms() + limits::FILES_UPLOAD_TTL.as_secs() * 1000;
+        let rec = PendingRecord {
+            path: path.to_owned(),
+            object: object.clone(),
+            content_type: ct.to_owned(),
+            size,
+            expires_at_ms,
+        };
+        let body = serde_json::to_vec(&rec).map_err(|e| codes::UPSTREAM_ERROR.error(e.to_string()))?;
+        let headers = heads_headers(&Head {
+            name: path.to_owned(),
+            revision: 0,
+            size,
+            etag: String::new(),
+            updated_ms: now_ms(),
+            expires_ms: Some(expires_at_ms),
+            content_type: Some(ct.to_owned()),
+        });
+        self.pending
+            .write(&Self::pending_key(scope, path), None, headers, body)
+            .await
+            .map_err(|e| e.to_rpc())?;
+        let (url, exp) = self
+            .objects
+            .put_link(Bucket::Staging, &object, ct, size, limits::FILES_UPLOAD_TTL);
+        let expires_at = rfc3339_ms(exp * 1000);
+        Ok(json!({
+            "upload_id": upload_id,
+            "put_url": url,
+            "presigned_url": url,
+            "method": "PUT",
+            "headers": { "Content-Type": ct },
+            "fields": {},
+            "expires_at": expires_at,
+            "expires_in": limits::FILES_UPLOAD_TTL.as_secs(),
+            "path": path,
+            "scope": scope.name,
+        }))
+    }
+
+    async fn complete(
+        &self,
+        ctx: &CallContext,
+        scope: &Scope,
+        p: &Map<String, Value>,
+    ) -> Result<Value, ErrorObject> {
+        let path = required_str(p, "path")?;
+        validate_path(path)?;
+        let Some(pending) = self.pending_record(scope, path).await? else {
+            return Err(codes::NOT_FOUND.error(format!(
+                "no pending upload for {path:?} in scope '{}' (call files/upload_begin first)",
+                scope.name
+            )));
+        };
+        let staging = self.objects.store(Bucket::Staging);
+        let info = match staging.info(&pending.object).await {
+            Ok(i) => i,
+            Err(e) if e.kind() == object_store::InfoErrorKind::NotFound => {
+                return Err(codes::UPSTREAM_ERROR.error_with(
+                    "pending_upload: the bytes were not PUT to put_url yet",
+                    Map::from_iter([("reason".to_owned(), json!("pending_upload"))]),
+                ));
+            }
+            Err(e) => return Err(codes::UPSTREAM_ERROR.error(format!("object store: {e}"))),
+        };
+        let size = info.size as u64;
+        let etag = etag_of_digest(info.digest.as_deref());
+        let key = Self::key(scope, path);
+        let (revision, current) = self.record(scope, path).await?;
+        let old = current.as_ref().map_or(0, |c| c.size);
+        self.quota
+            .reserve_growth(&ctx.user, old, size)
+            .await
+            .map_err(|e| e.to_rpc())?;
+        let copied = async {
+            let mut src = staging
+                .get(&pending.object)
+                .await
+                .map_err(|e| codes::UPSTREAM_ERROR.error(format!("object store: {e}")))?;
+            let meta = object_store::ObjectMetadata {
+                name: pending.object.clone(),
+                metadata: HashMap::from([(META_CONTENT_TYPE.to_owned(), pending.content_type.clone())]),
+                ..Default::default()
+            };
+            self.objects
+                .store(Bucket::Files)
+                .put(meta, &mut src)
+                .await
+                .map_err(|e| codes::UPSTREAM_ERROR.error(format!("object store: {e}")))
+        }
+        .await;
+        if let Err(e) = copied {
+            self.quota.undo_growth(&ctx.user, old, size).await;
+            return Err(e);
+        }
+        let now = now_ms();
+        let rec = FileRecord {
+            path: path.to_owned(),
+            object: pending.object.clone(),
+            size,
+            content_type: pending.content_type.clone(),
+            etag: etag.clone(),
+            updated_at_ms: now,
+        };
+        let body = serde_json::to_vec(&rec).map_err(|e| codes::UPSTREAM_ERROR.error(e.to_string()))?;
+        let headers = heads_headers(&Head {
+            name: path.to_owned(),
+            revision: 0,
+            size,
+            etag: etag.clone(),
+            updated_ms: now,
+            expires_ms: None,
+            content_type: Some(pending.content_type.clone()),
+        });
+        if let Err(e) = self.index.write(&key, Some(revision), headers, body).await {
+            self.quota.undo_growth(&ctx.user, old, size).await;
+            let _ = self.objects.store(Bucket::Files).delete(&pending.object).await;
+            return Err(match e {
+                IndexError::Conflict => codes::UPSTREAM_ERROR
+                    .error(format!("another write to {path:?} completed first; begin again")),
+                e => e.to_rpc(),
+            });
+        }
+        self.quota.settle(&ctx.user, old, size).await;
+        if let Some(c) = current {
+            let _ = self.objects.store(Bucket::Files).delete(&c.object).await;
+        }
+        let _ = staging.delete(&pending.object).await;
+        let _ = self.pending.remove(&Self::pending_key(scope, path)).await;
+        Ok(json!({
+            "path": path,
+            "etag": etag,
+            "size_bytes": size,
+            "content_type": pending.content_type,
+            "updated_at": rfc3339_ms(now),
+        }))
+    }
+
+    async fn download_url(&self, scope: &Scope, p: &Map<String, Value>) -> Result<Value, ErrorObject> {
+        let path = required_str(p, "path")?;
+        validate_path(path)?;
+        let ttl = match (
+            super::kv::opt_u64(p, "ttl_seconds")?,
+            super::kv::opt_u64(p, "expires_in")?,
+        ) {
+            (Some(t), _) | (None, Some(t)) => t,
+            (None, None) => limits::FILES_DOWNLOAD_TTL_DEFAULT.as_secs(),
+        };
+        let max = limits::FILES_DOWNLOAD_TTL_MAX.as_secs();
+        if !(1..=max).contains(&ttl) {
+            return Err(codes::INVALID_REQUEST.error(format!("ttl_seconds must be 1..{max}, got {ttl}")));
+        }
+        let (_, rec) = self.record(scope, path).await?;
+        let Some(rec) = rec else {
+            if self.pending_record(scope, path).await?.is_some() {
+                return Err(codes::UPSTREAM_ERROR.error_with(
+                    format!("{path:?} is a pending upload (files/upload_complete not called)"),
+                    Map::from_iter([("reason".to_owned(), json!("pending_upload"))]),
+                ));
+            }
+            return Err(codes::NOT_FOUND.error(format!("no file {path:?} in scope '{}'", scope.name)));
+        };
+        let filename = path.rsplit('/').next().unwrap_or(path);
+        let (url, exp) = self.objects.get_link(
+            Bucket::Files,
+            &rec.object,
+            filename,
+            &rec.content_type,
+            Duration::from_secs(ttl),
+        );
+        Ok(json!({
+            "url": url,
+            "get_url": url,
+            "expires_at": rfc3339_ms(exp * 1000),
+            "expires_in": ttl,
+            "path": path,
+            "size_bytes": rec.size,
+            "content_type": rec.content_type,
+        }))
+    }
+
+    async fn list(&self, scope: &Scope, p: &Map<String, Value>) -> Result<Value, ErrorObject> {
+        let (prefix, cursor, limit) = paging(p, true)?;
+        let mut page = Page::new(prefix, cursor, limit);
+        self.index
+            .heads(&format!("f.{}", scope.space), |h| page.offer(h))
+            .await
+            .map_err(|e| e.to_rpc())?;
+        let (items, next) = page.finish();
+        let items: Vec<Value> = items
+            .into_iter()
+            .map(|h| {
+                json!({
+                    "path": h.name,
+                    "size_bytes": h.size,
+                    "content_type": h.content_type,
+                    "etag": h.etag,
+                    "updated_at": rfc3339_ms(h.updated_ms),
+                })
+            })
+            .collect();
+        Ok(json!({ "items": items, "next_cursor": next }))
+    }
+
+    async fn delete(
+        &self,
+        ctx: &CallContext,
+        scope: &Scope,
+        p: &Map<String, Value>,
+    ) -> Result<Value, ErrorObject> {
+        let path = required_str(p, "path")?;
+        validate_path(path)?;
+        let pending = self.pending_record(scope, path).await?;
+        if let Some(pend) = &pending {
+            let _ = self.objects.store(Bucket::Staging).delete(&pend.object).await;
+            let _ = self.pending.remove(&Self::pending_key(scope, path)).await;
+        }
+        let key = Self::key(scope, path);
+        for _ in 0..8 {
+            let (revision, rec) = self.record(scope, path).await?;
+            let Some(rec) = rec else {
+                return if pending.is_some() {
+                    Ok(json!({ "deleted": true }))
+                } else {
+                    Err(codes::NOT_FOUND.error(format!("no file {path:?} in scope '{}'", scope.name)))
+                };
+            };
+            match self.index.purge(&key, revision).await {
+                Ok(()) => {
+                    self.quota.release(&ctx.user, rec.size).await;
+                    let _ = self.objects.store(Bucket::Files).delete(&rec.object).await;
+                    return Ok(json!({ "deleted": true }));
+                }
+                Err(IndexError::Conflict) => {}
+                Err(e) => return Err(e.to_rpc()),
+            }
+        }
+        Err(IndexError::Contention.to_rpc())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hmac_matches_rfc_4231_case_2() {
+        let mac = hmac_sha256(b"Jefe", b"what do ya want for nothing?");
+        assert_eq!(
+            hex::encode(mac),
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+    }
+
+    #[test]
+    fn a_tampered_part_or_signature_does_not_verify() {
+        let s = LinkSigner::new(b"secret");
+        let sig = s.sign(&["GET", "f", "obj", "100", "inline", "x"]);
+        assert!(s.verify(&["GET", "f", "obj", "100", "inline", "x"], &sig));
+        assert!(!s.verify(&["GET", "f", "obj", "101", "inline", "x"], &sig));
+        assert!(!s.verify(&["GET", "f", "obj", "100", "attachment", "x"], &sig));
+        assert!(!s.verify(&["GET", "f", "obj", "100", "inline", "x"], "00"));
+        assert!(!LinkSigner::new(b"other").verify(&["GET", "f", "obj", "100", "inline", "x"], &sig));
+    }
+
+    #[test]
+    fn disposition_is_inline_only_for_media_and_pdf() {
+        for ct in [
+            "image/png",
+            "audio/mpeg",
+            "video/mp4",
+            "application/pdf",
+            "IMAGE/JPEG; q=1",
+        ] {
+            assert_eq!(disposition_for(ct), "inline", "{ct}");
+        }
+        for ct in [
+            "text/html",
+            "application/json",
+            "image/svg+xml",
+            "application/octet-stream",
+        ] {
+            assert_eq!(disposition_for(ct), "attachment", "{ct}");
+        }
+    }
+
+    #[test]
+    fn paths_follow_validate_path() {
+        assert!(validate_path("a/b.txt").is_ok());
+        assert!(validate_path(&"a".repeat(1024)).is_ok());
+        for bad in [
+            "",
+            "/a",
+            "a//b",
+            "a/./b",
+            "a/../b",
+            "a\\b",
+            "a\u{202E}b",
+            "a\u{200B}b",
+            "a\nb",
+        ] {
+            assert_eq!(validate_path(bad).err().map(|e| e.code), Some(-32027), "{bad:?}");
+        }
+        assert!(validate_path(&"a".repeat(1025)).is_err());
     }
 }

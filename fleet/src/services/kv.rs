@@ -1,35 +1,1171 @@
-//! APS KV (`storage/*`, spec §8.3) on JetStream KV. (Being written: see the issue-5 helper's module.)
+//! APS KV (`storage/*`, spec §8.3) on JetStream KV, and what APS files share with it: the scope rules, the
+//! per-user byte quota, and the [`Index`] (a KV bucket whose entries carry their heads in message headers, so a
+//! listing reads headers only, never values).
+//!
+//! * **Keys.** Scope `tool` is keyed by (user, tool id), scope `user` by the user alone (shared by the user's
+//!   plugins): the KV key is `<user_key>.<scope>.<sha256(key)>` with `<scope>` = `u` or `t<hash of tool id>`, so
+//!   any key of 1–1024 characters fits a subject; the real key travels base64url-encoded in the `Aps-Key`
+//!   header and inside the stored envelope.
+//! * **Values.** Canonical JSON (object members sorted, no whitespace) of at most 256 KiB (`-32025`);
+//!   `etag` = the first 32 hex characters of its SHA-256; `generation` = the KV revision of the write (it grows
+//!   with every write); `if_match` takes an etag (string) or a generation (number or digit string), a mismatch
+//!   or a missing key is `-32023`.
+//! * **TTL.** `ttl_seconds` (1..31 536 000) is kept as `expires_at` in the envelope and its headers; an expired
+//!   entry reads as absent everywhere and is purged (with its quota bytes released) by the first call that meets
+//!   it. Not the server's per-message TTL: a server-side expiry would leave the quota counter charged forever.
+//! * **Quota.** Bytes per user (KV values and files together) in `<prefix>_aps_usage`, one compare-and-set
+//!   counter per user: a write reserves `new − old` before it is written and gives it back if the write loses; a
+//!   delete or a shrinking overwrite releases after it succeeded. Default 5 GiB (`[services.storage]
+//!   quota_bytes`); `-32024` at the first byte over.
+//! * **List.** Keys in byte order; `cursor` is the base64url of the last key returned; `limit` 1..1000 (default
+//!   100, silently clamped); items are heads only. Memory is bounded by `limit`: a scan keeps the `limit + 1`
+//!   smallest keys past the cursor in a heap.
+//! * **Delete** is a purge (not recoverable); deleting a missing key answers `{"deleted": false}`.
 
+use std::collections::BinaryHeap;
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, consumer, context, kv, stream::Stream};
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use bytes::Bytes;
+use fleet_proto::executa::reverse::{method_not_found, methods, storage as codes};
 use fleet_proto::jsonrpc::ErrorObject;
-use serde_json::Value;
+use fleet_proto::limits;
+use futures::StreamExt as _;
+use serde_json::{Map, Value, json};
+use sha2::{Digest, Sha256};
 
 use super::{CallContext, ServicesError};
-use crate::store::StoreSettings;
+use crate::store::{StoreSettings, now_ms, rfc3339_ms, user_key};
+
+/// Compare-and-set attempts before a write gives up.
+const MAX_CAS_ATTEMPTS: u32 = 32;
+
+/// Header: the real key or path, base64url.
+pub(crate) const H_KEY: &str = "Aps-Key";
+/// Header: size in bytes.
+pub(crate) const H_SIZE: &str = "Aps-Size";
+/// Header: etag.
+pub(crate) const H_ETAG: &str = "Aps-Etag";
+/// Header: last write, Unix ms.
+pub(crate) const H_UPDATED: &str = "Aps-Updated";
+/// Header: expiry, Unix ms.
+pub(crate) const H_EXPIRES: &str = "Aps-Expires";
+/// Header: content type (files).
+pub(crate) const H_TYPE: &str = "Aps-Type";
 
 /// Storage settings (`[services.storage]`).
 #[derive(Debug, Clone, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct StorageConfig {
-    /// Per-user byte quota (KV values and files together).
+    /// Per-user byte quota (KV values and files together). Default 5 GiB.
     #[serde(default)]
     pub quota_bytes: Option<u64>,
 }
 
+impl StorageConfig {
+    /// The effective quota.
+    pub fn quota(&self) -> u64 {
+        self.quota_bytes.unwrap_or(limits::STORAGE_QUOTA_DEFAULT_BYTES)
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Shared by storage/* and files/*
+// ------------------------------------------------------------------------------------------------------------
+
+/// The scope of a call, resolved to its key segment.
+#[derive(Debug, Clone)]
+pub(crate) struct Scope {
+    /// `tool` or `user`.
+    pub name: &'static str,
+    /// `<user_key>.<u | t<hash>>`.
+    pub space: String,
+}
+
+/// Resolves `params.scope` against the token's `allowed_scopes` (spec §8.3 HR-ST-02, HR-ST-03).
+pub(crate) fn scope(ctx: &CallContext, params: &Map<String, Value>) -> Result<Scope, ErrorObject> {
+    let name = match params.get("scope") {
+        None | Some(Value::Null) => {
+            tracing::warn!(tool_id = %ctx.tool_id, "storage call without scope: defaulting to 'tool' (spec §16 A-22)");
+            "tool"
+        }
+        Some(Value::String(s)) => s.as_str(),
+        Some(_) => return Err(codes::INVALID_REQUEST.error("scope must be a string")),
+    };
+    let mut allowed: Vec<String> = ctx.claims.allowed_scopes.clone().unwrap_or_default();
+    allowed.sort();
+    let known = match name {
+        "tool" => "tool",
+        "user" => "user",
+        "app" => "app",
+        other => {
+            return Err(
+                codes::INVALID_REQUEST.error(format!("unknown scope {other:?}; one of 'tool', 'user'"))
+            );
+        }
+    };
+    if !allowed.iter().any(|a| a == known) {
+        let list = allowed
+            .iter()
+            .map(|a| format!("'{a}'"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Err(codes::UPSTREAM_ERROR.error(format!(
+            "storage_token does not permit scope='{known}'; allowed=[{list}]"
+        )));
+    }
+    let user = user_key(&ctx.user);
+    let space = match known {
+        "user" => format!("{user}.u"),
+        "tool" => format!("{user}.t{}", user_key(&ctx.tool_id)),
+        _ => format!("{user}.a"),
+    };
+    Ok(Scope { name: known, space })
+}
+
+/// The params as an object (`-32028` otherwise).
+pub(crate) fn object(params: Value) -> Result<Map<String, Value>, ErrorObject> {
+    match params {
+        Value::Object(m) => Ok(m),
+        Value::Null => Ok(Map::new()),
+        _ => Err(codes::INVALID_REQUEST.error("params must be an object")),
+    }
+}
+
+/// A required string member.
+pub(crate) fn required_str<'a>(p: &'a Map<String, Value>, name: &str) -> Result<&'a str, ErrorObject> {
+    match p.get(name) {
+        Some(Value::String(s)) => Ok(s),
+        None | Some(Value::Null) => {
+            Err(codes::INVALID_REQUEST.error(format!("missing required field '{name}'")))
+        }
+        Some(_) => Err(codes::INVALID_REQUEST.error(format!("'{name}' must be a string"))),
+    }
+}
+
+/// An optional non-negative integer member.
+pub(crate) fn opt_u64(p: &Map<String, Value>, name: &str) -> Result<Option<u64>, ErrorObject> {
+    match p.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| codes::INVALID_REQUEST.error(format!("'{name}' must be a non-negative integer"))),
+    }
+}
+
+/// `validate_kv_key`: 1–1024 characters, no control characters (spec §8.3 HR-ST-04) → `-32027`.
+pub(crate) fn validate_key(key: &str) -> Result<(), ErrorObject> {
+    let n = key.chars().count();
+    if n == 0 || n > limits::STORAGE_KEY_MAX_CHARS {
+        return Err(codes::INVALID_PATH.error(format!(
+            "key must be 1–{} characters, got {n}",
+            limits::STORAGE_KEY_MAX_CHARS
+        )));
+    }
+    if key.chars().any(char::is_control) {
+        return Err(codes::INVALID_PATH.error("key must not contain control characters"));
+    }
+    Ok(())
+}
+
+/// A list prefix: ≤ 1024 characters, no leading `/`, no `.`/`..` segments (spec §8.3 HR-ST-04) → `-32027`.
+pub(crate) fn validate_prefix(prefix: &str) -> Result<(), ErrorObject> {
+    let n = prefix.chars().count();
+    if n > limits::STORAGE_KEY_MAX_CHARS {
+        return Err(codes::INVALID_PATH.error(format!(
+            "prefix must be at most {} characters, got {n}",
+            limits::STORAGE_KEY_MAX_CHARS
+        )));
+    }
+    if prefix.starts_with('/') {
+        return Err(codes::INVALID_PATH.error("prefix must not start with '/'"));
+    }
+    if prefix.split('/').any(|s| s == "." || s == "..") {
+        return Err(codes::INVALID_PATH.error("prefix must not contain '.' or '..' segments"));
+    }
+    Ok(())
+}
+
+/// `list` paging: `(prefix, cursor, limit)`; `limit_strict` refuses an out-of-range limit with `-32027`
+/// (`files/list`, spec §16 A-28) instead of clamping it (`storage/list`).
+pub(crate) fn paging(
+    p: &Map<String, Value>,
+    limit_strict: bool,
+) -> Result<(String, Option<String>, usize), ErrorObject> {
+    let prefix = match p.get("prefix") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(_) => return Err(codes::INVALID_REQUEST.error("'prefix' must be a string")),
+    };
+    validate_prefix(&prefix)?;
+    let cursor = match p.get("cursor") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if s.is_empty() => None,
+        Some(Value::String(s)) => Some(
+            URL_SAFE_NO_PAD
+                .decode(s)
+                .ok()
+                .and_then(|b| String::from_utf8(b).ok())
+                .ok_or_else(|| codes::INVALID_REQUEST.error("'cursor' is not a cursor this host returned"))?,
+        ),
+        Some(_) => return Err(codes::INVALID_REQUEST.error("'cursor' must be a string")),
+    };
+    let max = limits::STORAGE_LIST_LIMIT_MAX;
+    let limit = match p.get("limit") {
+        None | Some(Value::Null) => limits::STORAGE_LIST_LIMIT_DEFAULT,
+        Some(v) => match v.as_i64() {
+            Some(l) if usize::try_from(l).is_ok_and(|l| (1..=max).contains(&l)) => {
+                usize::try_from(l).unwrap_or(max)
+            }
+            _ if limit_strict => {
+                return Err(codes::INVALID_PATH.error(format!("'limit' must be an integer 1..{max}")));
+            }
+            Some(l) if l < 1 => 1,
+            Some(_) => max,
+            None if v.as_f64().is_some() => limits::STORAGE_LIST_LIMIT_MAX,
+            None => limits::STORAGE_LIST_LIMIT_DEFAULT,
+        },
+    };
+    Ok((prefix, cursor, limit))
+}
+
+/// A cursor for `key`.
+pub(crate) fn cursor_of(key: &str) -> String {
+    URL_SAFE_NO_PAD.encode(key.as_bytes())
+}
+
+/// The hex SHA-256 of a name (the last key segment).
+pub(crate) fn name_hash(name: &str) -> String {
+    hex::encode(Sha256::digest(name.as_bytes()))
+}
+
+/// Canonical JSON: members sorted at every level, no whitespace.
+pub fn canonical_json(v: &Value) -> Vec<u8> {
+    fn sorted(v: &Value) -> Value {
+        match v {
+            Value::Object(m) => {
+                let mut keys: Vec<&String> = m.keys().collect();
+                keys.sort();
+                let mut out = Map::new();
+                for k in keys {
+                    if let Some(x) = m.get(k) {
+                        out.insert(k.clone(), sorted(x));
+                    }
+                }
+                Value::Object(out)
+            }
+            Value::Array(a) => Value::Array(a.iter().map(sorted).collect()),
+            other => other.clone(),
+        }
+    }
+    // Without serde_json's `preserve_order` the map is sorted already; with it, `sorted` inserts in order.
+    serde_json::to_vec(&sorted(v)).unwrap_or_default()
+}
+
+/// The etag of canonical bytes: the first 32 hex characters of their SHA-256.
+pub fn etag_of(bytes: &[u8]) -> String {
+    let mut h = hex::encode(Sha256::digest(bytes));
+    h.truncate(32);
+    h
+}
+
+/// Why an index or quota operation failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum IndexError {
+    /// Another write came first (compare-and-set lost).
+    #[error("another write changed the entry first")]
+    Conflict,
+    /// JetStream failed.
+    #[error("JetStream: {0}")]
+    Nats(String),
+    /// A stored value does not parse.
+    #[error("stored entry {0} is corrupt")]
+    Corrupt(String),
+    /// The quota would be exceeded.
+    #[error("storage quota exceeded: {used} of {cap} bytes used, {wanted} more requested")]
+    Quota {
+        /// Bytes in use.
+        used: u64,
+        /// The cap.
+        cap: u64,
+        /// Bytes requested.
+        wanted: u64,
+    },
+    /// Too many lost compare-and-sets.
+    #[error("too much contention on the entry")]
+    Contention,
+    /// The call ran out of time.
+    #[error("the storage call timed out")]
+    Timeout,
+}
+
+impl IndexError {
+    fn nats(e: impl std::fmt::Display) -> IndexError {
+        IndexError::Nats(e.to_string())
+    }
+
+    /// The plugin-facing error.
+    pub(crate) fn to_rpc(&self) -> ErrorObject {
+        match self {
+            IndexError::Conflict => codes::PRECONDITION_FAILED.error(self.to_string()),
+            IndexError::Quota { used, cap, wanted } => codes::QUOTA_EXCEEDED.error_with(
+                self.to_string(),
+                Map::from_iter([
+                    ("used_bytes".to_owned(), json!(used)),
+                    ("quota_bytes".to_owned(), json!(cap)),
+                    ("requested_bytes".to_owned(), json!(wanted)),
+                ]),
+            ),
+            _ => codes::UPSTREAM_ERROR.error(self.to_string()),
+        }
+    }
+}
+
+/// The current state of one index key.
+#[derive(Debug)]
+pub(crate) struct Slot {
+    /// The revision to compare-and-set against (0: the subject never had a message).
+    pub revision: u64,
+    /// The stored envelope, when the last operation is a put.
+    pub envelope: Option<Value>,
+}
+
+/// One head of a listing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Head {
+    /// The real key or path.
+    pub name: String,
+    /// Its revision.
+    pub revision: u64,
+    /// Size.
+    pub size: u64,
+    /// Etag.
+    pub etag: String,
+    /// Last write, Unix ms.
+    pub updated_ms: u64,
+    /// Expiry, Unix ms.
+    pub expires_ms: Option<u64>,
+    /// Content type.
+    pub content_type: Option<String>,
+}
+
+impl Ord for Head {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.name.cmp(&other.name)
+    }
+}
+
+impl PartialOrd for Head {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// A KV bucket whose entries carry their heads in headers.
+#[derive(Debug, Clone)]
+pub(crate) struct Index {
+    js: jetstream::Context,
+    kv: kv::Store,
+    stream: Stream,
+}
+
+impl Index {
+    /// Creates or updates the bucket.
+    pub(crate) async fn open(
+        js: &jetstream::Context,
+        settings: &StoreSettings,
+        bucket: String,
+        description: &str,
+        max_value: usize,
+        max_age: Duration,
+    ) -> Result<Index, ServicesError> {
+        let config = kv::Config {
+            bucket: bucket.clone(),
+            description: description.to_owned(),
+            max_value_size: i32::try_from(max_value).unwrap_or(i32::MAX),
+            history: 1,
+            max_age,
+            max_bytes: -1,
+            storage: settings.storage,
+            num_replicas: settings.replicas,
+            ..Default::default()
+        };
+        let kv = Box::pin(js.create_or_update_key_value(config))
+            .await
+            .map_err(|e| ServicesError::Store(format!("{bucket}: {e}")))?;
+        let stream = kv.stream.clone();
+        Ok(Index {
+            js: js.clone(),
+            kv,
+            stream,
+        })
+    }
+
+    /// Reads a key.
+    pub(crate) async fn read(&self, key: &str) -> Result<Slot, IndexError> {
+        match self.kv.entry(key).await.map_err(IndexError::nats)? {
+            None => Ok(Slot {
+                revision: 0,
+                envelope: None,
+            }),
+            Some(e) if e.operation != kv::Operation::Put => Ok(Slot {
+                revision: e.revision,
+                envelope: None,
+            }),
+            Some(e) => Ok(Slot {
+                revision: e.revision,
+                envelope: Some(
+                    serde_json::from_slice(&e.value).map_err(|_| IndexError::Corrupt(key.to_owned()))?,
+                ),
+            }),
+        }
+    }
+
+    /// Writes `body` with `headers` if the key is still at `expected` (0: never written; `None`: whatever it
+    /// is). Returns the revision.
+    pub(crate) async fn write(
+        &self,
+        key: &str,
+        expected: Option<u64>,
+        mut headers: HeaderMap,
+        body: Vec<u8>,
+    ) -> Result<u64, IndexError> {
+        if let Some(expected) = expected {
+            headers.insert(
+                "Nats-Expected-Last-Subject-Sequence",
+                expected.to_string().as_str(),
+            );
+        }
+        let subject = format!("{}{key}", self.kv.prefix);
+        let ack = self
+            .js
+            .publish_with_headers(subject, headers, Bytes::from(body))
+            .await
+            .map_err(IndexError::nats)?;
+        match ack.await {
+            Ok(a) => Ok(a.sequence),
+            Err(e) if e.kind() == context::PublishErrorKind::WrongLastSequence => Err(IndexError::Conflict),
+            Err(e) => Err(IndexError::nats(e)),
+        }
+    }
+
+    /// Purges a key if it is still at `expected`.
+    pub(crate) async fn purge(&self, key: &str, expected: u64) -> Result<(), IndexError> {
+        match self.kv.purge_expect_revision(key, Some(expected)).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Err(IndexError::Conflict),
+            Err(e) => Err(IndexError::nats(e)),
+        }
+    }
+
+    /// Deletes a key unconditionally (missing is fine).
+    pub(crate) async fn remove(&self, key: &str) -> Result<(), IndexError> {
+        self.kv.purge(key).await.map_err(IndexError::nats)
+    }
+
+    /// Visits the heads of every live entry under `space.` (headers only, no values), in no particular order.
+    pub(crate) async fn heads(&self, space: &str, mut visit: impl FnMut(Head)) -> Result<(), IndexError> {
+        let filter = format!("{}{space}.>", self.kv.prefix);
+        let consumer = self
+            .stream
+            .create_consumer(consumer::push::OrderedConfig {
+                deliver_subject: self.js.client().new_inbox(),
+                filter_subject: filter,
+                headers_only: true,
+                replay_policy: consumer::ReplayPolicy::Instant,
+                deliver_policy: consumer::DeliverPolicy::LastPerSubject,
+                ..Default::default()
+            })
+            .await
+            .map_err(IndexError::nats)?;
+        if consumer.cached_info().num_pending == 0 {
+            return Ok(());
+        }
+        let mut messages = consumer.messages().await.map_err(IndexError::nats)?;
+        while let Some(m) = messages.next().await {
+            let m = m.map_err(IndexError::nats)?;
+            let info = m.info().map_err(IndexError::nats)?;
+            let (revision, pending) = (info.stream_sequence, info.pending);
+            if let Some(h) = m.headers.as_ref().and_then(|h| head_of(h, revision)) {
+                visit(h);
+            }
+            if pending == 0 {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    h.get(name).map(|v| v.as_str())
+}
+
+fn head_of(h: &HeaderMap, revision: u64) -> Option<Head> {
+    if header(h, "KV-Operation").is_some_and(|op| op != "PUT") {
+        return None;
+    }
+    let name = String::from_utf8(URL_SAFE_NO_PAD.decode(header(h, H_KEY)?).ok()?).ok()?;
+    Some(Head {
+        name,
+        revision,
+        size: header(h, H_SIZE).and_then(|s| s.parse().ok()).unwrap_or(0),
+        etag: header(h, H_ETAG).unwrap_or_default().to_owned(),
+        updated_ms: header(h, H_UPDATED).and_then(|s| s.parse().ok()).unwrap_or(0),
+        expires_ms: header(h, H_EXPIRES).and_then(|s| s.parse().ok()),
+        content_type: header(h, H_TYPE).map(str::to_owned),
+    })
+}
+
+/// The heads of an entry, for [`Index::write`].
+pub(crate) fn heads_headers(head: &Head) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    h.insert(H_KEY, URL_SAFE_NO_PAD.encode(head.name.as_bytes()).as_str());
+    h.insert(H_SIZE, head.size.to_string().as_str());
+    h.insert(H_ETAG, head.etag.as_str());
+    h.insert(H_UPDATED, head.updated_ms.to_string().as_str());
+    if let Some(e) = head.expires_ms {
+        h.insert(H_EXPIRES, e.to_string().as_str());
+    }
+    if let Some(t) = &head.content_type {
+        h.insert(H_TYPE, t.as_str());
+    }
+    h
+}
+
+/// Keeps the `limit + 1` smallest heads named past `cursor` under `prefix` (bounded memory), then pages them.
+pub(crate) struct Page {
+    heap: BinaryHeap<Head>,
+    prefix: String,
+    cursor: Option<String>,
+    limit: usize,
+}
+
+impl Page {
+    /// A page of `limit` after `cursor`.
+    pub(crate) fn new(prefix: String, cursor: Option<String>, limit: usize) -> Page {
+        Page {
+            heap: BinaryHeap::with_capacity(limit + 2),
+            prefix,
+            cursor,
+            limit,
+        }
+    }
+
+    /// Offers one head.
+    pub(crate) fn offer(&mut self, head: Head) {
+        if !head.name.starts_with(&self.prefix) || self.cursor.as_ref().is_some_and(|c| head.name <= *c) {
+            return;
+        }
+        if self.heap.len() <= self.limit {
+            self.heap.push(head);
+        } else if self.heap.peek().is_some_and(|top| head < *top) {
+            self.heap.pop();
+            self.heap.push(head);
+        }
+    }
+
+    /// The page, sorted, and the next cursor if more remain.
+    pub(crate) fn finish(self) -> (Vec<Head>, Option<String>) {
+        let mut items = self.heap.into_sorted_vec();
+        let more = items.len() > self.limit;
+        items.truncate(self.limit);
+        let next = if more {
+            items.last().map(|h| cursor_of(&h.name))
+        } else {
+            None
+        };
+        (items, next)
+    }
+}
+
+/// The per-user byte quota (KV values and files together).
+#[derive(Debug, Clone)]
+pub(crate) struct Quota {
+    kv: kv::Store,
+    cap: u64,
+}
+
+impl Quota {
+    /// Opens `<prefix>_aps_usage`.
+    pub(crate) async fn open(
+        js: &jetstream::Context,
+        settings: &StoreSettings,
+        config: &StorageConfig,
+    ) -> Result<Quota, ServicesError> {
+        let bucket = format!("{}_aps_usage", settings.prefix);
+        let kv = Box::pin(js.create_or_update_key_value(kv::Config {
+            bucket: bucket.clone(),
+            description: "APS storage bytes per user".to_owned(),
+            max_value_size: 64,
+            history: 1,
+            storage: settings.storage,
+            num_replicas: settings.replicas,
+            ..Default::default()
+        }))
+        .await
+        .map_err(|e| ServicesError::Store(format!("{bucket}: {e}")))?;
+        Ok(Quota {
+            kv,
+            cap: config.quota(),
+        })
+    }
+
+    /// The per-user cap.
+    pub(crate) fn cap(&self) -> u64 {
+        self.cap
+    }
+
+    /// Bytes the user has stored.
+    pub(crate) async fn used(&self, user: &str) -> Result<u64, IndexError> {
+        Ok(self.read(&user_key(user)).await?.0)
+    }
+
+    async fn read(&self, key: &str) -> Result<(u64, Option<u64>), IndexError> {
+        match self.kv.entry(key).await.map_err(IndexError::nats)? {
+            Some(e) if e.operation == kv::Operation::Put => {
+                let n = std::str::from_utf8(&e.value)
+                    .ok()
+                    .and_then(|s| s.parse().ok())
+                    .ok_or_else(|| IndexError::Corrupt(key.to_owned()))?;
+                Ok((n, Some(e.revision)))
+            }
+            Some(e) => Ok((0, Some(e.revision))),
+            None => Ok((0, None)),
+        }
+    }
+
+    async fn adjust(&self, user: &str, delta: i128) -> Result<(), IndexError> {
+        let key = user_key(user);
+        for _ in 0..MAX_CAS_ATTEMPTS {
+            let (used, rev) = self.read(&key).await?;
+            let next = i128::from(used) + delta;
+            if delta > 0 && next > i128::from(self.cap) {
+                return Err(IndexError::Quota {
+                    used,
+                    cap: self.cap,
+                    wanted: u64::try_from(delta).unwrap_or(u64::MAX),
+                });
+            }
+            let next = u64::try_from(next.max(0)).unwrap_or(u64::MAX);
+            let value = Bytes::from(next.to_string());
+            let written = match rev {
+                Some(r) => self.kv.update(&key, value, r).await.map(|_| ()),
+                None => self.kv.create(&key, value).await.map(|_| ()).map_err(|e| {
+                    kv::UpdateError::new(if e.kind() == kv::CreateErrorKind::AlreadyExists {
+                        kv::UpdateErrorKind::WrongLastRevision
+                    } else {
+                        kv::UpdateErrorKind::Other
+                    })
+                }),
+            };
+            match written {
+                Ok(()) => return Ok(()),
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+                Err(e) => return Err(IndexError::nats(e)),
+            }
+        }
+        Err(IndexError::Contention)
+    }
+
+    /// Reserves `bytes` for `user`, or refuses at the first byte over the quota.
+    pub(crate) async fn reserve(&self, user: &str, bytes: u64) -> Result<(), IndexError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.adjust(user, i128::from(bytes)).await
+    }
+
+    /// Gives `bytes` back (best effort: a failure is logged).
+    pub(crate) async fn release(&self, user: &str, bytes: u64) {
+        if bytes == 0 {
+            return;
+        }
+        if let Err(e) = self.adjust(user, -i128::from(bytes)).await {
+            tracing::warn!(error = %e, bytes, "storage quota release failed");
+        }
+    }
+
+    /// Reserves or releases `new − old`: reserving before a write, releasing is left to [`Quota::settle`].
+    pub(crate) async fn reserve_growth(&self, user: &str, old: u64, new: u64) -> Result<(), IndexError> {
+        self.reserve(user, new.saturating_sub(old)).await
+    }
+
+    /// After a write of `new` over `old` succeeded: releases the shrink.
+    pub(crate) async fn settle(&self, user: &str, old: u64, new: u64) {
+        self.release(user, old.saturating_sub(new)).await;
+    }
+
+    /// After a write failed: gives the growth back.
+    pub(crate) async fn undo_growth(&self, user: &str, old: u64, new: u64) {
+        self.release(user, new.saturating_sub(old)).await;
+    }
+}
+
+/// Runs `f` within the storage subcall timeout (spec §7.3).
+pub(crate) async fn timed<T>(
+    ctx: &CallContext,
+    f: impl std::future::Future<Output = Result<T, ErrorObject>>,
+) -> Result<T, ErrorObject> {
+    match tokio::time::timeout(ctx.subcall_timeout(limits::STORAGE_REQUEST_TIMEOUT), f).await {
+        Ok(r) => r,
+        Err(_) => Err(IndexError::Timeout.to_rpc()),
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// storage/*
+// ------------------------------------------------------------------------------------------------------------
+
+/// One stored KV value.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Envelope {
+    key: String,
+    value: Value,
+    etag: String,
+    size: u64,
+    updated_at_ms: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    expires_at_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    metadata: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tags: Option<Vec<String>>,
+}
+
+impl Envelope {
+    fn expired(&self, now: u64) -> bool {
+        self.expires_at_ms.is_some_and(|e| e <= now)
+    }
+}
+
+/// What `if_match` names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum IfMatch {
+    Etag(String),
+    Generation(u64),
+}
+
+impl IfMatch {
+    fn parse(p: &Map<String, Value>) -> Result<Option<IfMatch>, ErrorObject> {
+        match p.get("if_match") {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::Number(n)) => n.as_u64().map(|g| Some(IfMatch::Generation(g))).ok_or_else(|| {
+                codes::INVALID_REQUEST.error("'if_match' generation must be a non-negative integer")
+            }),
+            Some(Value::String(s)) => {
+                let s = s.trim().trim_matches('"');
+                if s.len() != 32
+                    && !s.is_empty()
+                    && s.bytes().all(|b| b.is_ascii_digit())
+                    && let Ok(g) = s.parse()
+                {
+                    return Ok(Some(IfMatch::Generation(g)));
+                }
+                Ok(Some(IfMatch::Etag(s.to_ascii_lowercase())))
+            }
+            Some(_) => {
+                Err(codes::INVALID_REQUEST.error("'if_match' must be an etag string or a generation number"))
+            }
+        }
+    }
+
+    fn matches(&self, etag: &str, generation: u64) -> bool {
+        match self {
+            IfMatch::Etag(e) => e == etag,
+            IfMatch::Generation(g) => *g == generation,
+        }
+    }
+
+    fn refused(&self, current: Option<(&str, u64)>) -> ErrorObject {
+        let (message, data) = match current {
+            Some((etag, generation)) => (
+                format!("if_match {self:?} does not match the current etag {etag} / generation {generation}"),
+                json!({ "etag": etag, "generation": generation }),
+            ),
+            None => (
+                format!("if_match {self:?} given but the key does not exist"),
+                json!({ "etag": null, "generation": null }),
+            ),
+        };
+        let data = match data {
+            Value::Object(m) => m,
+            _ => Map::new(),
+        };
+        codes::PRECONDITION_FAILED.error_with(message, data)
+    }
+}
+
 /// The KV service.
 #[derive(Debug)]
-pub struct KvService {}
+pub struct KvService {
+    index: Index,
+    quota: Quota,
+}
 
 impl KvService {
-    /// Opens its bucket.
+    /// Opens its buckets (`<prefix>_aps_kv`, `<prefix>_aps_usage`).
     pub async fn open(
-        _js: &async_nats::jetstream::Context,
-        _settings: &StoreSettings,
-        _config: &StorageConfig,
+        js: &jetstream::Context,
+        settings: &StoreSettings,
+        config: &StorageConfig,
     ) -> Result<KvService, ServicesError> {
-        Ok(KvService {})
+        // The envelope around a 256 KiB value: the key (≤ 4 KiB of UTF-8), metadata, tags, headers.
+        let max_value = limits::STORAGE_VALUE_MAX_BYTES + 64 * 1024;
+        let index = Index::open(
+            js,
+            settings,
+            format!("{}_aps_kv", settings.prefix),
+            "APS KV (storage/*)",
+            max_value,
+            Duration::ZERO,
+        )
+        .await?;
+        let quota = Quota::open(js, settings, config).await?;
+        Ok(KvService { index, quota })
     }
 
     /// Serves one call.
-    pub async fn call(&self, _ctx: &CallContext, method: &str, _params: Value) -> Result<Value, ErrorObject> {
-        Err(fleet_proto::executa::reverse::method_not_found(method))
+    pub async fn call(&self, ctx: &CallContext, method: &str, params: Value) -> Result<Value, ErrorObject> {
+        let p = object(params)?;
+        let scope = scope(ctx, &p)?;
+        match method {
+            methods::STORAGE_GET => timed(ctx, Box::pin(self.get(ctx, &scope, &p))).await,
+            methods::STORAGE_SET => timed(ctx, Box::pin(self.set(ctx, &scope, &p))).await,
+            methods::STORAGE_DELETE => timed(ctx, Box::pin(self.delete(ctx, &scope, &p))).await,
+            methods::STORAGE_LIST => timed(ctx, Box::pin(self.list(ctx, &scope, &p))).await,
+            _ => Err(method_not_found(method)),
+        }
+    }
+
+    fn entry_key(scope: &Scope, key: &str) -> String {
+        format!("{}.{}", scope.space, name_hash(key))
+    }
+
+    /// Reads a key; an expired entry is purged (its bytes released) and reads as absent.
+    async fn current(
+        &self,
+        ctx: &CallContext,
+        entry_key: &str,
+    ) -> Result<(u64, Option<Envelope>), ErrorObject> {
+        let slot = self.index.read(entry_key).await.map_err(|e| e.to_rpc())?;
+        let Some(env) = slot.envelope else {
+            return Ok((slot.revision, None));
+        };
+        let env: Envelope =
+            serde_json::from_value(env).map_err(|_| IndexError::Corrupt(entry_key.to_owned()).to_rpc())?;
+        if env.expired(now_ms()) {
+            match self.index.purge(entry_key, slot.revision).await {
+                Ok(()) => {
+                    self.quota.release(&ctx.user, env.size).await;
+                    // The purge marker is the new revision: read it back for the caller's compare-and-set.
+                    let slot = self.index.read(entry_key).await.map_err(|e| e.to_rpc())?;
+                    return Ok((slot.revision, None));
+                }
+                Err(IndexError::Conflict) => {
+                    let slot = self.index.read(entry_key).await.map_err(|e| e.to_rpc())?;
+                    let env = slot
+                        .envelope
+                        .and_then(|v| serde_json::from_value::<Envelope>(v).ok())
+                        .filter(|e| !e.expired(now_ms()));
+                    return Ok((slot.revision, env));
+                }
+                Err(e) => return Err(e.to_rpc()),
+            }
+        }
+        Ok((slot.revision, Some(env)))
+    }
+
+    async fn get(
+        &self,
+        ctx: &CallContext,
+        scope: &Scope,
+        p: &Map<String, Value>,
+    ) -> Result<Value, ErrorObject> {
+        let key = required_str(p, "key")?;
+        validate_key(key)?;
+        let (revision, env) = self.current(ctx, &Self::entry_key(scope, key)).await?;
+        Ok(match env {
+            None => json!({ "value": null, "exists": false, "etag": null }),
+            Some(e) => json!({
+                "value": e.value,
+                "exists": true,
+                "etag": e.etag,
+                "generation": revision,
+                "size_bytes": e.size,
+                "updated_at": rfc3339_ms(e.updated_at_ms),
+                "expires_at": e.expires_at_ms.map(rfc3339_ms),
+                "metadata": e.metadata,
+                "tags": e.tags,
+            }),
+        })
+    }
+
+    async fn set(
+        &self,
+        ctx: &CallContext,
+        scope: &Scope,
+        p: &Map<String, Value>,
+    ) -> Result<Value, ErrorObject> {
+        let key = required_str(p, "key")?;
+        validate_key(key)?;
+        let value = p
+            .get("value")
+            .ok_or_else(|| codes::INVALID_REQUEST.error("missing required field 'value'"))?;
+        let canonical = canonical_json(value);
+        let size = canonical.len() as u64;
+        if canonical.len() > limits::STORAGE_VALUE_MAX_BYTES {
+            return Err(codes::VALUE_TOO_LARGE.error_with(
+                format!(
+                    "value is {size} bytes of canonical JSON; the limit is {}",
+                    limits::STORAGE_VALUE_MAX_BYTES
+                ),
+                Map::from_iter([
+                    ("size_bytes".to_owned(), json!(size)),
+                    ("max_bytes".to_owned(), json!(limits::STORAGE_VALUE_MAX_BYTES)),
+                ]),
+            ));
+        }
+        let ttl = opt_u64(p, "ttl_seconds")?;
+        if let Some(t) = ttl
+            && !(1..=limits::STORAGE_TTL_MAX_SECONDS).contains(&t)
+        {
+            return Err(codes::INVALID_REQUEST.error(format!(
+                "'ttl_seconds' must be 1..{}",
+                limits::STORAGE_TTL_MAX_SECONDS
+            )));
+        }
+        let if_match = IfMatch::parse(p)?;
+        let metadata = match p.get("metadata") {
+            None | Some(Value::Null) => None,
+            Some(m @ Value::Object(_)) => Some(m.clone()),
+            Some(_) => return Err(codes::INVALID_REQUEST.error("'metadata' must be an object")),
+        };
+        let tags = match p.get("tags") {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(a)) => {
+                if a.len() > limits::STORAGE_TAGS_MAX {
+                    return Err(codes::INVALID_REQUEST.error(format!(
+                        "at most {} tags, got {}",
+                        limits::STORAGE_TAGS_MAX,
+                        a.len()
+                    )));
+                }
+                Some(
+                    a.iter()
+                        .map(|t| t.as_str().map(str::to_owned))
+                        .collect::<Option<Vec<_>>>()
+                        .ok_or_else(|| codes::INVALID_REQUEST.error("'tags' must be strings"))?,
+                )
+            }
+            Some(_) => return Err(codes::INVALID_REQUEST.error("'tags' must be an array of strings")),
+        };
+        let etag = etag_of(&canonical);
+        let entry_key = Self::entry_key(scope, key);
+        for _ in 0..MAX_CAS_ATTEMPTS {
+            let (revision, current) = self.current(ctx, &entry_key).await?;
+            if let Some(m) = &if_match {
+                match &current {
+                    Some(c) if m.matches(&c.etag, revision) => {}
+                    Some(c) => return Err(m.refused(Some((&c.etag, revision)))),
+                    None => return Err(m.refused(None)),
+                }
+            }
+            let old = current.as_ref().map_or(0, |c| c.size);
+            let now = now_ms();
+            let env = Envelope {
+                key: key.to_owned(),
+                value: value.clone(),
+                etag: etag.clone(),
+                size,
+                updated_at_ms: now,
+                expires_at_ms: ttl.map(|t| now.saturating_add(t.saturating_mul(1000))),
+                metadata: metadata.clone(),
+                tags: tags.clone(),
+            };
+            let body = serde_json::to_vec(&env).map_err(|e| codes::UPSTREAM_ERROR.error(e.to_string()))?;
+            let headers = heads_headers(&Head {
+                name: key.to_owned(),
+                revision: 0,
+                size,
+                etag: etag.clone(),
+                updated_ms: now,
+                expires_ms: env.expires_at_ms,
+                content_type: None,
+            });
+            self.quota
+                .reserve_growth(&ctx.user, old, size)
+                .await
+                .map_err(|e| e.to_rpc())?;
+            match self.index.write(&entry_key, Some(revision), headers, body).await {
+                Ok(generation) => {
+                    self.quota.settle(&ctx.user, old, size).await;
+                    return Ok(json!({
+                        "etag": etag,
+                        "generation": generation,
+                        "size_bytes": size,
+                        "expires_at": env.expires_at_ms.map(rfc3339_ms),
+                    }));
+                }
+                Err(IndexError::Conflict) => {
+                    self.quota.undo_growth(&ctx.user, old, size).await;
+                    if let Some(m) = &if_match {
+                        return Err(m.refused(None));
+                    }
+                }
+                Err(e) => {
+                    self.quota.undo_growth(&ctx.user, old, size).await;
+                    return Err(e.to_rpc());
+                }
+            }
+        }
+        Err(IndexError::Contention.to_rpc())
+    }
+
+    async fn delete(
+        &self,
+        ctx: &CallContext,
+        scope: &Scope,
+        p: &Map<String, Value>,
+    ) -> Result<Value, ErrorObject> {
+        let key = required_str(p, "key")?;
+        validate_key(key)?;
+        let if_match = IfMatch::parse(p)?;
+        let entry_key = Self::entry_key(scope, key);
+        for _ in 0..MAX_CAS_ATTEMPTS {
+            let (revision, current) = self.current(ctx, &entry_key).await?;
+            let Some(current) = current else {
+                return match &if_match {
+                    Some(m) => Err(m.refused(None)),
+                    None => Ok(json!({ "deleted": false })),
+                };
+            };
+            if let Some(m) = &if_match
+                && !m.matches(&current.etag, revision)
+            {
+                return Err(m.refused(Some((&current.etag, revision))));
+            }
+            match self.index.purge(&entry_key, revision).await {
+                Ok(()) => {
+                    self.quota.release(&ctx.user, current.size).await;
+                    return Ok(json!({ "deleted": true }));
+                }
+                Err(IndexError::Conflict) if if_match.is_some() => {
+                    return Err(if_match
+                        .as_ref()
+                        .map_or_else(|| IndexError::Conflict.to_rpc(), |m| m.refused(None)));
+                }
+                Err(IndexError::Conflict) => {}
+                Err(e) => return Err(e.to_rpc()),
+            }
+        }
+        Err(IndexError::Contention.to_rpc())
+    }
+
+    async fn list(
+        &self,
+        ctx: &CallContext,
+        scope: &Scope,
+        p: &Map<String, Value>,
+    ) -> Result<Value, ErrorObject> {
+        if let Some(kind) = p.get("kind").and_then(Value::as_str)
+            && kind != "kv"
+        {
+            return Err(codes::INVALID_REQUEST.error(format!(
+                "kind {kind:?} is not listed by storage/list here; use files/list for files"
+            )));
+        }
+        let (prefix, cursor, limit) = paging(p, false)?;
+        let now = now_ms();
+        let mut page = Page::new(prefix, cursor, limit);
+        let mut expired = Vec::new();
+        self.index
+            .heads(&scope.space, |h| {
+                if h.expires_ms.is_some_and(|e| e <= now) {
+                    expired.push(h.name);
+                } else {
+                    page.offer(h);
+                }
+            })
+            .await
+            .map_err(|e| e.to_rpc())?;
+        // Expired entries met on the way are purged (and their bytes released) through the usual read.
+        for name in expired.iter().take(limit) {
+            self.current(ctx, &Self::entry_key(scope, name)).await?;
+        }
+        let (items, next) = page.finish();
+        let items: Vec<Value> = items
+            .into_iter()
+            .map(|h| {
+                json!({
+                    "key": h.name,
+                    "etag": h.etag,
+                    "generation": h.revision,
+                    "size_bytes": h.size,
+                    "updated_at": rfc3339_ms(h.updated_ms),
+                    "expires_at": h.expires_ms.map(rfc3339_ms),
+                })
+            })
+            .collect();
+        Ok(json!({ "items": items, "next_cursor": next }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(name: &str) -> Head {
+        Head {
+            name: name.to_owned(),
+            revision: 1,
+            size: 1,
+            etag: String::new(),
+            updated_ms: 0,
+            expires_ms: None,
+            content_type: None,
+        }
+    }
+
+    #[test]
+    fn canonical_json_sorts_members_at_every_level() {
+        let v = json!({"b": 1, "a": {"z": [ {"y": 1, "x": 2} ], "c": null}});
+        assert_eq!(
+            String::from_utf8(canonical_json(&v)).expect("utf8"),
+            r#"{"a":{"c":null,"z":[{"x":2,"y":1}]},"b":1}"#
+        );
+        assert_eq!(etag_of(&canonical_json(&v)).len(), 32);
+    }
+
+    #[test]
+    fn a_page_keeps_the_smallest_keys_past_the_cursor() {
+        let mut page = Page::new("k".into(), Some("k02".into()), 2);
+        for n in ["k05", "x1", "k01", "k03", "k02", "k04"] {
+            page.offer(head(n));
+        }
+        let (items, next) = page.finish();
+        let names: Vec<&str> = items.iter().map(|h| h.name.as_str()).collect();
+        assert_eq!(names, ["k03", "k04"]);
+        assert_eq!(next, Some(cursor_of("k04")));
+        let mut last = Page::new(String::new(), Some("k04".into()), 2);
+        last.offer(head("k05"));
+        assert_eq!(last.finish().1, None);
+    }
+
+    #[test]
+    fn keys_and_prefixes_are_validated() {
+        assert!(validate_key(&"a".repeat(1024)).is_ok());
+        assert_eq!(
+            validate_key(&"a".repeat(1025)).err().map(|e| e.code),
+            Some(-32027)
+        );
+        assert!(validate_key("").is_err());
+        assert!(validate_prefix("a/b/").is_ok());
+        assert!(validate_prefix("/a").is_err());
+        assert!(validate_prefix("a/../b").is_err());
     }
 }

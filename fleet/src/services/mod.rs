@@ -155,7 +155,7 @@ impl FleetServices {
         let files =
             files::FilesService::open(js, settings, &config.storage, links, config.public_url.clone())
                 .await?;
-        let upload = upload::UploadService::new(files.clone());
+        let upload = upload::UploadService::new(files.clone()).with_env(&settings.prefix);
         Ok(FleetServices {
             inner: Arc::new(Inner {
                 minter: TokenMinter::new().map_err(|e| ServicesError::Config(e.to_string()))?,

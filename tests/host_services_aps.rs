@@ -1,0 +1,1174 @@
+//! APS KV (`storage/*`), APS files (`files/*`) and `host/uploadFile` on a real nats-server (JetStream KV and
+//! object store), with real per-invoke tokens minted by `FleetServices`, and the signed links served over real
+//! HTTP by the fleet's file routes.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use base64::engine::general_purpose::STANDARD;
+use fleet::nats_server::NatsServer;
+use fleet::services::files::{HostObjects, LinkSigner};
+use fleet::services::kv::StorageConfig;
+use fleet::services::{FleetServices, ServicesConfig};
+use fleet::store::{StoreSettings, now_ms};
+use fleet_proto::executa::reverse::family_of;
+use fleet_proto::jsonrpc::ErrorObject;
+use fleet_worker::services::{InvokeTokens, ReverseCall, TokenRequest, TokenSource};
+use serde_json::{Value, json};
+
+const SECRET: &[u8] = b"aps-test-link-signing-secret";
+const MIB: usize = 1024 * 1024;
+
+static NEXT_INVOKE: AtomicU64 = AtomicU64::new(1);
+
+struct Env {
+    services: FleetServices,
+    base: String,
+    http: reqwest::Client,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+    _nats: NatsServer,
+    _root: tempfile::TempDir,
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+/// One invoke of one plugin for one user, with its real tokens.
+#[derive(Clone)]
+struct Invoke {
+    user: String,
+    tool_id: String,
+    invoke_id: String,
+    deadline_ms: u64,
+    tokens: InvokeTokens,
+}
+
+async fn env(quota_bytes: Option<u64>) -> Env {
+    let root = tempfile::tempdir().expect("tempdir");
+    let nats = NatsServer::start(&root.path().join("nats")).expect("nats-server (run scripts/test.sh once)");
+    let client = async_nats::connect(nats.url()).await.expect("connect");
+    let js = async_nats::jetstream::new(client);
+    let settings = StoreSettings::default();
+    let config = ServicesConfig {
+        storage: StorageConfig { quota_bytes },
+        ..Default::default()
+    };
+    let services = Box::pin(FleetServices::open(
+        &js,
+        &settings,
+        &config,
+        LinkSigner::new(SECRET),
+    ))
+    .await
+    .expect("services");
+    // The HTTP side opens its own handles, like a front process would.
+    let objects = HostObjects::open(&js, &settings, LinkSigner::new(SECRET), None)
+        .await
+        .expect("objects");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    let server = tokio::spawn(fleet::http::files::serve(listener, objects));
+    Env {
+        services,
+        base,
+        http: reqwest::Client::new(),
+        server,
+        _nats: nats,
+        _root: root,
+    }
+}
+
+impl Env {
+    async fn invoke(&self, user: &str, tool_id: &str) -> Invoke {
+        let caps: Vec<String> = ["aps.kv", "aps.files", "host.upload"].map(String::from).to_vec();
+        self.services
+            .grants()
+            .edit(user, tool_id, &caps, &[])
+            .await
+            .expect("grant");
+        let invoke_id = format!("inv-{}-{}", now_ms(), NEXT_INVOKE.fetch_add(1, Ordering::Relaxed));
+        let deadline_ms = now_ms() + 600_000;
+        let tokens = <FleetServices as TokenSource>::tokens(
+            &self.services,
+            TokenRequest {
+                user: user.to_owned(),
+                tool_id: tool_id.to_owned(),
+                invoke_id: invoke_id.clone(),
+                negotiated: BTreeSet::from(["storage".to_owned(), "upload".to_owned()]),
+                declared: caps,
+                deadline_ms,
+            },
+        )
+        .await;
+        assert!(
+            tokens.storage.is_some() && tokens.upload.is_some(),
+            "tokens minted"
+        );
+        Invoke {
+            user: user.to_owned(),
+            tool_id: tool_id.to_owned(),
+            invoke_id,
+            deadline_ms,
+            tokens,
+        }
+    }
+
+    async fn call(&self, inv: &Invoke, method: &str, params: Value) -> Result<Value, ErrorObject> {
+        self.services
+            .serve(ReverseCall {
+                user: inv.user.clone(),
+                tool_id: inv.tool_id.clone(),
+                invoke_id: inv.invoke_id.clone(),
+                method: method.to_owned(),
+                family: family_of(method).expect("a known family"),
+                params,
+                client_timeout_s: None,
+                deadline_ms: inv.deadline_ms,
+                tokens: inv.tokens.clone(),
+            })
+            .await
+    }
+
+    async fn ok(&self, inv: &Invoke, method: &str, params: Value) -> Value {
+        match self.call(inv, method, params.clone()).await {
+            Ok(v) => v,
+            Err(e) => panic!("{method} {params}: {e:?}"),
+        }
+    }
+
+    async fn err(&self, inv: &Invoke, method: &str, params: Value) -> ErrorObject {
+        match self.call(inv, method, params.clone()).await {
+            Ok(v) => panic!("{method} {params}: expected an error, got {v}"),
+            Err(e) => e,
+        }
+    }
+
+    fn url(&self, link: &Value) -> String {
+        let link = link.as_str().expect("a link string");
+        assert!(
+            link.starts_with("/v1/files/"),
+            "relative link without public_url: {link}"
+        );
+        format!("{}{link}", self.base)
+    }
+}
+
+fn code_name(e: &ErrorObject) -> (i64, String) {
+    let name = e
+        .data
+        .as_ref()
+        .and_then(|d| d.get("errorCode"))
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned();
+    (e.code, name)
+}
+
+/// Polls an async condition until it holds (a failure guard: it returns as soon as the observable holds).
+async fn eventually<F, Fut>(limit: Duration, mut cond: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if cond().await {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// storage/*
+// ------------------------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn storage_get_set_delete_with_if_match_by_etag_and_generation() {
+    let env = env(None).await;
+    let inv = env.invoke("alice", "notes").await;
+    let miss = env
+        .ok(&inv, "storage/get", json!({"scope": "tool", "key": "a/b"}))
+        .await;
+    assert_eq!(miss, json!({"value": null, "exists": false, "etag": null}));
+
+    let set = env
+        .ok(
+            &inv,
+            "storage/set",
+            json!({"scope": "tool", "key": "a/b", "value": {"b": 2, "a": [1]}}),
+        )
+        .await;
+    let etag = set["etag"].as_str().expect("etag").to_owned();
+    assert_eq!(etag.len(), 32);
+    assert!(etag.bytes().all(|b| b.is_ascii_hexdigit()));
+    let gen1 = set["generation"].as_u64().expect("generation");
+    assert_eq!(set["size_bytes"], json!(r#"{"a":[1],"b":2}"#.len()));
+
+    let hit = env
+        .ok(&inv, "storage/get", json!({"scope": "tool", "key": "a/b"}))
+        .await;
+    assert_eq!(hit["exists"], json!(true));
+    assert_eq!(hit["value"], json!({"a": [1], "b": 2}));
+    assert_eq!(hit["etag"], json!(etag));
+    assert_eq!(hit["generation"], json!(gen1));
+
+    // The same value with members in another order has the same etag (canonical JSON); generation bumps.
+    let again = env
+        .ok(
+            &inv,
+            "storage/set",
+            json!({"scope": "tool", "key": "a/b", "value": {"a": [1], "b": 2}, "if_match": etag}),
+        )
+        .await;
+    assert_eq!(again["etag"], json!(etag));
+    let gen2 = again["generation"].as_u64().expect("generation");
+    assert!(gen2 > gen1);
+
+    // Mismatches: a wrong etag, a stale generation, and if_match on a missing key.
+    let e = env
+        .err(
+            &inv,
+            "storage/set",
+            json!({"scope": "tool", "key": "a/b", "value": 1, "if_match": "0".repeat(32)}),
+        )
+        .await;
+    assert_eq!(code_name(&e), (-32023, "PRECONDITION_FAILED".into()));
+    let e = env
+        .err(
+            &inv,
+            "storage/set",
+            json!({"scope": "tool", "key": "a/b", "value": 1, "if_match": gen1}),
+        )
+        .await;
+    assert_eq!(e.code, -32023);
+    let e = env
+        .err(
+            &inv,
+            "storage/set",
+            json!({"scope": "tool", "key": "nope", "value": 1, "if_match": etag}),
+        )
+        .await;
+    assert_eq!(e.code, -32023);
+    // The current generation (as a number, then as a digit string) matches.
+    let v3 = env
+        .ok(
+            &inv,
+            "storage/set",
+            json!({"scope": "tool", "key": "a/b", "value": 3, "if_match": gen2}),
+        )
+        .await;
+    let gen3 = v3["generation"].as_u64().expect("generation");
+    let v4 = env
+        .ok(
+            &inv,
+            "storage/set",
+            json!({"scope": "tool", "key": "a/b", "value": 4, "if_match": gen3.to_string()}),
+        )
+        .await;
+
+    let e = env
+        .err(
+            &inv,
+            "storage/delete",
+            json!({"scope": "tool", "key": "a/b", "if_match": gen3}),
+        )
+        .await;
+    assert_eq!(e.code, -32023);
+    let del = env
+        .ok(
+            &inv,
+            "storage/delete",
+            json!({"scope": "tool", "key": "a/b", "if_match": v4["etag"]}),
+        )
+        .await;
+    assert_eq!(del, json!({"deleted": true}));
+    let miss = env
+        .ok(&inv, "storage/get", json!({"scope": "tool", "key": "a/b"}))
+        .await;
+    assert_eq!(miss["exists"], json!(false));
+    assert_eq!(
+        env.ok(&inv, "storage/delete", json!({"scope": "tool", "key": "a/b"}))
+            .await,
+        json!({"deleted": false})
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_value_with_ttl_expires_and_reads_as_absent() {
+    let env = env(Some(10_000)).await;
+    let inv = env.invoke("alice", "notes").await;
+    env.ok(
+        &inv,
+        "storage/set",
+        json!({"scope": "user", "key": "short", "value": "x", "ttl_seconds": 1}),
+    )
+    .await;
+    let hit = env
+        .ok(&inv, "storage/get", json!({"scope": "user", "key": "short"}))
+        .await;
+    assert_eq!(hit["exists"], json!(true));
+    assert!(hit["expires_at"].is_string());
+    let expired = eventually(Duration::from_secs(10), || {
+        let env = &env;
+        let inv = &inv;
+        async move {
+            env.ok(inv, "storage/get", json!({"scope": "user", "key": "short"}))
+                .await
+                .get("exists")
+                == Some(&json!(false))
+        }
+    })
+    .await;
+    assert!(expired, "the key expired");
+    let listed = env.ok(&inv, "storage/list", json!({"scope": "user"})).await;
+    assert_eq!(listed["items"], json!([]));
+    // The expired value's bytes were released: the whole quota is available again.
+    let big = "y".repeat(10_000 - 2);
+    env.ok(
+        &inv,
+        "storage/set",
+        json!({"scope": "user", "key": "big", "value": big}),
+    )
+    .await;
+    for bad in [json!(0), json!(31_536_001), json!("1")] {
+        let e = env
+            .err(
+                &inv,
+                "storage/set",
+                json!({"scope": "user", "key": "k", "value": 1, "ttl_seconds": bad}),
+            )
+            .await;
+        assert_eq!(e.code, -32028, "ttl {bad}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_pages_through_sorted_keys_with_an_opaque_cursor() {
+    let env = env(None).await;
+    let inv = env.invoke("alice", "notes").await;
+    for i in (0..25).rev() {
+        env.ok(
+            &inv,
+            "storage/set",
+            json!({"scope": "tool", "key": format!("k/{i:02}"), "value": i}),
+        )
+        .await;
+    }
+    env.ok(
+        &inv,
+        "storage/set",
+        json!({"scope": "tool", "key": "other", "value": 0}),
+    )
+    .await;
+
+    let mut seen = Vec::new();
+    let mut cursor = Value::Null;
+    let mut pages = 0;
+    loop {
+        let page = env
+            .ok(
+                &inv,
+                "storage/list",
+                json!({"scope": "tool", "prefix": "k/", "limit": 10, "cursor": cursor}),
+            )
+            .await;
+        pages += 1;
+        for item in page["items"].as_array().expect("items") {
+            assert!(item.get("value").is_none(), "heads only: {item}");
+            let n: u32 = item["key"]
+                .as_str()
+                .and_then(|k| k.strip_prefix("k/"))
+                .and_then(|n| n.parse().ok())
+                .expect("k/NN");
+            assert_eq!(item["size_bytes"], json!(n.to_string().len()), "{item}");
+            seen.push(item["key"].as_str().expect("key").to_owned());
+        }
+        cursor = page["next_cursor"].clone();
+        if cursor.is_null() {
+            break;
+        }
+    }
+    assert_eq!(pages, 3);
+    let want: Vec<String> = (0..25).map(|i| format!("k/{i:02}")).collect();
+    assert_eq!(seen, want);
+
+    // limit is clamped silently: 0 → 1, 5000 → 1000.
+    let one = env
+        .ok(&inv, "storage/list", json!({"scope": "tool", "limit": 0}))
+        .await;
+    assert_eq!(one["items"].as_array().map(Vec::len), Some(1));
+    let all = env
+        .ok(&inv, "storage/list", json!({"scope": "tool", "limit": 5000}))
+        .await;
+    assert_eq!(all["items"].as_array().map(Vec::len), Some(26));
+    assert!(all["next_cursor"].is_null());
+    let e = env
+        .err(&inv, "storage/list", json!({"scope": "tool", "prefix": "/k"}))
+        .await;
+    assert_eq!(e.code, -32027);
+    let e = env
+        .err(&inv, "storage/list", json!({"scope": "tool", "cursor": "%%%"}))
+        .await;
+    assert_eq!(e.code, -32028);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_quota_refuses_at_the_first_byte_over_and_deletes_release() {
+    let env = env(Some(1000)).await;
+    let inv = env.invoke("bob", "notes").await;
+    let s = |n: usize| json!("x".repeat(n - 2)); // a JSON string of n bytes
+    env.ok(
+        &inv,
+        "storage/set",
+        json!({"scope": "tool", "key": "a", "value": s(600)}),
+    )
+    .await;
+    env.ok(
+        &inv,
+        "storage/set",
+        json!({"scope": "user", "key": "b", "value": s(400)}),
+    )
+    .await;
+    let e = env
+        .err(
+            &inv,
+            "storage/set",
+            json!({"scope": "tool", "key": "c", "value": 1}),
+        )
+        .await;
+    assert_eq!(code_name(&e), (-32024, "QUOTA_EXCEEDED".into()));
+    // Shrinking an overwrite releases the difference: exactly one byte.
+    env.ok(
+        &inv,
+        "storage/set",
+        json!({"scope": "tool", "key": "a", "value": s(599)}),
+    )
+    .await;
+    env.ok(
+        &inv,
+        "storage/set",
+        json!({"scope": "tool", "key": "c", "value": 1}),
+    )
+    .await;
+    let e = env
+        .err(
+            &inv,
+            "storage/set",
+            json!({"scope": "tool", "key": "d", "value": 1}),
+        )
+        .await;
+    assert_eq!(e.code, -32024);
+    // Growing an overwrite needs room for the growth only.
+    let e = env
+        .err(
+            &inv,
+            "storage/set",
+            json!({"scope": "tool", "key": "a", "value": s(600)}),
+        )
+        .await;
+    assert_eq!(e.code, -32024);
+    env.ok(&inv, "storage/delete", json!({"scope": "tool", "key": "c"}))
+        .await;
+    env.ok(
+        &inv,
+        "storage/set",
+        json!({"scope": "tool", "key": "a", "value": s(600)}),
+    )
+    .await;
+    // Another user has a quota of their own.
+    let other = env.invoke("carol", "notes").await;
+    env.ok(
+        &other,
+        "storage/set",
+        json!({"scope": "tool", "key": "a", "value": s(1000)}),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scopes_keys_and_values_are_checked_at_their_boundaries() {
+    let env = env(None).await;
+    let inv = env.invoke("alice", "notes").await;
+    let e = env
+        .err(&inv, "storage/get", json!({"scope": "app", "key": "k"}))
+        .await;
+    assert_eq!(code_name(&e), (-32029, "UPSTREAM_ERROR".into()));
+    assert_eq!(
+        e.message,
+        "storage_token does not permit scope='app'; allowed=['tool', 'user']"
+    );
+    let e = env.err(&inv, "files/list", json!({"scope": "app"})).await;
+    assert_eq!(
+        e.message,
+        "storage_token does not permit scope='app'; allowed=['tool', 'user']"
+    );
+    let e = env
+        .err(&inv, "storage/get", json!({"scope": "galaxy", "key": "k"}))
+        .await;
+    assert_eq!(e.code, -32028);
+
+    // tool scope is per (user, tool); user scope is shared by the user's plugins; users never see each other.
+    env.ok(
+        &inv,
+        "storage/set",
+        json!({"scope": "tool", "key": "t", "value": 1}),
+    )
+    .await;
+    env.ok(
+        &inv,
+        "storage/set",
+        json!({"scope": "user", "key": "u", "value": 2}),
+    )
+    .await;
+    let sibling = env.invoke("alice", "other-tool").await;
+    let get = |inv: Invoke, scope: &'static str, key: &'static str| {
+        let env = &env;
+        async move {
+            env.ok(&inv, "storage/get", json!({"scope": scope, "key": key}))
+                .await["exists"]
+                .clone()
+        }
+    };
+    assert_eq!(get(sibling.clone(), "tool", "t").await, json!(false));
+    assert_eq!(get(sibling.clone(), "user", "u").await, json!(true));
+    let stranger = env.invoke("mallory", "notes").await;
+    assert_eq!(get(stranger.clone(), "tool", "t").await, json!(false));
+    assert_eq!(get(stranger, "user", "u").await, json!(false));
+    // Omitted scope defaults to tool.
+    assert_eq!(
+        env.ok(&inv, "storage/get", json!({"key": "t"})).await["value"],
+        json!(1)
+    );
+
+    // Keys: 1024 characters are fine, 1025 are not; nor is an empty key.
+    let k1024 = "é".repeat(1024);
+    env.ok(
+        &inv,
+        "storage/set",
+        json!({"scope": "tool", "key": k1024, "value": true}),
+    )
+    .await;
+    assert_eq!(
+        env.ok(&inv, "storage/get", json!({"scope": "tool", "key": k1024}))
+            .await["value"],
+        json!(true)
+    );
+    for bad in ["k".repeat(1025), String::new()] {
+        let e = env
+            .err(
+                &inv,
+                "storage/set",
+                json!({"scope": "tool", "key": bad, "value": 1}),
+            )
+            .await;
+        assert_eq!(code_name(&e), (-32027, "INVALID_PATH".into()));
+    }
+    let e = env
+        .err(&inv, "storage/set", json!({"scope": "tool", "key": "k"}))
+        .await;
+    assert_eq!(e.code, -32028, "value is required");
+
+    // Values: exactly 256 KiB of canonical JSON is stored, one byte more is refused.
+    let max = 256 * 1024;
+    let v = json!("v".repeat(max - 2));
+    let set = env
+        .ok(
+            &inv,
+            "storage/set",
+            json!({"scope": "tool", "key": "big", "value": v}),
+        )
+        .await;
+    assert_eq!(set["size_bytes"], json!(max));
+    assert_eq!(
+        env.ok(&inv, "storage/get", json!({"scope": "tool", "key": "big"}))
+            .await["value"],
+        v
+    );
+    let e = env
+        .err(
+            &inv,
+            "storage/set",
+            json!({"scope": "tool", "key": "big2", "value": "v".repeat(max - 1)}),
+        )
+        .await;
+    assert_eq!(code_name(&e), (-32025, "VALUE_TOO_LARGE".into()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_200th_storage_call_is_admitted_and_the_201st_is_rate_limited() {
+    let env = env(None).await;
+    let inv = env.invoke("alice", "notes").await;
+    for i in 0..200 {
+        let method = if i % 2 == 0 { "storage/get" } else { "files/list" };
+        let params = if i % 2 == 0 {
+            json!({"key": "k"})
+        } else {
+            json!({})
+        };
+        env.ok(&inv, method, params).await;
+    }
+    let e = env.err(&inv, "storage/get", json!({"key": "k"})).await;
+    assert_eq!(code_name(&e), (-32026, "RATE_LIMITED".into()));
+    assert_eq!(
+        e.data.as_ref().and_then(|d| d.get("reason")),
+        Some(&json!("invoke_budget"))
+    );
+    // Another invoke has its own budget.
+    let next = env.invoke("alice", "notes").await;
+    env.ok(&next, "storage/get", json!({"key": "k"})).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_invokes_tokens_are_refused() {
+    let env = env(None).await;
+    let a = env.invoke("alice", "notes").await;
+    let b = env.invoke("alice", "notes").await;
+    let stolen = Invoke {
+        tokens: a.tokens.clone(),
+        ..b.clone()
+    };
+    let e = env.err(&stolen, "storage/get", json!({"key": "k"})).await;
+    assert_eq!(code_name(&e), (-32021, "STORAGE_NOT_GRANTED".into()));
+    let e = env.err(&stolen, "files/list", json!({})).await;
+    assert_eq!(e.code, -32021);
+    let e = env
+        .err(
+            &stolen,
+            "host/uploadFile",
+            json!({"mode": "inline", "filename": "a.txt", "mime_type": "text/plain", "content_b64": "aGk="}),
+        )
+        .await;
+    assert_eq!(code_name(&e), (-32201, "UPLOAD_NOT_GRANTED".into()));
+    let none = Invoke {
+        tokens: InvokeTokens::default(),
+        ..b.clone()
+    };
+    let e = env.err(&none, "storage/get", json!({"key": "k"})).await;
+    assert_eq!(e.code, -32021);
+    env.ok(&b, "storage/get", json!({"key": "k"})).await;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// files/*
+// ------------------------------------------------------------------------------------------------------------
+
+/// `upload_begin` → PUT → `upload_complete`; returns the complete result.
+async fn put_file(env: &Env, inv: &Invoke, scope: &str, path: &str, ct: &str, bytes: &[u8]) -> Value {
+    let begin = env
+        .ok(
+            inv,
+            "files/upload_begin",
+            json!({"scope": scope, "path": path, "content_type": ct, "size_bytes": bytes.len()}),
+        )
+        .await;
+    assert_eq!(begin["put_url"], begin["presigned_url"]);
+    assert_eq!(begin["headers"]["Content-Type"], json!(ct));
+    let put = env
+        .http
+        .put(env.url(&begin["put_url"]))
+        .header("content-type", ct)
+        .body(bytes.to_vec())
+        .send()
+        .await
+        .expect("PUT");
+    assert_eq!(put.status(), 200, "{}", put.text().await.unwrap_or_default());
+    env.ok(
+        inv,
+        "files/upload_complete",
+        json!({"scope": scope, "path": path}),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_round_trip_through_the_object_store_and_the_download_link() {
+    let env = env(Some(1_000_000)).await;
+    let inv = env.invoke("alice", "notes").await;
+    let pdf: Vec<u8> = (0..300_000_u32).map(|i| (i % 251) as u8).collect();
+    let done = put_file(&env, &inv, "user", "docs/report.pdf", "application/pdf", &pdf).await;
+    assert_eq!(done["size_bytes"], json!(pdf.len()));
+    assert_eq!(done["path"], json!("docs/report.pdf"));
+    put_file(&env, &inv, "user", "docs/notes.txt", "text/plain", b"hello").await;
+
+    let link = env
+        .ok(
+            &inv,
+            "files/download_url",
+            json!({"scope": "user", "path": "docs/report.pdf"}),
+        )
+        .await;
+    assert_eq!(link["url"], link["get_url"]);
+    assert_eq!(link["expires_in"], json!(300));
+    let resp = env.http.get(env.url(&link["url"])).send().await.expect("GET");
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "application/pdf");
+    let cd = resp.headers()["content-disposition"]
+        .to_str()
+        .expect("ascii")
+        .to_owned();
+    assert!(cd.starts_with("inline; filename=\"report.pdf\""), "{cd}");
+    assert_eq!(resp.bytes().await.expect("body").as_ref(), pdf.as_slice());
+
+    let link = env
+        .ok(
+            &inv,
+            "files/download_url",
+            json!({"scope": "user", "path": "docs/notes.txt", "expires_in": 60}),
+        )
+        .await;
+    assert_eq!(link["expires_in"], json!(60));
+    let resp = env.http.get(env.url(&link["get_url"])).send().await.expect("GET");
+    assert!(
+        resp.headers()["content-disposition"]
+            .to_str()
+            .expect("ascii")
+            .starts_with("attachment")
+    );
+    assert_eq!(resp.text().await.expect("body"), "hello");
+
+    let list = env
+        .ok(&inv, "files/list", json!({"scope": "user", "prefix": "docs/"}))
+        .await;
+    let paths: Vec<&str> = list["items"]
+        .as_array()
+        .expect("items")
+        .iter()
+        .filter_map(|i| i["path"].as_str())
+        .collect();
+    assert_eq!(paths, ["docs/notes.txt", "docs/report.pdf"]);
+    assert_eq!(list["items"][1]["content_type"], json!("application/pdf"));
+    let e = env
+        .err(&inv, "files/list", json!({"scope": "user", "limit": 0}))
+        .await;
+    assert_eq!(e.code, -32027, "files/list refuses a bad limit (spec A-28)");
+    // The tool scope does not see user-scope files.
+    let e = env
+        .err(
+            &inv,
+            "files/download_url",
+            json!({"scope": "tool", "path": "docs/notes.txt"}),
+        )
+        .await;
+    assert_eq!(code_name(&e), (-32022, "NOT_FOUND".into()));
+
+    // Files count against the same quota as KV values.
+    let e = env
+        .err(&inv, "files/upload_begin", json!({"scope": "user", "path": "huge.bin", "content_type": "application/octet-stream", "size_bytes": 700_000}))
+        .await;
+    assert_eq!(e.code, -32024);
+    let e = env
+        .err(
+            &inv,
+            "files/upload_begin",
+            json!({"scope": "user", "path": "x.bin", "content_type": "a/b", "size_bytes": 256 * MIB + 1}),
+        )
+        .await;
+    assert_eq!(e.code, -32025);
+    for bad in ["/abs", "a/../b", "a\\b", "a\u{202E}b"] {
+        let e = env
+            .err(
+                &inv,
+                "files/upload_begin",
+                json!({"scope": "user", "path": bad, "content_type": "a/b", "size_bytes": 1}),
+            )
+            .await;
+        assert_eq!(e.code, -32027, "{bad:?}");
+    }
+
+    // The PUT is held to the signed content type and size; complete before the bytes landed is pending.
+    let begin = env
+        .ok(
+            &inv,
+            "files/upload_begin",
+            json!({"scope": "tool", "path": "p.txt", "content_type": "text/plain", "size_bytes": 4}),
+        )
+        .await;
+    let e = env
+        .err(
+            &inv,
+            "files/upload_complete",
+            json!({"scope": "tool", "path": "p.txt"}),
+        )
+        .await;
+    assert_eq!(e.code, -32029);
+    assert_eq!(
+        e.data.as_ref().and_then(|d| d.get("reason")),
+        Some(&json!("pending_upload"))
+    );
+    let put = |ct: &'static str, body: &'static [u8]| {
+        env.http
+            .put(env.url(&begin["put_url"]))
+            .header("content-type", ct)
+            .body(body)
+            .send()
+    };
+    assert_eq!(put("text/html", b"abcd").await.expect("PUT").status(), 400);
+    assert_eq!(put("text/plain", b"abcde").await.expect("PUT").status(), 413);
+    assert_eq!(put("text/plain", b"abcd").await.expect("PUT").status(), 200);
+    env.ok(
+        &inv,
+        "files/upload_complete",
+        json!({"scope": "tool", "path": "p.txt"}),
+    )
+    .await;
+    let e = env
+        .err(
+            &inv,
+            "files/upload_complete",
+            json!({"scope": "tool", "path": "p.txt"}),
+        )
+        .await;
+    assert_eq!(e.code, -32022, "complete is not idempotent");
+
+    // Delete, and the bytes are gone.
+    assert_eq!(
+        env.ok(
+            &inv,
+            "files/delete",
+            json!({"scope": "user", "path": "docs/report.pdf"})
+        )
+        .await,
+        json!({"deleted": true})
+    );
+    let e = env
+        .err(
+            &inv,
+            "files/download_url",
+            json!({"scope": "user", "path": "docs/report.pdf"}),
+        )
+        .await;
+    assert_eq!(e.code, -32022);
+    // Its 300 000 bytes were released: a 700 000-byte file now fits (5 + 4 bytes are still stored).
+    env.ok(&inv, "files/upload_begin", json!({"scope": "user", "path": "huge.bin", "content_type": "application/octet-stream", "size_bytes": 700_000}))
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_and_tampered_links_are_refused() {
+    let env = env(None).await;
+    let inv = env.invoke("alice", "notes").await;
+    put_file(&env, &inv, "tool", "a.png", "image/png", b"\x89PNG....").await;
+    let link = env
+        .ok(
+            &inv,
+            "files/download_url",
+            json!({"scope": "tool", "path": "a.png", "ttl_seconds": 1}),
+        )
+        .await;
+    let url = env.url(&link["url"]);
+    for bad in [0, 3601] {
+        let e = env
+            .err(
+                &inv,
+                "files/download_url",
+                json!({"scope": "tool", "path": "a.png", "ttl_seconds": bad}),
+            )
+            .await;
+        assert_eq!(e.code, -32028);
+    }
+
+    // Tampering: the signature, the expiry, the disposition.
+    let tampered_sig = {
+        let (head, sig) = url.rsplit_once("sig=").expect("sig");
+        let flipped: String = sig
+            .chars()
+            .enumerate()
+            .map(|(i, c)| {
+                if i == 0 {
+                    if c == '0' { '1' } else { '0' }
+                } else {
+                    c
+                }
+            })
+            .collect();
+        format!("{head}sig={flipped}")
+    };
+    let exp = link["expires_at"].as_str().expect("expires_at").to_owned();
+    assert!(!exp.is_empty());
+    let later = {
+        let (before, after) = url.split_once("exp=").expect("exp");
+        let (n, rest) = after.split_once('&').expect("&");
+        let n: u64 = n.parse().expect("exp number");
+        format!("{before}exp={}&{rest}", n + 3600)
+    };
+    let disposition = url.replace("d=inline", "d=attachment");
+    assert_ne!(disposition, url);
+    for bad in [
+        tampered_sig,
+        later,
+        disposition,
+        url.split('?').next().unwrap_or_default().to_owned(),
+    ] {
+        let r = env.http.get(&bad).send().await.expect("GET");
+        assert_eq!(r.status(), 403, "{bad}");
+    }
+
+    // Expiry: the link answers 410 once it is past its exp.
+    let gone = eventually(Duration::from_secs(10), || {
+        let (http, url) = (&env.http, &url);
+        async move {
+            http.get(url)
+                .send()
+                .await
+                .map(|r| r.status() == 410)
+                .unwrap_or(false)
+        }
+    })
+    .await;
+    assert!(gone, "the link expired");
+    let body = env
+        .http
+        .get(&url)
+        .send()
+        .await
+        .expect("GET")
+        .text()
+        .await
+        .expect("body");
+    assert!(body.contains("expired"), "{body}");
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// host/uploadFile
+// ------------------------------------------------------------------------------------------------------------
+
+fn inline(name: &str, mime: &str, bytes: &[u8]) -> Value {
+    json!({"mode": "inline", "filename": name, "mime_type": mime, "purpose": "user_artifact", "content_b64": STANDARD.encode(bytes)})
+}
+
+fn assert_envelope(env: &Value, mode: &str, size: usize, mime: &str) {
+    assert_eq!(env["download_url"], env["url"]);
+    assert_eq!(env["size_bytes"], json!(size));
+    assert_eq!(env["bytes"], json!(size));
+    assert_eq!(env["expires_in"], json!(1800));
+    assert!(env["expires_at"].as_str().is_some_and(|s| s.ends_with('Z')));
+    assert_eq!(env["mime_type"], json!(mime));
+    assert_eq!(env["_meta"]["mode"], json!(mode));
+    assert!(
+        env["r2_key"]
+            .as_str()
+            .is_some_and(|k| k.starts_with("exec-uploads/fleet/"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inline_uploads_enforce_size_count_mime_purpose_and_base64() {
+    let env = env(None).await;
+    let inv = env.invoke("alice", "notes").await;
+    let exactly = vec![7_u8; 8 * MIB];
+    let up = env
+        .ok(
+            &inv,
+            "host/uploadFile",
+            inline("big.bin", "application/octet-stream", &exactly),
+        )
+        .await;
+    assert_envelope(&up, "inline", 8 * MIB, "application/octet-stream");
+    let key = up["r2_key"].as_str().expect("key");
+    assert!(
+        key.contains("/notes/") && key.contains(&format!("/{}/", inv.invoke_id)) && key.ends_with("_big.bin")
+    );
+    let resp = env
+        .http
+        .get(env.url(&up["download_url"]))
+        .send()
+        .await
+        .expect("GET");
+    assert_eq!(resp.status(), 200);
+    assert!(
+        resp.headers()["content-disposition"]
+            .to_str()
+            .expect("ascii")
+            .starts_with("attachment")
+    );
+    assert_eq!(resp.bytes().await.expect("body").len(), 8 * MIB);
+
+    let over = vec![7_u8; 8 * MIB + 1];
+    let e = env
+        .err(
+            &inv,
+            "host/uploadFile",
+            inline("big.bin", "application/octet-stream", &over),
+        )
+        .await;
+    assert_eq!(code_name(&e), (-32204, "TOO_LARGE".into()));
+    let e = env
+        .err(
+            &inv,
+            "host/uploadFile",
+            inline("x.svg", "image/svg+xml", b"<svg/>"),
+        )
+        .await;
+    assert_eq!(code_name(&e), (-32205, "MIME_REJECTED".into()));
+    let e = env
+        .err(&inv, "host/uploadFile", inline("x", "not a mime", b"x"))
+        .await;
+    assert_eq!(e.code, -32205);
+    let mut bad_purpose = inline("a.txt", "text/plain", b"x");
+    bad_purpose["purpose"] = json!("exfiltration");
+    let e = env.err(&inv, "host/uploadFile", bad_purpose).await;
+    assert_eq!(code_name(&e), (-32206, "PURPOSE_REJECTED".into()));
+    let mut bad_b64 = inline("a.txt", "text/plain", b"x");
+    bad_b64["content_b64"] = json!("@@not base64@@");
+    let e = env.err(&inv, "host/uploadFile", bad_b64).await;
+    assert_eq!(code_name(&e), (-32203, "INVALID_REQUEST".into()));
+    let e = env
+        .err(&inv, "host/uploadFile", json!({"mode": "sideways"}))
+        .await;
+    assert_eq!(e.code, -32203);
+    let e = env
+        .err(
+            &inv,
+            "host/uploadFile",
+            json!({"mode": "inline", "mime_type": "text/plain", "content_b64": "eA=="}),
+        )
+        .await;
+    assert_eq!(e.code, -32203, "filename is required");
+    let budget = env.services.budget(&inv.invoke_id).expect("budget");
+    assert_eq!(budget.upload_used(), (1, 8 * MIB as u64), "refusals cost nothing");
+
+    // 16 files per invoke: 15 more are stored, the 17th is refused.
+    for i in 0..15 {
+        let up = env
+            .ok(
+                &inv,
+                "host/uploadFile",
+                inline(&format!("f{i}.png"), "image/png", b"png"),
+            )
+            .await;
+        assert_envelope(&up, "inline", 3, "image/png");
+    }
+    let e = env
+        .err(&inv, "host/uploadFile", inline("f17.png", "image/png", b"png"))
+        .await;
+    assert_eq!(code_name(&e), (-32211, "MAX_FILES_EXCEEDED".into()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn negotiate_put_confirm_round_trip_and_foreign_or_unknown_keys() {
+    let env = env(None).await;
+    let inv = env.invoke("alice", "notes").await;
+    let video: Vec<u8> = (0..1_000_000_u32).map(|i| (i % 253) as u8).collect();
+    let neg = env
+        .ok(&inv, "host/uploadFile", json!({"mode": "negotiate", "filename": "clip.mp4", "mime_type": "video/mp4", "purpose": "user_artifact", "expected_bytes": video.len()}))
+        .await;
+    assert_eq!(neg["_meta"]["mode"], json!("presigned-put"));
+    assert_eq!(neg["expires_in"], json!(300));
+    assert_eq!(neg["headers"]["Content-Type"], json!("video/mp4"));
+    let budget = env.services.budget(&inv.invoke_id).expect("budget");
+    assert_eq!(budget.upload_used(), (0, 0), "negotiate is free");
+
+    // Confirm before the PUT: nothing landed under the key.
+    let e = env
+        .err(
+            &inv,
+            "host/uploadFile",
+            json!({"mode": "confirm", "r2_key": neg["r2_key"]}),
+        )
+        .await;
+    assert_eq!(code_name(&e), (-32212, "NOT_FOUND".into()));
+
+    let put = env
+        .http
+        .put(env.url(&neg["put_url"]))
+        .header("content-type", "video/mp4")
+        .body(video.clone())
+        .send()
+        .await
+        .expect("PUT");
+    assert_eq!(put.status(), 200);
+    let up = env
+        .ok(
+            &inv,
+            "host/uploadFile",
+            json!({"mode": "confirm", "r2_key": neg["r2_key"]}),
+        )
+        .await;
+    assert_envelope(&up, "confirm", video.len(), "video/mp4");
+    assert_eq!(up["r2_key"], neg["r2_key"]);
+    assert_eq!(budget.upload_used(), (1, video.len() as u64));
+    let resp = env.http.get(env.url(&up["url"])).send().await.expect("GET");
+    assert_eq!(resp.headers()["content-type"], "video/mp4");
+    assert!(
+        resp.headers()["content-disposition"]
+            .to_str()
+            .expect("ascii")
+            .starts_with("inline")
+    );
+    assert_eq!(resp.bytes().await.expect("body").as_ref(), video.as_slice());
+    // A re-confirm mints a fresh envelope at no cost; a PUT after the confirm is refused.
+    env.ok(
+        &inv,
+        "host/uploadFile",
+        json!({"mode": "confirm", "r2_key": neg["r2_key"]}),
+    )
+    .await;
+    assert_eq!(budget.upload_used(), (1, video.len() as u64));
+    let again = env
+        .http
+        .put(env.url(&neg["put_url"]))
+        .header("content-type", "video/mp4")
+        .body("x")
+        .send()
+        .await
+        .expect("PUT");
+    assert_eq!(again.status(), 409);
+
+    // size_bytes is accepted for expected_bytes; over max_file_bytes is refused at once.
+    let neg2 = env
+        .ok(
+            &inv,
+            "host/uploadFile",
+            json!({"mode": "negotiate", "filename": "a.txt", "mime_type": "text/plain", "size_bytes": 3}),
+        )
+        .await;
+    let e = env
+        .err(&inv, "host/uploadFile", json!({"mode": "negotiate", "filename": "a.txt", "mime_type": "text/plain", "size_bytes": 20 * MIB + 1}))
+        .await;
+    assert_eq!(e.code, -32204);
+    let e = env
+        .err(
+            &inv,
+            "host/uploadFile",
+            json!({"mode": "negotiate", "filename": "a.txt", "mime_type": "text/plain", "size_bytes": 0}),
+        )
+        .await;
+    assert_eq!(e.code, -32203);
+
+    // Another invoke's key (even of the same user and plugin) is foreign; a well-formed key never PUT is unknown.
+    let other = env.invoke("alice", "notes").await;
+    let e = env
+        .err(
+            &other,
+            "host/uploadFile",
+            json!({"mode": "confirm", "r2_key": neg2["r2_key"]}),
+        )
+        .await;
+    assert_eq!(code_name(&e), (-32203, "INVALID_REQUEST".into()));
+    assert!(e.message.contains("does not belong to this invoke"));
+    let e = env
+        .err(
+            &inv,
+            "host/uploadFile",
+            json!({"mode": "confirm", "r2_key": "exec-uploads/elsewhere/x"}),
+        )
+        .await;
+    assert_eq!(e.code, -32203);
+    let e = env
+        .err(
+            &inv,
+            "host/uploadFile",
+            json!({"mode": "confirm", "r2_key": neg2["r2_key"]}),
+        )
+        .await;
+    assert_eq!(e.code, -32212);
+}
