@@ -284,6 +284,7 @@ pub fn pack_dir(dir: &Path) -> std::io::Result<Vec<u8>> {
     let enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
     let mut tar = tar::Builder::new(enc);
     tar.follow_symlinks(false);
+    tar.sparse(false);
     tar.append_dir_all(".", dir)?;
     tar.into_inner()?.finish()
 }

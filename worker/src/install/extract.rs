@@ -255,7 +255,7 @@ fn extract_tar(archive: &Path, root: &Path, budget: &mut Budget) -> Result<(), I
                 make_parents(root, &rel, &name)?;
                 ensure_dir(&root.join(&rel), &name)?;
             }
-            T::Regular | T::Continuous => {
+            T::Regular | T::Continuous | T::GNUSparse => {
                 let mode = entry.header().mode().unwrap_or(0o644);
                 write_member(root, &rel, &mut entry, mode, budget, &name)?;
             }

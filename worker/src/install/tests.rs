@@ -350,3 +350,35 @@ fn zip_of(files: &[(&str, u32, &[u8])]) -> Vec<u8> {
     }
     w.finish().unwrap().into_inner()
 }
+
+#[test]
+fn sparse_members_are_extracted_expanded() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = opts(tmp.path());
+    // A file with a hole, archived by the tar crate's builder (which writes GNU sparse entries by default).
+    let src = tmp.path().join("src");
+    std::fs::create_dir_all(src.join("bin")).unwrap();
+    let exe = src.join("bin/sparse");
+    {
+        let mut f = std::fs::File::create(&exe).unwrap();
+        f.write_all(SCRIPT).unwrap();
+        f.set_len(4 * 1024 * 1024).unwrap();
+        std::io::Seek::seek(&mut f, std::io::SeekFrom::End(0)).unwrap();
+        f.write_all(b"end").unwrap();
+    }
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut b = tar::Builder::new(flate2::write::GzEncoder::new(
+        Vec::new(),
+        flate2::Compression::fast(),
+    ));
+    b.append_dir_all(".", &src).unwrap();
+    let pkg = write(
+        tmp.path(),
+        "sparse.tar.gz",
+        &b.into_inner().unwrap().finish().unwrap(),
+    );
+    let installed = install(&o, &req(&pkg, "sparse", "1")).unwrap();
+    let bytes = std::fs::read(installed.dir.join("bin/sparse")).unwrap();
+    assert_eq!(bytes.len(), 4 * 1024 * 1024 + 3);
+    assert!(bytes.starts_with(SCRIPT) && bytes.ends_with(b"end"));
+}
