@@ -212,6 +212,17 @@ async fn detection_declared_and_probed_for_both_dialects() {
         let out = run(&w, id, "hi").await.unwrap();
         assert!(out.success(), "{id}: {:?}", out.error_message());
     }
+    // Executa `health` and Animus `health/check` on one scale.
+    w.pool.poll_executa_health().await;
+    let health = w.pool.health_states();
+    assert!(
+        health.contains(&("ex-probed".into(), Dialect::Executa, HealthState::Healthy)),
+        "{health:?}"
+    );
+    assert!(
+        health.contains(&("an-probed".into(), Dialect::Animus, HealthState::Healthy)),
+        "{health:?}"
+    );
     // An Animus install never gets an Executa session (whose initialize would be the wrong dialect's).
     assert!(matches!(
         w.pool.session(USER, "an-probed"),
@@ -853,5 +864,22 @@ async fn both_dialects_side_by_side_through_the_fleet_api() {
     assert_eq!(j["state"], "cancelled");
     assert_eq!(j["lastSeq"].as_u64().unwrap_or(0), seq_at_cancel);
     let _ = JobState::Cancelled;
+
+    // Metrics labelled by dialect, and both dialects' health, as Prometheus and the operator page see them.
+    let text = c.metrics.encode();
+    for line in [
+        "plugin_cancel_paths_total{dialect=\"animus\",path=\"kill\"} 1",
+        "plugin_health{tool_id=\"prov\",dialect=\"animus\",state=\"healthy\"} 1",
+    ] {
+        assert!(text.contains(line), "missing {line} in\n{text}");
+    }
+    assert!(text.contains("plugin_spawns_by_dialect_total{dialect=\"animus\"}"));
+    let health = c.metrics.plugin_health();
+    assert!(
+        health
+            .iter()
+            .any(|h| h["tool_id"] == "stub" && h["dialect"] == "animus"),
+        "{health:?}"
+    );
     c.shutdown().await;
 }

@@ -291,6 +291,24 @@ impl FleetMetrics {
         })
     }
 
+    /// The last health of every plugin of the registered pools, both dialects (for the operator page):
+    /// `[{tool_id, dialect, state}]`.
+    pub fn plugin_health(&self) -> Vec<serde_json::Value> {
+        let pools = self
+            .workers
+            .pools
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        pools
+            .iter()
+            .flat_map(Pool::health_states)
+            .map(|(tool_id, dialect, state)| {
+                serde_json::json!({ "tool_id": tool_id, "dialect": dialect.as_str(), "state": state.as_str() })
+            })
+            .collect()
+    }
+
     /// Exports `pool`'s counters, sessions and cgroup usage (summed over every registered pool).
     pub fn register_pool(&self, pool: &Pool) {
         self.workers.add(pool.clone());
@@ -596,8 +614,94 @@ impl Collector for WorkerCollector {
             "Memory of the 10 largest sessions (rank 1 = largest), labelled by tool_id only",
             &rows,
         )?;
+        encode_dialects(&mut e, &pools)?;
         Ok(())
     }
+}
+
+/// The per-dialect families: spawns, Animus liveness, quarantines, cancellation paths, and every plugin's health
+/// (Executa `health` and Animus `health/check` mapped onto one set of states).
+fn encode_dialects(e: &mut DescriptorEncoder<'_>, pools: &[Pool]) -> Result<(), std::fmt::Error> {
+    use fleet_worker::animus::{CancelPath, HealthState};
+    let animus_spawns = sum(pools, |m| load(&m.animus.spawns));
+    let all_spawns = sum(pools, |m| load(&m.spawns));
+    counter_family(
+        e,
+        "plugin_spawns_by_dialect",
+        "Plugin processes spawned, by protocol dialect",
+        &[
+            ([("dialect", "executa")], all_spawns.saturating_sub(animus_spawns)),
+            ([("dialect", "animus")], animus_spawns),
+        ],
+    )?;
+    let events: [(&str, Read); 5] = [
+        ("probes", |m| load(&m.animus.probes)),
+        ("ping_misses", |m| load(&m.animus.ping_misses)),
+        ("recycles", |m| load(&m.animus.recycles)),
+        ("quarantines", |m| load(&m.animus.quarantines)),
+        ("refused", |m| load(&m.animus.refused)),
+    ];
+    let rows: Vec<([(&str, &str); 2], u64)> = events
+        .iter()
+        .map(|(what, f)| ([("dialect", "animus"), ("event", *what)], sum(pools, f)))
+        .collect();
+    counter_family(
+        e,
+        "plugin_lifecycle_events",
+        "Dialect detections, ping misses, processes recycled, installs quarantined or refused",
+        &rows,
+    )?;
+    let outcomes: [(&str, Read); 2] = [
+        ("succeeded", |m| load(&m.animus.calls_succeeded)),
+        ("failed", |m| load(&m.animus.calls_failed)),
+    ];
+    let rows: Vec<([(&str, &str); 2], u64)> = outcomes
+        .iter()
+        .map(|(o, f)| ([("dialect", "animus"), ("outcome", *o)], sum(pools, f)))
+        .collect();
+    counter_family(
+        e,
+        "plugin_calls_by_dialect",
+        "Calls that ended, by dialect and outcome",
+        &rows,
+    )?;
+    let rows: Vec<([(&str, &str); 2], u64)> = CancelPath::ALL
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            (
+                [("dialect", "animus"), ("path", p.as_str())],
+                sum(pools, |m| load(&m.animus.cancel_paths[i])),
+            )
+        })
+        .collect();
+    counter_family(
+        e,
+        "plugin_cancel_paths",
+        "Cancelled or expired calls by the path that ended them on the plugin's side",
+        &rows,
+    )?;
+    let mut rows: Vec<([(&str, String); 3], f64)> = Vec::new();
+    for pool in pools {
+        for (tool, dialect, state) in pool.health_states() {
+            for s in HealthState::ALL {
+                rows.push((
+                    [
+                        ("tool_id", tool.clone()),
+                        ("dialect", dialect.as_str().to_string()),
+                        ("state", s.as_str().to_string()),
+                    ],
+                    if s == state { 1.0 } else { 0.0 },
+                ));
+            }
+        }
+    }
+    gauge_family(
+        e,
+        "plugin_health",
+        "1 for each plugin's last health state (Executa health and Animus health/check on one scale)",
+        &rows,
+    )
 }
 
 /// Serves `/metrics`, `/healthz` and `/readyz` (when `client` is given: NATS connected) on `addr` until the task

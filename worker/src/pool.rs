@@ -63,7 +63,13 @@ struct Inner {
     closed: AtomicBool,
     reaper: Mutex<Option<JoinHandle<()>>>,
     animus: crate::animus::AnimusHost,
+    /// The last Executa `health` answer per tool_id (polled every [`EXECUTA_HEALTH_POLL`]).
+    health: Mutex<HashMap<String, crate::animus::HealthState>>,
+    health_poller: Mutex<Option<JoinHandle<()>>>,
 }
+
+/// How often the ready Executa sessions are asked for `health` (spec §3.6: 3 s timeout each; never per invoke).
+pub const EXECUTA_HEALTH_POLL: Duration = Duration::from_secs(30);
 
 /// The pool. Cheap to clone.
 #[derive(Clone)]
@@ -86,6 +92,8 @@ impl Pool {
     pub fn new(ctx: WorkerContext, catalogue: Arc<Catalogue>) -> Pool {
         let inner = Arc::new(Inner {
             animus: crate::animus::AnimusHost::new(ctx.clone()),
+            health: Mutex::new(HashMap::new()),
+            health_poller: Mutex::new(None),
             ctx,
             catalogue,
             installed: std::sync::RwLock::new(HashMap::new()),
@@ -110,7 +118,54 @@ impl Pool {
             }
         });
         *lock(&pool.inner.reaper) = Some(task);
+        let weak = Arc::downgrade(&pool.inner);
+        let poller = tokio::spawn(async move {
+            let start = tokio::time::Instant::now() + EXECUTA_HEALTH_POLL;
+            let mut tick = tokio::time::interval_at(start, EXECUTA_HEALTH_POLL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(inner) = weak.upgrade() else { return };
+                Pool { inner }.poll_executa_health().await;
+            }
+        });
+        *lock(&pool.inner.health_poller) = Some(poller);
         pool
+    }
+
+    /// Asks every ready Executa session for `health` and records the answer, mapped onto the states Animus
+    /// `health/check` uses (one state per tool_id: the worst of its sessions).
+    pub async fn poll_executa_health(&self) {
+        use crate::animus::HealthState;
+        let ready: Vec<Session> = self
+            .sessions()
+            .into_iter()
+            .filter(|s| s.state() == crate::session::SessionState::Ready)
+            .collect();
+        let mut seen: HashMap<String, HealthState> = HashMap::new();
+        for s in ready {
+            let state = HealthState::from_executa(s.health().await);
+            let e = seen.entry(s.tool_id().to_string()).or_insert(state);
+            *e = (*e).max(state);
+        }
+        *lock(&self.inner.health) = seen;
+    }
+
+    /// The plugins' health as last seen, both dialects: (tool_id, dialect, state).
+    pub fn health_states(&self) -> Vec<(String, crate::catalogue::Dialect, crate::animus::HealthState)> {
+        let mut out: Vec<_> = lock(&self.inner.health)
+            .iter()
+            .map(|(t, h)| (t.clone(), crate::catalogue::Dialect::Executa, *h))
+            .collect();
+        out.extend(
+            self.inner
+                .animus
+                .health()
+                .into_iter()
+                .map(|(t, h)| (t, crate::catalogue::Dialect::Animus, h)),
+        );
+        out.sort();
+        out
     }
 
     /// The catalogue.
@@ -435,6 +490,9 @@ impl Pool {
         }
         if let Some(reaper) = lock(&self.inner.reaper).take() {
             reaper.abort();
+        }
+        if let Some(poller) = lock(&self.inner.health_poller).take() {
+            poller.abort();
         }
         let mut sessions: Vec<Session> = lock(&self.inner.sessions).drain().map(|(_, s)| s).collect();
         sessions.append(&mut lock(&self.inner.draining));

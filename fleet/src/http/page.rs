@@ -271,6 +271,8 @@ async fn overview_value(state: &HttpState) -> Value {
     snapshot["nats"] = json!(format!("{:?}", state.inner.client.connection_state()));
     snapshot["workers"] = workers;
     snapshot["active_jobs"] = active;
+    // Plugins' health (Executa `health`, Animus `health/check`) of the workers in this process, if any.
+    snapshot["plugin_health"] = json!(state.inner.metrics.plugin_health());
     snapshot
 }
 

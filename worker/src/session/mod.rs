@@ -282,7 +282,11 @@ impl InvokeOutput {
 
     /// An output the host composed from another dialect's answer (an Animus run): `result` has the
     /// `InvokeResult` shape (`{success, data, error?}`).
-    pub(crate) fn composed(result: &Value, duration: Duration, warm: bool) -> Result<InvokeOutput, InvokeError> {
+    pub(crate) fn composed(
+        result: &Value,
+        duration: Duration,
+        warm: bool,
+    ) -> Result<InvokeOutput, InvokeError> {
         let body = serde_json::json!({ "jsonrpc": "2.0", "id": 0, "result": result });
         let bytes = serde_json::to_vec(&body).map_err(|e| InvokeError::Unreadable(e.to_string()))?;
         let frame = Frame::parse(bytes.into()).map_err(|e| InvokeError::Unreadable(e.to_string()))?;
