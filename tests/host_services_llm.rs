@@ -754,6 +754,28 @@ async fn the_invoke_deadline_caps_the_upstream_wait() {
     assert_eq!(error_code(&r), "EMBED_TIMEOUT");
 }
 
+#[tokio::test]
+async fn dropping_the_call_aborts_the_upstream_request() {
+    let env = env().await;
+    env.llm
+        .set(|b| b.delay = Some(std::time::Duration::from_secs(600)));
+    let inv = env.invoke("inv-drop").await;
+    // The worker drops the service future when the invoke ends (spec §7.3 HR-DL-03); so does this abort.
+    let call = tokio::spawn(async move { inv.sample(simple()).await });
+    env.llm.received(1).await;
+    call.abort();
+    assert!(call.await.expect_err("aborted").is_cancelled());
+    // The upstream sees its client go away: the connection is closed, the pending answer abandoned.
+    tokio::time::timeout(std::time::Duration::from_secs(60), env.llm.abandoned(1))
+        .await
+        .expect("the upstream request was aborted, not left running");
+    assert_eq!(
+        env.used("inv-drop"),
+        (1, 0),
+        "counted as a call, no tokens settled"
+    );
+}
+
 // -------------------------------------------------------------------------------------------------------------
 // Embeddings
 // -------------------------------------------------------------------------------------------------------------

@@ -61,10 +61,45 @@ impl Default for Behaviour {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Shared {
     requests: Mutex<Vec<Recorded>>,
     behaviour: Mutex<Behaviour>,
+    /// Requests received so far.
+    received: tokio::sync::watch::Sender<usize>,
+    /// Requests whose handler was dropped before answering (the client went away).
+    abandoned: tokio::sync::watch::Sender<usize>,
+}
+
+impl Default for Shared {
+    fn default() -> Self {
+        Shared {
+            requests: Mutex::default(),
+            behaviour: Mutex::default(),
+            received: tokio::sync::watch::Sender::new(0),
+            abandoned: tokio::sync::watch::Sender::new(0),
+        }
+    }
+}
+
+/// Counts its request as abandoned if dropped before [`Pending::answered`].
+struct Pending<'a> {
+    shared: &'a Shared,
+    answered: bool,
+}
+
+impl Pending<'_> {
+    fn answered(mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.shared.abandoned.send_modify(|n| *n += 1);
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -121,6 +156,18 @@ impl FakeLlm {
             .collect()
     }
 
+    /// Waits until `n` requests have been received.
+    pub async fn received(&self, n: usize) {
+        let mut rx = self.shared.received.subscribe();
+        let _ = rx.wait_for(|c| *c >= n).await;
+    }
+
+    /// Waits until `n` requests were abandoned by their client before being answered (the handler dropped).
+    pub async fn abandoned(&self, n: usize) {
+        let mut rx = self.shared.abandoned.subscribe();
+        let _ = rx.wait_for(|c| *c >= n).await;
+    }
+
     /// The last chat request's body.
     pub fn last_chat(&self) -> Value {
         self.bodies(CHAT).pop().expect("a chat request reached the fake")
@@ -153,9 +200,15 @@ async fn record(
             .map(str::to_owned),
         body: body.clone(),
     });
+    shared.received.send_modify(|n| *n += 1);
     let b = lock(&shared.behaviour).clone();
     if let Some(d) = b.delay {
+        let pending = Pending {
+            shared,
+            answered: false,
+        };
         tokio::time::sleep(d).await;
+        pending.answered();
     }
     if let Some(s) = b.status {
         let status = StatusCode::from_u16(s).expect("status");

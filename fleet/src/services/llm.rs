@@ -1645,6 +1645,30 @@ mod tests {
     }
 
     #[test]
+    fn the_invoke_deadline_cuts_the_model_budget() {
+        let mut c = ctx();
+        c.client_timeout_s = Some(5.0);
+        assert_eq!(
+            sampling_timeout(&c),
+            Duration::from_secs(30),
+            "the floor applies to the client's budget"
+        );
+        c.client_timeout_s = None;
+        assert_eq!(sampling_timeout(&c), Duration::from_secs(90));
+        c.deadline_ms = crate::store::now_ms() + 1_000;
+        assert!(
+            sampling_timeout(&c) <= Duration::from_secs(1),
+            "never beyond the invoke"
+        );
+        c.deadline_ms = 0;
+        assert_eq!(
+            sampling_timeout(&c),
+            Duration::ZERO,
+            "a finished invoke leaves no time"
+        );
+    }
+
+    #[test]
     fn completion_and_usage() {
         let reply = |finish: &str, extra: Value| {
             let mut choice = json!({"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": finish});
