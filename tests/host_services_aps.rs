@@ -1057,7 +1057,7 @@ async fn inline_uploads_enforce_size_count_mime_purpose_and_base64() {
 async fn negotiate_put_confirm_round_trip_and_foreign_or_unknown_keys() {
     let env = env(None).await;
     let inv = env.invoke("alice", "notes").await;
-    let video: Vec<u8> = (0..1_000_000_u32).map(|i| (i % 253) as u8).collect();
+    let video: Vec<u8> = (0..3_000_000_u32).map(|i| (i % 253) as u8).collect();
     let neg = env
         .ok(&inv, "host/uploadFile", json!({"mode": "negotiate", "filename": "clip.mp4", "mime_type": "video/mp4", "purpose": "user_artifact", "expected_bytes": video.len()}))
         .await;
@@ -1171,4 +1171,85 @@ async fn negotiate_put_confirm_round_trip_and_foreign_or_unknown_keys() {
         )
         .await;
     assert_eq!(e.code, -32212);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_writers_fill_the_quota_exactly() {
+    let env = env(Some(1000)).await;
+    let inv = env.invoke("dave", "notes").await;
+    // 20 writers of 100 bytes each race for a 1000-byte quota: exactly 10 win.
+    let results = futures::future::join_all((0..20).map(|i| {
+        let (env, inv) = (&env, &inv);
+        async move {
+            env.call(
+                inv,
+                "storage/set",
+                json!({"scope": "tool", "key": format!("k{i}"), "value": "x".repeat(98)}),
+            )
+            .await
+        }
+    }))
+    .await;
+    let won = results.iter().filter(|r| r.is_ok()).count();
+    assert_eq!(won, 10, "{results:?}");
+    assert!(
+        results
+            .iter()
+            .filter_map(|r| r.as_ref().err())
+            .all(|e| e.code == -32024)
+    );
+    let listed = env.ok(&inv, "storage/list", json!({"scope": "tool"})).await;
+    assert_eq!(listed["items"].as_array().map(Vec::len), Some(10));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_per_invoke_upload_total_is_80_mib() {
+    let env = env(None).await;
+    let inv = env.invoke("erin", "notes").await;
+    let chunk = vec![1_u8; 8 * MIB];
+    for i in 0..10 {
+        env.ok(
+            &inv,
+            "host/uploadFile",
+            inline(&format!("part{i}.bin"), "application/octet-stream", &chunk),
+        )
+        .await;
+    }
+    let e = env
+        .err(
+            &inv,
+            "host/uploadFile",
+            inline("one-more.bin", "application/octet-stream", b"x"),
+        )
+        .await;
+    assert_eq!(code_name(&e), (-32202, "UPLOAD_MAX_BYTES_EXCEEDED".into()));
+    // The negotiate/confirm path is held to the same total.
+    let neg = env
+        .ok(
+            &inv,
+            "host/uploadFile",
+            json!({"mode": "negotiate", "filename": "late.txt", "mime_type": "text/plain", "size_bytes": 1}),
+        )
+        .await;
+    let put = env
+        .http
+        .put(env.url(&neg["put_url"]))
+        .header("content-type", "text/plain")
+        .body("x")
+        .send()
+        .await
+        .expect("PUT");
+    assert_eq!(put.status(), 200);
+    let e = env
+        .err(
+            &inv,
+            "host/uploadFile",
+            json!({"mode": "confirm", "r2_key": neg["r2_key"]}),
+        )
+        .await;
+    assert_eq!(e.code, -32202);
+    assert_eq!(
+        env.services.budget(&inv.invoke_id).expect("budget").upload_used(),
+        (10, 80 * MIB as u64)
+    );
 }

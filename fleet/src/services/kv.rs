@@ -43,6 +43,11 @@ use crate::store::{StoreSettings, now_ms, rfc3339_ms, user_key};
 /// Compare-and-set attempts before a write gives up.
 const MAX_CAS_ATTEMPTS: u32 = 32;
 
+/// Largest `storage/set` `metadata` (canonical JSON; ours: the spec names no number).
+const METADATA_MAX_BYTES: usize = 16 * 1024;
+/// Longest tag (ours: the spec names no number).
+const TAG_MAX_BYTES: usize = 256;
+
 /// Header: the real key or path, base64url.
 pub(crate) const H_KEY: &str = "Aps-Key";
 /// Header: size in bytes.
@@ -942,7 +947,12 @@ impl KvService {
         let if_match = IfMatch::parse(p)?;
         let metadata = match p.get("metadata") {
             None | Some(Value::Null) => None,
-            Some(m @ Value::Object(_)) => Some(m.clone()),
+            Some(m @ Value::Object(_)) if canonical_json(m).len() <= METADATA_MAX_BYTES => Some(m.clone()),
+            Some(Value::Object(_)) => {
+                return Err(codes::INVALID_REQUEST.error(format!(
+                    "'metadata' must be at most {METADATA_MAX_BYTES} bytes of JSON"
+                )));
+            }
             Some(_) => return Err(codes::INVALID_REQUEST.error("'metadata' must be an object")),
         };
         let tags = match p.get("tags") {
@@ -957,9 +967,12 @@ impl KvService {
                 }
                 Some(
                     a.iter()
-                        .map(|t| t.as_str().map(str::to_owned))
+                        .map(|t| t.as_str().filter(|t| t.len() <= TAG_MAX_BYTES).map(str::to_owned))
                         .collect::<Option<Vec<_>>>()
-                        .ok_or_else(|| codes::INVALID_REQUEST.error("'tags' must be strings"))?,
+                        .ok_or_else(|| {
+                            codes::INVALID_REQUEST
+                                .error(format!("'tags' must be strings of at most {TAG_MAX_BYTES} bytes"))
+                        })?,
                 )
             }
             Some(_) => return Err(codes::INVALID_REQUEST.error("'tags' must be an array of strings")),
