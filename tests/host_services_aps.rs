@@ -49,6 +49,13 @@ struct Invoke {
 }
 
 async fn env(quota_bytes: Option<u64>) -> Env {
+    env_with(quota_bytes, false).await
+}
+
+/// `absolute`: configure `public_url`, so links are absolute.
+async fn env_with(quota_bytes: Option<u64>, absolute: bool) -> Env {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
     let root = tempfile::tempdir().expect("tempdir");
     let nats = NatsServer::start(&root.path().join("nats")).expect("nats-server (run scripts/test.sh once)");
     let client = async_nats::connect(nats.url()).await.expect("connect");
@@ -56,6 +63,7 @@ async fn env(quota_bytes: Option<u64>) -> Env {
     let settings = StoreSettings::default();
     let config = ServicesConfig {
         storage: StorageConfig { quota_bytes },
+        public_url: absolute.then(|| format!("{base}/")),
         ..Default::default()
     };
     let services = Box::pin(FleetServices::open(
@@ -70,8 +78,6 @@ async fn env(quota_bytes: Option<u64>) -> Env {
     let objects = HostObjects::open(&js, &settings, LinkSigner::new(SECRET), None)
         .await
         .expect("objects");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let base = format!("http://{}", listener.local_addr().expect("addr"));
     let server = tokio::spawn(fleet::http::files::serve(listener, objects));
     Env {
         services,
@@ -150,6 +156,9 @@ impl Env {
 
     fn url(&self, link: &Value) -> String {
         let link = link.as_str().expect("a link string");
+        if link.starts_with(&self.base) {
+            return link.to_owned();
+        }
         assert!(
             link.starts_with("/v1/files/"),
             "relative link without public_url: {link}"
@@ -1252,4 +1261,26 @@ async fn the_per_invoke_upload_total_is_80_mib() {
         env.services.budget(&inv.invoke_id).expect("budget").upload_used(),
         (10, 80 * MIB as u64)
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_public_url_links_are_absolute() {
+    let env = env_with(None, true).await;
+    let inv = env.invoke("alice", "notes").await;
+    let up = env
+        .ok(&inv, "host/uploadFile", inline("a.txt", "text/plain", b"abs"))
+        .await;
+    let url = up["download_url"].as_str().expect("url");
+    assert!(url.starts_with(&format!("{}/v1/files/u/", env.base)), "{url}");
+    let resp = env.http.get(url).send().await.expect("GET");
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.text().await.expect("body"), "abs");
+    let neg = env
+        .ok(
+            &inv,
+            "host/uploadFile",
+            json!({"mode": "negotiate", "filename": "b.txt", "mime_type": "text/plain", "size_bytes": 1}),
+        )
+        .await;
+    assert!(neg["put_url"].as_str().is_some_and(|u| u.starts_with(&env.base)));
 }
