@@ -883,3 +883,210 @@ async fn both_dialects_side_by_side_through_the_fleet_api() {
     );
     c.shutdown().await;
 }
+
+// -------------------------------------------------------------------------------------------------------------
+// `fleet up`, the real binary
+// -------------------------------------------------------------------------------------------------------------
+
+/// Kills `fleet up` (and what it started) if the test fails before its SIGINT.
+struct UpGuard(Option<std::process::Child>);
+
+impl Drop for UpGuard {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn cli(bin: &Path, data: &Path, args: &[&str]) -> (bool, Value) {
+    let out = std::process::Command::new(bin)
+        .args(args)
+        .arg("--data-dir")
+        .arg(data)
+        .stdin(std::process::Stdio::null())
+        .env_remove("FLEET_NATS_URL")
+        .env_remove("FLEET_DATA_DIR")
+        .env_remove("FLEET_TOKEN")
+        .output()
+        .unwrap();
+    let v = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    (out.status.success(), v)
+}
+
+fn cli_wait(bin: &Path, data: &Path, job: &str, done: impl Fn(&str) -> bool) -> Value {
+    let deadline = Instant::now() + GUARD;
+    loop {
+        let (ok, v) = cli(bin, data, &["job", "get", job, "--user", USER]);
+        if ok && done(v["state"].as_str().unwrap_or("")) {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "job {job}: {v}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn both_dialects_in_one_fleet_up_through_the_cli() {
+    use std::io::BufRead as _;
+    // The binary must be the one of this checkout.
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let built = std::process::Command::new(cargo)
+        .current_dir(workspace_root())
+        .args(["build", "-p", "fleet"])
+        .status()
+        .unwrap();
+    assert!(built.success());
+    let bin = fleet_e2e::fleet_bin();
+    let tmp = tempfile::tempdir().unwrap();
+    let tag = format!("fleet-up-animus-{}", std::process::id());
+    let catalogue = write_catalogue(
+        tmp.path(),
+        &[
+            echo("echo", None),
+            animus("prov", "provider", None, json!({})),
+            animus(
+                "stub",
+                "ignore-cancel",
+                Some("animus"),
+                json!({"command": [
+                "/usr/bin/python3", fixture().display().to_string(), "--mode", "ignore-cancel", "--tag", &tag]}),
+            ),
+        ],
+    );
+    let data = tmp.path().join("data");
+    let http = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    let mut child = std::process::Command::new(&bin)
+        .args(["up", "--workers", "1", "--http", &http])
+        .arg("--data-dir")
+        .arg(&data)
+        .arg("--plugins-dir")
+        .arg(&catalogue)
+        .env_remove("FLEET_NATS_URL")
+        .env_remove("FLEET_PLUGINS_DIR")
+        .env_remove("FLEET_DATA_DIR")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let lines = Arc::new(Mutex::new(Vec::<String>::new()));
+    let l = lines.clone();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            l.lock().unwrap().push(line);
+        }
+    });
+    let mut guard = UpGuard(Some(child));
+    let deadline = Instant::now() + GUARD;
+    while !lines.lock().unwrap().iter().any(|l| l.starts_with("try ")) {
+        assert!(
+            Instant::now() < deadline,
+            "fleet up not ready: {:?}",
+            lines.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(25));
+    }
+
+    // The same invoke-async / job get for both dialects.
+    let (ok, ex) = cli(
+        &bin,
+        &data,
+        &[
+            "invoke-async",
+            "--user",
+            USER,
+            "--tool-id",
+            "echo",
+            "--tool",
+            "echo",
+            "--args",
+            r#"{"a":1}"#,
+        ],
+    );
+    assert!(ok, "{ex}");
+    let (ok, an) = cli(
+        &bin,
+        &data,
+        &[
+            "invoke-async",
+            "--user",
+            USER,
+            "--tool-id",
+            "prov",
+            "--tool",
+            "agent.run",
+            "--args",
+            r#"{"prompt":"hi"}"#,
+        ],
+    );
+    assert!(ok, "{an}");
+    let ex = cli_wait(&bin, &data, ex["jobId"].as_str().unwrap(), |s| s == "succeeded");
+    assert!(ex["result"].is_object());
+    let an = cli_wait(&bin, &data, an["jobId"].as_str().unwrap(), |s| {
+        !matches!(s, "queued" | "running")
+    });
+    assert_eq!(an["state"], "succeeded", "{an}");
+    assert_eq!(an["result"]["output"], "RESULT: hi");
+    assert_eq!(an["progress"].as_array().unwrap().len(), 6);
+
+    // job cancel: cancelled at once for the caller; the plugin that ignores it is killed behind.
+    let (ok, slow) = cli(
+        &bin,
+        &data,
+        &[
+            "invoke-async",
+            "--user",
+            USER,
+            "--tool-id",
+            "stub",
+            "--tool",
+            "agent.run",
+            "--args",
+            r#"{"prompt":"slow"}"#,
+        ],
+    );
+    assert!(ok, "{slow}");
+    let slow_id = slow["jobId"].as_str().unwrap().to_string();
+    cli_wait(&bin, &data, &slow_id, |s| s == "running");
+    let t0 = Instant::now();
+    let (ok, c) = cli(&bin, &data, &["job", "cancel", &slow_id, "--user", USER]);
+    assert!(ok, "{c}");
+    assert_eq!(c["state"], "cancelled");
+    println!(
+        "fleet up: `fleet job cancel` answered cancelled after {:?} (CLI process included)",
+        t0.elapsed()
+    );
+
+    // SIGINT stops everything, Animus processes included (through their ladder).
+    let status = std::process::Command::new("kill")
+        .args(["-INT", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut child = guard.0.take().unwrap();
+    let deadline = Instant::now() + GUARD;
+    let exit = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "fleet up did not stop");
+        std::thread::sleep(Duration::from_millis(25));
+    };
+    assert!(exit.success(), "{exit}");
+    let left: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+        .filter(|c| c.contains(&tag))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}

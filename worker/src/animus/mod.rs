@@ -460,6 +460,49 @@ impl AnimusHost {
         detected: &Detected,
         req: InvokeRequest,
     ) -> Result<InvokeOutput, InvokeError> {
+        use tracing::Instrument as _;
+        // The same span as Executa invokes (`plugin.invoke`), marked with the dialect.
+        let span = tracing::info_span!(
+            "plugin.invoke",
+            otel.kind = "client",
+            otel.status_code = tracing::field::Empty,
+            gen_ai.operation.name = "execute_tool",
+            gen_ai.tool.name = %req.tool,
+            gen_ai.tool.call.id = %req.invoke_id,
+            rpc.system = "jsonrpc",
+            plugin.dialect = "animus",
+            executa.invoke_id = %req.invoke_id,
+            executa.tool_id = %install.tool_id,
+            executa.outcome = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+        );
+        let result = self
+            .invoke_traced(user, install, detected, req)
+            .instrument(span.clone())
+            .await;
+        match &result {
+            Ok(out) => {
+                span.record(
+                    "executa.outcome",
+                    if out.success() { "success" } else { "tool_failed" },
+                );
+            }
+            Err(e) => {
+                span.record("executa.outcome", "error");
+                span.record("otel.status_code", "ERROR");
+                span.record("error.type", e.kind());
+            }
+        }
+        result
+    }
+
+    async fn invoke_traced(
+        &self,
+        user: &str,
+        install: &Arc<Install>,
+        detected: &Detected,
+        req: InvokeRequest,
+    ) -> Result<InvokeOutput, InvokeError> {
         if self.inner.closed.load(Ordering::SeqCst) {
             return Err(InvokeError::Closed);
         }
