@@ -1284,3 +1284,66 @@ async fn with_public_url_links_are_absolute() {
         .await;
     assert!(neg["put_url"].as_str().is_some_and(|u| u.starts_with(&env.base)));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_completes_of_one_upload_store_it_once() {
+    let env = env(Some(10_000)).await;
+    let inv = env.invoke("frank", "notes").await;
+    let begin = env
+        .ok(
+            &inv,
+            "files/upload_begin",
+            json!({"scope": "tool", "path": "r.txt", "content_type": "text/plain", "size_bytes": 5}),
+        )
+        .await;
+    let put = env
+        .http
+        .put(env.url(&begin["put_url"]))
+        .header("content-type", "text/plain")
+        .body("race!")
+        .send()
+        .await
+        .expect("PUT");
+    assert_eq!(put.status(), 200);
+    let complete = || {
+        env.call(
+            &inv,
+            "files/upload_complete",
+            json!({"scope": "tool", "path": "r.txt"}),
+        )
+    };
+    let (a, b) = tokio::join!(complete(), complete());
+    assert!(a.is_ok() || b.is_ok(), "{a:?} {b:?}");
+    let link = env
+        .ok(
+            &inv,
+            "files/download_url",
+            json!({"scope": "tool", "path": "r.txt"}),
+        )
+        .await;
+    let body = env
+        .http
+        .get(env.url(&link["url"]))
+        .send()
+        .await
+        .expect("GET")
+        .text()
+        .await
+        .expect("body");
+    assert_eq!(body, "race!");
+    // Whoever won, the quota holds the file once: 10 000 − 5 bytes remain.
+    env.ok(
+        &inv,
+        "storage/set",
+        json!({"scope": "tool", "key": "rest", "value": "x".repeat(10_000 - 5 - 2)}),
+    )
+    .await;
+    let e = env
+        .err(
+            &inv,
+            "storage/set",
+            json!({"scope": "tool", "key": "one", "value": 1}),
+        )
+        .await;
+    assert_eq!(e.code, -32024);
+}

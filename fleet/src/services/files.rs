@@ -728,13 +728,15 @@ impl FilesService {
             .reserve_growth(&ctx.user, old, size)
             .await
             .map_err(|e| e.to_rpc())?;
+        // A name of its own: a racing complete of the same path that loses the index swap removes only its copy.
+        let committed = Self::object_name(scope, path);
         let copied = async {
             let mut src = staging
                 .get(&pending.object)
                 .await
                 .map_err(|e| codes::UPSTREAM_ERROR.error(format!("object store: {e}")))?;
             let meta = object_store::ObjectMetadata {
-                name: pending.object.clone(),
+                name: committed.clone(),
                 metadata: HashMap::from([(META_CONTENT_TYPE.to_owned(), pending.content_type.clone())]),
                 ..Default::default()
             };
@@ -752,7 +754,7 @@ impl FilesService {
         let now = now_ms();
         let rec = FileRecord {
             path: path.to_owned(),
-            object: pending.object.clone(),
+            object: committed.clone(),
             size,
             content_type: pending.content_type.clone(),
             etag: etag.clone(),
@@ -770,7 +772,7 @@ impl FilesService {
         });
         if let Err(e) = self.index.write(&key, Some(revision), headers, body).await {
             self.quota.undo_growth(&ctx.user, old, size).await;
-            let _ = self.objects.store(Bucket::Files).delete(&pending.object).await;
+            let _ = self.objects.store(Bucket::Files).delete(&committed).await;
             return Err(match e {
                 IndexError::Conflict => codes::UPSTREAM_ERROR
                     .error(format!("another write to {path:?} completed first; begin again")),
