@@ -117,6 +117,11 @@ struct Up {
 impl Up {
     /// `fleet up --data-dir <tmp>/data --plugins-dir <repo>/plugins --http 127.0.0.1:<free>`, no `--nats-url`.
     fn start() -> Up {
+        Up::start_with(|_| Vec::new())
+    }
+
+    /// [`Up::start`] plus the flags `extra` returns for the temporary directory it runs in.
+    fn start_with(extra: impl FnOnce(&std::path::Path) -> Vec<String>) -> Up {
         let tmp = tempfile::tempdir().unwrap();
         let data_dir = tmp.path().join("data");
         let http = free_addr();
@@ -128,6 +133,7 @@ impl Up {
             .arg("--plugins-dir")
             .arg(workspace_root().join("plugins"))
             .args(["--http", &http])
+            .args(extra(tmp.path()))
             .current_dir(tmp.path())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -667,4 +673,126 @@ fn run_bounded(mut cmd: Command) -> Output {
     let out = child.wait_with_output().unwrap();
     assert!(exited, "failure guard: still running after {GUARD:?}: {out:?}");
     out
+}
+
+/// Issue 5 end to end: the Python fixture (`plugins/notes-py`: `echo_plugin.py --services`, written only against
+/// the documented wire shapes) samples through the configured OpenAI-compatible upstream (a fake: no real LLM can
+/// exist here), stores the summary in APS KV, reads it back, uploads it with `host/uploadFile` and returns the
+/// download link, which the fleet's HTTP listener serves — all through `fleet up`, after `fleet grant`. Without
+/// the grant the same invoke fails with sampling's not-granted code.
+#[test]
+fn a_python_plugin_samples_stores_and_uploads_through_fleet_up() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let llm = runtime.block_on(fleet_e2e::fake_llm::FakeLlm::start());
+    llm.set(|b| b.text = Some("Cats sleep a lot.".into()));
+    let base_url = llm.base_url();
+    let mut up = Up::start_with(|dir| {
+        let config = dir.join("services.toml");
+        std::fs::write(
+            &config,
+            format!("[llm]\nbase_url = \"{base_url}\"\ndefault_model = \"fake-small\"\n"),
+        )
+        .unwrap();
+        vec!["--services-config".into(), config.display().to_string()]
+    });
+    up.wait_ready();
+    let args = r#"{"text":"Cats are mammals that sleep up to 16 hours a day.","key":"notes/cats"}"#;
+    let invoke = |up: &Up, user: &str| {
+        up.cli(&[
+            "invoke",
+            "--user",
+            user,
+            "--tool-id",
+            "notes-py",
+            "--tool",
+            "summarize_and_save",
+            "--args",
+            args,
+        ])
+    };
+
+    // No grant yet: sampling's not-granted code reaches the caller in the tool's failure.
+    let denied = invoke(&up, "alice");
+    assert!(
+        denied.stdout.contains("-32001") || denied.stderr.contains("-32001"),
+        "{denied:?}"
+    );
+
+    let grant = up
+        .cli(&[
+            "grant",
+            "--user",
+            "alice",
+            "--tool-id",
+            "notes-py",
+            "--allow",
+            "llm.sample,aps.kv,host.upload",
+        ])
+        .ok();
+    assert_eq!(grant["allow"], json!(["aps.kv", "host.upload", "llm.sample"]));
+
+    let out = invoke(&up, "alice").ok();
+    let data = &out;
+    assert_eq!(data["summary"], "Cats sleep a lot.", "{out}");
+    assert_eq!(data["stored"]["exists"], true, "{out}");
+    assert_eq!(data["stored"]["value"]["summary"], "Cats sleep a lot.");
+    assert_eq!(data["stored"]["etag"], data["etag"]);
+    let upload = &data["upload"];
+    for field in [
+        "download_url",
+        "url",
+        "size_bytes",
+        "bytes",
+        "expires_at",
+        "expires_in",
+        "r2_key",
+    ] {
+        assert!(!upload[field].is_null(), "envelope field {field}: {upload}");
+    }
+    assert_eq!(upload["size_bytes"], 17);
+    // The upstream saw one chat completion with the plugin's prompt, max tokens and the default model.
+    let chat = llm.last_chat();
+    assert_eq!(chat["model"], "fake-small");
+    assert_eq!(chat["max_tokens"], 200);
+    assert!(
+        chat["messages"].to_string().contains("Cats are mammals"),
+        "{chat}"
+    );
+
+    // The link is served by fleet up's HTTP listener.
+    let url = upload["download_url"].as_str().unwrap();
+    let path = url.strip_prefix(&format!("http://{}", up.http)).unwrap_or(url);
+    let (status, body) = http_get(&up.http, path);
+    assert!(status.contains("200"), "{status}: {body}");
+    assert_eq!(body, "Cats sleep a lot.");
+
+    // Another user's plugin storage is separate: bob's grant, bob's KV.
+    up.cli(&[
+        "grant",
+        "--user",
+        "bob",
+        "--tool-id",
+        "notes-py",
+        "--allow",
+        "aps.kv",
+    ])
+    .ok();
+    let bob = up
+        .cli(&[
+            "invoke",
+            "--user",
+            "bob",
+            "--tool-id",
+            "notes-py",
+            "--tool",
+            "reverse",
+            "--args",
+            r#"{"method":"storage/get","params":{"scope":"tool","key":"notes/cats"}}"#,
+        ])
+        .ok();
+    assert_eq!(bob["result"]["exists"], false, "{bob}");
+    assert!(bob["result"]["value"].is_null());
+    let status = up.interrupt();
+    assert!(status.success(), "{status}");
+    drop(llm);
 }

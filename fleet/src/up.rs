@@ -311,7 +311,12 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     )
     .await
     .map_err(|e| other("HTTP gateway")(&e))?;
-    let http_task = tokio::spawn(crate::http::serve(http, http_state));
+    // Download and upload links of the host services are served here too.
+    let http_task = tokio::spawn(crate::http::serve_with_files(
+        http,
+        http_state,
+        services.objects().clone(),
+    ));
     say(&format!(
         "front         fleet.v1.api.tools.* on {url}; HTTP http://{0}/ (operator page), http://{0}/v1/rpc, /healthz",
         args.http

@@ -169,6 +169,11 @@ impl FleetServices {
         })
     }
 
+    /// The object store of files and uploads, for the HTTP listener's `/v1/files` routes.
+    pub fn objects(&self) -> &files::HostObjects {
+        self.inner.files.objects()
+    }
+
     /// The grants store.
     pub fn grants(&self) -> &GrantStore {
         &self.inner.grants
