@@ -792,6 +792,9 @@ fn a_python_plugin_samples_stores_and_uploads_through_fleet_up() {
         .ok();
     assert_eq!(bob["result"]["exists"], false, "{bob}");
     assert!(bob["result"]["value"].is_null());
+    // No token (service or API) ever reaches the logs: every JWT starts with `eyJ` (base64 of `{"`).
+    let logs = up.stderr();
+    assert!(!logs.contains("eyJ"), "a JWT in fleet up's logs");
     let status = up.interrupt();
     assert!(status.success(), "{status}");
     drop(llm);
