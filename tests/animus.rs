@@ -1090,3 +1090,38 @@ fn both_dialects_in_one_fleet_up_through_the_cli() {
         .collect();
     assert!(left.is_empty(), "left behind: {left:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_cancels_runs_and_tolerates_a_plugin_exiting_before_it_answers() {
+    let w = worker(
+        "shutdown",
+        &[
+            animus("prov", "provider", None, json!({})),
+            animus("rude", "rude-exit", None, json!({})),
+        ],
+    );
+    assert!(run(&w, "rude", "hi").await.unwrap().success());
+    let (r, events) = with_progress(req("agent.run", json!({"prompt": "slow"})));
+    let pool = w.pool.clone();
+    let task = tokio::spawn(async move { pool.invoke(USER, "prov", r).await });
+    assert!(eventually(GUARD, || events.lock().unwrap().len() >= 3).await);
+    assert_eq!(w.pool.animus().live(), 2);
+    let t0 = Instant::now();
+    tokio::time::timeout(GUARD, w.pool.shutdown())
+        .await
+        .expect("shutdown returns");
+    let took = t0.elapsed();
+    let result = task.await.unwrap();
+    assert!(
+        matches!(result, Err(PoolError::Invoke(InvokeError::Cancelled))),
+        "{result:?}"
+    );
+    let animus = w.pool.animus().clone();
+    assert!(eventually(GUARD, || animus.live() == 0).await, "no process left");
+    println!("shutdown with a run in flight and a plugin exiting on `shutdown`: {took:?}");
+    let e = run(&w, "prov", "hi").await.unwrap_err();
+    assert!(
+        matches!(e, PoolError::Closed | PoolError::Invoke(InvokeError::Closed)),
+        "{e}"
+    );
+}

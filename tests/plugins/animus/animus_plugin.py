@@ -15,6 +15,7 @@ Modes:
   eager           writes a response and a notification before reading anything (answers before initialize)
   custom          plugin_kind custom with the methods notes/add, notes/count (and notes/secret, not allow-listed)
   subject         plugin_kind subject_backend (a kind the fleet refuses)
+  rude-exit       exits as soon as `shutdown` arrives, without answering it
 
 Prompts of agent/run steer the run: "slow" streams one delta every 50 ms until cancelled (at most 60 s),
 "fail" streams a non-recoverable agent/error and still answers exit_code 0, "exit2" answers exit_code 2,
@@ -197,6 +198,8 @@ def handle(msg):
     elif method == "health/check":
         answer(id_, {"status": "healthy", "uptime_ms": 1})
     elif method == "shutdown":
+        if MODE == "rude-exit":
+            os._exit(0)
         if MODE == "ignore-cancel" and RUNS:
             return
         answer(id_, {})

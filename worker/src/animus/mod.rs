@@ -1109,6 +1109,11 @@ impl AnimusHost {
         for id in ids {
             self.cancel(&id);
         }
+        // The cancelled calls start their ladders as they unwind: wait for them to do so (bounded).
+        let unwind = Instant::now() + limits::ANIMUS_SHUTDOWN_TIMEOUT;
+        while !lock(&self.inner.runs).is_empty() && Instant::now() < unwind {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let idle: Vec<Arc<AnimusProcess>> = lock(&self.inner.idle).drain().flat_map(|(_, v)| v).collect();
         let grace = self.inner.ctx.config.shutdown_grace;
         for p in idle {
