@@ -1099,7 +1099,10 @@ impl KvService {
         self.index
             .heads(&scope.space, |h| {
                 if h.expires_ms.is_some_and(|e| e <= now) {
-                    expired.push(h.name);
+                    // Purged below; at most `limit` per call, so memory stays bounded.
+                    if expired.len() < limit {
+                        expired.push(h.name);
+                    }
                 } else {
                     page.offer(h);
                 }
@@ -1107,7 +1110,7 @@ impl KvService {
             .await
             .map_err(|e| e.to_rpc())?;
         // Expired entries met on the way are purged (and their bytes released) through the usual read.
-        for name in expired.iter().take(limit) {
+        for name in &expired {
             self.current(ctx, &Self::entry_key(scope, name)).await?;
         }
         let (items, next) = page.finish();
