@@ -675,6 +675,12 @@ async fn upgrades_drain_old_sessions_gc_old_versions_and_new_workers_install_laz
         )
         .await;
     assert_eq!(err.code, ApiErrorCode::PermissionDenied);
+    // The worker that ran it drops its local copies once its sessions have stopped.
+    let tool_dir4 = std::path::Path::new(cwd4)
+        .parent()
+        .expect("tool dir")
+        .to_path_buf();
+    until(async || (!tool_dir4.exists()).then_some(())).await;
     let err = e
         .plugins(service::DESCRIBE, json!({ "tool_id": tool }))
         .await

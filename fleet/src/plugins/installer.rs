@@ -110,9 +110,24 @@ impl Installer {
     /// finish their invokes, then stop). A tool id the store does not know leaves the pool too (removed).
     pub async fn ensure(&self, pool: &Pool, tool_id: &str) -> Result<Ensured, PluginError> {
         let Some((record, _)) = self.plugins.get(tool_id).await? else {
-            if pool.remove_install(tool_id).is_some() {
+            if let Some(drained) = pool.remove_install(tool_id) {
                 lock(&self.active).remove(tool_id);
-                tracing::info!(%tool_id, "plugin removed from the fleet: its sessions drain");
+                tracing::info!(%tool_id, "plugin removed from the fleet: its sessions drain, then its files go");
+                // Once its sessions have stopped, the local copies go too.
+                let (opts, t, pool) = (self.opts.clone(), tool_id.to_string(), pool.clone());
+                let guard = self.tool_lock(tool_id);
+                tokio::spawn(async move {
+                    let _ = drained.await;
+                    // Not while an install of the same tool id (published again meanwhile) runs or is active.
+                    let _held = guard.lock().await;
+                    if pool.added_install(&t).is_some() {
+                        return;
+                    }
+                    let removed = tokio::task::spawn_blocking(move || install::remove(&opts, &t, None)).await;
+                    if let Ok(Err(e)) = removed {
+                        tracing::warn!(error = %e, "cannot remove a removed plugin's files");
+                    }
+                });
             }
             return Ok(Ensured::Unknown);
         };
@@ -122,10 +137,7 @@ impl Installer {
         if self.is_active(pool, tool_id, &package) {
             return Ok(Ensured::Active);
         }
-        let guard = {
-            let mut locks = lock(&self.locks);
-            locks.entry(tool_id.to_string()).or_default().clone()
-        };
+        let guard = self.tool_lock(tool_id);
         let _held = guard.lock().await;
         if self.is_active(pool, tool_id, &package) {
             return Ok(Ensured::Active);
@@ -151,6 +163,10 @@ impl Installer {
             version: package.version,
             fetched,
         })
+    }
+
+    fn tool_lock(&self, tool_id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        lock(&self.locks).entry(tool_id.to_string()).or_default().clone()
     }
 
     fn is_active(&self, pool: &Pool, tool_id: &str, package: &PackageVersion) -> bool {
