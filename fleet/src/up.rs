@@ -185,9 +185,11 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         .await
         .map_err(|e| other("JetStream resources")(&e))?;
     // Host services: one instance for every in-process worker and the HTTP listener's download links.
-    let services = args
-        .services
-        .open(&js, &settings, &data_dir, Some(format!("http://{}", args.http)))
+    let services =
+        Box::pin(
+            args.services
+                .open(&js, &settings, &data_dir, Some(format!("http://{}", args.http))),
+        )
         .await
         .map_err(|e| other("host services")(&e))?;
 

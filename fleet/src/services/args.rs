@@ -67,6 +67,6 @@ impl ServicesArgs {
             config.public_url = default_public_url;
         }
         let links = self.link_signer(data_dir)?;
-        FleetServices::open(js, settings, &config, links).await
+        Box::pin(FleetServices::open(js, settings, &config, links)).await
     }
 }

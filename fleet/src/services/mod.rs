@@ -239,7 +239,8 @@ impl FleetServices {
             ),
         ]
         .into_iter()
-        .filter_map(|(c, on)| on.then(|| c.to_owned()))
+        .filter(|&(_, on)| on)
+        .map(|(c, _)| c.to_owned())
         .collect();
         let storage_caps: Vec<String> = [capabilities::APS_KV, capabilities::APS_FILES]
             .into_iter()
@@ -356,13 +357,13 @@ impl FleetServices {
         };
         // The capability within the family's token (one storage token serves aps.kv and aps.files).
         let needed = call.family.manifest_capability();
-        if let Some(cap) = needed {
-            if !claims.caps.iter().any(|c| c == cap) {
-                return Err(call
-                    .family
-                    .not_granted()
-                    .error(format!("the user has not granted {cap} to this plugin")));
-            }
+        if let Some(cap) = needed
+            && !claims.caps.iter().any(|c| c == cap)
+        {
+            return Err(call
+                .family
+                .not_granted()
+                .error(format!("the user has not granted {cap} to this plugin")));
         }
         let budget = self
             .inner
@@ -379,13 +380,13 @@ impl FleetServices {
             claims,
             budget,
         };
-        if matches!(call.family, Family::Storage | Family::Files) {
-            if let Err(e) = ctx.budget.admit_storage() {
-                return Err(storage_codes::RATE_LIMITED.error_with(
-                    e.to_string(),
-                    Map::from_iter([("reason".to_owned(), Value::from("invoke_budget"))]),
-                ));
-            }
+        if matches!(call.family, Family::Storage | Family::Files)
+            && let Err(e) = ctx.budget.admit_storage()
+        {
+            return Err(storage_codes::RATE_LIMITED.error_with(
+                e.to_string(),
+                Map::from_iter([("reason".to_owned(), Value::from("invoke_budget"))]),
+            ));
         }
         match call.family {
             Family::Sampling | Family::Embeddings => match &self.inner.llm {
