@@ -188,3 +188,44 @@ impl PluginError {
 pub fn object_name(sha256: &str) -> String {
     format!("sha256-{sha256}")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_map_to_api_codes() {
+        let refused = PluginError::Install(InstallError::SizeMismatch {
+            expected: 1,
+            actual: 2,
+        });
+        assert_eq!(refused.to_api_error().code, ApiErrorCode::InvalidArg);
+        let download = PluginError::Download {
+            url: "http://x/p.tgz".into(),
+            reason: "interrupted".into(),
+        }
+        .to_api_error();
+        assert_eq!(download.code, ApiErrorCode::InvalidArg);
+        assert_eq!(download.details, Some(json!({ "retriable": true })));
+        let missing = PluginError::NotFound {
+            tool_id: "t".into(),
+            version: Some("1".into()),
+        };
+        assert_eq!(missing.to_string(), "plugin t v1: not found");
+        assert_eq!(missing.to_api_error().code, ApiErrorCode::NotFound);
+        let launch = PluginError::Launch {
+            tool_id: "t".into(),
+            reason: "type go needs `go` on PATH (or set `command`)".into(),
+        };
+        assert_eq!(launch.to_api_error().code, ApiErrorCode::ExecutaUnavailable);
+        assert_eq!(object_name("ab"), "sha256-ab");
+    }
+
+    #[test]
+    fn install_arguments_are_strict() {
+        let ok: publish::InstallArgs =
+            serde_json::from_value(json!({ "source": "https://h/p.zip", "sha256": "00" })).expect("valid");
+        assert_eq!(ok.source.as_deref(), Some("https://h/p.zip"));
+        assert!(serde_json::from_value::<publish::InstallArgs>(json!({ "sorce": "x" })).is_err());
+    }
+}
