@@ -199,6 +199,12 @@ async fn publish_manifests(ctx: &Ctx) {
         .map(|i| i.tool_id.clone())
         .collect();
     for tool_id in ids {
+        // The dialect of every catalogue install is detected now, at load, even when its manifest is already
+        // recorded: a refused or changed plugin is reported at start-up rather than in a user's job.
+        if let Err(e) = ctx.pool.dialect(&tool_id).await {
+            tracing::warn!(%tool_id, error = %e, "plugin refused at detection");
+            continue;
+        }
         if matches!(ctx.store.manifest(&tool_id).await, Ok(Some(_))) {
             continue;
         }
