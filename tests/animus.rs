@@ -1125,3 +1125,40 @@ async fn shutdown_cancels_runs_and_tolerates_a_plugin_exiting_before_it_answers(
         "{e}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgraded_install_is_detected_again_and_gets_fresh_processes() {
+    let w = worker("upgrade", &[]);
+    let versions = tempfile::tempdir().unwrap();
+    let load = |v: &str| {
+        let root = versions.path().join(v);
+        std::fs::create_dir_all(&root).unwrap();
+        let dir = write_catalogue(&root, &[animus("agent", "provider", None, json!({}))]);
+        let (c, problems) = Catalogue::load(&dir, &LoadOptions::from_env()).unwrap();
+        assert!(problems.is_empty());
+        c.get("agent").unwrap().clone()
+    };
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(versions.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let _ = w.pool.set_install(load("v1"));
+    assert!(run(&w, "agent", "hi").await.unwrap().success());
+    let v1 = w.pool.animus().idle_pids(USER, "agent");
+    let probes = WorkerMetrics::get(&w.metrics.animus.probes);
+    let _ = w.pool.set_install(load("v2"));
+    assert!(run(&w, "agent", "hi").await.unwrap().success());
+    assert_eq!(
+        WorkerMetrics::get(&w.metrics.animus.probes),
+        probes + 1,
+        "v2 detected once"
+    );
+    let v2 = w.pool.animus().idle_pids(USER, "agent");
+    assert_eq!(v2.len(), 1);
+    assert!(!v1.contains(&v2[0]), "the v1 process is not reused for v2");
+    assert!(
+        eventually(GUARD, || !fleet_e2e::worker::alive(v1[0])).await,
+        "the v1 process ends"
+    );
+    w.pool.shutdown().await;
+}

@@ -569,9 +569,14 @@ impl AnimusHost {
         loop {
             let p = lock(&self.inner.idle).get_mut(&key).and_then(Vec::pop);
             match p {
-                Some(p) if p.usable() => {
+                Some(p) if p.usable() && p.install_dir == install.dir => {
                     p.busy.store(true, Ordering::SeqCst);
                     return Ok((p, true));
+                }
+                // A process of a replaced install version: it ends, the call gets one of the current version.
+                Some(p) if p.usable() => {
+                    let grace = self.inner.ctx.config.shutdown_grace;
+                    self.background(async move { p.shutdown(grace).await });
                 }
                 Some(_) => {}
                 None => break,

@@ -121,6 +121,8 @@ pub(crate) struct AnimusProcess {
     pub(crate) busy: AtomicBool,
     /// The user's workspace (the run's `cwd` and `project_root`).
     pub(crate) workspace: std::path::PathBuf,
+    /// The install (version) directory it was started from.
+    pub(crate) install_dir: std::path::PathBuf,
     last_used: Mutex<Instant>,
 }
 
@@ -256,6 +258,7 @@ impl AnimusProcess {
             health: Mutex::new(HealthState::Starting),
             busy: AtomicBool::new(false),
             workspace: space.workspace.clone(),
+            install_dir: install.dir.clone(),
             last_used: Mutex::new(Instant::now()),
         });
         tokio::spawn(drain_stderr(process.stderr.clone(), stderr));
