@@ -1142,11 +1142,11 @@ async fn an_upgraded_install_is_detected_again_and_gets_fresh_processes() {
         use std::os::unix::fs::PermissionsExt as _;
         std::fs::set_permissions(versions.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     }
-    let _ = w.pool.set_install(load("v1"));
+    drop(w.pool.set_install(load("v1")));
     assert!(run(&w, "agent", "hi").await.unwrap().success());
     let v1 = w.pool.animus().idle_pids(USER, "agent");
     let probes = WorkerMetrics::get(&w.metrics.animus.probes);
-    let _ = w.pool.set_install(load("v2"));
+    drop(w.pool.set_install(load("v2")));
     assert!(run(&w, "agent", "hi").await.unwrap().success());
     assert_eq!(
         WorkerMetrics::get(&w.metrics.animus.probes),
