@@ -311,6 +311,8 @@ async fn provider_run_streams_progress_and_returns_the_response() {
     r.credentials.insert("FIXTURE_KEY".into(), json!("k"));
     r.credentials.insert("NOT_REQUIRED".into(), json!("no"));
     r.timeout = Some(Duration::from_secs(120));
+    let tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    r.extra_context.insert("traceparent".into(), json!(tp));
     let invoke_id = r.invoke_id.clone();
     let (r, events) = with_progress(r);
     let out = invoke(&w, "prov", r).await.unwrap();
@@ -334,6 +336,9 @@ async fn provider_run_streams_progress_and_returns_the_response() {
     assert_eq!(meta["control_session_id"], invoke_id.as_str());
     assert_eq!(meta["env"], json!(["FIXTURE_KEY"]), "only env_required names");
     assert_eq!(meta["model"], "m-1");
+    // Traces: the session's context in init_extensions, the call's in the run's extras.
+    assert_eq!(meta["init_traceparent"], tp);
+    assert_eq!(meta["traceparent"], tp);
     // agent/* notifications → progress events, in order, typed.
     assert_eq!(
         event_names(&events),

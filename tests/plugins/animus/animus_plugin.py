@@ -97,7 +97,7 @@ class Run:
 RUNS = {}  # request id (json) -> Run
 SESSIONS = {}  # session id -> Run
 NOTES = []
-STATE = {"initialized": False, "seq": 0}
+STATE = {"initialized": False, "seq": 0, "init_traceparent": None}
 
 
 def agent_run(id_, params, resume):
@@ -156,7 +156,9 @@ def run_body(run, params):
             "metadata": [{"cwd": params.get("cwd"), "project_root": params.get("project_root"),
                           "timeout_secs": params.get("timeout_secs"), "env": sorted(params.get("env", {})),
                           "control_session_id": params.get("control_session_id"),
-                          "model": params.get("model"), "resumed": params.get("session_id")}],
+                          "model": params.get("model"), "resumed": params.get("session_id"),
+                          "init_traceparent": STATE["init_traceparent"],
+                          "traceparent": params.get("traceparent")}],
             "tool_calls": [{"tool": "fixture.echo", "arguments": {"p": prompt}, "server": None}],
             "tool_results": [{"tool": "fixture.echo", "output": {"ok": True}, "success": True}],
             "thinking": ["planning"],
@@ -186,6 +188,7 @@ def handle(msg):
                 sys.exit(0)
         return
     if method == "initialize":
+        STATE["init_traceparent"] = (params.get("init_extensions") or {}).get("traceparent")
         answer(id_, {
             "protocol_version": VERSION,
             "plugin_info": {"name": "fixture-" + MODE, "version": "0.1.0", "plugin_kind": KIND},
