@@ -443,14 +443,22 @@ async fn envelope_shape_errors() {
     )
     .await;
     assert_eq!(v["id"], json!("d"));
-    // `args` may be absent; a numeric id is echoed as a number.
-    let r = rpc_ok(
-        &g,
-        &token,
-        &json!({"id": 42, "window_uuid": "w-1", "ns": "tools", "method": "list"}),
-    )
-    .await;
-    assert!(r["tools"].as_array().is_some_and(|t| !t.is_empty()), "{r}");
+    // `args` may be absent; a numeric id is echoed as a number. (The worker records the manifests once it has
+    // described its catalogue at start-up: poll until it has.)
+    let deadline = Instant::now() + GUARD;
+    loop {
+        let r = rpc_ok(
+            &g,
+            &token,
+            &json!({"id": 42, "window_uuid": "w-1", "ns": "tools", "method": "list"}),
+        )
+        .await;
+        if r["tools"].as_array().is_some_and(|t| !t.is_empty()) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no manifest recorded: {r}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // Only POST.
     assert_eq!(http(g.addr, "GET", "/v1/rpc", &[], b"").await.status, 405);
     g.stop().await;
