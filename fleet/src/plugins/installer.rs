@@ -19,6 +19,9 @@ use crate::store::Store;
 /// The internal user under which a newly installed version is described once (its manifest feeds `tools.list`).
 pub const DESCRIBE_USER: &str = "fleet:catalogue";
 
+/// A replaced version and the task that ends when its last session has stopped.
+type Draining = (String, tokio::task::JoinHandle<()>);
+
 /// Lazy installer of one worker.
 pub struct Installer {
     plugins: PluginStore,
@@ -27,6 +30,9 @@ pub struct Installer {
     load: LoadOptions,
     /// tool id → (version, sha256) active in the pool.
     active: Mutex<HashMap<String, (String, String)>>,
+    /// tool id → versions replaced while sessions still ran them, with the task that ends when those stopped:
+    /// the garbage collection keeps them until then.
+    draining: Mutex<HashMap<String, Vec<Draining>>>,
     /// One install at a time per tool id.
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
@@ -95,6 +101,7 @@ impl Installer {
             opts,
             load,
             active: Mutex::new(HashMap::new()),
+            draining: Mutex::new(HashMap::new()),
             locks: Mutex::new(HashMap::new()),
         })
     }
@@ -152,17 +159,33 @@ impl Installer {
                 tool_id: tool_id.to_string(),
                 reason: e.to_string(),
             })?;
-        let _drained = pool.set_install(install);
-        lock(&self.active).insert(
+        let drained = pool.set_install(install);
+        let previous = lock(&self.active).insert(
             tool_id.to_string(),
             (package.version.clone(), package.sha256.clone()),
         );
+        if let Some((old, _)) = previous.filter(|(v, _)| *v != package.version) {
+            lock(&self.draining)
+                .entry(tool_id.to_string())
+                .or_default()
+                .push((old, drained));
+        }
         tracing::info!(%tool_id, version = %package.version, fetched, collected = ?installed.collected, "plugin version active");
         self.describe_later(pool, tool_id);
         Ok(Ensured::Installed {
             version: package.version,
             fetched,
         })
+    }
+
+    /// Versions of `tool_id` whose sessions have not all stopped yet (finished drains are forgotten).
+    fn still_draining(&self, tool_id: &str) -> Vec<String> {
+        let mut draining = lock(&self.draining);
+        let Some(list) = draining.get_mut(tool_id) else {
+            return Vec::new();
+        };
+        list.retain(|(_, task)| !task.is_finished());
+        list.iter().map(|(v, _)| v.clone()).collect()
     }
 
     fn tool_lock(&self, tool_id: &str) -> Arc<tokio::sync::Mutex<()>> {
@@ -182,7 +205,8 @@ impl Installer {
         tool_id: &str,
         package: &PackageVersion,
     ) -> Result<(install::Installed, bool), PluginError> {
-        let opts = self.opts.clone();
+        let mut opts = self.opts.clone();
+        opts.protected = self.still_draining(tool_id);
         let (t, v, sha) = (
             tool_id.to_string(),
             package.version.clone(),
@@ -212,7 +236,8 @@ impl Installer {
             entrypoint: package.entrypoint.clone(),
             source: json!({ "object": package.object, "fleet": package.source }),
         };
-        let opts = self.opts.clone();
+        let mut opts = self.opts.clone();
+        opts.protected = self.still_draining(tool_id);
         let installed = tokio::task::spawn_blocking(move || install::install(&opts, &req))
             .await
             .map_err(|e| PluginError::BadRequest(e.to_string()))??;

@@ -157,7 +157,7 @@ pub(crate) fn commit(
         swap_link(&bin.join(&record.tool_id), &shim)?;
     }
     // 9. Garbage collection.
-    let collected = gc(&tool_dir, &version_name, opts.keep_versions);
+    let collected = gc(&tool_dir, &version_name, opts);
     let dir = fs::canonicalize(&target).map_err(InstallError::io(&target))?;
     Ok(Installed {
         record,
@@ -197,7 +197,7 @@ pub fn activate(opts: &InstallOptions, tool_id: &str, version: &str) -> Result<I
             .join(entry);
         swap_link(&bin.join(tool_id), &shim)?;
     }
-    let collected = gc(&tool_dir, &version_name, opts.keep_versions);
+    let collected = gc(&tool_dir, &version_name, opts);
     let dir = fs::canonicalize(&target).map_err(InstallError::io(&target))?;
     Ok(Installed {
         record,
@@ -225,7 +225,7 @@ fn swap_link(link: &Path, target: &Path) -> Result<(), InstallError> {
 
 /// Removes versions other than `current` beyond the newest `keep`, and leftovers moved aside. Returns the
 /// removed version directory names.
-fn gc(tool_dir: &Path, current: &str, keep: usize) -> Vec<String> {
+fn gc(tool_dir: &Path, current: &str, opts: &InstallOptions) -> Vec<String> {
     let mut versions: Vec<(u64, String)> = Vec::new();
     let Ok(entries) = fs::read_dir(tool_dir) else {
         return Vec::new();
@@ -236,7 +236,11 @@ fn gc(tool_dir: &Path, current: &str, keep: usize) -> Vec<String> {
             let _ = fs::remove_dir_all(e.path());
             continue;
         }
-        if !name.starts_with('v') || name == current || !e.file_type().is_ok_and(|t| t.is_dir()) {
+        if !name.starts_with('v')
+            || name == current
+            || opts.protected.iter().any(|v| name[1..] == **v)
+            || !e.file_type().is_ok_and(|t| t.is_dir())
+        {
             continue;
         }
         let at = read_record(&e.path()).map_or(0, |r| r.installed_at_ms);
@@ -244,7 +248,7 @@ fn gc(tool_dir: &Path, current: &str, keep: usize) -> Vec<String> {
     }
     versions.sort_by(|a, b| b.cmp(a));
     let mut removed = Vec::new();
-    for (_, name) in versions.into_iter().skip(keep) {
+    for (_, name) in versions.into_iter().skip(opts.keep_versions) {
         if fs::remove_dir_all(tool_dir.join(&name)).is_ok() {
             removed.push(name);
         }

@@ -22,7 +22,7 @@
 //! 8. the `current` symbolic link is swapped atomically (a new link renamed over it) and the `<home>/bin/{tool_id}`
 //!    shim points at `../tools/{tool_id}/current/<entry>`;
 //! 9. versions other than `current` beyond [`InstallOptions::keep_versions`] (default [`DEFAULT_KEEP_VERSIONS`])
-//!    are removed, newest kept.
+//!    are removed, newest kept, except [`InstallOptions::protected`] ones (still in use).
 //!
 //! Installs of one tool id are serialised by a file lock (`tools/{tool_id}/.lock`), so several workers sharing a
 //! home (as `fleet up`'s do) never interleave commits. A launched plugin runs from its canonical version directory,
@@ -576,6 +576,8 @@ pub struct InstallOptions {
     pub keep_versions: usize,
     /// The platform key entrypoint maps are resolved for.
     pub platform_key: String,
+    /// Versions the garbage collection must keep whatever their age (e.g. still run by draining sessions).
+    pub protected: Vec<String>,
 }
 
 impl InstallOptions {
@@ -585,6 +587,7 @@ impl InstallOptions {
             home: home.into(),
             keep_versions: DEFAULT_KEEP_VERSIONS,
             platform_key: platform_key(),
+            protected: Vec::new(),
         }
     }
 

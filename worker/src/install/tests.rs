@@ -62,6 +62,7 @@ fn opts(dir: &Path) -> InstallOptions {
         home: dir.join("home"),
         keep_versions: 1,
         platform_key: "linux-x86_64".into(),
+        protected: Vec::new(),
     }
 }
 
@@ -153,6 +154,16 @@ fn a_tar_gz_installs_commits_and_collects_old_versions() {
     install(&o, &req(&pkg, "tool", "2.0.0")).unwrap();
     let v3 = install(&o, &req(&pkg, "tool", "3.0.0")).unwrap();
     assert_eq!(v3.collected, vec!["v1.0.0".to_string()]);
+    // A protected version (still run by draining sessions) survives the collection.
+    let mut keep_v2 = o.clone();
+    keep_v2.keep_versions = 0;
+    keep_v2.protected = vec!["2.0.0".into()];
+    assert!(
+        install(&keep_v2, &req(&pkg, "tool", "3.0.0"))
+            .unwrap()
+            .collected
+            .is_empty()
+    );
     let versions: Vec<String> = installed_versions(&o, "tool")
         .into_iter()
         .map(|r| r.version)
