@@ -392,7 +392,7 @@ async fn mapping_rows_host_owned_fields_success_and_error_table() {
                 "notes",
                 "custom",
                 None,
-                json!({"allow_methods": ["notes/add", "notes/count"]}),
+                json!({"allow_methods": ["notes/add", "notes/count", "notes.search"]}),
             ),
             animus("notes-closed", "custom", None, json!({})),
         ],
@@ -408,14 +408,32 @@ async fn mapping_rows_host_owned_fields_success_and_error_table() {
     // Custom → the allow-listed advertised methods; notes/secret is advertised but not allowed.
     let m = w.pool.describe(USER, "notes", GUARD).await.unwrap();
     let names: Vec<&str> = m.tools.iter().map(|t| t.name.as_str()).collect();
-    assert_eq!(names, ["notes/add", "notes/count"]);
+    assert_eq!(names, ["notes.search", "notes/add", "notes/count"]);
+    assert_eq!(
+        m.tools[0].extra["input_schema"]["properties"]["q"]["type"],
+        "string"
+    );
     let out = invoke(&w, "notes", req("notes/add", json!({"text": "a"})))
         .await
         .unwrap();
     assert_eq!(out.data().unwrap(), json!({"count": 1}));
+    // An MCP tool goes through mcp/tool_call {name, arguments}.
+    let out = invoke(&w, "notes", req("notes.search", json!({"q": "a"})))
+        .await
+        .unwrap();
+    assert_eq!(
+        out.data().unwrap(),
+        json!({"tool": "notes.search", "hits": ["a"]})
+    );
     let out = invoke(&w, "notes", req("notes/count", json!({}))).await.unwrap();
     assert_eq!(out.data().unwrap()["count"], 1, "one process served both calls");
-    for tool in ["notes/secret", "$harness/flag", "health/check", "agent.run"] {
+    for tool in [
+        "notes/secret",
+        "$harness/flag",
+        "health/check",
+        "agent.run",
+        "mcp/tool_call",
+    ] {
         let e = invoke(&w, "notes", req(tool, json!({}))).await.unwrap_err();
         assert!(
             matches!(e, PoolError::Invoke(InvokeError::UnknownTool { .. })),

@@ -14,6 +14,7 @@ Modes:
   wrong-major     protocol_version 2.0.0
   eager           writes a response and a notification before reading anything (answers before initialize)
   custom          plugin_kind custom with the methods notes/add, notes/count (and notes/secret, not allow-listed)
+                  and the MCP tool notes.search (through mcp/tool_call)
   subject         plugin_kind subject_backend (a kind the fleet refuses)
   rude-exit       exits as soon as `shutdown` arrives, without answering it
 
@@ -50,7 +51,7 @@ if KIND == "provider":
     if MODE in ("provider", "agent-cancel", "ignore-cancel", "no-ping", "eager", "wrong-major"):
         METHODS.append("agent/cancel")
 elif KIND == "custom":
-    METHODS = ["notes/add", "notes/count", "notes/secret", "health/check", "$harness/flag"]
+    METHODS = ["notes/add", "notes/count", "notes/secret", "health/check", "$harness/flag", "mcp/tool_call"]
 else:
     METHODS = ["subject/list", "subject/get", "health/check"]
 CANCELLATION = MODE in ("cancel-request", "ignore-cancel")
@@ -193,7 +194,11 @@ def handle(msg):
             "protocol_version": VERSION,
             "plugin_info": {"name": "fixture-" + MODE, "version": "0.1.0", "plugin_kind": KIND},
             "capabilities": {"methods": METHODS, "streaming": True, "progress": False,
-                             "cancellation": CANCELLATION},
+                             "cancellation": CANCELLATION,
+                             "mcp_tools": [{"name": "notes.search", "description": "Search the notes",
+                                            "input_schema": {"type": "object",
+                                                             "properties": {"q": {"type": "string"}}}}]
+                             if KIND == "custom" else []},
         })
     elif method == "$/ping":
         if MODE != "no-ping":
@@ -218,6 +223,9 @@ def handle(msg):
     elif method == "notes/add" and KIND == "custom":
         NOTES.append(params.get("text"))
         answer(id_, {"count": len(NOTES)})
+    elif method == "mcp/tool_call" and KIND == "custom":
+        q = (params.get("arguments") or {}).get("q", "")
+        answer(id_, {"tool": params.get("name"), "hits": [n for n in NOTES if q in (n or "")]})
     elif method in ("notes/count", "notes/secret") and KIND == "custom":
         answer(id_, {"count": len(NOTES), "secret": method == "notes/secret"})
     elif method.startswith("subject/") and KIND == "subject_backend":
