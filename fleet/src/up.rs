@@ -324,6 +324,9 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         args.http
     ));
     say(
+        "plugins       fleet.v1.admin.plugins.* (operator): fleet plugins install SOURCE | list | remove | describe",
+    );
+    say(
         "try           fleet invoke --user alice --tool-id echo-py --tool echo --args '{\"hello\":\"world\"}'",
     );
     say(&format!(
