@@ -437,7 +437,7 @@ impl AnimusHost {
         }
     }
 
-    /// The manifest of `install` for `tools.list`: spawns a process as `user`, maps its tools, keeps it warm.
+    /// The manifest of `install` for `tools.list`: spawns a process as `user`, maps its tools, shuts it down.
     pub async fn describe(&self, user: &str, install: &Arc<Install>) -> Result<Manifest, InvokeError> {
         let detected = self
             .resolve(install)
@@ -445,7 +445,11 @@ impl AnimusHost {
             .map_err(|e| InvokeError::Stopped(e.to_string()))?;
         let (process, _) = self.acquire(user, install, &detected, None).await?;
         let info = process.capabilities().cloned();
-        self.release(&process);
+        // Described under an internal user: the process is not kept warm for it.
+        process.set_sink(None);
+        let grace = self.inner.ctx.config.shutdown_grace;
+        let p = process.clone();
+        self.background(async move { p.shutdown(grace).await });
         let info = info.ok_or(InvokeError::NotReady(Duration::ZERO))?;
         manifest_of(&info, &map_tools(install, &info))
             .ok_or_else(|| InvokeError::Unreadable("the mapped manifest is invalid".into()))
