@@ -1185,3 +1185,48 @@ async fn an_upgraded_install_is_detected_again_and_gets_fresh_processes() {
     );
     w.pool.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_run_in_flight_per_provider_process() {
+    let w = worker("one", &[animus("prov", "agent-cancel", None, json!({}))]);
+    let mut ids = Vec::new();
+    let mut tasks = Vec::new();
+    let mut streams = Vec::new();
+    for _ in 0..2 {
+        let (r, events) = with_progress(req("agent.run", json!({"prompt": "slow"})));
+        ids.push(r.invoke_id.clone());
+        streams.push(events);
+        let pool = w.pool.clone();
+        tasks.push(tokio::spawn(async move { pool.invoke(USER, "prov", r).await }));
+    }
+    assert!(eventually(GUARD, || streams.iter().all(|e| e.lock().unwrap().len() >= 3)).await);
+    // Two runs of one user on one provider: two processes, each run's events only in its own job.
+    assert_eq!(w.pool.animus().live(), 2);
+    let sessions: Vec<std::collections::BTreeSet<String>> = streams
+        .iter()
+        .map(|e| {
+            e.lock()
+                .unwrap()
+                .iter()
+                .filter_map(|u| {
+                    let v: Value = serde_json::from_str(u.data.get()).unwrap();
+                    v["params"]["session_id"].as_str().map(String::from)
+                })
+                .collect()
+        })
+        .collect();
+    assert_eq!(sessions[0].len(), 1);
+    assert_eq!(sessions[1].len(), 1);
+    assert_ne!(sessions[0], sessions[1]);
+    for id in &ids {
+        assert!(w.pool.cancel(id));
+    }
+    for t in tasks {
+        let r = t.await.unwrap();
+        assert!(
+            matches!(r, Err(PoolError::Invoke(InvokeError::Cancelled))),
+            "{r:?}"
+        );
+    }
+    w.pool.shutdown().await;
+}
