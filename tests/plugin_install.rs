@@ -737,9 +737,47 @@ async fn the_cli_installs_a_directory_lists_describes_and_removes() {
         &"a".repeat(64),
     ]);
     assert!(!ok && err.contains("sha256 mismatch"), "{out} {err}");
+    // A raw binary (installed as bin/<tool_id>, mode 0755) and a binary_urls descriptor.
+    let raw = fleet_e2e::echo_plugin_bin();
+    let (ok, out, err) = fleet(&[
+        "plugins",
+        "install",
+        raw.to_str().expect("utf-8"),
+        "--tool-id",
+        "raw-echo",
+    ]);
+    assert!(ok, "{out} {err}");
+    assert_eq!(
+        (
+            out["package"]["format"].as_str(),
+            out["package"]["entrypoint"].as_str()
+        ),
+        (Some("raw"), Some("bin/raw-echo"))
+    );
+    let pkg_bytes = echo_pkg("desc-echo", "4.0.0");
+    let desc_url = e.http.serve("/desc.tar.gz", pkg_bytes.clone());
+    let descriptor = dir.path().join("desc-echo.json");
+    std::fs::write(
+        &descriptor,
+        serde_json::to_vec(
+            &json!({ "binary_urls": { "*": { "url": desc_url, "sha256": sha256(&pkg_bytes) } } }),
+        )
+        .expect("json"),
+    )
+    .expect("descriptor");
+    let (ok, out, err) = fleet(&["plugins", "install", descriptor.to_str().expect("utf-8")]);
+    assert!(ok, "{out} {err}");
+    assert_eq!(
+        (out["tool_id"].as_str(), out["version"].as_str()),
+        (Some("desc-echo"), Some("4.0.0"))
+    );
+    for tool in ["raw-echo", "desc-echo"] {
+        let res = e.inspect("carol", tool).await;
+        assert!(res["pid"].is_u64(), "{tool}: {res}");
+    }
     let (ok, out, _) = fleet(&["plugins", "list"]);
     assert!(ok);
-    assert_eq!(out["plugins"].as_array().map(Vec::len), Some(1), "{out}");
+    assert_eq!(out["plugins"].as_array().map(Vec::len), Some(3), "{out}");
     let res = e.inspect("carol", "cli-echo").await;
     assert!(
         res["cwd"]
@@ -760,8 +798,11 @@ async fn the_cli_installs_a_directory_lists_describes_and_removes() {
         .args(["plugins", "list", "--nats-url", &url, "--token", &user])
         .output()
         .expect("fleet");
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("permission_denied"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("permission_denied"),
+        "{stderr}"
+    );
     e.cluster.shutdown().await;
 }
 
