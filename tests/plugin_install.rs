@@ -566,13 +566,15 @@ async fn upgrades_drain_old_sessions_gc_old_versions_and_new_workers_install_laz
         std::path::Path::new("v1.0.0")
     );
 
-    // A long job on v1: wait until the plugin is running it (its first progress event is stored).
+    // A long job on v1 (20 s of plugin work between its two progress events: far longer than publishing v2 and
+    // one call take, so the upgrade happens while it runs): wait until the plugin is running it (its first
+    // progress event is stored).
     let job = e
         .cluster
         .ok(
             "alice",
             methods::TOOLS_INVOKE_ASYNC,
-            json!({ "tool_id": tool, "method": "progress", "args": { "count": 2, "interval_ms": 8000 } }),
+            json!({ "tool_id": tool, "method": "progress", "args": { "count": 2, "interval_ms": 20000 } }),
         )
         .await;
     let job_id = job["jobId"].as_str().expect("jobId").to_string();
