@@ -611,12 +611,6 @@ async fn each_cancellation_path_and_its_time() {
             path.as_str(),
             record.elapsed
         ));
-        // The ladder ends before the caller's answer can be late: the caller never waits for it.
-        assert!(
-            released <= record.elapsed,
-            "{id}: {released:?} vs {:?}",
-            record.elapsed
-        );
     }
     // A plugin that honoured its cancel stays warm; the one that ignored it is gone (shutdown, exit, kill).
     assert_eq!(w.pool.animus().idle_pids(USER, "by-request").len(), 1);
