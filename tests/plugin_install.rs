@@ -845,6 +845,9 @@ async fn launchers_run_installed_python_node_and_binary_packages_and_name_what_i
     let opts = InstallOptions::new(w.root.path().join("executa"));
     // The system's runtimes only (no pyenv shim under /root: plugins run under per-user uids).
     let runtimes = LoadOptions::with_search_path(["/usr/bin", "/bin"]);
+    let empty = tempfile::tempdir().expect("tempdir");
+    let no_runtimes = LoadOptions::with_search_path([empty.path()]);
+    let has_node = std::path::Path::new("/usr/bin/node").is_file();
     let put = |name: &str, bytes: Vec<u8>| {
         let path = w.root.path().join(name);
         std::fs::write(&path, bytes).expect("package");
@@ -902,7 +905,13 @@ async fn launchers_run_installed_python_node_and_binary_packages_and_name_what_i
             ..InstallRequest::default()
         };
         let installed = install(&opts, &req).expect("install");
-        loaded.push((tool_id, load_dir(&installed.dir, &runtimes)));
+        // go: a search path without `go`, whatever this host has.
+        let search = if tool_id == "go-echo" {
+            &no_runtimes
+        } else {
+            &runtimes
+        };
+        loaded.push((tool_id, load_dir(&installed.dir, search)));
     }
     let mut installs = HashMap::new();
     for (tool_id, result) in loaded {
@@ -916,12 +925,31 @@ async fn launchers_run_installed_python_node_and_binary_packages_and_name_what_i
         "{:?}",
         py_install.argv
     );
-    let node_install = installs.remove("node-echo").expect("node").expect("node loads");
-    assert_eq!(node_install.argv[0], "/usr/bin/node");
+    // node: run when the host has it; otherwise its absence is the named error.
+    let node_install = match installs.remove("node-echo").expect("node") {
+        Ok(i) => {
+            assert_eq!(i.argv[0], "/usr/bin/node");
+            Some(i)
+        }
+        Err(e) => {
+            assert!(!has_node, "{e}");
+            assert!(
+                matches!(
+                    e,
+                    CatalogueError::MissingRuntime {
+                        kind: InstallType::Node,
+                        program: "node"
+                    }
+                ),
+                "{e}"
+            );
+            None
+        }
+    };
     let go_err = installs
         .remove("go-echo")
         .expect("go")
-        .expect_err("no go on this host");
+        .expect_err("no go on the search path");
     assert!(
         matches!(
             go_err,
@@ -938,19 +966,24 @@ async fn launchers_run_installed_python_node_and_binary_packages_and_name_what_i
     );
     let bin_install = installs.remove("bin-echo").expect("bin").expect("binary loads");
 
-    for install in [py_install, node_install, bin_install] {
+    for install in [Some(py_install), node_install, Some(bin_install)]
+        .into_iter()
+        .flatten()
+    {
         drop(w.pool.set_install(install));
     }
     let py = data(&w, "dave", "py-echo", "echo", json!({ "via": "python3" })).await;
     assert_eq!(py, json!({ "arguments": { "via": "python3" } }));
-    let node = data(&w, "dave", "node-echo", "whoami", json!({ "x": 1 })).await;
-    assert_eq!(node["runtime"], "node");
-    assert!(
-        node["cwd"]
-            .as_str()
-            .is_some_and(|c| c.ends_with("/node-echo/v1.0.0")),
-        "{node}"
-    );
+    if has_node {
+        let node = data(&w, "dave", "node-echo", "whoami", json!({ "x": 1 })).await;
+        assert_eq!(node["runtime"], "node");
+        assert!(
+            node["cwd"]
+                .as_str()
+                .is_some_and(|c| c.ends_with("/node-echo/v1.0.0")),
+            "{node}"
+        );
+    }
     let bin = data(&w, "dave", "bin-echo", "inspect", json!({})).await;
     assert!(
         bin["cwd"]
