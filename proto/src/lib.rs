@@ -2,8 +2,9 @@
 //!
 //! This crate owns the bytes on the wire and nothing else: JSON-RPC 2.0 ([`jsonrpc`]), the Executa plugin
 //! protocol — manifest, `initialize`, `invoke`, `health`, progress, reverse-RPC method names and error codes,
-//! file transport ([`executa`]) —, the fleet's own API used over NATS and HTTP ([`api`]), the spec's numeric
-//! limits ([`limits`]) and the LF-delimited frame codec ([`codec`]). It performs no I/O of its own except in the
+//! file transport ([`executa`]) —, the second plugin dialect, Animus ([`animus`]: lifecycle, `agent/*`, `$/ping`,
+//! `health/check`, error codes and their meaning by direction), the fleet's own API used over NATS and HTTP
+//! ([`api`]), the spec's numeric limits ([`limits`]) and the LF-delimited frame codec ([`codec`]). It performs no I/O of its own except in the
 //! optional tokio adapter (`codec::io`, feature `tokio`). Types here are serde types with validation; behaviour
 //! (sessions, jobs, quotas) lives in `fleet-worker` and `fleet`.
 #![forbid(unsafe_code)]

@@ -848,6 +848,7 @@ fn extensions_parse_and_unknown_fields_are_ignored() {
     );
     assert_eq!(install.env, strings(&["OPENAI_BASE_URL", "_X1"]));
     assert_eq!(install.idle_timeout, Some(Duration::from_secs_f64(90.5)));
+    assert_eq!(install.protocol, Some(fleet_worker::catalogue::Dialect::Executa));
     assert!(install.enabled);
 }
 
@@ -1004,4 +1005,28 @@ fn empty_catalogue() {
     assert!(cat.is_empty() && problems.is_empty());
     assert_eq!(cat.len(), 0);
     assert!(cat.get("anything").is_none());
+}
+
+#[test]
+fn animus_fields() {
+    let f = Fixture::new(&[]);
+    f.install(
+        "an",
+        r#"{"tool_id": "an", "type": "binary", "protocol": "animus", "ping_interval_secs": 0.5,
+            "allow_methods": ["notes/add", "notes.search"]}"#,
+    );
+    f.exec("an/bin/an");
+    let install = f.load_one();
+    assert_eq!(install.protocol, Some(fleet_worker::catalogue::Dialect::Animus));
+    assert_eq!(install.ping_interval, Some(Duration::from_millis(500)));
+    assert_eq!(
+        install.allow_methods,
+        Some(vec!["notes/add".to_string(), "notes.search".to_string()])
+    );
+    let f = Fixture::new(&[]);
+    f.install("ex", r#"{"tool_id": "ex", "type": "binary"}"#);
+    f.exec("ex/bin/ex");
+    let install = f.load_one();
+    assert_eq!(install.protocol, None, "absent: probed");
+    assert_eq!(install.allow_methods, None);
 }
