@@ -1224,3 +1224,36 @@ async fn one_run_in_flight_per_provider_process() {
     }
     w.pool.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_check_states_and_an_unhealthy_idle_process_is_recycled() {
+    let cmd = |health: &str| {
+        json!({"ping_interval_secs": 0.1, "command": [
+            "/usr/bin/python3", fixture().display().to_string(), "--mode", "provider", "--health", health]})
+    };
+    let w = worker(
+        "health",
+        &[
+            animus("sick", "provider", None, cmd("unhealthy")),
+            animus("tired", "provider", None, cmd("degraded")),
+        ],
+    );
+    assert!(run(&w, "sick", "hi").await.unwrap().success());
+    assert!(run(&w, "tired", "hi").await.unwrap().success());
+    let health = w.pool.animus().health();
+    assert_eq!(health.get("sick"), Some(&HealthState::Unhealthy));
+    assert_eq!(health.get("tired"), Some(&HealthState::Degraded));
+    let sick = w.pool.animus().idle_pids(USER, "sick");
+    let tired = w.pool.animus().idle_pids(USER, "tired");
+    let metrics = w.metrics.clone();
+    assert!(eventually(GUARD, || WorkerMetrics::get(&metrics.animus.recycles) >= 1).await);
+    assert!(
+        eventually(GUARD, || !fleet_e2e::worker::alive(sick[0])).await,
+        "unhealthy: recycled"
+    );
+    // Degraded keeps serving (the same process), and the unhealthy plugin is started afresh on demand.
+    assert_eq!(w.pool.animus().idle_pids(USER, "tired"), tired);
+    assert!(run(&w, "tired", "again").await.unwrap().success());
+    assert!(run(&w, "sick", "again").await.unwrap().success());
+    w.pool.shutdown().await;
+}

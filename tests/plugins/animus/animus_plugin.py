@@ -21,7 +21,8 @@ Modes:
 Prompts of agent/run steer the run: "slow" streams one delta every 50 ms until cancelled (at most 60 s),
 "fail" streams a non-recoverable agent/error and still answers exit_code 0, "exit2" answers exit_code 2,
 "flood" sends 300 deltas at once, "big" sends a 10 KB delta, "error:<code>[:<category>]" answers a JSON-RPC error.
-`--no-manifest` makes `--manifest` unsupported (the plugin starts its loop instead).
+`--no-manifest` makes `--manifest` unsupported (the plugin starts its loop instead); `--health S` sets the
+`health/check` status (default healthy).
 """
 
 import json
@@ -204,7 +205,7 @@ def handle(msg):
         if MODE != "no-ping":
             answer(id_, {})
     elif method == "health/check":
-        answer(id_, {"status": "healthy", "uptime_ms": 1})
+        answer(id_, {"status": arg("--health", "healthy"), "uptime_ms": 1})
     elif method == "shutdown":
         if MODE == "rude-exit":
             os._exit(0)
