@@ -116,7 +116,16 @@ impl Installer {
     /// store and verified by hash, committed, and handed to the pool (running sessions of the previous version
     /// finish their invokes, then stop). A tool id the store does not know leaves the pool too (removed).
     pub async fn ensure(&self, pool: &Pool, tool_id: &str) -> Result<Ensured, PluginError> {
-        let Some((record, _)) = self.plugins.get(tool_id).await? else {
+        let record = match self.plugins.get(tool_id).await {
+            Ok(r) => r,
+            // The store is unreachable: keep serving the version this worker already runs.
+            Err(e) if pool.added_install(tool_id).is_some() => {
+                tracing::warn!(%tool_id, error = %e, "plugin store unreadable: serving the active version");
+                return Ok(Ensured::Active);
+            }
+            Err(e) => return Err(e),
+        };
+        let Some((record, _)) = record else {
             if let Some(drained) = pool.remove_install(tool_id) {
                 lock(&self.active).remove(tool_id);
                 tracing::info!(%tool_id, "plugin removed from the fleet: its sessions drain, then its files go");
