@@ -630,27 +630,8 @@ impl DevKey {
             Err(AuthError::DevKeyMissing(_)) => {}
             loaded => return loaded,
         }
-        let path = DevKey::path(data_dir);
-        let io_err = |source| AuthError::DevKeyIo {
-            path: path.clone(),
-            source,
-        };
-        DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(data_dir)
-            .map_err(io_err)?;
-        let mut secret = [0u8; 32];
-        rand::rngs::OsRng
-            .try_fill_bytes(&mut secret)
-            .map_err(|e| io_err(io::Error::other(e)))?;
-        let mut text = hex_encode(&secret).into_bytes();
-        text.push(b'\n');
-        let created = create_no_replace(data_dir, &path, &text).map_err(io_err);
-        wipe(&mut secret);
-        wipe(&mut text);
-        if created? {
-            tracing::info!(path = %path.display(), "created the dev signing key");
+        if create_secret_file(data_dir, &DevKey::path(data_dir))? {
+            tracing::info!(path = %DevKey::path(data_dir).display(), "created the dev signing key");
         }
         DevKey::load(data_dir)
     }
@@ -686,30 +667,36 @@ impl DevKey {
     }
 }
 
+/// Creates `path` in `data_dir` (and `data_dir`, mode 0700) with 32 random bytes as 64 hex digits and a newline,
+/// mode 0600, atomically and never replacing an existing file; `true` if this call created it.
+fn create_secret_file(data_dir: &Path, path: &Path) -> Result<bool, AuthError> {
+    let io_err = |source| AuthError::DevKeyIo {
+        path: path.to_path_buf(),
+        source,
+    };
+    DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(data_dir)
+        .map_err(io_err)?;
+    let mut secret = [0u8; 32];
+    rand::rngs::OsRng
+        .try_fill_bytes(&mut secret)
+        .map_err(|e| io_err(io::Error::other(e)))?;
+    let mut text = hex_encode(&secret).into_bytes();
+    text.push(b'\n');
+    let created = create_no_replace(data_dir, path, &text).map_err(io_err);
+    wipe(&mut secret);
+    wipe(&mut text);
+    created
+}
+
 /// A 32-byte secret kept in `<data_dir>/<name>` as 64 hex digits (mode 0600), created atomically on first use
 /// exactly like the dev key (e.g. `link-signing-key`, the HMAC secret of download links).
 pub fn load_or_create_secret(data_dir: &Path, name: &str) -> Result<Vec<u8>, AuthError> {
     let path = data_dir.join(name);
-    let io_err = |source| AuthError::DevKeyIo {
-        path: path.clone(),
-        source,
-    };
     if !path.exists() {
-        DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(data_dir)
-            .map_err(io_err)?;
-        let mut secret = [0u8; 32];
-        rand::rngs::OsRng
-            .try_fill_bytes(&mut secret)
-            .map_err(|e| io_err(io::Error::other(e)))?;
-        let mut text = hex_encode(&secret).into_bytes();
-        text.push(b'\n');
-        let created = create_no_replace(data_dir, &path, &text).map_err(io_err);
-        wipe(&mut secret);
-        wipe(&mut text);
-        created?;
+        create_secret_file(data_dir, &path)?;
     }
     load_secret_file(&path)
 }

@@ -39,16 +39,94 @@ pub struct ClientArgs {
     pub user: Option<String>,
 }
 
+/// The NATS URL a client uses: `--nats-url`, else the one `fleet up` recorded in the data dir, else the default.
+pub fn resolve_url(nats_url: Option<&str>, data_dir: &Path) -> String {
+    nats_url.map(str::to_owned).unwrap_or_else(|| {
+        std::fs::read_to_string(nats_url_file(data_dir))
+            .map(|s| s.trim().to_string())
+            .ok()
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| DEFAULT_NATS_URL.to_string())
+    })
+}
+
+/// Connects a client to `url` (5 s connection timeout).
+pub async fn connect(url: &str) -> Result<async_nats::Client, ApiError> {
+    async_nats::ConnectOptions::new()
+        .connection_timeout(Duration::from_secs(5))
+        .connect(url)
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                ApiErrorCode::AgentUnavailable,
+                format!("cannot connect to {url}: {e}"),
+            )
+        })
+}
+
+/// Sends one request with `Authorization: Bearer <token>` to `subject` and unwraps the `ApiResponse`.
+pub async fn request(
+    client: &async_nats::Client,
+    token: &str,
+    subject: String,
+    body: &Value,
+    wait: Duration,
+) -> Result<Value, ApiError> {
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(subjects::AUTH_HEADER, format!("Bearer {token}").as_str());
+    let payload = serde_json::to_vec(body).unwrap_or_default();
+    let request = async_nats::Request::new()
+        .headers(headers)
+        .payload(payload.into())
+        .timeout(Some(wait));
+    let reply = client
+        .send_request(subject.clone(), request)
+        .await
+        .map_err(|e| ApiError::new(ApiErrorCode::AgentUnavailable, format!("{subject}: {e}")))?;
+    let response: ApiResponse<Value> = serde_json::from_slice(&reply.payload)
+        .map_err(|e| ApiError::new(ApiErrorCode::InternalError, format!("unreadable answer: {e}")))?;
+    response.into_result()
+}
+
+/// Connection flags of the operator subcommands (`fleet grant`, `fleet plugins …`): the client subcommands'
+/// `--nats-url`, `--data-dir`, `--token`; without a token, an operator token is minted with the data dir's dev key.
+#[derive(Debug, Clone, clap::Args)]
+pub struct OperatorConn {
+    /// NATS URL of the fleet (default: the one `fleet up` recorded in --data-dir, else nats://127.0.0.1:4222).
+    #[arg(long, env = "FLEET_NATS_URL")]
+    pub nats_url: Option<String>,
+    /// The data directory of `fleet up` (its dev key mints an operator token when --token is absent).
+    #[arg(long, env = "FLEET_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
+    pub data_dir: PathBuf,
+    /// An operator JWT to present.
+    #[arg(long, env = "FLEET_TOKEN")]
+    pub token: Option<String>,
+}
+
+impl OperatorConn {
+    /// The URL to connect to.
+    pub fn url(&self) -> String {
+        resolve_url(self.nats_url.as_deref(), &self.data_dir)
+    }
+
+    /// `--token`, or an operator dev token (5 minutes).
+    pub fn token(&self) -> Result<String, ApiError> {
+        match &self.token {
+            Some(t) => Ok(t.clone()),
+            None => mint(&self.data_dir, "operator", Duration::from_secs(300), true),
+        }
+    }
+
+    /// A connection to the fleet.
+    pub async fn connect(&self) -> Result<async_nats::Client, ApiError> {
+        connect(&self.url()).await
+    }
+}
+
 impl ClientArgs {
     /// The URL to connect to.
     pub fn url(&self) -> String {
-        self.nats_url.clone().unwrap_or_else(|| {
-            std::fs::read_to_string(nats_url_file(&self.data_dir))
-                .map(|s| s.trim().to_string())
-                .ok()
-                .filter(|s| !s.is_empty())
-                .unwrap_or_else(|| DEFAULT_NATS_URL.to_string())
-        })
+        resolve_url(self.nats_url.as_deref(), &self.data_dir)
     }
 
     /// The token to present.
@@ -76,31 +154,8 @@ pub fn mint(data_dir: &Path, user: &str, ttl: Duration, operator: bool) -> Resul
 /// Sends one API call and returns its result.
 pub async fn call(args: &ClientArgs, method: &str, body: &Value, wait: Duration) -> Result<Value, ApiError> {
     let token = args.token()?;
-    let url = args.url();
-    let client = async_nats::ConnectOptions::new()
-        .connection_timeout(Duration::from_secs(5))
-        .connect(&url)
-        .await
-        .map_err(|e| {
-            ApiError::new(
-                ApiErrorCode::AgentUnavailable,
-                format!("cannot connect to {url}: {e}"),
-            )
-        })?;
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert(subjects::AUTH_HEADER, format!("Bearer {token}").as_str());
-    let payload = serde_json::to_vec(body).unwrap_or_default();
-    let request = async_nats::Request::new()
-        .headers(headers)
-        .payload(payload.into())
-        .timeout(Some(wait));
-    let reply = client
-        .send_request(subjects::api(method), request)
-        .await
-        .map_err(|e| ApiError::new(ApiErrorCode::AgentUnavailable, format!("{method} on {url}: {e}")))?;
-    let response: ApiResponse<Value> = serde_json::from_slice(&reply.payload)
-        .map_err(|e| ApiError::new(ApiErrorCode::InternalError, format!("unreadable answer: {e}")))?;
-    response.into_result()
+    let client = connect(&args.url()).await?;
+    request(&client, &token, subjects::api(method), body, wait).await
 }
 
 /// `fleet invoke` / `invoke-async` arguments into the API's.

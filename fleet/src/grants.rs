@@ -9,7 +9,6 @@
 //! per-grant overrides (`sampling`, `storage`, `upload`), accepting both field spellings of spec §16 A-29.
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
@@ -21,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use crate::auth::Verifier;
-use crate::client_cmd::{DEFAULT_DATA_DIR, mint, nats_url_file};
+use crate::client_cmd::OperatorConn;
 use crate::store::{StoreSettings, now_ms, user_key};
 
 /// Subject prefix of the operator API.
@@ -363,30 +362,15 @@ pub struct GrantArgs {
     /// Capabilities to revoke, comma-separated (`*`: all).
     #[arg(long, value_delimiter = ',')]
     pub revoke: Vec<String>,
-    /// NATS URL of the fleet (default: the one `fleet up` recorded in --data-dir, else nats://127.0.0.1:4222).
-    #[arg(long, env = "FLEET_NATS_URL")]
-    pub nats_url: Option<String>,
-    /// The data directory of `fleet up` (its dev key mints an operator token when --token is absent).
-    #[arg(long, env = "FLEET_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
-    pub data_dir: PathBuf,
-    /// An operator JWT to present.
-    #[arg(long, env = "FLEET_TOKEN")]
-    pub token: Option<String>,
+    /// `--nats-url`, `--data-dir`, `--token`.
+    #[command(flatten)]
+    pub conn: OperatorConn,
 }
 
 /// Runs `fleet grant`: prints the grant as it is now.
 pub async fn run_grant(args: &GrantArgs) -> Result<Value, ApiError> {
-    let token = match &args.token {
-        Some(t) => t.clone(),
-        None => mint(&args.data_dir, "operator", Duration::from_secs(300), true)?,
-    };
-    let url = args.nats_url.clone().unwrap_or_else(|| {
-        std::fs::read_to_string(nats_url_file(&args.data_dir))
-            .map(|s| s.trim().to_owned())
-            .ok()
-            .filter(|s| !s.is_empty())
-            .unwrap_or_else(|| crate::client_cmd::DEFAULT_NATS_URL.to_owned())
-    });
+    let token = args.conn.token()?;
+    let client = args.conn.connect().await?;
     let method = if args.allow.is_empty() && args.revoke.is_empty() {
         GRANTS_GET
     } else {
@@ -394,27 +378,12 @@ pub async fn run_grant(args: &GrantArgs) -> Result<Value, ApiError> {
     };
     let body =
         json!({ "user": args.user, "tool_id": args.tool_id, "allow": args.allow, "revoke": args.revoke });
-    let client = async_nats::ConnectOptions::new()
-        .connection_timeout(Duration::from_secs(5))
-        .connect(&url)
-        .await
-        .map_err(|e| {
-            ApiError::new(
-                ApiErrorCode::AgentUnavailable,
-                format!("cannot connect to {url}: {e}"),
-            )
-        })?;
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert(subjects::AUTH_HEADER, format!("Bearer {token}").as_str());
-    let request = async_nats::Request::new()
-        .headers(headers)
-        .payload(serde_json::to_vec(&body).unwrap_or_default().into())
-        .timeout(Some(Duration::from_secs(10)));
-    let reply = client
-        .send_request(format!("{ADMIN_PREFIX}.{method}"), request)
-        .await
-        .map_err(|e| ApiError::new(ApiErrorCode::AgentUnavailable, format!("{method} on {url}: {e}")))?;
-    let response: ApiResponse<Value> = serde_json::from_slice(&reply.payload)
-        .map_err(|e| ApiError::new(ApiErrorCode::InternalError, format!("unreadable answer: {e}")))?;
-    response.into_result()
+    crate::client_cmd::request(
+        &client,
+        &token,
+        format!("{ADMIN_PREFIX}.{method}"),
+        &body,
+        Duration::from_secs(10),
+    )
+    .await
 }

@@ -8,36 +8,24 @@
 //! tar.gz). Local files are uploaded to the packages object store under their SHA-256 first, then installed by
 //! reference.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
-use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, subjects};
+use fleet_proto::api::{ApiError, ApiErrorCode};
 use serde_json::{Value, json};
 use sha2::{Digest as _, Sha256};
 
 use super::object_name;
 use super::service::{DESCRIBE, INSTALL, LIST, REMOVE, subject};
 use super::store::PluginStore;
-use crate::client_cmd::{DEFAULT_DATA_DIR, DEFAULT_NATS_URL, mint, nats_url_file};
+use crate::client_cmd::OperatorConn;
 use crate::store::StoreSettings;
 
 /// How long the CLI waits for an install (downloads and validation happen on the front).
 pub const INSTALL_WAIT: Duration = Duration::from_secs(600);
 
-/// Connection flags shared by every `fleet plugins` command (the client subcommands' `--nats-url`, `--data-dir`,
-/// `--token`; without a token, an operator token is minted with the data dir's dev key).
-#[derive(Debug, Clone, clap::Args)]
-pub struct Conn {
-    /// NATS URL of the fleet (default: the one `fleet up` recorded in --data-dir, else nats://127.0.0.1:4222).
-    #[arg(long, env = "FLEET_NATS_URL")]
-    pub nats_url: Option<String>,
-    /// The data directory of `fleet up` (its dev key mints an operator token when --token is absent).
-    #[arg(long, env = "FLEET_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
-    pub data_dir: PathBuf,
-    /// An operator JWT to present.
-    #[arg(long, env = "FLEET_TOKEN")]
-    pub token: Option<String>,
-}
+/// Connection flags shared by every `fleet plugins` command (see [`OperatorConn`]).
+pub type Conn = OperatorConn;
 
 /// `fleet plugins …`.
 #[derive(Debug, Clone, clap::Subcommand)]
@@ -80,40 +68,8 @@ pub enum PluginsCmd {
     },
 }
 
-fn unavailable(e: &dyn std::fmt::Display) -> ApiError {
-    ApiError::new(ApiErrorCode::AgentUnavailable, e.to_string())
-}
-
 fn invalid(msg: impl Into<String>) -> ApiError {
     ApiError::new(ApiErrorCode::InvalidArg, msg)
-}
-
-impl Conn {
-    fn url(&self) -> String {
-        self.nats_url.clone().unwrap_or_else(|| {
-            std::fs::read_to_string(nats_url_file(&self.data_dir))
-                .map(|s| s.trim().to_owned())
-                .ok()
-                .filter(|s| !s.is_empty())
-                .unwrap_or_else(|| DEFAULT_NATS_URL.to_owned())
-        })
-    }
-
-    fn token(&self) -> Result<String, ApiError> {
-        match &self.token {
-            Some(t) => Ok(t.clone()),
-            None => mint(&self.data_dir, "operator", Duration::from_secs(300), true),
-        }
-    }
-
-    async fn connect(&self) -> Result<async_nats::Client, ApiError> {
-        let url = self.url();
-        async_nats::ConnectOptions::new()
-            .connection_timeout(Duration::from_secs(5))
-            .connect(&url)
-            .await
-            .map_err(|e| unavailable(&format!("cannot connect to {url}: {e}")))
-    }
 }
 
 /// Sends one operator call.
@@ -124,19 +80,7 @@ pub async fn request(
     body: &Value,
     wait: Duration,
 ) -> Result<Value, ApiError> {
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert(subjects::AUTH_HEADER, format!("Bearer {token}").as_str());
-    let request = async_nats::Request::new()
-        .headers(headers)
-        .payload(serde_json::to_vec(body).unwrap_or_default().into())
-        .timeout(Some(wait));
-    let reply = client
-        .send_request(subject(method), request)
-        .await
-        .map_err(|e| unavailable(&format!("plugins.{method}: {e}")))?;
-    let response: ApiResponse<Value> = serde_json::from_slice(&reply.payload)
-        .map_err(|e| ApiError::new(ApiErrorCode::InternalError, format!("unreadable answer: {e}")))?;
-    response.into_result()
+    crate::client_cmd::request(client, token, subject(method), body, wait).await
 }
 
 /// Runs a `fleet plugins` command and returns what to print.
