@@ -264,6 +264,52 @@ async fn an_invoke_budget_lives_exactly_as_long_as_the_invoke() {
     drop(env.nats);
 }
 
+#[tokio::test]
+async fn a_long_invoke_gets_a_renewal_time_and_a_renewal_keeps_its_budget() {
+    let env = env().await;
+    env.services
+        .grants()
+        .edit(USER, TOOL, &["aps.kv".into()], &[])
+        .await
+        .unwrap();
+    // A 1-minute invoke: the 600 s tokens outlive it.
+    let short = env
+        .services
+        .tokens(request("inv-short", &["storage"], &["aps.kv"]))
+        .await;
+    assert_eq!(short.renew_at_ms, None);
+    // A 2-hour job: tokens capped at 1 h, renewed 5 minutes before they expire.
+    let mut long = request("inv-long", &["storage"], &["aps.kv"]);
+    long.deadline_ms = now_ms() + 2 * 3_600_000;
+    let minted_at = now_ms();
+    let t = env.services.tokens(long.clone()).await;
+    let at = t.renew_at_ms.expect("a renewal time");
+    assert!(
+        (minted_at + 3_300_000..=now_ms() + 3_300_000).contains(&at),
+        "{at}"
+    );
+    let budget = env.services.budget("inv-long").unwrap();
+    for _ in 0..3 {
+        budget.admit_storage().unwrap();
+    }
+    // The renewal: new tokens, the same budget (its 3 calls still counted).
+    let renewed = env.services.tokens(long).await;
+    assert!(renewed.storage.is_some());
+    assert_eq!(env.services.budget("inv-long").unwrap().storage_used(), 3);
+    let r = env
+        .services
+        .serve(call(
+            "inv-long",
+            "storage/get",
+            json!({"scope": "tool", "key": "k"}),
+            renewed,
+        ))
+        .await;
+    assert_eq!(r.unwrap()["exists"], false);
+    assert_eq!(env.services.budget("inv-long").unwrap().storage_used(), 4);
+    drop(env.nats);
+}
+
 // Multi-threaded: the CLI runs as a blocking child process while the admin service answers on the runtime.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fleet_grant_is_an_operator_action_over_nats() {

@@ -477,6 +477,7 @@ impl TokenSource for AllTokens {
             upload: t("upload"),
             image: t("image"),
             credentials: None,
+            renew_at_ms: None,
         };
         Box::pin(async move { tokens })
     }
@@ -601,6 +602,71 @@ async fn reverse_rpc_gates_and_unknown_methods() {
     let resp = reverse(&w, "kv", rpc(json!({"method": "video/generate", "params": {}}))).await;
     assert_eq!(resp["error"]["code"], -32601);
     assert!(recorder.calls.lock().unwrap().is_empty());
+    w.pool.shutdown().await;
+}
+
+/// Answers every call with the storage token it was given (test tokens only).
+#[derive(Debug, Default)]
+struct TokenEcho;
+
+impl HostServices for TokenEcho {
+    fn call(&self, call: ReverseCall) -> ServiceFuture {
+        let token = call.tokens.storage.clone();
+        Box::pin(async move { Ok(json!({ "storage_token": token })) })
+    }
+}
+
+/// Mints `tok-<n>`; the first mint is due for renewal at once, later ones never.
+#[derive(Debug, Default)]
+struct RenewOnce {
+    mints: std::sync::atomic::AtomicU64,
+}
+
+impl TokenSource for RenewOnce {
+    fn tokens(&self, _: TokenRequest) -> TokenFuture {
+        let n = self.mints.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        let tokens = InvokeTokens {
+            storage: Some(format!("tok-{n}")),
+            renew_at_ms: (n == 1).then_some(0),
+            ..InvokeTokens::default()
+        };
+        Box::pin(async move { tokens })
+    }
+}
+
+/// Spec §11 HR-JW-02: the tokens of an invoke that outlives them are minted again when due, and reverse calls
+/// from then on carry the new ones (the plugin's context copy is never presented: the host holds the tokens).
+#[tokio::test]
+async fn tokens_due_for_renewal_are_minted_again_for_the_running_invoke() {
+    let source = Arc::new(RenewOnce::default());
+    let w = TestWorker::with_services(
+        test_config("renew"),
+        &[Plugin::echo(
+            "kv",
+            &["--capabilities", "storage", "--host-capabilities", "aps.kv"],
+        )],
+        Arc::new(TokenEcho),
+        source.clone(),
+    );
+    let first = reverse(
+        &w,
+        "kv",
+        rpc(json!({"method": "storage/get", "params": {"key": "a"}})),
+    )
+    .await;
+    assert_eq!(
+        first["result"]["storage_token"], "tok-2",
+        "renewed before the call: {first}"
+    );
+    let second = reverse(
+        &w,
+        "kv",
+        rpc(json!({"method": "storage/get", "params": {"key": "b"}})),
+    )
+    .await;
+    // A new invoke mints its own (tok-3, not due); nothing else was minted.
+    assert_eq!(second["result"]["storage_token"], "tok-3", "{second}");
+    assert_eq!(source.mints.load(std::sync::atomic::Ordering::SeqCst), 3);
     w.pool.shutdown().await;
 }
 

@@ -28,6 +28,10 @@ pub struct InvokeTokens {
     pub image: Option<String>,
     /// aud `executa-credentials`.
     pub credentials: Option<String>,
+    /// When the invoke is still running at this time (Unix ms), the worker asks the token source again and
+    /// replaces these tokens (spec §11 HR-JW-02: tokens of long jobs are renewed automatically). `None`: they
+    /// outlive the invoke's deadline.
+    pub renew_at_ms: Option<u64>,
 }
 
 impl fmt::Debug for InvokeTokens {
@@ -39,6 +43,7 @@ impl fmt::Debug for InvokeTokens {
             .field("upload", &has(&self.upload))
             .field("image", &has(&self.image))
             .field("credentials", &has(&self.credentials))
+            .field("renew_at_ms", &self.renew_at_ms)
             .finish()
     }
 }

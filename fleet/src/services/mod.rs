@@ -304,9 +304,12 @@ impl FleetServices {
         }
         if tokens.sampling.is_some() || tokens.storage.is_some() || tokens.upload.is_some() {
             self.sweep_budgets();
+            // A renewal (the same invoke, minted again) keeps the budget it has.
             self.inner
                 .budgets
-                .insert(req.invoke_id.clone(), Arc::new(InvokeBudget::new(limits)));
+                .entry(req.invoke_id.clone())
+                .or_insert_with(|| Arc::new(InvokeBudget::new(limits)));
+            tokens.renew_at_ms = tokens::renew_at_ms(now_ms(), ttl, req.deadline_ms);
         }
         tokens
     }

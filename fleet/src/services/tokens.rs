@@ -32,6 +32,24 @@ pub const AUD_STORAGE: &str = "aps-storage";
 /// `aud` of the upload token.
 pub const AUD_UPLOAD: &str = "executa-upload";
 
+/// How long before its tokens expire a still-running invoke gets new ones (spec §11 HR-JW-02).
+pub const RENEW_BEFORE_EXPIRY: Duration = Duration::from_secs(300);
+
+/// When tokens minted at `now_ms` with `ttl` must be renewed for an invoke ending at `deadline_ms`: `None` when
+/// they outlive the deadline, else [`RENEW_BEFORE_EXPIRY`] before they expire (at least half-way through their
+/// life).
+pub fn renew_at_ms(now_ms: u64, ttl: Duration, deadline_ms: u64) -> Option<u64> {
+    let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
+    let expires = now_ms.saturating_add(ttl_ms);
+    if deadline_ms < expires {
+        return None;
+    }
+    let margin = u64::try_from(RENEW_BEFORE_EXPIRY.as_millis())
+        .unwrap_or(u64::MAX)
+        .min(ttl_ms / 2);
+    Some(expires - margin)
+}
+
 /// The claims of a service token.
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServiceClaims {
@@ -297,6 +315,24 @@ mod tests {
             Err(TokenError::WrongBinding("user"))
         );
         assert_eq!(m.verify(Some("x.y"), AUD_STORAGE, B), Err(TokenError::Malformed));
+    }
+
+    #[test]
+    fn tokens_of_invokes_that_outlive_them_are_renewed_five_minutes_before_expiry() {
+        let now = 1_000_000_000;
+        let hour = Duration::from_secs(3600);
+        // Ends before the tokens expire: never renewed.
+        assert_eq!(renew_at_ms(now, hour, now + 3_599_999), None);
+        // A 24 h job: renewed at 55 min, and again 55 min after each renewal.
+        assert_eq!(
+            renew_at_ms(now, hour, now + 24 * 3_600_000),
+            Some(now + 3_300_000)
+        );
+        // A short TTL renews half-way rather than before it was minted.
+        assert_eq!(
+            renew_at_ms(now, Duration::from_secs(60), now + 3_600_000),
+            Some(now + 30_000)
+        );
     }
 
     #[test]

@@ -480,7 +480,7 @@ impl std::fmt::Debug for Session {
     }
 }
 
-fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
@@ -772,17 +772,15 @@ impl Session {
         let deadline_ms = req.deadline_ms.unwrap_or_else(|| {
             now_ms().saturating_add(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX))
         });
-        let minted = shared
-            .tokens
-            .tokens(TokenRequest {
-                user: shared.user.clone(),
-                tool_id: shared.tool_id.clone(),
-                invoke_id: req.invoke_id.clone(),
-                negotiated: hs.negotiated.clone(),
-                declared: hs.manifest.host_capabilities.clone(),
-                deadline_ms,
-            })
-            .await;
+        let token_request = TokenRequest {
+            user: shared.user.clone(),
+            tool_id: shared.tool_id.clone(),
+            invoke_id: req.invoke_id.clone(),
+            negotiated: hs.negotiated.clone(),
+            declared: hs.manifest.host_capabilities.clone(),
+            deadline_ms,
+        };
+        let minted = shared.tokens.tokens(token_request.clone()).await;
         let tokens = withhold(minted, hs);
         let mut arguments = req.arguments;
         tool.apply_defaults(&mut arguments);
@@ -814,7 +812,8 @@ impl Session {
             invoke_id: req.invoke_id.clone(),
             sink: req.progress,
             gate: ProgressGate::new(),
-            tokens,
+            tokens: std::sync::Mutex::new(tokens),
+            token_request,
             deadline_ms,
             done,
             cancel: Notify::new(),
@@ -1061,7 +1060,7 @@ fn declared_credentials(manifest: &Manifest, configured: &Map<String, Value>) ->
 }
 
 /// Withholds every token whose capability the plugin did not negotiate (v1: all of them).
-fn withhold(tokens: InvokeTokens, hs: &Handshake) -> InvokeTokens {
+pub(crate) fn withhold(tokens: InvokeTokens, hs: &Handshake) -> InvokeTokens {
     if hs.protocol == ProtocolVersion::V1 {
         return InvokeTokens::default();
     }
@@ -1074,6 +1073,7 @@ fn withhold(tokens: InvokeTokens, hs: &Handshake) -> InvokeTokens {
         upload: tokens.upload.filter(|_| has(keys::UPLOAD)),
         image: tokens.image.filter(|_| has(keys::IMAGE) || has(keys::IMAGE_EDIT)),
         credentials: tokens.credentials,
+        renew_at_ms: tokens.renew_at_ms,
     }
 }
 

@@ -31,7 +31,7 @@ use tokio::sync::{Notify, oneshot, watch};
 use super::SessionShared;
 use super::progress::{ProgressGate, ProgressSink, ProgressUpdate};
 use crate::metrics::{ProgressDrop, WorkerMetrics};
-use crate::services::{InvokeTokens, ReverseCall};
+use crate::services::{InvokeTokens, ReverseCall, TokenRequest};
 
 /// How a process ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,7 +74,10 @@ pub(crate) struct ActiveInvoke {
     pub(crate) invoke_id: String,
     pub(crate) sink: Option<ProgressSink>,
     pub(crate) gate: ProgressGate,
-    pub(crate) tokens: InvokeTokens,
+    /// The invoke's current tokens (replaced when they are due for renewal).
+    pub(crate) tokens: Mutex<InvokeTokens>,
+    /// What they were minted from (to mint them again).
+    pub(crate) token_request: TokenRequest,
     pub(crate) deadline_ms: u64,
     /// Set when the invoke ends (any way): pending reverse calls are abandoned.
     pub(crate) done: watch::Sender<bool>,
@@ -612,13 +615,27 @@ impl Process {
             params: Value::Object(params),
             client_timeout_s,
             deadline_ms: invoke.deadline_ms,
-            tokens: invoke.tokens.clone(),
+            tokens: self.current_tokens(&invoke, handshake).await,
         };
         let mut done = invoke.done.subscribe();
         let service = self.shared.services.call(call);
         tokio::select! {
             result = service => result,
             _ = done.wait_for(|d| *d) => Err(correlation::UNKNOWN_INVOKE_CONTEXT.error("the parent invoke has finished")),
+        }
+    }
+
+    /// The invoke's tokens, minted again first when they are due for renewal (long jobs, spec §11 HR-JW-02).
+    async fn current_tokens(&self, invoke: &ActiveInvoke, handshake: &Handshake) -> InvokeTokens {
+        let current = lock(&invoke.tokens).clone();
+        match current.renew_at_ms {
+            Some(at) if crate::session::now_ms() >= at => {
+                let fresh = self.shared.tokens.tokens(invoke.token_request.clone()).await;
+                let fresh = crate::session::withhold(fresh, handshake);
+                *lock(&invoke.tokens) = fresh.clone();
+                fresh
+            }
+            _ => current,
         }
     }
 
