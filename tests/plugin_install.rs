@@ -728,6 +728,26 @@ async fn the_cli_installs_a_directory_lists_describes_and_removes() {
         (out["tool_id"].as_str(), out["version"].as_str()),
         (Some("cli-echo"), Some("0.3.0"))
     );
+    // Listed by tools.list before anyone called it: the worker ranked first prepares (installs and describes) a
+    // newly published version at once.
+    let listed = |want: bool| {
+        let cluster = &e.cluster;
+        async move {
+            let deadline = Instant::now() + GUARD;
+            loop {
+                let list = cluster.ok("carol", "tools.list", json!({})).await;
+                let has = list["tools"]
+                    .as_array()
+                    .is_some_and(|t| t.iter().any(|t| t["tool_id"] == "cli-echo"));
+                if has == want {
+                    return;
+                }
+                assert!(Instant::now() < deadline, "tools.list: {list}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    listed(true).await;
     // A wrong --sha256 aborts.
     let (ok, out, err) = fleet(&[
         "plugins",
@@ -794,6 +814,8 @@ async fn the_cli_installs_a_directory_lists_describes_and_removes() {
     assert!(ok, "the only version may go: {out} {err}");
     let (ok, _, err) = fleet(&["plugins", "describe", "cli-echo"]);
     assert!(!ok && err.contains("not_found"), "{err}");
+    // Removed: no longer in tools.list either.
+    listed(false).await;
     // Without the operator claim: refused.
     let user = e.cluster.token("carol");
     let out = std::process::Command::new(fleet_e2e::fleet_bin())

@@ -98,6 +98,9 @@ impl WorkerNode {
         });
         heartbeat(&ctx).await;
         let mut tasks = JoinSet::new();
+        if let Some(installer) = ctx.installer.clone() {
+            tasks.spawn(prepare_published(ctx.clone(), installer));
+        }
         let c = ctx.clone();
         tasks.spawn(async move {
             let mut exec = exec;
@@ -185,6 +188,35 @@ async fn heartbeat(ctx: &Ctx) {
     if let Err(e) = ctx.store.heartbeat_worker(&info).await {
         ctx.metrics.jetstream_error("heartbeat_worker");
         tracing::warn!(worker = %ctx.id, error = %e, "registry heartbeat failed");
+    }
+}
+
+/// Prepares every plugin version published from now on before its first call: the worker that the rendezvous
+/// ranks first for the tool id (among the live ones) installs it and describes it, so `tools.list` lists it at
+/// once. The others install it lazily on their first call, as before.
+async fn prepare_published(ctx: Arc<Ctx>, installer: Arc<crate::plugins::Installer>) {
+    let updates = match installer.plugins().watch_published().await {
+        Ok(u) => u,
+        Err(e) => {
+            tracing::warn!(worker = %ctx.id, error = %e, "cannot watch published plugins: they are described on first use");
+            return;
+        }
+    };
+    let mut updates = std::pin::pin!(updates);
+    while let Some(tool_id) = updates.next().await {
+        if ctx.pool.catalogue().get(&tool_id).is_some() {
+            continue;
+        }
+        let live = ctx.store.live_workers().await.unwrap_or_default();
+        let first = crate::dispatch::rank(live.iter().map(|w| w.id.as_str()), &tool_id)
+            .into_iter()
+            .next();
+        if first.as_deref().is_some_and(|f| f != ctx.id) {
+            continue;
+        }
+        if let Err(e) = installer.ensure(&ctx.pool, &tool_id).await {
+            tracing::warn!(%tool_id, error = %e, "preparing the published plugin failed");
+        }
     }
 }
 

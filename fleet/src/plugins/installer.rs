@@ -106,6 +106,11 @@ impl Installer {
         })
     }
 
+    /// The plugin records.
+    pub fn plugins(&self) -> &PluginStore {
+        &self.plugins
+    }
+
     /// The install options (home, kept versions, platform).
     pub fn options(&self) -> &InstallOptions {
         &self.opts

@@ -156,6 +156,12 @@ async fn call(ctx: &Ctx, method: &str, auth: Option<&str>, payload: &[u8]) -> Re
             let removed = publish::remove(&ctx.plugins, &args.tool_id, args.version.as_deref())
                 .await
                 .map_err(|e| e.to_api_error())?;
+            // The whole plugin is gone: `tools.list` stops listing it.
+            if matches!(ctx.plugins.get(&args.tool_id).await, Ok(None))
+                && let Err(e) = ctx.store.delete_manifest(&args.tool_id).await
+            {
+                tracing::warn!(tool_id = %args.tool_id, error = %e, "cannot forget the removed plugin's manifest");
+            }
             Ok(json!({ "tool_id": args.tool_id, "removed": removed }))
         }
         DESCRIBE => {

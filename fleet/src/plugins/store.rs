@@ -100,6 +100,28 @@ impl PluginStore {
         }
     }
 
+    /// The tool ids of records published (put) from now on, as they happen (for workers that prepare a newly
+    /// published version before its first call).
+    pub async fn watch_published(
+        &self,
+    ) -> Result<impl futures::Stream<Item = String> + Send + 'static, PluginError> {
+        use futures::StreamExt as _;
+        let watch = self
+            .kv
+            .watch_all()
+            .await
+            .map_err(|e| PluginError::store("watch the plugin records")(&e))?;
+        Ok(watch.filter_map(|entry| async move {
+            let entry = entry.ok()?;
+            if entry.operation != kv::Operation::Put {
+                return None;
+            }
+            serde_json::from_slice::<PluginRecord>(&entry.value)
+                .ok()
+                .map(|r| r.tool_id)
+        }))
+    }
+
     /// Every record, by tool id.
     pub async fn list(&self) -> Result<Vec<PluginRecord>, PluginError> {
         let mut keys = match self.kv.keys().await {

@@ -50,6 +50,8 @@ pub enum Op {
     GetManifest,
     /// [`Store::manifests`](super::Store::manifests).
     ListManifests,
+    /// [`Store::delete_manifest`](super::Store::delete_manifest).
+    DeleteManifest,
 }
 
 impl Op {
@@ -75,6 +77,7 @@ impl Op {
             Op::PutManifest => "put_manifest",
             Op::GetManifest => "manifest",
             Op::ListManifests => "manifests",
+            Op::DeleteManifest => "delete_manifest",
         }
     }
 }

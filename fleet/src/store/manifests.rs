@@ -32,6 +32,16 @@ impl Store {
         Ok(())
     }
 
+    /// Forgets the manifest of a tool id that is no longer installed (a removed published plugin), so `tools.list`
+    /// stops listing it. Idempotent.
+    pub async fn delete_manifest(&self, tool_id: &str) -> Result<(), StoreError> {
+        self.inner
+            .manifests
+            .delete(user_key(tool_id))
+            .await
+            .map_err(|e| StoreError::nats(Op::DeleteManifest, e))
+    }
+
     /// The recorded manifest of a tool id, if any.
     pub async fn manifest(&self, tool_id: &str) -> Result<Option<Manifest>, StoreError> {
         let entry = read::<ManifestEntry>(&self.inner.manifests, &user_key(tool_id), Op::GetManifest).await?;
