@@ -82,6 +82,13 @@ fn catalogue(root: &Path) -> PathBuf {
     for f in ["executa.json", "echo_plugin.py"] {
         std::fs::copy(workspace_root().join("plugins/echo-py").join(f), py.join(f)).unwrap();
     }
+    // `notes-py` runs `../echo-py/echo_plugin.py --services`.
+    std::fs::create_dir_all(dir.join("notes-py")).unwrap();
+    std::fs::copy(
+        workspace_root().join("plugins/notes-py/executa.json"),
+        dir.join("notes-py/executa.json"),
+    )
+    .unwrap();
     std::fs::create_dir_all(dir.join("echo")).unwrap();
     let manifest = serde_json::json!({
         "tool_id": "echo",
@@ -331,6 +338,7 @@ fn every_scenario_smoke_runs() {
         "big-frames",
         "fairness",
         "hostile-neighbour",
+        "host-storage",
         "mixed",
         // Last: the killed worker stays in the registry for up to 10 s.
         "chaos-worker-kill",
@@ -365,6 +373,7 @@ fn list_names_every_scenario_and_bad_runs_exit_2() {
         "fairness",
         "chaos-worker-kill",
         "hostile-neighbour",
+        "host-storage",
         "mixed",
     ] {
         let line = text.lines().find(|l| l.starts_with(name));

@@ -286,6 +286,36 @@ impl Ctx {
         }
     }
 
+    /// One operator call (`fleet.v1.admin.<method>`, e.g. `grants.set`) with an operator token minted with the
+    /// same key; not measured.
+    pub(crate) async fn admin(&self, method: &str, body: &Value) -> Result<Value, CallError> {
+        let token = self
+            .key
+            .mint(
+                &format!("loadtest-operator-{}", self.run_tag),
+                DEFAULT_ISSUER,
+                DEFAULT_AUDIENCE,
+                Duration::from_secs(600),
+                true,
+            )
+            .map_err(|e| CallError {
+                code: "mint_failed".into(),
+                message: e.to_string(),
+            })?;
+        fleet::client_cmd::request(
+            &self.nats,
+            &token,
+            format!("{}.{method}", fleet::grants::ADMIN_PREFIX),
+            body,
+            Duration::from_secs(10),
+        )
+        .await
+        .map_err(|e| CallError {
+            code: e.code.as_str().to_owned(),
+            message: e.message,
+        })
+    }
+
     /// One measured call: the latency runs from `intended` (an open-model arrival's scheduled start, or now).
     pub(crate) async fn op(
         &self,

@@ -1,6 +1,6 @@
 //! The scenario catalogue. Every scenario drives the demo plugins `fleet up` serves: `echo-py` (tools `echo`,
-//! `sleep {ms}`, `progress {count}`, `fail`, `big_result {bytes}`) and, when `tools.list` shows it, the native
-//! `echo`.
+//! `sleep {ms}`, `progress {count}`, `fail`, `big_result {bytes}`), `notes-py` (the same script with
+//! `--services`: `reverse {method, params}`) and, when `tools.list` shows it, the native `echo`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -85,6 +85,12 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         default_rate: 10.0,
     },
     Scenario {
+        name: "host-storage",
+        description: "APS KV through the host services: 10 granted users' sync notes-py invokes each doing one storage/set or storage/get reverse call, against the same plugin's plain echo measured first in the same run (counter storage_errors)",
+        implemented: true,
+        default_rate: 20.0,
+    },
+    Scenario {
         name: "mixed",
         description: "a weighted mix: 40% sync echo, 30% async echo, 10% async progress, 10% async sleep + cancel, 10% listJobs",
         implemented: true,
@@ -112,6 +118,10 @@ pub(crate) struct Params {
 
 const SYNC_WAIT: Duration = Duration::from_secs(30);
 const PY: &str = "echo-py";
+/// The host-services demo plugin (`plugins/notes-py`).
+const NOTES: &str = "notes-py";
+/// Users of `host-storage`.
+const STORAGE_USERS: u64 = 10;
 
 fn invoke_body(tool_id: &str, tool: &str, args: &Value) -> Value {
     json!({ "tool_id": tool_id, "method": tool, "args": args })
@@ -377,6 +387,21 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
             })
             .await;
         }
+        "host-storage" => {
+            for u in 0..STORAGE_USERS {
+                let grant = json!({ "user": format!("storage-{u}"), "tool_id": NOTES, "allow": ["aps.kv"] });
+                ctx.admin("grants.set", &grant).await.map_err(|e| {
+                    anyhow::anyhow!(
+                        "granting aps.kv for {NOTES}: {}: {} (the data dir's dev key must be one the fleet accepts)",
+                        e.code,
+                        e.message
+                    )
+                })?;
+            }
+            // The same plugin process without a reverse call first, then with one storage call per invoke.
+            storage_invokes(ctx, "storage.baseline.invoke", rate, d / 2, false).await;
+            storage_invokes(ctx, "storage.invoke", rate, d, true).await;
+        }
         other => anyhow::bail!("scenario {other} is not implemented yet"),
     }
     Ok(())
@@ -391,6 +416,43 @@ async fn quiet_echo(ctx: &Arc<Ctx>, op: &'static str, prefix: &'static str, rate
             let user = format!("{prefix}-{}", i % 10);
             let body = invoke_body(PY, "echo", &json!({ "i": i }));
             let _ = c.op(op, t, &user, "tools.invoke", &body, SYNC_WAIT).await;
+        }
+    })
+    .await;
+}
+
+/// `host-storage`'s load: sync `notes-py` invokes by `storage-0..9` at `rate`, recorded as `op`; with `storage`,
+/// each one `storage/set` (even arrivals) or `storage/get` (odd) of one of 50 keys through `reverse`, counting
+/// reverse calls that answered an error as `storage_errors`; without, the plugin's plain `echo`.
+async fn storage_invokes(ctx: &Arc<Ctx>, op: &'static str, rate: f64, d: Duration, storage: bool) {
+    open_loop(ctx, op, Arrivals::Constant, rate, d, move |i, t| {
+        let c = Arc::clone(ctx);
+        async move {
+            let user = format!("storage-{}", i % STORAGE_USERS);
+            let key = format!("load/k{}", i % 50);
+            let body = if !storage {
+                invoke_body(NOTES, "echo", &json!({ "i": i }))
+            } else if i % 2 == 0 {
+                let params = json!({ "scope": "tool", "key": key, "value": { "i": i } });
+                invoke_body(
+                    NOTES,
+                    "reverse",
+                    &json!({ "method": "storage/set", "params": params }),
+                )
+            } else {
+                let params = json!({ "scope": "tool", "key": key });
+                invoke_body(
+                    NOTES,
+                    "reverse",
+                    &json!({ "method": "storage/get", "params": params }),
+                )
+            };
+            if let Ok(data) = c.op(op, t, &user, "tools.invoke", &body, SYNC_WAIT).await
+                && storage
+                && data.get("error").is_some()
+            {
+                c.rec.count("storage_errors", 1);
+            }
         }
     })
     .await;
