@@ -195,28 +195,39 @@ async fn heartbeat(ctx: &Ctx) {
 /// ranks first for the tool id (among the live ones) installs it and describes it, so `tools.list` lists it at
 /// once. The others install it lazily on their first call, as before.
 async fn prepare_published(ctx: Arc<Ctx>, installer: Arc<crate::plugins::Installer>) {
-    let updates = match installer.plugins().watch_published().await {
-        Ok(u) => u,
-        Err(e) => {
-            tracing::warn!(worker = %ctx.id, error = %e, "cannot watch published plugins: they are described on first use");
-            return;
+    // The watch ends when its consumer is lost (a NATS restart): watch again, from then on.
+    const REWATCH_AFTER: Duration = Duration::from_secs(1);
+    loop {
+        match installer.plugins().watch_published().await {
+            Ok(updates) => {
+                let mut updates = std::pin::pin!(updates);
+                while let Some(tool_id) = updates.next().await {
+                    prepare_one(&ctx, &installer, &tool_id).await;
+                }
+                tracing::info!(worker = %ctx.id, "the watch of published plugins ended; watching again");
+            }
+            Err(e) => {
+                tracing::warn!(worker = %ctx.id, error = %e, "cannot watch published plugins (retrying): until then they are described on first use");
+            }
         }
-    };
-    let mut updates = std::pin::pin!(updates);
-    while let Some(tool_id) = updates.next().await {
-        if ctx.pool.catalogue().get(&tool_id).is_some() {
-            continue;
-        }
-        let live = ctx.store.live_workers().await.unwrap_or_default();
-        let first = crate::dispatch::rank(live.iter().map(|w| w.id.as_str()), &tool_id)
-            .into_iter()
-            .next();
-        if first.as_deref().is_some_and(|f| f != ctx.id) {
-            continue;
-        }
-        if let Err(e) = installer.ensure(&ctx.pool, &tool_id).await {
-            tracing::warn!(%tool_id, error = %e, "preparing the published plugin failed");
-        }
+        tokio::time::sleep(REWATCH_AFTER).await;
+    }
+}
+
+/// Installs and describes a newly published `tool_id` if this worker is the first the rendezvous ranks for it.
+async fn prepare_one(ctx: &Ctx, installer: &crate::plugins::Installer, tool_id: &str) {
+    if ctx.pool.catalogue().get(tool_id).is_some() {
+        return;
+    }
+    let live = ctx.store.live_workers().await.unwrap_or_default();
+    let first = crate::dispatch::rank(live.iter().map(|w| w.id.as_str()), tool_id)
+        .into_iter()
+        .next();
+    if first.as_deref().is_some_and(|f| f != ctx.id) {
+        return;
+    }
+    if let Err(e) = installer.ensure(&ctx.pool, tool_id).await {
+        tracing::warn!(%tool_id, error = %e, "preparing the published plugin failed");
     }
 }
 
