@@ -12,7 +12,6 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
-use bytes::Bytes;
 use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, subjects};
 use fleet_proto::executa::capabilities::is_known_host_capability;
 use futures::StreamExt as _;
@@ -21,7 +20,7 @@ use serde_json::{Value, json};
 
 use crate::auth::Verifier;
 use crate::client_cmd::OperatorConn;
-use crate::store::{StoreSettings, now_ms, user_key};
+use crate::store::{self, Op, Revisioned, StoreError, StoreSettings, now_ms, user_key};
 
 /// Subject prefix of the operator API.
 pub const ADMIN_PREFIX: &str = "fleet.v1.admin";
@@ -117,20 +116,21 @@ pub struct GrantStore {
 }
 
 impl GrantStore {
-    /// Creates (or opens) `<prefix>_grants`.
+    /// Creates (or updates to these settings) `<prefix>_grants`.
     pub async fn open(js: &jetstream::Context, settings: &StoreSettings) -> Result<GrantStore, GrantError> {
-        let config = kv::Config {
-            bucket: format!("{}_grants", settings.prefix),
-            description: "Cloud Agents: user grants of host capabilities per plugin".into(),
-            history: 1,
-            max_value_size: i32::try_from(GRANT_MAX_BYTES).unwrap_or(i32::MAX),
-            num_replicas: settings.replicas,
-            ..Default::default()
-        };
-        let kv = match js.create_key_value(config.clone()).await {
-            Ok(kv) => kv,
-            Err(_) => js.get_key_value(&config.bucket).await.map_err(store_err)?,
-        };
+        let kv = store::open_kv(
+            js,
+            kv::Config {
+                bucket: format!("{}_grants", settings.prefix),
+                description: "Cloud Agents: user grants of host capabilities per plugin".into(),
+                history: 1,
+                max_value_size: i32::try_from(GRANT_MAX_BYTES).unwrap_or(i32::MAX),
+                num_replicas: settings.replicas,
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(store_err)?;
         Ok(GrantStore { kv })
     }
 
@@ -158,7 +158,7 @@ impl GrantStore {
         Ok(self
             .read(user, tool_id)
             .await?
-            .map(|(g, _)| g)
+            .map(|r| r.value)
             .unwrap_or_else(|| Grant {
                 user: user.to_owned(),
                 tool_id: tool_id.to_owned(),
@@ -166,15 +166,10 @@ impl GrantStore {
             }))
     }
 
-    async fn read(&self, user: &str, tool_id: &str) -> Result<Option<(Grant, u64)>, GrantError> {
-        let entry = self.kv.entry(Self::key(user, tool_id)).await.map_err(store_err)?;
-        match entry {
-            Some(e) if e.operation == kv::Operation::Put => {
-                let grant: Grant = serde_json::from_slice(&e.value).map_err(store_err)?;
-                Ok(Some((grant, e.revision)))
-            }
-            _ => Ok(None),
-        }
+    async fn read(&self, user: &str, tool_id: &str) -> Result<Option<Revisioned<Grant>>, GrantError> {
+        store::read(&self.kv, &Self::key(user, tool_id), Op::ReadGrant)
+            .await
+            .map_err(store_err)
     }
 
     /// Adds `allow` and removes `revoke` (`*` = everything), atomically (compare-and-set).
@@ -196,16 +191,10 @@ impl GrantStore {
             return Err(GrantError::Unknown(unknown));
         }
         let key = Self::key(user, tool_id);
-        for _ in 0..MAX_CAS_ATTEMPTS {
-            let entry = self.kv.entry(&key).await.map_err(store_err)?;
-            let (mut grant, revision) = match &entry {
-                Some(e) if e.operation == kv::Operation::Put => (
-                    serde_json::from_slice::<Grant>(&e.value).map_err(store_err)?,
-                    Some(e.revision),
-                ),
-                Some(e) => (Grant::default(), Some(e.revision)),
-                None => (Grant::default(), None),
-            };
+        for attempt in 0..MAX_CAS_ATTEMPTS {
+            let current = self.read(user, tool_id).await?;
+            let revision = current.as_ref().map(|r| r.revision);
+            let mut grant = current.map(|r| r.value).unwrap_or_default();
             grant.user = user.to_owned();
             grant.tool_id = tool_id.to_owned();
             if revoke.iter().any(|r| r == REVOKE_ALL) {
@@ -216,28 +205,20 @@ impl GrantStore {
             }
             grant.allow.extend(allow.iter().cloned());
             grant.updated_at_ms = now_ms();
-            let bytes = Bytes::from(serde_json::to_vec(&grant).map_err(store_err)?);
-            let written = match revision {
-                Some(rev) => self
-                    .kv
-                    .update(&key, bytes, rev)
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string()),
-                None => self
-                    .kv
-                    .create(&key, bytes)
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string()),
-            };
-            if written.is_ok() {
-                return Ok(grant);
+            let limit = ("grant", GRANT_MAX_BYTES);
+            match store::cas_write(&self.kv, &key, &grant, revision, limit, Op::EditGrant)
+                .await
+                .map_err(store_err)?
+            {
+                Ok(_) => return Ok(grant),
+                Err(store::Conflict) => store::backoff(attempt).await,
             }
         }
-        Err(GrantError::Store(format!(
-            "grant of {tool_id} kept changing; retry"
-        )))
+        Err(store_err(StoreError::Contention {
+            op: Op::EditGrant,
+            key,
+            attempts: MAX_CAS_ATTEMPTS,
+        }))
     }
 }
 

@@ -52,6 +52,10 @@ pub enum Op {
     ListManifests,
     /// [`Store::delete_manifest`](super::Store::delete_manifest).
     DeleteManifest,
+    /// [`GrantStore::get`](crate::grants::GrantStore::get).
+    ReadGrant,
+    /// [`GrantStore::edit`](crate::grants::GrantStore::edit).
+    EditGrant,
 }
 
 impl Op {
@@ -78,6 +82,8 @@ impl Op {
             Op::GetManifest => "manifest",
             Op::ListManifests => "manifests",
             Op::DeleteManifest => "delete_manifest",
+            Op::ReadGrant => "read_grant",
+            Op::EditGrant => "edit_grant",
         }
     }
 }

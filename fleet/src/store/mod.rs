@@ -169,7 +169,7 @@ impl Store {
     }
 }
 
-async fn open_kv(js: &jetstream::Context, config: kv::Config) -> Result<kv::Store, StoreError> {
+pub(crate) async fn open_kv(js: &jetstream::Context, config: kv::Config) -> Result<kv::Store, StoreError> {
     let bucket = config.bucket.clone();
     Box::pin(js.create_or_update_key_value(config))
         .await
@@ -180,7 +180,7 @@ async fn open_kv(js: &jetstream::Context, config: kv::Config) -> Result<kv::Stor
 }
 
 /// Reads a KV value; a deleted or purged key is `None`.
-async fn read<T: DeserializeOwned>(
+pub(crate) async fn read<T: DeserializeOwned>(
     kv: &kv::Store,
     key: &str,
     op: Op,
@@ -202,11 +202,11 @@ async fn read<T: DeserializeOwned>(
 }
 
 /// A lost compare-and-set.
-struct Conflict;
+pub(crate) struct Conflict;
 
 /// Serializes `value`, checks it fits, and writes it: `create` when `revision` is `None` (absent or deleted key),
 /// else `update` expecting `revision`. `Ok(Err(Conflict))` when another writer got there first.
-async fn cas_write<T: Serialize>(
+pub(crate) async fn cas_write<T: Serialize>(
     kv: &kv::Store,
     key: &str,
     value: &T,
@@ -245,7 +245,7 @@ fn encode<T: Serialize>(value: &T, (what, max): (&'static str, usize), op: Op) -
 
 /// A short random pause after a lost compare-and-set, growing with the attempt (≤ 32 ms), so racing writers
 /// spread out instead of colliding again.
-async fn backoff(attempt: u32) {
+pub(crate) async fn backoff(attempt: u32) {
     let cap = 1u64 << attempt.min(5);
     let ms = rand::random_range(0..=cap);
     tokio::time::sleep(Duration::from_millis(ms)).await;
