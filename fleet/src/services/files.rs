@@ -36,8 +36,7 @@ use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
 use super::kv::{
-    Head, Index, IndexError, Page, Quota, Scope, StorageConfig, heads_headers, object, paging, required_str,
-    scope, timed,
+    Head, Index, IndexError, Page, Quota, Scope, heads_headers, object, paging, required_str, scope, timed,
 };
 use super::{CallContext, ServicesError};
 use crate::store::{StoreSettings, now_ms, rfc3339_ms};
@@ -517,10 +516,10 @@ pub struct FilesService {
 
 impl FilesService {
     /// Opens its buckets and object stores.
-    pub async fn open(
+    pub(crate) async fn open(
         js: &jetstream::Context,
         settings: &StoreSettings,
-        config: &StorageConfig,
+        quota: Quota,
         links: LinkSigner,
         public_url: Option<String>,
     ) -> Result<FilesService, ServicesError> {
@@ -544,7 +543,6 @@ impl FilesService {
             STAGING_RETENTION,
         )
         .await?;
-        let quota = Quota::open(js, settings, config).await?;
         Ok(FilesService {
             objects,
             index,

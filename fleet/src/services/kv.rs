@@ -813,11 +813,11 @@ pub struct KvService {
 }
 
 impl KvService {
-    /// Opens its buckets (`<prefix>_aps_kv`, `<prefix>_aps_usage`).
-    pub async fn open(
+    /// Opens its bucket (`<prefix>_aps_kv`); `quota` is the per-user byte quota it shares with the files service.
+    pub(crate) async fn open(
         js: &jetstream::Context,
         settings: &StoreSettings,
-        config: &StorageConfig,
+        quota: Quota,
     ) -> Result<KvService, ServicesError> {
         // The envelope around a 256 KiB value: the key (≤ 4 KiB of UTF-8), metadata, tags, headers.
         let max_value = limits::STORAGE_VALUE_MAX_BYTES + 64 * 1024;
@@ -830,7 +830,6 @@ impl KvService {
             Duration::ZERO,
         )
         .await?;
-        let quota = Quota::open(js, settings, config).await?;
         Ok(KvService { index, quota })
     }
 

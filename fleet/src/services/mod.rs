@@ -151,10 +151,10 @@ impl FleetServices {
             Some(c) => Some(llm::LlmService::new(c)?),
             None => None,
         };
-        let kv = kv::KvService::open(js, settings, &config.storage).await?;
-        let files =
-            files::FilesService::open(js, settings, &config.storage, links, config.public_url.clone())
-                .await?;
+        // One per-user byte quota for KV values and files.
+        let quota = kv::Quota::open(js, settings, &config.storage).await?;
+        let kv = kv::KvService::open(js, settings, quota.clone()).await?;
+        let files = files::FilesService::open(js, settings, quota, links, config.public_url.clone()).await?;
         let upload = upload::UploadService::new(files.clone()).with_env(&settings.prefix);
         Ok(FleetServices {
             inner: Arc::new(Inner {
