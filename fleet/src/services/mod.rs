@@ -24,7 +24,6 @@ pub mod llm;
 pub mod tokens;
 pub mod upload;
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -48,6 +47,15 @@ pub use tokens::{Binding, ServiceClaims, TokenError, TokenMinter};
 
 /// Budgets whose invoke-end was never reported are dropped after this long (the longest token TTL).
 const BUDGET_MAX_AGE: Duration = fleet_proto::limits::LONG_JOB_TOKEN_TTL_CAP;
+
+/// The host capabilities these services mint tokens for.
+pub const SERVICE_CAPABILITIES: [&str; 5] = [
+    capabilities::LLM_SAMPLE,
+    capabilities::LLM_EMBED,
+    capabilities::APS_KV,
+    capabilities::APS_FILES,
+    capabilities::HOST_UPLOAD,
+];
 
 /// The scopes a plugin's storage token permits (spec §8.3 HR-ST-02).
 pub const PLUGIN_SCOPES: [&str; 2] = ["tool", "user"];
@@ -204,17 +212,7 @@ impl FleetServices {
         let offered = |k: &str| req.negotiated.contains(k);
         let declared = |c: &str| req.declared.iter().any(|d| d == c);
         // Nothing could be minted: skip the grant lookup entirely.
-        let candidates: Vec<&str> = [
-            capabilities::LLM_SAMPLE,
-            capabilities::LLM_EMBED,
-            capabilities::APS_KV,
-            capabilities::APS_FILES,
-            capabilities::HOST_UPLOAD,
-        ]
-        .into_iter()
-        .filter(|c| declared(c))
-        .collect();
-        if candidates.is_empty() {
+        if !SERVICE_CAPABILITIES.iter().any(|c| declared(c)) {
             return InvokeTokens::default();
         }
         let grant = match self.inner.grants.get(&req.user, &req.tool_id).await {
@@ -441,17 +439,4 @@ impl HostServices for FleetServices {
     fn invoke_finished(&self, invoke_id: &str) {
         self.inner.budgets.remove(invoke_id);
     }
-}
-
-/// The capability strings a grant may name for the services of this module.
-pub fn service_capabilities() -> BTreeSet<&'static str> {
-    [
-        capabilities::LLM_SAMPLE,
-        capabilities::LLM_EMBED,
-        capabilities::APS_KV,
-        capabilities::APS_FILES,
-        capabilities::HOST_UPLOAD,
-    ]
-    .into_iter()
-    .collect()
 }
