@@ -12,22 +12,22 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
-use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, subjects};
+use fleet_proto::api::{ApiError, ApiErrorCode, subjects};
 use fleet_proto::executa::capabilities::is_known_host_capability;
-use futures::StreamExt as _;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use crate::auth::Verifier;
 use crate::client_cmd::OperatorConn;
+use crate::operator;
 use crate::store::{self, Op, Revisioned, StoreError, StoreSettings, now_ms, user_key};
 
-/// Subject prefix of the operator API.
-pub const ADMIN_PREFIX: &str = "fleet.v1.admin";
+/// The operator API area of grants (`fleet.v1.admin.grants.*`).
+pub const GRANTS_AREA: &str = "grants";
 /// `fleet.v1.admin.grants.set`: `{user, tool_id, allow?: [..], revoke?: [..]}` → the grant.
-pub const GRANTS_SET: &str = "grants.set";
+pub const GRANTS_SET: &str = "set";
 /// `fleet.v1.admin.grants.get`: `{user, tool_id}` → the grant.
-pub const GRANTS_GET: &str = "grants.get";
+pub const GRANTS_GET: &str = "get";
 /// `--revoke '*'`: every capability.
 pub const REVOKE_ALL: &str = "*";
 /// Largest grant record.
@@ -245,87 +245,40 @@ pub async fn serve_admin(
     grants: GrantStore,
     verifier: Verifier,
 ) -> Result<tokio::task::JoinHandle<()>, async_nats::Error> {
-    let mut sub = client
-        .queue_subscribe(
-            format!("{ADMIN_PREFIX}.grants.*"),
-            format!("{}-admin", subjects::API_QUEUE_GROUP),
-        )
-        .await?;
-    client.flush().await?;
-    Ok(tokio::spawn(async move {
-        while let Some(msg) = sub.next().await {
-            let Some(reply) = msg.reply.clone() else { continue };
-            let auth = msg
-                .headers
-                .as_ref()
-                .and_then(|h| h.get(subjects::AUTH_HEADER))
-                .map(|v| v.as_str().to_owned());
-            let method = msg.subject.as_str().rsplit('.').take(2).collect::<Vec<_>>();
-            let method = format!(
-                "{}.{}",
-                method.get(1).unwrap_or(&""),
-                method.first().unwrap_or(&"")
-            );
-            let response = admin_call(&grants, &verifier, &method, auth.as_deref(), &msg.payload).await;
-            let payload = serde_json::to_vec(&response).unwrap_or_default();
-            let _ = client.publish(reply, payload.into()).await;
-        }
-    }))
+    operator::serve(
+        client,
+        GRANTS_AREA,
+        format!("{}-admin", subjects::API_QUEUE_GROUP),
+        verifier,
+        "grants are operator actions",
+        move |method, payload| {
+            let grants = grants.clone();
+            async move { admin_call(&grants, &method, &payload).await }
+        },
+    )
+    .await
 }
 
-async fn admin_call(
-    grants: &GrantStore,
-    verifier: &Verifier,
-    method: &str,
-    auth: Option<&str>,
-    payload: &[u8],
-) -> ApiResponse<Value> {
-    let principal = match auth.map(|h| verifier.verify(h)) {
-        None => {
-            return ApiResponse::Err(ApiError::new(
-                ApiErrorCode::InvalidToken,
-                "missing Authorization header",
-            ));
+async fn admin_call(grants: &GrantStore, method: &str, payload: &[u8]) -> Result<Value, ApiError> {
+    let grant = match method {
+        GRANTS_SET => {
+            let a: SetArgs = operator::parse(payload)?;
+            grants.edit(&a.user, &a.tool_id, &a.allow, &a.revoke).await
         }
-        Some(Err(e)) => return ApiResponse::Err(e.to_api_error()),
-        Some(Ok(p)) => p,
-    };
-    if !principal.operator {
-        return ApiResponse::Err(ApiError::new(
-            ApiErrorCode::PermissionDenied,
-            "grants are operator actions: the token needs the operator claim",
-        ));
-    }
-    let result = match method {
-        GRANTS_SET => match serde_json::from_slice::<SetArgs>(payload) {
-            Ok(a) => grants.edit(&a.user, &a.tool_id, &a.allow, &a.revoke).await,
-            Err(e) => {
-                return ApiResponse::Err(ApiError::new(
-                    ApiErrorCode::InvalidArg,
-                    format!("bad arguments: {e}"),
-                ));
-            }
-        },
-        GRANTS_GET => match serde_json::from_slice::<GetArgs>(payload) {
-            Ok(a) => grants.get(&a.user, &a.tool_id).await,
-            Err(e) => {
-                return ApiResponse::Err(ApiError::new(
-                    ApiErrorCode::InvalidArg,
-                    format!("bad arguments: {e}"),
-                ));
-            }
-        },
+        GRANTS_GET => {
+            let a: GetArgs = operator::parse(payload)?;
+            grants.get(&a.user, &a.tool_id).await
+        }
         other => {
-            return ApiResponse::Err(ApiError::new(
+            return Err(ApiError::new(
                 ApiErrorCode::InvalidArg,
-                format!("unknown admin method {other}"),
+                format!("unknown admin method grants.{other}"),
             ));
         }
     };
-    match result {
-        Ok(g) => ApiResponse::Ok(serde_json::to_value(g).unwrap_or(Value::Null)),
-        Err(e) => ApiResponse::Err(e.to_api_error()),
-    }
+    grant
+        .map(|g| serde_json::to_value(g).unwrap_or(Value::Null))
+        .map_err(|e| e.to_api_error())
 }
 
 /// `fleet grant` (this exact interface: `--user U --tool-id T --allow a,b` / `--revoke a,b`).
@@ -362,7 +315,7 @@ pub async fn run_grant(args: &GrantArgs) -> Result<Value, ApiError> {
     crate::client_cmd::request(
         &client,
         &token,
-        format!("{ADMIN_PREFIX}.{method}"),
+        operator::subject(GRANTS_AREA, method),
         &body,
         Duration::from_secs(10),
     )

@@ -15,6 +15,7 @@ pub mod http;
 pub mod metrics;
 pub mod nats_server;
 pub mod node;
+pub mod operator;
 pub mod plugins;
 pub mod policy;
 pub mod probe;

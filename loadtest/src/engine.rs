@@ -305,7 +305,7 @@ impl Ctx {
         fleet::client_cmd::request(
             &self.nats,
             &token,
-            format!("{}.{method}", fleet::grants::ADMIN_PREFIX),
+            format!("{}.{method}", fleet::operator::ADMIN_PREFIX),
             body,
             Duration::from_secs(10),
         )

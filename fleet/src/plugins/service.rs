@@ -12,18 +12,18 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, subjects};
-use futures::StreamExt as _;
+use fleet_proto::api::{ApiError, ApiErrorCode};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::publish::{self, InstallArgs};
 use super::store::PluginStore;
 use crate::auth::Verifier;
+use crate::operator::{self, parse};
 use crate::store::Store;
 
-/// Subject prefix of the plugin operator API.
-pub const PLUGINS_PREFIX: &str = "fleet.v1.admin.plugins";
+/// The operator API area of plugin distribution (`fleet.v1.admin.plugins.*`).
+pub const PLUGINS_AREA: &str = "plugins";
 /// Its queue group.
 pub const PLUGINS_QUEUE_GROUP: &str = "fleet-api-plugins";
 /// `install`.
@@ -37,7 +37,7 @@ pub const DESCRIBE: &str = "describe";
 
 /// The subject of a method.
 pub fn subject(method: &str) -> String {
-    format!("{PLUGINS_PREFIX}.{method}")
+    operator::subject(PLUGINS_AREA, method)
 }
 
 #[derive(Debug, Deserialize)]
@@ -57,7 +57,6 @@ struct DescribeArgs {
 struct Ctx {
     plugins: PluginStore,
     store: Store,
-    verifier: Verifier,
     scratch: PathBuf,
 }
 
@@ -69,75 +68,26 @@ pub async fn serve(
     verifier: Verifier,
     scratch: PathBuf,
 ) -> Result<tokio::task::JoinHandle<()>, async_nats::Error> {
-    let mut sub = client
-        .queue_subscribe(format!("{PLUGINS_PREFIX}.*"), PLUGINS_QUEUE_GROUP.to_string())
-        .await?;
-    client.flush().await?;
     let ctx = Arc::new(Ctx {
         plugins,
         store,
-        verifier,
         scratch,
     });
-    Ok(tokio::spawn(async move {
-        while let Some(msg) = sub.next().await {
+    operator::serve(
+        client,
+        PLUGINS_AREA,
+        PLUGINS_QUEUE_GROUP.to_owned(),
+        verifier,
+        "plugin distribution is an operator action",
+        move |method, payload| {
             let ctx = ctx.clone();
-            let client = client.clone();
-            tokio::spawn(async move {
-                let Some(reply) = msg.reply.clone() else { return };
-                let auth = msg
-                    .headers
-                    .as_ref()
-                    .and_then(|h| h.get(subjects::AUTH_HEADER))
-                    .map(|v| v.as_str().to_owned());
-                let method = msg
-                    .subject
-                    .as_str()
-                    .rsplit('.')
-                    .next()
-                    .unwrap_or_default()
-                    .to_string();
-                let response = match call(&ctx, &method, auth.as_deref(), &msg.payload).await {
-                    Ok(v) => ApiResponse::Ok(v),
-                    Err(e) => ApiResponse::Err(e),
-                };
-                let payload = serde_json::to_vec(&response).unwrap_or_default();
-                let _ = client.publish(reply, payload.into()).await;
-            });
-        }
-    }))
+            async move { call(&ctx, &method, &payload).await }
+        },
+    )
+    .await
 }
 
-fn bad_args(e: &serde_json::Error) -> ApiError {
-    ApiError::new(ApiErrorCode::InvalidArg, format!("bad arguments: {e}"))
-}
-
-fn parse<T: serde::de::DeserializeOwned>(payload: &[u8]) -> Result<T, ApiError> {
-    let payload = if payload.iter().all(u8::is_ascii_whitespace) {
-        b"{}".as_slice()
-    } else {
-        payload
-    };
-    serde_json::from_slice(payload).map_err(|e| bad_args(&e))
-}
-
-async fn call(ctx: &Ctx, method: &str, auth: Option<&str>, payload: &[u8]) -> Result<Value, ApiError> {
-    let principal = match auth.map(|h| ctx.verifier.verify(h)) {
-        None => {
-            return Err(ApiError::new(
-                ApiErrorCode::InvalidToken,
-                "missing Authorization header",
-            ));
-        }
-        Some(Err(e)) => return Err(e.to_api_error()),
-        Some(Ok(p)) => p,
-    };
-    if !principal.operator {
-        return Err(ApiError::new(
-            ApiErrorCode::PermissionDenied,
-            "plugin distribution is an operator action: the token needs the operator claim",
-        ));
-    }
+async fn call(ctx: &Ctx, method: &str, payload: &[u8]) -> Result<Value, ApiError> {
     match method {
         INSTALL => {
             let args: InstallArgs = parse(payload)?;

@@ -1,0 +1,103 @@
+//! The operator API's plumbing, shared by every area (`fleet.v1.admin.grants.*`, `fleet.v1.admin.plugins.*`):
+//! one queue-group subscription per area (any front answers), request/reply with `Authorization: Bearer <JWT>`,
+//! the token verified and required to carry the operator claim, each request handled on its own task, answers in
+//! the API envelope (`{"ok": …}` / `{"error": {code, message, details}}`).
+
+use std::future::Future;
+
+use bytes::Bytes;
+use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, subjects};
+use futures::StreamExt as _;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use crate::auth::Verifier;
+
+/// Subject prefix of the operator API.
+pub const ADMIN_PREFIX: &str = "fleet.v1.admin";
+
+/// The subject of `area`'s `method`, e.g. `fleet.v1.admin.grants.set`.
+pub fn subject(area: &str, method: &str) -> String {
+    format!("{ADMIN_PREFIX}.{area}.{method}")
+}
+
+/// Serves `fleet.v1.admin.<area>.*` in queue group `queue` until the client closes: every request from a token
+/// with the operator claim goes to `handler(method, payload)` (`what` names the area in the refusal of other
+/// tokens).
+pub async fn serve<H, Fut>(
+    client: async_nats::Client,
+    area: &'static str,
+    queue: String,
+    verifier: Verifier,
+    what: &'static str,
+    handler: H,
+) -> Result<tokio::task::JoinHandle<()>, async_nats::Error>
+where
+    H: Fn(String, Bytes) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<Value, ApiError>> + Send + 'static,
+{
+    let mut sub = client.queue_subscribe(subject(area, "*"), queue).await?;
+    client.flush().await?;
+    Ok(tokio::spawn(async move {
+        while let Some(msg) = sub.next().await {
+            let (client, verifier, handler) = (client.clone(), verifier.clone(), handler.clone());
+            tokio::spawn(async move {
+                let Some(reply) = msg.reply.clone() else { return };
+                let auth = msg
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get(subjects::AUTH_HEADER))
+                    .map(|v| v.as_str().to_owned());
+                let method = msg
+                    .subject
+                    .as_str()
+                    .rsplit('.')
+                    .next()
+                    .unwrap_or_default()
+                    .to_owned();
+                let response = match authorize(&verifier, auth.as_deref(), what) {
+                    Ok(()) => match handler(method, msg.payload.clone()).await {
+                        Ok(v) => ApiResponse::Ok(v),
+                        Err(e) => ApiResponse::Err(e),
+                    },
+                    Err(e) => ApiResponse::Err(e),
+                };
+                let payload = serde_json::to_vec(&response).unwrap_or_default();
+                let _ = client.publish(reply, payload.into()).await;
+            });
+        }
+    }))
+}
+
+/// A verified token with the operator claim, or the error to answer.
+fn authorize(verifier: &Verifier, auth: Option<&str>, what: &str) -> Result<(), ApiError> {
+    let principal = match auth.map(|h| verifier.verify(h)) {
+        None => {
+            return Err(ApiError::new(
+                ApiErrorCode::InvalidToken,
+                "missing Authorization header",
+            ));
+        }
+        Some(Err(e)) => return Err(e.to_api_error()),
+        Some(Ok(p)) => p,
+    };
+    if principal.operator {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            ApiErrorCode::PermissionDenied,
+            format!("{what}: the token needs the operator claim"),
+        ))
+    }
+}
+
+/// An operator call's arguments (an empty payload is `{}`); `invalid_arg` when they do not parse.
+pub fn parse<T: DeserializeOwned>(payload: &[u8]) -> Result<T, ApiError> {
+    let payload = if payload.iter().all(u8::is_ascii_whitespace) {
+        b"{}".as_slice()
+    } else {
+        payload
+    };
+    serde_json::from_slice(payload)
+        .map_err(|e| ApiError::new(ApiErrorCode::InvalidArg, format!("bad arguments: {e}")))
+}
