@@ -146,6 +146,17 @@ fn chart_lints_renders_validates_and_has_the_key_fields() {
         64,
         "48 random bytes, base64"
     );
+    // Operator tokens: a generated secret of their own, never the API key.
+    assert!(
+        a.contains(&"--operator-jwt-hs256-secret-file=/etc/cloud-agents/keys/generated-operator-hs256"),
+        "{a:?}"
+    );
+    let operator_secret = find(&objs, "Secret", "-operator-jwt");
+    assert_eq!(
+        operator_secret["data"]["operator-hs256"].as_str().unwrap().len(),
+        64,
+        "48 random bytes, base64"
+    );
 
     // The worker (default: privileged for cgroup v2 delegation), its args, and a grace period covering the ladder.
     let c = container(worker);
@@ -223,6 +234,13 @@ fn chart_lints_renders_validates_and_has_the_key_fields() {
     assert!(
         a.contains(&"--jwt-ed25519-public-key=/etc/cloud-agents/keys/ed25519-0.pem"),
         "{a:?}"
+    );
+    assert!(
+        a.contains(&"--operator-jwt-ed25519-public-key=/etc/cloud-agents/keys/operator-ed25519-0.pem")
+            && !a
+                .iter()
+                .any(|x| x.starts_with("--operator-jwt-hs256-secret-file")),
+        "operator keys of their own: {a:?}"
     );
     assert!(
         !objs.iter().any(|o| o["kind"] == "Secret"),

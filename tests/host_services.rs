@@ -7,7 +7,7 @@
 use std::collections::BTreeSet;
 use std::process::Command;
 
-use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, Verifier};
+use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER};
 use fleet::grants::GrantStore;
 use fleet::nats_server::NatsServer;
 use fleet::services::args::ServicesArgs;
@@ -319,7 +319,9 @@ async fn fleet_grant_is_an_operator_action_over_nats() {
     let js = async_nats::jetstream::new(client.clone());
     let grants = GrantStore::open(&js, &StoreSettings::default()).await.unwrap();
     let key = fleet::auth::DevKey::load_or_create(dir.path()).unwrap();
-    let verifier = Verifier::new(vec![key.verify_key().unwrap()], DEFAULT_ISSUER, DEFAULT_AUDIENCE).unwrap();
+    let operator_key = fleet::auth::DevKey::load_or_create_operator(dir.path()).unwrap();
+    let verifier =
+        fleet::auth::OperatorVerifier::new(vec![operator_key.verify_key().unwrap()], DEFAULT_ISSUER).unwrap();
     let admin = fleet::grants::serve_admin(client, grants.clone(), verifier)
         .await
         .unwrap();

@@ -79,6 +79,7 @@ async fn start_with(name: &str, workers: usize, config: HttpConfig) -> Gateway {
         front.clone(),
         cluster.client.clone(),
         verifier,
+        cluster.operator_verifier(),
         front.metrics().clone(),
         config,
     )
@@ -911,6 +912,22 @@ async fn operator_data_needs_an_operator_token() {
     let user = g.cluster.token("alice");
     let r = http(g.addr, "GET", &format!("/v1/ops/overview?token={user}"), &[], b"").await;
     assert_eq!(r.status, 403, "{r:?}");
+    // A user token claiming operator rights, signed by the user-token key, is a user token.
+    let forged = g
+        .cluster
+        .key
+        .mint(
+            "mallory",
+            DEFAULT_ISSUER,
+            DEFAULT_AUDIENCE,
+            Duration::from_secs(600),
+            true,
+        )
+        .expect("mint");
+    for path in ["/v1/ops/overview", "/v1/ops/events"] {
+        let r = http(g.addr, "GET", &format!("{path}?token={forged}"), &[], b"").await;
+        assert_eq!(r.status, 403, "{path}: {r:?}");
+    }
     let ops = operator_token(&g);
     let r = http(g.addr, "GET", &format!("/v1/ops/overview?token={ops}"), &[], b"").await;
     assert_eq!(r.status, 200, "{r:?}");
@@ -935,16 +952,7 @@ async fn operator_data_needs_an_operator_token() {
 }
 
 fn operator_token(g: &Gateway) -> String {
-    g.cluster
-        .key
-        .mint(
-            "ops",
-            DEFAULT_ISSUER,
-            DEFAULT_AUDIENCE,
-            Duration::from_secs(600),
-            true,
-        )
-        .expect("mint")
+    g.cluster.operator_token()
 }
 
 /// `chromium`, or a failure saying how to get it.

@@ -7,7 +7,6 @@ use std::io::Write as _;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, Verifier};
 use fleet::plugins::{PluginStore, cli, service};
 use fleet::store::StoreSettings;
 use fleet_e2e::cluster::Cluster;
@@ -198,12 +197,7 @@ async fn env(name: &str, workers: usize) -> Env {
     )
     .await
     .expect("plugin store");
-    let verifier = Verifier::new(
-        vec![cluster.key.verify_key().expect("verify key")],
-        DEFAULT_ISSUER,
-        DEFAULT_AUDIENCE,
-    )
-    .expect("verifier");
+    let verifier = cluster.operator_verifier();
     service::serve(
         cluster.client.clone(),
         plugins,
@@ -213,16 +207,7 @@ async fn env(name: &str, workers: usize) -> Env {
     )
     .await
     .expect("plugins API");
-    let operator = cluster
-        .key
-        .mint(
-            "ops",
-            DEFAULT_ISSUER,
-            DEFAULT_AUDIENCE,
-            Duration::from_secs(600),
-            true,
-        )
-        .expect("operator token");
+    let operator = cluster.operator_token();
     Env {
         cluster,
         http: Http::start().await,

@@ -57,6 +57,11 @@ pub const MAX_TOKEN_LEN: usize = 8 * 1024;
 pub const MAX_SUBJECT_LEN: usize = 256;
 /// File name of the dev signing key inside `fleet up`'s data dir.
 pub const DEV_KEY_FILE: &str = "dev-signing-key";
+/// The audience of operator tokens: the admin APIs accept no other, and no user-facing API accepts it.
+pub const OPERATOR_AUDIENCE: &str = "cloud-agents-operator";
+/// File name of the dev operator key inside `fleet up`'s data dir (a key of its own: whoever can mint user tokens
+/// cannot mint operator tokens).
+pub const DEV_OPERATOR_KEY_FILE: &str = "dev-operator-key";
 
 /// The claims every token must carry, in the order a missing one is reported.
 const REQUIRED_CLAIMS: [&str; 4] = ["exp", "iss", "aud", "sub"];
@@ -624,21 +629,43 @@ impl DevKey {
         data_dir.join(DEV_KEY_FILE)
     }
 
+    /// `<data_dir>/dev-operator-key`.
+    pub fn operator_path(data_dir: &Path) -> PathBuf {
+        data_dir.join(DEV_OPERATOR_KEY_FILE)
+    }
+
     /// Loads the key, creating it (and `data_dir`, mode 0700) if it does not exist yet.
     pub fn load_or_create(data_dir: &Path) -> Result<SigningKey, AuthError> {
-        match DevKey::load(data_dir) {
-            Err(AuthError::DevKeyMissing(_)) => {}
-            loaded => return loaded,
-        }
-        if create_secret_file(data_dir, &DevKey::path(data_dir))? {
-            tracing::info!(path = %DevKey::path(data_dir).display(), "created the dev signing key");
-        }
-        DevKey::load(data_dir)
+        DevKey::load_or_create_at(data_dir, &DevKey::path(data_dir))
+    }
+
+    /// Loads the dev operator key, creating it like [`load_or_create`](Self::load_or_create).
+    pub fn load_or_create_operator(data_dir: &Path) -> Result<SigningKey, AuthError> {
+        DevKey::load_or_create_at(data_dir, &DevKey::operator_path(data_dir))
     }
 
     /// Loads the key; [`AuthError::DevKeyMissing`] (naming the file) if it does not exist.
     pub fn load(data_dir: &Path) -> Result<SigningKey, AuthError> {
-        let path = DevKey::path(data_dir);
+        DevKey::load_at(DevKey::path(data_dir))
+    }
+
+    /// Loads the dev operator key; [`AuthError::DevKeyMissing`] (naming the file) if it does not exist.
+    pub fn load_operator(data_dir: &Path) -> Result<SigningKey, AuthError> {
+        DevKey::load_at(DevKey::operator_path(data_dir))
+    }
+
+    fn load_or_create_at(data_dir: &Path, path: &Path) -> Result<SigningKey, AuthError> {
+        match DevKey::load_at(path.to_path_buf()) {
+            Err(AuthError::DevKeyMissing(_)) => {}
+            loaded => return loaded,
+        }
+        if create_secret_file(data_dir, path)? {
+            tracing::info!(path = %path.display(), "created a dev signing key");
+        }
+        DevKey::load_at(path.to_path_buf())
+    }
+
+    fn load_at(path: PathBuf) -> Result<SigningKey, AuthError> {
         let file = match File::open(&path) {
             Ok(file) => file,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(AuthError::DevKeyMissing(path)),
@@ -664,6 +691,25 @@ impl DevKey {
             _ => return Err(invalid(path, "expected 64 hex digits")),
         };
         SigningKey::hs256(&secret)
+    }
+}
+
+/// The verifier of operator tokens: its own keys, and the audience [`OPERATOR_AUDIENCE`] fixed by construction, so
+/// an admin API cannot be handed the user-token verifier by mistake, and a user-token key never verifies an
+/// operator token.
+#[derive(Debug, Clone)]
+pub struct OperatorVerifier(Verifier);
+
+impl OperatorVerifier {
+    /// Operator tokens signed by one of `keys`, issued by `issuer`, for [`OPERATOR_AUDIENCE`].
+    pub fn new(keys: Vec<VerifyKey>, issuer: &str) -> Result<OperatorVerifier, AuthError> {
+        Verifier::new(keys, issuer, OPERATOR_AUDIENCE).map(OperatorVerifier)
+    }
+
+    /// Verifies an operator token (`Authorization` header value or bare token). The `operator` claim is not
+    /// needed: the audience and the key are what make a token an operator's.
+    pub fn verify(&self, header_value: &str) -> Result<Principal, AuthError> {
+        self.0.verify(header_value)
     }
 }
 

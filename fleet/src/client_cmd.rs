@@ -9,7 +9,7 @@ use std::time::Duration;
 use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, methods, subjects};
 use serde_json::{Value, json};
 
-use crate::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, DevKey};
+use crate::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, DevKey, OPERATOR_AUDIENCE};
 
 /// The NATS URL clients use by default.
 pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
@@ -144,10 +144,16 @@ impl ClientArgs {
     }
 }
 
-/// Mints a dev token.
+/// Mints a dev token: a user token with the data dir's dev key, or (`operator`) an operator token — audience
+/// `cloud-agents-operator` — with its dev operator key.
 pub fn mint(data_dir: &Path, user: &str, ttl: Duration, operator: bool) -> Result<String, ApiError> {
-    let key = DevKey::load(data_dir).map_err(|e| e.to_api_error())?;
-    key.mint(user, DEFAULT_ISSUER, DEFAULT_AUDIENCE, ttl, operator)
+    let (key, audience) = if operator {
+        (DevKey::load_operator(data_dir), OPERATOR_AUDIENCE)
+    } else {
+        (DevKey::load(data_dir), DEFAULT_AUDIENCE)
+    };
+    let key = key.map_err(|e| e.to_api_error())?;
+    key.mint(user, DEFAULT_ISSUER, audience, ttl, operator)
         .map_err(|e| e.to_api_error())
 }
 

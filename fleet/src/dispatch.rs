@@ -2,6 +2,7 @@
 //! without a coordinator: a user's calls to a plugin go to the worker that has it warm while that worker lives
 //! and has room; a new or dead worker moves only its share), and the request/reply to the chosen worker.
 
+use std::collections::HashSet;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -10,10 +11,16 @@ use fleet_proto::api::{ApiError, ApiErrorCode, subjects};
 use sha2::{Digest, Sha256};
 use tracing::Instrument as _;
 
+use crate::membership::Membership;
 use crate::store::{Store, WorkerInfo};
 
-/// How long the list of live workers is reused before asking JetStream again.
+/// How long the registry's last read is reused while the membership watch has not read it yet.
 const REGISTRY_CACHE: Duration = Duration::from_millis(500);
+
+/// How long a sync call that finds no worker able to take it (none registered, or every one draining or gone)
+/// waits for membership to change before it answers `agent_unavailable` — bounded further by the call's own
+/// timeout (the default of [`FrontConfig::no_worker_wait`](crate::front::FrontConfig::no_worker_wait)). A rolling restart replaces a worker within this (a new worker registers before it takes work).
+pub const NO_WORKER_WAIT: Duration = Duration::from_secs(5);
 
 /// How long a worker may take to accept (or refuse) a job.
 const JOB_ACCEPT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -40,7 +47,12 @@ pub fn rank<'a>(workers: impl IntoIterator<Item = &'a str>, key: &str) -> Vec<St
 pub struct Dispatcher {
     client: async_nats::Client,
     store: Store,
+    /// The registry, pushed by a KV watch.
+    membership: Membership,
+    /// The last direct read, used only until the watch has read the registry.
     cache: Mutex<Option<(Instant, Vec<WorkerInfo>)>>,
+    /// See [`NO_WORKER_WAIT`].
+    no_worker_wait: Duration,
 }
 
 impl Dispatcher {
@@ -48,18 +60,31 @@ impl Dispatcher {
     pub fn new(client: async_nats::Client, store: Store) -> Dispatcher {
         Dispatcher {
             client,
+            membership: Membership::follow(store.clone()),
             store,
             cache: Mutex::new(None),
+            no_worker_wait: NO_WORKER_WAIT,
         }
     }
 
-    /// The live workers (cached for half a second); empty when the registry cannot be read.
+    /// How long a sync call that finds no worker waits for one (default [`NO_WORKER_WAIT`]).
+    pub fn with_no_worker_wait(mut self, wait: Duration) -> Dispatcher {
+        self.no_worker_wait = wait;
+        self
+    }
+
+    /// The live workers to dispatch to, as the membership watch sees them (pushed, no read per call); read from
+    /// the registry while the watch does not know (not read yet, or broken); empty when neither answers.
     pub async fn live(&self) -> Vec<WorkerInfo> {
+        if let Some(list) = self.membership.snapshot() {
+            return list;
+        }
         self.registry().await.unwrap_or_default()
     }
 
-    /// The live workers, or `None` when the registry cannot be read right now (so callers never mistake a
-    /// JetStream hiccup for dead workers).
+    /// The live workers read from the registry itself (cached for half a second), or `None` when it cannot be
+    /// read right now, so callers never mistake a JetStream hiccup for dead workers. This is what destructive
+    /// decisions (the sweeper failing a lost worker's jobs) rest on: a watch that went quiet is not evidence.
     pub async fn registry(&self) -> Option<Vec<WorkerInfo>> {
         if let Some((at, list)) = self
             .cache
@@ -142,20 +167,49 @@ impl Dispatcher {
     }
 
     async fn sync_inner(&self, req: &ExecRequest, wait: Duration) -> Result<(String, ExecReply), ApiError> {
-        for worker in self.ranked(&req.user, &req.plugin).await {
-            match self.request(&worker, req, wait).await {
-                Ok(reply) if skippable(&reply) => {}
-                Ok(reply) => return Ok((worker, reply)),
-                Err(RequestFailure::NoResponders) => {}
-                Err(RequestFailure::TimedOut) => {
-                    return Err(ApiError::new(
-                        ApiErrorCode::ToolTimeout,
-                        format!("no answer within {wait:?}"),
-                    ));
+        let started = Instant::now();
+        let deadline = started + wait;
+        let give_up = started + self.no_worker_wait.min(wait);
+        let mut changes = self.membership.changes();
+        let mut tried: HashSet<String> = HashSet::new();
+        loop {
+            changes.mark_unchanged();
+            // Whether a worker was gone or draining (membership is changing), as opposed to every live worker
+            // refusing for capacity, which is answered at once.
+            let mut churn = false;
+            let ranked = self.ranked(&req.user, &req.plugin).await;
+            if ranked.is_empty() {
+                churn = true;
+            }
+            for worker in ranked {
+                if !tried.insert(worker.clone()) {
+                    continue;
                 }
-                Err(RequestFailure::Other(e)) => {
-                    return Err(ApiError::new(ApiErrorCode::AgentUnavailable, e));
+                let remaining = deadline.saturating_duration_since(Instant::now());
+                if remaining.is_zero() {
+                    return Err(timed_out(wait));
                 }
+                match self.request(&worker, req, remaining).await {
+                    Ok(reply) if reply.draining => churn = true,
+                    Ok(reply) if skippable(&reply) => {}
+                    Ok(reply) => return Ok((worker, reply)),
+                    Err(RequestFailure::NoResponders) => churn = true,
+                    Err(RequestFailure::TimedOut) => return Err(timed_out(wait)),
+                    Err(RequestFailure::Other(e)) => {
+                        return Err(ApiError::new(ApiErrorCode::AgentUnavailable, e));
+                    }
+                }
+            }
+            let until = give_up.min(deadline);
+            if !churn || Instant::now() >= until {
+                break;
+            }
+            // Wait for a worker to register (or any other change), then try the ones not tried yet.
+            if tokio::time::timeout_at(until.into(), changes.changed())
+                .await
+                .is_err()
+            {
+                break;
             }
         }
         Err(ApiError::new(
@@ -190,6 +244,7 @@ impl Dispatcher {
             }
             match self.request(&worker, req, JOB_ACCEPT_TIMEOUT).await {
                 Ok(reply) if reply.success => return Ok(worker),
+                Ok(reply) if reply.draining => {}
                 Ok(reply) => match reply.error {
                     Some(e) if e.code == ApiErrorCode::LongJobCapacity => full = true,
                     Some(e) if e.code == ApiErrorCode::AgentUnavailable => {}
@@ -266,6 +321,11 @@ fn record_dispatch(span: &tracing::Span, result: Result<&str, &ApiError>) {
             span.record("otel.status_code", "ERROR");
         }
     }
+}
+
+/// The answer to a sync call whose worker did not answer within the call's timeout (it may have run).
+fn timed_out(wait: Duration) -> ApiError {
+    ApiError::new(ApiErrorCode::ToolTimeout, format!("no answer within {wait:?}"))
 }
 
 /// A worker that refused only because it cannot take the call now.

@@ -41,6 +41,8 @@ pub struct FrontConfig {
     pub rate_per_user: u32,
     /// Burst per user.
     pub burst_per_user: u32,
+    /// How long a sync call that finds no worker waits for one to register (bounded by the call's timeout).
+    pub no_worker_wait: Duration,
 }
 
 impl Default for FrontConfig {
@@ -49,6 +51,7 @@ impl Default for FrontConfig {
             max_active_jobs: MAX_ACTIVE_JOBS_PER_USER,
             rate_per_user: 50,
             burst_per_user: 100,
+            no_worker_wait: crate::dispatch::NO_WORKER_WAIT,
         }
     }
 }
@@ -75,17 +78,67 @@ impl std::fmt::Debug for Front {
     }
 }
 
+/// How long [`FrontService::stop`] lets the requests in flight finish: the longest sync invoke the API admits,
+/// plus the time to answer it.
+pub const FRONT_DRAIN_GRACE: Duration = Duration::from_millis(INVOKE_TIMEOUT_MAX_MS + 5_000);
+
 /// A running API service; dropping it keeps serving until `stop`.
 #[derive(Debug)]
 pub struct FrontService {
-    tasks: tokio::task::JoinSet<()>,
+    service: Option<async_nats::service::Service>,
+    /// One loop per endpoint; each ends when its subscription has delivered its last message.
+    endpoints: tokio::task::JoinSet<()>,
+    /// Requests being handled.
+    in_flight: Arc<tokio::sync::watch::Sender<usize>>,
+    /// The connection the answers go out on (flushed before `stop` returns).
+    client: async_nats::Client,
 }
 
 impl FrontService {
-    /// Stops serving.
+    /// API requests this replica is handling right now.
+    pub fn in_flight(&self) -> usize {
+        *self.in_flight.borrow()
+    }
+
+    /// Drains: unsubscribes every endpoint (the other replicas of the queue group take new requests), handles
+    /// every request this replica was already delivered, waits up to [`FRONT_DRAIN_GRACE`] for the requests in
+    /// flight to be answered, then returns. No request this replica received goes unanswered.
     pub async fn stop(mut self) {
-        self.tasks.abort_all();
-        while self.tasks.join_next().await.is_some() {}
+        if let Some(service) = self.service.take() {
+            // The endpoints unsubscribe and then yield what is buffered until their stream ends.
+            let _ = service.stop().await;
+        }
+        let drained = tokio::time::timeout(FRONT_DRAIN_GRACE, async {
+            while self.endpoints.join_next().await.is_some() {}
+            let mut in_flight = self.in_flight.subscribe();
+            let _ = in_flight.wait_for(|n| *n == 0).await;
+        })
+        .await;
+        if drained.is_err() {
+            tracing::warn!("front drain grace elapsed with requests in flight");
+        }
+        // The last answers may still be queued in the client: write them out before the caller may drop it.
+        if let Err(e) = self.client.flush().await {
+            tracing::warn!(error = %e, "cannot flush the last answers");
+        }
+        self.endpoints.abort_all();
+        while self.endpoints.join_next().await.is_some() {}
+    }
+}
+
+/// Counts one API request in flight for as long as it lives.
+struct Handling(Arc<tokio::sync::watch::Sender<usize>>);
+
+impl Handling {
+    fn enter(counter: &Arc<tokio::sync::watch::Sender<usize>>) -> Handling {
+        counter.send_modify(|n| *n += 1);
+        Handling(counter.clone())
+    }
+}
+
+impl Drop for Handling {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
     }
 }
 
@@ -99,7 +152,8 @@ impl Front {
         let quota = Quota::per_second(nz(config.rate_per_user)).allow_burst(nz(config.burst_per_user));
         Front {
             inner: Arc::new(Inner {
-                dispatcher: Dispatcher::new(client.clone(), store.clone()),
+                dispatcher: Dispatcher::new(client.clone(), store.clone())
+                    .with_no_worker_wait(config.no_worker_wait),
                 store,
                 verifier,
                 limiter: RateLimiter::keyed(quota),
@@ -144,13 +198,17 @@ impl Front {
             .await?;
         let group = service.group(subjects::API_PREFIX);
         let mut tasks = tokio::task::JoinSet::new();
+        let in_flight = Arc::new(tokio::sync::watch::channel(0).0);
         for method in methods::ALL {
             let mut endpoint = group.endpoint(*method).await?;
             let front = self.clone();
+            let in_flight = in_flight.clone();
             tasks.spawn(async move {
                 while let Some(request) = endpoint.next().await {
                     let front = front.clone();
+                    let handling = Handling::enter(&in_flight);
                     tokio::spawn(async move {
+                        let _handling = handling;
                         let auth = request
                             .message
                             .headers
@@ -178,12 +236,12 @@ impl Front {
         tokio::time::timeout(Duration::from_secs(10), echo.next())
             .await
             .map_err(|_| "the NATS server did not confirm the API subscriptions")?;
-        // Keep the service (and its $SRV handlers) alive as long as the endpoints run.
-        tasks.spawn(async move {
-            std::future::pending::<()>().await;
-            drop(service);
-        });
-        Ok(FrontService { tasks })
+        Ok(FrontService {
+            service: Some(service),
+            endpoints: tasks,
+            in_flight,
+            client: self.inner.client.clone(),
+        })
     }
 
     /// Handles one API call (also the HTTP gateway's entry point, later). Traced in the caller's span (the

@@ -17,7 +17,7 @@ use fleet_proto::executa::capabilities::is_known_host_capability;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::auth::Verifier;
+use crate::auth::OperatorVerifier;
 use crate::client_cmd::OperatorConn;
 use crate::operator;
 use crate::store::{self, Op, Revisioned, StoreError, StoreSettings, now_ms, user_key};
@@ -243,7 +243,7 @@ struct GetArgs {
 pub async fn serve_admin(
     client: async_nats::Client,
     grants: GrantStore,
-    verifier: Verifier,
+    verifier: OperatorVerifier,
 ) -> Result<tokio::task::JoinHandle<()>, async_nats::Error> {
     operator::serve(
         client,

@@ -12,6 +12,7 @@ pub mod dispatch;
 pub mod front;
 pub mod grants;
 pub mod http;
+pub mod membership;
 pub mod metrics;
 pub mod nats_server;
 pub mod node;

@@ -74,7 +74,7 @@ enum Cmd {
         /// An entry of the window token's `tools` allow-list (repeatable; none: every tool).
         #[arg(long = "allow-tool", requires = "window")]
         allow_tools: Vec<String>,
-        /// Add the operator claim.
+        /// An operator token instead (audience `cloud-agents-operator`, the data dir's dev operator key).
         #[arg(long, conflicts_with = "window")]
         operator: bool,
         /// The data directory of `fleet up`.

@@ -9,7 +9,7 @@
 //! run twice.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -33,6 +33,10 @@ use crate::store::{Store, Transition, WorkerInfo, user_key};
 /// How often the worker refreshes its registry entry and its running jobs' heartbeats.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
 
+/// How long [`WorkerNode::shutdown`] lets in-flight invokes and running jobs finish before it stops their plugins
+/// (the Helm chart's `terminationGracePeriodSeconds` must cover it plus the plugin shutdown ladder).
+pub const DRAIN_GRACE: Duration = Duration::from_secs(30);
+
 /// Progress events buffered per job between the plugin's reader and JetStream.
 const PROGRESS_BUFFER: usize = 1024;
 
@@ -49,7 +53,10 @@ pub struct WorkerNode {
     client: async_nats::Client,
     tasks: JoinSet<()>,
     pool: Pool,
-    store: Store,
+    ctx: Arc<Ctx>,
+    /// Tells the exec loop to drain its subscription (answering what is still buffered with "draining").
+    stop_exec: Option<tokio::sync::oneshot::Sender<()>>,
+    exec_loop: Option<tokio::task::JoinHandle<()>>,
 }
 
 struct Ctx {
@@ -59,6 +66,10 @@ struct Ctx {
     pool: Pool,
     long_jobs: Arc<Semaphore>,
     running_long: AtomicU64,
+    /// Set when the node starts draining: it has left the registry and refuses new exec requests.
+    draining: AtomicBool,
+    /// Exec requests being served (sync invokes and jobs until their outcome is recorded).
+    in_flight: tokio::sync::watch::Sender<usize>,
     started_at_ms: u64,
     metrics: Arc<FleetMetrics>,
     /// Lazy installs of plugins published to the fleet (`crate::plugins`); `None` if its store cannot be opened.
@@ -92,6 +103,8 @@ impl WorkerNode {
             pool: pool.clone(),
             long_jobs: Arc::new(Semaphore::new(MAX_LONG_JOBS_PER_WORKER)),
             running_long: AtomicU64::new(0),
+            draining: AtomicBool::new(false),
+            in_flight: tokio::sync::watch::channel(0).0,
             started_at_ms: now_ms(),
             metrics,
             installer,
@@ -102,10 +115,30 @@ impl WorkerNode {
             tasks.spawn(prepare_published(ctx.clone(), installer));
         }
         let c = ctx.clone();
-        tasks.spawn(async move {
+        let (stop_exec, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let exec_loop = tokio::spawn(async move {
             let mut exec = exec;
-            while let Some(msg) = exec.next().await {
-                tokio::spawn(serve_exec(c.clone(), msg));
+            let mut stopping = false;
+            loop {
+                let msg = tokio::select! {
+                    m = exec.next() => m,
+                    _ = &mut stop_rx, if !stopping => {
+                        stopping = true;
+                        // Unsubscribe, but deliver what the server already sent: those get "draining".
+                        if let Err(e) = exec.drain().await {
+                            tracing::warn!(error = %e, "cannot drain the exec subscription");
+                            break;
+                        }
+                        continue;
+                    }
+                };
+                let Some(msg) = msg else { break };
+                let guard = InFlight::enter(&c);
+                let c = c.clone();
+                tokio::spawn(async move {
+                    serve_exec(c, msg).await;
+                    drop(guard);
+                });
             }
         });
         for mut sub in [cancel, matrix] {
@@ -143,7 +176,9 @@ impl WorkerNode {
             client,
             tasks,
             pool,
-            store,
+            ctx,
+            stop_exec: Some(stop_exec),
+            exec_loop: Some(exec_loop),
         })
     }
 
@@ -162,16 +197,86 @@ impl WorkerNode {
         &self.pool
     }
 
-    /// Stops serving, leaves the registry, shuts every plugin session down.
-    pub async fn shutdown(mut self) {
+    /// Drains within [`DRAIN_GRACE`], then shuts every plugin session down (see [`drain`](Self::drain)).
+    pub async fn shutdown(self) {
+        self.drain(DRAIN_GRACE).await;
+    }
+
+    /// Leaves the fleet without failing a call: stops refreshing and removes its registry entry (fronts watching
+    /// the registry stop choosing it at once), answers every exec request that still arrives with "draining"
+    /// (the front tries the next worker), lets the in-flight invokes and running jobs finish for up to `grace`,
+    /// then stops every task and shuts every plugin session down. Jobs still running after `grace` are left to
+    /// the sweeper, which fails them `worker_lost` (never run twice).
+    pub async fn drain(mut self, grace: Duration) {
+        self.ctx.draining.store(true, Ordering::SeqCst);
+        if let Err(e) = self.ctx.store.remove_worker(&self.id).await {
+            tracing::warn!(worker = %self.id, error = %e, "cannot leave the worker registry; it expires by TTL");
+        }
+        if let Some(stop) = self.stop_exec.take() {
+            let _ = stop.send(());
+        }
+        let mut in_flight = self.ctx.in_flight.subscribe();
+        let drained = tokio::time::timeout(grace, in_flight.wait_for(|n| *n == 0))
+            .await
+            .is_ok();
+        if !drained {
+            tracing::warn!(
+                worker = %self.id,
+                in_flight = *self.ctx.in_flight.borrow(),
+                "drain grace elapsed; stopping the calls still running"
+            );
+        }
+        if let Some(exec) = self.exec_loop.take() {
+            exec.abort();
+            let _ = exec.await;
+        }
+        // The last answers and job records may still be queued in the client: write them out.
+        if let Err(e) = self.client.flush().await {
+            tracing::warn!(worker = %self.id, error = %e, "cannot flush the last answers");
+        }
         self.tasks.abort_all();
         while self.tasks.join_next().await.is_some() {}
-        let _ = self.store.remove_worker(&self.id).await;
         self.pool.shutdown().await;
     }
 }
 
+impl Drop for WorkerNode {
+    fn drop(&mut self) {
+        if let Some(exec) = &self.exec_loop {
+            exec.abort();
+        }
+    }
+}
+
+impl std::fmt::Debug for Ctx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ctx")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Counts one exec request in flight for as long as it lives.
+struct InFlight(Arc<Ctx>);
+
+impl InFlight {
+    fn enter(ctx: &Arc<Ctx>) -> InFlight {
+        ctx.in_flight.send_modify(|n| *n += 1);
+        InFlight(ctx.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
 async fn heartbeat(ctx: &Ctx) {
+    if ctx.draining.load(Ordering::SeqCst) {
+        // A draining worker has left the registry and must not re-enter it.
+        return;
+    }
     let info = WorkerInfo {
         id: ctx.id.clone(),
         capacity_long_jobs: MAX_LONG_JOBS_PER_WORKER,
@@ -281,6 +386,7 @@ fn refuse(error: ApiError) -> ExecReply {
         success: false,
         data: None,
         error: Some(error),
+        draining: false,
     }
 }
 
@@ -301,6 +407,9 @@ async fn serve_exec(ctx: Arc<Ctx>, msg: async_nats::Message) {
 }
 
 async fn serve_exec_traced(ctx: Arc<Ctx>, msg: async_nats::Message) {
+    if ctx.draining.load(Ordering::SeqCst) {
+        return respond(&ctx, &msg, &ExecReply::draining()).await;
+    }
     let req: ExecRequest = match serde_json::from_slice(&msg.payload) {
         Ok(r) => r,
         Err(e) => {
@@ -369,6 +478,7 @@ async fn serve_exec_traced(ctx: Arc<Ctx>, msg: async_nats::Message) {
                     success: true,
                     data: None,
                     error: None,
+                    draining: false,
                 },
             )
             .await;
@@ -429,6 +539,7 @@ async fn run_sync(ctx: &Ctx, req: &ExecRequest) -> ExecReply {
                     success: true,
                     data: Some(raw),
                     error: None,
+                    draining: false,
                 },
                 Err(e) => refuse(ApiError::new(ApiErrorCode::InternalError, e.to_string())),
             }

@@ -1,6 +1,6 @@
 //! The operator API's plumbing, shared by every area (`fleet.v1.admin.grants.*`, `fleet.v1.admin.plugins.*`):
 //! one queue-group subscription per area (any front answers), request/reply with `Authorization: Bearer <JWT>`,
-//! the token verified and required to carry the operator claim, each request handled on its own task, answers in
+//! the token verified as an operator token (its own audience and key set: [`OperatorVerifier`]), each request handled on its own task, answers in
 //! the API envelope (`{"ok": …}` / `{"error": {code, message, details}}`).
 
 use std::future::Future;
@@ -11,7 +11,7 @@ use futures::StreamExt as _;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::auth::Verifier;
+use crate::auth::{AuthError, OperatorVerifier};
 
 /// Subject prefix of the operator API.
 pub const ADMIN_PREFIX: &str = "fleet.v1.admin";
@@ -28,7 +28,7 @@ pub async fn serve<H, Fut>(
     client: async_nats::Client,
     area: &'static str,
     queue: String,
-    verifier: Verifier,
+    verifier: OperatorVerifier,
     what: &'static str,
     handler: H,
 ) -> Result<tokio::task::JoinHandle<()>, async_nats::Error>
@@ -69,25 +69,33 @@ where
     }))
 }
 
-/// A verified token with the operator claim, or the error to answer.
-fn authorize(verifier: &Verifier, auth: Option<&str>, what: &str) -> Result<(), ApiError> {
-    let principal = match auth.map(|h| verifier.verify(h)) {
-        None => {
-            return Err(ApiError::new(
-                ApiErrorCode::InvalidToken,
-                "missing Authorization header",
-            ));
-        }
-        Some(Err(e)) => return Err(e.to_api_error()),
-        Some(Ok(p)) => p,
+/// A verified operator token, or the error to answer: a token that is well-formed and current but not an
+/// operator's (another audience, another key: a user token, whatever claims it carries) is `permission_denied`;
+/// a missing, malformed or expired one is `invalid_token`.
+fn authorize(verifier: &OperatorVerifier, auth: Option<&str>, what: &str) -> Result<(), ApiError> {
+    let Some(auth) = auth else {
+        return Err(ApiError::new(
+            ApiErrorCode::InvalidToken,
+            "missing Authorization header",
+        ));
     };
-    if principal.operator {
-        Ok(())
-    } else {
-        Err(ApiError::new(
+    match verifier.verify(auth) {
+        Ok(_) => Ok(()),
+        Err(
+            e @ (AuthError::WrongAudience
+            | AuthError::WrongIssuer
+            | AuthError::BadSignature
+            | AuthError::NoMatchingKey
+            | AuthError::AlgorithmNotAllowed(_)),
+        ) => Err(ApiError::with_details(
             ApiErrorCode::PermissionDenied,
-            format!("{what}: the token needs the operator claim"),
-        ))
+            format!(
+                "{what}: an operator token is required (audience {}, an operator key)",
+                crate::auth::OPERATOR_AUDIENCE
+            ),
+            serde_json::json!({ "reason": e.reason() }),
+        )),
+        Err(e) => Err(e.to_api_error()),
     }
 }
 

@@ -14,7 +14,7 @@ use fleet_worker::pool::Pool;
 use fleet_worker::sandbox::Sandbox;
 use fleet_worker::session::WorkerContext;
 
-use crate::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, DevKey, Verifier, VerifyKey};
+use crate::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, DevKey, OperatorVerifier, Verifier, VerifyKey};
 use crate::client_cmd::{DEFAULT_DATA_DIR, nats_url_file};
 use crate::front::{Front, FrontConfig};
 use crate::nats_server::{NatsServer, free_port};
@@ -24,6 +24,10 @@ use crate::store::{Store, StoreSettings};
 /// `fleet up`'s flags (this exact interface: scripts and the README use it).
 #[derive(Debug, Clone, clap::Args)]
 pub struct UpArgs {
+    /// On Ctrl-C/SIGTERM, how long the in-process workers let in-flight invokes and running jobs finish after
+    /// leaving the registry (seconds).
+    #[arg(long, env = "FLEET_DRAIN_GRACE_SECS", default_value_t = crate::node::DRAIN_GRACE.as_secs())]
+    pub drain_grace_secs: u64,
     /// Use this NATS server instead of starting one.
     #[arg(long, env = "FLEET_NATS_URL")]
     pub nats_url: Option<String>,
@@ -49,6 +53,20 @@ pub struct UpArgs {
     /// A PEM file with an Ed25519 public key API tokens may be signed with (repeatable).
     #[arg(long = "jwt-ed25519-public-key", env = "FLEET_JWT_ED25519_PUBLIC_KEY")]
     pub jwt_ed25519_public_keys: Vec<PathBuf>,
+    /// A file holding an HS256 secret (≥ 32 bytes) that operator tokens (audience `cloud-agents-operator`) may be
+    /// signed with (repeatable). When any operator key flag is given, the dev operator key of --data-dir is NOT
+    /// accepted. User-token keys never verify operator tokens.
+    #[arg(
+        long = "operator-jwt-hs256-secret-file",
+        env = "FLEET_OPERATOR_JWT_HS256_SECRET_FILE"
+    )]
+    pub operator_jwt_hs256_secret_files: Vec<PathBuf>,
+    /// A PEM file with an Ed25519 public key operator tokens may be signed with (repeatable).
+    #[arg(
+        long = "operator-jwt-ed25519-public-key",
+        env = "FLEET_OPERATOR_JWT_ED25519_PUBLIC_KEY"
+    )]
+    pub operator_jwt_ed25519_public_keys: Vec<PathBuf>,
     /// The `iss` API tokens must carry.
     #[arg(long, env = "FLEET_JWT_ISSUER", default_value = DEFAULT_ISSUER)]
     pub jwt_issuer: String,
@@ -77,21 +95,41 @@ pub struct UpArgs {
 
 /// The verifier: the configured keys, or the dev key of the data dir when none is configured.
 fn verifier(args: &UpArgs, data_dir: &Path) -> Result<Verifier, UpError> {
-    let mut keys = Vec::new();
-    for path in &args.jwt_hs256_secret_files {
-        let secret = std::fs::read(path).map_err(|e| other(&path.display().to_string())(&e))?;
-        let secret = secret.strip_suffix(b"\n").unwrap_or(&secret);
-        keys.push(VerifyKey::hs256(secret).map_err(|e| other(&path.display().to_string())(&e))?);
-    }
-    for path in &args.jwt_ed25519_public_keys {
-        let pem = std::fs::read(path).map_err(|e| other(&path.display().to_string())(&e))?;
-        keys.push(VerifyKey::ed25519_public_pem(&pem).map_err(|e| other(&path.display().to_string())(&e))?);
-    }
+    let mut keys = load_keys(&args.jwt_hs256_secret_files, &args.jwt_ed25519_public_keys)?;
     if keys.is_empty() {
         let key = DevKey::load_or_create(data_dir).map_err(|e| other("dev signing key")(&e))?;
         keys.push(key.verify_key().map_err(|e| other("dev key")(&e))?);
     }
     Verifier::new(keys, &args.jwt_issuer, &args.jwt_audience).map_err(|e| other("verifier")(&e))
+}
+
+/// The operator verifier: the configured operator keys, or the dev operator key of the data dir when none is
+/// configured (never the user-token keys).
+fn operator_verifier(args: &UpArgs, data_dir: &Path) -> Result<OperatorVerifier, UpError> {
+    let mut keys = load_keys(
+        &args.operator_jwt_hs256_secret_files,
+        &args.operator_jwt_ed25519_public_keys,
+    )?;
+    if keys.is_empty() {
+        let key = DevKey::load_or_create_operator(data_dir).map_err(|e| other("dev operator key")(&e))?;
+        keys.push(key.verify_key().map_err(|e| other("dev operator key")(&e))?);
+    }
+    OperatorVerifier::new(keys, &args.jwt_issuer).map_err(|e| other("operator verifier")(&e))
+}
+
+/// Verification keys from HS256 secret files and Ed25519 public key PEM files.
+fn load_keys(hs256_files: &[PathBuf], ed25519_files: &[PathBuf]) -> Result<Vec<VerifyKey>, UpError> {
+    let mut keys = Vec::new();
+    for path in hs256_files {
+        let secret = std::fs::read(path).map_err(|e| other(&path.display().to_string())(&e))?;
+        let secret = secret.strip_suffix(b"\n").unwrap_or(&secret);
+        keys.push(VerifyKey::hs256(secret).map_err(|e| other(&path.display().to_string())(&e))?);
+    }
+    for path in ed25519_files {
+        let pem = std::fs::read(path).map_err(|e| other(&path.display().to_string())(&e))?;
+        keys.push(VerifyKey::ed25519_public_pem(&pem).map_err(|e| other(&path.display().to_string())(&e))?);
+    }
+    Ok(keys)
 }
 
 /// Why `fleet up` could not run.
@@ -195,6 +233,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
 
     // Auth: the configured keys, else the dev key in the data dir.
     let verifier = verifier(args, &data_dir)?;
+    let operator_verifier = operator_verifier(args, &data_dir)?;
 
     // Workers.
     let plugins_dir = args.plugins_dir.clone().unwrap_or_else(default_plugins_dir);
@@ -279,13 +318,18 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             max_active_jobs: args.max_active_jobs_per_user,
             rate_per_user: args.rate_limit_per_sec,
             burst_per_user: args.rate_limit_burst,
+            ..FrontConfig::default()
         },
     )
     .with_metrics(metrics.clone());
     let service = front.serve().await.map_err(|e| other("API service")(&e))?;
-    let admin = crate::grants::serve_admin(client.clone(), services.grants().clone(), verifier.clone())
-        .await
-        .map_err(|e| other("operator API")(&e))?;
+    let admin = crate::grants::serve_admin(
+        client.clone(),
+        services.grants().clone(),
+        operator_verifier.clone(),
+    )
+    .await
+    .map_err(|e| other("operator API")(&e))?;
     // Plugin distribution: the operator API `fleet.v1.admin.plugins.*` (packages in the object store).
     let plugin_store =
         crate::plugins::PluginStore::open(&async_nats::jetstream::new(client.clone()), store.settings())
@@ -295,7 +339,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         client.clone(),
         plugin_store,
         store.clone(),
-        verifier.clone(),
+        operator_verifier.clone(),
         crate::plugins::publish::scratch_dir(&data_dir),
     )
     .await
@@ -308,6 +352,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         front.clone(),
         client.clone(),
         verifier,
+        operator_verifier,
         metrics.clone(),
         crate::http::HttpConfig::default(),
     )
@@ -345,7 +390,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     sweeper.abort();
     service.stop().await;
     for node in nodes {
-        node.shutdown().await;
+        node.drain(Duration::from_secs(args.drain_grace_secs)).await;
     }
     for sandbox in sandboxes {
         let _ = tokio::task::spawn_blocking(move || sandbox.remove_subtree()).await;

@@ -21,6 +21,10 @@ use serde_json::json;
 /// Options of `fleet worker`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct WorkerArgs {
+    /// On SIGTERM, how long in-flight invokes and running jobs may finish after the worker left the registry
+    /// (seconds), before their plugins are stopped.
+    #[arg(long, env = "FLEET_DRAIN_GRACE_SECS", default_value_t = crate::node::DRAIN_GRACE.as_secs())]
+    pub drain_grace_secs: u64,
     /// TOML file with a `WorkerConfig` (every field optional); flags override it.
     #[arg(long, env = "FLEET_WORKER_CONFIG")]
     pub config: Option<PathBuf>,
@@ -244,7 +248,7 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
         task.abort();
     }
     match node {
-        Some(node) => node.shutdown().await,
+        Some(node) => node.drain(Duration::from_secs(args.drain_grace_secs)).await,
         None => pool.shutdown().await,
     }
     let removed = tokio::task::spawn_blocking(move || sandbox.remove_subtree()).await;

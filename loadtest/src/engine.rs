@@ -173,6 +173,8 @@ pub(crate) struct Ctx {
     /// The connection.
     pub(crate) nats: async_nats::Client,
     key: SigningKey,
+    /// The fleet's operator key (or why it is not available), for [`Ctx::admin`].
+    operator_key: Result<SigningKey, String>,
     tokens: Mutex<HashMap<String, String>>,
     /// The measurements.
     pub(crate) rec: Recorder,
@@ -199,6 +201,7 @@ impl Ctx {
         Ctx {
             nats,
             key,
+            operator_key: Err("no operator key was loaded".into()),
             tokens: Mutex::new(HashMap::new()),
             rec: Recorder::new(),
             in_flight: AtomicUsize::new(0),
@@ -286,17 +289,26 @@ impl Ctx {
         }
     }
 
+    /// Operator calls sign with `key` (the fleet's dev operator key) from now on.
+    pub(crate) fn with_operator_key(mut self, key: Result<SigningKey, String>) -> Self {
+        self.operator_key = key;
+        self
+    }
+
     /// One operator call (`fleet.v1.admin.<method>`, e.g. `grants.set`) with an operator token minted with the
-    /// same key; not measured.
+    /// operator key; not measured.
     pub(crate) async fn admin(&self, method: &str, body: &Value) -> Result<Value, CallError> {
-        let token = self
-            .key
+        let key = self.operator_key.as_ref().map_err(|e| CallError {
+            code: "no_operator_key".into(),
+            message: e.clone(),
+        })?;
+        let token = key
             .mint(
                 &format!("loadtest-operator-{}", self.run_tag),
                 DEFAULT_ISSUER,
-                DEFAULT_AUDIENCE,
+                fleet::auth::OPERATOR_AUDIENCE,
                 Duration::from_secs(600),
-                true,
+                false,
             )
             .map_err(|e| CallError {
                 code: "mint_failed".into(),

@@ -150,6 +150,9 @@ fn run(args: &RunArgs) -> anyhow::Result<bool> {
     };
     let key = fleet::auth::DevKey::load(&data_dir)
         .map_err(|e| anyhow::anyhow!("{e} (give --data-dir of the fleet, or --spawn)"))?;
+    // Operator calls (grants of the host-storage scenario) need the fleet's dev operator key; without it they
+    // fail with a message naming the file.
+    let operator_key = fleet::auth::DevKey::load_operator(&data_dir).map_err(|e| e.to_string());
     let params = scenarios::Params {
         rate: args.rate.unwrap_or(scenario.default_rate),
         duration: args.duration,
@@ -165,7 +168,7 @@ fn run(args: &RunArgs) -> anyhow::Result<bool> {
         scenario,
         params,
         &nats_url,
-        key,
+        (key, operator_key),
         spawned.is_some(),
         slo,
         metrics_url.as_deref(),
@@ -185,7 +188,7 @@ async fn drive(
     scenario: &'static scenarios::Scenario,
     mut params: scenarios::Params,
     nats_url: &str,
-    key: fleet::auth::SigningKey,
+    (key, operator_key): (fleet::auth::SigningKey, Result<fleet::auth::SigningKey, String>),
     spawned: bool,
     slo: Option<report::Slo>,
     metrics_url: Option<&str>,
@@ -195,7 +198,7 @@ async fn drive(
         .connect(nats_url)
         .await
         .map_err(|e| anyhow::anyhow!("cannot connect to {nats_url}: {e}"))?;
-    let ctx = Arc::new(Ctx::new(nats, key, MAX_IN_FLIGHT));
+    let ctx = Arc::new(Ctx::new(nats, key, MAX_IN_FLIGHT).with_operator_key(operator_key));
     // Which demo plugins are served (the native `echo` needs `target/release`).
     let tools = ctx
         .call(

@@ -903,6 +903,25 @@ pub mod worker {
         /// Why not.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub error: Option<ApiError>,
+        /// The worker is draining (it left the registry and takes no new work): nothing ran, the front tries the
+        /// next ranked worker. Absent (false) from workers that predate it.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        pub draining: bool,
+    }
+
+    impl ExecReply {
+        /// The refusal of a draining worker: nothing ran, another worker may take it.
+        pub fn draining() -> ExecReply {
+            ExecReply {
+                success: false,
+                data: None,
+                error: Some(ApiError::new(
+                    super::ApiErrorCode::AgentUnavailable,
+                    "the worker is draining",
+                )),
+                draining: true,
+            }
+        }
     }
 
     /// The cancel command on `fleet.v1.worker.<id>.cancel` and `matrix.cancel.<client_id>` (spec §12.1 N6).

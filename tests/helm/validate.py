@@ -52,7 +52,7 @@ BAD_VALUES = [
      "/worker/autoscaling/keda/natsJetstream/stream"),
     ("secret ref without key", {"auth": {"hs256Secrets": [{"secretName": "jwt"}]}}, "missing property 'key'"),
     ("grace shorter than the shutdown ladder", {"worker": {"terminationGracePeriodSeconds": 15}},
-     "must be at least 2 × worker.config.shutdownGraceSeconds + 10"),
+     "must be at least worker.drainGraceSeconds + 2 × worker.config.shutdownGraceSeconds + 10"),
     ("no API key at all", {"auth": {"generateHs256Secret": False}}, "list at least one key"),
     ("public URL without a scheme", {"services": {"publicUrl": "fleet.example.com"}}, "/services/publicUrl"),
 ]

@@ -392,7 +392,9 @@ pub mod cluster {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, SigningKey, Verifier};
+    use fleet::auth::{
+        DEFAULT_AUDIENCE, DEFAULT_ISSUER, OPERATOR_AUDIENCE, OperatorVerifier, SigningKey, Verifier,
+    };
     use fleet::front::{Front, FrontConfig, FrontService};
     use fleet::metrics::FleetMetrics;
     use fleet::nats_server::NatsServer;
@@ -411,6 +413,8 @@ pub mod cluster {
 
     /// The HS256 secret of test tokens.
     pub const SECRET: &[u8] = b"cloud-agents-test-secret-32-bytes-long!!";
+    /// The HS256 secret of test operator tokens (a key of its own, as in production).
+    pub const OPERATOR_SECRET: &[u8] = b"cloud-agents-test-OPERATOR-secret-32-bytes!!";
 
     /// One worker node and what it needs.
     #[derive(Debug)]
@@ -437,6 +441,8 @@ pub mod cluster {
         pub workers: Vec<Worker>,
         /// Signs test tokens.
         pub key: SigningKey,
+        /// Signs test operator tokens.
+        pub operator_key: SigningKey,
         /// The plugins every worker serves.
         pub plugins: Vec<Plugin>,
         /// The metrics every front and worker node of the cluster records into (like `fleet up`).
@@ -475,6 +481,7 @@ pub mod cluster {
             .await
             .expect("store");
             let key = SigningKey::hs256(SECRET).expect("key");
+            let operator_key = SigningKey::hs256(OPERATOR_SECRET).expect("operator key");
             let mut cluster = Cluster {
                 nats,
                 client,
@@ -482,6 +489,7 @@ pub mod cluster {
                 fronts: Vec::new(),
                 workers: Vec::new(),
                 key,
+                operator_key,
                 plugins: plugins.to_vec(),
                 metrics: Arc::new(FleetMetrics::new()),
                 root,
@@ -498,6 +506,11 @@ pub mod cluster {
 
         /// Adds a front replica with its own connection.
         pub async fn add_front(&mut self) -> usize {
+            self.add_front_with(FrontConfig::default()).await
+        }
+
+        /// Adds a front replica with its own connection and these settings.
+        pub async fn add_front_with(&mut self, config: FrontConfig) -> usize {
             let client = connect(&self.nats.url()).await;
             let store = Store::open(
                 async_nats::jetstream::new(client.clone()),
@@ -511,8 +524,7 @@ pub mod cluster {
                 DEFAULT_AUDIENCE,
             )
             .expect("verifier");
-            let front = Front::new(client, store, verifier, FrontConfig::default())
-                .with_metrics(self.metrics.clone());
+            let front = Front::new(client, store, verifier, config).with_metrics(self.metrics.clone());
             let service = front.serve().await.expect("serve");
             self.fronts.push((front, service));
             self.fronts.len() - 1
@@ -571,6 +583,28 @@ pub mod cluster {
                 metrics,
             });
             i
+        }
+
+        /// The verifier the admin APIs of the cluster use.
+        pub fn operator_verifier(&self) -> OperatorVerifier {
+            OperatorVerifier::new(
+                vec![self.operator_key.verify_key().expect("operator verify key")],
+                DEFAULT_ISSUER,
+            )
+            .expect("operator verifier")
+        }
+
+        /// A valid operator token.
+        pub fn operator_token(&self) -> String {
+            self.operator_key
+                .mint(
+                    "ops",
+                    DEFAULT_ISSUER,
+                    OPERATOR_AUDIENCE,
+                    Duration::from_secs(600),
+                    false,
+                )
+                .expect("mint operator token")
         }
 
         /// A valid token for `user`.
@@ -660,9 +694,10 @@ pub mod cluster {
             for (_, service) in self.fronts.drain(..) {
                 service.stop().await;
             }
+            // Teardown: no grace (a test that checks draining calls `WorkerNode::drain` itself).
             for w in &mut self.workers {
                 if let Some(node) = w.node.take() {
-                    node.shutdown().await;
+                    node.drain(Duration::ZERO).await;
                 }
             }
         }

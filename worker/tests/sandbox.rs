@@ -754,7 +754,9 @@ async fn kill_all_outruns_a_fork_bomb() {
     let mut child = spawn(
         &SpawnPlan::new(Some(&cg), None, None),
         "sh",
-        &["-c", "b() { b | b & }; b; wait"],
+        // The root shell then spins without forking, so the bomb cannot die out by itself before the kill
+        // (its subshells do, once forks fail at pids.max): there is always something left to kill.
+        &["-c", "b() { b | b & }; b; while :; do :; done"],
     );
     wait_for("the bomb to hit pids.max", || {
         keyed_file(&cg, "pids.events", "max").is_some_and(|n| n > 0)

@@ -9,7 +9,7 @@
 //! | `GET /readyz` | NATS connected, a JetStream round trip, ≥ 1 live worker (else 503 and the reason) | none |
 //! | `GET /metrics` | [`FleetMetrics::encode`] | none |
 //! | `GET /` | the operator page (one embedded HTML file) ([`page`]) | none: it holds no data |
-//! | `GET /v1/ops/overview`, `GET /v1/ops/events` | the page's data: JSON snapshot, SSE stream | operator token (`"operator": true`, API audience) |
+//! | `GET /v1/ops/overview`, `GET /v1/ops/events` | the page's data: JSON snapshot, SSE stream | operator token (audience `cloud-agents-operator`, an operator key) |
 //! | `GET`, `PUT /v1/files/{bucket}/{object}` | host files and uploads: signed download links and presigned PUTs ([`files`]; only with [`serve_with_files`]) | the link's HMAC signature and expiry |
 //!
 //! The gateway is a thin adapter: after authentication, the ACL and the per-window in-flight cap it calls
@@ -34,7 +34,7 @@ use axum::routing::{get, post};
 use fleet_proto::api::{ApiError, ApiErrorCode};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::auth::{AuthError, Principal, Verifier};
+use crate::auth::{AuthError, OperatorVerifier, Principal, Verifier};
 use crate::front::Front;
 use crate::metrics::FleetMetrics;
 
@@ -71,8 +71,8 @@ pub struct HttpState {
 struct Inner {
     front: Front,
     client: async_nats::Client,
-    api: Verifier,
     window: Verifier,
+    operator: OperatorVerifier,
     metrics: Arc<FleetMetrics>,
     config: HttpConfig,
     windows: Mutex<HashMap<String, Arc<Semaphore>>>,
@@ -97,12 +97,13 @@ impl std::fmt::Debug for HttpState {
 
 impl HttpState {
     /// The gateway's state over `front`: subscribes to every user's `tool_job` events (`fleet.v1.events.*`) for
-    /// the SSE streams and the operator page. `api` verifies API (and operator) tokens; window tokens are
-    /// verified with the same keys under the audience [`window::WINDOW_AUDIENCE`].
+    /// the SSE streams and the operator page. Window tokens are verified with `api`'s keys under the audience
+    /// [`window::WINDOW_AUDIENCE`]; the operator page's data with `operator` (its own keys and audience).
     pub async fn start(
         front: Front,
         client: async_nats::Client,
         api: Verifier,
+        operator: OperatorVerifier,
         metrics: Arc<FleetMetrics>,
         config: HttpConfig,
     ) -> Result<HttpState, async_nats::Error> {
@@ -114,8 +115,8 @@ impl HttpState {
             inner: Arc::new(Inner {
                 front,
                 client,
-                api,
                 window,
+                operator,
                 metrics,
                 config,
                 windows: Mutex::new(HashMap::new()),
@@ -143,20 +144,23 @@ impl HttpState {
         })
     }
 
-    /// Verifies an operator token (`"operator": true`, API audience).
+    /// Verifies an operator token (audience `cloud-agents-operator`, an operator key): a current token that is
+    /// not an operator's (a user token, whatever its claims) is `permission_denied`.
     fn operator(&self, token: Option<&str>) -> Result<Principal, ApiError> {
-        let principal = self
-            .inner
-            .api
-            .verify(token.unwrap_or(""))
-            .map_err(|e: AuthError| e.to_api_error())?;
-        if !principal.operator {
-            return Err(ApiError::new(
+        match self.inner.operator.verify(token.unwrap_or("")) {
+            Ok(p) => Ok(p),
+            Err(
+                AuthError::WrongAudience
+                | AuthError::WrongIssuer
+                | AuthError::BadSignature
+                | AuthError::NoMatchingKey
+                | AuthError::AlgorithmNotAllowed(_),
+            ) => Err(ApiError::new(
                 ApiErrorCode::PermissionDenied,
-                "an operator token (\"operator\": true) is required",
-            ));
+                "an operator token (audience cloud-agents-operator, signed by an operator key) is required",
+            )),
+            Err(e) => Err(e.to_api_error()),
         }
-        Ok(principal)
     }
 }
 

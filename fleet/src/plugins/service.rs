@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 
 use super::publish::{self, InstallArgs};
 use super::store::PluginStore;
-use crate::auth::Verifier;
+use crate::auth::OperatorVerifier;
 use crate::operator::{self, parse};
 use crate::store::Store;
 
@@ -65,7 +65,7 @@ pub async fn serve(
     client: async_nats::Client,
     plugins: PluginStore,
     store: Store,
-    verifier: Verifier,
+    verifier: OperatorVerifier,
     scratch: PathBuf,
 ) -> Result<tokio::task::JoinHandle<()>, async_nats::Error> {
     let ctx = Arc::new(Ctx {

@@ -44,6 +44,8 @@ pub enum Op {
     LiveWorkers,
     /// [`Store::remove_worker`](super::Store::remove_worker).
     RemoveWorker,
+    /// [`Store::watch_workers`](super::Store::watch_workers).
+    WatchWorkers,
     /// [`Store::put_manifest`](super::Store::put_manifest).
     PutManifest,
     /// [`Store::manifest`](super::Store::manifest).
@@ -78,6 +80,7 @@ impl Op {
             Op::HeartbeatWorker => "heartbeat_worker",
             Op::LiveWorkers => "live_workers",
             Op::RemoveWorker => "remove_worker",
+            Op::WatchWorkers => "watch_workers",
             Op::PutManifest => "put_manifest",
             Op::GetManifest => "manifest",
             Op::ListManifests => "manifests",

@@ -46,7 +46,7 @@ pub use active::Acquired;
 pub use error::{BoxError, Op, StoreError};
 pub use record::{JobRecord, now_ms, rfc3339_ms};
 pub use settings::{SettingsError, StoreSettings};
-pub use workers::WorkerInfo;
+pub use workers::{WorkerChange, WorkerInfo};
 
 /// Compare-and-set retries before [`StoreError::Contention`].
 const MAX_CAS_ATTEMPTS: u32 = 100;

@@ -67,6 +67,15 @@ app.kubernetes.io/component: {{ .component }}
 {{- if and .Values.auth.generateHs256Secret (not .Values.auth.hs256Secrets) (not .Values.auth.ed25519PublicKeys) }}true{{ end }}
 {{- end }}
 
+{{- define "cloud-agents.generatedOperatorSecretName" -}}
+{{- printf "%s-operator-jwt" (include "cloud-agents.fullname" .) }}
+{{- end }}
+
+{{/* True when the chart generates the operator HS256 secret. */}}
+{{- define "cloud-agents.generateOperatorSecret" -}}
+{{- if and .Values.auth.generateOperatorHs256Secret (not .Values.auth.operatorHs256Secrets) (not .Values.auth.operatorEd25519PublicKeys) }}true{{ end }}
+{{- end }}
+
 {{/* Environment shared by every component: (dict "ctx" $ "component" "front"). */}}
 {{- define "cloud-agents.commonEnv" -}}
 - name: FLEET_NATS_URL
