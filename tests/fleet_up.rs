@@ -799,3 +799,24 @@ fn a_python_plugin_samples_stores_and_uploads_through_fleet_up() {
     assert!(status.success(), "{status}");
     drop(llm);
 }
+
+/// The churn issue: `fleet up` owns its children. Killed with SIGKILL (no chance to clean up), it takes its
+/// nats-server with it (`PR_SET_PDEATHSIG`), so the next `fleet up` finds port and store free.
+#[test]
+fn a_fleet_up_killed_with_sigkill_takes_its_nats_server_with_it() {
+    let mut up = Up::start();
+    up.wait_ready();
+    let lines = up.lines();
+    let nats_pid: u32 = lines[0]
+        .split("(pid ")
+        .nth(1)
+        .and_then(|r| r.split(',').next())
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no pid in {:?}", lines[0]));
+    up.nats_pid = Some(nats_pid);
+    assert!(alive(nats_pid));
+    let mut child = up.child.take().expect("fleet up");
+    child.kill().expect("SIGKILL");
+    child.wait().expect("reaped");
+    wait_until("the nats-server dying with fleet up", || !alive(nats_pid));
+}

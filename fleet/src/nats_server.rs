@@ -34,6 +34,32 @@ pub enum NatsServerError {
     /// Could not be started or did not come up.
     #[error("nats-server failed to start: {0}")]
     Start(String),
+    /// A server left by an earlier run (e.g. a `fleet up` killed with SIGKILL before this version) still holds
+    /// the store.
+    #[error(
+        "a nats-server (pid {pid}) left by an earlier run still uses {}; stop it (`kill {pid}`) and start again",
+        store.display()
+    )]
+    Stale {
+        /// Its pid.
+        pid: u32,
+        /// The store directory it holds.
+        store: PathBuf,
+    },
+}
+
+/// The file (in the store directory) where the server writes its pid (`-P`).
+pub const PID_FILE: &str = "nats-server.pid";
+
+/// The pid recorded in `store_dir` if that process still runs and is a nats-server.
+pub fn stale_server(store_dir: &Path) -> Option<u32> {
+    let pid: u32 = std::fs::read_to_string(store_dir.join(PID_FILE))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+    (comm.trim() == "nats-server").then_some(pid)
 }
 
 /// A running child nats-server.
@@ -101,18 +127,29 @@ impl NatsServer {
     pub fn start_on(store_dir: &Path, port: u16) -> Result<NatsServer, NatsServerError> {
         let bin = find()?;
         std::fs::create_dir_all(store_dir).map_err(|e| NatsServerError::Start(e.to_string()))?;
+        if let Some(pid) = stale_server(store_dir) {
+            return Err(NatsServerError::Stale {
+                pid,
+                store: store_dir.to_path_buf(),
+            });
+        }
         // Sync results may be up to 4 MiB plus envelopes (spec §10.3): raise the 1 MB default max_payload.
         let conf = store_dir.join("nats.conf");
         std::fs::write(&conf, format!("max_payload: {MAX_PAYLOAD}\n"))
             .map_err(|e| NatsServerError::Start(format!("{}: {e}", conf.display())))?;
-        let child = Command::new(&bin)
-            .arg("-c")
+        let mut cmd = Command::new(&bin);
+        cmd.arg("-c")
             .arg(&conf)
             .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
             .arg(store_dir)
+            .arg("-P")
+            .arg(store_dir.join(PID_FILE))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(Stdio::null());
+        // The server dies with its parent (a `kill -9` of `fleet up` or of a test leaves no server behind).
+        fleet_worker::sandbox::die_with_parent(&mut cmd);
+        let child = cmd
             .spawn()
             .map_err(|e| NatsServerError::Start(format!("{}: {e}", bin.display())))?;
         let mut server = NatsServer {

@@ -63,7 +63,7 @@ use rustix::process::{Pid, Signal};
 use control::{Dirs, rmdir_cgroup};
 pub use control::{SessionCgroup, Usage};
 pub use error::SandboxError;
-pub use spawn::{SpawnPlan, apply};
+pub use spawn::{SpawnPlan, apply, die_with_parent};
 pub use users::UserSpace;
 use users::Users;
 

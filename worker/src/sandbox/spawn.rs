@@ -1,4 +1,5 @@
-//! Spawning a plugin into its session: the only code of this crate allowed to use `unsafe`.
+//! Spawning a plugin into its session (and a helper process tied to its parent's life): the only code of this
+//! crate allowed to use `unsafe`.
 //!
 //! [`apply`] installs a `pre_exec` hook on a [`tokio::process::Command`]. The hook runs in the child between
 //! `fork` and `exec` and does, in this order:
@@ -18,7 +19,9 @@
 //!
 //! # The `unsafe` block
 //!
-//! There is one: the call to `tokio::process::Command::pre_exec`. It is `unsafe` because the closure runs in a
+//! There are two, both `pre_exec` calls: [`apply`]'s (plugins) and [`die_with_parent`]'s (helpers such as
+//! `fleet up`'s nats-server: one `prctl(PR_SET_PDEATHSIG)` and one `getppid`). The first is the call to
+//! `tokio::process::Command::pre_exec`. It is `unsafe` because the closure runs in a
 //! forked copy of a multi-threaded process, where only one thread exists and any lock another thread held at fork
 //! time stays locked forever; the closure must therefore only make async-signal-safe calls — in particular no
 //! allocation (the allocator's lock) and no logging. [`child_setup`] upholds that:
@@ -101,6 +104,27 @@ pub fn apply(cmd: &mut tokio::process::Command, plan: &SpawnPlan) {
     // prepared before the fork and does not allocate (module documentation, "The `unsafe` block").
     unsafe {
         cmd.pre_exec(move || child_setup(&plan));
+    }
+}
+
+/// Makes the process `cmd` spawns die (SIGKILL) when the thread that spawned it exits — with the whole parent
+/// when that is its main or a runtime thread — so a helper such as `fleet up`'s nats-server never outlives a
+/// `kill -9` of its parent. If the parent is already gone by the time the child runs, the child does not start.
+/// (Spawn from a long-lived thread: the kernel ties the signal to the spawning *thread*.)
+#[allow(unsafe_code)]
+pub fn die_with_parent(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt as _;
+    let parent = rustix::process::getpid();
+    // SAFETY: the closure makes two raw system calls through rustix (`prctl`, `getppid`) on a value copied
+    // before the fork, allocates nothing and takes no lock (module documentation, "The `unsafe` block").
+    unsafe {
+        cmd.pre_exec(move || {
+            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))?;
+            if rustix::process::getppid() != Some(parent) {
+                return Err(io::ErrorKind::NotConnected.into());
+            }
+            Ok(())
+        });
     }
 }
 
