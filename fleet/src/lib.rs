@@ -14,6 +14,7 @@ pub mod grants;
 pub mod http;
 pub mod membership;
 pub mod metrics;
+pub mod nats_auth;
 pub mod nats_server;
 pub mod node;
 pub mod operator;
