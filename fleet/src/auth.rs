@@ -711,6 +711,35 @@ impl OperatorVerifier {
     pub fn verify(&self, header_value: &str) -> Result<Principal, AuthError> {
         self.0.verify(header_value)
     }
+
+    /// The admin APIs' gate (`what` names the API in the refusal): a missing, malformed or expired token is
+    /// `invalid_token`; a current token that is not an operator's (another audience or issuer, another key: a
+    /// user token, whatever claims it carries) is `permission_denied`.
+    pub fn authorize(&self, header_value: Option<&str>, what: &str) -> Result<Principal, ApiError> {
+        let Some(header_value) = header_value else {
+            return Err(ApiError::new(
+                ApiErrorCode::InvalidToken,
+                "missing Authorization header",
+            ));
+        };
+        match self.verify(header_value) {
+            Ok(p) => Ok(p),
+            Err(
+                e @ (AuthError::WrongAudience
+                | AuthError::WrongIssuer
+                | AuthError::BadSignature
+                | AuthError::NoMatchingKey
+                | AuthError::AlgorithmNotAllowed(_)),
+            ) => Err(ApiError::with_details(
+                ApiErrorCode::PermissionDenied,
+                format!(
+                    "{what}: an operator token is required (audience {OPERATOR_AUDIENCE}, an operator key)"
+                ),
+                json!({ "reason": e.reason() }),
+            )),
+            Err(e) => Err(e.to_api_error()),
+        }
+    }
 }
 
 /// Creates `path` in `data_dir` (and `data_dir`, mode 0700) with 32 random bytes as 64 hex digits and a newline,

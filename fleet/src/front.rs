@@ -27,6 +27,7 @@ use tracing::Instrument as _;
 
 use crate::auth::Verifier;
 use crate::dispatch::Dispatcher;
+use crate::in_flight::InFlight;
 use crate::metrics::FleetMetrics;
 use crate::node::{new_invoke_id, now_ms};
 use crate::policy::{self, SyncTimeout};
@@ -89,7 +90,7 @@ pub struct FrontService {
     /// One loop per endpoint; each ends when its subscription has delivered its last message.
     endpoints: tokio::task::JoinSet<()>,
     /// Requests being handled.
-    in_flight: Arc<tokio::sync::watch::Sender<usize>>,
+    in_flight: InFlight,
     /// The connection the answers go out on (flushed before `stop` returns).
     client: async_nats::Client,
 }
@@ -97,7 +98,7 @@ pub struct FrontService {
 impl FrontService {
     /// API requests this replica is handling right now.
     pub fn in_flight(&self) -> usize {
-        *self.in_flight.borrow()
+        self.in_flight.current()
     }
 
     /// Drains: unsubscribes every endpoint (the other replicas of the queue group take new requests), handles
@@ -110,8 +111,7 @@ impl FrontService {
         }
         let drained = tokio::time::timeout(FRONT_DRAIN_GRACE, async {
             while self.endpoints.join_next().await.is_some() {}
-            let mut in_flight = self.in_flight.subscribe();
-            let _ = in_flight.wait_for(|n| *n == 0).await;
+            self.in_flight.idle().await;
         })
         .await;
         if drained.is_err() {
@@ -123,22 +123,6 @@ impl FrontService {
         }
         self.endpoints.abort_all();
         while self.endpoints.join_next().await.is_some() {}
-    }
-}
-
-/// Counts one API request in flight for as long as it lives.
-struct Handling(Arc<tokio::sync::watch::Sender<usize>>);
-
-impl Handling {
-    fn enter(counter: &Arc<tokio::sync::watch::Sender<usize>>) -> Handling {
-        counter.send_modify(|n| *n += 1);
-        Handling(counter.clone())
-    }
-}
-
-impl Drop for Handling {
-    fn drop(&mut self) {
-        self.0.send_modify(|n| *n = n.saturating_sub(1));
     }
 }
 
@@ -198,7 +182,7 @@ impl Front {
             .await?;
         let group = service.group(subjects::API_PREFIX);
         let mut tasks = tokio::task::JoinSet::new();
-        let in_flight = Arc::new(tokio::sync::watch::channel(0).0);
+        let in_flight = InFlight::default();
         for method in methods::ALL {
             let mut endpoint = group.endpoint(*method).await?;
             let front = self.clone();
@@ -206,7 +190,7 @@ impl Front {
             tasks.spawn(async move {
                 while let Some(request) = endpoint.next().await {
                     let front = front.clone();
-                    let handling = Handling::enter(&in_flight);
+                    let handling = in_flight.enter();
                     tokio::spawn(async move {
                         let _handling = handling;
                         let auth = request

@@ -12,6 +12,7 @@ pub mod dispatch;
 pub mod front;
 pub mod grants;
 pub mod http;
+pub mod in_flight;
 pub mod membership;
 pub mod metrics;
 pub mod nats_auth;

@@ -26,6 +26,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tracing::Instrument as _;
 
+use crate::in_flight::InFlight;
 use crate::metrics::FleetMetrics;
 use crate::policy;
 use crate::store::{Store, Transition, WorkerInfo, user_key};
@@ -69,7 +70,7 @@ struct Ctx {
     /// Set when the node starts draining: it has left the registry and refuses new exec requests.
     draining: AtomicBool,
     /// Exec requests being served (sync invokes and jobs until their outcome is recorded).
-    in_flight: tokio::sync::watch::Sender<usize>,
+    in_flight: InFlight,
     started_at_ms: u64,
     metrics: Arc<FleetMetrics>,
     /// Lazy installs of plugins published to the fleet (`crate::plugins`); `None` if its store cannot be opened.
@@ -104,7 +105,7 @@ impl WorkerNode {
             long_jobs: Arc::new(Semaphore::new(MAX_LONG_JOBS_PER_WORKER)),
             running_long: AtomicU64::new(0),
             draining: AtomicBool::new(false),
-            in_flight: tokio::sync::watch::channel(0).0,
+            in_flight: InFlight::default(),
             started_at_ms: now_ms(),
             metrics,
             installer,
@@ -133,7 +134,7 @@ impl WorkerNode {
                     }
                 };
                 let Some(msg) = msg else { break };
-                let guard = InFlight::enter(&c);
+                let guard = c.in_flight.enter();
                 let c = c.clone();
                 tokio::spawn(async move {
                     serve_exec(c, msg).await;
@@ -215,14 +216,13 @@ impl WorkerNode {
         if let Some(stop) = self.stop_exec.take() {
             let _ = stop.send(());
         }
-        let mut in_flight = self.ctx.in_flight.subscribe();
-        let drained = tokio::time::timeout(grace, in_flight.wait_for(|n| *n == 0))
+        let drained = tokio::time::timeout(grace, self.ctx.in_flight.idle())
             .await
             .is_ok();
         if !drained {
             tracing::warn!(
                 worker = %self.id,
-                in_flight = *self.ctx.in_flight.borrow(),
+                in_flight = self.ctx.in_flight.current(),
                 "drain grace elapsed; stopping the calls still running"
             );
         }
@@ -253,22 +253,6 @@ impl std::fmt::Debug for Ctx {
         f.debug_struct("Ctx")
             .field("id", &self.id)
             .finish_non_exhaustive()
-    }
-}
-
-/// Counts one exec request in flight for as long as it lives.
-struct InFlight(Arc<Ctx>);
-
-impl InFlight {
-    fn enter(ctx: &Arc<Ctx>) -> InFlight {
-        ctx.in_flight.send_modify(|n| *n += 1);
-        InFlight(ctx.clone())
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.0.in_flight.send_modify(|n| *n = n.saturating_sub(1));
     }
 }
 

@@ -11,7 +11,7 @@ use futures::StreamExt as _;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::auth::{AuthError, OperatorVerifier};
+use crate::auth::OperatorVerifier;
 
 /// Subject prefix of the operator API.
 pub const ADMIN_PREFIX: &str = "fleet.v1.admin";
@@ -55,8 +55,8 @@ where
                     .next()
                     .unwrap_or_default()
                     .to_owned();
-                let response = match authorize(&verifier, auth.as_deref(), what) {
-                    Ok(()) => match handler(method, msg.payload.clone()).await {
+                let response = match verifier.authorize(auth.as_deref(), what) {
+                    Ok(_) => match handler(method, msg.payload.clone()).await {
                         Ok(v) => ApiResponse::Ok(v),
                         Err(e) => ApiResponse::Err(e),
                     },
@@ -67,36 +67,6 @@ where
             });
         }
     }))
-}
-
-/// A verified operator token, or the error to answer: a token that is well-formed and current but not an
-/// operator's (another audience, another key: a user token, whatever claims it carries) is `permission_denied`;
-/// a missing, malformed or expired one is `invalid_token`.
-fn authorize(verifier: &OperatorVerifier, auth: Option<&str>, what: &str) -> Result<(), ApiError> {
-    let Some(auth) = auth else {
-        return Err(ApiError::new(
-            ApiErrorCode::InvalidToken,
-            "missing Authorization header",
-        ));
-    };
-    match verifier.verify(auth) {
-        Ok(_) => Ok(()),
-        Err(
-            e @ (AuthError::WrongAudience
-            | AuthError::WrongIssuer
-            | AuthError::BadSignature
-            | AuthError::NoMatchingKey
-            | AuthError::AlgorithmNotAllowed(_)),
-        ) => Err(ApiError::with_details(
-            ApiErrorCode::PermissionDenied,
-            format!(
-                "{what}: an operator token is required (audience {}, an operator key)",
-                crate::auth::OPERATOR_AUDIENCE
-            ),
-            serde_json::json!({ "reason": e.reason() }),
-        )),
-        Err(e) => Err(e.to_api_error()),
-    }
 }
 
 /// An operator call's arguments (an empty payload is `{}`); `invalid_arg` when they do not parse.

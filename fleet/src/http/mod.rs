@@ -34,7 +34,7 @@ use axum::routing::{get, post};
 use fleet_proto::api::{ApiError, ApiErrorCode};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::auth::{AuthError, OperatorVerifier, Principal, Verifier};
+use crate::auth::{OperatorVerifier, Principal, Verifier};
 use crate::front::Front;
 use crate::metrics::FleetMetrics;
 
@@ -144,23 +144,9 @@ impl HttpState {
         })
     }
 
-    /// Verifies an operator token (audience `cloud-agents-operator`, an operator key): a current token that is
-    /// not an operator's (a user token, whatever its claims) is `permission_denied`.
+    /// Verifies an operator token ([`OperatorVerifier::authorize`]).
     fn operator(&self, token: Option<&str>) -> Result<Principal, ApiError> {
-        match self.inner.operator.verify(token.unwrap_or("")) {
-            Ok(p) => Ok(p),
-            Err(
-                AuthError::WrongAudience
-                | AuthError::WrongIssuer
-                | AuthError::BadSignature
-                | AuthError::NoMatchingKey
-                | AuthError::AlgorithmNotAllowed(_),
-            ) => Err(ApiError::new(
-                ApiErrorCode::PermissionDenied,
-                "an operator token (audience cloud-agents-operator, signed by an operator key) is required",
-            )),
-            Err(e) => Err(e.to_api_error()),
-        }
+        self.inner.operator.authorize(token, "the operator page's data")
     }
 }
 
