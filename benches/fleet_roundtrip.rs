@@ -15,8 +15,13 @@
 //! - A and B pipelined: N requests with 64 in flight (`buffer_unordered(64)`), in requests per second;
 //! - C `invokeAsync` — create a job (active-set slot CAS, record create, event, hand-off to the worker) and
 //!   D `getJob` of the finished job (record read + last progress message), against
-//!   E a single JetStream KV `put` and F a single KV `entry` read, on a scratch bucket created here with the
-//!   jobs bucket's settings and values the size of a finished job record.
+//!   E a single JetStream KV `put` and F a single KV `entry` read, on the jobs bucket itself (scratch keys
+//!   `bench.<n>` outside every user's key space, deleted at the end) with values the size of a finished job
+//!   record.
+//!
+//! The nats-server runs with authorization on, as in production: the API calls (B, C, D) go through an `app`
+//! user, A is a request from a `front` user to a `worker` user on a worker exec subject (the only core
+//! request/reply those users may make), E and F are the `front` user's.
 //!
 //! C and D run as the warm user: after each `invokeAsync` the bench waits (untimed) for the job's terminal
 //! `tool_job` event, so the user never holds more than one of its 5 active slots and no job starts a cold
@@ -44,7 +49,7 @@ use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
 use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, Verifier};
 use fleet::front::{Front, FrontConfig};
 use fleet::store::{Store, StoreSettings, user_key};
-use fleet_e2e::cluster::{Cluster, connect};
+use fleet_e2e::cluster::{Cluster, Role, connect};
 use fleet_e2e::worker::Plugin;
 use fleet_proto::api::{
     ApiResponse, InvokeAsyncResult, JobId, JobSnapshot, JobState, ToolJobEvent, methods, subjects,
@@ -59,9 +64,10 @@ const BODY_BYTES: usize = 150;
 /// Requests in flight in the pipelined batches.
 const IN_FLIGHT: usize = 64;
 /// The raw echo's subject.
-const ECHO_SUBJECT: &str = "bench.raw.echo";
+const ECHO_SUBJECT: &str = "fleet.v1.worker.bench-raw-echo.exec";
 /// The bucket of E and F.
-const SCRATCH_BUCKET: &str = "bench_scratch";
+/// The scratch keys' prefix in the jobs bucket (no user key is `bench`: user keys are 32 hex characters).
+const SCRATCH_PREFIX: &str = "bench";
 /// A failure guard for a job to finish (never reached in a healthy run).
 const JOB_WAIT: Duration = Duration::from_secs(30);
 
@@ -100,8 +106,10 @@ impl Plan {
 
 struct Bench {
     cluster: Option<Cluster>,
-    /// The connection every measured request goes out on (the cluster's client connection).
+    /// The connection the API calls go out on (the cluster's `app` user).
     client: async_nats::Client,
+    /// The connection of A, E and F (the cluster's `front` user).
+    raw: async_nats::Client,
     headers: HeaderMap,
     /// The `tools.invoke` / `tools.invokeAsync` body (`BODY_BYTES`).
     body: Bytes,
@@ -137,7 +145,7 @@ impl Bench {
         let plugin = Plugin::echo("echo", &[]).limits(json!({ "pids_max": 256 }));
         let mut cluster = Cluster::start("bench-rt", 0, 1, &[plugin]).await;
         // The cluster's front, with the per-user rate limit out of reach (see the module docs).
-        let front_client = connect(&cluster.nats.url()).await;
+        let front_client = connect(&cluster.nats, Role::Front).await;
         let store = Store::open(
             async_nats::jetstream::new(front_client.clone()),
             StoreSettings::default(),
@@ -160,7 +168,7 @@ impl Bench {
         cluster.fronts.push((front, service));
 
         // A: the responder, on its own connection.
-        let responder_client = connect(&cluster.nats.url()).await;
+        let responder_client = connect(&cluster.nats, Role::Worker).await;
         let mut sub = responder_client.subscribe(ECHO_SUBJECT).await.unwrap();
         responder_client.flush().await.unwrap();
         let responder = tokio::spawn(async move {
@@ -171,7 +179,8 @@ impl Bench {
             }
         });
 
-        let client = cluster.client.clone();
+        let client = cluster.app.clone();
+        let raw = cluster.client.clone();
         let mut headers = HeaderMap::new();
         headers.insert(
             subjects::AUTH_HEADER,
@@ -183,18 +192,16 @@ impl Bench {
             .unwrap();
         client.flush().await.unwrap();
 
-        // E, F: a scratch bucket with the jobs bucket's settings.
-        let mut config = cluster.store.settings().jobs_kv_config();
-        config.bucket = SCRATCH_BUCKET.into();
-        config.description = "fleet_roundtrip scratch bucket".into();
-        let scratch = async_nats::jetstream::new(client.clone())
-            .create_key_value(config)
+        // E, F: the jobs bucket, on keys no user has.
+        let scratch = async_nats::jetstream::new(raw.clone())
+            .get_key_value(cluster.store.settings().jobs_bucket())
             .await
             .unwrap();
 
         let mut bench = Bench {
             cluster: Some(cluster),
             client,
+            raw,
             headers,
             body: invoke_body(),
             responder,
@@ -229,7 +236,12 @@ impl Bench {
     }
 
     async fn send(&self, subject: String, body: Bytes) -> Bytes {
-        self.client
+        let client = if subject == ECHO_SUBJECT {
+            &self.raw
+        } else {
+            &self.client
+        };
+        client
             .send_request(subject, self.request(body))
             .await
             .unwrap()
@@ -303,7 +315,7 @@ impl Bench {
     /// E: one KV put of a new key.
     async fn kv_put(&mut self) -> Duration {
         self.puts += 1;
-        let key = format!("k{}", self.puts);
+        let key = format!("{SCRATCH_PREFIX}.k{}", self.puts);
         let t = Instant::now();
         self.scratch.put(key, self.value.clone()).await.unwrap();
         t.elapsed()
@@ -311,7 +323,7 @@ impl Bench {
 
     /// F: one KV read of the last key written.
     async fn kv_get(&self) -> Duration {
-        let key = format!("k{}", self.puts);
+        let key = format!("{SCRATCH_PREFIX}.k{}", self.puts);
         let t = Instant::now();
         let entry = self.scratch.entry(key).await.unwrap();
         let d = t.elapsed();
@@ -357,12 +369,15 @@ impl Bench {
         sum
     }
 
-    /// Stops the responder, drops the scratch bucket and shuts the fleet down (front, worker node and its plugin
+    /// Stops the responder, purges the scratch keys and shuts the fleet down (front, worker node and its plugin
     /// sessions; the nats-server stops when the cluster is dropped).
     async fn shutdown(mut self) {
         self.responder.abort();
-        let _ = async_nats::jetstream::new(self.client.clone())
-            .delete_key_value(SCRATCH_BUCKET)
+        let _ = self
+            .scratch
+            .stream
+            .purge()
+            .filter(format!("$KV.{}.{SCRATCH_PREFIX}.>", self.scratch.name))
             .await;
         if let Some(cluster) = self.cluster.take() {
             cluster.shutdown().await;

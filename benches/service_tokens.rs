@@ -69,7 +69,7 @@ fn setup() -> Env {
         .build()
         .unwrap();
     let (services, grants_kv) = rt.block_on(async {
-        let client = async_nats::connect(nats.url()).await.unwrap();
+        let client = nats.connect(fleet::nats_auth::Role::Front).await.unwrap();
         let js = async_nats::jetstream::new(client);
         let services = ServicesArgs::default()
             .open(&js, &StoreSettings::default(), dir.path(), None)

@@ -739,7 +739,7 @@ async fn both_dialects_side_by_side_through_the_fleet_api() {
         let request = async_nats::Request::new()
             .payload("{}".into())
             .timeout(Some(GUARD));
-        if c.client
+        if c.app
             .send_request(subjects::api(methods::ALL[0]), request)
             .await
             .is_ok()

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fleet::nats_server::NatsServer;
-use fleet_e2e::cluster::{Cluster, SECRET, connect};
+use fleet_e2e::cluster::{Cluster, Role, SECRET, connect};
 use fleet_e2e::fleet_bin;
 use fleet_e2e::worker::{Plugin, alive, eventually};
 use fleet_proto::api::{ApiError, ApiResponse, methods, subjects};
@@ -253,7 +253,7 @@ async fn nats_server_restart_under_load_loses_no_accepted_job() {
         c.fronts[0].0.clone(),
         c.client.clone(),
     )));
-    let client = connect(&c.nats.url()).await;
+    let client = connect(&c.nats, Role::App).await;
     assert!(
         wait_api(&client, &bearer(&c, "probe"), GUARD).await,
         "the API answers"
@@ -302,7 +302,7 @@ async fn nats_server_restart_under_load_loses_no_accepted_job() {
 struct FrontProc(Option<Child>);
 
 impl FrontProc {
-    fn spawn(url: &str, dir: &Path) -> FrontProc {
+    fn spawn(url: &str, creds: &Path, dir: &Path) -> FrontProc {
         std::fs::create_dir_all(dir).unwrap();
         let secret = dir.join("jwt-secret");
         std::fs::write(&secret, SECRET).unwrap();
@@ -326,6 +326,8 @@ impl FrontProc {
         }
         let child = cmd
             .args(["up", "--nats-url", url, "--workers", "0", "--http", &http])
+            .arg("--nats-creds")
+            .arg(creds)
             .arg("--data-dir")
             .arg(dir.join("data"))
             .arg("--jwt-hs256-secret-file")
@@ -360,8 +362,8 @@ impl Drop for FrontProc {
 async fn front_killed_9_under_load_loses_no_accepted_job() {
     let c = Cluster::start("chaos-front", 0, 1, &[Plugin::echo("echo", &[])]).await;
     let url = c.nats.url();
-    let mut front = FrontProc::spawn(&url, &c.root.path().join("front-1"));
-    let client = connect(&url).await;
+    let mut front = FrontProc::spawn(&url, &c.nats.creds(Role::Front), &c.root.path().join("front-1"));
+    let client = connect(&c.nats, Role::App).await;
     assert!(
         wait_api(&client, &bearer(&c, "probe"), GUARD).await,
         "the child front answers"
@@ -381,7 +383,7 @@ async fn front_killed_9_under_load_loses_no_accepted_job() {
 
     front.kill9();
     let before = accepted(&load);
-    let mut front = FrontProc::spawn(&url, &c.root.path().join("front-2"));
+    let mut front = FrontProc::spawn(&url, &c.nats.creds(Role::Front), &c.root.path().join("front-2"));
     wait_accepted(&load, before, 10, "after the new front started").await;
     stop.store(true, Ordering::SeqCst);
     task.await.unwrap();
@@ -406,7 +408,7 @@ async fn hostile_plugins_do_not_disturb_a_quiet_tenant() {
     }));
     let c = Arc::new(Cluster::start("chaos-hostile", 1, 1, &[hostile, Plugin::echo("quiet", &[])]).await);
     assert!(
-        wait_api(&c.client, &bearer(&c, "probe"), GUARD).await,
+        wait_api(&c.app, &bearer(&c, "probe"), GUARD).await,
         "the API answers"
     );
 
@@ -509,7 +511,7 @@ async fn hostile_plugins_do_not_disturb_a_quiet_tenant() {
             c.ok(user, methods::TOOLS_CANCEL_JOB, json!({ "jobId": id }))
                 .await;
             let auth = bearer(&c, user);
-            let done = wait_terminal(&c.client, &auth, &id).await;
+            let done = wait_terminal(&c.app, &auth, &id).await;
             (u32::try_from(pid).unwrap(), done)
         })
     };

@@ -67,7 +67,7 @@ async fn a_draining_worker_finishes_its_calls_while_the_next_worker_takes_new_on
 
     // A long call runs on the first-ranked worker…
     let long = tokio::spawn(invoke(
-        c.client.clone(),
+        c.app.clone(),
         c.token(USER),
         "sleep",
         json!({ "ms": 1500 }),
@@ -132,7 +132,7 @@ async fn a_call_that_finds_no_worker_waits_for_one_to_register() {
     })
     .await;
     let call = tokio::spawn(invoke(
-        c.client.clone(),
+        c.app.clone(),
         c.token(USER),
         "echo",
         json!({ "waited": true }),

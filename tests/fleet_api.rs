@@ -13,7 +13,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER};
 use fleet::store::{JobRecord, Store, StoreSettings, Transition, user_key};
-use fleet_e2e::cluster::{Cluster, SECRET, connect};
+use fleet_e2e::cluster::{Cluster, Role, SECRET, connect};
 use fleet_e2e::worker::{Plugin, eventually};
 use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, JobId, JobState, methods, subjects};
 use fleet_worker::config::WorkerConfig;
@@ -54,7 +54,7 @@ async fn start(name: &str, fronts: usize, workers: usize, plugins: &[Plugin]) ->
             let request = async_nats::Request::new()
                 .payload("{}".into())
                 .timeout(Some(GUARD));
-            match c.client.send_request(subjects::api(method), request).await {
+            match c.app.send_request(subjects::api(method), request).await {
                 Ok(_) => break,
                 Err(e) => assert!(Instant::now() < deadline, "{method} never answered: {e}"),
             }
@@ -825,7 +825,7 @@ async fn quota_holds_with_two_front_replicas_racing() {
     let token = format!("Bearer {}", c.token("racer"));
     let mut set = tokio::task::JoinSet::new();
     for _ in 0..12 {
-        let client = c.client.clone();
+        let client = c.app.clone();
         let token = token.clone();
         set.spawn(async move {
             raw_call(
@@ -1476,12 +1476,12 @@ async fn every_method_refuses_bad_tokens() {
     let args = json!({"tool_id": "echo.echo"});
     for method in methods::ALL {
         // No header at all.
-        match raw_call(&c.client, None, method, &args).await {
+        match raw_call(&c.app, None, method, &args).await {
             ApiResponse::Err(e) => assert_eq!(e.code, ApiErrorCode::InvalidToken, "{method}: {e:?}"),
             ApiResponse::Ok(v) => panic!("{method} without a token succeeded: {v}"),
         }
         // "Bearer" alone.
-        match raw_call(&c.client, Some("Bearer"), method, &args).await {
+        match raw_call(&c.app, Some("Bearer"), method, &args).await {
             ApiResponse::Err(e) => {
                 assert_eq!(e.code, ApiErrorCode::InvalidToken, "{method}: {e:?}");
                 assert_eq!(e.details, Some(json!({"reason": "missing"})));
@@ -1517,7 +1517,7 @@ async fn every_method_refuses_bad_tokens() {
 async fn srv_ping_answers() {
     let c = start("api-ping", 2, 0, &[echo()]).await;
     let reply = c
-        .client
+        .operator
         .request("$SRV.PING.cloud-agents", "".into())
         .await
         .expect("a $SRV.PING reply");
@@ -1526,7 +1526,7 @@ async fn srv_ping_answers() {
     assert_eq!(v["type"], "io.nats.micro.v1.ping_response", "{v}");
     // Every endpoint is listed by $SRV.INFO, under the API prefix and queue group.
     let reply = c
-        .client
+        .operator
         .request("$SRV.INFO.cloud-agents", "".into())
         .await
         .expect("a $SRV.INFO reply");
@@ -1553,12 +1553,12 @@ async fn tool_job_events_fold_progress_and_never_carry_the_result() {
     let c = start("api-events", 1, 1, &[echo()]).await;
     let u = "eve";
     let mut events = c
-        .client
+        .app
         .subscribe(subjects::user_events(&user_key(u)))
         .await
         .expect("subscribe");
     let mut others = c
-        .client
+        .app
         .subscribe(subjects::user_events(&user_key("not-eve")))
         .await
         .expect("subscribe");
@@ -1601,7 +1601,7 @@ async fn tool_job_events_fold_progress_and_never_carry_the_result() {
     );
     assert_eq!(snap["result"], json!({"emitted": 3}));
     // Nothing was published on another user's subject (a round trip through the server flushes deliveries).
-    c.client.flush().await.expect("flush");
+    c.app.flush().await.expect("flush");
     assert!(
         futures::FutureExt::now_or_never(others.next()).is_none(),
         "events leaked to another user's subject"
@@ -1616,7 +1616,7 @@ async fn tool_job_events_fold_progress_and_never_carry_the_result() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_user_flooding_is_rate_limited_without_starving_another() {
     let c = Cluster::start("api-fair", 0, 0, &[]).await;
-    let client = connect(&c.nats.url()).await;
+    let client = connect(&c.nats, Role::Front).await;
     let store = Store::open(
         async_nats::jetstream::new(client.clone()),
         StoreSettings::default(),

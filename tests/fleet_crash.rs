@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use fleet::store::{JobRecord, now_ms};
-use fleet_e2e::cluster::{Cluster, connect};
+use fleet_e2e::cluster::{Cluster, Role, connect};
 use fleet_e2e::worker::{Plugin, alive, eventually};
 use fleet_proto::api::{ApiError, ApiResponse, JobId, JobState, methods, subjects};
 use fleet_worker::config::{IsolationMode, RunAs, WorkerConfig};
@@ -164,7 +164,7 @@ async fn start(name: &str, fronts: usize, workers: usize) -> Cluster {
     let auth = format!("Bearer {}", c.token(USER));
     let d = Deadline::new("the API answering");
     while !matches!(
-        request(&c.client, &auth, methods::TOOLS_LIST_JOBS, &json!({})).await,
+        request(&c.app, &auth, methods::TOOLS_LIST_JOBS, &json!({})).await,
         Outcome::Ok(_)
     ) {
         d.tick().await;
@@ -500,7 +500,7 @@ async fn expiry_racing_cancel_leaves_exactly_one_terminal_state() {
     }
     // One cancel after the other, newest first, while the sweeps work through the jobs oldest first.
     let (client, auths) = (
-        c.client.clone(),
+        c.app.clone(),
         jobs.iter()
             .map(|(user, id)| (format!("Bearer {}", c.token(user)), id.clone()))
             .collect::<Vec<_>>(),
@@ -595,7 +595,7 @@ async fn request(client: &async_nats::Client, auth: &str, method: &str, args: &V
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn front_replica_stopped_under_load_loses_no_request() {
     let mut c = start("crash-front", 2, 1).await;
-    let client = connect(&c.nats.url()).await;
+    let client = connect(&c.nats, Role::App).await;
 
     // Jobs created before the stop: three finished, one running.
     let jobs_user = "jobs-user";
@@ -774,7 +774,8 @@ async fn unreadable_registry_does_not_fail_running_jobs() {
     let plugin = session_pid(&c, USER).await;
 
     let registry = format!("KV_{}", c.store.settings().workers_bucket());
-    async_nats::jetstream::new(c.client.clone())
+    // No fleet role may delete a stream: the operator's break-glass user does.
+    async_nats::jetstream::new(c.break_glass().await)
         .delete_stream(&registry)
         .await
         .unwrap();
@@ -804,7 +805,7 @@ async fn replacement_front_serves_as_soon_as_serve_returns() {
         let (_, service) = c.fronts.remove(0);
         service.stop().await;
         c.add_front().await;
-        let outcome = request(&c.client, &auth, methods::TOOLS_LIST_JOBS, &json!({})).await;
+        let outcome = request(&c.app, &auth, methods::TOOLS_LIST_JOBS, &json!({})).await;
         if !matches!(outcome, Outcome::Ok(_)) {
             refused.push(format!("round {round}: {outcome:?}"));
         }

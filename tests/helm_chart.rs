@@ -340,3 +340,268 @@ fn front_and_worker_share_the_link_signing_key_and_the_services_config() {
             .contains("[llm]")
     );
 }
+
+fn volume<'a>(deployment: &'a Value, name: &str) -> &'a Value {
+    deployment["spec"]["template"]["spec"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == name)
+        .unwrap_or_else(|| panic!("no volume {name}"))
+}
+
+fn mount<'a>(c: &'a Value, name: &str) -> &'a Value {
+    c["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == name)
+        .unwrap_or_else(|| panic!("no volumeMount {name}"))
+}
+
+/// The keys a Secret volume projects.
+fn items(v: &Value) -> Vec<&str> {
+    v["secret"]["items"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{v}: no items (the whole Secret)"))
+        .iter()
+        .map(|i| i["key"].as_str().unwrap())
+        .collect()
+}
+
+/// Every volume of a Deployment that reads the Secret `name` (directly or projected).
+fn volumes_of_secret<'a>(deployment: &'a Value, name: &str) -> Vec<&'a Value> {
+    deployment["spec"]["template"]["spec"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|v| {
+            v["secret"]["secretName"] == name
+                || v["projected"]["sources"]
+                    .as_array()
+                    .is_some_and(|s| s.iter().any(|s| s["secret"]["name"] == name))
+        })
+        .collect()
+}
+
+/// The bus is closed (issue 13): fronts get the issuer material and front.creds, workers worker.creds and nothing
+/// else of the NATS auth Secret; TLS flags when a TLS Secret is named; a NetworkPolicy on the bundled NATS servers
+/// and, opted in, on worker egress; no NATS auth Secret means no rendering (the open bus is an explicit opt-out).
+#[test]
+fn nats_credentials_tls_and_network_policies() {
+    let (out, summary) = validate();
+    let out = out.path();
+    const SECRET: &str = "ca-nats-auth";
+
+    // Default values (+ natsAuth.existingSecret): fronts.
+    let objs = objects(out, "default");
+    let front = find(&objs, "Deployment", "-front");
+    let c = container(front);
+    let a = args(c);
+    assert!(
+        a.contains(&"--nats-creds=/var/run/cloud-agents/nats-auth/front.creds")
+            && a.contains(&"--nats-auth-dir=/var/run/cloud-agents/nats-auth"),
+        "{a:?}"
+    );
+    let m = mount(c, "nats-auth");
+    assert_eq!(m["mountPath"], "/var/run/cloud-agents/nats-auth");
+    assert_eq!(m["readOnly"], true);
+    let v = volume(front, "nats-auth");
+    assert_eq!(v["secret"]["secretName"], SECRET);
+    assert_eq!(
+        v["secret"]["defaultMode"], 0o440,
+        "read-only for the front's group"
+    );
+    let mut keys = items(v);
+    keys.sort_unstable();
+    assert_eq!(keys, ["front.creds", "jwts.json", "seeds.json", "sys.creds"]);
+    assert_eq!(volumes_of_secret(front, SECRET).len(), 1);
+
+    // Workers: worker.creds, nothing else of the Secret, root-only (plugins run as other uids).
+    let worker = find(&objs, "Deployment", "-worker");
+    let c = container(worker);
+    let a = args(c);
+    let creds: Vec<_> = a.iter().filter(|x| x.starts_with("--nats-creds")).collect();
+    assert_eq!(creds, [&"--nats-creds=/var/run/cloud-agents/nats/worker.creds"]);
+    assert!(!a.iter().any(|x| x.starts_with("--nats-auth-dir")), "{a:?}");
+    let m = mount(c, "nats-creds");
+    assert_eq!(m["mountPath"], "/var/run/cloud-agents/nats");
+    assert_eq!(m["readOnly"], true);
+    let secret_volumes = volumes_of_secret(worker, SECRET);
+    assert_eq!(secret_volumes.len(), 1, "{secret_volumes:?}");
+    assert_eq!(secret_volumes[0]["name"], "nats-creds");
+    assert_eq!(items(secret_volumes[0]), ["worker.creds"]);
+    assert_eq!(secret_volumes[0]["secret"]["items"][0]["path"], "worker.creds");
+    assert_eq!(secret_volumes[0]["secret"]["defaultMode"], 0o400);
+    assert!(
+        c.get("envFrom").is_none()
+            && !c["env"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|e| e["valueFrom"]["secretKeyRef"]["name"] == SECRET),
+        "no NATS auth material in the worker's environment"
+    );
+    // No TLS flags without a TLS Secret; no NetworkPolicy for an external NATS; worker egress is opt-in.
+    for d in [front, worker] {
+        assert!(!args(container(d)).iter().any(|x| x.starts_with("--nats-tls")));
+    }
+    assert!(!objs.iter().any(|o| o["kind"] == "NetworkPolicy"));
+
+    // Mutual TLS (production-hpa): the three flags and the Secret's three keys on both components.
+    let objs = objects(out, "production-hpa");
+    for suffix in ["-front", "-worker"] {
+        let d = find(&objs, "Deployment", suffix);
+        let a = args(container(d));
+        for want in [
+            "--nats-tls-ca=/var/run/cloud-agents/nats-tls/ca.crt",
+            "--nats-tls-cert=/var/run/cloud-agents/nats-tls/tls.crt",
+            "--nats-tls-key=/var/run/cloud-agents/nats-tls/tls.key",
+        ] {
+            assert!(a.contains(&want), "{suffix}: {want} not in {a:?}");
+        }
+        let v = volume(d, "nats-tls");
+        assert_eq!(v["secret"]["secretName"], "cloud-agents-nats-client-tls");
+        assert_eq!(items(v), ["ca.crt", "tls.crt", "tls.key"]);
+        assert_eq!(mount(container(d), "nats-tls")["readOnly"], true);
+        let creds = volumes_of_secret(d, "cloud-agents-nats-auth");
+        assert_eq!(creds.len(), 1, "{suffix}");
+    }
+    // Worker egress opted in, external NATS: DNS, the NATS port towards the NATS namespace, the OTLP port, the
+    // allow-list; nothing else.
+    let egress = find(&objs, "NetworkPolicy", "-worker-egress");
+    assert_eq!(egress["spec"]["policyTypes"], serde_json::json!(["Egress"]));
+    assert_eq!(
+        egress["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"],
+        "worker"
+    );
+    let rules = egress["spec"]["egress"].as_array().unwrap();
+    assert_eq!(rules.len(), 4, "{rules:?}");
+    assert_eq!(rules[0]["ports"][0]["port"], 53);
+    assert_eq!(rules[1]["ports"][0]["port"], 4222);
+    assert_eq!(
+        rules[1]["to"][0]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"],
+        "nats"
+    );
+    assert_eq!(rules[2]["ports"][0]["port"], 4317, "otlp.endpoint's port");
+    assert_eq!(rules[3]["ports"][0]["port"], 443);
+
+    // Server TLS only (keda-crio): the CA flag, no client certificate.
+    let objs = objects(out, "keda-crio");
+    for suffix in ["-front", "-worker"] {
+        let a = args(container(find(&objs, "Deployment", suffix)));
+        let tls: Vec<_> = a.iter().filter(|x| x.starts_with("--nats-tls")).collect();
+        assert_eq!(
+            tls,
+            [&"--nats-tls-ca=/var/run/cloud-agents/nats-tls/ca.crt"],
+            "{suffix}"
+        );
+    }
+
+    // The bundled NATS chart: the client Service's URL, and a NetworkPolicy that admits only fronts, workers and
+    // labelled namespaces to 4222 and only the servers to each other on 6222.
+    let objs = objects(out, "bundled-nats");
+    let front = find(&objs, "Deployment", "-front");
+    assert_eq!(
+        env(container(front), "FLEET_NATS_URL"),
+        Some("nats://ca-nats.cloud-agents.svc:4222")
+    );
+    assert_eq!(
+        volume(front, "nats-auth")["secret"]["secretName"],
+        "fleet-nats-auth"
+    );
+    let policy = find(&objs, "NetworkPolicy", "-nats");
+    let nats_pods = serde_json::json!({
+        "app.kubernetes.io/name": "nats",
+        "app.kubernetes.io/instance": "ca",
+        "app.kubernetes.io/component": "nats",
+    });
+    assert_eq!(policy["spec"]["podSelector"]["matchLabels"], nats_pods);
+    assert_eq!(policy["spec"]["policyTypes"], serde_json::json!(["Ingress"]));
+    let ingress = policy["spec"]["ingress"].as_array().unwrap();
+    assert_eq!(
+        ingress[0]["ports"],
+        serde_json::json!([{"port": 4222, "protocol": "TCP"}])
+    );
+    let from = ingress[0]["from"].as_array().unwrap();
+    let selector = |component: &str| {
+        serde_json::json!({"podSelector": {"matchLabels": {
+            "app.kubernetes.io/name": "cloud-agents",
+            "app.kubernetes.io/instance": "ca",
+            "app.kubernetes.io/component": component,
+        }}})
+    };
+    assert_eq!(
+        from,
+        &[
+            selector("front"),
+            selector("worker"),
+            serde_json::json!({"namespaceSelector": {"matchLabels": {"cloud-agents.io/nats-client": "true"}}}),
+        ],
+        "only fronts, workers and labelled namespaces"
+    );
+    assert_eq!(ingress[1]["ports"][0]["port"], 6222);
+    assert_eq!(
+        ingress[1]["from"],
+        serde_json::json!([{"podSelector": {"matchLabels": nats_pods}}])
+    );
+    assert_eq!(ingress[2]["ports"][0]["port"], 8222);
+    assert_eq!(ingress.len(), 3, "{ingress:?}");
+    // Worker egress with the bundled servers: their pods on 4222, not any destination.
+    let egress = find(&objs, "NetworkPolicy", "-worker-egress");
+    let rules = egress["spec"]["egress"].as_array().unwrap();
+    assert_eq!(rules[1]["ports"][0]["port"], 4222);
+    assert_eq!(
+        rules[1]["to"],
+        serde_json::json!([{"podSelector": {"matchLabels": nats_pods}}])
+    );
+
+    // The development opt-out: no credential flag, no NATS auth volume, still renders.
+    let objs = objects(out, "insecure-open-bus");
+    for suffix in ["-front", "-worker"] {
+        let d = find(&objs, "Deployment", suffix);
+        let a = args(container(d));
+        assert!(
+            !a.iter()
+                .any(|x| x.starts_with("--nats-creds") || x.starts_with("--nats-auth-dir")),
+            "{suffix}: {a:?}"
+        );
+        let volumes = d["spec"]["template"]["spec"]["volumes"].as_array().unwrap();
+        assert!(
+            !volumes
+                .iter()
+                .any(|v| v["name"] == "nats-auth" || v["name"] == "nats-creds")
+        );
+    }
+
+    // Refusals: no Secret (the chart's defaults), both or neither of Secret and opt-out, the bundled servers
+    // without the accounts.
+    let rejected = summary["rejected"].as_array().unwrap();
+    let message = |case: &str| {
+        rejected
+            .iter()
+            .find(|r| r["case"] == case)
+            .unwrap_or_else(|| panic!("{case} not rejected"))["message"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let m = message("chart defaults: no NATS auth Secret");
+    assert!(
+        m.contains("natsAuth.existingSecret is required")
+            && m.contains("fleet nats-auth init --dir ./nats-auth")
+            && m.contains("natsAuth.insecureOpenBus=true"),
+        "{m}"
+    );
+    assert!(message("NATS auth Secret and open bus").contains("not both"));
+    assert!(message("open bus with the bundled NATS").contains("cannot be combined with nats.enabled=true"));
+    assert!(
+        message("bundled NATS without the auth Secret mounted")
+            .contains("must mount server-auth.conf from natsAuth.existingSecret")
+    );
+    assert!(
+        message("bundled NATS without server-auth.conf included").contains("must include server-auth.conf")
+    );
+    assert!(message("NATS auth Secret name not a DNS name").contains("/natsAuth/existingSecret"));
+    assert!(message("NATS client cert without key").contains("go together"));
+}

@@ -31,7 +31,7 @@ struct Env {
 async fn env() -> Env {
     let dir = tempfile::tempdir().unwrap();
     let nats = NatsServer::start(&dir.path().join("nats")).expect("nats-server (run scripts/test.sh once)");
-    let client = async_nats::connect(nats.url()).await.unwrap();
+    let client = nats.connect(fleet::nats_auth::Role::Front).await.unwrap();
     let js = async_nats::jetstream::new(client);
     let services = ServicesArgs::default()
         .open(&js, &StoreSettings::default(), dir.path(), None)
@@ -315,7 +315,7 @@ async fn a_long_invoke_gets_a_renewal_time_and_a_renewal_keeps_its_budget() {
 async fn fleet_grant_is_an_operator_action_over_nats() {
     let dir = tempfile::tempdir().unwrap();
     let nats = NatsServer::start(&dir.path().join("nats")).expect("nats-server");
-    let client = async_nats::connect(nats.url()).await.unwrap();
+    let client = nats.connect(fleet::nats_auth::Role::Front).await.unwrap();
     let js = async_nats::jetstream::new(client.clone());
     let grants = GrantStore::open(&js, &StoreSettings::default()).await.unwrap();
     let key = fleet::auth::DevKey::load_or_create(dir.path()).unwrap();

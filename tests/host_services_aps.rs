@@ -24,7 +24,10 @@ const MIB: usize = 1024 * 1024;
 static NEXT_INVOKE: AtomicU64 = AtomicU64::new(1);
 
 struct Env {
+    /// The services under test: a worker's.
     services: FleetServices,
+    /// The front's services (grant edits).
+    admin: FleetServices,
     base: String,
     http: reqwest::Client,
     server: tokio::task::JoinHandle<std::io::Result<()>>,
@@ -58,7 +61,17 @@ async fn env_with(quota_bytes: Option<u64>, absolute: bool) -> Env {
     let base = format!("http://{}", listener.local_addr().expect("addr"));
     let root = tempfile::tempdir().expect("tempdir");
     let nats = NatsServer::start(&root.path().join("nats")).expect("nats-server (run scripts/test.sh once)");
-    let client = async_nats::connect(nats.url()).await.expect("connect");
+    // A front creates the resources and edits grants; the services under test are a worker's (its user, its
+    // attached resources), as in production.
+    let front = nats
+        .connect(fleet::nats_auth::Role::Front)
+        .await
+        .expect("connect");
+    let front_js = async_nats::jetstream::new(front);
+    let client = nats
+        .connect(fleet::nats_auth::Role::Worker)
+        .await
+        .expect("connect");
     let js = async_nats::jetstream::new(client);
     let settings = StoreSettings::default();
     let config = ServicesConfig {
@@ -66,21 +79,34 @@ async fn env_with(quota_bytes: Option<u64>, absolute: bool) -> Env {
         public_url: absolute.then(|| format!("{base}/")),
         ..Default::default()
     };
-    let services = Box::pin(FleetServices::open(
-        &js,
+    let admin = Box::pin(FleetServices::open(
+        &front_js,
         &settings,
         &config,
         LinkSigner::new(SECRET),
     ))
     .await
-    .expect("services");
+    .expect("services (front)");
+    let worker_settings = StoreSettings {
+        provision: fleet::store::Provision::Attach,
+        ..settings.clone()
+    };
+    let services = Box::pin(FleetServices::open(
+        &js,
+        &worker_settings,
+        &config,
+        LinkSigner::new(SECRET),
+    ))
+    .await
+    .expect("services (worker)");
     // The HTTP side opens its own handles, like a front process would.
-    let objects = HostObjects::open(&js, &settings, LinkSigner::new(SECRET), None)
+    let objects = HostObjects::open(&front_js, &settings, LinkSigner::new(SECRET), None)
         .await
         .expect("objects");
     let server = tokio::spawn(fleet::http::files::serve(listener, objects));
     Env {
         services,
+        admin,
         base,
         http: reqwest::Client::new(),
         server,
@@ -92,7 +118,7 @@ async fn env_with(quota_bytes: Option<u64>, absolute: bool) -> Env {
 impl Env {
     async fn invoke(&self, user: &str, tool_id: &str) -> Invoke {
         let caps: Vec<String> = ["aps.kv", "aps.files", "host.upload"].map(String::from).to_vec();
-        self.services
+        self.admin
             .grants()
             .edit(user, tool_id, &caps, &[])
             .await

@@ -53,7 +53,10 @@ fn llm_config(llm: &FakeLlm, dir: &std::path::Path) -> LlmConfig {
 async fn env_with(configure: impl FnOnce(LlmConfig) -> Option<LlmConfig>) -> Env {
     let dir = tempfile::tempdir().expect("tempdir");
     let nats = NatsServer::start(&dir.path().join("nats")).expect("nats-server (run scripts/test.sh once)");
-    let client = async_nats::connect(nats.url()).await.expect("connect");
+    let client = nats
+        .connect(fleet::nats_auth::Role::Front)
+        .await
+        .expect("connect");
     let js = async_nats::jetstream::new(client);
     let llm = FakeLlm::start().await;
     let config = ServicesConfig {

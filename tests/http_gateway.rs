@@ -61,7 +61,7 @@ async fn start_with(name: &str, workers: usize, config: HttpConfig) -> Gateway {
             let request = async_nats::Request::new()
                 .payload("{}".into())
                 .timeout(Some(GUARD));
-            match cluster.client.send_request(subjects::api(method), request).await {
+            match cluster.app.send_request(subjects::api(method), request).await {
                 Ok(_) => break,
                 Err(e) => assert!(Instant::now() < deadline, "{method} never answered: {e}"),
             }

@@ -188,7 +188,7 @@ fn smoke(bin: &Path, scenario: &str, fleet_args: &[&str], report_dir: &Path, plu
 struct Fleet(Child);
 
 impl Fleet {
-    fn start(data_dir: &Path, nats_url: &str, plugins: &Path) -> Fleet {
+    fn start(data_dir: &Path, nats_url: &str, auth_dir: &Path, plugins: &Path) -> Fleet {
         let http = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -203,6 +203,8 @@ impl Fleet {
             "--data-dir",
         ])
         .arg(data_dir)
+        .arg("--nats-auth-dir")
+        .arg(auth_dir)
         .arg("--plugins-dir")
         .arg(plugins)
         .current_dir(workspace_root())
@@ -266,10 +268,19 @@ fn every_scenario_smoke_runs() {
         let nats = NatsServer::start(&tmp.path().join("nats-spawn")).unwrap();
         let spawn_dir = tmp.path().join("spawned");
         let spawn_dir_s = spawn_dir.to_str().unwrap();
+        let auth = nats.store_dir().to_str().unwrap().to_owned();
         smoke(
             &bin,
             "steady-async",
-            &["--spawn", "--nats-url", &nats.url(), "--data-dir", spawn_dir_s],
+            &[
+                "--spawn",
+                "--nats-url",
+                &nats.url(),
+                "--nats-auth-dir",
+                &auth,
+                "--data-dir",
+                spawn_dir_s,
+            ],
             &reports.join("spawn"),
             None,
         );
@@ -293,8 +304,9 @@ fn every_scenario_smoke_runs() {
     // Every other scenario against one shared fleet.
     let data_dir = tmp.path().join("fleet");
     let plugins = catalogue(tmp.path());
-    let fleet = Fleet::start(&data_dir, &url, &plugins);
+    let fleet = Fleet::start(&data_dir, &url, nats.store_dir(), &plugins);
     let data_dir_s = data_dir.to_str().unwrap();
+    let auth = nats.store_dir().to_str().unwrap().to_owned();
     // An SLO that cannot hold: exit 1, and the report says which check failed.
     let slo = tmp.path().join("slo.toml");
     std::fs::write(&slo, "[sync-burst]\np99_ms.invoke = 0.001\n").unwrap();
@@ -310,6 +322,7 @@ fn every_scenario_smoke_runs() {
             "--nats-url",
             &url,
         ])
+        .args(["--nats-auth-dir", &auth])
         .args(["--data-dir", data_dir_s, "--report", report.to_str().unwrap()])
         .env("LOADTEST_SLO_FILE", &slo)
         .env_remove("FLEET_NATS_URL")
@@ -346,7 +359,14 @@ fn every_scenario_smoke_runs() {
         smoke(
             &bin,
             scenario,
-            &["--nats-url", &url, "--data-dir", data_dir_s],
+            &[
+                "--nats-url",
+                &url,
+                "--nats-auth-dir",
+                &auth,
+                "--data-dir",
+                data_dir_s,
+            ],
             &reports,
             Some(&plugins),
         );

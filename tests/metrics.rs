@@ -72,7 +72,7 @@ async fn workload(name: &str) -> Cluster {
     // under tools.list / invalid_token, which no assertion looks at.
     let deadline = Instant::now() + GUARD;
     while c
-        .client
+        .app
         .request(subjects::api(methods::TOOLS_LIST), "{}".into())
         .await
         .is_err()

@@ -24,7 +24,7 @@ async fn admin(c: &Cluster, token: &str, area: &str, method: &str, args: &Value)
         .payload(serde_json::to_vec(args).unwrap().into())
         .timeout(Some(Duration::from_secs(30)));
     let msg = c
-        .client
+        .operator
         .send_request(fleet::operator::subject(area, method), request)
         .await
         .expect("an answer");
@@ -49,8 +49,30 @@ async fn a_user_token_claiming_operator_is_refused_by_every_admin_api() {
     )
     .await
     .unwrap();
+    let issuer = fleet::creds::Issuer::open(
+        &js,
+        c.store.settings(),
+        fleet::nats_auth::AuthMaterial::load_read_only(c.nats.store_dir()).unwrap(),
+        fleet_e2e::cluster::connect(&c.nats, fleet_e2e::cluster::Role::Sys).await,
+    )
+    .await
+    .unwrap();
+    let creds_api = fleet::creds::serve_admin(c.client.clone(), issuer.clone(), c.operator_verifier())
+        .await
+        .unwrap();
 
     let calls: Vec<(&str, &str, Value)> = vec![
+        (
+            fleet::creds::CREDS_AREA,
+            fleet::creds::ISSUE,
+            json!({ "name": "mallory" }),
+        ),
+        (fleet::creds::CREDS_AREA, fleet::creds::LIST, json!({})),
+        (
+            fleet::creds::CREDS_AREA,
+            fleet::creds::REVOKE,
+            json!({ "name": "victim" }),
+        ),
         (
             GRANTS_AREA,
             GRANTS_SET,
@@ -108,6 +130,10 @@ async fn a_user_token_claiming_operator_is_refused_by_every_admin_api() {
         grants.get("mallory", "echo").await.unwrap().allow.is_empty(),
         "nothing was granted"
     );
+    assert!(
+        issuer.list().await.unwrap().is_empty(),
+        "no credential was issued"
+    );
 
     // The operator's own token passes (a read is enough to show it), and is no user token.
     let ops = c.operator_token();
@@ -125,5 +151,6 @@ async fn a_user_token_claiming_operator_is_refused_by_every_admin_api() {
     assert_eq!(e.code, ApiErrorCode::InvalidToken, "{e}");
     grants_api.abort();
     plugins_api.abort();
+    creds_api.abort();
     c.shutdown().await;
 }

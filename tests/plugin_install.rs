@@ -218,7 +218,7 @@ async fn env(name: &str, workers: usize) -> Env {
 impl Env {
     async fn plugins(&self, method: &str, body: Value) -> Result<Value, ApiError> {
         cli::request(
-            &self.cluster.client,
+            &self.cluster.operator,
             &self.operator,
             method,
             &body,
@@ -493,7 +493,7 @@ async fn every_package_is_verified_and_validated_before_it_is_published() {
     // Operator actions need the operator claim.
     let user = e.cluster.token("alice");
     let err = cli::request(
-        &e.cluster.client,
+        &e.cluster.operator,
         &user,
         service::LIST,
         &json!({}),
@@ -694,10 +694,13 @@ async fn the_cli_installs_a_directory_lists_describes_and_removes() {
     )
     .expect("manifest");
     let url = e.cluster.nats.url();
+    let creds = e.cluster.nats.creds(fleet::nats_auth::Role::Operator);
     let fleet = |args: &[&str]| {
         let out = std::process::Command::new(fleet_e2e::fleet_bin())
             .args(args)
             .args(["--nats-url", &url, "--token", &e.operator])
+            .arg("--nats-creds")
+            .arg(&creds)
             .output()
             .expect("fleet");
         let stdout: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
@@ -805,6 +808,8 @@ async fn the_cli_installs_a_directory_lists_describes_and_removes() {
     let user = e.cluster.token("carol");
     let out = std::process::Command::new(fleet_e2e::fleet_bin())
         .args(["plugins", "list", "--nats-url", &url, "--token", &user])
+        .arg("--nats-creds")
+        .arg(&creds)
         .output()
         .expect("fleet");
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -132,7 +132,7 @@ async fn wait_api(c: &Cluster) {
             .payload("{}".into())
             .timeout(Some(GUARD));
         match c
-            .client
+            .app
             .send_request(subjects::api(methods::TOOLS_LIST), request)
             .await
         {

@@ -10,6 +10,8 @@ use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, methods, subjects};
 use serde_json::{Value, json};
 
 use crate::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, DevKey, OPERATOR_AUDIENCE};
+use crate::nats_auth::Role;
+use crate::nats_conn::{Connector, NatsAuthArgs, role_creds};
 
 /// The NATS URL clients use by default.
 pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
@@ -28,9 +30,12 @@ pub struct ClientArgs {
     /// NATS URL of the fleet (default: the one `fleet up` recorded in --data-dir, else nats://127.0.0.1:4222).
     #[arg(long, env = "FLEET_NATS_URL")]
     pub nats_url: Option<String>,
-    /// The data directory of `fleet up` (holds the dev signing key).
+    /// The data directory of `fleet up` (holds the dev signing key and `nats/app.creds`).
     #[arg(long, env = "FLEET_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
     pub data_dir: PathBuf,
+    /// NATS credentials (default `<data-dir>/nats/app.creds`) and TLS.
+    #[command(flatten)]
+    pub nats: NatsAuthArgs,
     /// A JWT to present.
     #[arg(long, env = "FLEET_TOKEN", conflicts_with = "user")]
     pub token: Option<String>,
@@ -50,18 +55,13 @@ pub fn resolve_url(nats_url: Option<&str>, data_dir: &Path) -> String {
     })
 }
 
-/// Connects a client to `url` (5 s connection timeout).
-pub async fn connect(url: &str) -> Result<async_nats::Client, ApiError> {
-    async_nats::ConnectOptions::new()
-        .connection_timeout(Duration::from_secs(5))
-        .connect(url)
+/// Connects a client (5 s connection timeout); a refusal or an unreadable credential is `AGENT_UNAVAILABLE`
+/// with the one-line reason.
+pub async fn connect(connector: &Connector, name: &str) -> Result<async_nats::Client, ApiError> {
+    connector
+        .connect(name)
         .await
-        .map_err(|e| {
-            ApiError::new(
-                ApiErrorCode::AgentUnavailable,
-                format!("cannot connect to {url}: {e}"),
-            )
-        })
+        .map_err(|e| ApiError::new(ApiErrorCode::AgentUnavailable, e.to_string()))
 }
 
 /// Sends one request with `Authorization: Bearer <token>` to `subject` and unwraps the `ApiResponse`.
@@ -95,9 +95,13 @@ pub struct OperatorConn {
     /// NATS URL of the fleet (default: the one `fleet up` recorded in --data-dir, else nats://127.0.0.1:4222).
     #[arg(long, env = "FLEET_NATS_URL")]
     pub nats_url: Option<String>,
-    /// The data directory of `fleet up` (its dev key mints an operator token when --token is absent).
+    /// The data directory of `fleet up` (its dev key mints an operator token when --token is absent; its
+    /// `nats/operator.creds` is the default NATS credential).
     #[arg(long, env = "FLEET_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
     pub data_dir: PathBuf,
+    /// NATS credentials (default `<data-dir>/nats/operator.creds`) and TLS.
+    #[command(flatten)]
+    pub nats: NatsAuthArgs,
     /// An operator JWT to present.
     #[arg(long, env = "FLEET_TOKEN")]
     pub token: Option<String>,
@@ -117,9 +121,15 @@ impl OperatorConn {
         }
     }
 
+    /// Where and how to connect (as the operator tooling user).
+    pub fn connector(&self) -> Connector {
+        self.nats
+            .connector(&self.url(), Some(role_creds(&self.data_dir, Role::Operator)))
+    }
+
     /// A connection to the fleet.
     pub async fn connect(&self) -> Result<async_nats::Client, ApiError> {
-        connect(&self.url()).await
+        connect(&self.connector(), "operator").await
     }
 }
 
@@ -127,6 +137,12 @@ impl ClientArgs {
     /// The URL to connect to.
     pub fn url(&self) -> String {
         resolve_url(self.nats_url.as_deref(), &self.data_dir)
+    }
+
+    /// Where and how to connect (as an app user).
+    pub fn connector(&self) -> Connector {
+        self.nats
+            .connector(&self.url(), Some(role_creds(&self.data_dir, Role::App)))
     }
 
     /// The token to present.
@@ -160,7 +176,7 @@ pub fn mint(data_dir: &Path, user: &str, ttl: Duration, operator: bool) -> Resul
 /// Sends one API call and returns its result.
 pub async fn call(args: &ClientArgs, method: &str, body: &Value, wait: Duration) -> Result<Value, ApiError> {
     let token = args.token()?;
-    let client = connect(&args.url()).await?;
+    let client = connect(&args.connector(), "fleet-cli").await?;
     request(&client, &token, subjects::api(method), body, wait).await
 }
 

@@ -128,6 +128,7 @@ impl GrantStore {
                 num_replicas: settings.replicas,
                 ..Default::default()
             },
+            settings.provision,
         )
         .await
         .map_err(store_err)?;

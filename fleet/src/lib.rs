@@ -8,6 +8,7 @@
 
 pub mod auth;
 pub mod client_cmd;
+pub mod creds;
 pub mod dispatch;
 pub mod front;
 pub mod grants;
@@ -16,6 +17,7 @@ pub mod in_flight;
 pub mod membership;
 pub mod metrics;
 pub mod nats_auth;
+pub mod nats_conn;
 pub mod nats_server;
 pub mod node;
 pub mod operator;

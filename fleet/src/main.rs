@@ -43,11 +43,22 @@ enum Cmd {
     /// Run the plugin host: load the catalogue, sweep stale cgroups, prewarm, serve until SIGTERM.
     Worker(fleet::worker_cmd::WorkerArgs),
     /// Run everything on this machine: nats-server (unless --nats-url), the front, N workers, HTTP.
-    Up(fleet::up::UpArgs),
+    Up(Box<fleet::up::UpArgs>),
     /// Allow or revoke host capabilities (aps.kv, aps.files, llm.sample, llm.embed, host.upload, …) for one
     /// user and plugin; with neither --allow nor --revoke, print the grant. An operator action (the dev key
     /// of --data-dir mints an operator token when --token is absent).
     Grant(fleet::grants::GrantArgs),
+    /// App NATS credentials (operator): issue, list, revoke — without restarting NATS.
+    Creds {
+        #[command(subcommand)]
+        command: fleet::creds::CredsCmd,
+    },
+    /// NATS auth material for a fleet on an external server: `init --dir DIR` creates (once) the keys, each
+    /// role's `.creds` and `server-auth.conf` (include it in the nats-server configuration).
+    NatsAuth {
+        #[command(subcommand)]
+        command: fleet::nats_auth::cli::NatsAuthCmd,
+    },
     /// Plugin distribution (operator): install, list, remove, describe plugins across the fleet.
     Plugins {
         #[command(subcommand)]
@@ -220,7 +231,7 @@ async fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        Cmd::Up(args) => match fleet::up::run(&args).await {
+        Cmd::Up(args) => match Box::pin(fleet::up::run(&args)).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln_error(&e.to_string());
@@ -229,6 +240,14 @@ async fn main() -> ExitCode {
         },
         Cmd::Grant(args) => print_outcome(fleet::grants::run_grant(&args).await),
         Cmd::Plugins { command } => print_outcome(fleet::plugins::cli::run(&command).await),
+        Cmd::Creds { command } => print_outcome(fleet::creds::run(&command).await),
+        Cmd::NatsAuth { command } => match fleet::nats_auth::cli::run(&command) {
+            Ok(v) => print_outcome(Ok(v)),
+            Err(e) => {
+                eprintln_error(&e.to_string());
+                ExitCode::FAILURE
+            }
+        },
         Cmd::Token {
             user,
             ttl_secs,

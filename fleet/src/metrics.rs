@@ -277,6 +277,10 @@ impl FleetMetrics {
             _ => "other",
         };
         self.nats_events.get_or_create(&[("event", kind)]).inc();
+        // A permission violation names the fleet's own subject: say it, or a refused publish is just a timeout.
+        if let async_nats::Event::ServerError(e) = event {
+            tracing::error!(error = %e, "NATS server error");
+        }
         if matches!(event, async_nats::Event::Connected) {
             self.nats_reconnects.inc();
         }

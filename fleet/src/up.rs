@@ -17,9 +17,10 @@ use fleet_worker::session::WorkerContext;
 use crate::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, DevKey, OperatorVerifier, Verifier, VerifyKey};
 use crate::client_cmd::{DEFAULT_DATA_DIR, nats_url_file};
 use crate::front::{Front, FrontConfig};
+use crate::nats_auth::Role;
 use crate::nats_server::{NatsServer, free_port};
 use crate::node::WorkerNode;
-use crate::store::{Store, StoreSettings};
+use crate::store::{Provision, Store, StoreSettings};
 
 /// `fleet up`'s flags (this exact interface: scripts and the README use it).
 #[derive(Debug, Clone, clap::Args)]
@@ -28,9 +29,18 @@ pub struct UpArgs {
     /// leaving the registry (seconds).
     #[arg(long, env = "FLEET_DRAIN_GRACE_SECS", default_value_t = crate::node::DRAIN_GRACE.as_secs())]
     pub drain_grace_secs: u64,
-    /// Use this NATS server instead of starting one.
+    /// Use this NATS server (or comma-separated servers) instead of starting one.
     #[arg(long, env = "FLEET_NATS_URL")]
     pub nats_url: Option<String>,
+    /// Credentials and TLS of the connections (`--nats-creds` is the front's; with --nats-url and no
+    /// --nats-auth-dir, the in-process workers use it too).
+    #[command(flatten)]
+    pub nats: crate::nats_conn::NatsAuthArgs,
+    /// A directory of NATS auth material (`fleet nats-auth init`): the front connects with its `front.creds`,
+    /// in-process workers with its `worker.creds`, and the front serves `fleet creds` (it needs `seeds.json`,
+    /// `jwts.json`, `sys.creds`). Default with its own nats-server: `<data-dir>/nats`.
+    #[arg(long, env = "FLEET_NATS_AUTH_DIR")]
+    pub nats_auth_dir: Option<PathBuf>,
     /// The plugin catalogue (default: the demo plugins shipped in the repo).
     #[arg(long, env = "FLEET_PLUGINS_DIR")]
     pub plugins_dir: Option<PathBuf>,
@@ -139,13 +149,8 @@ pub enum UpError {
     #[error(transparent)]
     Nats(#[from] crate::nats_server::NatsServerError),
     /// Connecting.
-    #[error("cannot connect to {url}: {reason}")]
-    Connect {
-        /// Where.
-        url: String,
-        /// Why.
-        reason: String,
-    },
+    #[error(transparent)]
+    Connect(#[from] crate::nats_conn::ConnectError),
     /// Anything else, with context.
     #[error("{0}")]
     Other(String),
@@ -182,7 +187,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     // Metrics: one registry for the front, the sweeper and every in-process worker.
     let metrics = Arc::new(crate::metrics::FleetMetrics::new());
 
-    // NATS.
+    // NATS: our own server (auth on, material in <data-dir>/nats), or the given one.
     let mut server = None;
     let url = match &args.nats_url {
         Some(u) => u.clone(),
@@ -192,7 +197,14 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             } else {
                 free_port()?
             };
-            let s = NatsServer::start_on(&data_dir.join("nats"), port)?;
+            let store = data_dir.join("nats");
+            let s = match NatsServer::start_on(&store, port) {
+                // Another server took 4222 between the check and the start (a second `fleet up`): any free port.
+                Err(crate::nats_server::NatsServerError::PortTaken(_)) => {
+                    NatsServer::start_on(&store, free_port()?)?
+                }
+                other => other?,
+            };
             say(&format!(
                 "nats-server   {} (pid {}, JetStream in {})",
                 s.url(),
@@ -205,15 +217,25 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         }
     };
     std::fs::write(nats_url_file(&data_dir), &url).map_err(|e| other("data dir")(&e))?;
-    let client = metrics
-        .nats_options(async_nats::ConnectOptions::new())
-        .connection_timeout(Duration::from_secs(5))
-        .connect(&url)
-        .await
-        .map_err(|e| UpError::Connect {
-            url: url.clone(),
-            reason: e.to_string(),
-        })?;
+    let auth_dir = args
+        .nats_auth_dir
+        .clone()
+        .or_else(|| server.as_ref().map(|s: &NatsServer| s.store_dir().to_path_buf()));
+    let role_creds = |role: Role| {
+        auth_dir
+            .as_ref()
+            .map(|d| d.join(format!("{}.creds", role.as_str())))
+    };
+    let front_conn = args.nats.connector(&url, role_creds(Role::Front));
+    let worker_conn = match role_creds(Role::Worker).filter(|p| p.exists()) {
+        Some(creds) if args.nats.nats_creds.is_none() || args.nats_auth_dir.is_some() => {
+            front_conn.with_creds(Some(creds))
+        }
+        _ => front_conn.clone(),
+    };
+    let client = front_conn
+        .connect_with("front", metrics.nats_options(async_nats::ConnectOptions::new()))
+        .await?;
     let settings = StoreSettings {
         replicas: args.jetstream_replicas,
         ..StoreSettings::default()
@@ -222,14 +244,36 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     let store = Store::open(js.clone(), settings.clone())
         .await
         .map_err(|e| other("JetStream resources")(&e))?;
-    // Host services: one instance for every in-process worker and the HTTP listener's download links.
-    let services =
-        Box::pin(
-            args.services
-                .open(&js, &settings, &data_dir, Some(format!("http://{}", args.http))),
-        )
+    // Host services of the front: grants (operator API) and the HTTP listener's download and upload links.
+    let public_url = Some(format!("http://{}", args.http));
+    let services = Box::pin(args.services.open(&js, &settings, &data_dir, public_url.clone()))
         .await
         .map_err(|e| other("host services")(&e))?;
+    // Plugin distribution: the operator API `fleet.v1.admin.plugins.*` (packages in the object store). Created
+    // before the workers start: they attach to it.
+    let plugin_store = crate::plugins::PluginStore::open(&js, store.settings())
+        .await
+        .map_err(|e| other("plugin store")(&e))?;
+    // The in-process workers: their own connection, as the worker user, attached to what the front created.
+    let worker_settings = StoreSettings {
+        provision: Provision::Attach,
+        ..settings.clone()
+    };
+    let (worker_client, worker_store, worker_services) = if args.workers == 0 {
+        (client.clone(), store.clone(), services.clone())
+    } else {
+        let wc = worker_conn
+            .connect_with("worker", metrics.nats_options(async_nats::ConnectOptions::new()))
+            .await?;
+        let wjs = async_nats::jetstream::new(wc.clone());
+        let ws = Store::open(wjs.clone(), worker_settings.clone())
+            .await
+            .map_err(|e| other("JetStream resources (worker)")(&e))?;
+        let wsv = Box::pin(args.services.open(&wjs, &worker_settings, &data_dir, public_url))
+            .await
+            .map_err(|e| other("host services (worker)")(&e))?;
+        (wc, ws, wsv)
+    };
 
     // Auth: the configured keys, else the dev key in the data dir.
     let verifier = verifier(args, &data_dir)?;
@@ -286,14 +330,14 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         let ctx = WorkerContext {
             config: Arc::new(config.clone()),
             sandbox: sandbox.clone(),
-            services: Arc::new(services.clone()),
-            tokens: Arc::new(services.clone()),
+            services: Arc::new(worker_services.clone()),
+            tokens: Arc::new(worker_services.clone()),
             metrics: Arc::new(WorkerMetrics::default()),
         };
         let pool = Pool::new(ctx, Arc::new(catalogue));
         let node = WorkerNode::start(
-            client.clone(),
-            store.clone(),
+            worker_client.clone(),
+            worker_store.clone(),
             pool,
             &config.worker_id,
             metrics.clone(),
@@ -330,11 +374,6 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     )
     .await
     .map_err(|e| other("operator API")(&e))?;
-    // Plugin distribution: the operator API `fleet.v1.admin.plugins.*` (packages in the object store).
-    let plugin_store =
-        crate::plugins::PluginStore::open(&async_nats::jetstream::new(client.clone()), store.settings())
-            .await
-            .map_err(|e| other("plugin store")(&e))?;
     let plugins_api = crate::plugins::service::serve(
         client.clone(),
         plugin_store,
@@ -344,6 +383,29 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     )
     .await
     .map_err(|e| other("plugins API")(&e))?;
+    // App credentials (`fleet creds`): served when this front holds the issuer material.
+    let creds_api = match auth_dir
+        .as_ref()
+        .filter(|d| d.join(crate::nats_auth::SEEDS_FILE).exists())
+    {
+        None => None,
+        Some(dir) => {
+            let material = crate::nats_auth::AuthMaterial::load_read_only(dir)
+                .map_err(|e| other("NATS issuer material")(&e))?;
+            let sys = front_conn
+                .with_creds(Some(dir.join("sys.creds")))
+                .connect("front-sys")
+                .await?;
+            let issuer = crate::creds::Issuer::open(&js, &settings, material, sys)
+                .await
+                .map_err(|e| other("app credentials")(&e))?;
+            Some(
+                crate::creds::serve_admin(client.clone(), issuer, operator_verifier.clone())
+                    .await
+                    .map_err(|e| other("app credentials API")(&e))?,
+            )
+        }
+    };
     let sweeper = tokio::spawn(crate::sweeper::run(front.clone(), client.clone()));
     let http = tokio::net::TcpListener::bind(&args.http)
         .await
@@ -371,6 +433,12 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     say(
         "plugins       fleet.v1.admin.plugins.* (operator): fleet plugins install SOURCE | list | remove | describe",
     );
+    if let Some(dir) = &auth_dir {
+        say(&format!(
+            "nats auth     credentials per role in {} (app.creds for app backends; fleet creds issue --name N for more)",
+            dir.display()
+        ));
+    }
     say(
         "try           fleet invoke --user alice --tool-id echo-py --tool echo --args '{\"hello\":\"world\"}'",
     );
@@ -387,6 +455,9 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     http_task.abort();
     admin.abort();
     plugins_api.abort();
+    if let Some(task) = creds_api {
+        task.abort();
+    }
     sweeper.abort();
     service.stop().await;
     for node in nodes {
@@ -395,6 +466,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     for sandbox in sandboxes {
         let _ = tokio::task::spawn_blocking(move || sandbox.remove_subtree()).await;
     }
+    let _ = worker_client.drain().await;
     let _ = client.drain().await;
     if let Some(mut s) = server {
         tokio::task::spawn_blocking(move || s.stop())

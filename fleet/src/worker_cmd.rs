@@ -46,6 +46,9 @@ pub struct WorkerArgs {
     /// Join a fleet: serve `fleet.v1.worker.<id>.*` on this NATS server (without it the worker runs standalone).
     #[arg(long, env = "FLEET_NATS_URL")]
     pub nats_url: Option<String>,
+    /// Credentials (the worker role's `.creds`, e.g. `.fleet/nats/worker.creds` of a local `fleet up`) and TLS.
+    #[command(flatten)]
+    pub nats: crate::nats_conn::NatsAuthArgs,
     /// Serve `/metrics`, `/healthz` and `/readyz` on this address (e.g. 127.0.0.1:9101).
     #[arg(long, env = "FLEET_WORKER_HTTP")]
     pub http: Option<String>,
@@ -159,14 +162,16 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
     let joined = match &args.nats_url {
         None => None,
         Some(url) => {
-            let client = metrics
-                .nats_options(async_nats::ConnectOptions::new())
-                .connection_timeout(Duration::from_secs(5))
-                .connect(url)
+            let client = args
+                .nats
+                .connector(url, None)
+                .connect_with("worker", metrics.nats_options(async_nats::ConnectOptions::new()))
                 .await
-                .map_err(|e| WorkerCmdError::Usage(format!("cannot connect to {url}: {e}")))?;
+                .map_err(|e| WorkerCmdError::Usage(e.to_string()))?;
+            // Workers attach to the resources a front created: their NATS user may not create streams.
             let settings = crate::store::StoreSettings {
                 replicas: args.jetstream_replicas,
+                provision: crate::store::Provision::Attach,
                 ..crate::store::StoreSettings::default()
             };
             let js = async_nats::jetstream::new(client.clone());

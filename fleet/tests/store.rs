@@ -35,7 +35,12 @@ fn nats() -> Nats {
 
 impl Nats {
     async fn js(&self) -> jetstream::Context {
-        let client = async_nats::connect(self.server.url()).await.expect("connect");
+        // The front's user: fronts create and use the store's resources.
+        let client = self
+            .server
+            .connect(fleet::nats_auth::Role::Front)
+            .await
+            .expect("connect");
         jetstream::new(client)
     }
 

@@ -23,13 +23,18 @@ fn catalogue() -> PathBuf {
 
 impl Workers {
     /// Starts `n` workers against `nats_url` and waits until each is registered.
-    pub(crate) async fn start(ctx: &Ctx, nats_url: &str, n: usize) -> anyhow::Result<Workers> {
+    pub(crate) async fn start(
+        ctx: &Ctx,
+        nats: &fleet::nats_conn::Connector,
+        n: usize,
+    ) -> anyhow::Result<Workers> {
+        let nats_url = nats.url.as_str();
         let state = tempfile::Builder::new().prefix("loadtest-workers-").tempdir()?;
         let mut workers = Workers {
             children: Vec::new(),
             _state: state,
         };
-        let kv = async_nats::jetstream::new(ctx.nats.clone())
+        let kv = async_nats::jetstream::new(ctx.ops.clone())
             .get_key_value("fleet_workers")
             .await
             .map_err(|e| anyhow::anyhow!("the fleet's worker registry: {e}"))?;
@@ -46,6 +51,17 @@ impl Workers {
                     "--worker-id",
                     &id,
                 ])
+                .args(
+                    nats.creds
+                        .iter()
+                        .flat_map(|c| [std::ffi::OsStr::new("--nats-creds"), c.as_os_str()]),
+                )
+                .args(
+                    nats.tls
+                        .ca
+                        .iter()
+                        .flat_map(|c| [std::ffi::OsStr::new("--nats-tls-ca"), c.as_os_str()]),
+                )
                 .arg("--catalogue")
                 .arg(catalogue())
                 .arg("--state-dir")

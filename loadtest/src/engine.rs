@@ -170,8 +170,10 @@ pub(crate) struct CallError {
 /// The shared context of a run.
 #[derive(Debug)]
 pub(crate) struct Ctx {
-    /// The connection.
+    /// The connection of the calls (an app credential).
     pub(crate) nats: async_nats::Client,
+    /// The connection of operator calls and registry reads (the operator tooling credential).
+    pub(crate) ops: async_nats::Client,
     key: SigningKey,
     /// The fleet's operator key (or why it is not available), for [`Ctx::admin`].
     operator_key: Result<SigningKey, String>,
@@ -190,7 +192,12 @@ pub(crate) struct Ctx {
 
 impl Ctx {
     /// A context over a connection and a signing key.
-    pub(crate) fn new(nats: async_nats::Client, key: SigningKey, max_in_flight: usize) -> Self {
+    pub(crate) fn new(
+        nats: async_nats::Client,
+        ops: async_nats::Client,
+        key: SigningKey,
+        max_in_flight: usize,
+    ) -> Self {
         let run_tag = format!(
             "{:x}",
             std::time::SystemTime::now()
@@ -200,6 +207,7 @@ impl Ctx {
         );
         Ctx {
             nats,
+            ops,
             key,
             operator_key: Err("no operator key was loaded".into()),
             tokens: Mutex::new(HashMap::new()),
@@ -315,7 +323,7 @@ impl Ctx {
                 message: e.to_string(),
             })?;
         fleet::client_cmd::request(
-            &self.nats,
+            &self.ops,
             &token,
             format!("{}.{method}", fleet::operator::ADMIN_PREFIX),
             body,

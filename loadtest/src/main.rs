@@ -46,7 +46,7 @@ enum Cmd {
     /// Print every scenario with its one-line description.
     List,
     /// Run one scenario and write its report.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
 }
 
 #[derive(Debug, clap::Args)]
@@ -59,9 +59,18 @@ struct RunArgs {
     /// NATS URL of the fleet (default: the URL in <data-dir>/nats-url, else nats://127.0.0.1:4222).
     #[arg(long)]
     nats_url: Option<String>,
-    /// The fleet's data directory, holding the dev signing key tokens are minted with (default `.fleet`).
+    /// The fleet's data directory, holding the dev signing key tokens are minted with and the NATS credentials
+    /// of each role under `nats/` (default `.fleet`).
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// The app credential the calls are made with (default `<auth-dir>/app.creds`), and TLS.
+    #[command(flatten)]
+    nats: fleet::nats_conn::NatsAuthArgs,
+    /// Where each role's credentials are (`app.creds`, `operator.creds` for operator calls and registry reads,
+    /// `worker.creds` for the workers `chaos-worker-kill` starts; with --spawn and --nats-url, the child `fleet
+    /// up` gets it too). Default `<data-dir>/nats`.
+    #[arg(long, env = "FLEET_NATS_AUTH_DIR")]
+    nats_auth_dir: Option<PathBuf>,
     /// Length of the arrival phase, e.g. `10s`, `2m`.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     duration: Duration,
@@ -135,7 +144,12 @@ fn run(args: &RunArgs) -> anyhow::Result<bool> {
     };
     let spawned = if args.spawn {
         eprintln!("loadtest: starting fleet up (data dir {})", data_dir.display());
-        Some(spawn::SpawnedFleet::start(&data_dir, args.nats_url.as_deref())?)
+        Some(spawn::SpawnedFleet::start(
+            &data_dir,
+            args.nats_url.as_deref(),
+            args.nats_auth_dir.as_deref(),
+            &args.nats,
+        )?)
     } else {
         None
     };
@@ -153,11 +167,21 @@ fn run(args: &RunArgs) -> anyhow::Result<bool> {
     // Operator calls (grants of the host-storage scenario) need the fleet's dev operator key; without it they
     // fail with a message naming the file.
     let operator_key = fleet::auth::DevKey::load_operator(&data_dir).map_err(|e| e.to_string());
+    let auth_dir = args
+        .nats_auth_dir
+        .clone()
+        .unwrap_or_else(|| fleet::nats_conn::auth_dir(&data_dir));
+    let creds = |role: fleet::nats_auth::Role| {
+        Some(auth_dir.join(format!("{}.creds", role.as_str()))).filter(|p| p.exists())
+    };
+    let app = args.nats.connector(&nats_url, creds(fleet::nats_auth::Role::App));
+    let operator = app.with_creds(creds(fleet::nats_auth::Role::Operator));
+    let worker = app.with_creds(creds(fleet::nats_auth::Role::Worker));
     let params = scenarios::Params {
         rate: args.rate.unwrap_or(scenario.default_rate),
         duration: args.duration,
         native_echo: false,
-        nats_url: nats_url.clone(),
+        worker_nats: worker,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let metrics_url = spawned
@@ -167,7 +191,7 @@ fn run(args: &RunArgs) -> anyhow::Result<bool> {
     let result = runtime.block_on(drive(
         scenario,
         params,
-        &nats_url,
+        (&app, &operator),
         (key, operator_key),
         spawned.is_some(),
         slo,
@@ -187,18 +211,16 @@ fn run(args: &RunArgs) -> anyhow::Result<bool> {
 async fn drive(
     scenario: &'static scenarios::Scenario,
     mut params: scenarios::Params,
-    nats_url: &str,
+    (app, operator): (&fleet::nats_conn::Connector, &fleet::nats_conn::Connector),
     (key, operator_key): (fleet::auth::SigningKey, Result<fleet::auth::SigningKey, String>),
     spawned: bool,
     slo: Option<report::Slo>,
     metrics_url: Option<&str>,
 ) -> anyhow::Result<(Value, Arc<Ctx>)> {
-    let nats = async_nats::ConnectOptions::new()
-        .connection_timeout(Duration::from_secs(5))
-        .connect(nats_url)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot connect to {nats_url}: {e}"))?;
-    let ctx = Arc::new(Ctx::new(nats, key, MAX_IN_FLIGHT).with_operator_key(operator_key));
+    let nats_url = app.url.as_str();
+    let nats = app.connect("loadtest").await?;
+    let ops = operator.connect("loadtest-operator").await?;
+    let ctx = Arc::new(Ctx::new(nats, ops, key, MAX_IN_FLIGHT).with_operator_key(operator_key));
     // Which demo plugins are served (the native `echo` needs `target/release`).
     let tools = ctx
         .call(

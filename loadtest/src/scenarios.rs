@@ -112,8 +112,8 @@ pub(crate) struct Params {
     pub(crate) duration: Duration,
     /// Whether the native `echo` plugin is served.
     pub(crate) native_echo: bool,
-    /// The fleet's NATS URL (for the worker processes `chaos-worker-kill` starts).
-    pub(crate) nats_url: String,
+    /// Where and as whom the worker processes `chaos-worker-kill` starts connect.
+    pub(crate) worker_nats: fleet::nats_conn::Connector,
 }
 
 const SYNC_WAIT: Duration = Duration::from_secs(30);
@@ -268,7 +268,7 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
             tokio::join!(noisy, quiet);
         }
         "chaos-worker-kill" => {
-            let mut workers = crate::chaos::Workers::start(ctx, p.nats_url.as_str(), 2).await?;
+            let mut workers = crate::chaos::Workers::start(ctx, &p.worker_nats, 2).await?;
             let killer = {
                 let c = Arc::clone(ctx);
                 let victim = workers.victim();

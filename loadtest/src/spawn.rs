@@ -39,7 +39,12 @@ fn free_port() -> anyhow::Result<u16> {
 impl SpawnedFleet {
     /// Starts `fleet up --data-dir DIR --http 127.0.0.1:<free port> [--nats-url URL]` and waits for its "try"
     /// line. Its output goes to `DIR/fleet-up.log`.
-    pub(crate) fn start(data_dir: &Path, nats_url: Option<&str>) -> anyhow::Result<SpawnedFleet> {
+    pub(crate) fn start(
+        data_dir: &Path,
+        nats_url: Option<&str>,
+        nats_auth_dir: Option<&Path>,
+        nats: &fleet::nats_conn::NatsAuthArgs,
+    ) -> anyhow::Result<SpawnedFleet> {
         std::fs::create_dir_all(data_dir)?;
         let log_path = data_dir.join("fleet-up.log");
         let log = std::fs::File::create(&log_path)?;
@@ -58,6 +63,19 @@ impl SpawnedFleet {
             .stderr(Stdio::from(log.try_clone()?));
         if let Some(url) = nats_url {
             cmd.arg("--nats-url").arg(url);
+            // An external server: the fleet connects with the role credentials of the auth dir, and TLS.
+            if let Some(dir) = nats_auth_dir {
+                cmd.arg("--nats-auth-dir").arg(dir);
+            }
+            for (flag, value) in [
+                ("--nats-tls-ca", &nats.nats_tls_ca),
+                ("--nats-tls-cert", &nats.nats_tls_cert),
+                ("--nats-tls-key", &nats.nats_tls_key),
+            ] {
+                if let Some(v) = value {
+                    cmd.arg(flag).arg(v);
+                }
+            }
         }
         let mut child = cmd
             .spawn()

@@ -4,13 +4,19 @@
 1. files/alerts.yml and files/grafana-dashboard.json are byte-identical to deploy/prometheus/alerts.yml and
    deploy/grafana/cloud-agents.json (the chart can only read files inside itself, so it carries copies);
 2. `helm lint --strict` (PyPI helm-python-sdk: the Helm v4 Go SDK over ctypes) with the default values and with
-   every ci/*-values.yaml; the only finding tolerated is the missing, not vendored `nats` dependency;
+   every ci/*-values.yaml; the only finding tolerated is the missing, not vendored `nats` dependency. "default" is
+   the chart's defaults plus the one value without a default, natsAuth.existingSecret (BASE_VALUES); the
+   defaults alone must be refused (an open bus is never the default). One more value set, "insecure-open-bus",
+   checks the development opt-out;
 3. `helm template` of the same value sets, split into one file per manifest under OUT/<variant>/, also written
    as OUT/<variant>.json (a list of objects) for tests/helm_chart.rs;
 4. every rendered manifest through `kubernetes-validate --strict -k <version>` (one process for all of them); the
    CRD kinds it has no schema for (ServiceMonitor, PrometheusRule, ScaledObject) get structural checks here;
-5. security invariants on every container, and values the schema (or the templates) must reject, each with the
-   message expected.
+5. security invariants on every container (and the NATS credentials: workers mount worker.creds and nothing else
+   of the NATS auth Secret), and values the schema (or the templates) must reject, each with the message
+   expected (rendered over BASE_VALUES, so that each case fails for its own reason);
+6. deploy/nats/: networkpolicy.yaml goes through step 4 with the rest, and nats-chart-values.yaml must configure
+   the official chart exactly as values.yaml configures the bundled one (but for the Secret's name).
 
 Usage: validate.py [--out DIR] [--kube-version 1.30.0]. Exit status 0 when everything passed; OUT/summary.json
 records what ran.
@@ -37,8 +43,37 @@ RELEASE, NAMESPACE = "ca", "cloud-agents"
 # Lint findings that are expected offline: the official nats chart is declared but not vendored.
 TOLERATED_LINT = [re.compile(r"chart directory is missing these dependencies: nats"), re.compile(r"icon is recommended")]
 
-# Values that must be refused, and a piece of the message that must say why.
+# The values every rendering starts from: the chart's defaults need only the NATS auth Secret.
+NATS_AUTH_SECRET = "ca-nats-auth"
+BASE_VALUES = {"natsAuth": {"existingSecret": NATS_AUTH_SECRET}}
+# Value sets rendered and validated besides the ci/ ones (which must name the Secret themselves).
+EXTRA_VARIANTS = [("insecure-open-bus", {"natsAuth": {"insecureOpenBus": True}})]
+# What each component may mount of the NATS auth Secret (`fleet nats-auth init`: seeds.json, jwts.json,
+# server-auth.conf and front, worker, operator, app, sys .creds).
+NATS_AUTH_ALLOWED = {"front": {"seeds.json", "jwts.json", "sys.creds", "front.creds"}, "worker": {"worker.creds"}}
+
+# Values that must be refused, and a piece of the message that must say why. Rendered over BASE_VALUES; a case
+# whose values are RAW is rendered alone (the chart's defaults).
+RAW = "raw"
 BAD_VALUES = [
+    ("chart defaults: no NATS auth Secret", RAW, "natsAuth.existingSecret is required"),
+    ("empty NATS auth Secret name", {"natsAuth": {"existingSecret": ""}}, "natsAuth.existingSecret is required"),
+    ("NATS auth Secret and open bus", {"natsAuth": {"insecureOpenBus": True}},
+     "set either natsAuth.existingSecret (credentials) or natsAuth.insecureOpenBus=true"),
+    ("open bus with the bundled NATS", {"natsAuth": {"existingSecret": "", "insecureOpenBus": True},
+                                        "nats": {"enabled": True}}, "cannot be combined with nats.enabled=true"),
+    ("bundled NATS without the auth Secret mounted", {"nats": {"enabled": True}},
+     "the bundled NATS servers must mount server-auth.conf from natsAuth.existingSecret (ca-nats-auth)"),
+    ("bundled NATS without server-auth.conf included",
+     {"natsAuth": {"existingSecret": "cloud-agents-nats-auth"},
+      "nats": {"enabled": True, "config": {"merge": {"zzz$include": None}}}},
+     "nats.config.merge must include server-auth.conf"),
+    ("NATS auth Secret name not a DNS name", {"natsAuth": {"existingSecret": "Nats_Auth"}},
+     "/natsAuth/existingSecret"),
+    ("NATS client cert without key", {"natsTls": {"secretName": "tls", "key": ""}},
+     "natsTls.cert and natsTls.key go together"),
+    ("NATS TLS without a CA key", {"natsTls": {"secretName": "tls", "ca": ""}}, "natsTls.ca is required"),
+    ("network policy typo", {"networkPolicy": {"enable": False}}, "additional properties 'enable' not allowed"),
     ("sandbox mode typo", {"worker": {"sandbox": {"mode": "root"}}},
      "value must be one of 'privileged', 'delegatedCgroupRW', 'none'"),
     ("zero front replicas", {"front": {"replicas": 0}}, "/front/replicas"),
@@ -63,11 +98,19 @@ def fail(errors: list[str], msg: str) -> None:
     print(f"FAIL {msg}", file=sys.stderr)
 
 
+def merged(base: dict, over: dict) -> dict:
+    """Helm's value merge: maps merge key by key, anything else (lists too) replaces."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def load_variants() -> list[tuple[str, dict]]:
-    variants = [("default", {})]
+    variants = [("default", BASE_VALUES)]
     for f in sorted((CHART / "ci").glob("*-values.yaml")):
         variants.append((f.name.removesuffix("-values.yaml"), yaml.safe_load(f.read_text()) or {}))
-    return variants
+    return variants + EXTRA_VARIANTS
 
 
 def split_docs(rendered: dict[str, str]) -> list[tuple[str, dict]]:
@@ -116,6 +159,70 @@ def check_security(variant: str, docs: list[dict], errors: list[str]) -> None:
                 fail(errors, f"{where}: the front runs as non-root with no capability")
             if added - {"CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL", "SETGID", "SETUID"}:
                 fail(errors, f"{where}: unexpected capabilities {sorted(added)}")
+
+
+def check_nats_credentials(variant: str, docs: list[dict], values: dict, errors: list[str]) -> None:
+    """Each component mounts only its share of the NATS auth Secret, always item by item (never the whole Secret),
+    and passes the matching flags; with the open-bus opt-out nothing of it is mounted or passed."""
+    secret = values.get("natsAuth", {}).get("existingSecret", "")
+    for doc in docs:
+        if doc.get("kind") != "Deployment":
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        component = doc["metadata"]["labels"].get("app.kubernetes.io/component")
+        where = f"{variant}: {doc['metadata']['name']}"
+        mounted: set[str] = set()
+        for v in pod.get("volumes", []):
+            sources = [v["secret"] | {"name": v["secret"]["secretName"]}] if "secret" in v else [
+                s["secret"] for s in v.get("projected", {}).get("sources", []) if "secret" in s]
+            for src in sources:
+                if src["name"] != secret or not secret:
+                    continue
+                items = src.get("items")
+                if not items:
+                    fail(errors, f"{where}: volume {v['name']} mounts the whole NATS auth Secret {secret}")
+                    continue
+                mounted |= {i["key"] for i in items}
+        allowed = NATS_AUTH_ALLOWED.get(component, set())
+        if mounted - allowed:
+            fail(errors, f"{where}: mounts {sorted(mounted - allowed)} of the NATS auth Secret (allowed: {sorted(allowed)})")
+        for c in containers(doc):
+            refs = [e["valueFrom"]["secretKeyRef"]["name"] for e in c.get("env", [])
+                    if "secretKeyRef" in e.get("valueFrom", {})]
+            refs += [e["secretRef"]["name"] for e in c.get("envFrom", []) if "secretRef" in e]
+            if secret and secret in refs:
+                fail(errors, f"{where}/{c['name']}: the NATS auth Secret in the environment")
+        args = [a for c in containers(doc) for a in c.get("args", [])]
+        creds = [a for a in args if a.startswith("--nats-creds=")]
+        if secret:
+            if mounted != allowed:
+                fail(errors, f"{where}: mounts {sorted(mounted)} of the NATS auth Secret, wants {sorted(allowed)}")
+            if creds != [f"--nats-creds=/var/run/cloud-agents/{'nats-auth' if component == 'front' else 'nats'}/{component}.creds"]:
+                fail(errors, f"{where}: --nats-creds must name {component}.creds: {creds}")
+        elif creds or any(a.startswith("--nats-auth-dir") for a in args):
+            fail(errors, f"{where}: NATS credential flags without natsAuth.existingSecret: {args}")
+
+
+def check_nats_chart_values(errors: list[str]) -> None:
+    bundled = yaml.safe_load((CHART / "values.yaml").read_text())["nats"]
+    alone = yaml.safe_load((ROOT / "deploy/nats/nats-chart-values.yaml").read_text())
+    where = "deploy/nats/nats-chart-values.yaml"
+    for path in (("config", "resolver"), ("config", "merge"), ("config", "jetstream"), ("config", "cluster"),
+                 ("container",), ("natsBox",)):
+        a, b = bundled, alone
+        for k in path:
+            a, b = a.get(k), b.get(k)
+        if a != b:
+            fail(errors, f"{where}: {'.'.join(path)} differs from values.yaml nats.{'.'.join(path)}: {b} != {a}")
+    def without_secret_name(patch: list) -> list:
+        out = json.loads(json.dumps(patch))
+        for op in out:
+            op.get("value", {}).get("secret", {}).pop("secretName", None)
+        return out
+    if without_secret_name(bundled["podTemplate"]["patch"]) != without_secret_name(alone["podTemplate"]["patch"]):
+        fail(errors, f"{where}: podTemplate.patch differs from values.yaml nats.podTemplate.patch (beyond secretName)")
+    if bundled["config"]["merge"].get("max_payload") != 8 * 1024 * 1024:
+        fail(errors, "values.yaml: nats.config.merge.max_payload must stay 8 MiB")
 
 
 def check_crds(variant: str, docs: list[dict], errors: list[str]) -> None:
@@ -206,11 +313,13 @@ def main() -> int:
             objs = [d for _, d in docs]
             (out / f"{variant}.json").write_text(json.dumps(objs, indent=1))
             check_security(variant, objs, errors)
+            check_nats_credentials(variant, objs, values, errors)
             check_crds(variant, objs, errors)
             summary["variants"][variant] = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in objs)
 
         # 5. Values that must be refused.
         for label, values, expected in BAD_VALUES:
+            values = {} if values == RAW else merged(BASE_VALUES, values)
             try:
                 chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
             except helm.HelmError as e:
@@ -220,6 +329,11 @@ def main() -> int:
                     summary["rejected"].append({"case": label, "values": values, "message": str(e).strip()})
             else:
                 fail(errors, f"bad values {label!r} were accepted: {values}")
+
+    # 6. deploy/nats/: the NetworkPolicy for an external NATS in Kubernetes is validated with the rest, and the
+    # official chart's values there configure the same operator mode as the bundled sub-chart's (values.yaml).
+    manifest_files.append(str(ROOT / "deploy/nats/networkpolicy.yaml"))
+    check_nats_chart_values(errors)
 
     # 4. Every manifest against the Kubernetes OpenAPI schemas, strictly (unknown fields are errors).
     kv = Path(sys.executable).parent / "kubernetes-validate"

@@ -397,6 +397,7 @@ pub mod cluster {
     };
     use fleet::front::{Front, FrontConfig, FrontService};
     use fleet::metrics::FleetMetrics;
+    pub use fleet::nats_auth::Role;
     use fleet::nats_server::NatsServer;
     use fleet::node::WorkerNode;
     use fleet::store::{Store, StoreSettings};
@@ -429,10 +430,14 @@ pub mod cluster {
 
     /// The fleet.
     pub struct Cluster {
-        /// The server (dropped last).
+        /// The server (auth on, as in production; dropped last).
         pub nats: NatsServer,
-        /// A client connection for tests.
+        /// A connection as the `front` user, for what tests do on the fleet's side (store, sweeper, services).
         pub client: async_nats::Client,
+        /// A connection as the `app` user: the API calls of [`Cluster::call`] go through it.
+        pub app: async_nats::Client,
+        /// A connection as the `operator` tooling user (admin APIs).
+        pub operator: async_nats::Client,
         /// The store (over `client`).
         pub store: Store,
         /// Front replicas.
@@ -460,31 +465,61 @@ pub mod cluster {
         }
     }
 
-    /// A new NATS connection.
-    pub async fn connect(url: &str) -> async_nats::Client {
-        async_nats::connect(url)
+    /// A new NATS connection to `nats` as `role` (the role's `.creds`, as production connects).
+    pub async fn connect(nats: &NatsServer, role: Role) -> async_nats::Client {
+        nats.connect(role)
             .await
-            .expect("connect to the test nats-server")
+            .unwrap_or_else(|e| panic!("connect to the test nats-server as {role}: {e}"))
+    }
+
+    /// Store settings of a worker: it attaches to what the front created.
+    pub fn worker_settings() -> StoreSettings {
+        StoreSettings {
+            provision: fleet::store::Provision::Attach,
+            ..StoreSettings::default()
+        }
     }
 
     impl Cluster {
         /// Starts `fronts` front replicas and `workers` worker nodes, each serving `plugins`.
         pub async fn start(name: &str, fronts: usize, workers: usize, plugins: &[Plugin]) -> Cluster {
+            Box::pin(Self::start_boxed(name, fronts, workers, plugins)).await
+        }
+
+        async fn start_boxed(name: &str, fronts: usize, workers: usize, plugins: &[Plugin]) -> Cluster {
             let root = tempfile::tempdir().expect("tempdir");
             let nats =
                 NatsServer::start(&root.path().join("nats")).expect("nats-server (run scripts/test.sh once)");
-            let client = connect(&nats.url()).await;
+            let client = connect(&nats, Role::Front).await;
+            let app = connect(&nats, Role::App).await;
+            let operator = connect(&nats, Role::Operator).await;
             let store = Store::open(
                 async_nats::jetstream::new(client.clone()),
                 StoreSettings::default(),
             )
             .await
             .expect("store");
+            // What a production front creates besides the store (`fleet up`): the plugin store and the host
+            // services' buckets, which every worker (node or `fleet worker` process) attaches to.
+            let js = async_nats::jetstream::new(client.clone());
+            fleet::plugins::PluginStore::open(&js, &StoreSettings::default())
+                .await
+                .expect("plugin store");
+            Box::pin(fleet::services::args::ServicesArgs::default().open(
+                &js,
+                &StoreSettings::default(),
+                root.path(),
+                None,
+            ))
+            .await
+            .expect("host services");
             let key = SigningKey::hs256(SECRET).expect("key");
             let operator_key = SigningKey::hs256(OPERATOR_SECRET).expect("operator key");
             let mut cluster = Cluster {
                 nats,
                 client,
+                app,
+                operator,
                 store,
                 fronts: Vec::new(),
                 workers: Vec::new(),
@@ -511,7 +546,7 @@ pub mod cluster {
 
         /// Adds a front replica with its own connection and these settings.
         pub async fn add_front_with(&mut self, config: FrontConfig) -> usize {
-            let client = connect(&self.nats.url()).await;
+            let client = connect(&self.nats, Role::Front).await;
             let store = Store::open(
                 async_nats::jetstream::new(client.clone()),
                 StoreSettings::default(),
@@ -561,13 +596,10 @@ pub mod cluster {
                 tokens: Arc::new(NoTokens),
                 metrics: metrics.clone(),
             };
-            let client = connect(&self.nats.url()).await;
-            let store = Store::open(
-                async_nats::jetstream::new(client.clone()),
-                StoreSettings::default(),
-            )
-            .await
-            .expect("store");
+            let client = connect(&self.nats, Role::Worker).await;
+            let store = Store::open(async_nats::jetstream::new(client.clone()), worker_settings())
+                .await
+                .expect("store");
             let node = WorkerNode::start(
                 client,
                 store,
@@ -583,6 +615,22 @@ pub mod cluster {
                 metrics,
             });
             i
+        }
+
+        /// A connection as a FLEET user allowed everything, for fault injection that no fleet role may do (deleting
+        /// a stream): what an operator's break-glass credential would do.
+        pub async fn break_glass(&self) -> async_nats::Client {
+            let user = self
+                .nats
+                .auth()
+                .issue_fleet_user("break-glass", &fleet::nats_auth::Permissions::all())
+                .expect("break-glass user");
+            async_nats::ConnectOptions::with_credentials(&user.creds)
+                .expect("creds")
+                .custom_inbox_prefix(fleet::nats_auth::permissions::inbox_prefix("break-glass"))
+                .connect(self.nats.url())
+                .await
+                .expect("break-glass connection")
         }
 
         /// The verifier the admin APIs of the cluster use.
@@ -635,7 +683,7 @@ pub mod cluster {
                 .payload(serde_json::to_vec(&args).expect("json").into())
                 .timeout(Some(Duration::from_secs(120)));
             let reply = self
-                .client
+                .app
                 .send_request(subjects::api(method), request)
                 .await
                 .expect("API reply");
@@ -667,6 +715,8 @@ pub mod cluster {
             let catalogue = write_catalogue(&dir, &self.plugins);
             let mut child = std::process::Command::new(super::fleet_bin())
                 .args(["worker", "--nats-url", &self.nats.url(), "--worker-id", id])
+                .arg("--nats-creds")
+                .arg(self.nats.creds(Role::Worker))
                 .arg("--catalogue")
                 .arg(&catalogue)
                 .arg("--state-dir")

@@ -31,8 +31,10 @@
 //!
 //! **Secrets.** No error message, `Debug` output or log line contains a seed or a `.creds` text.
 
+pub mod cli;
 pub mod creds;
 pub mod jwt;
+pub mod permissions;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -412,7 +414,90 @@ fn iat_of(token: &str) -> Result<u64, NatsAuthError> {
         .ok_or(NatsAuthError::MalformedJwt("no iat claim"))
 }
 
+/// The key pairs of a seeds file.
+struct Keys {
+    operator: KeyPair,
+    operator_signing: KeyPair,
+    sys: KeyPair,
+    fleet: KeyPair,
+    app: KeyPair,
+    app_signing: KeyPair,
+    users: BTreeMap<Role, KeyPair>,
+}
+
+impl Keys {
+    fn from_seeds(seeds: &SeedsFile) -> Result<Keys, NatsAuthError> {
+        let operator = key_from_seed(&seeds.operator, &KeyPairType::Operator, "operator")?;
+        let operator_signing = key_from_seed(
+            &seeds.operator_signing,
+            &KeyPairType::Operator,
+            "operator_signing",
+        )?;
+        let sys = key_from_seed(&seeds.sys_account, &KeyPairType::Account, "sys_account")?;
+        let fleet = key_from_seed(&seeds.fleet_account, &KeyPairType::Account, "fleet_account")?;
+        let app = key_from_seed(&seeds.app_account, &KeyPairType::Account, "app_account")?;
+        let app_signing = key_from_seed(&seeds.app_signing, &KeyPairType::Account, "app_signing")?;
+        let mut user_keys = BTreeMap::new();
+        for role in Role::ALL {
+            let seed = seeds
+                .users
+                .get(role.as_str())
+                .ok_or(NatsAuthError::InvalidSeed { key: "users" })?;
+            user_keys.insert(role, key_from_seed(seed, &KeyPairType::User, "users")?);
+        }
+        Ok(Keys {
+            operator,
+            operator_signing,
+            sys,
+            fleet,
+            app,
+            app_signing,
+            users: user_keys,
+        })
+    }
+}
+
 impl AuthMaterial {
+    /// Loads existing material from `dir` without writing or changing anything there (a read-only mount, e.g. a
+    /// Kubernetes Secret: files may be group-readable symlinks). `seeds.json` and `jwts.json` must exist; the
+    /// role `.creds` files are not read. For issuing and revoking app users on a front.
+    pub fn load_read_only(dir: &Path) -> Result<AuthMaterial, NatsAuthError> {
+        let read = |name: &str| {
+            let path = dir.join(name);
+            fs::read(&path).map_err(|source| NatsAuthError::Io { path, source })
+        };
+        let seeds_path = dir.join(SEEDS_FILE);
+        let seeds: SeedsFile =
+            serde_json::from_slice(&read(SEEDS_FILE)?).map_err(|e| NatsAuthError::SeedsFile {
+                path: seeds_path,
+                line: e.line(),
+                column: e.column(),
+            })?;
+        let jwts: JwtsFile = serde_json::from_slice(&read(JWTS_FILE)?).map_err(|e| NatsAuthError::Json {
+            what: "jwts.json",
+            reason: e.to_string(),
+        })?;
+        let keys = Keys::from_seeds(&seeds)?;
+        let missing = || NatsAuthError::MalformedJwt("jwts.json lacks a JWT");
+        let app_jwt = jwts.app_account.ok_or_else(missing)?;
+        let app_iat = iat_of(&app_jwt)?;
+        Ok(AuthMaterial {
+            dir: dir.to_path_buf(),
+            users: keys.users.iter().map(|(r, kp)| (*r, kp.public_key())).collect(),
+            operator: keys.operator,
+            operator_signing: keys.operator_signing,
+            sys: keys.sys,
+            fleet: keys.fleet,
+            app: keys.app,
+            app_signing: keys.app_signing,
+            operator_jwt: jwts.operator.ok_or_else(missing)?,
+            sys_jwt: jwts.sys_account.ok_or_else(missing)?,
+            fleet_jwt: jwts.fleet_account.ok_or_else(missing)?,
+            app_jwt,
+            app_iat,
+        })
+    }
+
     /// Loads the material from `dir`, creating the directory (0700), the keys and the JWTs on the first call;
     /// (re)writes each role's `.creds` whose claims differ from what `permissions` now says. Keys are never
     /// regenerated.
@@ -447,24 +532,15 @@ impl AuthMaterial {
             write_private_atomic(&seeds_path, &seeds.to_bytes()?)?;
         }
 
-        let operator = key_from_seed(&seeds.operator, &KeyPairType::Operator, "operator")?;
-        let operator_signing = key_from_seed(
-            &seeds.operator_signing,
-            &KeyPairType::Operator,
-            "operator_signing",
-        )?;
-        let sys = key_from_seed(&seeds.sys_account, &KeyPairType::Account, "sys_account")?;
-        let fleet = key_from_seed(&seeds.fleet_account, &KeyPairType::Account, "fleet_account")?;
-        let app = key_from_seed(&seeds.app_account, &KeyPairType::Account, "app_account")?;
-        let app_signing = key_from_seed(&seeds.app_signing, &KeyPairType::Account, "app_signing")?;
-        let mut user_keys = BTreeMap::new();
-        for role in Role::ALL {
-            let seed = seeds
-                .users
-                .get(role.as_str())
-                .ok_or(NatsAuthError::InvalidSeed { key: "users" })?;
-            user_keys.insert(role, key_from_seed(seed, &KeyPairType::User, "users")?);
-        }
+        let Keys {
+            operator,
+            operator_signing,
+            sys,
+            fleet,
+            app,
+            app_signing,
+            users: user_keys,
+        } = Keys::from_seeds(&seeds)?;
 
         // Operator and account JWTs: reuse what is persisted unless the code now says something else.
         let jwts_path = dir.join(JWTS_FILE);
@@ -706,6 +782,34 @@ impl AuthMaterial {
             fleet_jwt = conf_string(&self.fleet_jwt),
             app_jwt = conf_string(&self.app_jwt),
         )
+    }
+
+    /// Issues a FLEET-account user named `name` with `permissions` (signed by the FLEET account key): for an
+    /// operator's break-glass work on the fleet's own streams (e.g. deleting a broken one by hand), which no role
+    /// may do. Nothing is stored; the user is valid until the FLEET account key changes.
+    pub fn issue_fleet_user(
+        &self,
+        name: &str,
+        permissions: &Permissions,
+    ) -> Result<IssuedUser, NatsAuthError> {
+        validate_user_name(name)?;
+        let user = KeyPair::new_user();
+        let issued_at = now_secs();
+        let token = jwt::encode(
+            &self.fleet,
+            &user.public_key(),
+            name,
+            issued_at,
+            None,
+            UserNats::new(permissions, None),
+        )?;
+        let seed = seed_of(&user, "reading a user seed")?;
+        Ok(IssuedUser {
+            name: name.to_owned(),
+            public_key: user.public_key(),
+            issued_at,
+            creds: format_creds(&token, &seed),
+        })
     }
 
     /// Issues a new APP user named `name` (1–64 of `[A-Za-z0-9_-]`) with `permissions`: a fresh user key, its JWT

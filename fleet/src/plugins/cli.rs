@@ -204,9 +204,13 @@ pub async fn install_body(
         (bytes, name)
     };
     let hex = hex::encode(Sha256::digest(&bytes));
+    // Operator tooling attaches to the store a front created (its NATS user may only upload packages).
     let plugins = PluginStore::open(
         &async_nats::jetstream::new(client.clone()),
-        &StoreSettings::default(),
+        &StoreSettings {
+            provision: crate::store::Provision::Attach,
+            ..StoreSettings::default()
+        },
     )
     .await
     .map_err(|e| e.to_api_error())?;

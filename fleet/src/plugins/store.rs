@@ -56,30 +56,33 @@ impl PluginStore {
     /// Opens (creating when missing) the bucket and the object store. Idempotent; any number of processes may
     /// open concurrently.
     pub async fn open(js: &jetstream::Context, settings: &StoreSettings) -> Result<PluginStore, PluginError> {
-        let kv = js
-            .create_or_update_key_value(kv::Config {
+        let kv = crate::store::provision::key_value(
+            js,
+            kv::Config {
                 bucket: records_bucket(settings),
                 description: "Cloud Agents plugin records (versions, current)".into(),
                 history: 5,
                 max_value_size: i32::try_from(PLUGIN_RECORD_MAX_BYTES).unwrap_or(i32::MAX),
                 num_replicas: settings.replicas,
                 ..kv::Config::default()
-            })
-            .await
-            .map_err(|e| PluginError::store("open the plugins bucket")(&e))?;
+            },
+            settings.provision,
+        )
+        .await
+        .map_err(|e| PluginError::store("open the plugins bucket")(&e))?;
         let name = packages_bucket(settings);
-        let objects = match js.get_object_store(&name).await {
-            Ok(o) => o,
-            Err(_) => js
-                .create_object_store(object_store::Config {
-                    bucket: name.clone(),
-                    description: Some("Cloud Agents plugin packages (sha256-<hex>)".into()),
-                    num_replicas: settings.replicas,
-                    ..object_store::Config::default()
-                })
-                .await
-                .map_err(|e| PluginError::store("open the packages object store")(&e))?,
-        };
+        let objects = crate::store::provision::object_store(
+            js,
+            object_store::Config {
+                bucket: name.clone(),
+                description: Some("Cloud Agents plugin packages (sha256-<hex>)".into()),
+                num_replicas: settings.replicas,
+                ..object_store::Config::default()
+            },
+            settings.provision,
+        )
+        .await
+        .map_err(|e| PluginError::store("open the packages object store")(&e))?;
         Ok(PluginStore { kv, objects })
     }
 

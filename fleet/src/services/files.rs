@@ -250,17 +250,9 @@ async fn open_objects(
         num_replicas: settings.replicas,
         ..Default::default()
     };
-    match js.get_object_store(&bucket).await {
-        Ok(s) => Ok(s),
-        Err(_) => match js.create_object_store(config).await {
-            Ok(s) => Ok(s),
-            // Another process created it in between.
-            Err(e) => js
-                .get_object_store(&bucket)
-                .await
-                .map_err(|_| ServicesError::Store(format!("{bucket}: {e}"))),
-        },
-    }
+    crate::store::provision::object_store(js, config, settings.provision)
+        .await
+        .map_err(|e| ServicesError::Store(e.to_string()))
 }
 
 impl HostObjects {

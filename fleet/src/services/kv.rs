@@ -399,7 +399,7 @@ impl Index {
             num_replicas: settings.replicas,
             ..Default::default()
         };
-        let kv = Box::pin(js.create_or_update_key_value(config))
+        let kv = crate::store::provision::key_value(js, config, settings.provision)
             .await
             .map_err(|e| ServicesError::Store(format!("{bucket}: {e}")))?;
         let stream = kv.stream.clone();
@@ -603,15 +603,19 @@ impl Quota {
         config: &StorageConfig,
     ) -> Result<Quota, ServicesError> {
         let bucket = format!("{}_aps_usage", settings.prefix);
-        let kv = Box::pin(js.create_or_update_key_value(kv::Config {
-            bucket: bucket.clone(),
-            description: "APS storage bytes per user".to_owned(),
-            max_value_size: 64,
-            history: 1,
-            storage: settings.storage,
-            num_replicas: settings.replicas,
-            ..Default::default()
-        }))
+        let kv = Box::pin(crate::store::provision::key_value(
+            js,
+            kv::Config {
+                bucket: bucket.clone(),
+                description: "APS storage bytes per user".to_owned(),
+                max_value_size: 64,
+                history: 1,
+                storage: settings.storage,
+                num_replicas: settings.replicas,
+                ..Default::default()
+            },
+            settings.provision,
+        ))
         .await
         .map_err(|e| ServicesError::Store(format!("{bucket}: {e}")))?;
         Ok(Quota {

@@ -27,6 +27,7 @@ mod error;
 mod jobs;
 mod manifests;
 mod progress;
+pub mod provision;
 mod record;
 mod scan;
 pub mod settings;
@@ -44,6 +45,7 @@ use sha2::{Digest, Sha256};
 
 pub use active::Acquired;
 pub use error::{BoxError, Op, StoreError};
+pub use provision::{Provision, ProvisionError};
 pub use record::{JobRecord, now_ms, rfc3339_ms};
 pub use settings::{SettingsError, StoreSettings};
 pub use workers::{WorkerChange, WorkerInfo};
@@ -130,20 +132,17 @@ impl Store {
     /// changes nothing; any number of replicas may open concurrently).
     pub async fn open(js: jetstream::Context, settings: StoreSettings) -> Result<Store, StoreError> {
         settings.validate()?;
-        let jobs = open_kv(&js, settings.jobs_kv_config()).await?;
-        let active = open_kv(&js, settings.active_kv_config()).await?;
-        let workers = open_kv(&js, settings.workers_kv_config()).await?;
-        let manifests = open_kv(&js, settings.manifests_kv_config()).await?;
+        let jobs = open_kv(&js, settings.jobs_kv_config(), settings.provision).await?;
+        let active = open_kv(&js, settings.active_kv_config(), settings.provision).await?;
+        let workers = open_kv(&js, settings.workers_kv_config(), settings.provision).await?;
+        let manifests = open_kv(&js, settings.manifests_kv_config(), settings.provision).await?;
         let config = settings.progress_stream_config();
         let name = config.name.clone();
         let resource = |source: BoxError| StoreError::Resource {
             resource: name.clone(),
             source,
         };
-        Box::pin(js.create_or_update_stream(config))
-            .await
-            .map_err(|e| resource(e.into()))?;
-        let progress = Box::pin(js.get_stream(&name))
+        let progress = provision::stream(&js, config, settings.provision)
             .await
             .map_err(|e| resource(e.into()))?;
         Ok(Store {
@@ -169,9 +168,13 @@ impl Store {
     }
 }
 
-pub(crate) async fn open_kv(js: &jetstream::Context, config: kv::Config) -> Result<kv::Store, StoreError> {
+pub(crate) async fn open_kv(
+    js: &jetstream::Context,
+    config: kv::Config,
+    provision: Provision,
+) -> Result<kv::Store, StoreError> {
     let bucket = config.bucket.clone();
-    Box::pin(js.create_or_update_key_value(config))
+    provision::key_value(js, config, provision)
         .await
         .map_err(|e| StoreError::Resource {
             resource: bucket,

@@ -65,6 +65,9 @@ pub struct StoreSettings {
     /// [`heal_active_set`](super::Store::heal_active_set) only once its slot is this old (a replica may be
     /// between taking the slot and creating the record). Default 30 s.
     pub orphan_slot_grace: Duration,
+    /// Whether this process creates the resources (fronts) or attaches to them (workers, tooling). Default
+    /// create.
+    pub provision: super::provision::Provision,
 }
 
 impl Default for StoreSettings {
@@ -79,6 +82,7 @@ impl Default for StoreSettings {
             progress_max_bytes_per_event: limits::MAX_PROGRESS_EVENT_BYTES,
             worker_ttl: Duration::from_secs(10),
             orphan_slot_grace: Duration::from_secs(30),
+            provision: super::provision::Provision::Create,
         }
     }
 }

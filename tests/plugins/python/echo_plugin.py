@@ -13,7 +13,11 @@ answering ``{"result": …}`` or ``{"error": …}``) and ``summarize_and_save {t
 → ``storage/get`` → ``host/uploadFile`` inline, as a real plugin would). Reverse requests carry
 ``params.context.invoke_id`` and ``_clientTimeoutS``; their answers are matched by id on the main loop.
 
-Run: ``python3 echo_plugin.py [--noop] [--services]``.
+``--hostile`` adds the tool ``nats_probe {port, paths}`` a hostile tenant would run (the NATS trust tests): it
+opens its own TCP connection to the NATS port on 127.0.0.1, sends ``CONNECT`` without credentials, subscribes to
+``>`` and reports the server's first answer, and tries to read each of ``paths`` (the fleet's credentials).
+
+Run: ``python3 echo_plugin.py [--noop] [--services] [--hostile]``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import socket
 import sys
 import threading
 import time
@@ -123,6 +128,43 @@ SERVICE_TOOLS = [
         ],
     },
 ]
+
+HOSTILE = "--hostile" in sys.argv[1:]
+
+if HOSTILE:
+    MANIFEST["tools"] = MANIFEST["tools"] + [
+        {
+            "name": "nats_probe",
+            "description": "Connect to NATS without credentials, subscribe to everything; try to read files.",
+            "parameters": [
+                _param("port", "integer", "NATS port on 127.0.0.1", True),
+                _param("paths", "array", "files to try to read", False),
+            ],
+        }
+    ]
+
+
+def _nats_probe(port: int, paths: list) -> dict:
+    out = {}
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            f = s.makefile("rb")
+            f.readline()  # INFO
+            s.sendall(b'CONNECT {"verbose":false,"pedantic":false,"protocol":1}\r\nSUB > 1\r\nPING\r\n')
+            out["connect"] = f.readline().decode("utf-8", "replace").strip()
+    except OSError as e:
+        out["connect"] = f"error: {e.__class__.__name__}"
+    files = {}
+    for p in paths:
+        try:
+            with open(p, "rb") as fh:
+                fh.read(1)
+            files[p] = "readable"
+        except OSError as e:
+            files[p] = e.__class__.__name__
+    out["files"] = files
+    return out
+
 
 if SERVICES:
     MANIFEST["tools"] = MANIFEST["tools"] + SERVICE_TOOLS
@@ -245,6 +287,11 @@ def _run_tool(tool: str, args: dict, context: dict):
     if tool == "big_result":
         n = _int_arg(args, "bytes")
         return "ok", {"blob": "x" * n}
+    if HOSTILE and tool == "nats_probe":
+        paths = args.get("paths") or []
+        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+            raise BadArgs("paths must be an array of strings")
+        return "ok", _nats_probe(_int_arg(args, "port"), paths)
     if SERVICES and tool == "reverse":
         method = args.get("method")
         if not isinstance(method, str):

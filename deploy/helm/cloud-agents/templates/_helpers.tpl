@@ -44,15 +44,19 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
+{{/* The bundled nats chart's client Service (its nats.fullname). */}}
+{{- define "cloud-agents.natsServiceName" -}}
+{{- if contains "nats" .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-nats" .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
 {{/* The NATS URL: the bundled chart's client Service, else externalNatsUrl. */}}
 {{- define "cloud-agents.natsUrl" -}}
 {{- if .Values.nats.enabled }}
-{{- $nats := "nats" }}
-{{- if contains $nats .Release.Name }}
-{{- printf "nats://%s.%s.svc:4222" (.Release.Name | trunc 63 | trimSuffix "-") .Release.Namespace }}
-{{- else }}
-{{- printf "nats://%s-nats.%s.svc:4222" .Release.Name .Release.Namespace }}
-{{- end }}
+{{- printf "nats://%s.%s.svc:4222" (include "cloud-agents.natsServiceName" .) .Release.Namespace }}
 {{- else }}
 {{- required "externalNatsUrl is required when nats.enabled is false" .Values.externalNatsUrl }}
 {{- end }}
@@ -174,4 +178,158 @@ seccompProfile:
       - key: {{ .Values.services.llmApiKey.key }}
         path: api-key
 {{- end }}
+{{- end }}
+
+{{/* --- NATS authentication and TLS (deploy/helm/README.md "NATS security") --------------------------------- */}}
+
+{{/* True when the fleet connects with credentials (always, unless natsAuth.insecureOpenBus). */}}
+{{- define "cloud-agents.natsAuth" -}}
+{{- if not .Values.natsAuth.insecureOpenBus }}true{{ end }}
+{{- end }}
+
+{{/* Refuses values that would leave the bus open or the bundled servers without the accounts. */}}
+{{- define "cloud-agents.natsAuthCheck" -}}
+{{- $a := .Values.natsAuth }}
+{{- if and $a.insecureOpenBus $a.existingSecret }}
+{{- fail "natsAuth: set either natsAuth.existingSecret (credentials) or natsAuth.insecureOpenBus=true (no credentials), not both" }}
+{{- end }}
+{{- if and (not $a.insecureOpenBus) (not $a.existingSecret) }}
+{{- fail "natsAuth.existingSecret is required: the fleet connects to NATS with per-role credentials. Create them once with `fleet nats-auth init --dir ./nats-auth && kubectl create secret generic cloud-agents-nats-auth --from-file=./nats-auth` and set natsAuth.existingSecret=cloud-agents-nats-auth (deploy/helm/README.md \"NATS security\"). Only for a throwaway development cluster: natsAuth.insecureOpenBus=true (an open bus: any client that reaches NATS reads every user's calls)" }}
+{{- end }}
+{{- if .Values.nats.enabled }}
+{{- if $a.insecureOpenBus }}
+{{- fail "natsAuth.insecureOpenBus=true cannot be combined with nats.enabled=true: the bundled NATS servers run in operator mode and load server-auth.conf from natsAuth.existingSecret" }}
+{{- end }}
+{{- $volume := false }}
+{{- range (dig "podTemplate" "patch" list .Values.nats) }}
+{{- if and (kindIs "map" .) (kindIs "map" .value) (kindIs "map" .value.secret) }}
+{{- if eq (toString .value.secret.secretName) $a.existingSecret }}
+{{- $volume = true }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if not $volume }}
+{{- fail (printf "nats.enabled: the bundled NATS servers must mount server-auth.conf from natsAuth.existingSecret (%s): set the nats-auth volume of nats.podTemplate.patch to secretName: %s (values.yaml)" $a.existingSecret $a.existingSecret) }}
+{{- end }}
+{{- $include := false }}
+{{- range $k, $v := (dig "config" "merge" dict .Values.nats) }}
+{{- if and (hasSuffix "$include" $k) (kindIs "string" $v) (hasSuffix "server-auth.conf" $v) }}
+{{- $include = true }}
+{{- end }}
+{{- end }}
+{{- if not $include }}
+{{- fail "nats.enabled: nats.config.merge must include server-auth.conf (zzz$include: ../nats-auth/server-auth.conf, values.yaml): without it the bundled servers accept anyone" }}
+{{- end }}
+{{- end }}
+{{- $t := .Values.natsTls }}
+{{- if and $t.secretName (not $t.ca) }}
+{{- fail "natsTls.ca is required with natsTls.secretName: the key of the CA certificate that signed the NATS servers' certificate" }}
+{{- end }}
+{{- if and $t.secretName (ne (empty $t.cert) (empty $t.key)) }}
+{{- fail "natsTls.cert and natsTls.key go together: both (mutual TLS) or neither (server TLS only)" }}
+{{- end }}
+{{- end }}
+
+{{/* NATS credential and TLS flags of one component: (dict "ctx" $ "component" "front"|"worker"). */}}
+{{- define "cloud-agents.natsArgs" -}}
+{{- if include "cloud-agents.natsAuth" .ctx }}
+{{- if eq .component "front" }}
+- --nats-creds=/var/run/cloud-agents/nats-auth/front.creds
+- --nats-auth-dir=/var/run/cloud-agents/nats-auth
+{{- else }}
+- --nats-creds=/var/run/cloud-agents/nats/worker.creds
+{{- end }}
+{{- end }}
+{{- with .ctx.Values.natsTls }}
+{{- if .secretName }}
+- --nats-tls-ca=/var/run/cloud-agents/nats-tls/ca.crt
+{{- if .cert }}
+- --nats-tls-cert=/var/run/cloud-agents/nats-tls/tls.crt
+- --nats-tls-key=/var/run/cloud-agents/nats-tls/tls.key
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* NATS volume mounts of one component: (dict "ctx" $ "component" …). */}}
+{{- define "cloud-agents.natsMounts" -}}
+{{- if include "cloud-agents.natsAuth" .ctx }}
+{{- if eq .component "front" }}
+- name: nats-auth
+  mountPath: /var/run/cloud-agents/nats-auth
+  readOnly: true
+{{- else }}
+- name: nats-creds
+  mountPath: /var/run/cloud-agents/nats
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- if .ctx.Values.natsTls.secretName }}
+- name: nats-tls
+  mountPath: /var/run/cloud-agents/nats-tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* NATS volumes of one component: (dict "ctx" $ "component" …). Fronts get the issuer material (seeds.json,
+     jwts.json, sys.creds: --nats-auth-dir) and front.creds; workers get worker.creds and nothing else. Files are
+     group-readable on fronts (fsGroup 65532, non-root) and root-only on workers, whose plugins run as other uids. */}}
+{{- define "cloud-agents.natsVolumes" -}}
+{{- $secret := .ctx.Values.natsAuth.existingSecret }}
+{{- if include "cloud-agents.natsAuth" .ctx }}
+{{- if eq .component "front" }}
+- name: nats-auth
+  secret:
+    secretName: {{ $secret }}
+    defaultMode: 0440
+    items:
+      - key: seeds.json
+        path: seeds.json
+      - key: jwts.json
+        path: jwts.json
+      - key: sys.creds
+        path: sys.creds
+      - key: front.creds
+        path: front.creds
+{{- else }}
+- name: nats-creds
+  secret:
+    secretName: {{ $secret }}
+    defaultMode: 0400
+    items:
+      - key: worker.creds
+        path: worker.creds
+{{- end }}
+{{- end }}
+{{- with .ctx.Values.natsTls }}
+{{- if .secretName }}
+- name: nats-tls
+  secret:
+    secretName: {{ .secretName }}
+    defaultMode: {{ ternary "0440" "0400" (eq $.component "front") }}
+    items:
+      - key: {{ .ca }}
+        path: ca.crt
+      {{- if .cert }}
+      - key: {{ .cert }}
+        path: tls.crt
+      - key: {{ .key }}
+        path: tls.key
+      {{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Selector labels of the bundled nats chart's server pods (its nats.selectorLabels). */}}
+{{- define "cloud-agents.natsServerSelectorLabels" -}}
+app.kubernetes.io/name: {{ default "nats" .Values.nats.nameOverride | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: nats
+{{- end }}
+
+{{/* The port of a URL: (dict "url" "nats://h:4222" "default" 4222). The first URL of a comma-separated list. */}}
+{{- define "cloud-agents.urlPort" -}}
+{{- $hostport := regexReplaceAll "^[a-zA-Z]+://([^/,@]*@)?([^/,]*).*$" .url "${2}" }}
+{{- $port := regexFind "[0-9]+$" (regexFind ":[0-9]+$" $hostport) }}
+{{- default (toString .default) $port }}
 {{- end }}

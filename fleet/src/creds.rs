@@ -1,0 +1,425 @@
+//! App credentials: issued, listed and revoked by the operator, without restarting NATS.
+//!
+//! The front serves `fleet.v1.admin.creds.{issue,list,revoke}` (operator tokens only, like every operator API)
+//! when it holds the issuer material (`--nats-auth-dir`, or `<data-dir>/nats` of `fleet up`): the APP account's
+//! signing key signs each new user (permissions of [`permissions::app_user`]: the API, its own inbox, the events),
+//! and a revocation re-signs the APP account JWT with the revoked user keys and pushes it to the servers through
+//! the SYS user (`$SYS.REQ.CLAIMS.UPDATE`): the server closes the user's connections and refuses it from then on.
+//!
+//! What was issued is kept in the KV bucket `<prefix>_app_creds` (key: the name; value: [`CredRecord`], never the
+//! seed or the `.creds` text, which only the caller of `issue` receives). At start the front pushes the
+//! revocations again, so they survive a server whose resolver directory was lost or a baseline account JWT that
+//! changed.
+//!
+//! The CLI: `fleet creds issue --name NAME [--out FILE]`, `fleet creds list`, `fleet creds revoke NAME`.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, kv};
+use bytes::Bytes;
+use fleet_proto::api::{ApiError, ApiErrorCode, subjects};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+use crate::auth::OperatorVerifier;
+use crate::client_cmd::OperatorConn;
+use crate::nats_auth::{self, AuthMaterial, Role, permissions, push_account_jwt};
+use crate::operator;
+use crate::store::StoreSettings;
+
+/// The operator API area.
+pub const CREDS_AREA: &str = "creds";
+/// `fleet.v1.admin.creds.issue`.
+pub const ISSUE: &str = "issue";
+/// `fleet.v1.admin.creds.list`.
+pub const LIST: &str = "list";
+/// `fleet.v1.admin.creds.revoke`.
+pub const REVOKE: &str = "revoke";
+/// How many times a record update is retried on a concurrent write.
+const CAS_ATTEMPTS: usize = 8;
+
+/// One issued app credential, as stored and listed (no secret).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CredRecord {
+    /// The name (also the user's inbox prefix `_INBOX.<name>`).
+    pub name: String,
+    /// The current user key (`U…`).
+    pub public_key: String,
+    /// When it was issued (unix seconds).
+    pub issued_at: u64,
+    /// When it was revoked (unix seconds), if it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revoked_at: Option<u64>,
+    /// Earlier keys of this name and when each was revoked.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub revoked_keys: BTreeMap<String, u64>,
+}
+
+/// Why a credentials operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CredsError {
+    /// The name is not valid.
+    #[error("{0}")]
+    Name(String),
+    /// An active credential of that name exists.
+    #[error("an app credential named {0:?} exists and is not revoked; revoke it first")]
+    Exists(String),
+    /// None of that name.
+    #[error("no app credential named {0:?}")]
+    NotFound(String),
+    /// Signing or pushing.
+    #[error("{0}")]
+    Auth(#[from] nats_auth::NatsAuthError),
+    /// The bucket.
+    #[error("app credentials bucket: {0}")]
+    Store(String),
+}
+
+impl CredsError {
+    /// The API error (codes of the operator API).
+    pub fn to_api_error(&self) -> ApiError {
+        let code = match self {
+            CredsError::Name(_) => ApiErrorCode::InvalidArg,
+            CredsError::Exists(_) => ApiErrorCode::InvalidArg,
+            CredsError::NotFound(_) => ApiErrorCode::NotFound,
+            CredsError::Auth(_) | CredsError::Store(_) => ApiErrorCode::InternalError,
+        };
+        ApiError::new(code, self.to_string())
+    }
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Issues and revokes app credentials. Cheap to clone.
+#[derive(Clone)]
+pub struct Issuer {
+    material: Arc<AuthMaterial>,
+    kv: kv::Store,
+    sys: async_nats::Client,
+}
+
+impl std::fmt::Debug for Issuer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Issuer").finish_non_exhaustive()
+    }
+}
+
+impl Issuer {
+    /// An issuer over `material` (read from the auth dir), the bucket under `settings` (created by fronts) and a
+    /// connection as the SYS user (for pushing account updates).
+    pub async fn open(
+        js: &jetstream::Context,
+        settings: &StoreSettings,
+        material: AuthMaterial,
+        sys: async_nats::Client,
+    ) -> Result<Issuer, CredsError> {
+        let kv = crate::store::provision::key_value(
+            js,
+            kv::Config {
+                bucket: permissions::APP_CREDS.bucket(&settings.prefix),
+                description: "Cloud Agents: issued app NATS credentials (no secrets)".into(),
+                history: 1,
+                max_value_size: 64 * 1024,
+                num_replicas: settings.replicas,
+                storage: settings.storage,
+                ..kv::Config::default()
+            },
+            settings.provision,
+        )
+        .await
+        .map_err(|e| CredsError::Store(e.to_string()))?;
+        Ok(Issuer {
+            material: Arc::new(material),
+            kv,
+            sys,
+        })
+    }
+
+    fn check_name(name: &str) -> Result<(), CredsError> {
+        nats_auth::validate_user_name(name).map_err(|e| CredsError::Name(e.to_string()))?;
+        if Role::ALL.iter().any(|r| r.as_str() == name) {
+            return Err(CredsError::Name(format!(
+                "{name:?} is the name of one of the fleet's own users"
+            )));
+        }
+        Ok(())
+    }
+
+    async fn record(&self, name: &str) -> Result<Option<(CredRecord, u64)>, CredsError> {
+        let entry = self
+            .kv
+            .entry(name)
+            .await
+            .map_err(|e| CredsError::Store(e.to_string()))?;
+        match entry {
+            Some(e) if e.operation == kv::Operation::Put => {
+                let record =
+                    serde_json::from_slice(&e.value).map_err(|e| CredsError::Store(e.to_string()))?;
+                Ok(Some((record, e.revision)))
+            }
+            // Deleted or purged (only by hand): as if never issued.
+            Some(_) | None => Ok(None),
+        }
+    }
+
+    async fn write(&self, record: &CredRecord, revision: Option<u64>) -> Result<bool, CredsError> {
+        let bytes: Bytes = serde_json::to_vec(record)
+            .map_err(|e| CredsError::Store(e.to_string()))?
+            .into();
+        let result = match revision {
+            Some(rev) => self
+                .kv
+                .update(&record.name, bytes, rev)
+                .await
+                .map(|_| ())
+                .map_err(|e| {
+                    matches!(e.kind(), kv::UpdateErrorKind::WrongLastRevision)
+                        .then_some(())
+                        .ok_or_else(|| e.to_string())
+                }),
+            None => self
+                .kv
+                .create(&record.name, bytes)
+                .await
+                .map(|_| ())
+                .map_err(|e| {
+                    matches!(e.kind(), kv::CreateErrorKind::AlreadyExists)
+                        .then_some(())
+                        .ok_or_else(|| e.to_string())
+                }),
+        };
+        match result {
+            Ok(()) => Ok(true),
+            Err(Ok(())) => Ok(false),
+            Err(Err(e)) => Err(CredsError::Store(e)),
+        }
+    }
+
+    /// Issues a new credential named `name`; returns its record and the `.creds` text (a secret, for the
+    /// caller alone).
+    pub async fn issue(&self, name: &str) -> Result<(CredRecord, String), CredsError> {
+        Self::check_name(name)?;
+        for _ in 0..CAS_ATTEMPTS {
+            let existing = self.record(name).await?;
+            if let Some((r, _)) = &existing
+                && r.revoked_at.is_none()
+            {
+                return Err(CredsError::Exists(name.to_owned()));
+            }
+            let user = self.material.issue_app_user(name, &permissions::app_user(name))?;
+            let mut revoked_keys = BTreeMap::new();
+            if let Some((old, _)) = &existing {
+                revoked_keys.clone_from(&old.revoked_keys);
+                if let Some(at) = old.revoked_at {
+                    revoked_keys.insert(old.public_key.clone(), at);
+                }
+            }
+            let record = CredRecord {
+                name: name.to_owned(),
+                public_key: user.public_key.clone(),
+                issued_at: user.issued_at,
+                revoked_at: None,
+                revoked_keys,
+            };
+            if self.write(&record, existing.map(|(_, rev)| rev)).await? {
+                return Ok((record, user.creds));
+            }
+        }
+        Err(CredsError::Store("too many concurrent changes".into()))
+    }
+
+    /// Every credential ever issued, by name.
+    pub async fn list(&self) -> Result<Vec<CredRecord>, CredsError> {
+        use futures::TryStreamExt as _;
+        let names: Vec<String> = match self.kv.keys().await {
+            Ok(keys) => keys
+                .try_collect()
+                .await
+                .map_err(|e| CredsError::Store(e.to_string()))?,
+            Err(e) => return Err(CredsError::Store(e.to_string())),
+        };
+        let mut out = Vec::new();
+        for name in names {
+            if let Some((r, _)) = self.record(&name).await? {
+                out.push(r);
+            }
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    /// Revokes the credential `name` (its current key): the servers close its connections and refuse it.
+    pub async fn revoke(&self, name: &str) -> Result<CredRecord, CredsError> {
+        for _ in 0..CAS_ATTEMPTS {
+            let Some((mut record, rev)) = self.record(name).await? else {
+                return Err(CredsError::NotFound(name.to_owned()));
+            };
+            if record.revoked_at.is_none() {
+                // At or after the user JWT's `iat`: the server refuses every JWT of the key issued until then.
+                record.revoked_at = Some(now_secs().max(record.issued_at));
+                if !self.write(&record, Some(rev)).await? {
+                    continue;
+                }
+            }
+            self.push_revocations().await?;
+            return Ok(record);
+        }
+        Err(CredsError::Store("too many concurrent changes".into()))
+    }
+
+    /// Signs the APP account with every revocation on record and pushes it to the servers.
+    pub async fn push_revocations(&self) -> Result<usize, CredsError> {
+        let mut revoked = BTreeMap::new();
+        for r in self.list().await? {
+            revoked.extend(r.revoked_keys.clone());
+            if let Some(at) = r.revoked_at {
+                revoked.insert(r.public_key.clone(), at);
+            }
+        }
+        if revoked.is_empty() {
+            return Ok(0);
+        }
+        let jwt = self.material.app_account_jwt_with_revocations(&revoked)?;
+        push_account_jwt(&self.sys, &jwt).await?;
+        Ok(revoked.len())
+    }
+}
+
+#[derive(Deserialize)]
+struct NameArgs {
+    name: String,
+}
+
+/// Serves `fleet.v1.admin.creds.*` (operator tokens only), after pushing the revocations on record.
+pub async fn serve_admin(
+    client: async_nats::Client,
+    issuer: Issuer,
+    verifier: OperatorVerifier,
+) -> Result<tokio::task::JoinHandle<()>, async_nats::Error> {
+    if let Err(e) = issuer.push_revocations().await {
+        tracing::error!(error = %e, "pushing the app credential revocations failed");
+    }
+    operator::serve(
+        client,
+        CREDS_AREA,
+        format!("{}-admin", subjects::API_QUEUE_GROUP),
+        verifier,
+        "app credentials are operator actions",
+        move |method, payload| {
+            let issuer = issuer.clone();
+            async move { admin_call(&issuer, &method, &payload).await }
+        },
+    )
+    .await
+}
+
+async fn admin_call(issuer: &Issuer, method: &str, payload: &[u8]) -> Result<Value, ApiError> {
+    let api = |e: CredsError| e.to_api_error();
+    match method {
+        ISSUE => {
+            let a: NameArgs = operator::parse(payload)?;
+            let (record, creds) = issuer.issue(&a.name).await.map_err(api)?;
+            Ok(json!({
+                "credential": record,
+                "inbox_prefix": permissions::inbox_prefix(&a.name),
+                "creds": creds,
+            }))
+        }
+        LIST => Ok(json!({ "credentials": issuer.list().await.map_err(api)? })),
+        REVOKE => {
+            let a: NameArgs = operator::parse(payload)?;
+            Ok(json!({ "credential": issuer.revoke(&a.name).await.map_err(api)? }))
+        }
+        other => Err(ApiError::new(
+            ApiErrorCode::NotFound,
+            format!("no operator method creds.{other}"),
+        )),
+    }
+}
+
+/// `fleet creds …` (this exact interface).
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum CredsCmd {
+    /// Issue an app credential (a standard NATS `.creds` file for an app backend).
+    Issue {
+        /// Its name: 1–64 of `[A-Za-z0-9_-]`; the client's inbox prefix must be `_INBOX.<name>`.
+        #[arg(long)]
+        name: String,
+        /// Write the `.creds` here (mode 0600) instead of printing it.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// `--nats-url`, `--data-dir`, `--token`.
+        #[command(flatten)]
+        conn: OperatorConn,
+    },
+    /// List every app credential issued (names, keys, issue and revocation times).
+    List {
+        /// `--nats-url`, `--data-dir`, `--token`.
+        #[command(flatten)]
+        conn: OperatorConn,
+    },
+    /// Revoke an app credential: its connections are closed and it cannot connect again.
+    Revoke {
+        /// The name.
+        name: String,
+        /// `--nats-url`, `--data-dir`, `--token`.
+        #[command(flatten)]
+        conn: OperatorConn,
+    },
+}
+
+/// Runs a `fleet creds` command and returns what to print.
+pub async fn run(cmd: &CredsCmd) -> Result<Value, ApiError> {
+    let (conn, method, body) = match cmd {
+        CredsCmd::Issue { name, conn, .. } => (conn, ISSUE, json!({ "name": name })),
+        CredsCmd::List { conn } => (conn, LIST, json!({})),
+        CredsCmd::Revoke { name, conn } => (conn, REVOKE, json!({ "name": name })),
+    };
+    let token = conn.token()?;
+    let client = conn.connect().await?;
+    let mut out = crate::client_cmd::request(
+        &client,
+        &token,
+        operator::subject(CREDS_AREA, method),
+        &body,
+        Duration::from_secs(15),
+    )
+    .await?;
+    if let CredsCmd::Issue { out: Some(path), .. } = cmd {
+        let creds = out
+            .get("creds")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        write_private(path, creds.as_bytes())
+            .map_err(|e| ApiError::new(ApiErrorCode::InternalError, format!("{}: {e}", path.display())))?;
+        if let Some(o) = out.as_object_mut() {
+            o.remove("creds");
+            o.insert("written".into(), json!(path.display().to_string()));
+        }
+    }
+    Ok(out)
+}
+
+/// Creates (or replaces) `path` with mode 0600 from the first byte.
+fn write_private(path: &std::path::Path, data: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    f.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    f.write_all(data)?;
+    f.sync_all()
+}

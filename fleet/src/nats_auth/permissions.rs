@@ -1,0 +1,423 @@
+//! Least privilege per role: which subjects each of the fleet's NATS users may publish and subscribe to, and
+//! which JetStream resources it may create, write or only read. This table is the only place they are decided;
+//! the README's permission table is generated from it (see `tests/nats_permissions.rs`, which also tries every
+//! refusal against a real server).
+//!
+//! JetStream access is granted per stream through the subjects of JetStream's API (`$JS.API.STREAM.INFO.<S>`,
+//! `$JS.API.CONSUMER.CREATE.<S>.>`, …) and of the data (`$KV.<bucket>.>`, `$O.<bucket>.>`). NATS cannot narrow
+//! it further, to keys of one user: a worker serves every user, so it may read and write every user's job
+//! records, progress and host-service data. ARCHITECTURE.md ("NATS trust boundary") says how that gap is closed.
+
+use super::{API_SUBJECTS, EVENT_SUBJECTS, Permissions, Role};
+
+/// The default prefix of every bucket, stream and subject of the job layer (`StoreSettings::prefix`).
+pub const DEFAULT_PREFIX: &str = "fleet";
+
+/// Every worker's exec subjects (`fleet.v1.worker.<id>.exec`).
+pub const WORKER_EXEC: &str = "fleet.v1.worker.*.exec";
+/// Every worker's cancel subjects (`fleet.v1.worker.<id>.cancel`).
+pub const WORKER_CANCEL: &str = "fleet.v1.worker.*.cancel";
+/// Every subject of the worker plane.
+pub const WORKER_SUBJECTS: &str = "fleet.v1.worker.>";
+/// Every subject of the operator APIs.
+pub const ADMIN_SUBJECTS: &str = "fleet.v1.admin.>";
+/// The Animus cancel subjects a worker listens on (`matrix.cancel.<id>`).
+pub const MATRIX_CANCEL: &str = "matrix.cancel.*";
+/// The service-discovery subjects of NATS services (`$SRV.PING`, `$SRV.INFO.<name>`, …).
+pub const SERVICE_DISCOVERY: &str = "$SRV.>";
+
+/// What a role may do with one JetStream resource.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Access {
+    /// Read: stream info, direct and message gets, consumers (watches, scans).
+    Read,
+    /// Read, and put, delete and purge its data.
+    Write,
+    /// Write, and create and update the resource itself (the front provisions every resource).
+    Admin,
+}
+
+impl Access {
+    /// `"read"`, `"write"` or `"create + write"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Access::Read => "read",
+            Access::Write => "write",
+            Access::Admin => "create + write",
+        }
+    }
+}
+
+/// The kind of a JetStream resource.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A KV bucket (stream `KV_<bucket>`, data `$KV.<bucket>.>`).
+    Kv,
+    /// An object store (stream `OBJ_<bucket>`, data `$O.<bucket>.>`).
+    Objects,
+    /// The progress stream (stream `<prefix>_progress`, data `<prefix>.v1.progress.>`).
+    Progress,
+}
+
+/// One JetStream resource of the fleet: its kind and its name without the prefix (`jobs` → `fleet_jobs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resource {
+    /// KV, objects or the progress stream.
+    pub kind: Kind,
+    /// The name after `<prefix>_`.
+    pub name: &'static str,
+}
+
+const fn kv(name: &'static str) -> Resource {
+    Resource { kind: Kind::Kv, name }
+}
+
+const fn objects(name: &'static str) -> Resource {
+    Resource {
+        kind: Kind::Objects,
+        name,
+    }
+}
+
+/// Job records (`<user_key>.<job_id>`).
+pub const JOBS: Resource = kv("jobs");
+/// Per-user active job sets.
+pub const ACTIVE: Resource = kv("active");
+/// The worker registry.
+pub const WORKERS: Resource = kv("workers");
+/// Manifests of described tools.
+pub const MANIFESTS: Resource = kv("manifests");
+/// Job progress rings.
+pub const PROGRESS: Resource = Resource {
+    kind: Kind::Progress,
+    name: "progress",
+};
+/// Grants of host capabilities (written by the operator API only).
+pub const GRANTS: Resource = kv("grants");
+/// Plugin records (written by the operator API only).
+pub const PLUGINS: Resource = kv("plugins");
+/// Plugin packages (uploaded by operator tooling, read by workers).
+pub const PLUGIN_PACKAGES: Resource = objects("plugin_packages");
+/// Issued app credentials and revocations (the front's operator API only).
+pub const APP_CREDS: Resource = kv("app_creds");
+/// APS storage KV.
+pub const APS_KV: Resource = kv("aps_kv");
+/// APS bytes per user.
+pub const APS_USAGE: Resource = kv("aps_usage");
+/// APS file index.
+pub const APS_FILES: Resource = kv("aps_files");
+/// APS files begun, not completed.
+pub const APS_PENDING: Resource = kv("aps_pending");
+/// APS file contents.
+pub const APS_OBJECTS: Resource = objects("aps_objects");
+/// APS uploads in progress.
+pub const APS_STAGING: Resource = objects("aps_staging");
+/// `host/uploadFile` objects.
+pub const UPLOADS: Resource = objects("uploads");
+
+/// Every JetStream resource of the fleet.
+pub const RESOURCES: [Resource; 16] = [
+    JOBS,
+    ACTIVE,
+    WORKERS,
+    MANIFESTS,
+    PROGRESS,
+    GRANTS,
+    PLUGINS,
+    PLUGIN_PACKAGES,
+    APP_CREDS,
+    APS_KV,
+    APS_USAGE,
+    APS_FILES,
+    APS_PENDING,
+    APS_OBJECTS,
+    APS_STAGING,
+    UPLOADS,
+];
+
+impl Resource {
+    /// The bucket (or stream) name: `<prefix>_<name>`.
+    pub fn bucket(&self, prefix: &str) -> String {
+        format!("{prefix}_{}", self.name)
+    }
+
+    /// The JetStream stream behind it: `KV_<bucket>`, `OBJ_<bucket>` or `<prefix>_progress`.
+    pub fn stream(&self, prefix: &str) -> String {
+        match self.kind {
+            Kind::Kv => format!("KV_{}", self.bucket(prefix)),
+            Kind::Objects => format!("OBJ_{}", self.bucket(prefix)),
+            Kind::Progress => self.bucket(prefix),
+        }
+    }
+
+    /// The subjects its data is written on.
+    pub fn data_subject(&self, prefix: &str) -> String {
+        match self.kind {
+            Kind::Kv => format!("$KV.{}.>", self.bucket(prefix)),
+            Kind::Objects => format!("$O.{}.>", self.bucket(prefix)),
+            Kind::Progress => format!("{prefix}.v1.progress.>"),
+        }
+    }
+
+    /// The subjects `access` to it needs to publish to.
+    pub fn publish_subjects(&self, prefix: &str, access: Access) -> Vec<String> {
+        let s = self.stream(prefix);
+        let mut out = vec![
+            format!("$JS.API.STREAM.INFO.{s}"),
+            format!("$JS.API.STREAM.MSG.GET.{s}"),
+            format!("$JS.API.DIRECT.GET.{s}"),
+            format!("$JS.API.DIRECT.GET.{s}.>"),
+            format!("$JS.API.CONSUMER.CREATE.{s}"),
+            format!("$JS.API.CONSUMER.CREATE.{s}.>"),
+            format!("$JS.API.CONSUMER.INFO.{s}.>"),
+            format!("$JS.API.CONSUMER.DELETE.{s}.>"),
+            format!("$JS.API.CONSUMER.MSG.NEXT.{s}.>"),
+            format!("$JS.ACK.{s}.>"),
+            format!("$JS.FC.{s}.>"),
+        ];
+        if access >= Access::Write {
+            out.push(self.data_subject(prefix));
+            out.push(format!("$JS.API.STREAM.PURGE.{s}"));
+            out.push(format!("$JS.API.STREAM.MSG.DELETE.{s}"));
+        }
+        if access == Access::Admin {
+            out.push(format!("$JS.API.STREAM.CREATE.{s}"));
+            out.push(format!("$JS.API.STREAM.UPDATE.{s}"));
+        }
+        out
+    }
+}
+
+/// The JetStream resources a role may use, and how.
+pub fn jetstream_access(role: Role) -> Vec<(Resource, Access)> {
+    match role {
+        Role::Front => RESOURCES.iter().map(|r| (*r, Access::Admin)).collect(),
+        Role::Worker => {
+            let mut out: Vec<(Resource, Access)> = [
+                JOBS,
+                ACTIVE,
+                WORKERS,
+                MANIFESTS,
+                PROGRESS,
+                APS_KV,
+                APS_USAGE,
+                APS_FILES,
+                APS_PENDING,
+                APS_OBJECTS,
+                APS_STAGING,
+                UPLOADS,
+            ]
+            .iter()
+            .map(|r| (*r, Access::Write))
+            .collect();
+            out.extend(
+                [GRANTS, PLUGINS, PLUGIN_PACKAGES]
+                    .iter()
+                    .map(|r| (*r, Access::Read)),
+            );
+            out
+        }
+        Role::Operator => vec![
+            (PLUGIN_PACKAGES, Access::Write),
+            (PLUGINS, Access::Read),
+            (WORKERS, Access::Read),
+        ],
+        Role::App | Role::Sys => Vec::new(),
+    }
+}
+
+/// The inbox prefix of a user named `name`: `_INBOX.<name>`. Each user may subscribe only to its own inboxes
+/// (`_INBOX.<name>.>`), so no user can read another client's replies; clients must set this prefix (async-nats
+/// `custom_inbox_prefix`, nats.go `CustomInboxPrefix`, nats.py `inbox_prefix`).
+pub fn inbox_prefix(name: &str) -> String {
+    format!("_INBOX.{name}")
+}
+
+fn inbox(name: &str) -> String {
+    format!("{}.>", inbox_prefix(name))
+}
+
+fn strings(items: &[&str]) -> Vec<String> {
+    items.iter().map(|s| (*s).to_owned()).collect()
+}
+
+/// The permissions of one of the fleet's own users, for a job layer under `prefix`.
+pub fn for_role(role: Role, prefix: &str) -> Permissions {
+    let name = role.as_str();
+    let mut publish_allow = Vec::new();
+    let mut publish_deny = Vec::new();
+    let mut subscribe_allow = vec![inbox(name)];
+    let mut subscribe_deny = Vec::new();
+    let mut allow_responses = false;
+    let js = jetstream_access(role);
+    if !js.is_empty() {
+        publish_allow.push("$JS.API.INFO".to_owned());
+    }
+    if role == Role::Front {
+        // The provisioner: every stream of the FLEET account, whatever its prefix (only the fleet's own live
+        // there); deleting one stays denied.
+        publish_allow.extend(strings(&["$JS.API.>", "$KV.>", "$O.>", "$JS.ACK.>", "$JS.FC.>"]));
+        publish_allow.push("*.v1.progress.>".to_owned());
+    } else {
+        for (resource, access) in &js {
+            publish_allow.extend(resource.publish_subjects(prefix, *access));
+        }
+    }
+    match role {
+        Role::Front => {
+            publish_allow.extend(strings(&[WORKER_EXEC, WORKER_CANCEL, EVENT_SUBJECTS]));
+            publish_allow.push(inbox(name));
+            subscribe_allow.extend(strings(&[
+                API_SUBJECTS,
+                ADMIN_SUBJECTS,
+                EVENT_SUBJECTS,
+                SERVICE_DISCOVERY,
+            ]));
+            allow_responses = true;
+        }
+        Role::Worker => {
+            publish_allow.push(EVENT_SUBJECTS.to_owned());
+            publish_allow.push(inbox(name));
+            subscribe_allow.extend(strings(&[WORKER_EXEC, WORKER_CANCEL, MATRIX_CANCEL]));
+            // Spelled out although outside the allow list: a worker never acts as a front or an operator.
+            publish_deny.extend(strings(&[ADMIN_SUBJECTS, WORKER_SUBJECTS, API_SUBJECTS]));
+            publish_deny
+                .extend([GRANTS, PLUGINS, PLUGIN_PACKAGES, APP_CREDS].map(|r| r.data_subject(prefix)));
+            publish_deny.push("$JS.API.STREAM.CREATE.>".to_owned());
+            publish_deny.push("$JS.API.STREAM.UPDATE.>".to_owned());
+            publish_deny.push("$JS.API.STREAM.DELETE.>".to_owned());
+            subscribe_deny.extend(strings(&[API_SUBJECTS, ADMIN_SUBJECTS]));
+            allow_responses = true;
+        }
+        Role::Operator => {
+            publish_allow.push(ADMIN_SUBJECTS.to_owned());
+            // Service discovery (`$SRV.PING`, `$SRV.INFO.cloud-agents`, …): what `nats micro` asks.
+            publish_allow.push(SERVICE_DISCOVERY.to_owned());
+            publish_allow.push(inbox(name));
+            publish_deny.push(WORKER_SUBJECTS.to_owned());
+        }
+        Role::App => return app_user(name),
+        Role::Sys => {
+            publish_allow.extend(strings(&[
+                "$SYS.REQ.CLAIMS.UPDATE",
+                "$SYS.REQ.ACCOUNT.*.CLAIMS.UPDATE",
+            ]));
+            publish_allow.push(inbox(name));
+        }
+    }
+    publish_deny.push("$JS.API.STREAM.DELETE.>".to_owned());
+    if role == Role::Front {
+        publish_deny.push("$JS.API.ACCOUNT.>".to_owned());
+    }
+    publish_deny.dedup();
+    subscribe_deny.dedup();
+    Permissions {
+        publish_allow,
+        publish_deny,
+        subscribe_allow,
+        subscribe_deny,
+        allow_responses,
+    }
+}
+
+/// The permissions of an app user named `name` (the `app` role and every issued credential): request the API,
+/// receive its own replies, hear the events; nothing of JetStream, the worker plane, the operator APIs or `$SYS`.
+pub fn app_user(name: &str) -> Permissions {
+    Permissions {
+        publish_allow: vec![API_SUBJECTS.to_owned(), inbox(name)],
+        publish_deny: strings(&[
+            "$JS.>",
+            "$KV.>",
+            "$O.>",
+            "$SYS.>",
+            WORKER_SUBJECTS,
+            ADMIN_SUBJECTS,
+        ]),
+        subscribe_allow: vec![inbox(name), EVENT_SUBJECTS.to_owned()],
+        subscribe_deny: strings(&[
+            "$JS.>",
+            "$KV.>",
+            "$O.>",
+            "$SYS.>",
+            WORKER_SUBJECTS,
+            ADMIN_SUBJECTS,
+        ]),
+        allow_responses: false,
+    }
+}
+
+/// The default table: [`for_role`] under [`DEFAULT_PREFIX`].
+pub fn default_for_role(role: Role) -> Permissions {
+    for_role(role, DEFAULT_PREFIX)
+}
+
+/// The README's permission table: per role, the core subjects it may publish and subscribe to (JetStream API
+/// and data subjects summarised per resource) and its JetStream access. `tests/nats_permissions_doc.rs` keeps
+/// the README equal to it.
+pub fn markdown_table(prefix: &str) -> String {
+    let js_subject = |s: &str| s.starts_with("$JS.") || s.starts_with("$KV.") || s.starts_with("$O.");
+    let progress = "*.v1.progress.>".to_owned();
+    let own_progress = format!("{prefix}.v1.progress.>");
+    let list = |items: &[String]| {
+        let shown: Vec<String> = items
+            .iter()
+            .filter(|s| !js_subject(s) && **s != progress && **s != own_progress)
+            .map(|s| format!("`{s}`"))
+            .collect();
+        if shown.is_empty() {
+            "—".to_owned()
+        } else {
+            shown.join(", ")
+        }
+    };
+    let mut out = String::from(
+        "| role | account | publish | subscribe | replies | JetStream |\n|---|---|---|---|---|---|\n",
+    );
+    for role in Role::ALL {
+        let p = for_role(role, prefix);
+        let account = match role {
+            Role::Front | Role::Worker | Role::Operator => "FLEET",
+            Role::App => "APP",
+            Role::Sys => "SYS",
+        };
+        let mut publish = list(&p.publish_allow);
+        if !p.publish_deny.is_empty() {
+            let denied: Vec<String> = p.publish_deny.iter().map(|s| format!("`{s}`")).collect();
+            publish.push_str(&format!("; denied: {}", denied.join(", ")));
+        }
+        let js = jetstream_access(role);
+        let js = if role == Role::Front {
+            "create + write: every stream of the FLEET account (`$JS.API.>`, `$KV.>`, `$O.>`, progress subjects); \
+             `$JS.API.ACCOUNT.>` denied"
+                .to_owned()
+        } else if role == Role::App {
+            "none (account without JetStream); `$JS.>`, `$KV.>`, `$O.>` denied".to_owned()
+        } else if js.is_empty() {
+            "none".to_owned()
+        } else {
+            let mut by_access: Vec<(Access, Vec<String>)> = Vec::new();
+            for access in [Access::Admin, Access::Write, Access::Read] {
+                let names: Vec<String> = js
+                    .iter()
+                    .filter(|(_, a)| *a == access)
+                    .map(|(r, _)| format!("`{}`", r.bucket(prefix)))
+                    .collect();
+                if !names.is_empty() {
+                    by_access.push((access, names));
+                }
+            }
+            by_access
+                .iter()
+                .map(|(a, names)| format!("{}: {}", a.as_str(), names.join(", ")))
+                .collect::<Vec<_>>()
+                .join("; ")
+        };
+        out.push_str(&format!(
+            "| `{}` | {account} | {publish} | {} | {} | {js} |\n",
+            role.as_str(),
+            list(&p.subscribe_allow),
+            if p.allow_responses { "yes" } else { "no" },
+        ));
+    }
+    out
+}

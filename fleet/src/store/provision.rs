@@ -1,0 +1,175 @@
+//! Who creates the fleet's JetStream resources. Fronts (and `fleet up`) **create** every bucket and stream, or
+//! update it to the settings; workers and operator tooling only **attach** to what a front created — their NATS
+//! users may not create, update or delete streams (see [`crate::nats_auth::permissions`]), so a stolen worker
+//! credential cannot shrink a stream's retention or drop it. An attaching process started before any front waits
+//! for the resources (up to [`ATTACH_WAIT`]), then fails naming the missing one.
+
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, kv, object_store, stream};
+
+use super::error::BoxError;
+
+/// How long an attaching process waits for a front to create a resource.
+pub const ATTACH_WAIT: Duration = Duration::from_secs(60);
+
+/// How often it looks again meanwhile.
+const ATTACH_POLL: Duration = Duration::from_millis(250);
+
+/// Whether a process creates the resources it uses or attaches to existing ones.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Provision {
+    /// Create, or update to the settings (fronts, `fleet up`).
+    #[default]
+    Create,
+    /// Use what exists, waiting for it when missing (workers, operator tooling).
+    Attach,
+}
+
+/// Why a resource could not be created or attached.
+#[derive(Debug, thiserror::Error)]
+pub enum ProvisionError {
+    /// Creating or updating it failed.
+    #[error("creating {resource}: {source}")]
+    Create {
+        /// The bucket or stream.
+        resource: String,
+        /// The cause.
+        #[source]
+        source: BoxError,
+    },
+    /// It does not exist, and no front created it in time.
+    #[error(
+        "{resource} does not exist after {}s: start a front first (fronts create the fleet's JetStream resources)",
+        waited.as_secs()
+    )]
+    Missing {
+        /// The bucket or stream.
+        resource: String,
+        /// How long it was waited for.
+        waited: Duration,
+    },
+    /// Reading it failed.
+    #[error("opening {resource}: {source}")]
+    Open {
+        /// The bucket or stream.
+        resource: String,
+        /// The cause.
+        #[source]
+        source: BoxError,
+    },
+}
+
+/// Waits until the stream `name` exists (at most [`ATTACH_WAIT`]).
+async fn wait_for_stream(js: &jetstream::Context, name: &str, resource: &str) -> Result<(), ProvisionError> {
+    let started = Instant::now();
+    loop {
+        match js.get_stream(name).await {
+            Ok(_) => return Ok(()),
+            Err(e) => {
+                let missing = matches!(
+                    e.kind(),
+                    jetstream::context::GetStreamErrorKind::JetStream(j)
+                        if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+                );
+                if !missing {
+                    return Err(ProvisionError::Open {
+                        resource: resource.to_owned(),
+                        source: e.into(),
+                    });
+                }
+            }
+        }
+        if started.elapsed() >= ATTACH_WAIT {
+            return Err(ProvisionError::Missing {
+                resource: resource.to_owned(),
+                waited: ATTACH_WAIT,
+            });
+        }
+        if started.elapsed() < ATTACH_POLL {
+            tracing::info!(resource, "waiting for a front to create a JetStream resource");
+        }
+        tokio::time::sleep(ATTACH_POLL).await;
+    }
+}
+
+/// The KV bucket of `config`: created or updated, or attached.
+pub async fn key_value(
+    js: &jetstream::Context,
+    config: kv::Config,
+    provision: Provision,
+) -> Result<kv::Store, ProvisionError> {
+    let bucket = config.bucket.clone();
+    match provision {
+        Provision::Create => Box::pin(js.create_or_update_key_value(config))
+            .await
+            .map_err(|e| ProvisionError::Create {
+                resource: bucket,
+                source: e.into(),
+            }),
+        Provision::Attach => {
+            wait_for_stream(js, &format!("KV_{bucket}"), &bucket).await?;
+            js.get_key_value(bucket.clone())
+                .await
+                .map_err(|e| ProvisionError::Open {
+                    resource: bucket,
+                    source: e.into(),
+                })
+        }
+    }
+}
+
+/// The stream of `config`: created or updated, or attached.
+pub async fn stream(
+    js: &jetstream::Context,
+    config: stream::Config,
+    provision: Provision,
+) -> Result<stream::Stream, ProvisionError> {
+    let name = config.name.clone();
+    if provision == Provision::Create {
+        Box::pin(js.create_or_update_stream(config))
+            .await
+            .map_err(|e| ProvisionError::Create {
+                resource: name.clone(),
+                source: e.into(),
+            })?;
+    } else {
+        wait_for_stream(js, &name, &name).await?;
+    }
+    Box::pin(js.get_stream(&name))
+        .await
+        .map_err(|e| ProvisionError::Open {
+            resource: name,
+            source: e.into(),
+        })
+}
+
+/// The object store of `config`: created when missing, or attached.
+pub async fn object_store(
+    js: &jetstream::Context,
+    config: object_store::Config,
+    provision: Provision,
+) -> Result<object_store::ObjectStore, ProvisionError> {
+    let bucket = config.bucket.clone();
+    if provision == Provision::Attach {
+        wait_for_stream(js, &format!("OBJ_{bucket}"), &bucket).await?;
+    }
+    match js.get_object_store(&bucket).await {
+        Ok(s) => Ok(s),
+        Err(e) if provision == Provision::Attach => Err(ProvisionError::Open {
+            resource: bucket,
+            source: e.into(),
+        }),
+        Err(_) => match js.create_object_store(config).await {
+            Ok(s) => Ok(s),
+            // Another process created it in between.
+            Err(e) => js
+                .get_object_store(&bucket)
+                .await
+                .map_err(|_| ProvisionError::Create {
+                    resource: bucket,
+                    source: e.into(),
+                }),
+        },
+    }
+}

@@ -1,0 +1,609 @@
+//! The NATS trust boundary (issue 13), against real nats-servers in operator mode with the production permission
+//! table: refusals (no credentials, foreign credentials, a revoked app credential), what an app user may not
+//! touch, what a worker user may not write, app credentials issued and revoked by the operator API, `fleet up`'s
+//! credentials generated once and reused, and a hostile plugin dialling NATS itself.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead as _, BufReader};
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_nats::ConnectOptions;
+use fleet::nats_auth::{AuthMaterial, Role, permissions};
+use fleet::nats_conn::{ConnectError, Connector};
+use fleet_e2e::cluster::{Cluster, connect};
+use fleet_e2e::worker::Plugin;
+use fleet_e2e::{fleet_bin, workspace_root};
+use fleet_proto::api::{methods, subjects};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+/// Failure guard of every wait (never reached when the fleet behaves).
+const GUARD: Duration = Duration::from_secs(30);
+
+/// A connection whose events (server errors: permission violations) arrive on the returned channel.
+async fn watched(connector: &Connector, name: &str) -> (async_nats::Client, mpsc::UnboundedReceiver<String>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let options = ConnectOptions::new().event_callback(move |event| {
+        let tx = tx.clone();
+        async move {
+            let _ = tx.send(event.to_string());
+        }
+    });
+    let client = connector.connect_with(name, options).await.expect("connect");
+    (client, rx)
+}
+
+/// Waits for a permission violation naming `subject`.
+async fn violation(rx: &mut mpsc::UnboundedReceiver<String>, subject: &str) {
+    let deadline = tokio::time::Instant::now() + GUARD;
+    loop {
+        let event = tokio::time::timeout_at(deadline, rx.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no permission violation for {subject}"))
+            .expect("events");
+        if event.contains("Permissions Violation") && event.contains(subject) {
+            return;
+        }
+    }
+}
+
+async fn subscribe_refused(
+    client: &async_nats::Client,
+    rx: &mut mpsc::UnboundedReceiver<String>,
+    subject: &str,
+) {
+    let _sub = client
+        .subscribe(subject.to_owned())
+        .await
+        .expect("subscribe is sent");
+    client.flush().await.expect("flush");
+    violation(rx, subject).await;
+}
+
+async fn publish_refused(
+    client: &async_nats::Client,
+    rx: &mut mpsc::UnboundedReceiver<String>,
+    subject: &str,
+) {
+    client
+        .publish(subject.to_owned(), "x".into())
+        .await
+        .expect("publish is sent");
+    client.flush().await.expect("flush");
+    violation(rx, subject).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_wrong_or_missing_credentials_are_refused_in_one_line() {
+    let c = Cluster::start("trust-refused", 0, 0, &[]).await;
+    let url = c.nats.url();
+
+    let err = Connector::new(&url, None)
+        .connect("anon")
+        .await
+        .expect_err("refused");
+    assert!(matches!(err, ConnectError::Refused { .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(
+        text.contains("without credentials") && text.contains("--nats-creds"),
+        "{text}"
+    );
+
+    // Credentials of another operator: well-formed, not trusted here.
+    let foreign = tempfile::tempdir().unwrap();
+    let other =
+        AuthMaterial::load_or_create(&foreign.path().join("auth"), permissions::default_for_role).unwrap();
+    let path = other.creds_path(Role::App);
+    let err = Connector::new(&url, Some(path.clone()))
+        .connect("foreign")
+        .await
+        .expect_err("refused");
+    assert!(matches!(err, ConnectError::Refused { .. }), "{err:?}");
+    assert!(err.to_string().contains(&path.display().to_string()), "{err}");
+    assert!(!err.to_string().contains("SU"), "no seed in the message: {err}");
+
+    // A missing file: named, no connection attempt.
+    let missing = foreign.path().join("nope.creds");
+    let err = Connector::new(&url, Some(missing.clone()))
+        .connect("missing")
+        .await
+        .expect_err("no file");
+    assert!(matches!(err, ConnectError::Creds { .. }), "{err:?}");
+    assert!(err.to_string().contains(&missing.display().to_string()), "{err}");
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn app_credentials_reach_the_api_and_nothing_else() {
+    let c = Cluster::start("trust-app", 1, 1, &[Plugin::echo("echo", &[])]).await;
+    // Every call of the API suites goes through the app user; here one of each kind.
+    c.ok("alice", methods::TOOLS_LIST, json!({})).await;
+    let (app, mut rx) = watched(&c.nats.connector(Role::App), "app-probe").await;
+    for subject in [
+        "$KV.>",
+        "$JS.API.>",
+        "fleet.v1.worker.>",
+        "fleet.v1.admin.>",
+        "$SYS.>",
+        "_INBOX.front.>",
+        "_INBOX.billing.>",
+        ">",
+    ] {
+        subscribe_refused(&app, &mut rx, subject).await;
+    }
+    let worker_id = c.workers[0].node.as_ref().unwrap().id().to_owned();
+    for subject in [
+        subjects::worker_exec(&worker_id),
+        subjects::worker_cancel(&worker_id),
+        "fleet.v1.admin.grants.set".to_owned(),
+        "$KV.fleet_jobs.x".to_owned(),
+        "$JS.API.STREAM.DELETE.KV_fleet_jobs".to_owned(),
+    ] {
+        publish_refused(&app, &mut rx, &subject).await;
+    }
+    // No JetStream in the APP account at all.
+    let js = async_nats::jetstream::new(app.clone());
+    assert!(
+        js.query_account().await.is_err(),
+        "JetStream is unavailable to apps"
+    );
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_credentials_cannot_write_grants_plugins_or_admin_subjects() {
+    let c = Cluster::start("trust-worker", 0, 0, &[]).await;
+    // The grants bucket, as a front creates it.
+    fleet::grants::GrantStore::open(&async_nats::jetstream::new(c.client.clone()), c.store.settings())
+        .await
+        .unwrap();
+    let (worker, mut rx) = watched(&c.nats.connector(Role::Worker), "worker-probe").await;
+    for subject in [
+        "fleet.v1.admin.grants.set",
+        "fleet.v1.admin.plugins.install",
+        "$KV.fleet_grants.x",
+        "$KV.fleet_plugins.x",
+        "$O.fleet_plugin_packages.C.x",
+        "$KV.fleet_app_creds.x",
+        "$JS.API.STREAM.CREATE.KV_fleet_evil",
+        "$JS.API.STREAM.UPDATE.KV_fleet_jobs",
+        "$JS.API.STREAM.DELETE.KV_fleet_jobs",
+        "fleet.v1.api.tools.invoke",
+        "fleet.v1.worker.other.exec",
+    ] {
+        publish_refused(&worker, &mut rx, subject).await;
+    }
+    subscribe_refused(&worker, &mut rx, "fleet.v1.api.>").await;
+    subscribe_refused(&worker, &mut rx, "_INBOX.front.>").await;
+    // What a worker needs works: a job record write and read, a grant read.
+    let js = async_nats::jetstream::new(worker.clone());
+    let jobs = js.get_key_value("fleet_jobs").await.expect("jobs bucket");
+    jobs.put("trust.probe", "v".into())
+        .await
+        .expect("a worker writes job records");
+    assert_eq!(jobs.get("trust.probe").await.unwrap().unwrap(), "v");
+    let grants = js.get_key_value("fleet_grants").await.expect("grants bucket");
+    assert!(grants.get("nobody").await.unwrap().is_none());
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_issued_app_credential_works_until_revoked_then_is_closed_and_refused() {
+    let c = Cluster::start("trust-revoke", 1, 1, &[Plugin::echo("echo", &[])]).await;
+    let material = AuthMaterial::load_read_only(c.nats.store_dir()).unwrap();
+    let sys = connect(&c.nats, Role::Sys).await;
+    let js = async_nats::jetstream::new(c.client.clone());
+    let issuer = fleet::creds::Issuer::open(&js, c.store.settings(), material, sys)
+        .await
+        .unwrap();
+    for reserved in ["app", "front", "worker", "bad name", ""] {
+        assert!(issuer.issue(reserved).await.is_err(), "{reserved:?} is refused");
+    }
+    let (record, creds) = issuer.issue("billing").await.unwrap();
+    assert!(matches!(
+        issuer.issue("billing").await,
+        Err(fleet::creds::CredsError::Exists(_))
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("billing.creds");
+    std::fs::write(&file, &creds).unwrap();
+    let connector = Connector::new(c.nats.url(), Some(file.clone()));
+    let (client, mut rx) = watched(&connector, "billing").await;
+    // The API through the issued user (its inbox prefix `_INBOX.billing`), not another app's inbox.
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(
+        subjects::AUTH_HEADER,
+        format!("Bearer {}", c.token("bob")).as_str(),
+    );
+    let reply = client
+        .send_request(
+            subjects::api(methods::TOOLS_LIST),
+            async_nats::Request::new().headers(headers).payload("{}".into()),
+        )
+        .await
+        .expect("tools.list through an issued credential");
+    assert!(String::from_utf8_lossy(&reply.payload).contains("\"ok\""));
+    subscribe_refused(&client, &mut rx, "_INBOX.app.>").await;
+
+    let revoked = issuer.revoke("billing").await.unwrap();
+    assert!(revoked.revoked_at.is_some());
+    // The open connection is closed by the server…
+    let deadline = tokio::time::Instant::now() + GUARD;
+    loop {
+        let event = tokio::time::timeout_at(deadline, rx.recv())
+            .await
+            .expect("the revoked connection is closed")
+            .expect("events");
+        if event.contains("disconnected") || event.contains("authorization") {
+            break;
+        }
+    }
+    // …and a new one is refused, naming the file.
+    let err = connector.connect("billing-again").await.expect_err("refused");
+    assert!(matches!(err, ConnectError::Refused { .. }), "{err:?}");
+    assert!(err.to_string().contains(&file.display().to_string()), "{err}");
+    let listed = issuer.list().await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].public_key, record.public_key);
+    assert!(listed[0].revoked_at.is_some());
+    // Issued again: a new key that works, while the old file stays refused.
+    let (again, creds2) = issuer.issue("billing").await.unwrap();
+    assert_ne!(again.public_key, record.public_key);
+    assert!(again.revoked_keys.contains_key(&record.public_key));
+    let file2 = dir.path().join("billing2.creds");
+    std::fs::write(&file2, &creds2).unwrap();
+    Connector::new(c.nats.url(), Some(file2))
+        .connect("billing-2")
+        .await
+        .expect("the re-issued credential connects");
+    assert!(connector.connect("billing-old").await.is_err());
+    c.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// `fleet up`: credentials generated once, the README's commands, `fleet creds`, a hostile plugin.
+// ---------------------------------------------------------------------------------------------------------------
+
+const SCRUBBED_ENV: &[&str] = &[
+    "FLEET_NATS_URL",
+    "FLEET_DATA_DIR",
+    "FLEET_PLUGINS_DIR",
+    "FLEET_TOKEN",
+    "FLEET_ISOLATION",
+    "FLEET_NATS_SERVER",
+    "FLEET_NATS_CREDS",
+    "FLEET_NATS_AUTH_DIR",
+];
+
+/// A `fleet up` child on a data dir; killed on drop.
+struct UpProc {
+    child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+impl UpProc {
+    fn start(data_dir: &Path, plugins: &Path, extra: &[&str]) -> UpProc {
+        let http = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .to_string();
+        let mut cmd = Command::new(fleet_bin());
+        cmd.arg("up")
+            .arg("--data-dir")
+            .arg(data_dir)
+            .arg("--plugins-dir")
+            .arg(plugins)
+            .args(["--http", &http])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(data_dir.with_extension("stderr")).unwrap());
+        for var in SCRUBBED_ENV {
+            cmd.env_remove(var);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let stderr = || std::fs::read_to_string(data_dir.with_extension("stderr")).unwrap_or_default();
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let sink = lines.clone();
+        let out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push(line);
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(90);
+        while !lines.lock().unwrap().iter().any(|l| l.starts_with("try ")) {
+            assert!(
+                child.try_wait().unwrap().is_none(),
+                "fleet up exited: {:?}\n{}",
+                lines.lock().unwrap(),
+                stderr()
+            );
+            assert!(
+                Instant::now() < deadline,
+                "fleet up not ready: {:?}",
+                lines.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        UpProc { child, lines }
+    }
+
+    /// SIGINT, then waits for the exit (bounded).
+    fn stop(mut self) {
+        let _ = Command::new("kill")
+            .args(["-INT", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.child.try_wait().unwrap().is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "fleet up did not stop: {:?}",
+                self.lines.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+}
+
+impl Drop for UpProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs `fleet ARGS --data-dir DIR`; (success, stdout JSON, stderr).
+fn cli(data_dir: &Path, args: &[&str]) -> (bool, Value, String) {
+    let mut cmd = Command::new(fleet_bin());
+    cmd.args(args)
+        .arg("--data-dir")
+        .arg(data_dir)
+        .stdin(Stdio::null());
+    for var in SCRUBBED_ENV {
+        cmd.env_remove(var);
+    }
+    let out = cmd.output().unwrap();
+    (
+        out.status.success(),
+        serde_json::from_slice(&out.stdout).unwrap_or(Value::Null),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn mode(path: &Path) -> u32 {
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o7777
+}
+
+const README_INVOKE: &[&str] = &[
+    "invoke",
+    "--user",
+    "alice",
+    "--tool-id",
+    "echo-py",
+    "--tool",
+    "echo",
+    "--args",
+    r#"{"hello":"world"}"#,
+];
+
+#[test]
+fn fleet_up_makes_its_credentials_once_and_the_operator_issues_and_revokes_app_credentials() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let plugins = workspace_root().join("plugins");
+    let up = UpProc::start(&data, &plugins, &[]);
+    let auth = data.join("nats");
+    assert_eq!(mode(&auth), 0o700);
+    for file in [
+        "seeds.json",
+        "jwts.json",
+        "app.creds",
+        "front.creds",
+        "worker.creds",
+        "operator.creds",
+        "sys.creds",
+    ] {
+        assert_eq!(mode(&auth.join(file)), 0o600, "{file}");
+    }
+    let seeds = std::fs::read(auth.join("seeds.json")).unwrap();
+    let app_creds = std::fs::read(auth.join("app.creds")).unwrap();
+
+    // The README's commands, unchanged (the CLI finds app.creds in the data dir).
+    let (ok, out, err) = cli(&data, README_INVOKE);
+    assert!(ok, "{err}");
+    assert_eq!(out["arguments"]["hello"], "world", "{out}");
+
+    // An app credential issued, used, listed, revoked.
+    let file = tmp.path().join("billing.creds");
+    let (ok, out, err) = cli(
+        &data,
+        &[
+            "creds",
+            "issue",
+            "--name",
+            "billing",
+            "--out",
+            file.to_str().unwrap(),
+        ],
+    );
+    assert!(ok, "{err}");
+    assert_eq!(out["inbox_prefix"], "_INBOX.billing", "{out}");
+    assert!(
+        out.get("creds").is_none(),
+        "the secret went to the file only: {out}"
+    );
+    assert_eq!(mode(&file), 0o600);
+    let with_billing = |args: &[&str]| {
+        let mut a = args.to_vec();
+        a.extend(["--nats-creds", file.to_str().unwrap()]);
+        cli(&data, &a)
+    };
+    let (ok, _, err) = with_billing(README_INVOKE);
+    assert!(ok, "the issued credential calls the API: {err}");
+    let (ok, out, err) = cli(&data, &["creds", "list"]);
+    assert!(ok, "{err}");
+    assert_eq!(out["credentials"][0]["name"], "billing", "{out}");
+    let (ok, _, err) = cli(&data, &["creds", "revoke", "billing"]);
+    assert!(ok, "{err}");
+    let (ok, _, err) = with_billing(README_INVOKE);
+    assert!(!ok, "a revoked credential cannot connect");
+    assert!(
+        err.contains("refused") && err.contains(file.to_str().unwrap()),
+        "{err}"
+    );
+    up.stop();
+
+    // Again on the same data dir: the same keys and credentials, the revocation still holds.
+    let up = UpProc::start(&data, &plugins, &[]);
+    assert_eq!(
+        std::fs::read(auth.join("seeds.json")).unwrap(),
+        seeds,
+        "keys are reused"
+    );
+    assert_eq!(
+        std::fs::read(auth.join("app.creds")).unwrap(),
+        app_creds,
+        "credentials are reused"
+    );
+    let (ok, _, err) = cli(&data, README_INVOKE);
+    assert!(ok, "{err}");
+    let (ok, _, _) = with_billing(README_INVOKE);
+    assert!(!ok, "still revoked after a restart");
+    up.stop();
+}
+
+/// A catalogue of the shipped `echo-py` and the fixture with its hostile tool.
+fn hostile_catalogue(dir: &Path) -> PathBuf {
+    let root = dir.join("plugins");
+    for (id, extra) in [("echo-py", ""), ("mallory-tools", "--hostile")] {
+        let d = root.join(id);
+        std::fs::create_dir_all(&d).unwrap();
+        let mut command = vec![
+            "/usr/bin/python3".to_owned(),
+            workspace_root()
+                .join("tests/plugins/python/echo_plugin.py")
+                .display()
+                .to_string(),
+        ];
+        if !extra.is_empty() {
+            command.push(extra.to_owned());
+        }
+        std::fs::write(
+            d.join("executa.json"),
+            serde_json::to_vec(&json!({ "tool_id": id, "type": "binary", "command": command })).unwrap(),
+        )
+        .unwrap();
+    }
+    root
+}
+
+fn hostile_plugin_hears_nothing(isolation: Option<&str>) {
+    let tmp = tempfile::tempdir().unwrap();
+    // Reachable by the plugins' uids (a 0700 temporary directory is not): the data dir's own modes decide.
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let data = tmp.path().join("data");
+    let plugins = hostile_catalogue(tmp.path());
+    let extra: Vec<&str> = isolation.map(|i| vec!["--isolation", i]).unwrap_or_default();
+    let up = UpProc::start(&data, &plugins, &extra);
+    let url = std::fs::read_to_string(data.join("nats-url")).unwrap();
+    let port = url.trim().rsplit(':').next().unwrap().to_owned();
+    let auth = data.join("nats");
+    let files: Vec<String> = [
+        "worker.creds",
+        "front.creds",
+        "app.creds",
+        "operator.creds",
+        "sys.creds",
+        "seeds.json",
+    ]
+    .iter()
+    .map(|f| auth.join(f).display().to_string())
+    .collect();
+
+    // The victim calls a plugin with a secret while mallory's plugin dials NATS.
+    let (ok, _, err) = cli(
+        &data,
+        &[
+            "invoke",
+            "--user",
+            "victim",
+            "--tool-id",
+            "echo-py",
+            "--tool",
+            "echo",
+            "--args",
+            r#"{"secret":"s3cr3t"}"#,
+        ],
+    );
+    assert!(ok, "{err}");
+    let probe = json!({ "port": port.parse::<u16>().unwrap(), "paths": files });
+    let (ok, out, err) = cli(
+        &data,
+        &[
+            "invoke",
+            "--user",
+            "mallory",
+            "--tool-id",
+            "mallory-tools",
+            "--tool",
+            "nats_probe",
+            "--args",
+            &probe.to_string(),
+        ],
+    );
+    assert!(ok, "{err}");
+    let report = &out;
+    let connect = report["connect"].as_str().unwrap_or_default();
+    assert!(
+        connect.contains("Authorization Violation") || connect.starts_with("error:"),
+        "an unauthenticated connection is refused (or cannot be made): {report}"
+    );
+    assert!(!report.to_string().contains("s3cr3t"), "{report}");
+    if rustix::process::geteuid().is_root() {
+        // Plugins run under per-user uids: the fleet's credentials and keys are not theirs to read.
+        for f in &files {
+            assert_eq!(report["files"][f], "PermissionError", "{f}: {report}");
+        }
+    }
+    up.stop();
+}
+
+#[test]
+fn a_plugin_dialling_nats_hears_nothing_and_can_do_nothing() {
+    hostile_plugin_hears_nothing(None);
+}
+
+#[test]
+fn a_plugin_dialling_nats_hears_nothing_with_isolation_none() {
+    hostile_plugin_hears_nothing(Some("none"));
+}
+
+/// The README's permission table is the code's (`fleet::nats_auth::permissions::markdown_table`).
+#[test]
+fn the_readme_permission_table_is_the_one_enforced() {
+    let readme = std::fs::read_to_string(workspace_root().join("README.md")).unwrap();
+    let begin = "<!-- nats-permissions:begin -->\n";
+    let end = "<!-- nats-permissions:end -->";
+    let start = readme
+        .find(begin)
+        .expect("README has the permission table markers")
+        + begin.len();
+    let stop = readme[start..].find(end).expect("end marker") + start;
+    let table = permissions::markdown_table(permissions::DEFAULT_PREFIX);
+    if std::env::var_os("FLEET_WRITE_README_TABLE").is_some() {
+        let mut updated = readme.clone();
+        updated.replace_range(start..stop, &table);
+        std::fs::write(workspace_root().join("README.md"), updated).unwrap();
+    }
+    assert_eq!(
+        &readme[start..stop],
+        table,
+        "README.md's NATS permission table differs from the code; regenerate it with FLEET_WRITE_README_TABLE=1"
+    );
+}
