@@ -23,6 +23,8 @@ const GUARD: Duration = Duration::from_secs(90);
 
 const SCRUBBED_ENV: &[&str] = &[
     "FLEET_NATS_URL",
+    "FLEET_NATS_CREDS",
+    "FLEET_NATS_AUTH_DIR",
     "FLEET_DATA_DIR",
     "FLEET_PLUGINS_DIR",
     "FLEET_TOKEN",

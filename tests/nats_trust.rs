@@ -607,3 +607,80 @@ fn the_readme_permission_table_is_the_one_enforced() {
         "README.md's NATS permission table differs from the code; regenerate it with FLEET_WRITE_README_TABLE=1"
     );
 }
+
+/// Refused or missing credentials end every command at once with one line naming the file and NATS's reason:
+/// `fleet worker` without credentials, a client with a missing file, a client with another fleet's file.
+#[test]
+fn refused_or_missing_credentials_fail_every_command_in_one_line() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let c = rt.block_on(Cluster::start("trust-cli", 0, 0, &[]));
+    let url = c.nats.url();
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        let mut cmd = Command::new(fleet_bin());
+        cmd.args(args).stdin(Stdio::null());
+        for var in SCRUBBED_ENV {
+            cmd.env_remove(var);
+        }
+        let out = cmd.output().unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let state = tmp.path().join("state");
+    let (ok, err) = run(&[
+        "worker",
+        "--isolation",
+        "none",
+        "--nats-url",
+        &url,
+        "--state-dir",
+        state.to_str().unwrap(),
+        "--catalogue",
+        workspace_root().join("plugins").to_str().unwrap(),
+    ]);
+    assert!(!ok, "a worker without credentials does not join");
+    assert!(
+        err.contains("without credentials") && err.contains("--nats-creds"),
+        "{err}"
+    );
+
+    let missing = tmp.path().join("missing.creds");
+    let (ok, err) = run(&[
+        "invoke",
+        "--token",
+        "not-checked-before-connecting",
+        "--tool-id",
+        "echo",
+        "--tool",
+        "echo",
+        "--nats-url",
+        &url,
+        "--nats-creds",
+        missing.to_str().unwrap(),
+    ]);
+    assert!(!ok);
+    assert!(err.contains(missing.to_str().unwrap()), "{err}");
+
+    let foreign =
+        AuthMaterial::load_or_create(&tmp.path().join("other"), permissions::default_for_role).unwrap();
+    let path = foreign.creds_path(Role::Operator);
+    let (ok, err) = run(&[
+        "creds",
+        "list",
+        "--token",
+        "not-checked-before-connecting",
+        "--nats-url",
+        &url,
+        "--nats-creds",
+        path.to_str().unwrap(),
+    ]);
+    assert!(!ok);
+    assert!(
+        err.contains("refused") && err.contains(path.to_str().unwrap()),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    drop(c);
+}

@@ -186,12 +186,13 @@ enum JobCmd {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    // Services log at info; client commands only warn (their stdout is the JSON answer). Services export traces
+    // Services log at info; client commands only warn (their stdout is the JSON answer, stderr one error line). Services export traces
     // when an OTLP endpoint is configured.
     let (default_filter, otlp, service) = match &cli.command {
         Cmd::Up(a) => ("info", a.otlp_endpoint.as_deref(), "cloud-agents"),
         Cmd::Worker(a) => ("info", a.otlp_endpoint.as_deref(), "cloud-agents-worker"),
-        _ => ("warn", None, "cloud-agents-cli"),
+        // The NATS client's own log lines would repeat the one-line error a refused connection ends with.
+        _ => ("warn,async_nats=off", None, "cloud-agents-cli"),
     };
     let _telemetry = init_logs(default_filter, otlp, service);
     match cli.command {
