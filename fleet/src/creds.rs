@@ -399,27 +399,13 @@ pub async fn run(cmd: &CredsCmd) -> Result<Value, ApiError> {
             .and_then(Value::as_str)
             .unwrap_or_default()
             .to_owned();
-        write_private(path, creds.as_bytes())
-            .map_err(|e| ApiError::new(ApiErrorCode::InternalError, format!("{}: {e}", path.display())))?;
+        // 0600 from its creation, replaced atomically (the auth directory's own writer).
+        nats_auth::creds::write_private_atomic(path, creds.as_bytes())
+            .map_err(|e| ApiError::new(ApiErrorCode::InternalError, e.to_string()))?;
         if let Some(o) = out.as_object_mut() {
             o.remove("creds");
             o.insert("written".into(), json!(path.display().to_string()));
         }
     }
     Ok(out)
-}
-
-/// Creates (or replaces) `path` with mode 0600 from the first byte.
-fn write_private(path: &std::path::Path, data: &[u8]) -> std::io::Result<()> {
-    use std::io::Write as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)?;
-    f.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
-    f.write_all(data)?;
-    f.sync_all()
 }

@@ -22,7 +22,7 @@ pub fn auth_dir(data_dir: &Path) -> PathBuf {
 
 /// `<data-dir>/nats/<role>.creds`.
 pub fn role_creds(data_dir: &Path, role: Role) -> PathBuf {
-    auth_dir(data_dir).join(format!("{}.creds", role.as_str()))
+    crate::nats_auth::creds_in(&auth_dir(data_dir), role)
 }
 
 /// The NATS credential and TLS flags every fleet command takes (this exact interface: scripts use it).

@@ -221,11 +221,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         .nats_auth_dir
         .clone()
         .or_else(|| server.as_ref().map(|s: &NatsServer| s.store_dir().to_path_buf()));
-    let role_creds = |role: Role| {
-        auth_dir
-            .as_ref()
-            .map(|d| d.join(format!("{}.creds", role.as_str())))
-    };
+    let role_creds = |role: Role| auth_dir.as_ref().map(|d| crate::nats_auth::creds_in(d, role));
     let front_conn = args.nats.connector(&url, role_creds(Role::Front));
     let worker_conn = match role_creds(Role::Worker).filter(|p| p.exists()) {
         Some(creds) if args.nats.nats_creds.is_none() || args.nats_auth_dir.is_some() => {
@@ -393,7 +389,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             let material = crate::nats_auth::AuthMaterial::load_read_only(dir)
                 .map_err(|e| other("NATS issuer material")(&e))?;
             let sys = front_conn
-                .with_creds(Some(dir.join("sys.creds")))
+                .with_creds(Some(crate::nats_auth::creds_in(dir, Role::Sys)))
                 .connect("front-sys")
                 .await?;
             let issuer = crate::creds::Issuer::open(&js, &settings, material, sys)

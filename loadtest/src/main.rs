@@ -172,7 +172,7 @@ fn run(args: &RunArgs) -> anyhow::Result<bool> {
         .clone()
         .unwrap_or_else(|| fleet::nats_conn::auth_dir(&data_dir));
     let creds = |role: fleet::nats_auth::Role| {
-        Some(auth_dir.join(format!("{}.creds", role.as_str()))).filter(|p| p.exists())
+        Some(fleet::nats_auth::creds_in(&auth_dir, role)).filter(|p| p.exists())
     };
     let app = args.nats.connector(&nats_url, creds(fleet::nats_auth::Role::App));
     let operator = app.with_creds(creds(fleet::nats_auth::Role::Operator));

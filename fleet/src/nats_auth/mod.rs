@@ -317,6 +317,11 @@ fn now_secs() -> u64 {
         .unwrap_or(0)
 }
 
+/// `<dir>/<role>.creds`: where every auth directory keeps a role's credentials.
+pub fn creds_in(dir: &Path, role: Role) -> PathBuf {
+    dir.join(format!("{}.creds", role.as_str()))
+}
+
 /// Checks a user name: 1–[`MAX_USER_NAME_LEN`] characters of `[A-Za-z0-9_-]`.
 pub fn validate_user_name(name: &str) -> Result<(), NatsAuthError> {
     if name.is_empty() {
@@ -715,7 +720,7 @@ impl AuthMaterial {
 
     /// `<dir>/<role>.creds`.
     pub fn creds_path(&self, role: Role) -> PathBuf {
-        self.dir.join(format!("{}.creds", role.as_str()))
+        creds_in(&self.dir, role)
     }
 
     /// The public key of a role's user.
@@ -792,47 +797,13 @@ impl AuthMaterial {
         name: &str,
         permissions: &Permissions,
     ) -> Result<IssuedUser, NatsAuthError> {
-        validate_user_name(name)?;
-        let user = KeyPair::new_user();
-        let issued_at = now_secs();
-        let token = jwt::encode(
-            &self.fleet,
-            &user.public_key(),
-            name,
-            issued_at,
-            None,
-            UserNats::new(permissions, None),
-        )?;
-        let seed = seed_of(&user, "reading a user seed")?;
-        Ok(IssuedUser {
-            name: name.to_owned(),
-            public_key: user.public_key(),
-            issued_at,
-            creds: format_creds(&token, &seed),
-        })
+        issue_user(&self.fleet, None, name, permissions)
     }
 
     /// Issues a new APP user named `name` (1–64 of `[A-Za-z0-9_-]`) with `permissions`: a fresh user key, its JWT
     /// signed by the APP signing key, and its `.creds` text. Nothing is stored.
     pub fn issue_app_user(&self, name: &str, permissions: &Permissions) -> Result<IssuedUser, NatsAuthError> {
-        validate_user_name(name)?;
-        let user = KeyPair::new_user();
-        let issued_at = now_secs();
-        let token = jwt::encode(
-            &self.app_signing,
-            &user.public_key(),
-            name,
-            issued_at,
-            None,
-            UserNats::new(permissions, Some(self.app.public_key())),
-        )?;
-        let seed = seed_of(&user, "reading a user seed")?;
-        Ok(IssuedUser {
-            name: name.to_owned(),
-            public_key: user.public_key(),
-            issued_at,
-            creds: format_creds(&token, &seed),
-        })
+        issue_user(&self.app_signing, Some(self.app.public_key()), name, permissions)
     }
 
     /// A freshly signed APP account JWT (same limits, imports and signing keys as the baseline) revoking
@@ -854,6 +825,34 @@ impl AuthMaterial {
             nats,
         )
     }
+}
+
+/// A fresh user key named `name` (1–64 of `[A-Za-z0-9_-]`), its JWT signed by `issuer` (`issuer_account`: the
+/// account a signing key signs for), and its `.creds` text. Nothing is stored.
+fn issue_user(
+    issuer: &KeyPair,
+    issuer_account: Option<String>,
+    name: &str,
+    permissions: &Permissions,
+) -> Result<IssuedUser, NatsAuthError> {
+    validate_user_name(name)?;
+    let user = KeyPair::new_user();
+    let issued_at = now_secs();
+    let token = jwt::encode(
+        issuer,
+        &user.public_key(),
+        name,
+        issued_at,
+        None,
+        UserNats::new(permissions, issuer_account),
+    )?;
+    let seed = seed_of(&user, "reading a user seed")?;
+    Ok(IssuedUser {
+        name: name.to_owned(),
+        public_key: user.public_key(),
+        issued_at,
+        creds: format_creds(&token, &seed),
+    })
 }
 
 /// The server's reply to `$SYS.REQ.CLAIMS.UPDATE`.
