@@ -151,6 +151,17 @@ impl Env {
     }
 
     async fn call(&self, inv: &Invoke, method: &str, params: Value) -> Result<Value, ErrorObject> {
+        self.call_within(inv, method, params, None).await
+    }
+
+    /// A call with the SDK's `_clientTimeoutS`.
+    async fn call_within(
+        &self,
+        inv: &Invoke,
+        method: &str,
+        params: Value,
+        client_timeout_s: Option<f64>,
+    ) -> Result<Value, ErrorObject> {
         self.services
             .serve(ReverseCall {
                 user: inv.user.clone(),
@@ -159,7 +170,7 @@ impl Env {
                 method: method.to_owned(),
                 family: family_of(method).expect("a known family"),
                 params,
-                client_timeout_s: None,
+                client_timeout_s,
                 deadline_ms: inv.deadline_ms,
                 tokens: inv.tokens.clone(),
             })
@@ -178,6 +189,25 @@ impl Env {
             Ok(v) => panic!("{method} {params}: expected an error, got {v}"),
             Err(e) => e,
         }
+    }
+
+    /// Exactly `bytes` of the user's quota are free: a value of that size fits, one byte more does not.
+    async fn assert_free(&self, inv: &Invoke, bytes: usize) {
+        // A JSON string value counts its quotes.
+        self.ok(
+            inv,
+            "storage/set",
+            json!({"scope": "tool", "key": "rest", "value": "x".repeat(bytes - 2)}),
+        )
+        .await;
+        let e = self
+            .err(
+                inv,
+                "storage/set",
+                json!({"scope": "tool", "key": "one", "value": 1}),
+            )
+            .await;
+        assert_eq!(e.code, -32024, "{e:?}");
     }
 
     fn url(&self, link: &Value) -> String {
@@ -1339,7 +1369,12 @@ async fn racing_completes_of_one_upload_store_it_once() {
         )
     };
     let (a, b) = tokio::join!(complete(), complete());
-    assert!(a.is_ok() || b.is_ok(), "{a:?} {b:?}");
+    // One complete per begin: the loser finds nothing pending.
+    let lost = match (&a, &b) {
+        (Ok(_), Err(e)) | (Err(e), Ok(_)) => e,
+        _ => panic!("exactly one complete must win: {a:?} {b:?}"),
+    };
+    assert_eq!(lost.code, -32022, "{lost:?}");
     let link = env
         .ok(
             &inv,
@@ -1358,18 +1393,73 @@ async fn racing_completes_of_one_upload_store_it_once() {
         .expect("body");
     assert_eq!(body, "race!");
     // Whoever won, the quota holds the file once: 10 000 − 5 bytes remain.
-    env.ok(
-        &inv,
-        "storage/set",
-        json!({"scope": "tool", "key": "rest", "value": "x".repeat(10_000 - 5 - 2)}),
-    )
-    .await;
+    env.assert_free(&inv, 10_000 - 5).await;
+}
+
+/// The subcall timeout abandons the wait, not the call: a complete still running when its caller's
+/// `_clientTimeoutS` ends finishes on its own, and the quota counts its bytes exactly once.
+#[tokio::test]
+async fn a_complete_that_outlives_its_timeout_counts_its_bytes_once() {
+    let size = 8 * MIB;
+    let env = env(Some(size as u64 + 10_000)).await;
+    let inv = env.invoke("grace", "notes").await;
+    let begin = env
+        .ok(
+            &inv,
+            "files/upload_begin",
+            json!({"scope": "tool", "path": "big.bin", "content_type": "application/octet-stream", "size_bytes": size}),
+        )
+        .await;
+    let put = env
+        .http
+        .put(env.url(&begin["put_url"]))
+        .header("content-type", "application/octet-stream")
+        .body(vec![7u8; size])
+        .send()
+        .await
+        .expect("PUT");
+    assert_eq!(put.status(), 200);
+    // 1 ms cannot hold the claim, the quota reservation and an 8 MiB copy through JetStream.
+    let e = env
+        .call_within(
+            &inv,
+            "files/upload_complete",
+            json!({"scope": "tool", "path": "big.bin"}),
+            Some(0.001),
+        )
+        .await
+        .expect_err("the wait times out");
+    assert_eq!(e.code, -32029, "{e:?}");
+    assert!(e.message.contains("timed out"), "{e:?}");
+    // The complete goes on without its caller: wait for the file, as long as the product lets one call run.
+    let until = Instant::now() + 2 * fleet_proto::limits::STORAGE_REQUEST_TIMEOUT;
+    let link = loop {
+        match env
+            .call(
+                &inv,
+                "files/download_url",
+                json!({"scope": "tool", "path": "big.bin"}),
+            )
+            .await
+        {
+            Ok(link) => break link,
+            Err(e) if Instant::now() < until => {
+                assert!(matches!(e.code, -32022 | -32029), "{e:?}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("the abandoned complete never stored the file: {e:?}"),
+        }
+    };
+    assert_eq!(link["size_bytes"], json!(size));
+    // Exactly the file's bytes are counted: 10 000 remain, not one more or less.
+    env.assert_free(&inv, 10_000).await;
+    // And a second complete of the same begin finds nothing pending.
     let e = env
         .err(
             &inv,
-            "storage/set",
-            json!({"scope": "tool", "key": "one", "value": 1}),
+            "files/upload_complete",
+            json!({"scope": "tool", "path": "big.bin"}),
         )
         .await;
-    assert_eq!(e.code, -32024);
+    assert_eq!(e.code, -32022, "{e:?}");
 }

@@ -13,9 +13,13 @@
 //!
 //! Flow: `upload_begin` checks the path, the size (≤ 256 MiB, `-32025`) and that the quota has room (`-32024`),
 //! records the pending upload and returns a signed PUT link (600 s) into staging; the PUT streams the body into
-//! the object store (capped at the declared size, same `Content-Type`); `upload_complete` reserves the quota for
-//! the bytes that landed, copies them from staging into `<prefix>_aps_objects`, swaps the index entry with a
-//! compare-and-set, and removes what it replaced. `download_url` signs a GET link (1..3600 s, default 300).
+//! the object store (capped at the declared size, same `Content-Type`); `upload_complete` claims the pending
+//! record (a compare-and-set purge: of two racing completes of one begin, the second finds nothing pending,
+//! `-32022`), reserves the quota for the bytes that landed, copies them from staging into
+//! `<prefix>_aps_objects`, swaps the index entry with a compare-and-set, and removes what it replaced; a failure
+//! before the swap puts the pending record back, so the complete can be retried. `download_url` signs a GET link
+//! (1..3600 s, default 300). Every call runs to its end on a task of its own (`kv::timed`): the subcall timeout
+//! abandons the wait, never a reservation.
 //!
 //! Links: `GET|PUT /v1/files/{bucket}/{base64url(object)}?exp=<unix s>&…&sig=<hex>`, where `sig` is
 //! HMAC-SHA256, keyed with the secret every fleet process shares ([`LinkSigner`]), over the method, the bucket,
@@ -497,7 +501,25 @@ struct PendingRecord {
     expires_at_ms: u64,
 }
 
-/// The files service.
+/// How a claimed upload failed to be stored.
+enum Failed {
+    /// Nothing was stored: the upload is pending again and `files/upload_complete` may be retried.
+    Retry(ErrorObject),
+    /// Another write of the path completed first: the upload is dropped.
+    Superseded(ErrorObject),
+}
+
+/// The files methods.
+#[derive(Debug, Clone, Copy)]
+enum Method {
+    Begin,
+    Complete,
+    DownloadUrl,
+    List,
+    Delete,
+}
+
+/// The files service. Cheap to clone (each call runs on a task of its own, see [`timed`]).
 #[derive(Debug, Clone)]
 pub struct FilesService {
     objects: HostObjects,
@@ -552,14 +574,25 @@ impl FilesService {
     pub async fn call(&self, ctx: &CallContext, method: &str, params: Value) -> Result<Value, ErrorObject> {
         let p = object(params)?;
         let scope = scope(ctx, &p)?;
-        match method {
-            methods::FILES_UPLOAD_BEGIN => timed(ctx, Box::pin(self.begin(ctx, &scope, &p))).await,
-            methods::FILES_UPLOAD_COMPLETE => timed(ctx, Box::pin(self.complete(ctx, &scope, &p))).await,
-            methods::FILES_DOWNLOAD_URL => timed(ctx, Box::pin(self.download_url(&scope, &p))).await,
-            methods::FILES_LIST => timed(ctx, Box::pin(self.list(&scope, &p))).await,
-            methods::FILES_DELETE => timed(ctx, Box::pin(self.delete(ctx, &scope, &p))).await,
-            _ => Err(method_not_found(method)),
-        }
+        let method = match method {
+            methods::FILES_UPLOAD_BEGIN => Method::Begin,
+            methods::FILES_UPLOAD_COMPLETE => Method::Complete,
+            methods::FILES_DOWNLOAD_URL => Method::DownloadUrl,
+            methods::FILES_LIST => Method::List,
+            methods::FILES_DELETE => Method::Delete,
+            _ => return Err(method_not_found(method)),
+        };
+        let (this, call) = (self.clone(), ctx.clone());
+        timed(ctx, async move {
+            match method {
+                Method::Begin => Box::pin(this.begin(&call, &scope, &p)).await,
+                Method::Complete => Box::pin(this.complete(&call, &scope, &p)).await,
+                Method::DownloadUrl => Box::pin(this.download_url(&scope, &p)).await,
+                Method::List => Box::pin(this.list(&scope, &p)).await,
+                Method::Delete => Box::pin(this.delete(&call, &scope, &p)).await,
+            }
+        })
+        .await
     }
 
     fn key(scope: &Scope, path: &str) -> String {
@@ -596,15 +629,52 @@ impl FilesService {
     }
 
     async fn pending_record(&self, scope: &Scope, path: &str) -> Result<Option<PendingRecord>, ErrorObject> {
+        Ok(self.pending_slot(scope, path).await?.1)
+    }
+
+    /// The pending upload of `path` and the revision to claim it at.
+    async fn pending_slot(
+        &self,
+        scope: &Scope,
+        path: &str,
+    ) -> Result<(u64, Option<PendingRecord>), ErrorObject> {
         let slot = self
             .pending
             .read(&Self::pending_key(scope, path))
             .await
             .map_err(|e| e.to_rpc())?;
-        Ok(slot
+        let rec = slot
             .envelope
             .and_then(|v| serde_json::from_value::<PendingRecord>(v).ok())
-            .filter(|p| p.expires_at_ms > now_ms()))
+            .filter(|p| p.expires_at_ms > now_ms());
+        Ok((slot.revision, rec))
+    }
+
+    /// Puts back a pending upload that a failed `files/upload_complete` had claimed, unless a new
+    /// `files/upload_begin` of the path came since (best effort: the staged bytes expire anyway).
+    async fn unclaim(&self, scope: &Scope, pending: &PendingRecord) {
+        let key = Self::pending_key(scope, pending.path.as_str());
+        let Ok(slot) = self.pending.read(&key).await else {
+            return;
+        };
+        if slot.envelope.is_some() {
+            return;
+        }
+        let Ok(body) = serde_json::to_vec(pending) else {
+            return;
+        };
+        let headers = heads_headers(&Head {
+            name: pending.path.clone(),
+            revision: 0,
+            size: pending.size,
+            etag: String::new(),
+            updated_ms: now_ms(),
+            expires_ms: Some(pending.expires_at_ms),
+            content_type: Some(pending.content_type.clone()),
+        });
+        if let Err(e) = self.pending.write(&key, Some(slot.revision), headers, body).await {
+            tracing::warn!(error = %e, "a failed files/upload_complete could not put its pending upload back");
+        }
     }
 
     async fn begin(
@@ -692,36 +762,84 @@ impl FilesService {
     ) -> Result<Value, ErrorObject> {
         let path = required_str(p, "path")?;
         validate_path(path)?;
-        let Some(pending) = self.pending_record(scope, path).await? else {
+        let (pending_rev, Some(pending)) = self.pending_slot(scope, path).await? else {
             return Err(codes::NOT_FOUND.error(format!(
                 "no pending upload for {path:?} in scope '{}' (call files/upload_begin first)",
                 scope.name
             )));
         };
+        // One complete per begin: the call that removes the pending record at the revision it read owns the
+        // upload; a racing one finds nothing pending. A failure below puts the record back.
+        match self
+            .pending
+            .purge(&Self::pending_key(scope, path), pending_rev)
+            .await
+        {
+            Ok(()) => {}
+            Err(IndexError::Conflict) => {
+                return Err(codes::NOT_FOUND.error(format!(
+                    "no pending upload for {path:?} in scope '{}' (another files/upload_complete took it)",
+                    scope.name
+                )));
+            }
+            Err(e) => return Err(e.to_rpc()),
+        }
         let staging = self.objects.store(Bucket::Staging);
         let info = match staging.info(&pending.object).await {
             Ok(i) => i,
             Err(e) if e.kind() == object_store::InfoErrorKind::NotFound => {
+                self.unclaim(scope, &pending).await;
                 return Err(codes::UPSTREAM_ERROR.error_with(
                     "pending_upload: the bytes were not PUT to put_url yet",
                     Map::from_iter([("reason".to_owned(), json!("pending_upload"))]),
                 ));
             }
-            Err(e) => return Err(codes::UPSTREAM_ERROR.error(format!("object store: {e}"))),
+            Err(e) => {
+                self.unclaim(scope, &pending).await;
+                return Err(codes::UPSTREAM_ERROR.error(format!("object store: {e}")));
+            }
         };
+        let stored = Box::pin(self.store_claimed(ctx, scope, &pending, &info)).await;
+        match stored {
+            Ok(done) => {
+                let _ = staging.delete(&pending.object).await;
+                Ok(done)
+            }
+            Err(Failed::Retry(e)) => {
+                self.unclaim(scope, &pending).await;
+                Err(e)
+            }
+            Err(Failed::Superseded(e)) => {
+                let _ = staging.delete(&pending.object).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Moves a claimed upload's staged bytes into the files store and the index, with its bytes counted.
+    async fn store_claimed(
+        &self,
+        ctx: &CallContext,
+        scope: &Scope,
+        pending: &PendingRecord,
+        info: &object_store::ObjectInfo,
+    ) -> Result<Value, Failed> {
+        let path = pending.path.as_str();
         let size = info.size as u64;
         let etag = etag_of_digest(info.digest.as_deref());
         let key = Self::key(scope, path);
-        let (revision, current) = self.record(scope, path).await?;
+        let (revision, current) = self.record(scope, path).await.map_err(Failed::Retry)?;
         let old = current.as_ref().map_or(0, |c| c.size);
         self.quota
             .reserve_growth(&ctx.user, old, size)
             .await
-            .map_err(|e| e.to_rpc())?;
-        // A name of its own: a racing complete of the same path that loses the index swap removes only its copy.
+            .map_err(|e| Failed::Retry(e.to_rpc()))?;
+        // A name of its own: a write of the same path that wins the index swap leaves this copy to be removed.
         let committed = Self::object_name(scope, path);
-        let copied = async {
-            let mut src = staging
+        let copy = async {
+            let mut src = self
+                .objects
+                .store(Bucket::Staging)
                 .get(&pending.object)
                 .await
                 .map_err(|e| codes::UPSTREAM_ERROR.error(format!("object store: {e}")))?;
@@ -735,11 +853,15 @@ impl FilesService {
                 .put(meta, &mut src)
                 .await
                 .map_err(|e| codes::UPSTREAM_ERROR.error(format!("object store: {e}")))
-        }
-        .await;
+        };
+        let copied = match tokio::time::timeout(limits::STORAGE_REQUEST_TIMEOUT, copy).await {
+            Ok(r) => r.map(|_| ()),
+            Err(_) => Err(IndexError::Timeout.to_rpc()),
+        };
         if let Err(e) = copied {
             self.quota.undo_growth(&ctx.user, old, size).await;
-            return Err(e);
+            let _ = self.objects.store(Bucket::Files).delete(&committed).await;
+            return Err(Failed::Retry(e));
         }
         let now = now_ms();
         let rec = FileRecord {
@@ -750,7 +872,8 @@ impl FilesService {
             etag: etag.clone(),
             updated_at_ms: now,
         };
-        let body = serde_json::to_vec(&rec).map_err(|e| codes::UPSTREAM_ERROR.error(e.to_string()))?;
+        let body = serde_json::to_vec(&rec)
+            .map_err(|e| Failed::Retry(codes::UPSTREAM_ERROR.error(e.to_string())))?;
         let headers = heads_headers(&Head {
             name: path.to_owned(),
             revision: 0,
@@ -764,17 +887,17 @@ impl FilesService {
             self.quota.undo_growth(&ctx.user, old, size).await;
             let _ = self.objects.store(Bucket::Files).delete(&committed).await;
             return Err(match e {
-                IndexError::Conflict => codes::UPSTREAM_ERROR
-                    .error(format!("another write to {path:?} completed first; begin again")),
-                e => e.to_rpc(),
+                IndexError::Conflict => Failed::Superseded(
+                    codes::UPSTREAM_ERROR
+                        .error(format!("another write to {path:?} completed first; begin again")),
+                ),
+                e => Failed::Retry(e.to_rpc()),
             });
         }
         self.quota.settle(&ctx.user, old, size).await;
         if let Some(c) = current {
             let _ = self.objects.store(Bucket::Files).delete(&c.object).await;
         }
-        let _ = staging.delete(&pending.object).await;
-        let _ = self.pending.remove(&Self::pending_key(scope, path)).await;
         Ok(json!({
             "path": path,
             "etag": etag,

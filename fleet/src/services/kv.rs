@@ -306,6 +306,9 @@ pub(crate) enum IndexError {
     /// The call ran out of time.
     #[error("the storage call timed out")]
     Timeout,
+    /// The host stopped the call's task (it is shutting down).
+    #[error("the storage call was stopped: the host is shutting down")]
+    Cancelled,
 }
 
 impl IndexError {
@@ -715,13 +718,22 @@ impl Quota {
     }
 }
 
-/// Runs `f` within the storage subcall timeout (spec §7.3).
-pub(crate) async fn timed<T>(
+/// Runs one storage or files call on a task of its own and waits for it within the storage subcall timeout
+/// (spec §7.3).
+///
+/// The timeout (or a caller that goes away) abandons the wait, never the call: a call changes the index, the
+/// quota counter and the object store in several steps, and stopping between two of them would leave bytes
+/// reserved that no write holds, or a written value whose bytes are not counted. Every step below is bounded on
+/// its own (NATS request timeouts, [`limits::STORAGE_REQUEST_TIMEOUT`] around object copies), so the task ends.
+pub(crate) async fn timed<T: Send + 'static>(
     ctx: &CallContext,
-    f: impl std::future::Future<Output = Result<T, ErrorObject>>,
+    f: impl std::future::Future<Output = Result<T, ErrorObject>> + Send + 'static,
 ) -> Result<T, ErrorObject> {
-    match tokio::time::timeout(ctx.subcall_timeout(limits::STORAGE_REQUEST_TIMEOUT), f).await {
-        Ok(r) => r,
+    let task = tokio::spawn(tracing::Instrument::in_current_span(f));
+    match tokio::time::timeout(ctx.subcall_timeout(limits::STORAGE_REQUEST_TIMEOUT), task).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Ok(Err(_)) => Err(IndexError::Cancelled.to_rpc()),
         Err(_) => Err(IndexError::Timeout.to_rpc()),
     }
 }
@@ -809,8 +821,17 @@ impl IfMatch {
     }
 }
 
-/// The KV service.
-#[derive(Debug)]
+/// The storage methods.
+#[derive(Debug, Clone, Copy)]
+enum Method {
+    Get,
+    Set,
+    Delete,
+    List,
+}
+
+/// The KV service. Cheap to clone (each call runs on a task of its own, see [`timed`]).
+#[derive(Debug, Clone)]
 pub struct KvService {
     index: Index,
     quota: Quota,
@@ -841,13 +862,23 @@ impl KvService {
     pub async fn call(&self, ctx: &CallContext, method: &str, params: Value) -> Result<Value, ErrorObject> {
         let p = object(params)?;
         let scope = scope(ctx, &p)?;
-        match method {
-            methods::STORAGE_GET => timed(ctx, Box::pin(self.get(ctx, &scope, &p))).await,
-            methods::STORAGE_SET => timed(ctx, Box::pin(self.set(ctx, &scope, &p))).await,
-            methods::STORAGE_DELETE => timed(ctx, Box::pin(self.delete(ctx, &scope, &p))).await,
-            methods::STORAGE_LIST => timed(ctx, Box::pin(self.list(ctx, &scope, &p))).await,
-            _ => Err(method_not_found(method)),
-        }
+        let method = match method {
+            methods::STORAGE_GET => Method::Get,
+            methods::STORAGE_SET => Method::Set,
+            methods::STORAGE_DELETE => Method::Delete,
+            methods::STORAGE_LIST => Method::List,
+            _ => return Err(method_not_found(method)),
+        };
+        let (this, call) = (self.clone(), ctx.clone());
+        timed(ctx, async move {
+            match method {
+                Method::Get => Box::pin(this.get(&call, &scope, &p)).await,
+                Method::Set => Box::pin(this.set(&call, &scope, &p)).await,
+                Method::Delete => Box::pin(this.delete(&call, &scope, &p)).await,
+                Method::List => Box::pin(this.list(&call, &scope, &p)).await,
+            }
+        })
+        .await
     }
 
     fn entry_key(scope: &Scope, key: &str) -> String {
