@@ -163,7 +163,8 @@ impl Bench {
             burst_per_user: 1_000_000_000,
             ..FrontConfig::default()
         };
-        let front = Front::new(front_client, store, verifier, config);
+        let seals = std::sync::Arc::new(cluster.nats.exec_signer().unwrap());
+        let front = Front::new(front_client, store, verifier, config, seals);
         let service = front.serve().await.unwrap();
         cluster.fronts.push((front, service));
 

@@ -1635,7 +1635,8 @@ async fn one_user_flooding_is_rate_limited_without_starving_another() {
         burst_per_user: 3,
         ..fleet::front::FrontConfig::default()
     };
-    let front = fleet::front::Front::new(client, store, verifier, config);
+    let seals = std::sync::Arc::new(c.nats.exec_signer().unwrap());
+    let front = fleet::front::Front::new(client, store, verifier, config, seals);
     let flood = format!("Bearer {}", c.token("flooder"));
     let quiet = format!("Bearer {}", c.token("quiet"));
     let mut outcomes = Vec::new();

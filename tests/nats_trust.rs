@@ -682,5 +682,137 @@ fn refused_or_missing_credentials_fail_every_command_in_one_line() {
         "{err}"
     );
     assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+
+    // Good credentials without the exec seal's public key beside them: the worker says which flag it needs.
+    let lone = tmp.path().join("lone");
+    std::fs::create_dir_all(&lone).unwrap();
+    let creds = lone.join("worker.creds");
+    std::fs::copy(c.nats.creds(Role::Worker), &creds).unwrap();
+    let (ok, err) = run(&[
+        "worker",
+        "--isolation",
+        "none",
+        "--nats-url",
+        &url,
+        "--nats-creds",
+        creds.to_str().unwrap(),
+        "--state-dir",
+        state.to_str().unwrap(),
+        "--catalogue",
+        workspace_root().join("plugins").to_str().unwrap(),
+    ]);
+    assert!(!ok, "a worker that cannot check seals does not join");
+    // The worker's own start-up log lines come first; the refusal is one line of its own.
+    let fatal: Vec<&str> = err.lines().filter(|l| l.starts_with("fleet: ")).collect();
+    assert_eq!(fatal.len(), 1, "{err}");
+    assert!(
+        fatal[0].contains("--exec-verify-key") && fatal[0].contains(lone.join("exec.pub").to_str().unwrap()),
+        "{err}"
+    );
     drop(c);
+}
+
+/// The value of `cloud_agents_exec_seal_refusals_total{reason}` in `text` (0 when absent).
+fn seal_refusals(text: &str, reason: &str) -> u64 {
+    let series = format!("cloud_agents_exec_seal_refusals_total{{reason=\"{reason}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(series.as_str()))
+        .map_or(0, |v| v.trim().parse().unwrap())
+}
+
+/// Where NATS permissions stop (a credential an operator widened by hand, a bus left open), the exec seal holds:
+/// a client allowed to publish on every worker subject still cannot inject a request (unsigned), change one it
+/// overheard (the seal covers the body), replay one verbatim, or cancel someone's call with an unsealed command.
+/// Nothing it sent ran: no session was started for the user it forged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_may_publish_on_worker_subjects_still_cannot_inject_work() {
+    let c = Cluster::start("trust-seal", 1, 1, &[Plugin::echo("echo", &[])]).await;
+    let worker = c.workers[0].node.as_ref().unwrap();
+    let exec = subjects::worker_exec(worker.id());
+    let glass = c.break_glass().await;
+    let mut tap = glass.subscribe(exec.clone()).await.unwrap();
+    glass.flush().await.unwrap();
+    c.ok(
+        "victim",
+        methods::TOOLS_INVOKE,
+        json!({"tool_id": "echo.echo", "args": {"text": "mine"}}),
+    )
+    .await;
+    let genuine = tokio::time::timeout(GUARD, futures::StreamExt::next(&mut tap))
+        .await
+        .expect("the genuine request is overheard")
+        .unwrap();
+    assert!(
+        genuine
+            .headers
+            .as_ref()
+            .is_some_and(|h| h.get(fleet_proto::api::worker::SEAL_SIGNATURE_HEADER).is_some()),
+        "fronts seal what they send"
+    );
+    let mut forged: Value = serde_json::from_slice(&genuine.payload).unwrap();
+    forged["user"] = json!("forged-user");
+    let forged = serde_json::to_vec(&forged).unwrap();
+    let reply = glass.new_inbox();
+    // Unsigned.
+    glass
+        .publish_with_reply(exec.clone(), reply.clone(), forged.clone().into())
+        .await
+        .unwrap();
+    // The genuine seal on a changed body.
+    glass
+        .publish_with_reply_and_headers(
+            exec.clone(),
+            reply.clone(),
+            genuine.headers.clone().unwrap(),
+            forged.clone().into(),
+        )
+        .await
+        .unwrap();
+    // The genuine request, verbatim, again.
+    glass
+        .publish_with_reply_and_headers(
+            exec.clone(),
+            reply.clone(),
+            genuine.headers.clone().unwrap(),
+            genuine.payload.clone(),
+        )
+        .await
+        .unwrap();
+    // An unsealed cancel.
+    glass
+        .publish(
+            subjects::worker_cancel(worker.id()),
+            serde_json::to_vec(&fleet_proto::api::worker::CancelCommand::new("any"))
+                .unwrap()
+                .into(),
+        )
+        .await
+        .unwrap();
+    glass.flush().await.unwrap();
+    let deadline = Instant::now() + GUARD;
+    loop {
+        let text = c.metrics.encode();
+        let counts = (
+            seal_refusals(&text, "unsigned"),
+            seal_refusals(&text, "bad_signature"),
+            seal_refusals(&text, "replayed"),
+        );
+        if counts == (2, 1, 1) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "refusals so far: {counts:?}\n{text}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        worker.pool().sessions().iter().all(|s| s.user() != "forged-user"),
+        "nothing forged ran"
+    );
+    // The fleet itself is unaffected.
+    c.ok(
+        "victim",
+        methods::TOOLS_INVOKE,
+        json!({"tool_id": "echo.echo", "args": {"text": "still mine"}}),
+    )
+    .await;
+    c.shutdown().await;
 }

@@ -3,7 +3,7 @@
 //! and has room; a new or dead worker moves only its share), and the request/reply to the chosen worker.
 
 use std::collections::HashSet;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fleet_proto::api::worker::{CancelCommand, ExecKind, ExecReply, ExecRequest};
@@ -12,6 +12,7 @@ use sha2::{Digest, Sha256};
 use tracing::Instrument as _;
 
 use crate::membership::Membership;
+use crate::nats_auth::exec_seal::ExecSigner;
 use crate::store::{Store, WorkerInfo};
 
 /// How long the registry's last read is reused while the membership watch has not read it yet.
@@ -53,17 +54,20 @@ pub struct Dispatcher {
     cache: Mutex<Option<(Instant, Vec<WorkerInfo>)>>,
     /// See [`NO_WORKER_WAIT`].
     no_worker_wait: Duration,
+    /// Seals every exec request and cancel command (workers serve nothing else).
+    seals: Arc<ExecSigner>,
 }
 
 impl Dispatcher {
-    /// A dispatcher over the registry in `store`.
-    pub fn new(client: async_nats::Client, store: Store) -> Dispatcher {
+    /// A dispatcher over the registry in `store`, sealing what it sends with `seals`.
+    pub fn new(client: async_nats::Client, store: Store, seals: Arc<ExecSigner>) -> Dispatcher {
         Dispatcher {
             client,
             membership: Membership::follow(store.clone()),
             store,
             cache: Mutex::new(None),
             no_worker_wait: NO_WORKER_WAIT,
+            seals,
         }
     }
 
@@ -141,12 +145,12 @@ impl Dispatcher {
             messaging.destination.name = %subject,
             fleet.worker = %worker,
         );
-        let mut request = async_nats::Request::new()
+        let mut headers = crate::telemetry::headers(&span).unwrap_or_default();
+        self.seals.seal(&subject, &payload, &mut headers);
+        let request = async_nats::Request::new()
             .payload(payload.into())
+            .headers(headers)
             .timeout(Some(wait));
-        if let Some(headers) = crate::telemetry::headers(&span) {
-            request = request.headers(headers);
-        }
         match self.client.send_request(subject, request).instrument(span).await {
             Ok(msg) => serde_json::from_slice(&msg.payload).map_err(|e| RequestFailure::Other(e.to_string())),
             Err(e) => Err(match e.kind() {
@@ -277,17 +281,15 @@ impl Dispatcher {
             Some(w) => vec![w.to_string()],
             None => self.live().await.into_iter().map(|w| w.id).collect(),
         };
-        let headers = crate::telemetry::headers(&tracing::Span::current());
+        let trace = crate::telemetry::headers(&tracing::Span::current()).unwrap_or_default();
         for w in targets {
             let subject = subjects::worker_cancel(&w);
-            let _ = match &headers {
-                Some(h) => {
-                    self.client
-                        .publish_with_headers(subject, h.clone(), payload.clone().into())
-                        .await
-                }
-                None => self.client.publish(subject, payload.clone().into()).await,
-            };
+            let mut headers = trace.clone();
+            self.seals.seal(&subject, &payload, &mut headers);
+            let _ = self
+                .client
+                .publish_with_headers(subject, headers, payload.clone().into())
+                .await;
         }
         let _ = self.client.flush().await;
     }

@@ -29,6 +29,7 @@ use crate::auth::Verifier;
 use crate::dispatch::Dispatcher;
 use crate::in_flight::InFlight;
 use crate::metrics::FleetMetrics;
+use crate::nats_auth::exec_seal::ExecSigner;
 use crate::node::{new_invoke_id, now_ms};
 use crate::policy::{self, SyncTimeout};
 use crate::store::{JobFilter, JobRecord, Store, StoreError, Transition, user_key};
@@ -131,12 +132,18 @@ fn nz(n: u32) -> NonZeroU32 {
 }
 
 impl Front {
-    /// A front over `store`.
-    pub fn new(client: async_nats::Client, store: Store, verifier: Verifier, config: FrontConfig) -> Front {
+    /// A front over `store`; `seals` signs what it sends to workers.
+    pub fn new(
+        client: async_nats::Client,
+        store: Store,
+        verifier: Verifier,
+        config: FrontConfig,
+        seals: Arc<ExecSigner>,
+    ) -> Front {
         let quota = Quota::per_second(nz(config.rate_per_user)).allow_burst(nz(config.burst_per_user));
         Front {
             inner: Arc::new(Inner {
-                dispatcher: Dispatcher::new(client.clone(), store.clone())
+                dispatcher: Dispatcher::new(client.clone(), store.clone(), seals)
                     .with_no_worker_wait(config.no_worker_wait),
                 store,
                 verifier,

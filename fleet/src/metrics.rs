@@ -75,6 +75,7 @@ pub struct FleetMetrics {
     nats_reconnects: Counter,
     jobs_worker_lost: Counter,
     jetstream_errors: Family<L1, Counter>,
+    exec_seal_refusals: Family<L1, Counter>,
     workers: Arc<WorkerCollector>,
 }
 
@@ -111,6 +112,7 @@ impl FleetMetrics {
             nats_reconnects: Counter::default(),
             jobs_worker_lost: Counter::default(),
             jetstream_errors: Family::default(),
+            exec_seal_refusals: Family::default(),
             workers: Arc::new(WorkerCollector::default()),
         };
         r.register(
@@ -172,6 +174,11 @@ impl FleetMetrics {
             "jetstream_errors",
             "JetStream (KV/stream) operations that failed, by operation",
             m.jetstream_errors.clone(),
+        );
+        r.register(
+            "exec_seal_refusals",
+            "Exec requests and cancel commands a worker refused for their seal, by reason (unsigned, malformed, bad_signature, stale, replayed)",
+            m.exec_seal_refusals.clone(),
         );
         r.register_collector(Box::new(m.workers.clone()));
         *m.registry
@@ -258,6 +265,11 @@ impl FleetMetrics {
     /// The sweeper failed a running job whose worker is gone.
     pub fn job_worker_lost(&self) {
         self.jobs_worker_lost.inc();
+    }
+
+    /// A worker refused an exec request or a cancel command for its seal (`SealError::as_str`).
+    pub fn exec_seal_refused(&self, reason: &'static str) {
+        self.exec_seal_refusals.get_or_create(&[("reason", reason)]).inc();
     }
 
     /// A JetStream operation failed.

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::nats_auth::exec_seal::{ExecSigner, ExecVerifier, SealKeyError};
 use crate::nats_auth::{AuthMaterial, Role, permissions};
 use crate::nats_conn::Connector;
 
@@ -246,6 +247,16 @@ impl NatsServer {
     /// `<store>/<role>.creds`.
     pub fn creds(&self, role: Role) -> PathBuf {
         self.auth.creds_path(role)
+    }
+
+    /// The fronts' exec seal key, from the auth directory (`exec.seed`).
+    pub fn exec_signer(&self) -> Result<ExecSigner, SealKeyError> {
+        ExecSigner::locate(None, Some(self.auth.dir()), None)
+    }
+
+    /// The workers' exec seal check, from the auth directory (`exec.pub`).
+    pub fn exec_verifier(&self) -> Result<ExecVerifier, SealKeyError> {
+        ExecVerifier::locate(None, Some(self.auth.dir()), None)
     }
 
     /// A connector to this server as `role`.

@@ -28,6 +28,7 @@ use tracing::Instrument as _;
 
 use crate::in_flight::InFlight;
 use crate::metrics::FleetMetrics;
+use crate::nats_auth::exec_seal::ExecVerifier;
 use crate::policy;
 use crate::store::{Store, Transition, WorkerInfo, user_key};
 
@@ -75,16 +76,20 @@ struct Ctx {
     metrics: Arc<FleetMetrics>,
     /// Lazy installs of plugins published to the fleet (`crate::plugins`); `None` if its store cannot be opened.
     installer: Option<Arc<crate::plugins::Installer>>,
+    /// Checks the front's seal on every exec request and cancel command.
+    seals: Arc<ExecVerifier>,
 }
 
 impl WorkerNode {
-    /// Subscribes and starts serving; records job metrics into `metrics` and exports the pool's there.
+    /// Subscribes and starts serving; records job metrics into `metrics` and exports the pool's there. Serves
+    /// only exec requests and cancel commands whose seal `seals` accepts.
     pub async fn start(
         client: async_nats::Client,
         store: Store,
         pool: Pool,
         id: &str,
         metrics: Arc<FleetMetrics>,
+        seals: Arc<ExecVerifier>,
     ) -> Result<WorkerNode, async_nats::Error> {
         metrics.register_pool(&pool);
         let exec = client.subscribe(subjects::worker_exec(id)).await?;
@@ -109,6 +114,7 @@ impl WorkerNode {
             started_at_ms: now_ms(),
             metrics,
             installer,
+            seals,
         });
         heartbeat(&ctx).await;
         let mut tasks = JoinSet::new();
@@ -146,6 +152,9 @@ impl WorkerNode {
             let c = ctx.clone();
             tasks.spawn(async move {
                 while let Some(msg) = sub.next().await {
+                    if !sealed(&c, &msg) {
+                        continue;
+                    }
                     if let Ok(cmd) = serde_json::from_slice::<CancelCommand>(&msg.payload)
                         && cmd.command == "_cancel_invoke"
                     {
@@ -390,7 +399,28 @@ async fn serve_exec(ctx: Arc<Ctx>, msg: async_nats::Message) {
     serve_exec_traced(ctx, msg).instrument(span).await;
 }
 
+/// Whether `msg` carries a valid seal of a front; a refusal is counted and logged (the reason only: nothing of
+/// the message).
+fn sealed(ctx: &Ctx, msg: &async_nats::Message) -> bool {
+    match ctx
+        .seals
+        .verify(msg.subject.as_str(), msg.headers.as_ref(), &msg.payload)
+    {
+        Ok(()) => true,
+        Err(e) => {
+            ctx.metrics.exec_seal_refused(e.as_str());
+            tracing::warn!(worker = %ctx.id, reason = e.as_str(), "refused a message on a worker subject: {e}");
+            false
+        }
+    }
+}
+
 async fn serve_exec_traced(ctx: Arc<Ctx>, msg: async_nats::Message) {
+    // Nothing unsealed runs or is answered: its reply subject is the sender's choice, and a worker publishes
+    // nothing on a stranger's behalf.
+    if !sealed(&ctx, &msg) {
+        return;
+    }
     if ctx.draining.load(Ordering::SeqCst) {
         return respond(&ctx, &msg, &ExecReply::draining()).await;
     }

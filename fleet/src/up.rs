@@ -18,6 +18,7 @@ use crate::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, DevKey, OperatorVerifier, Ve
 use crate::client_cmd::{DEFAULT_DATA_DIR, nats_url_file};
 use crate::front::{Front, FrontConfig};
 use crate::nats_auth::Role;
+use crate::nats_auth::exec_seal::{ExecSigner, ExecVerifier, SealKeyError};
 use crate::nats_server::{NatsServer, free_port};
 use crate::node::WorkerNode;
 use crate::store::{Provision, Store, StoreSettings};
@@ -41,6 +42,14 @@ pub struct UpArgs {
     /// `jwts.json`, `sys.creds`). Default with its own nats-server: `<data-dir>/nats`.
     #[arg(long, env = "FLEET_NATS_AUTH_DIR")]
     pub nats_auth_dir: Option<PathBuf>,
+    /// The seed the front seals exec requests and cancels with (`exec.seed`). Default: `exec.seed` of
+    /// --nats-auth-dir (with its own nats-server: `<data-dir>/nats`), else beside --nats-creds.
+    #[arg(long, env = "FLEET_EXEC_SIGNING_KEY")]
+    pub exec_signing_key: Option<PathBuf>,
+    /// The public keys the in-process workers accept seals of (`exec.pub`). Default: `exec.pub` of
+    /// --nats-auth-dir, else beside --nats-creds, else this front's own key.
+    #[arg(long, env = "FLEET_EXEC_VERIFY_KEY")]
+    pub exec_verify_key: Option<PathBuf>,
     /// The plugin catalogue (default: the demo plugins shipped in the repo).
     #[arg(long, env = "FLEET_PLUGINS_DIR")]
     pub plugins_dir: Option<PathBuf>,
@@ -232,6 +241,24 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     let client = front_conn
         .connect_with("front", metrics.nats_options(async_nats::ConnectOptions::new()))
         .await?;
+    let seal_signer = ExecSigner::locate(
+        args.exec_signing_key.as_deref(),
+        auth_dir.as_deref(),
+        args.nats.nats_creds.as_deref(),
+    )
+    .map_err(|e| UpError::Other(e.to_string()))?;
+    let seal_verifier = Arc::new(
+        match ExecVerifier::locate(
+            args.exec_verify_key.as_deref(),
+            auth_dir.as_deref(),
+            args.nats.nats_creds.as_deref(),
+        ) {
+            Ok(v) => v,
+            Err(SealKeyError::Missing { .. }) => ExecVerifier::trusting(&seal_signer),
+            Err(e) => return Err(UpError::Other(e.to_string())),
+        },
+    );
+    let seal_signer = Arc::new(seal_signer);
     let settings = StoreSettings {
         replicas: args.jetstream_replicas,
         ..StoreSettings::default()
@@ -337,6 +364,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             pool,
             &config.worker_id,
             metrics.clone(),
+            seal_verifier.clone(),
         )
         .await
         .map_err(|e| other("worker")(&e))?;
@@ -360,6 +388,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             burst_per_user: args.rate_limit_burst,
             ..FrontConfig::default()
         },
+        seal_signer.clone(),
     )
     .with_metrics(metrics.clone());
     let service = front.serve().await.map_err(|e| other("API service")(&e))?;

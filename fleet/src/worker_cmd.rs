@@ -49,6 +49,11 @@ pub struct WorkerArgs {
     /// Credentials (the worker role's `.creds`, e.g. `.fleet/nats/worker.creds` of a local `fleet up`) and TLS.
     #[command(flatten)]
     pub nats: crate::nats_conn::NatsAuthArgs,
+    /// The public keys of the fronts' exec seals (`exec.pub` of the NATS auth directory, one key per line): the
+    /// worker serves only exec requests and cancels sealed by one of them. Default: `exec.pub` beside
+    /// --nats-creds.
+    #[arg(long, env = "FLEET_EXEC_VERIFY_KEY")]
+    pub exec_verify_key: Option<PathBuf>,
     /// Serve `/metrics`, `/healthz` and `/readyz` on this address (e.g. 127.0.0.1:9101).
     #[arg(long, env = "FLEET_WORKER_HTTP")]
     pub http: Option<String>,
@@ -168,6 +173,12 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
                 .connect_with("worker", metrics.nats_options(async_nats::ConnectOptions::new()))
                 .await
                 .map_err(|e| WorkerCmdError::Usage(e.to_string()))?;
+            let seals = crate::nats_auth::exec_seal::ExecVerifier::locate(
+                args.exec_verify_key.as_deref(),
+                None,
+                args.nats.nats_creds.as_deref(),
+            )
+            .map_err(|e| WorkerCmdError::Usage(e.to_string()))?;
             // Workers attach to the resources a front created: their NATS user may not create streams.
             let settings = crate::store::StoreSettings {
                 replicas: args.jetstream_replicas,
@@ -183,11 +194,11 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
                 .open(&js, &settings, &config.state_dir, None)
                 .await
                 .map_err(|e| WorkerCmdError::Usage(e.to_string()))?;
-            Some((url.clone(), client, store, services))
+            Some((url.clone(), client, store, services, Arc::new(seals)))
         }
     };
     let (services, tokens): (Arc<dyn HostServices>, Arc<dyn TokenSource>) = match &joined {
-        Some((_, _, _, s)) => (Arc::new(s.clone()), Arc::new(s.clone())),
+        Some((_, _, _, s, _)) => (Arc::new(s.clone()), Arc::new(s.clone())),
         None => (Arc::new(NoServices), Arc::new(NoTokens)),
     };
     let ctx = WorkerContext {
@@ -220,12 +231,19 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
             metrics.register_pool(&pool);
             None
         }
-        Some((url, client, store, _services)) => {
+        Some((url, client, store, _services, seals)) => {
             let worker_id = pool.context().config.worker_id.clone();
             Some(
-                crate::node::WorkerNode::start(client, store, pool.clone(), &worker_id, metrics.clone())
-                    .await
-                    .map_err(|e| WorkerCmdError::Usage(format!("serving on {url}: {e}")))?,
+                crate::node::WorkerNode::start(
+                    client,
+                    store,
+                    pool.clone(),
+                    &worker_id,
+                    metrics.clone(),
+                    seals,
+                )
+                .await
+                .map_err(|e| WorkerCmdError::Usage(format!("serving on {url}: {e}")))?,
             )
         }
     };

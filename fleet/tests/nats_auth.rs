@@ -236,6 +236,8 @@ fn load_or_create_twice_reuses_the_keys_and_keeps_everything_private() {
         names,
         [
             "app.creds",
+            "exec.pub",
+            "exec.seed",
             "front.creds",
             "jwts.json",
             "operator.creds",

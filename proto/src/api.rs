@@ -924,6 +924,24 @@ pub mod worker {
         }
     }
 
+    /// Header of every exec request and cancel command: the front's Ed25519 signature, base64url without
+    /// padding, over [`seal_input`].
+    pub const SEAL_SIGNATURE_HEADER: &str = "Fleet-Exec-Signature";
+    /// Header of every exec request and cancel command: `<issued Unix ms>.<32 hex digits of nonce>`, signed with
+    /// the subject and the body.
+    pub const SEAL_STAMP_HEADER: &str = "Fleet-Exec-Stamp";
+    /// What the front signs: a domain tag, the subject (so a request cannot be redirected to another worker),
+    /// the stamp (so it expires and is seen once) and the body, each length-prefixed.
+    pub fn seal_input(subject: &str, stamp: &str, body: &[u8]) -> Vec<u8> {
+        const DOMAIN: &[u8] = b"fleet-exec-seal-v1";
+        let mut out = Vec::with_capacity(DOMAIN.len() + subject.len() + stamp.len() + body.len() + 24);
+        for part in [DOMAIN, subject.as_bytes(), stamp.as_bytes(), body] {
+            out.extend_from_slice(&(part.len() as u64).to_be_bytes());
+            out.extend_from_slice(part);
+        }
+        out
+    }
+
     /// The cancel command on `fleet.v1.worker.<id>.cancel` and `matrix.cancel.<client_id>` (spec §12.1 N6).
     #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
     pub struct CancelCommand {

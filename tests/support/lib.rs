@@ -559,7 +559,8 @@ pub mod cluster {
                 DEFAULT_AUDIENCE,
             )
             .expect("verifier");
-            let front = Front::new(client, store, verifier, config).with_metrics(self.metrics.clone());
+            let seals = Arc::new(self.nats.exec_signer().expect("exec signing key"));
+            let front = Front::new(client, store, verifier, config, seals).with_metrics(self.metrics.clone());
             let service = front.serve().await.expect("serve");
             self.fronts.push((front, service));
             self.fronts.len() - 1
@@ -606,6 +607,7 @@ pub mod cluster {
                 Pool::new(ctx, Arc::new(catalogue)),
                 &config.worker_id,
                 self.metrics.clone(),
+                Arc::new(self.nats.exec_verifier().expect("exec verifying key")),
             )
             .await
             .expect("worker node");

@@ -22,6 +22,8 @@
 //!   (a revocation list, see below).
 //! - `<role>.creds` for every [`Role`] — rewritten only when the user's claims (permissions) changed; the user
 //!   keys stay the same.
+//! - `exec.seed` / `exec.pub` — the key fronts seal exec requests and cancels with, and its public key for the
+//!   workers ([`exec_seal`]). Created once, never regenerated.
 //!
 //! **Revocation.** The revocation list is the caller's state: [`AuthMaterial::app_account_jwt_with_revocations`]
 //! signs an APP account JWT carrying it (with an `iat` newer than the baseline), [`push_account_jwt`] sends it to
@@ -33,6 +35,7 @@
 
 pub mod cli;
 pub mod creds;
+pub mod exec_seal;
 pub mod jwt;
 pub mod permissions;
 
@@ -624,6 +627,7 @@ impl AuthMaterial {
         for (role, user) in &user_keys {
             material.write_role_creds(*role, user, &permissions(*role))?;
         }
+        exec_seal::ensure_keys(dir)?;
         Ok(material)
     }
 
