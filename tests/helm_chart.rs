@@ -414,10 +414,14 @@ fn nats_credentials_tls_and_network_policies() {
     );
     let mut keys = items(v);
     keys.sort_unstable();
-    assert_eq!(keys, ["front.creds", "jwts.json", "seeds.json", "sys.creds"]);
+    assert_eq!(
+        keys,
+        ["exec.seed", "front.creds", "jwts.json", "seeds.json", "sys.creds"]
+    );
     assert_eq!(volumes_of_secret(front, SECRET).len(), 1);
 
-    // Workers: worker.creds, nothing else of the Secret, root-only (plugins run as other uids).
+    // Workers: worker.creds and the exec seal's public key, nothing else of the Secret, root-only (plugins run
+    // as other uids). Both live in one directory: the worker finds exec.pub beside --nats-creds.
     let worker = find(&objs, "Deployment", "-worker");
     let c = container(worker);
     let a = args(c);
@@ -430,8 +434,13 @@ fn nats_credentials_tls_and_network_policies() {
     let secret_volumes = volumes_of_secret(worker, SECRET);
     assert_eq!(secret_volumes.len(), 1, "{secret_volumes:?}");
     assert_eq!(secret_volumes[0]["name"], "nats-creds");
-    assert_eq!(items(secret_volumes[0]), ["worker.creds"]);
+    assert_eq!(items(secret_volumes[0]), ["worker.creds", "exec.pub"]);
     assert_eq!(secret_volumes[0]["secret"]["items"][0]["path"], "worker.creds");
+    assert_eq!(secret_volumes[0]["secret"]["items"][1]["path"], "exec.pub");
+    assert!(
+        !a.iter().any(|x| x.starts_with("--exec-")),
+        "defaults beside the credentials: {a:?}"
+    );
     assert_eq!(secret_volumes[0]["secret"]["defaultMode"], 0o400);
     assert!(
         c.get("envFrom").is_none()
@@ -572,6 +581,23 @@ fn nats_credentials_tls_and_network_policies() {
                 .iter()
                 .any(|v| v["name"] == "nats-auth" || v["name"] == "nats-creds")
         );
+        // Even on an open bus the exec seal holds: fronts get the seed, workers its public key only.
+        let (flag, item) = if suffix == "-front" {
+            (
+                "--exec-signing-key=/var/run/cloud-agents/exec-seal/exec.seed",
+                "exec.seed",
+            )
+        } else {
+            (
+                "--exec-verify-key=/var/run/cloud-agents/exec-seal/exec.pub",
+                "exec.pub",
+            )
+        };
+        assert!(a.contains(&flag), "{suffix}: {a:?}");
+        let v = volume(d, "exec-seal");
+        assert_eq!(v["secret"]["secretName"], "ca-exec-seal");
+        assert_eq!(items(v), [item]);
+        assert_eq!(mount(container(d), "exec-seal")["readOnly"], true);
     }
 
     // Refusals: no Secret (the chart's defaults), both or neither of Secret and opt-out, the bundled servers
@@ -595,6 +621,11 @@ fn nats_credentials_tls_and_network_policies() {
     );
     assert!(message("NATS auth Secret and open bus").contains("not both"));
     assert!(message("open bus with the bundled NATS").contains("cannot be combined with nats.enabled=true"));
+    assert!(
+        message("open bus without the exec seal Secret")
+            .contains("natsAuth.execSealSecret is required with natsAuth.insecureOpenBus=true")
+    );
+    assert!(message("exec seal Secret with credentials").contains("only for natsAuth.insecureOpenBus=true"));
     assert!(
         message("bundled NATS without the auth Secret mounted")
             .contains("must mount server-auth.conf from natsAuth.existingSecret")

@@ -47,10 +47,12 @@ TOLERATED_LINT = [re.compile(r"chart directory is missing these dependencies: na
 NATS_AUTH_SECRET = "ca-nats-auth"
 BASE_VALUES = {"natsAuth": {"existingSecret": NATS_AUTH_SECRET}}
 # Value sets rendered and validated besides the ci/ ones (which must name the Secret themselves).
-EXTRA_VARIANTS = [("insecure-open-bus", {"natsAuth": {"insecureOpenBus": True}})]
+EXEC_SEAL_SECRET = "ca-exec-seal"
+EXTRA_VARIANTS = [("insecure-open-bus", {"natsAuth": {"insecureOpenBus": True, "execSealSecret": EXEC_SEAL_SECRET}})]
 # What each component may mount of the NATS auth Secret (`fleet nats-auth init`: seeds.json, jwts.json,
-# server-auth.conf and front, worker, operator, app, sys .creds).
-NATS_AUTH_ALLOWED = {"front": {"seeds.json", "jwts.json", "sys.creds", "front.creds"}, "worker": {"worker.creds"}}
+# server-auth.conf, exec.seed, exec.pub and front, worker, operator, app, sys .creds).
+NATS_AUTH_ALLOWED = {"front": {"seeds.json", "jwts.json", "sys.creds", "front.creds", "exec.seed"},
+                     "worker": {"worker.creds", "exec.pub"}}
 
 # Values that must be refused, and a piece of the message that must say why. Rendered over BASE_VALUES; a case
 # whose values are RAW is rendered alone (the chart's defaults).
@@ -62,6 +64,10 @@ BAD_VALUES = [
      "set either natsAuth.existingSecret (credentials) or natsAuth.insecureOpenBus=true"),
     ("open bus with the bundled NATS", {"natsAuth": {"existingSecret": "", "insecureOpenBus": True},
                                         "nats": {"enabled": True}}, "cannot be combined with nats.enabled=true"),
+    ("open bus without the exec seal Secret", {"natsAuth": {"existingSecret": "", "insecureOpenBus": True}},
+     "natsAuth.execSealSecret is required with natsAuth.insecureOpenBus=true"),
+    ("exec seal Secret with credentials", {"natsAuth": {"execSealSecret": "seal"}},
+     "natsAuth.execSealSecret is only for natsAuth.insecureOpenBus=true"),
     ("bundled NATS without the auth Secret mounted", {"nats": {"enabled": True}},
      "the bundled NATS servers must mount server-auth.conf from natsAuth.existingSecret (ca-nats-auth)"),
     ("bundled NATS without server-auth.conf included",

@@ -1,7 +1,7 @@
 //! `fleet nats-auth init --dir DIR [--resolver-dir PATH]`: the auth material of a fleet whose nats-server is not
 //! `fleet up`'s own (a Helm install, an operator-run cluster). Creates the keys once (reused at every later run),
-//! writes each role's `.creds` and `server-auth.conf`, the operator-mode fragment to `include` in the server's
-//! configuration (see `deploy/nats/`).
+//! writes each role's `.creds`, the exec seal key (`exec.seed`, `exec.pub`) and `server-auth.conf`, the
+//! operator-mode fragment to `include` in the server's configuration (see `deploy/nats/`).
 
 use std::path::PathBuf;
 
@@ -18,7 +18,8 @@ pub const DEFAULT_RESOLVER_DIR: &str = "/data/resolver";
 /// `fleet nats-auth …`.
 #[derive(Debug, Clone, clap::Subcommand)]
 pub enum NatsAuthCmd {
-    /// Create (or reuse) the material in DIR: seeds.json, jwts.json, <role>.creds, server-auth.conf.
+    /// Create (or reuse) the material in DIR: seeds.json, jwts.json, <role>.creds, server-auth.conf, exec.seed,
+    /// exec.pub.
     Init {
         /// The directory (created 0700; every file 0600).
         #[arg(long)]
@@ -55,6 +56,10 @@ pub fn run(cmd: &NatsAuthCmd) -> Result<Value, NatsAuthError> {
                     "APP": material.app_account_public_key(),
                 },
                 "creds": creds,
+                "exec_seal": {
+                    "seed": dir.join(super::exec_seal::EXEC_SEED_FILE).display().to_string(),
+                    "public_keys": dir.join(super::exec_seal::EXEC_PUB_FILE).display().to_string(),
+                },
             }))
         }
     }

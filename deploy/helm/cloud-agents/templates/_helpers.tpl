@@ -196,6 +196,12 @@ seccompProfile:
 {{- if and (not $a.insecureOpenBus) (not $a.existingSecret) }}
 {{- fail "natsAuth.existingSecret is required: the fleet connects to NATS with per-role credentials. Create them once with `fleet nats-auth init --dir ./nats-auth && kubectl create secret generic cloud-agents-nats-auth --from-file=./nats-auth` and set natsAuth.existingSecret=cloud-agents-nats-auth (deploy/helm/README.md \"NATS security\"). Only for a throwaway development cluster: natsAuth.insecureOpenBus=true (an open bus: any client that reaches NATS reads every user's calls)" }}
 {{- end }}
+{{- if and $a.insecureOpenBus (not $a.execSealSecret) (not .Values.nats.enabled) }}
+{{- fail "natsAuth.execSealSecret is required with natsAuth.insecureOpenBus=true: even on an open bus workers run only what a front sealed. Create it with `fleet nats-auth init --dir ./nats-auth && kubectl create secret generic cloud-agents-exec-seal --from-file=./nats-auth/exec.seed --from-file=./nats-auth/exec.pub`" }}
+{{- end }}
+{{- if and $a.execSealSecret (not $a.insecureOpenBus) }}
+{{- fail "natsAuth.execSealSecret is only for natsAuth.insecureOpenBus=true: with natsAuth.existingSecret the exec seal keys (exec.seed, exec.pub) come from that Secret" }}
+{{- end }}
 {{- if .Values.nats.enabled }}
 {{- if $a.insecureOpenBus }}
 {{- fail "natsAuth.insecureOpenBus=true cannot be combined with nats.enabled=true: the bundled NATS servers run in operator mode and load server-auth.conf from natsAuth.existingSecret" }}
@@ -239,6 +245,10 @@ seccompProfile:
 {{- else }}
 - --nats-creds=/var/run/cloud-agents/nats/worker.creds
 {{- end }}
+{{- else if eq .component "front" }}
+- --exec-signing-key=/var/run/cloud-agents/exec-seal/exec.seed
+{{- else }}
+- --exec-verify-key=/var/run/cloud-agents/exec-seal/exec.pub
 {{- end }}
 {{- with .ctx.Values.natsTls }}
 {{- if .secretName }}
@@ -263,6 +273,10 @@ seccompProfile:
   mountPath: /var/run/cloud-agents/nats
   readOnly: true
 {{- end }}
+{{- else }}
+- name: exec-seal
+  mountPath: /var/run/cloud-agents/exec-seal
+  readOnly: true
 {{- end }}
 {{- if .ctx.Values.natsTls.secretName }}
 - name: nats-tls
@@ -272,8 +286,10 @@ seccompProfile:
 {{- end }}
 
 {{/* NATS volumes of one component: (dict "ctx" $ "component" …). Fronts get the issuer material (seeds.json,
-     jwts.json, sys.creds: --nats-auth-dir) and front.creds; workers get worker.creds and nothing else. Files are
-     group-readable on fronts (fsGroup 65532, non-root) and root-only on workers, whose plugins run as other uids. */}}
+     jwts.json, sys.creds: --nats-auth-dir), front.creds and the exec seal seed (exec.seed); workers get
+     worker.creds and the seal's public key (exec.pub), nothing else. On an open bus, only the seal keys, from
+     natsAuth.execSealSecret. Files are group-readable on fronts (fsGroup 65532, non-root) and root-only on
+     workers, whose plugins run as other uids. */}}
 {{- define "cloud-agents.natsVolumes" -}}
 {{- $secret := .ctx.Values.natsAuth.existingSecret }}
 {{- if include "cloud-agents.natsAuth" .ctx }}
@@ -291,6 +307,8 @@ seccompProfile:
         path: sys.creds
       - key: front.creds
         path: front.creds
+      - key: exec.seed
+        path: exec.seed
 {{- else }}
 - name: nats-creds
   secret:
@@ -299,7 +317,22 @@ seccompProfile:
     items:
       - key: worker.creds
         path: worker.creds
+      - key: exec.pub
+        path: exec.pub
 {{- end }}
+{{- else }}
+- name: exec-seal
+  secret:
+    secretName: {{ .ctx.Values.natsAuth.execSealSecret }}
+    defaultMode: {{ ternary "0440" "0400" (eq .component "front") }}
+    items:
+      {{- if eq .component "front" }}
+      - key: exec.seed
+        path: exec.seed
+      {{- else }}
+      - key: exec.pub
+        path: exec.pub
+      {{- end }}
 {{- end }}
 {{- with .ctx.Values.natsTls }}
 {{- if .secretName }}
