@@ -635,4 +635,8 @@ fn nats_credentials_tls_and_network_policies() {
     );
     assert!(message("NATS auth Secret name not a DNS name").contains("/natsAuth/existingSecret"));
     assert!(message("NATS client cert without key").contains("go together"));
+    assert!(
+        message("keda jetstream in the global account under operator mode")
+            .contains("set its public key (`fleet nats-auth init` prints it as accounts.FLEET)")
+    );
 }
