@@ -443,6 +443,93 @@ async fn file_transport_outside_tmpdir_is_refused_and_the_file_left_alone() {
     w.pool.shutdown().await;
 }
 
+/// Hostile pointers: whatever sits in the TMPDIR (a link to a secret, a parent directory swapped for a link, a
+/// FIFO, a device, an oversized file), the call ends at once with a file-transport error that carries neither the
+/// path nor a byte of any file, nothing outside the TMPDIR is touched, and the session serves the next call.
+#[tokio::test]
+async fn hostile_file_transport_pointers_are_refused_at_once_and_the_session_goes_on() {
+    let w = TestWorker::start(test_config("fthostile"), &[Plugin::echo("echo", &[])]);
+    let (workspace, tmpdir) = w.pool.session("u", "echo").unwrap().dirs();
+    let secrets = workspace.join("secrets");
+    std::fs::create_dir_all(&secrets).unwrap();
+    std::fs::write(secrets.join("key"), b"SECRET-BYTES").unwrap();
+    std::os::unix::fs::symlink(secrets.join("key"), tmpdir.join("link.json")).unwrap();
+    std::os::unix::fs::symlink(&secrets, tmpdir.join("parent")).unwrap();
+    let fifo = tmpdir.join("fifo");
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &fifo,
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o600),
+        0,
+    )
+    .unwrap();
+    let big = tmpdir.join("big.json");
+    std::fs::write(
+        &big,
+        vec![b'{'; fleet_proto::limits::MAX_FILE_TRANSPORT_BYTES + 1],
+    )
+    .unwrap();
+    // (pointer, what the error says, whether the pointer's own entry is removed: a parent is never touched).
+    let mut cases = vec![
+        (tmpdir.join("link.json"), "symbolic link", true),
+        (tmpdir.join("parent/key"), "symbolic link", false),
+        (fifo, "not a regular file", true),
+        (big, "over", true),
+        (tmpdir.join("missing.json"), "does not exist", true),
+    ];
+    // A character device (the null device's numbers): only root may make one, as the suite runs.
+    let device = tmpdir.join("device");
+    if rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &device,
+        rustix::fs::FileType::CharacterDevice,
+        rustix::fs::Mode::from_raw_mode(0o600),
+        rustix::fs::makedev(1, 3),
+    )
+    .is_ok()
+    {
+        cases.push((device, "not a regular file", true));
+    }
+    for (path, want, removed) in &cases {
+        let r = call(
+            &w,
+            "u",
+            "echo",
+            req(
+                "big_result",
+                json!({"bytes": 1, "via_file": true, "pointer_only": true, "file_path": path}),
+            ),
+        )
+        .await;
+        match r {
+            Err(InvokeError::FileTransport(reason)) => {
+                assert!(reason.contains(want), "{}: {reason}", path.display());
+                assert!(
+                    !reason.contains("SECRET") && !reason.contains(tmpdir.to_str().unwrap()),
+                    "neither bytes nor the path: {reason}"
+                );
+            }
+            other => panic!("{}: expected FileTransport, got {other:?}", path.display()),
+        }
+        if *removed {
+            assert!(
+                std::fs::symlink_metadata(path).is_err(),
+                "{}: the pointer's entry is removed",
+                path.display()
+            );
+        }
+    }
+    assert_eq!(std::fs::read(secrets.join("key")).unwrap(), b"SECRET-BYTES");
+    assert_eq!(
+        WorkerMetrics::get(&w.metrics.file_transport_refused),
+        cases.len() as u64
+    );
+    let d = data(&w, "u", "echo", "echo", json!({"after": true})).await;
+    assert_eq!(d["arguments"]["after"], true, "the session still serves");
+    w.pool.shutdown().await;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Reverse RPC
 // ---------------------------------------------------------------------------------------------------------------

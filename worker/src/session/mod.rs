@@ -20,6 +20,7 @@
 mod process;
 pub mod progress;
 mod stderr;
+mod transport;
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;

@@ -6,14 +6,11 @@
 //! process the plugin started dies with it (the session's cgroup, or its process group without isolation).
 
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::io::Read as _;
-use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use bytes::Bytes;
 use fleet_proto::codec::io::{FrameReader, FrameWriter, ReadError};
 use fleet_proto::codec::{Frame, FrameError, FrameKind};
 use fleet_proto::executa::invoke::{PROGRESS_METHOD, ProgressType};
@@ -21,7 +18,6 @@ use fleet_proto::executa::lifecycle::ProtocolVersion;
 use fleet_proto::executa::manifest::Manifest;
 use fleet_proto::executa::reverse::{Family, correlation, family_of, method_not_found, upload};
 use fleet_proto::jsonrpc::{ErrorObject, Id, Request, Response, codes};
-use fleet_proto::limits::MAX_FILE_TRANSPORT_BYTES;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
@@ -30,6 +26,7 @@ use tokio::sync::{Notify, oneshot, watch};
 
 use super::SessionShared;
 use super::progress::{ProgressGate, ProgressSink, ProgressUpdate};
+use super::transport::read_transport_file;
 use crate::metrics::{ProgressDrop, WorkerMetrics};
 use crate::services::{InvokeTokens, ReverseCall, TokenRequest};
 
@@ -118,7 +115,8 @@ pub(crate) struct Process {
     pub(crate) handshake: OnceLock<Handshake>,
     exit: watch::Receiver<Option<ExitInfo>>,
     host_kill: Arc<AtomicBool>,
-    tmpdir: PathBuf,
+    /// The TMPDIR as the plugin got it and canonical: where file-transport pointers may point.
+    tmpdirs: Vec<PathBuf>,
     /// Whether any invoke got an answer (a process that answers is not crash-looping).
     pub(crate) answered: AtomicBool,
     /// Reverse-RPC calls being served: bounded, so a plugin flooding requests cannot spawn unbounded work.
@@ -196,8 +194,7 @@ impl Process {
             handshake: OnceLock::new(),
             exit: exit_rx,
             host_kill: Arc::new(AtomicBool::new(false)),
-            tmpdir: std::fs::canonicalize(&shared.space.tmpdir)
-                .unwrap_or_else(|_| shared.space.tmpdir.clone()),
+            tmpdirs: super::transport::tmpdir_forms(&shared.space.tmpdir),
             answered: AtomicBool::new(false),
             reverse_slots: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_REVERSE_CALLS)),
         });
@@ -447,10 +444,13 @@ impl Process {
                     Err("a file-transported message is itself a pointer".to_string())
                 } else {
                     let path = frame.file_transport_path().unwrap_or_default().to_string();
-                    let tmpdir = self.tmpdir.clone();
-                    tokio::task::spawn_blocking(move || read_transport_file(Path::new(&path), &tmpdir))
-                        .await
-                        .unwrap_or_else(|e| Err(format!("file transport task failed: {e}")))
+                    let tmpdirs = self.tmpdirs.clone();
+                    tokio::task::spawn_blocking(move || {
+                        let forms: Vec<&Path> = tmpdirs.iter().map(PathBuf::as_path).collect();
+                        read_transport_file(Path::new(&path), &forms).map_err(|e| e.to_string())
+                    })
+                    .await
+                    .unwrap_or_else(|e| Err(format!("file transport task failed: {e}")))
                 };
                 match resolved.and_then(|bytes| Frame::parse(bytes).map_err(|e| e.to_string())) {
                     Ok(inner) => {
@@ -738,96 +738,5 @@ fn describe_status(s: std::process::ExitStatus) -> String {
             format!("killed by signal {sig}{name}")
         }
         (None, None) => "unknown exit".into(),
-    }
-}
-
-/// Reads a `__file_transport` file: only inside the session's own TMPDIR (after resolving links), opened without
-/// following a final symlink, a regular file of at most 16 MiB; deleted afterwards whatever happens — but only
-/// when it is inside TMPDIR (spec §5 HR-FT-03).
-fn read_transport_file(path: &Path, tmpdir: &Path) -> Result<Bytes, String> {
-    if !path.is_absolute() {
-        return Err(format!("{} is not an absolute path", path.display()));
-    }
-    let real_parent = path
-        .parent()
-        .and_then(|p| std::fs::canonicalize(p).ok())
-        .ok_or_else(|| format!("{} is not in an existing directory", path.display()))?;
-    let Some(name) = path.file_name() else {
-        return Err(format!("{} names no file", path.display()));
-    };
-    let real = real_parent.join(name);
-    if !real.starts_with(tmpdir) || real == tmpdir {
-        return Err(format!("{} is outside the session's TMPDIR", path.display()));
-    }
-    let result = (|| {
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-            .open(&real)
-            .map_err(|e| format!("cannot open {}: {e}", real.display()))?;
-        let meta = file.metadata().map_err(|e| e.to_string())?;
-        if !meta.is_file() {
-            return Err(format!("{} is not a regular file", real.display()));
-        }
-        let mut bytes = Vec::new();
-        file.take(MAX_FILE_TRANSPORT_BYTES as u64 + 1)
-            .read_to_end(&mut bytes)
-            .map_err(|e| e.to_string())?;
-        if bytes.len() > MAX_FILE_TRANSPORT_BYTES {
-            return Err(format!(
-                "{} is over {MAX_FILE_TRANSPORT_BYTES} bytes",
-                real.display()
-            ));
-        }
-        while bytes.last().is_some_and(u8::is_ascii_whitespace) {
-            bytes.pop();
-        }
-        Ok(Bytes::from(bytes))
-    })();
-    let _ = std::fs::remove_file(&real);
-    result
-}
-
-#[cfg(test)]
-mod tests {
-    use super::read_transport_file;
-
-    #[test]
-    fn transport_files_only_inside_tmpdir() {
-        let root = tempfile::tempdir().unwrap();
-        let tmp = root.path().join("tmp");
-        std::fs::create_dir(&tmp).unwrap();
-        let tmp = std::fs::canonicalize(&tmp).unwrap();
-        let inside = tmp.join("r.json");
-        std::fs::write(&inside, b"{\"jsonrpc\":\"2.0\",\"id\":1,\"result\":1}\n").unwrap();
-        assert_eq!(
-            read_transport_file(&inside, &tmp).unwrap().as_ref(),
-            b"{\"jsonrpc\":\"2.0\",\"id\":1,\"result\":1}"
-        );
-        assert!(!inside.exists(), "deleted after reading");
-
-        let outside = root.path().join("secret.json");
-        std::fs::write(&outside, b"{}").unwrap();
-        assert!(
-            read_transport_file(&outside, &tmp)
-                .unwrap_err()
-                .contains("outside")
-        );
-        assert!(outside.exists(), "never deletes outside TMPDIR");
-        let dotdot = tmp.join("../secret.json");
-        assert!(
-            read_transport_file(&dotdot, &tmp)
-                .unwrap_err()
-                .contains("outside")
-        );
-
-        std::os::unix::fs::symlink(&outside, tmp.join("link.json")).unwrap();
-        assert!(
-            read_transport_file(&tmp.join("link.json"), &tmp)
-                .unwrap_err()
-                .contains("cannot open")
-        );
-        assert!(outside.exists());
-        assert!(read_transport_file(std::path::Path::new("rel.json"), &tmp).is_err());
     }
 }

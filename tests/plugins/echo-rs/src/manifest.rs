@@ -128,6 +128,13 @@ pub(crate) fn manifest(cfg: &Config) -> Value {
                     false,
                     None,
                 ),
+                p(
+                    "pointer_only",
+                    "boolean",
+                    "Send only the pointer to file_path, writing nothing (the host's checks of what is there).",
+                    false,
+                    Some(json!(false)),
+                ),
             ],
         ),
         tool(

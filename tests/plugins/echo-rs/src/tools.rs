@@ -20,7 +20,12 @@ enum Outcome {
     /// `{"success":false,"error":..}`.
     Fail(String),
     /// `{"success":true,"data":..}` delivered through `__file_transport`.
-    ViaFile { data: Value, path: Option<String> },
+    /// `write: false`: only the pointer is sent, to whatever `path` is (the host's file-transport checks).
+    ViaFile {
+        data: Value,
+        path: Option<String>,
+        write: bool,
+    },
     /// `{"success":true,"data":..}`, then, once it is written, exit the process with `code` after `ms` ms.
     ThenExit { data: Value, ms: u64, code: i32 },
 }
@@ -149,7 +154,14 @@ pub(crate) fn invoke(shared: &Arc<Shared>, id: &Value, params: Value) {
                 Ok(Ok(Outcome::Fail(error))) => {
                     json!({ "jsonrpc": "2.0", "id": id, "result": { "success": false, "error": error } })
                 }
-                Ok(Ok(Outcome::ViaFile { data, path })) => {
+                Ok(Ok(Outcome::ViaFile {
+                    path: Some(path),
+                    write: false,
+                    ..
+                })) => {
+                    json!({ "jsonrpc": "2.0", "id": id, "__file_transport": path })
+                }
+                Ok(Ok(Outcome::ViaFile { data, path, .. })) => {
                     let full = json!({ "jsonrpc": "2.0", "id": id, "result": success(&data, started) });
                     match write_response_file(shared, &full, path) {
                         Ok(path) => json!({ "jsonrpc": "2.0", "id": id, "__file_transport": path }),
@@ -222,9 +234,10 @@ fn run_tool(shared: &Arc<Shared>, tool: &str, args: &Args<'_>, context: &Value) 
             let bytes = args.usize_req("bytes")?;
             let via_file = args.bool_or("via_file", false)?;
             let path = args.str_opt("file_path")?.map(str::to_owned);
+            let write = !args.bool_or("pointer_only", false)?;
             let data = json!({ "blob": "x".repeat(bytes) });
             Ok(if via_file {
-                Outcome::ViaFile { data, path }
+                Outcome::ViaFile { data, path, write }
             } else {
                 Outcome::Data(data)
             })
