@@ -518,6 +518,14 @@ impl Front {
             .map_err(|e| self.js_error("progress", e))?;
         // lastSeq is what to feed back as sinceSeq: the last event returned when the slice was cut by `limit`,
         // else the highest stored.
+        // Terminal is final: a terminal record's last_seq is the last event a caller may see (a worker can still
+        // append what it had buffered when a cancel or an expiry ended the job elsewhere).
+        let (mut events, mut last_seq) = (events, last_seq);
+        if record.value.state.is_terminal() {
+            let frozen = record.value.last_seq;
+            events.retain(|e| e.seq <= frozen);
+            last_seq = last_seq.min(frozen);
+        }
         let returned_last = events.last().map(|e| e.seq);
         let truncated = events.len() == limit && returned_last.is_some_and(|s| s < last_seq);
         let mut snapshot = record.value.snapshot(events);
@@ -551,7 +559,7 @@ impl Front {
         let outcome = self
             .inner
             .store
-            .transition(user, &args.job_id, JobState::Cancelled, |r| {
+            .finish(user, &args.job_id, JobState::Cancelled, |r| {
                 r.finished_at_ms = Some(now_ms());
                 r.error = Some(ApiError::new(ApiErrorCode::Cancelled, reason.clone()));
             })

@@ -52,7 +52,7 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
             );
             let done = async {
                 let outcome = store
-                    .transition(&r.user, &r.job_id, JobState::Expired, |rec| {
+                    .finish(&r.user, &r.job_id, JobState::Expired, |rec| {
                         rec.finished_at_ms = Some(now_ms());
                         rec.error = Some(ApiError::new(
                             ApiErrorCode::ToolTimeout,
@@ -100,7 +100,7 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
                 };
                 if lost {
                     let outcome = store
-                        .transition(&r.user, &r.job_id, JobState::Failed, |rec| {
+                        .finish(&r.user, &r.job_id, JobState::Failed, |rec| {
                             rec.finished_at_ms = Some(now_ms());
                             rec.error = Some(ApiError::with_details(
                                 ApiErrorCode::ExecutaUnavailable,

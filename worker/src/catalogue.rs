@@ -48,6 +48,9 @@ use crate::config::LimitOverrides;
 
 /// The file that describes an install.
 pub const MANIFEST_FILE: &str = "executa.json";
+/// The record the installer writes beside a package's files (`crate::install`): its presence marks an install
+/// whose `executa.json` came from a package, not from the operator.
+pub const PACKAGE_RECORD_FILE: &str = "INSTALL.json";
 
 /// Marker file (in the install directory) written once the worker has described the install successfully.
 pub const DESCRIBED_MARKER: &str = ".fleet-described";
@@ -162,9 +165,22 @@ pub struct Install {
     /// Animus `custom` kind: the operator's allow-list of methods / MCP tools exposed as tools
     /// (`allow_methods`); `None` or empty exposes none.
     pub allow_methods: Option<Vec<String>>,
+    /// Installed from a package ([`PACKAGE_RECORD_FILE`] present): its `executa.json` is the package author's,
+    /// so it names no worker environment variable (`env` is ignored) and its `limits` only lower the worker's.
+    pub packaged: bool,
 }
 
 impl Install {
+    /// The limits a session of this install runs with: `base` (the worker's) with this install's `limits`
+    /// applied; a package may only lower them, the operator's own catalogue entries may also raise them.
+    pub fn effective_limits(&self, base: crate::config::ResourceLimits) -> crate::config::ResourceLimits {
+        if self.packaged {
+            base.lowered_by(&self.limits)
+        } else {
+            base.with(&self.limits)
+        }
+    }
+
     /// The `executa.json` this install was loaded from.
     pub fn manifest_path(&self) -> PathBuf {
         self.dir.join(MANIFEST_FILE)
@@ -568,6 +584,7 @@ fn load_install(sub: &Path, manifest: &Path, opts: &LoadOptions) -> Result<Insta
         Vec::new()
     };
     let first_launch = !fs::symlink_metadata(dir.join(DESCRIBED_MARKER)).is_ok_and(|m| m.is_file());
+    let packaged = fs::symlink_metadata(dir.join(PACKAGE_RECORD_FILE)).is_ok();
 
     Ok(Install {
         tool_id: entry.tool_id,
@@ -576,12 +593,14 @@ fn load_install(sub: &Path, manifest: &Path, opts: &LoadOptions) -> Result<Insta
         argv,
         enabled: entry.enabled,
         limits: entry.limits,
-        env: entry.env,
+        // Only the operator passes worker variables through (installs made before `install` dropped `env`).
+        env: if packaged { Vec::new() } else { entry.env },
         idle_timeout: entry.idle_timeout,
         first_launch,
         protocol: entry.protocol,
         ping_interval: entry.ping_interval,
         allow_methods: entry.allow_methods,
+        packaged,
     })
 }
 

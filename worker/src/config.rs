@@ -57,6 +57,16 @@ impl ResourceLimits {
             cpu_millis: overrides.cpu_millis.unwrap_or(self.cpu_millis),
         }
     }
+
+    /// These limits lowered by `overrides`: an override above a limit leaves the limit as it is.
+    pub fn lowered_by(self, overrides: &LimitOverrides) -> ResourceLimits {
+        let min = |o: Option<u64>, base: u64| o.map_or(base, |v| v.min(base));
+        ResourceLimits {
+            memory_bytes: min(overrides.memory_bytes, self.memory_bytes),
+            pids_max: min(overrides.pids_max, self.pids_max),
+            cpu_millis: min(overrides.cpu_millis, self.cpu_millis),
+        }
+    }
 }
 
 /// How plugin processes are isolated.

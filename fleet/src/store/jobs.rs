@@ -98,6 +98,25 @@ impl Store {
         Ok(record.filter(|r| r.value.user == user && r.value.job_id == *job_id))
     }
 
+    /// [`Store::transition`] to a terminal state decided by someone other than the job's worker (a cancel, an
+    /// expiry, a lost worker): the record's `last_seq` first takes the seq of the last event stored, so the
+    /// terminal record freezes the progress a caller sees — events the worker still appends after it are never
+    /// shown ("terminal is final").
+    pub async fn finish(
+        &self,
+        user: &str,
+        job_id: &JobId,
+        to: JobState,
+        edit: impl Fn(&mut JobRecord) + Send + Sync,
+    ) -> Result<Transition, StoreError> {
+        let stored = self.last_progress_seq(user, job_id).await?;
+        self.transition(user, job_id, to, |r| {
+            r.last_seq = r.last_seq.max(stored);
+            edit(r);
+        })
+        .await
+    }
+
     /// Moves a job to `to` by compare-and-set: refused ([`Transition::Refused`], with the current record) when
     /// the state machine forbids it — in particular from any terminal state, so no job ever gets two terminal
     /// states. `edit` may set anything but the id, user, creation time and state; the store sets `updated_at_ms`,

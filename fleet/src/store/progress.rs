@@ -53,6 +53,30 @@ impl Store {
         Ok(())
     }
 
+    /// The seq of the job's last stored event (0 when none): one direct read of the last message.
+    pub async fn last_progress_seq(&self, user: &str, job_id: &JobId) -> Result<u64, StoreError> {
+        let subject = self.progress_subject(user, job_id);
+        match self
+            .inner
+            .progress
+            .get_last_raw_message_by_subject(&subject)
+            .await
+        {
+            Ok(m) => match header_seq(Some(&m.headers)) {
+                Some(seq) => Ok(seq),
+                None => Ok(serde_json::from_slice::<ProgressEvent>(&m.payload)
+                    .map_err(|source| StoreError::Corrupt {
+                        op: Op::Progress,
+                        key: subject.clone(),
+                        source,
+                    })?
+                    .seq),
+            },
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(0),
+            Err(e) => Err(StoreError::nats(Op::Progress, e)),
+        }
+    }
+
     /// The ring slice: events with `seq > since_seq`, at most `limit` (1..=`progress_max_per_job`), oldest first,
     /// and the last stored seq (0 when none). Only the newest `progress_max_per_job` events exist.
     ///
@@ -76,22 +100,10 @@ impl Store {
         }
         let subject = self.progress_subject(user, job_id);
         let stream = &self.inner.progress;
-        let last = match stream.get_last_raw_message_by_subject(&subject).await {
-            Ok(m) => match header_seq(Some(&m.headers)) {
-                Some(seq) => seq,
-                None => {
-                    serde_json::from_slice::<ProgressEvent>(&m.payload)
-                        .map_err(|source| StoreError::Corrupt {
-                            op: Op::Progress,
-                            key: subject.clone(),
-                            source,
-                        })?
-                        .seq
-                }
-            },
-            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => return Ok((Vec::new(), 0)),
-            Err(e) => return Err(StoreError::nats(Op::Progress, e)),
-        };
+        let last = self.last_progress_seq(user, job_id).await?;
+        if last == 0 {
+            return Ok((Vec::new(), 0));
+        }
         if last <= since_seq {
             return Ok((Vec::new(), last));
         }

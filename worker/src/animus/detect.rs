@@ -301,7 +301,7 @@ async fn probe_manifest(
         .sandbox
         .create_session(
             &format!("probe-{}-{seq}", install.tool_id),
-            ctx.config.limits.with(&install.limits),
+            install.effective_limits(ctx.config.limits),
         )
         .map_err(|e| DetectError::Probe(e.to_string()))?;
     let plan = crate::sandbox::SpawnPlan::new(cgroup.as_ref(), space.uid, space.gid);

@@ -198,7 +198,7 @@ impl AnimusProcess {
                     &space.user_key[..8.min(space.user_key.len())],
                     install.tool_id
                 ),
-                ctx.config.limits.with(&install.limits),
+                install.effective_limits(ctx.config.limits),
             )
             .map_err(|e| refused(&e))?;
         let plan = SpawnPlan::new(cgroup.as_ref(), space.uid, space.gid);

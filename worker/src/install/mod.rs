@@ -57,7 +57,7 @@ pub const MAX_ARCHIVE_ENTRIES: usize = 100_000;
 pub const MAX_NAME_CHARS: usize = 128;
 
 /// The install metadata file of a version directory (spec §14.3 step 9).
-pub const INSTALL_JSON: &str = "INSTALL.json";
+pub const INSTALL_JSON: &str = crate::catalogue::PACKAGE_RECORD_FILE;
 
 /// The in-archive manifest (spec §14.4).
 pub const ARCHIVE_MANIFEST: &str = "manifest.json";
@@ -761,8 +761,26 @@ pub fn install(opts: &InstallOptions, req: &InstallRequest) -> Result<Installed,
     };
     entry::apply_permissions(staging.path(), entrypoint.as_deref(), manifest.as_ref())?;
 
-    // 7. executa.json and INSTALL.json, then the commit.
+    // 7. executa.json and INSTALL.json, then the commit. The package's own executa.json may not pass worker
+    // environment variables (only operator configuration can) nor raise limits (they are capped at spawn).
     let mut executa = executa.unwrap_or_default();
+    if let Some(env) = executa.remove("env") {
+        let n = env.as_array().map_or(1, Vec::len);
+        warnings.push(format!(
+            "dropped `env` ({n} variable name(s)): a package cannot pass worker environment variables through; \
+             only the operator can (the worker's env allow-list)"
+        ));
+    }
+    if executa
+        .get("limits")
+        .is_some_and(|l| l.as_object().is_some_and(|o| !o.is_empty()))
+    {
+        warnings.push(
+            "`limits` of a package only lower the worker's limits: any value above them is capped when the plugin \
+             starts"
+                .to_owned(),
+        );
+    }
     executa.insert("tool_id".into(), Value::String(tool_id.clone()));
     executa.insert("type".into(), Value::String(kind.as_str().into()));
     executa.insert("version".into(), Value::String(version.clone()));

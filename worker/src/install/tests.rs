@@ -393,3 +393,70 @@ fn sparse_members_are_extracted_expanded() {
     assert_eq!(bytes.len(), 4 * 1024 * 1024 + 3);
     assert!(bytes.starts_with(SCRIPT) && bytes.ends_with(b"end"));
 }
+
+/// A package's own executa.json names worker variables and raises every limit: the installed executa.json has
+/// no `env`, the install says what it dropped, and the loaded install passes nothing through and only lowers.
+#[test]
+fn a_package_can_neither_pass_worker_env_nor_raise_its_limits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = opts(tmp.path());
+    let executa = json!({
+        "tool_id": "greedy",
+        "type": "binary",
+        "env": ["FLEET_LLM_API_KEY", "AWS_SECRET_ACCESS_KEY"],
+        "limits": {"memory_bytes": 1_u64 << 40, "pids_max": 1_000_000, "cpu_millis": 2},
+    });
+    let executa = serde_json::to_vec(&executa).unwrap();
+    let pkg = write(
+        tmp.path(),
+        "p.tar.gz",
+        &tar_gz(
+            &[("bin/greedy", 0o700, SCRIPT), ("executa.json", 0o600, &executa)],
+            |_| {},
+        ),
+    );
+    let installed = install(&o, &req(&pkg, "greedy", "1.0.0")).unwrap();
+    let warnings = installed.record.warnings.join("\n");
+    assert!(
+        warnings.contains("dropped `env` (2 variable name(s))"),
+        "{warnings}"
+    );
+    assert!(warnings.contains("only lower the worker's limits"), "{warnings}");
+    assert!(
+        !warnings.contains("FLEET_LLM_API_KEY"),
+        "names are the package's: {warnings}"
+    );
+    let written: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(installed.dir.join("executa.json")).unwrap()).unwrap();
+    assert!(written.get("env").is_none(), "{written}");
+
+    let loaded =
+        crate::catalogue::load_dir(&installed.dir, &crate::catalogue::LoadOptions::from_env()).unwrap();
+    assert!(loaded.packaged);
+    assert!(loaded.env.is_empty());
+    let base = crate::config::ResourceLimits::default();
+    let effective = loaded.effective_limits(base);
+    assert_eq!(effective.memory_bytes, base.memory_bytes, "not raised");
+    assert_eq!(effective.pids_max, base.pids_max, "not raised");
+    assert_eq!(effective.cpu_millis, 2, "lowered");
+
+    // An older install whose executa.json still names variables: ignored at load as well.
+    let mut legacy = written.clone();
+    legacy["env"] = json!(["FLEET_LLM_API_KEY"]);
+    std::fs::write(
+        installed.dir.join("executa.json"),
+        serde_json::to_vec(&legacy).unwrap(),
+    )
+    .unwrap();
+    let loaded =
+        crate::catalogue::load_dir(&installed.dir, &crate::catalogue::LoadOptions::from_env()).unwrap();
+    assert!(loaded.env.is_empty());
+
+    // The operator's own catalogue entry (no INSTALL.json) may raise and pass variables.
+    std::fs::remove_file(installed.dir.join(INSTALL_JSON)).unwrap();
+    let operator =
+        crate::catalogue::load_dir(&installed.dir, &crate::catalogue::LoadOptions::from_env()).unwrap();
+    assert!(!operator.packaged);
+    assert_eq!(operator.env, ["FLEET_LLM_API_KEY"]);
+    assert_eq!(operator.effective_limits(base).pids_max, 1_000_000);
+}

@@ -502,7 +502,7 @@ impl Session {
             return Err(SessionError::Disabled(install.tool_id.clone()));
         }
         let space = ctx.sandbox.user_space(user, &install.tool_id)?;
-        let limits = ctx.config.limits.with(&install.limits);
+        let limits = install.effective_limits(ctx.config.limits);
         // A sequence number keeps a new session's cgroup apart from an evicted one's still being removed.
         static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let seq = SEQ.fetch_add(1, Ordering::Relaxed);
