@@ -510,7 +510,7 @@ impl Front {
             return Err(not_found(&args.job_id));
         };
         let limit = args.limit.unwrap_or(GET_JOB_LIMIT_MAX) as usize;
-        let (events, last_seq) = self
+        let (mut events, mut last_seq) = self
             .inner
             .store
             .progress(user, &args.job_id, args.since_seq.unwrap_or(0), limit)
@@ -520,7 +520,6 @@ impl Front {
         // else the highest stored.
         // Terminal is final: a terminal record's last_seq is the last event a caller may see (a worker can still
         // append what it had buffered when a cancel or an expiry ended the job elsewhere).
-        let (mut events, mut last_seq) = (events, last_seq);
         if record.value.state.is_terminal() {
             let frozen = record.value.last_seq;
             events.retain(|e| e.seq <= frozen);

@@ -25,7 +25,7 @@ use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use async_nats::HeaderMap;
 use base64::Engine as _;
@@ -35,6 +35,7 @@ use nkeys::{KeyPair, KeyPairType};
 
 use super::NatsAuthError;
 use super::creds::{create_private_exclusive, ensure_private_file, write_private_atomic};
+use crate::store::now_ms;
 
 /// The signing seed, under the auth directory (fronts only).
 pub const EXEC_SEED_FILE: &str = "exec.seed";
@@ -157,12 +158,6 @@ fn io_error(path: &Path, source: io::Error) -> SealKeyError {
         path: path.to_path_buf(),
         source,
     }
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Creates `exec.seed` (once, exclusively) and keeps `exec.pub` holding its public key, in the auth directory

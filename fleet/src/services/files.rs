@@ -501,6 +501,23 @@ struct PendingRecord {
     expires_at_ms: u64,
 }
 
+impl PendingRecord {
+    /// Its `<prefix>_aps_pending` entry: the heads headers (for listings) and the body.
+    fn entry(&self) -> Result<(async_nats::HeaderMap, Vec<u8>), ErrorObject> {
+        let body = serde_json::to_vec(self).map_err(|e| codes::UPSTREAM_ERROR.error(e.to_string()))?;
+        let headers = heads_headers(&Head {
+            name: self.path.clone(),
+            revision: 0,
+            size: self.size,
+            etag: String::new(),
+            updated_ms: now_ms(),
+            expires_ms: Some(self.expires_at_ms),
+            content_type: Some(self.content_type.clone()),
+        });
+        Ok((headers, body))
+    }
+}
+
 /// How a claimed upload failed to be stored.
 enum Failed {
     /// Nothing was stored: the upload is pending again and `files/upload_complete` may be retried.
@@ -660,18 +677,9 @@ impl FilesService {
         if slot.envelope.is_some() {
             return;
         }
-        let Ok(body) = serde_json::to_vec(pending) else {
+        let Ok((headers, body)) = pending.entry() else {
             return;
         };
-        let headers = heads_headers(&Head {
-            name: pending.path.clone(),
-            revision: 0,
-            size: pending.size,
-            etag: String::new(),
-            updated_ms: now_ms(),
-            expires_ms: Some(pending.expires_at_ms),
-            content_type: Some(pending.content_type.clone()),
-        });
         if let Err(e) = self.pending.write(&key, Some(slot.revision), headers, body).await {
             tracing::warn!(error = %e, "a failed files/upload_complete could not put its pending upload back");
         }
@@ -722,16 +730,7 @@ impl FilesService {
             size,
             expires_at_ms,
         };
-        let body = serde_json::to_vec(&rec).map_err(|e| codes::UPSTREAM_ERROR.error(e.to_string()))?;
-        let headers = heads_headers(&Head {
-            name: path.to_owned(),
-            revision: 0,
-            size,
-            etag: String::new(),
-            updated_ms: now_ms(),
-            expires_ms: Some(expires_at_ms),
-            content_type: Some(ct.to_owned()),
-        });
+        let (headers, body) = rec.entry()?;
         self.pending
             .write(&Self::pending_key(scope, path), None, headers, body)
             .await
