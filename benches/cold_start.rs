@@ -6,7 +6,8 @@
 //! - `native_noop_fork_setsid` — the same with `sandbox::apply` of an empty [`SpawnPlan`] (`setsid` only): the
 //!   hook alone forces `fork` + `exec`;
 //! - `native_noop_fork_plan` — the same with the plan of a real session: `setsid`, join a session cgroup (every
-//!   hierarchy), drop to the user's uid/gid. What placing the process costs;
+//!   hierarchy), new namespaces with a private `/proc` and `/tmp`, drop to the tool's uid/gid, seccomp. What
+//!   placing and confining the process costs;
 //! - `native_ready_in_cgroup` — the product's cold start: `Session::new` (session cgroup with limits, user
 //!   directories) then `prewarm` (spawn into the cgroup as the user → `initialize` → `describe`) until Ready.
 //!   The session is then shut down (stdin EOF, cgroup removed) outside the timed section;
@@ -291,9 +292,15 @@ impl Bench {
         let sandbox = Sandbox::new(&config).expect("sandbox (cgroups, as root)");
         let space = sandbox.user_space(USER, "noop").unwrap();
         let noop_cgroup = sandbox
-            .create_session("bench-noop", ResourceLimits::default())
+            .create_session(&space.user_key, "bench-noop", ResourceLimits::default())
             .unwrap();
-        let noop_plan = SpawnPlan::new(noop_cgroup.as_ref(), space.uid, space.gid);
+        let noop_plan = sandbox
+            .plan(
+                noop_cgroup.as_ref(),
+                &space,
+                fleet_worker::sandbox::command_paths(&native.dir, &native.argv),
+            )
+            .unwrap();
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()

@@ -327,8 +327,15 @@ async fn provider_run_streams_progress_and_returns_the_response() {
         drop(s);
         (meta["cwd"].as_str().unwrap().to_string(), ())
     };
+    // The tool's own workspace (one per (user, tool_id)): `users/<user key>/workspaces/<tool key>`.
+    let tool_dir = std::path::Path::new(&workspace);
     assert!(
-        workspace.contains("/users/") && workspace.ends_with("/workspace"),
+        workspace.contains("/users/")
+            && tool_dir.parent().and_then(|p| p.file_name()) == Some("workspaces".as_ref())
+            && tool_dir
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("prov")),
         "{workspace}"
     );
     assert_eq!(meta["project_root"], meta["cwd"]);

@@ -106,6 +106,64 @@ impl Default for RunAs {
     }
 }
 
+/// Whether a user's tools share one workspace.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkspaceSharing {
+    /// Each (user, tool_id) has its own workspace, owned by its own uid (the default: one tool cannot read
+    /// what another tool of the same user wrote).
+    #[default]
+    PerTool,
+    /// The user's tools share `users/<user_key>/workspace` through a per-user group (set-gid, 2770).
+    PerUser,
+}
+
+/// How plugin processes are confined beyond their cgroup (with `isolation = "cgroup"`; see
+/// `worker/src/sandbox/confine.rs` for what each part does).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Confinement {
+    /// New network (loopback only), mount, IPC and UTS namespaces per session, with a private `/proc` that
+    /// hides other uids' processes and a private `/tmp`. Needs root (`CAP_SYS_ADMIN`).
+    pub namespaces: bool,
+    /// The seccomp profile (`worker/src/sandbox/seccomp.rs`).
+    pub seccomp: bool,
+    /// System calls refused (`EPERM`) on top of the profile's, by name.
+    pub seccomp_deny: Vec<String>,
+    /// Size of the private `/tmp` (a tmpfs, charged to the session's memory limit).
+    pub tmp_bytes: u64,
+}
+
+impl Default for Confinement {
+    fn default() -> Self {
+        Confinement {
+            namespaces: true,
+            seccomp: true,
+            seccomp_deny: Vec::new(),
+            tmp_bytes: 64 * 1024 * 1024,
+        }
+    }
+}
+
+/// The ceiling on the sum of one user's sessions on a worker: a parent cgroup per user.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UserLimits {
+    /// Memory of all the user's sessions together, in bytes.
+    pub memory_bytes: u64,
+    /// Processes and threads of all the user's sessions together.
+    pub pids_max: u64,
+}
+
+impl Default for UserLimits {
+    fn default() -> Self {
+        UserLimits {
+            memory_bytes: 2 * 1024 * 1024 * 1024,
+            pids_max: 1024,
+        }
+    }
+}
+
 /// What cancelling an invoke does when the plugin is still busy with it after the fallback delay.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -135,6 +193,12 @@ pub struct WorkerConfig {
     pub limits: ResourceLimits,
     /// Which uid plugins run as.
     pub run_as: RunAs,
+    /// Whether a user's tools share a workspace.
+    pub workspace: WorkspaceSharing,
+    /// Namespaces, private mounts and seccomp for every plugin.
+    pub confinement: Confinement,
+    /// The ceiling on each user's sessions together.
+    pub user_limits: UserLimits,
     /// Variables passed from the worker's environment to plugins (everything else is scrubbed).
     pub env_allowlist: Vec<String>,
     /// Sessions idle this long are shut down.
@@ -172,6 +236,9 @@ impl Default for WorkerConfig {
             isolation: IsolationMode::Cgroup,
             limits: ResourceLimits::default(),
             run_as: RunAs::default(),
+            workspace: WorkspaceSharing::default(),
+            confinement: Confinement::default(),
+            user_limits: UserLimits::default(),
             env_allowlist: ["PATH", "LANG", "LC_ALL", "TZ"]
                 .into_iter()
                 .map(String::from)

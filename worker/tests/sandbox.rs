@@ -13,7 +13,7 @@ use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
 use fleet_worker::config::{IsolationMode, ResourceLimits, RunAs, WorkerConfig};
-use fleet_worker::sandbox::{self, Sandbox, SessionCgroup, SpawnPlan};
+use fleet_worker::sandbox::{self, Sandbox, SessionCgroup, SpawnPlan, UserSpace};
 use rustix::process::Signal;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
@@ -52,7 +52,7 @@ impl Fixture {
 
     fn session(&self, name: &str, limits: ResourceLimits) -> SessionCgroup {
         self.sandbox
-            .create_session(name, limits)
+            .create_session("fixture-user", name, limits)
             .expect("create_session")
             .expect("isolating sandbox")
     }
@@ -222,7 +222,7 @@ async fn isolation_none_creates_no_cgroups() {
     assert_eq!(sb.version(), None);
     assert!(sb.subtree_paths().is_empty());
     assert!(
-        sb.create_session("s", ResourceLimits::default())
+        sb.create_session("u", "s", ResourceLimits::default())
             .expect("create")
             .is_none()
     );
@@ -290,7 +290,8 @@ async fn spawned_process_is_in_its_cgroup_before_its_first_instruction() {
             break;
         }
     }
-    let suffix = format!("/{}/{}", f.subtree_name(), cg.name());
+    // Inside the user's ceiling cgroup (`user-<user key>`), inside the worker's subtree.
+    let suffix = format!("/{}/user-fixture-user/{}", f.subtree_name(), cg.name());
     let controllers: &[&str] = if machine_is_v2() {
         &[""]
     } else {
@@ -559,12 +560,35 @@ async fn user_spaces_are_separate_stable_and_safe() {
     assert!(out.status.success(), "{out:?}");
     assert_eq!(String::from_utf8_lossy(&out.stdout), "hello\nx\n");
 
+    // A second tool of the same user is another identity: it cannot read the first one's TMPDIR or
+    // workspace (a uid per (user, tool_id)).
+    let alice_other = f.sandbox.user_space("alice", "other").expect("alice other");
+    assert_ne!(alice_other.uid, alice.uid);
+    assert_ne!(alice_other.workspace, alice.workspace);
+    std::fs::write(alice.tmpdir.join("mine"), "tool-a's").expect("write");
+    let out = output(spawn_in(
+        &SpawnPlan::for_user(None, &alice_other),
+        "sh",
+        &[
+            "-c",
+            "cat \"$1\"/mine; ls \"$2\"",
+            "sh",
+            alice.tmpdir.to_str().expect("utf-8"),
+            alice.workspace.to_str().expect("utf-8"),
+        ],
+        Some(&alice_other.workspace),
+    ))
+    .await;
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stderr.matches("Permission denied").count(), 2, "{out:?}");
+
     // Stable across a restart on the same state_dir; a newcomer gets a fresh uid.
     let restarted = Sandbox::new(&f.config).expect("sandbox");
     assert_eq!(restarted.user_space("bob", "tool-a").expect("bob").uid, bob.uid);
     assert_eq!(
         restarted.user_space("alice", "other").expect("alice").uid,
-        alice.uid
+        alice_other.uid
     );
     let carol = restarted
         .user_space("carol", "t")
@@ -576,8 +600,19 @@ async fn user_spaces_are_separate_stable_and_safe() {
         &std::fs::read_to_string(f.config.state_dir.join("uids.json")).expect("uids.json"),
     )
     .expect("json");
-    assert_eq!(table.get(&alice.user_key), alice.uid.as_ref());
-    assert_eq!(table.len(), 3);
+    let tool_key = |space: &UserSpace| {
+        space
+            .tmpdir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .expect("key")
+            .to_owned()
+    };
+    assert_eq!(
+        table.get(&format!("{}/{}", alice.user_key, tool_key(&alice))),
+        alice.uid.as_ref()
+    );
+    assert_eq!(table.len(), 4, "{table:?}");
 
     // Hostile user and tool ids map to distinct, safe keys inside state_dir/users.
     let users_dir = f.config.state_dir.join("users");
@@ -598,7 +633,15 @@ async fn user_spaces_are_separate_stable_and_safe() {
         let space = restarted.user_space(user, "../../tool/../x").expect("user_space");
         assert_eq!(space.user_key.len(), 32);
         assert!(space.user_key.bytes().all(|b| b.is_ascii_hexdigit()));
-        assert_eq!(space.workspace, users_dir.join(&space.user_key).join("workspace"));
+        let tool_key = space
+            .tmpdir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .expect("tool key");
+        assert_eq!(
+            space.workspace,
+            users_dir.join(&space.user_key).join("workspaces").join(tool_key)
+        );
         assert_eq!(
             space.tmpdir.parent(),
             Some(users_dir.join(&space.user_key).join("tmp").as_path())

@@ -21,7 +21,8 @@ Modes:
 Prompts of agent/run steer the run: "slow" streams one delta every 50 ms until cancelled (at most 60 s),
 "fail" streams a non-recoverable agent/error and still answers exit_code 0, "exit2" answers exit_code 2,
 "flood" sends 300 deltas at once, "big" sends a 10 KB delta, "error:<code>[:<category>]" answers a JSON-RPC error.
-`--no-manifest` makes `--manifest` unsupported (the plugin starts its loop instead); `--health S` sets the
+`--probe-lib DIR` (with `--mode custom`) adds the method `confine/probe`: `confine_probe.probe(params)` from DIR
+(the Executa fixture's directory), so both dialects run the same attacks on the sandbox. `--no-manifest` makes `--manifest` unsupported (the plugin starts its loop instead); `--health S` sets the
 `health/check` status (default healthy).
 """
 
@@ -53,6 +54,9 @@ if KIND == "provider":
         METHODS.append("agent/cancel")
 elif KIND == "custom":
     METHODS = ["notes/add", "notes/count", "notes/secret", "health/check", "$harness/flag", "mcp/tool_call"]
+    if arg("--probe-lib"):
+        sys.path.insert(0, arg("--probe-lib"))
+        METHODS.append("confine/probe")
 else:
     METHODS = ["subject/list", "subject/get", "health/check"]
 CANCELLATION = MODE in ("cancel-request", "ignore-cancel")
@@ -229,6 +233,10 @@ def handle(msg):
         answer(id_, {"tool": params.get("name"), "hits": [n for n in NOTES if q in (n or "")]})
     elif method in ("notes/count", "notes/secret") and KIND == "custom":
         answer(id_, {"count": len(NOTES), "secret": method == "notes/secret"})
+    elif method == "confine/probe" and "confine/probe" in METHODS:
+        import confine_probe
+
+        answer(id_, confine_probe.probe(params))
     elif method.startswith("subject/") and KIND == "subject_backend":
         answer(id_, {"subjects": []})
     else:

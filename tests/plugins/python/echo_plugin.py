@@ -15,7 +15,9 @@ answering ``{"result": …}`` or ``{"error": …}``) and ``summarize_and_save {t
 
 ``--hostile`` adds the tool ``nats_probe {port, paths}`` a hostile tenant would run (the NATS trust tests): it
 opens its own TCP connection to the NATS port on 127.0.0.1, sends ``CONNECT`` without credentials, subscribes to
-``>`` and reports the server's first answer, and tries to read each of ``paths`` (the fleet's credentials).
+``>`` and reports the server's first answer, and tries to read each of ``paths`` (the fleet's credentials); and
+the tool ``confine_probe {connect, pids, read, write}`` (``confine_probe.py`` beside this file: the attacks on
+the sandbox, shared with the Animus fixture).
 
 Run: ``python3 echo_plugin.py [--noop] [--services] [--hostile]``.
 """
@@ -140,7 +142,17 @@ if HOSTILE:
                 _param("port", "integer", "NATS port on 127.0.0.1", True),
                 _param("paths", "array", "files to try to read", False),
             ],
-        }
+        },
+        {
+            "name": "confine_probe",
+            "description": "Try to leave the sandbox: connect out, look at /proc, read and write others' files.",
+            "parameters": [
+                _param("connect", "array", "host:port to dial", False),
+                _param("pids", "array", "pids to look for", False),
+                _param("read", "array", "paths to read", False),
+                _param("write", "array", "paths to open for writing", False),
+            ],
+        },
     ]
 
 
@@ -292,6 +304,10 @@ def _run_tool(tool: str, args: dict, context: dict):
         if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
             raise BadArgs("paths must be an array of strings")
         return "ok", _nats_probe(_int_arg(args, "port"), paths)
+    if HOSTILE and tool == "confine_probe":
+        import confine_probe  # beside this file (sys.path[0])
+
+        return "ok", confine_probe.probe(args)
     if SERVICES and tool == "reverse":
         method = args.get("method")
         if not isinstance(method, str):

@@ -291,20 +291,17 @@ async fn probe_manifest(
     let Some(program) = install.argv.first() else {
         return Ok(None);
     };
-    let space = ctx
+    let crate::sandbox::Prepared { space, cgroup, plan } = ctx
         .sandbox
-        .user_space(PROBE_USER, &install.tool_id)
-        .map_err(|e| DetectError::Probe(e.to_string()))?;
-    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let cgroup = ctx
-        .sandbox
-        .create_session(
-            &format!("probe-{}-{seq}", install.tool_id),
+        .prepare(
+            PROBE_USER,
+            &install.tool_id,
+            "p",
             install.effective_limits(ctx.config.limits),
+            &install.dir,
+            &install.argv,
         )
         .map_err(|e| DetectError::Probe(e.to_string()))?;
-    let plan = crate::sandbox::SpawnPlan::new(cgroup.as_ref(), space.uid, space.gid);
     let mut cmd = tokio::process::Command::new(program);
     cmd.args(install.argv.iter().skip(1))
         .arg(MANIFEST_FLAG)

@@ -31,7 +31,7 @@ use tokio::sync::{oneshot, watch};
 use crate::catalogue::Install;
 use crate::config::WorkerConfig;
 use crate::metrics::WorkerMetrics;
-use crate::sandbox::{SessionCgroup, SpawnPlan, UserSpace};
+use crate::sandbox::{SessionCgroup, UserSpace};
 use crate::session::{ExitInfo, WorkerContext};
 
 /// Lines of stderr kept per process (never parsed: spec §1.1).
@@ -184,24 +184,17 @@ impl AnimusProcess {
         install: &Install,
     ) -> Result<Arc<AnimusProcess>, StartError> {
         let refused = |e: &dyn std::fmt::Display| StartError::Refused(e.to_string());
-        let space = ctx
+        let crate::sandbox::Prepared { space, cgroup, plan } = ctx
             .sandbox
-            .user_space(user, &install.tool_id)
-            .map_err(|e| refused(&e))?;
-        static SEQ: AtomicU64 = AtomicU64::new(0);
-        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-        let cgroup = ctx
-            .sandbox
-            .create_session(
-                &format!(
-                    "{}-{}-a{seq}",
-                    &space.user_key[..8.min(space.user_key.len())],
-                    install.tool_id
-                ),
+            .prepare(
+                user,
+                &install.tool_id,
+                "a",
                 install.effective_limits(ctx.config.limits),
+                &install.dir,
+                &install.argv,
             )
             .map_err(|e| refused(&e))?;
-        let plan = SpawnPlan::new(cgroup.as_ref(), space.uid, space.gid);
         let program = install.argv.first().cloned().unwrap_or_default();
         let mut cmd = Command::new(&program);
         cmd.args(install.argv.iter().skip(1))

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use rustix::process::{Pid, Signal};
 
 use super::{CgroupVersion, SandboxError};
-use crate::config::ResourceLimits;
+use crate::config::{ResourceLimits, UserLimits};
 
 /// The CFS period every session uses (100 ms).
 pub(crate) const CPU_PERIOD_US: u64 = 100_000;
@@ -141,41 +141,112 @@ pub(crate) fn cpu_quota_us(cpu_millis: u64) -> u64 {
         .max(CPU_QUOTA_MIN_US)
 }
 
-/// The control-file writes that apply `limits` to the cgroup `dirs`, in the order they must happen (v1: the
-/// memsw limit may not be below the memory limit, so memory first).
-pub(crate) fn limit_writes(dirs: &Dirs, limits: &ResourceLimits) -> Vec<LimitWrite> {
-    let w = |dir: &Path, file: &str, content: String, best_effort: bool| LimitWrite {
+fn write_of(dir: &Path, file: &str, content: String, best_effort: bool) -> LimitWrite {
+    LimitWrite {
         file: dir.join(file),
         content,
         best_effort,
-    };
-    let quota = cpu_quota_us(limits.cpu_millis);
-    match dirs {
+    }
+}
+
+/// The memory limit of `dirs` (and no swap beyond it: v1 `memsw` equal to it, v2 `swap.max` 0, both best
+/// effort), then its `pids.max`. v1: memsw may not be below memory, hence memory first (a fresh cgroup's memsw
+/// is unlimited).
+fn memory_and_pids(
+    dirs: &Dirs,
+    memory_bytes: u64,
+    pids_max: u64,
+    v2_between: Option<LimitWrite>,
+) -> Vec<LimitWrite> {
+    let memory = memory_bytes.to_string();
+    let mut out = match dirs {
         Dirs::V1(d) => vec![
-            w(
-                &d.memory,
-                "memory.limit_in_bytes",
-                limits.memory_bytes.to_string(),
-                false,
-            ),
-            w(
-                &d.memory,
-                "memory.memsw.limit_in_bytes",
-                limits.memory_bytes.to_string(),
-                true,
-            ),
-            w(&d.pids, "pids.max", limits.pids_max.to_string(), false),
-            w(&d.cpu, "cpu.cfs_period_us", CPU_PERIOD_US.to_string(), false),
-            w(&d.cpu, "cpu.cfs_quota_us", quota.to_string(), false),
+            write_of(&d.memory, "memory.limit_in_bytes", memory.clone(), false),
+            write_of(&d.memory, "memory.memsw.limit_in_bytes", memory, true),
         ],
         Dirs::V2 { dir } => vec![
-            w(dir, "memory.max", limits.memory_bytes.to_string(), false),
-            w(dir, "memory.swap.max", "0".to_owned(), true),
-            w(dir, "memory.oom.group", "1".to_owned(), false),
-            w(dir, "pids.max", limits.pids_max.to_string(), false),
-            w(dir, "cpu.max", format!("{quota} {CPU_PERIOD_US}"), false),
+            write_of(dir, "memory.max", memory, false),
+            write_of(dir, "memory.swap.max", "0".to_owned(), true),
         ],
+    };
+    out.extend(v2_between);
+    out.push(write_of(dirs.pids(), "pids.max", pids_max.to_string(), false));
+    out
+}
+
+/// The control-file writes that apply `limits` to the cgroup `dirs`, in the order they must happen.
+pub(crate) fn limit_writes(dirs: &Dirs, limits: &ResourceLimits) -> Vec<LimitWrite> {
+    let quota = cpu_quota_us(limits.cpu_millis);
+    match dirs {
+        Dirs::V1(d) => {
+            let mut out = memory_and_pids(dirs, limits.memory_bytes, limits.pids_max, None);
+            out.push(write_of(
+                &d.cpu,
+                "cpu.cfs_period_us",
+                CPU_PERIOD_US.to_string(),
+                false,
+            ));
+            out.push(write_of(&d.cpu, "cpu.cfs_quota_us", quota.to_string(), false));
+            out
+        }
+        Dirs::V2 { dir } => {
+            let oom_group = write_of(dir, "memory.oom.group", "1".to_owned(), false);
+            let mut out = memory_and_pids(dirs, limits.memory_bytes, limits.pids_max, Some(oom_group));
+            out.push(write_of(
+                dir,
+                "cpu.max",
+                format!("{quota} {CPU_PERIOD_US}"),
+                false,
+            ));
+            out
+        }
     }
+}
+
+/// The control-file writes that make the cgroup `dirs` a user's ceiling: memory (and swap) and pids, no cpu
+/// quota (each session has its own). On v2 the user cgroup also hands the controllers down to its sessions.
+pub(crate) fn user_limit_writes(dirs: &Dirs, limits: &UserLimits) -> Vec<LimitWrite> {
+    let mut out = memory_and_pids(dirs, limits.memory_bytes, limits.pids_max, None);
+    if let Dirs::V2 { dir } = dirs {
+        out.push(write_of(
+            dir,
+            "cgroup.subtree_control",
+            "+memory +pids +cpu".to_owned(),
+            false,
+        ));
+    }
+    out
+}
+
+/// Creates (if missing) the user cgroup `dirs` and (re)writes its ceiling.
+pub(crate) fn ensure_user_cgroup(dirs: &Dirs, limits: &UserLimits) -> Result<(), SandboxError> {
+    let err = |action: &'static str, path: &Path, source: io::Error| SandboxError::CreateSession {
+        name: "user ceiling".to_owned(),
+        action,
+        path: path.to_path_buf(),
+        source,
+    };
+    for dir in dirs.unique() {
+        mkdir_ok_if_exists(dir).map_err(|e| err("mkdir", dir, e))?;
+    }
+    apply_writes(user_limit_writes(dirs, limits)).map_err(|(file, e)| err("write", &file, e))
+}
+
+/// Performs `writes` in order. A best-effort write (swap) is skipped when its file is absent and logged when
+/// it fails; any other failure stops and names the file.
+fn apply_writes(writes: Vec<LimitWrite>) -> Result<(), (PathBuf, io::Error)> {
+    for write in writes {
+        match write_file(&write.file, &write.content) {
+            Ok(()) => {}
+            Err(e) if write.best_effort && e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) if write.best_effort => tracing::warn!(
+                file = %write.file.display(), error = %e,
+                "cannot set a swap limit: swap may let processes exceed their memory limit"
+            ),
+            Err(e) => return Err((write.file, e)),
+        }
+    }
+    Ok(())
 }
 
 /// The value of `key` in a flat-keyed file (`key value` per line: `memory.oom_control`, `memory.events`,
@@ -297,6 +368,9 @@ pub struct SessionCgroup {
     name: String,
     dirs: Dirs,
     procs_files: Vec<CString>,
+    /// The user's ceiling this cgroup lives in (kept alive, and removed after the last session, by this).
+    /// Declared last: dropped after the session's own fields.
+    user: Option<std::sync::Arc<super::UserCgroup>>,
 }
 
 impl SessionCgroup {
@@ -307,7 +381,14 @@ impl SessionCgroup {
             name,
             dirs,
             procs_files,
+            user: None,
         })
+    }
+
+    /// This cgroup, holding the user ceiling it was created in.
+    pub(crate) fn in_user(mut self, user: std::sync::Arc<super::UserCgroup>) -> SessionCgroup {
+        self.user = Some(user);
+        self
     }
 
     /// The `cgroup.procs` paths as C strings (fails only for a path containing NUL, which Linux paths cannot).
@@ -340,18 +421,7 @@ impl SessionCgroup {
                 fs::create_dir(dir).map_err(|e| err("mkdir", dir, e))?;
                 created.push(dir);
             }
-            for write in limit_writes(&dirs, limits) {
-                match write_file(&write.file, &write.content) {
-                    Ok(()) => {}
-                    Err(e) if write.best_effort && e.kind() == io::ErrorKind::NotFound => {}
-                    Err(e) if write.best_effort => tracing::warn!(
-                        file = %write.file.display(), error = %e,
-                        "cannot set the swap limit: swap may let a session exceed its memory limit"
-                    ),
-                    Err(e) => return Err(err("write", &write.file, e)),
-                }
-            }
-            Ok(())
+            apply_writes(limit_writes(&dirs, limits)).map_err(|(file, e)| err("write", &file, e))
         })();
         if let Err(e) = result {
             for dir in created.iter().rev() {
@@ -366,6 +436,7 @@ impl SessionCgroup {
             name,
             dirs,
             procs_files,
+            user: None,
         })
     }
 
@@ -656,6 +727,53 @@ mod tests {
             ]
         );
         assert_eq!(dirs.unique().len(), 4, "co-mounted cpu,cpuacct is one directory");
+    }
+
+    #[test]
+    fn user_ceiling_files_v1_and_v2() {
+        let limits = UserLimits {
+            memory_bytes: 1 << 30,
+            pids_max: 500,
+        };
+        let v2 = user_limit_writes(
+            &Dirs::V2 {
+                dir: PathBuf::from("/cg/u"),
+            },
+            &limits,
+        );
+        let files: Vec<(String, &str)> = v2
+            .iter()
+            .map(|w| (w.file.display().to_string(), w.content.as_str()))
+            .collect();
+        assert_eq!(
+            files,
+            [
+                ("/cg/u/memory.max".to_owned(), "1073741824"),
+                ("/cg/u/memory.swap.max".to_owned(), "0"),
+                ("/cg/u/pids.max".to_owned(), "500"),
+                ("/cg/u/cgroup.subtree_control".to_owned(), "+memory +pids +cpu"),
+            ]
+        );
+        let v1 = user_limit_writes(
+            &Dirs::V1(V1Dirs {
+                memory: PathBuf::from("/m/u"),
+                pids: PathBuf::from("/p/u"),
+                cpu: PathBuf::from("/c/u"),
+                cpuacct: PathBuf::from("/c/u"),
+                freezer: PathBuf::from("/f/u"),
+            }),
+            &limits,
+        );
+        let files: Vec<String> = v1.iter().map(|w| w.file.display().to_string()).collect();
+        assert_eq!(
+            files,
+            [
+                "/m/u/memory.limit_in_bytes",
+                "/m/u/memory.memsw.limit_in_bytes",
+                "/p/u/pids.max"
+            ]
+        );
+        assert!(v1[1].best_effort && !v1[0].best_effort);
     }
 
     #[test]

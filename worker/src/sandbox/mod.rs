@@ -45,29 +45,39 @@
 //! [`SessionCgroup::remove`], which wait for the kernel (usually a few milliseconds, bounded at about 2 s + 1 s):
 //! call those through `tokio::task::spawn_blocking`.
 
+mod confine;
 mod control;
 mod detect;
 mod error;
 mod names;
+pub mod seccomp;
 mod spawn;
 mod users;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::fs;
 use std::io;
-use std::sync::Arc;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use rustix::process::{Pid, Signal};
 
+use confine::Confinement;
+pub use confine::{ConfineError, command_paths};
 use control::{Dirs, rmdir_cgroup};
 pub use control::{SessionCgroup, Usage};
 pub use error::SandboxError;
+use seccomp::SeccompProfile;
 pub use spawn::{SpawnPlan, apply, die_with_parent};
 pub use users::UserSpace;
 use users::Users;
 
-use crate::config::{IsolationMode, ResourceLimits, WorkerConfig};
+use crate::config::{IsolationMode, ResourceLimits, UserLimits, WorkerConfig};
+
+/// The prefix of a user's ceiling cgroup in the worker's subtree (`user-<user_key>`; session names start with
+/// hex digits or `.probe`, so never with this).
+const USER_CGROUP_PREFIX: &str = "user-";
 
 /// The cgroup version in use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -76,6 +86,17 @@ pub enum CgroupVersion {
     V1,
     /// The unified hierarchy.
     V2,
+}
+
+/// What [`Sandbox::prepare`] made for one plugin process.
+#[derive(Debug)]
+pub struct Prepared {
+    /// Its identity and directories.
+    pub space: UserSpace,
+    /// Its cgroup (`None` without isolation).
+    pub cgroup: Option<SessionCgroup>,
+    /// How to spawn it.
+    pub plan: SpawnPlan,
 }
 
 /// What [`Sandbox::sweep_stale`] did.
@@ -98,6 +119,46 @@ struct Inner {
     /// The worker's subtree; `None` without isolation.
     subtree: Option<Dirs>,
     users: Users,
+    /// Namespaces and seccomp as configured (none without isolation).
+    confine: Option<ConfineBase>,
+    /// The ceiling of each user's sessions together.
+    user_limits: UserLimits,
+    /// The live user ceiling cgroups, by user key; the lock also orders creating a session in one against
+    /// removing it.
+    user_cgroups: Arc<Mutex<HashMap<String, Weak<UserCgroup>>>>,
+}
+
+/// What every session's [`Confinement`] starts from.
+#[derive(Debug)]
+struct ConfineBase {
+    namespaces: bool,
+    tmp_bytes: u64,
+    seccomp: Option<Arc<SeccompProfile>>,
+}
+
+/// A user's ceiling cgroup, alive while one of the user's session cgroups holds it; removed (if empty) when
+/// the last one goes.
+#[derive(Debug)]
+pub(crate) struct UserCgroup {
+    key: String,
+    dirs: Dirs,
+    registry: Arc<Mutex<HashMap<String, Weak<UserCgroup>>>>,
+}
+
+impl Drop for UserCgroup {
+    fn drop(&mut self) {
+        let mut live = self.registry.lock().unwrap_or_else(PoisonError::into_inner);
+        // A newer handle for the same user may already be registered (this one's count reached zero while it
+        // was being replaced): only the registered one, or none, may remove the directory.
+        if live.get(&self.key).is_some_and(|w| w.strong_count() > 0) {
+            return;
+        }
+        live.remove(&self.key);
+        for dir in self.dirs.unique() {
+            // Busy (a session cgroup left in place by a drop without remove): the sweep at start takes it.
+            let _ = fs::remove_dir(dir);
+        }
+    }
 }
 
 /// Makes probe cgroup names unique within the process.
@@ -114,21 +175,106 @@ impl Sandbox {
     ///
     /// `RunAs::PerUser` requires root and a range without uid 0 ([`SandboxError::Config`]); it also makes sure
     /// other users can traverse `state_dir` (adding `o+x` to it if needed).
+    ///
+    /// With isolation, `config.confinement` is compiled (the seccomp profile) and proven usable by confining a
+    /// forked probe that executes nothing; a worker that cannot confine as configured refuses to start
+    /// ([`SandboxError::Unavailable`] naming the setting to turn off).
     pub fn new(config: &WorkerConfig) -> Result<Sandbox, SandboxError> {
-        let users = Users::new(&config.state_dir, &config.run_as)?;
-        let subtree = match config.isolation {
+        let users = Users::new(&config.state_dir, &config.run_as, config.workspace)?;
+        let (subtree, confine) = match config.isolation {
             IsolationMode::None => {
                 tracing::warn!(
                     worker_id = %config.worker_id,
-                    "isolation is off: plugins run without cgroups, limits or reliable process-tree kill"
+                    "isolation is off: plugins run without cgroups, limits, namespaces, seccomp or reliable \
+                     process-tree kill"
                 );
-                None
+                (None, None)
             }
-            IsolationMode::Cgroup => Some(prepare_cgroups(&config.worker_id)?),
+            IsolationMode::Cgroup => (
+                Some(prepare_cgroups(&config.worker_id)?),
+                Some(prepare_confinement(config)?),
+            ),
         };
         Ok(Sandbox {
-            inner: Arc::new(Inner { subtree, users }),
+            inner: Arc::new(Inner {
+                subtree,
+                users,
+                confine,
+                user_limits: config.user_limits,
+                user_cgroups: Arc::default(),
+            }),
         })
+    }
+
+    /// The spawn plan of a session: join `cgroup`, take `space`'s ids, and — with isolation — the configured
+    /// namespaces and seccomp, with `paths` (from [`command_paths`]) plus `space`'s TMPDIR and workspace kept
+    /// visible in the private `/tmp`.
+    pub fn plan(
+        &self,
+        cgroup: Option<&SessionCgroup>,
+        space: &UserSpace,
+        mut paths: Vec<PathBuf>,
+    ) -> Result<SpawnPlan, SandboxError> {
+        let plan = SpawnPlan::for_user(cgroup, space);
+        let Some(base) = &self.inner.confine else {
+            return Ok(plan);
+        };
+        let namespaces = if base.namespaces {
+            paths.push(space.tmpdir.clone());
+            paths.push(space.workspace.clone());
+            Some(
+                confine::namespaces(&paths, base.tmp_bytes).map_err(|e| SandboxError::Config {
+                    reason: e.to_string(),
+                })?,
+            )
+        } else {
+            None
+        };
+        Ok(plan.confined(Some(Arc::new(Confinement {
+            namespaces,
+            seccomp: base.seccomp.clone(),
+        }))))
+    }
+
+    /// Everything a plugin process of `user` for `tool_id` needs before it is spawned: its [`UserSpace`], a
+    /// new session cgroup (`<user key prefix>-<tool_id>-<kind><n>`, unique in the process) with `limits`
+    /// inside the user's ceiling, and the [`plan`](Self::plan) for `argv` run from `dir`. Nothing is left
+    /// behind on failure.
+    pub fn prepare(
+        &self,
+        user: &str,
+        tool_id: &str,
+        kind: &str,
+        limits: ResourceLimits,
+        dir: &std::path::Path,
+        argv: &[String],
+    ) -> Result<Prepared, SandboxError> {
+        // A sequence number keeps a new session's cgroup apart from an evicted one's still being removed.
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let space = self.user_space(user, tool_id)?;
+        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+        let name = format!(
+            "{}-{tool_id}-{kind}{seq}",
+            &space.user_key[..8.min(space.user_key.len())]
+        );
+        let cgroup = self.create_session(&space.user_key, &name, limits)?;
+        match self.plan(cgroup.as_ref(), &space, command_paths(dir, argv)) {
+            Ok(plan) => Ok(Prepared { space, cgroup, plan }),
+            Err(e) => {
+                if let Some(cg) = cgroup {
+                    let _ = cg.remove();
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether plugins get namespaces (and private `/proc`, `/tmp`) and seccomp: `(namespaces, seccomp)`.
+    pub fn confinement(&self) -> (bool, bool) {
+        self.inner
+            .confine
+            .as_ref()
+            .map_or((false, false), |c| (c.namespaces, c.seccomp.is_some()))
     }
 
     /// `"cgroup_v1"`, `"cgroup_v2"` or `"none"` (the `isolation` metric label).
@@ -158,54 +304,8 @@ impl Sandbox {
         let Some(root) = &self.inner.subtree else {
             return Ok(report);
         };
-        let mut names = BTreeSet::new();
-        for dir in root.unique() {
-            let sweep_err = |source| SandboxError::Sweep {
-                path: dir.to_path_buf(),
-                source,
-            };
-            let entries = match fs::read_dir(dir) {
-                Ok(entries) => entries,
-                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(sweep_err(e)),
-            };
-            for entry in entries {
-                let entry = entry.map_err(sweep_err)?;
-                if !entry.file_type().map_err(sweep_err)?.is_dir() {
-                    continue;
-                }
-                match entry.file_name().into_string() {
-                    Ok(name) => {
-                        names.insert(name);
-                    }
-                    Err(name) => {
-                        tracing::warn!(dir = %dir.display(), ?name, "skipping a cgroup this worker cannot have created")
-                    }
-                }
-            }
-        }
         let mut first_error = None;
-        for name in names {
-            let dirs = root.join(&name);
-            let session = SessionCgroup::from_dirs(name, dirs).map_err(|source| SandboxError::Sweep {
-                path: root.unique().first().map(|p| p.to_path_buf()).unwrap_or_default(),
-                source,
-            });
-            let result = session.and_then(|s| {
-                let killed = s.kill_all()?;
-                s.remove()?;
-                Ok(killed)
-            });
-            match result {
-                Ok(killed) => {
-                    report.cgroups_removed += 1;
-                    report.processes_killed += killed;
-                }
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
+        sweep_level(root, true, &mut report, &mut first_error);
         if report.cgroups_removed > 0 {
             tracing::info!(
                 cgroups_removed = report.cgroups_removed,
@@ -233,8 +333,12 @@ impl Sandbox {
     /// ([`SessionCgroup::name`]). It is an error if that cgroup already exists.
     ///
     /// Returns `Ok(None)` without isolation (see the module documentation for the fallback).
+    ///
+    /// The cgroup is created inside the ceiling cgroup of `user_key` (`user-<user_key>`, with
+    /// `config.user_limits`), made on the user's first session and removed with the last.
     pub fn create_session(
         &self,
+        user_key: &str,
         name: &str,
         limits: ResourceLimits,
     ) -> Result<Option<SessionCgroup>, SandboxError> {
@@ -242,8 +346,29 @@ impl Sandbox {
             return Ok(None);
         };
         let name = names::unique_name(name);
-        let dirs = root.join(&name);
-        SessionCgroup::create(name, dirs, &limits).map(Some)
+        let mut live = self
+            .inner
+            .user_cgroups
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let user = match live.get(user_key).and_then(Weak::upgrade) {
+            Some(user) => user,
+            None => {
+                let dirs = root.join(&format!("{USER_CGROUP_PREFIX}{}", names::readable_name(user_key)));
+                control::ensure_user_cgroup(&dirs, &self.inner.user_limits)?;
+                let user = Arc::new(UserCgroup {
+                    key: user_key.to_owned(),
+                    dirs,
+                    registry: self.inner.user_cgroups.clone(),
+                });
+                live.insert(user_key.to_owned(), Arc::downgrade(&user));
+                user
+            }
+        };
+        let dirs = user.dirs.join(&name);
+        let created = SessionCgroup::create(name, dirs, &limits);
+        drop(live);
+        created.map(|c| Some(c.in_user(user)))
     }
 
     /// The identity and directories of `user` (any string) for `tool_id` (any string): the uid/gid to run as
@@ -259,6 +384,129 @@ impl Sandbox {
     pub fn user_space(&self, user: &str, tool_id: &str) -> Result<UserSpace, SandboxError> {
         self.inner.users.user_space(user, tool_id)
     }
+}
+
+/// Kills and removes every session cgroup under `parent` (and, at the top, under every user ceiling, which is
+/// then removed too). Errors go to `first_error`; every cgroup is tried.
+fn sweep_level(parent: &Dirs, top: bool, report: &mut SweepReport, first_error: &mut Option<SandboxError>) {
+    let mut names = BTreeSet::new();
+    for dir in parent.unique() {
+        let sweep_err = |source| SandboxError::Sweep {
+            path: dir.to_path_buf(),
+            source,
+        };
+        let entries = match fs::read_dir(dir) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => {
+                first_error.get_or_insert(sweep_err(e));
+                continue;
+            }
+        };
+        for entry in entries {
+            let entry = match entry {
+                Ok(entry) => entry,
+                Err(e) => {
+                    first_error.get_or_insert(sweep_err(e));
+                    continue;
+                }
+            };
+            if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            match entry.file_name().into_string() {
+                Ok(name) => {
+                    names.insert(name);
+                }
+                Err(name) => {
+                    tracing::warn!(dir = %dir.display(), ?name, "skipping a cgroup this worker cannot have created")
+                }
+            }
+        }
+    }
+    for name in names {
+        let dirs = parent.join(&name);
+        if top && name.starts_with(USER_CGROUP_PREFIX) {
+            sweep_level(&dirs, false, report, first_error);
+            for dir in dirs.unique() {
+                if let Err(e) = rmdir_cgroup(dir) {
+                    first_error.get_or_insert(e);
+                }
+            }
+            continue;
+        }
+        let session = SessionCgroup::from_dirs(name, dirs).map_err(|source| SandboxError::Sweep {
+            path: parent
+                .unique()
+                .first()
+                .map(|p| p.to_path_buf())
+                .unwrap_or_default(),
+            source,
+        });
+        let result = session.and_then(|s| {
+            let killed = s.kill_all()?;
+            s.remove()?;
+            Ok(killed)
+        });
+        match result {
+            Ok(killed) => {
+                report.cgroups_removed += 1;
+                report.processes_killed += killed;
+            }
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+}
+
+/// Compiles the seccomp profile and proves the configured confinement works in a forked probe.
+fn prepare_confinement(config: &WorkerConfig) -> Result<ConfineBase, SandboxError> {
+    let c = &config.confinement;
+    let unavailable = |reason: String| SandboxError::Unavailable { reason };
+    let seccomp = if c.seccomp {
+        Some(Arc::new(SeccompProfile::compile(&c.seccomp_deny).map_err(
+            |e| SandboxError::Config {
+                reason: format!("confinement.seccomp_deny: {e}"),
+            },
+        )?))
+    } else {
+        tracing::warn!(
+            "seccomp is off (confinement.seccomp = false): plugins reach the whole kernel interface"
+        );
+        None
+    };
+    if !c.namespaces {
+        tracing::warn!(
+            "namespaces are off (confinement.namespaces = false): plugins share the worker's network, /proc and /tmp"
+        );
+    }
+    let base = ConfineBase {
+        namespaces: c.namespaces,
+        tmp_bytes: c.tmp_bytes,
+        seccomp,
+    };
+    let probe = Confinement {
+        namespaces: if c.namespaces {
+            Some(confine::namespaces(&[], c.tmp_bytes).map_err(|e| unavailable(e.to_string()))?)
+        } else {
+            None
+        },
+        seccomp: base.seccomp.clone(),
+    };
+    spawn::probe(&probe).map_err(|e| {
+        unavailable(format!(
+            "cannot confine plugins ({e}); the worker needs root (CAP_SYS_ADMIN) for namespaces and a kernel \
+             with seccomp filters; set confinement.namespaces = false or confinement.seccomp = false to run \
+             without them"
+        ))
+    })?;
+    tracing::info!(
+        namespaces = base.namespaces,
+        seccomp = base.seccomp.is_some(),
+        "plugin confinement ready"
+    );
+    Ok(base)
 }
 
 /// Detects the cgroup version, creates the worker's subtree and proves it usable with a probe session.

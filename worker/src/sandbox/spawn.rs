@@ -60,37 +60,64 @@
 //! notices; it is no reason to give up attaching before `exec`. (On v2, `clone3(CLONE_INTO_CGROUP)` would let
 //! a vfork-style spawn start directly in the cgroup; std does not expose it.)
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 use std::io;
+use std::os::fd::{AsRawFd as _, OwnedFd};
+use std::sync::Arc;
 
-use rustix::fs::{Mode, OFlags};
+use rustix::fs::{CWD, Mode, OFlags};
+use rustix::mount::{
+    MountFlags, MountPropagationFlags, MoveMountFlags, OpenTreeFlags, mount, mount_change, move_mount,
+    open_tree,
+};
 use rustix::process::{Gid, Uid};
+use rustix::thread::UnshareFlags;
 
+use super::confine::{Confinement, MAX_KEPT};
 use super::{SessionCgroup, UserSpace};
 
-/// What [`apply`] does in the child: which cgroup to join and which ids to take.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// What [`apply`] does in the child: which cgroup to join, which ids to take, how to confine.
+#[derive(Debug, Clone, Default)]
 pub struct SpawnPlan {
     /// `cgroup.procs` of every hierarchy of the session (empty without isolation).
     procs_files: Vec<CString>,
     uid: Option<u32>,
     gid: Option<u32>,
+    /// Supplementary groups after the switch (a shared workspace's group).
+    groups: Vec<Gid>,
+    /// Namespaces, private `/proc` and `/tmp`, seccomp (none: the plugin shares the worker's view).
+    confine: Option<Arc<Confinement>>,
 }
 
 impl SpawnPlan {
     /// A plan joining `cgroup` (none: no isolation, the plugin stays in the worker's cgroup) and switching to
-    /// `uid` / `gid` (none: keep the worker's).
+    /// `uid` / `gid` (none: keep the worker's), without confinement.
     pub fn new(cgroup: Option<&SessionCgroup>, uid: Option<u32>, gid: Option<u32>) -> SpawnPlan {
         SpawnPlan {
             procs_files: cgroup.map(|c| c.procs_files().to_vec()).unwrap_or_default(),
             uid,
             gid,
+            groups: Vec::new(),
+            confine: None,
         }
     }
 
-    /// [`SpawnPlan::new`] with the ids of `user`.
+    /// [`SpawnPlan::new`] with the ids and supplementary groups of `user`.
     pub fn for_user(cgroup: Option<&SessionCgroup>, user: &UserSpace) -> SpawnPlan {
-        SpawnPlan::new(cgroup, user.uid, user.gid)
+        let mut plan = SpawnPlan::new(cgroup, user.uid, user.gid);
+        plan.groups = user.groups.iter().map(|g| Gid::from_raw(*g)).collect();
+        plan
+    }
+
+    /// This plan, confined as `confine` says.
+    pub(crate) fn confined(mut self, confine: Option<Arc<Confinement>>) -> SpawnPlan {
+        self.confine = confine;
+        self
+    }
+
+    /// Whether the plan confines the plugin (namespaces or seccomp).
+    pub fn is_confined(&self) -> bool {
+        self.confine.is_some()
     }
 }
 
@@ -104,6 +131,46 @@ pub fn apply(cmd: &mut tokio::process::Command, plan: &SpawnPlan) {
     // prepared before the fork and does not allocate (module documentation, "The `unsafe` block").
     unsafe {
         cmd.pre_exec(move || child_setup(&plan));
+    }
+}
+
+/// Runs the confinement of `confine` in a forked child that exits at once, and reports whether it worked: what
+/// [`Sandbox::new`](super::Sandbox::new) does before it accepts sessions, so a worker that cannot confine
+/// plugins refuses to start instead of running them unconfined. No program is executed.
+#[allow(unsafe_code)]
+pub(crate) fn probe(confine: &Confinement) -> io::Result<()> {
+    // SAFETY: the child only runs `confine_child` (async-signal-safe raw system calls on data prepared before
+    // the fork, no allocation) and leaves with `_exit`, which runs no atexit handler and no destructor.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if pid == 0 {
+        let code = match confine_child(confine) {
+            Ok(()) => 0,
+            Err(e) => e.raw_os_error().unwrap_or(libc::EIO).clamp(1, 255),
+        };
+        // SAFETY: see above.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    loop {
+        // SAFETY: plain waitpid on our own child with a valid pointer.
+        let rc = unsafe { libc::waitpid(pid, &mut status, 0) };
+        if rc == pid {
+            break;
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+    if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
+        Ok(())
+    } else if libc::WIFEXITED(status) {
+        Err(io::Error::from_raw_os_error(libc::WEXITSTATUS(status)))
+    } else {
+        Err(io::Error::other("the confinement probe was killed"))
     }
 }
 
@@ -142,8 +209,11 @@ fn child_setup(plan: &SpawnPlan) -> io::Result<()> {
         }
         drop(fd);
     }
+    if let Some(confine) = &plan.confine {
+        namespaces_child(confine)?;
+    }
     if plan.uid.is_some() || plan.gid.is_some() {
-        rustix::thread::set_thread_groups(&[])?;
+        rustix::thread::set_thread_groups(&plan.groups)?;
     }
     if let Some(gid) = plan.gid {
         let gid = Gid::from_raw(gid);
@@ -153,6 +223,140 @@ fn child_setup(plan: &SpawnPlan) -> io::Result<()> {
         let uid = Uid::from_raw(uid);
         rustix::thread::set_thread_res_uid(uid, uid, uid)?;
         rustix::thread::set_no_new_privs(true)?;
+    }
+    if let Some(confine) = &plan.confine {
+        seccomp_child(confine)?;
+    }
+    Ok(())
+}
+
+/// The probe's child: everything [`child_setup`] does to confine, without cgroups or ids.
+fn confine_child(confine: &Confinement) -> io::Result<()> {
+    namespaces_child(confine)?;
+    seccomp_child(confine)?;
+    // The filter is in force: a refused call must now fail.
+    if confine.seccomp.is_some() {
+        match rustix::process::chroot(c"/") {
+            Err(rustix::io::Errno::PERM) => {}
+            Err(e) => return Err(e.into()),
+            Ok(()) => return Err(io::ErrorKind::PermissionDenied.into()),
+        }
+    }
+    Ok(())
+}
+
+/// New network, mount, IPC and UTS namespaces; loopback up; a private `/proc` (other uids' processes hidden)
+/// and a private `/tmp` with the session's own paths mounted back in.
+#[allow(unsafe_code)]
+fn namespaces_child(confine: &Confinement) -> io::Result<()> {
+    let Some(ns) = &confine.namespaces else {
+        return Ok(());
+    };
+    // SAFETY: the forked child has one thread, so no other thread can observe the unshared tables; none of
+    // these flags is CLONE_FILES.
+    unsafe {
+        rustix::thread::unshare_unsafe(
+            UnshareFlags::NEWNET | UnshareFlags::NEWNS | UnshareFlags::NEWIPC | UnshareFlags::NEWUTS,
+        )?;
+    }
+    loopback_up()?;
+    mount_change(c"/", MountPropagationFlags::REC | MountPropagationFlags::PRIVATE)?;
+    // Detached copies of the kept paths, taken before `/tmp` is covered.
+    let mut held: [Option<OwnedFd>; MAX_KEPT] = [const { None }; MAX_KEPT];
+    for (slot, kept) in held.iter_mut().zip(ns.kept.iter()) {
+        *slot = Some(open_tree(
+            CWD,
+            kept.path.as_c_str(),
+            OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC | OpenTreeFlags::AT_RECURSIVE,
+        )?);
+    }
+    mount(
+        c"proc",
+        c"/proc",
+        c"proc",
+        MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+        ns.proc_options.as_c_str(),
+    )?;
+    mount(
+        c"tmpfs",
+        ns.tmp_root.as_c_str(),
+        c"tmpfs",
+        MountFlags::NOSUID | MountFlags::NODEV,
+        ns.tmp_options.as_c_str(),
+    )?;
+    for (slot, kept) in held.iter_mut().zip(ns.kept.iter()) {
+        for dir in &kept.parents {
+            mkdir_exists_ok(dir)?;
+        }
+        if kept.is_dir {
+            mkdir_exists_ok(&kept.path)?;
+        } else {
+            drop(rustix::fs::open(
+                kept.path.as_c_str(),
+                OFlags::WRONLY | OFlags::CREATE | OFlags::CLOEXEC,
+                Mode::from_raw_mode(0o644),
+            )?);
+        }
+        if let Some(fd) = slot.take() {
+            move_mount(
+                &fd,
+                c"",
+                CWD,
+                kept.path.as_c_str(),
+                MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn mkdir_exists_ok(path: &CStr) -> io::Result<()> {
+    match rustix::fs::mkdir(path, Mode::from_raw_mode(0o755)) {
+        Ok(()) | Err(rustix::io::Errno::EXIST) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The session's filters, last (after the id switch; `apply_filter` sets `PR_SET_NO_NEW_PRIVS` itself).
+fn seccomp_child(confine: &Confinement) -> io::Result<()> {
+    let Some(profile) = &confine.seccomp else {
+        return Ok(());
+    };
+    for program in &profile.programs {
+        seccompiler::apply_filter(program).map_err(|e| match e {
+            seccompiler::Error::Prctl(e) | seccompiler::Error::Seccomp(e) => e,
+            _ => io::ErrorKind::InvalidInput.into(),
+        })?;
+    }
+    Ok(())
+}
+
+/// `IFF_UP` as the `short` `ifreq` carries it (libc declares it `c_int`).
+const IFF_UP: libc::c_short = 0x1;
+
+/// Brings `lo` up in the child's new network namespace (`SIOCGIFFLAGS`, `| IFF_UP`, `SIOCSIFFLAGS`).
+#[allow(unsafe_code)]
+fn loopback_up() -> io::Result<()> {
+    let sock = rustix::net::socket(
+        rustix::net::AddressFamily::INET,
+        rustix::net::SocketType::DGRAM,
+        None,
+    )?;
+    // SAFETY: `ifreq` is plain old data, valid when zeroed.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: both ioctls take a pointer to an `ifreq` that outlives the call; the fd is open.
+    unsafe {
+        if libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // IFF_UP is 1: it fits the kernel's short flags.
+        req.ifr_ifru.ifru_flags |= IFF_UP;
+        if libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) < 0 {
+            return Err(io::Error::last_os_error());
+        }
     }
     Ok(())
 }

@@ -1,20 +1,27 @@
-//! Per-user identity and directories.
+//! Per-(user, tool) identity and directories.
 //!
-//! Layout under `state_dir` (owner, mode):
+//! Every (user, tool_id) pair runs under its own uid (= gid), so two plugins of one user cannot reach each
+//! other's processes (`/proc/<pid>/fd`, signals) or TMPDIRs. Layout under `state_dir` (owner, mode):
 //!
 //! ```text
 //! state_dir/                       operator's; `o+x` is added for per-user uids to reach their directories
-//!   uids.json                      root 0600  {user_key: uid}, replaced atomically (temp file + rename)
+//!   uids.json                      root 0600  {"<user_key>/<tool_key>": uid, "<user_key>": gid}, replaced atomically
 //!   uids.json.lock                 root 0600  flock(2) guarding read-modify-write of uids.json across processes
 //!   users/                         root 0711  (traversable, not listable)
 //!     <user_key>/                  root 0711
-//!       workspace/                 uid  0700
+//!       workspaces/                root 0711
+//!         <tool_key>/              uid  0700  the tool's workspace (`workspace = "per_tool"`, the default)
+//!       workspace/                 root:gid 2770  shared by the user's tools (`workspace = "per_user"`)
 //!       tmp/                       root 0711
-//!         <tool_key>/              uid  0700
+//!         <tool_key>/              uid  0700  the tool's TMPDIR
 //! ```
 //!
-//! Only the two leaves belong to the user, so a plugin cannot rename or replace any directory the worker later
-//! walks through. Directories are still walked with `openat(O_NOFOLLOW | O_DIRECTORY)` and fixed with
+//! With `workspace = "per_user"` the operator chooses to let a user's tools share files: the shared directory
+//! belongs to a per-user group (allocated from the same range, keyed by the user alone), set-gid so new files
+//! keep that group, and each tool's process gets it as its one supplementary group. TMPDIRs stay per tool.
+//!
+//! Only the leaves belong to the plugin's uid, so a plugin cannot rename or replace any directory the worker
+//! later walks through. Directories are still walked with `openat(O_NOFOLLOW | O_DIRECTORY)` and fixed with
 //! `fchown`/`fchmod` on the opened descriptor, so even a symlink planted where a directory should be makes the
 //! call fail (`ELOOP`/`ENOTDIR`) instead of making the root worker chown or chmod the link's target.
 
@@ -30,16 +37,19 @@ use rustix::fs::{FlockOperation, Gid, Mode, OFlags, Uid};
 use rustix::io::Errno;
 
 use super::{SandboxError, names};
-use crate::config::RunAs;
+use crate::config::{RunAs, WorkspaceSharing};
 
 /// A user's identity and directories for one tool, from [`Sandbox::user_space`](super::Sandbox::user_space).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UserSpace {
-    /// The uid to run the plugin as (`None` for `RunAs::Inherit`: the worker's own).
+    /// The uid to run the plugin as (`None` for `RunAs::Inherit`: the worker's own): one per (user, tool_id).
     pub uid: Option<u32>,
     /// The gid to run the plugin as (= `uid`).
     pub gid: Option<u32>,
-    /// `<state_dir>/users/<user_key>/workspace`, 0700, owned by `uid`.
+    /// Supplementary groups: the user's shared-workspace group with `workspace = "per_user"`, else none.
+    pub groups: Vec<u32>,
+    /// The workspace: `<state_dir>/users/<user_key>/workspaces/<tool_key>` (0700, owned by `uid`), or the
+    /// user's shared `<state_dir>/users/<user_key>/workspace` (2770, group-owned).
     pub workspace: PathBuf,
     /// `<state_dir>/users/<user_key>/tmp/<tool_key>`, 0700, owned by `uid` (the plugin's `TMPDIR`).
     pub tmpdir: PathBuf,
@@ -107,13 +117,18 @@ pub(crate) fn parse_table(text: &str, range: UidRange) -> Result<BTreeMap<String
 pub(crate) struct Users {
     state_dir: PathBuf,
     range: Option<UidRange>,
+    sharing: WorkspaceSharing,
     /// Cache of `uids.json` (entries never change once assigned); the lock also serialises allocation.
     table: Mutex<BTreeMap<String, u32>>,
 }
 
 impl Users {
     /// Validates `run_as` (per-user needs root and a sane range) and prepares `state_dir`.
-    pub(crate) fn new(state_dir: &Path, run_as: &RunAs) -> Result<Users, SandboxError> {
+    pub(crate) fn new(
+        state_dir: &Path,
+        run_as: &RunAs,
+        sharing: WorkspaceSharing,
+    ) -> Result<Users, SandboxError> {
         let range = match run_as {
             RunAs::Inherit => None,
             RunAs::PerUser { first, count } => {
@@ -166,6 +181,7 @@ impl Users {
         Ok(Users {
             state_dir: state_dir.to_path_buf(),
             range,
+            sharing,
             table: Mutex::new(BTreeMap::new()),
         })
     }
@@ -175,7 +191,7 @@ impl Users {
         let user_key = names::user_key(user);
         let tool_key = names::unique_name(tool_id);
         let uid = match self.range {
-            Some(range) => Some(self.uid_for(&user_key, range)?),
+            Some(range) => Some(self.uid_for(&format!("{user_key}/{tool_key}"), range)?),
             None => None,
         };
         let me = (
@@ -198,8 +214,31 @@ impl Users {
         let users = ensure_dir(&state, &users_path, me, 0o711)?;
         let user_path = users_path.join(&user_key);
         let user_dir = ensure_dir(&users, &user_path, me, 0o711)?;
-        let workspace = user_path.join("workspace");
-        ensure_dir(&user_dir, &workspace, owner, 0o700)?;
+        let (workspace, groups) = match self.sharing {
+            WorkspaceSharing::PerTool => {
+                let all_path = user_path.join("workspaces");
+                let all = ensure_dir(&user_dir, &all_path, me, 0o711)?;
+                let workspace = all_path.join(&tool_key);
+                ensure_dir(&all, &workspace, owner, 0o700)?;
+                (workspace, Vec::new())
+            }
+            WorkspaceSharing::PerUser => {
+                let group = match self.range {
+                    Some(range) => Some(self.uid_for(&user_key, range)?),
+                    None => None,
+                };
+                let workspace = user_path.join("workspace");
+                match group {
+                    Some(gid) => {
+                        ensure_dir(&user_dir, &workspace, (me.0, gid), 0o2770)?;
+                    }
+                    None => {
+                        ensure_dir(&user_dir, &workspace, owner, 0o700)?;
+                    }
+                }
+                (workspace, group.into_iter().collect())
+            }
+        };
         let tmp_path = user_path.join("tmp");
         let tmp = ensure_dir(&user_dir, &tmp_path, me, 0o711)?;
         let tmpdir = tmp_path.join(&tool_key);
@@ -207,13 +246,15 @@ impl Users {
         Ok(UserSpace {
             uid,
             gid: uid,
+            groups,
             workspace,
             tmpdir,
             user_key,
         })
     }
 
-    /// The uid of `user_key`, allocating (and persisting) the next free one on first sight.
+    /// The id of `key` (`<user_key>/<tool_key>` for a tool's uid, `<user_key>` for a user's group), allocating
+    /// (and persisting) the next free one on first sight.
     fn uid_for(&self, user_key: &str, range: UidRange) -> Result<u32, SandboxError> {
         let mut cache = self.table.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(&uid) = cache.get(user_key) {

@@ -501,20 +501,18 @@ impl Session {
         if !install.enabled {
             return Err(SessionError::Disabled(install.tool_id.clone()));
         }
-        let space = ctx.sandbox.user_space(user, &install.tool_id)?;
-        let limits = install.effective_limits(ctx.config.limits);
-        // A sequence number keeps a new session's cgroup apart from an evicted one's still being removed.
-        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-        let cgroup = ctx.sandbox.create_session(
-            &format!(
-                "{}-{}-{seq}",
-                &space.user_key[..8.min(space.user_key.len())],
-                install.tool_id
-            ),
-            limits,
+        let crate::sandbox::Prepared {
+            space,
+            cgroup,
+            plan: spawn_plan,
+        } = ctx.sandbox.prepare(
+            user,
+            &install.tool_id,
+            "e",
+            install.effective_limits(ctx.config.limits),
+            &install.dir,
+            &install.argv,
         )?;
-        let spawn_plan = SpawnPlan::new(cgroup.as_ref(), space.uid, space.gid);
         let shared = Arc::new(SessionShared {
             user: user.to_string(),
             tool_id: install.tool_id.clone(),

@@ -1,0 +1,89 @@
+"""What a hostile plugin tries against its confinement, for both dialects' fixtures (stdlib only).
+
+``probe(request)`` takes ``{"connect": ["host:port", ...], "pids": [int, ...], "read": [path, ...],
+"write": [path, ...]}`` and reports, without raising, what each attempt gave: ``"ok"`` or the errno name
+(``ECONNREFUSED``, ``ENETUNREACH``, ``EACCES``, ``ENOENT``, ``EPERM``, ...). It also reports its own uid, how
+many processes ``/proc`` shows and how many of them belong to another uid, what ``/tmp`` holds, and what
+``unshare(CLONE_NEWUSER)``, ``mount``, ``ptrace(PTRACE_TRACEME)`` and ``chroot`` return.
+"""
+
+import ctypes
+import errno
+import os
+import socket
+
+CLONE_NEWUSER = 0x10000000
+PTRACE_TRACEME = 0
+
+
+def _err(e):
+    if isinstance(e, OSError) and e.errno:
+        return errno.errorcode.get(e.errno, str(e.errno))
+    return type(e).__name__
+
+
+def _libc_call(fn, *args):
+    ctypes.set_errno(0)
+    rc = fn(*args)
+    if rc == -1:
+        return errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))
+    return "ok"
+
+
+def probe(req):
+    out = {"uid": os.getuid()}
+    connect = {}
+    for target in req.get("connect") or []:
+        host, port = target.rsplit(":", 1)
+        try:
+            with socket.create_connection((host, int(port)), timeout=3):
+                connect[target] = "ok"
+        except OSError as e:
+            connect[target] = _err(e)
+    out["connect"] = connect
+
+    visible = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    foreign = 0
+    for pid in visible:
+        try:
+            if os.stat("/proc/%d" % pid).st_uid != os.getuid():
+                foreign += 1
+        except OSError:
+            pass
+    out["proc_count"] = len(visible)
+    out["proc_foreign"] = foreign
+    out["pids"] = {str(p): ("visible" if os.path.exists("/proc/%d" % p) else "absent") for p in req.get("pids") or []}
+
+    reads = {}
+    for path in req.get("read") or []:
+        try:
+            if os.path.isdir(path):
+                os.listdir(path)
+            else:
+                with open(path, "rb") as f:
+                    f.read(1)
+            reads[path] = "ok"
+        except OSError as e:
+            reads[path] = _err(e)
+    out["read"] = reads
+    writes = {}
+    for path in req.get("write") or []:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            os.close(fd)
+            writes[path] = "ok"
+        except OSError as e:
+            writes[path] = _err(e)
+    out["write"] = writes
+
+    try:
+        out["tmp"] = sorted(os.listdir("/tmp"))
+    except OSError as e:
+        out["tmp"] = _err(e)
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    out["unshare_newuser"] = _libc_call(libc.unshare, ctypes.c_int(CLONE_NEWUSER))
+    out["mount"] = _libc_call(libc.mount, b"none", b"/tmp", b"tmpfs", ctypes.c_ulong(0), None)
+    out["ptrace"] = _libc_call(libc.ptrace, ctypes.c_long(PTRACE_TRACEME), 0, None, None)
+    out["chroot"] = _libc_call(libc.chroot, b"/")
+    return out

@@ -1,0 +1,230 @@
+//! What confining a plugin means, prepared in the worker before any fork (the spawn hook only replays it):
+//! the namespaces, the private `/proc` and `/tmp`, the paths kept visible in that `/tmp`, the seccomp profile.
+//!
+//! # The view a confined plugin has
+//!
+//! - **Network**: a new network namespace with only its own loopback, up. No route anywhere: NATS, the node's
+//!   and the pod's addresses, `169.254.169.254` and the internet are unreachable (`ENETUNREACH`), and a port on
+//!   `127.0.0.1` is the plugin's own loopback, not the worker's.
+//! - **Processes**: a new procfs mounted with `hidepid=2` ("invisible") in the session's own mount namespace:
+//!   every process of another uid is absent from `/proc`. Plugins run under a uid per (user, tool_id), and one
+//!   session per (user, tool_id) runs on a worker, so what a plugin sees is its own tree. This is the
+//!   "equivalent" of a PID namespace the issue allows, chosen because a PID namespace makes the plugin pid 1
+//!   (it must reap orphans, and ignores `SIGTERM` it has no handler for) or needs an init process per session;
+//!   the cgroup already gives the tree kill a PID namespace would add.
+//! - **Files**: the mount namespace is private (nothing propagates back to the node). `/tmp` is a new tmpfs
+//!   (`confinement.tmp_bytes`, charged to the session's memory cgroup), so plugins of different uids share no
+//!   scratch space. Paths the session needs that happen to live under `/tmp` (its install, the directories of
+//!   its command's absolute paths, its TMPDIR and workspace — common in tests and development, never in a
+//!   production layout) are mounted back at the same paths. Everything else keeps its host permissions: the
+//!   worker's state, keys and credentials are root-owned and unreadable to plugin uids (tested).
+//!   A read-only bind of the install was considered and left out: installs are root-owned and not writable by
+//!   plugin uids already, and every extra mount is paid at every spawn.
+//! - **IPC and host name**: new IPC and UTS namespaces (no System V objects or message queues shared).
+//! - **System calls**: the [`seccomp`](super::seccomp) profile.
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use super::seccomp::SeccompProfile;
+
+/// At most this many paths are mounted back into a private `/tmp` (install, command directories, TMPDIR,
+/// workspace): the child keeps their detached mounts in a fixed array (it may not allocate).
+pub(crate) const MAX_KEPT: usize = 8;
+
+/// The mount options of a plugin's `/proc`: processes of other uids are invisible.
+const PROC_OPTIONS: &str = "hidepid=2";
+
+/// Everything the spawn hook does to confine one plugin.
+#[derive(Debug)]
+pub(crate) struct Confinement {
+    /// Namespaces and private mounts (none: the plugin shares the worker's).
+    pub(crate) namespaces: Option<Namespaces>,
+    /// The filters (none: no seccomp).
+    pub(crate) seccomp: Option<Arc<SeccompProfile>>,
+}
+
+/// The namespace part of a [`Confinement`], as C strings for the child.
+#[derive(Debug)]
+pub(crate) struct Namespaces {
+    pub(crate) proc_options: CString,
+    /// `/tmp` as the worker resolves it.
+    pub(crate) tmp_root: CString,
+    pub(crate) tmp_options: CString,
+    pub(crate) kept: Vec<Kept>,
+}
+
+/// A path under `/tmp` mounted back into the private `/tmp`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Kept {
+    /// Absolute, canonical.
+    pub(crate) path: CString,
+    /// Its ancestors strictly between `/tmp` and it, outermost first (created in the tmpfs).
+    pub(crate) parents: Vec<CString>,
+    /// A directory (else a file: the mount point is an empty file).
+    pub(crate) is_dir: bool,
+}
+
+/// Why a plugin cannot be confined as configured.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfineError {
+    /// More paths under `/tmp` than a private `/tmp` can keep.
+    #[error(
+        "{count} paths of this session live under {tmp}; at most {MAX_KEPT} can be kept in its private /tmp"
+    )]
+    TooManyKept {
+        /// The tmp root.
+        tmp: String,
+        /// How many.
+        count: usize,
+    },
+    /// A path has a NUL byte (never a Linux path).
+    #[error("a path of this session contains a NUL byte")]
+    Nul,
+}
+
+/// The namespace plan for a session whose paths are `paths` (install dir, command paths, TMPDIR, workspace;
+/// missing ones are skipped), with a private `/tmp` of `tmp_bytes`.
+pub(crate) fn namespaces(paths: &[PathBuf], tmp_bytes: u64) -> Result<Namespaces, ConfineError> {
+    let tmp_root = std::fs::canonicalize("/tmp").unwrap_or_else(|_| PathBuf::from("/tmp"));
+    let candidates: Vec<(PathBuf, bool)> = paths
+        .iter()
+        .filter_map(|p| {
+            let canonical = std::fs::canonicalize(p).ok()?;
+            let is_dir = std::fs::metadata(&canonical).ok()?.is_dir();
+            Some((canonical, is_dir))
+        })
+        .collect();
+    let kept = kept_paths(&tmp_root, &candidates)?;
+    let c = |s: &[u8]| CString::new(s).map_err(|_| ConfineError::Nul);
+    Ok(Namespaces {
+        proc_options: c(PROC_OPTIONS.as_bytes())?,
+        tmp_root: c(tmp_root.as_os_str().as_bytes())?,
+        tmp_options: c(format!("size={tmp_bytes},mode=1777").as_bytes())?,
+        kept,
+    })
+}
+
+/// The paths of `candidates` (canonical, with "is a directory") strictly beneath `tmp_root`, without those
+/// beneath another kept one, each with the ancestors to create.
+pub(crate) fn kept_paths(tmp_root: &Path, candidates: &[(PathBuf, bool)]) -> Result<Vec<Kept>, ConfineError> {
+    let mut under: Vec<&(PathBuf, bool)> = candidates
+        .iter()
+        .filter(|(p, _)| p.starts_with(tmp_root) && p.as_path() != tmp_root)
+        .collect();
+    under.sort_by(|a, b| a.0.cmp(&b.0));
+    under.dedup_by(|a, b| a.0 == b.0);
+    let mut outermost: Vec<&(PathBuf, bool)> = Vec::new();
+    for candidate in under {
+        if !outermost.iter().any(|(kept, _)| candidate.0.starts_with(kept)) {
+            outermost.push(candidate);
+        }
+    }
+    if outermost.len() > MAX_KEPT {
+        return Err(ConfineError::TooManyKept {
+            tmp: tmp_root.display().to_string(),
+            count: outermost.len(),
+        });
+    }
+    let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).map_err(|_| ConfineError::Nul);
+    outermost
+        .into_iter()
+        .map(|(path, is_dir)| {
+            let mut parents: Vec<&Path> = path
+                .ancestors()
+                .skip(1)
+                .take_while(|a| *a != tmp_root && a.starts_with(tmp_root))
+                .collect();
+            parents.reverse();
+            Ok(Kept {
+                path: c(path)?,
+                parents: parents.into_iter().map(c).collect::<Result<_, _>>()?,
+                is_dir: *is_dir,
+            })
+        })
+        .collect()
+}
+
+/// The paths of a plugin's command worth keeping: its install directory, and for every absolute argument that
+/// exists, the directory holding it (an interpreter's script and its siblings, a binary's directory).
+pub fn command_paths(install_dir: &Path, argv: &[String]) -> Vec<PathBuf> {
+    let mut out = vec![install_dir.to_path_buf()];
+    for arg in argv {
+        let path = Path::new(arg);
+        if !path.is_absolute() {
+            continue;
+        }
+        match std::fs::metadata(path) {
+            Ok(m) if m.is_dir() => out.push(path.to_path_buf()),
+            Ok(_) => out.extend(path.parent().map(Path::to_path_buf)),
+            Err(_) => {}
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(c: &CString) -> &str {
+        c.to_str().unwrap()
+    }
+
+    #[test]
+    fn only_paths_beneath_tmp_are_kept_outermost_first_with_their_parents() {
+        let tmp = Path::new("/tmp");
+        let kept = kept_paths(
+            tmp,
+            &[
+                (PathBuf::from("/var/lib/plugins/echo"), true),
+                (PathBuf::from("/tmp"), true),
+                (PathBuf::from("/tmp/t1/data/state/users/k/tmp/echo"), true),
+                (PathBuf::from("/tmp/t1/data/state"), true),
+                (PathBuf::from("/tmp/t1/plugins/echo"), true),
+                (PathBuf::from("/tmp/t1/plugins/echo"), true),
+                (PathBuf::from("/tmp/tmpfile"), false),
+                (PathBuf::from("/tmpx/other"), true),
+            ],
+        )
+        .unwrap();
+        let paths: Vec<&str> = kept.iter().map(|k| s(&k.path)).collect();
+        assert_eq!(
+            paths,
+            ["/tmp/t1/data/state", "/tmp/t1/plugins/echo", "/tmp/tmpfile"]
+        );
+        let parents: Vec<&str> = kept[0].parents.iter().map(s).collect();
+        assert_eq!(parents, ["/tmp/t1", "/tmp/t1/data"]);
+        assert!(kept[2].parents.is_empty());
+        assert!(!kept[2].is_dir);
+    }
+
+    #[test]
+    fn more_kept_paths_than_the_child_can_hold_is_an_error() {
+        let many: Vec<(PathBuf, bool)> = (0..=MAX_KEPT)
+            .map(|i| (PathBuf::from(format!("/tmp/d{i}")), true))
+            .collect();
+        assert!(matches!(
+            kept_paths(Path::new("/tmp"), &many),
+            Err(ConfineError::TooManyKept { count, .. }) if count == MAX_KEPT + 1
+        ));
+        assert!(kept_paths(Path::new("/tmp"), &many[..MAX_KEPT]).is_ok());
+    }
+
+    #[test]
+    fn command_paths_are_the_install_and_the_directories_of_existing_absolute_arguments() {
+        let dir = tempfile::tempdir().unwrap();
+        let script = dir.path().join("run.py");
+        std::fs::write(&script, "").unwrap();
+        let argv = [
+            "python3".to_owned(),
+            script.display().to_string(),
+            "/no/such/file".to_owned(),
+            "--flag".to_owned(),
+        ];
+        let paths = command_paths(Path::new("/opt/plugin"), &argv);
+        assert_eq!(paths, [PathBuf::from("/opt/plugin"), dir.path().to_path_buf()]);
+    }
+}
