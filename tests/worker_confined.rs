@@ -52,6 +52,10 @@ enum Layout {
 }
 
 fn hostile_worker(name: &str, layout: Layout) -> Hostile {
+    hostile_worker_with(name, layout, |_| {})
+}
+
+fn hostile_worker_with(name: &str, layout: Layout, configure: impl FnOnce(&mut WorkerConfig)) -> Hostile {
     let root = match layout {
         Layout::UnderTmp => tempfile::tempdir_in("/tmp").unwrap(),
         Layout::OutsideTmp => tempfile::tempdir_in("/var/tmp").unwrap(),
@@ -72,6 +76,19 @@ fn hostile_worker(name: &str, layout: Layout) -> Hostile {
             json!({"allow_methods": ["confine/probe"]}),
         ),
     ];
+    // A plugin whose command names its script relative to its install directory, outside it (what the demo
+    // catalogue's `notes-py` does): kept visible in a private /tmp too.
+    let shared = catalogue.join("shared");
+    std::fs::create_dir_all(&shared).unwrap();
+    for f in ["echo_plugin.py", "confine_probe.py"] {
+        std::fs::copy(python_dir().join(f), shared.join(f)).unwrap();
+    }
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let entries = entries.into_iter().chain([(
+        "rel-probe",
+        json!([PYTHON, "../shared/echo_plugin.py", "--hostile"]),
+        json!({}),
+    )]);
     for (id, command, extra) in entries {
         let d = catalogue.join(id);
         std::fs::create_dir_all(&d).unwrap();
@@ -91,6 +108,7 @@ fn hostile_worker(name: &str, layout: Layout) -> Hostile {
     let mut config = test_config(&format!("cf-{name}"));
     config.catalogue_dir = catalogue;
     config.state_dir = root.path().join("state");
+    configure(&mut config);
     let (catalogue, problems) = Catalogue::load(&config.catalogue_dir, &LoadOptions::from_env()).unwrap();
     assert!(problems.is_empty(), "{problems:?}");
     let sandbox = Sandbox::new(&config).expect("sandbox (cgroups, namespaces, as root)");
@@ -262,6 +280,18 @@ async fn an_animus_plugin_installed_under_tmp_reaches_nothing_outside_its_sandbo
     both_dialects_lose("animus-probe", Layout::UnderTmp).await;
 }
 
+/// A command naming its script relative to the install directory starts in its sandbox wherever the
+/// catalogue lives (under /tmp, the private /tmp keeps the script's directory).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_relative_to_its_install_starts_confined() {
+    for layout in [Layout::UnderTmp, Layout::OutsideTmp] {
+        let w = hostile_worker("rel", layout);
+        let report = probe(&w, "dave", "rel-probe", json!({})).await;
+        assert_eq!(report["proc_foreign"], 0, "{report}");
+        w.pool.shutdown().await;
+    }
+}
+
 /// The worker's own secrets next to the state: root-owned, unreadable by a plugin uid even where its view of
 /// the file system includes them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -359,4 +389,199 @@ async fn one_users_memory_bomb_across_sessions_leaves_another_user_alive() {
     assert!(out.success(), "{:?}", out.error_message());
     assert_eq!(b.pid(), Some(b_pid), "in the same process");
     w.pool.shutdown().await;
+}
+
+/// The project's own test host: a network namespace joined to this one by a veth pair (`host_end` here,
+/// `test_host` there, a /30 of 198.18.0.0/16 of its own) with a small HTTP server on `test_host:TEST_PORT`.
+/// No traffic leaves the machine.
+struct TestHost {
+    netns: String,
+    /// The /30 both ends are in.
+    cidr: String,
+    host_end: String,
+    test_host: String,
+}
+
+const TEST_PORT: u16 = 8080;
+const TEST_BODY: &str = "hello from the test host";
+
+fn ip(args: &[&str]) {
+    let out = std::process::Command::new("ip")
+        .args(args)
+        .output()
+        .expect("ip (iproute2)");
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl TestHost {
+    fn start() -> TestHost {
+        static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        // A namespace left by a killed run of this test holds addresses it no longer needs.
+        let listed = std::process::Command::new("ip")
+            .args(["netns", "list"])
+            .output()
+            .unwrap();
+        for name in String::from_utf8_lossy(&listed.stdout).split_whitespace() {
+            let owner = name
+                .strip_prefix("ca-egress-")
+                .and_then(|rest| rest.split('-').next())
+                .and_then(|pid| pid.parse::<u32>().ok());
+            if owner.is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists()) {
+                let _ = std::process::Command::new("ip")
+                    .args(["netns", "del", name])
+                    .status();
+            }
+        }
+        let (id, seq) = (
+            std::process::id(),
+            SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        );
+        // One /30 per (process, test host): concurrent test processes never share addresses.
+        let block = (id.wrapping_mul(4).wrapping_add(seq) % 16_384) * 4;
+        let (a, b) = (block / 256, block % 256);
+        let host = TestHost {
+            netns: format!("ca-egress-{id}-{seq}"),
+            cidr: format!("198.18.{a}.{b}/30"),
+            host_end: format!("198.18.{a}.{}", b + 1),
+            test_host: format!("198.18.{a}.{}", b + 2),
+        };
+        let (here, there) = (format!("cae{id}x{seq}h"), format!("cae{id}x{seq}n"));
+        ip(&["netns", "add", &host.netns]);
+        ip(&["link", "add", &here, "type", "veth", "peer", "name", &there]);
+        ip(&["link", "set", &there, "netns", &host.netns]);
+        ip(&["addr", "add", &format!("{}/30", host.host_end), "dev", &here]);
+        ip(&["link", "set", &here, "up"]);
+        let inside = format!("{}/30", host.test_host);
+        for args in [
+            vec!["addr", "add", inside.as_str(), "dev", there.as_str()],
+            vec!["link", "set", there.as_str(), "up"],
+            vec!["link", "set", "lo", "up"],
+        ] {
+            let mut full = vec!["-n", host.netns.as_str()];
+            full.extend(args);
+            ip(&full);
+        }
+        let ns_path = format!("/run/netns/{}", host.netns);
+        let bind = host.test_host.clone();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let ns = std::fs::File::open(&ns_path).unwrap();
+            rustix::thread::move_into_link_name_space(
+                std::os::fd::AsFd::as_fd(&ns),
+                Some(rustix::thread::LinkNameSpaceType::Network),
+            )
+            .unwrap();
+            let listener = TcpListener::bind((bind.as_str(), TEST_PORT)).unwrap();
+            ready_tx.send(()).unwrap();
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                use std::io::{Read as _, Write as _};
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).is_ok_and(|n| n == 1) {
+                    head.push(byte[0]);
+                }
+                let _ = write!(
+                    stream,
+                    "HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n{TEST_BODY}",
+                    TEST_BODY.len()
+                );
+            }
+        });
+        ready_rx.recv_timeout(GUARD).expect("the test host listens");
+        host
+    }
+}
+
+impl Drop for TestHost {
+    fn drop(&mut self) {
+        // Deleting the namespace deletes the veth pair with it.
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.netns])
+            .status();
+    }
+}
+
+/// An egress-granted plugin reaches a test host through the worker's proxy — and still not NATS, the metadata
+/// address, the worker's own addresses or anything directly; a tool of the same user without the grant has no
+/// way out at all.
+async fn egress_is_granted_by_the_operator_only(tool_id: &str) {
+    let host = TestHost::start();
+    let cidr = host.cidr.clone();
+    let w = hostile_worker_with(&format!("eg{}", &tool_id[..2]), Layout::OutsideTmp, |c| {
+        c.egress.tools = vec!["exec-probe".into(), "animus-probe".into()];
+        c.egress.allow_cidrs = vec![cidr.parse().unwrap()];
+    });
+    let nats_dir = tempfile::tempdir().unwrap();
+    let nats = NatsServer::start(nats_dir.path()).expect("nats-server (run scripts/test.sh once)");
+    let nats_target = format!("127.0.0.1:{}", nats.port());
+    let test_host = format!("{}:{TEST_PORT}", host.test_host);
+    let own = format!("{}:{TEST_PORT}", host.host_end);
+    // From the worker's side the test host answers: what the ungranted plugin is refused is really there.
+    std::net::TcpStream::connect(&test_host).expect("the test host answers from the worker's namespace");
+    let url = format!("http://{test_host}/");
+    let mut tunnels = vec![
+        test_host.clone(),
+        nats_target.clone(),
+        "169.254.169.254:80".to_owned(),
+        own.clone(),
+        "203.0.113.9:80".to_owned(),
+    ];
+    let machine = host_address().map(|a| format!("{a}:{}", nats.port()));
+    tunnels.extend(machine.clone());
+    let request = json!({
+        "connect": [test_host, nats_target],
+        "tunnel": tunnels,
+        "fetch": [url],
+    });
+    let report = probe(&w, "alice", tool_id, request.clone()).await;
+
+    assert_eq!(
+        report["proxy_env"],
+        format!("http://127.0.0.1:{}", fleet_worker::egress::EGRESS_PROXY_PORT)
+    );
+    // Through the proxy: the test host, by CONNECT and by a proxied plain-HTTP request.
+    assert_eq!(report["tunnel"][&test_host]["status"], "200", "{report}");
+    assert_eq!(report["tunnel"][&test_host]["body"], TEST_BODY, "{report}");
+    assert_eq!(report["fetch"][&url]["status"], 200, "{report}");
+    assert_eq!(report["fetch"][&url]["body"], TEST_BODY, "{report}");
+    // Refused by the proxy: NATS on loopback, the metadata address, the worker's own address (inside the
+    // allowed range), a private range not opened, the machine's own address.
+    for refused in tunnels.iter().skip(1) {
+        assert_eq!(report["tunnel"][refused]["status"], "403", "{refused}: {report}");
+    }
+    // Directly: still no route out, and the plugin's loopback is its own.
+    assert_eq!(report["connect"][&test_host], "ENETUNREACH", "{report}");
+    assert_eq!(report["connect"][&nats_target], "ECONNREFUSED", "{report}");
+
+    let counters = w.sandbox.egress_counters();
+    assert_eq!(counters.connected.load(std::sync::atomic::Ordering::Relaxed), 2);
+    let refusals: std::collections::HashMap<_, _> = counters.refusals().into_iter().collect();
+    assert_eq!(refusals["loopback"], 1);
+    assert_eq!(refusals["link_local"], 1);
+    assert_eq!(refusals["private"], 1);
+    assert_eq!(refusals["worker_address"], 1 + u64::from(machine.is_some()));
+
+    // The same fixture as a tool without the grant: no proxy, no route.
+    let ungranted = probe(&w, "alice", "sibling", request).await;
+    assert_eq!(ungranted["proxy_env"], Value::Null, "{ungranted}");
+    assert_eq!(ungranted["tunnel"][&test_host], "no proxy", "{ungranted}");
+    assert_eq!(ungranted["connect"][&test_host], "ENETUNREACH", "{ungranted}");
+    assert!(ungranted["fetch"][&url]["error"].is_string(), "{ungranted}");
+    w.pool.shutdown().await;
+    drop(host);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_egress_granted_executa_plugin_reaches_a_test_host_but_not_nats() {
+    egress_is_granted_by_the_operator_only("exec-probe").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_egress_granted_animus_plugin_reaches_a_test_host_but_not_nats() {
+    egress_is_granted_by_the_operator_only("animus-probe").await;
 }

@@ -548,6 +548,24 @@ impl Collector for WorkerCollector {
             "__file_transport pointers refused",
             sum(&pools, |m| load(&m.file_transport_refused)),
         )?;
+        // Egress through the proxies of egress-granted plugins, by outcome (refusals by the rule that refused).
+        let mut outcomes: BTreeMap<&str, u64> = BTreeMap::new();
+        for pool in &pools {
+            let c = pool.context().sandbox.egress_counters();
+            *outcomes.entry("connected").or_default() += load(&c.connected);
+            *outcomes.entry("failed").or_default() += load(&c.failed);
+            *outcomes.entry("bad_request").or_default() += load(&c.bad_request);
+            for (rule, n) in c.refusals() {
+                *outcomes.entry(rule).or_default() += n;
+            }
+        }
+        let rows: Vec<(L1, u64)> = outcomes.into_iter().map(|(o, n)| ([("outcome", o)], n)).collect();
+        counter_family(
+            &mut e,
+            "plugin_egress_connections",
+            "Connections through the egress proxy, by outcome (connected, failed, bad_request, or the refusing rule)",
+            &rows,
+        )?;
         // Cold-start duration histogram.
         let mut buckets: Vec<(f64, u64)> = Vec::new();
         let mut count = 0;

@@ -138,6 +138,26 @@ pub fn config(args: &WorkerArgs) -> Result<WorkerConfig, WorkerCmdError> {
     Ok(config)
 }
 
+/// The addresses of the NATS servers in `urls` (comma-separated `nats://`/`tls://` URLs or `host:port`), as
+/// single-address ranges; names that do not resolve are skipped (they cannot be connected to either).
+async fn nats_addresses(urls: &str) -> Vec<ipnet::IpNet> {
+    let mut out = Vec::new();
+    for url in urls.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+        let authority = url.split_once("://").map_or(url, |(_, rest)| rest);
+        let authority = authority.rsplit_once('@').map_or(authority, |(_, a)| a);
+        let authority = authority.split('/').next().unwrap_or(authority);
+        let with_port = if authority.ends_with(']') || !authority.contains(':') {
+            format!("{authority}:4222")
+        } else {
+            authority.to_owned()
+        };
+        if let Ok(addrs) = tokio::net::lookup_host(with_port.as_str()).await {
+            out.extend(addrs.map(|a| ipnet::IpNet::from(a.ip())));
+        }
+    }
+    out
+}
+
 fn emit(v: &serde_json::Value) {
     use std::io::Write as _;
     let mut out = std::io::stdout().lock();
@@ -151,7 +171,11 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
     let mut term = signal(SignalKind::terminate()).map_err(WorkerCmdError::Signals)?;
     let mut int = signal(SignalKind::interrupt()).map_err(WorkerCmdError::Signals)?;
 
-    let config = config(args)?;
+    let mut config = config(args)?;
+    if let Some(urls) = &args.nats_url {
+        // Egress-granted plugins must never reach the bus, whatever range the operator opens.
+        config.egress.deny_cidrs.extend(nats_addresses(urls).await);
+    }
     let (catalogue, problems) = Catalogue::load(&config.catalogue_dir, &LoadOptions::from_env())?;
     for p in &problems {
         tracing::warn!(problem = %p, "catalogue entry skipped");

@@ -145,6 +145,44 @@ impl Default for Confinement {
     }
 }
 
+/// Network egress the operator grants to some plugins (none by default: a confined plugin has only its own
+/// loopback). A granted session's network namespace holds the worker's egress proxy on
+/// `127.0.0.1:`[`EGRESS_PROXY_PORT`] (`HTTP_PROXY`/`HTTPS_PROXY` point there), which resolves each destination
+/// itself and connects only to addresses the policy allows (`worker/src/egress.rs`). Never read from a
+/// package: only the worker's own configuration grants it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Egress {
+    /// The `tool_id`s whose plugins get egress.
+    pub tools: Vec<String>,
+    /// Ranges opened although they are refused by default (private, shared, benchmarking, documentation and
+    /// reserved ranges). Never opens loopback, link-local (the metadata address), multicast, the worker's own
+    /// addresses or `deny_cidrs`.
+    pub allow_cidrs: Vec<ipnet::IpNet>,
+    /// Ranges always refused on top of the built-in ones (the fleet adds its NATS servers' addresses).
+    pub deny_cidrs: Vec<ipnet::IpNet>,
+    /// Destination ports allowed (empty: any).
+    pub ports: Vec<u16>,
+    /// Connections through the proxy at once, per session (more wait for one to close).
+    pub max_connections: usize,
+}
+
+impl Default for Egress {
+    fn default() -> Self {
+        Egress {
+            tools: Vec::new(),
+            allow_cidrs: Vec::new(),
+            deny_cidrs: Vec::new(),
+            ports: Vec::new(),
+            max_connections: 64,
+        }
+    }
+}
+
+/// The port of the egress proxy inside an egress-granted plugin's network namespace (its own loopback: no
+/// other process shares it).
+pub const EGRESS_PROXY_PORT: u16 = 3128;
+
 /// The ceiling on the sum of one user's sessions on a worker: a parent cgroup per user.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -199,6 +237,8 @@ pub struct WorkerConfig {
     pub confinement: Confinement,
     /// The ceiling on each user's sessions together.
     pub user_limits: UserLimits,
+    /// Network egress granted to some plugins.
+    pub egress: Egress,
     /// Variables passed from the worker's environment to plugins (everything else is scrubbed).
     pub env_allowlist: Vec<String>,
     /// Sessions idle this long are shut down.
@@ -239,6 +279,7 @@ impl Default for WorkerConfig {
             workspace: WorkspaceSharing::default(),
             confinement: Confinement::default(),
             user_limits: UserLimits::default(),
+            egress: Egress::default(),
             env_allowlist: ["PATH", "LANG", "LC_ALL", "TZ"]
                 .into_iter()
                 .map(String::from)

@@ -16,6 +16,7 @@
 pub mod animus;
 pub mod catalogue;
 pub mod config;
+pub mod egress;
 pub mod install;
 pub mod metrics;
 pub mod pool;

@@ -5,12 +5,19 @@
 (``ECONNREFUSED``, ``ENETUNREACH``, ``EACCES``, ``ENOENT``, ``EPERM``, ...). It also reports its own uid, how
 many processes ``/proc`` shows and how many of them belong to another uid, what ``/tmp`` holds, and what
 ``unshare(CLONE_NEWUSER)``, ``mount``, ``ptrace(PTRACE_TRACEME)`` and ``chroot`` return.
+
+Egress: ``"tunnel": ["host:port", ...]`` asks the proxy named by ``HTTPS_PROXY`` for a ``CONNECT`` to each target
+and, when it answers 200, sends a ``GET /`` through the tunnel: ``{"status": "200", "body": "..."}``, the
+proxy's status, or ``"no proxy"``; ``"fetch": [url, ...]`` fetches with urllib as a client honouring the proxy
+variables does: ``{"status": 200, "body": "..."}`` or ``{"error": ...}``.
 """
 
 import ctypes
 import errno
 import os
 import socket
+import urllib.error
+import urllib.request
 
 CLONE_NEWUSER = 0x10000000
 PTRACE_TRACEME = 0
@@ -30,6 +37,53 @@ def _libc_call(fn, *args):
     return "ok"
 
 
+def _recv_all(sock, limit=65536):
+    data = b""
+    while len(data) < limit:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _tunnel(target):
+    proxy = os.environ.get("HTTPS_PROXY")
+    if not proxy:
+        return "no proxy"
+    host, port = proxy.rsplit("/", 1)[-1].rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.settimeout(15)
+            s.sendall(("CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n" % (target, target)).encode())
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = s.recv(1)
+                if not chunk:
+                    break
+                head += chunk
+            status = head.split(b" ", 2)[1].decode() if head.count(b" ") >= 1 else "none"
+            if status != "200":
+                return {"status": status}
+            s.sendall(b"GET / HTTP/1.0\r\nHost: test\r\n\r\n")
+            body = _recv_all(s).split(b"\r\n\r\n", 1)[-1]
+            return {"status": status, "body": body.decode(errors="replace")}
+    except OSError as e:
+        return _err(e)
+
+
+def _fetch(url):
+    try:
+        with urllib.request.urlopen(url, timeout=15) as r:
+            return {"status": r.status, "body": r.read(4096).decode(errors="replace")}
+    except urllib.error.HTTPError as e:
+        return {"status": e.code}
+    except urllib.error.URLError as e:
+        return {"error": _err(e.reason) if isinstance(e.reason, OSError) else type(e.reason).__name__}
+    except OSError as e:
+        return {"error": _err(e)}
+
+
 def probe(req):
     out = {"uid": os.getuid()}
     connect = {}
@@ -41,6 +95,9 @@ def probe(req):
         except OSError as e:
             connect[target] = _err(e)
     out["connect"] = connect
+    out["tunnel"] = {t: _tunnel(t) for t in req.get("tunnel") or []}
+    out["fetch"] = {u: _fetch(u) for u in req.get("fetch") or []}
+    out["proxy_env"] = os.environ.get("HTTP_PROXY")
 
     visible = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     foreign = 0

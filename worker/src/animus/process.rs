@@ -98,6 +98,9 @@ pub(crate) type NotificationSink = Arc<dyn Fn(&str, Frame) + Send + Sync>;
 
 /// A running Animus plugin process.
 pub(crate) struct AnimusProcess {
+    /// The plan it was spawned with, kept for the process's life: it holds an egress-granted plugin's network
+    /// namespace and proxy.
+    _plan: crate::sandbox::SpawnPlan,
     pub(crate) pid: u32,
     pub(crate) user: String,
     pub(crate) tool_id: String,
@@ -233,6 +236,7 @@ impl AnimusProcess {
         // Ids start at a per-process offset: a frame a plugin writes before reading anything cannot match one.
         let first_id = 1 + (u64::from(std::process::id()) ^ u64::from(pid)).wrapping_mul(7919) % 1_000_000;
         let process = Arc::new(AnimusProcess {
+            _plan: plan,
             pid,
             user: user.to_string(),
             tool_id: install.tool_id.clone(),

@@ -5,7 +5,9 @@
 //!
 //! - **Network**: a new network namespace with only its own loopback, up. No route anywhere: NATS, the node's
 //!   and the pod's addresses, `169.254.169.254` and the internet are unreachable (`ENETUNREACH`), and a port on
-//!   `127.0.0.1` is the plugin's own loopback, not the worker's.
+//!   `127.0.0.1` is the plugin's own loopback, not the worker's. A plugin the operator grants egress
+//!   (`egress.tools`) joins a namespace the worker made for it instead ([`EgressNet`]), where the egress proxy
+//!   listens on that loopback (`crate::egress`): still no route, only the proxy's checked connections.
 //! - **Processes**: a new procfs mounted with `hidepid=2` ("invisible") in the session's own mount namespace:
 //!   every process of another uid is absent from `/proc`. Plugins run under a uid per (user, tool_id), and one
 //!   session per (user, tool_id) runs on a worker, so what a plugin sees is its own tree. This is the
@@ -28,6 +30,7 @@ use std::os::unix::ffi::OsStrExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use super::netns::EgressNet;
 use super::seccomp::SeccompProfile;
 
 /// At most this many paths are mounted back into a private `/tmp` (install, command directories, TMPDIR,
@@ -54,6 +57,8 @@ pub(crate) struct Namespaces {
     pub(crate) tmp_root: CString,
     pub(crate) tmp_options: CString,
     pub(crate) kept: Vec<Kept>,
+    /// The network namespace to join (an egress-granted session's); `None`: a new, empty one.
+    pub(crate) join_net: Option<Arc<EgressNet>>,
 }
 
 /// A path under `/tmp` mounted back into the private `/tmp`.
@@ -104,6 +109,7 @@ pub(crate) fn namespaces(paths: &[PathBuf], tmp_bytes: u64) -> Result<Namespaces
         tmp_root: c(tmp_root.as_os_str().as_bytes())?,
         tmp_options: c(format!("size={tmp_bytes},mode=1777").as_bytes())?,
         kept,
+        join_net: None,
     })
 }
 
@@ -147,15 +153,22 @@ pub(crate) fn kept_paths(tmp_root: &Path, candidates: &[(PathBuf, bool)]) -> Res
         .collect()
 }
 
-/// The paths of a plugin's command worth keeping: its install directory, and for every absolute argument that
-/// exists, the directory holding it (an interpreter's script and its siblings, a binary's directory).
+/// The paths of a plugin's command worth keeping: its install directory, and for every argument that names an
+/// existing path — absolute, or relative to the install directory (which is the plugin's working directory,
+/// e.g. `../shared/plugin.py`) — the directory holding it (an interpreter's script and its siblings, a
+/// binary's directory).
 pub fn command_paths(install_dir: &Path, argv: &[String]) -> Vec<PathBuf> {
     let mut out = vec![install_dir.to_path_buf()];
     for arg in argv {
         let path = Path::new(arg);
-        if !path.is_absolute() {
+        let path = if path.is_absolute() {
+            path.to_path_buf()
+        } else if arg.contains('/') {
+            install_dir.join(path)
+        } else {
             continue;
-        }
+        };
+        let path = path.as_path();
         match std::fs::metadata(path) {
             Ok(m) if m.is_dir() => out.push(path.to_path_buf()),
             Ok(_) => out.extend(path.parent().map(Path::to_path_buf)),
@@ -226,5 +239,18 @@ mod tests {
         ];
         let paths = command_paths(Path::new("/opt/plugin"), &argv);
         assert_eq!(paths, [PathBuf::from("/opt/plugin"), dir.path().to_path_buf()]);
+        // Relative to the install directory (the working directory): `../shared/run.py`.
+        let install = dir.path().join("tool");
+        let shared = dir.path().join("shared");
+        std::fs::create_dir_all(&install).unwrap();
+        std::fs::create_dir_all(&shared).unwrap();
+        std::fs::write(shared.join("run.py"), "").unwrap();
+        let argv = [
+            "python3".to_owned(),
+            "../shared/run.py".to_owned(),
+            "../missing/x.py".to_owned(),
+        ];
+        let paths = command_paths(&install, &argv);
+        assert_eq!(paths, [install.clone(), install.join("../shared")]);
     }
 }

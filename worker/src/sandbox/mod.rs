@@ -50,6 +50,7 @@ mod control;
 mod detect;
 mod error;
 mod names;
+mod netns;
 pub mod seccomp;
 mod spawn;
 mod users;
@@ -73,7 +74,9 @@ pub use spawn::{SpawnPlan, apply, die_with_parent};
 pub use users::UserSpace;
 use users::Users;
 
-use crate::config::{IsolationMode, ResourceLimits, UserLimits, WorkerConfig};
+use crate::config::{EGRESS_PROXY_PORT, IsolationMode, ResourceLimits, UserLimits, WorkerConfig};
+use crate::egress::{EgressCounters, Policy};
+use netns::EgressNet;
 
 /// The prefix of a user's ceiling cgroup in the worker's subtree (`user-<user_key>`; session names start with
 /// hex digits or `.probe`, so never with this).
@@ -126,6 +129,10 @@ struct Inner {
     /// The live user ceiling cgroups, by user key; the lock also orders creating a session in one against
     /// removing it.
     user_cgroups: Arc<Mutex<HashMap<String, Weak<UserCgroup>>>>,
+    /// The egress policy (with namespaces only: without them plugins share the worker's network anyway).
+    egress: Option<Arc<Policy>>,
+    /// What the egress proxies did.
+    egress_counters: Arc<EgressCounters>,
 }
 
 /// What every session's [`Confinement`] starts from.
@@ -195,6 +202,16 @@ impl Sandbox {
                 Some(prepare_confinement(config)?),
             ),
         };
+        let egress = match &confine {
+            Some(base) if base.namespaces && !config.egress.tools.is_empty() => {
+                Some(Arc::new(Policy::new(&config.egress).map_err(|e| {
+                    SandboxError::Config {
+                        reason: e.to_string(),
+                    }
+                })?))
+            }
+            _ => None,
+        };
         Ok(Sandbox {
             inner: Arc::new(Inner {
                 subtree,
@@ -202,6 +219,8 @@ impl Sandbox {
                 confine,
                 user_limits: config.user_limits,
                 user_cgroups: Arc::default(),
+                egress,
+                egress_counters: Arc::default(),
             }),
         })
     }
@@ -213,27 +232,62 @@ impl Sandbox {
         &self,
         cgroup: Option<&SessionCgroup>,
         space: &UserSpace,
+        paths: Vec<PathBuf>,
+    ) -> Result<SpawnPlan, SandboxError> {
+        self.plan_with(cgroup, space, paths, false)
+    }
+
+    /// [`plan`](Self::plan), with a network namespace served by the egress proxy when `egress` (and the
+    /// sandbox has namespaces and an egress policy).
+    fn plan_with(
+        &self,
+        cgroup: Option<&SessionCgroup>,
+        space: &UserSpace,
         mut paths: Vec<PathBuf>,
+        egress: bool,
     ) -> Result<SpawnPlan, SandboxError> {
         let plan = SpawnPlan::for_user(cgroup, space);
         let Some(base) = &self.inner.confine else {
             return Ok(plan);
         };
+        let mut env = Vec::new();
         let namespaces = if base.namespaces {
             paths.push(space.tmpdir.clone());
             paths.push(space.workspace.clone());
-            Some(
-                confine::namespaces(&paths, base.tmp_bytes).map_err(|e| SandboxError::Config {
-                    reason: e.to_string(),
-                })?,
-            )
+            let mut ns = confine::namespaces(&paths, base.tmp_bytes).map_err(|e| SandboxError::Config {
+                reason: e.to_string(),
+            })?;
+            if let (true, Some(policy)) = (egress, &self.inner.egress) {
+                let (policy, counters) = (policy.clone(), self.inner.egress_counters.clone());
+                let net = EgressNet::create(EGRESS_PROXY_PORT, move |listener| {
+                    crate::egress::serve(listener, policy, counters)
+                })
+                .map_err(|e| SandboxError::Unavailable {
+                    reason: format!("cannot prepare the egress network namespace: {e}"),
+                })?;
+                ns.join_net = Some(Arc::new(net));
+                env = crate::egress::proxy_env();
+            }
+            Some(ns)
         } else {
             None
         };
-        Ok(plan.confined(Some(Arc::new(Confinement {
-            namespaces,
-            seccomp: base.seccomp.clone(),
-        }))))
+        Ok(plan
+            .confined(Some(Arc::new(Confinement {
+                namespaces,
+                seccomp: base.seccomp.clone(),
+            })))
+            .with_env(env))
+    }
+
+    /// Whether the operator granted `tool_id` egress (and this sandbox can give it: namespaces on).
+    pub fn grants_egress(&self, tool_id: &str) -> bool {
+        self.inner.egress.as_ref().is_some_and(|p| p.grants(tool_id))
+    }
+
+    /// What the egress proxies of this sandbox did.
+    pub fn egress_counters(&self) -> Arc<EgressCounters> {
+        self.inner.egress_counters.clone()
     }
 
     /// Everything a plugin process of `user` for `tool_id` needs before it is spawned: its [`UserSpace`], a
@@ -258,7 +312,8 @@ impl Sandbox {
             &space.user_key[..8.min(space.user_key.len())]
         );
         let cgroup = self.create_session(&space.user_key, &name, limits)?;
-        match self.plan(cgroup.as_ref(), &space, command_paths(dir, argv)) {
+        let egress = self.grants_egress(tool_id);
+        match self.plan_with(cgroup.as_ref(), &space, command_paths(dir, argv), egress) {
             Ok(plan) => Ok(Prepared { space, cgroup, plan }),
             Err(e) => {
                 if let Some(cg) = cgroup {

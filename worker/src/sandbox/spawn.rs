@@ -62,7 +62,7 @@
 
 use std::ffi::{CStr, CString};
 use std::io;
-use std::os::fd::{AsRawFd as _, OwnedFd};
+use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd};
 use std::sync::Arc;
 
 use rustix::fs::{CWD, Mode, OFlags};
@@ -71,7 +71,7 @@ use rustix::mount::{
     open_tree,
 };
 use rustix::process::{Gid, Uid};
-use rustix::thread::UnshareFlags;
+use rustix::thread::{LinkNameSpaceType, UnshareFlags};
 
 use super::confine::{Confinement, MAX_KEPT};
 use super::{SessionCgroup, UserSpace};
@@ -87,6 +87,8 @@ pub struct SpawnPlan {
     groups: Vec<Gid>,
     /// Namespaces, private `/proc` and `/tmp`, seccomp (none: the plugin shares the worker's view).
     confine: Option<Arc<Confinement>>,
+    /// Variables set on top of the spawn site's environment (an egress-granted plugin's proxy).
+    env: Vec<(String, String)>,
 }
 
 impl SpawnPlan {
@@ -99,6 +101,7 @@ impl SpawnPlan {
             gid,
             groups: Vec::new(),
             confine: None,
+            env: Vec::new(),
         }
     }
 
@@ -115,6 +118,20 @@ impl SpawnPlan {
         self
     }
 
+    /// This plan, also setting `env` in the child.
+    pub(crate) fn with_env(mut self, env: Vec<(String, String)>) -> SpawnPlan {
+        self.env = env;
+        self
+    }
+
+    /// Whether the plugin gets egress through the worker's proxy.
+    pub fn has_egress(&self) -> bool {
+        self.confine
+            .as_ref()
+            .and_then(|c| c.namespaces.as_ref())
+            .is_some_and(|n| n.join_net.is_some())
+    }
+
     /// Whether the plan confines the plugin (namespaces or seccomp).
     pub fn is_confined(&self) -> bool {
         self.confine.is_some()
@@ -126,6 +143,7 @@ impl SpawnPlan {
 /// std's id switch would happen before the cgroup write.
 #[allow(unsafe_code)]
 pub fn apply(cmd: &mut tokio::process::Command, plan: &SpawnPlan) {
+    cmd.envs(plan.env.iter().map(|(k, v)| (k, v)));
     let plan = plan.clone();
     // SAFETY: the closure only calls `child_setup`, which makes async-signal-safe raw system calls on data
     // prepared before the fork and does not allocate (module documentation, "The `unsafe` block").
@@ -252,14 +270,24 @@ fn namespaces_child(confine: &Confinement) -> io::Result<()> {
     let Some(ns) = &confine.namespaces else {
         return Ok(());
     };
+    if let Some(net) = &ns.join_net {
+        rustix::thread::move_into_link_name_space(net.ns.as_fd(), Some(LinkNameSpaceType::Network))?;
+    }
+    let net = if ns.join_net.is_some() {
+        UnshareFlags::empty()
+    } else {
+        UnshareFlags::NEWNET
+    };
     // SAFETY: the forked child has one thread, so no other thread can observe the unshared tables; none of
     // these flags is CLONE_FILES.
     unsafe {
         rustix::thread::unshare_unsafe(
-            UnshareFlags::NEWNET | UnshareFlags::NEWNS | UnshareFlags::NEWIPC | UnshareFlags::NEWUTS,
+            net | UnshareFlags::NEWNS | UnshareFlags::NEWIPC | UnshareFlags::NEWUTS,
         )?;
     }
-    loopback_up()?;
+    if ns.join_net.is_none() {
+        loopback_up()?;
+    }
     mount_change(c"/", MountPropagationFlags::REC | MountPropagationFlags::PRIVATE)?;
     // Detached copies of the kept paths, taken before `/tmp` is covered.
     let mut held: [Option<OwnedFd>; MAX_KEPT] = [const { None }; MAX_KEPT];
@@ -334,9 +362,10 @@ fn seccomp_child(confine: &Confinement) -> io::Result<()> {
 /// `IFF_UP` as the `short` `ifreq` carries it (libc declares it `c_int`).
 const IFF_UP: libc::c_short = 0x1;
 
-/// Brings `lo` up in the child's new network namespace (`SIOCGIFFLAGS`, `| IFF_UP`, `SIOCSIFFLAGS`).
+/// Brings `lo` up in the calling thread's network namespace (`SIOCGIFFLAGS`, `| IFF_UP`, `SIOCSIFFLAGS`): a
+/// child's new one, or one made for an egress proxy (`sandbox/netns.rs`). Allocation-free.
 #[allow(unsafe_code)]
-fn loopback_up() -> io::Result<()> {
+pub(super) fn loopback_up() -> io::Result<()> {
     let sock = rustix::net::socket(
         rustix::net::AddressFamily::INET,
         rustix::net::SocketType::DGRAM,
