@@ -85,6 +85,23 @@ fn env<'a>(c: &'a Value, name: &str) -> Option<&'a str> {
         .and_then(|e| e["value"].as_str())
 }
 
+/// The worker container's whole securityContext in the `capabilities` (default) and `delegatedCgroupRW` modes.
+fn least_privilege_worker() -> Value {
+    serde_json::json!({
+        "privileged": false,
+        "allowPrivilegeEscalation": false,
+        "runAsUser": 0,
+        "runAsNonRoot": false,
+        "readOnlyRootFilesystem": true,
+        "capabilities": {
+            "drop": ["ALL"],
+            "add": ["CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL", "NET_ADMIN", "SETGID", "SETUID", "SYS_ADMIN"],
+        },
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "appArmorProfile": {"type": "Unconfined"},
+    })
+}
+
 #[test]
 fn chart_lints_renders_validates_and_has_the_key_fields() {
     let (out, summary) = validate();
@@ -158,7 +175,8 @@ fn chart_lints_renders_validates_and_has_the_key_fields() {
         "48 random bytes, base64"
     );
 
-    // The worker (default: privileged for cgroup v2 delegation), its args, and a grace period covering the ladder.
+    // The worker (default: the least-privilege `capabilities` mode), its args, and a grace period covering the
+    // ladder.
     let c = container(worker);
     let a = args(c);
     assert_eq!(a[0], "worker");
@@ -171,8 +189,25 @@ fn chart_lints_renders_validates_and_has_the_key_fields() {
     ] {
         assert!(a.contains(&want), "{want} not in {a:?}");
     }
-    assert_eq!(c["securityContext"]["privileged"], true);
+    // Not privileged: root with exactly the eight capabilities the sandbox uses, the runtime's seccomp profile,
+    // AppArmor unconfined (the worker mounts), and nothing else — the whole securityContext, field for field.
+    assert_eq!(c["securityContext"]["privileged"], false);
     assert_eq!(c["securityContext"]["runAsUser"], 0);
+    assert_eq!(c["securityContext"], least_privilege_worker());
+    let pod = &worker["spec"]["template"]["spec"];
+    assert_eq!(pod["securityContext"]["seccompProfile"]["type"], "RuntimeDefault");
+    for key in ["hostNetwork", "hostPID", "hostIPC"] {
+        assert!(pod.get(key).is_none(), "{key}: {}", pod[key]);
+    }
+    assert!(
+        worker["spec"]["template"]["metadata"]["annotations"]
+            .get("io.kubernetes.cri-o.cgroup2-mount-hierarchy-rw")
+            .is_none(),
+        "the CRI-O annotation only in delegatedCgroupRW"
+    );
+    // Where the worker mounts its own cgroup2 (read-only /sys/fs/cgroup): a writable emptyDir of its own.
+    assert_eq!(mount(c, "cgroup")["mountPath"], "/run/cloud-agents/cgroup");
+    assert_eq!(volume(worker, "cgroup")["emptyDir"]["sizeLimit"], "1Mi");
     assert!(
         worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
             .as_u64()
@@ -196,7 +231,8 @@ fn chart_lints_renders_validates_and_has_the_key_fields() {
         1
     );
 
-    // CRI-O variant: not privileged, exactly the six capabilities, the rw-cgroup annotation, KEDA.
+    // CRI-O variant: not privileged, exactly the capabilities of the default mode (namespaces and mounts need
+    // SYS_ADMIN and NET_ADMIN whoever mounts the cgroup hierarchy), the rw-cgroup annotation, KEDA.
     let objs = objects(out, "keda-crio");
     let worker = find(&objs, "Deployment", "-worker");
     let sc = &container(worker)["securityContext"];
@@ -207,8 +243,18 @@ fn chart_lints_renders_validates_and_has_the_key_fields() {
     assert_eq!(sc["capabilities"]["drop"], serde_json::json!(["ALL"]));
     assert_eq!(
         sc["capabilities"]["add"],
-        serde_json::json!(["CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL", "SETGID", "SETUID"])
+        serde_json::json!([
+            "CHOWN",
+            "DAC_OVERRIDE",
+            "FOWNER",
+            "KILL",
+            "NET_ADMIN",
+            "SETGID",
+            "SETUID",
+            "SYS_ADMIN"
+        ])
     );
+    assert_eq!(*sc, least_privilege_worker());
     assert_eq!(
         worker["spec"]["template"]["metadata"]["annotations"]["io.kubernetes.cri-o.cgroup2-mount-hierarchy-rw"],
         "true"
@@ -269,6 +315,40 @@ fn chart_lints_renders_validates_and_has_the_key_fields() {
     assert!(args(c).contains(&"--isolation=none"));
     assert_eq!(c["securityContext"]["runAsNonRoot"], true);
     assert!(c["securityContext"]["capabilities"].get("add").is_none());
+    assert!(c["securityContext"].get("appArmorProfile").is_none());
+
+    // Privileged variant (cgroup v1 nodes): privileged for cgroup delegation, root, read-only root filesystem;
+    // no cgroup volume (the runtime's hierarchy is writable) and no AppArmor override (privileged has none).
+    let objs = objects(out, "privileged");
+    let worker = find(&objs, "Deployment", "-worker");
+    let c = container(worker);
+    assert_eq!(c["securityContext"]["privileged"], true);
+    assert_eq!(c["securityContext"]["runAsUser"], 0);
+    assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
+    assert!(c["securityContext"].get("appArmorProfile").is_none());
+    assert!(
+        !c["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["name"] == "cgroup")
+    );
+    assert!(args(c).contains(&"--isolation=cgroup"));
+
+    // No value set reaches into the node: no hostPath volume, no host namespace, no host port.
+    for variant in variants.keys() {
+        for o in objects(out, variant) {
+            let Some(pod) = o["spec"]["template"]["spec"].as_object() else {
+                continue;
+            };
+            for v in pod.get("volumes").and_then(Value::as_array).into_iter().flatten() {
+                assert!(v.get("hostPath").is_none(), "{variant}: hostPath {v}");
+            }
+            for key in ["hostNetwork", "hostPID", "hostIPC"] {
+                assert!(pod.get(key).is_none(), "{variant}: {key}");
+            }
+        }
+    }
 
     // The schema refuses bad values, saying where and why.
     let rejected = summary["rejected"].as_array().unwrap();
@@ -284,6 +364,10 @@ fn chart_lints_renders_validates_and_has_the_key_fields() {
     let m = message("sandbox mode typo");
     assert!(
         m.contains("/worker/sandbox/mode") && m.contains("'privileged', 'delegatedCgroupRW', 'none'"),
+        "{m}"
+    );
+    assert!(
+        m.contains("'capabilities', 'privileged', 'delegatedCgroupRW', 'none'"),
         "{m}"
     );
     assert!(message("unknown key (typo)").contains("'replica' not allowed"));

@@ -54,6 +54,9 @@ EXTRA_VARIANTS = [("insecure-open-bus", {"natsAuth": {"insecureOpenBus": True, "
 NATS_AUTH_ALLOWED = {"front": {"seeds.json", "jwts.json", "sys.creds", "front.creds", "exec.seed"},
                      "worker": {"worker.creds", "exec.pub"}}
 
+# Exactly the capabilities an isolating, unprivileged worker adds (deploy/helm/README.md "Worker privileges").
+WORKER_CAPABILITIES = {"CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL", "NET_ADMIN", "SETGID", "SETUID", "SYS_ADMIN"}
+
 # Values that must be refused, and a piece of the message that must say why. Rendered over BASE_VALUES; a case
 # whose values are RAW is rendered alone (the chart's defaults).
 RAW = "raw"
@@ -81,7 +84,7 @@ BAD_VALUES = [
     ("NATS TLS without a CA key", {"natsTls": {"secretName": "tls", "ca": ""}}, "natsTls.ca is required"),
     ("network policy typo", {"networkPolicy": {"enable": False}}, "additional properties 'enable' not allowed"),
     ("sandbox mode typo", {"worker": {"sandbox": {"mode": "root"}}},
-     "value must be one of 'privileged', 'delegatedCgroupRW', 'none'"),
+     "value must be one of 'capabilities', 'privileged', 'delegatedCgroupRW', 'none'"),
     ("zero front replicas", {"front": {"replicas": 0}}, "/front/replicas"),
     ("no NATS at all", {"externalNatsUrl": ""}, "/externalNatsUrl"),
     ("NATS URL without a scheme", {"externalNatsUrl": "nats.svc:4222"}, "/externalNatsUrl"),
@@ -167,8 +170,35 @@ def check_security(variant: str, docs: list[dict], errors: list[str]) -> None:
             added = set(sc.get("capabilities", {}).get("add", []))
             if component != "worker" and (added or sc.get("runAsNonRoot") is not True):
                 fail(errors, f"{where}: the front runs as non-root with no capability")
-            if added - {"CHOWN", "DAC_OVERRIDE", "FOWNER", "KILL", "SETGID", "SETUID"}:
-                fail(errors, f"{where}: unexpected capabilities {sorted(added)}")
+            isolated = "--isolation=cgroup" in c.get("args", [])
+            if component == "worker" and isolated and added != WORKER_CAPABILITIES:
+                fail(errors, f"{where}: capabilities {sorted(added)}, wants exactly {sorted(WORKER_CAPABILITIES)}")
+            if component == "worker" and not isolated and (added or sc.get("runAsNonRoot") is not True):
+                fail(errors, f"{where}: a worker without isolation runs as non-root with no capability")
+            apparmor = sc.get("appArmorProfile") or pod.get("securityContext", {}).get("appArmorProfile")
+            if apparmor and not (component == "worker" and isolated and sc.get("appArmorProfile") == {"type": "Unconfined"}):
+                fail(errors, f"{where}: AppArmor profile {apparmor}: only an isolating worker container is Unconfined")
+            if component == "worker" and isolated and apparmor != {"type": "Unconfined"}:
+                fail(errors, f"{where}: an unprivileged isolating worker must mount: appArmorProfile Unconfined missing")
+
+
+def check_host_access(variant: str, docs: list[dict], errors: list[str]) -> None:
+    """No pod reaches into the node: no hostPath volume, no host namespace, no host port."""
+    for doc in docs:
+        pod = doc.get("spec", {}).get("template", {}).get("spec")
+        if pod is None:
+            continue
+        where = f"{variant}: {doc['kind']}/{doc['metadata']['name']}"
+        for v in pod.get("volumes", []):
+            if "hostPath" in v:
+                fail(errors, f"{where}: hostPath volume {v['name']}")
+        for key in ("hostNetwork", "hostPID", "hostIPC"):
+            if pod.get(key):
+                fail(errors, f"{where}: {key}: {pod[key]}")
+        for c in containers(doc):
+            for p in c.get("ports", []):
+                if "hostPort" in p:
+                    fail(errors, f"{where}/{c['name']}: hostPort {p['hostPort']}")
 
 
 def check_nats_credentials(variant: str, docs: list[dict], values: dict, errors: list[str]) -> None:
@@ -323,6 +353,7 @@ def main() -> int:
             objs = [d for _, d in docs]
             (out / f"{variant}.json").write_text(json.dumps(objs, indent=1))
             check_security(variant, objs, errors)
+            check_host_access(variant, objs, errors)
             check_nats_credentials(variant, objs, values, errors)
             check_crds(variant, objs, errors)
             summary["variants"][variant] = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in objs)

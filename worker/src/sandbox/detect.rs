@@ -2,10 +2,26 @@
 //!
 //! Inputs are `/proc/self/mountinfo` (which cgroup filesystems are mounted where, and which part of the hierarchy
 //! each mount shows) and `/proc/self/cgroup` (where this process sits in each hierarchy). The parsing is pure and
-//! unit-tested; only [`detect`] (through a reader callback) and [`prepare_subtree`] touch the filesystem.
+//! unit-tested; only [`detect`] (through a reader callback), [`ensure_writable_v2`] and [`prepare_subtree`] touch
+//! the filesystem.
+//!
+//! # A read-only unified hierarchy
+//!
+//! Container runtimes mount `/sys/fs/cgroup` read-only in a container that is not privileged. On a cgroup v2 node
+//! such a container normally runs in a cgroup namespace of its own (the default of containerd and CRI-O on v2),
+//! whose root is the container's cgroup. There [`ensure_writable_v2`] mounts a fresh `cgroup2` at
+//! `<PRIVATE_CGROUP_DIR>/unified` (the directory made mode 0700, so plugins cannot reach it): a cgroup2 mount made
+//! inside a cgroup namespace shows that namespace's root, i.e. only the container's own cgroup, writable. That
+//! needs `CAP_SYS_ADMIN` and a security profile allowing `mount` (Helm `worker.sandbox.mode: capabilities`). In the
+//! host's (initial) cgroup namespace the same mount would show the node's whole hierarchy, so the worker refuses
+//! instead ([`CgroupMountError::InitialNamespace`]).
 
+use std::fs;
 use std::io;
+use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, PermissionsExt as _};
 use std::path::{Component, Path, PathBuf};
+
+use rustix::mount::MountFlags;
 
 use super::control::{Dirs, V1Dirs, mkdir_ok_if_exists, read_file, write_file};
 
@@ -28,6 +44,8 @@ pub(crate) struct CgroupMount {
     pub(crate) v2: bool,
     /// v1 super options (controller names, `name=…`, `rw`, …); empty for v2.
     pub(crate) options: Vec<String>,
+    /// Mounted read-only (`ro` in the mount's own options or in the super options).
+    pub(crate) read_only: bool,
 }
 
 /// One line of `/proc/self/cgroup`: `hierarchy-id:controllers:path`.
@@ -70,7 +88,8 @@ pub(crate) fn parse_mountinfo(text: &str) -> Vec<CgroupMount> {
         let Some(sep) = fields.iter().position(|f| *f == "-") else {
             continue;
         };
-        let (Some(root), Some(mount_point)) = (fields.get(3), fields.get(4)) else {
+        let (Some(root), Some(mount_point), Some(mount_opts)) = (fields.get(3), fields.get(4), fields.get(5))
+        else {
             continue;
         };
         let (Some(fstype), Some(super_opts)) = (fields.get(sep + 1), fields.get(sep + 3)) else {
@@ -81,6 +100,10 @@ pub(crate) fn parse_mountinfo(text: &str) -> Vec<CgroupMount> {
             "cgroup" => false,
             _ => continue,
         };
+        let read_only = mount_opts
+            .split(',')
+            .chain(super_opts.split(','))
+            .any(|o| o == "ro");
         let options = if v2 {
             Vec::new()
         } else {
@@ -91,6 +114,7 @@ pub(crate) fn parse_mountinfo(text: &str) -> Vec<CgroupMount> {
             mount_point: PathBuf::from(unescape_mount_field(mount_point)),
             v2,
             options,
+            read_only,
         });
     }
     mounts
@@ -135,7 +159,8 @@ pub(crate) fn cgroup_dir(mount: &CgroupMount, cg_path: &str) -> Option<PathBuf> 
 }
 
 /// Finds the worker's own cgroup directories: v2 if a cgroup2 mount offers all of [`V2_CONTROLLERS`] to our
-/// cgroup, else v1 if every needed controller has a hierarchy, else `Err(reason)`.
+/// cgroup (writable mounts first: the worker's own mount beside a runtime's read-only one), else v1 if every
+/// needed controller has a hierarchy, else `Err(reason)`.
 ///
 /// `read_controllers` reads a v2 directory's `cgroup.controllers` (injected so this is testable).
 pub(crate) fn detect(
@@ -148,7 +173,12 @@ pub(crate) fn detect(
     let mut why_not_v2 = Vec::new();
 
     let v2_line = lines.iter().find(|l| l.controllers.is_empty());
-    for mount in mounts.iter().filter(|m| m.v2) {
+    let v2_mounts = mounts.iter().filter(|m| m.v2);
+    let v2_mounts = v2_mounts
+        .clone()
+        .filter(|m| !m.read_only)
+        .chain(v2_mounts.filter(|m| m.read_only));
+    for mount in v2_mounts {
         let Some(line) = v2_line else {
             why_not_v2.push("no `0::` line in /proc/self/cgroup".to_owned());
             break;
@@ -214,6 +244,230 @@ pub(crate) fn detect(
             why_not_v2.join("; ")
         )),
     }
+}
+
+/// The private directory (made mode 0700, owned by the worker) holding the worker's own cgroup2 mount, at
+/// `<PRIVATE_CGROUP_DIR>/unified`, when the runtime's is read-only. With a read-only root filesystem it must be a
+/// writable volume (the Helm chart mounts an emptyDir there).
+pub(crate) const PRIVATE_CGROUP_DIR: &str = "/run/cloud-agents/cgroup";
+
+/// The mount point's name inside [`PRIVATE_CGROUP_DIR`].
+const PRIVATE_CGROUP_MOUNT: &str = "unified";
+
+/// What `/proc/self/ns/cgroup` reads in the initial (host) cgroup namespace: its inode number is fixed
+/// (`PROC_CGROUP_INIT_INO` = 0xEFFFFFFB, include/linux/proc_ns.h).
+pub(crate) const INIT_CGROUP_NS: &str = "cgroup:[4026531835]";
+
+/// Why the worker cannot get a writable cgroup hierarchy of its own ([`ensure_writable_v2`]). The worker refuses
+/// to start; each message names the fix.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CgroupMountError {
+    /// The unified hierarchy is read-only and the worker shares the host's cgroup namespace, where a cgroup2
+    /// mount of its own would show (and let it write) the node's whole hierarchy.
+    #[error(
+        "the unified cgroup hierarchy at {mount_point} is read-only and the worker is not in a cgroup namespace of \
+         its own ({namespace}); run it in a private cgroup namespace (the default for containers on cgroup v2 \
+         nodes with containerd and CRI-O; Docker: --cgroupns=private) or give it a writable hierarchy (Helm \
+         worker.sandbox.mode privileged or delegatedCgroupRW)"
+    )]
+    InitialNamespace {
+        /// The read-only mount (or `-` when none shows the worker's cgroup).
+        mount_point: PathBuf,
+        /// What `/proc/self/ns/cgroup` reads (or why it could not be read).
+        namespace: String,
+    },
+    /// cgroup v1 (or hybrid) with the worker's memory hierarchy mounted read-only: the worker cannot mount a v1
+    /// hierarchy of its own that shows only its cgroup.
+    #[error(
+        "cgroup v1 hierarchy {mount_point} is read-only; on cgroup v1 nodes the worker needs a writable \
+         hierarchy (Helm worker.sandbox.mode privileged), or move the workers to cgroup v2 nodes"
+    )]
+    V1ReadOnly {
+        /// The read-only mount.
+        mount_point: PathBuf,
+    },
+    /// `/proc/self/mountinfo` or `/proc/self/cgroup` could not be read.
+    #[error("reading {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// The private directory could not be created or secured.
+    #[error(
+        "preparing {path} for the worker's own cgroup2 mount: {action}: {source}; {PRIVATE_CGROUP_DIR} must be a \
+         writable directory of the worker (with a read-only root filesystem: mount a volume there, e.g. an \
+         emptyDir, as the Helm chart does)"
+    )]
+    Dir {
+        /// The directory.
+        path: PathBuf,
+        /// The step that failed (`mkdir`, `lstat`, `chmod`, `check`).
+        action: &'static str,
+        /// The OS error (`InvalidData` when something other than a root-owned directory sits there).
+        #[source]
+        source: io::Error,
+    },
+    /// `mount -t cgroup2` failed.
+    #[error(
+        "mounting cgroup2 at {path}: {source}; the worker needs CAP_SYS_ADMIN and a security profile that allows \
+         mount (containerd's and CRI-O's default AppArmor profiles deny it: the Helm chart's capabilities mode \
+         runs the worker with appArmorProfile Unconfined and seccomp RuntimeDefault)"
+    )]
+    Mount {
+        /// The mount point.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// What [`writable_v2_plan`] decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum WritableV2 {
+    /// Nothing to mount: a writable hierarchy shows the worker's cgroup, or the node is cgroup v1/hybrid with a
+    /// writable (or no) memory hierarchy — [`detect`] reports what is missing.
+    AsIs,
+    /// Every unified hierarchy showing the worker's cgroup is read-only (or none does), and the worker is in a
+    /// cgroup namespace of its own: mount a cgroup2 at this path.
+    MountPrivate(PathBuf),
+}
+
+/// Decides, from `/proc/self/mountinfo`, `/proc/self/cgroup` and the `/proc/self/ns/cgroup` link (`Err`: why it
+/// could not be read), whether the worker must mount its own cgroup2 at `private_dir/unified` (pure).
+///
+/// Pure cgroup v2 means `/proc/self/cgroup` has only the `0::` line. There, a writable cgroup2 mount showing the
+/// worker's cgroup is used as it is; otherwise, in a non-initial cgroup namespace, a private mount; in the
+/// initial one, [`CgroupMountError::InitialNamespace`]. On v1/hybrid nodes, a read-only memory hierarchy is
+/// [`CgroupMountError::V1ReadOnly`] (a private mount cannot help there).
+pub(crate) fn writable_v2_plan(
+    mountinfo: &str,
+    proc_cgroup: &str,
+    cgroup_ns: Result<&str, &str>,
+    private_dir: &Path,
+) -> Result<WritableV2, CgroupMountError> {
+    let mounts = parse_mountinfo(mountinfo);
+    let lines = parse_proc_cgroup(proc_cgroup);
+    let Some(v2_line) = lines.iter().find(|l| l.controllers.is_empty()) else {
+        return v1_plan(&mounts, &lines);
+    };
+    if lines.iter().any(|l| !l.controllers.is_empty()) {
+        return v1_plan(&mounts, &lines);
+    }
+    let showing: Vec<&CgroupMount> = mounts
+        .iter()
+        .filter(|m| m.v2 && cgroup_dir(m, &v2_line.path).is_some())
+        .collect();
+    if showing.iter().any(|m| !m.read_only) {
+        return Ok(WritableV2::AsIs);
+    }
+    let mount_point = showing
+        .first()
+        .map_or_else(|| PathBuf::from("-"), |m| m.mount_point.clone());
+    match cgroup_ns {
+        Ok(ns) if ns.starts_with("cgroup:[") && ns != INIT_CGROUP_NS => {
+            Ok(WritableV2::MountPrivate(private_dir.join(PRIVATE_CGROUP_MOUNT)))
+        }
+        Ok(ns) => Err(CgroupMountError::InitialNamespace {
+            mount_point,
+            namespace: ns.to_owned(),
+        }),
+        Err(why) => Err(CgroupMountError::InitialNamespace {
+            mount_point,
+            namespace: format!("/proc/self/ns/cgroup: {why}"),
+        }),
+    }
+}
+
+/// [`writable_v2_plan`] on a v1/hybrid node: refuses a read-only memory hierarchy showing the worker's cgroup
+/// when no writable one does.
+fn v1_plan(mounts: &[CgroupMount], lines: &[ProcCgroup]) -> Result<WritableV2, CgroupMountError> {
+    let Some(line) = lines.iter().find(|l| l.controllers.iter().any(|c| c == "memory")) else {
+        return Ok(WritableV2::AsIs);
+    };
+    let showing: Vec<&CgroupMount> = mounts
+        .iter()
+        .filter(|m| !m.v2 && m.options.iter().any(|o| o == "memory") && cgroup_dir(m, &line.path).is_some())
+        .collect();
+    match showing.iter().find(|m| m.read_only) {
+        Some(ro) if showing.iter().all(|m| m.read_only) => Err(CgroupMountError::V1ReadOnly {
+            mount_point: ro.mount_point.clone(),
+        }),
+        _ => Ok(WritableV2::AsIs),
+    }
+}
+
+/// Makes sure a writable cgroup hierarchy shows the worker's cgroup before [`detect`] runs: when
+/// [`writable_v2_plan`] says so, creates [`PRIVATE_CGROUP_DIR`] (mode 0700; an existing one must be a directory
+/// of the worker's uid, not a symlink, and is re-moded 0700) and its `unified` mount point, and mounts a fresh
+/// `cgroup2` there (`nosuid,nodev,noexec`). Returns that mount point, or `None` when nothing was needed.
+pub(crate) fn ensure_writable_v2() -> Result<Option<PathBuf>, CgroupMountError> {
+    let read = |path: &str| {
+        fs::read_to_string(path).map_err(|source| CgroupMountError::Read {
+            path: PathBuf::from(path),
+            source,
+        })
+    };
+    let ns = fs::read_link("/proc/self/ns/cgroup")
+        .map(|l| l.display().to_string())
+        .map_err(|e| e.to_string());
+    let plan = writable_v2_plan(
+        &read("/proc/self/mountinfo")?,
+        &read("/proc/self/cgroup")?,
+        ns.as_deref().map_err(String::as_str),
+        Path::new(PRIVATE_CGROUP_DIR),
+    )?;
+    let WritableV2::MountPrivate(target) = plan else {
+        return Ok(None);
+    };
+    let dir = Path::new(PRIVATE_CGROUP_DIR);
+    private_dir(dir)?;
+    private_dir(&target)?;
+    rustix::mount::mount(
+        "cgroup2",
+        &target,
+        "cgroup2",
+        MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+        None,
+    )
+    .map_err(|e| CgroupMountError::Mount {
+        path: target.clone(),
+        source: e.into(),
+    })?;
+    tracing::info!(
+        mount_point = %target.display(),
+        "the unified cgroup hierarchy is read-only: mounted the worker's own cgroup2 (its cgroup namespace's root)"
+    );
+    Ok(Some(target))
+}
+
+/// Creates `dir` mode 0700, or checks that the existing one is a real directory of this uid and makes it 0700.
+fn private_dir(dir: &Path) -> Result<(), CgroupMountError> {
+    let err = |action: &'static str| {
+        move |source: io::Error| CgroupMountError::Dir {
+            path: dir.to_path_buf(),
+            action,
+            source,
+        }
+    };
+    match fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => return Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(err("mkdir")(e)),
+    }
+    let meta = fs::symlink_metadata(dir).map_err(err("lstat"))?;
+    let uid = rustix::process::geteuid().as_raw();
+    if !meta.file_type().is_dir() || meta.uid() != uid {
+        return Err(err("check")(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("not a directory owned by uid {uid} (a symlink or someone else's file?)"),
+        )));
+    }
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o700)).map_err(err("chmod"))
 }
 
 /// The v2 cgroup under which the worker's subtree goes: its own cgroup, or that cgroup's parent if the worker
@@ -385,6 +639,7 @@ mod tests {
             mount_point: PathBuf::from("/sys/fs/cgroup/memory"),
             v2: false,
             options: vec!["memory".to_owned()],
+            read_only: false,
         };
         assert_eq!(
             cgroup_dir(&mount, "/docker/abc"),
@@ -428,5 +683,174 @@ mod tests {
         assert_eq!(v2_enable_line("cpu io\n").as_deref(), Some("+memory +pids"));
         assert_eq!(v2_enable_line("memory pids cpu"), None);
         assert_eq!(v2_enable_line("").as_deref(), Some("+memory +pids +cpu"));
+    }
+
+    /// `/proc/self/mountinfo` of a non-privileged container on a cgroup v2 node (containerd, private cgroup
+    /// namespace): the runtime's cgroup2 at /sys/fs/cgroup, read-only per mount.
+    const MOUNTINFO_V2_RO: &str = "\
+1012 1003 0:26 / /sys/fs/cgroup ro,nosuid,nodev,noexec,relatime - cgroup2 cgroup rw,nsdelegate,memory_recursiveprot
+";
+    const CONTAINER_NS: &str = "cgroup:[4026532611]";
+
+    fn plan(mountinfo: &str, proc: &str, ns: Result<&str, &str>) -> Result<WritableV2, CgroupMountError> {
+        writable_v2_plan(mountinfo, proc, ns, Path::new("/run/ca/cgroup"))
+    }
+
+    #[test]
+    fn mountinfo_read_only_from_mount_or_super_options() {
+        let mounts = parse_mountinfo(&format!(
+            "{MOUNTINFO_V2_RO}2 1 0:27 / /a rw,nosuid - cgroup2 cgroup2 rw\n3 1 0:28 / /b rw - cgroup cgroup ro,memory\n"
+        ));
+        let ro: Vec<bool> = mounts.iter().map(|m| m.read_only).collect();
+        assert_eq!(ro, [true, false, true]);
+        assert_eq!(mounts[2].options, ["ro", "memory"]);
+    }
+
+    #[test]
+    fn read_only_v2_in_a_private_cgroup_namespace_gets_a_private_mount() {
+        for proc in ["0::/\n", "0::/cloud-agents.worker\n"] {
+            assert_eq!(
+                plan(MOUNTINFO_V2_RO, proc, Ok(CONTAINER_NS)).unwrap(),
+                WritableV2::MountPrivate(PathBuf::from("/run/ca/cgroup/unified")),
+                "{proc}"
+            );
+        }
+        // No cgroup2 mount at all (the runtime mounted none): the same.
+        assert_eq!(
+            plan("", "0::/\n", Ok(CONTAINER_NS)).unwrap(),
+            WritableV2::MountPrivate(PathBuf::from("/run/ca/cgroup/unified"))
+        );
+        // A read-only mount that does not show our cgroup (another subtree bind-mounted) does not count.
+        let other = "5 1 0:26 /elsewhere /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n";
+        assert_eq!(
+            plan(other, "0::/mine\n", Ok(CONTAINER_NS)).unwrap(),
+            WritableV2::MountPrivate(PathBuf::from("/run/ca/cgroup/unified"))
+        );
+    }
+
+    #[test]
+    fn read_only_v2_in_the_host_cgroup_namespace_is_refused_naming_the_fix() {
+        let Err(e) = plan(MOUNTINFO_V2_RO, "0::/kubepods/pod1/ctr\n", Ok(INIT_CGROUP_NS)) else {
+            panic!("a mount in the initial cgroup namespace would expose the node's hierarchy")
+        };
+        assert!(
+            matches!(&e, CgroupMountError::InitialNamespace { mount_point, .. } if mount_point == Path::new("/sys/fs/cgroup"))
+        );
+        let Err(e) = plan("", "0::/\n", Ok(INIT_CGROUP_NS)) else {
+            panic!()
+        };
+        assert!(
+            matches!(&e, CgroupMountError::InitialNamespace { mount_point, .. } if mount_point == Path::new("-"))
+        );
+        let Err(e) = plan(MOUNTINFO_V2_RO, "0::/\n", Ok(INIT_CGROUP_NS)) else {
+            panic!()
+        };
+        let msg = e.to_string();
+        assert!(
+            msg.contains("/sys/fs/cgroup is read-only")
+                && msg.contains("private cgroup namespace")
+                && msg.contains("worker.sandbox.mode"),
+            "{msg}"
+        );
+        // Unknown namespace (no cgroup namespaces in the kernel, /proc unreadable): refused too.
+        let Err(e) = plan(MOUNTINFO_V2_RO, "0::/\n", Err("No such file or directory")) else {
+            panic!()
+        };
+        assert!(
+            e.to_string().contains("/proc/self/ns/cgroup: No such file"),
+            "{e}"
+        );
+        assert!(plan(MOUNTINFO_V2_RO, "0::/\n", Ok("garbage")).is_err());
+    }
+
+    #[test]
+    fn writable_v2_is_used_as_it_is() {
+        // Privileged, or CRI-O's cgroup2-mount-hierarchy-rw annotation: the runtime's mount is writable.
+        let rw = "29 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n";
+        for ns in [Ok(CONTAINER_NS), Ok(INIT_CGROUP_NS), Err("unreadable")] {
+            assert_eq!(plan(rw, "0::/\n", ns).unwrap(), WritableV2::AsIs);
+        }
+        // The worker's own mount from an earlier Sandbox of this process, beside the runtime's read-only one:
+        // nothing more to mount, and detect picks the writable one although it is listed second.
+        let both = format!(
+            "{MOUNTINFO_V2_RO}1100 1099 0:26 / /run/ca/cgroup/unified rw,nosuid,nodev,noexec,relatime - cgroup2 cgroup2 rw\n"
+        );
+        assert_eq!(
+            plan(&both, "0::/cloud-agents.worker\n", Ok(CONTAINER_NS)).unwrap(),
+            WritableV2::AsIs
+        );
+        let dirs = detect(&both, "0::/cloud-agents.worker\n", |_| {
+            Ok("cpu memory pids\n".to_owned())
+        });
+        assert_eq!(
+            dirs,
+            Ok(Dirs::V2 {
+                dir: PathBuf::from("/run/ca/cgroup/unified/cloud-agents.worker")
+            })
+        );
+    }
+
+    #[test]
+    fn v1_and_hybrid_nodes_never_get_a_private_v2_mount() {
+        // This development VM: v1 hierarchies (plus an empty unified one), writable.
+        assert_eq!(
+            plan(MOUNTINFO_V1, PROC_V1, Ok(INIT_CGROUP_NS)).unwrap(),
+            WritableV2::AsIs
+        );
+        assert_eq!(
+            plan(MOUNTINFO_V1, PROC_V1, Ok(CONTAINER_NS)).unwrap(),
+            WritableV2::AsIs
+        );
+        // A read-only unified mount on a hybrid node does not matter: the controllers are in v1.
+        let hybrid = MOUNTINFO_V1.replace("/sys/fs/cgroup/unified rw", "/sys/fs/cgroup/unified ro");
+        assert_eq!(
+            plan(&hybrid, PROC_V1, Ok(CONTAINER_NS)).unwrap(),
+            WritableV2::AsIs
+        );
+        // A read-only v1 memory hierarchy (an unprivileged container on a v1 node) is refused, naming the fix.
+        let ro = MOUNTINFO_V1.replace("/sys/fs/cgroup/memory rw", "/sys/fs/cgroup/memory ro");
+        let Err(e) = plan(&ro, PROC_V1, Ok(CONTAINER_NS)) else {
+            panic!("read-only v1 memory hierarchy accepted")
+        };
+        assert!(
+            matches!(&e, CgroupMountError::V1ReadOnly { mount_point } if mount_point == Path::new("/sys/fs/cgroup/memory"))
+        );
+        assert!(e.to_string().contains("worker.sandbox.mode privileged"), "{e}");
+        // No memory hierarchy at all: detect reports it.
+        assert_eq!(
+            plan("", "1:pids:/\n", Ok(CONTAINER_NS)).unwrap(),
+            WritableV2::AsIs
+        );
+    }
+
+    #[test]
+    fn the_private_directory_is_0700_of_our_uid_and_never_a_symlink() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mode = |p: &Path| fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777;
+        let fresh = tmp.path().join("fresh");
+        private_dir(&fresh).unwrap();
+        assert_eq!(mode(&fresh), 0o700);
+        // An existing directory (an emptyDir is 0777) is re-moded.
+        let existing = tmp.path().join("existing");
+        fs::create_dir(&existing).unwrap();
+        fs::set_permissions(&existing, fs::Permissions::from_mode(0o777)).unwrap();
+        private_dir(&existing).unwrap();
+        assert_eq!(mode(&existing), 0o700);
+        // A symlink (someone prepared it to redirect the mount) or a file is refused.
+        let link = tmp.path().join("link");
+        std::os::unix::fs::symlink(&existing, &link).unwrap();
+        let file = tmp.path().join("file");
+        fs::write(&file, "").unwrap();
+        for bad in [&link, &file] {
+            let Err(e) = private_dir(bad) else {
+                panic!("{} accepted", bad.display())
+            };
+            assert!(matches!(e, CgroupMountError::Dir { action: "check", .. }), "{e}");
+        }
+        // A parent that cannot be written (a read-only root filesystem without a volume) names the fix.
+        let Err(e) = private_dir(Path::new("/proc/cloud-agents-no-such-dir")) else {
+            panic!()
+        };
+        assert!(e.to_string().contains("mount a volume there"), "{e}");
     }
 }

@@ -15,6 +15,10 @@ pub enum SandboxError {
         /// Why, with what was tried (mounts, controllers, paths, errors).
         reason: String,
     },
+    /// [`Sandbox::new`](super::Sandbox::new): the cgroup hierarchy is read-only and the worker could not mount a
+    /// writable one of its own (cgroup isolation is unavailable; the worker refuses to start).
+    #[error("cgroup isolation is unavailable: {0}")]
+    CgroupMount(#[from] super::CgroupMountError),
     /// [`Sandbox::new`](super::Sandbox::new): the configuration cannot be honoured (e.g. `run_as: per_user`
     /// without root, or a uid range that includes root or overflows).
     #[error("invalid sandbox configuration: {reason}")]

@@ -68,6 +68,7 @@ use confine::Confinement;
 pub use confine::{ConfineError, command_paths};
 use control::{Dirs, rmdir_cgroup};
 pub use control::{SessionCgroup, Usage};
+pub use detect::CgroupMountError;
 pub use error::SandboxError;
 use seccomp::SeccompProfile;
 pub use spawn::{SpawnPlan, apply, die_with_parent};
@@ -568,6 +569,8 @@ fn prepare_confinement(config: &WorkerConfig) -> Result<ConfineBase, SandboxErro
 fn prepare_cgroups(worker_id: &str) -> Result<Dirs, SandboxError> {
     let unavailable = |reason: String| SandboxError::Unavailable { reason };
     let read = |path: &str| fs::read_to_string(path).map_err(|e| unavailable(format!("reading {path}: {e}")));
+    // A read-only unified hierarchy (an unprivileged container): the worker mounts its own (detect.rs).
+    detect::ensure_writable_v2()?;
     let own = detect::detect(&read("/proc/self/mountinfo")?, &read("/proc/self/cgroup")?, |p| {
         fs::read_to_string(p)
     })
