@@ -33,6 +33,7 @@ fn opts(command: Vec<String>, invoke: Option<(&str, Value)>) -> ProbeOptions {
             )
         }),
         invoke_timeout: Duration::from_secs(30),
+        sandbox: None,
     }
 }
 

@@ -585,3 +585,31 @@ async fn an_egress_granted_executa_plugin_reaches_a_test_host_but_not_nats() {
 async fn an_egress_granted_animus_plugin_reaches_a_test_host_but_not_nats() {
     egress_is_granted_by_the_operator_only("animus-probe").await;
 }
+
+/// `fleet probe` runs a plugin confined as the worker does: a uid of its own, no network, its own tree in
+/// `/proc`, the seccomp profile — and says so in its report.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fleet_probe_runs_the_plugin_confined() {
+    let sandbox = fleet::probe::ProbeSandbox::new().expect("the probe's sandbox (as root)");
+    let script = python_dir().join("echo_plugin.py").display().to_string();
+    let args = json!({"connect": ["169.254.169.254:80"], "pids": [std::process::id(), 1]});
+    let opts = fleet::probe::ProbeOptions {
+        command: vec![PYTHON.into(), script, "--hostile".into()],
+        invoke: Some(("confine_probe".into(), serde_json::from_value(args).unwrap())),
+        invoke_timeout: GUARD,
+        sandbox: Some(Arc::new(sandbox)),
+    };
+    let report = tokio::time::timeout(GUARD, fleet::probe::run(&opts))
+        .await
+        .expect("failure guard")
+        .unwrap();
+    assert!(report.confined);
+    let invoke = report.invoke.unwrap();
+    assert_eq!(invoke["success"], true, "{invoke}");
+    let data = &invoke["data"];
+    assert_ne!(data["uid"], 0, "{data}");
+    assert_eq!(data["connect"]["169.254.169.254:80"], "ENETUNREACH", "{data}");
+    assert_eq!(data["proc_foreign"], 0, "{data}");
+    assert_eq!(data["pids"][std::process::id().to_string()], "absent", "{data}");
+    assert_eq!(data["unshare_newuser"], "EPERM", "{data}");
+}

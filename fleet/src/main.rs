@@ -36,6 +36,10 @@ enum Cmd {
         /// Invoke timeout in milliseconds.
         #[arg(long, default_value_t = 60_000)]
         timeout_ms: u64,
+        /// Run the plugin as a plain child instead of confined as the worker runs it (cgroup, namespaces,
+        /// seccomp, a uid of its own; the default as root, impossible otherwise).
+        #[arg(long)]
+        no_confine: bool,
         /// The plugin's command line.
         #[arg(last = true, required = true)]
         command: Vec<String>,
@@ -200,6 +204,7 @@ async fn main() -> ExitCode {
             tool,
             args,
             timeout_ms,
+            no_confine,
             command,
         } => {
             let arguments: Map<String, Value> = match serde_json::from_str(&args) {
@@ -209,10 +214,27 @@ async fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
+            let sandbox = if no_confine {
+                None
+            } else if !rustix::process::geteuid().is_root() {
+                eprintln!(
+                    "fleet: not root: the plugin runs unconfined (the report says \"confined\": false)"
+                );
+                None
+            } else {
+                match fleet::probe::ProbeSandbox::new() {
+                    Ok(sb) => Some(std::sync::Arc::new(sb)),
+                    Err(e) => {
+                        eprintln_error(&e.to_string());
+                        return ExitCode::FAILURE;
+                    }
+                }
+            };
             let opts = fleet::probe::ProbeOptions {
                 command,
                 invoke: tool.map(|t| (t, arguments)),
                 invoke_timeout: Duration::from_millis(timeout_ms),
+                sandbox,
             };
             match fleet::probe::run(&opts).await {
                 Ok(report) => {

@@ -1,7 +1,11 @@
 //! `fleet probe`: spawn one plugin, run `initialize` → `describe` → (optionally) one `invoke` through the frame
 //! codec, report what happened, and shut the plugin down (close stdin → grace → kill).
 //!
-//! This is a diagnostic for plugin authors and operators, not the worker: no cgroup, no restart policy.
+//! This is a diagnostic for plugin authors and operators, not the worker (no restart policy), but the plugin
+//! runs confined as the worker would run it ([`ProbeSandbox`]): its own cgroup, network (loopback only), mount,
+//! IPC and UTS namespaces with a private `/proc` and `/tmp`, the seccomp profile and an unprivileged uid of its
+//! own — so what passes here passes in production. That needs root; otherwise (or with `--no-confine`) it
+//! runs as a plain child and the report says `"confined": false`.
 
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -17,6 +21,65 @@ use serde::Serialize;
 use serde_json::{Map, Value, json};
 use tokio::process::{Child, ChildStdout, Command};
 
+/// The sandbox `fleet probe` runs a plugin in: the worker's (default configuration: cgroups, namespaces,
+/// seccomp, a uid per user and tool), over a state directory of its own that is removed with it.
+#[derive(Debug)]
+pub struct ProbeSandbox {
+    sandbox: fleet_worker::sandbox::Sandbox,
+    state: std::path::PathBuf,
+}
+
+/// Why the probe sandbox could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeSandboxError {
+    /// Creating its state directory failed.
+    #[error("cannot create the probe's state directory {path}: {source}")]
+    State {
+        /// The directory.
+        path: std::path::PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The worker's sandbox refused (not root, no cgroups, no namespaces…).
+    #[error("{0}; run as root, or pass --no-confine to probe the plugin unconfined")]
+    Sandbox(#[from] fleet_worker::sandbox::SandboxError),
+}
+
+impl ProbeSandbox {
+    /// The worker's sandbox with a fresh state directory under `/var/tmp` (so the plugin's own directories are
+    /// never inside a private `/tmp`).
+    pub fn new() -> Result<ProbeSandbox, ProbeSandboxError> {
+        let state = std::path::PathBuf::from(format!(
+            "/var/tmp/fleet-probe-{}-{}",
+            std::process::id(),
+            crate::store::now_ms()
+        ));
+        std::fs::create_dir_all(&state).map_err(|source| ProbeSandboxError::State {
+            path: state.clone(),
+            source,
+        })?;
+        let config = fleet_worker::config::WorkerConfig {
+            worker_id: format!("probe-{}", std::process::id()),
+            state_dir: state.clone(),
+            ..fleet_worker::config::WorkerConfig::default()
+        };
+        match fleet_worker::sandbox::Sandbox::new(&config) {
+            Ok(sandbox) => Ok(ProbeSandbox { sandbox, state }),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&state);
+                Err(e.into())
+            }
+        }
+    }
+}
+
+impl Drop for ProbeSandbox {
+    fn drop(&mut self) {
+        let _ = self.sandbox.remove_subtree();
+        let _ = std::fs::remove_dir_all(&self.state);
+    }
+}
+
 /// What to probe.
 #[derive(Debug, Clone)]
 pub struct ProbeOptions {
@@ -26,6 +89,8 @@ pub struct ProbeOptions {
     pub invoke: Option<(String, Map<String, Value>)>,
     /// `invoke` timeout.
     pub invoke_timeout: Duration,
+    /// Confine the plugin in this sandbox (`None`: a plain child).
+    pub sandbox: Option<std::sync::Arc<ProbeSandbox>>,
 }
 
 /// What the probe found.
@@ -51,6 +116,8 @@ pub struct ProbeReport {
     pub ready_ms: u64,
     /// How the process ended.
     pub exit: String,
+    /// Whether the plugin ran confined as the worker runs it.
+    pub confined: bool,
 }
 
 /// Why a probe failed.
@@ -59,9 +126,14 @@ pub enum ProbeError {
     /// No command given.
     #[error("no plugin command given")]
     NoCommand,
+    /// The sandbox could not prepare the plugin's cgroup or identity.
+    #[error("cannot prepare the plugin's sandbox: {0}")]
+    Sandbox(#[from] fleet_worker::sandbox::SandboxError),
     /// Spawning failed.
-    #[error("cannot start {command:?}: {source}")]
+    #[error("cannot start {command:?}: {source}{}", spawn_hint(source, *.confined))]
     Spawn {
+        /// Whether it was spawned confined (under a uid of its own).
+        confined: bool,
         /// The program.
         command: String,
         /// Why.
@@ -87,6 +159,17 @@ pub enum ProbeError {
     /// Writing to the plugin failed.
     #[error("cannot write to the plugin: {0}")]
     Write(#[from] fleet_proto::codec::io::WriteError),
+}
+
+/// What to do about a confined spawn the plugin's uid could not make.
+fn spawn_hint(e: &std::io::Error, confined: bool) -> &'static str {
+    if confined && e.kind() == std::io::ErrorKind::PermissionDenied {
+        " (the plugin runs under an unprivileged uid of its own: every directory above the program and its \
+         files must be traversable by others (o+x), and the interpreter must not be a shim under a 0700 home \
+         such as root's pyenv — name it by an absolute path like /usr/bin/python3)"
+    } else {
+        ""
+    }
 }
 
 struct Conn {
@@ -141,17 +224,72 @@ impl Conn {
 pub async fn run(opts: &ProbeOptions) -> Result<ProbeReport, ProbeError> {
     let (program, args) = opts.command.split_first().ok_or(ProbeError::NoCommand)?;
     let started = Instant::now();
-    let mut child = Command::new(program)
-        .args(args)
+    let mut cmd = Command::new(program);
+    cmd.args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|source| ProbeError::Spawn {
-            command: program.clone(),
-            source,
-        })?;
+        .kill_on_drop(true);
+    // The cgroup lives as long as this call; the plan (and anything it holds) until the process is gone.
+    let prepared = match &opts.sandbox {
+        None => None,
+        Some(sb) => {
+            let cwd = std::env::current_dir().unwrap_or_else(|_| "/".into());
+            let prepared = sb.sandbox.prepare(
+                "fleet-probe",
+                "probe",
+                "p",
+                fleet_worker::config::ResourceLimits::default(),
+                &cwd,
+                &opts.command,
+            )?;
+            if let Some(home) = prepared.space.workspace.to_str() {
+                cmd.env("HOME", home).env("ANNA_WORKSPACE_DIR", home);
+            }
+            cmd.env("TMPDIR", &prepared.space.tmpdir);
+            fleet_worker::sandbox::apply(&mut cmd, &prepared.plan);
+            Some(prepared)
+        }
+    };
+    let confined = prepared.is_some();
+    let spawned = cmd.spawn().map_err(|source| ProbeError::Spawn {
+        confined,
+        command: program.clone(),
+        source,
+    });
+    let mut child = match spawned {
+        Ok(child) => child,
+        Err(e) => {
+            remove(prepared).await;
+            return Err(e);
+        }
+    };
+    let result = converse(opts, &mut child, started, confined).await;
+    if result.is_err() {
+        let _ = child.kill().await;
+    }
+    remove(prepared).await;
+    result
+}
+
+/// Kills what is left in the probe's cgroup and removes it.
+async fn remove(prepared: Option<fleet_worker::sandbox::Prepared>) {
+    if let Some(cg) = prepared.and_then(|p| p.cgroup) {
+        let _ = tokio::task::spawn_blocking(move || {
+            let _ = cg.kill_all();
+            cg.remove()
+        })
+        .await;
+    }
+}
+
+/// The handshake, the optional invoke and the shutdown of a spawned plugin.
+async fn converse(
+    opts: &ProbeOptions,
+    child: &mut Child,
+    started: Instant,
+    confined: bool,
+) -> Result<ProbeReport, ProbeError> {
     let (stdin, stdout) = match (child.stdin.take(), child.stdout.take()) {
         (Some(i), Some(o)) => (i, o),
         _ => return Err(ProbeError::Closed { waiting_for: "stdio" }),
@@ -250,7 +388,7 @@ pub async fn run(opts: &ProbeOptions) -> Result<ProbeReport, ProbeError> {
     let Conn { writer, other, .. } = conn;
     drop(writer);
     let _ = writer_task.await;
-    let exit = shutdown(&mut child).await;
+    let exit = shutdown(child).await;
     Ok(ProbeReport {
         protocol: protocol.into(),
         v1_reason,
@@ -261,6 +399,7 @@ pub async fn run(opts: &ProbeOptions) -> Result<ProbeReport, ProbeError> {
         other_frames: other,
         ready_ms,
         exit,
+        confined,
     })
 }
 

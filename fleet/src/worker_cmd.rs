@@ -307,3 +307,21 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
     emit(&json!({ "stopped": removed }));
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::nats_addresses;
+
+    #[tokio::test]
+    async fn every_nats_server_of_a_url_list_is_denied_to_egress() {
+        let nets = nats_addresses(
+            "nats://127.0.0.1:4222, tls://user:pw@10.1.2.3:4443,[::1]:4222,192.0.2.9,nats://no-such-host.invalid:4222",
+        )
+        .await;
+        let strings: Vec<String> = nets.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            strings,
+            ["127.0.0.1/32", "10.1.2.3/32", "::1/128", "192.0.2.9/32"]
+        );
+    }
+}

@@ -550,16 +550,34 @@ fn prepare_confinement(config: &WorkerConfig) -> Result<ConfineBase, SandboxErro
         },
         seccomp: base.seccomp.clone(),
     };
-    spawn::probe(&probe).map_err(|e| {
+    // In the probe's private /tmp (a tmpfs of its own), gone with it.
+    let favor = match (&probe.namespaces, config.favor_dynmods) {
+        (Some(ns), true) => Some(
+            std::ffi::CString::new([ns.tmp_root.as_bytes(), b"/.cgroup2"].concat()).map_err(|_| {
+                SandboxError::Config {
+                    reason: "the tmp root contains a NUL byte".into(),
+                }
+            })?,
+        ),
+        _ => None,
+    };
+    let favored = spawn::probe(&probe, favor.as_deref()).map_err(|e| {
         unavailable(format!(
             "cannot confine plugins ({e}); the worker needs root (CAP_SYS_ADMIN) for namespaces and a kernel \
              with seccomp filters; set confinement.namespaces = false or confinement.seccomp = false to run \
              without them"
         ))
     })?;
+    if favor.is_some() && !favored {
+        tracing::warn!(
+            "the kernel did not take cgroup favordynmods (Linux >= 6.1 in the host's cgroup namespace): a \
+             plugin's cold start after a quiet spell waits for an RCU grace period when it joins its cgroup"
+        );
+    }
     tracing::info!(
         namespaces = base.namespaces,
         seccomp = base.seccomp.is_some(),
+        favor_dynmods = favor.is_some() && favored,
         "plugin confinement ready"
     );
     Ok(base)

@@ -152,20 +152,31 @@ pub fn apply(cmd: &mut tokio::process::Command, plan: &SpawnPlan) {
     }
 }
 
+/// The probe child's exit code when it confined itself but the kernel refused the `favordynmods` mount.
+const FAVOR_REFUSED: i32 = 250;
+
 /// Runs the confinement of `confine` in a forked child that exits at once, and reports whether it worked: what
 /// [`Sandbox::new`](super::Sandbox::new) does before it accepts sessions, so a worker that cannot confine
 /// plugins refuses to start instead of running them unconfined. No program is executed.
+///
+/// With `favor` (a directory path in the child's private `/tmp`), the child — in its own mount namespace,
+/// before its filters — also mounts a `cgroup2` there with `favordynmods` and leaves: the kernel keeps favoring
+/// dynamic cgroup changes (task migrations) from then on, so moving a new plugin into its cgroup no longer waits
+/// for an RCU grace period after a quiet spell (`WorkerConfig::favor_dynmods`). `Ok(false)` when
+/// the kernel refused that mount (older than 6.1, or not the host's cgroup namespace): confinement still works.
 #[allow(unsafe_code)]
-pub(crate) fn probe(confine: &Confinement) -> io::Result<()> {
-    // SAFETY: the child only runs `confine_child` (async-signal-safe raw system calls on data prepared before
-    // the fork, no allocation) and leaves with `_exit`, which runs no atexit handler and no destructor.
+pub(crate) fn probe(confine: &Confinement, favor: Option<&CStr>) -> io::Result<bool> {
+    // SAFETY: the child only runs `confine_child` and `favor_child` (async-signal-safe raw system calls on data
+    // prepared before the fork, no allocation) and leaves with `_exit`, which runs no atexit handler and no
+    // destructor.
     let pid = unsafe { libc::fork() };
     if pid < 0 {
         return Err(io::Error::last_os_error());
     }
     if pid == 0 {
-        let code = match confine_child(confine) {
-            Ok(()) => 0,
+        let code = match confine_child(confine, favor) {
+            Ok(true) => 0,
+            Ok(false) => FAVOR_REFUSED,
             Err(e) => e.raw_os_error().unwrap_or(libc::EIO).clamp(1, 255),
         };
         // SAFETY: see above.
@@ -184,7 +195,9 @@ pub(crate) fn probe(confine: &Confinement) -> io::Result<()> {
         }
     }
     if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
-        Ok(())
+        Ok(true)
+    } else if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == FAVOR_REFUSED {
+        Ok(false)
     } else if libc::WIFEXITED(status) {
         Err(io::Error::from_raw_os_error(libc::WEXITSTATUS(status)))
     } else {
@@ -248,9 +261,18 @@ fn child_setup(plan: &SpawnPlan) -> io::Result<()> {
     Ok(())
 }
 
-/// The probe's child: everything [`child_setup`] does to confine, without cgroups or ids.
-fn confine_child(confine: &Confinement) -> io::Result<()> {
+/// The probe's child: everything [`child_setup`] does to confine, without cgroups or ids (and the
+/// `favordynmods` mount, whose outcome it returns).
+fn confine_child(confine: &Confinement, favor: Option<&CStr>) -> io::Result<bool> {
     namespaces_child(confine)?;
+    let favored = match favor {
+        Some(dir) => mkdir_exists_ok(dir)
+            .and_then(|()| {
+                mount(c"none", dir, c"cgroup2", MountFlags::empty(), c"favordynmods").map_err(Into::into)
+            })
+            .is_ok(),
+        None => true,
+    };
     seccomp_child(confine)?;
     // The filter is in force: a refused call must now fail.
     if confine.seccomp.is_some() {
@@ -260,7 +282,7 @@ fn confine_child(confine: &Confinement) -> io::Result<()> {
             Ok(()) => return Err(io::ErrorKind::PermissionDenied.into()),
         }
     }
-    Ok(())
+    Ok(favored)
 }
 
 /// New network, mount, IPC and UTS namespaces; loopback up; a private `/proc` (other uids' processes hidden)
