@@ -1,5 +1,7 @@
-//! The stderr ring of one session: drained continuously so a chatty plugin can never block on a full pipe,
-//! bounded in bytes, long lines truncated, JWT-looking strings redacted (spec §6).
+//! The stderr ring of a plugin, both dialects (an Executa session's successive processes share one; an Animus
+//! process has its own): drained continuously so a chatty plugin can never block on a full pipe, bounded in
+//! bytes, long lines truncated, JWT-looking strings redacted (spec §6). Never parsed: it only feeds error
+//! messages and operators.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
