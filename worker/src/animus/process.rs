@@ -453,11 +453,42 @@ impl Dialect for AnimusProcess {
 
 #[cfg(test)]
 mod tests {
-    use serde_json::json;
+    use serde_json::{Value, json};
 
     use super::AnimusProcess;
-    use crate::child::testing::{GUARD, assert_noisy_stderr_kept_safely, eventually, noisy_stderr, worker};
+    use crate::child::testing::{
+        GUARD, alive, assert_noisy_stderr_kept_safely, eventually, noisy_stderr, worker,
+    };
+    use crate::child::{ExitInfo, Failure};
     use crate::metrics::WorkerMetrics;
+
+    /// When the plugin exits, the request it owed an answer fails at once with how it ended, and what it left
+    /// running in its tree is killed.
+    #[tokio::test]
+    async fn an_exit_fails_pending_requests_and_kills_the_rest_of_the_tree() {
+        let w = worker("an-exit", |_| {});
+        let script = "sleep 600 & echo $! >&2; read -r line; exit 7";
+        let install = w.install("an-exit", &["/bin/sh", "-c", script], json!({}));
+        let p = AnimusProcess::spawn(&w.ctx, "alice", &install).unwrap();
+        assert!(eventually(|| !p.child.stderr_tail(1).is_empty()).await);
+        let grandchild: u32 = p.child.stderr_tail(1).parse().unwrap();
+        assert!(alive(grandchild));
+        let (_, answer) = p.child.request::<Value>("notes/count", None).await.unwrap();
+        let reply = tokio::time::timeout(GUARD, answer)
+            .await
+            .expect("answered")
+            .unwrap();
+        match reply {
+            Err(Failure::Exited(ExitInfo {
+                status,
+                clean: false,
+                oom: false,
+                host_initiated: false,
+            })) => assert_eq!(status, "exit status: 7"),
+            other => panic!("expected the exit, got {other:?}"),
+        }
+        assert!(eventually(|| !alive(grandchild)).await);
+    }
 
     /// An Animus process's stderr goes through the shared ring: JWTs redacted, long lines cut at 4 KB and marked
     /// (it used to keep raw 1 KB prefixes).

@@ -92,6 +92,13 @@ pub(crate) async fn eventually(mut cond: impl FnMut() -> bool) -> bool {
     }
 }
 
+/// Whether `pid` runs (exists and is not a zombie).
+pub(crate) fn alive(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let state = stat.rsplit_once(')').map(|(_, rest)| rest.trim_start());
+    state.is_some_and(|s| !s.starts_with('Z'))
+}
+
 /// A JWT-looking token (never a real one) and the stderr script that logs it beside a 10 000-byte line.
 pub(crate) const FAKE_JWT: &str = "eyJhbGciOiJub25lIn0.eyJzdWIiOiJ0ZXN0In0.c2lnbmF0dXJl";
 
