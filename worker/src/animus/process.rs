@@ -22,7 +22,7 @@ use serde_json::{Map, Value};
 use tokio::sync::oneshot;
 
 use crate::catalogue::Install;
-use crate::child::{ChildProcess, Dialect, ExitInfo, Failure, Sandboxed, Spawn, StderrRing, lock};
+use crate::child::{ChildProcess, Dialect, ExitInfo, Failure, Sandboxed, Spawn, StderrRing, for_log, lock};
 use crate::config::WorkerConfig;
 use crate::metrics::WorkerMetrics;
 use crate::sandbox::UserSpace;
@@ -383,7 +383,8 @@ impl AnimusProcess {
             FrameKind::Notification => {
                 let method = frame.method().unwrap_or("").to_string();
                 if method == methods::LOG_ENTRY {
-                    tracing::debug!(tool_id = %self.tool_id, entry = frame.params_json().unwrap_or(""), "plugin log entry");
+                    let entry = for_log(frame.params_json().unwrap_or(""));
+                    tracing::debug!(tool_id = %self.tool_id, %entry, "plugin log entry");
                     return;
                 }
                 let sink = lock(&self.sink).clone();

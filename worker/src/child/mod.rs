@@ -38,7 +38,7 @@ use tokio::sync::{oneshot, watch};
 
 pub use exit::ExitInfo;
 pub(crate) use sandboxed::Sandboxed;
-pub(crate) use stderr::StderrRing;
+pub(crate) use stderr::{StderrRing, for_log};
 
 use crate::metrics::WorkerMetrics;
 
