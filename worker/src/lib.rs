@@ -9,19 +9,26 @@
 //! - [`install`]: plugin installs from archives (spec §14): verify, extract (zip-slip refused), entrypoint,
 //!   atomic versioned commit, `current` pointer, `INSTALL.json`, garbage collection.
 //! - [`pool`]: the warm pool of sessions with caps, LRU and idle eviction.
+//! - [`child`]: the process core of both dialects: spawn into the sandbox, the pending-request table, the reader
+//!   with a per-dialect hook, the stderr ring (bounded, redacted), the exit watcher (tree kill, OOM attribution).
+//! - [`types`]: what the dialects and their callers share (worker context, invokes, health states);
+//!   [`progress`]: the progress sink and its gate.
 //! - [`animus`]: the second dialect (Animus, seed 004): detection, lifecycle, liveness, provider runs as jobs,
 //!   the cancellation ladder.
 #![deny(unsafe_code)]
 
 pub mod animus;
 pub mod catalogue;
+pub mod child;
 pub mod config;
 pub mod egress;
 pub mod install;
 pub mod metrics;
 pub mod pool;
+pub mod progress;
 pub mod sandbox;
 pub mod services;
 pub mod session;
+pub mod types;
 
 pub use fleet_proto as proto;

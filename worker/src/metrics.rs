@@ -111,7 +111,33 @@ pub struct WorkerMetrics {
     /// `*_RATE_LIMITED` code).
     pub reverse_budget_exhausted: AtomicU64,
     /// The Animus driver's counters (detection probes, liveness, cancellation paths).
-    pub animus: crate::animus::AnimusMetrics,
+    pub animus: AnimusMetrics,
+}
+
+/// Counters of the Animus driver (exported with `dialect="animus"`).
+#[derive(Debug, Default)]
+pub struct AnimusMetrics {
+    /// `--manifest` probes run.
+    pub probes: AtomicU64,
+    /// Animus processes spawned.
+    pub spawns: AtomicU64,
+    /// Handshakes refused (version, kind, bad answer).
+    pub refused: AtomicU64,
+    /// Installs quarantined.
+    pub quarantines: AtomicU64,
+    /// Calls started.
+    pub calls: AtomicU64,
+    /// Calls that ended with `success: true`.
+    pub calls_succeeded: AtomicU64,
+    /// Calls that ended otherwise (plugin errors, failed runs, lost processes; not cancels).
+    pub calls_failed: AtomicU64,
+    /// `$/ping` misses.
+    pub ping_misses: AtomicU64,
+    /// Processes recycled (ping misses, unhealthy).
+    pub recycles: AtomicU64,
+    /// Cancels (and deadline expiries) by the path that ended them, index = the position in
+    /// `animus::CancelPath::ALL`.
+    pub cancel_paths: [AtomicU64; 4],
 }
 
 /// Upper bounds (seconds) of the cold-start histogram.

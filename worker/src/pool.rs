@@ -12,7 +12,8 @@ use tokio::task::{JoinHandle, JoinSet};
 
 use crate::catalogue::{Catalogue, Install};
 use crate::metrics::WorkerMetrics;
-use crate::session::{InvokeError, InvokeOutput, InvokeRequest, Session, SessionError, WorkerContext};
+use crate::session::{Session, SessionError};
+use crate::types::{InvokeError, InvokeOutput, InvokeRequest, WorkerContext};
 
 /// Why the pool could not serve a call.
 #[derive(Debug, thiserror::Error)]
@@ -64,7 +65,7 @@ struct Inner {
     reaper: Mutex<Option<JoinHandle<()>>>,
     animus: crate::animus::AnimusHost,
     /// The last Executa `health` answer per tool_id (polled every [`EXECUTA_HEALTH_POLL`]).
-    health: Mutex<HashMap<String, crate::animus::HealthState>>,
+    health: Mutex<HashMap<String, crate::types::HealthState>>,
     health_poller: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -136,7 +137,7 @@ impl Pool {
     /// Asks every ready Executa session for `health` and records the answer, mapped onto the states Animus
     /// `health/check` uses (one state per tool_id: the worst of its sessions).
     pub async fn poll_executa_health(&self) {
-        use crate::animus::HealthState;
+        use crate::types::HealthState;
         let ready: Vec<Session> = self
             .sessions()
             .into_iter()
@@ -152,7 +153,7 @@ impl Pool {
     }
 
     /// The plugins' health as last seen, both dialects: (tool_id, dialect, state).
-    pub fn health_states(&self) -> Vec<(String, crate::catalogue::Dialect, crate::animus::HealthState)> {
+    pub fn health_states(&self) -> Vec<(String, crate::catalogue::Dialect, crate::types::HealthState)> {
         let mut out: Vec<_> = lock(&self.inner.health)
             .iter()
             .map(|(t, h)| (t.clone(), crate::catalogue::Dialect::Executa, *h))

@@ -30,7 +30,8 @@ use tokio::io::AsyncReadExt as _;
 use tokio::sync::OnceCell;
 
 use crate::catalogue::{Dialect, Install};
-use crate::session::WorkerContext;
+use crate::child::Sandboxed;
+use crate::types::WorkerContext;
 
 /// The user the detection probe runs as (its own uid and directories, like any user's).
 pub const PROBE_USER: &str = "fleet:detect";
@@ -291,7 +292,7 @@ async fn probe_manifest(
     let Some(program) = install.argv.first() else {
         return Ok(None);
     };
-    let crate::sandbox::Prepared { space, cgroup, plan } = ctx
+    let prepared = ctx
         .sandbox
         .prepare(
             PROBE_USER,
@@ -302,17 +303,13 @@ async fn probe_manifest(
             &install.argv,
         )
         .map_err(|e| DetectError::Probe(e.to_string()))?;
-    let mut cmd = tokio::process::Command::new(program);
-    cmd.args(install.argv.iter().skip(1))
-        .arg(MANIFEST_FLAG)
-        .current_dir(&install.dir)
-        .env_clear()
-        .envs(super::process::environment(&ctx.config, install, &space))
+    let sandbox = Sandboxed::new(prepared);
+    let env = super::process::environment(&ctx.config, install, sandbox.space());
+    let mut cmd = sandbox.command(&install.argv, &install.dir, env);
+    cmd.arg(MANIFEST_FLAG)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .kill_on_drop(true);
-    crate::sandbox::apply(&mut cmd, &plan);
+        .stderr(Stdio::null());
     let result = match cmd.spawn() {
         Err(e) => Err(DetectError::Probe(format!("cannot start {program:?}: {e}"))),
         Ok(mut child) => {
@@ -335,13 +332,7 @@ async fn probe_manifest(
         }
     };
     // Whatever the probe left behind dies with its cgroup.
-    if let Some(cg) = cgroup {
-        let _ = tokio::task::spawn_blocking(move || {
-            let _ = cg.kill_all();
-            cg.remove()
-        })
-        .await;
-    }
+    let _ = tokio::task::spawn_blocking(move || sandbox.release()).await;
     result
 }
 

@@ -27,7 +27,7 @@ pub mod detect;
 mod process;
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -44,13 +44,16 @@ use serde_json::{Map, Value, json};
 use tokio::sync::{Notify, oneshot};
 
 pub use detect::{DetectError, Detected, Registry};
-pub use process::HealthState;
+
+pub use crate::metrics::AnimusMetrics;
+pub use crate::types::HealthState;
 use process::{AnimusProcess, CallError, NotificationSink, Reply, StartError};
 
 use crate::catalogue::{Dialect, Install};
+use crate::child::ExitInfo;
 use crate::metrics::WorkerMetrics;
-use crate::session::progress::{ProgressGate, ProgressSink, ProgressUpdate};
-use crate::session::{InvokeError, InvokeOutput, InvokeRequest, WorkerContext};
+use crate::progress::{ProgressGate, ProgressSink, ProgressUpdate};
+use crate::types::{InvokeError, InvokeOutput, InvokeRequest, WorkerContext};
 
 /// A `health/check` every this many pings.
 const HEALTH_EVERY_PINGS: u64 = 6;
@@ -81,31 +84,6 @@ pub const HOST_OWNED_FIELDS: &[&str] = &[
     "runtime_contract",
     "control_session_id",
 ];
-
-/// Counters of the Animus driver (exported with `dialect="animus"`).
-#[derive(Debug, Default)]
-pub struct AnimusMetrics {
-    /// `--manifest` probes run.
-    pub probes: AtomicU64,
-    /// Animus processes spawned.
-    pub spawns: AtomicU64,
-    /// Handshakes refused (version, kind, bad answer).
-    pub refused: AtomicU64,
-    /// Installs quarantined.
-    pub quarantines: AtomicU64,
-    /// Calls started.
-    pub calls: AtomicU64,
-    /// Calls that ended with `success: true`.
-    pub calls_succeeded: AtomicU64,
-    /// Calls that ended otherwise (plugin errors, failed runs, lost processes; not cancels).
-    pub calls_failed: AtomicU64,
-    /// `$/ping` misses.
-    pub ping_misses: AtomicU64,
-    /// Processes recycled (ping misses, unhealthy).
-    pub recycles: AtomicU64,
-    /// Cancels (and deadline expiries) by the path that ended them, index = [`CancelPath::ALL`].
-    pub cancel_paths: [AtomicU64; 4],
-}
 
 /// How a cancelled (or expired) run ended on the plugin's side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -410,7 +388,12 @@ impl AnimusHost {
     pub fn idle_pids(&self, user: &str, tool_id: &str) -> Vec<u32> {
         lock(&self.inner.idle)
             .get(&(user.to_string(), tool_id.to_string()))
-            .map(|v| v.iter().filter(|p| p.usable()).map(|p| p.pid).collect())
+            .map(|v| {
+                v.iter()
+                    .filter(|p| p.child.usable())
+                    .map(|p| p.child.pid)
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
@@ -573,12 +556,12 @@ impl AnimusHost {
         loop {
             let p = lock(&self.inner.idle).get_mut(&key).and_then(Vec::pop);
             match p {
-                Some(p) if p.usable() && p.install_dir == install.dir => {
+                Some(p) if p.child.usable() && p.install_dir == install.dir => {
                     p.busy.store(true, Ordering::SeqCst);
                     return Ok((p, true));
                 }
                 // A process of a replaced install version: it ends, the call gets one of the current version.
-                Some(p) if p.usable() => {
+                Some(p) if p.child.usable() => {
                     let grace = self.inner.ctx.config.shutdown_grace;
                     self.background(async move { p.shutdown(grace).await });
                 }
@@ -609,7 +592,7 @@ impl AnimusHost {
         let info = match handshake {
             Ok(info) => info,
             Err(e) => {
-                process.kill_tree().await;
+                process.child.kill_tree().await;
                 return Err(self.start_failed(install, e));
             }
         };
@@ -621,7 +604,7 @@ impl AnimusHost {
                     "the handshake says kind `{}` protocol {} but detection recorded kind `{}` protocol {}",
                     info.plugin_info.plugin_kind, info.protocol_version, m.plugin_kind, m.protocol_version
                 );
-                process.kill_tree().await;
+                process.child.kill_tree().await;
                 self.inner.registry.quarantine(install, reason.clone());
                 WorkerMetrics::inc(&self.inner.ctx.metrics.animus.quarantines);
                 return Err(InvokeError::Stopped(format!("plugin quarantined: {reason}")));
@@ -661,14 +644,14 @@ impl AnimusHost {
         process.set_sink(None);
         process.touch();
         process.busy.store(false, Ordering::SeqCst);
-        if !process.usable() {
+        if !process.child.usable() {
             return;
         }
         let key = (process.user.clone(), process.tool_id.clone());
         let keep = !self.inner.closed.load(Ordering::SeqCst) && {
             let mut idle = lock(&self.inner.idle);
             let list = idle.entry(key).or_default();
-            list.retain(|p| p.usable());
+            list.retain(|p| p.child.usable());
             if list.len() < IDLE_PER_KEY {
                 list.push(process.clone());
                 true
@@ -699,10 +682,10 @@ impl AnimusHost {
             let mut pings: u64 = 0;
             loop {
                 tokio::select! {
-                    _ = process.exited() => break,
+                    _ = process.child.exited() => break,
                     _ = tick.tick() => {}
                 }
-                if !process.usable() || process.capabilities().is_none() {
+                if !process.child.usable() || process.capabilities().is_none() {
                     continue;
                 }
                 let answered = process.ping().await;
@@ -712,14 +695,14 @@ impl AnimusHost {
                 {
                     if busy {
                         // Let the call's deadline decide (spec §3.7): never kill a run on liveness alone.
-                        tracing::warn!(tool_id = %process.tool_id, pid = process.pid, "busy Animus plugin misses pings");
+                        tracing::warn!(tool_id = %process.tool_id, pid = process.child.pid, "busy Animus plugin misses pings");
                         continue;
                     }
-                    tracing::warn!(tool_id = %process.tool_id, pid = process.pid, "Animus plugin missed {} pings: recycling it", limits::ANIMUS_PING_MAX_MISSES);
+                    tracing::warn!(tool_id = %process.tool_id, pid = process.child.pid, "Animus plugin missed {} pings: recycling it", limits::ANIMUS_PING_MAX_MISSES);
                     lock(&host.inner.health).insert(process.tool_id.clone(), HealthState::Unhealthy);
                     WorkerMetrics::inc(&host.inner.ctx.metrics.animus.recycles);
                     host.forget_idle(&process);
-                    process.kill_tree().await;
+                    process.child.kill_tree().await;
                     continue;
                 }
                 if answered && pings.is_multiple_of(HEALTH_EVERY_PINGS) && !busy {
@@ -916,7 +899,7 @@ impl AnimusHost {
                 WorkerMetrics::inc(&self.inner.ctx.metrics.invokes_lost);
                 InvokeError::ProcessExited {
                     exit,
-                    stderr_tail: process.stderr_tail(5),
+                    stderr_tail: process.child.stderr_tail(5),
                 }
             }
             CallError::Timeout => InvokeError::Timeout(Duration::ZERO),
@@ -936,14 +919,9 @@ impl AnimusHost {
     ) -> Result<InvokeOutput, InvokeError> {
         let frame = match reply {
             Ok(Ok(frame)) => frame,
-            Ok(Err(exit)) => return Err(self.call_error(process, CallError::Exited(exit))),
+            Ok(Err(failure)) => return Err(self.call_error(process, failure.into())),
             Err(_) => {
-                let exit = process.exit_info().unwrap_or(crate::session::ExitInfo {
-                    status: "unknown".into(),
-                    clean: false,
-                    oom: false,
-                    host_initiated: false,
-                });
+                let exit = process.child.exit_info().unwrap_or_else(ExitInfo::unknown);
                 return Err(self.call_error(process, CallError::Exited(exit)));
             }
         };

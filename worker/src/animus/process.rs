@@ -1,119 +1,47 @@
-//! One Animus plugin process: spawned into its own cgroup under the user's uid, one writer task, one reader task
-//! that classifies every frame, the table of host requests awaiting answers, the notification sink of the run in
-//! flight (at most one), an exit watcher that kills the rest of the cgroup, and the liveness loop (`$/ping`,
-//! `health/check`).
+//! The Animus dialect of a plugin process (the core is [`crate::child`]): spawned into its own sandbox (a cgroup
+//! per process) under the user's uid, the handshake, the notification sink of the run in flight (at most one),
+//! and the liveness calls (`$/ping`, `health/check`).
 //!
-//! Invariants: no lock is held across an `.await`; a dead process fails every pending request at once; a
-//! response whose id matches no pending request (late, after a cancel, or sent before `initialize`) is counted
-//! and dropped; a plugin → host request is answered -32601 (Animus defines none); a structured JSON-RPC error is
-//! an answer, never a sign of a dead process.
+//! Invariants: no lock is held across an `.await`; a dead process fails every pending request at once (the
+//! core) and its sandbox is released; a response whose id matches no pending request (late, after a cancel, or
+//! sent before `initialize`) is counted and dropped (the core); a plugin → host request is answered -32601
+//! (Animus defines none); a structured JSON-RPC error is an answer, never a sign of a dead process.
 
-use std::collections::{HashMap, VecDeque};
-use std::process::Stdio;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use fleet_proto::animus::{
-    self, HealthCheckResult, HealthStatus, HostCapabilities, HostInfo, InitializeParams, InitializeResult,
-    methods,
+    self, HealthCheckResult, HostCapabilities, HostInfo, InitializeParams, InitializeResult, methods,
 };
-use fleet_proto::codec::io::{FrameReader, FrameWriter, ReadError};
 use fleet_proto::codec::{Frame, FrameError, FrameKind};
-use fleet_proto::jsonrpc::{ErrorObject, Id, Notification, Request, Response, codes};
+use fleet_proto::jsonrpc::{ErrorObject, Id, Response, codes};
 use fleet_proto::limits;
 use serde::Serialize;
 use serde_json::{Map, Value};
-use tokio::io::AsyncBufReadExt as _;
-use tokio::process::{Child, Command};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::oneshot;
 
 use crate::catalogue::Install;
+use crate::child::{ChildProcess, Dialect, ExitInfo, Failure, Sandboxed, Spawn, StderrRing, for_log, lock};
 use crate::config::WorkerConfig;
 use crate::metrics::WorkerMetrics;
-use crate::sandbox::{SessionCgroup, UserSpace};
-use crate::session::{ExitInfo, WorkerContext};
+use crate::sandbox::UserSpace;
+use crate::types::{HealthState, WorkerContext};
 
-/// Lines of stderr kept per process (never parsed: spec §1.1).
-const STDERR_LINES: usize = 50;
-/// Longest stderr line kept, in bytes.
-const STDERR_LINE_BYTES: usize = 1024;
-
-/// A request's outcome: the answer frame, or the process ended first.
-pub(crate) type Reply = Result<Frame, ExitInfo>;
-
-/// The health of a plugin as the host sees it, both dialects (spec §3.7 "structured health").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum HealthState {
-    /// Answering and healthy (Animus `healthy`; Executa `ready`/`healthy`, or no `health` method).
-    Healthy,
-    /// Serving, impaired (Animus `degraded`).
-    Degraded,
-    /// Starting (Executa `initializing`, or no process yet).
-    Starting,
-    /// Not serving (Animus `unhealthy`, Executa `error`, no answer).
-    Unhealthy,
-}
-
-impl HealthState {
-    /// Every state, in a fixed order.
-    pub const ALL: [HealthState; 4] = [
-        HealthState::Healthy,
-        HealthState::Degraded,
-        HealthState::Starting,
-        HealthState::Unhealthy,
-    ];
-
-    /// The metric label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            HealthState::Healthy => "healthy",
-            HealthState::Degraded => "degraded",
-            HealthState::Starting => "starting",
-            HealthState::Unhealthy => "unhealthy",
-        }
-    }
-
-    /// An Executa `health` answer mapped onto the shared states.
-    pub fn from_executa(h: fleet_proto::executa::lifecycle::Health) -> HealthState {
-        use fleet_proto::executa::lifecycle::Health;
-        match h {
-            Health::Healthy => HealthState::Healthy,
-            Health::Starting => HealthState::Starting,
-            _ => HealthState::Unhealthy,
-        }
-    }
-
-    fn from_animus(s: HealthStatus) -> HealthState {
-        match s {
-            HealthStatus::Healthy => HealthState::Healthy,
-            HealthStatus::Degraded => HealthState::Degraded,
-            HealthStatus::Unhealthy => HealthState::Unhealthy,
-        }
-    }
-}
+/// A request's outcome: the answer frame (an answer over the frame limit is an internal-error answer), or why
+/// there is none.
+pub(crate) type Reply = crate::child::Reply;
 
 /// Where the notifications of the run in flight go (called on the reader task, must not block).
 pub(crate) type NotificationSink = Arc<dyn Fn(&str, Frame) + Send + Sync>;
 
 /// A running Animus plugin process.
 pub(crate) struct AnimusProcess {
-    /// The plan it was spawned with, kept for the process's life: it holds an egress-granted plugin's network
-    /// namespace and proxy.
-    _plan: crate::sandbox::SpawnPlan,
-    pub(crate) pid: u32,
+    /// The process core: pid, writer, pending requests, exit, tree, stderr.
+    pub(crate) child: ChildProcess,
     pub(crate) user: String,
     pub(crate) tool_id: String,
-    writer: FrameWriter,
-    next_id: AtomicU64,
-    pending: Mutex<HashMap<u64, oneshot::Sender<Reply>>>,
     sink: Mutex<Option<NotificationSink>>,
-    exit: watch::Receiver<Option<ExitInfo>>,
-    host_kill: AtomicBool,
-    cgroup: Arc<Mutex<Option<SessionCgroup>>>,
-    isolated: bool,
-    stderr: Arc<Mutex<VecDeque<String>>>,
-    metrics: Arc<WorkerMetrics>,
     /// What `initialize` answered.
     pub(crate) info: OnceLock<InitializeResult>,
     /// Consecutive `$/ping` misses.
@@ -132,14 +60,10 @@ pub(crate) struct AnimusProcess {
 impl std::fmt::Debug for AnimusProcess {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AnimusProcess")
-            .field("pid", &self.pid)
+            .field("pid", &self.child.pid)
             .field("tool_id", &self.tool_id)
             .finish_non_exhaustive()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The plugin's environment: the worker's allow-list and the install's `env` names, the user's directories;
@@ -180,14 +104,14 @@ pub(crate) enum StartError {
 }
 
 impl AnimusProcess {
-    /// Spawns the plugin for `user` into a new cgroup and starts its tasks.
+    /// Spawns the plugin for `user` into a new sandbox and starts its tasks.
     pub(crate) fn spawn(
         ctx: &WorkerContext,
         user: &str,
         install: &Install,
     ) -> Result<Arc<AnimusProcess>, StartError> {
         let refused = |e: &dyn std::fmt::Display| StartError::Refused(e.to_string());
-        let crate::sandbox::Prepared { space, cgroup, plan } = ctx
+        let prepared = ctx
             .sandbox
             .prepare(
                 user,
@@ -198,69 +122,46 @@ impl AnimusProcess {
                 &install.argv,
             )
             .map_err(|e| refused(&e))?;
-        let program = install.argv.first().cloned().unwrap_or_default();
-        let mut cmd = Command::new(&program);
-        cmd.args(install.argv.iter().skip(1))
-            .current_dir(&install.dir)
-            .env_clear()
-            .envs(environment(&ctx.config, install, &space))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        crate::sandbox::apply(&mut cmd, &plan);
-        let remove_cgroup = |cg: Option<SessionCgroup>| {
-            if let Some(cg) = cg {
-                let _ = cg.remove();
-            }
-        };
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
+        let sandbox = Arc::new(Sandboxed::new(prepared));
+        let env = environment(&ctx.config, install, sandbox.space());
+        let cmd = sandbox.command(&install.argv, &install.dir, env);
+        let spawned = ChildProcess::spawn(
+            cmd,
+            Spawn {
+                tool_id: install.tool_id.clone(),
+                sandbox: sandbox.clone(),
+                stderr: StderrRing::new(ctx.config.stderr_ring_bytes),
+                metrics: ctx.metrics.clone(),
+                // Ids start at a per-process offset: a frame a plugin writes before reading anything cannot
+                // match one.
+                first_id: |pid| {
+                    1 + (u64::from(std::process::id()) ^ u64::from(pid)).wrapping_mul(7919) % 1_000_000
+                },
+                eof_grace: limits::ANIMUS_SHUTDOWN_TIMEOUT,
+            },
+        );
+        let (child, tasks) = match spawned {
+            Ok(spawned) => spawned,
             Err(e) => {
-                remove_cgroup(cgroup);
-                return Err(StartError::Refused(format!("cannot start {program:?}: {e}")));
+                let _ = sandbox.release();
+                return Err(refused(&e));
             }
         };
-        WorkerMetrics::inc(&ctx.metrics.spawns);
         WorkerMetrics::inc(&ctx.metrics.animus.spawns);
-        let pid = child.id().unwrap_or(0);
-        let (Some(stdin), Some(stdout), Some(stderr)) =
-            (child.stdin.take(), child.stdout.take(), child.stderr.take())
-        else {
-            return Err(StartError::Refused(
-                "the plugin's stdio could not be captured".into(),
-            ));
-        };
-        let (writer, _task) = FrameWriter::spawn(stdin);
-        let (exit_tx, exit_rx) = watch::channel(None);
-        // Ids start at a per-process offset: a frame a plugin writes before reading anything cannot match one.
-        let first_id = 1 + (u64::from(std::process::id()) ^ u64::from(pid)).wrapping_mul(7919) % 1_000_000;
         let process = Arc::new(AnimusProcess {
-            _plan: plan,
-            pid,
+            child,
             user: user.to_string(),
             tool_id: install.tool_id.clone(),
-            writer,
-            next_id: AtomicU64::new(first_id),
-            pending: Mutex::new(HashMap::new()),
             sink: Mutex::new(None),
-            exit: exit_rx,
-            host_kill: AtomicBool::new(false),
-            isolated: cgroup.is_some(),
-            cgroup: Arc::new(Mutex::new(cgroup)),
-            stderr: Arc::new(Mutex::new(VecDeque::new())),
-            metrics: ctx.metrics.clone(),
             info: OnceLock::new(),
             ping_misses: AtomicU32::new(0),
             health: Mutex::new(HealthState::Starting),
             busy: AtomicBool::new(false),
-            workspace: space.workspace.clone(),
+            workspace: sandbox.space().workspace.clone(),
             install_dir: install.dir.clone(),
             last_used: Mutex::new(Instant::now()),
         });
-        tokio::spawn(drain_stderr(process.stderr.clone(), stderr));
-        tokio::spawn(process.clone().read_loop(FrameReader::new(stdout)));
-        tokio::spawn(process.clone().wait_loop(child, exit_tx));
+        tasks.start(&process);
         Ok(process)
     }
 
@@ -298,7 +199,7 @@ impl AnimusProcess {
             Err(CallError::Exited(info)) => {
                 return Err(StartError::Transient(format!(
                     "the plugin exited during initialize ({info}); stderr: {}",
-                    self.stderr_tail(5)
+                    self.child.stderr_tail(5)
                 )));
             }
             Err(CallError::Timeout) => {
@@ -346,28 +247,7 @@ impl AnimusProcess {
         method: &str,
         params: Option<P>,
     ) -> Result<(u64, oneshot::Receiver<Reply>), CallError> {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = oneshot::channel();
-        lock(&self.pending).insert(id, tx);
-        if let Some(info) = self.exit_info() {
-            lock(&self.pending).remove(&id);
-            return Err(CallError::Exited(info));
-        }
-        let request = Request {
-            jsonrpc: fleet_proto::jsonrpc::V2,
-            id: Id::number(id),
-            method: method.into(),
-            params,
-        };
-        if let Err(e) = self.writer.send(&request).await {
-            lock(&self.pending).remove(&id);
-            return Err(match self.exit_info() {
-                Some(info) => CallError::Exited(info),
-                None => CallError::Write(format!("cannot write to the plugin: {e}")),
-            });
-        }
-        WorkerMetrics::inc(&self.metrics.frames_written);
-        Ok((id, rx))
+        self.child.request(method, params).await.map_err(CallError::from)
     }
 
     /// A request with a timeout; a late answer is dropped.
@@ -380,8 +260,10 @@ impl AnimusProcess {
         let (id, rx) = self.request(method, params).await?;
         match tokio::time::timeout(timeout, rx).await {
             Ok(Ok(Ok(frame))) => Ok(frame),
-            Ok(Ok(Err(info))) => Err(CallError::Exited(info)),
-            Ok(Err(_)) => Err(CallError::Exited(self.exit_info().unwrap_or_else(unknown_exit))),
+            Ok(Ok(Err(failure))) => Err(failure.into()),
+            Ok(Err(_)) => Err(CallError::Exited(
+                self.child.exit_info().unwrap_or_else(ExitInfo::unknown),
+            )),
             Err(_) => {
                 self.forget(id);
                 Err(CallError::Timeout)
@@ -391,19 +273,12 @@ impl AnimusProcess {
 
     /// Sends a notification (best effort: a dead plugin needs none).
     pub(crate) async fn notify<P: Serialize>(&self, method: &str, params: Option<P>) {
-        let n = Notification {
-            jsonrpc: fleet_proto::jsonrpc::V2,
-            method: method.into(),
-            params,
-        };
-        if self.writer.send(&n).await.is_ok() {
-            WorkerMetrics::inc(&self.metrics.frames_written);
-        }
+        self.child.notify(method, params).await;
     }
 
     /// Stops waiting for `id`: its answer, if it comes, is dropped.
     pub(crate) fn forget(&self, id: u64) {
-        lock(&self.pending).remove(&id);
+        self.child.abandon(id);
     }
 
     /// Routes notifications to `sink` (the run in flight), or drops them (`None`).
@@ -421,77 +296,23 @@ impl AnimusProcess {
         *lock(&self.last_used) = Instant::now();
     }
 
-    /// Whether new work may use this process.
-    pub(crate) fn usable(&self) -> bool {
-        !self.host_kill.load(Ordering::SeqCst) && self.exit_info().is_none()
-    }
-
-    /// How the process ended, if it has.
-    pub(crate) fn exit_info(&self) -> Option<ExitInfo> {
-        self.exit.borrow().clone()
-    }
-
-    /// Waits until the process has ended.
-    pub(crate) async fn exited(&self) -> ExitInfo {
-        let mut rx = self.exit.clone();
-        match rx.wait_for(Option::is_some).await {
-            Ok(info) => info.clone().unwrap_or_else(unknown_exit),
-            Err(_) => unknown_exit(),
-        }
-    }
-
-    /// The last `n` stderr lines.
-    pub(crate) fn stderr_tail(&self, n: usize) -> String {
-        let lines = lock(&self.stderr);
-        let skip = lines.len().saturating_sub(n);
-        lines.iter().skip(skip).cloned().collect::<Vec<_>>().join("\n")
-    }
-
-    /// Kills the whole process tree now, as a host decision.
-    pub(crate) async fn kill_tree(&self) {
-        self.host_kill.store(true, Ordering::SeqCst);
-        WorkerMetrics::inc(&self.metrics.tree_kills);
-        self.kill_cgroup().await;
-    }
-
-    async fn kill_cgroup(&self) {
-        let cgroup = self.cgroup.clone();
-        let (pid, isolated) = (self.pid, self.isolated);
-        // Killing waits for the kernel: off the async threads.
-        let _ = tokio::task::spawn_blocking(move || {
-            let guard = lock(&cgroup);
-            match guard.as_ref() {
-                Some(cg) => {
-                    let _ = cg.kill_all();
-                }
-                None if !isolated => {
-                    if let Some(pid) = i32::try_from(pid).ok().and_then(rustix::process::Pid::from_raw) {
-                        let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
-                    }
-                }
-                None => {}
-            }
-        })
-        .await;
-    }
-
     /// The Animus shutdown ladder: `shutdown` (answered within 2 s, or not) → `exit` → close stdin → `grace`
     /// for the process to end → SIGKILL of the whole tree. Returns once the process has exited.
     pub(crate) async fn shutdown(&self, grace: Duration) {
-        if self.exit_info().is_some() {
+        if self.child.exit_info().is_some() {
             return;
         }
-        self.host_kill.store(true, Ordering::SeqCst);
+        self.child.host_ends();
         let _ = self
             .call::<Value>(methods::SHUTDOWN, None, limits::ANIMUS_SHUTDOWN_TIMEOUT)
             .await;
         self.notify::<Value>(methods::EXIT, None).await;
-        self.writer.close().await;
-        if tokio::time::timeout(grace, self.exited()).await.is_ok() {
+        self.child.close_stdin().await;
+        if tokio::time::timeout(grace, self.child.exited()).await.is_ok() {
             return;
         }
-        self.kill_tree().await;
-        let _ = tokio::time::timeout(grace, self.exited()).await;
+        self.child.kill_tree().await;
+        let _ = tokio::time::timeout(grace, self.child.exited()).await;
     }
 
     /// One `$/ping` (≤ 1 s). Any answer — an error included — proves the read loop is alive.
@@ -504,7 +325,7 @@ impl AnimusProcess {
             self.ping_misses.store(0, Ordering::Relaxed);
         } else {
             self.ping_misses.fetch_add(1, Ordering::Relaxed);
-            WorkerMetrics::inc(&self.metrics.animus.ping_misses);
+            WorkerMetrics::inc(&self.child.metrics.animus.ping_misses);
         }
         ok
     }
@@ -536,99 +357,13 @@ impl AnimusProcess {
     }
 
     // ---------------------------------------------------------------------------------------------------------
-    // Tasks
+    // Frames other than answers
     // ---------------------------------------------------------------------------------------------------------
-
-    async fn wait_loop(self: Arc<Self>, mut child: Child, exit_tx: watch::Sender<Option<ExitInfo>>) {
-        let status = child.wait().await;
-        // The plugin is gone: its descendants go with it.
-        self.kill_cgroup().await;
-        let (status, clean) = match status {
-            Ok(s) => (s.to_string(), s.success()),
-            Err(e) => (format!("wait failed: {e}"), false),
-        };
-        let info = ExitInfo {
-            status,
-            clean,
-            oom: false,
-            host_initiated: self.host_kill.load(Ordering::SeqCst),
-        };
-        let _ = exit_tx.send(Some(info.clone()));
-        let pending: Vec<_> = lock(&self.pending).drain().collect();
-        for (_, tx) in pending {
-            let _ = tx.send(Err(info.clone()));
-        }
-        self.set_sink(None);
-        let cgroup = lock(&self.cgroup).take();
-        if let Some(cg) = cgroup {
-            let removed = tokio::task::spawn_blocking(move || cg.remove()).await;
-            if let Ok(Err(e)) = removed {
-                tracing::warn!(tool_id = %self.tool_id, error = %e, "removing an Animus process cgroup failed");
-            }
-        }
-    }
-
-    async fn read_loop(self: Arc<Self>, mut reader: FrameReader<tokio::process::ChildStdout>) {
-        while let Some(item) = reader.next().await {
-            match item {
-                Ok(frame) => {
-                    WorkerMetrics::inc(&self.metrics.frames_read);
-                    self.dispatch(frame).await;
-                }
-                Err(ReadError::Frame(e)) => self.on_bad_frame(&e),
-                Err(ReadError::Io(_)) => break,
-            }
-        }
-        // stdout closed: a process that cannot answer is useless; it gets a short grace to exit on its own.
-        if tokio::time::timeout(limits::ANIMUS_SHUTDOWN_TIMEOUT, self.exited())
-            .await
-            .is_err()
-        {
-            self.kill_tree().await;
-        }
-    }
-
-    fn on_bad_frame(&self, e: &FrameError) {
-        self.metrics.frame_error(e.kind());
-        tracing::debug!(tool_id = %self.tool_id, error = %e, "bad frame from an Animus plugin");
-        if let FrameError::TooLarge {
-            id_hint: Some(id), ..
-        } = e
-            && let Some(id) = id.as_u64()
-        {
-            // The answer was too large to use: the caller gets an internal error instead of waiting.
-            let tx = lock(&self.pending).remove(&id);
-            if let Some(tx) = tx {
-                let err = Response::<Value>::err(
-                    Id::number(id),
-                    ErrorObject::new(
-                        codes::INTERNAL_ERROR,
-                        format!("the plugin's answer was refused: {e}"),
-                    ),
-                );
-                if let Ok(bytes) = serde_json::to_vec(&err)
-                    && let Ok(frame) = Frame::parse(bytes.into())
-                {
-                    let _ = tx.send(Ok(frame));
-                }
-            }
-        }
-    }
 
     async fn dispatch(&self, frame: Frame) {
         match frame.kind() {
-            FrameKind::Response | FrameKind::ErrorResponse => {
-                let tx = frame
-                    .id()
-                    .and_then(Id::as_u64)
-                    .and_then(|id| lock(&self.pending).remove(&id));
-                match tx {
-                    Some(tx) => {
-                        let _ = tx.send(Ok(frame));
-                    }
-                    None => WorkerMetrics::inc(&self.metrics.unmatched_responses),
-                }
-            }
+            // Answers never reach here: the core hands them to their callers.
+            FrameKind::Response | FrameKind::ErrorResponse => self.child.answer(frame),
             FrameKind::Request => {
                 // Animus defines no plugin → host request.
                 if let Some(id) = frame.id().cloned() {
@@ -640,21 +375,22 @@ impl AnimusProcess {
                             format!("the host offers no method {method:?} to Animus plugins"),
                         ),
                     );
-                    let _ = self.writer.send(&reply).await;
+                    let _ = self.child.writer().send(&reply).await;
                 }
             }
             // File transport is an Executa mechanism: an Animus plugin has no business sending it.
-            FrameKind::FileTransport => WorkerMetrics::inc(&self.metrics.unmatched_responses),
+            FrameKind::FileTransport => WorkerMetrics::inc(&self.child.metrics.unmatched_responses),
             FrameKind::Notification => {
                 let method = frame.method().unwrap_or("").to_string();
                 if method == methods::LOG_ENTRY {
-                    tracing::debug!(tool_id = %self.tool_id, entry = frame.params_json().unwrap_or(""), "plugin log entry");
+                    let entry = for_log(frame.params_json().unwrap_or(""));
+                    tracing::debug!(tool_id = %self.tool_id, %entry, "plugin log entry");
                     return;
                 }
                 let sink = lock(&self.sink).clone();
                 match sink {
                     Some(sink) => sink(&method, frame),
-                    None => WorkerMetrics::inc(&self.metrics.ignored_notifications),
+                    None => WorkerMetrics::inc(&self.child.metrics.ignored_notifications),
                 }
             }
         }
@@ -672,24 +408,147 @@ pub(crate) enum CallError {
     Write(String),
 }
 
-fn unknown_exit() -> ExitInfo {
-    ExitInfo {
-        status: "unknown".into(),
-        clean: false,
-        oom: false,
-        host_initiated: false,
+impl From<Failure> for CallError {
+    fn from(f: Failure) -> CallError {
+        match f {
+            Failure::Exited(info) => CallError::Exited(info),
+            other => CallError::Write(other.to_string()),
+        }
     }
 }
 
-async fn drain_stderr(ring: Arc<Mutex<VecDeque<String>>>, stderr: tokio::process::ChildStderr) {
-    let mut lines = tokio::io::BufReader::new(stderr).split(b'\n');
-    while let Ok(Some(line)) = lines.next_segment().await {
-        let mut text = String::from_utf8_lossy(&line[..line.len().min(STDERR_LINE_BYTES)]).into_owned();
-        text.retain(|c| c != '\r');
-        let mut ring = lock(&ring);
-        if ring.len() == STDERR_LINES {
-            ring.pop_front();
+impl Dialect for AnimusProcess {
+    fn child(&self) -> &ChildProcess {
+        &self.child
+    }
+
+    async fn on_frame(self: Arc<Self>, frame: Frame) {
+        self.dispatch(frame).await;
+    }
+
+    /// The answer was too large to use: the caller gets an internal error instead of waiting.
+    fn too_large(&self, id: u64, error: &FrameError) -> crate::child::Reply {
+        let err = Response::<Value>::err(
+            Id::number(id),
+            ErrorObject::new(
+                codes::INTERNAL_ERROR,
+                format!("the plugin's answer was refused: {error}"),
+            ),
+        );
+        let frame = serde_json::to_vec(&err)
+            .map_err(|e| Failure::Write(e.to_string()))
+            .and_then(|bytes| Frame::parse(bytes.into()).map_err(|e| Failure::Write(e.to_string())))?;
+        Ok(frame)
+    }
+
+    async fn on_exit(&self, _info: &ExitInfo) {
+        self.set_sink(None);
+        // The process's own sandbox goes with it (removal waits for the kernel: off the async threads).
+        let sandbox = self.child.sandbox().clone();
+        let removed = tokio::task::spawn_blocking(move || sandbox.release()).await;
+        if let Ok(Err(e)) = removed {
+            tracing::warn!(tool_id = %self.tool_id, error = %e, "removing an Animus process cgroup failed");
         }
-        ring.push_back(text);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    use super::AnimusProcess;
+    use crate::child::testing::{
+        GUARD, alive, assert_noisy_stderr_kept_safely, eventually, noisy_stderr, worker,
+    };
+    use crate::child::{ExitInfo, Failure};
+    use crate::metrics::WorkerMetrics;
+
+    /// When the plugin exits, the request it owed an answer fails at once with how it ended, and what it left
+    /// running in its tree is killed.
+    #[tokio::test]
+    async fn an_exit_fails_pending_requests_and_kills_the_rest_of_the_tree() {
+        let w = worker("an-exit", |_| {});
+        let script = "sleep 600 & echo $! >&2; read -r line; exit 7";
+        let install = w.install("an-exit", &["/bin/sh", "-c", script], json!({}));
+        let p = AnimusProcess::spawn(&w.ctx, "alice", &install).unwrap();
+        assert!(eventually(|| !p.child.stderr_tail(1).is_empty()).await);
+        let grandchild: u32 = p.child.stderr_tail(1).parse().unwrap();
+        assert!(alive(grandchild));
+        let (_, answer) = p.child.request::<Value>("notes/count", None).await.unwrap();
+        let reply = tokio::time::timeout(GUARD, answer)
+            .await
+            .expect("answered")
+            .unwrap();
+        match reply {
+            Err(Failure::Exited(ExitInfo {
+                status,
+                clean: false,
+                oom: false,
+                host_initiated: false,
+            })) => assert_eq!(status, "exit status: 7"),
+            other => panic!("expected the exit, got {other:?}"),
+        }
+        assert!(eventually(|| !alive(grandchild)).await);
+    }
+
+    /// An Animus process's stderr goes through the shared ring: JWTs redacted, long lines cut at 4 KB and marked
+    /// (it used to keep raw 1 KB prefixes).
+    #[tokio::test]
+    async fn stderr_is_redacted_and_bounded_per_line() {
+        let w = worker("an-stderr", |_| {});
+        let script = format!("{}; exec cat >/dev/null", noisy_stderr());
+        let install = w.install("an-stderr", &["/bin/sh", "-c", &script], json!({}));
+        let p = AnimusProcess::spawn(&w.ctx, "alice", &install).unwrap();
+        assert!(eventually(|| p.child.stderr_tail(1) == "end").await);
+        assert_noisy_stderr_kept_safely(&p.child.stderr_tail(3));
+        p.child.kill_tree().await;
+        tokio::time::timeout(GUARD, p.child.exited())
+            .await
+            .expect("exits");
+    }
+
+    /// The exit watcher attributes an OOM kill of an Animus process and counts it (it used to report none).
+    #[tokio::test]
+    async fn an_oom_kill_is_attributed_and_counted() {
+        let w = worker("an-oom", |_| {});
+        let install = w.install(
+            "an-oom",
+            &["/usr/bin/python3", "-c", "b = bytearray(256 << 20)"],
+            json!({ "limits": { "memory_bytes": 64 << 20 } }),
+        );
+        let p = AnimusProcess::spawn(&w.ctx, "alice", &install).unwrap();
+        let exit = tokio::time::timeout(GUARD, p.child.exited())
+            .await
+            .expect("exits");
+        assert!(exit.oom, "{exit}");
+        assert!(exit.status.contains("SIGKILL"), "{exit}");
+        assert!(!exit.host_initiated, "{exit}");
+        assert_eq!(WorkerMetrics::get(&w.metrics.oom_kills), 1);
+    }
+
+    /// Frames, bytes and bad frames an Animus plugin writes are counted as they are read (bytes used to be
+    /// counted for Executa only).
+    #[tokio::test]
+    async fn frames_bytes_and_bad_frames_read_are_counted() {
+        const FRAME: &str = r#"{"jsonrpc":"2.0","method":"agent/output","params":{}}"#;
+        let w = worker("an-bytes", |_| {});
+        let script = format!("printf '%s\\n' '{FRAME}' 'not json'; exec cat >/dev/null");
+        let install = w.install("an-bytes", &["/bin/sh", "-c", &script], json!({}));
+        let p = AnimusProcess::spawn(&w.ctx, "alice", &install).unwrap();
+        let m = &w.metrics;
+        assert!(
+            eventually(|| WorkerMetrics::get(&m.frames_read) == 1 && m.frame_errors("invalid_json") == 1)
+                .await
+        );
+        // While the plugin still runs.
+        assert!(p.child.exit_info().is_none());
+        let written = FRAME.len() + 1 + "not json\n".len();
+        assert_eq!(WorkerMetrics::get(&m.bytes_read), written as u64);
+        // No run in flight: the notification had nowhere to go.
+        assert_eq!(WorkerMetrics::get(&m.ignored_notifications), 1);
+        p.child.kill_tree().await;
+        tokio::time::timeout(GUARD, p.child.exited())
+            .await
+            .expect("exits");
     }
 }

@@ -18,8 +18,6 @@
 //! grace → SIGKILL of the whole tree).
 
 mod process;
-pub mod progress;
-mod stderr;
 mod transport;
 
 use std::collections::BTreeSet;
@@ -28,46 +26,32 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use fleet_proto::codec::{Frame, FrameKind};
+use fleet_proto::codec::FrameKind;
 use fleet_proto::executa::capabilities::keys;
 use fleet_proto::executa::invoke::{InvokeContext, InvokeParams};
 use fleet_proto::executa::lifecycle::{
     Health, HealthResult, InitializeParams, InitializeResult, PROTOCOL_V2, PeerInfo, ProtocolVersion, methods,
 };
 use fleet_proto::executa::manifest::Manifest;
-use fleet_proto::jsonrpc::{ErrorObject, codes};
+use fleet_proto::jsonrpc::codes;
 use fleet_proto::limits;
-use serde::Deserialize;
-use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 use tokio::sync::{Notify, Semaphore, watch};
 use tokio::task::JoinHandle;
 
-use process::{ActiveInvoke, Failure, Handshake, Process};
-pub use process::{ExitInfo, SpawnError};
-use progress::{ProgressGate, ProgressSink};
-use stderr::StderrRing;
+use process::{ActiveInvoke, Handshake, Process};
 
 use crate::catalogue::Install;
+pub use crate::child::{ExitInfo, SpawnError};
+use crate::child::{Failure, Sandboxed, StderrRing};
 use crate::config::WorkerConfig;
 use crate::metrics::WorkerMetrics;
-use crate::sandbox::{Sandbox, SandboxError, SessionCgroup, SpawnPlan, UserSpace};
+pub use crate::progress;
+use crate::progress::ProgressGate;
+use crate::sandbox::{SandboxError, SessionCgroup};
 use crate::services::{HostServices, InvokeTokens, TokenRequest, TokenSource};
-
-/// What every session of a worker shares.
-#[derive(Debug, Clone)]
-pub struct WorkerContext {
-    /// Configuration.
-    pub config: Arc<WorkerConfig>,
-    /// Cgroups, uids, per-user directories.
-    pub sandbox: Sandbox,
-    /// Reverse-RPC services.
-    pub services: Arc<dyn HostServices>,
-    /// Token minting.
-    pub tokens: Arc<dyn TokenSource>,
-    /// Counters.
-    pub metrics: Arc<WorkerMetrics>,
-}
+use crate::types::output;
+pub use crate::types::{InvokeError, InvokeOutput, InvokeRequest, WorkerContext};
 
 /// A session's state as callers see it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,208 +91,14 @@ pub enum SessionError {
     Disabled(String),
 }
 
-/// Why an invoke failed.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum InvokeError {
-    /// The manifest has no such tool.
-    #[error("unknown tool {tool:?}; the plugin offers {available:?}")]
-    UnknownTool {
-        /// The tool asked for.
-        tool: String,
-        /// What the manifest lists.
-        available: Vec<String>,
-    },
-    /// An invoke with this id is already active on the session.
-    #[error("invoke {0} is already active")]
-    DuplicateInvokeId(String),
-    /// The session's in-flight bound is reached.
-    #[error("too many invokes in flight on this plugin session (limit {limit})")]
-    TooManyInFlight {
-        /// The bound.
-        limit: usize,
-    },
-    /// The session is Stopped.
-    #[error("the plugin session is stopped: {0}")]
-    Stopped(String),
-    /// The session is shut down.
-    #[error("the plugin session is shut down")]
-    Closed,
-    /// The process was not ready within the invoke's time.
-    #[error("the plugin was not ready within {0:?}")]
-    NotReady(Duration),
-    /// The process died while the invoke was in flight.
-    #[error("the plugin process exited during the invoke ({exit}); stderr: {stderr_tail}")]
-    ProcessExited {
-        /// How it ended.
-        exit: ExitInfo,
-        /// The last stderr lines.
-        stderr_tail: String,
-    },
-    /// No answer within the timeout.
-    #[error("the invoke timed out after {0:?}")]
-    Timeout(Duration),
-    /// Cancelled by the caller.
-    #[error("the invoke was cancelled")]
-    Cancelled,
-    /// The plugin answered with a JSON-RPC error (a programmer error, spec §4.4).
-    #[error("the plugin answered {0}")]
-    Plugin(ErrorObject),
-    /// The answer was over the frame limit.
-    #[error("the plugin's answer was {frame_bytes} bytes, over the {max_frame_bytes}-byte frame limit")]
-    FrameTooLarge {
-        /// Its size.
-        frame_bytes: u64,
-        /// The limit.
-        max_frame_bytes: u64,
-    },
-    /// The answer came by file transport and was refused.
-    #[error("file transport refused: {0}")]
-    FileTransport(String),
-    /// The answer was not an `InvokeResult`.
-    #[error("the plugin's result is unreadable: {0}")]
-    Unreadable(String),
-    /// An Animus plugin answered a JSON-RPC error, classified by the Animus table (host → plugin direction,
-    /// `fleet_proto::animus::classify_run_error`); never a sign of a dead process.
-    #[error("the Animus plugin answered {error} ({})", class.as_str())]
-    Animus {
-        /// What the error means.
-        class: fleet_proto::animus::RunErrorClass,
-        /// The error as answered.
-        error: ErrorObject,
-    },
-}
-
-impl InvokeError {
-    /// A short, stable name of the failure (the `error.type` of traces).
-    pub fn kind(&self) -> &'static str {
-        match self {
-            InvokeError::UnknownTool { .. } => "unknown_tool",
-            InvokeError::DuplicateInvokeId(_) => "duplicate_invoke_id",
-            InvokeError::TooManyInFlight { .. } => "too_many_in_flight",
-            InvokeError::Stopped(_) => "stopped",
-            InvokeError::Closed => "closed",
-            InvokeError::NotReady(_) => "not_ready",
-            InvokeError::ProcessExited { .. } => "process_exited",
-            InvokeError::Timeout(_) => "timeout",
-            InvokeError::Cancelled => "cancelled",
-            InvokeError::Plugin(_) => "plugin_error",
-            InvokeError::FrameTooLarge { .. } => "frame_too_large",
-            InvokeError::FileTransport(_) => "file_transport",
-            InvokeError::Unreadable(_) => "unreadable",
-            InvokeError::Animus { .. } => "animus_error",
-        }
-    }
-}
-
-/// One invoke.
-#[derive(Clone, Default)]
-pub struct InvokeRequest {
-    /// The tool (a `tools[].name` of the manifest).
-    pub tool: String,
-    /// Its arguments (declared defaults are filled in for omitted ones).
-    pub arguments: Map<String, Value>,
-    /// The invoke id (the job id for async jobs).
-    pub invoke_id: String,
-    /// Overrides the manifest's per-tool timeout.
-    pub timeout: Option<Duration>,
-    /// Absolute deadline (Unix epoch ms) for `context.deadline_ms`; defaults to now + timeout.
-    pub deadline_ms: Option<u64>,
-    /// The app-facing clamped timeout forwarded as `params.timeout` (spec §10.3 HR-SI-02).
-    pub app_timeout_ms: Option<u64>,
-    /// Credentials the user configured, by name; only those the manifest declares are passed.
-    pub credentials: Map<String, Value>,
-    /// Where progress goes (async jobs); `None` drops it (sync invokes).
-    pub progress: Option<ProgressSink>,
-    /// More `context` keys (e.g. W3C `traceparent`).
-    pub extra_context: Map<String, Value>,
-}
-
-impl std::fmt::Debug for InvokeRequest {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("InvokeRequest")
-            .field("tool", &self.tool)
-            .field("invoke_id", &self.invoke_id)
-            .field("timeout", &self.timeout)
-            .field("credentials", &self.credentials.keys().collect::<Vec<_>>())
-            .field("progress", &self.progress.is_some())
-            .finish_non_exhaustive()
-    }
-}
-
-/// A completed invoke: the plugin's `InvokeResult`, kept as the frame it came in (no copy of `data`).
-#[derive(Debug, Clone)]
-pub struct InvokeOutput {
-    frame: Frame,
-    success: bool,
-    error: Option<String>,
-    /// Host-measured duration (from sending the invoke to its answer).
-    pub duration: Duration,
-    /// Whether the call found the process already running.
-    pub warm: bool,
-}
-
-impl InvokeOutput {
-    /// `result.success` (a missing `success` is false, spec §4.4 HR-RD-02).
-    pub fn success(&self) -> bool {
-        self.success
-    }
-
-    /// The failure message of a `success: false` result.
-    pub fn error_message(&self) -> Option<&str> {
-        self.error.as_deref()
-    }
-
-    /// The whole `InvokeResult` as raw JSON.
-    pub fn result_json(&self) -> &str {
-        self.frame.result_json().unwrap_or("null")
-    }
-
-    /// `result.data` as raw JSON, if present.
-    pub fn data_json(&self) -> Option<&str> {
-        #[derive(Deserialize)]
-        struct Data<'a> {
-            #[serde(borrow, default)]
-            data: Option<&'a RawValue>,
-        }
-        serde_json::from_str::<Data<'_>>(self.result_json())
-            .ok()?
-            .data
-            .map(RawValue::get)
-    }
-
-    /// `result.data` parsed.
-    pub fn data(&self) -> Option<Value> {
-        serde_json::from_str(self.data_json()?).ok()
-    }
-
-    /// An output the host composed from another dialect's answer (an Animus run): `result` has the
-    /// `InvokeResult` shape (`{success, data, error?}`).
-    pub(crate) fn composed(
-        result: &Value,
-        duration: Duration,
-        warm: bool,
-    ) -> Result<InvokeOutput, InvokeError> {
-        let body = serde_json::json!({ "jsonrpc": "2.0", "id": 0, "result": result });
-        let bytes = serde_json::to_vec(&body).map_err(|e| InvokeError::Unreadable(e.to_string()))?;
-        let frame = Frame::parse(bytes.into()).map_err(|e| InvokeError::Unreadable(e.to_string()))?;
-        output(frame, duration, warm)
-    }
-
-    /// Size of the `InvokeResult` in bytes.
-    pub fn result_bytes(&self) -> usize {
-        self.result_json().len()
-    }
-}
-
 /// Immutable per-session facts shared by the session and its processes.
 pub(crate) struct SessionShared {
     pub(crate) user: String,
     pub(crate) tool_id: String,
     pub(crate) install: Arc<Install>,
     pub(crate) config: Arc<WorkerConfig>,
-    pub(crate) space: UserSpace,
-    pub(crate) cgroup: std::sync::RwLock<Option<SessionCgroup>>,
-    pub(crate) spawn_plan: SpawnPlan,
+    /// The session's sandbox, shared by its successive processes.
+    pub(crate) sandbox: Arc<Sandboxed>,
     pub(crate) services: Arc<dyn HostServices>,
     pub(crate) tokens: Arc<dyn TokenSource>,
     pub(crate) metrics: Arc<WorkerMetrics>,
@@ -370,9 +160,10 @@ impl SessionShared {
                     .join(":"),
             );
         }
-        set("ANNA_WORKSPACE_DIR", self.space.workspace.display().to_string());
-        set("HOME", self.space.workspace.display().to_string());
-        set("TMPDIR", self.space.tmpdir.display().to_string());
+        let space = self.sandbox.space();
+        set("ANNA_WORKSPACE_DIR", space.workspace.display().to_string());
+        set("HOME", space.workspace.display().to_string());
+        set("TMPDIR", space.tmpdir.display().to_string());
         env
     }
 
@@ -382,49 +173,6 @@ impl SessionShared {
             .iter()
             .chain(self.install.env.iter())
             .any(|n| n == name)
-    }
-
-    pub(crate) fn kill_tree(&self, pid: u32) {
-        let cgroup = self
-            .cgroup
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        match cgroup.as_ref() {
-            Some(cg) => {
-                if let Err(e) = cg.kill_all() {
-                    tracing::warn!(tool_id = %self.tool_id, error = %e, "killing the session cgroup failed");
-                }
-            }
-            None => kill_group(pid, rustix::process::Signal::KILL),
-        }
-    }
-
-    pub(crate) fn signal_tree(&self, pid: u32, signal: rustix::process::Signal) {
-        let cgroup = self
-            .cgroup
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        match cgroup.as_ref() {
-            Some(cg) => {
-                let _ = cg.signal_all(signal);
-            }
-            None => kill_group(pid, signal),
-        }
-    }
-
-    pub(crate) fn oom_kills(&self) -> u64 {
-        let cgroup = self
-            .cgroup
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        cgroup.as_ref().map_or(0, SessionCgroup::oom_kills)
-    }
-}
-
-/// Without cgroups, the session's process group (the plugin called setsid, so its pgid is its pid).
-fn kill_group(pid: u32, signal: rustix::process::Signal) {
-    if let Some(pid) = i32::try_from(pid).ok().and_then(rustix::process::Pid::from_raw) {
-        let _ = rustix::process::kill_process_group(pid, signal);
     }
 }
 
@@ -501,11 +249,7 @@ impl Session {
         if !install.enabled {
             return Err(SessionError::Disabled(install.tool_id.clone()));
         }
-        let crate::sandbox::Prepared {
-            space,
-            cgroup,
-            plan: spawn_plan,
-        } = ctx.sandbox.prepare(
+        let prepared = ctx.sandbox.prepare(
             user,
             &install.tool_id,
             "e",
@@ -517,9 +261,7 @@ impl Session {
             user: user.to_string(),
             tool_id: install.tool_id.clone(),
             config: ctx.config.clone(),
-            space,
-            cgroup: std::sync::RwLock::new(cgroup),
-            spawn_plan,
+            sandbox: Arc::new(Sandboxed::new(prepared)),
             services: ctx.services.clone(),
             tokens: ctx.tokens.clone(),
             metrics: ctx.metrics.clone(),
@@ -563,7 +305,7 @@ impl Session {
         match &*self.inner.phase.borrow() {
             Phase::Idle => SessionState::Idle,
             Phase::Starting => SessionState::Starting,
-            Phase::Ready(p) if p.usable() => SessionState::Ready,
+            Phase::Ready(p) if p.child.usable() => SessionState::Ready,
             Phase::Ready(_) | Phase::Backoff => SessionState::Backoff,
             Phase::Stopped(e) => SessionState::Stopped(e.to_string()),
             Phase::Closed => SessionState::Closed,
@@ -572,14 +314,14 @@ impl Session {
 
     fn ready(&self) -> Option<Arc<Process>> {
         match &*self.inner.phase.borrow() {
-            Phase::Ready(p) if p.usable() => Some(p.clone()),
+            Phase::Ready(p) if p.child.usable() => Some(p.clone()),
             _ => None,
         }
     }
 
     /// The pid of the running process.
     pub fn pid(&self) -> Option<u32> {
-        self.ready().map(|p| p.pid)
+        self.ready().map(|p| p.child.pid)
     }
 
     /// The cached manifest of the running process.
@@ -605,8 +347,8 @@ impl Session {
     /// The per-user workspace (`ANNA_WORKSPACE_DIR`) and TMPDIR of this session.
     pub fn dirs(&self) -> (PathBuf, PathBuf) {
         (
-            self.inner.shared.space.workspace.clone(),
-            self.inner.shared.space.tmpdir.clone(),
+            self.inner.shared.sandbox.space().workspace.clone(),
+            self.inner.shared.sandbox.space().tmpdir.clone(),
         )
     }
 
@@ -626,13 +368,7 @@ impl Session {
 
     /// The session's cgroup, if isolated.
     pub fn with_cgroup<T>(&self, f: impl FnOnce(Option<&SessionCgroup>) -> T) -> T {
-        let cg = self
-            .inner
-            .shared
-            .cgroup
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        f(cg.as_ref())
+        self.inner.shared.sandbox.with_cgroup(f)
     }
 
     fn touch(&self) {
@@ -651,7 +387,7 @@ impl Session {
         loop {
             let phase = rx.borrow_and_update().clone();
             match phase {
-                Phase::Ready(p) if p.usable() => return Ok((p, first)),
+                Phase::Ready(p) if p.child.usable() => return Ok((p, first)),
                 Phase::Idle => {
                     *self
                         .inner
@@ -833,14 +569,14 @@ impl Session {
         }
         let started = Instant::now();
         let (id, rx) = process
+            .child
             .request(methods::INVOKE, Some(params))
             .await
             .map_err(|f| self.failure(f))?;
         let metrics = &shared.metrics;
         tokio::select! {
             reply = rx => {
-                let reply = reply.unwrap_or_else(|_| Err(Failure::Exited(ExitInfo {
-                    status: "unknown".into(), clean: false, oom: false, host_initiated: false })));
+                let reply = reply.unwrap_or_else(|_| Err(Failure::Exited(ExitInfo::unknown())));
                 match reply {
                     Ok(frame) => {
                         process.answered.store(true, Ordering::Relaxed);
@@ -851,13 +587,13 @@ impl Session {
                 }
             }
             () = tokio::time::sleep(timeout) => {
-                process.abandon(id);
+                process.child.abandon(id);
                 WorkerMetrics::inc(&metrics.invokes_timed_out);
                 self.cancel_fallback(process.clone(), id);
                 Err(InvokeError::Timeout(timeout))
             }
             () = active.cancel.notified() => {
-                process.abandon(id);
+                process.child.abandon(id);
                 WorkerMetrics::inc(&metrics.invokes_cancelled);
                 self.cancel_fallback(process.clone(), id);
                 Err(InvokeError::Cancelled)
@@ -881,7 +617,8 @@ impl Session {
                 frame_bytes,
                 max_frame_bytes,
             },
-            Failure::FileTransport(reason) => InvokeError::FileTransport(reason),
+            // A request that could not be written is reported as before this core existed.
+            Failure::FileTransport(reason) | Failure::Write(reason) => InvokeError::FileTransport(reason),
         }
     }
 
@@ -894,22 +631,22 @@ impl Session {
         tokio::spawn(async move {
             tokio::select! {
                 () = tokio::time::sleep(after) => {}
-                _ = process.exited() => return,
+                _ = process.child.exited() => return,
             }
             loop {
-                if !process.still_busy_with(id) {
+                if !process.child.still_busy_with(id) {
                     return;
                 }
                 if policy == crate::config::CancelKill::Always || process.active_invokes() == 0 {
-                    tracing::info!(tool_id = %process.shared.tool_id, pid = process.pid, "plugin still busy with a cancelled invoke: killing its process tree");
-                    process.kill_tree().await;
+                    tracing::info!(tool_id = %process.shared.tool_id, pid = process.child.pid, "plugin still busy with a cancelled invoke: killing its process tree");
+                    process.child.kill_tree().await;
                     return;
                 }
                 // Other invokes are running: look again shortly (ends when they finish, the answer comes, or the
                 // process exits).
                 tokio::select! {
                     () = tokio::time::sleep(Duration::from_millis(50)) => {}
-                    _ = process.exited() => return,
+                    _ = process.child.exited() => return,
                 }
             }
         });
@@ -944,7 +681,7 @@ impl Session {
                 _ => Health::Unhealthy,
             };
         };
-        let Ok((id, rx)) = process.request::<Value>(methods::HEALTH, None).await else {
+        let Ok((id, rx)) = process.child.request::<Value>(methods::HEALTH, None).await else {
             return Health::Unhealthy;
         };
         match tokio::time::timeout(limits::HEALTH_TIMEOUT, rx).await {
@@ -961,7 +698,7 @@ impl Session {
             },
             Ok(_) => Health::Unhealthy,
             Err(_) => {
-                process.abandon(id);
+                process.child.abandon(id);
                 Health::Unhealthy
             }
         }
@@ -1003,45 +740,6 @@ struct Unregister {
 impl Drop for Unregister {
     fn drop(&mut self) {
         self.process.unregister(&self.invoke_id);
-    }
-}
-
-fn output(frame: Frame, duration: Duration, warm: bool) -> Result<InvokeOutput, InvokeError> {
-    #[derive(Deserialize)]
-    struct Head {
-        #[serde(default)]
-        success: bool,
-        #[serde(default)]
-        error: Option<Value>,
-    }
-    match frame.kind() {
-        FrameKind::ErrorResponse => {
-            let e = frame
-                .error()
-                .and_then(Result::ok)
-                .unwrap_or_else(|| ErrorObject::new(codes::INTERNAL_ERROR, "unreadable error"));
-            Err(InvokeError::Plugin(e))
-        }
-        _ => {
-            let head: Head = serde_json::from_str(frame.result_json().unwrap_or("null"))
-                .map_err(|e| InvokeError::Unreadable(e.to_string()))?;
-            let error = if head.success {
-                None
-            } else {
-                Some(match head.error {
-                    Some(Value::String(s)) => s,
-                    Some(v) => v.to_string(),
-                    None => "the plugin returned success: false without an error".into(),
-                })
-            };
-            Ok(InvokeOutput {
-                frame,
-                success: head.success,
-                error,
-                duration,
-                warm,
-            })
-        }
     }
 }
 
@@ -1144,7 +842,7 @@ async fn supervise(inner: Arc<Inner>) {
             Ok(process) => {
                 inner.phase.send_replace(Phase::Ready(process.clone()));
                 tokio::select! {
-                    exit = process.exited() => {
+                    exit = process.child.exited() => {
                         if exit.host_initiated {
                             inner.phase.send_replace(Phase::Idle);
                             crashes = 0;
@@ -1192,17 +890,11 @@ async fn supervise(inner: Arc<Inner>) {
         WorkerMetrics::inc(&shared.metrics.restarts);
     }
     inner.phase.send_replace(Phase::Closed);
-    let cgroup = shared
-        .cgroup
-        .write()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .take();
-    if let Some(cg) = cgroup {
-        // Removal waits for the kernel (kill, rmdir retries): off the async threads.
-        let removed = tokio::task::spawn_blocking(move || cg.remove()).await;
-        if let Ok(Err(e)) = removed {
-            tracing::warn!(tool_id = %shared.tool_id, error = %e, "removing the session cgroup failed");
-        }
+    // Removal waits for the kernel (kill, rmdir retries): off the async threads.
+    let sandbox = shared.sandbox.clone();
+    let removed = tokio::task::spawn_blocking(move || sandbox.release()).await;
+    if let Ok(Err(e)) = removed {
+        tracing::warn!(tool_id = %shared.tool_id, error = %e, "removing the session cgroup failed");
     }
 }
 
@@ -1213,16 +905,16 @@ async fn requested(rx: &mut watch::Receiver<bool>) {
 
 /// close stdin → grace → SIGTERM → grace → SIGKILL of the whole tree (spec §3.7 HR-SD-01).
 async fn shutdown_ladder(process: &Arc<Process>, grace: Duration) {
-    process.close_stdin().await;
-    if tokio::time::timeout(grace, process.exited()).await.is_ok() {
+    process.child.close_stdin().await;
+    if tokio::time::timeout(grace, process.child.exited()).await.is_ok() {
         return;
     }
-    process.terminate_tree();
-    if tokio::time::timeout(grace, process.exited()).await.is_ok() {
+    process.child.terminate_tree();
+    if tokio::time::timeout(grace, process.child.exited()).await.is_ok() {
         return;
     }
-    process.kill_tree().await;
-    let _ = tokio::time::timeout(grace, process.exited()).await;
+    process.child.kill_tree().await;
+    let _ = tokio::time::timeout(grace, process.child.exited()).await;
 }
 
 /// Spawn → `initialize` (v1 fallback) → `describe`.
@@ -1246,6 +938,7 @@ async fn start(inner: &Arc<Inner>) -> Result<Arc<Process>, StartError> {
         host_capabilities: object(json!({ "llm.sample": true })),
     };
     let (id, rx) = process
+        .child
         .request(methods::INITIALIZE, Some(offer))
         .await
         .map_err(|f| match f {
@@ -1263,7 +956,7 @@ async fn start(inner: &Arc<Inner>) -> Result<Arc<Process>, StartError> {
         Ok(Ok(Err(Failure::Exited(info)))) => return Err(exited("initialize", info)),
         Ok(Ok(Err(_))) | Ok(Err(_)) => (ProtocolVersion::V1, BTreeSet::new()),
         Err(_) => {
-            process.abandon(id);
+            process.child.abandon(id);
             (ProtocolVersion::V1, BTreeSet::new())
         }
     };
@@ -1278,6 +971,7 @@ async fn start(inner: &Arc<Inner>) -> Result<Arc<Process>, StartError> {
         limits::DESCRIBE_TIMEOUT
     };
     let (id, rx) = process
+        .child
         .request::<Value>(methods::DESCRIBE, None)
         .await
         .map_err(|f| match f {
@@ -1288,13 +982,13 @@ async fn start(inner: &Arc<Inner>) -> Result<Arc<Process>, StartError> {
         Ok(Ok(Ok(frame))) => frame,
         Ok(Ok(Err(Failure::Exited(info)))) => return Err(exited("describe", info)),
         Ok(Ok(Err(other))) => {
-            process.kill_tree().await;
+            process.child.kill_tree().await;
             return Err(StartError::Transient(format!("describe failed: {other:?}")));
         }
         Ok(Err(_)) => return Err(StartError::Transient("describe: the process went away".into())),
         Err(_) => {
-            process.abandon(id);
-            process.kill_tree().await;
+            process.child.abandon(id);
+            process.child.kill_tree().await;
             return Err(StartError::Transient(format!(
                 "describe timed out after {describe_timeout:?}"
             )));
@@ -1302,7 +996,7 @@ async fn start(inner: &Arc<Inner>) -> Result<Arc<Process>, StartError> {
     };
     let manifest = match frame.kind() {
         FrameKind::ErrorResponse => {
-            process.kill_tree().await;
+            process.child.kill_tree().await;
             let e = frame
                 .error()
                 .and_then(Result::ok)
@@ -1319,7 +1013,7 @@ async fn start(inner: &Arc<Inner>) -> Result<Arc<Process>, StartError> {
                     Arc::new(v.manifest)
                 }
                 Err(e) => {
-                    process.kill_tree().await;
+                    process.child.kill_tree().await;
                     return Err(StartError::Fatal(e.to_string()));
                 }
             }

@@ -1,70 +1,31 @@
-//! One plugin process: spawn, the single reader task that classifies every frame, the single writer, the
-//! table of host requests awaiting an answer, the table of active invokes (for reverse-RPC routing and
-//! progress), file transport, and the exit watcher.
+//! The Executa dialect of a plugin process (the core is [`crate::child`]): the frames other than answers
+//! (reverse-RPC requests routed by `context.invoke_id`, `executa/progress`, file transport), the table of active
+//! invokes (for reverse-RPC routing, progress and cancel), and the handshake's result.
 //!
-//! Invariants: no lock is held across an `.await`; a dead process fails every pending request at once; every
-//! process the plugin started dies with it (the session's cgroup, or its process group without isolation).
+//! Invariants: no lock is held across an `.await`; a dead process ends every active invoke's reverse calls.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use fleet_proto::codec::io::{FrameReader, FrameWriter, ReadError};
 use fleet_proto::codec::{Frame, FrameError, FrameKind};
 use fleet_proto::executa::invoke::{PROGRESS_METHOD, ProgressType};
 use fleet_proto::executa::lifecycle::ProtocolVersion;
 use fleet_proto::executa::manifest::Manifest;
 use fleet_proto::executa::reverse::{Family, correlation, family_of, method_not_found, upload};
-use fleet_proto::jsonrpc::{ErrorObject, Id, Request, Response, codes};
-use serde::{Deserialize, Serialize};
+use fleet_proto::jsonrpc::{ErrorObject, Id, Response, codes};
+use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
-use tokio::process::{Child, Command};
-use tokio::sync::{Notify, oneshot, watch};
+use tokio::sync::{Notify, watch};
 
 use super::SessionShared;
-use super::progress::{ProgressGate, ProgressSink, ProgressUpdate};
 use super::transport::read_transport_file;
+use crate::child::{ChildProcess, Dialect, ExitInfo, Failure, Reply, Spawn, SpawnError, lock};
 use crate::metrics::{ProgressDrop, WorkerMetrics};
+use crate::progress::{ProgressGate, ProgressSink, ProgressUpdate};
 use crate::services::{InvokeTokens, ReverseCall, TokenRequest};
-
-/// How a process ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ExitInfo {
-    /// `exit status: 0`, `signal: 9 (SIGKILL)`, ...
-    pub status: String,
-    /// Whether it exited with status 0.
-    pub clean: bool,
-    /// Whether the cgroup's OOM counter rose while it ran.
-    pub oom: bool,
-    /// Whether the host ended it (shutdown, eviction, cancel fallback) rather than the plugin crashing.
-    pub host_initiated: bool,
-}
-
-impl std::fmt::Display for ExitInfo {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.status)?;
-        if self.oom {
-            write!(f, " (killed by the OOM killer: memory limit reached)")?;
-        }
-        Ok(())
-    }
-}
-
-/// Why a host request got no normal answer.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Failure {
-    /// The process ended.
-    Exited(ExitInfo),
-    /// The answer was over the frame limit and was discarded.
-    FrameTooLarge { frame_bytes: u64, max_frame_bytes: u64 },
-    /// The answer came by file transport and could not be used.
-    FileTransport(String),
-}
-
-pub(crate) type Reply = Result<Frame, Failure>;
 
 /// One invoke in flight on the process (for reverse-RPC routing, progress and cancel).
 pub(crate) struct ActiveInvoke {
@@ -101,20 +62,13 @@ pub(crate) struct Handshake {
     pub(crate) manifest: Arc<Manifest>,
 }
 
-/// A running plugin process.
+/// A running Executa plugin process.
 pub(crate) struct Process {
-    pub(crate) pid: u32,
+    /// The process core: pid, writer, pending requests, exit, tree.
+    pub(crate) child: ChildProcess,
     pub(crate) shared: Arc<SessionShared>,
-    writer: FrameWriter,
-    next_id: AtomicU64,
-    pending: Mutex<HashMap<u64, oneshot::Sender<Reply>>>,
-    /// Host ids whose caller gave up (timeout, cancel): a late answer is discarded, and the cancel fallback
-    /// kills the process if the plugin is still busy with one.
-    abandoned: Mutex<HashSet<u64>>,
     pub(crate) invokes: Mutex<HashMap<String, Arc<ActiveInvoke>>>,
     pub(crate) handshake: OnceLock<Handshake>,
-    exit: watch::Receiver<Option<ExitInfo>>,
-    host_kill: Arc<AtomicBool>,
     /// The TMPDIR as the plugin got it and canonical: where file-transport pointers may point.
     tmpdirs: Vec<PathBuf>,
     /// Whether any invoke got an answer (a process that answers is not crash-looping).
@@ -129,158 +83,40 @@ pub(crate) const MAX_CONCURRENT_REVERSE_CALLS: usize = 256;
 impl std::fmt::Debug for Process {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Process")
-            .field("pid", &self.pid)
+            .field("pid", &self.child.pid)
             .finish_non_exhaustive()
     }
-}
-
-/// Why a process could not be started.
-#[derive(Debug, thiserror::Error)]
-pub enum SpawnError {
-    /// The OS refused.
-    #[error("cannot start {program:?}: {source}")]
-    Os {
-        /// argv[0].
-        program: String,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// stdio was not captured.
-    #[error("the plugin's stdio could not be captured")]
-    Stdio,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl Process {
     /// Spawns the plugin into the session's sandbox and starts the reader, stderr and exit tasks.
     pub(crate) fn spawn(shared: &Arc<SessionShared>) -> Result<Arc<Process>, SpawnError> {
         let install = &shared.install;
-        let program = install.argv.first().cloned().unwrap_or_default();
-        let mut cmd = Command::new(&program);
-        cmd.args(install.argv.iter().skip(1))
-            .current_dir(&install.dir)
-            .env_clear()
-            .envs(shared.environment())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        crate::sandbox::apply(&mut cmd, &shared.spawn_plan);
-        let oom_before = shared.oom_kills();
-        let mut child = cmd.spawn().map_err(|source| SpawnError::Os {
-            program: program.clone(),
-            source,
-        })?;
-        WorkerMetrics::inc(&shared.metrics.spawns);
-        let pid = child.id().unwrap_or(0);
-        let (Some(stdin), Some(stdout), Some(stderr)) =
-            (child.stdin.take(), child.stdout.take(), child.stderr.take())
-        else {
-            return Err(SpawnError::Stdio);
-        };
-        let (writer, _writer_task) = FrameWriter::spawn(stdin);
-        let (exit_tx, exit_rx) = watch::channel(None);
+        let cmd = shared
+            .sandbox
+            .command(&install.argv, &install.dir, shared.environment());
+        let (child, tasks) = ChildProcess::spawn(
+            cmd,
+            Spawn {
+                tool_id: shared.tool_id.clone(),
+                sandbox: shared.sandbox.clone(),
+                stderr: shared.stderr.clone(),
+                metrics: shared.metrics.clone(),
+                first_id: |_| 0,
+                eof_grace: shared.config.shutdown_grace,
+            },
+        )?;
         let process = Arc::new(Process {
-            pid,
+            child,
             shared: shared.clone(),
-            writer,
-            next_id: AtomicU64::new(0),
-            pending: Mutex::new(HashMap::new()),
-            abandoned: Mutex::new(HashSet::new()),
             invokes: Mutex::new(HashMap::new()),
             handshake: OnceLock::new(),
-            exit: exit_rx,
-            host_kill: Arc::new(AtomicBool::new(false)),
-            tmpdirs: super::transport::tmpdir_forms(&shared.space.tmpdir),
+            tmpdirs: super::transport::tmpdir_forms(&shared.sandbox.space().tmpdir),
             answered: AtomicBool::new(false),
             reverse_slots: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_REVERSE_CALLS)),
         });
-        tokio::spawn(shared.stderr.clone().drain(stderr));
-        tokio::spawn(process.clone().read_loop(FrameReader::new(stdout)));
-        tokio::spawn(process.clone().wait_loop(child, exit_tx, oom_before));
+        tasks.start(&process);
         Ok(process)
-    }
-
-    /// Sends a request; returns its host id and where the answer will arrive.
-    pub(crate) async fn request<P: Serialize>(
-        &self,
-        method: &str,
-        params: Option<P>,
-    ) -> Result<(u64, oneshot::Receiver<Reply>), Failure> {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = oneshot::channel();
-        lock(&self.pending).insert(id, tx);
-        if let Some(info) = self.exit_info() {
-            lock(&self.pending).remove(&id);
-            return Err(Failure::Exited(info));
-        }
-        let request = Request {
-            jsonrpc: fleet_proto::jsonrpc::V2,
-            id: Id::number(id),
-            method: method.into(),
-            params,
-        };
-        if let Err(e) = self.writer.send(&request).await {
-            lock(&self.pending).remove(&id);
-            return Err(match self.exit_info() {
-                Some(info) => Failure::Exited(info),
-                None => Failure::FileTransport(format!("cannot write to the plugin: {e}")),
-            });
-        }
-        WorkerMetrics::inc(&self.shared.metrics.frames_written);
-        Ok((id, rx))
-    }
-
-    /// The caller of `id` stopped waiting: a late answer will be discarded.
-    pub(crate) fn abandon(&self, id: u64) {
-        if lock(&self.pending).remove(&id).is_some() {
-            lock(&self.abandoned).insert(id);
-        }
-    }
-
-    /// Whether the plugin still owes the answer to an abandoned request.
-    pub(crate) fn still_busy_with(&self, id: u64) -> bool {
-        lock(&self.abandoned).contains(&id) && self.exit_info().is_none()
-    }
-
-    /// Whether new calls may use this process: it is running and the host has not decided to end it.
-    pub(crate) fn usable(&self) -> bool {
-        !self.host_kill.load(Ordering::SeqCst) && self.exit_info().is_none()
-    }
-
-    /// How the process ended, if it has.
-    pub(crate) fn exit_info(&self) -> Option<ExitInfo> {
-        self.exit.borrow().clone()
-    }
-
-    /// Waits until the process has ended.
-    pub(crate) async fn exited(&self) -> ExitInfo {
-        let mut rx = self.exit.clone();
-        match rx.wait_for(Option::is_some).await {
-            Ok(info) => info.clone().unwrap_or_else(unknown_exit),
-            Err(_) => unknown_exit(),
-        }
-    }
-
-    /// Closes the plugin's stdin (the Executa shutdown signal).
-    pub(crate) async fn close_stdin(&self) {
-        self.writer.close().await;
-    }
-
-    /// Kills the whole process tree now, as a host decision (not counted as a crash).
-    pub(crate) async fn kill_tree(&self) {
-        self.host_kill.store(true, Ordering::SeqCst);
-        WorkerMetrics::inc(&self.shared.metrics.tree_kills);
-        kill_tree_blocking(&self.shared, self.pid).await;
-    }
-
-    /// Signals every process of the tree (the shutdown ladder's SIGTERM), as a host decision.
-    pub(crate) fn terminate_tree(&self) {
-        self.host_kill.store(true, Ordering::SeqCst);
-        self.shared.signal_tree(self.pid, rustix::process::Signal::TERM);
     }
 
     /// Registers an active invoke; `None` if one with the same id is already active.
@@ -310,112 +146,13 @@ impl Process {
     }
 
     // ---------------------------------------------------------------------------------------------------------
-    // Tasks
+    // Frames other than answers
     // ---------------------------------------------------------------------------------------------------------
-
-    async fn wait_loop(
-        self: Arc<Self>,
-        mut child: Child,
-        exit_tx: watch::Sender<Option<ExitInfo>>,
-        oom_before: u64,
-    ) {
-        let status = child.wait().await;
-        // The plugin is gone: its descendants go with it.
-        kill_tree_blocking(&self.shared, self.pid).await;
-        let oom = self.shared.oom_kills() > oom_before;
-        let (status, clean) = match status {
-            Ok(s) => (describe_status(s), s.success()),
-            Err(e) => (format!("wait failed: {e}"), false),
-        };
-        let info = ExitInfo {
-            status,
-            clean,
-            oom,
-            host_initiated: self.host_kill.load(Ordering::SeqCst),
-        };
-        if oom {
-            WorkerMetrics::inc(&self.shared.metrics.oom_kills);
-        }
-        let _ = exit_tx.send(Some(info.clone()));
-        let pending: Vec<_> = lock(&self.pending).drain().collect();
-        for (_, tx) in pending {
-            let _ = tx.send(Err(Failure::Exited(info.clone())));
-        }
-        let invokes: Vec<_> = lock(&self.invokes).drain().collect();
-        for (_, invoke) in invokes {
-            let _ = invoke.done.send(true);
-        }
-    }
-
-    async fn read_loop(self: Arc<Self>, mut reader: FrameReader<tokio::process::ChildStdout>) {
-        while let Some(item) = reader.next().await {
-            match item {
-                Ok(frame) => {
-                    WorkerMetrics::inc(&self.shared.metrics.frames_read);
-                    self.dispatch(frame, 0).await;
-                }
-                Err(ReadError::Frame(e)) => self.on_bad_frame(&e),
-                Err(ReadError::Io(e)) => {
-                    tracing::debug!(tool_id = %self.shared.tool_id, error = %e, "plugin stdout failed");
-                    break;
-                }
-            }
-        }
-        self.shared
-            .metrics
-            .bytes_read
-            .fetch_add(reader.bytes_read(), Ordering::Relaxed);
-        // stdout is closed: a process that cannot answer is useless. Give it the grace period to exit on its own
-        // (the normal end after stdin EOF), then end it.
-        if tokio::time::timeout(self.shared.config.shutdown_grace, self.exited())
-            .await
-            .is_err()
-        {
-            self.kill_tree().await;
-        }
-    }
-
-    fn on_bad_frame(&self, e: &FrameError) {
-        self.shared.metrics.frame_error(e.kind());
-        tracing::debug!(tool_id = %self.shared.tool_id, error = %e, "bad frame from plugin");
-        if let FrameError::TooLarge {
-            frame_bytes,
-            max_frame_bytes,
-            id_hint: Some(id),
-        } = e
-            && let Some(id) = id.as_u64()
-        {
-            self.complete(
-                id,
-                Err(Failure::FrameTooLarge {
-                    frame_bytes: *frame_bytes,
-                    max_frame_bytes: *max_frame_bytes,
-                }),
-            );
-        }
-    }
-
-    fn complete(&self, id: u64, reply: Reply) {
-        let tx = lock(&self.pending).remove(&id);
-        match tx {
-            Some(tx) => {
-                let _ = tx.send(reply);
-            }
-            None => {
-                if !lock(&self.abandoned).remove(&id) {
-                    tracing::debug!(tool_id = %self.shared.tool_id, id, "unmatched response id");
-                }
-                WorkerMetrics::inc(&self.shared.metrics.unmatched_responses);
-            }
-        }
-    }
 
     async fn dispatch(self: &Arc<Self>, frame: Frame, depth: u8) {
         match frame.kind() {
-            FrameKind::Response | FrameKind::ErrorResponse => match frame.id().and_then(Id::as_u64) {
-                Some(id) => self.complete(id, Ok(frame)),
-                None => WorkerMetrics::inc(&self.shared.metrics.unmatched_responses),
-            },
+            // An answer inside a file-transport pointer.
+            FrameKind::Response | FrameKind::ErrorResponse => self.child.answer(frame),
             FrameKind::Request => match self.reverse_slots.clone().try_acquire_owned() {
                 Ok(slot) => {
                     tokio::spawn(self.clone().on_request(frame, slot));
@@ -427,7 +164,7 @@ impl Process {
                             format!("more than {MAX_CONCURRENT_REVERSE_CALLS} reverse-RPC calls in flight"),
                         );
                         WorkerMetrics::inc(&self.shared.metrics.reverse_refused);
-                        let _ = self.writer.send(&Response::<Value>::err(id, error)).await;
+                        let _ = self.child.writer().send(&Response::<Value>::err(id, error)).await;
                     }
                 }
             },
@@ -461,7 +198,7 @@ impl Process {
                         WorkerMetrics::inc(&self.shared.metrics.file_transport_refused);
                         tracing::warn!(tool_id = %self.shared.tool_id, %reason, "file transport refused");
                         if let Some(id) = pointer_id {
-                            self.complete(id, Err(Failure::FileTransport(reason)));
+                            self.child.complete(id, Err(Failure::FileTransport(reason)));
                         }
                     }
                 }
@@ -564,13 +301,13 @@ impl Process {
                 Response::err(id.clone(), error)
             }
         };
-        if let Err(e) = self.writer.send(&response).await {
+        if let Err(e) = self.child.writer().send(&response).await {
             // Too large to send: answer with an error instead (the plugin must not wait forever).
             let error = ErrorObject::new(
                 codes::INTERNAL_ERROR,
                 format!("the host's answer could not be sent: {e}"),
             );
-            let _ = self.writer.send(&Response::<Value>::err(id, error)).await;
+            let _ = self.child.writer().send(&Response::<Value>::err(id, error)).await;
         }
     }
 
@@ -708,35 +445,67 @@ fn gate(family: Family, handshake: &Handshake, method: &str) -> Result<(), Error
     Ok(())
 }
 
-/// Killing a cgroup waits for the kernel: off the async threads.
-async fn kill_tree_blocking(shared: &Arc<SessionShared>, pid: u32) {
-    let shared = shared.clone();
-    let _ = tokio::task::spawn_blocking(move || shared.kill_tree(pid)).await;
-}
+impl Dialect for Process {
+    fn child(&self) -> &ChildProcess {
+        &self.child
+    }
 
-fn unknown_exit() -> ExitInfo {
-    ExitInfo {
-        status: "unknown".into(),
-        clean: false,
-        oom: false,
-        host_initiated: false,
+    async fn on_frame(self: Arc<Self>, frame: Frame) {
+        self.dispatch(frame, 0).await;
+    }
+
+    fn too_large(&self, _id: u64, error: &FrameError) -> Reply {
+        let (frame_bytes, max_frame_bytes) = match error {
+            FrameError::TooLarge {
+                frame_bytes,
+                max_frame_bytes,
+                ..
+            } => (*frame_bytes, *max_frame_bytes),
+            _ => (0, 0),
+        };
+        Err(Failure::FrameTooLarge {
+            frame_bytes,
+            max_frame_bytes,
+        })
+    }
+
+    async fn on_exit(&self, _info: &ExitInfo) {
+        let invokes: Vec<_> = lock(&self.invokes).drain().collect();
+        for (_, invoke) in invokes {
+            let _ = invoke.done.send(true);
+        }
     }
 }
 
-fn describe_status(s: std::process::ExitStatus) -> String {
-    use std::os::unix::process::ExitStatusExt as _;
-    match (s.code(), s.signal()) {
-        (Some(code), _) => format!("exit status: {code}"),
-        (None, Some(sig)) => {
-            let name = match sig {
-                6 => " (SIGABRT)",
-                9 => " (SIGKILL)",
-                11 => " (SIGSEGV)",
-                15 => " (SIGTERM)",
-                _ => "",
-            };
-            format!("killed by signal {sig}{name}")
-        }
-        (None, None) => "unknown exit".into(),
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use serde_json::json;
+
+    use crate::child::testing::{GUARD, eventually, worker};
+    use crate::metrics::WorkerMetrics;
+    use crate::session::{Session, SessionState};
+
+    /// Executa plugins are read by the same core: frames, bytes and bad frames counted, here for a plugin that
+    /// writes before its handshake and exits (so the session stops at once with `max_restarts = 0`).
+    #[tokio::test]
+    async fn frames_bytes_and_bad_frames_read_are_counted() {
+        const FRAME: &str = r#"{"jsonrpc":"2.0","method":"executa/other","params":{}}"#;
+        let w = worker("ex-bytes", |c| c.max_restarts = 0);
+        let script = format!("printf '%s\\n' '{FRAME}' 'not json'; exit 3");
+        let install = Arc::new(w.install("ex-bytes", &["/bin/sh", "-c", &script], json!({})));
+        let s = Session::new("alice", &install, &w.ctx).unwrap();
+        assert!(s.prewarm(GUARD).await.is_err());
+        assert!(matches!(s.state(), SessionState::Stopped(_)), "{:?}", s.state());
+        let m = &w.metrics;
+        assert!(
+            eventually(|| WorkerMetrics::get(&m.frames_read) == 1 && m.frame_errors("invalid_json") == 1)
+                .await
+        );
+        let written = FRAME.len() + 1 + "not json\n".len();
+        assert_eq!(WorkerMetrics::get(&m.bytes_read), written as u64);
+        assert_eq!(WorkerMetrics::get(&m.ignored_notifications), 1);
+        s.shutdown().await;
     }
 }

@@ -1,5 +1,7 @@
-//! The stderr ring of one session: drained continuously so a chatty plugin can never block on a full pipe,
-//! bounded in bytes, long lines truncated, JWT-looking strings redacted (spec §6).
+//! The stderr ring of a plugin, both dialects (an Executa session's successive processes share one; an Animus
+//! process has its own): drained continuously so a chatty plugin can never block on a full pipe, bounded in
+//! bytes, long lines truncated, JWT-looking strings redacted (spec §6). Never parsed: it only feeds error
+//! messages and operators.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -97,6 +99,20 @@ impl StderrRing {
     }
 }
 
+/// Plugin-written text made fit for a log line: JWTs redacted, cut at the longest stderr line kept (on a
+/// character boundary) and marked as the ring marks a cut line.
+pub(crate) fn for_log(text: &str) -> String {
+    let mut end = text.len().min(MAX_LINE);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut out = redact(&text[..end]);
+    if end < text.len() {
+        out.push_str(" …[truncated]");
+    }
+    out
+}
+
 /// Replaces JWT-looking words (`eyJ…` with two dots) by `<redacted-jwt>`: plugins are told never to log tokens,
 /// and this keeps a careless one from leaking them into traces (spec §6 HR-SE-05).
 pub(crate) fn redact(text: &str) -> String {
@@ -124,7 +140,7 @@ pub(crate) fn redact(text: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{StderrRing, redact};
+    use super::{StderrRing, for_log, redact};
 
     #[test]
     fn jwts_are_redacted_and_other_text_kept() {
@@ -134,6 +150,16 @@ mod tests {
         );
         assert_eq!(redact("eyJ alone and a.b"), "eyJ alone and a.b");
         assert_eq!(redact("plain"), "plain");
+    }
+
+    #[test]
+    fn log_text_is_redacted_and_cut_on_a_character_boundary() {
+        assert_eq!(for_log("{\"t\":\"eyJa.eyJb.c\"}"), "{\"t\":\"<redacted-jwt>\"}");
+        let long = format!("x{}", "é".repeat(3000));
+        let cut = for_log(&long);
+        let kept = cut.strip_suffix(" …[truncated]").unwrap();
+        assert!(kept.len() <= 4096 && kept.len() > 4090, "{}", kept.len());
+        assert!(long.starts_with(kept));
     }
 
     #[test]

@@ -1,0 +1,110 @@
+//! What [`Sandbox::prepare`](crate::sandbox::Sandbox::prepare) made for a plugin, held for as long as a process
+//! may run in it: the spawn plan, the user's space, and the process tree (its cgroup, or its process group
+//! without isolation) to signal, kill, read the OOM count of and finally remove.
+
+use std::path::Path;
+use std::sync::RwLock;
+
+use tokio::process::Command;
+
+use crate::sandbox::{Prepared, SandboxError, SessionCgroup, UserSpace};
+
+/// A prepared sandbox. The whole [`Prepared`] is kept, so everything it holds lives exactly as long as this
+/// value (the processes spawned into it hold it); only the cgroup is moved out, to be removed on
+/// [`release`](Self::release).
+#[derive(Debug)]
+pub(crate) struct Sandboxed {
+    /// What `prepare` made, less its cgroup (moved to `cgroup`).
+    prepared: Prepared,
+    cgroup: RwLock<Option<SessionCgroup>>,
+    /// Whether it had a cgroup at all: once released, nothing is signalled (never a process group whose
+    /// leader's pid may have been reused).
+    isolated: bool,
+}
+
+impl Sandboxed {
+    /// Takes what `prepare` made.
+    pub(crate) fn new(mut prepared: Prepared) -> Sandboxed {
+        let cgroup = prepared.cgroup.take();
+        Sandboxed {
+            isolated: cgroup.is_some(),
+            cgroup: RwLock::new(cgroup),
+            prepared,
+        }
+    }
+
+    /// The user's identity and directories.
+    pub(crate) fn space(&self) -> &UserSpace {
+        &self.prepared.space
+    }
+
+    /// `argv` as a command in `dir` with exactly `env`, killed on drop, confined by the sandbox's plan; stdio is
+    /// the caller's to set.
+    pub(crate) fn command(&self, argv: &[String], dir: &Path, env: Vec<(String, String)>) -> Command {
+        let program = argv.first().map_or("", String::as_str);
+        let mut cmd = Command::new(program);
+        cmd.args(argv.iter().skip(1))
+            .current_dir(dir)
+            .env_clear()
+            .envs(env)
+            .kill_on_drop(true);
+        crate::sandbox::apply(&mut cmd, &self.prepared.plan);
+        cmd
+    }
+
+    /// Runs `f` on the cgroup, if there still is one.
+    pub(crate) fn with_cgroup<T>(&self, f: impl FnOnce(Option<&SessionCgroup>) -> T) -> T {
+        let cgroup = self
+            .cgroup
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        f(cgroup.as_ref())
+    }
+
+    /// Kills every process of the tree whose root is `pid` (blocking: the cgroup kill waits for the kernel).
+    pub(crate) fn kill_tree(&self, pid: u32, tool_id: &str) {
+        self.with_cgroup(|cgroup| match cgroup {
+            Some(cg) => {
+                if let Err(e) = cg.kill_all() {
+                    tracing::warn!(tool_id, error = %e, "killing the plugin's cgroup failed");
+                }
+            }
+            None if !self.isolated => kill_group(pid, rustix::process::Signal::KILL),
+            None => {}
+        });
+    }
+
+    /// Sends `signal` to every process of the tree whose root is `pid`.
+    pub(crate) fn signal_tree(&self, pid: u32, signal: rustix::process::Signal) {
+        self.with_cgroup(|cgroup| match cgroup {
+            Some(cg) => {
+                let _ = cg.signal_all(signal);
+            }
+            None if !self.isolated => kill_group(pid, signal),
+            None => {}
+        });
+    }
+
+    /// OOM kills in the cgroup so far (0 without one).
+    pub(crate) fn oom_kills(&self) -> u64 {
+        self.with_cgroup(|cgroup| cgroup.map_or(0, SessionCgroup::oom_kills))
+    }
+
+    /// Kills what is left in the cgroup and removes it (blocking). Once released, the tree is gone: killing or
+    /// signalling it does nothing. Releasing twice is harmless.
+    pub(crate) fn release(&self) -> Result<(), SandboxError> {
+        let cgroup = self
+            .cgroup
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        cgroup.map_or(Ok(()), SessionCgroup::remove)
+    }
+}
+
+/// Without cgroups, the plugin's process group (it called setsid, so its pgid is its pid).
+fn kill_group(pid: u32, signal: rustix::process::Signal) {
+    if let Some(pid) = i32::try_from(pid).ok().and_then(rustix::process::Pid::from_raw) {
+        let _ = rustix::process::kill_process_group(pid, signal);
+    }
+}
