@@ -217,9 +217,7 @@ async fn main() -> ExitCode {
             let sandbox = if no_confine {
                 None
             } else if !rustix::process::geteuid().is_root() {
-                eprintln!(
-                    "fleet: not root: the plugin runs unconfined (the report says \"confined\": false)"
-                );
+                eprintln_error("not root: the plugin runs unconfined (the report says \"confined\": false)");
                 None
             } else {
                 match fleet::probe::ProbeSandbox::new() {
