@@ -10,7 +10,7 @@
 
 use std::io;
 use std::net::{Ipv4Addr, SocketAddrV4};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd as _, OwnedFd};
 
 use rustix::fs::{CWD, Mode, OFlags};
 use rustix::thread::UnshareFlags;
@@ -63,7 +63,7 @@ fn in_new_namespace(port: u16) -> io::Result<(OwnedFd, std::net::TcpListener)> {
     // SAFETY: `unshare` without `CLONE_FILES` (or `CLONE_FS`) changes nothing another thread can observe: the
     // network namespace is per thread, and this thread exits as soon as this function returns.
     unsafe { rustix::thread::unshare_unsafe(UnshareFlags::NEWNET)? };
-    super::spawn::loopback_up()?;
+    loopback_up()?;
     let listener = std::net::TcpListener::bind(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port))?;
     let ns = rustix::fs::openat(
         CWD,
@@ -72,4 +72,35 @@ fn in_new_namespace(port: u16) -> io::Result<(OwnedFd, std::net::TcpListener)> {
         Mode::empty(),
     )?;
     Ok((ns, listener))
+}
+
+/// `IFF_UP` as the `short` `ifreq` carries it (libc declares it `c_int`).
+const IFF_UP: libc::c_short = 0x1;
+
+/// Brings `lo` up in the calling thread's network namespace (`SIOCGIFFLAGS`, `| IFF_UP`, `SIOCSIFFLAGS`): a
+/// child's new one (`spawn.rs`), or one made here for an egress proxy. Allocation-free.
+#[allow(unsafe_code)]
+pub(super) fn loopback_up() -> io::Result<()> {
+    let sock = rustix::net::socket(
+        rustix::net::AddressFamily::INET,
+        rustix::net::SocketType::DGRAM,
+        None,
+    )?;
+    // SAFETY: `ifreq` is plain old data, valid when zeroed.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: both ioctls take a pointer to an `ifreq` that outlives the call; the fd is open.
+    unsafe {
+        if libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // IFF_UP is 1: it fits the kernel's short flags.
+        req.ifr_ifru.ifru_flags |= IFF_UP;
+        if libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }

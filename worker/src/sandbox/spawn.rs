@@ -1,5 +1,6 @@
-//! Spawning a plugin into its session (and a helper process tied to its parent's life): the only code of this
-//! crate allowed to use `unsafe`.
+//! Spawning a plugin into its session (and a helper process tied to its parent's life): with `netns.rs` (an
+//! egress namespace's `unshare` on a thread of its own, and the loopback ioctls both use), the only code of
+//! this crate allowed to use `unsafe`.
 //!
 //! [`apply`] installs a `pre_exec` hook on a [`tokio::process::Command`]. The hook runs in the child between
 //! `fork` and `exec` and does, in this order:
@@ -62,7 +63,7 @@
 
 use std::ffi::{CStr, CString};
 use std::io;
-use std::os::fd::{AsFd as _, AsRawFd as _, OwnedFd};
+use std::os::fd::{AsFd as _, OwnedFd};
 use std::sync::Arc;
 
 use rustix::fs::{CWD, Mode, OFlags};
@@ -74,6 +75,7 @@ use rustix::process::{Gid, Uid};
 use rustix::thread::{LinkNameSpaceType, UnshareFlags};
 
 use super::confine::{Confinement, MAX_KEPT};
+use super::netns::loopback_up;
 use super::{SessionCgroup, UserSpace};
 
 /// What [`apply`] does in the child: which cgroup to join, which ids to take, how to confine.
@@ -377,37 +379,6 @@ fn seccomp_child(confine: &Confinement) -> io::Result<()> {
             seccompiler::Error::Prctl(e) | seccompiler::Error::Seccomp(e) => e,
             _ => io::ErrorKind::InvalidInput.into(),
         })?;
-    }
-    Ok(())
-}
-
-/// `IFF_UP` as the `short` `ifreq` carries it (libc declares it `c_int`).
-const IFF_UP: libc::c_short = 0x1;
-
-/// Brings `lo` up in the calling thread's network namespace (`SIOCGIFFLAGS`, `| IFF_UP`, `SIOCSIFFLAGS`): a
-/// child's new one, or one made for an egress proxy (`sandbox/netns.rs`). Allocation-free.
-#[allow(unsafe_code)]
-pub(super) fn loopback_up() -> io::Result<()> {
-    let sock = rustix::net::socket(
-        rustix::net::AddressFamily::INET,
-        rustix::net::SocketType::DGRAM,
-        None,
-    )?;
-    // SAFETY: `ifreq` is plain old data, valid when zeroed.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
-        *dst = *src as libc::c_char;
-    }
-    // SAFETY: both ioctls take a pointer to an `ifreq` that outlives the call; the fd is open.
-    unsafe {
-        if libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // IFF_UP is 1: it fits the kernel's short flags.
-        req.ifr_ifru.ifru_flags |= IFF_UP;
-        if libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) < 0 {
-            return Err(io::Error::last_os_error());
-        }
     }
     Ok(())
 }
