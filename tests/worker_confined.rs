@@ -613,3 +613,46 @@ async fn fleet_probe_runs_the_plugin_confined() {
     assert_eq!(data["pids"][std::process::id().to_string()], "absent", "{data}");
     assert_eq!(data["unshare_newuser"], "EPERM", "{data}");
 }
+
+/// Network namespaces made ahead of need (`confinement.netns_pool`) go to one session each: no two plugins —
+/// of one user or of two, taken from the pool or made at spawn once it is empty — ever share a loopback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_session_has_a_network_namespace_of_its_own() {
+    let mut config: WorkerConfig = test_config("netns");
+    config.confinement.netns_pool = 2;
+    let plugins = [
+        Plugin::echo("n1", &[]),
+        Plugin::echo("n2", &[]),
+        Plugin::echo("n3", &[]),
+    ];
+    let w = TestWorker::start(config, &plugins);
+    let ns_of = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/net")).unwrap();
+    let worker_ns = ns_of(std::process::id());
+    assert!(
+        eventually(GUARD, || w.sandbox.netns_pool_ready() == 2).await,
+        "the pool fills up"
+    );
+    // More sessions than the pool holds, so some namespaces come from it and some are made at spawn.
+    let mut seen = std::collections::HashSet::new();
+    for user in ["alice", "bob"] {
+        for tool in ["n1", "n2", "n3"] {
+            let s = w.pool.prewarm(user, tool, GUARD).await.unwrap();
+            let ns = ns_of(s.pid().unwrap());
+            assert_ne!(ns, worker_ns, "{user}/{tool} is in the worker's namespace");
+            assert!(seen.insert(ns.clone()), "{user}/{tool} shares {ns:?}");
+        }
+    }
+    assert_eq!(seen.len(), 6);
+    // A restarted process of a session joins that session's namespace again, never another's.
+    let s = w.pool.prewarm("alice", "n1", GUARD).await.unwrap();
+    let before = ns_of(s.pid().unwrap());
+    let pid = s.pid().unwrap();
+    assert!(matches!(
+        call(&w, "alice", "n1", req("crash", json!({}))).await,
+        Err(InvokeError::ProcessExited { .. })
+    ));
+    let again = w.pool.prewarm("alice", "n1", GUARD).await.unwrap();
+    assert!(eventually(GUARD, || again.pid().is_some_and(|p| p != pid)).await);
+    assert_eq!(ns_of(again.pid().unwrap()), before);
+    w.pool.shutdown().await;
+}

@@ -132,6 +132,9 @@ pub struct Confinement {
     pub seccomp_deny: Vec<String>,
     /// Size of the private `/tmp` (a tmpfs, charged to the session's memory limit).
     pub tmp_bytes: u64,
+    /// Empty network namespaces kept ready for new sessions by a background thread (making one is the largest
+    /// single cost of a confined spawn); 0: each spawn makes its own.
+    pub netns_pool: usize,
 }
 
 impl Default for Confinement {
@@ -141,6 +144,7 @@ impl Default for Confinement {
             seccomp: true,
             seccomp_deny: Vec::new(),
             tmp_bytes: 64 * 1024 * 1024,
+            netns_pool: 4,
         }
     }
 }

@@ -6,7 +6,7 @@
 //! - **Network**: a new network namespace with only its own loopback, up. No route anywhere: NATS, the node's
 //!   and the pod's addresses, `169.254.169.254` and the internet are unreachable (`ENETUNREACH`), and a port on
 //!   `127.0.0.1` is the plugin's own loopback, not the worker's. A plugin the operator grants egress
-//!   (`egress.tools`) joins a namespace the worker made for it instead ([`EgressNet`]), where the egress proxy
+//!   (`egress.tools`) joins a namespace the worker made for it instead ([`NetNs`]), where the egress proxy
 //!   listens on that loopback (`crate::egress`): still no route, only the proxy's checked connections.
 //! - **Processes**: a new procfs mounted with `hidepid=2` ("invisible") in the session's own mount namespace:
 //!   every process of another uid is absent from `/proc`. Plugins run under a uid per (user, tool_id), and one
@@ -30,7 +30,7 @@ use std::os::unix::ffi::OsStrExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::netns::EgressNet;
+use super::netns::NetNs;
 use super::seccomp::SeccompProfile;
 
 /// At most this many paths are mounted back into a private `/tmp` (install, command directories, TMPDIR,
@@ -57,8 +57,9 @@ pub(crate) struct Namespaces {
     pub(crate) tmp_root: CString,
     pub(crate) tmp_options: CString,
     pub(crate) kept: Vec<Kept>,
-    /// The network namespace to join (an egress-granted session's); `None`: a new, empty one.
-    pub(crate) join_net: Option<Arc<EgressNet>>,
+    /// The network namespace to join (an egress-granted session's, or an empty one from the pool); `None`: the
+    /// spawn hook unshares a new one.
+    pub(crate) join_net: Option<Arc<NetNs>>,
 }
 
 /// A path under `/tmp` mounted back into the private `/tmp`.

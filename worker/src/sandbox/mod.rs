@@ -77,7 +77,7 @@ use users::Users;
 
 use crate::config::{EGRESS_PROXY_PORT, IsolationMode, ResourceLimits, UserLimits, WorkerConfig};
 use crate::egress::{EgressCounters, Policy};
-use netns::EgressNet;
+use netns::{NetNs, NetnsPool};
 
 /// The prefix of a user's ceiling cgroup in the worker's subtree (`user-<user_key>`; session names start with
 /// hex digits or `.probe`, so never with this).
@@ -142,6 +142,8 @@ struct ConfineBase {
     namespaces: bool,
     tmp_bytes: u64,
     seccomp: Option<Arc<SeccompProfile>>,
+    /// Empty network namespaces made ahead of need (with namespaces on).
+    netns_pool: Option<NetnsPool>,
 }
 
 /// A user's ceiling cgroup, alive while one of the user's session cgroups holds it; removed (if empty) when
@@ -260,7 +262,7 @@ impl Sandbox {
             })?;
             if let (true, Some(policy)) = (egress, &self.inner.egress) {
                 let (policy, counters) = (policy.clone(), self.inner.egress_counters.clone());
-                let net = EgressNet::create(EGRESS_PROXY_PORT, move |listener| {
+                let net = NetNs::egress(EGRESS_PROXY_PORT, move |listener| {
                     crate::egress::serve(listener, policy, counters)
                 })
                 .map_err(|e| SandboxError::Unavailable {
@@ -268,6 +270,8 @@ impl Sandbox {
                 })?;
                 ns.join_net = Some(Arc::new(net));
                 env = crate::egress::proxy_env();
+            } else if let Some(pooled) = base.netns_pool.as_ref().and_then(NetnsPool::take) {
+                ns.join_net = Some(Arc::new(pooled));
             }
             Some(ns)
         } else {
@@ -284,6 +288,15 @@ impl Sandbox {
     /// Whether the operator granted `tool_id` egress (and this sandbox can give it: namespaces on).
     pub fn grants_egress(&self, tool_id: &str) -> bool {
         self.inner.egress.as_ref().is_some_and(|p| p.grants(tool_id))
+    }
+
+    /// How many pre-made network namespaces are waiting (0 without namespaces or with `netns_pool = 0`).
+    pub fn netns_pool_ready(&self) -> usize {
+        self.inner
+            .confine
+            .as_ref()
+            .and_then(|c| c.netns_pool.as_ref())
+            .map_or(0, NetnsPool::ready)
     }
 
     /// What the egress proxies of this sandbox did.
@@ -537,10 +550,19 @@ fn prepare_confinement(config: &WorkerConfig) -> Result<ConfineBase, SandboxErro
             "namespaces are off (confinement.namespaces = false): plugins share the worker's network, /proc and /tmp"
         );
     }
+    let netns_pool = if c.namespaces && c.netns_pool > 0 {
+        Some(
+            NetnsPool::new(c.netns_pool)
+                .map_err(|e| unavailable(format!("cannot start the network namespace pool: {e}")))?,
+        )
+    } else {
+        None
+    };
     let base = ConfineBase {
         namespaces: c.namespaces,
         tmp_bytes: c.tmp_bytes,
         seccomp,
+        netns_pool,
     };
     let probe = Confinement {
         namespaces: if c.namespaces {

@@ -131,7 +131,8 @@ impl SpawnPlan {
         self.confine
             .as_ref()
             .and_then(|c| c.namespaces.as_ref())
-            .is_some_and(|n| n.join_net.is_some())
+            .and_then(|n| n.join_net.as_ref())
+            .is_some_and(|net| net.has_proxy())
     }
 
     /// Whether the plan confines the plugin (namespaces or seccomp).
