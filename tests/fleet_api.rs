@@ -155,15 +155,7 @@ fn rfc3339_ms(s: &str) -> u64 {
     u64::try_from(t.duration_since(UNIX_EPOCH).expect("after 1970").as_millis()).expect("ms")
 }
 
-fn now_ms() -> u64 {
-    u64::try_from(
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .expect("clock")
-            .as_millis(),
-    )
-    .expect("ms")
-}
+use fleet_proto::util::now_ms;
 
 fn rfc3339_of_ms(ms: u64) -> String {
     humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()

@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use bytes::Bytes;
 use fleet_proto::api::worker::{CancelCommand, ExecKind, ExecReply, ExecRequest};
@@ -42,11 +42,7 @@ pub const DRAIN_GRACE: Duration = Duration::from_secs(30);
 /// Progress events buffered per job between the plugin's reader and JetStream.
 const PROGRESS_BUFFER: usize = 1024;
 
-pub(crate) fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
+pub(crate) use fleet_proto::util::now_ms;
 
 /// A running worker node.
 #[derive(Debug)]

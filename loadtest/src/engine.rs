@@ -4,7 +4,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, SigningKey};
@@ -18,9 +18,7 @@ const MAX_LATENCY_US: u64 = 3_600_000_000;
 pub(crate) const POLL_EVERY: Duration = Duration::from_millis(250);
 
 /// Locks, ignoring poisoning (a panicked task must not hide the rest of the report).
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
+pub(crate) use fleet_proto::util::lock;
 
 /// A non-negative, finite count or duration in f64 as u64 (saturating; NaN and negatives give 0).
 #[allow(

@@ -43,6 +43,14 @@ pub mod methods {
     ];
 }
 
+/// The subject-, key- and file-name-safe form of a user id: the first 32 hex digits (128 bits) of its
+/// SHA-256. It names the user's NATS subjects and KV keys, and the worker's per-user directories and cgroups.
+pub fn user_key(user: &str) -> String {
+    use sha2::Digest as _;
+    let digest = sha2::Sha256::digest(user.as_bytes());
+    hex::encode(&digest[..16])
+}
+
 /// NATS subjects (one place; spec §12, §16 A-51).
 pub mod subjects {
     /// Prefix of the API service endpoints: `fleet.v1.api.tools.<method>` (queue group [`API_QUEUE_GROUP`]).

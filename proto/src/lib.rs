@@ -15,3 +15,4 @@ pub mod codec;
 pub mod executa;
 pub mod jsonrpc;
 pub mod limits;
+pub mod util;

@@ -84,9 +84,7 @@ impl std::fmt::Debug for Pool {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+use fleet_proto::util::lock;
 
 impl Pool {
     /// A pool over `catalogue`; starts the idle reaper.

@@ -61,9 +61,7 @@ pub enum Ensured {
     },
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+use fleet_proto::util::lock;
 
 impl Installer {
     /// An installer with the worker's defaults: home `$ANNA_EXECUTA_HOME`, else `<state_dir>/executa`; keeps

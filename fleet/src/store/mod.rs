@@ -41,7 +41,6 @@ use bytes::Bytes;
 use fleet_proto::api::{JobId, JobState};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use sha2::{Digest, Sha256};
 
 pub use active::Acquired;
 pub use error::{BoxError, Op, StoreError};
@@ -53,16 +52,7 @@ pub use workers::{WorkerChange, WorkerInfo};
 /// Compare-and-set retries before [`StoreError::Contention`].
 const MAX_CAS_ATTEMPTS: u32 = 100;
 
-/// The subject- and key-safe form of a user id: the first 32 hex characters of its SHA-256.
-pub fn user_key(user: &str) -> String {
-    let digest = Sha256::digest(user.as_bytes());
-    let mut out = String::with_capacity(32);
-    for b in digest.iter().take(16) {
-        out.push(char::from_digit(u32::from(b >> 4), 16).unwrap_or('0'));
-        out.push(char::from_digit(u32::from(b & 0xf), 16).unwrap_or('0'));
-    }
-    out
-}
+pub use fleet_proto::api::user_key;
 
 /// A value and the KV revision it was read or written at.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,6 +1,6 @@
 //! The job record kept in the jobs bucket, and its app-facing snapshot.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, UNIX_EPOCH};
 
 use fleet_proto::api::{ApiError, JobId, JobSnapshot, JobState, ProgressEvent};
 use serde::{Deserialize, Serialize};
@@ -70,13 +70,7 @@ pub fn rfc3339_ms(ms: u64) -> String {
     humantime::format_rfc3339_millis(t).to_string()
 }
 
-/// Now, in Unix epoch milliseconds.
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
-}
+pub use fleet_proto::util::now_ms;
 
 impl JobRecord {
     /// The app-facing snapshot with the given progress slice. `lastSeq` is the higher of the record's and the

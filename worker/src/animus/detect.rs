@@ -107,9 +107,7 @@ struct FileStamp {
     dev: u64,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+use fleet_proto::util::lock;
 
 impl Registry {
     /// The detection of `install`, running it once (concurrent callers wait for the same probe).

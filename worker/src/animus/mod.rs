@@ -274,9 +274,7 @@ impl std::fmt::Debug for AnimusHost {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+use fleet_proto::util::lock;
 
 /// What one call streams and learns.
 struct RunState {

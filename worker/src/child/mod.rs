@@ -150,9 +150,7 @@ pub(crate) struct Tasks {
     eof_grace: Duration,
 }
 
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
+pub(crate) use fleet_proto::util::lock;
 
 impl ChildProcess {
     /// Spawns `cmd` (from [`Sandboxed::command`]) with piped stdio. Its tasks start with [`Tasks::start`].

@@ -858,11 +858,7 @@ fn read_json_object(dir: &Path, name: &'static str) -> Result<Option<Map<String,
     }
 }
 
-pub(crate) fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
+pub(crate) use fleet_proto::util::now_ms;
 
 /// A random 64-bit token for temporary names (std's per-process random hasher keys, plus a counter).
 pub(crate) fn rand_token() -> String {

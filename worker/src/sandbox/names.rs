@@ -13,9 +13,6 @@ const MAX_TEXT: usize = 64;
 /// Hex digits of the short hash suffix (32 bits: enough to keep the few names that sanitize alike apart).
 const SHORT_HASH_HEX: usize = 8;
 
-/// Hex digits of a user key (128 bits of sha256).
-const USER_KEY_HEX: usize = 32;
-
 /// Lower-case hex of the first `hex_digits` nibbles of sha256(`input`).
 fn sha256_hex(input: &[u8], hex_digits: usize) -> String {
     const HEX: &[u8; 16] = b"0123456789abcdef";
@@ -73,10 +70,7 @@ pub(crate) fn readable_name(input: &str) -> String {
     }
 }
 
-/// The per-user directory key: the first 32 hex digits of sha256(`user`).
-pub(crate) fn user_key(user: &str) -> String {
-    sha256_hex(user.as_bytes(), USER_KEY_HEX)
-}
+pub(crate) use fleet_proto::api::user_key;
 
 #[cfg(test)]
 mod tests {

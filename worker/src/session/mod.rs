@@ -24,7 +24,7 @@ use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use fleet_proto::codec::FrameKind;
 use fleet_proto::executa::capabilities::keys;
@@ -229,11 +229,7 @@ impl std::fmt::Debug for Session {
     }
 }
 
-pub(crate) fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
+pub(crate) use fleet_proto::util::now_ms;
 
 enum StartError {
     /// Retrying cannot help (spawn refused, invalid manifest).
