@@ -11,8 +11,12 @@
 //! - D `verify` — verifying one storage token against its invoke, as every reverse call does, against
 //!   E `sha256` of the same token bytes (the floor of one HMAC-SHA256 pass over them).
 //!
-//! Criterion measures each; then an interleaved pass (A, B, C, D, E in turn, 2 000 rounds) prints medians and
-//! the ratios B/A and D/E, so a noisy machine's slow phases hit every measure alike.
+//! - F `api_verify` — the front's check of an app's API JWT (HS256) the first time it sees it (signature and
+//!   claims: `Verifier::verify_with_claims`), against G `api_verify_cached` — the same token again through
+//!   `Verifier::verify`, answered from the verified-token cache (SHA-256 of the token, expiry check).
+//!
+//! Criterion measures each; then an interleaved pass (A to G in turn, 2 000 rounds) prints medians and
+//! the ratios B/A, D/E and G/F, so a noisy machine's slow phases hit every measure alike.
 #![allow(clippy::unwrap_used, clippy::print_stdout, clippy::cast_precision_loss)]
 
 use std::collections::BTreeSet;
@@ -133,6 +137,29 @@ fn bench(c: &mut Criterion) {
     let digest = || {
         std::hint::black_box(sha2::Sha256::digest(token.as_bytes()));
     };
+    let api_secret = [7_u8; 32];
+    let api = fleet::auth::Verifier::new(
+        vec![fleet::auth::VerifyKey::hs256(&api_secret).unwrap()],
+        "bench-issuer",
+        "bench-audience",
+    )
+    .unwrap();
+    let api_token = fleet::auth::SigningKey::hs256(&api_secret)
+        .unwrap()
+        .mint(
+            USER,
+            "bench-issuer",
+            "bench-audience",
+            Duration::from_secs(3600),
+            false,
+        )
+        .unwrap();
+    let api_verify = || {
+        std::hint::black_box(api.verify_with_claims(&api_token).unwrap());
+    };
+    let api_cached = || {
+        std::hint::black_box(api.verify(&api_token).unwrap());
+    };
     let mut g = c.benchmark_group("service_tokens");
     g.measurement_time(Duration::from_secs(3));
     g.bench_function("kv_read", |b| b.iter(|| kv_read(&env)));
@@ -151,10 +178,12 @@ fn bench(c: &mut Criterion) {
     });
     g.bench_function("verify", |b| b.iter(verify));
     g.bench_function("sha256", |b| b.iter(digest));
+    g.bench_function("api_verify", |b| b.iter(api_verify));
+    g.bench_function("api_verify_cached", |b| b.iter(api_cached));
     g.finish();
 
     // Interleaved pass.
-    let mut samples: [Vec<f64>; 5] = Default::default();
+    let mut samples: [Vec<f64>; 7] = Default::default();
     for round in 0..2_000_u64 {
         let time = |f: &mut dyn FnMut()| {
             let t = Instant::now();
@@ -166,6 +195,8 @@ fn bench(c: &mut Criterion) {
         samples[2].push(time(&mut || mint_nothing(&env, 1_000_000 + round)));
         samples[3].push(time(&mut || verify()));
         samples[4].push(time(&mut || digest()));
+        samples[5].push(time(&mut || api_verify()));
+        samples[6].push(time(&mut || api_cached()));
     }
     let med: Vec<f64> = samples
         .iter_mut()
@@ -175,13 +206,14 @@ fn bench(c: &mut Criterion) {
         })
         .collect();
     println!(
-        "service_tokens interleaved medians (µs): kv_read {:.1}, mint {:.1}, mint_nothing {:.2}, verify {:.2}, sha256 {:.3}",
-        med[0], med[1], med[2], med[3], med[4]
+        "service_tokens interleaved medians (µs): kv_read {:.1}, mint {:.1}, mint_nothing {:.2}, verify {:.2}, sha256 {:.3}, api_verify {:.2}, api_verify_cached {:.2}",
+        med[0], med[1], med[2], med[3], med[4], med[5], med[6]
     );
     println!(
-        "service_tokens ratios: mint / kv_read = {:.2}x, verify / sha256 = {:.1}x",
+        "service_tokens ratios: mint / kv_read = {:.2}x, verify / sha256 = {:.1}x, api_verify_cached / api_verify = {:.3}x",
         med[1] / med[0],
-        med[3] / med[4]
+        med[3] / med[4],
+        med[6] / med[5]
     );
 }
 

@@ -53,6 +53,11 @@ pub const MAX_LEEWAY_SECS: u64 = 3600;
 pub const MIN_HS256_SECRET_LEN: usize = 32;
 /// Longest token accepted; anything longer is [`AuthError::Malformed`] before any decoding.
 pub const MAX_TOKEN_LEN: usize = 8 * 1024;
+
+/// Verified tokens a [`Verifier`] remembers (by SHA-256 of the token), so a client that sends the same token on
+/// every call pays the signature check once. Past it, expired entries are dropped, and if none were, the cache
+/// starts over: memory stays bounded whatever a caller sends (only tokens that verified are ever stored).
+pub const VERIFIED_CACHE_ENTRIES: usize = 4096;
 /// Longest `sub` accepted, in bytes.
 pub const MAX_SUBJECT_LEN: usize = 256;
 /// File name of the dev signing key inside `fleet up`'s data dir.
@@ -319,8 +324,9 @@ pub struct Verifier {
     inner: Arc<VerifierInner>,
 }
 
-#[derive(Clone)]
 struct VerifierInner {
+    /// Principals of tokens that verified, by SHA-256 of the token (successes only).
+    verified: std::sync::Mutex<std::collections::HashMap<[u8; 32], Principal>>,
     keys: Vec<VerifyKey>,
     issuer: String,
     audience: String,
@@ -343,6 +349,7 @@ impl VerifierInner {
             v
         };
         VerifierInner {
+            verified: std::sync::Mutex::default(),
             hs256: validation(KeyAlgorithm::Hs256),
             eddsa: validation(KeyAlgorithm::EdDsa),
             keys,
@@ -384,12 +391,11 @@ impl Verifier {
 
     /// Sets the leeway for `exp` and `nbf`, clamped to [`MAX_LEEWAY_SECS`].
     pub fn with_leeway(self, secs: u64) -> Self {
-        let inner = Arc::unwrap_or_clone(self.inner);
         Verifier {
             inner: Arc::new(VerifierInner::build(
-                inner.keys,
-                inner.issuer,
-                inner.audience,
+                self.inner.keys.clone(),
+                self.inner.issuer.clone(),
+                self.inner.audience.clone(),
                 secs.min(MAX_LEEWAY_SECS),
             )),
         }
@@ -412,9 +418,44 @@ impl Verifier {
 
     /// Verifies the value of an `Authorization` header: `Bearer <jwt>` (scheme case-insensitive) or the bare
     /// `<jwt>`. An absent header is `""` ([`AuthError::Missing`]).
+    ///
+    /// A token that verified before is answered from memory (keyed by its SHA-256; see
+    /// [`VERIFIED_CACHE_ENTRIES`]) as long as it has not expired: `exp` is checked on every hit with the same
+    /// leeway; `nbf`, `iss`, `aud` and the signature cannot change for the same bytes and this verifier's keys.
     pub fn verify(&self, header_value: &str) -> Result<Principal, AuthError> {
-        self.verify_with_claims(header_value)
-            .map(|(principal, _)| principal)
+        self.verify_at(header_value, unix_now())
+    }
+
+    /// [`Verifier::verify`] at `now` (Unix seconds) for the cache's expiry check.
+    fn verify_at(&self, header_value: &str, now: u64) -> Result<Principal, AuthError> {
+        use sha2::Digest as _;
+        let token = bearer_token(header_value)?;
+        if token.len() > MAX_TOKEN_LEN {
+            return Err(malformed("the token is too long"));
+        }
+        let digest: [u8; 32] = sha2::Sha256::digest(token.as_bytes()).into();
+        let live = |p: &Principal| now <= p.expires_at.saturating_add(self.inner.leeway);
+        {
+            let mut cache = fleet_proto::util::lock(&self.inner.verified);
+            match cache.get(&digest) {
+                Some(p) if live(p) => return Ok(p.clone()),
+                Some(_) => {
+                    cache.remove(&digest);
+                    return Err(AuthError::Expired);
+                }
+                None => {}
+            }
+        }
+        let (principal, _) = self.verify_with_claims(header_value)?;
+        let mut cache = fleet_proto::util::lock(&self.inner.verified);
+        if cache.len() >= VERIFIED_CACHE_ENTRIES {
+            cache.retain(|_, p| live(p));
+            if cache.len() >= VERIFIED_CACHE_ENTRIES {
+                cache.clear();
+            }
+        }
+        cache.insert(digest, principal.clone());
+        Ok(principal)
     }
 
     /// A verifier with the same keys, issuer and leeway that accepts another audience (the HTTP gateway's
@@ -1174,6 +1215,63 @@ fn unix_now() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const CACHE_SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
+
+    fn cache_pair() -> (Verifier, SigningKey) {
+        let verifier = Verifier::new(vec![VerifyKey::hs256(CACHE_SECRET).unwrap()], "iss", "aud")
+            .unwrap()
+            .with_leeway(0);
+        (verifier, SigningKey::hs256(CACHE_SECRET).unwrap())
+    }
+
+    fn cached(v: &Verifier) -> usize {
+        fleet_proto::util::lock(&v.inner.verified).len()
+    }
+
+    #[test]
+    fn a_verified_token_is_remembered_and_its_expiry_checked_on_every_hit() {
+        let (v, key) = cache_pair();
+        let token = key
+            .mint("alice", "iss", "aud", Duration::from_secs(60), false)
+            .unwrap();
+        let now = unix_now();
+        let first = v.verify_at(&token, now).unwrap();
+        assert_eq!(cached(&v), 1);
+        let again = v.verify_at(&format!("Bearer {token}"), now).unwrap();
+        assert_eq!((again.user.as_str(), cached(&v)), ("alice", 1));
+        assert_eq!(first, again);
+        // At exp (leeway 0) still valid; one second later refused, and forgotten.
+        assert!(v.verify_at(&token, first.expires_at).is_ok());
+        assert!(matches!(
+            v.verify_at(&token, first.expires_at + 1),
+            Err(AuthError::Expired)
+        ));
+        assert_eq!(cached(&v), 0);
+    }
+
+    #[test]
+    fn failures_are_never_remembered_and_the_cache_stays_bounded() {
+        let (v, _) = cache_pair();
+        let forged = SigningKey::hs256(b"another secret, 32 bytes long...")
+            .unwrap()
+            .mint("mallory", "iss", "aud", Duration::from_secs(60), false)
+            .unwrap();
+        for _ in 0..2 {
+            assert!(matches!(v.verify(&forged), Err(AuthError::BadSignature)));
+        }
+        assert_eq!(cached(&v), 0);
+        let (v, key) = cache_pair();
+        for i in 0..=VERIFIED_CACHE_ENTRIES {
+            let t = key
+                .mint(&format!("u{i}"), "iss", "aud", Duration::from_secs(60), false)
+                .unwrap();
+            v.verify(&t).unwrap();
+            assert!(cached(&v) <= VERIFIED_CACHE_ENTRIES);
+        }
+        // Full of live entries, the cache started over: only the last token is remembered.
+        assert_eq!(cached(&v), 1);
+    }
 
     #[test]
     fn base64url_round_trips_known_vectors() {
