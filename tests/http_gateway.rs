@@ -17,7 +17,7 @@ use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, Verifier};
 use fleet::http::window::{WINDOW_AUDIENCE, WindowToken};
 use fleet::http::{HttpConfig, HttpState};
 use fleet_e2e::cluster::{Cluster, SECRET};
-use fleet_e2e::worker::Plugin;
+use fleet_e2e::worker::{Plugin, eventually};
 use fleet_proto::api::{methods, subjects};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -33,6 +33,7 @@ const GUARD: Duration = Duration::from_secs(30);
 struct Gateway {
     cluster: Cluster,
     addr: SocketAddr,
+    state: HttpState,
     _task: AbortOnDrop,
 }
 
@@ -45,10 +46,13 @@ impl Drop for AbortOnDrop {
 }
 
 impl Gateway {
-    async fn stop(self) {
-        let Gateway { cluster, _task, .. } = self;
-        drop(_task);
-        cluster.shutdown().await;
+    /// Boxed: the cluster is a large value to move into a future.
+    fn stop(self) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>>> {
+        Box::pin(async move {
+            let Gateway { cluster, _task, .. } = self;
+            drop(_task);
+            cluster.shutdown().await;
+        })
     }
 }
 
@@ -87,10 +91,11 @@ async fn start_with(name: &str, workers: usize, config: HttpConfig) -> Gateway {
     .expect("gateway state");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let task = tokio::spawn(fleet::http::serve(listener, state));
+    let task = tokio::spawn(fleet::http::serve(listener, state.clone()));
     Gateway {
         cluster,
         addr,
+        state,
         _task: AbortOnDrop(task),
     }
 }
@@ -702,6 +707,69 @@ async fn in_flight_cap_per_window() {
         assert_eq!(r.json()["result"], json!({"slept_ms": 4000}), "{r:?}");
     }
     rpc_ok(&g, &t1, &env("after", "w-1", "list", json!({}))).await;
+    g.stop().await;
+}
+
+/// A draining gateway (a front's SIGTERM) answers the call it is running, ends its SSE streams, accepts no new
+/// connection, and then its server returns.
+#[tokio::test]
+async fn draining_answers_the_calls_in_flight_and_accepts_no_new_connection() {
+    let mut g = start("gw-drain").await;
+    let token = window_token(&g, "alice", "w-1", None);
+    let slow = env(
+        "s",
+        "w-1",
+        "invoke",
+        json!({"tool_id": "echo.sleep", "args": {"ms": 1500}}),
+    );
+    let (addr, bearer, body) = (g.addr, format!("Bearer {token}"), slow.to_string());
+    let call = tokio::spawn(async move {
+        http(
+            addr,
+            "POST",
+            "/v1/rpc",
+            &[("authorization", &bearer)],
+            body.as_bytes(),
+        )
+        .await
+    });
+    // An SSE stream open at the same time.
+    let mut events = send_head(
+        g.addr,
+        "GET",
+        &format!("/v1/windows/w-1/events?token={token}"),
+        &[],
+        b"",
+    )
+    .await;
+    // The call is in flight once the plugin runs it.
+    let running = eventually(GUARD, || {
+        let node = g.cluster.workers[0].node.as_ref().unwrap();
+        node.pool().sessions().iter().any(|s| s.in_flight() > 0)
+    })
+    .await;
+    assert!(running, "the slow call reached the plugin");
+    g.state.start_draining();
+    // The SSE stream ends (the server closes it) while the call still runs.
+    let mut rest = Vec::new();
+    tokio::time::timeout(GUARD, events.read_to_end(&mut rest))
+        .await
+        .expect("the SSE stream ended")
+        .unwrap();
+    assert!(!call.is_finished(), "the slow call ended too early for this test");
+    // The call in flight is answered in full.
+    let reply = tokio::time::timeout(GUARD, call).await.unwrap().unwrap();
+    assert_eq!(reply.status, 200, "{reply:?}");
+    assert_eq!(reply.json()["result"], json!({"slept_ms": 1500}), "{reply:?}");
+    // Then the server has returned and nothing listens any more.
+    let served = tokio::time::timeout(GUARD, &mut g._task.0)
+        .await
+        .expect("the server returned");
+    assert!(served.unwrap().is_ok());
+    assert!(
+        TcpStream::connect(g.addr).await.is_err(),
+        "a new connection is refused"
+    );
     g.stop().await;
 }
 

@@ -446,6 +446,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     .await
     .map_err(|e| other("HTTP gateway")(&e))?;
     // Download and upload links of the host services are served here too.
+    let http_drain = http_state.clone();
     let http_task = tokio::spawn(crate::http::serve_with_files(
         http,
         http_state,
@@ -477,7 +478,16 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         _ = int.recv() => {}
     }
     say("stopping      …");
-    http_task.abort();
+    // The HTTP gateway drains like the NATS front: no new connection, /readyz 503, SSE streams ended, every
+    // request in flight answered (bounded by the longest sync call's grace).
+    http_drain.start_draining();
+    let http_abort = http_task.abort_handle();
+    if tokio::time::timeout(crate::front::FRONT_DRAIN_GRACE, http_task)
+        .await
+        .is_err()
+    {
+        http_abort.abort();
+    }
     admin.abort();
     plugins_api.abort();
     if let Some(task) = creds_api {

@@ -79,6 +79,8 @@ struct Inner {
     hub: Arc<sse::Hub>,
     ops: Arc<page::OpsStats>,
     pump: tokio::task::JoinHandle<()>,
+    /// Set once the gateway drains: `/readyz` answers 503, SSE streams end, no new connection is accepted.
+    draining: tokio::sync::watch::Sender<bool>,
 }
 
 impl Drop for Inner {
@@ -123,8 +125,24 @@ impl HttpState {
                 hub,
                 ops,
                 pump,
+                draining: tokio::sync::watch::Sender::new(false),
             }),
         })
+    }
+
+    /// Starts draining (a front's SIGTERM): `/readyz` answers 503 so load balancers stop sending, SSE streams
+    /// end (clients reconnect elsewhere with `Last-Event-ID`), and [`serve`] stops accepting connections and
+    /// returns once the requests in flight are answered.
+    pub fn start_draining(&self) {
+        self.inner.draining.send_replace(true);
+    }
+
+    /// Resolves once [`start_draining`](Self::start_draining) was called.
+    pub(crate) fn drained(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.inner.draining.subscribe();
+        async move {
+            let _ = rx.wait_for(|d| *d).await;
+        }
     }
 
     /// Takes one of the window's in-flight slots, or `None` when it has none left.
@@ -216,12 +234,15 @@ pub fn router(state: HttpState) -> Router {
         .with_state(state)
 }
 
-/// Serves the router on `listener` until the task is dropped or aborted.
+/// Serves the router on `listener` until the task is dropped or aborted, or — after
+/// [`HttpState::start_draining`] — until every request in flight is answered (no new connection is accepted).
 pub async fn serve(listener: tokio::net::TcpListener, state: HttpState) -> std::io::Result<()> {
+    let drained = state.drained();
     axum::serve(
         listener,
         router(state).into_make_service_with_connect_info::<SocketAddr>(),
     )
+    .with_graceful_shutdown(drained)
     .await
 }
 
@@ -231,12 +252,14 @@ pub async fn serve_with_files(
     state: HttpState,
     objects: crate::services::files::HostObjects,
 ) -> std::io::Result<()> {
+    let drained = state.drained();
     axum::serve(
         listener,
         router(state)
             .merge(files::router(objects))
             .into_make_service_with_connect_info::<SocketAddr>(),
     )
+    .with_graceful_shutdown(drained)
     .await
 }
 
@@ -248,6 +271,9 @@ async fn readyz(State(state): State<HttpState>) -> Response {
     use async_nats::connection::State as Conn;
     let unavailable =
         |reason: String| (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n")).into_response();
+    if *state.inner.draining.borrow() {
+        return unavailable("draining".into());
+    }
     if !matches!(state.inner.client.connection_state(), Conn::Connected) {
         return unavailable("NATS is not connected".into());
     }

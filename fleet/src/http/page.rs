@@ -308,6 +308,7 @@ pub async fn ops_events(
     // … and an overview now and every interval (no id: it does not move Last-Event-ID).
     let interval = state.inner.config.overview_interval;
     let heartbeat = state.inner.config.heartbeat;
+    let drained = state.drained();
     tokio::spawn(async move {
         let deadline = tokio::time::Instant::now() + stop;
         let mut first = true;
@@ -329,5 +330,5 @@ pub async fn ops_events(
         }
         events.abort();
     });
-    sse_response(rx, heartbeat)
+    sse_response(rx, heartbeat, drained)
 }

@@ -222,11 +222,17 @@ pub(super) async fn forward(
     }
 }
 
-/// An SSE response over a channel fed by a task.
-pub(super) fn sse_response(rx: mpsc::Receiver<Event>, heartbeat: Duration) -> Response {
+/// An SSE response over a channel fed by a task; it ends when the gateway drains.
+pub(super) fn sse_response(
+    rx: mpsc::Receiver<Event>,
+    heartbeat: Duration,
+    drained: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Response {
+    use futures::StreamExt as _;
     let stream = futures::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|e| (Ok::<_, Infallible>(e), rx))
-    });
+    })
+    .take_until(Box::pin(drained));
     Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(heartbeat).text("heartbeat"))
         .into_response()
@@ -259,7 +265,7 @@ pub async fn window_events(
     let key = user_key(&claims.user);
     let stop = query.lifetime(claims.expires_at);
     tokio::spawn(async move { forward(&hub, Some(&key), after, &tx, stop).await });
-    sse_response(rx, state.inner.config.heartbeat)
+    sse_response(rx, state.inner.config.heartbeat, state.drained())
 }
 
 /// The token's `wid` is not the window addressed.
