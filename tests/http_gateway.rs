@@ -232,6 +232,21 @@ fn env(id: &str, wid: &str, method: &str, args: Value) -> Value {
 }
 
 /// `{id, ok: true, result}` expected.
+/// `POST /v1/rpc` of `envelope` with `token`, on a task of its own.
+fn spawn_rpc(g: &Gateway, token: &str, envelope: &Value) -> tokio::task::JoinHandle<Reply> {
+    let (addr, bearer, body) = (g.addr, format!("Bearer {token}"), envelope.to_string());
+    tokio::spawn(async move {
+        http(
+            addr,
+            "POST",
+            "/v1/rpc",
+            &[("authorization", &bearer)],
+            body.as_bytes(),
+        )
+        .await
+    })
+}
+
 async fn rpc_ok(g: &Gateway, token: &str, envelope: &Value) -> Value {
     let r = rpc(g, Some(token), envelope).await;
     let v = r.json();
@@ -658,19 +673,7 @@ async fn in_flight_cap_per_window() {
         "invoke",
         json!({"tool_id": "echo.sleep", "args": {"ms": 4000}}),
     );
-    let spawn_slow = || {
-        let (addr, bearer, body) = (g.addr, format!("Bearer {t1}"), slow.to_string());
-        tokio::spawn(async move {
-            http(
-                addr,
-                "POST",
-                "/v1/rpc",
-                &[("authorization", &bearer)],
-                body.as_bytes(),
-            )
-            .await
-        })
-    };
+    let spawn_slow = || spawn_rpc(&g, &t1, &slow);
     // Three at once on a window with two slots: exactly one is refused, at once, while the others run.
     let calls = [spawn_slow(), spawn_slow(), spawn_slow()];
     let (refused, running): (Vec<_>, Vec<_>) = {
@@ -722,17 +725,7 @@ async fn draining_answers_the_calls_in_flight_and_accepts_no_new_connection() {
         "invoke",
         json!({"tool_id": "echo.sleep", "args": {"ms": 1500}}),
     );
-    let (addr, bearer, body) = (g.addr, format!("Bearer {token}"), slow.to_string());
-    let call = tokio::spawn(async move {
-        http(
-            addr,
-            "POST",
-            "/v1/rpc",
-            &[("authorization", &bearer)],
-            body.as_bytes(),
-        )
-        .await
-    });
+    let call = spawn_rpc(&g, &token, &slow);
     // An SSE stream open at the same time.
     let mut events = send_head(
         g.addr,
