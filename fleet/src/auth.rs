@@ -429,10 +429,7 @@ impl Verifier {
     /// [`Verifier::verify`] at `now` (Unix seconds) for the cache's expiry check.
     fn verify_at(&self, header_value: &str, now: u64) -> Result<Principal, AuthError> {
         use sha2::Digest as _;
-        let token = bearer_token(header_value)?;
-        if token.len() > MAX_TOKEN_LEN {
-            return Err(malformed("the token is too long"));
-        }
+        let token = bounded_token(header_value)?;
         let digest: [u8; 32] = sha2::Sha256::digest(token.as_bytes()).into();
         let live = |p: &Principal| now <= p.expires_at.saturating_add(self.inner.leeway);
         {
@@ -446,7 +443,7 @@ impl Verifier {
                 None => {}
             }
         }
-        let (principal, _) = self.verify_with_claims(header_value)?;
+        let (principal, _) = self.verify_token(token)?;
         let mut cache = fleet_proto::util::lock(&self.inner.verified);
         if cache.len() >= VERIFIED_CACHE_ENTRIES {
             cache.retain(|_, p| live(p));
@@ -480,10 +477,11 @@ impl Verifier {
         &self,
         header_value: &str,
     ) -> Result<(Principal, Map<String, Value>), AuthError> {
-        let token = bearer_token(header_value)?;
-        if token.len() > MAX_TOKEN_LEN {
-            return Err(malformed("the token is too long"));
-        }
+        self.verify_token(bounded_token(header_value)?)
+    }
+
+    /// Verifies a bare token (already through [`bounded_token`]): header, key, signature, claims.
+    fn verify_token(&self, token: &str) -> Result<(Principal, Map<String, Value>), AuthError> {
         let (alg_name, kid) = parse_header(token)?;
         let Some(alg) = KeyAlgorithm::from_header(&alg_name) else {
             return Err(AuthError::AlgorithmNotAllowed(sanitize_alg(&alg_name)));
@@ -1203,6 +1201,15 @@ fn b64url_decode(text: &str) -> Option<Vec<u8>> {
         }
     }
     Some(out)
+}
+
+/// The token of an `Authorization` header value, refused past [`MAX_TOKEN_LEN`] before any other work.
+fn bounded_token(header_value: &str) -> Result<&str, AuthError> {
+    let token = bearer_token(header_value)?;
+    if token.len() > MAX_TOKEN_LEN {
+        return Err(malformed("the token is too long"));
+    }
+    Ok(token)
 }
 
 fn unix_now() -> u64 {

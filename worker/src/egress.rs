@@ -23,7 +23,7 @@
 //! through the proxy, so every byte that leaves passed [`Policy::check`].
 
 use std::io;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -71,6 +71,11 @@ const SPECIAL_RANGES: &[&str] = &[
     "fec0::/10",
 ];
 
+/// [`SPECIAL_RANGES`], parsed (each is a literal a unit test parses).
+fn special_ranges() -> Vec<IpNet> {
+    SPECIAL_RANGES.iter().filter_map(|r| r.parse().ok()).collect()
+}
+
 /// Why a destination is refused (the `403` body and the metric label: fixed strings, never the destination).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
@@ -98,6 +103,17 @@ pub enum Refusal {
 }
 
 impl Refusal {
+    /// Every rule, in declaration order (the index of [`EgressCounters::refused`]).
+    pub const ALL: [Refusal; 7] = [
+        Refusal::Loopback,
+        Refusal::LinkLocal,
+        Refusal::Multicast,
+        Refusal::WorkerAddress,
+        Refusal::Denied,
+        Refusal::Private,
+        Refusal::Port,
+    ];
+
     /// The metric label.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -141,7 +157,7 @@ impl Policy {
             tools: config.tools.clone(),
             allow: config.allow_cidrs.iter().map(IpNet::trunc).collect(),
             deny: config.deny_cidrs.iter().map(IpNet::trunc).collect(),
-            special: SPECIAL_RANGES.iter().filter_map(|r| r.parse().ok()).collect(),
+            special: special_ranges(),
             ports: config.ports.clone(),
             max_connections: config.max_connections,
         })
@@ -198,12 +214,7 @@ fn link_local(ip: IpAddr) -> bool {
 /// Whether `ip` is one of this host's own addresses: the kernel lets a socket bind only those (no
 /// `IP_FREEBIND` here), so one bind answers for every interface, including ones added after start.
 fn is_local(ip: IpAddr) -> bool {
-    let probe = match ip {
-        IpAddr::V4(_) => std::net::UdpSocket::bind(SocketAddr::new(ip, 0)),
-        IpAddr::V6(v6) if v6 == Ipv6Addr::UNSPECIFIED => return true,
-        IpAddr::V6(_) => std::net::UdpSocket::bind(SocketAddr::new(ip, 0)),
-    };
-    match probe {
+    match std::net::UdpSocket::bind(SocketAddr::new(ip, 0)) {
         Ok(_) => true,
         // Not an address of this host (EADDRNOTAVAIL); anything else (out of fds, …): refuse to be safe.
         Err(e) => e.raw_os_error() != Some(libc::EADDRNOTAVAIL),
@@ -215,8 +226,8 @@ fn is_local(ip: IpAddr) -> bool {
 pub struct EgressCounters {
     /// Connections made to an allowed destination.
     pub connected: AtomicU64,
-    /// Refused by the policy, by [`Refusal`] in declaration order.
-    pub refused: [AtomicU64; 7],
+    /// Refused by the policy, indexed as [`Refusal::ALL`].
+    pub refused: [AtomicU64; Refusal::ALL.len()],
     /// Allowed, but the destination could not be reached (or not in time).
     pub failed: AtomicU64,
     /// Requests the proxy could not read (malformed, too large, too slow).
@@ -225,33 +236,12 @@ pub struct EgressCounters {
 
 impl EgressCounters {
     fn refused(&self, r: Refusal) {
-        let i = match r {
-            Refusal::Loopback => 0,
-            Refusal::LinkLocal => 1,
-            Refusal::Multicast => 2,
-            Refusal::WorkerAddress => 3,
-            Refusal::Denied => 4,
-            Refusal::Private => 5,
-            Refusal::Port => 6,
-        };
-        self.refused[i].fetch_add(1, Ordering::Relaxed);
+        self.refused[r as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Refusals by label, for the metrics.
-    pub fn refusals(&self) -> [(&'static str, u64); 7] {
-        [
-            Refusal::Loopback,
-            Refusal::LinkLocal,
-            Refusal::Multicast,
-            Refusal::WorkerAddress,
-            Refusal::Denied,
-            Refusal::Private,
-            Refusal::Port,
-        ]
-        .map(|r| {
-            let i = r as usize;
-            (r.as_str(), self.refused[i].load(Ordering::Relaxed))
-        })
+    pub fn refusals(&self) -> [(&'static str, u64); Refusal::ALL.len()] {
+        Refusal::ALL.map(|r| (r.as_str(), self.refused[r as usize].load(Ordering::Relaxed)))
     }
 }
 
@@ -647,6 +637,14 @@ mod tests {
             parse_head(b"\x00\x01 nonsense\r\n\r\n"),
             Err(BadRequest::Malformed)
         ));
+    }
+
+    #[test]
+    fn every_special_range_parses_and_rules_index_their_counters() {
+        assert_eq!(special_ranges().len(), SPECIAL_RANGES.len());
+        for (i, r) in Refusal::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, i);
+        }
     }
 
     #[test]

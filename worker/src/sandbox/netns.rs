@@ -40,11 +40,6 @@ impl Drop for NetNs {
 }
 
 impl NetNs {
-    /// Whether an egress proxy serves in it.
-    pub(crate) fn has_proxy(&self) -> bool {
-        self.proxy.is_some()
-    }
-
     /// A new namespace whose `127.0.0.1:port` is served by `serve` (given the listener) on the current tokio
     /// runtime. Fails without a runtime, or without `CAP_SYS_ADMIN` / `CAP_NET_ADMIN`.
     pub(crate) fn egress<F, Fut>(port: u16, serve: F) -> io::Result<NetNs>

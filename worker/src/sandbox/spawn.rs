@@ -126,15 +126,6 @@ impl SpawnPlan {
         self
     }
 
-    /// Whether the plugin gets egress through the worker's proxy.
-    pub fn has_egress(&self) -> bool {
-        self.confine
-            .as_ref()
-            .and_then(|c| c.namespaces.as_ref())
-            .and_then(|n| n.join_net.as_ref())
-            .is_some_and(|net| net.has_proxy())
-    }
-
     /// Whether the plan confines the plugin (namespaces or seccomp).
     pub fn is_confined(&self) -> bool {
         self.confine.is_some()
