@@ -55,6 +55,26 @@ async fn v2_handshake_and_the_manifest_is_cached_for_the_process_life() {
     w.pool.shutdown().await;
 }
 
+/// `describe` is written right behind `initialize` (one round trip): a plugin that answers `initialize` only once
+/// `describe` has arrived still negotiates v2. A host that waited for the answer first would time `initialize`
+/// out after 5 s and fall back to v1.
+#[tokio::test]
+async fn describe_is_written_behind_initialize_without_waiting_for_its_answer() {
+    let w = TestWorker::start(
+        test_config("pipelined"),
+        &[Plugin::echo("echo", &["--initialize", "after-describe"])],
+    );
+    let s = w.pool.prewarm("alice", "echo", GUARD).await.unwrap();
+    assert_eq!(s.protocol(), Some(ProtocolVersion::V2));
+    assert_eq!(WorkerMetrics::get(&w.metrics.v1_fallbacks), 0);
+    let info = data(&w, "alice", "echo", "inspect", json!({})).await;
+    assert_eq!(
+        (info["initialize_calls"].as_u64(), info["describe_calls"].as_u64()),
+        (Some(1), Some(1))
+    );
+    w.pool.shutdown().await;
+}
+
 async fn assert_v1(flags: &[&str], name: &str) {
     let w = TestWorker::start(test_config(name), &[Plugin::echo("echo", flags)]);
     let s = w.pool.prewarm("alice", "echo", GUARD).await.unwrap();

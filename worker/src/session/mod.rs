@@ -933,7 +933,12 @@ async fn start(inner: &Arc<Inner>) -> Result<Arc<Process>, StartError> {
         capabilities: shared.services.offer(),
         host_capabilities: object(json!({ "llm.sample": true })),
     };
-    let (id, rx) = process
+    // `describe` is written right behind `initialize`, without waiting for its answer: a plugin reads its
+    // stdin in order, so it still sees `initialize` first and `describe` second (§3.1, §16 A-6), and the
+    // handshake costs one round trip instead of two. A v1 plugin answers `initialize` with "method not
+    // found" and then `describe` as before. `describe`'s timeout runs from `initialize`'s outcome, as if it
+    // had been sent then.
+    let (init_id, init_rx) = process
         .child
         .request(methods::INITIALIZE, Some(offer))
         .await
@@ -941,7 +946,15 @@ async fn start(inner: &Arc<Inner>) -> Result<Arc<Process>, StartError> {
             Failure::Exited(info) => exited("initialize", info),
             other => StartError::Transient(format!("{other:?}")),
         })?;
-    let (protocol, negotiated) = match tokio::time::timeout(limits::INITIALIZE_TIMEOUT, rx).await {
+    let (describe_id, describe_rx) = process
+        .child
+        .request::<Value>(methods::DESCRIBE, None)
+        .await
+        .map_err(|f| match f {
+            Failure::Exited(info) => exited("describe", info),
+            other => StartError::Transient(format!("{other:?}")),
+        })?;
+    let (protocol, negotiated) = match tokio::time::timeout(limits::INITIALIZE_TIMEOUT, init_rx).await {
         Ok(Ok(Ok(frame))) if frame.kind() == FrameKind::Response => {
             match frame.parse_payload::<InitializeResult>() {
                 Ok(Some(r)) if r.protocol() == ProtocolVersion::V2 => (ProtocolVersion::V2, r.negotiated()),
@@ -952,7 +965,7 @@ async fn start(inner: &Arc<Inner>) -> Result<Arc<Process>, StartError> {
         Ok(Ok(Err(Failure::Exited(info)))) => return Err(exited("initialize", info)),
         Ok(Ok(Err(_))) | Ok(Err(_)) => (ProtocolVersion::V1, BTreeSet::new()),
         Err(_) => {
-            process.child.abandon(id);
+            process.child.abandon(init_id);
             (ProtocolVersion::V1, BTreeSet::new())
         }
     };
@@ -966,15 +979,7 @@ async fn start(inner: &Arc<Inner>) -> Result<Arc<Process>, StartError> {
     } else {
         limits::DESCRIBE_TIMEOUT
     };
-    let (id, rx) = process
-        .child
-        .request::<Value>(methods::DESCRIBE, None)
-        .await
-        .map_err(|f| match f {
-            Failure::Exited(info) => exited("describe", info),
-            other => StartError::Transient(format!("{other:?}")),
-        })?;
-    let frame = match tokio::time::timeout(describe_timeout, rx).await {
+    let frame = match tokio::time::timeout(describe_timeout, describe_rx).await {
         Ok(Ok(Ok(frame))) => frame,
         Ok(Ok(Err(Failure::Exited(info)))) => return Err(exited("describe", info)),
         Ok(Ok(Err(other))) => {
@@ -983,7 +988,7 @@ async fn start(inner: &Arc<Inner>) -> Result<Arc<Process>, StartError> {
         }
         Ok(Err(_)) => return Err(StartError::Transient("describe: the process went away".into())),
         Err(_) => {
-            process.child.abandon(id);
+            process.child.abandon(describe_id);
             process.child.kill_tree().await;
             return Err(StartError::Transient(format!(
                 "describe timed out after {describe_timeout:?}"

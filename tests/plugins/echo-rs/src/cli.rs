@@ -15,6 +15,9 @@ pub(crate) enum InitMode {
     Hang,
     /// A v2-shaped reply whose `protocolVersion` is "1.1".
     V1Version,
+    /// The normal v2 reply, but only once the next request (`describe`) has arrived: a host that waits for
+    /// the answer before it writes `describe` times `initialize` out and falls back to v1.
+    AfterDescribe,
 }
 
 /// The shape of the `describe` result.
@@ -174,6 +177,7 @@ pub(crate) fn parse(args: impl IntoIterator<Item = String>) -> Result<Mode, CliE
                     "error" => InitMode::Error,
                     "hang" => InitMode::Hang,
                     "v1-version" => InitMode::V1Version,
+                    "after-describe" => InitMode::AfterDescribe,
                     other => return Err(err(format!("--initialize: unknown mode {other:?}"))),
                 }
             }

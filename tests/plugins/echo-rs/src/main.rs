@@ -69,6 +69,8 @@ pub(crate) struct Shared {
     pub(crate) initialize_calls: AtomicU64,
     /// How many `describe` requests this process has received.
     pub(crate) describe_calls: AtomicU64,
+    /// The id of an `initialize` held until `describe` arrives (`--initialize after-describe`).
+    held_initialize: Mutex<Option<Value>>,
     /// Keep running after stdin EOF.
     ignore_eof: AtomicBool,
     /// Requests being served on their own threads (invoke, describe); stdin EOF waits for them.
@@ -91,6 +93,7 @@ impl Shared {
             next_file: AtomicU64::new(0),
             initialize_calls: AtomicU64::new(0),
             describe_calls: AtomicU64::new(0),
+            held_initialize: Mutex::new(None),
             sigterm: OnceLock::new(),
         }
     }
@@ -378,6 +381,10 @@ fn dispatch(shared: &Arc<Shared>, id: &Value, method: &str, params: Value) {
         }
         "describe" => {
             shared.describe_calls.fetch_add(1, Ordering::SeqCst);
+            let held = lock(&shared.held_initialize).take();
+            if let Some(init_id) = held {
+                answer_initialize(shared, &init_id, "2.0");
+            }
             let s = Arc::clone(shared);
             let id2 = id.clone();
             let guard = shared.begin_request();
@@ -462,9 +469,19 @@ fn initialize(shared: &Shared, id: &Value) {
             eprintln!("fleet-echo-plugin: initialize left unanswered (--initialize hang)");
             return;
         }
+        InitMode::AfterDescribe => {
+            *lock(&shared.held_initialize) = Some(id.clone());
+            return;
+        }
         InitMode::V2 => "2.0",
         InitMode::V1Version => "1.1",
     };
+    answer_initialize(shared, id, version);
+}
+
+/// The v2-shaped `initialize` reply with `protocolVersion` = `version`.
+fn answer_initialize(shared: &Shared, id: &Value, version: &str) {
+    let cfg = &shared.cfg;
     let client_caps: Map<String, Value> = cfg.capabilities.iter().map(|c| (c.clone(), json!({}))).collect();
     let info_key = if cfg.server_info_snake {
         "server_info"
