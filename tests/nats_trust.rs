@@ -593,27 +593,29 @@ fn a_plugin_dialling_nats_hears_nothing_with_isolation_none() {
     hostile_plugin_hears_nothing(Some("none"));
 }
 
-/// The README's permission table is the code's (`fleet::nats_auth::permissions::markdown_table`).
+/// The operator guide's permission table (`docs/operations.md`) is the code's
+/// (`fleet::nats_auth::permissions::markdown_table`).
 #[test]
-fn the_readme_permission_table_is_the_one_enforced() {
-    let readme = std::fs::read_to_string(workspace_root().join("README.md")).unwrap();
+fn the_documented_permission_table_is_the_one_enforced() {
+    let path = workspace_root().join("docs").join("operations.md");
+    let doc = std::fs::read_to_string(&path).unwrap();
     let begin = "<!-- nats-permissions:begin -->\n";
     let end = "<!-- nats-permissions:end -->";
-    let start = readme
+    let start = doc
         .find(begin)
-        .expect("README has the permission table markers")
+        .expect("docs/operations.md has the permission table markers")
         + begin.len();
-    let stop = readme[start..].find(end).expect("end marker") + start;
+    let stop = doc[start..].find(end).expect("end marker") + start;
     let table = permissions::markdown_table(permissions::DEFAULT_PREFIX);
     if std::env::var_os("FLEET_WRITE_README_TABLE").is_some() {
-        let mut updated = readme.clone();
+        let mut updated = doc.clone();
         updated.replace_range(start..stop, &table);
-        std::fs::write(workspace_root().join("README.md"), updated).unwrap();
+        std::fs::write(&path, updated).unwrap();
     }
     assert_eq!(
-        &readme[start..stop],
+        &doc[start..stop],
         table,
-        "README.md's NATS permission table differs from the code; regenerate it with FLEET_WRITE_README_TABLE=1"
+        "docs/operations.md's NATS permission table differs from the code; regenerate it with FLEET_WRITE_README_TABLE=1"
     );
 }
 

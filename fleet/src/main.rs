@@ -12,6 +12,9 @@ use clap::{Parser, Subcommand};
 use fleet_proto::api::methods;
 use serde_json::{Map, Value, json};
 
+#[cfg(test)]
+mod docs_reference;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "fleet",

@@ -1,9 +1,10 @@
 //! The fleet's Prometheus metrics (prometheus-client): one registry per process, rendered on `/metrics` in the
 //! Prometheus text format 0.0.4 (what `promtool check metrics` lints and every Prometheus scrapes).
 //!
-//! This module owns every metric name (prefix `cloud_agents_`); the README's "Metrics" section lists them. The
-//! front, the worker nodes and the sweeper call the recording methods; the worker's hot-path counters stay plain
-//! atomics ([`WorkerMetrics`]) and are read at scrape time by a collector over the registered pools.
+//! This module owns every metric name (prefix `cloud_agents_`); the "Metrics" section of docs/operations.md
+//! lists them. The front, the worker nodes and the sweeper call the recording methods; the worker's hot-path
+//! counters stay plain atomics ([`WorkerMetrics`]) and are read at scrape time by a collector over the
+//! registered pools.
 //!
 //! Cardinality is bounded by construction: labels are API method names (a fixed list, anything else is
 //! `other`), error codes (a fixed enum), job states, catalogue tool ids (only for executions a worker accepted,

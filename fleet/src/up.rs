@@ -23,7 +23,7 @@ use crate::nats_server::{NatsServer, free_port};
 use crate::node::WorkerNode;
 use crate::store::{Provision, Store, StoreSettings};
 
-/// `fleet up`'s flags (this exact interface: scripts and the README use it).
+/// `fleet up`'s flags (this exact interface: scripts, the README and docs/ use it).
 #[derive(Debug, Clone, clap::Args)]
 pub struct UpArgs {
     /// On Ctrl-C/SIGTERM, how long the in-process workers let in-flight invokes and running jobs finish after

@@ -1,7 +1,7 @@
 //! Least privilege per role: which subjects each of the fleet's NATS users may publish and subscribe to, and
 //! which JetStream resources it may create, write or only read. This table is the only place they are decided;
-//! the README's permission table is generated from it (see `tests/nats_permissions.rs`, which also tries every
-//! refusal against a real server).
+//! the permission table of `docs/operations.md` is generated from it (see `tests/nats_permissions.rs`, which also
+//! tries every refusal against a real server).
 //!
 //! JetStream access is granted per stream through the subjects of JetStream's API (`$JS.API.STREAM.INFO.<S>`,
 //! `$JS.API.CONSUMER.CREATE.<S>.>`, …) and of the data (`$KV.<bucket>.>`, `$O.<bucket>.>`). NATS cannot narrow
@@ -351,9 +351,9 @@ pub fn default_for_role(role: Role) -> Permissions {
     for_role(role, DEFAULT_PREFIX)
 }
 
-/// The README's permission table: per role, the core subjects it may publish and subscribe to (JetStream API
-/// and data subjects summarised per resource) and its JetStream access. `tests/nats_permissions_doc.rs` keeps
-/// the README equal to it.
+/// The permission table of `docs/operations.md`: per role, the core subjects it may publish and subscribe to
+/// (JetStream API and data subjects summarised per resource) and its JetStream access. `tests/nats_trust.rs`
+/// keeps the document equal to it.
 pub fn markdown_table(prefix: &str) -> String {
     let js_subject = |s: &str| s.starts_with("$JS.") || s.starts_with("$KV.") || s.starts_with("$O.");
     let progress = "*.v1.progress.>".to_owned();

@@ -12,8 +12,8 @@ pub const LINK_KEY_FILE: &str = "link-signing-key";
 /// Flags of the host services (sampling, embeddings, APS storage and files, uploads).
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ServicesArgs {
-    /// TOML file configuring the host services (`public_url`, `[llm]`, `[storage]`; see README "Host
-    /// services"). Without it: storage, files and uploads on JetStream, no LLM upstream (sampling and
+    /// TOML file configuring the host services (`public_url`, `[llm]`, `[storage]`; see
+    /// docs/configuration.md). Without it: storage, files and uploads on JetStream, no LLM upstream (sampling and
     /// embeddings not offered).
     #[arg(long, env = "FLEET_SERVICES_CONFIG")]
     pub services_config: Option<PathBuf>,

@@ -1582,7 +1582,7 @@ mod tests {
         assert!(!only_default.embeddings_enabled());
     }
 
-    /// The example of the README's "Sampling and embeddings" section.
+    /// The example of the "Sampling and embeddings" section of docs/plugins.md.
     #[test]
     fn the_readme_example_parses() {
         #[derive(serde::Deserialize)]

@@ -14,7 +14,7 @@
 //! * **forgetting** (invoke end): the budget and every trace of the tokens are dropped (spec §11 HR-JW-01).
 //!
 //! Families not offered here (`image/*`, `agent/*`, `web/*`, `credentials/*`) answer their not-granted code
-//! (README "Host services": not offered).
+//! (docs/plugins.md "Host services": not offered).
 
 pub mod args;
 pub mod budget;

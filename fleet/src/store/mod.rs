@@ -2,7 +2,7 @@
 //! progress rings, and the worker registry. The front is stateless; any replica can serve any call, and every
 //! write that decides something (admission, a state transition) is a compare-and-set on a KV revision.
 //!
-//! Resources and their settings: [`settings`] (one place; see also README "State in JetStream").
+//! Resources and their settings: [`settings`] (one place; see also docs/operations.md "State in JetStream").
 //!
 //! Keys:
 //! * jobs: `<user_key>.<job_id>` — the user is part of the key, so reading another user's job is simply "absent"

@@ -13,8 +13,8 @@
 //! Classification needs the top-level members only. serde_json's borrowed `RawValue` skips the payload in one
 //! validating pass with no allocation and lets us keep byte ranges into the original buffer. simd-json must
 //! build a tape of the whole document, and its in-place parser rewrites escaped strings in the buffer, which
-//! would break zero-copy forwarding. `benches/frame_parse.rs` measures both on the same corpus; see the README's
-//! benchmark section for the figures that decided this.
+//! would break zero-copy forwarding. `benches/frame_parse.rs` measures both on the same corpus; see
+//! docs/performance.md for the figures that decided this.
 
 mod frame;
 mod sniff;
