@@ -12,11 +12,11 @@ use std::time::Duration;
 
 use fleet::nats_server::NatsServer;
 use fleet_e2e::worker::{Plugin, TestWorker, alive, call, eventually, req, test_config};
-use fleet_e2e::workspace_root;
+use fleet_e2e::{echo_plugin_bin, workspace_root};
 use fleet_worker::catalogue::{Catalogue, LoadOptions};
 use fleet_worker::config::{ResourceLimits, UserLimits, WorkerConfig};
 use fleet_worker::metrics::WorkerMetrics;
-use fleet_worker::pool::Pool;
+use fleet_worker::pool::{Pool, PoolError};
 use fleet_worker::sandbox::Sandbox;
 use fleet_worker::services::{NoServices, NoTokens};
 use fleet_worker::session::{InvokeError, WorkerContext};
@@ -84,11 +84,32 @@ fn hostile_worker_with(name: &str, layout: Layout, configure: impl FnOnce(&mut W
         std::fs::copy(python_dir().join(f), shared.join(f)).unwrap();
     }
     std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let entries = entries.into_iter().chain([(
-        "rel-probe",
-        json!([PYTHON, "../shared/echo_plugin.py", "--hostile"]),
-        json!({}),
-    )]);
+    // A native plugin behind a script whose interpreter (a copy of /bin/sh, not part of the install's
+    // fingerprint) a test removes once the install is detected: the kernel then cannot execute it.
+    let vanish = catalogue.join("noexec");
+    std::fs::create_dir_all(&vanish).unwrap();
+    std::fs::copy("/bin/sh", vanish.join("interp")).unwrap();
+    let script = format!(
+        "#!{}\nexec {} \"$@\"\n",
+        vanish.join("interp").display(),
+        echo_plugin_bin().display()
+    );
+    std::fs::write(vanish.join("plugin"), script).unwrap();
+    for f in ["interp", "plugin"] {
+        std::fs::set_permissions(vanish.join(f), std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let entries = entries.into_iter().chain([
+        (
+            "rel-probe",
+            json!([PYTHON, "../shared/echo_plugin.py", "--hostile"]),
+            json!({}),
+        ),
+        (
+            "noexec",
+            json!([vanish.join("plugin").display().to_string()]),
+            json!({}),
+        ),
+    ]);
     for (id, command, extra) in entries {
         let d = catalogue.join(id);
         std::fs::create_dir_all(&d).unwrap();
@@ -156,9 +177,24 @@ fn host_address() -> Option<String> {
         .map(str::to_owned)
 }
 
-/// The attacks both dialects must lose.
-async fn both_dialects_lose(tool_id: &str, layout: Layout) {
-    let w = hostile_worker(&tool_id[..4], layout);
+/// How the attacking plugin's process is started.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Start {
+    /// From a waiting sandbox stub (the worker's fast path: `confinement.stub_pool`).
+    Stub,
+    /// Spawned directly by the worker (`confinement.stub_pool = 0`, or no stub waiting).
+    Direct,
+}
+
+/// The attacks both dialects must lose, whichever way the plugin was started.
+async fn both_dialects_lose(tool_id: &str, layout: Layout, start: Start) {
+    let w = hostile_worker_with(&tool_id[..4], layout, |c| {
+        if start == Start::Direct {
+            c.confinement.stub_pool = 0;
+        }
+    });
+    assert_eq!(w.sandbox.stubs_enabled(), start == Start::Stub);
+    w.sandbox.start_stubs();
     let nats_dir = tempfile::tempdir().unwrap();
     let nats = NatsServer::start(nats_dir.path()).expect("nats-server (run scripts/test.sh once)");
     let nats_target = format!("127.0.0.1:{}", nats.port());
@@ -183,6 +219,13 @@ async fn both_dialects_lose(tool_id: &str, layout: Layout) {
     std::fs::write(sibling_tmp.join("secret"), "sibling's").unwrap();
     let marker = PathBuf::from(format!("/tmp/fleet-confine-marker-{}", std::process::id()));
     std::fs::write(&marker, "host /tmp").unwrap();
+    if start == Start::Stub {
+        assert!(
+            eventually(GUARD, || w.sandbox.stubs_ready() > 0).await,
+            "no sandbox stub became ready"
+        );
+    }
+    let claims = w.sandbox.stub_claims();
 
     let report = probe(
         &w,
@@ -197,6 +240,9 @@ async fn both_dialects_lose(tool_id: &str, layout: Layout) {
     )
     .await;
     let _ = std::fs::remove_file(&marker);
+    // The attacker was started the way the test says.
+    let expected = claims + u64::from(start == Start::Stub);
+    assert_eq!(w.sandbox.stub_claims(), expected, "{start:?}");
 
     // Network: only its own loopback. NATS's port there is nobody's; everything else has no route.
     assert_eq!(report["connect"][&nats_target], "ECONNREFUSED", "{report}");
@@ -262,22 +308,34 @@ async fn both_dialects_lose(tool_id: &str, layout: Layout) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_executa_plugin_reaches_nothing_outside_its_sandbox() {
-    both_dialects_lose("exec-probe", Layout::OutsideTmp).await;
+    both_dialects_lose("exec-probe", Layout::OutsideTmp, Start::Stub).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_animus_plugin_reaches_nothing_outside_its_sandbox() {
-    both_dialects_lose("animus-probe", Layout::OutsideTmp).await;
+    both_dialects_lose("animus-probe", Layout::OutsideTmp, Start::Stub).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_executa_plugin_installed_under_tmp_reaches_nothing_outside_its_sandbox() {
-    both_dialects_lose("exec-probe", Layout::UnderTmp).await;
+    both_dialects_lose("exec-probe", Layout::UnderTmp, Start::Stub).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_animus_plugin_installed_under_tmp_reaches_nothing_outside_its_sandbox() {
-    both_dialects_lose("animus-probe", Layout::UnderTmp).await;
+    both_dialects_lose("animus-probe", Layout::UnderTmp, Start::Stub).await;
+}
+
+/// The same attacks against plugins the worker spawned itself (no stub): the direct path confines exactly as
+/// the stubs do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directly_spawned_executa_plugin_reaches_nothing_outside_its_sandbox() {
+    both_dialects_lose("exec-probe", Layout::OutsideTmp, Start::Direct).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directly_spawned_animus_plugin_installed_under_tmp_reaches_nothing_outside_its_sandbox() {
+    both_dialects_lose("animus-probe", Layout::UnderTmp, Start::Direct).await;
 }
 
 /// A command naming its script relative to the install directory starts in its sandbox wherever the
@@ -614,12 +672,18 @@ async fn fleet_probe_runs_the_plugin_confined() {
     assert_eq!(data["unshare_newuser"], "EPERM", "{data}");
 }
 
-/// Network namespaces made ahead of need (`confinement.netns_pool`) go to one session each: no two plugins —
-/// of one user or of two, taken from the pool or made at spawn once it is empty — ever share a loopback.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_session_has_a_network_namespace_of_its_own() {
-    let mut config: WorkerConfig = test_config("netns");
-    config.confinement.netns_pool = 2;
+/// Network namespaces made ahead of need go to one session each: no two plugins — of one user or of two, made
+/// ahead (a pooled namespace, `confinement.netns_pool`, or a sandbox stub's, `confinement.stub_pool`) or at
+/// spawn once none waits — ever share a loopback.
+async fn every_session_has_a_network_namespace_of_its_own(start: Start) {
+    let mut config: WorkerConfig = test_config(&format!("netns-{start:?}"));
+    match start {
+        Start::Direct => {
+            config.confinement.stub_pool = 0;
+            config.confinement.netns_pool = 2;
+        }
+        Start::Stub => config.confinement.stub_pool = 2,
+    }
     let plugins = [
         Plugin::echo("n1", &[]),
         Plugin::echo("n2", &[]),
@@ -628,10 +692,12 @@ async fn every_session_has_a_network_namespace_of_its_own() {
     let w = TestWorker::start(config, &plugins);
     let ns_of = |pid: u32| std::fs::read_link(format!("/proc/{pid}/ns/net")).unwrap();
     let worker_ns = ns_of(std::process::id());
-    assert!(
-        eventually(GUARD, || w.sandbox.netns_pool_ready() == 2).await,
-        "the pool fills up"
-    );
+    w.sandbox.start_stubs();
+    let ready = || match start {
+        Start::Direct => w.sandbox.netns_pool_ready() == 2,
+        Start::Stub => w.sandbox.stubs_ready() == 2,
+    };
+    assert!(eventually(GUARD, ready).await, "the pool fills up");
     // More sessions than the pool holds, so some namespaces come from it and some are made at spawn.
     let mut seen = std::collections::HashSet::new();
     for user in ["alice", "bob"] {
@@ -643,7 +709,11 @@ async fn every_session_has_a_network_namespace_of_its_own() {
         }
     }
     assert_eq!(seen.len(), 6);
-    // A restarted process of a session joins that session's namespace again, never another's.
+    if start == Start::Stub {
+        assert!(w.sandbox.stub_claims() >= 2, "the waiting stubs were used");
+    }
+    // A restarted process of a session never joins another session's namespace: with a pooled namespace it
+    // joins its session's own again; a stub's namespace is the stub's, so a restart gets a new one.
     let s = w.pool.prewarm("alice", "n1", GUARD).await.unwrap();
     let before = ns_of(s.pid().unwrap());
     let pid = s.pid().unwrap();
@@ -653,6 +723,78 @@ async fn every_session_has_a_network_namespace_of_its_own() {
     ));
     let again = w.pool.prewarm("alice", "n1", GUARD).await.unwrap();
     assert!(eventually(GUARD, || again.pid().is_some_and(|p| p != pid)).await);
-    assert_eq!(ns_of(again.pid().unwrap()), before);
+    let after = ns_of(again.pid().unwrap());
+    match start {
+        Start::Direct => assert_eq!(after, before),
+        Start::Stub => {
+            assert_ne!(after, worker_ns);
+            assert!(seen.insert(after.clone()), "the restart shares {after:?}");
+        }
+    }
+    w.pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_session_has_a_network_namespace_of_its_own_from_the_netns_pool() {
+    every_session_has_a_network_namespace_of_its_own(Start::Direct).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_session_has_a_network_namespace_of_its_own_from_sandbox_stubs() {
+    every_session_has_a_network_namespace_of_its_own(Start::Stub).await;
+}
+
+/// A plugin the kernel can no longer execute (its script's interpreter went away after the install was
+/// detected): the next session's start fails at once with the `exec`'s own error, as a stopped session (no
+/// restarts), whether a stub or the worker ran the `exec`.
+async fn an_unexecutable_program_fails_the_start(start: Start) {
+    let w = hostile_worker_with("noexec", Layout::OutsideTmp, |c| {
+        if start == Start::Direct {
+            c.confinement.stub_pool = 0;
+        }
+    });
+    w.sandbox.start_stubs();
+    w.pool.prewarm("erin", "noexec", GUARD).await.unwrap();
+    std::fs::remove_file(w._root.path().join("catalogue/noexec/interp")).unwrap();
+    if start == Start::Stub {
+        assert!(eventually(GUARD, || w.sandbox.stubs_ready() > 0).await);
+    }
+    let claims = w.sandbox.stub_claims();
+    match w.pool.prewarm("frank", "noexec", GUARD).await {
+        Err(PoolError::Invoke(InvokeError::Stopped(msg))) => {
+            assert!(msg.contains("No such file or directory"), "{msg}");
+            assert!(msg.contains("noexec/plugin"), "{msg}");
+        }
+        other => panic!("expected a stopped session, got {other:?}"),
+    }
+    assert_eq!(w.sandbox.stub_claims(), claims + u64::from(start == Start::Stub));
+    // The next session of another plugin still starts.
+    let s = w.pool.prewarm("erin", "sibling", GUARD).await.unwrap();
+    assert!(s.pid().is_some());
+    w.pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unexecutable_program_fails_the_start_from_a_stub() {
+    an_unexecutable_program_fails_the_start(Start::Stub).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unexecutable_program_fails_the_start_of_a_direct_spawn() {
+    an_unexecutable_program_fails_the_start(Start::Direct).await;
+}
+
+/// A stub program that is not one (it exits before it is ready): the worker gives the stubs up, logs it, and
+/// spawns every plugin itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_stub_program_falls_back_to_direct_spawns() {
+    let w = hostile_worker_with("badstub", Layout::OutsideTmp, |c| {
+        c.sandbox_stub = Some(PathBuf::from("/bin/true"));
+    });
+    w.sandbox.start_stubs();
+    assert!(eventually(GUARD, || !w.sandbox.stubs_enabled()).await);
+    let report = probe(&w, "frank", "exec-probe", json!({})).await;
+    assert_eq!(report["proc_foreign"], 0, "{report}");
+    assert_eq!(w.sandbox.stub_claims(), 0);
     w.pool.shutdown().await;
 }

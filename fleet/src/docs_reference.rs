@@ -325,7 +325,13 @@ const WORKER_KEYS: &[(&str, &str)] = &[
     (
         "confinement.netns_pool",
         "Empty network namespaces made ahead of need by a background thread, one per new session (0: each spawn \
-         makes its own).",
+         makes its own). Used only when sandbox stubs are off.",
+    ),
+    (
+        "confinement.stub_pool",
+        "Sandbox stubs kept ready: processes already in their own namespaces with a private `/proc` and `/tmp`, \
+         each waiting to become one new session's plugin (cgroup, ids, seccomp, exec); they take the worker's fork \
+         and the namespace work off a cold start (0: every plugin is spawned directly).",
     ),
     (
         "user_limits.memory_bytes",

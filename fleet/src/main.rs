@@ -8,6 +8,8 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
+use std::io::Write as _;
+
 use clap::{Parser, Subcommand};
 use fleet_proto::api::methods;
 use serde_json::{Map, Value, json};
@@ -190,8 +192,20 @@ enum JobCmd {
     },
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    // A sandbox stub (the worker starts this binary as one) runs single-threaded and never returns: before
+    // anything else, in particular before the runtime's threads exist.
+    fleet_worker::sandbox::run_if_stub();
+    match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt.block_on(run()),
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "fleet: cannot start the async runtime: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> ExitCode {
     let cli = Cli::parse();
     // Services log at info; client commands only warn (their stdout is the JSON answer, stderr one error line). Services export traces
     // when an OTLP endpoint is configured.

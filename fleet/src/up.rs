@@ -325,6 +325,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             state_dir: data_dir.join("state"),
             isolation,
             run_as: if root { RunAs::default() } else { RunAs::Inherit },
+            sandbox_stub: Some(crate::worker_cmd::STUB_PROGRAM.into()),
             ..WorkerConfig::default()
         };
         let (catalogue, problems) = Catalogue::load(&config.catalogue_dir, &LoadOptions::from_env())
@@ -350,6 +351,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             ))
         })?;
         let _ = sandbox.sweep_stale();
+        sandbox.start_stubs();
         let ctx = WorkerContext {
             config: Arc::new(config.clone()),
             sandbox: sandbox.clone(),

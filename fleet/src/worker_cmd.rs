@@ -101,6 +101,10 @@ pub enum WorkerCmdError {
     Signals(std::io::Error),
 }
 
+/// The sandbox stubs' program: this binary (its `main` runs `fleet_worker::sandbox::run_if_stub` first). The
+/// spawning child resolves it, so it is the worker's own binary even if the file was replaced since.
+pub const STUB_PROGRAM: &str = "/proc/self/exe";
+
 /// Builds the config from the file and flags.
 pub fn config(args: &WorkerArgs) -> Result<WorkerConfig, WorkerCmdError> {
     let mut config = match &args.config {
@@ -116,6 +120,7 @@ pub fn config(args: &WorkerArgs) -> Result<WorkerConfig, WorkerCmdError> {
         }
         None => WorkerConfig::default(),
     };
+    config.sandbox_stub = Some(STUB_PROGRAM.into());
     if let Some(v) = &args.worker_id {
         config.worker_id.clone_from(v);
     }
@@ -182,6 +187,7 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
     }
     let sandbox = Sandbox::new(&config)?;
     let swept = sandbox.sweep_stale()?;
+    sandbox.start_stubs();
     emit(
         &json!({ "swept": { "cgroups_removed": swept.cgroups_removed, "processes_killed": swept.processes_killed },
                   "isolation": sandbox.mode(), "plugins": catalogue.len(), "problems": problems.len() }),

@@ -49,47 +49,78 @@ pub fn profile_dir() -> PathBuf {
 pub fn echo_plugin_bin() -> PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
-        let profile = profile_dir();
-        let bin = profile.join(format!("fleet-echo-plugin{}", std::env::consts::EXE_SUFFIX));
-        if bin.is_file() && !is_stale(&bin) {
-            return bin;
-        }
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let mut cmd = Command::new(cargo);
-        cmd.current_dir(workspace_root())
-            .args(["build", "-p", "fleet-echo-plugin"]);
-        // Build into the same target dir and profile as the running tests.
-        if let Some(target) = profile.parent() {
-            cmd.env("CARGO_TARGET_DIR", target);
-        }
-        match profile.file_name().and_then(|n| n.to_str()) {
-            Some("debug") | None => {}
-            Some("release") => {
-                cmd.arg("--release");
-            }
-            Some(other) => {
-                cmd.args(["--profile", other]);
-            }
-        }
-        let status = cmd
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run cargo build: {e}"));
-        assert!(
-            status.success(),
-            "cargo build -p fleet-echo-plugin failed: {status}"
-        );
-        assert!(
-            bin.is_file(),
-            "{} is still missing after cargo build",
-            bin.display()
-        );
-        bin
+        built_bin(
+            "fleet-echo-plugin",
+            &["-p", "fleet-echo-plugin"],
+            &["tests/plugins/echo-rs"],
+        )
     })
     .clone()
 }
 
-/// True if a file of the `fleet-echo-plugin` crate is newer than `bin`.
-fn is_stale(bin: &Path) -> bool {
+/// Path of the worker's `fleet-sandbox-stub` binary (the sandbox stubs of a worker embedded in a test), built
+/// like [`echo_plugin_bin`] when missing or older than a file of the worker or proto crates.
+///
+/// # Panics
+/// If the binary is missing and cannot be built.
+pub fn sandbox_stub_bin() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        built_bin(
+            "fleet-sandbox-stub",
+            &["-p", "fleet-worker", "--bin", "fleet-sandbox-stub"],
+            &["worker/src", "proto/src"],
+        )
+    })
+    .clone()
+}
+
+/// `<profile>/<name>`, (re)built with `cargo build <args>` in the tests' target dir and profile when missing or
+/// older than a file under one of `sources` (relative to the workspace root).
+fn built_bin(name: &str, args: &[&str], sources: &[&str]) -> PathBuf {
+    let profile = profile_dir();
+    let bin = profile.join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
+    if bin.is_file() && !is_stale(&bin, sources) {
+        return bin;
+    }
+    cargo_build(args);
+    assert!(
+        bin.is_file(),
+        "{} is still missing after cargo build",
+        bin.display()
+    );
+    bin
+}
+
+/// Runs `cargo build <args>` into the tests' own target dir and profile.
+///
+/// # Panics
+/// If cargo cannot run or the build fails.
+pub fn cargo_build(args: &[&str]) {
+    let profile = profile_dir();
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(workspace_root()).arg("build").args(args);
+    if let Some(target) = profile.parent() {
+        cmd.env("CARGO_TARGET_DIR", target);
+    }
+    match profile.file_name().and_then(|n| n.to_str()) {
+        Some("debug") | None => {}
+        Some("release") => {
+            cmd.arg("--release");
+        }
+        Some(other) => {
+            cmd.args(["--profile", other]);
+        }
+    }
+    let status = cmd
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run cargo build: {e}"));
+    assert!(status.success(), "cargo build {args:?} failed: {status}");
+}
+
+/// True if a file under one of `sources` (relative to the workspace root) is newer than `bin`.
+fn is_stale(bin: &Path, sources: &[&str]) -> bool {
     /// The newest modification time of the files under `dir`.
     fn newest(dir: &Path) -> Option<SystemTime> {
         let mut latest = None;
@@ -107,7 +138,10 @@ fn is_stale(bin: &Path) -> bool {
     let Ok(built) = std::fs::metadata(bin).and_then(|m| m.modified()) else {
         return true;
     };
-    newest(&workspace_root().join("tests/plugins/echo-rs")).is_some_and(|src| src > built)
+    sources
+        .iter()
+        .filter_map(|s| newest(&workspace_root().join(s)))
+        .any(|src| src > built)
 }
 
 /// Path of the stdlib-only Python fixture plugin (`python3 <path>` runs it).
@@ -221,6 +255,7 @@ pub mod worker {
             isolation: IsolationMode::Cgroup,
             restart_backoff: Duration::from_millis(50),
             shutdown_grace: Duration::from_secs(2),
+            sandbox_stub: Some(super::sandbox_stub_bin()),
             ..WorkerConfig::default()
         }
     }
@@ -273,6 +308,8 @@ pub mod worker {
                 Catalogue::load(&config.catalogue_dir, &LoadOptions::from_env()).expect("catalogue loads");
             assert!(problems.is_empty(), "catalogue problems: {problems:?}");
             let sandbox = Sandbox::new(&config).expect("sandbox (cgroups as root)");
+            // As a worker does at start (a no-op outside a runtime: the first session starts them then).
+            sandbox.start_stubs();
             let metrics = Arc::new(WorkerMetrics::default());
             let config = Arc::new(config);
             let ctx = WorkerContext {
@@ -589,6 +626,7 @@ pub mod cluster {
                 Catalogue::load(&config.catalogue_dir, &LoadOptions::from_env()).expect("catalogue");
             assert!(problems.is_empty(), "{problems:?}");
             let sandbox = Sandbox::new(&config).expect("sandbox");
+            sandbox.start_stubs();
             let metrics = Arc::new(WorkerMetrics::default());
             let ctx = WorkerContext {
                 config: Arc::new(config.clone()),

@@ -133,8 +133,14 @@ pub struct Confinement {
     /// Size of the private `/tmp` (a tmpfs, charged to the session's memory limit).
     pub tmp_bytes: u64,
     /// Empty network namespaces kept ready for new sessions by a background thread (making one is the largest
-    /// single cost of a confined spawn); 0: each spawn makes its own.
+    /// single cost of a confined spawn); 0: each spawn makes its own. Used only when sandbox stubs are off
+    /// (`stub_pool = 0`, or no stub program): a stub makes its own namespaces ahead of need.
     pub netns_pool: usize,
+    /// Sandbox stubs kept ready for new sessions (`worker/src/sandbox/stub.rs`): processes already in their
+    /// own namespaces with a private `/proc` and `/tmp`, each waiting to become one session's plugin (cgroup,
+    /// ids, seccomp, `exec`). They take the worker's `fork` and the namespace work off a cold start. 0: every
+    /// plugin is spawned directly. Needs a stub program (`fleet` is its own).
+    pub stub_pool: usize,
 }
 
 impl Default for Confinement {
@@ -145,6 +151,7 @@ impl Default for Confinement {
             seccomp_deny: Vec::new(),
             tmp_bytes: 64 * 1024 * 1024,
             netns_pool: 4,
+            stub_pool: 4,
         }
     }
 }
@@ -239,6 +246,12 @@ pub struct WorkerConfig {
     pub workspace: WorkspaceSharing,
     /// Namespaces, private mounts and seccomp for every plugin.
     pub confinement: Confinement,
+    /// The program sandbox stubs run (`confinement.stub_pool`): a binary whose `main` starts with
+    /// `fleet_worker::sandbox::run_if_stub()` — `fleet` itself (`/proc/self/exe`), or this crate's
+    /// `fleet-sandbox-stub`. Set by the binary that embeds the worker, never by configuration files (`None`:
+    /// no stubs).
+    #[serde(skip)]
+    pub sandbox_stub: Option<PathBuf>,
     /// The ceiling on each user's sessions together.
     pub user_limits: UserLimits,
     /// Network egress granted to some plugins.
@@ -292,6 +305,7 @@ impl Default for WorkerConfig {
             user_limits: UserLimits::default(),
             egress: Egress::default(),
             favor_dynmods: true,
+            sandbox_stub: None,
             env_allowlist: ["PATH", "LANG", "LC_ALL", "TZ"]
                 .into_iter()
                 .map(String::from)

@@ -577,7 +577,7 @@ impl AnimusHost {
             *n += 1;
         }
         let started = Instant::now();
-        let process = match AnimusProcess::spawn(&self.inner.ctx, user, install) {
+        let process = match AnimusProcess::spawn(&self.inner.ctx, user, install).await {
             Ok(p) => p,
             Err(e) => {
                 self.dec_live(user);

@@ -105,7 +105,7 @@ pub(crate) enum StartError {
 
 impl AnimusProcess {
     /// Spawns the plugin for `user` into a new sandbox and starts its tasks.
-    pub(crate) fn spawn(
+    pub(crate) async fn spawn(
         ctx: &WorkerContext,
         user: &str,
         install: &Install,
@@ -124,9 +124,10 @@ impl AnimusProcess {
             .map_err(|e| refused(&e))?;
         let sandbox = Arc::new(Sandboxed::new(prepared));
         let env = environment(&ctx.config, install, sandbox.space());
-        let cmd = sandbox.command(&install.argv, &install.dir, env);
         let spawned = ChildProcess::spawn(
-            cmd,
+            &install.argv,
+            &install.dir,
+            env,
             Spawn {
                 tool_id: install.tool_id.clone(),
                 sandbox: sandbox.clone(),
@@ -139,7 +140,8 @@ impl AnimusProcess {
                 },
                 eof_grace: limits::ANIMUS_SHUTDOWN_TIMEOUT,
             },
-        );
+        )
+        .await;
         let (child, tasks) = match spawned {
             Ok(spawned) => spawned,
             Err(e) => {
@@ -470,7 +472,7 @@ mod tests {
         let w = worker("an-exit", |_| {});
         let script = "sleep 600 & echo $! >&2; read -r line; exit 7";
         let install = w.install("an-exit", &["/bin/sh", "-c", script], json!({}));
-        let p = AnimusProcess::spawn(&w.ctx, "alice", &install).unwrap();
+        let p = AnimusProcess::spawn(&w.ctx, "alice", &install).await.unwrap();
         assert!(eventually(|| !p.child.stderr_tail(1).is_empty()).await);
         let grandchild: u32 = p.child.stderr_tail(1).parse().unwrap();
         assert!(alive(grandchild));
@@ -498,7 +500,7 @@ mod tests {
         let w = worker("an-stderr", |_| {});
         let script = format!("{}; exec cat >/dev/null", noisy_stderr());
         let install = w.install("an-stderr", &["/bin/sh", "-c", &script], json!({}));
-        let p = AnimusProcess::spawn(&w.ctx, "alice", &install).unwrap();
+        let p = AnimusProcess::spawn(&w.ctx, "alice", &install).await.unwrap();
         assert!(eventually(|| p.child.stderr_tail(1) == "end").await);
         assert_noisy_stderr_kept_safely(&p.child.stderr_tail(3));
         p.child.kill_tree().await;
@@ -516,7 +518,7 @@ mod tests {
             &["/usr/bin/python3", "-c", "b = bytearray(256 << 20)"],
             json!({ "limits": { "memory_bytes": 64 << 20 } }),
         );
-        let p = AnimusProcess::spawn(&w.ctx, "alice", &install).unwrap();
+        let p = AnimusProcess::spawn(&w.ctx, "alice", &install).await.unwrap();
         let exit = tokio::time::timeout(GUARD, p.child.exited())
             .await
             .expect("exits");
@@ -534,7 +536,7 @@ mod tests {
         let w = worker("an-bytes", |_| {});
         let script = format!("printf '%s\\n' '{FRAME}' 'not json'; exec cat >/dev/null");
         let install = w.install("an-bytes", &["/bin/sh", "-c", &script], json!({}));
-        let p = AnimusProcess::spawn(&w.ctx, "alice", &install).unwrap();
+        let p = AnimusProcess::spawn(&w.ctx, "alice", &install).await.unwrap();
         let m = &w.metrics;
         assert!(
             eventually(|| WorkerMetrics::get(&m.frames_read) == 1 && m.frame_errors("invalid_json") == 1)

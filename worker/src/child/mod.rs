@@ -24,7 +24,6 @@ mod stderr;
 pub(crate) mod testing;
 
 use std::collections::{HashMap, HashSet};
-use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -33,7 +32,7 @@ use fleet_proto::codec::io::{FrameReader, FrameWriter, ReadError};
 use fleet_proto::codec::{Frame, FrameError, FrameKind};
 use fleet_proto::jsonrpc::{Id, Notification, Request};
 use serde::Serialize;
-use tokio::process::{ChildStderr, ChildStdout, Command};
+use tokio::process::{ChildStderr, ChildStdout};
 use tokio::sync::{oneshot, watch};
 
 pub use exit::ExitInfo;
@@ -72,6 +71,14 @@ pub enum SpawnError {
         program: String,
         /// Why.
         source: std::io::Error,
+    },
+    /// A sandbox stub could not become the plugin.
+    #[error("cannot start {program:?}: {source}")]
+    Stub {
+        /// argv[0].
+        program: String,
+        /// Which step failed, and why.
+        source: crate::sandbox::StubError,
     },
     /// stdio was not captured.
     #[error("the plugin's stdio could not be captured")]
@@ -153,16 +160,16 @@ pub(crate) struct Tasks {
 pub(crate) use fleet_proto::util::lock;
 
 impl ChildProcess {
-    /// Spawns `cmd` (from [`Sandboxed::command`]) with piped stdio. Its tasks start with [`Tasks::start`].
-    pub(crate) fn spawn(mut cmd: Command, spawn: Spawn) -> Result<(ChildProcess, Tasks), SpawnError> {
-        cmd.stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+    /// Starts `argv` in `dir` with exactly `env` in `spawn`'s sandbox ([`Sandboxed::launch`]). Its tasks start
+    /// with [`Tasks::start`].
+    pub(crate) async fn spawn(
+        argv: &[String],
+        dir: &std::path::Path,
+        env: Vec<(String, String)>,
+        spawn: Spawn,
+    ) -> Result<(ChildProcess, Tasks), SpawnError> {
         let oom_before = spawn.sandbox.oom_kills();
-        let mut child = cmd.spawn().map_err(|source| SpawnError::Os {
-            program: cmd.as_std().get_program().to_string_lossy().into_owned(),
-            source,
-        })?;
+        let mut child = spawn.sandbox.launch(argv, dir, env).await?;
         WorkerMetrics::inc(&spawn.metrics.spawns);
         let pid = child.id().unwrap_or(0);
         let (Some(stdin), Some(stdout), Some(stderr)) =

@@ -3,10 +3,12 @@
 //! without isolation) to signal, kill, read the OOM count of and finally remove.
 
 use std::path::Path;
+use std::process::Stdio;
 use std::sync::RwLock;
 
 use tokio::process::Command;
 
+use super::SpawnError;
 use crate::sandbox::{Prepared, SandboxError, SessionCgroup, UserSpace};
 
 /// A prepared sandbox. The whole [`Prepared`] is kept, so everything it holds lives exactly as long as this
@@ -50,6 +52,33 @@ impl Sandboxed {
             .kill_on_drop(true);
         crate::sandbox::apply(&mut cmd, &self.prepared.plan);
         cmd
+    }
+
+    /// `argv` started in `dir` with exactly `env` and piped stdio, confined by the sandbox's plan: from a waiting
+    /// sandbox stub when the plan allows it and one waits (`sandbox/stub_pool.rs`), else spawned directly.
+    pub(crate) async fn launch(
+        &self,
+        argv: &[String],
+        dir: &Path,
+        env: Vec<(String, String)>,
+    ) -> Result<tokio::process::Child, SpawnError> {
+        let program = || argv.first().cloned().unwrap_or_default();
+        if let Some(pool) = &self.prepared.stubs
+            && let Some(started) = pool.try_launch(&self.prepared.plan, argv, dir, &env).await
+        {
+            return started.map_err(|source| SpawnError::Stub {
+                program: program(),
+                source,
+            });
+        }
+        let mut cmd = self.command(argv, dir, env);
+        cmd.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        cmd.spawn().map_err(|source| SpawnError::Os {
+            program: program(),
+            source,
+        })
     }
 
     /// Runs `f` on the cgroup, if there still is one.

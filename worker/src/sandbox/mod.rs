@@ -53,6 +53,8 @@ mod names;
 mod netns;
 pub mod seccomp;
 mod spawn;
+mod stub;
+mod stub_pool;
 mod users;
 
 use std::collections::{BTreeSet, HashMap};
@@ -72,6 +74,9 @@ pub use detect::CgroupMountError;
 pub use error::SandboxError;
 use seccomp::SeccompProfile;
 pub use spawn::{SpawnPlan, apply, die_with_parent};
+pub use stub::{STUB_ARG, run_if_stub};
+pub(crate) use stub_pool::StubPool;
+pub use stub_pool::{StubError, StubStep};
 pub use users::UserSpace;
 use users::Users;
 
@@ -101,6 +106,8 @@ pub struct Prepared {
     pub cgroup: Option<SessionCgroup>,
     /// How to spawn it.
     pub plan: SpawnPlan,
+    /// Where a waiting sandbox stub can be taken for it (none: spawned directly).
+    pub(crate) stubs: Option<StubPool>,
 }
 
 /// What [`Sandbox::sweep_stale`] did.
@@ -142,8 +149,10 @@ struct ConfineBase {
     namespaces: bool,
     tmp_bytes: u64,
     seccomp: Option<Arc<SeccompProfile>>,
-    /// Empty network namespaces made ahead of need (with namespaces on).
+    /// Empty network namespaces made ahead of need (with namespaces on and no stubs).
     netns_pool: Option<NetnsPool>,
+    /// Sandbox stubs made ahead of need (with namespaces on and a stub program).
+    stub_pool: Option<StubPool>,
 }
 
 /// A user's ceiling cgroup, alive while one of the user's session cgroups holds it; removed (if empty) when
@@ -299,6 +308,33 @@ impl Sandbox {
             .map_or(0, NetnsPool::ready)
     }
 
+    /// How many sandbox stubs are waiting (0 without stubs).
+    pub fn stubs_ready(&self) -> usize {
+        self.stub_pool().map_or(0, StubPool::ready)
+    }
+
+    /// How many plugin processes were started from a sandbox stub so far.
+    pub fn stub_claims(&self) -> u64 {
+        self.stub_pool().map_or(0, StubPool::claims)
+    }
+
+    /// Whether this sandbox has sandbox stubs and they work (false once the pool gave up).
+    pub fn stubs_enabled(&self) -> bool {
+        self.stub_pool().is_some_and(|p| !p.failed())
+    }
+
+    /// Starts making sandbox stubs now (on the current tokio runtime), so the first sessions find them waiting;
+    /// otherwise they start with the first session.
+    pub fn start_stubs(&self) {
+        if let Some(pool) = self.stub_pool() {
+            pool.start();
+        }
+    }
+
+    fn stub_pool(&self) -> Option<&StubPool> {
+        self.inner.confine.as_ref().and_then(|c| c.stub_pool.as_ref())
+    }
+
     /// What the egress proxies of this sandbox did.
     pub fn egress_counters(&self) -> Arc<EgressCounters> {
         self.inner.egress_counters.clone()
@@ -328,7 +364,12 @@ impl Sandbox {
         let cgroup = self.create_session(&space.user_key, &name, limits)?;
         let egress = self.grants_egress(tool_id);
         match self.plan_with(cgroup.as_ref(), &space, command_paths(dir, argv), egress) {
-            Ok(plan) => Ok(Prepared { space, cgroup, plan }),
+            Ok(plan) => Ok(Prepared {
+                space,
+                cgroup,
+                plan,
+                stubs: self.inner.confine.as_ref().and_then(|c| c.stub_pool.clone()),
+            }),
             Err(e) => {
                 if let Some(cg) = cgroup {
                     let _ = cg.remove();
@@ -550,7 +591,33 @@ fn prepare_confinement(config: &WorkerConfig) -> Result<ConfineBase, SandboxErro
             "namespaces are off (confinement.namespaces = false): plugins share the worker's network, /proc and /tmp"
         );
     }
-    let netns_pool = if c.namespaces && c.netns_pool > 0 {
+    let stub_pool = match (&config.sandbox_stub, c.namespaces && c.stub_pool > 0) {
+        (Some(program), true) => {
+            let ns = confine::namespaces(&[], c.tmp_bytes).map_err(|e| unavailable(e.to_string()))?;
+            let text = |s: &std::ffi::CStr| s.to_string_lossy().into_owned();
+            let setup = stub::Setup {
+                protocol: stub::STUB_PROTOCOL,
+                tmp_root: text(&ns.tmp_root),
+                tmp_options: text(&ns.tmp_options),
+                proc_options: text(&ns.proc_options),
+                seccomp: seccomp
+                    .as_ref()
+                    .map(|p| {
+                        p.programs
+                            .iter()
+                            .map(|prog| prog.iter().map(|i| (i.code, i.jt, i.jf, i.k)).collect())
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+            };
+            Some(
+                StubPool::new(program.clone(), c.stub_pool, &setup)
+                    .map_err(|e| unavailable(format!("cannot prepare the sandbox stubs: {e}")))?,
+            )
+        }
+        _ => None,
+    };
+    let netns_pool = if c.namespaces && c.netns_pool > 0 && stub_pool.is_none() {
         Some(
             NetnsPool::new(c.netns_pool)
                 .map_err(|e| unavailable(format!("cannot start the network namespace pool: {e}")))?,
@@ -563,6 +630,7 @@ fn prepare_confinement(config: &WorkerConfig) -> Result<ConfineBase, SandboxErro
         tmp_bytes: c.tmp_bytes,
         seccomp,
         netns_pool,
+        stub_pool,
     };
     let probe = Confinement {
         namespaces: if c.namespaces {

@@ -130,6 +130,45 @@ impl SpawnPlan {
     pub fn is_confined(&self) -> bool {
         self.confine.is_some()
     }
+
+    /// What a sandbox stub needs to become the plugin `argv` run from `dir` with exactly `env` under this plan
+    /// (`stub.rs`); `None` when a stub cannot carry the plan: no namespaces (a stub always makes them), a
+    /// network namespace to join (an egress-granted plugin's holds the worker's proxy), extra variables, or a
+    /// path that is not UTF-8.
+    pub(crate) fn stub_claim(
+        &self,
+        argv: &[String],
+        dir: &std::path::Path,
+        env: &[(String, String)],
+    ) -> Option<super::stub::Claim> {
+        let ns = self.confine.as_ref()?.namespaces.as_ref()?;
+        if ns.join_net.is_some() || !self.env.is_empty() || argv.is_empty() {
+            return None;
+        }
+        let text = |c: &CStr| c.to_str().ok().map(str::to_owned);
+        let tmp_root = ns.tmp_root.to_str().ok()?;
+        let mut kept = Vec::with_capacity(ns.kept.len());
+        for k in &ns.kept {
+            let path = text(&k.path)?;
+            let relative = path.strip_prefix(tmp_root)?.trim_start_matches('/').to_owned();
+            kept.push(super::stub::KeptPath {
+                relative,
+                parents: k.parents.iter().map(|p| text(p)).collect::<Option<_>>()?,
+                is_dir: k.is_dir,
+                path,
+            });
+        }
+        Some(super::stub::Claim {
+            procs: self.procs_files.iter().map(|p| text(p)).collect::<Option<_>>()?,
+            uid: self.uid,
+            gid: self.gid,
+            groups: self.groups.iter().map(|g| g.as_raw()).collect(),
+            kept,
+            argv: argv.to_vec(),
+            env: env.to_vec(),
+            cwd: dir.to_str()?.to_owned(),
+        })
+    }
 }
 
 /// Configures `cmd` so that its child runs `plan` between `fork` and `exec` (see the module documentation).
@@ -143,6 +182,22 @@ pub fn apply(cmd: &mut tokio::process::Command, plan: &SpawnPlan) {
     // prepared before the fork and does not allocate (module documentation, "The `unsafe` block").
     unsafe {
         cmd.pre_exec(move || child_setup(&plan));
+    }
+}
+
+/// Leaves `fd` open across the `exec` of `cmd`'s child (its close-on-exec flag is cleared in the child only):
+/// how a sandbox stub gets its status pipe (`stub_pool.rs`). Forces the `fork` path; stubs are spawned in the
+/// background, never on a session's cold start.
+#[allow(unsafe_code)]
+pub(crate) fn pass_fd(cmd: &mut tokio::process::Command, fd: std::os::fd::RawFd) {
+    // SAFETY: the closure makes one raw `fcntl` through rustix on a descriptor number copied before the fork;
+    // it allocates nothing and takes no lock (module documentation, "The `unsafe` block").
+    unsafe {
+        cmd.pre_exec(move || {
+            let fd = std::os::fd::BorrowedFd::borrow_raw(fd);
+            rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::empty())?;
+            Ok(())
+        });
     }
 }
 
@@ -237,20 +292,27 @@ fn child_setup(plan: &SpawnPlan) -> io::Result<()> {
     if let Some(confine) = &plan.confine {
         namespaces_child(confine)?;
     }
-    if plan.uid.is_some() || plan.gid.is_some() {
-        rustix::thread::set_thread_groups(&plan.groups)?;
+    switch_ids(plan.uid, plan.gid, &plan.groups)?;
+    if let Some(confine) = &plan.confine {
+        seccomp_child(confine)?;
     }
-    if let Some(gid) = plan.gid {
+    Ok(())
+}
+
+/// With a uid or gid: supplementary groups ← `groups`, then gid and uid (real, effective and saved: no way
+/// back to root), then no new privileges. Allocation-free (a forked child runs it; so does a stub).
+pub(super) fn switch_ids(uid: Option<u32>, gid: Option<u32>, groups: &[Gid]) -> io::Result<()> {
+    if uid.is_some() || gid.is_some() {
+        rustix::thread::set_thread_groups(groups)?;
+    }
+    if let Some(gid) = gid {
         let gid = Gid::from_raw(gid);
         rustix::thread::set_thread_res_gid(gid, gid, gid)?;
     }
-    if let Some(uid) = plan.uid {
+    if let Some(uid) = uid {
         let uid = Uid::from_raw(uid);
         rustix::thread::set_thread_res_uid(uid, uid, uid)?;
         rustix::thread::set_no_new_privs(true)?;
-    }
-    if let Some(confine) = &plan.confine {
-        seccomp_child(confine)?;
     }
     Ok(())
 }
@@ -354,7 +416,8 @@ fn namespaces_child(confine: &Confinement) -> io::Result<()> {
     Ok(())
 }
 
-fn mkdir_exists_ok(path: &CStr) -> io::Result<()> {
+/// `mkdir` (mode 0755), an existing entry accepted.
+pub(super) fn mkdir_exists_ok<P: rustix::path::Arg>(path: P) -> io::Result<()> {
     match rustix::fs::mkdir(path, Mode::from_raw_mode(0o755)) {
         Ok(()) | Err(rustix::io::Errno::EXIST) => Ok(()),
         Err(e) => Err(e.into()),

@@ -916,7 +916,9 @@ async fn shutdown_ladder(process: &Arc<Process>, grace: Duration) {
 /// Spawn → `initialize` (v1 fallback) → `describe`.
 async fn start(inner: &Arc<Inner>) -> Result<Arc<Process>, StartError> {
     let shared = &inner.shared;
-    let process = Process::spawn(shared).map_err(|e| StartError::Fatal(e.to_string()))?;
+    let process = Process::spawn(shared)
+        .await
+        .map_err(|e| StartError::Fatal(e.to_string()))?;
     let exited = |what: &str, info: ExitInfo| {
         StartError::Transient(format!(
             "the plugin exited during {what} ({info}); stderr: {}",

@@ -90,13 +90,12 @@ impl std::fmt::Debug for Process {
 
 impl Process {
     /// Spawns the plugin into the session's sandbox and starts the reader, stderr and exit tasks.
-    pub(crate) fn spawn(shared: &Arc<SessionShared>) -> Result<Arc<Process>, SpawnError> {
+    pub(crate) async fn spawn(shared: &Arc<SessionShared>) -> Result<Arc<Process>, SpawnError> {
         let install = &shared.install;
-        let cmd = shared
-            .sandbox
-            .command(&install.argv, &install.dir, shared.environment());
         let (child, tasks) = ChildProcess::spawn(
-            cmd,
+            &install.argv,
+            &install.dir,
+            shared.environment(),
             Spawn {
                 tool_id: shared.tool_id.clone(),
                 sandbox: shared.sandbox.clone(),
@@ -105,7 +104,8 @@ impl Process {
                 first_id: |_| 0,
                 eof_grace: shared.config.shutdown_grace,
             },
-        )?;
+        )
+        .await?;
         let process = Arc::new(Process {
             child,
             shared: shared.clone(),

@@ -1,0 +1,305 @@
+//! The worker's side of the sandbox stubs (`stub.rs`): a few stubs started ahead of need by one background task
+//! of the worker's runtime, each confined as far as nothing session-specific is involved and waiting for a
+//! claim; a session's spawn takes one ([`StubPool::take`]) and turns it into its plugin ([`Stub::claim`]).
+//!
+//! A stub is a child of the worker like a directly spawned plugin (a `tokio::process::Child` with the plugin's
+//! stdio pipes, killed on drop), so everything after the spawn — the exit watcher, the tree kill, the OOM
+//! count — is the same for both paths. A session whose plan a stub cannot carry (an egress-granted plugin
+//! joins a namespace with the worker's proxy in it; a sandbox without namespaces) spawns directly, as does any
+//! session that finds the pool empty: the pool is a fast path, never a queue.
+//!
+//! The refill task starts with the first [`take`](StubPool::take) (the worker's runtime is known then). If a
+//! stub fails before it is ready (no stub program, a kernel that refuses), the failure is logged once and the
+//! pool stops refilling: every spawn is then direct.
+
+use std::os::fd::{AsRawFd as _, OwnedFd};
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::unix::pipe;
+use tokio::sync::Notify;
+
+use super::SpawnPlan;
+use super::stub::{FAILED, FAILURE_BYTES, READY, STUB_ARG, Setup, Step};
+
+/// How long a new stub may take to be ready, and a claimed one to `exec`: failure guards (a stub is ready in a
+/// few milliseconds and `exec`s in well under one).
+pub(crate) const STUB_WAIT: Duration = Duration::from_secs(10);
+
+/// Why a stub could not become the plugin.
+#[derive(Debug, thiserror::Error)]
+pub enum StubError {
+    /// The stub reported a failed step (the `errno` of that step).
+    #[error("{}: {source}", .step.describe())]
+    Step {
+        /// What failed.
+        step: StubStep,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// Talking to the stub failed, or it did not answer within [`STUB_WAIT`].
+    #[error("the sandbox stub did not answer: {0}")]
+    Io(#[source] std::io::Error),
+}
+
+/// A stub's step, public for [`StubError`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StubStep(pub(crate) Step);
+
+impl StubStep {
+    fn describe(self) -> &'static str {
+        self.0.describe()
+    }
+}
+
+impl StubError {
+    /// The system error behind it (what a direct spawn would have returned).
+    pub fn into_io(self) -> std::io::Error {
+        match self {
+            StubError::Step { source, .. } | StubError::Io(source) => source,
+        }
+    }
+}
+
+/// A confined stub waiting for its claim.
+#[derive(Debug)]
+pub(crate) struct Stub {
+    child: tokio::process::Child,
+    status: pipe::Receiver,
+}
+
+impl Stub {
+    /// Hands the stub `claim` (a framed [`super::stub::Claim`]) and waits for its `exec`: the child is then the
+    /// plugin, with the stub's stdio pipes.
+    pub(crate) async fn claim(mut self, claim: &[u8]) -> Result<tokio::process::Child, StubError> {
+        let stdin = self
+            .child
+            .stdin
+            .as_mut()
+            .ok_or_else(|| StubError::Io(std::io::ErrorKind::BrokenPipe.into()))?;
+        stdin.write_all(claim).await.map_err(StubError::Io)?;
+        match read_status(&mut self.status).await? {
+            Status::Exec => Ok(self.child),
+            Status::Ready => Err(StubError::Io(std::io::Error::other("a second ready byte"))),
+            Status::Failed(step, source) => Err(StubError::Step {
+                step: StubStep(step),
+                source,
+            }),
+        }
+    }
+}
+
+enum Status {
+    /// EOF: the status pipe closed on `exec`.
+    Exec,
+    Ready,
+    Failed(Step, std::io::Error),
+}
+
+/// Reads the stub's next status (bounded by [`STUB_WAIT`]).
+async fn read_status(status: &mut pipe::Receiver) -> Result<Status, StubError> {
+    let read = async {
+        let mut first = [0u8; 1];
+        if status.read(&mut first).await? == 0 {
+            return Ok(Status::Exec);
+        }
+        match first[0] {
+            READY => Ok(Status::Ready),
+            FAILED => {
+                let mut rest = [0u8; FAILURE_BYTES - 1];
+                status.read_exact(&mut rest).await?;
+                let step = Step::from_byte(rest[0]).unwrap_or(Step::Message);
+                let errno = i32::from_le_bytes([rest[1], rest[2], rest[3], rest[4]]);
+                Ok(Status::Failed(step, std::io::Error::from_raw_os_error(errno)))
+            }
+            _ => Err(std::io::Error::other("an unknown status byte")),
+        }
+    };
+    match tokio::time::timeout(STUB_WAIT, read).await {
+        Ok(r) => r.map_err(StubError::Io),
+        Err(_) => Err(StubError::Io(std::io::ErrorKind::TimedOut.into())),
+    }
+}
+
+/// Stubs kept ready for new sessions (module documentation).
+#[derive(Debug, Clone)]
+pub(crate) struct StubPool {
+    inner: Arc<PoolInner>,
+}
+
+#[derive(Debug)]
+struct PoolInner {
+    program: PathBuf,
+    /// The framed [`Setup`] every stub reads first.
+    setup: Vec<u8>,
+    target: usize,
+    ready: Mutex<Vec<Stub>>,
+    /// Wakes the refill task (a take, or the pool's end).
+    wake: Arc<Notify>,
+    started: AtomicBool,
+    failed: AtomicBool,
+    claims: AtomicU64,
+}
+
+impl StubPool {
+    /// A pool of `target` stubs of `program` that each run `setup` first. Nothing starts before the first take.
+    pub(crate) fn new(program: PathBuf, target: usize, setup: &Setup) -> std::io::Result<StubPool> {
+        Ok(StubPool {
+            inner: Arc::new(PoolInner {
+                program,
+                setup: super::stub::frame(setup)?,
+                target,
+                ready: Mutex::new(Vec::with_capacity(target)),
+                wake: Arc::new(Notify::new()),
+                started: AtomicBool::new(false),
+                failed: AtomicBool::new(false),
+                claims: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    /// A ready stub, if one waits (the refill task is started or woken to replace it). Without a tokio runtime,
+    /// or once the pool gave up, none.
+    pub(crate) fn take(&self) -> Option<Stub> {
+        if !self.start() {
+            return None;
+        }
+        let inner = &self.inner;
+        let stub = inner.ready.lock().unwrap_or_else(PoisonError::into_inner).pop();
+        inner.wake.notify_one();
+        if stub.is_some() {
+            inner.claims.fetch_add(1, Ordering::Relaxed);
+        }
+        stub
+    }
+
+    /// Starts the refill task on the current runtime if it is not running yet, so the first session finds stubs
+    /// waiting. False without a runtime or once the pool gave up.
+    pub(crate) fn start(&self) -> bool {
+        let inner = &self.inner;
+        if inner.failed.load(Ordering::Relaxed) {
+            return false;
+        }
+        if inner.started.load(Ordering::Acquire) {
+            return true;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return false;
+        };
+        if !inner.started.swap(true, Ordering::AcqRel) {
+            rt.spawn(refill(Arc::downgrade(inner), inner.wake.clone()));
+        }
+        true
+    }
+
+    /// Starts `argv` in `dir` with exactly `env` under `plan` from a waiting stub: `None` when the plan is not
+    /// one a stub can carry ([`SpawnPlan::stub_claim`]) or no stub waits — the caller then spawns directly.
+    pub(crate) async fn try_launch(
+        &self,
+        plan: &SpawnPlan,
+        argv: &[String],
+        dir: &std::path::Path,
+        env: &[(String, String)],
+    ) -> Option<Result<tokio::process::Child, StubError>> {
+        let claim = plan.stub_claim(argv, dir, env)?;
+        let bytes = match super::stub::frame(&claim) {
+            Ok(bytes) => bytes,
+            Err(e) => return Some(Err(StubError::Io(e))),
+        };
+        let stub = self.take()?;
+        Some(stub.claim(&bytes).await)
+    }
+
+    /// How many stubs wait.
+    pub(crate) fn ready(&self) -> usize {
+        self.inner
+            .ready
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    /// How many stubs sessions have taken so far.
+    pub(crate) fn claims(&self) -> u64 {
+        self.inner.claims.load(Ordering::Relaxed)
+    }
+
+    /// Whether the pool gave up (a stub failed before it was ready).
+    pub(crate) fn failed(&self) -> bool {
+        self.inner.failed.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for PoolInner {
+    fn drop(&mut self) {
+        self.wake.notify_one();
+    }
+}
+
+/// The refill task: keeps `target` stubs ready while the pool lives (it holds only a weak reference; the
+/// pool's drop wakes it to end).
+async fn refill(pool: Weak<PoolInner>, wake: Arc<Notify>) {
+    loop {
+        {
+            let Some(inner) = pool.upgrade() else { return };
+            if inner.ready.lock().unwrap_or_else(PoisonError::into_inner).len() < inner.target {
+                match start_stub(&inner).await {
+                    Ok(stub) => inner
+                        .ready
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .push(stub),
+                    Err(e) => {
+                        tracing::warn!(
+                            program = %inner.program.display(),
+                            error = %e,
+                            "cannot start sandbox stubs: every plugin is spawned directly (slower cold starts)"
+                        );
+                        inner.failed.store(true, Ordering::Relaxed);
+                        return;
+                    }
+                }
+                continue;
+            }
+        }
+        // A take (or the pool's drop) since the check left a permit: nothing is missed.
+        wake.notified().await;
+    }
+}
+
+/// Spawns one stub, hands it the setup and waits until it is ready.
+async fn start_stub(inner: &PoolInner) -> Result<Stub, StubError> {
+    let (read, write): (OwnedFd, OwnedFd) =
+        rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).map_err(|e| StubError::Io(e.into()))?;
+    let mut cmd = tokio::process::Command::new(&inner.program);
+    cmd.arg(STUB_ARG)
+        .arg(write.as_raw_fd().to_string())
+        .env_clear()
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    super::spawn::pass_fd(&mut cmd, write.as_raw_fd());
+    let mut child = cmd.spawn().map_err(StubError::Io)?;
+    drop(write);
+    let mut status = pipe::Receiver::from_owned_fd(read).map_err(StubError::Io)?;
+    let stdin = child
+        .stdin
+        .as_mut()
+        .ok_or_else(|| StubError::Io(std::io::ErrorKind::BrokenPipe.into()))?;
+    stdin.write_all(&inner.setup).await.map_err(StubError::Io)?;
+    match read_status(&mut status).await? {
+        Status::Ready => Ok(Stub { child, status }),
+        Status::Exec => Err(StubError::Io(std::io::Error::other(
+            "the stub program exited before it was ready (is it a stub?)",
+        ))),
+        Status::Failed(step, source) => Err(StubError::Step {
+            step: StubStep(step),
+            source,
+        }),
+    }
+}
