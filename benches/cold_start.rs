@@ -16,11 +16,19 @@
 //!
 //! Every variant that moves a process into a cgroup is measured twice ([`Prelude`]): right after another
 //! migration (`…`, the best case) and after 100 ms without one (`…_after_idle`, a session starting on a quiet
-//! worker), because the first `cgroup.procs` write after a quiet spell waits for an RCU grace period.
+//! worker), because the first `cgroup.procs` write after a quiet spell waits for an RCU grace period. The two
+//! baselines are also measured after the same quiet spell (`native_noop_posix_spawn_after_idle`,
+//! `python_pass_after_idle`): an idle machine wakes every process more slowly, and the `after_idle` rows are
+//! reported against both baselines.
 //!
 //! The worker is built as the e2e tests build it (`fleet_e2e::worker`): cgroup isolation, `RunAs::PerUser`
-//! (default range), a catalogue in a temporary directory (mode 0755) whose installs already carry the
-//! `.fleet-described` marker (no 60 s first-launch describe). The native fixture is the release build of
+//! (default range), full confinement (namespaces, private `/proc` and `/tmp`, seccomp), a catalogue in a
+//! temporary directory under `/var/tmp` (mode 0755; outside `/tmp` like a production worker's state, so no
+//! session path needs mounting back into the private `/tmp`) whose installs already carry the
+//! `.fleet-described` marker (no 60 s first-launch describe). The session variants run twice: `*_ready_in_cgroup`
+//! from a waiting sandbox stub (`confinement.stub_pool`, the worker's default; the pool is full before each run,
+//! untimed), `*_ready_direct` on a second worker with `stub_pool = 0` (spawned by the worker itself into a pooled
+//! network namespace: the path before stubs). The native fixture is the release build of
 //! `fleet-echo-plugin` (`cargo build --release -p fleet-echo-plugin` runs first: a no-op when fresh).
 //! The interpreter is `/usr/bin/python3` when it exists (a pyenv shim is a shell script that re-executes, and
 //! under `/root` a per-user uid could not run it), else the first `python3` on `PATH`; both Python variants use
@@ -99,6 +107,33 @@ fn echo_plugin_bin() -> PathBuf {
     bin
 }
 
+/// The release build of the worker's sandbox stub program (a no-op when it is up to date).
+fn stub_bin() -> PathBuf {
+    let profile = profile_dir();
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = std::process::Command::new(cargo);
+    cmd.current_dir(workspace_root()).args([
+        "build",
+        "--release",
+        "--quiet",
+        "-p",
+        "fleet-worker",
+        "--bin",
+        "fleet-sandbox-stub",
+    ]);
+    if let Some(target) = profile.parent() {
+        cmd.env("CARGO_TARGET_DIR", target);
+    }
+    let status = cmd.status().expect("cannot run cargo build");
+    assert!(
+        status.success(),
+        "cargo build of fleet-sandbox-stub failed: {status}"
+    );
+    let bin = profile.join("fleet-sandbox-stub");
+    assert!(bin.is_file(), "{} is missing after cargo build", bin.display());
+    bin
+}
+
 /// The interpreter both Python variants run (see the module documentation).
 fn python3() -> PathBuf {
     let system = PathBuf::from("/usr/bin/python3");
@@ -137,9 +172,13 @@ enum Kind {
     NativeNoopPosixSpawn,
     NativeNoopForkSetsid,
     NativeNoopForkPlan,
+    /// From a waiting sandbox stub (the worker's default).
     NativeReady,
+    /// Spawned directly by the worker (`confinement.stub_pool = 0`, the pooled network namespaces instead).
+    NativeReadyDirect,
     PythonPass,
     PythonReady,
+    PythonReadyDirect,
 }
 
 /// What happens, untimed, just before a run that migrates a process into a cgroup.
@@ -172,11 +211,16 @@ struct Variant {
 }
 
 impl Variant {
-    const ALL: [Variant; 9] = [
+    const ALL: [Variant; 15] = [
         Variant::new(
             "native_noop_posix_spawn",
             Kind::NativeNoopPosixSpawn,
             Prelude::None,
+        ),
+        Variant::new(
+            "native_noop_posix_spawn_after_idle",
+            Kind::NativeNoopPosixSpawn,
+            Prelude::Idle,
         ),
         Variant::new(
             "native_noop_fork_setsid",
@@ -195,11 +239,24 @@ impl Variant {
             Kind::NativeReady,
             Prelude::Idle,
         ),
+        Variant::new("native_ready_direct", Kind::NativeReadyDirect, Prelude::Warm),
+        Variant::new(
+            "native_ready_direct_after_idle",
+            Kind::NativeReadyDirect,
+            Prelude::Idle,
+        ),
         Variant::new("python_pass", Kind::PythonPass, Prelude::None),
+        Variant::new("python_pass_after_idle", Kind::PythonPass, Prelude::Idle),
         Variant::new("python_ready_in_cgroup", Kind::PythonReady, Prelude::Warm),
         Variant::new(
             "python_ready_in_cgroup_after_idle",
             Kind::PythonReady,
+            Prelude::Idle,
+        ),
+        Variant::new("python_ready_direct", Kind::PythonReadyDirect, Prelude::Warm),
+        Variant::new(
+            "python_ready_direct_after_idle",
+            Kind::PythonReadyDirect,
             Prelude::Idle,
         ),
     ];
@@ -245,7 +302,10 @@ impl ColdStart {
 /// The worker under measurement and everything the baselines need.
 struct Bench {
     rt: tokio::runtime::Runtime,
+    /// The worker with sandbox stubs (its default).
     ctx: WorkerContext,
+    /// The same worker without stubs (direct spawns into pooled network namespaces).
+    direct: WorkerContext,
     echo_bin: PathBuf,
     python: PathBuf,
     native: Arc<Install>,
@@ -263,10 +323,13 @@ impl Bench {
         let script = workspace_root().join("tests/plugins/python/echo_plugin.py");
         assert!(script.is_file(), "{} is missing", script.display());
 
-        let root = tempfile::tempdir().unwrap();
+        // The production layout: state and catalogue outside /tmp (a worker's live under /var/lib), so a private
+        // /tmp has nothing of the session's to mount back in (a layout under /tmp adds three mounts per spawn).
+        let root = tempfile::tempdir_in("/var/tmp").unwrap();
         let mut config = WorkerConfig {
             worker_id: format!("bench-cold-start-{}", std::process::id()),
             isolation: IsolationMode::Cgroup,
+            sandbox_stub: Some(stub_bin()),
             ..WorkerConfig::default()
         };
         config.catalogue_dir = write_catalogue(
@@ -306,6 +369,10 @@ impl Bench {
             .enable_all()
             .build()
             .unwrap();
+        let mut direct_config = config.clone();
+        direct_config.worker_id = format!("bench-cold-start-direct-{}", std::process::id());
+        direct_config.confinement.stub_pool = 0;
+        let direct_sandbox = Sandbox::new(&direct_config).expect("sandbox (cgroups, as root)");
         let ctx = WorkerContext {
             config: Arc::new(config),
             sandbox,
@@ -313,6 +380,14 @@ impl Bench {
             tokens: Arc::new(NoTokens),
             metrics: Arc::new(WorkerMetrics::default()),
         };
+        let direct = WorkerContext {
+            config: Arc::new(direct_config),
+            sandbox: direct_sandbox,
+            services: Arc::new(NoServices),
+            tokens: Arc::new(NoTokens),
+            metrics: Arc::new(WorkerMetrics::default()),
+        };
+        rt.block_on(async { ctx.sandbox.start_stubs() });
         println!(
             "cold_start: isolation {}, uid {:?}, echo plugin {}, python {}",
             ctx.sandbox.mode(),
@@ -323,6 +398,7 @@ impl Bench {
         Bench {
             rt,
             ctx,
+            direct,
             echo_bin,
             python,
             native,
@@ -354,10 +430,20 @@ impl Bench {
         cmd
     }
 
-    /// One cold start of `install` as the product does it; the session is always shut down.
-    async fn cold_start(&self, install: &Arc<Install>) -> ColdStart {
+    /// One cold start of `install` as the product does it (in `ctx`); the session is always shut down. With
+    /// stubs, the pool is full first (untimed): a session start on a worker that is not starting sessions
+    /// faster than it makes stubs.
+    async fn cold_start(&self, install: &Arc<Install>, ctx: &WorkerContext) -> ColdStart {
+        if ctx.sandbox.stubs_enabled() {
+            let target = ctx.config.confinement.stub_pool;
+            let deadline = Instant::now() + READY_WAIT;
+            while ctx.sandbox.stubs_ready() < target {
+                assert!(Instant::now() < deadline, "the stub pool does not fill up");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
         let t = Instant::now();
-        let session = Session::new(USER, install, &self.ctx).unwrap();
+        let session = Session::new(USER, install, ctx).unwrap();
         let setup = t.elapsed();
         let t = Instant::now();
         let ready = session.prewarm(READY_WAIT).await;
@@ -406,11 +492,19 @@ impl Bench {
                 (Self::spawn_wait(cmd).await, None)
             }
             Kind::NativeReady => {
-                let c = self.cold_start(&self.native).await;
+                let c = self.cold_start(&self.native, &self.ctx).await;
+                (c.total(), Some(c))
+            }
+            Kind::NativeReadyDirect => {
+                let c = self.cold_start(&self.native, &self.direct).await;
                 (c.total(), Some(c))
             }
             Kind::PythonReady => {
-                let c = self.cold_start(&self.py).await;
+                let c = self.cold_start(&self.py, &self.ctx).await;
+                (c.total(), Some(c))
+            }
+            Kind::PythonReadyDirect => {
+                let c = self.cold_start(&self.py, &self.direct).await;
                 (c.total(), Some(c))
             }
         }
@@ -434,12 +528,14 @@ impl Bench {
         {
             eprintln!("cold_start: removing the noop cgroup failed: {e}");
         }
-        match self.ctx.sandbox.remove_subtree() {
-            Ok(r) if r.cgroups_removed > 0 => {
-                eprintln!("cold_start: {} cgroup(s) were left and swept", r.cgroups_removed)
+        for ctx in [&self.ctx, &self.direct] {
+            match ctx.sandbox.remove_subtree() {
+                Ok(r) if r.cgroups_removed > 0 => {
+                    eprintln!("cold_start: {} cgroup(s) were left and swept", r.cgroups_removed)
+                }
+                Ok(_) => {}
+                Err(e) => eprintln!("cold_start: removing the worker's cgroup subtree failed: {e}"),
             }
-            Ok(_) => {}
-            Err(e) => eprintln!("cold_start: removing the worker's cgroup subtree failed: {e}"),
         }
     }
 }
@@ -530,14 +626,23 @@ fn print_ratios(b: &Bench) {
     );
     println!();
     let posix = "native_noop_posix_spawn";
+    let posix_idle = "native_noop_posix_spawn_after_idle";
     let rows = [
         ("native_ready_in_cgroup", posix),
         ("native_ready_in_cgroup_after_idle", posix),
+        ("native_ready_in_cgroup_after_idle", posix_idle),
+        ("native_ready_direct", posix),
+        ("native_ready_direct_after_idle", posix),
+        ("native_ready_direct_after_idle", posix_idle),
         ("native_noop_fork_plan", posix),
         ("native_noop_fork_plan_after_idle", posix),
         ("native_noop_fork_setsid", posix),
         ("python_ready_in_cgroup", "python_pass"),
         ("python_ready_in_cgroup_after_idle", "python_pass"),
+        ("python_ready_in_cgroup_after_idle", "python_pass_after_idle"),
+        ("python_ready_direct", "python_pass"),
+        ("python_ready_direct_after_idle", "python_pass"),
+        ("python_ready_direct_after_idle", "python_pass_after_idle"),
     ];
     for (a, base) in rows {
         let (a_d, base_d) = (of(a), of(base));

@@ -149,6 +149,13 @@ impl AnimusProcess {
                 return Err(refused(&e));
             }
         };
+        // From a stub: wait for its `exec` (an Animus plugin is spawned once per call, so the round trip this
+        // saves an Executa session does not apply), so a failed start is refused like a direct spawn's.
+        if let Some(e) = child.start_error().await {
+            drop((child, tasks));
+            let _ = sandbox.release();
+            return Err(refused(&e));
+        }
         WorkerMetrics::inc(&ctx.metrics.animus.spawns);
         let process = Arc::new(AnimusProcess {
             child,

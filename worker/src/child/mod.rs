@@ -132,6 +132,8 @@ pub(crate) struct ChildProcess {
     abandoned: Mutex<HashSet<u64>>,
     exit: watch::Receiver<Option<ExitInfo>>,
     host_kill: AtomicBool,
+    /// A stub-started process's `exec` outcome, not read yet (none: spawned directly, or already read).
+    exec: tokio::sync::Mutex<Option<crate::sandbox::ExecStatus>>,
     sandbox: Arc<Sandboxed>,
     stderr: StderrRing,
     pub(crate) metrics: Arc<WorkerMetrics>,
@@ -169,7 +171,7 @@ impl ChildProcess {
         spawn: Spawn,
     ) -> Result<(ChildProcess, Tasks), SpawnError> {
         let oom_before = spawn.sandbox.oom_kills();
-        let mut child = spawn.sandbox.launch(argv, dir, env).await?;
+        let (mut child, exec) = spawn.sandbox.launch(argv, dir, env).await?;
         WorkerMetrics::inc(&spawn.metrics.spawns);
         let pid = child.id().unwrap_or(0);
         let (Some(stdin), Some(stdout), Some(stderr)) =
@@ -188,6 +190,7 @@ impl ChildProcess {
             abandoned: Mutex::new(HashSet::new()),
             exit: exit_rx,
             host_kill: AtomicBool::new(false),
+            exec: tokio::sync::Mutex::new(exec),
             sandbox: spawn.sandbox,
             stderr: spawn.stderr,
             metrics: spawn.metrics,
@@ -201,6 +204,17 @@ impl ChildProcess {
             eof_grace: spawn.eof_grace,
         };
         Ok((process, tasks))
+    }
+
+    /// Whether the process failed to start: the `exec` of a sandbox stub that reported a failed step (what a
+    /// direct spawn returns at once). `None` when it started (or was spawned directly). Ask when the process
+    /// ended before it answered anything; read once.
+    pub(crate) async fn start_error(&self) -> Option<SpawnError> {
+        let exec = self.exec.lock().await.take()?;
+        exec.outcome()
+            .await
+            .err()
+            .map(|(program, source)| SpawnError::Stub { program, source })
     }
 
     /// The sandbox it runs in.

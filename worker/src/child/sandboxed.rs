@@ -9,7 +9,7 @@ use std::sync::RwLock;
 use tokio::process::Command;
 
 use super::SpawnError;
-use crate::sandbox::{Prepared, SandboxError, SessionCgroup, UserSpace};
+use crate::sandbox::{ExecStatus, Prepared, SandboxError, SessionCgroup, UserSpace};
 
 /// A prepared sandbox. The whole [`Prepared`] is kept, so everything it holds lives exactly as long as this
 /// value (the processes spawned into it hold it); only the cgroup is moved out, to be removed on
@@ -55,30 +55,35 @@ impl Sandboxed {
     }
 
     /// `argv` started in `dir` with exactly `env` and piped stdio, confined by the sandbox's plan: from a waiting
-    /// sandbox stub when the plan allows it and one waits (`sandbox/stub_pool.rs`), else spawned directly.
+    /// sandbox stub when the plan allows it and one waits (`sandbox/stub_pool.rs`; the `exec`'s outcome is then
+    /// still to come), else spawned directly (the `exec` succeeded).
     pub(crate) async fn launch(
         &self,
         argv: &[String],
         dir: &Path,
         env: Vec<(String, String)>,
-    ) -> Result<tokio::process::Child, SpawnError> {
+    ) -> Result<(tokio::process::Child, Option<ExecStatus>), SpawnError> {
         let program = || argv.first().cloned().unwrap_or_default();
         if let Some(pool) = &self.prepared.stubs
             && let Some(started) = pool.try_launch(&self.prepared.plan, argv, dir, &env).await
         {
-            return started.map_err(|source| SpawnError::Stub {
-                program: program(),
-                source,
-            });
+            return started
+                .map(|(child, exec)| (child, Some(exec)))
+                .map_err(|source| SpawnError::Stub {
+                    program: program(),
+                    source,
+                });
         }
         let mut cmd = self.command(argv, dir, env);
         cmd.stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        cmd.spawn().map_err(|source| SpawnError::Os {
-            program: program(),
-            source,
-        })
+        cmd.spawn()
+            .map(|child| (child, None))
+            .map_err(|source| SpawnError::Os {
+                program: program(),
+                source,
+            })
     }
 
     /// Runs `f` on the cgroup, if there still is one.

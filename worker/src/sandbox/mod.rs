@@ -76,7 +76,7 @@ use seccomp::SeccompProfile;
 pub use spawn::{SpawnPlan, apply, die_with_parent};
 pub use stub::{STUB_ARG, run_if_stub};
 pub(crate) use stub_pool::StubPool;
-pub use stub_pool::{StubError, StubStep};
+pub use stub_pool::{ExecStatus, StubError, StubStep};
 pub use users::UserSpace;
 use users::Users;
 

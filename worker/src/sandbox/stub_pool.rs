@@ -30,6 +30,12 @@ use super::stub::{FAILED, FAILURE_BYTES, READY, STUB_ARG, Setup, Step};
 /// few milliseconds and `exec`s in well under one).
 pub(crate) const STUB_WAIT: Duration = Duration::from_secs(10);
 
+/// How long after a take the refill task waits before it starts the replacement: making a stub costs a `fork`
+/// of the worker and a new network namespace (about a millisecond of CPU), which would otherwise compete with
+/// the cold start that just took one (its `exec`, the plugin's start, the handshake). A burst of session starts
+/// takes several stubs before the first replacement begins; sessions finding the pool empty spawn directly.
+pub(crate) const STUB_REFILL_DELAY: Duration = Duration::from_millis(25);
+
 /// Why a stub could not become the plugin.
 #[derive(Debug, thiserror::Error)]
 pub enum StubError {
@@ -73,22 +79,57 @@ pub(crate) struct Stub {
 }
 
 impl Stub {
-    /// Hands the stub `claim` (a framed [`super::stub::Claim`]) and waits for its `exec`: the child is then the
-    /// plugin, with the stub's stdio pipes.
-    pub(crate) async fn claim(mut self, claim: &[u8]) -> Result<tokio::process::Child, StubError> {
+    /// Hands the stub `claim` (a framed [`super::stub::Claim`]) and returns at once: the child (soon the plugin,
+    /// with the stub's stdio pipes) and the outcome of its `exec`, to await when it matters. What the caller
+    /// writes to the child's stdin meanwhile waits in the pipe behind the claim for the plugin (the stub reads
+    /// exactly its claim), so the plugin's first request costs no extra round trip.
+    pub(crate) async fn claim(
+        mut self,
+        claim: &[u8],
+        program: String,
+    ) -> Result<(tokio::process::Child, ExecStatus), StubError> {
         let stdin = self
             .child
             .stdin
             .as_mut()
             .ok_or_else(|| StubError::Io(std::io::ErrorKind::BrokenPipe.into()))?;
         stdin.write_all(claim).await.map_err(StubError::Io)?;
-        match read_status(&mut self.status).await? {
-            Status::Exec => Ok(self.child),
-            Status::Ready => Err(StubError::Io(std::io::Error::other("a second ready byte"))),
-            Status::Failed(step, source) => Err(StubError::Step {
-                step: StubStep(step),
-                source,
-            }),
+        Ok((
+            self.child,
+            ExecStatus {
+                status: self.status,
+                program,
+            },
+        ))
+    }
+}
+
+/// How a claimed stub's `exec` ended (read once).
+#[derive(Debug)]
+pub struct ExecStatus {
+    status: pipe::Receiver,
+    /// argv[0], for the error.
+    program: String,
+}
+
+impl ExecStatus {
+    /// `Ok` once the plugin runs (the status pipe closed on `exec`); the failed step otherwise. Bounded by
+    /// [`STUB_WAIT`].
+    pub(crate) async fn outcome(mut self) -> Result<(), (String, StubError)> {
+        match read_status(&mut self.status).await {
+            Ok(Status::Exec) => Ok(()),
+            Ok(Status::Ready) => Err((
+                self.program,
+                StubError::Io(std::io::Error::other("a second ready byte")),
+            )),
+            Ok(Status::Failed(step, source)) => Err((
+                self.program,
+                StubError::Step {
+                    step: StubStep(step),
+                    source,
+                },
+            )),
+            Err(e) => Err((self.program, e)),
         }
     }
 }
@@ -204,14 +245,14 @@ impl StubPool {
         argv: &[String],
         dir: &std::path::Path,
         env: &[(String, String)],
-    ) -> Option<Result<tokio::process::Child, StubError>> {
+    ) -> Option<Result<(tokio::process::Child, ExecStatus), StubError>> {
         let claim = plan.stub_claim(argv, dir, env)?;
         let bytes = match super::stub::frame(&claim) {
             Ok(bytes) => bytes,
             Err(e) => return Some(Err(StubError::Io(e))),
         };
         let stub = self.take()?;
-        Some(stub.claim(&bytes).await)
+        Some(stub.claim(&bytes, claim.argv[0].clone()).await)
     }
 
     /// How many stubs wait.
@@ -268,6 +309,7 @@ async fn refill(pool: Weak<PoolInner>, wake: Arc<Notify>) {
         }
         // A take (or the pool's drop) since the check left a permit: nothing is missed.
         wake.notified().await;
+        tokio::time::sleep(STUB_REFILL_DELAY).await;
     }
 }
 

@@ -919,11 +919,14 @@ async fn start(inner: &Arc<Inner>) -> Result<Arc<Process>, StartError> {
     let process = Process::spawn(shared)
         .await
         .map_err(|e| StartError::Fatal(e.to_string()))?;
-    let exited = |what: &str, info: ExitInfo| {
-        StartError::Transient(format!(
+    // A plugin that ended during the handshake may never have started (a stub's `exec` failed): that is a
+    // spawn error, as fatal as a direct spawn's.
+    let exited = async |what: &str, info: ExitInfo| match process.child.start_error().await {
+        Some(e) => StartError::Fatal(e.to_string()),
+        None => StartError::Transient(format!(
             "the plugin exited during {what} ({info}); stderr: {}",
             shared.stderr.tail(5)
-        ))
+        )),
     };
 
     let offer = InitializeParams {
@@ -940,22 +943,16 @@ async fn start(inner: &Arc<Inner>) -> Result<Arc<Process>, StartError> {
     // handshake costs one round trip instead of two. A v1 plugin answers `initialize` with "method not
     // found" and then `describe` as before. `describe`'s timeout runs from `initialize`'s outcome, as if it
     // had been sent then.
-    let (init_id, init_rx) = process
-        .child
-        .request(methods::INITIALIZE, Some(offer))
-        .await
-        .map_err(|f| match f {
-            Failure::Exited(info) => exited("initialize", info),
-            other => StartError::Transient(format!("{other:?}")),
-        })?;
-    let (describe_id, describe_rx) = process
-        .child
-        .request::<Value>(methods::DESCRIBE, None)
-        .await
-        .map_err(|f| match f {
-            Failure::Exited(info) => exited("describe", info),
-            other => StartError::Transient(format!("{other:?}")),
-        })?;
+    let (init_id, init_rx) = match process.child.request(methods::INITIALIZE, Some(offer)).await {
+        Ok(sent) => sent,
+        Err(Failure::Exited(info)) => return Err(exited("initialize", info).await),
+        Err(other) => return Err(StartError::Transient(format!("{other:?}"))),
+    };
+    let (describe_id, describe_rx) = match process.child.request::<Value>(methods::DESCRIBE, None).await {
+        Ok(sent) => sent,
+        Err(Failure::Exited(info)) => return Err(exited("describe", info).await),
+        Err(other) => return Err(StartError::Transient(format!("{other:?}"))),
+    };
     let (protocol, negotiated) = match tokio::time::timeout(limits::INITIALIZE_TIMEOUT, init_rx).await {
         Ok(Ok(Ok(frame))) if frame.kind() == FrameKind::Response => {
             match frame.parse_payload::<InitializeResult>() {
@@ -964,7 +961,7 @@ async fn start(inner: &Arc<Inner>) -> Result<Arc<Process>, StartError> {
             }
         }
         Ok(Ok(Ok(_error_response))) => (ProtocolVersion::V1, BTreeSet::new()),
-        Ok(Ok(Err(Failure::Exited(info)))) => return Err(exited("initialize", info)),
+        Ok(Ok(Err(Failure::Exited(info)))) => return Err(exited("initialize", info).await),
         Ok(Ok(Err(_))) | Ok(Err(_)) => (ProtocolVersion::V1, BTreeSet::new()),
         Err(_) => {
             process.child.abandon(init_id);
@@ -983,7 +980,7 @@ async fn start(inner: &Arc<Inner>) -> Result<Arc<Process>, StartError> {
     };
     let frame = match tokio::time::timeout(describe_timeout, describe_rx).await {
         Ok(Ok(Ok(frame))) => frame,
-        Ok(Ok(Err(Failure::Exited(info)))) => return Err(exited("describe", info)),
+        Ok(Ok(Err(Failure::Exited(info)))) => return Err(exited("describe", info).await),
         Ok(Ok(Err(other))) => {
             process.child.kill_tree().await;
             return Err(StartError::Transient(format!("describe failed: {other:?}")));
