@@ -219,6 +219,13 @@ async fn workload_counts_and_promtool_check_metrics() {
         sample(&text, "cloud_agents_plugin_cold_start_duration_seconds_count"),
         cold
     );
+    // Plugins started from a sandbox stub are among those spawned; the pool's size is exported.
+    assert!(
+        sample(&text, "cloud_agents_plugin_stub_starts_total")
+            <= sample(&text, "cloud_agents_plugin_spawns_total"),
+        "{text}"
+    );
+    assert!(text.contains("\ncloud_agents_plugin_stubs_ready "), "{text}");
     // Live sessions: the catalogue describe session is shut down; m and q have one each somewhere.
     assert!(
         sample(&text, r#"cloud_agents_plugin_sessions{state="ready"}"#) >= 2.0,

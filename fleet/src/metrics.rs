@@ -549,6 +549,20 @@ impl Collector for WorkerCollector {
             "__file_transport pointers refused",
             sum(&pools, |m| load(&m.file_transport_refused)),
         )?;
+        // Sandbox stubs: plugins started from one, and those waiting.
+        counter(
+            &mut e,
+            "plugin_stub_starts",
+            "Plugin processes started from a waiting sandbox stub (the rest of plugin_spawns were spawned directly)",
+            pools.iter().map(|p| p.context().sandbox.stub_claims()).sum(),
+        )?;
+        let ready: usize = pools.iter().map(|p| p.context().sandbox.stubs_ready()).sum();
+        gauge_family(
+            &mut e,
+            "plugin_stubs_ready",
+            "Sandbox stubs waiting for a session",
+            &[(Vec::<(&str, &str)>::new(), ready as f64)],
+        )?;
         // Egress through the proxies of egress-granted plugins, by outcome (refusals by the rule that refused).
         let mut outcomes: BTreeMap<&str, u64> = BTreeMap::new();
         for pool in &pools {
