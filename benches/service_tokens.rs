@@ -27,7 +27,9 @@ use fleet::nats_server::NatsServer;
 use fleet::services::args::ServicesArgs;
 use fleet::services::tokens::AUD_STORAGE;
 use fleet::services::{Binding, FleetServices};
-use fleet::store::{StoreSettings, now_ms, user_key};
+use fleet_proto::api::user_key;
+use fleet_proto::util::now_ms;
+use fleet_store::StoreSettings;
 use fleet_worker::services::{HostServices as _, TokenRequest, TokenSource as _};
 use sha2::Digest as _;
 

@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 use fleet::dispatch::rank;
 use fleet::front::FrontConfig;
 use fleet::node::DRAIN_GRACE;
-use fleet::store::user_key;
 use fleet_e2e::cluster::Cluster;
 use fleet_e2e::worker::Plugin;
+use fleet_proto::api::user_key;
 use fleet_proto::api::{ApiResponse, methods, subjects};
 use serde_json::{Value, json};
 

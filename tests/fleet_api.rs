@@ -12,10 +12,11 @@
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER};
-use fleet::store::{JobRecord, Store, StoreSettings, Transition, user_key};
 use fleet_e2e::cluster::{Cluster, Role, SECRET, connect};
 use fleet_e2e::worker::{Plugin, eventually};
+use fleet_proto::api::user_key;
 use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, JobId, JobState, methods, subjects};
+use fleet_store::{JobRecord, Store, StoreSettings, Transition};
 use fleet_worker::config::WorkerConfig;
 use fleet_worker::session::Session;
 use futures::StreamExt as _;

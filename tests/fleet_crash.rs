@@ -16,10 +16,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use fleet::store::{JobRecord, now_ms};
 use fleet_e2e::cluster::{Cluster, Role, connect};
 use fleet_e2e::worker::{Plugin, alive, eventually};
 use fleet_proto::api::{ApiError, ApiResponse, JobId, JobState, methods, subjects};
+use fleet_proto::util::now_ms;
+use fleet_store::JobRecord;
 use fleet_worker::config::{IsolationMode, RunAs, WorkerConfig};
 use fleet_worker::sandbox::Sandbox;
 use serde_json::{Value, json};

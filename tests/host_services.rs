@@ -13,9 +13,10 @@ use fleet::nats_server::NatsServer;
 use fleet::services::args::ServicesArgs;
 use fleet::services::tokens::{AUD_SAMPLING, AUD_STORAGE};
 use fleet::services::{Binding, FleetServices, TokenMinter};
-use fleet::store::{StoreSettings, now_ms};
 use fleet_e2e::fleet_bin;
 use fleet_proto::executa::reverse::{Family, family_of};
+use fleet_proto::util::now_ms;
+use fleet_store::StoreSettings;
 use fleet_worker::services::{HostServices, InvokeTokens, ReverseCall, TokenRequest, TokenSource};
 use serde_json::{Value, json};
 

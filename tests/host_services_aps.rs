@@ -12,9 +12,10 @@ use fleet::nats_server::NatsServer;
 use fleet::services::files::{HostObjects, LinkSigner};
 use fleet::services::kv::StorageConfig;
 use fleet::services::{FleetServices, ServicesConfig};
-use fleet::store::{StoreSettings, now_ms};
 use fleet_proto::executa::reverse::family_of;
 use fleet_proto::jsonrpc::ErrorObject;
+use fleet_proto::util::now_ms;
+use fleet_store::StoreSettings;
 use fleet_worker::services::{InvokeTokens, ReverseCall, TokenRequest, TokenSource};
 use serde_json::{Value, json};
 
@@ -88,7 +89,7 @@ async fn env_with(quota_bytes: Option<u64>, absolute: bool) -> Env {
     .await
     .expect("services (front)");
     let worker_settings = StoreSettings {
-        provision: fleet::store::Provision::Attach,
+        provision: fleet_store::Provision::Attach,
         ..settings.clone()
     };
     let services = Box::pin(FleetServices::open(

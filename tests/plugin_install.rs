@@ -8,10 +8,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use fleet::plugins::{PluginStore, cli, service};
-use fleet::store::StoreSettings;
 use fleet_e2e::cluster::Cluster;
 use fleet_e2e::worker::alive;
 use fleet_proto::api::{ApiError, ApiErrorCode, methods};
+use fleet_store::StoreSettings;
 use serde_json::{Value, json};
 use sha2::Digest as _;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};

@@ -28,7 +28,7 @@ use crate::auth::OperatorVerifier;
 use crate::client_cmd::OperatorConn;
 use crate::nats_auth::{self, AuthMaterial, Role, permissions, push_account_jwt};
 use crate::operator;
-use crate::store::StoreSettings;
+use fleet_store::StoreSettings;
 
 /// The operator API area.
 pub const CREDS_AREA: &str = "creds";
@@ -121,7 +121,7 @@ impl Issuer {
         material: AuthMaterial,
         sys: async_nats::Client,
     ) -> Result<Issuer, CredsError> {
-        let kv = crate::store::provision::key_value(
+        let kv = fleet_store::provision::key_value(
             js,
             kv::Config {
                 bucket: permissions::APP_CREDS.bucket(&settings.prefix),

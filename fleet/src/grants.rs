@@ -20,7 +20,9 @@ use serde_json::{Value, json};
 use crate::auth::OperatorVerifier;
 use crate::client_cmd::OperatorConn;
 use crate::operator;
-use crate::store::{self, Op, Revisioned, StoreError, StoreSettings, now_ms, user_key};
+use fleet_proto::api::user_key;
+use fleet_proto::util::now_ms;
+use fleet_store::{self as store, Op, Revisioned, StoreError, StoreSettings};
 
 /// The operator API area of grants (`fleet.v1.admin.grants.*`).
 pub const GRANTS_AREA: &str = "grants";

@@ -25,7 +25,6 @@ pub mod plugins;
 pub mod policy;
 pub mod probe;
 pub mod services;
-pub mod store;
 pub mod sweeper;
 pub mod telemetry;
 pub mod up;

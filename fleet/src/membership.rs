@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt as _;
 use tokio::sync::watch;
 
-use crate::store::{Store, StoreError, WorkerChange, WorkerInfo};
+use fleet_store::{Store, StoreError, WorkerChange, WorkerInfo};
 
 /// How long to wait before watching again after the watch broke.
 const REWATCH_AFTER: Duration = Duration::from_millis(500);

@@ -21,7 +21,7 @@ use crate::nats_auth::Role;
 use crate::nats_auth::exec_seal::{ExecSigner, ExecVerifier, SealKeyError};
 use crate::nats_server::{NatsServer, free_port};
 use crate::node::WorkerNode;
-use crate::store::{Provision, Store, StoreSettings};
+use fleet_store::{Provision, Store, StoreSettings};
 
 /// `fleet up`'s flags (this exact interface: scripts and the README use it).
 #[derive(Debug, Clone, clap::Args)]

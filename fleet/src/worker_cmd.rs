@@ -204,13 +204,13 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
             )
             .map_err(|e| WorkerCmdError::Usage(e.to_string()))?;
             // Workers attach to the resources a front created: their NATS user may not create streams.
-            let settings = crate::store::StoreSettings {
+            let settings = fleet_store::StoreSettings {
                 replicas: args.jetstream_replicas,
-                provision: crate::store::Provision::Attach,
-                ..crate::store::StoreSettings::default()
+                provision: fleet_store::Provision::Attach,
+                ..fleet_store::StoreSettings::default()
             };
             let js = async_nats::jetstream::new(client.clone());
-            let store = crate::store::Store::open(js.clone(), settings.clone())
+            let store = fleet_store::Store::open(js.clone(), settings.clone())
                 .await
                 .map_err(|e| WorkerCmdError::Usage(format!("JetStream: {e}")))?;
             let services = args

@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, stream::DiscardPolicy};
 use fleet::nats_server::NatsServer;
-use fleet::store::{
-    Acquired, JobFilter, JobRecord, Revisioned, Store, StoreError, StoreSettings, Transition, WorkerInfo,
-    user_key,
-};
+use fleet_proto::api::user_key;
 use fleet_proto::api::{ApiError, ApiErrorCode, JobId, JobState, ProgressEvent};
 use fleet_proto::executa::invoke::ProgressType;
+use fleet_store::{
+    Acquired, JobFilter, JobRecord, Revisioned, Store, StoreError, StoreSettings, Transition, WorkerInfo,
+};
 use serde_json::{Map, Value, json};
 use tempfile::TempDir;
 
@@ -975,7 +975,7 @@ async fn workers_register_refresh_and_leave() {
         let c = live.iter().find(|w| w.id == "w-c").expect("w-c");
         assert_eq!(
             c.sessions_warm.len(),
-            fleet::store::settings::WORKER_WARM_SESSIONS_MAX
+            fleet_store::settings::WORKER_WARM_SESSIONS_MAX
         );
 
         for bad in ["", "a.b", "a b", "a*"] {

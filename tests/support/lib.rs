@@ -400,8 +400,8 @@ pub mod cluster {
     pub use fleet::nats_auth::Role;
     use fleet::nats_server::NatsServer;
     use fleet::node::WorkerNode;
-    use fleet::store::{Store, StoreSettings};
     use fleet_proto::api::{ApiError, ApiResponse, subjects};
+    use fleet_store::{Store, StoreSettings};
     use fleet_worker::catalogue::{Catalogue, LoadOptions};
     use fleet_worker::metrics::WorkerMetrics;
     use fleet_worker::pool::Pool;
@@ -475,7 +475,7 @@ pub mod cluster {
     /// Store settings of a worker: it attaches to what the front created.
     pub fn worker_settings() -> StoreSettings {
         StoreSettings {
-            provision: fleet::store::Provision::Attach,
+            provision: fleet_store::Provision::Attach,
             ..StoreSettings::default()
         }
     }

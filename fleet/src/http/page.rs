@@ -28,7 +28,7 @@ use tokio::sync::mpsc;
 
 use super::sse::{TokenQuery, forward, last_event_id, sse_response};
 use super::{HttpState, error_response, request_token};
-use crate::store::now_ms;
+use fleet_proto::util::now_ms;
 
 /// The operator page.
 pub const PAGE: &str = include_str!("page.html");

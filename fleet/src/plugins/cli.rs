@@ -19,7 +19,7 @@ use super::object_name;
 use super::service::{DESCRIBE, INSTALL, LIST, REMOVE, subject};
 use super::store::PluginStore;
 use crate::client_cmd::OperatorConn;
-use crate::store::StoreSettings;
+use fleet_store::StoreSettings;
 
 /// How long the CLI waits for an install (downloads and validation happen on the front).
 pub const INSTALL_WAIT: Duration = Duration::from_secs(600);
@@ -208,7 +208,7 @@ pub async fn install_body(
     let plugins = PluginStore::open(
         &async_nats::jetstream::new(client.clone()),
         &StoreSettings {
-            provision: crate::store::Provision::Attach,
+            provision: fleet_store::Provision::Attach,
             ..StoreSettings::default()
         },
     )

@@ -10,7 +10,7 @@ use serde_json::{Map, Value, json};
 use super::download::{TempPackage, download};
 use super::store::{Edit, PluginStore};
 use super::{PackageVersion, PluginError, PluginRecord, object_name};
-use crate::store::now_ms;
+use fleet_proto::util::now_ms;
 
 /// `plugins.install` arguments: exactly one of `source` (an `http(s)` URL), `binary_urls` (per-platform assets,
 /// resolved for this host's platform key) or `object` (the SHA-256 of a package uploaded to the packages bucket

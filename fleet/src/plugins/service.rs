@@ -20,7 +20,7 @@ use super::publish::{self, InstallArgs};
 use super::store::PluginStore;
 use crate::auth::OperatorVerifier;
 use crate::operator::{self, parse};
-use crate::store::Store;
+use fleet_store::Store;
 
 /// The operator API area of plugin distribution (`fleet.v1.admin.plugins.*`).
 pub const PLUGINS_AREA: &str = "plugins";

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use super::files::LinkSigner;
 use super::{FleetServices, ServicesConfig, ServicesError};
-use crate::store::StoreSettings;
+use fleet_store::StoreSettings;
 
 /// The file under the data dir holding the download-link secret when `--link-signing-key-file` is absent.
 pub const LINK_KEY_FILE: &str = "link-signing-key";

@@ -40,7 +40,7 @@ use fleet_worker::services::{
 use serde_json::{Map, Value};
 
 use crate::grants::{Grant, GrantStore};
-use crate::store::now_ms;
+use fleet_proto::util::now_ms;
 
 pub use budget::{BudgetLimits, Exhausted, InvokeBudget};
 pub use tokens::{Binding, ServiceClaims, TokenError, TokenMinter};
@@ -148,7 +148,7 @@ impl FleetServices {
     /// Opens every resource the services need.
     pub async fn open(
         js: &async_nats::jetstream::Context,
-        settings: &crate::store::StoreSettings,
+        settings: &fleet_store::StoreSettings,
         config: &ServicesConfig,
         links: files::LinkSigner,
     ) -> Result<FleetServices, ServicesError> {

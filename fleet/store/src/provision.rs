@@ -1,6 +1,6 @@
 //! Who creates the fleet's JetStream resources. Fronts (and `fleet up`) **create** every bucket and stream, or
 //! update it to the settings; workers and operator tooling only **attach** to what a front created — their NATS
-//! users may not create, update or delete streams (see [`crate::nats_auth::permissions`]), so a stolen worker
+//! users may not create, update or delete streams (the role table of the fleet crate's `nats_auth::permissions`), so a stolen worker
 //! credential cannot shrink a stream's retention or drop it. An attaching process started before any front waits
 //! for the resources (up to [`ATTACH_WAIT`]), then fails naming the missing one.
 

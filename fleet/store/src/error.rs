@@ -54,9 +54,9 @@ pub enum Op {
     ListManifests,
     /// [`Store::delete_manifest`](super::Store::delete_manifest).
     DeleteManifest,
-    /// [`GrantStore::get`](crate::grants::GrantStore::get).
+    /// `GrantStore::get` (fleet-services).
     ReadGrant,
-    /// [`GrantStore::edit`](crate::grants::GrantStore::edit).
+    /// `GrantStore::edit` (fleet-services).
     EditGrant,
 }
 
