@@ -75,7 +75,7 @@ fn setup() -> Env {
         .build()
         .unwrap();
     let (services, grants_kv) = rt.block_on(async {
-        let client = nats.connect(fleet::nats_auth::Role::Front).await.unwrap();
+        let client = nats.connect(fleet_client::creds::Role::Front).await.unwrap();
         let js = async_nats::jetstream::new(client);
         let services = ServicesArgs::default()
             .open(&js, &StoreSettings::default(), dir.path(), None)
@@ -140,13 +140,13 @@ fn bench(c: &mut Criterion) {
         std::hint::black_box(sha2::Sha256::digest(token.as_bytes()));
     };
     let api_secret = [7_u8; 32];
-    let api = fleet::auth::Verifier::new(
-        vec![fleet::auth::VerifyKey::hs256(&api_secret).unwrap()],
+    let api = fleet_client::auth::Verifier::new(
+        vec![fleet_client::auth::VerifyKey::hs256(&api_secret).unwrap()],
         "bench-issuer",
         "bench-audience",
     )
     .unwrap();
-    let api_token = fleet::auth::SigningKey::hs256(&api_secret)
+    let api_token = fleet_client::auth::SigningKey::hs256(&api_secret)
         .unwrap()
         .mint(
             USER,

@@ -11,7 +11,7 @@
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER};
+use fleet_client::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER};
 use fleet_e2e::cluster::{Cluster, Role, SECRET, connect};
 use fleet_e2e::worker::{Plugin, eventually};
 use fleet_proto::api::user_key;
@@ -1616,7 +1616,7 @@ async fn one_user_flooding_is_rate_limited_without_starving_another() {
     )
     .await
     .unwrap();
-    let verifier = fleet::auth::Verifier::new(
+    let verifier = fleet_client::auth::Verifier::new(
         vec![c.key.verify_key().unwrap()],
         DEFAULT_ISSUER,
         DEFAULT_AUDIENCE,

@@ -65,12 +65,12 @@ async fn env_with(quota_bytes: Option<u64>, absolute: bool) -> Env {
     // A front creates the resources and edits grants; the services under test are a worker's (its user, its
     // attached resources), as in production.
     let front = nats
-        .connect(fleet::nats_auth::Role::Front)
+        .connect(fleet_client::creds::Role::Front)
         .await
         .expect("connect");
     let front_js = async_nats::jetstream::new(front);
     let client = nats
-        .connect(fleet::nats_auth::Role::Worker)
+        .connect(fleet_client::creds::Role::Worker)
         .await
         .expect("connect");
     let js = async_nats::jetstream::new(client);

@@ -55,7 +55,7 @@ async fn env_with(configure: impl FnOnce(LlmConfig) -> Option<LlmConfig>) -> Env
     let dir = tempfile::tempdir().expect("tempdir");
     let nats = NatsServer::start(&dir.path().join("nats")).expect("nats-server (run scripts/test.sh once)");
     let client = nats
-        .connect(fleet::nats_auth::Role::Front)
+        .connect(fleet_client::creds::Role::Front)
         .await
         .expect("connect");
     let js = async_nats::jetstream::new(client);

@@ -13,9 +13,9 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, Verifier};
 use fleet::http::window::{WINDOW_AUDIENCE, WindowToken};
 use fleet::http::{HttpConfig, HttpState};
+use fleet_client::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, Verifier};
 use fleet_e2e::cluster::{Cluster, SECRET};
 use fleet_e2e::worker::{Plugin, eventually};
 use fleet_proto::api::{methods, subjects};

@@ -12,8 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_nats::ConnectOptions;
-use fleet::nats_auth::{AuthMaterial, Role, permissions};
-use fleet::nats_conn::{ConnectError, Connector};
+use fleet::nats_auth::{AuthMaterial, permissions};
+use fleet_client::creds::Role;
+use fleet_client::nats_conn::{ConnectError, Connector};
 use fleet_e2e::cluster::{Cluster, connect};
 use fleet_e2e::worker::Plugin;
 use fleet_e2e::{fleet_bin, workspace_root};

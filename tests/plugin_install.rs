@@ -694,7 +694,7 @@ async fn the_cli_installs_a_directory_lists_describes_and_removes() {
     )
     .expect("manifest");
     let url = e.cluster.nats.url();
-    let creds = e.cluster.nats.creds(fleet::nats_auth::Role::Operator);
+    let creds = e.cluster.nats.creds(fleet_client::creds::Role::Operator);
     let fleet = |args: &[&str]| {
         let out = std::process::Command::new(fleet_e2e::fleet_bin())
             .args(args)

@@ -24,10 +24,11 @@ use fleet_proto::api::{ApiError, ApiErrorCode, subjects};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::auth::OperatorVerifier;
 use crate::client_cmd::OperatorConn;
-use crate::nats_auth::{self, AuthMaterial, Role, permissions, push_account_jwt};
+use crate::nats_auth::{self, AuthMaterial, permissions, push_account_jwt};
 use crate::operator;
+use fleet_client::auth::OperatorVerifier;
+use fleet_client::creds::{Role, inbox_prefix};
 use fleet_store::StoreSettings;
 
 /// The operator API area.
@@ -329,7 +330,7 @@ async fn admin_call(issuer: &Issuer, method: &str, payload: &[u8]) -> Result<Val
             let (record, creds) = issuer.issue(&a.name).await.map_err(api)?;
             Ok(json!({
                 "credential": record,
-                "inbox_prefix": permissions::inbox_prefix(&a.name),
+                "inbox_prefix": inbox_prefix(&a.name),
                 "creds": creds,
             }))
         }
@@ -385,7 +386,7 @@ pub async fn run(cmd: &CredsCmd) -> Result<Value, ApiError> {
     };
     let token = conn.token()?;
     let client = conn.connect().await?;
-    let mut out = crate::client_cmd::request(
+    let mut out = fleet_client::api::request(
         &client,
         &token,
         operator::subject(CREDS_AREA, method),

@@ -17,9 +17,9 @@ use fleet_proto::executa::capabilities::is_known_host_capability;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use crate::auth::OperatorVerifier;
 use crate::client_cmd::OperatorConn;
 use crate::operator;
+use fleet_client::auth::OperatorVerifier;
 use fleet_proto::api::user_key;
 use fleet_proto::util::now_ms;
 use fleet_store::{self as store, Op, Revisioned, StoreError, StoreSettings};
@@ -315,7 +315,7 @@ pub async fn run_grant(args: &GrantArgs) -> Result<Value, ApiError> {
     };
     let body =
         json!({ "user": args.user, "tool_id": args.tool_id, "allow": args.allow, "revoke": args.revoke });
-    crate::client_cmd::request(
+    fleet_client::api::request(
         &client,
         &token,
         operator::subject(GRANTS_AREA, method),

@@ -6,7 +6,6 @@
 //! the real codec) and [`worker_cmd`] (`fleet worker`: the plugin host on its own).
 #![forbid(unsafe_code)]
 
-pub mod auth;
 pub mod client_cmd;
 pub mod creds;
 pub mod dispatch;
@@ -17,7 +16,6 @@ pub mod in_flight;
 pub mod membership;
 pub mod metrics;
 pub mod nats_auth;
-pub mod nats_conn;
 pub mod nats_server;
 pub mod node;
 pub mod operator;

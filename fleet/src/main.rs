@@ -93,7 +93,7 @@ enum Cmd {
         #[arg(long, conflicts_with = "window")]
         operator: bool,
         /// The data directory of `fleet up`.
-        #[arg(long, env = "FLEET_DATA_DIR", default_value = fleet::client_cmd::DEFAULT_DATA_DIR)]
+        #[arg(long, env = "FLEET_DATA_DIR", default_value = fleet_client::api::DEFAULT_DATA_DIR)]
         data_dir: std::path::PathBuf,
     },
     /// tools.invoke: run a tool and print its result.
@@ -297,7 +297,7 @@ async fn main() -> ExitCode {
             data_dir,
             ..
         } => print_outcome(
-            fleet::client_cmd::mint(
+            fleet_client::api::mint(
                 &data_dir,
                 &user,
                 Duration::from_secs(ttl_secs.unwrap_or(3600)),
@@ -313,9 +313,9 @@ async fn main() -> ExitCode {
             timeout_ms,
         } => {
             let outcome =
-                match fleet::client_cmd::invoke_body(&tool_id, &tool, args.as_deref(), timeout_ms, None) {
+                match fleet_client::api::invoke_body(&tool_id, &tool, args.as_deref(), timeout_ms, None) {
                     Ok(body) => {
-                        let wait = fleet::client_cmd::wait_for(methods::TOOLS_INVOKE, timeout_ms);
+                        let wait = fleet_client::api::wait_for(methods::TOOLS_INVOKE, timeout_ms);
                         fleet::client_cmd::call(&client, methods::TOOLS_INVOKE, &body, wait).await
                     }
                     Err(e) => Err(e),
@@ -330,7 +330,7 @@ async fn main() -> ExitCode {
             timeout_ms,
             client_tag,
         } => {
-            let outcome = match fleet::client_cmd::invoke_body(
+            let outcome = match fleet_client::api::invoke_body(
                 &tool_id,
                 &tool,
                 args.as_deref(),
@@ -338,7 +338,7 @@ async fn main() -> ExitCode {
                 client_tag.as_deref(),
             ) {
                 Ok(body) => {
-                    let wait = fleet::client_cmd::wait_for(methods::TOOLS_INVOKE_ASYNC, None);
+                    let wait = fleet_client::api::wait_for(methods::TOOLS_INVOKE_ASYNC, None);
                     fleet::client_cmd::call(&client, methods::TOOLS_INVOKE_ASYNC, &body, wait).await
                 }
                 Err(e) => Err(e),
@@ -400,7 +400,7 @@ async fn main() -> ExitCode {
                     (client, methods::TOOLS_LIST_JOBS, body)
                 }
             };
-            let wait = fleet::client_cmd::wait_for(method, None);
+            let wait = fleet_client::api::wait_for(method, None);
             print_outcome(fleet::client_cmd::call(&client, method, &body, wait).await)
         }
     }

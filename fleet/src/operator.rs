@@ -11,7 +11,7 @@ use futures::StreamExt as _;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::auth::OperatorVerifier;
+use fleet_client::auth::OperatorVerifier;
 
 /// Subject prefix of the operator API.
 pub const ADMIN_PREFIX: &str = "fleet.v1.admin";

@@ -48,7 +48,7 @@ pub struct WorkerArgs {
     pub nats_url: Option<String>,
     /// Credentials (the worker role's `.creds`, e.g. `.fleet/nats/worker.creds` of a local `fleet up`) and TLS.
     #[command(flatten)]
-    pub nats: crate::nats_conn::NatsAuthArgs,
+    pub nats: fleet_client::nats_conn::NatsAuthArgs,
     /// The public keys of the fronts' exec seals (`exec.pub` of the NATS auth directory, one key per line): the
     /// worker serves only exec requests and cancels sealed by one of them. Default: `exec.pub` beside
     /// --nats-creds.

@@ -38,7 +38,7 @@ impl Nats {
         // The front's user: fronts create and use the store's resources.
         let client = self
             .server
-            .connect(fleet::nats_auth::Role::Front)
+            .connect(fleet_client::creds::Role::Front)
             .await
             .expect("connect");
         jetstream::new(client)

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, SigningKey};
+use fleet_client::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, SigningKey};
 use fleet_proto::api::subjects;
 use hdrhistogram::Histogram;
 use serde_json::{Value, json};
@@ -312,7 +312,7 @@ impl Ctx {
             .mint(
                 &format!("loadtest-operator-{}", self.run_tag),
                 DEFAULT_ISSUER,
-                fleet::auth::OPERATOR_AUDIENCE,
+                fleet_client::auth::OPERATOR_AUDIENCE,
                 Duration::from_secs(600),
                 false,
             )
@@ -320,10 +320,10 @@ impl Ctx {
                 code: "mint_failed".into(),
                 message: e.to_string(),
             })?;
-        fleet::client_cmd::request(
+        fleet_client::api::request(
             &self.ops,
             &token,
-            format!("{}.{method}", fleet::operator::ADMIN_PREFIX),
+            format!("{}.{method}", fleet_proto::admin::ADMIN_PREFIX),
             body,
             Duration::from_secs(10),
         )

@@ -392,14 +392,14 @@ pub mod cluster {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use fleet::auth::{
-        DEFAULT_AUDIENCE, DEFAULT_ISSUER, OPERATOR_AUDIENCE, OperatorVerifier, SigningKey, Verifier,
-    };
     use fleet::front::{Front, FrontConfig, FrontService};
     use fleet::metrics::FleetMetrics;
-    pub use fleet::nats_auth::Role;
     use fleet::nats_server::NatsServer;
     use fleet::node::WorkerNode;
+    use fleet_client::auth::{
+        DEFAULT_AUDIENCE, DEFAULT_ISSUER, OPERATOR_AUDIENCE, OperatorVerifier, SigningKey, Verifier,
+    };
+    pub use fleet_client::creds::Role;
     use fleet_proto::api::{ApiError, ApiResponse, subjects};
     use fleet_store::{Store, StoreSettings};
     use fleet_worker::catalogue::{Catalogue, LoadOptions};
@@ -629,7 +629,7 @@ pub mod cluster {
                 .expect("break-glass user");
             async_nats::ConnectOptions::with_credentials(&user.creds)
                 .expect("creds")
-                .custom_inbox_prefix(fleet::nats_auth::permissions::inbox_prefix("break-glass"))
+                .custom_inbox_prefix(fleet_client::creds::inbox_prefix("break-glass"))
                 .connect(self.nats.url())
                 .await
                 .expect("break-glass connection")

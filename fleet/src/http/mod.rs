@@ -34,9 +34,9 @@ use axum::routing::{get, post};
 use fleet_proto::api::{ApiError, ApiErrorCode};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::auth::{OperatorVerifier, Principal, Verifier};
 use crate::front::Front;
 use crate::metrics::FleetMetrics;
+use fleet_client::auth::{OperatorVerifier, Principal, Verifier};
 
 /// Gateway settings.
 #[derive(Debug, Clone)]

@@ -80,7 +80,7 @@ pub async fn request(
     body: &Value,
     wait: Duration,
 ) -> Result<Value, ApiError> {
-    crate::client_cmd::request(client, token, subject(method), body, wait).await
+    fleet_client::api::request(client, token, subject(method), body, wait).await
 }
 
 /// Runs a `fleet plugins` command and returns what to print.

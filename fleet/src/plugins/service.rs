@@ -18,8 +18,8 @@ use serde_json::{Value, json};
 
 use super::publish::{self, InstallArgs};
 use super::store::PluginStore;
-use crate::auth::OperatorVerifier;
 use crate::operator::{self, parse};
+use fleet_client::auth::OperatorVerifier;
 use fleet_store::Store;
 
 /// The operator API area of plugin distribution (`fleet.v1.admin.plugins.*`).

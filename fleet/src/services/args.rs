@@ -47,8 +47,8 @@ impl ServicesArgs {
     /// The link signer: `--link-signing-key-file`, else `<data_dir>/link-signing-key` (created).
     pub fn link_signer(&self, data_dir: &Path) -> Result<LinkSigner, ServicesError> {
         let secret = match &self.link_signing_key_file {
-            Some(path) => crate::auth::load_secret_file(path),
-            None => crate::auth::load_or_create_secret(data_dir, LINK_KEY_FILE),
+            Some(path) => fleet_client::auth::load_secret_file(path),
+            None => fleet_client::auth::load_or_create_secret(data_dir, LINK_KEY_FILE),
         }
         .map_err(|e| ServicesError::Config(e.to_string()))?;
         Ok(LinkSigner::new(&secret))
