@@ -24,11 +24,11 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use fleet::nats_server::NatsServer;
-use fleet::services::args::ServicesArgs;
-use fleet::services::tokens::AUD_STORAGE;
-use fleet::services::{Binding, FleetServices};
 use fleet_proto::api::user_key;
 use fleet_proto::util::now_ms;
+use fleet_services::args::ServicesArgs;
+use fleet_services::tokens::AUD_STORAGE;
+use fleet_services::{Binding, FleetServices};
 use fleet_store::StoreSettings;
 use fleet_worker::services::{HostServices as _, TokenRequest, TokenSource as _};
 use sha2::Digest as _;

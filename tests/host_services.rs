@@ -7,15 +7,15 @@
 use std::collections::BTreeSet;
 use std::process::Command;
 
-use fleet::grants::GrantStore;
 use fleet::nats_server::NatsServer;
-use fleet::services::args::ServicesArgs;
-use fleet::services::tokens::{AUD_SAMPLING, AUD_STORAGE};
-use fleet::services::{Binding, FleetServices, TokenMinter};
 use fleet_client::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER};
 use fleet_e2e::fleet_bin;
 use fleet_proto::executa::reverse::{Family, family_of};
 use fleet_proto::util::now_ms;
+use fleet_services::args::ServicesArgs;
+use fleet_services::grants::GrantStore;
+use fleet_services::tokens::{AUD_SAMPLING, AUD_STORAGE};
+use fleet_services::{Binding, FleetServices, TokenMinter};
 use fleet_store::StoreSettings;
 use fleet_worker::services::{HostServices, InvokeTokens, ReverseCall, TokenRequest, TokenSource};
 use serde_json::{Value, json};

@@ -5,13 +5,13 @@
 use std::collections::BTreeSet;
 
 use fleet::nats_server::NatsServer;
-use fleet::services::files::LinkSigner;
-use fleet::services::llm::{LlmConfig, ModelConfig};
-use fleet::services::{FleetServices, ServicesConfig};
 use fleet_e2e::fake_llm::{CHAT, EMBEDDINGS, FakeLlm};
 use fleet_proto::executa::reverse::family_of;
 use fleet_proto::jsonrpc::ErrorObject;
 use fleet_proto::util::now_ms;
+use fleet_services::files::LinkSigner;
+use fleet_services::llm::{LlmConfig, ModelConfig};
+use fleet_services::{FleetServices, ServicesConfig};
 use fleet_store::StoreSettings;
 use fleet_worker::services::{HostServices, InvokeTokens, ReverseCall, TokenRequest, TokenSource};
 use serde_json::{Value, json};

@@ -159,9 +159,12 @@ async fn app_credentials_reach_the_api_and_nothing_else() {
 async fn worker_credentials_cannot_write_grants_plugins_or_admin_subjects() {
     let c = Cluster::start("trust-worker", 0, 0, &[]).await;
     // The grants bucket, as a front creates it.
-    fleet::grants::GrantStore::open(&async_nats::jetstream::new(c.client.clone()), c.store.settings())
-        .await
-        .unwrap();
+    fleet_services::grants::GrantStore::open(
+        &async_nats::jetstream::new(c.client.clone()),
+        c.store.settings(),
+    )
+    .await
+    .unwrap();
     let (worker, mut rx) = watched(&c.nats.connector(Role::Worker), "worker-probe").await;
     for subject in [
         "fleet.v1.admin.grants.set",

@@ -5,13 +5,14 @@
 
 use std::time::Duration;
 
-use fleet::grants::{GRANTS_AREA, GRANTS_GET, GRANTS_SET, GrantStore};
 use fleet::plugins::PluginStore;
 use fleet::plugins::service::{self, DESCRIBE, INSTALL, LIST, PLUGINS_AREA, REMOVE};
 use fleet_client::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, OPERATOR_AUDIENCE};
 use fleet_e2e::cluster::Cluster;
 use fleet_e2e::worker::Plugin;
+use fleet_proto::admin::grants::{AREA as GRANTS_AREA, GET as GRANTS_GET, SET as GRANTS_SET};
 use fleet_proto::api::{ApiErrorCode, ApiResponse, methods, subjects};
+use fleet_services::grants::GrantStore;
 use serde_json::{Value, json};
 
 const TTL: Duration = Duration::from_secs(600);

@@ -22,7 +22,6 @@ pub mod operator;
 pub mod plugins;
 pub mod policy;
 pub mod probe;
-pub mod services;
 pub mod sweeper;
 pub mod telemetry;
 pub mod up;

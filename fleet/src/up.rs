@@ -109,7 +109,7 @@ pub struct UpArgs {
     pub rate_limit_burst: u32,
     /// Host services (sampling, embeddings, APS storage and files, uploads).
     #[command(flatten)]
-    pub services: crate::services::args::ServicesArgs,
+    pub services: fleet_services::args::ServicesArgs,
 }
 
 /// The verifier: the configured keys, or the dev key of the data dir when none is configured.

@@ -65,7 +65,7 @@ pub struct WorkerArgs {
     pub jetstream_replicas: usize,
     /// Host services (with --nats-url only; a standalone worker offers none).
     #[command(flatten)]
-    pub services: crate::services::args::ServicesArgs,
+    pub services: fleet_services::args::ServicesArgs,
 }
 
 /// Why `fleet worker` could not run.

@@ -505,7 +505,7 @@ pub mod cluster {
             fleet::plugins::PluginStore::open(&js, &StoreSettings::default())
                 .await
                 .expect("plugin store");
-            Box::pin(fleet::services::args::ServicesArgs::default().open(
+            Box::pin(fleet_services::args::ServicesArgs::default().open(
                 &js,
                 &StoreSettings::default(),
                 root.path(),

@@ -250,7 +250,7 @@ pub async fn serve(listener: tokio::net::TcpListener, state: HttpState) -> std::
 pub async fn serve_with_files(
     listener: tokio::net::TcpListener,
     state: HttpState,
-    objects: crate::services::files::HostObjects,
+    objects: fleet_services::files::HostObjects,
 ) -> std::io::Result<()> {
     let drained = state.drained();
     axum::serve(

@@ -1156,8 +1156,8 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::services::tokens::ServiceClaims;
-    use crate::services::{BudgetLimits, InvokeBudget};
+    use crate::tokens::ServiceClaims;
+    use crate::{BudgetLimits, InvokeBudget};
 
     fn msgs(n: usize) -> Value {
         Value::Array(

@@ -1,5 +1,5 @@
 //! APS files (`files/*`, spec §8.4) on the JetStream object store, and the signed links the fleet's HTTP
-//! listener serves ([`crate::http::files`]).
+//! listener serves (`fleet::http::files`).
 //!
 //! Resources (all with the store's `replicas` and `storage`):
 //!
