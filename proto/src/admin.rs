@@ -294,3 +294,54 @@ pub mod creds {
         pub credential: CredRecord,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn subjects_and_queue_groups() {
+        assert_eq!(subject(grants::AREA, grants::SET), "fleet.v1.admin.grants.set");
+        assert_eq!(
+            plugins::subject(plugins::INSTALL),
+            "fleet.v1.admin.plugins.install"
+        );
+        assert_eq!(subject(creds::AREA, creds::REVOKE), "fleet.v1.admin.creds.revoke");
+        assert_eq!(
+            ADMIN_QUEUE_GROUP,
+            format!("{}-admin", crate::api::subjects::API_QUEUE_GROUP)
+        );
+    }
+
+    #[test]
+    fn arguments_parse_as_the_areas_always_did() {
+        let empty: serde_json::Value = parse_args(b"  \n").expect("blank is {}");
+        assert_eq!(empty, json!({}));
+        let bad = parse_args::<grants::GetArgs>(b"{").expect_err("not JSON");
+        assert_eq!(bad.code, ApiErrorCode::InvalidArg);
+        // Plugins' arguments refuse unknown fields; grants' and creds' ignore them.
+        assert!(parse_args::<plugins::RemoveArgs>(br#"{"tool_id":"t","versoin":"1"}"#).is_err());
+        let set: grants::SetArgs = parse_args(br#"{"user":"u","tool_id":"t","extra":1}"#).expect("set");
+        assert!(set.allow.is_empty() && set.revoke.is_empty());
+        let name: creds::NameArgs = parse_args(br#"{"name":"billing","x":true}"#).expect("name");
+        assert_eq!(name.name, "billing");
+    }
+
+    #[test]
+    fn issued_debug_redacts_the_creds() {
+        let issued = creds::Issued {
+            credential: creds::CredRecord {
+                name: "n".into(),
+                public_key: "UABC".into(),
+                issued_at: 1,
+                revoked_at: None,
+                revoked_keys: Default::default(),
+            },
+            inbox_prefix: "_INBOX.n".into(),
+            creds: "-----BEGIN USER NKEY SEED-----\nSUSECRET".into(),
+        };
+        assert!(!format!("{issued:?}").contains("SUSECRET"));
+    }
+}

@@ -1,6 +1,6 @@
 //! `fleet plugins install SOURCE [--tool-id T] [--sha256 H]`, `fleet plugins list`,
 //! `fleet plugins remove T [--version V]`, `fleet plugins describe T` — thin clients of the operator API
-//! ([`super::service`]).
+//! ([`super::service`]; wire types in `proto::admin::plugins`).
 //!
 //! `SOURCE` is an `http(s)` URL (the front downloads it), a local `.json` distribution descriptor
 //! (`{"tool_id"?, "version"?, "binary_urls": {…}}`: the front resolves the asset for its platform), a local
@@ -11,12 +11,12 @@
 use std::path::Path;
 use std::time::Duration;
 
+use fleet_proto::admin::plugins::{DESCRIBE, INSTALL, LIST, REMOVE, subject};
 use fleet_proto::api::{ApiError, ApiErrorCode};
 use serde_json::{Value, json};
 use sha2::{Digest as _, Sha256};
 
 use super::object_name;
-use super::service::{DESCRIBE, INSTALL, LIST, REMOVE, subject};
 use super::store::PluginStore;
 use crate::client_cmd::OperatorConn;
 use fleet_store::StoreSettings;
