@@ -15,7 +15,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use fleet::nats_server::NatsServer;
-use fleet_e2e::{echo_plugin_bin, fleet_bin, profile_dir, workspace_root};
+use fleet_e2e::{cargo_build, echo_plugin_bin, fleet_bin, profile_dir, workspace_root};
 use serde_json::Value;
 
 /// Failure guard only.
@@ -33,28 +33,11 @@ const SCRUBBED_ENV: &[&str] = &[
 
 /// The `loadtest` binary (and the `fleet` next to it, which `--spawn` uses), built for this profile.
 fn loadtest_bin() -> PathBuf {
-    let profile = profile_dir();
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut cmd = Command::new(cargo);
-    cmd.current_dir(workspace_root())
-        .args(["build", "-p", "fleet-loadtest", "-p", "fleet"]);
-    if let Some(target) = profile.parent() {
-        cmd.env("CARGO_TARGET_DIR", target);
-    }
-    match profile.file_name().and_then(|n| n.to_str()) {
-        Some("debug") | None => {}
-        Some("release") => {
-            cmd.arg("--release");
-        }
-        Some(other) => {
-            cmd.args(["--profile", other]);
-        }
-    }
     assert!(
-        cmd.status().unwrap().success(),
+        cargo_build(&["fleet-loadtest", "fleet"]).unwrap().success(),
         "cargo build -p fleet-loadtest failed"
     );
-    profile.join(format!("loadtest{}", std::env::consts::EXE_SUFFIX))
+    profile_dir().join(format!("loadtest{}", std::env::consts::EXE_SUFFIX))
 }
 
 fn loadtest(bin: &Path, args: &[&str]) -> std::process::Output {

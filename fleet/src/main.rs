@@ -1,8 +1,9 @@
 //! The `fleet` binary: the Cloud Agents service and its operator commands.
 //!
-//! Today: `fleet probe -- CMD ARGS…` runs one plugin through the Executa handshake with the production codec;
-//! `fleet worker` runs the plugin host on its own.
-//! `fleet up` (all roles plus a child nats-server) arrives with the fleet issue.
+//! `fleet up` (a nats-server unless `--nats-url`, the fronts, N workers, HTTP), `fleet worker` (the plugin host
+//! on its own); the clients `token`, `invoke`, `invoke-async`, `job get|cancel|list`; the operator commands
+//! `grant`, `creds`, `plugins`, `nats-auth init`; and `probe` (one plugin through the Executa handshake with the
+//! production codec, confined as a worker runs it).
 #![forbid(unsafe_code)]
 
 use std::process::ExitCode;

@@ -9,7 +9,7 @@
 //! it knows nothing (`None`) so callers never mistake "not read" for "no workers".
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
@@ -39,7 +39,7 @@ struct Shared {
 
 impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<HashMap<String, (WorkerInfo, Instant)>>> {
-        self.members.lock().unwrap_or_else(PoisonError::into_inner)
+        fleet_proto::util::lock(&self.members)
     }
 
     fn bump(&self) {

@@ -54,26 +54,8 @@ pub fn echo_plugin_bin() -> PathBuf {
         if bin.is_file() && !is_stale(&bin) {
             return bin;
         }
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let mut cmd = Command::new(cargo);
-        cmd.current_dir(workspace_root())
-            .args(["build", "-p", "fleet-echo-plugin"]);
-        // Build into the same target dir and profile as the running tests.
-        if let Some(target) = profile.parent() {
-            cmd.env("CARGO_TARGET_DIR", target);
-        }
-        match profile.file_name().and_then(|n| n.to_str()) {
-            Some("debug") | None => {}
-            Some("release") => {
-                cmd.arg("--release");
-            }
-            Some(other) => {
-                cmd.args(["--profile", other]);
-            }
-        }
-        let status = cmd
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run cargo build: {e}"));
+        let status =
+            cargo_build(&["fleet-echo-plugin"]).unwrap_or_else(|e| panic!("cannot run cargo build: {e}"));
         assert!(
             status.success(),
             "cargo build -p fleet-echo-plugin failed: {status}"
@@ -86,6 +68,30 @@ pub fn echo_plugin_bin() -> PathBuf {
         bin
     })
     .clone()
+}
+
+/// Runs `cargo build -p <package>…` into the target directory and profile of the running tests.
+pub fn cargo_build(packages: &[&str]) -> std::io::Result<std::process::ExitStatus> {
+    let profile = profile_dir();
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(workspace_root()).arg("build");
+    for package in packages {
+        cmd.args(["-p", package]);
+    }
+    if let Some(target) = profile.parent() {
+        cmd.env("CARGO_TARGET_DIR", target);
+    }
+    match profile.file_name().and_then(|n| n.to_str()) {
+        Some("debug") | None => {}
+        Some("release") => {
+            cmd.arg("--release");
+        }
+        Some(other) => {
+            cmd.args(["--profile", other]);
+        }
+    }
+    cmd.status()
 }
 
 /// True if a file of the `fleet-echo-plugin` crate is newer than `bin`.
@@ -390,17 +396,18 @@ pub mod worker {
 /// own NATS connection) and M worker nodes over echo-plugin catalogues, with real JWTs.
 pub mod cluster {
     use std::sync::Arc;
-    use std::time::Duration;
+    use std::time::{Duration, Instant};
 
     use fleet::front::{Front, FrontConfig, FrontService};
     use fleet::metrics::FleetMetrics;
     use fleet::nats_server::NatsServer;
     use fleet::node::WorkerNode;
+    use fleet_client::api::api_request;
     use fleet_client::auth::{
         DEFAULT_AUDIENCE, DEFAULT_ISSUER, OPERATOR_AUDIENCE, OperatorVerifier, SigningKey, Verifier,
     };
     pub use fleet_client::creds::Role;
-    use fleet_proto::api::{ApiError, ApiResponse, subjects};
+    use fleet_proto::api::{ApiError, ApiResponse, methods, subjects};
     use fleet_store::{Store, StoreSettings};
     use fleet_worker::catalogue::{Catalogue, LoadOptions};
     use fleet_worker::metrics::WorkerMetrics;
@@ -670,6 +677,24 @@ pub mod cluster {
                 .expect("mint")
         }
 
+        /// Waits (at most `guard`) until every API method answers: `Front::serve` returns before the server has
+        /// seen the endpoints' subscriptions, so a request sent at once may find no responders.
+        pub async fn wait_for_api(&self, guard: Duration) {
+            let deadline = Instant::now() + guard;
+            for method in methods::ALL {
+                loop {
+                    let request = async_nats::Request::new()
+                        .payload("{}".into())
+                        .timeout(Some(guard));
+                    match self.app.send_request(subjects::api(method), request).await {
+                        Ok(_) => break,
+                        Err(e) => assert!(Instant::now() < deadline, "{method} never answered: {e}"),
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
+
         /// Calls an API method as `user` and returns the response envelope.
         pub async fn call(&self, user: &str, method: &str, args: Value) -> ApiResponse<Value> {
             self.call_with_token(&format!("Bearer {}", self.token(user)), method, args)
@@ -678,12 +703,7 @@ pub mod cluster {
 
         /// Calls an API method with an explicit `Authorization` header value.
         pub async fn call_with_token(&self, auth: &str, method: &str, args: Value) -> ApiResponse<Value> {
-            let mut headers = async_nats::HeaderMap::new();
-            headers.insert(subjects::AUTH_HEADER, auth);
-            let request = async_nats::Request::new()
-                .headers(headers)
-                .payload(serde_json::to_vec(&args).expect("json").into())
-                .timeout(Some(Duration::from_secs(120)));
+            let request = api_request(auth, &args, Duration::from_secs(120));
             let reply = self
                 .app
                 .send_request(subjects::api(method), request)

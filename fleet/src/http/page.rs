@@ -14,7 +14,7 @@
 //! errors (failed/expired jobs, error answers of `/v1/rpc`).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Mutex, PoisonError};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use axum::extract::{Query, State};
@@ -98,7 +98,7 @@ pub struct OpsStats {
 
 impl OpsStats {
     fn lock(&self) -> std::sync::MutexGuard<'_, Stats> {
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+        fleet_proto::util::lock(&self.inner)
     }
 
     /// A `tool_job` event of the user `user_key`.

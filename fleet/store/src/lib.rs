@@ -9,10 +9,10 @@
 //!   and listing one user's jobs reads only that user's keys;
 //! * active sets: `<user_key>`;
 //! * workers: `<worker_id>`;
-//! * manifests: the [`user_key`](fleet_proto::api::user_key)-style hash of the tool id (the id is kept in the value);
+//! * manifests: the [`user_key`]-style hash of the tool id (the id is kept in the value);
 //! * progress subjects: `<prefix>.v1.progress.<user_key>.<job_id>`.
 //!
-//! [`user_key`](fleet_proto::api::user_key) maps any user id to 32 hex characters (user ids may hold characters subjects and keys forbid);
+//! [`user_key`] maps any user id to 32 hex characters (user ids may hold characters subjects and keys forbid);
 //! the real id is kept inside the values.
 //!
 //! Invariants:
