@@ -16,6 +16,7 @@
 //! [`Front::handle_as`], the same code the NATS API runs (per-user rate limit, validation, handlers).
 
 pub mod files;
+pub mod ops_stats;
 pub mod page;
 pub mod rpc;
 pub mod sse;
@@ -77,7 +78,7 @@ struct Inner {
     config: HttpConfig,
     windows: Mutex<HashMap<String, Arc<Semaphore>>>,
     hub: Arc<sse::Hub>,
-    ops: Arc<page::OpsStats>,
+    ops: Arc<ops_stats::OpsStats>,
     pump: tokio::task::JoinHandle<()>,
     /// Set once the gateway drains: `/readyz` answers 503, SSE streams end, no new connection is accepted.
     draining: tokio::sync::watch::Sender<bool>,
@@ -111,7 +112,7 @@ impl HttpState {
     ) -> Result<HttpState, async_nats::Error> {
         let window = window::window_verifier(&api)?;
         let hub = Arc::new(sse::Hub::new(config.replay_capacity));
-        let ops = Arc::new(page::OpsStats::default());
+        let ops = Arc::new(ops_stats::OpsStats::default());
         let pump = sse::start_pump(&client, hub.clone(), ops.clone()).await?;
         Ok(HttpState {
             inner: Arc::new(Inner {

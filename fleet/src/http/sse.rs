@@ -25,7 +25,7 @@ use futures::StreamExt as _;
 use serde::Deserialize;
 use tokio::sync::{broadcast, mpsc};
 
-use super::page::OpsStats;
+use super::ops_stats::OpsStats;
 use super::window::verify_window;
 use super::{HttpState, error_response, request_token};
 use fleet_proto::api::user_key;

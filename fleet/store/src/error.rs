@@ -4,10 +4,8 @@ use std::fmt;
 
 use fleet_proto::api::{ApiError, ApiErrorCode, JobId};
 
+use super::provision::BoxError;
 use super::settings::SettingsError;
-
-/// A boxed source error (async-nats errors, I/O).
-pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// The store operation an error comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

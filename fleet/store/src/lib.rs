@@ -43,8 +43,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 pub use active::Acquired;
-pub use error::{BoxError, Op, StoreError};
-pub use provision::{Provision, ProvisionError};
+pub use error::{Op, StoreError};
+pub use provision::{BoxError, Provision, ProvisionError};
 pub use record::{JobRecord, rfc3339_ms};
 pub use settings::{SettingsError, StoreSettings};
 pub use workers::{WorkerChange, WorkerInfo};

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, kv, object_store, stream};
 
-use super::error::BoxError;
+/// A boxed source error (async-nats errors, I/O).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// How long an attaching process waits for a front to create a resource.
 pub const ATTACH_WAIT: Duration = Duration::from_secs(60);
