@@ -46,14 +46,15 @@ use async_nats::jetstream::kv;
 use async_nats::{HeaderMap, Request};
 use bytes::Bytes;
 use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
-use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, Verifier};
 use fleet::front::{Front, FrontConfig};
-use fleet::store::{Store, StoreSettings, user_key};
+use fleet_client::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, Verifier};
 use fleet_e2e::cluster::{Cluster, Role, connect};
 use fleet_e2e::worker::Plugin;
+use fleet_proto::api::user_key;
 use fleet_proto::api::{
     ApiResponse, InvokeAsyncResult, JobId, JobSnapshot, JobState, ToolJobEvent, methods, subjects,
 };
+use fleet_store::{Store, StoreSettings};
 use futures::StreamExt as _;
 use serde_json::json;
 

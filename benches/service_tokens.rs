@@ -24,10 +24,12 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use fleet::nats_server::NatsServer;
-use fleet::services::args::ServicesArgs;
-use fleet::services::tokens::AUD_STORAGE;
-use fleet::services::{Binding, FleetServices};
-use fleet::store::{StoreSettings, now_ms, user_key};
+use fleet_proto::api::user_key;
+use fleet_proto::util::now_ms;
+use fleet_services::args::ServicesArgs;
+use fleet_services::tokens::AUD_STORAGE;
+use fleet_services::{Binding, FleetServices};
+use fleet_store::StoreSettings;
 use fleet_worker::services::{HostServices as _, TokenRequest, TokenSource as _};
 use sha2::Digest as _;
 
@@ -73,7 +75,7 @@ fn setup() -> Env {
         .build()
         .unwrap();
     let (services, grants_kv) = rt.block_on(async {
-        let client = nats.connect(fleet::nats_auth::Role::Front).await.unwrap();
+        let client = nats.connect(fleet_client::creds::Role::Front).await.unwrap();
         let js = async_nats::jetstream::new(client);
         let services = ServicesArgs::default()
             .open(&js, &StoreSettings::default(), dir.path(), None)
@@ -138,13 +140,13 @@ fn bench(c: &mut Criterion) {
         std::hint::black_box(sha2::Sha256::digest(token.as_bytes()));
     };
     let api_secret = [7_u8; 32];
-    let api = fleet::auth::Verifier::new(
-        vec![fleet::auth::VerifyKey::hs256(&api_secret).unwrap()],
+    let api = fleet_client::auth::Verifier::new(
+        vec![fleet_client::auth::VerifyKey::hs256(&api_secret).unwrap()],
         "bench-issuer",
         "bench-audience",
     )
     .unwrap();
-    let api_token = fleet::auth::SigningKey::hs256(&api_secret)
+    let api_token = fleet_client::auth::SigningKey::hs256(&api_secret)
         .unwrap()
         .mint(
             USER,

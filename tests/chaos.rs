@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fleet::nats_server::NatsServer;
+use fleet_client::api::api_request;
 use fleet_e2e::cluster::{Cluster, Role, SECRET, connect};
 use fleet_e2e::fleet_bin;
 use fleet_e2e::worker::{Plugin, alive, eventually};
@@ -44,12 +45,7 @@ async fn request(
     args: &Value,
     timeout: Duration,
 ) -> Outcome {
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert(subjects::AUTH_HEADER, auth);
-    let req = async_nats::Request::new()
-        .headers(headers)
-        .payload(serde_json::to_vec(args).unwrap().into())
-        .timeout(Some(timeout));
+    let req = api_request(auth, args, timeout);
     match client.send_request(subjects::api(method), req).await {
         Ok(msg) => match serde_json::from_slice::<ApiResponse<Value>>(&msg.payload) {
             Ok(ApiResponse::Ok(v)) => Outcome::Ok(v),

@@ -9,9 +9,10 @@ use std::time::{Duration, Instant};
 use fleet::dispatch::rank;
 use fleet::front::FrontConfig;
 use fleet::node::DRAIN_GRACE;
-use fleet::store::user_key;
+use fleet_client::api::{api_request, bearer};
 use fleet_e2e::cluster::Cluster;
 use fleet_e2e::worker::Plugin;
+use fleet_proto::api::user_key;
 use fleet_proto::api::{ApiResponse, methods, subjects};
 use serde_json::{Value, json};
 
@@ -36,13 +37,8 @@ async fn until<T>(what: &str, mut f: impl AsyncFnMut() -> Option<T>) -> T {
 
 /// A sync invoke of the echo fixture over its own request (so it can run in a task).
 async fn invoke(client: async_nats::Client, token: String, method: &str, args: Value) -> ApiResponse<Value> {
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert(subjects::AUTH_HEADER, format!("Bearer {token}").as_str());
     let body = json!({ "tool_id": "echo", "method": method, "args": args });
-    let request = async_nats::Request::new()
-        .headers(headers)
-        .payload(serde_json::to_vec(&body).unwrap().into())
-        .timeout(Some(GUARD));
+    let request = api_request(&bearer(&token), &body, GUARD);
     let msg = client
         .send_request(subjects::api(methods::TOOLS_INVOKE), request)
         .await

@@ -11,11 +11,13 @@
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER};
-use fleet::store::{JobRecord, Store, StoreSettings, Transition, user_key};
+use fleet_client::api::api_request;
+use fleet_client::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER};
 use fleet_e2e::cluster::{Cluster, Role, SECRET, connect};
 use fleet_e2e::worker::{Plugin, eventually};
+use fleet_proto::api::user_key;
 use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, JobId, JobState, methods, subjects};
+use fleet_store::{JobRecord, Store, StoreSettings, Transition};
 use fleet_worker::config::WorkerConfig;
 use fleet_worker::session::Session;
 use futures::StreamExt as _;
@@ -48,19 +50,7 @@ async fn expect_err(c: &Cluster, user: &str, method: &str, args: Value, code: Ap
 /// endpoints' subscriptions, so a request sent at once may find no responders.
 async fn start(name: &str, fronts: usize, workers: usize, plugins: &[Plugin]) -> Cluster {
     let c = Cluster::start(name, fronts, workers, plugins).await;
-    let deadline = Instant::now() + GUARD;
-    for method in methods::ALL {
-        loop {
-            let request = async_nats::Request::new()
-                .payload("{}".into())
-                .timeout(Some(GUARD));
-            match c.app.send_request(subjects::api(method), request).await {
-                Ok(_) => break,
-                Err(e) => assert!(Instant::now() < deadline, "{method} never answered: {e}"),
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
+    c.wait_for_api(GUARD).await;
     c
 }
 
@@ -182,14 +172,12 @@ async fn raw_call(
     method: &str,
     args: &Value,
 ) -> ApiResponse<Value> {
-    let mut request = async_nats::Request::new()
-        .payload(serde_json::to_vec(args).expect("json").into())
-        .timeout(Some(GUARD));
-    if let Some(a) = auth {
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert(subjects::AUTH_HEADER, a);
-        request = request.headers(headers);
-    }
+    let request = match auth {
+        Some(a) => api_request(a, args, GUARD),
+        None => async_nats::Request::new()
+            .payload(serde_json::to_vec(args).expect("json").into())
+            .timeout(Some(GUARD)),
+    };
     let reply = client
         .send_request(subjects::api(method), request)
         .await
@@ -1615,7 +1603,7 @@ async fn one_user_flooding_is_rate_limited_without_starving_another() {
     )
     .await
     .unwrap();
-    let verifier = fleet::auth::Verifier::new(
+    let verifier = fleet_client::auth::Verifier::new(
         vec![c.key.verify_key().unwrap()],
         DEFAULT_ISSUER,
         DEFAULT_AUDIENCE,

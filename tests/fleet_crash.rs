@@ -16,10 +16,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use fleet::store::{JobRecord, now_ms};
+use fleet_client::api::api_request;
 use fleet_e2e::cluster::{Cluster, Role, connect};
 use fleet_e2e::worker::{Plugin, alive, eventually};
 use fleet_proto::api::{ApiError, ApiResponse, JobId, JobState, methods, subjects};
+use fleet_proto::util::now_ms;
+use fleet_store::JobRecord;
 use fleet_worker::config::{IsolationMode, RunAs, WorkerConfig};
 use fleet_worker::sandbox::Sandbox;
 use serde_json::{Value, json};
@@ -568,12 +570,7 @@ enum Outcome {
 }
 
 async fn request(client: &async_nats::Client, auth: &str, method: &str, args: &Value) -> Outcome {
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert(subjects::AUTH_HEADER, auth);
-    let req = async_nats::Request::new()
-        .headers(headers)
-        .payload(serde_json::to_vec(args).unwrap().into())
-        .timeout(Some(Duration::from_secs(30)));
+    let req = api_request(auth, args, Duration::from_secs(30));
     match client.send_request(subjects::api(method), req).await {
         Ok(msg) => match serde_json::from_slice::<ApiResponse<Value>>(&msg.payload) {
             Ok(ApiResponse::Ok(v)) => Outcome::Ok(v),

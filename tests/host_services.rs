@@ -7,15 +7,16 @@
 use std::collections::BTreeSet;
 use std::process::Command;
 
-use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER};
-use fleet::grants::GrantStore;
 use fleet::nats_server::NatsServer;
-use fleet::services::args::ServicesArgs;
-use fleet::services::tokens::{AUD_SAMPLING, AUD_STORAGE};
-use fleet::services::{Binding, FleetServices, TokenMinter};
-use fleet::store::{StoreSettings, now_ms};
+use fleet_client::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER};
 use fleet_e2e::fleet_bin;
 use fleet_proto::executa::reverse::{Family, family_of};
+use fleet_proto::util::now_ms;
+use fleet_services::args::ServicesArgs;
+use fleet_services::grants::GrantStore;
+use fleet_services::tokens::{AUD_SAMPLING, AUD_STORAGE};
+use fleet_services::{Binding, FleetServices, TokenMinter};
+use fleet_store::StoreSettings;
 use fleet_worker::services::{HostServices, InvokeTokens, ReverseCall, TokenRequest, TokenSource};
 use serde_json::{Value, json};
 
@@ -31,7 +32,7 @@ struct Env {
 async fn env() -> Env {
     let dir = tempfile::tempdir().unwrap();
     let nats = NatsServer::start(&dir.path().join("nats")).expect("nats-server (run scripts/test.sh once)");
-    let client = nats.connect(fleet::nats_auth::Role::Front).await.unwrap();
+    let client = nats.connect(fleet_client::creds::Role::Front).await.unwrap();
     let js = async_nats::jetstream::new(client);
     let services = ServicesArgs::default()
         .open(&js, &StoreSettings::default(), dir.path(), None)
@@ -315,13 +316,14 @@ async fn a_long_invoke_gets_a_renewal_time_and_a_renewal_keeps_its_budget() {
 async fn fleet_grant_is_an_operator_action_over_nats() {
     let dir = tempfile::tempdir().unwrap();
     let nats = NatsServer::start(&dir.path().join("nats")).expect("nats-server");
-    let client = nats.connect(fleet::nats_auth::Role::Front).await.unwrap();
+    let client = nats.connect(fleet_client::creds::Role::Front).await.unwrap();
     let js = async_nats::jetstream::new(client.clone());
     let grants = GrantStore::open(&js, &StoreSettings::default()).await.unwrap();
-    let key = fleet::auth::DevKey::load_or_create(dir.path()).unwrap();
-    let operator_key = fleet::auth::DevKey::load_or_create_operator(dir.path()).unwrap();
+    let key = fleet_client::auth::DevKey::load_or_create(dir.path()).unwrap();
+    let operator_key = fleet_client::auth::DevKey::load_or_create_operator(dir.path()).unwrap();
     let verifier =
-        fleet::auth::OperatorVerifier::new(vec![operator_key.verify_key().unwrap()], DEFAULT_ISSUER).unwrap();
+        fleet_client::auth::OperatorVerifier::new(vec![operator_key.verify_key().unwrap()], DEFAULT_ISSUER)
+            .unwrap();
     let admin = fleet::grants::serve_admin(client, grants.clone(), verifier)
         .await
         .unwrap();

@@ -9,12 +9,13 @@ use std::time::{Duration, Instant};
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
 use fleet::nats_server::NatsServer;
-use fleet::services::files::{HostObjects, LinkSigner};
-use fleet::services::kv::StorageConfig;
-use fleet::services::{FleetServices, ServicesConfig};
-use fleet::store::{StoreSettings, now_ms};
 use fleet_proto::executa::reverse::family_of;
 use fleet_proto::jsonrpc::ErrorObject;
+use fleet_proto::util::now_ms;
+use fleet_services::files::{HostObjects, LinkSigner};
+use fleet_services::kv::StorageConfig;
+use fleet_services::{FleetServices, ServicesConfig};
+use fleet_store::StoreSettings;
 use fleet_worker::services::{InvokeTokens, ReverseCall, TokenRequest, TokenSource};
 use serde_json::{Value, json};
 
@@ -64,12 +65,12 @@ async fn env_with(quota_bytes: Option<u64>, absolute: bool) -> Env {
     // A front creates the resources and edits grants; the services under test are a worker's (its user, its
     // attached resources), as in production.
     let front = nats
-        .connect(fleet::nats_auth::Role::Front)
+        .connect(fleet_client::creds::Role::Front)
         .await
         .expect("connect");
     let front_js = async_nats::jetstream::new(front);
     let client = nats
-        .connect(fleet::nats_auth::Role::Worker)
+        .connect(fleet_client::creds::Role::Worker)
         .await
         .expect("connect");
     let js = async_nats::jetstream::new(client);
@@ -88,7 +89,7 @@ async fn env_with(quota_bytes: Option<u64>, absolute: bool) -> Env {
     .await
     .expect("services (front)");
     let worker_settings = StoreSettings {
-        provision: fleet::store::Provision::Attach,
+        provision: fleet_store::Provision::Attach,
         ..settings.clone()
     };
     let services = Box::pin(FleetServices::open(

@@ -5,13 +5,14 @@
 use std::collections::BTreeSet;
 
 use fleet::nats_server::NatsServer;
-use fleet::services::files::LinkSigner;
-use fleet::services::llm::{LlmConfig, ModelConfig};
-use fleet::services::{FleetServices, ServicesConfig};
-use fleet::store::{StoreSettings, now_ms};
 use fleet_e2e::fake_llm::{CHAT, EMBEDDINGS, FakeLlm};
 use fleet_proto::executa::reverse::family_of;
 use fleet_proto::jsonrpc::ErrorObject;
+use fleet_proto::util::now_ms;
+use fleet_services::files::LinkSigner;
+use fleet_services::llm::{LlmConfig, ModelConfig};
+use fleet_services::{FleetServices, ServicesConfig};
+use fleet_store::StoreSettings;
 use fleet_worker::services::{HostServices, InvokeTokens, ReverseCall, TokenRequest, TokenSource};
 use serde_json::{Value, json};
 
@@ -54,7 +55,7 @@ async fn env_with(configure: impl FnOnce(LlmConfig) -> Option<LlmConfig>) -> Env
     let dir = tempfile::tempdir().expect("tempdir");
     let nats = NatsServer::start(&dir.path().join("nats")).expect("nats-server (run scripts/test.sh once)");
     let client = nats
-        .connect(fleet::nats_auth::Role::Front)
+        .connect(fleet_client::creds::Role::Front)
         .await
         .expect("connect");
     let js = async_nats::jetstream::new(client);

@@ -13,12 +13,12 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, Verifier};
 use fleet::http::window::{WINDOW_AUDIENCE, WindowToken};
 use fleet::http::{HttpConfig, HttpState};
+use fleet_client::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, Verifier};
 use fleet_e2e::cluster::{Cluster, SECRET};
 use fleet_e2e::worker::{Plugin, eventually};
-use fleet_proto::api::{methods, subjects};
+use fleet_proto::api::methods;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
@@ -59,19 +59,7 @@ impl Gateway {
 async fn start_with(name: &str, workers: usize, config: HttpConfig) -> Gateway {
     let cluster = Cluster::start(name, 1, workers, &[Plugin::echo("echo", &[])]).await;
     // Front::serve returns before the server has seen every endpoint: wait until the API answers.
-    let deadline = Instant::now() + GUARD;
-    for method in methods::ALL {
-        loop {
-            let request = async_nats::Request::new()
-                .payload("{}".into())
-                .timeout(Some(GUARD));
-            match cluster.app.send_request(subjects::api(method), request).await {
-                Ok(_) => break,
-                Err(e) => assert!(Instant::now() < deadline, "{method} never answered: {e}"),
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
+    cluster.wait_for_api(GUARD).await;
     let front = cluster.fronts[0].0.clone();
     let verifier = Verifier::new(
         vec![cluster.key.verify_key().expect("verify key")],

@@ -13,11 +13,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use fleet::store::JobRecord;
 use fleet_e2e::cluster::Cluster;
 use fleet_e2e::worker::{Plugin, eventually};
 use fleet_e2e::workspace_root;
 use fleet_proto::api::{ApiErrorCode, JobId, JobState, methods, subjects};
+use fleet_store::JobRecord;
 use serde_json::{Value, json};
 
 const GUARD: Duration = Duration::from_secs(30);

@@ -8,8 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use fleet::nats_auth::{AuthMaterial, Role, permissions};
-use fleet::nats_conn::{ConnectError, Connector, Tls};
+use fleet::nats_auth::{AuthMaterial, permissions};
+use fleet_client::creds::Role;
+use fleet_client::nats_conn::{ConnectError, Connector, Tls};
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair};
 
 /// A CA and the certificates it signed, as PEM files.

@@ -12,8 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_nats::ConnectOptions;
-use fleet::nats_auth::{AuthMaterial, Role, permissions};
-use fleet::nats_conn::{ConnectError, Connector};
+use fleet::nats_auth::{AuthMaterial, permissions};
+use fleet_client::creds::Role;
+use fleet_client::nats_conn::{ConnectError, Connector};
 use fleet_e2e::cluster::{Cluster, connect};
 use fleet_e2e::worker::Plugin;
 use fleet_e2e::{fleet_bin, workspace_root};
@@ -158,9 +159,12 @@ async fn app_credentials_reach_the_api_and_nothing_else() {
 async fn worker_credentials_cannot_write_grants_plugins_or_admin_subjects() {
     let c = Cluster::start("trust-worker", 0, 0, &[]).await;
     // The grants bucket, as a front creates it.
-    fleet::grants::GrantStore::open(&async_nats::jetstream::new(c.client.clone()), c.store.settings())
-        .await
-        .unwrap();
+    fleet_services::grants::GrantStore::open(
+        &async_nats::jetstream::new(c.client.clone()),
+        c.store.settings(),
+    )
+    .await
+    .unwrap();
     let (worker, mut rx) = watched(&c.nats.connector(Role::Worker), "worker-probe").await;
     for subject in [
         "fleet.v1.admin.grants.set",

@@ -5,13 +5,15 @@
 
 use std::time::Duration;
 
-use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, OPERATOR_AUDIENCE};
-use fleet::grants::{GRANTS_AREA, GRANTS_GET, GRANTS_SET, GrantStore};
 use fleet::plugins::PluginStore;
-use fleet::plugins::service::{self, DESCRIBE, INSTALL, LIST, PLUGINS_AREA, REMOVE};
+use fleet::plugins::service;
+use fleet_client::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, OPERATOR_AUDIENCE};
 use fleet_e2e::cluster::Cluster;
 use fleet_e2e::worker::Plugin;
+use fleet_proto::admin::grants::{AREA as GRANTS_AREA, GET as GRANTS_GET, SET as GRANTS_SET};
+use fleet_proto::admin::plugins::{AREA as PLUGINS_AREA, DESCRIBE, INSTALL, LIST, REMOVE};
 use fleet_proto::api::{ApiErrorCode, ApiResponse, methods, subjects};
+use fleet_services::grants::GrantStore;
 use serde_json::{Value, json};
 
 const TTL: Duration = Duration::from_secs(600);
@@ -25,7 +27,7 @@ async fn admin(c: &Cluster, token: &str, area: &str, method: &str, args: &Value)
         .timeout(Some(Duration::from_secs(30)));
     let msg = c
         .operator
-        .send_request(fleet::operator::subject(area, method), request)
+        .send_request(fleet_proto::admin::subject(area, method), request)
         .await
         .expect("an answer");
     serde_json::from_slice(&msg.payload).unwrap()
@@ -63,14 +65,18 @@ async fn a_user_token_claiming_operator_is_refused_by_every_admin_api() {
 
     let calls: Vec<(&str, &str, Value)> = vec![
         (
-            fleet::creds::CREDS_AREA,
-            fleet::creds::ISSUE,
+            fleet_proto::admin::creds::AREA,
+            fleet_proto::admin::creds::ISSUE,
             json!({ "name": "mallory" }),
         ),
-        (fleet::creds::CREDS_AREA, fleet::creds::LIST, json!({})),
         (
-            fleet::creds::CREDS_AREA,
-            fleet::creds::REVOKE,
+            fleet_proto::admin::creds::AREA,
+            fleet_proto::admin::creds::LIST,
+            json!({}),
+        ),
+        (
+            fleet_proto::admin::creds::AREA,
+            fleet_proto::admin::creds::REVOKE,
             json!({ "name": "victim" }),
         ),
         (

@@ -8,10 +8,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use fleet::plugins::{PluginStore, cli, service};
-use fleet::store::StoreSettings;
 use fleet_e2e::cluster::Cluster;
 use fleet_e2e::worker::alive;
+use fleet_proto::admin;
 use fleet_proto::api::{ApiError, ApiErrorCode, methods};
+use fleet_store::StoreSettings;
 use serde_json::{Value, json};
 use sha2::Digest as _;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -228,21 +229,21 @@ impl Env {
     }
 
     async fn install(&self, body: Value) -> Value {
-        match self.plugins(service::INSTALL, body.clone()).await {
+        match self.plugins(admin::plugins::INSTALL, body.clone()).await {
             Ok(v) => v,
             Err(e) => panic!("install {body} failed: {e}"),
         }
     }
 
     async fn install_err(&self, body: Value) -> ApiError {
-        match self.plugins(service::INSTALL, body.clone()).await {
+        match self.plugins(admin::plugins::INSTALL, body.clone()).await {
             Ok(v) => panic!("install {body} unexpectedly succeeded: {v}"),
             Err(e) => e,
         }
     }
 
     async fn tool_ids(&self) -> Vec<String> {
-        let list = self.plugins(service::LIST, json!({})).await.expect("list");
+        let list = self.plugins(admin::plugins::LIST, json!({})).await.expect("list");
         list["plugins"]
             .as_array()
             .expect("plugins")
@@ -495,7 +496,7 @@ async fn every_package_is_verified_and_validated_before_it_is_published() {
     let err = cli::request(
         &e.cluster.operator,
         &user,
-        service::LIST,
+        admin::plugins::LIST,
         &json!({}),
         Duration::from_secs(10),
     )
@@ -610,7 +611,7 @@ async fn upgrades_drain_old_sessions_gc_old_versions_and_new_workers_install_laz
     // The record, the cached in-archive manifest, and (once a worker described it) the described manifest.
     let described = until(async || {
         let d = e
-            .plugins(service::DESCRIBE, json!({ "tool_id": tool }))
+            .plugins(admin::plugins::DESCRIBE, json!({ "tool_id": tool }))
             .await
             .expect("describe");
         (!d["manifest"].is_null()).then_some(d)
@@ -641,16 +642,22 @@ async fn upgrades_drain_old_sessions_gc_old_versions_and_new_workers_install_laz
 
     // Removal: an old version; never the current one while others remain; then the plugin.
     let removed = e
-        .plugins(service::REMOVE, json!({ "tool_id": tool, "version": "1.0.0" }))
+        .plugins(
+            admin::plugins::REMOVE,
+            json!({ "tool_id": tool, "version": "1.0.0" }),
+        )
         .await
         .expect("remove");
     assert_eq!(removed["removed"], json!(["1.0.0"]));
     let err = e
-        .plugins(service::REMOVE, json!({ "tool_id": tool, "version": "3.0.0" }))
+        .plugins(
+            admin::plugins::REMOVE,
+            json!({ "tool_id": tool, "version": "3.0.0" }),
+        )
         .await
         .expect_err("the current version stays");
     assert_eq!(err.code, ApiErrorCode::InvalidArg);
-    e.plugins(service::REMOVE, json!({ "tool_id": tool }))
+    e.plugins(admin::plugins::REMOVE, json!({ "tool_id": tool }))
         .await
         .expect("remove all");
     let err = e
@@ -669,7 +676,7 @@ async fn upgrades_drain_old_sessions_gc_old_versions_and_new_workers_install_laz
         .to_path_buf();
     until(async || (!tool_dir4.exists()).then_some(())).await;
     let err = e
-        .plugins(service::DESCRIBE, json!({ "tool_id": tool }))
+        .plugins(admin::plugins::DESCRIBE, json!({ "tool_id": tool }))
         .await
         .expect_err("gone");
     assert_eq!(err.code, ApiErrorCode::NotFound);
@@ -694,7 +701,7 @@ async fn the_cli_installs_a_directory_lists_describes_and_removes() {
     )
     .expect("manifest");
     let url = e.cluster.nats.url();
-    let creds = e.cluster.nats.creds(fleet::nats_auth::Role::Operator);
+    let creds = e.cluster.nats.creds(fleet_client::creds::Role::Operator);
     let fleet = |args: &[&str]| {
         let out = std::process::Command::new(fleet_e2e::fleet_bin())
             .args(args)

@@ -1,28 +1,16 @@
-//! The client subcommands: `fleet token`, `fleet invoke`, `fleet invoke-async`, `fleet job get|cancel|list`.
-//! They talk to a running fleet over NATS, authenticate with `--token` or mint a dev token for `--user` with the
-//! key `fleet up` keeps in `--data-dir`, print JSON on stdout, and exit non-zero with the spec's error code on any
-//! error.
+//! The client subcommands' flags: `fleet token`, `fleet invoke`, `fleet invoke-async`, `fleet job get|cancel|list`
+//! and the operator subcommands. They talk to a running fleet over NATS through `fleet_client` (the plumbing and
+//! the typed client), authenticate with `--token` or mint a dev token for `--user` with the key `fleet up` keeps
+//! in `--data-dir`, print JSON on stdout, and exit non-zero with the spec's error code on any error.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
-use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, methods, subjects};
-use serde_json::{Value, json};
-
-use crate::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, DevKey, OPERATOR_AUDIENCE};
-use crate::nats_auth::Role;
-use crate::nats_conn::{Connector, NatsAuthArgs, role_creds};
-
-/// The NATS URL clients use by default.
-pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
-
-/// The data directory `fleet up` and the clients share by default.
-pub const DEFAULT_DATA_DIR: &str = ".fleet";
-
-/// Where `fleet up` records the URL of the nats-server it started.
-pub fn nats_url_file(data_dir: &Path) -> PathBuf {
-    data_dir.join("nats-url")
-}
+use fleet_client::api::{ApiClient, DEFAULT_DATA_DIR, connect, mint, resolve_url};
+use fleet_client::creds::Role;
+use fleet_client::nats_conn::{Connector, NatsAuthArgs, role_creds};
+use fleet_proto::api::{ApiError, ApiErrorCode};
+use serde_json::Value;
 
 /// Connection and identity flags shared by every client subcommand.
 #[derive(Debug, Clone, clap::Args)]
@@ -42,50 +30,6 @@ pub struct ClientArgs {
     /// Mint a dev token for this user with the data dir's signing key.
     #[arg(long)]
     pub user: Option<String>,
-}
-
-/// The NATS URL a client uses: `--nats-url`, else the one `fleet up` recorded in the data dir, else the default.
-pub fn resolve_url(nats_url: Option<&str>, data_dir: &Path) -> String {
-    nats_url.map(str::to_owned).unwrap_or_else(|| {
-        std::fs::read_to_string(nats_url_file(data_dir))
-            .map(|s| s.trim().to_string())
-            .ok()
-            .filter(|s| !s.is_empty())
-            .unwrap_or_else(|| DEFAULT_NATS_URL.to_string())
-    })
-}
-
-/// Connects a client (5 s connection timeout); a refusal or an unreadable credential is `AGENT_UNAVAILABLE`
-/// with the one-line reason.
-pub async fn connect(connector: &Connector, name: &str) -> Result<async_nats::Client, ApiError> {
-    connector
-        .connect(name)
-        .await
-        .map_err(|e| ApiError::new(ApiErrorCode::AgentUnavailable, e.to_string()))
-}
-
-/// Sends one request with `Authorization: Bearer <token>` to `subject` and unwraps the `ApiResponse`.
-pub async fn request(
-    client: &async_nats::Client,
-    token: &str,
-    subject: String,
-    body: &Value,
-    wait: Duration,
-) -> Result<Value, ApiError> {
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert(subjects::AUTH_HEADER, format!("Bearer {token}").as_str());
-    let payload = serde_json::to_vec(body).unwrap_or_default();
-    let request = async_nats::Request::new()
-        .headers(headers)
-        .payload(payload.into())
-        .timeout(Some(wait));
-    let reply = client
-        .send_request(subject.clone(), request)
-        .await
-        .map_err(|e| ApiError::new(ApiErrorCode::AgentUnavailable, format!("{subject}: {e}")))?;
-    let response: ApiResponse<Value> = serde_json::from_slice(&reply.payload)
-        .map_err(|e| ApiError::new(ApiErrorCode::InternalError, format!("unreadable answer: {e}")))?;
-    response.into_result()
 }
 
 /// Connection flags of the operator subcommands (`fleet grant`, `fleet plugins …`): the client subcommands'
@@ -131,6 +75,13 @@ impl OperatorConn {
     pub async fn connect(&self) -> Result<async_nats::Client, ApiError> {
         connect(&self.connector(), "operator").await
     }
+
+    /// The operator API client: the token first (a missing key is reported before any connection), then the
+    /// connection.
+    pub async fn client(&self) -> Result<ApiClient, ApiError> {
+        let token = self.token()?;
+        ApiClient::connect(&self.connector(), "operator", token).await
+    }
 }
 
 impl ClientArgs {
@@ -160,53 +111,9 @@ impl ClientArgs {
     }
 }
 
-/// Mints a dev token: a user token with the data dir's dev key, or (`operator`) an operator token — audience
-/// `cloud-agents-operator` — with its dev operator key.
-pub fn mint(data_dir: &Path, user: &str, ttl: Duration, operator: bool) -> Result<String, ApiError> {
-    let (key, audience) = if operator {
-        (DevKey::load_operator(data_dir), OPERATOR_AUDIENCE)
-    } else {
-        (DevKey::load(data_dir), DEFAULT_AUDIENCE)
-    };
-    let key = key.map_err(|e| e.to_api_error())?;
-    key.mint(user, DEFAULT_ISSUER, audience, ttl, operator)
-        .map_err(|e| e.to_api_error())
-}
-
 /// Sends one API call and returns its result.
 pub async fn call(args: &ClientArgs, method: &str, body: &Value, wait: Duration) -> Result<Value, ApiError> {
     let token = args.token()?;
-    let client = connect(&args.connector(), "fleet-cli").await?;
-    request(&client, &token, subjects::api(method), body, wait).await
-}
-
-/// `fleet invoke` / `invoke-async` arguments into the API's.
-pub fn invoke_body(
-    tool_id: &str,
-    tool: &str,
-    args: Option<&str>,
-    timeout_ms: Option<u64>,
-    client_tag: Option<&str>,
-) -> Result<Value, ApiError> {
-    let args: Value = match args {
-        Some(a) => serde_json::from_str(a)
-            .map_err(|e| ApiError::invalid_arg("args", format!("--args must be JSON: {e}")))?,
-        None => json!({}),
-    };
-    let mut body = json!({ "tool_id": tool_id, "method": tool, "args": args });
-    if let Some(t) = timeout_ms {
-        body["timeoutMs"] = json!(t);
-    }
-    if let Some(c) = client_tag {
-        body["clientTag"] = json!(c);
-    }
-    Ok(body)
-}
-
-/// How long a client waits for an answer to `method`.
-pub fn wait_for(method: &str, timeout_ms: Option<u64>) -> Duration {
-    match method {
-        methods::TOOLS_INVOKE => Duration::from_millis(timeout_ms.unwrap_or(90_000).min(90_000) + 10_000),
-        _ => Duration::from_secs(30),
-    }
+    let client = ApiClient::connect(&args.connector(), "fleet-cli", token).await?;
+    client.call(method, body, wait).await
 }

@@ -20,43 +20,20 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
-use fleet_proto::api::{ApiError, ApiErrorCode, subjects};
-use serde::{Deserialize, Serialize};
+use fleet_proto::admin::creds::{AREA, CredRecord, ISSUE, Issued, LIST, Listed, NameArgs, REVOKE, Revoked};
+use fleet_proto::admin::{ADMIN_QUEUE_GROUP, parse_args};
+use fleet_proto::api::{ApiError, ApiErrorCode};
 use serde_json::{Value, json};
 
-use crate::auth::OperatorVerifier;
 use crate::client_cmd::OperatorConn;
-use crate::nats_auth::{self, AuthMaterial, Role, permissions, push_account_jwt};
+use crate::nats_auth::{self, AuthMaterial, permissions, push_account_jwt};
 use crate::operator;
-use crate::store::StoreSettings;
+use fleet_client::auth::OperatorVerifier;
+use fleet_client::creds::{Role, inbox_prefix};
+use fleet_store::StoreSettings;
 
-/// The operator API area.
-pub const CREDS_AREA: &str = "creds";
-/// `fleet.v1.admin.creds.issue`.
-pub const ISSUE: &str = "issue";
-/// `fleet.v1.admin.creds.list`.
-pub const LIST: &str = "list";
-/// `fleet.v1.admin.creds.revoke`.
-pub const REVOKE: &str = "revoke";
 /// How many times a record update is retried on a concurrent write.
 const CAS_ATTEMPTS: usize = 8;
-
-/// One issued app credential, as stored and listed (no secret).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CredRecord {
-    /// The name (also the user's inbox prefix `_INBOX.<name>`).
-    pub name: String,
-    /// The current user key (`U…`).
-    pub public_key: String,
-    /// When it was issued (unix seconds).
-    pub issued_at: u64,
-    /// When it was revoked (unix seconds), if it was.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub revoked_at: Option<u64>,
-    /// Earlier keys of this name and when each was revoked.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub revoked_keys: BTreeMap<String, u64>,
-}
 
 /// Why a credentials operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -121,7 +98,7 @@ impl Issuer {
         material: AuthMaterial,
         sys: async_nats::Client,
     ) -> Result<Issuer, CredsError> {
-        let kv = crate::store::provision::key_value(
+        let kv = fleet_store::provision::key_value(
             js,
             kv::Config {
                 bucket: permissions::APP_CREDS.bucket(&settings.prefix),
@@ -293,11 +270,6 @@ impl Issuer {
     }
 }
 
-#[derive(Deserialize)]
-struct NameArgs {
-    name: String,
-}
-
 /// Serves `fleet.v1.admin.creds.*` (operator tokens only), after pushing the revocations on record.
 pub async fn serve_admin(
     client: async_nats::Client,
@@ -309,8 +281,8 @@ pub async fn serve_admin(
     }
     operator::serve(
         client,
-        CREDS_AREA,
-        format!("{}-admin", subjects::API_QUEUE_GROUP),
+        AREA,
+        ADMIN_QUEUE_GROUP.to_owned(),
         verifier,
         "app credentials are operator actions",
         move |method, payload| {
@@ -321,22 +293,30 @@ pub async fn serve_admin(
     .await
 }
 
+fn to_value(answer: &impl serde::Serialize) -> Value {
+    serde_json::to_value(answer).unwrap_or(Value::Null)
+}
+
 async fn admin_call(issuer: &Issuer, method: &str, payload: &[u8]) -> Result<Value, ApiError> {
     let api = |e: CredsError| e.to_api_error();
     match method {
         ISSUE => {
-            let a: NameArgs = operator::parse(payload)?;
-            let (record, creds) = issuer.issue(&a.name).await.map_err(api)?;
-            Ok(json!({
-                "credential": record,
-                "inbox_prefix": permissions::inbox_prefix(&a.name),
-                "creds": creds,
+            let a: NameArgs = parse_args(payload)?;
+            let (credential, creds) = issuer.issue(&a.name).await.map_err(api)?;
+            Ok(to_value(&Issued {
+                credential,
+                inbox_prefix: inbox_prefix(&a.name),
+                creds,
             }))
         }
-        LIST => Ok(json!({ "credentials": issuer.list().await.map_err(api)? })),
+        LIST => Ok(to_value(&Listed {
+            credentials: issuer.list().await.map_err(api)?,
+        })),
         REVOKE => {
-            let a: NameArgs = operator::parse(payload)?;
-            Ok(json!({ "credential": issuer.revoke(&a.name).await.map_err(api)? }))
+            let a: NameArgs = parse_args(payload)?;
+            Ok(to_value(&Revoked {
+                credential: issuer.revoke(&a.name).await.map_err(api)?,
+            }))
         }
         other => Err(ApiError::new(
             ApiErrorCode::NotFound,
@@ -383,16 +363,8 @@ pub async fn run(cmd: &CredsCmd) -> Result<Value, ApiError> {
         CredsCmd::List { conn } => (conn, LIST, json!({})),
         CredsCmd::Revoke { name, conn } => (conn, REVOKE, json!({ "name": name })),
     };
-    let token = conn.token()?;
-    let client = conn.connect().await?;
-    let mut out = crate::client_cmd::request(
-        &client,
-        &token,
-        operator::subject(CREDS_AREA, method),
-        &body,
-        Duration::from_secs(15),
-    )
-    .await?;
+    let client = conn.client().await?;
+    let mut out = client.admin(AREA, method, &body, Duration::from_secs(15)).await?;
     if let CredsCmd::Issue { out: Some(path), .. } = cmd {
         let creds = out
             .get("creds")

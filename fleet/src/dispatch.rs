@@ -13,7 +13,7 @@ use tracing::Instrument as _;
 
 use crate::membership::Membership;
 use crate::nats_auth::exec_seal::ExecSigner;
-use crate::store::{Store, WorkerInfo};
+use fleet_store::{Store, WorkerInfo};
 
 /// How long the registry's last read is reused while the membership watch has not read it yet.
 const REGISTRY_CACHE: Duration = Duration::from_millis(500);
@@ -124,7 +124,7 @@ impl Dispatcher {
         let live = self.live().await;
         rank(
             live.iter().map(|w| w.id.as_str()),
-            &format!("{}\u{0}{plugin}", crate::store::user_key(user)),
+            &format!("{}\u{0}{plugin}", fleet_proto::api::user_key(user)),
         )
     }
 

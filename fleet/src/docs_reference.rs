@@ -3,7 +3,7 @@
 //!
 //! - `docs/configuration.md` is generated here: every `fleet` subcommand's flags and environment variables from
 //!   the clap definitions (`Cli`), the worker's TOML (`fleet_worker::config::WorkerConfig`, its defaults
-//!   serialised) and the host services' TOML (`fleet::services::ServicesConfig`, its field names as serde reads
+//!   serialised) and the host services' TOML (`fleet_services::ServicesConfig`, its field names as serde reads
 //!   them). A test fails when the file differs from what the code generates; `UPDATE_DOCS=1` rewrites it.
 //! - Every `FLEET_*` variable the code reads appears in `docs/configuration.md`.
 //! - Every error code the product can return (`fleet_proto::api::ApiErrorCode`, the reverse-RPC families of
@@ -511,7 +511,7 @@ fn flatten(prefix: &str, value: &toml::Value, rows: &mut Vec<(String, String)>) 
 
 /// The services TOML's keys as serde reads them, as dotted paths.
 fn services_keys() -> BTreeSet<String> {
-    use fleet::services::{ServicesConfig, kv::StorageConfig, llm};
+    use fleet_services::{ServicesConfig, kv::StorageConfig, llm};
     let mut keys: BTreeSet<String> = serde_names::<ServicesConfig>()
         .into_iter()
         .map(str::to_owned)
@@ -784,7 +784,7 @@ fn serde_names_reads_renamed_variants_and_fields() {
         codes.contains("job_quota_exceeded") && codes.contains("invalid_token"),
         "{codes:?}"
     );
-    assert!(serde_names::<fleet::services::kv::StorageConfig>().contains("quota_bytes"));
+    assert!(serde_names::<fleet_services::kv::StorageConfig>().contains("quota_bytes"));
     assert_eq!(
         fleet_vars("a FLEET_LOG, `FLEET_NATS_URL` xFLEET_NO FLEET_"),
         BTreeSet::from(["FLEET_LOG".to_owned(), "FLEET_NATS_URL".to_owned()])

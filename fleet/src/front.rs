@@ -25,14 +25,16 @@ use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tracing::Instrument as _;
 
-use crate::auth::Verifier;
 use crate::dispatch::Dispatcher;
 use crate::in_flight::InFlight;
 use crate::metrics::FleetMetrics;
 use crate::nats_auth::exec_seal::ExecSigner;
-use crate::node::{new_invoke_id, now_ms};
+use crate::node::new_invoke_id;
 use crate::policy::{self, SyncTimeout};
-use crate::store::{JobFilter, JobRecord, Store, StoreError, Transition, user_key};
+use fleet_client::auth::Verifier;
+use fleet_proto::api::user_key;
+use fleet_proto::util::now_ms;
+use fleet_store::{JobFilter, JobRecord, Store, StoreError, Transition};
 
 /// Front settings.
 #[derive(Debug, Clone)]

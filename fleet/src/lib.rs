@@ -1,12 +1,21 @@
-//! Cloud Agents front: the stateless, NATS-fronted service.
+//! Cloud Agents front and node: the `fleet` binary's library. Stateless replicas over NATS and JetStream.
 //!
-//! It will own authentication (JWT), admission (rate limits, the 5-active-jobs quota), the job records and their
-//! state machine in JetStream KV, dispatch to workers, expiry, the HTTP gateway, host services that need shared
-//! state, and telemetry. Today it owns [`probe`] (`fleet probe`: drive one plugin through the Executa handshake with
-//! the real codec) and [`worker_cmd`] (`fleet worker`: the plugin host on its own).
+//! - API: [`front`] (the NATS API service: authentication, rate limits, admission, validation, handlers),
+//!   [`http`] (the axum gateway: `/v1/rpc` with window tokens, SSE, health, metrics, the operator page, signed
+//!   file links), [`in_flight`], [`policy`] (timeout arithmetic);
+//! - jobs: [`dispatch`] (rendezvous ranking, front ↔ worker requests, retries, cancel), [`membership`] (the live
+//!   workers, pushed by a KV watch), [`node`] (a worker's NATS side), [`sweeper`] (expiry, lost workers, waiting
+//!   jobs);
+//! - operators: [`operator`] (serving plumbing of `fleet.v1.admin.*`), [`grants`], [`creds`] (app NATS
+//!   credentials), [`plugins`] (distribution: packages, records, install on workers);
+//! - NATS trust: [`nats_auth`] (operator-mode material, the role table, exec seals), [`nats_server`];
+//! - the binary's commands: [`up`], [`worker_cmd`], [`client_cmd`], [`probe`]; [`metrics`], [`telemetry`].
+//!
+//! What is not here: the job store (`fleet-store`), the host services and the grants bucket (`fleet-services`),
+//! connections, credentials, tokens and the API client (`fleet-client`), wire types (`fleet-proto`, including
+//! `proto::admin`), the plugin host (`fleet-worker`). See ARCHITECTURE.md for what each crate promises.
 #![forbid(unsafe_code)]
 
-pub mod auth;
 pub mod client_cmd;
 pub mod creds;
 pub mod dispatch;
@@ -17,15 +26,12 @@ pub mod in_flight;
 pub mod membership;
 pub mod metrics;
 pub mod nats_auth;
-pub mod nats_conn;
 pub mod nats_server;
 pub mod node;
 pub mod operator;
 pub mod plugins;
 pub mod policy;
 pub mod probe;
-pub mod services;
-pub mod store;
 pub mod sweeper;
 pub mod telemetry;
 pub mod up;

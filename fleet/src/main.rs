@@ -1,8 +1,9 @@
 //! The `fleet` binary: the Cloud Agents service and its operator commands.
 //!
-//! Today: `fleet probe -- CMD ARGS…` runs one plugin through the Executa handshake with the production codec;
-//! `fleet worker` runs the plugin host on its own.
-//! `fleet up` (all roles plus a child nats-server) arrives with the fleet issue.
+//! `fleet up` (a nats-server unless `--nats-url`, the fronts, N workers, HTTP), `fleet worker` (the plugin host
+//! on its own); the clients `token`, `invoke`, `invoke-async`, `job get|cancel|list`; the operator commands
+//! `grant`, `creds`, `plugins`, `nats-auth init`; and `probe` (one plugin through the Executa handshake with the
+//! production codec, confined as a worker runs it).
 #![forbid(unsafe_code)]
 
 use std::process::ExitCode;
@@ -98,7 +99,7 @@ enum Cmd {
         #[arg(long, conflicts_with = "window")]
         operator: bool,
         /// The data directory of `fleet up`.
-        #[arg(long, env = "FLEET_DATA_DIR", default_value = fleet::client_cmd::DEFAULT_DATA_DIR)]
+        #[arg(long, env = "FLEET_DATA_DIR", default_value = fleet_client::api::DEFAULT_DATA_DIR)]
         data_dir: std::path::PathBuf,
     },
     /// tools.invoke: run a tool and print its result.
@@ -314,7 +315,7 @@ async fn run() -> ExitCode {
             data_dir,
             ..
         } => print_outcome(
-            fleet::client_cmd::mint(
+            fleet_client::api::mint(
                 &data_dir,
                 &user,
                 Duration::from_secs(ttl_secs.unwrap_or(3600)),
@@ -330,9 +331,9 @@ async fn run() -> ExitCode {
             timeout_ms,
         } => {
             let outcome =
-                match fleet::client_cmd::invoke_body(&tool_id, &tool, args.as_deref(), timeout_ms, None) {
+                match fleet_client::api::invoke_body(&tool_id, &tool, args.as_deref(), timeout_ms, None) {
                     Ok(body) => {
-                        let wait = fleet::client_cmd::wait_for(methods::TOOLS_INVOKE, timeout_ms);
+                        let wait = fleet_client::api::wait_for(methods::TOOLS_INVOKE, timeout_ms);
                         fleet::client_cmd::call(&client, methods::TOOLS_INVOKE, &body, wait).await
                     }
                     Err(e) => Err(e),
@@ -347,7 +348,7 @@ async fn run() -> ExitCode {
             timeout_ms,
             client_tag,
         } => {
-            let outcome = match fleet::client_cmd::invoke_body(
+            let outcome = match fleet_client::api::invoke_body(
                 &tool_id,
                 &tool,
                 args.as_deref(),
@@ -355,7 +356,7 @@ async fn run() -> ExitCode {
                 client_tag.as_deref(),
             ) {
                 Ok(body) => {
-                    let wait = fleet::client_cmd::wait_for(methods::TOOLS_INVOKE_ASYNC, None);
+                    let wait = fleet_client::api::wait_for(methods::TOOLS_INVOKE_ASYNC, None);
                     fleet::client_cmd::call(&client, methods::TOOLS_INVOKE_ASYNC, &body, wait).await
                 }
                 Err(e) => Err(e),
@@ -417,7 +418,7 @@ async fn run() -> ExitCode {
                     (client, methods::TOOLS_LIST_JOBS, body)
                 }
             };
-            let wait = fleet::client_cmd::wait_for(method, None);
+            let wait = fleet_client::api::wait_for(method, None);
             print_outcome(fleet::client_cmd::call(&client, method, &body, wait).await)
         }
     }

@@ -9,13 +9,13 @@
 //! it knows nothing (`None`) so callers never mistake "not read" for "no workers".
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
 use tokio::sync::watch;
 
-use crate::store::{Store, StoreError, WorkerChange, WorkerInfo};
+use fleet_store::{Store, StoreError, WorkerChange, WorkerInfo};
 
 /// How long to wait before watching again after the watch broke.
 const REWATCH_AFTER: Duration = Duration::from_millis(500);
@@ -39,7 +39,7 @@ struct Shared {
 
 impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<HashMap<String, (WorkerInfo, Instant)>>> {
-        self.members.lock().unwrap_or_else(PoisonError::into_inner)
+        fleet_proto::util::lock(&self.members)
     }
 
     fn bump(&self) {

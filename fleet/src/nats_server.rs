@@ -14,8 +14,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::nats_auth::exec_seal::{ExecSigner, ExecVerifier, SealKeyError};
-use crate::nats_auth::{AuthMaterial, Role, permissions};
-use crate::nats_conn::Connector;
+use crate::nats_auth::{AuthMaterial, permissions};
+use fleet_client::creds::Role;
+use fleet_client::nats_conn::Connector;
 
 /// The oldest usable server.
 pub const MIN_VERSION: (u32, u32) = (2, 10);
@@ -265,7 +266,10 @@ impl NatsServer {
     }
 
     /// Connects to this server as `role` (for tests and tools; panics are the caller's to avoid).
-    pub async fn connect(&self, role: Role) -> Result<async_nats::Client, crate::nats_conn::ConnectError> {
+    pub async fn connect(
+        &self,
+        role: Role,
+    ) -> Result<async_nats::Client, fleet_client::nats_conn::ConnectError> {
         self.connector(role).connect(role.as_str()).await
     }
 

@@ -30,7 +30,8 @@ use crate::in_flight::InFlight;
 use crate::metrics::FleetMetrics;
 use crate::nats_auth::exec_seal::ExecVerifier;
 use crate::policy;
-use crate::store::{Store, Transition, WorkerInfo, user_key};
+use fleet_proto::api::user_key;
+use fleet_store::{Store, Transition, WorkerInfo};
 
 /// How often the worker refreshes its registry entry and its running jobs' heartbeats.
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
@@ -42,7 +43,7 @@ pub const DRAIN_GRACE: Duration = Duration::from_secs(30);
 /// Progress events buffered per job between the plugin's reader and JetStream.
 const PROGRESS_BUFFER: usize = 1024;
 
-pub(crate) use fleet_proto::util::now_ms;
+use fleet_proto::util::now_ms;
 
 /// A running worker node.
 #[derive(Debug)]

@@ -1,25 +1,18 @@
-//! The operator API's plumbing, shared by every area (`fleet.v1.admin.grants.*`, `fleet.v1.admin.plugins.*`):
-//! one queue-group subscription per area (any front answers), request/reply with `Authorization: Bearer <JWT>`,
-//! the token verified as an operator token (its own audience and key set: [`OperatorVerifier`]), each request handled on its own task, answers in
-//! the API envelope (`{"ok": …}` / `{"error": {code, message, details}}`).
+//! The operator API's serving plumbing, shared by every area (`fleet.v1.admin.{grants,plugins,creds}.*`; subjects,
+//! arguments and results are `proto::admin`'s): one queue-group subscription per area (any front answers),
+//! request/reply with `Authorization: Bearer <JWT>`, the token verified as an operator token (its own audience and
+//! key set: [`OperatorVerifier`]), each request handled on its own task, answers in the API envelope
+//! (`{"ok": …}` / `{"error": {code, message, details}}`).
 
 use std::future::Future;
 
 use bytes::Bytes;
-use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, subjects};
+use fleet_proto::admin::subject;
+use fleet_proto::api::{ApiError, ApiResponse, subjects};
 use futures::StreamExt as _;
-use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::auth::OperatorVerifier;
-
-/// Subject prefix of the operator API.
-pub const ADMIN_PREFIX: &str = "fleet.v1.admin";
-
-/// The subject of `area`'s `method`, e.g. `fleet.v1.admin.grants.set`.
-pub fn subject(area: &str, method: &str) -> String {
-    format!("{ADMIN_PREFIX}.{area}.{method}")
-}
+use fleet_client::auth::OperatorVerifier;
 
 /// Serves `fleet.v1.admin.<area>.*` in queue group `queue` until the client closes: every request from a token
 /// with the operator claim goes to `handler(method, payload)` (`what` names the area in the refusal of other
@@ -67,15 +60,4 @@ where
             });
         }
     }))
-}
-
-/// An operator call's arguments (an empty payload is `{}`); `invalid_arg` when they do not parse.
-pub fn parse<T: DeserializeOwned>(payload: &[u8]) -> Result<T, ApiError> {
-    let payload = if payload.iter().all(u8::is_ascii_whitespace) {
-        b"{}".as_slice()
-    } else {
-        payload
-    };
-    serde_json::from_slice(payload)
-        .map_err(|e| ApiError::new(ApiErrorCode::InvalidArg, format!("bad arguments: {e}")))
 }

@@ -52,7 +52,7 @@ impl ProbeSandbox {
         let state = std::path::PathBuf::from(format!(
             "/var/tmp/fleet-probe-{}-{}",
             std::process::id(),
-            crate::store::now_ms()
+            fleet_proto::util::now_ms()
         ));
         std::fs::create_dir_all(&state).map_err(|source| ProbeSandboxError::State {
             path: state.clone(),

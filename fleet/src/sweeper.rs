@@ -14,8 +14,8 @@ use serde_json::json;
 use tracing::Instrument as _;
 
 use crate::front::{Front, publish_event};
-use crate::node::now_ms;
-use crate::store::{JobRecord, Transition};
+use fleet_proto::util::now_ms;
+use fleet_store::{JobRecord, Transition};
 
 /// How often a sweep runs.
 pub const SWEEP_EVERY: Duration = Duration::from_secs(1);

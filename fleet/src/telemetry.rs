@@ -157,5 +157,5 @@ pub fn traceparent(span: &tracing::Span) -> Option<String> {
 
 /// A user as span attributes may show it: the first 16 hex digits of SHA-256(user id), never the id itself.
 pub fn user_hash(user: &str) -> String {
-    crate::store::user_key(user).chars().take(16).collect()
+    fleet_proto::api::user_key(user).chars().take(16).collect()
 }

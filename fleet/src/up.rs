@@ -14,14 +14,14 @@ use fleet_worker::pool::Pool;
 use fleet_worker::sandbox::Sandbox;
 use fleet_worker::session::WorkerContext;
 
-use crate::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, DevKey, OperatorVerifier, Verifier, VerifyKey};
-use crate::client_cmd::{DEFAULT_DATA_DIR, nats_url_file};
 use crate::front::{Front, FrontConfig};
-use crate::nats_auth::Role;
 use crate::nats_auth::exec_seal::{ExecSigner, ExecVerifier, SealKeyError};
 use crate::nats_server::{NatsServer, free_port};
 use crate::node::WorkerNode;
-use crate::store::{Provision, Store, StoreSettings};
+use fleet_client::api::{DEFAULT_DATA_DIR, default_plugins_dir, nats_url_file};
+use fleet_client::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, DevKey, OperatorVerifier, Verifier, VerifyKey};
+use fleet_client::creds::{Role, creds_in};
+use fleet_store::{Provision, Store, StoreSettings};
 
 /// `fleet up`'s flags (this exact interface: scripts, the README and docs/ use it).
 #[derive(Debug, Clone, clap::Args)]
@@ -36,7 +36,7 @@ pub struct UpArgs {
     /// Credentials and TLS of the connections (`--nats-creds` is the front's; with --nats-url and no
     /// --nats-auth-dir, the in-process workers use it too).
     #[command(flatten)]
-    pub nats: crate::nats_conn::NatsAuthArgs,
+    pub nats: fleet_client::nats_conn::NatsAuthArgs,
     /// A directory of NATS auth material (`fleet nats-auth init`): the front connects with its `front.creds`,
     /// in-process workers with its `worker.creds`, and the front serves `fleet creds` (it needs `seeds.json`,
     /// `jwts.json`, `sys.creds`). Default with its own nats-server: `<data-dir>/nats`.
@@ -109,7 +109,7 @@ pub struct UpArgs {
     pub rate_limit_burst: u32,
     /// Host services (sampling, embeddings, APS storage and files, uploads).
     #[command(flatten)]
-    pub services: crate::services::args::ServicesArgs,
+    pub services: fleet_services::args::ServicesArgs,
 }
 
 /// The verifier: the configured keys, or the dev key of the data dir when none is configured.
@@ -159,7 +159,7 @@ pub enum UpError {
     Nats(#[from] crate::nats_server::NatsServerError),
     /// Connecting.
     #[error(transparent)]
-    Connect(#[from] crate::nats_conn::ConnectError),
+    Connect(#[from] fleet_client::nats_conn::ConnectError),
     /// Anything else, with context.
     #[error("{0}")]
     Other(String),
@@ -167,15 +167,6 @@ pub enum UpError {
 
 fn other(context: &str) -> impl Fn(&dyn std::fmt::Display) -> UpError + '_ {
     move |e| UpError::Other(format!("{context}: {e}"))
-}
-
-/// The demo catalogue: `./plugins` when it exists, else the repo's `plugins/`.
-pub fn default_plugins_dir() -> PathBuf {
-    let local = PathBuf::from("plugins");
-    if local.join("echo-py/executa.json").is_file() {
-        return local;
-    }
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../plugins")
 }
 
 fn say(line: &str) {
@@ -230,7 +221,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         .nats_auth_dir
         .clone()
         .or_else(|| server.as_ref().map(|s: &NatsServer| s.store_dir().to_path_buf()));
-    let role_creds = |role: Role| auth_dir.as_ref().map(|d| crate::nats_auth::creds_in(d, role));
+    let role_creds = |role: Role| auth_dir.as_ref().map(|d| creds_in(d, role));
     let front_conn = args.nats.connector(&url, role_creds(Role::Front));
     let worker_conn = match role_creds(Role::Worker).filter(|p| p.exists()) {
         Some(creds) if args.nats.nats_creds.is_none() || args.nats_auth_dir.is_some() => {
@@ -420,7 +411,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             let material = crate::nats_auth::AuthMaterial::load_read_only(dir)
                 .map_err(|e| other("NATS issuer material")(&e))?;
             let sys = front_conn
-                .with_creds(Some(crate::nats_auth::creds_in(dir, Role::Sys)))
+                .with_creds(Some(creds_in(dir, Role::Sys)))
                 .connect("front-sys")
                 .await?;
             let issuer = crate::creds::Issuer::open(&js, &settings, material, sys)

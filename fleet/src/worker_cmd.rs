@@ -48,7 +48,7 @@ pub struct WorkerArgs {
     pub nats_url: Option<String>,
     /// Credentials (the worker role's `.creds`, e.g. `.fleet/nats/worker.creds` of a local `fleet up`) and TLS.
     #[command(flatten)]
-    pub nats: crate::nats_conn::NatsAuthArgs,
+    pub nats: fleet_client::nats_conn::NatsAuthArgs,
     /// The public keys of the fronts' exec seals (`exec.pub` of the NATS auth directory, one key per line): the
     /// worker serves only exec requests and cancels sealed by one of them. Default: `exec.pub` beside
     /// --nats-creds.
@@ -65,7 +65,7 @@ pub struct WorkerArgs {
     pub jetstream_replicas: usize,
     /// Host services (with --nats-url only; a standalone worker offers none).
     #[command(flatten)]
-    pub services: crate::services::args::ServicesArgs,
+    pub services: fleet_services::args::ServicesArgs,
 }
 
 /// Why `fleet worker` could not run.
@@ -210,13 +210,13 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
             )
             .map_err(|e| WorkerCmdError::Usage(e.to_string()))?;
             // Workers attach to the resources a front created: their NATS user may not create streams.
-            let settings = crate::store::StoreSettings {
+            let settings = fleet_store::StoreSettings {
                 replicas: args.jetstream_replicas,
-                provision: crate::store::Provision::Attach,
-                ..crate::store::StoreSettings::default()
+                provision: fleet_store::Provision::Attach,
+                ..fleet_store::StoreSettings::default()
             };
             let js = async_nats::jetstream::new(client.clone());
-            let store = crate::store::Store::open(js.clone(), settings.clone())
+            let store = fleet_store::Store::open(js.clone(), settings.clone())
                 .await
                 .map_err(|e| WorkerCmdError::Usage(format!("JetStream: {e}")))?;
             let services = args

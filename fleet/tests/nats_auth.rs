@@ -13,9 +13,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_nats::{ConnectErrorKind, ConnectOptions, Event};
-use fleet::nats_auth::creds::format_creds;
 use fleet::nats_auth::jwt::{self, UserNats};
-use fleet::nats_auth::{AuthMaterial, NatsAuthError, Permissions, Role, push_account_jwt};
+use fleet::nats_auth::{AuthMaterial, NatsAuthError, Permissions, push_account_jwt};
+use fleet_client::creds::Role;
+use fleet_client::creds::format_creds;
 use futures::StreamExt as _;
 use nkeys::KeyPair;
 use tempfile::TempDir;
@@ -265,7 +266,7 @@ fn load_or_create_twice_reuses_the_keys_and_keeps_everything_private() {
     );
     let worker = fs::read_to_string(third.creds_path(Role::Worker)).unwrap();
     assert_ne!(worker, creds_before[1]);
-    let claims = jwt::decode(fleet::nats_auth::creds::creds_jwt(&worker).unwrap()).unwrap();
+    let claims = jwt::decode(fleet_client::creds::creds_jwt(&worker).unwrap()).unwrap();
     assert_eq!(claims["nats"]["pub"]["allow"][0], "fleet.v1.worker.>");
     assert_eq!(mode(&third.creds_path(Role::Worker)), 0o600);
     assert_eq!(
@@ -351,7 +352,7 @@ async fn every_role_connects_and_strangers_are_refused() {
 
     // A valid JWT presented with another user's seed (fails the nonce signature).
     let app_creds = fs::read_to_string(material.creds_path(Role::App)).unwrap();
-    let app_jwt = fleet::nats_auth::creds::creds_jwt(&app_creds).unwrap();
+    let app_jwt = fleet_client::creds::creds_jwt(&app_creds).unwrap();
     assert_refused(
         connect_creds_text(&server.url(), &format_creds(app_jwt, &user.seed().unwrap())).await,
         "JWT with the wrong seed",
@@ -458,7 +459,7 @@ async fn a_revoked_app_user_is_disconnected_and_refused_even_after_a_restart() {
     // What is not a signed account JWT is refused before it is sent; what the server finds invalid is refused
     // by the server.
     let app_creds = fs::read_to_string(material.creds_path(Role::App)).unwrap();
-    let user_jwt = fleet::nats_auth::creds::creds_jwt(&app_creds).unwrap();
+    let user_jwt = fleet_client::creds::creds_jwt(&app_creds).unwrap();
     let local = push_account_jwt(&sys, user_jwt).await;
     assert!(
         matches!(local, Err(NatsAuthError::NotAnAccountJwt(_))),

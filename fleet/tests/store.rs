@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, stream::DiscardPolicy};
 use fleet::nats_server::NatsServer;
-use fleet::store::{
-    Acquired, JobFilter, JobRecord, Revisioned, Store, StoreError, StoreSettings, Transition, WorkerInfo,
-    user_key,
-};
+use fleet_proto::api::user_key;
 use fleet_proto::api::{ApiError, ApiErrorCode, JobId, JobState, ProgressEvent};
 use fleet_proto::executa::invoke::ProgressType;
+use fleet_store::{
+    Acquired, JobFilter, JobRecord, Revisioned, Store, StoreError, StoreSettings, Transition, WorkerInfo,
+};
 use serde_json::{Map, Value, json};
 use tempfile::TempDir;
 
@@ -38,7 +38,7 @@ impl Nats {
         // The front's user: fronts create and use the store's resources.
         let client = self
             .server
-            .connect(fleet::nats_auth::Role::Front)
+            .connect(fleet_client::creds::Role::Front)
             .await
             .expect("connect");
         jetstream::new(client)
@@ -975,7 +975,7 @@ async fn workers_register_refresh_and_leave() {
         let c = live.iter().find(|w| w.id == "w-c").expect("w-c");
         assert_eq!(
             c.sessions_warm.len(),
-            fleet::store::settings::WORKER_WARM_SESSIONS_MAX
+            fleet_store::settings::WORKER_WARM_SESSIONS_MAX
         );
 
         for bad in ["", "a.b", "a b", "a*"] {

@@ -18,14 +18,14 @@ pub(crate) struct Workers {
 }
 
 fn catalogue() -> PathBuf {
-    std::env::var_os("FLEET_PLUGINS_DIR").map_or_else(fleet::up::default_plugins_dir, PathBuf::from)
+    std::env::var_os("FLEET_PLUGINS_DIR").map_or_else(fleet_client::api::default_plugins_dir, PathBuf::from)
 }
 
 impl Workers {
     /// Starts `n` workers against `nats_url` and waits until each is registered.
     pub(crate) async fn start(
         ctx: &Ctx,
-        nats: &fleet::nats_conn::Connector,
+        nats: &fleet_client::nats_conn::Connector,
         n: usize,
     ) -> anyhow::Result<Workers> {
         let nats_url = nats.url.as_str();

@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use fleet::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, SigningKey};
+use fleet_client::api::{api_request, bearer};
+use fleet_client::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, SigningKey};
 use fleet_proto::api::subjects;
 use hdrhistogram::Histogram;
 use serde_json::{Value, json};
@@ -247,13 +248,7 @@ impl Ctx {
         wait: Duration,
     ) -> Result<Value, CallError> {
         let token = self.token(user)?;
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert(subjects::AUTH_HEADER, format!("Bearer {token}").as_str());
-        let payload = serde_json::to_vec(body).unwrap_or_default();
-        let request = async_nats::Request::new()
-            .headers(headers)
-            .payload(payload.into())
-            .timeout(Some(wait));
+        let request = api_request(&bearer(&token), body, wait);
         self.rec.sent.fetch_add(1, Ordering::Relaxed);
         let reply = self
             .nats
@@ -312,7 +307,7 @@ impl Ctx {
             .mint(
                 &format!("loadtest-operator-{}", self.run_tag),
                 DEFAULT_ISSUER,
-                fleet::auth::OPERATOR_AUDIENCE,
+                fleet_client::auth::OPERATOR_AUDIENCE,
                 Duration::from_secs(600),
                 false,
             )
@@ -320,10 +315,10 @@ impl Ctx {
                 code: "mint_failed".into(),
                 message: e.to_string(),
             })?;
-        fleet::client_cmd::request(
+        fleet_client::api::request(
             &self.ops,
             &token,
-            format!("{}.{method}", fleet::operator::ADMIN_PREFIX),
+            format!("{}.{method}", fleet_proto::admin::ADMIN_PREFIX),
             body,
             Duration::from_secs(10),
         )

@@ -65,7 +65,7 @@ struct RunArgs {
     data_dir: Option<PathBuf>,
     /// The app credential the calls are made with (default `<auth-dir>/app.creds`), and TLS.
     #[command(flatten)]
-    nats: fleet::nats_conn::NatsAuthArgs,
+    nats: fleet_client::nats_conn::NatsAuthArgs,
     /// Where each role's credentials are (`app.creds`, `operator.creds` for operator calls and registry reads,
     /// `worker.creds` for the workers `chaos-worker-kill` starts; with --spawn and --nats-url, the child `fleet
     /// up` gets it too). Default `<data-dir>/nats`.
@@ -140,7 +140,7 @@ fn run(args: &RunArgs) -> anyhow::Result<bool> {
             tmp = Some(t);
             p
         }
-        (None, false) => PathBuf::from(fleet::client_cmd::DEFAULT_DATA_DIR),
+        (None, false) => PathBuf::from(fleet_client::api::DEFAULT_DATA_DIR),
     };
     let spawned = if args.spawn {
         eprintln!("loadtest: starting fleet up (data dir {})", data_dir.display());
@@ -156,27 +156,29 @@ fn run(args: &RunArgs) -> anyhow::Result<bool> {
     let nats_url = match (&spawned, &args.nats_url) {
         (Some(f), _) => f.nats_url.clone(),
         (None, Some(u)) => u.clone(),
-        (None, None) => std::fs::read_to_string(fleet::client_cmd::nats_url_file(&data_dir))
+        (None, None) => std::fs::read_to_string(fleet_client::api::nats_url_file(&data_dir))
             .map(|s| s.trim().to_string())
             .ok()
             .filter(|s| !s.is_empty())
-            .unwrap_or_else(|| fleet::client_cmd::DEFAULT_NATS_URL.to_string()),
+            .unwrap_or_else(|| fleet_client::api::DEFAULT_NATS_URL.to_string()),
     };
-    let key = fleet::auth::DevKey::load(&data_dir)
+    let key = fleet_client::auth::DevKey::load(&data_dir)
         .map_err(|e| anyhow::anyhow!("{e} (give --data-dir of the fleet, or --spawn)"))?;
     // Operator calls (grants of the host-storage scenario) need the fleet's dev operator key; without it they
     // fail with a message naming the file.
-    let operator_key = fleet::auth::DevKey::load_operator(&data_dir).map_err(|e| e.to_string());
+    let operator_key = fleet_client::auth::DevKey::load_operator(&data_dir).map_err(|e| e.to_string());
     let auth_dir = args
         .nats_auth_dir
         .clone()
-        .unwrap_or_else(|| fleet::nats_conn::auth_dir(&data_dir));
-    let creds = |role: fleet::nats_auth::Role| {
-        Some(fleet::nats_auth::creds_in(&auth_dir, role)).filter(|p| p.exists())
+        .unwrap_or_else(|| fleet_client::nats_conn::auth_dir(&data_dir));
+    let creds = |role: fleet_client::creds::Role| {
+        Some(fleet_client::creds::creds_in(&auth_dir, role)).filter(|p| p.exists())
     };
-    let app = args.nats.connector(&nats_url, creds(fleet::nats_auth::Role::App));
-    let operator = app.with_creds(creds(fleet::nats_auth::Role::Operator));
-    let worker = app.with_creds(creds(fleet::nats_auth::Role::Worker));
+    let app = args
+        .nats
+        .connector(&nats_url, creds(fleet_client::creds::Role::App));
+    let operator = app.with_creds(creds(fleet_client::creds::Role::Operator));
+    let worker = app.with_creds(creds(fleet_client::creds::Role::Worker));
     let params = scenarios::Params {
         rate: args.rate.unwrap_or(scenario.default_rate),
         duration: args.duration,
@@ -211,8 +213,14 @@ fn run(args: &RunArgs) -> anyhow::Result<bool> {
 async fn drive(
     scenario: &'static scenarios::Scenario,
     mut params: scenarios::Params,
-    (app, operator): (&fleet::nats_conn::Connector, &fleet::nats_conn::Connector),
-    (key, operator_key): (fleet::auth::SigningKey, Result<fleet::auth::SigningKey, String>),
+    (app, operator): (
+        &fleet_client::nats_conn::Connector,
+        &fleet_client::nats_conn::Connector,
+    ),
+    (key, operator_key): (
+        fleet_client::auth::SigningKey,
+        Result<fleet_client::auth::SigningKey, String>,
+    ),
     spawned: bool,
     slo: Option<report::Slo>,
     metrics_url: Option<&str>,

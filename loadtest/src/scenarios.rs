@@ -113,7 +113,7 @@ pub(crate) struct Params {
     /// Whether the native `echo` plugin is served.
     pub(crate) native_echo: bool,
     /// Where and as whom the worker processes `chaos-worker-kill` starts connect.
-    pub(crate) worker_nats: fleet::nats_conn::Connector,
+    pub(crate) worker_nats: fleet_client::nats_conn::Connector,
 }
 
 const SYNC_WAIT: Duration = Duration::from_secs(30);

@@ -43,7 +43,7 @@ impl SpawnedFleet {
         data_dir: &Path,
         nats_url: Option<&str>,
         nats_auth_dir: Option<&Path>,
-        nats: &fleet::nats_conn::NatsAuthArgs,
+        nats: &fleet_client::nats_conn::NatsAuthArgs,
     ) -> anyhow::Result<SpawnedFleet> {
         std::fs::create_dir_all(data_dir)?;
         let log_path = data_dir.join("fleet-up.log");

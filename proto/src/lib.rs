@@ -9,6 +9,7 @@
 //! (sessions, jobs, quotas) lives in `fleet-worker` and `fleet`.
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod animus;
 pub mod api;
 pub mod codec;

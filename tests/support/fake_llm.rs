@@ -3,7 +3,7 @@
 //! JSON body), reports the configured `usage`, and can answer with an error status or answer slowly (a slow
 //! answer sleeps server-side: that is the upstream's behaviour, never the test's synchronisation).
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Json;
@@ -12,6 +12,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use fleet_proto::util::lock;
 use serde_json::{Value, json};
 
 /// One recorded request.
@@ -100,10 +101,6 @@ impl Drop for Pending<'_> {
             self.shared.abandoned.send_modify(|n| *n += 1);
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The running fake (stopped on drop).

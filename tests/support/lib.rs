@@ -427,18 +427,19 @@ pub mod worker {
 /// own NATS connection) and M worker nodes over echo-plugin catalogues, with real JWTs.
 pub mod cluster {
     use std::sync::Arc;
-    use std::time::Duration;
+    use std::time::{Duration, Instant};
 
-    use fleet::auth::{
-        DEFAULT_AUDIENCE, DEFAULT_ISSUER, OPERATOR_AUDIENCE, OperatorVerifier, SigningKey, Verifier,
-    };
     use fleet::front::{Front, FrontConfig, FrontService};
     use fleet::metrics::FleetMetrics;
-    pub use fleet::nats_auth::Role;
     use fleet::nats_server::NatsServer;
     use fleet::node::WorkerNode;
-    use fleet::store::{Store, StoreSettings};
-    use fleet_proto::api::{ApiError, ApiResponse, subjects};
+    use fleet_client::api::api_request;
+    use fleet_client::auth::{
+        DEFAULT_AUDIENCE, DEFAULT_ISSUER, OPERATOR_AUDIENCE, OperatorVerifier, SigningKey, Verifier,
+    };
+    pub use fleet_client::creds::Role;
+    use fleet_proto::api::{ApiError, ApiResponse, methods, subjects};
+    use fleet_store::{Store, StoreSettings};
     use fleet_worker::catalogue::{Catalogue, LoadOptions};
     use fleet_worker::metrics::WorkerMetrics;
     use fleet_worker::pool::Pool;
@@ -512,7 +513,7 @@ pub mod cluster {
     /// Store settings of a worker: it attaches to what the front created.
     pub fn worker_settings() -> StoreSettings {
         StoreSettings {
-            provision: fleet::store::Provision::Attach,
+            provision: fleet_store::Provision::Attach,
             ..StoreSettings::default()
         }
     }
@@ -542,7 +543,7 @@ pub mod cluster {
             fleet::plugins::PluginStore::open(&js, &StoreSettings::default())
                 .await
                 .expect("plugin store");
-            Box::pin(fleet::services::args::ServicesArgs::default().open(
+            Box::pin(fleet_services::args::ServicesArgs::default().open(
                 &js,
                 &StoreSettings::default(),
                 root.path(),
@@ -667,7 +668,7 @@ pub mod cluster {
                 .expect("break-glass user");
             async_nats::ConnectOptions::with_credentials(&user.creds)
                 .expect("creds")
-                .custom_inbox_prefix(fleet::nats_auth::permissions::inbox_prefix("break-glass"))
+                .custom_inbox_prefix(fleet_client::creds::inbox_prefix("break-glass"))
                 .connect(self.nats.url())
                 .await
                 .expect("break-glass connection")
@@ -708,6 +709,24 @@ pub mod cluster {
                 .expect("mint")
         }
 
+        /// Waits (at most `guard`) until every API method answers: `Front::serve` returns before the server has
+        /// seen the endpoints' subscriptions, so a request sent at once may find no responders.
+        pub async fn wait_for_api(&self, guard: Duration) {
+            let deadline = Instant::now() + guard;
+            for method in methods::ALL {
+                loop {
+                    let request = async_nats::Request::new()
+                        .payload("{}".into())
+                        .timeout(Some(guard));
+                    match self.app.send_request(subjects::api(method), request).await {
+                        Ok(_) => break,
+                        Err(e) => assert!(Instant::now() < deadline, "{method} never answered: {e}"),
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
+
         /// Calls an API method as `user` and returns the response envelope.
         pub async fn call(&self, user: &str, method: &str, args: Value) -> ApiResponse<Value> {
             self.call_with_token(&format!("Bearer {}", self.token(user)), method, args)
@@ -716,12 +735,7 @@ pub mod cluster {
 
         /// Calls an API method with an explicit `Authorization` header value.
         pub async fn call_with_token(&self, auth: &str, method: &str, args: Value) -> ApiResponse<Value> {
-            let mut headers = async_nats::HeaderMap::new();
-            headers.insert(subjects::AUTH_HEADER, auth);
-            let request = async_nats::Request::new()
-                .headers(headers)
-                .payload(serde_json::to_vec(&args).expect("json").into())
-                .timeout(Some(Duration::from_secs(120)));
+            let request = api_request(auth, &args, Duration::from_secs(120));
             let reply = self
                 .app
                 .send_request(subjects::api(method), request)

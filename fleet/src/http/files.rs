@@ -1,4 +1,4 @@
-//! The signed links of host files and uploads ([`crate::services::files`]):
+//! The signed links of host files and uploads ([`fleet_services::files`]):
 //!
 //! | Route | What |
 //! |---|---|
@@ -27,7 +27,7 @@ use bytes::{Bytes, BytesMut};
 use futures::Stream;
 use tokio::io::{AsyncRead, AsyncReadExt as _, ReadBuf};
 
-use crate::services::files::{Bucket, HostObjects, LinkError, META_CONTENT_TYPE};
+use fleet_services::files::{Bucket, HostObjects, LinkError, META_CONTENT_TYPE};
 
 /// Bytes read from the object store per response chunk.
 const CHUNK: usize = 64 * 1024;
@@ -263,7 +263,7 @@ async fn upload(
     }
     let store = objects.store(link.bucket);
     if let Ok(info) = store.info(&link.object).await
-        && crate::services::upload::is_confirmed(&info)
+        && fleet_services::upload::is_confirmed(&info)
     {
         return plain(
             StatusCode::CONFLICT,

@@ -16,6 +16,7 @@
 //! [`Front::handle_as`], the same code the NATS API runs (per-user rate limit, validation, handlers).
 
 pub mod files;
+pub mod ops_stats;
 pub mod page;
 pub mod rpc;
 pub mod sse;
@@ -34,9 +35,9 @@ use axum::routing::{get, post};
 use fleet_proto::api::{ApiError, ApiErrorCode};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::auth::{OperatorVerifier, Principal, Verifier};
 use crate::front::Front;
 use crate::metrics::FleetMetrics;
+use fleet_client::auth::{OperatorVerifier, Principal, Verifier};
 
 /// Gateway settings.
 #[derive(Debug, Clone)]
@@ -77,7 +78,7 @@ struct Inner {
     config: HttpConfig,
     windows: Mutex<HashMap<String, Arc<Semaphore>>>,
     hub: Arc<sse::Hub>,
-    ops: Arc<page::OpsStats>,
+    ops: Arc<ops_stats::OpsStats>,
     pump: tokio::task::JoinHandle<()>,
     /// Set once the gateway drains: `/readyz` answers 503, SSE streams end, no new connection is accepted.
     draining: tokio::sync::watch::Sender<bool>,
@@ -111,7 +112,7 @@ impl HttpState {
     ) -> Result<HttpState, async_nats::Error> {
         let window = window::window_verifier(&api)?;
         let hub = Arc::new(sse::Hub::new(config.replay_capacity));
-        let ops = Arc::new(page::OpsStats::default());
+        let ops = Arc::new(ops_stats::OpsStats::default());
         let pump = sse::start_pump(&client, hub.clone(), ops.clone()).await?;
         Ok(HttpState {
             inner: Arc::new(Inner {
@@ -250,7 +251,7 @@ pub async fn serve(listener: tokio::net::TcpListener, state: HttpState) -> std::
 pub async fn serve_with_files(
     listener: tokio::net::TcpListener,
     state: HttpState,
-    objects: crate::services::files::HostObjects,
+    objects: fleet_services::files::HostObjects,
 ) -> std::io::Result<()> {
     let drained = state.drained();
     axum::serve(

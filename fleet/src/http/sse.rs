@@ -25,10 +25,10 @@ use futures::StreamExt as _;
 use serde::Deserialize;
 use tokio::sync::{broadcast, mpsc};
 
-use super::page::OpsStats;
+use super::ops_stats::OpsStats;
 use super::window::verify_window;
 use super::{HttpState, error_response, request_token};
-use crate::store::user_key;
+use fleet_proto::api::user_key;
 
 /// One event as the hub keeps it.
 #[derive(Debug)]

@@ -11,7 +11,7 @@ use std::time::Duration;
 use fleet_proto::api::{ApiError, ApiErrorCode};
 use serde_json::{Map, Value, json};
 
-use crate::auth::{AuthError, DEFAULT_ISSUER, DevKey, Principal, SigningKey, Verifier};
+use fleet_client::auth::{AuthError, DEFAULT_ISSUER, DevKey, Principal, SigningKey, Verifier};
 
 /// The audience of window tokens.
 pub const WINDOW_AUDIENCE: &str = "anna-app-window";

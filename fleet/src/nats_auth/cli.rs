@@ -7,7 +7,9 @@ use std::path::PathBuf;
 
 use serde_json::{Value, json};
 
-use super::{AuthMaterial, NatsAuthError, Role, permissions};
+use fleet_client::creds::Role;
+
+use super::{AuthMaterial, NatsAuthError, permissions};
 
 /// The server configuration fragment `init` writes.
 pub const SERVER_AUTH_CONF: &str = "server-auth.conf";

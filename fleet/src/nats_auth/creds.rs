@@ -1,6 +1,6 @@
-//! The standard NATS `.creds` format (a user JWT and its nkey seed, as `nsc` writes it and every client library
-//! reads it), and the private-file plumbing: a 0700 directory, and files created 0600 from the first byte and
-//! replaced atomically (temporary file in the same directory, `fsync`, `rename`, `fsync` of the directory).
+//! The private-file plumbing of the auth directory: a 0700 directory, and files created 0600 from the first byte
+//! and replaced atomically (temporary file in the same directory, `fsync`, `rename`, `fsync` of the directory).
+//! The `.creds` format itself is the client's (`fleet_client::creds`).
 
 use std::fs::{self, DirBuilder, File, OpenOptions};
 use std::io::{self, Write};
@@ -9,56 +9,6 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::NatsAuthError;
-
-const JWT_BEGIN: &str = "-----BEGIN NATS USER JWT-----";
-const JWT_END: &str = "------END NATS USER JWT------";
-const SEED_BEGIN: &str = "-----BEGIN USER NKEY SEED-----";
-const SEED_END: &str = "------END USER NKEY SEED------";
-
-/// The `.creds` text for a user JWT and the user's seed (`SU…`). The result contains the seed: treat it as a
-/// secret (never log it, write it only with [`write_private_atomic`]).
-pub fn format_creds(jwt: &str, seed: &str) -> String {
-    format!(
-        "{JWT_BEGIN}\n{jwt}\n{JWT_END}\n\
-         \n\
-         ************************* IMPORTANT *************************\n\
-         NKEY Seed printed below can be used to sign and prove identity.\n\
-         NKEYs are sensitive and should be treated as secrets.\n\
-         \n\
-         {SEED_BEGIN}\n{seed}\n{SEED_END}\n\
-         \n\
-         *************************************************************\n"
-    )
-}
-
-/// The user JWT of a `.creds` text (`None` if the text is not in the format).
-pub fn creds_jwt(creds: &str) -> Option<&str> {
-    block(creds, JWT_BEGIN, JWT_END)
-}
-
-/// The user seed of a `.creds` text (`None` if the text is not in the format). A secret.
-pub(crate) fn creds_seed(creds: &str) -> Option<&str> {
-    block(creds, SEED_BEGIN, SEED_END)
-}
-
-/// The single non-empty line between `begin` and `end`.
-fn block<'a>(text: &'a str, begin: &str, end: &str) -> Option<&'a str> {
-    let mut lines = text.lines().map(str::trim);
-    lines.by_ref().find(|l| *l == begin)?;
-    let mut value = None;
-    for line in lines {
-        if line == end {
-            return value;
-        }
-        if !line.is_empty() {
-            if value.is_some() {
-                return None;
-            }
-            value = Some(line);
-        }
-    }
-    None
-}
 
 fn io_error(path: &Path, source: io::Error) -> NatsAuthError {
     NatsAuthError::Io {
@@ -173,23 +123,6 @@ pub(crate) fn create_private_exclusive(path: &Path, data: &[u8]) -> Result<bool,
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn creds_round_trip_and_exact_layout() {
-        let text = format_creds("eyJhbGc.eyJzdWIi.c2ln", "SUAXYZ");
-        assert_eq!(
-            text,
-            "-----BEGIN NATS USER JWT-----\neyJhbGc.eyJzdWIi.c2ln\n------END NATS USER JWT------\n\n\
-             ************************* IMPORTANT *************************\n\
-             NKEY Seed printed below can be used to sign and prove identity.\n\
-             NKEYs are sensitive and should be treated as secrets.\n\n\
-             -----BEGIN USER NKEY SEED-----\nSUAXYZ\n------END USER NKEY SEED------\n\n\
-             *************************************************************\n"
-        );
-        assert_eq!(creds_jwt(&text), Some("eyJhbGc.eyJzdWIi.c2ln"));
-        assert_eq!(creds_seed(&text), Some("SUAXYZ"));
-        assert_eq!(creds_jwt("nothing"), None);
-    }
 
     #[test]
     fn private_files_are_0600_and_replaced_atomically() {

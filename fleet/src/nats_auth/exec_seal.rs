@@ -35,7 +35,7 @@ use nkeys::{KeyPair, KeyPairType};
 
 use super::NatsAuthError;
 use super::creds::{create_private_exclusive, ensure_private_file, write_private_atomic};
-use crate::store::now_ms;
+use fleet_proto::util::now_ms;
 
 /// The signing seed, under the auth directory (fronts only).
 pub const EXEC_SEED_FILE: &str = "exec.seed";

@@ -366,44 +366,10 @@ pub fn encode<N: Serialize>(
     Ok(format!("{signing_input}.{}", URL_SAFE_NO_PAD.encode(signature)))
 }
 
-fn malformed(reason: &'static str) -> NatsAuthError {
-    NatsAuthError::MalformedJwt(reason)
-}
-
-/// The claims of `token` as JSON, after checking its header and its signature by the key in its `iss`.
+/// The claims of `token` as JSON, after checking its header and its signature by the key in its `iss`
+/// ([`fleet_client::creds::decode_jwt`]).
 pub fn decode(token: &str) -> Result<Value, NatsAuthError> {
-    let token = token.trim();
-    let (signing_input, signature) = token
-        .rsplit_once('.')
-        .ok_or(malformed("not three dot-separated parts"))?;
-    let (header, body) = signing_input
-        .split_once('.')
-        .filter(|(_, body)| !body.contains('.'))
-        .ok_or(malformed("not three dot-separated parts"))?;
-    let header: Value = URL_SAFE_NO_PAD
-        .decode(header)
-        .ok()
-        .and_then(|h| serde_json::from_slice(&h).ok())
-        .ok_or(malformed("the header is not base64url JSON"))?;
-    if header.get("alg").and_then(Value::as_str) != Some("ed25519-nkey") {
-        return Err(malformed("the header's alg is not ed25519-nkey"));
-    }
-    let claims: Value = URL_SAFE_NO_PAD
-        .decode(body)
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .ok_or(malformed("the claims are not base64url JSON"))?;
-    let signature = URL_SAFE_NO_PAD
-        .decode(signature)
-        .map_err(|_| malformed("the signature is not base64url"))?;
-    let issuer = claims
-        .get("iss")
-        .and_then(Value::as_str)
-        .ok_or(malformed("no iss claim"))?;
-    let key = KeyPair::from_public_key(issuer).map_err(|_| malformed("iss is not a public nkey"))?;
-    key.verify(signing_input.as_bytes(), &signature)
-        .map_err(|_| NatsAuthError::BadSignature)?;
-    Ok(claims)
+    Ok(fleet_client::creds::decode_jwt(token)?)
 }
 
 /// `claims` without the fields that change on every signing (`iat`, `jti`), for "did anything change" checks.
@@ -444,7 +410,8 @@ pub(crate) fn stable_part_of<N: Serialize>(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::nats_auth::{AuthMaterial, IssuedUser, NatsAuthError, Role};
+    use crate::nats_auth::{AuthMaterial, IssuedUser, NatsAuthError};
+    use fleet_client::creds::Role;
 
     fn split(token: &str) -> (Value, Value, Vec<u8>) {
         let parts: Vec<&str> = token.split('.').collect();

@@ -49,10 +49,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use nkeys::{KeyPair, KeyPairType};
 use serde::{Deserialize, Serialize};
 
-use self::creds::{
-    create_private_exclusive, creds_jwt, creds_seed, ensure_private_dir, ensure_private_file, format_creds,
-    write_private_atomic,
-};
+use fleet_client::creds::{JwtError, Role, check_user_name, creds_in, creds_jwt, creds_seed, format_creds};
+
+use self::creds::{create_private_exclusive, ensure_private_dir, ensure_private_file, write_private_atomic};
 use self::jwt::{AccountLimits, AccountNats, Export, ExportKind, Import, OperatorNats, UserNats};
 
 /// The subjects of the fleet's API, exported by FLEET as a service and imported by APP.
@@ -63,8 +62,6 @@ pub const EVENT_SUBJECTS: &str = "fleet.v1.events.>";
 pub const SEEDS_FILE: &str = "seeds.json";
 /// The operator and account JWTs, under the auth directory.
 pub const JWTS_FILE: &str = "jwts.json";
-/// The longest name [`AuthMaterial::issue_app_user`] accepts.
-pub const MAX_USER_NAME_LEN: usize = 64;
 
 /// Why auth material could not be loaded, created, issued or pushed. No variant ever carries a seed.
 #[derive(Debug, thiserror::Error)]
@@ -136,43 +133,6 @@ pub enum NatsAuthError {
     /// [`push_account_jwt`] was given a correctly signed JWT that is not an account JWT.
     #[error("not an account JWT: {0}")]
     NotAnAccountJwt(&'static str),
-}
-
-/// The fleet's own NATS users, one `.creds` file each.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Role {
-    /// The front (FLEET account).
-    Front,
-    /// A worker (FLEET account).
-    Worker,
-    /// The human operator's tools (FLEET account) — not the NATS operator.
-    Operator,
-    /// The in-process app user (APP account, signed by the APP signing key).
-    App,
-    /// The system user (SYS account): pushes account updates.
-    Sys,
-}
-
-impl Role {
-    /// Every role.
-    pub const ALL: [Role; 5] = [Role::Front, Role::Worker, Role::Operator, Role::App, Role::Sys];
-
-    /// `"front"`, `"worker"`, `"operator"`, `"app"` or `"sys"`: the user's name and its creds file's stem.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Front => "front",
-            Role::Worker => "worker",
-            Role::Operator => "operator",
-            Role::App => "app",
-            Role::Sys => "sys",
-        }
-    }
-}
-
-impl fmt::Display for Role {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
 }
 
 /// The subject permissions of one user. NATS semantics: an empty allow list allows everything not denied, so
@@ -320,28 +280,18 @@ fn now_secs() -> u64 {
         .unwrap_or(0)
 }
 
-/// `<dir>/<role>.creds`: where every auth directory keeps a role's credentials.
-pub fn creds_in(dir: &Path, role: Role) -> PathBuf {
-    dir.join(format!("{}.creds", role.as_str()))
+/// Checks a user name: 1–64 characters of `[A-Za-z0-9_-]`.
+pub fn validate_user_name(name: &str) -> Result<(), NatsAuthError> {
+    check_user_name(name).map_err(NatsAuthError::InvalidUserName)
 }
 
-/// Checks a user name: 1–[`MAX_USER_NAME_LEN`] characters of `[A-Za-z0-9_-]`.
-pub fn validate_user_name(name: &str) -> Result<(), NatsAuthError> {
-    if name.is_empty() {
-        return Err(NatsAuthError::InvalidUserName("empty"));
+impl From<JwtError> for NatsAuthError {
+    fn from(e: JwtError) -> NatsAuthError {
+        match e {
+            JwtError::Malformed(reason) => NatsAuthError::MalformedJwt(reason),
+            JwtError::BadSignature => NatsAuthError::BadSignature,
+        }
     }
-    if name.len() > MAX_USER_NAME_LEN {
-        return Err(NatsAuthError::InvalidUserName("longer than 64 characters"));
-    }
-    if !name
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-    {
-        return Err(NatsAuthError::InvalidUserName(
-            "only ASCII letters, digits, '_' and '-' are allowed",
-        ));
-    }
-    Ok(())
 }
 
 /// Quotes `s` as a nats-server config string.

@@ -8,7 +8,9 @@
 //! it further, to keys of one user: a worker serves every user, so it may read and write every user's job
 //! records, progress and host-service data. ARCHITECTURE.md ("NATS trust boundary") says how that gap is closed.
 
-use super::{API_SUBJECTS, EVENT_SUBJECTS, Permissions, Role};
+use fleet_client::creds::{Role, inbox_prefix};
+
+use super::{API_SUBJECTS, EVENT_SUBJECTS, Permissions};
 
 /// The default prefix of every bucket, stream and subject of the job layer (`StoreSettings::prefix`).
 pub const DEFAULT_PREFIX: &str = "fleet";
@@ -224,13 +226,6 @@ pub fn jetstream_access(role: Role) -> Vec<(Resource, Access)> {
         ],
         Role::App | Role::Sys => Vec::new(),
     }
-}
-
-/// The inbox prefix of a user named `name`: `_INBOX.<name>`. Each user may subscribe only to its own inboxes
-/// (`_INBOX.<name>.>`), so no user can read another client's replies; clients must set this prefix (async-nats
-/// `custom_inbox_prefix`, nats.go `CustomInboxPrefix`, nats.py `inbox_prefix`).
-pub fn inbox_prefix(name: &str) -> String {
-    format!("_INBOX.{name}")
 }
 
 fn inbox(name: &str) -> String {

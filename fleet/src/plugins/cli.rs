@@ -1,6 +1,6 @@
 //! `fleet plugins install SOURCE [--tool-id T] [--sha256 H]`, `fleet plugins list`,
 //! `fleet plugins remove T [--version V]`, `fleet plugins describe T` — thin clients of the operator API
-//! ([`super::service`]).
+//! ([`super::service`]; wire types in `proto::admin::plugins`).
 //!
 //! `SOURCE` is an `http(s)` URL (the front downloads it), a local `.json` distribution descriptor
 //! (`{"tool_id"?, "version"?, "binary_urls": {…}}`: the front resolves the asset for its platform), a local
@@ -11,15 +11,15 @@
 use std::path::Path;
 use std::time::Duration;
 
+use fleet_proto::admin::plugins::{DESCRIBE, INSTALL, LIST, REMOVE, subject};
 use fleet_proto::api::{ApiError, ApiErrorCode};
 use serde_json::{Value, json};
 use sha2::{Digest as _, Sha256};
 
 use super::object_name;
-use super::service::{DESCRIBE, INSTALL, LIST, REMOVE, subject};
 use super::store::PluginStore;
 use crate::client_cmd::OperatorConn;
-use crate::store::StoreSettings;
+use fleet_store::StoreSettings;
 
 /// How long the CLI waits for an install (downloads and validation happen on the front).
 pub const INSTALL_WAIT: Duration = Duration::from_secs(600);
@@ -80,7 +80,7 @@ pub async fn request(
     body: &Value,
     wait: Duration,
 ) -> Result<Value, ApiError> {
-    crate::client_cmd::request(client, token, subject(method), body, wait).await
+    fleet_client::api::request(client, token, subject(method), body, wait).await
 }
 
 /// Runs a `fleet plugins` command and returns what to print.
@@ -208,7 +208,7 @@ pub async fn install_body(
     let plugins = PluginStore::open(
         &async_nats::jetstream::new(client.clone()),
         &StoreSettings {
-            provision: crate::store::Provision::Attach,
+            provision: fleet_store::Provision::Attach,
             ..StoreSettings::default()
         },
     )

@@ -14,7 +14,7 @@ use serde_json::json;
 use super::download::TempPackage;
 use super::store::PluginStore;
 use super::{EXECUTA_HOME_ENV, KEEP_VERSIONS_ENV, PackageVersion, PluginError};
-use crate::store::Store;
+use fleet_store::Store;
 
 /// The internal user under which a newly installed version is described once (its manifest feeds `tools.list`).
 pub const DESCRIBE_USER: &str = "fleet:catalogue";

@@ -223,9 +223,12 @@ mod tests {
 
     #[test]
     fn install_arguments_are_strict() {
-        let ok: publish::InstallArgs =
+        let ok: fleet_proto::admin::plugins::InstallArgs =
             serde_json::from_value(json!({ "source": "https://h/p.zip", "sha256": "00" })).expect("valid");
         assert_eq!(ok.source.as_deref(), Some("https://h/p.zip"));
-        assert!(serde_json::from_value::<publish::InstallArgs>(json!({ "sorce": "x" })).is_err());
+        assert!(
+            serde_json::from_value::<fleet_proto::admin::plugins::InstallArgs>(json!({ "sorce": "x" }))
+                .is_err()
+        );
     }
 }

@@ -3,53 +3,15 @@
 
 use std::path::{Path, PathBuf};
 
+use fleet_proto::admin::plugins::InstallArgs;
 use fleet_worker::install::{self, Format, InstallOptions, InstallRequest};
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 
 use super::download::{TempPackage, download};
 use super::store::{Edit, PluginStore};
 use super::{PackageVersion, PluginError, PluginRecord, object_name};
-use crate::store::now_ms;
-
-/// `plugins.install` arguments: exactly one of `source` (an `http(s)` URL), `binary_urls` (per-platform assets,
-/// resolved for this host's platform key) or `object` (the SHA-256 of a package uploaded to the packages bucket
-/// as `sha256-<hex>`, e.g. by `fleet plugins install ./dir`).
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct InstallArgs {
-    /// An `http(s)` URL of a `.tar.gz` / `.tgz` / `.zip` / raw binary.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub source: Option<String>,
-    /// `{platform_key: url | {url, sha256?, size?, entrypoint?, format?}}` (spec §14.2).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub binary_urls: Option<Map<String, Value>>,
-    /// An uploaded package: its SHA-256.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub object: Option<String>,
-    /// The uploaded package's file name (for the format and a raw package's tool id).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub file_name: Option<String>,
-    /// The tool id (default: the package's `manifest.json` `name` / `executa.json` `tool_id`; for a raw binary,
-    /// the file name).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tool_id: Option<String>,
-    /// The version (default: the package's `manifest.json` / `executa.json` `version`, else `unknown`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub version: Option<String>,
-    /// Expected SHA-256 of the package.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sha256: Option<String>,
-    /// Expected size in bytes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub size: Option<u64>,
-    /// Entrypoint override.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub entrypoint: Option<String>,
-    /// Format override (`tar.gz`, `tgz`, `zip`, `raw`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub format: Option<String>,
-}
+use fleet_proto::util::now_ms;
 
 /// What `plugins.install` answers.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -4,55 +4,26 @@
 //!
 //! | Subject | Arguments | Result |
 //! |---|---|---|
-//! | `fleet.v1.admin.plugins.install` | [`InstallArgs`](super::publish::InstallArgs) | [`Published`](super::publish::Published) |
+//! | `fleet.v1.admin.plugins.install` | [`InstallArgs`] | [`Published`](super::publish::Published) |
 //! | `fleet.v1.admin.plugins.list` | `{}` | `{plugins: [PluginRecord]}` |
-//! | `fleet.v1.admin.plugins.remove` | `{tool_id, version?}` | `{tool_id, removed: [version]}` |
-//! | `fleet.v1.admin.plugins.describe` | `{tool_id}` | `{plugin: PluginRecord, manifest: <described manifest or null>}` |
+//! | `fleet.v1.admin.plugins.remove` | [`RemoveArgs`] | [`Removed`] |
+//! | `fleet.v1.admin.plugins.describe` | [`DescribeArgs`] | `{plugin: PluginRecord, manifest: <described manifest or null>}` |
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use fleet_proto::api::{ApiError, ApiErrorCode};
-use serde::Deserialize;
 use serde_json::{Value, json};
 
-use super::publish::{self, InstallArgs};
+use super::publish;
 use super::store::PluginStore;
-use crate::auth::OperatorVerifier;
-use crate::operator::{self, parse};
-use crate::store::Store;
-
-/// The operator API area of plugin distribution (`fleet.v1.admin.plugins.*`).
-pub const PLUGINS_AREA: &str = "plugins";
-/// Its queue group.
-pub const PLUGINS_QUEUE_GROUP: &str = "fleet-api-plugins";
-/// `install`.
-pub const INSTALL: &str = "install";
-/// `list`.
-pub const LIST: &str = "list";
-/// `remove`.
-pub const REMOVE: &str = "remove";
-/// `describe`.
-pub const DESCRIBE: &str = "describe";
-
-/// The subject of a method.
-pub fn subject(method: &str) -> String {
-    operator::subject(PLUGINS_AREA, method)
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RemoveArgs {
-    tool_id: String,
-    #[serde(default)]
-    version: Option<String>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct DescribeArgs {
-    tool_id: String,
-}
+use crate::operator;
+use fleet_client::auth::OperatorVerifier;
+use fleet_proto::admin::parse_args as parse;
+use fleet_proto::admin::plugins::{
+    AREA, DESCRIBE, DescribeArgs, INSTALL, InstallArgs, LIST, QUEUE_GROUP, REMOVE, RemoveArgs, Removed,
+};
+use fleet_store::Store;
 
 struct Ctx {
     plugins: PluginStore,
@@ -75,8 +46,8 @@ pub async fn serve(
     });
     operator::serve(
         client,
-        PLUGINS_AREA,
-        PLUGINS_QUEUE_GROUP.to_owned(),
+        AREA,
+        QUEUE_GROUP.to_owned(),
         verifier,
         "plugin distribution is an operator action",
         move |method, payload| {
@@ -112,7 +83,11 @@ async fn call(ctx: &Ctx, method: &str, payload: &[u8]) -> Result<Value, ApiError
             {
                 tracing::warn!(tool_id = %args.tool_id, error = %e, "cannot forget the removed plugin's manifest");
             }
-            Ok(json!({ "tool_id": args.tool_id, "removed": removed }))
+            let removed = Removed {
+                tool_id: args.tool_id,
+                removed,
+            };
+            Ok(serde_json::to_value(&removed).unwrap_or(Value::Null))
         }
         DESCRIBE => {
             let args: DescribeArgs = parse(payload)?;

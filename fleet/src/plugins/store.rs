@@ -10,7 +10,8 @@ use futures::StreamExt as _;
 use tokio::io::AsyncWriteExt as _;
 
 use super::{PluginError, PluginRecord};
-use crate::store::{StoreSettings, user_key};
+use fleet_proto::api::user_key;
+use fleet_store::StoreSettings;
 
 /// Largest plugin record (every version's metadata with its cached manifest).
 pub const PLUGIN_RECORD_MAX_BYTES: usize = 1024 * 1024;
@@ -56,7 +57,7 @@ impl PluginStore {
     /// Opens (creating when missing) the bucket and the object store. Idempotent; any number of processes may
     /// open concurrently.
     pub async fn open(js: &jetstream::Context, settings: &StoreSettings) -> Result<PluginStore, PluginError> {
-        let kv = crate::store::provision::key_value(
+        let kv = fleet_store::provision::key_value(
             js,
             kv::Config {
                 bucket: records_bucket(settings),
@@ -71,7 +72,7 @@ impl PluginStore {
         .await
         .map_err(|e| PluginError::store("open the plugins bucket")(&e))?;
         let name = packages_bucket(settings);
-        let objects = crate::store::provision::object_store(
+        let objects = fleet_store::provision::object_store(
             js,
             object_store::Config {
                 bucket: name.clone(),

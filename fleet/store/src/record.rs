@@ -11,7 +11,7 @@ use serde_json::{Map, Value};
 pub struct JobRecord {
     /// The id (also the plugin-side `invoke_id`).
     pub job_id: JobId,
-    /// The real user id (keys use [`user_key`](super::user_key)).
+    /// The real user id (keys use [`user_key`](fleet_proto::api::user_key)).
     pub user: String,
     /// The tool id as the caller named it.
     pub tool_id: String,
@@ -69,8 +69,6 @@ pub fn rfc3339_ms(ms: u64) -> String {
     let t = UNIX_EPOCH + Duration::from_millis(ms.min(MAX_RFC3339_MS));
     humantime::format_rfc3339_millis(t).to_string()
 }
-
-pub use fleet_proto::util::now_ms;
 
 impl JobRecord {
     /// The app-facing snapshot with the given progress slice. `lastSeq` is the higher of the record's and the

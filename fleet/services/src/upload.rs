@@ -27,7 +27,9 @@ use serde_json::{Map, Value, json};
 use super::CallContext;
 use super::budget::Exhausted;
 use super::files::{Bucket, FilesService, META_CONFIRMED, META_CONTENT_TYPE, nonce};
-use crate::store::{now_ms, rfc3339_ms, user_key};
+use fleet_proto::api::user_key;
+use fleet_proto::util::now_ms;
+use fleet_store::rfc3339_ms;
 
 /// The purposes a plugin may upload for (spec §8.7).
 pub const PURPOSES: [&str; 3] = ["image_input", "image_reference", "user_artifact"];

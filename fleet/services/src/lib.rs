@@ -7,7 +7,7 @@
 //!
 //! * **minting** (at each invoke): for each family, a token is minted only when the capability was negotiated
 //!   in `initialize`, declared in the manifest's `host_capabilities`, **and** allowed by the user's grant
-//!   ([`crate::grants`]); the invoke's [`InvokeBudget`] is created with the caps the tokens carry;
+//!   ([`grants`]); the invoke's [`InvokeBudget`] is created with the caps the tokens carry;
 //! * **serving** (each reverse call, after the worker's routing and negotiation/manifest gates): the family's
 //!   token is verified ([`tokens`]: signature, audience, expiry, and binding to this user, plugin and invoke);
 //!   a missing or bad token is the family's not-granted error; then the family's service answers;
@@ -19,6 +19,7 @@
 pub mod args;
 pub mod budget;
 pub mod files;
+pub mod grants;
 pub mod kv;
 pub mod llm;
 pub mod tokens;
@@ -39,8 +40,9 @@ use fleet_worker::services::{
 };
 use serde_json::{Map, Value};
 
-use crate::grants::{Grant, GrantStore};
-use crate::store::now_ms;
+use crate::grants::GrantStore;
+use fleet_proto::admin::grants::Grant;
+use fleet_proto::util::now_ms;
 
 pub use budget::{BudgetLimits, Exhausted, InvokeBudget};
 pub use tokens::{Binding, ServiceClaims, TokenError, TokenMinter};
@@ -148,7 +150,7 @@ impl FleetServices {
     /// Opens every resource the services need.
     pub async fn open(
         js: &async_nats::jetstream::Context,
-        settings: &crate::store::StoreSettings,
+        settings: &fleet_store::StoreSettings,
         config: &ServicesConfig,
         links: files::LinkSigner,
     ) -> Result<FleetServices, ServicesError> {

@@ -5,11 +5,14 @@ use async_nats::jetstream::consumer::DeliverPolicy;
 use fleet_proto::api::{JobId, JobState};
 use futures::{StreamExt, TryStreamExt};
 
+use fleet_proto::api::user_key;
+use fleet_proto::util::now_ms;
+
 use super::active::{Acquired, ActiveSet};
 use super::scan::{Scan, scan};
 use super::{
     JobFilter, JobRecord, MAX_CAS_ATTEMPTS, Op, Revisioned, Store, StoreError, Transition, backoff,
-    cas_write, encode, is_kv_marker, now_ms, read, user_key,
+    cas_write, encode, is_kv_marker, read,
 };
 
 /// Concurrent record reads of [`Store::active_jobs`].

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use super::files::LinkSigner;
 use super::{FleetServices, ServicesConfig, ServicesError};
-use crate::store::StoreSettings;
+use fleet_store::StoreSettings;
 
 /// The file under the data dir holding the download-link secret when `--link-signing-key-file` is absent.
 pub const LINK_KEY_FILE: &str = "link-signing-key";
@@ -47,8 +47,8 @@ impl ServicesArgs {
     /// The link signer: `--link-signing-key-file`, else `<data_dir>/link-signing-key` (created).
     pub fn link_signer(&self, data_dir: &Path) -> Result<LinkSigner, ServicesError> {
         let secret = match &self.link_signing_key_file {
-            Some(path) => crate::auth::load_secret_file(path),
-            None => crate::auth::load_or_create_secret(data_dir, LINK_KEY_FILE),
+            Some(path) => fleet_client::auth::load_secret_file(path),
+            None => fleet_client::auth::load_or_create_secret(data_dir, LINK_KEY_FILE),
         }
         .map_err(|e| ServicesError::Config(e.to_string()))?;
         Ok(LinkSigner::new(&secret))

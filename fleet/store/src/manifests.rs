@@ -7,7 +7,9 @@ use serde::{Deserialize, Serialize};
 
 use super::scan::{Scan, scan};
 use super::settings::MANIFEST_MAX_BYTES;
-use super::{Op, Store, StoreError, encode, is_kv_marker, read, user_key};
+use fleet_proto::api::user_key;
+
+use super::{Op, Store, StoreError, encode, is_kv_marker, read};
 
 /// The value: the real tool id and its manifest.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -8,7 +8,9 @@ use fleet_proto::api::{JobId, ProgressEvent};
 
 use super::scan::{Scan, scan};
 use super::settings::SEQ_HEADER;
-use super::{Op, Store, StoreError, user_key};
+use fleet_proto::api::user_key;
+
+use super::{Op, Store, StoreError};
 
 fn header_seq(headers: Option<&HeaderMap>) -> Option<u64> {
     headers?.get(SEQ_HEADER)?.as_str().parse().ok()

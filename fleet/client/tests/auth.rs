@@ -6,7 +6,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use fleet::auth::{
+use fleet_client::auth::{
     AuthError, DEFAULT_AUDIENCE, DEFAULT_ISSUER, DevKey, KeyAlgorithm, Principal, SigningKey, Verifier,
     VerifyKey,
 };
@@ -260,7 +260,7 @@ fn exp_within_leeway_is_accepted() {
 fn leeway_is_clamped() {
     assert_eq!(
         hs_verifier().with_leeway(u64::MAX).leeway(),
-        fleet::auth::MAX_LEEWAY_SECS
+        fleet_client::auth::MAX_LEEWAY_SECS
     );
     let mut c = claims("alice");
     c.insert("exp".into(), json!(1));

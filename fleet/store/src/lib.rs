@@ -43,16 +43,16 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 pub use active::Acquired;
-pub use error::{BoxError, Op, StoreError};
-pub use provision::{Provision, ProvisionError};
-pub use record::{JobRecord, now_ms, rfc3339_ms};
+pub use error::{Op, StoreError};
+pub use provision::{BoxError, Provision, ProvisionError};
+pub use record::{JobRecord, rfc3339_ms};
 pub use settings::{SettingsError, StoreSettings};
 pub use workers::{WorkerChange, WorkerInfo};
 
 /// Compare-and-set retries before [`StoreError::Contention`].
 const MAX_CAS_ATTEMPTS: u32 = 100;
 
-pub use fleet_proto::api::user_key;
+use fleet_proto::api::user_key;
 
 /// A value and the KV revision it was read or written at.
 #[derive(Debug, Clone, PartialEq)]
@@ -158,7 +158,7 @@ impl Store {
     }
 }
 
-pub(crate) async fn open_kv(
+pub async fn open_kv(
     js: &jetstream::Context,
     config: kv::Config,
     provision: Provision,
@@ -173,7 +173,7 @@ pub(crate) async fn open_kv(
 }
 
 /// Reads a KV value; a deleted or purged key is `None`.
-pub(crate) async fn read<T: DeserializeOwned>(
+pub async fn read<T: DeserializeOwned>(
     kv: &kv::Store,
     key: &str,
     op: Op,
@@ -195,11 +195,12 @@ pub(crate) async fn read<T: DeserializeOwned>(
 }
 
 /// A lost compare-and-set.
-pub(crate) struct Conflict;
+#[derive(Debug)]
+pub struct Conflict;
 
 /// Serializes `value`, checks it fits, and writes it: `create` when `revision` is `None` (absent or deleted key),
 /// else `update` expecting `revision`. `Ok(Err(Conflict))` when another writer got there first.
-pub(crate) async fn cas_write<T: Serialize>(
+pub async fn cas_write<T: Serialize>(
     kv: &kv::Store,
     key: &str,
     value: &T,
@@ -238,7 +239,7 @@ fn encode<T: Serialize>(value: &T, (what, max): (&'static str, usize), op: Op) -
 
 /// A short random pause after a lost compare-and-set, growing with the attempt (≤ 32 ms), so racing writers
 /// spread out instead of colliding again.
-pub(crate) async fn backoff(attempt: u32) {
+pub async fn backoff(attempt: u32) {
     let cap = 1u64 << attempt.min(5);
     let ms = rand::random_range(0..=cap);
     tokio::time::sleep(Duration::from_millis(ms)).await;

@@ -13,7 +13,7 @@ use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, ReplayPolicy, pu
 use async_nats::jetstream::{self, stream::Stream};
 use futures::StreamExt;
 
-use super::error::BoxError;
+use super::provision::BoxError;
 
 /// Messages asked for per fetch.
 const FETCH_BATCH: usize = 100;

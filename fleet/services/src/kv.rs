@@ -38,7 +38,9 @@ use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
 use super::{CallContext, ServicesError};
-use crate::store::{StoreSettings, now_ms, rfc3339_ms, user_key};
+use fleet_proto::api::user_key;
+use fleet_proto::util::now_ms;
+use fleet_store::{StoreSettings, rfc3339_ms};
 
 /// Compare-and-set attempts before a write gives up.
 const MAX_CAS_ATTEMPTS: u32 = 32;
@@ -402,7 +404,7 @@ impl Index {
             num_replicas: settings.replicas,
             ..Default::default()
         };
-        let kv = crate::store::provision::key_value(js, config, settings.provision)
+        let kv = fleet_store::provision::key_value(js, config, settings.provision)
             .await
             .map_err(|e| ServicesError::Store(format!("{bucket}: {e}")))?;
         let stream = kv.stream.clone();
@@ -606,7 +608,7 @@ impl Quota {
         config: &StorageConfig,
     ) -> Result<Quota, ServicesError> {
         let bucket = format!("{}_aps_usage", settings.prefix);
-        let kv = Box::pin(crate::store::provision::key_value(
+        let kv = Box::pin(fleet_store::provision::key_value(
             js,
             kv::Config {
                 bucket: bucket.clone(),

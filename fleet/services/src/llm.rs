@@ -1156,8 +1156,8 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::services::tokens::ServiceClaims;
-    use crate::services::{BudgetLimits, InvokeBudget};
+    use crate::tokens::ServiceClaims;
+    use crate::{BudgetLimits, InvokeBudget};
 
     fn msgs(n: usize) -> Value {
         Value::Array(
@@ -1655,7 +1655,7 @@ mod tests {
         );
         c.client_timeout_s = None;
         assert_eq!(sampling_timeout(&c), Duration::from_secs(90));
-        c.deadline_ms = crate::store::now_ms() + 1_000;
+        c.deadline_ms = fleet_proto::util::now_ms() + 1_000;
         assert!(
             sampling_timeout(&c) <= Duration::from_secs(1),
             "never beyond the invoke"

@@ -1,5 +1,5 @@
 //! APS files (`files/*`, spec §8.4) on the JetStream object store, and the signed links the fleet's HTTP
-//! listener serves ([`crate::http::files`]).
+//! listener serves (`fleet::http::files`).
 //!
 //! Resources (all with the store's `replicas` and `storage`):
 //!
@@ -43,7 +43,8 @@ use super::kv::{
     Head, Index, IndexError, Page, Quota, Scope, heads_headers, object, paging, required_str, scope, timed,
 };
 use super::{CallContext, ServicesError};
-use crate::store::{StoreSettings, now_ms, rfc3339_ms};
+use fleet_proto::util::now_ms;
+use fleet_store::{StoreSettings, rfc3339_ms};
 
 /// How long staged bytes and pending records are kept without `upload_complete`.
 pub const STAGING_RETENTION: Duration = Duration::from_secs(3600);
@@ -254,7 +255,7 @@ async fn open_objects(
         num_replicas: settings.replicas,
         ..Default::default()
     };
-    crate::store::provision::object_store(js, config, settings.provision)
+    fleet_store::provision::object_store(js, config, settings.provision)
         .await
         .map_err(|e| ServicesError::Store(e.to_string()))
 }

@@ -20,7 +20,7 @@ use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation, erro
 use rand::RngCore;
 use serde::{Deserialize, Serialize};
 
-use crate::store::now_ms;
+use fleet_proto::util::now_ms;
 
 /// `iss` of every service token.
 pub const ISSUER: &str = "cloud-agents-host";

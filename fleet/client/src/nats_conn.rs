@@ -9,8 +9,7 @@ use std::time::Duration;
 
 use async_nats::{ConnectErrorKind, ConnectOptions};
 
-use crate::nats_auth::creds::creds_jwt;
-use crate::nats_auth::{Role, jwt, permissions};
+use crate::creds::{Role, creds_in, creds_user_name, inbox_prefix};
 
 /// How long connecting may take before it fails.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -22,7 +21,7 @@ pub fn auth_dir(data_dir: &Path) -> PathBuf {
 
 /// `<data-dir>/nats/<role>.creds`.
 pub fn role_creds(data_dir: &Path, role: Role) -> PathBuf {
-    crate::nats_auth::creds_in(&auth_dir(data_dir), role)
+    creds_in(&auth_dir(data_dir), role)
 }
 
 /// The NATS credential and TLS flags every fleet command takes (this exact interface: scripts use it).
@@ -156,15 +155,6 @@ pub struct Connector {
     pub tls: Tls,
 }
 
-/// The user name in a `.creds` text's JWT, when it is a valid subject token.
-fn creds_user_name(text: &str) -> Option<String> {
-    let token = creds_jwt(text)?;
-    let claims = jwt::decode(token).ok()?;
-    let name = claims.get("name")?.as_str()?;
-    crate::nats_auth::validate_user_name(name).ok()?;
-    Some(name.to_owned())
-}
-
 impl Connector {
     /// A connector with `creds` and no TLS.
     pub fn new(url: impl Into<String>, creds: Option<PathBuf>) -> Connector {
@@ -221,7 +211,7 @@ impl Connector {
                     path: path.clone(),
                     reason: "not a NATS credentials file (a user JWT and its nkey seed)".to_owned(),
                 })?
-                .custom_inbox_prefix(permissions::inbox_prefix(&user));
+                .custom_inbox_prefix(inbox_prefix(&user));
         }
         if let Some(ca) = &self.tls.ca {
             check_file("CA", ca)?;

@@ -7,7 +7,10 @@ use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 
 use super::settings::ACTIVE_SET_MAX_BYTES;
-use super::{JobRecord, MAX_CAS_ATTEMPTS, Op, Store, StoreError, backoff, cas_write, now_ms, read, user_key};
+use fleet_proto::api::user_key;
+use fleet_proto::util::now_ms;
+
+use super::{JobRecord, MAX_CAS_ATTEMPTS, Op, Store, StoreError, backoff, cas_write, read};
 
 /// The value at `<user_key>`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]

@@ -4,10 +4,8 @@ use std::fmt;
 
 use fleet_proto::api::{ApiError, ApiErrorCode, JobId};
 
+use super::provision::BoxError;
 use super::settings::SettingsError;
-
-/// A boxed source error (async-nats errors, I/O).
-pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// The store operation an error comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -54,9 +52,9 @@ pub enum Op {
     ListManifests,
     /// [`Store::delete_manifest`](super::Store::delete_manifest).
     DeleteManifest,
-    /// [`GrantStore::get`](crate::grants::GrantStore::get).
+    /// `GrantStore::get` (fleet-services).
     ReadGrant,
-    /// [`GrantStore::edit`](crate::grants::GrantStore::edit).
+    /// `GrantStore::edit` (fleet-services).
     EditGrant,
 }
 

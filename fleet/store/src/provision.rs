@@ -1,6 +1,6 @@
 //! Who creates the fleet's JetStream resources. Fronts (and `fleet up`) **create** every bucket and stream, or
 //! update it to the settings; workers and operator tooling only **attach** to what a front created — their NATS
-//! users may not create, update or delete streams (see [`crate::nats_auth::permissions`]), so a stolen worker
+//! users may not create, update or delete streams (the role table of the fleet crate's `nats_auth::permissions`), so a stolen worker
 //! credential cannot shrink a stream's retention or drop it. An attaching process started before any front waits
 //! for the resources (up to [`ATTACH_WAIT`]), then fails naming the missing one.
 
@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, kv, object_store, stream};
 
-use super::error::BoxError;
+/// A boxed source error (async-nats errors, I/O).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// How long an attaching process waits for a front to create a resource.
 pub const ATTACH_WAIT: Duration = Duration::from_secs(60);

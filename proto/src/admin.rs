@@ -1,0 +1,347 @@
+//! The operator API's wire types: `fleet.v1.admin.<area>.<method>`, request/reply with
+//! `Authorization: Bearer <operator JWT>` (audience `cloud-agents-operator`), answers in the API envelope
+//! ([`ApiResponse`](crate::api::ApiResponse): `{"ok": …}` / `{"error": {code, message, details}}`).
+//!
+//! | Subject | Arguments | Result | Errors |
+//! |---|---|---|---|
+//! | `fleet.v1.admin.grants.set` | [`grants::SetArgs`] | [`grants::Grant`] | `invalid_arg` (unknown capability, bad user or tool id), `internal_error` (the bucket) |
+//! | `fleet.v1.admin.grants.get` | [`grants::GetArgs`] | [`grants::Grant`] (empty when never set) | as `set` |
+//! | `fleet.v1.admin.plugins.install` | [`plugins::InstallArgs`] | `Published` (`fleet::plugins::publish`) | `invalid_arg` (refused package; a failed download has `details.retriable`), `agent_unavailable` (store, retriable) |
+//! | `fleet.v1.admin.plugins.list` | `{}` | `{plugins: [PluginRecord]}` | `agent_unavailable` |
+//! | `fleet.v1.admin.plugins.remove` | [`plugins::RemoveArgs`] | [`plugins::Removed`] | `not_found`, `invalid_arg`, `agent_unavailable` |
+//! | `fleet.v1.admin.plugins.describe` | [`plugins::DescribeArgs`] | `{plugin: PluginRecord, manifest: <described manifest or null>}` | `not_found`, `agent_unavailable` |
+//! | `fleet.v1.admin.creds.issue` | [`creds::NameArgs`] | [`creds::Issued`] | `invalid_arg` (bad name, an active credential of that name), `internal_error` |
+//! | `fleet.v1.admin.creds.list` | `{}` | [`creds::Listed`] | `internal_error` |
+//! | `fleet.v1.admin.creds.revoke` | [`creds::NameArgs`] | [`creds::Revoked`] | `not_found`, `internal_error` |
+//!
+//! Every area also answers `invalid_token` (no, malformed or expired token) and `permission_denied` (a current
+//! token that is not an operator's), and refuses arguments that do not parse with `invalid_arg`
+//! ([`parse_args`]). A plugin record (`PluginRecord`, `PackageVersion`) names the install pipeline's package
+//! `Format`, which the worker crate owns, so those two stay beside it (`fleet::plugins`).
+
+use serde::de::DeserializeOwned;
+
+use crate::api::{ApiError, ApiErrorCode};
+
+/// Subject prefix of the operator API.
+pub const ADMIN_PREFIX: &str = "fleet.v1.admin";
+
+/// The queue group of the grants and creds areas (any front answers).
+pub const ADMIN_QUEUE_GROUP: &str = "fleet-api-admin";
+
+/// The subject of `area`'s `method`, e.g. `fleet.v1.admin.grants.set`.
+pub fn subject(area: &str, method: &str) -> String {
+    format!("{ADMIN_PREFIX}.{area}.{method}")
+}
+
+/// An operator call's arguments (an empty or all-white-space payload is `{}`); `invalid_arg` when they do not
+/// parse.
+pub fn parse_args<T: DeserializeOwned>(payload: &[u8]) -> Result<T, ApiError> {
+    let payload = if payload.iter().all(u8::is_ascii_whitespace) {
+        b"{}".as_slice()
+    } else {
+        payload
+    };
+    serde_json::from_slice(payload)
+        .map_err(|e| ApiError::new(ApiErrorCode::InvalidArg, format!("bad arguments: {e}")))
+}
+
+/// `fleet.v1.admin.grants.*`: which host capabilities a user allows one plugin to use.
+pub mod grants {
+    use std::collections::BTreeSet;
+
+    use serde::{Deserialize, Serialize};
+
+    /// The area (`fleet.v1.admin.grants.*`).
+    pub const AREA: &str = "grants";
+    /// `set`: [`SetArgs`] → the grant.
+    pub const SET: &str = "set";
+    /// `get`: [`GetArgs`] → the grant.
+    pub const GET: &str = "get";
+    /// In [`SetArgs::revoke`]: every capability.
+    pub const REVOKE_ALL: &str = "*";
+
+    /// `grants.set`: add `allow`, remove `revoke` (`*` = everything), atomically.
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct SetArgs {
+        /// The user.
+        pub user: String,
+        /// The plugin.
+        pub tool_id: String,
+        /// Capabilities to allow.
+        #[serde(default)]
+        pub allow: Vec<String>,
+        /// Capabilities to revoke ([`REVOKE_ALL`]: all).
+        #[serde(default)]
+        pub revoke: Vec<String>,
+    }
+
+    /// `grants.get`.
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct GetArgs {
+        /// The user.
+        pub user: String,
+        /// The plugin.
+        pub tool_id: String,
+    }
+
+    /// Upload caps a grant may narrow (spec §8.7; both spellings, §16 A-29).
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct UploadGrant {
+        /// Files per invoke.
+        #[serde(default, alias = "maxFiles", skip_serializing_if = "Option::is_none")]
+        pub max_files: Option<u32>,
+        /// Largest file.
+        #[serde(default, alias = "maxFileBytes", skip_serializing_if = "Option::is_none")]
+        pub max_file_bytes: Option<u64>,
+        /// Bytes per invoke.
+        #[serde(default, alias = "maxTotalBytes", skip_serializing_if = "Option::is_none")]
+        pub max_total_bytes: Option<u64>,
+        /// Purposes.
+        #[serde(default, alias = "allowedPurposes", skip_serializing_if = "Option::is_none")]
+        pub allowed_purposes: Option<Vec<String>>,
+    }
+
+    /// One user's grant to one plugin: the result of `set` and `get`, and the record kept in the grants bucket.
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct Grant {
+        /// The user.
+        pub user: String,
+        /// The plugin.
+        pub tool_id: String,
+        /// Host capabilities allowed (`aps.kv`, `aps.files`, `llm.sample`, `llm.embed`, `host.upload`, …).
+        #[serde(default)]
+        pub allow: BTreeSet<String>,
+        /// Upload caps narrower than the spec's defaults.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub upload: Option<UploadGrant>,
+        /// Last change, Unix ms (0: never set).
+        #[serde(default)]
+        pub updated_at_ms: u64,
+    }
+
+    impl Grant {
+        /// Whether `capability` is allowed.
+        pub fn allows(&self, capability: &str) -> bool {
+            self.allow.contains(capability)
+        }
+    }
+}
+
+/// `fleet.v1.admin.plugins.*`: plugin distribution.
+pub mod plugins {
+    use serde::{Deserialize, Serialize};
+    use serde_json::{Map, Value};
+
+    /// The area (`fleet.v1.admin.plugins.*`).
+    pub const AREA: &str = "plugins";
+    /// Its queue group.
+    pub const QUEUE_GROUP: &str = "fleet-api-plugins";
+    /// `install`: [`InstallArgs`] → `Published`.
+    pub const INSTALL: &str = "install";
+    /// `list`: `{}` → `{plugins: [PluginRecord]}`.
+    pub const LIST: &str = "list";
+    /// `remove`: [`RemoveArgs`] → [`Removed`].
+    pub const REMOVE: &str = "remove";
+    /// `describe`: [`DescribeArgs`] → `{plugin, manifest}`.
+    pub const DESCRIBE: &str = "describe";
+
+    /// The subject of a method.
+    pub fn subject(method: &str) -> String {
+        super::subject(AREA, method)
+    }
+
+    /// `plugins.install` arguments: exactly one of `source` (an `http(s)` URL), `binary_urls` (per-platform
+    /// assets, resolved for the front's platform key) or `object` (the SHA-256 of a package uploaded to the
+    /// packages bucket as `sha256-<hex>`, e.g. by `fleet plugins install ./dir`).
+    #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct InstallArgs {
+        /// An `http(s)` URL of a `.tar.gz` / `.tgz` / `.zip` / raw binary.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub source: Option<String>,
+        /// `{platform_key: url | {url, sha256?, size?, entrypoint?, format?}}` (spec §14.2).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub binary_urls: Option<Map<String, Value>>,
+        /// An uploaded package: its SHA-256.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub object: Option<String>,
+        /// The uploaded package's file name (for the format and a raw package's tool id).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub file_name: Option<String>,
+        /// The tool id (default: the package's `manifest.json` `name` / `executa.json` `tool_id`; for a raw
+        /// binary, the file name).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub tool_id: Option<String>,
+        /// The version (default: the package's `manifest.json` / `executa.json` `version`, else `unknown`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub version: Option<String>,
+        /// Expected SHA-256 of the package.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub sha256: Option<String>,
+        /// Expected size in bytes.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub size: Option<u64>,
+        /// Entrypoint override.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub entrypoint: Option<String>,
+        /// Format override (`tar.gz`, `tgz`, `zip`, `raw`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub format: Option<String>,
+    }
+
+    /// `plugins.remove`: one version, or (no `version`) the whole plugin.
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct RemoveArgs {
+        /// The plugin.
+        pub tool_id: String,
+        /// The version to remove (none: every version).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub version: Option<String>,
+    }
+
+    /// What `plugins.remove` answers.
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct Removed {
+        /// The plugin.
+        pub tool_id: String,
+        /// The versions removed.
+        pub removed: Vec<String>,
+    }
+
+    /// `plugins.describe`.
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct DescribeArgs {
+        /// The plugin.
+        pub tool_id: String,
+    }
+}
+
+/// `fleet.v1.admin.creds.*`: app NATS credentials, issued and revoked while the fleet runs.
+pub mod creds {
+    use std::collections::BTreeMap;
+    use std::fmt;
+
+    use serde::{Deserialize, Serialize};
+
+    /// The area (`fleet.v1.admin.creds.*`).
+    pub const AREA: &str = "creds";
+    /// `issue`: [`NameArgs`] → [`Issued`].
+    pub const ISSUE: &str = "issue";
+    /// `list`: `{}` → [`Listed`].
+    pub const LIST: &str = "list";
+    /// `revoke`: [`NameArgs`] → [`Revoked`].
+    pub const REVOKE: &str = "revoke";
+
+    /// `creds.issue` and `creds.revoke`.
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct NameArgs {
+        /// The credential's name: 1–64 of `[A-Za-z0-9_-]` (the client's inbox prefix is `_INBOX.<name>`).
+        pub name: String,
+    }
+
+    /// One issued app credential, as stored and listed (no secret).
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct CredRecord {
+        /// The name (also the user's inbox prefix `_INBOX.<name>`).
+        pub name: String,
+        /// The current user key (`U…`).
+        pub public_key: String,
+        /// When it was issued (unix seconds).
+        pub issued_at: u64,
+        /// When it was revoked (unix seconds), if it was.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub revoked_at: Option<u64>,
+        /// Earlier keys of this name and when each was revoked.
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        pub revoked_keys: BTreeMap<String, u64>,
+    }
+
+    /// What `creds.issue` answers. `creds` holds the user's seed: `Debug` redacts it.
+    #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct Issued {
+        /// The record.
+        pub credential: CredRecord,
+        /// The inbox prefix the client must use (`_INBOX.<name>`).
+        pub inbox_prefix: String,
+        /// The `.creds` text (a user JWT and its nkey seed). A secret.
+        pub creds: String,
+    }
+
+    impl fmt::Debug for Issued {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.debug_struct("Issued")
+                .field("credential", &self.credential)
+                .field("inbox_prefix", &self.inbox_prefix)
+                .field("creds", &"<redacted>")
+                .finish()
+        }
+    }
+
+    /// What `creds.list` answers.
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct Listed {
+        /// Every credential issued, revoked ones included.
+        pub credentials: Vec<CredRecord>,
+    }
+
+    /// What `creds.revoke` answers.
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct Revoked {
+        /// The record, with `revoked_at` set.
+        pub credential: CredRecord,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn subjects_and_queue_groups() {
+        assert_eq!(subject(grants::AREA, grants::SET), "fleet.v1.admin.grants.set");
+        assert_eq!(
+            plugins::subject(plugins::INSTALL),
+            "fleet.v1.admin.plugins.install"
+        );
+        assert_eq!(subject(creds::AREA, creds::REVOKE), "fleet.v1.admin.creds.revoke");
+        assert_eq!(
+            ADMIN_QUEUE_GROUP,
+            format!("{}-admin", crate::api::subjects::API_QUEUE_GROUP)
+        );
+    }
+
+    #[test]
+    fn arguments_parse_as_the_areas_always_did() {
+        let empty: serde_json::Value = parse_args(b"  \n").expect("blank is {}");
+        assert_eq!(empty, json!({}));
+        let bad = parse_args::<grants::GetArgs>(b"{").expect_err("not JSON");
+        assert_eq!(bad.code, ApiErrorCode::InvalidArg);
+        // Plugins' arguments refuse unknown fields; grants' and creds' ignore them.
+        assert!(parse_args::<plugins::RemoveArgs>(br#"{"tool_id":"t","versoin":"1"}"#).is_err());
+        let set: grants::SetArgs = parse_args(br#"{"user":"u","tool_id":"t","extra":1}"#).expect("set");
+        assert!(set.allow.is_empty() && set.revoke.is_empty());
+        let name: creds::NameArgs = parse_args(br#"{"name":"billing","x":true}"#).expect("name");
+        assert_eq!(name.name, "billing");
+    }
+
+    #[test]
+    fn issued_debug_redacts_the_creds() {
+        let issued = creds::Issued {
+            credential: creds::CredRecord {
+                name: "n".into(),
+                public_key: "UABC".into(),
+                issued_at: 1,
+                revoked_at: None,
+                revoked_keys: Default::default(),
+            },
+            inbox_prefix: "_INBOX.n".into(),
+            creds: "-----BEGIN USER NKEY SEED-----\nSUSECRET".into(),
+        };
+        assert!(!format!("{issued:?}").contains("SUSECRET"));
+    }
+}
