@@ -54,6 +54,7 @@ mod netns;
 pub mod seccomp;
 mod spawn;
 mod stub;
+mod stub_msg;
 mod stub_pool;
 mod users;
 
@@ -74,7 +75,8 @@ pub use detect::CgroupMountError;
 pub use error::SandboxError;
 use seccomp::SeccompProfile;
 pub use spawn::{SpawnPlan, apply, die_with_parent};
-pub use stub::{STUB_ARG, run_if_stub};
+pub use stub::run_if_stub;
+pub use stub_msg::STUB_ARG;
 pub(crate) use stub_pool::StubPool;
 pub use stub_pool::{ExecStatus, StubError, StubStep};
 pub use users::UserSpace;
@@ -595,8 +597,8 @@ fn prepare_confinement(config: &WorkerConfig) -> Result<ConfineBase, SandboxErro
         (Some(program), true) => {
             let ns = confine::namespaces(&[], c.tmp_bytes).map_err(|e| unavailable(e.to_string()))?;
             let text = |s: &std::ffi::CStr| s.to_string_lossy().into_owned();
-            let setup = stub::Setup {
-                protocol: stub::STUB_PROTOCOL,
+            let setup = stub_msg::Setup {
+                protocol: stub_msg::STUB_PROTOCOL,
                 tmp_root: text(&ns.tmp_root),
                 tmp_options: text(&ns.tmp_options),
                 proc_options: text(&ns.proc_options),

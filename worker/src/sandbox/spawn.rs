@@ -140,7 +140,7 @@ impl SpawnPlan {
         argv: &[String],
         dir: &std::path::Path,
         env: &[(String, String)],
-    ) -> Option<super::stub::Claim> {
+    ) -> Option<super::stub_msg::Claim> {
         let ns = self.confine.as_ref()?.namespaces.as_ref()?;
         if ns.join_net.is_some() || !self.env.is_empty() || argv.is_empty() {
             return None;
@@ -151,14 +151,14 @@ impl SpawnPlan {
         for k in &ns.kept {
             let path = text(&k.path)?;
             let relative = path.strip_prefix(tmp_root)?.trim_start_matches('/').to_owned();
-            kept.push(super::stub::KeptPath {
+            kept.push(super::stub_msg::KeptPath {
                 relative,
                 parents: k.parents.iter().map(|p| text(p)).collect::<Option<_>>()?,
                 is_dir: k.is_dir,
                 path,
             });
         }
-        Some(super::stub::Claim {
+        Some(super::stub_msg::Claim {
             procs: self.procs_files.iter().map(|p| text(p)).collect::<Option<_>>()?,
             uid: self.uid,
             gid: self.gid,

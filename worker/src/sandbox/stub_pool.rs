@@ -24,7 +24,7 @@ use tokio::net::unix::pipe;
 use tokio::sync::Notify;
 
 use super::SpawnPlan;
-use super::stub::{FAILED, FAILURE_BYTES, READY, STUB_ARG, Setup, Step};
+use super::stub_msg::{FAILED, FAILURE_BYTES, READY, STUB_ARG, Setup, Step};
 
 /// How long a new stub may take to be ready, and a claimed one to `exec`: failure guards (a stub is ready in a
 /// few milliseconds and `exec`s in well under one).
@@ -79,7 +79,7 @@ pub(crate) struct Stub {
 }
 
 impl Stub {
-    /// Hands the stub `claim` (a framed [`super::stub::Claim`]) and returns at once: the child (soon the plugin,
+    /// Hands the stub `claim` (a framed [`super::stub_msg::Claim`]) and returns at once: the child (soon the plugin,
     /// with the stub's stdio pipes) and the outcome of its `exec`, to await when it matters. What the caller
     /// writes to the child's stdin meanwhile waits in the pipe behind the claim for the plugin (the stub reads
     /// exactly its claim), so the plugin's first request costs no extra round trip.
@@ -192,7 +192,7 @@ impl StubPool {
         Ok(StubPool {
             inner: Arc::new(PoolInner {
                 program,
-                setup: super::stub::frame(setup)?,
+                setup: super::stub_msg::frame(setup)?,
                 target,
                 ready: Mutex::new(Vec::with_capacity(target)),
                 wake: Arc::new(Notify::new()),
@@ -247,7 +247,7 @@ impl StubPool {
         env: &[(String, String)],
     ) -> Option<Result<(tokio::process::Child, ExecStatus), StubError>> {
         let claim = plan.stub_claim(argv, dir, env)?;
-        let bytes = match super::stub::frame(&claim) {
+        let bytes = match super::stub_msg::frame(&claim) {
             Ok(bytes) => bytes,
             Err(e) => return Some(Err(StubError::Io(e))),
         };
