@@ -7,17 +7,17 @@
 //! | `fleet.v1.admin.grants.set` | [`grants::SetArgs`] | [`grants::Grant`] | `invalid_arg` (unknown capability, bad user or tool id), `internal_error` (the bucket) |
 //! | `fleet.v1.admin.grants.get` | [`grants::GetArgs`] | [`grants::Grant`] (empty when never set) | as `set` |
 //! | `fleet.v1.admin.plugins.install` | [`plugins::InstallArgs`] | `Published` (`fleet::plugins::publish`) | `invalid_arg` (refused package; a failed download has `details.retriable`), `agent_unavailable` (store, retriable) |
-//! | `fleet.v1.admin.plugins.list` | `{}` | `{plugins: [PluginRecord]}` | `agent_unavailable` |
+//! | `fleet.v1.admin.plugins.list` | `{}` | `{plugins: [`[`plugins::PluginRecord`]`]}` | `agent_unavailable` |
 //! | `fleet.v1.admin.plugins.remove` | [`plugins::RemoveArgs`] | [`plugins::Removed`] | `not_found`, `invalid_arg`, `agent_unavailable` |
-//! | `fleet.v1.admin.plugins.describe` | [`plugins::DescribeArgs`] | `{plugin: PluginRecord, manifest: <described manifest or null>}` | `not_found`, `agent_unavailable` |
+//! | `fleet.v1.admin.plugins.describe` | [`plugins::DescribeArgs`] | `{plugin: `[`plugins::PluginRecord`]`, manifest: <described manifest or null>}` | `not_found`, `agent_unavailable` |
 //! | `fleet.v1.admin.creds.issue` | [`creds::NameArgs`] | [`creds::Issued`] | `invalid_arg` (bad name, an active credential of that name), `internal_error` |
 //! | `fleet.v1.admin.creds.list` | `{}` | [`creds::Listed`] | `internal_error` |
 //! | `fleet.v1.admin.creds.revoke` | [`creds::NameArgs`] | [`creds::Revoked`] | `not_found`, `internal_error` |
 //!
 //! Every area also answers `invalid_token` (no, malformed or expired token) and `permission_denied` (a current
 //! token that is not an operator's), and refuses arguments that do not parse with `invalid_arg`
-//! ([`parse_args`]). A plugin record (`PluginRecord`, `PackageVersion`) names the install pipeline's package
-//! `Format`, which the worker crate owns, so those two stay beside it (`fleet::plugins`).
+//! ([`parse_args`]). The plugin records ([`plugins::PluginRecord`], [`plugins::PackageVersion`]) and the package
+//! [`plugins::Format`] live here too; the worker's install pipeline and `fleet::plugins` re-export them.
 
 use serde::de::DeserializeOwned;
 
@@ -139,7 +139,7 @@ pub mod plugins {
     pub const QUEUE_GROUP: &str = "fleet-api-plugins";
     /// `install`: [`InstallArgs`] → `Published`.
     pub const INSTALL: &str = "install";
-    /// `list`: `{}` → `{plugins: [PluginRecord]}`.
+    /// `list`: `{}` → `{plugins: [`[`PluginRecord`]`]}`.
     pub const LIST: &str = "list";
     /// `remove`: [`RemoveArgs`] → [`Removed`].
     pub const REMOVE: &str = "remove";
@@ -149,6 +149,124 @@ pub mod plugins {
     /// The subject of a method.
     pub fn subject(method: &str) -> String {
         super::subject(AREA, method)
+    }
+
+    /// A package's container format (spec §14.2 `format`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+    pub enum Format {
+        /// gzip-compressed tar (`.tar.gz`, `.tgz`).
+        #[serde(rename = "tar.gz")]
+        TarGz,
+        /// zip.
+        #[serde(rename = "zip")]
+        Zip,
+        /// A single executable, installed as `bin/{tool_id}` with mode 0755.
+        #[serde(rename = "raw")]
+        Raw,
+    }
+
+    /// A declared `format` that is none of `tar.gz`, `tgz`, `zip`, `raw` (the text as given).
+    #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+    #[error("unknown format {0:?} (expected tar.gz, tgz, zip or raw)")]
+    pub struct UnknownFormat(pub String);
+
+    impl Format {
+        /// Parses a declared `format`.
+        ///
+        /// # Errors
+        /// [`UnknownFormat`] for anything but `tar.gz`, `tgz`, `zip` or `raw` (any case).
+        pub fn parse(s: &str) -> Result<Format, UnknownFormat> {
+            match s.to_ascii_lowercase().as_str() {
+                "tar.gz" | "tgz" => Ok(Format::TarGz),
+                "zip" => Ok(Format::Zip),
+                "raw" => Ok(Format::Raw),
+                _ => Err(UnknownFormat(s.to_string())),
+            }
+        }
+
+        /// Inferred from a URL or file name (query and fragment ignored): `.tar.gz`/`.tgz` → tar+gzip, `.zip` →
+        /// zip, anything else → raw (spec §14.2).
+        pub fn infer(url_or_name: &str) -> Format {
+            let path = url_or_name
+                .split(['?', '#'])
+                .next()
+                .unwrap_or_default()
+                .to_ascii_lowercase();
+            if path.ends_with(".tar.gz") || path.ends_with(".tgz") {
+                Format::TarGz
+            } else if path.ends_with(".zip") {
+                Format::Zip
+            } else {
+                Format::Raw
+            }
+        }
+
+        /// The spelling used in records.
+        pub fn as_str(self) -> &'static str {
+            match self {
+                Format::TarGz => "tar.gz",
+                Format::Zip => "zip",
+                Format::Raw => "raw",
+            }
+        }
+    }
+
+    impl std::fmt::Display for Format {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.as_str())
+        }
+    }
+
+    /// One published version of a plugin.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    pub struct PackageVersion {
+        /// The (sanitised) version.
+        pub version: String,
+        /// The package's SHA-256 (lower hex): workers verify every copy against it.
+        pub sha256: String,
+        /// The package's size in bytes.
+        pub size: u64,
+        /// Its object in the packages bucket.
+        pub object: String,
+        /// Its container format.
+        pub format: Format,
+        /// The launcher type.
+        #[serde(rename = "type")]
+        pub kind: String,
+        /// The resolved entrypoint (binary packages).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub entrypoint: Option<String>,
+        /// Where it came from (`url`, `binary_urls`, `platform_key`, `upload`).
+        #[serde(default)]
+        pub source: Value,
+        /// The in-archive `manifest.json`, cached.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub manifest: Option<Value>,
+        /// Warnings of the validation install (e.g. an entrypoint picked among several).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        pub warnings: Vec<String>,
+        /// When it was published (ms since the epoch).
+        pub published_at_ms: u64,
+    }
+
+    /// Everything the fleet knows about one plugin (`list`, `describe`).
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    pub struct PluginRecord {
+        /// The (sanitised) tool id.
+        pub tool_id: String,
+        /// The version new sessions use.
+        pub current: String,
+        /// Every published version, by version.
+        pub versions: std::collections::BTreeMap<String, PackageVersion>,
+        /// Last change (ms since the epoch).
+        pub updated_at_ms: u64,
+    }
+
+    impl PluginRecord {
+        /// The current version's package.
+        pub fn current_package(&self) -> Option<&PackageVersion> {
+            self.versions.get(&self.current)
+        }
     }
 
     /// `plugins.install` arguments: exactly one of `source` (an `http(s)` URL), `binary_urls` (per-platform

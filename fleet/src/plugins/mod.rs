@@ -25,12 +25,9 @@ pub mod publish;
 pub mod service;
 pub mod store;
 
-use std::collections::BTreeMap;
-
 use fleet_proto::api::{ApiError, ApiErrorCode};
-use fleet_worker::install::{Format, InstallError};
-use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
+use fleet_worker::install::InstallError;
+use serde_json::json;
 
 pub use installer::Installer;
 pub use store::PluginStore;
@@ -45,57 +42,7 @@ pub const EXECUTA_HOME_ENV: &str = "ANNA_EXECUTA_HOME";
 /// Environment variable setting how many old versions a worker keeps (spec §14.3 `EXECUTA_KEEP_VERSIONS`).
 pub const KEEP_VERSIONS_ENV: &str = "EXECUTA_KEEP_VERSIONS";
 
-/// One published version of a plugin.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PackageVersion {
-    /// The (sanitised) version.
-    pub version: String,
-    /// The package's SHA-256 (lower hex): workers verify every copy against it.
-    pub sha256: String,
-    /// The package's size in bytes.
-    pub size: u64,
-    /// Its object in the packages bucket.
-    pub object: String,
-    /// Its container format.
-    pub format: Format,
-    /// The launcher type.
-    #[serde(rename = "type")]
-    pub kind: String,
-    /// The resolved entrypoint (binary packages).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub entrypoint: Option<String>,
-    /// Where it came from (`url`, `binary_urls`, `platform_key`, `upload`).
-    #[serde(default)]
-    pub source: Value,
-    /// The in-archive `manifest.json`, cached.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub manifest: Option<Value>,
-    /// Warnings of the validation install (e.g. an entrypoint picked among several).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub warnings: Vec<String>,
-    /// When it was published (ms since the epoch).
-    pub published_at_ms: u64,
-}
-
-/// Everything the fleet knows about one plugin.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct PluginRecord {
-    /// The (sanitised) tool id.
-    pub tool_id: String,
-    /// The version new sessions use.
-    pub current: String,
-    /// Every published version, by version.
-    pub versions: BTreeMap<String, PackageVersion>,
-    /// Last change (ms since the epoch).
-    pub updated_at_ms: u64,
-}
-
-impl PluginRecord {
-    /// The current version's package.
-    pub fn current_package(&self) -> Option<&PackageVersion> {
-        self.versions.get(&self.current)
-    }
-}
+pub use fleet_proto::admin::plugins::{PackageVersion, PluginRecord};
 
 /// Why a plugin operation failed.
 #[derive(Debug, thiserror::Error)]

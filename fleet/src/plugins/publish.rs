@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use fleet_proto::admin::plugins::InstallArgs;
-use fleet_worker::install::{self, Format, InstallOptions, InstallRequest};
+use fleet_worker::install::{self, Format, InstallError, InstallOptions, InstallRequest};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
@@ -49,7 +49,12 @@ pub async fn install(
         ));
     }
     let platform = install::platform_key();
-    let mut format = args.format.as_deref().map(Format::parse).transpose()?;
+    let mut format = args
+        .format
+        .as_deref()
+        .map(Format::parse)
+        .transpose()
+        .map_err(InstallError::from)?;
     let mut sha256 = args
         .sha256
         .as_deref()

@@ -253,61 +253,13 @@ impl fmt::Display for UnsafeReason {
     }
 }
 
-/// A package's container format (spec §14.2 `format`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum Format {
-    /// gzip-compressed tar (`.tar.gz`, `.tgz`).
-    #[serde(rename = "tar.gz")]
-    TarGz,
-    /// zip.
-    #[serde(rename = "zip")]
-    Zip,
-    /// A single executable, installed as `bin/{tool_id}` with mode 0755.
-    #[serde(rename = "raw")]
-    Raw,
-}
+/// A package's container format (spec §14.2 `format`): a wire type of the operator API, in
+/// `fleet_proto::admin::plugins`.
+pub use fleet_proto::admin::plugins::Format;
 
-impl Format {
-    /// Parses a declared `format`.
-    pub fn parse(s: &str) -> Result<Format, InstallError> {
-        match s.to_ascii_lowercase().as_str() {
-            "tar.gz" | "tgz" => Ok(Format::TarGz),
-            "zip" => Ok(Format::Zip),
-            "raw" => Ok(Format::Raw),
-            _ => Err(InstallError::UnknownFormat(s.to_string())),
-        }
-    }
-
-    /// Inferred from a URL or file name (query and fragment ignored): `.tar.gz`/`.tgz` → tar+gzip, `.zip` → zip,
-    /// anything else → raw (spec §14.2).
-    pub fn infer(url_or_name: &str) -> Format {
-        let path = url_or_name
-            .split(['?', '#'])
-            .next()
-            .unwrap_or_default()
-            .to_ascii_lowercase();
-        if path.ends_with(".tar.gz") || path.ends_with(".tgz") {
-            Format::TarGz
-        } else if path.ends_with(".zip") {
-            Format::Zip
-        } else {
-            Format::Raw
-        }
-    }
-
-    /// The spelling used in records.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Format::TarGz => "tar.gz",
-            Format::Zip => "zip",
-            Format::Raw => "raw",
-        }
-    }
-}
-
-impl fmt::Display for Format {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+impl From<fleet_proto::admin::plugins::UnknownFormat> for InstallError {
+    fn from(e: fleet_proto::admin::plugins::UnknownFormat) -> InstallError {
+        InstallError::UnknownFormat(e.0)
     }
 }
 
