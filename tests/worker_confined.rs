@@ -798,3 +798,63 @@ async fn a_broken_stub_program_falls_back_to_direct_spawns() {
     assert_eq!(w.sandbox.stub_claims(), 0);
     w.pool.shutdown().await;
 }
+
+/// The pids of this test process's waiting sandbox stubs (its children started with the stub argument).
+fn waiting_stubs() -> Vec<u32> {
+    let me = std::process::id();
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let is_stub = cmdline
+            .split(|b| *b == 0)
+            .any(|arg| arg == fleet_worker::sandbox::STUB_ARG.as_bytes());
+        if ppid == Some(me) && is_stub && alive(pid) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Stubs killed while they wait (an operator's `kill`, the OOM killer) cost nothing but speed: the next
+/// session is spawned directly and serves, and the pool makes new stubs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_waiting_stubs_fall_back_to_a_direct_spawn() {
+    let w = hostile_worker_with("killstub", Layout::OutsideTmp, |c| {
+        c.confinement.stub_pool = 2;
+    });
+    w.sandbox.start_stubs();
+    assert!(eventually(GUARD, || w.sandbox.stubs_ready() == 2).await);
+    let stubs = waiting_stubs();
+    assert_eq!(stubs.len(), 2, "{stubs:?}");
+    for pid in &stubs {
+        rustix::process::kill_process(
+            rustix::process::Pid::from_raw(i32::try_from(*pid).unwrap()).unwrap(),
+            rustix::process::Signal::KILL,
+        )
+        .unwrap();
+    }
+    assert!(eventually(GUARD, || stubs.iter().all(|p| !alive(*p))).await);
+    let report = probe(&w, "gina", "exec-probe", json!({})).await;
+    assert_eq!(report["proc_foreign"], 0, "{report}");
+    assert_eq!(w.sandbox.stub_claims(), 0, "a dead stub was counted as a start");
+    // The pool refills with live stubs, and the next session starts from one.
+    assert!(
+        eventually(GUARD, || w.sandbox.stubs_ready() > 0
+            && !waiting_stubs().is_empty())
+        .await
+    );
+    let s = w.pool.prewarm("gina", "sibling", GUARD).await.unwrap();
+    assert!(s.pid().is_some());
+    assert_eq!(w.sandbox.stub_claims(), 1);
+    w.pool.shutdown().await;
+}

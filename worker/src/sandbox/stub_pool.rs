@@ -212,9 +212,6 @@ impl StubPool {
         let inner = &self.inner;
         let stub = inner.ready.lock().unwrap_or_else(PoisonError::into_inner).pop();
         inner.wake.notify_one();
-        if stub.is_some() {
-            inner.claims.fetch_add(1, Ordering::Relaxed);
-        }
         stub
     }
 
@@ -251,8 +248,22 @@ impl StubPool {
             Ok(bytes) => bytes,
             Err(e) => return Some(Err(StubError::Io(e))),
         };
-        let stub = self.take()?;
-        Some(stub.claim(&bytes, claim.argv[0].clone()).await)
+        // A stub that died while it waited (killed, OOM) cannot take the claim: the next one can, or the
+        // caller spawns directly. Each attempt uses a stub up, so this ends.
+        for _ in 0..=self.inner.target {
+            let mut stub = self.take()?;
+            if !matches!(stub.child.try_wait(), Ok(None)) {
+                continue;
+            }
+            match stub.claim(&bytes, claim.argv[0].clone()).await {
+                Err(StubError::Io(_)) => continue,
+                started => {
+                    self.inner.claims.fetch_add(1, Ordering::Relaxed);
+                    return Some(started);
+                }
+            }
+        }
+        None
     }
 
     /// How many stubs wait.
@@ -264,7 +275,7 @@ impl StubPool {
             .len()
     }
 
-    /// How many stubs sessions have taken so far.
+    /// How many plugin processes started from a stub so far.
     pub(crate) fn claims(&self) -> u64 {
         self.inner.claims.load(Ordering::Relaxed)
     }
