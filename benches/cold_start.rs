@@ -87,51 +87,38 @@ fn profile_dir() -> PathBuf {
         .unwrap_or_else(|| workspace_root().join("target/release"))
 }
 
-/// The release build of the native fixture, (re)built by cargo (a no-op when it is up to date).
-fn echo_plugin_bin() -> PathBuf {
+/// `<profile>/<name>`, the release build of `cargo build --release <args>` (a no-op when it is up to date).
+fn release_bin(name: &str, args: &[&str]) -> PathBuf {
     let profile = profile_dir();
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = std::process::Command::new(cargo);
     cmd.current_dir(workspace_root())
-        .args(["build", "--release", "--quiet", "-p", "fleet-echo-plugin"]);
+        .args(["build", "--release", "--quiet"])
+        .args(args);
     if let Some(target) = profile.parent() {
         cmd.env("CARGO_TARGET_DIR", target);
     }
     let status = cmd.status().expect("cannot run cargo build");
     assert!(
         status.success(),
-        "cargo build --release -p fleet-echo-plugin failed: {status}"
+        "cargo build --release {args:?} failed: {status}"
     );
-    let bin = profile.join("fleet-echo-plugin");
+    let bin = profile.join(name);
     assert!(bin.is_file(), "{} is missing after cargo build", bin.display());
     bin
 }
 
-/// The release build of the worker's sandbox stub program (a no-op when it is up to date).
+/// The release build of the native fixture.
+fn echo_plugin_bin() -> PathBuf {
+    release_bin("fleet-echo-plugin", &["-p", "fleet-echo-plugin"])
+}
+
+/// The release build of the worker's sandbox stub program.
 fn stub_bin() -> PathBuf {
-    let profile = profile_dir();
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut cmd = std::process::Command::new(cargo);
-    cmd.current_dir(workspace_root()).args([
-        "build",
-        "--release",
-        "--quiet",
-        "-p",
-        "fleet-worker",
-        "--bin",
+    release_bin(
         "fleet-sandbox-stub",
-    ]);
-    if let Some(target) = profile.parent() {
-        cmd.env("CARGO_TARGET_DIR", target);
-    }
-    let status = cmd.status().expect("cannot run cargo build");
-    assert!(
-        status.success(),
-        "cargo build of fleet-sandbox-stub failed: {status}"
-    );
-    let bin = profile.join("fleet-sandbox-stub");
-    assert!(bin.is_file(), "{} is missing after cargo build", bin.display());
-    bin
+        &["-p", "fleet-worker", "--bin", "fleet-sandbox-stub"],
+    )
 }
 
 /// The interpreter both Python variants run (see the module documentation).

@@ -359,6 +359,11 @@ fn counter(
     c.encode(encoder.encode_descriptor(name, help, None, c.metric_type())?)
 }
 
+fn gauge(encoder: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: f64) -> Result<(), std::fmt::Error> {
+    let g = ConstGauge::new(v);
+    g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)
+}
+
 fn gauge_family<S: prometheus_client::encoding::EncodeLabelSet>(
     encoder: &mut DescriptorEncoder<'_>,
     name: &str,
@@ -557,11 +562,11 @@ impl Collector for WorkerCollector {
             pools.iter().map(|p| p.context().sandbox.stub_claims()).sum(),
         )?;
         let ready: usize = pools.iter().map(|p| p.context().sandbox.stubs_ready()).sum();
-        gauge_family(
+        gauge(
             &mut e,
             "plugin_stubs_ready",
             "Sandbox stubs waiting for a session",
-            &[(Vec::<(&str, &str)>::new(), ready as f64)],
+            ready as f64,
         )?;
         // Egress through the proxies of egress-granted plugins, by outcome (refusals by the rule that refused).
         let mut outcomes: BTreeMap<&str, u64> = BTreeMap::new();

@@ -77,8 +77,9 @@ use seccomp::SeccompProfile;
 pub use spawn::{SpawnPlan, apply, die_with_parent};
 pub use stub::run_if_stub;
 pub use stub_msg::STUB_ARG;
+pub use stub_msg::Step as StubStep;
 pub(crate) use stub_pool::StubPool;
-pub use stub_pool::{ExecStatus, StubError, StubStep};
+pub use stub_pool::{ExecStatus, StubError};
 pub use users::UserSpace;
 use users::Users;
 
@@ -593,9 +594,14 @@ fn prepare_confinement(config: &WorkerConfig) -> Result<ConfineBase, SandboxErro
             "namespaces are off (confinement.namespaces = false): plugins share the worker's network, /proc and /tmp"
         );
     }
-    let stub_pool = match (&config.sandbox_stub, c.namespaces && c.stub_pool > 0) {
-        (Some(program), true) => {
-            let ns = confine::namespaces(&[], c.tmp_bytes).map_err(|e| unavailable(e.to_string()))?;
+    // The session-independent namespace plan: the confinement probe's, and what every stub sets up.
+    let base_ns = if c.namespaces {
+        Some(confine::namespaces(&[], c.tmp_bytes).map_err(|e| unavailable(e.to_string()))?)
+    } else {
+        None
+    };
+    let stub_pool = match (&config.sandbox_stub, &base_ns) {
+        (Some(program), Some(ns)) if c.stub_pool > 0 => {
             let text = |s: &std::ffi::CStr| s.to_string_lossy().into_owned();
             let setup = stub_msg::Setup {
                 protocol: stub_msg::STUB_PROTOCOL,
@@ -635,11 +641,7 @@ fn prepare_confinement(config: &WorkerConfig) -> Result<ConfineBase, SandboxErro
         stub_pool,
     };
     let probe = Confinement {
-        namespaces: if c.namespaces {
-            Some(confine::namespaces(&[], c.tmp_bytes).map_err(|e| unavailable(e.to_string()))?)
-        } else {
-            None
-        },
+        namespaces: base_ns,
         seccomp: base.seccomp.clone(),
     };
     // In the probe's private /tmp (a tmpfs of its own), gone with it.

@@ -1,6 +1,8 @@
 //! Spawning a plugin into its session (and a helper process tied to its parent's life): with `netns.rs` (an
-//! egress namespace's `unshare` on a thread of its own, and the loopback ioctls both use), the only code of
-//! this crate allowed to use `unsafe`.
+//! egress namespace's `unshare` on a thread of its own, and the loopback ioctls both use) and `stub.rs` (a
+//! stub taking its status descriptor), the only code of this crate allowed to use `unsafe`. The namespace and
+//! mount steps ([`enter_namespaces`], [`mount_private_proc_and_tmp`], [`mount_back`]) serve both the spawn hook
+//! and the sandbox stubs (`stub.rs`), so a plugin is confined the same way whichever started it.
 //!
 //! [`apply`] installs a `pre_exec` hook on a [`tokio::process::Command`]. The hook runs in the child between
 //! `fork` and `exec` and does, in this order:
@@ -20,8 +22,10 @@
 //!
 //! # The `unsafe` block
 //!
-//! There are two, both `pre_exec` calls: [`apply`]'s (plugins) and [`die_with_parent`]'s (helpers such as
-//! `fleet up`'s nats-server: one `prctl(PR_SET_PDEATHSIG)` and one `getppid`). The first is the call to
+//! The `pre_exec` calls: [`apply`]'s (plugins), [`die_with_parent`]'s (helpers such as `fleet up`'s
+//! nats-server: one `prctl(PR_SET_PDEATHSIG)` and one `getppid`) and [`pass_fd`]'s (a stub's status pipe: one
+//! `fcntl`); besides them, the confinement probe's `fork`/`_exit`/`waitpid` and [`enter_namespaces`]'s
+//! `unshare` (no `CLONE_FILES`). The first is the call to
 //! `tokio::process::Command::pre_exec`. It is `unsafe` because the closure runs in a
 //! forked copy of a multi-threaded process, where only one thread exists and any lock another thread held at fork
 //! time stays locked forever; the closure must therefore only make async-signal-safe calls — in particular no
@@ -343,7 +347,6 @@ fn confine_child(confine: &Confinement, favor: Option<&CStr>) -> io::Result<bool
 
 /// New network, mount, IPC and UTS namespaces; loopback up; a private `/proc` (other uids' processes hidden)
 /// and a private `/tmp` with the session's own paths mounted back in.
-#[allow(unsafe_code)]
 fn namespaces_child(confine: &Confinement) -> io::Result<()> {
     let Some(ns) = &confine.namespaces else {
         return Ok(());
@@ -351,22 +354,7 @@ fn namespaces_child(confine: &Confinement) -> io::Result<()> {
     if let Some(net) = &ns.join_net {
         rustix::thread::move_into_link_name_space(net.ns.as_fd(), Some(LinkNameSpaceType::Network))?;
     }
-    let net = if ns.join_net.is_some() {
-        UnshareFlags::empty()
-    } else {
-        UnshareFlags::NEWNET
-    };
-    // SAFETY: the forked child has one thread, so no other thread can observe the unshared tables; none of
-    // these flags is CLONE_FILES.
-    unsafe {
-        rustix::thread::unshare_unsafe(
-            net | UnshareFlags::NEWNS | UnshareFlags::NEWIPC | UnshareFlags::NEWUTS,
-        )?;
-    }
-    if ns.join_net.is_none() {
-        loopback_up()?;
-    }
-    mount_change(c"/", MountPropagationFlags::REC | MountPropagationFlags::PRIVATE)?;
+    enter_namespaces(ns.join_net.is_none())?;
     // Detached copies of the kept paths, taken before `/tmp` is covered.
     let mut held: [Option<OwnedFd>; MAX_KEPT] = [const { None }; MAX_KEPT];
     for (slot, kept) in held.iter_mut().zip(ns.kept.iter()) {
@@ -376,48 +364,95 @@ fn namespaces_child(confine: &Confinement) -> io::Result<()> {
             OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC | OpenTreeFlags::AT_RECURSIVE,
         )?);
     }
-    mount(
-        c"proc",
-        c"/proc",
-        c"proc",
-        MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
-        ns.proc_options.as_c_str(),
-    )?;
-    mount(
-        c"tmpfs",
-        ns.tmp_root.as_c_str(),
-        c"tmpfs",
-        MountFlags::NOSUID | MountFlags::NODEV,
-        ns.tmp_options.as_c_str(),
-    )?;
+    mount_private_proc_and_tmp(&ns.proc_options, &ns.tmp_root, &ns.tmp_options)?;
     for (slot, kept) in held.iter_mut().zip(ns.kept.iter()) {
-        for dir in &kept.parents {
-            mkdir_exists_ok(dir)?;
-        }
-        if kept.is_dir {
-            mkdir_exists_ok(&kept.path)?;
-        } else {
-            drop(rustix::fs::open(
+        if let Some(tree) = slot.take() {
+            mount_back(
+                &tree,
                 kept.path.as_c_str(),
-                OFlags::WRONLY | OFlags::CREATE | OFlags::CLOEXEC,
-                Mode::from_raw_mode(0o644),
-            )?);
-        }
-        if let Some(fd) = slot.take() {
-            move_mount(
-                &fd,
-                c"",
-                CWD,
-                kept.path.as_c_str(),
-                MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+                kept.parents.iter().map(CString::as_c_str),
+                kept.is_dir,
             )?;
         }
     }
     Ok(())
 }
 
+/// New mount, IPC and UTS namespaces — and a new network namespace with `lo` up when `new_net` — for the
+/// calling process, which has a single thread (a forked child, a sandbox stub); then every mount made private.
+/// Allocation-free.
+#[allow(unsafe_code)]
+pub(super) fn enter_namespaces(new_net: bool) -> io::Result<()> {
+    let net = if new_net {
+        UnshareFlags::NEWNET
+    } else {
+        UnshareFlags::empty()
+    };
+    // SAFETY: none of these flags is CLONE_FILES, so no file descriptor another part of the process holds is
+    // affected; the callers are single-threaded, so no other thread observes the unshared tables.
+    unsafe {
+        rustix::thread::unshare_unsafe(
+            net | UnshareFlags::NEWNS | UnshareFlags::NEWIPC | UnshareFlags::NEWUTS,
+        )?;
+    }
+    if new_net {
+        loopback_up()?;
+    }
+    mount_change(c"/", MountPropagationFlags::REC | MountPropagationFlags::PRIVATE)?;
+    Ok(())
+}
+
+/// The private `/proc` (mounted with `proc_options`: other uids' processes hidden) and a tmpfs on `tmp_root`,
+/// in the caller's own mount namespace ([`enter_namespaces`]). Allocation-free.
+pub(super) fn mount_private_proc_and_tmp(
+    proc_options: &CStr,
+    tmp_root: &CStr,
+    tmp_options: &CStr,
+) -> io::Result<()> {
+    mount(
+        c"proc",
+        c"/proc",
+        c"proc",
+        MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+        proc_options,
+    )?;
+    mount(
+        c"tmpfs",
+        tmp_root,
+        c"tmpfs",
+        MountFlags::NOSUID | MountFlags::NODEV,
+        tmp_options,
+    )?;
+    Ok(())
+}
+
+/// Mounts the detached tree `tree` (a kept path's `open_tree` clone) at `path` in the private `/tmp`, after
+/// creating `parents` (outermost first) and the mount point (a directory, or an empty file). Allocation-free
+/// with `&CStr` paths.
+pub(super) fn mount_back<P: rustix::path::Arg + Copy>(
+    tree: &OwnedFd,
+    path: P,
+    parents: impl IntoIterator<Item = P>,
+    is_dir: bool,
+) -> io::Result<()> {
+    for dir in parents {
+        mkdir_exists_ok(dir)?;
+    }
+    if is_dir {
+        mkdir_exists_ok(path)?;
+    } else {
+        drop(rustix::fs::open(
+            path,
+            OFlags::WRONLY | OFlags::CREATE | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o644),
+        )?);
+    }
+    move_mount(tree, c"", CWD, path, MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH)?;
+    Ok(())
+}
+
 /// `mkdir` (mode 0755), an existing entry accepted.
-pub(super) fn mkdir_exists_ok<P: rustix::path::Arg>(path: P) -> io::Result<()> {
+fn mkdir_exists_ok<P: rustix::path::Arg>(path: P) -> io::Result<()> {
     match rustix::fs::mkdir(path, Mode::from_raw_mode(0o755)) {
         Ok(()) | Err(rustix::io::Errno::EXIST) => Ok(()),
         Err(e) => Err(e.into()),

@@ -30,23 +30,23 @@
 //!
 //! # `unsafe`
 //!
-//! Two blocks: taking ownership of the status descriptor the worker passed by number (checked open first), and
-//! `unshare` (safe here: the stub is single-threaded, and no flag is `CLONE_FILES`).
+//! Two blocks, both about the status descriptor the worker passed by number: checking that it is open, and
+//! taking ownership of it. The namespaces and mounts are `spawn.rs`'s own functions, shared with the direct
+//! spawn (`enter_namespaces`, `mount_private_proc_and_tmp`, `mount_back`).
 
 use std::ffi::{CString, OsStr};
 use std::io::{self, Write as _};
 use std::os::fd::{FromRawFd as _, OwnedFd};
 use std::os::unix::process::CommandExt as _;
 
-use super::netns::loopback_up;
-use super::spawn::mkdir_exists_ok;
+use rustix::fs::{Mode, OFlags};
+use rustix::mount::OpenTreeFlags;
+use rustix::process::Gid;
+
+use super::spawn::{enter_namespaces, mount_back, mount_private_proc_and_tmp};
 use super::stub_msg::{
     Claim, FAILED, FAILURE_BYTES, KeptPath, READY, STUB_ARG, STUB_PROTOCOL, Setup, Step, read_message,
 };
-use rustix::fs::{CWD, Mode, OFlags};
-use rustix::mount::{MountFlags, MountPropagationFlags, MoveMountFlags, OpenTreeFlags};
-use rustix::process::Gid;
-use rustix::thread::UnshareFlags;
 
 /// If this process was started as a stub (`argv[1]` is [`STUB_ARG`]), runs it and exits; otherwise returns at
 /// once. Call it first thing in `main` of a binary that a worker uses as its stub program.
@@ -137,7 +137,6 @@ impl io::Read for RawStdin {
 }
 
 /// Step 2: the session-independent confinement. Returns the `O_PATH` descriptor of `/tmp` as it was.
-#[allow(unsafe_code)]
 fn confine(setup: &Setup) -> io::Result<OwnedFd> {
     let c = |s: &str| CString::new(s).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL));
     let (tmp_root, tmp_options, proc_options) = (
@@ -146,34 +145,13 @@ fn confine(setup: &Setup) -> io::Result<OwnedFd> {
         c(&setup.proc_options)?,
     );
     rustix::process::setsid()?;
-    // SAFETY: the stub has a single thread, so no other thread can observe the unshared tables; none of these
-    // flags is CLONE_FILES.
-    unsafe {
-        rustix::thread::unshare_unsafe(
-            UnshareFlags::NEWNET | UnshareFlags::NEWNS | UnshareFlags::NEWIPC | UnshareFlags::NEWUTS,
-        )?;
-    }
-    loopback_up()?;
-    rustix::mount::mount_change(c"/", MountPropagationFlags::REC | MountPropagationFlags::PRIVATE)?;
+    enter_namespaces(true)?;
     let tmp = rustix::fs::open(
         tmp_root.as_c_str(),
         OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
         Mode::empty(),
     )?;
-    rustix::mount::mount(
-        c"proc",
-        c"/proc",
-        c"proc",
-        MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
-        proc_options.as_c_str(),
-    )?;
-    rustix::mount::mount(
-        c"tmpfs",
-        tmp_root.as_c_str(),
-        c"tmpfs",
-        MountFlags::NOSUID | MountFlags::NODEV,
-        tmp_options.as_c_str(),
-    )?;
+    mount_private_proc_and_tmp(&proc_options, &tmp_root, &tmp_options)?;
     Ok(tmp)
 }
 
@@ -231,26 +209,12 @@ fn mount_kept(tmp: &OwnedFd, kept: &KeptPath) -> io::Result<()> {
         kept.relative.as_str(),
         OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC | OpenTreeFlags::AT_RECURSIVE,
     )?;
-    for dir in &kept.parents {
-        mkdir_exists_ok(dir.as_str())?;
-    }
-    if kept.is_dir {
-        mkdir_exists_ok(kept.path.as_str())?;
-    } else {
-        drop(rustix::fs::open(
-            kept.path.as_str(),
-            OFlags::WRONLY | OFlags::CREATE | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o644),
-        )?);
-    }
-    rustix::mount::move_mount(
+    mount_back(
         &tree,
-        c"",
-        CWD,
         kept.path.as_str(),
-        MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
-    )?;
-    Ok(())
+        kept.parents.iter().map(String::as_str),
+        kept.is_dir,
+    )
 }
 
 /// Groups, gid, uid, no new privileges — the direct spawn's own steps.

@@ -71,7 +71,7 @@ pub(crate) struct KeptPath {
 /// Where a stub failed (the byte after [`FAILED`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
-pub(crate) enum Step {
+pub enum Step {
     /// Reading or parsing a message (or a setup of another protocol).
     Message = 1,
     /// `setsid`, the namespaces, `lo`, the private `/proc` and `/tmp`.
@@ -105,7 +105,7 @@ impl Step {
     }
 
     /// What the step does, for errors.
-    pub(crate) fn describe(self) -> &'static str {
+    pub fn describe(self) -> &'static str {
         match self {
             Step::Message => "reading its instructions",
             Step::Confine => "entering its namespaces",

@@ -43,32 +43,13 @@ pub enum StubError {
     #[error("{}: {source}", .step.describe())]
     Step {
         /// What failed.
-        step: StubStep,
+        step: Step,
         /// The system's error.
         source: std::io::Error,
     },
-    /// Talking to the stub failed, or it did not answer within [`STUB_WAIT`].
+    /// Talking to the stub failed, or it did not answer within `STUB_WAIT`.
     #[error("the sandbox stub did not answer: {0}")]
     Io(#[source] std::io::Error),
-}
-
-/// A stub's step, public for [`StubError`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StubStep(pub(crate) Step);
-
-impl StubStep {
-    fn describe(self) -> &'static str {
-        self.0.describe()
-    }
-}
-
-impl StubError {
-    /// The system error behind it (what a direct spawn would have returned).
-    pub fn into_io(self) -> std::io::Error {
-        match self {
-            StubError::Step { source, .. } | StubError::Io(source) => source,
-        }
-    }
 }
 
 /// A confined stub waiting for its claim.
@@ -122,13 +103,7 @@ impl ExecStatus {
                 self.program,
                 StubError::Io(std::io::Error::other("a second ready byte")),
             )),
-            Ok(Status::Failed(step, source)) => Err((
-                self.program,
-                StubError::Step {
-                    step: StubStep(step),
-                    source,
-                },
-            )),
+            Ok(Status::Failed(step, source)) => Err((self.program, StubError::Step { step, source })),
             Err(e) => Err((self.program, e)),
         }
     }
@@ -350,9 +325,6 @@ async fn start_stub(inner: &PoolInner) -> Result<Stub, StubError> {
         Status::Exec => Err(StubError::Io(std::io::Error::other(
             "the stub program exited before it was ready (is it a stub?)",
         ))),
-        Status::Failed(step, source) => Err(StubError::Step {
-            step: StubStep(step),
-            source,
-        }),
+        Status::Failed(step, source) => Err(StubError::Step { step, source }),
     }
 }
