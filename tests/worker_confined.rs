@@ -89,13 +89,16 @@ fn hostile_worker_with(name: &str, layout: Layout, configure: impl FnOnce(&mut W
     let vanish = catalogue.join("noexec");
     std::fs::create_dir_all(&vanish).unwrap();
     std::fs::copy("/bin/sh", vanish.join("interp")).unwrap();
+    // The native plugin is copied into the install, so the sandbox sees it wherever the checkout lives (a
+    // checkout under /tmp is hidden by the private /tmp).
+    std::fs::copy(echo_plugin_bin(), vanish.join("echo")).unwrap();
     let script = format!(
         "#!{}\nexec {} \"$@\"\n",
         vanish.join("interp").display(),
-        echo_plugin_bin().display()
+        vanish.join("echo").display()
     );
     std::fs::write(vanish.join("plugin"), script).unwrap();
-    for f in ["interp", "plugin"] {
+    for f in ["interp", "plugin", "echo"] {
         std::fs::set_permissions(vanish.join(f), std::fs::Permissions::from_mode(0o755)).unwrap();
     }
     let entries = entries.into_iter().chain([
