@@ -140,6 +140,8 @@ impl Up {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&stderr_file).unwrap());
+        // A process group of its own, like a shell job: a test can signal the group as a terminal's Ctrl-C does.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         for var in SCRUBBED_ENV {
             cmd.env_remove(var);
         }
@@ -199,18 +201,50 @@ impl Up {
 
     /// SIGINT, then waits for the exit.
     fn interrupt(&mut self) -> ExitStatus {
-        let mut child = self.child.take().unwrap();
+        self.signal_and_wait(&self.pid.to_string())
+    }
+
+    /// SIGINT to `fleet up`'s whole process group (what a terminal's Ctrl-C does), then waits for the exit.
+    fn interrupt_group(&mut self) -> ExitStatus {
+        self.signal_and_wait(&format!("-{}", self.pid))
+    }
+
+    /// The nats-server `fleet up` started, from its first line.
+    fn nats_pid(&self) -> u32 {
+        let lines = self.lines();
+        lines[0]
+            .split("(pid ")
+            .nth(1)
+            .and_then(|r| r.split(',').next())
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("no pid in {:?}", lines[0]))
+    }
+
+    fn signal_and_wait(&mut self, target: &str) -> ExitStatus {
         let status = Command::new("kill")
-            .args(["-INT", &self.pid.to_string()])
+            .args(["-INT", "--", target])
             .status()
             .unwrap();
         assert!(status.success());
-        let mut exit = None;
-        wait_until("fleet up exiting after SIGINT", || {
-            exit = child.try_wait().unwrap();
-            exit.is_some()
-        });
-        exit.unwrap()
+        let deadline = Instant::now() + GUARD;
+        loop {
+            if let Some(exit) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                self.child = None;
+                return exit;
+            }
+            // The child stays in `self`: a failed wait kills it and cleans up on drop.
+            assert!(
+                Instant::now() < deadline,
+                "failure guard: fleet up still running {GUARD:?} after SIGINT\nstdout: {:?}\nwarnings: {}",
+                self.lines(),
+                self.stderr()
+                    .lines()
+                    .filter(|l| !l.contains(r#""level":"INFO""#))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(25));
+        }
     }
 
     /// Runs a client subcommand against this fleet (no `--nats-url`: the data dir tells it where NATS is).
@@ -808,17 +842,61 @@ fn a_python_plugin_samples_stores_and_uploads_through_fleet_up() {
 fn a_fleet_up_killed_with_sigkill_takes_its_nats_server_with_it() {
     let mut up = Up::start();
     up.wait_ready();
-    let lines = up.lines();
-    let nats_pid: u32 = lines[0]
-        .split("(pid ")
-        .nth(1)
-        .and_then(|r| r.split(',').next())
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(|| panic!("no pid in {:?}", lines[0]));
+    let nats_pid = up.nats_pid();
     up.nats_pid = Some(nats_pid);
     assert!(alive(nats_pid));
     let mut child = up.child.take().expect("fleet up");
     child.kill().expect("SIGKILL");
     child.wait().expect("reaped");
     wait_until("the nats-server dying with fleet up", || !alive(nats_pid));
+}
+
+/// The churn issue: a terminal's Ctrl-C signals the whole foreground process group. `fleet up` alone acts on it
+/// (its nats-server has a group of its own): the workers' last answers and their leaving the registry reach
+/// the server, which is stopped last.
+#[test]
+fn a_ctrl_c_to_the_process_group_stops_the_nats_server_last() {
+    let mut up = Up::start();
+    up.wait_ready();
+    let nats_pid = up.nats_pid();
+    up.nats_pid = Some(nats_pid);
+    let status = up.interrupt_group();
+    assert!(status.success(), "{status}");
+    assert_eq!(up.lines().last().map(String::as_str), Some("stopped"));
+    assert!(!alive(nats_pid), "fleet up stopped its nats-server");
+    let stderr = up.stderr();
+    for unreached in [
+        "cannot flush the last answers",
+        "cannot leave the worker registry",
+        "did not confirm",
+    ] {
+        assert!(!stderr.contains(unreached), "{unreached}: {stderr}");
+    }
+}
+
+/// The churn issue: a `fleet up` whose nats-server died first (a crash, an OOM kill) still stops on SIGINT —
+/// nothing waits for a confirmation from a server that is gone (each flush gives up after
+/// `nats_conn::FLUSH_TIMEOUT`), and it says what it could not do.
+#[test]
+fn fleet_up_stops_when_its_nats_server_died_first() {
+    let mut up = Up::start();
+    up.wait_ready();
+    let nats_pid = up.nats_pid();
+    up.nats_pid = Some(nats_pid);
+    let killed = Command::new("kill")
+        .args(["-9", &nats_pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    wait_until("the nats-server dying", || !alive(nats_pid));
+    let status = up.interrupt();
+    assert!(status.success(), "{status}");
+    assert_eq!(up.lines().last().map(String::as_str), Some("stopped"));
+    let stderr = up.stderr();
+    // Whether the worker had noticed the loss before the signal (it skips the attempt) or not (the attempt
+    // times out), it says so.
+    assert!(
+        stderr.contains("cannot leave the worker registry; it expires by TTL"),
+        "{stderr}"
+    );
 }

@@ -112,6 +112,12 @@ fn hostile_worker_with(name: &str, layout: Layout, configure: impl FnOnce(&mut W
             json!([vanish.join("plugin").display().to_string()]),
             json!({}),
         ),
+        // The shipped `echo-py`'s shape: a bare script name in the install that is a symlink out of it.
+        (
+            "link-probe",
+            json!([PYTHON, "echo_plugin.py", "--hostile"]),
+            json!({}),
+        ),
     ]);
     for (id, command, extra) in entries {
         let d = catalogue.join(id);
@@ -126,6 +132,11 @@ fn hostile_worker_with(name: &str, layout: Layout, configure: impl FnOnce(&mut W
         std::fs::write(d.join(".fleet-described"), b"").unwrap();
         std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
     }
+    std::os::unix::fs::symlink(
+        "../shared/echo_plugin.py",
+        catalogue.join("link-probe/echo_plugin.py"),
+    )
+    .unwrap();
     for p in [root.path(), catalogue.as_path()] {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();
     }
@@ -347,8 +358,10 @@ async fn a_directly_spawned_animus_plugin_installed_under_tmp_reaches_nothing_ou
 async fn a_command_relative_to_its_install_starts_confined() {
     for layout in [Layout::UnderTmp, Layout::OutsideTmp] {
         let w = hostile_worker("rel", layout);
-        let report = probe(&w, "dave", "rel-probe", json!({})).await;
-        assert_eq!(report["proc_foreign"], 0, "{report}");
+        for tool_id in ["rel-probe", "link-probe"] {
+            let report = probe(&w, "dave", tool_id, json!({})).await;
+            assert_eq!(report["proc_foreign"], 0, "{tool_id}: {report}");
+        }
         w.pool.shutdown().await;
     }
 }

@@ -291,7 +291,7 @@ impl Dispatcher {
                 .publish_with_headers(subject, headers, payload.clone().into())
                 .await;
         }
-        let _ = self.client.flush().await;
+        let _ = fleet_client::nats_conn::flush(&self.client).await;
     }
 }
 

@@ -112,16 +112,23 @@ impl FrontService {
             // The endpoints unsubscribe and then yield what is buffered until their stream ends.
             let _ = service.stop().await;
         }
-        let drained = tokio::time::timeout(FRONT_DRAIN_GRACE, async {
+        // The endpoints' streams end once the server confirms their drain: one round trip, like a flush — never,
+        // when the server is gone (it died before this stop), so that wait is bounded the same way. The requests
+        // in flight are awaited either way (their own handlers; they may still answer after a reconnect).
+        let flush_timeout = fleet_client::nats_conn::FLUSH_TIMEOUT;
+        let ended = tokio::time::timeout(flush_timeout, async {
             while self.endpoints.join_next().await.is_some() {}
-            self.in_flight.idle().await;
         })
         .await;
+        if ended.is_err() {
+            tracing::warn!("the NATS server did not confirm the API endpoints' drain");
+        }
+        let drained = tokio::time::timeout(FRONT_DRAIN_GRACE, self.in_flight.idle()).await;
         if drained.is_err() {
             tracing::warn!("front drain grace elapsed with requests in flight");
         }
         // The last answers may still be queued in the client: write them out before the caller may drop it.
-        if let Err(e) = self.client.flush().await {
+        if let Err(e) = fleet_client::nats_conn::flush(&self.client).await {
             tracing::warn!(error = %e, "cannot flush the last answers");
         }
         self.endpoints.abort_all();
@@ -225,7 +232,7 @@ impl Front {
         let inbox = self.inner.client.new_inbox();
         let mut echo = self.inner.client.subscribe(inbox.clone()).await?;
         self.inner.client.publish(inbox, Bytes::new()).await?;
-        self.inner.client.flush().await?;
+        fleet_client::nats_conn::flush(&self.inner.client).await?;
         tokio::time::timeout(Duration::from_secs(10), echo.next())
             .await
             .map_err(|_| "the NATS server did not confirm the API subscriptions")?;

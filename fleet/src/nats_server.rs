@@ -190,8 +190,11 @@ impl NatsServer {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
-        // The server dies with its parent (a `kill -9` of `fleet up` or of a test leaves no server behind).
+        // The server dies with its parent (a `kill -9` of `fleet up` or of a test leaves no server behind)...
         fleet_worker::sandbox::die_with_parent(&mut cmd);
+        // ...and only then: in a process group of its own, a terminal's Ctrl-C (SIGINT to the whole foreground
+        // group) reaches `fleet up` alone, which stops the server last, after the workers' final writes.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         let child = cmd
             .spawn()
             .map_err(|e| NatsServerError::Start(format!("{}: {e}", bin.display())))?;

@@ -216,7 +216,10 @@ impl WorkerNode {
     /// the sweeper, which fails them `worker_lost` (never run twice).
     pub async fn drain(mut self, grace: Duration) {
         self.ctx.draining.store(true, Ordering::SeqCst);
-        if let Err(e) = self.ctx.store.remove_worker(&self.id).await {
+        // Unreachable server: the entry expires by TTL (waiting for the store's timeout would only delay the stop).
+        if self.client.connection_state() != async_nats::connection::State::Connected {
+            tracing::warn!(worker = %self.id, "NATS unreachable: cannot leave the worker registry; it expires by TTL");
+        } else if let Err(e) = self.ctx.store.remove_worker(&self.id).await {
             tracing::warn!(worker = %self.id, error = %e, "cannot leave the worker registry; it expires by TTL");
         }
         if let Some(stop) = self.stop_exec.take() {
@@ -237,7 +240,7 @@ impl WorkerNode {
             let _ = exec.await;
         }
         // The last answers and job records may still be queued in the client: write them out.
-        if let Err(e) = self.client.flush().await {
+        if let Err(e) = fleet_client::nats_conn::flush(&self.client).await {
             tracing::warn!(worker = %self.id, error = %e, "cannot flush the last answers");
         }
         self.tasks.abort_all();

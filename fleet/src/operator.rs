@@ -30,7 +30,7 @@ where
     Fut: Future<Output = Result<Value, ApiError>> + Send + 'static,
 {
     let mut sub = client.queue_subscribe(subject(area, "*"), queue).await?;
-    client.flush().await?;
+    fleet_client::nats_conn::flush(&client).await?;
     Ok(tokio::spawn(async move {
         while let Some(msg) = sub.next().await {
             let (client, verifier, handler) = (client.clone(), verifier.clone(), handler.clone());

@@ -494,8 +494,8 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     for sandbox in sandboxes {
         let _ = tokio::task::spawn_blocking(move || sandbox.remove_subtree()).await;
     }
-    let _ = worker_client.drain().await;
-    let _ = client.drain().await;
+    let _ = fleet_client::nats_conn::drain(&worker_client).await;
+    let _ = fleet_client::nats_conn::drain(&client).await;
     if let Some(mut s) = server {
         tokio::task::spawn_blocking(move || s.stop())
             .await

@@ -121,8 +121,12 @@ pub fn cargo_build(args: &[&str]) {
 
 /// True if a file under one of `sources` (relative to the workspace root) is newer than `bin`.
 fn is_stale(bin: &Path, sources: &[&str]) -> bool {
-    /// The newest modification time of the files under `dir`.
+    /// The newest modification time of `dir`'s files (of `dir` itself when it is a file).
     fn newest(dir: &Path) -> Option<SystemTime> {
+        let meta = std::fs::metadata(dir).ok()?;
+        if !meta.is_dir() {
+            return meta.modified().ok();
+        }
         let mut latest = None;
         for entry in std::fs::read_dir(dir).ok()?.flatten() {
             let path = entry.path();
@@ -149,21 +153,16 @@ pub fn python_plugin_path() -> PathBuf {
     workspace_root().join("tests/plugins/python/echo_plugin.py")
 }
 
-/// The `fleet` binary, built on first use.
+/// The `fleet` binary, (re)built like [`echo_plugin_bin`] when missing or older than a file of a crate it is
+/// made of (a stale binary would test yesterday's product).
 pub fn fleet_bin() -> PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
     BIN.get_or_init(|| {
-        let bin = profile_dir().join(format!("fleet{}", std::env::consts::EXE_SUFFIX));
-        if !bin.is_file() {
-            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-            let status = Command::new(cargo)
-                .current_dir(workspace_root())
-                .args(["build", "-p", "fleet"])
-                .status()
-                .expect("cargo build -p fleet");
-            assert!(status.success(), "cargo build -p fleet failed");
-        }
-        bin
+        built_bin(
+            "fleet",
+            &["-p", "fleet", "--bin", "fleet"],
+            &["fleet", "worker/src", "proto/src", "third_party", "Cargo.lock"],
+        )
     })
     .clone()
 }

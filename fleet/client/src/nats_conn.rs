@@ -14,6 +14,42 @@ use crate::creds::{Role, creds_in, creds_user_name, inbox_prefix};
 /// How long connecting may take before it fails.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long a flush (or a drain) may wait for the server. A client whose server is gone waits for a reconnect
+/// that may never come — a `fleet up` stopping after its nats-server died, a request whose connection dropped —
+/// so past this the caller goes on without the confirmation.
+pub const FLUSH_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why [`flush`] or [`drain`] did not confirm.
+#[derive(Debug, thiserror::Error)]
+pub enum FlushError {
+    /// No confirmation within [`FLUSH_TIMEOUT`] (the server is unreachable).
+    #[error("the NATS server did not confirm within {} s", FLUSH_TIMEOUT.as_secs())]
+    TimedOut,
+    /// The client refused (it is closed).
+    #[error("flushing to NATS failed: {0}")]
+    Flush(#[from] async_nats::client::FlushError),
+    /// The client refused to drain (it is closed).
+    #[error("draining the NATS connection failed: {0}")]
+    Drain(#[from] async_nats::client::DrainError),
+}
+
+/// Writes out what `client` has queued and waits for the server's confirmation, at most [`FLUSH_TIMEOUT`].
+pub async fn flush(client: &async_nats::Client) -> Result<(), FlushError> {
+    tokio::time::timeout(FLUSH_TIMEOUT, client.flush())
+        .await
+        .map_err(|_| FlushError::TimedOut)??;
+    Ok(())
+}
+
+/// Drains `client` (unsubscribes everything, delivers what is buffered, closes), giving up after
+/// [`FLUSH_TIMEOUT`].
+pub async fn drain(client: &async_nats::Client) -> Result<(), FlushError> {
+    tokio::time::timeout(FLUSH_TIMEOUT, client.drain())
+        .await
+        .map_err(|_| FlushError::TimedOut)??;
+    Ok(())
+}
+
 /// The directory, under a data dir, where `fleet up` keeps the NATS auth material and each role's `.creds`.
 pub fn auth_dir(data_dir: &Path) -> PathBuf {
     data_dir.join("nats")

@@ -111,7 +111,7 @@ pub(super) async fn start_pump(
     let prefix = fleet_proto::api::subjects::user_events("");
     let mut sub = client.subscribe(format!("{prefix}*")).await?;
     // The subscription is in place once the server has seen it (a flush round trip).
-    client.flush().await?;
+    fleet_client::nats_conn::flush(client).await?;
     Ok(tokio::spawn(async move {
         while let Some(message) = sub.next().await {
             let Some(key) = message.subject.as_str().strip_prefix(prefix.as_str()) else {

@@ -155,27 +155,30 @@ pub(crate) fn kept_paths(tmp_root: &Path, candidates: &[(PathBuf, bool)]) -> Res
 }
 
 /// The paths of a plugin's command worth keeping: its install directory, and for every argument that names an
-/// existing path — absolute, or relative to the install directory (which is the plugin's working directory,
-/// e.g. `../shared/plugin.py`) — the directory holding it (an interpreter's script and its siblings, a
-/// binary's directory).
+/// existing path — absolute, or relative to the install directory (which is the plugin's working directory:
+/// `../shared/plugin.py`, or a bare `plugin.py`) — the directory holding it once symlinks are resolved (an
+/// interpreter's script and its siblings, a binary's directory). A script that is a symlink out of the install
+/// (the demo catalogue's `echo-py/echo_plugin.py` → `tests/plugins/python/`) is thus visible in a private
+/// `/tmp` where its target lives; files reached only through other symlinks are not.
 pub fn command_paths(install_dir: &Path, argv: &[String]) -> Vec<PathBuf> {
     let mut out = vec![install_dir.to_path_buf()];
     for arg in argv {
         let path = Path::new(arg);
         let path = if path.is_absolute() {
             path.to_path_buf()
-        } else if arg.contains('/') {
-            install_dir.join(path)
         } else {
+            install_dir.join(path)
+        };
+        let Ok(canonical) = std::fs::canonicalize(&path) else {
             continue;
         };
-        let path = path.as_path();
-        match std::fs::metadata(path) {
-            Ok(m) if m.is_dir() => out.push(path.to_path_buf()),
-            Ok(_) => out.extend(path.parent().map(Path::to_path_buf)),
+        match std::fs::metadata(&canonical) {
+            Ok(m) if m.is_dir() => out.push(canonical),
+            Ok(_) => out.extend(canonical.parent().map(Path::to_path_buf)),
             Err(_) => {}
         }
     }
+    out.dedup();
     out
 }
 
@@ -228,9 +231,10 @@ mod tests {
     }
 
     #[test]
-    fn command_paths_are_the_install_and_the_directories_of_existing_absolute_arguments() {
+    fn command_paths_are_the_install_and_the_resolved_directories_of_existing_arguments() {
         let dir = tempfile::tempdir().unwrap();
-        let script = dir.path().join("run.py");
+        let root = std::fs::canonicalize(dir.path()).unwrap();
+        let script = root.join("run.py");
         std::fs::write(&script, "").unwrap();
         let argv = [
             "python3".to_owned(),
@@ -239,10 +243,10 @@ mod tests {
             "--flag".to_owned(),
         ];
         let paths = command_paths(Path::new("/opt/plugin"), &argv);
-        assert_eq!(paths, [PathBuf::from("/opt/plugin"), dir.path().to_path_buf()]);
-        // Relative to the install directory (the working directory): `../shared/run.py`.
-        let install = dir.path().join("tool");
-        let shared = dir.path().join("shared");
+        assert_eq!(paths, [PathBuf::from("/opt/plugin"), root.clone()]);
+        // Relative to the install directory (the working directory): `../shared/run.py`, resolved.
+        let install = root.join("tool");
+        let shared = root.join("shared");
         std::fs::create_dir_all(&install).unwrap();
         std::fs::create_dir_all(&shared).unwrap();
         std::fs::write(shared.join("run.py"), "").unwrap();
@@ -252,6 +256,15 @@ mod tests {
             "../missing/x.py".to_owned(),
         ];
         let paths = command_paths(&install, &argv);
-        assert_eq!(paths, [install.clone(), install.join("../shared")]);
+        assert_eq!(paths, [install.clone(), shared.clone()]);
+        // A bare name in the install that is a symlink out of it: its target's directory.
+        std::os::unix::fs::symlink("../shared/run.py", install.join("run.py")).unwrap();
+        let argv = ["python3".to_owned(), "run.py".to_owned(), "--services".to_owned()];
+        let paths = command_paths(&install, &argv);
+        assert_eq!(paths, [install.clone(), shared.clone()]);
+        // A bare name that is a plain file of the install: the install itself (once).
+        std::fs::write(install.join("main.py"), "").unwrap();
+        let argv = ["python3".to_owned(), "main.py".to_owned()];
+        assert_eq!(command_paths(&install, &argv), [install]);
     }
 }
