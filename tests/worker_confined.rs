@@ -118,6 +118,12 @@ fn hostile_worker_with(name: &str, layout: Layout, configure: impl FnOnce(&mut W
             json!([PYTHON, "echo_plugin.py", "--hostile"]),
             json!({}),
         ),
+        // The shipped `notes-py`'s: that symlink, named through the sibling install.
+        (
+            "rel-link-probe",
+            json!([PYTHON, "../link-probe/echo_plugin.py", "--hostile"]),
+            json!({}),
+        ),
     ]);
     for (id, command, extra) in entries {
         let d = catalogue.join(id);
@@ -358,7 +364,7 @@ async fn a_directly_spawned_animus_plugin_installed_under_tmp_reaches_nothing_ou
 async fn a_command_relative_to_its_install_starts_confined() {
     for layout in [Layout::UnderTmp, Layout::OutsideTmp] {
         let w = hostile_worker("rel", layout);
-        for tool_id in ["rel-probe", "link-probe"] {
+        for tool_id in ["rel-probe", "link-probe", "rel-link-probe"] {
             let report = probe(&w, "dave", tool_id, json!({})).await;
             assert_eq!(report["proc_foreign"], 0, "{tool_id}: {report}");
         }

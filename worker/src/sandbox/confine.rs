@@ -156,10 +156,11 @@ pub(crate) fn kept_paths(tmp_root: &Path, candidates: &[(PathBuf, bool)]) -> Res
 
 /// The paths of a plugin's command worth keeping: its install directory, and for every argument that names an
 /// existing path — absolute, or relative to the install directory (which is the plugin's working directory:
-/// `../shared/plugin.py`, or a bare `plugin.py`) — the directory holding it once symlinks are resolved (an
-/// interpreter's script and its siblings, a binary's directory). A script that is a symlink out of the install
-/// (the demo catalogue's `echo-py/echo_plugin.py` → `tests/plugins/python/`) is thus visible in a private
-/// `/tmp` where its target lives; files reached only through other symlinks are not.
+/// `../shared/plugin.py`, or a bare `plugin.py`) — the directory holding it (an interpreter's script and its
+/// siblings, a binary's directory), both where the path names it and, when it is a symlink, where it leads. The
+/// demo catalogue needs both under a private `/tmp`: `notes-py` runs `../echo-py/echo_plugin.py`, which is a
+/// symlink to `tests/plugins/python/`. Files reached only through other symlinks are not kept. Every path is
+/// canonical, each once.
 pub fn command_paths(install_dir: &Path, argv: &[String]) -> Vec<PathBuf> {
     let mut out = vec![install_dir.to_path_buf()];
     for arg in argv {
@@ -172,13 +173,26 @@ pub fn command_paths(install_dir: &Path, argv: &[String]) -> Vec<PathBuf> {
         let Ok(canonical) = std::fs::canonicalize(&path) else {
             continue;
         };
+        let mut keep = |p: PathBuf| {
+            if !out.contains(&p) {
+                out.push(p);
+            }
+        };
         match std::fs::metadata(&canonical) {
-            Ok(m) if m.is_dir() => out.push(canonical),
-            Ok(_) => out.extend(canonical.parent().map(Path::to_path_buf)),
+            Ok(m) if m.is_dir() => keep(canonical),
+            Ok(_) => {
+                // Where the command names it (the directory the kernel walks through)…
+                if let Some(named) = path.parent().and_then(|p| std::fs::canonicalize(p).ok()) {
+                    keep(named);
+                }
+                // …and where it leads.
+                if let Some(target) = canonical.parent() {
+                    keep(target.to_path_buf());
+                }
+            }
             Err(_) => {}
         }
     }
-    out.dedup();
     out
 }
 
@@ -262,6 +276,13 @@ mod tests {
         let argv = ["python3".to_owned(), "run.py".to_owned(), "--services".to_owned()];
         let paths = command_paths(&install, &argv);
         assert_eq!(paths, [install.clone(), shared.clone()]);
+        // A relative path through a sibling install to such a symlink (`notes-py` → `../echo-py/echo_plugin.py`):
+        // the sibling, where the kernel walks, and the symlink's target.
+        let sibling = root.join("sibling");
+        std::fs::create_dir_all(&sibling).unwrap();
+        let argv = ["python3".to_owned(), "../tool/run.py".to_owned()];
+        let paths = command_paths(&sibling, &argv);
+        assert_eq!(paths, [sibling.clone(), install.clone(), shared.clone()]);
         // A bare name that is a plain file of the install: the install itself (once).
         std::fs::write(install.join("main.py"), "").unwrap();
         let argv = ["python3".to_owned(), "main.py".to_owned()];
