@@ -295,6 +295,25 @@ impl Dispatcher {
     }
 }
 
+/// The exec request that runs the job of `record` (a job's arguments, deadline and timeout are its record's).
+pub fn job_request(record: &fleet_store::JobRecord) -> ExecRequest {
+    ExecRequest {
+        kind: ExecKind::Job,
+        user: record.user.clone(),
+        tool_id: record.tool_id.clone(),
+        plugin: record.plugin.clone(),
+        tool: record.tool.clone(),
+        arguments: record.args.clone(),
+        invoke_id: record.job_id.to_string(),
+        timeout_ms: Some(record.timeout_ms),
+        default_timeout_ms: record.timeout_ms,
+        max_timeout_ms: record.timeout_ms,
+        deadline_ms: Some(record.deadline_ms),
+        job_id: Some(record.job_id.clone()),
+        requested_timeout_ms: None,
+    }
+}
+
 /// The `job.dispatch` span: choosing a worker and handing it a sync invoke or a job.
 fn dispatch_span(req: &ExecRequest) -> tracing::Span {
     tracing::info_span!(

@@ -381,6 +381,11 @@ const WORKER_KEYS: &[(&str, &str)] = &[
         "Invokes in flight per plugin process.",
     ),
     (
+        "job_capacity",
+        "Long jobs this worker runs at once (0: `max_sessions`, one per session it may hold). Each user runs at \
+         most 3 at once fleet-wide (the agent's long-job slots); queued jobs start as soon as any worker has room.",
+    ),
+    (
         "shutdown_grace",
         "Seconds: close stdin → grace → SIGTERM → grace → SIGKILL of the tree.",
     ),

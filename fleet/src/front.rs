@@ -459,7 +459,7 @@ impl Front {
         let created = self
             .inner
             .store
-            .create_job(record, self.inner.config.max_active_jobs)
+            .admit_job(record, self.inner.config.max_active_jobs)
             .instrument(admission.clone())
             .await;
         admission.record(
@@ -471,8 +471,8 @@ impl Front {
             },
         );
         drop(admission);
-        let created = match created {
-            Ok(r) => r.value,
+        let (created, may_run) = match created {
+            Ok((r, acquired)) => (r.value, fleet_store::may_run(acquired.position())),
             Err(StoreError::QuotaExceeded { active, max }) => {
                 return Err(ApiError::with_details(
                     ApiErrorCode::JobQuotaExceeded,
@@ -496,9 +496,17 @@ impl Front {
             user,
         )
         .await;
-        // Hand it to a worker now; if none has room the job waits (queued) and the sweeper dispatches it when
-        // capacity frees, interleaving users. A plugin no worker has is refused now (and the job ended).
-        self.dispatch_job(&created).await?;
+        // Within the user's agent slots, hand it to a worker now; if none has room it goes to the job queue, which
+        // the first worker with a free slot pulls from. Beyond them it waits: the end of one of the user's earlier
+        // jobs queues it. A plugin no worker has is refused now (and the job ended).
+        if may_run
+            && !self.dispatch_job(&created).await?
+            && let Err(e) = self.inner.store.enqueue_job(user, &created.job_id).await
+        {
+            // Still queued: the sweeper dispatches it.
+            self.metrics.jetstream_error("enqueue_job");
+            tracing::warn!(job = %created.job_id, error = %e, "cannot queue the job");
+        }
         to_value(&InvokeAsyncResult {
             job_id,
             state: JobState::Queued,
@@ -655,21 +663,7 @@ pub async fn dispatch_job(
     store: &Store,
     record: &JobRecord,
 ) -> Result<bool, ApiError> {
-    let req = ExecRequest {
-        kind: ExecKind::Job,
-        user: record.user.clone(),
-        tool_id: record.tool_id.clone(),
-        plugin: record.plugin.clone(),
-        tool: record.tool.clone(),
-        arguments: record.args.clone(),
-        invoke_id: record.job_id.to_string(),
-        timeout_ms: Some(record.timeout_ms),
-        default_timeout_ms: record.timeout_ms,
-        max_timeout_ms: record.timeout_ms,
-        deadline_ms: Some(record.deadline_ms),
-        job_id: Some(record.job_id.clone()),
-        requested_timeout_ms: None,
-    };
+    let req = crate::dispatch::job_request(record);
     match dispatcher.job(&req).await {
         Ok(worker) => {
             let _ = store

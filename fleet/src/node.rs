@@ -15,14 +15,14 @@ use std::time::Duration;
 use bytes::Bytes;
 use fleet_proto::api::worker::{CancelCommand, ExecKind, ExecReply, ExecRequest};
 use fleet_proto::api::{ApiError, ApiErrorCode, JobId, JobState, ProgressEvent, ToolJobEvent, subjects};
-use fleet_proto::limits::{MAX_JOB_RESULT_BYTES, MAX_LONG_JOBS_PER_WORKER, MAX_SYNC_RESULT_BYTES};
+use fleet_proto::limits::{MAX_JOB_RESULT_BYTES, MAX_SYNC_RESULT_BYTES};
 use fleet_worker::pool::{Pool, PoolError};
 use fleet_worker::session::progress::ProgressUpdate;
 use fleet_worker::session::{InvokeError, InvokeOutput, InvokeRequest};
 use futures::StreamExt as _;
 use serde_json::value::RawValue;
 use serde_json::{Value, json};
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tracing::Instrument as _;
 
@@ -39,6 +39,13 @@ pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
 /// How long [`WorkerNode::shutdown`] lets in-flight invokes and running jobs finish before it stops their plugins
 /// (the Helm chart's `terminationGracePeriodSeconds` must cover it plus the plugin shutdown ladder).
 pub const DRAIN_GRACE: Duration = Duration::from_secs(30);
+
+/// How long one pull from the job queue waits for a message before it asks again (a long poll: a message
+/// arriving meanwhile is delivered at once).
+const QUEUE_PULL_WAIT: Duration = Duration::from_secs(5);
+
+/// Pause before the queue puller retries after a JetStream error.
+const QUEUE_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// Progress events buffered per job between the plugin's reader and JetStream.
 const PROGRESS_BUFFER: usize = 1024;
@@ -63,7 +70,10 @@ struct Ctx {
     client: async_nats::Client,
     store: Store,
     pool: Pool,
+    /// One permit per long job this worker may run at once ([`WorkerConfig::effective_job_capacity`]).
     long_jobs: Arc<Semaphore>,
+    /// Its size.
+    capacity: usize,
     running_long: AtomicU64,
     /// Set when the node starts draining: it has left the registry and refuses new exec requests.
     draining: AtomicBool,
@@ -99,12 +109,14 @@ impl WorkerNode {
                 None
             }
         };
+        let capacity = pool.context().config.effective_job_capacity();
         let ctx = Arc::new(Ctx {
             id: id.to_string(),
             client: client.clone(),
             store: store.clone(),
             pool: pool.clone(),
-            long_jobs: Arc::new(Semaphore::new(MAX_LONG_JOBS_PER_WORKER)),
+            long_jobs: Arc::new(Semaphore::new(capacity)),
+            capacity,
             running_long: AtomicU64::new(0),
             draining: AtomicBool::new(false),
             in_flight: InFlight::default(),
@@ -178,6 +190,7 @@ impl WorkerNode {
         });
         let c = ctx.clone();
         tasks.spawn(async move { publish_manifests(&c).await });
+        tasks.spawn(pull_queued_jobs(ctx.clone()));
         Ok(WorkerNode {
             id: id.to_string(),
             client,
@@ -272,7 +285,7 @@ async fn heartbeat(ctx: &Ctx) {
     }
     let info = WorkerInfo {
         id: ctx.id.clone(),
-        capacity_long_jobs: MAX_LONG_JOBS_PER_WORKER,
+        capacity_long_jobs: ctx.capacity,
         long_jobs_running: usize::try_from(ctx.running_long.load(Ordering::Relaxed)).unwrap_or(usize::MAX),
         sessions_warm: ctx
             .pool
@@ -446,29 +459,8 @@ async fn serve_exec_traced(ctx: Arc<Ctx>, msg: async_nats::Message) {
     span.record("gen_ai.tool.name", req.tool.as_str());
     span.record("executa.tool_id", req.plugin.as_str());
     span.record("executa.invoke_id", req.invoke_id.as_str());
-    // A tool id the local catalogue does not have may be published to the fleet: install it lazily (or switch
-    // to its new current version) before the call; the local catalogue always wins.
-    let published = match (&ctx.installer, ctx.pool.catalogue().get(&req.plugin)) {
-        (_, Some(_)) => Ok(true),
-        (None, None) => Ok(false),
-        (Some(installer), None) => installer
-            .ensure(&ctx.pool, &req.plugin)
-            .await
-            .map(|e| e != crate::plugins::installer::Ensured::Unknown),
-    };
-    match published {
-        Ok(true) => {}
-        Ok(false) => {
-            let e = ApiError::new(
-                ApiErrorCode::PermissionDenied,
-                format!("unknown tool_id {:?}", req.tool_id),
-            );
-            return respond(&ctx, &msg, &refuse(e)).await;
-        }
-        Err(e) => {
-            tracing::warn!(tool_id = %req.plugin, error = %e, "plugin install failed");
-            return respond(&ctx, &msg, &refuse(e.to_api_error())).await;
-        }
+    if let Err(e) = ensure_plugin(&ctx, &req).await {
+        return respond(&ctx, &msg, &refuse(e)).await;
     }
     match req.kind {
         ExecKind::Sync => {
@@ -480,7 +472,7 @@ async fn serve_exec_traced(ctx: Arc<Ctx>, msg: async_nats::Message) {
                 ctx.metrics.rejection("long_job_capacity");
                 let e = ApiError::with_details(
                     ApiErrorCode::LongJobCapacity,
-                    format!("this worker already runs {MAX_LONG_JOBS_PER_WORKER} long jobs"),
+                    format!("this worker runs its {} long jobs", ctx.capacity),
                     json!({ "retriable": true }),
                 );
                 return respond(&ctx, &msg, &refuse(e)).await;
@@ -496,14 +488,131 @@ async fn serve_exec_traced(ctx: Arc<Ctx>, msg: async_nats::Message) {
                 },
             )
             .await;
-            ctx.running_long.fetch_add(1, Ordering::Relaxed);
-            run_job(&ctx, req).await;
-            ctx.running_long.fetch_sub(1, Ordering::Relaxed);
-            drop(permit);
-            // Tell the registry a slot is free now rather than at the next tick.
-            heartbeat(&ctx).await;
+            run_held_job(&ctx, req, permit).await;
         }
     }
+}
+
+/// Makes sure the plugin of `req` is installed here: a tool id the local catalogue does not have may be published
+/// to the fleet — installed lazily (or switched to its new current version) before the call; the local catalogue
+/// always wins. `permission_denied` for a tool id nobody has.
+async fn ensure_plugin(ctx: &Ctx, req: &ExecRequest) -> Result<(), ApiError> {
+    let published = match (&ctx.installer, ctx.pool.catalogue().get(&req.plugin)) {
+        (_, Some(_)) => Ok(true),
+        (None, None) => Ok(false),
+        (Some(installer), None) => installer
+            .ensure(&ctx.pool, &req.plugin)
+            .await
+            .map(|e| e != crate::plugins::installer::Ensured::Unknown),
+    };
+    match published {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(ApiError::new(
+            ApiErrorCode::PermissionDenied,
+            format!("unknown tool_id {:?}", req.tool_id),
+        )),
+        Err(e) => {
+            tracing::warn!(tool_id = %req.plugin, error = %e, "plugin install failed");
+            Err(e.to_api_error())
+        }
+    }
+}
+
+/// Runs a job holding one of the worker's long-job permits; the slot is announced free as soon as it is.
+async fn run_held_job(ctx: &Arc<Ctx>, req: ExecRequest, permit: OwnedSemaphorePermit) {
+    ctx.running_long.fetch_add(1, Ordering::Relaxed);
+    run_job(ctx, req).await;
+    ctx.running_long.fetch_sub(1, Ordering::Relaxed);
+    drop(permit);
+    // Tell the registry a slot is free now rather than at the next tick.
+    heartbeat(ctx).await;
+}
+
+/// The job queue's consumer on this worker: whenever one of its long-job permits is free, pulls one queued job
+/// and starts it here (`queued → running` by compare-and-set in [`run_job`]: never run twice). A message whose
+/// job is no longer queued is acknowledged and dropped; a message this worker cannot serve now (draining, an
+/// unreadable record, an install failing for a reason other than an unknown tool) is handed back at once.
+async fn pull_queued_jobs(ctx: Arc<Ctx>) {
+    let queue = loop {
+        match ctx.store.job_queue().await {
+            Ok(q) => break q,
+            Err(e) => {
+                ctx.metrics.jetstream_error("job_queue");
+                tracing::warn!(worker = %ctx.id, error = %e, "cannot attach to the job queue; retrying");
+                tokio::time::sleep(QUEUE_RETRY_AFTER).await;
+            }
+        }
+    };
+    loop {
+        let Ok(permit) = ctx.long_jobs.clone().acquire_owned().await else {
+            return;
+        };
+        if ctx.draining.load(Ordering::SeqCst) {
+            return;
+        }
+        let pulled = match queue.next(QUEUE_PULL_WAIT).await {
+            Ok(Some(pulled)) => pulled,
+            Ok(None) => continue,
+            Err(e) => {
+                ctx.metrics.jetstream_error("job_queue");
+                tracing::warn!(worker = %ctx.id, error = %e, "cannot pull from the job queue");
+                tokio::time::sleep(QUEUE_RETRY_AFTER).await;
+                continue;
+            }
+        };
+        if ctx.draining.load(Ordering::SeqCst) {
+            let _ = pulled.hand_back().await;
+            return;
+        }
+        let Some(job) = pulled.job.clone() else {
+            tracing::warn!(worker = %ctx.id, "dropping a job queue message that does not parse");
+            let _ = pulled.ack().await;
+            continue;
+        };
+        let record = match ctx.store.get_job(&job.user, &job.job_id).await {
+            Ok(Some(r)) if r.value.state == JobState::Queued => r.value,
+            Ok(_) => {
+                // Started elsewhere, ended, or gone: nothing to do.
+                let _ = pulled.ack().await;
+                continue;
+            }
+            Err(e) => {
+                ctx.metrics.jetstream_error("get_job");
+                tracing::warn!(job = %job.job_id, error = %e, "cannot read a queued job");
+                let _ = pulled.hand_back().await;
+                continue;
+            }
+        };
+        let req = crate::dispatch::job_request(&record);
+        if let Err(e) = ensure_plugin(&ctx, &req).await {
+            if e.code == ApiErrorCode::PermissionDenied {
+                fail_undispatchable(&ctx.store, &record, e).await;
+                let _ = pulled.ack().await;
+            } else {
+                let _ = pulled.hand_back().await;
+            }
+            continue;
+        }
+        // Acknowledged before the start: a worker dying in between leaves the job queued, and the sweeper
+        // dispatches it (a job is never lost, only delayed by one sweep).
+        let _ = pulled.ack().await;
+        let guard = ctx.in_flight.enter();
+        let c = ctx.clone();
+        tokio::spawn(async move {
+            run_held_job(&c, req, permit).await;
+            drop(guard);
+        });
+    }
+}
+
+/// Fails a queued job that no worker can run (its tool id is unknown to the fleet).
+async fn fail_undispatchable(store: &Store, record: &fleet_store::JobRecord, error: ApiError) {
+    let _ = store
+        .transition(&record.user, &record.job_id, JobState::Failed, |r| {
+            r.finished_at_ms = Some(now_ms());
+            r.error = Some(error.clone());
+        })
+        .await;
 }
 
 fn manifest_timeout_ms(ctx: &Ctx, req: &ExecRequest) -> Option<u64> {

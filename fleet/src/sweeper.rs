@@ -1,7 +1,8 @@
 //! The sweeper, run by every front replica (idempotent through compare-and-set, no leader): expires jobs past
 //! their deadline (and cancels their execution wherever it runs), fails running jobs whose worker's registry entry
 //! expired (`executa_unavailable`, retriable, `details.reason = "worker_lost"`), and dispatches queued jobs
-//! nobody took, interleaving users (round robin by user, not FIFO over everyone).
+//! nobody took — within each user's agent slots (`MAX_LONG_JOBS_PER_AGENT`), interleaving users (round robin by
+//! user, not FIFO over everyone). Normally the job queue starts a queued job first; this is the safety net.
 //!
 //! Bounds: a job is terminal at most one sweep period (1 s) after its deadline while any front runs; a job whose
 //! worker died is failed within the worker TTL (10 s) plus one sweep period.
@@ -40,8 +41,16 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
     let now = now_ms();
     let (mut expired, mut lost_jobs) = (0, 0);
     let mut waiting: BTreeMap<String, Vec<JobRecord>> = BTreeMap::new();
+    // Each job's place among its user's active jobs (the records come in active-set order): only the first
+    // `MAX_LONG_JOBS_PER_AGENT` may be dispatched.
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
     for job in jobs {
         let r = job.value;
+        let position = {
+            let n = seen.entry(r.user.clone()).or_default();
+            *n += 1;
+            *n - 1
+        };
         if now >= r.deadline_ms {
             let span = tracing::info_span!(
                 "job.expire",
@@ -125,7 +134,7 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
                             || now.saturating_sub(r.updated_at_ms) > REDISPATCH_AFTER_MS
                     }
                 };
-                if stale {
+                if stale && fleet_store::may_run(position) {
                     waiting.entry(r.user.clone()).or_default().push(r);
                 }
             }

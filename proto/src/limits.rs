@@ -85,8 +85,10 @@ pub const MAX_CLIENT_TAG_CHARS: usize = 120;
 pub const MAX_CANCEL_REASON_CHARS: usize = 200;
 /// Active (queued or running) jobs per user (spec §10.4 `job_quota_exceeded`).
 pub const MAX_ACTIVE_JOBS_PER_USER: usize = 5;
-/// Long jobs running at once per agent / worker (spec §10.4 `long_job_capacity`, §12.2 HR-NT-06).
-pub const MAX_LONG_JOBS_PER_WORKER: usize = 3;
+/// Long jobs running at once per agent (spec §10.4 `long_job_capacity`, §12.2 HR-NT-06: "per agent identity, not per
+/// worker process"). Here the agent is the user's slice of the fleet: of a user's active jobs, the first this many
+/// in admission order may run, wherever they run; the others wait `queued` and start as those end.
+pub const MAX_LONG_JOBS_PER_AGENT: usize = 3;
 /// Largest stored progress event: 8 KB (spec §8.10 HR-PG-05).
 pub const MAX_PROGRESS_EVENT_BYTES: usize = 8 * KIB;
 /// Progress events kept per job (the ring) (spec §8.10 HR-PG-05).

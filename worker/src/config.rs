@@ -274,6 +274,9 @@ pub struct WorkerConfig {
     pub max_sessions_per_user: usize,
     /// Invokes in flight per session.
     pub max_in_flight_per_session: usize,
+    /// Long jobs this worker runs at once (its share of the fleet's async capacity); 0: one per session it may
+    /// hold ([`max_sessions`](Self::max_sessions)), see [`effective_job_capacity`](Self::effective_job_capacity).
+    pub job_capacity: usize,
     /// Grace between closing stdin and SIGTERM, and between SIGTERM and SIGKILL (spec §3.7: 5 s).
     #[serde(with = "secs")]
     pub shutdown_grace: Duration,
@@ -289,6 +292,18 @@ pub struct WorkerConfig {
     pub cancel_kill: CancelKill,
     /// Bytes of stderr kept per session (ring).
     pub stderr_ring_bytes: usize,
+}
+
+impl WorkerConfig {
+    /// Long jobs this worker runs at once: [`job_capacity`](Self::job_capacity) when not 0, else
+    /// [`max_sessions`](Self::max_sessions) — each running job keeps one session busy, and memory is bounded per
+    /// session and per user by their cgroups, not by this count.
+    pub fn effective_job_capacity(&self) -> usize {
+        match self.job_capacity {
+            0 => self.max_sessions.max(1),
+            n => n,
+        }
+    }
 }
 
 impl Default for WorkerConfig {
@@ -314,6 +329,7 @@ impl Default for WorkerConfig {
             max_sessions: 256,
             max_sessions_per_user: 16,
             max_in_flight_per_session: 64,
+            job_capacity: 0,
             shutdown_grace: limits::SHUTDOWN_GRACE,
             max_restarts: limits::MAX_RESTART_ATTEMPTS,
             restart_backoff: limits::RESTART_BACKOFF_BASE,

@@ -57,8 +57,9 @@ pub enum Kind {
     Kv,
     /// An object store (stream `OBJ_<bucket>`, data `$O.<bucket>.>`).
     Objects,
-    /// The progress stream (stream `<prefix>_progress`, data `<prefix>.v1.progress.>`).
-    Progress,
+    /// A plain stream of the job layer (stream `<prefix>_<name>`, data `<prefix>.v1.<name>.>`): progress rings,
+    /// the job queue.
+    Stream,
 }
 
 /// One JetStream resource of the fleet: its kind and its name without the prefix (`jobs` → `fleet_jobs`).
@@ -81,6 +82,9 @@ const fn objects(name: &'static str) -> Resource {
     }
 }
 
+/// The data subjects of the job layer's plain streams under any prefix (the front provisions every prefix).
+const STREAM_DATA: [&str; 2] = ["*.v1.progress.>", "*.v1.job_queue.>"];
+
 /// Job records (`<user_key>.<job_id>`).
 pub const JOBS: Resource = kv("jobs");
 /// Per-user active job sets.
@@ -91,8 +95,13 @@ pub const WORKERS: Resource = kv("workers");
 pub const MANIFESTS: Resource = kv("manifests");
 /// Job progress rings.
 pub const PROGRESS: Resource = Resource {
-    kind: Kind::Progress,
+    kind: Kind::Stream,
     name: "progress",
+};
+/// Jobs waiting for a worker with room (work queue).
+pub const JOB_QUEUE: Resource = Resource {
+    kind: Kind::Stream,
+    name: "job_queue",
 };
 /// Grants of host capabilities (written by the operator API only).
 pub const GRANTS: Resource = kv("grants");
@@ -118,12 +127,13 @@ pub const APS_STAGING: Resource = objects("aps_staging");
 pub const UPLOADS: Resource = objects("uploads");
 
 /// Every JetStream resource of the fleet.
-pub const RESOURCES: [Resource; 16] = [
+pub const RESOURCES: [Resource; 17] = [
     JOBS,
     ACTIVE,
     WORKERS,
     MANIFESTS,
     PROGRESS,
+    JOB_QUEUE,
     GRANTS,
     PLUGINS,
     PLUGIN_PACKAGES,
@@ -148,7 +158,7 @@ impl Resource {
         match self.kind {
             Kind::Kv => format!("KV_{}", self.bucket(prefix)),
             Kind::Objects => format!("OBJ_{}", self.bucket(prefix)),
-            Kind::Progress => self.bucket(prefix),
+            Kind::Stream => self.bucket(prefix),
         }
     }
 
@@ -157,7 +167,7 @@ impl Resource {
         match self.kind {
             Kind::Kv => format!("$KV.{}.>", self.bucket(prefix)),
             Kind::Objects => format!("$O.{}.>", self.bucket(prefix)),
-            Kind::Progress => format!("{prefix}.v1.progress.>"),
+            Kind::Stream => format!("{prefix}.v1.{}.>", self.name),
         }
     }
 
@@ -201,6 +211,7 @@ pub fn jetstream_access(role: Role) -> Vec<(Resource, Access)> {
                 WORKERS,
                 MANIFESTS,
                 PROGRESS,
+                JOB_QUEUE,
                 APS_KV,
                 APS_USAGE,
                 APS_FILES,
@@ -252,7 +263,7 @@ pub fn for_role(role: Role, prefix: &str) -> Permissions {
         // The provisioner: every stream of the FLEET account, whatever its prefix (only the fleet's own live
         // there); deleting one stays denied.
         publish_allow.extend(strings(&["$JS.API.>", "$KV.>", "$O.>", "$JS.ACK.>", "$JS.FC.>"]));
-        publish_allow.push("*.v1.progress.>".to_owned());
+        publish_allow.extend(STREAM_DATA.iter().map(|s| (*s).to_owned()));
     } else {
         for (resource, access) in &js {
             publish_allow.extend(resource.publish_subjects(prefix, *access));
@@ -351,12 +362,16 @@ pub fn default_for_role(role: Role) -> Permissions {
 /// keeps the document equal to it.
 pub fn markdown_table(prefix: &str) -> String {
     let js_subject = |s: &str| s.starts_with("$JS.") || s.starts_with("$KV.") || s.starts_with("$O.");
-    let progress = "*.v1.progress.>".to_owned();
-    let own_progress = format!("{prefix}.v1.progress.>");
+    let stream_data: Vec<String> = STREAM_DATA.iter().map(|s| (*s).to_owned()).collect();
+    let own_stream_data: Vec<String> = RESOURCES
+        .iter()
+        .filter(|r| r.kind == Kind::Stream)
+        .map(|r| r.data_subject(prefix))
+        .collect();
     let list = |items: &[String]| {
         let shown: Vec<String> = items
             .iter()
-            .filter(|s| !js_subject(s) && **s != progress && **s != own_progress)
+            .filter(|s| !js_subject(s) && !stream_data.contains(s) && !own_stream_data.contains(s))
             .map(|s| format!("`{s}`"))
             .collect();
         if shown.is_empty() {

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::settings::ACTIVE_SET_MAX_BYTES;
 use fleet_proto::api::user_key;
+use fleet_proto::limits::MAX_LONG_JOBS_PER_AGENT;
 use fleet_proto::util::now_ms;
 
 use super::{JobRecord, MAX_CAS_ATTEMPTS, Op, Store, StoreError, backoff, cas_write, read};
@@ -38,12 +39,33 @@ pub enum Acquired {
     New {
         /// When.
         taken_at_ms: u64,
+        /// Its place in the set (admission order, 0-based): [`may_run`](super::may_run) tells whether it holds
+        /// one of the agent's long-job slots.
+        position: usize,
     },
     /// The job held a slot already (a retried creation): nothing changed.
     Already {
         /// When it was taken.
         taken_at_ms: u64,
+        /// Its place in the set now.
+        position: usize,
     },
+}
+
+impl Acquired {
+    /// When the slot was taken.
+    pub fn taken_at_ms(&self) -> u64 {
+        match self {
+            Acquired::New { taken_at_ms, .. } | Acquired::Already { taken_at_ms, .. } => *taken_at_ms,
+        }
+    }
+
+    /// The job's place in its user's active set (admission order, 0-based).
+    pub fn position(&self) -> usize {
+        match self {
+            Acquired::New { position, .. } | Acquired::Already { position, .. } => *position,
+        }
+    }
 }
 
 const LIMIT: (&str, usize) = ("active set", ACTIVE_SET_MAX_BYTES);
@@ -72,9 +94,10 @@ impl Store {
         max_active: usize,
     ) -> Result<Acquired, StoreError> {
         let take = |mut set: ActiveSet| {
-            if let Some(slot) = set.jobs.iter().find(|s| s.job_id == *job_id) {
+            if let Some((position, slot)) = set.jobs.iter().enumerate().find(|(_, s)| s.job_id == *job_id) {
                 return Ok(Edit::Keep(Acquired::Already {
                     taken_at_ms: slot.taken_at_ms,
+                    position,
                 }));
             }
             if set.jobs.len() >= max_active {
@@ -84,11 +107,18 @@ impl Store {
                 });
             }
             let taken_at_ms = now_ms();
+            let position = set.jobs.len();
             set.jobs.push(Slot {
                 job_id: job_id.clone(),
                 taken_at_ms,
             });
-            Ok(Edit::Write(set, Acquired::New { taken_at_ms }))
+            Ok(Edit::Write(
+                set,
+                Acquired::New {
+                    taken_at_ms,
+                    position,
+                },
+            ))
         };
         match self.edit_active_set(user, Op::AcquireSlot, take).await {
             Err(StoreError::QuotaExceeded { .. }) if self.heal_active_set(user).await? > 0 => {
@@ -119,13 +149,16 @@ impl Store {
         .await
     }
 
-    /// Gives the job's slot back (compare-and-set; retried on conflict). Returns whether the id was in the set.
+    /// Gives the job's slot back (compare-and-set; retried on conflict) and queues the job this moves into the
+    /// agent's long-job slots, if any. Returns whether the id was in the set.
     pub async fn release_slot(&self, user: &str, job_id: &JobId) -> Result<bool, StoreError> {
-        self.edit_active_set(user, Op::ReleaseSlot, |set| {
-            Ok(remove(set, |s| s.job_id == *job_id))
-        })
-        .await
-        .map(|removed| removed > 0)
+        let (removed, promoted) = self
+            .edit_active_set(user, Op::ReleaseSlot, |set| {
+                Ok(remove(set, |s| s.job_id == *job_id))
+            })
+            .await?;
+        self.enqueue_promoted(user, &promoted).await;
+        Ok(removed > 0)
     }
 
     /// Heals a user's active set: drops ids whose record is terminal, and ids whose record does not exist once
@@ -171,10 +204,13 @@ impl Store {
         if dead.is_empty() {
             return Ok(0);
         }
-        self.edit_active_set(user, Op::HealActiveSet, |set| {
-            Ok(remove(set, |s| dead.contains(&s.job_id)))
-        })
-        .await
+        let (removed, promoted) = self
+            .edit_active_set(user, Op::HealActiveSet, |set| {
+                Ok(remove(set, |s| dead.contains(&s.job_id)))
+            })
+            .await?;
+        self.enqueue_promoted(user, &promoted).await;
+        Ok(removed)
     }
 
     /// The one compare-and-set loop over a user's active set: reads it (an absent key is an empty set owned by
@@ -226,12 +262,26 @@ enum Edit<T> {
     Write(ActiveSet, T),
 }
 
-/// Removes the slots matching `dead`; the edit writes only when something was removed, and yields how many.
-fn remove(mut set: ActiveSet, dead: impl Fn(&Slot) -> bool) -> Edit<usize> {
+/// Removes the slots matching `dead`; the edit writes only when something was removed, and yields how many and
+/// the ids that moved into the agent's long-job slots ([`may_run`](super::may_run)) by it.
+fn remove(mut set: ActiveSet, dead: impl Fn(&Slot) -> bool) -> Edit<(usize, Vec<JobId>)> {
+    let running_before: Vec<JobId> = set
+        .jobs
+        .iter()
+        .take(MAX_LONG_JOBS_PER_AGENT)
+        .map(|s| s.job_id.clone())
+        .collect();
     let before = set.jobs.len();
     set.jobs.retain(|s| !dead(s));
+    let promoted: Vec<JobId> = set
+        .jobs
+        .iter()
+        .take(MAX_LONG_JOBS_PER_AGENT)
+        .filter(|s| !running_before.contains(&s.job_id))
+        .map(|s| s.job_id.clone())
+        .collect();
     match before - set.jobs.len() {
-        0 => Edit::Keep(0),
-        n => Edit::Write(set, n),
+        0 => Edit::Keep((0, Vec::new())),
+        n => Edit::Write(set, (n, promoted)),
     }
 }

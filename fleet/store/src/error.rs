@@ -52,6 +52,8 @@ pub enum Op {
     ListManifests,
     /// [`Store::delete_manifest`](super::Store::delete_manifest).
     DeleteManifest,
+    /// The job queue: queueing, pulling, acknowledging.
+    JobQueue,
     /// `GrantStore::get` (fleet-services).
     ReadGrant,
     /// `GrantStore::edit` (fleet-services).
@@ -83,6 +85,7 @@ impl Op {
             Op::GetManifest => "manifest",
             Op::ListManifests => "manifests",
             Op::DeleteManifest => "delete_manifest",
+            Op::JobQueue => "job_queue",
             Op::ReadGrant => "read_grant",
             Op::EditGrant => "edit_grant",
         }

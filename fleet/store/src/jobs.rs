@@ -32,6 +32,17 @@ impl Store {
         record: JobRecord,
         max_active: usize,
     ) -> Result<Revisioned<JobRecord>, StoreError> {
+        self.admit_job(record, max_active).await.map(|(r, _)| r)
+    }
+
+    /// [`create_job`](Self::create_job), with where the job landed in its user's active set: whether it may run
+    /// now is [`may_run`](super::may_run) of it (else it starts once earlier jobs end: the edit that moves it
+    /// into the agent's slots queues it).
+    pub async fn admit_job(
+        &self,
+        record: JobRecord,
+        max_active: usize,
+    ) -> Result<(Revisioned<JobRecord>, Acquired), StoreError> {
         if !record.state.is_active() {
             return Err(StoreError::invalid(
                 Op::CreateJob,
@@ -67,7 +78,7 @@ impl Store {
         };
         // A replica that stalled between the two steps may have had its slot healed away as an orphan: put it
         // back, so every active record is in its user's set (the sweeper finds active jobs through the sets).
-        let (Acquired::New { taken_at_ms } | Acquired::Already { taken_at_ms }) = acquired;
+        let taken_at_ms = acquired.taken_at_ms();
         let grace_ms =
             u64::try_from(self.inner.settings.orphan_slot_grace.as_millis() / 2).unwrap_or(u64::MAX);
         if now_ms().saturating_sub(taken_at_ms) >= grace_ms
@@ -75,10 +86,13 @@ impl Store {
         {
             tracing::warn!(job = %record.job_id, error = %e, "cannot re-check the job's slot");
         }
-        Ok(Revisioned {
-            value: record,
-            revision,
-        })
+        Ok((
+            Revisioned {
+                value: record,
+                revision,
+            },
+            acquired,
+        ))
     }
 
     /// The record and its revision, or `None` (no such job for this user — another user's job is `None` too).

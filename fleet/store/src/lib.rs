@@ -10,7 +10,8 @@
 //! * active sets: `<user_key>`;
 //! * workers: `<worker_id>`;
 //! * manifests: the [`user_key`]-style hash of the tool id (the id is kept in the value);
-//! * progress subjects: `<prefix>.v1.progress.<user_key>.<job_id>`.
+//! * progress subjects: `<prefix>.v1.progress.<user_key>.<job_id>`;
+//! * job queue subjects: `<prefix>.v1.job_queue.<user_key>` ([`JobQueue`]).
 //!
 //! [`user_key`] maps any user id to 32 hex characters (user ids may hold characters subjects and keys forbid);
 //! the real id is kept inside the values.
@@ -20,7 +21,10 @@
 //!   ([`Store::transition`], [`Store::update_job`]);
 //! * a user never has more than `max_active` ids in the active set, however many replicas race
 //!   ([`Store::create_job`]); a slot is taken before the record exists and given back when the record becomes
-//!   terminal, and [`Store::heal_active_set`] drops slots left behind by a replica that died in between.
+//!   terminal, and [`Store::heal_active_set`] drops slots left behind by a replica that died in between;
+//! * of a user's active jobs only the first [`MAX_LONG_JOBS_PER_AGENT`](fleet_proto::limits::MAX_LONG_JOBS_PER_AGENT)
+//!   in admission order may run (the agent's long-job slots, [`may_run`]); whichever edit of the active set moves
+//!   a job into them queues it ([`Store::enqueue_job`]).
 
 mod active;
 mod error;
@@ -28,6 +32,7 @@ mod jobs;
 mod manifests;
 mod progress;
 pub mod provision;
+mod queue;
 mod record;
 mod scan;
 pub mod settings;
@@ -45,6 +50,7 @@ use serde::de::DeserializeOwned;
 pub use active::Acquired;
 pub use error::{Op, StoreError};
 pub use provision::{BoxError, Provision, ProvisionError};
+pub use queue::{JobQueue, Pulled, QueuedJob, may_run};
 pub use record::{JobRecord, rfc3339_ms};
 pub use settings::{SettingsError, StoreSettings};
 pub use workers::{WorkerChange, WorkerInfo};
@@ -115,6 +121,7 @@ struct Inner {
     workers: kv::Store,
     manifests: kv::Store,
     progress: Stream,
+    job_queue: Stream,
 }
 
 impl Store {
@@ -135,6 +142,14 @@ impl Store {
         let progress = provision::stream(&js, config, settings.provision)
             .await
             .map_err(|e| resource(e.into()))?;
+        let config = settings.job_queue_stream_config();
+        let queue_name = config.name.clone();
+        let job_queue = provision::stream(&js, config, settings.provision)
+            .await
+            .map_err(|e| StoreError::Resource {
+                resource: queue_name,
+                source: e.into(),
+            })?;
         Ok(Store {
             inner: Arc::new(Inner {
                 js,
@@ -144,6 +159,7 @@ impl Store {
                 workers,
                 manifests,
                 progress,
+                job_queue,
             }),
         })
     }

@@ -7,6 +7,7 @@
 //! | `<prefix>_workers` | KV | `<worker_id>` → [`WorkerInfo`](super::WorkerInfo) JSON | history 1, `max_age` = worker TTL (10 s): an expired key is a dead worker |
 //! | `<prefix>_manifests` | KV | `<hash of tool_id>` → `{tool_id, manifest}` | history 1, no `max_age`, `max_value_size` = 512 KiB |
 //! | `<prefix>_progress` | stream | `<prefix>.v1.progress.<user_key>.<job_id>`, header `Fleet-Seq` | 500 msgs per subject, discard old, `max_msg_size` = 8 KiB + 1 KiB, `max_age` = job retention |
+//! | `<prefix>_job_queue` | stream, work queue | `<prefix>.v1.job_queue.<user_key>` → `{user, job_id}` | work-queue retention (a message is gone once a worker acks it), `max_age` = the longest job deadline (24 h), `max_msg_size` = 1 KiB; one durable pull consumer `workers` (explicit ack, ack wait 30 s) |
 //!
 //! All are created (or updated to these settings) at [`Store::open`](super::Store::open), with `replicas` and
 //! `storage` applied to each.
@@ -36,6 +37,16 @@ pub const WORKER_WARM_SESSIONS_MAX: usize = 256;
 
 /// Window in which a re-published progress event (same job, same seq) is dropped as a duplicate.
 pub const PROGRESS_DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
+
+/// Largest job-queue message (`{user, job_id}`: a user id is at most a few hundred bytes).
+pub const JOB_QUEUE_MAX_MESSAGE_BYTES: usize = KIB;
+
+/// The job queue's durable pull consumer, shared by every worker.
+pub const JOB_QUEUE_CONSUMER: &str = "workers";
+
+/// How long a pulled job-queue message may stay unacknowledged before JetStream hands it to another worker (a
+/// worker acks once the job is started, or seen to be no longer queued).
+pub const JOB_QUEUE_ACK_WAIT: Duration = Duration::from_secs(30);
 
 /// Header carrying a progress event's per-job seq.
 pub const SEQ_HEADER: &str = "Fleet-Seq";
@@ -192,6 +203,16 @@ impl StoreSettings {
         format!("{}.v1.progress", self.prefix)
     }
 
+    /// `<prefix>_job_queue`.
+    pub fn job_queue_stream(&self) -> String {
+        format!("{}_job_queue", self.prefix)
+    }
+
+    /// `<prefix>.v1.job_queue` (the stream listens on `<prefix>.v1.job_queue.>`).
+    pub fn job_queue_subject_prefix(&self) -> String {
+        format!("{}.v1.job_queue", self.prefix)
+    }
+
     /// The largest progress message the stream accepts (event + headroom).
     pub fn progress_max_message_bytes(&self) -> usize {
         self.progress_max_bytes_per_event + PROGRESS_ENVELOPE_HEADROOM
@@ -268,6 +289,37 @@ impl StoreSettings {
             num_replicas: self.replicas,
             duplicate_window: PROGRESS_DUPLICATE_WINDOW,
             allow_direct: true,
+            ..Default::default()
+        }
+    }
+
+    /// The job queue: the jobs that may start (within their user's agent slots) and wait for a worker with room.
+    pub fn job_queue_stream_config(&self) -> stream::Config {
+        stream::Config {
+            name: self.job_queue_stream(),
+            description: Some("fleet jobs waiting for a worker with room".to_string()),
+            subjects: vec![format!("{}.>", self.job_queue_subject_prefix())],
+            max_message_size: i32::try_from(JOB_QUEUE_MAX_MESSAGE_BYTES).unwrap_or(i32::MAX),
+            max_age: Duration::from_millis(limits::JOB_DEADLINE_MAX_MS),
+            max_messages: -1,
+            max_bytes: -1,
+            discard: stream::DiscardPolicy::Old,
+            retention: stream::RetentionPolicy::WorkQueue,
+            storage: self.storage,
+            num_replicas: self.replicas,
+            ..Default::default()
+        }
+    }
+
+    /// The job queue's consumer: durable, pulled, acknowledged one by one.
+    pub fn job_queue_consumer_config(&self) -> async_nats::jetstream::consumer::pull::Config {
+        async_nats::jetstream::consumer::pull::Config {
+            durable_name: Some(JOB_QUEUE_CONSUMER.to_string()),
+            description: Some("every worker pulls queued jobs here".to_string()),
+            ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
+            ack_wait: JOB_QUEUE_ACK_WAIT,
+            max_deliver: -1,
+            num_replicas: self.replicas,
             ..Default::default()
         }
     }
