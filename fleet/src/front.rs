@@ -655,9 +655,10 @@ impl Front {
     }
 }
 
-/// Dispatches a queued job and records the accepting worker. `Ok(true)`: a worker took it; `Ok(false)`: none could
-/// now (it stays queued); `Err`: no worker will ever run it (e.g. an unknown plugin) — the job is failed with that
-/// error, releasing its quota slot.
+/// Dispatches a queued job. `Ok(true)`: a worker took it (and records itself on the job as it starts it, by the
+/// `queued → running` compare-and-set: the front writes nothing after the hand-off, so it never races that
+/// write); `Ok(false)`: none could now (it stays queued); `Err`: no worker will ever run it (e.g. an unknown
+/// plugin) — the job is failed with that error, releasing its quota slot.
 pub async fn dispatch_job(
     dispatcher: &Dispatcher,
     store: &Store,
@@ -665,19 +666,7 @@ pub async fn dispatch_job(
 ) -> Result<bool, ApiError> {
     let req = crate::dispatch::job_request(record);
     match dispatcher.job(&req).await {
-        Ok(worker) => {
-            let _ = store
-                .update_job(&record.user, &record.job_id, |r| {
-                    if r.state == JobState::Queued && r.worker.is_none() {
-                        r.worker = Some(worker.clone());
-                        true
-                    } else {
-                        false
-                    }
-                })
-                .await;
-            Ok(true)
-        }
+        Ok(_worker) => Ok(true),
         Err(e) if matches!(e.code, ApiErrorCode::PermissionDenied | ApiErrorCode::InvalidArg) => {
             let error = e.clone();
             let _ = store
