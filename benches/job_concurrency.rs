@@ -49,7 +49,13 @@ fn plugin() -> Plugin {
 
 async fn warm(c: &Cluster, users: &[String]) {
     futures::stream::iter(users)
-        .map(|u| c.ok(u, methods::TOOLS_INVOKE, json!({"tool_id": "echo.echo", "args": {}})))
+        .map(|u| {
+            c.ok(
+                u,
+                methods::TOOLS_INVOKE,
+                json!({"tool_id": "echo.echo", "args": {}}),
+            )
+        })
         .buffer_unordered(WARM_PARALLEL)
         .collect::<Vec<_>>()
         .await;
@@ -109,7 +115,11 @@ async fn burst(users: usize) {
         "burst: {users} users × one {BURST_JOB_MS} ms job on one worker: all submitted in {submitted} ms, last \
          started at {last_start} ms, all succeeded at {last_end} ms = {:.2}× the job itself (goal: ≤ {BURST_GOAL_MS} ms: {})",
         last_end as f64 / BURST_JOB_MS as f64,
-        if last_end <= BURST_GOAL_MS { "met" } else { "NOT met" }
+        if last_end <= BURST_GOAL_MS {
+            "met"
+        } else {
+            "NOT met"
+        }
     );
     c.shutdown().await;
 }

@@ -77,6 +77,10 @@ struct RunArgs {
     /// Arrivals per second (default: the scenario's).
     #[arg(long)]
     rate: Option<f64>,
+    /// How many users the load is spread over (default: the scenario's own count): raise it with --rate to find
+    /// the fleet's knee rather than the per-user rate limit and job quota.
+    #[arg(long)]
+    users: Option<u64>,
     /// Where report.md, report.json and latency.svg go.
     #[arg(long, default_value = "loadtest-report")]
     report: PathBuf,
@@ -183,6 +187,7 @@ fn run(args: &RunArgs) -> anyhow::Result<bool> {
         rate: args.rate.unwrap_or(scenario.default_rate),
         duration: args.duration,
         native_echo: false,
+        users: args.users,
         worker_nats: worker,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

@@ -112,6 +112,8 @@ pub(crate) struct Params {
     pub(crate) duration: Duration,
     /// Whether the native `echo` plugin is served.
     pub(crate) native_echo: bool,
+    /// How many users the load is spread over (`--users`; default: the scenario's own count).
+    pub(crate) users: Option<u64>,
     /// Where and as whom the worker processes `chaos-worker-kill` starts connect.
     pub(crate) worker_nats: fleet_client::nats_conn::Connector,
 }
@@ -127,16 +129,22 @@ fn invoke_body(tool_id: &str, tool: &str, args: &Value) -> Value {
     json!({ "tool_id": tool_id, "method": tool, "args": args })
 }
 
+/// How many users a scenario spreads its load over: `--users`, else the scenario's `default` (at least 1).
+fn user_count(p: &Params, default: u64) -> u64 {
+    p.users.unwrap_or(default).max(1)
+}
+
 /// Runs the named scenario's arrival phase (and, through the followers, its drain).
 pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Result<()> {
     let rate = p.rate;
     let d = p.duration;
     match name {
         "steady-async" => {
-            open_loop(ctx, "invokeAsync", Arrivals::Constant, rate, d, |i, t| {
+            let users = user_count(p, 20);
+            open_loop(ctx, "invokeAsync", Arrivals::Constant, rate, d, move |i, t| {
                 let c = Arc::clone(ctx);
                 async move {
-                    let user = format!("steady-{}", i % 20);
+                    let user = format!("steady-{}", i % users);
                     let body = invoke_body(PY, "echo", &json!({ "i": i }));
                     if let Some(job) = c.invoke_async("invokeAsync", t, &user, &body).await {
                         c.follow(&user, &job).await;
@@ -147,10 +155,11 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
             .await;
         }
         "sync-burst" => {
-            open_loop(ctx, "invoke", Arrivals::Burst, rate, d, |i, t| {
+            let users = user_count(p, 20);
+            open_loop(ctx, "invoke", Arrivals::Burst, rate, d, move |i, t| {
                 let c = Arc::clone(ctx);
                 async move {
-                    let user = format!("burst-{}", i % 20);
+                    let user = format!("burst-{}", i % users);
                     let body = invoke_body(PY, "echo", &json!({ "i": i }));
                     let _ = c.op("invoke", t, &user, "tools.invoke", &body, SYNC_WAIT).await;
                 }
@@ -169,7 +178,7 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
             .await;
         }
         "quota-flood" => {
-            let users = to_u64((rate / 10.0).ceil().max(1.0));
+            let users = user_count(p, to_u64((rate / 10.0).ceil().max(1.0)));
             open_loop(ctx, "invokeAsync", Arrivals::Constant, rate, d, move |i, t| {
                 let c = Arc::clone(ctx);
                 async move {
@@ -183,7 +192,7 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
             .await;
         }
         "cancel-storm" => {
-            let users = to_u64((rate / 2.0).ceil().max(4.0));
+            let users = user_count(p, to_u64((rate / 2.0).ceil().max(4.0)));
             open_loop(ctx, "invokeAsync", Arrivals::Constant, rate, d, move |i, t| {
                 let c = Arc::clone(ctx);
                 async move {
@@ -212,10 +221,11 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
             .await;
         }
         "progress-flood" => {
-            open_loop(ctx, "invokeAsync", Arrivals::Constant, rate, d, |i, t| {
+            let users = user_count(p, 10);
+            open_loop(ctx, "invokeAsync", Arrivals::Constant, rate, d, move |i, t| {
                 let c = Arc::clone(ctx);
                 async move {
-                    let user = format!("progress-{}", i % 10);
+                    let user = format!("progress-{}", i % users);
                     let body = invoke_body(PY, "progress", &json!({ "count": 200 }));
                     if let Some(job) = c.invoke_async("invokeAsync", t, &user, &body).await {
                         c.rec.count("progress_events_emitted", 200);
@@ -227,10 +237,11 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
             .await;
         }
         "big-frames" => {
-            open_loop(ctx, "invoke", Arrivals::Constant, rate, d, |i, t| {
+            let users = user_count(p, 4);
+            open_loop(ctx, "invoke", Arrivals::Constant, rate, d, move |i, t| {
                 let c = Arc::clone(ctx);
                 async move {
-                    let user = format!("big-{}", i % 4);
+                    let user = format!("big-{}", i % users);
                     if i % 2 == 0 {
                         let body = invoke_body(PY, "big_result", &json!({ "bytes": 4_000_000 }));
                         let _ = c.op("invoke", t, &user, "tools.invoke", &body, SYNC_WAIT).await;
@@ -281,10 +292,11 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
                     }
                 }
             };
-            let load = open_loop(ctx, "invokeAsync", Arrivals::Constant, rate, d, |i, t| {
+            let users = user_count(p, 20);
+            let load = open_loop(ctx, "invokeAsync", Arrivals::Constant, rate, d, move |i, t| {
                 let c = Arc::clone(ctx);
                 async move {
-                    let user = format!("chaos-{}", i % 20);
+                    let user = format!("chaos-{}", i % users);
                     if i % 2 == 0 {
                         let body = invoke_body(PY, "sleep", &json!({ "ms": 500 }));
                         if let Some(job) = c.invoke_async("invokeAsync", t, &user, &body).await {
@@ -338,10 +350,11 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
         }
         "mixed" => {
             let native = p.native_echo;
+            let users = user_count(p, 10);
             open_loop(ctx, "mixed", Arrivals::Constant, rate, d, move |i, t| {
                 let c = Arc::clone(ctx);
                 async move {
-                    let user = format!("mixed-{}", i % 10);
+                    let user = format!("mixed-{}", i % users);
                     match i % 10 {
                         0..=3 => {
                             let tool_id = if native && i % 2 == 1 { "echo" } else { PY };
