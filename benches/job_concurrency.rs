@@ -176,7 +176,7 @@ fn main() {
         .build()
         .unwrap();
     rt.block_on(async {
-        burst(users).await;
-        start_after_free().await;
+        Box::pin(burst(users)).await;
+        Box::pin(start_after_free()).await;
     });
 }
