@@ -254,6 +254,14 @@ const OTHER_ENV: &[(&str, &str)] = &[
         "UPDATE_DOCS",
         "Test suite: the `docs_reference` tests of the `fleet` binary rewrite `docs/configuration.md`.",
     ),
+    (
+        "FLEET_BENCH_USERS",
+        "Benches: users of `cargo bench --bench job_concurrency`, each submitting one 2 s job at once (default 100).",
+    ),
+    (
+        "FLEET_BENCH_SESSIONS",
+        "Benches: idle warm sessions `cargo bench --bench session_memory` opens on one worker (default 1000).",
+    ),
 ];
 
 /// `fleet worker --config FILE`: the meaning of each key of [`fleet_worker::config::WorkerConfig`], by dotted
