@@ -89,6 +89,25 @@ async fn cancel_job(c: &Cluster, user: &str, id: &JobId, reason: Option<&str>) -
     c.ok(user, methods::TOOLS_CANCEL_JOB, args).await
 }
 
+/// `tools.getJob` of another user's job is `job_not_found`, exactly like an id nobody has (no existence oracle).
+async fn not_found_like_an_unknown_id(c: &Cluster, user: &str, others: &JobId) {
+    let theirs = json!({"jobId": others});
+    let e = expect_err(c, user, methods::TOOLS_GET_JOB, theirs, ApiErrorCode::JobNotFound).await;
+    let unknown = json!({"jobId": "tjob_0123456789abcdef0123456789abcdef"});
+    let e2 = expect_err(
+        c,
+        user,
+        methods::TOOLS_GET_JOB,
+        unknown,
+        ApiErrorCode::JobNotFound,
+    )
+    .await;
+    assert_eq!(
+        e.details, e2.details,
+        "another user's job looks exactly like a missing one"
+    );
+}
+
 /// Polls the job's record in JetStream until `pred` holds (the deadline is a failure guard).
 async fn wait_record(
     c: &Cluster,
@@ -1169,27 +1188,8 @@ async fn queued_jobs_default_limit_since_cap_and_cross_user() {
 
     // Cross-user: bob's job id is unknown to alice (no existence oracle), and a listing never shows it.
     let bobs = create_job(&c, "bob", json!({"tool_id": "echo.echo", "clientTag": "q"})).await;
-    let e = expect_err(
-        &c,
-        "alice",
-        methods::TOOLS_GET_JOB,
-        json!({"jobId": bobs}),
-        ApiErrorCode::JobNotFound,
-    )
-    .await;
+    not_found_like_an_unknown_id(&c, "alice", &bobs).await;
     let unknown: JobId = "tjob_0123456789abcdef0123456789abcdef".parse().expect("id");
-    let e2 = expect_err(
-        &c,
-        "alice",
-        methods::TOOLS_GET_JOB,
-        json!({"jobId": unknown}),
-        ApiErrorCode::JobNotFound,
-    )
-    .await;
-    assert_eq!(
-        e.details, e2.details,
-        "another user's job looks exactly like a missing one"
-    );
     expect_err(
         &c,
         "alice",
@@ -1346,6 +1346,50 @@ async fn queued_jobs_default_limit_since_cap_and_cross_user() {
     assert_eq!(ids_of(&res), Vec::<String>::new());
     // The 8-day-old job itself is still readable by id (retention ≥ 7 days).
     assert_eq!(get_job(&c, u, eight, json!({})).await["state"], "cancelled");
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_jobs_are_answered_from_memory_and_only_to_their_user() {
+    let c = start("api-finished", 1, 1, &[echo()]).await;
+    let front = &c.fronts[0].0;
+    let id = create_job(
+        &c,
+        "alice",
+        json!({"tool_id": "echo.progress", "args": {"count": 3}}),
+    )
+    .await;
+    let running = create_job(
+        &c,
+        "alice",
+        json!({"tool_id": "echo.sleep", "args": {"ms": 60_000}}),
+    )
+    .await;
+    wait_state(&c, "alice", &id, JobState::Succeeded).await;
+    wait_state(&c, "alice", &running, JobState::Running).await;
+    assert!(front.finished_jobs().is_empty());
+    // A running job is never kept.
+    assert_eq!(
+        get_job(&c, "alice", &running, json!({})).await["state"],
+        "running"
+    );
+    assert!(front.finished_jobs().is_empty());
+    // The first read of a finished job keeps it; the next is answered from memory, identically.
+    let first = get_job(&c, "alice", &id, json!({})).await;
+    assert_eq!(first["state"], "succeeded");
+    assert_eq!(front.finished_jobs().len(), 1);
+    assert_eq!(get_job(&c, "alice", &id, json!({})).await, first);
+    // Its progress slices still come from the ring, cut and frozen as ever.
+    let sliced = get_job(&c, "alice", &id, json!({"sinceSeq": 1, "limit": 1})).await;
+    assert_eq!(
+        (&sliced["progress"][0]["seq"], &sliced["lastSeq"]),
+        (&json!(2), &json!(2))
+    );
+    let tail = get_job(&c, "alice", &id, json!({"sinceSeq": 3})).await;
+    assert_eq!((&tail["progress"], &tail["lastSeq"]), (&json!([]), &json!(3)));
+    // Bob asking for alice's job finds nothing, exactly as for an id nobody has.
+    not_found_like_an_unknown_id(&c, "bob", &id).await;
+    cancel_job(&c, "alice", &running, None).await;
     c.shutdown().await;
 }
 

@@ -29,7 +29,7 @@ struct Nats {
 
 fn nats() -> Nats {
     let dir = tempfile::tempdir().expect("tempdir");
-    let server = NatsServer::start(dir.path()).expect("nats-server (install nats-server >= 2.10)");
+    let server = NatsServer::start(dir.path()).expect("nats-server (install nats-server >= 2.11)");
     Nats { server, _dir: dir }
 }
 
@@ -820,6 +820,133 @@ async fn list_jobs_filters_orders_truncates_and_stays_within_the_user() {
             store.list_jobs("alice", &JobFilter::default(), 0).await,
             Err(StoreError::Invalid { what: "limit", .. })
         ));
+    }))
+    .await;
+}
+
+#[tokio::test]
+async fn view_job_reads_the_record_and_the_ring_and_freezes_a_finished_job() {
+    let n = nats();
+    guard(Box::pin(async {
+        let store = n.store(StoreSettings::default()).await;
+        let id = job_in_state(&store, "viewer", JobState::Running).await.job_id;
+        let view = async |since: u64, limit: usize, known: Option<std::sync::Arc<JobRecord>>| {
+            let v = store
+                .view_job("viewer", &id, since, limit, known)
+                .await
+                .expect("view")
+                .expect("the job exists");
+            let seqs: Vec<u64> = v.events.iter().map(|e| e.seq).collect();
+            (seqs, v.last_seq)
+        };
+        let fresh = store
+            .view_job("viewer", &id, 0, 500, None)
+            .await
+            .expect("view")
+            .expect("exists");
+        assert_eq!(
+            (fresh.record.state, fresh.events.len(), fresh.last_seq),
+            (JobState::Running, 0, 0)
+        );
+        assert!(fresh.record_bytes > 0);
+        for seq in 1..=5 {
+            store
+                .append_progress("viewer", &id, &event(seq))
+                .await
+                .expect("append");
+        }
+        // Running: everything stored is due; the newest alone; nothing new; a slice cut by the limit ends at the cut.
+        assert_eq!(view(0, 500, None).await, (vec![1, 2, 3, 4, 5], 5));
+        assert_eq!(view(4, 500, None).await, (vec![5], 5));
+        assert_eq!(view(5, 500, None).await, (vec![], 5));
+        assert_eq!(view(9, 500, None).await, (vec![], 5));
+        assert_eq!(view(1, 2, None).await, (vec![2, 3], 3));
+        assert_eq!(
+            view(0, 5, None).await,
+            (vec![1, 2, 3, 4, 5], 5),
+            "exactly the limit is not cut"
+        );
+        assert_eq!(view(0, 4, None).await, (vec![1, 2, 3, 4], 4));
+
+        // Cancelled elsewhere with the progress frozen at 3: what the worker appends after is never shown.
+        let t = store
+            .transition("viewer", &id, JobState::Cancelled, |r| r.last_seq = 3)
+            .await
+            .expect("cancel");
+        assert!(matches!(t, Transition::Done(_)), "{t:?}");
+        store
+            .append_progress("viewer", &id, &event(6))
+            .await
+            .expect("late");
+        let done = store
+            .view_job("viewer", &id, 0, 500, None)
+            .await
+            .expect("view")
+            .expect("exists");
+        assert_eq!(done.record.state, JobState::Cancelled);
+        let cases = [
+            (0, 500, (vec![1, 2, 3], 3)),
+            (2, 500, (vec![3], 3)),
+            (3, 500, (vec![], 3)),
+            (5, 500, (vec![], 3)),
+            (0, 2, (vec![1, 2], 2)),
+            (0, 3, (vec![1, 2, 3], 3)),
+        ];
+        for (since, limit, want) in &cases {
+            assert_eq!(
+                &view(*since, *limit, None).await,
+                want,
+                "since {since} limit {limit}"
+            );
+            // The same from the record a caller kept (a finished record is never written again).
+            assert_eq!(
+                &view(*since, *limit, Some(done.record.clone())).await,
+                want,
+                "kept, since {since} limit {limit}"
+            );
+        }
+        let kept = store
+            .view_job("viewer", &id, 3, 500, Some(done.record.clone()))
+            .await
+            .expect("view")
+            .expect("exists");
+        assert_eq!(
+            (kept.record_bytes, &kept.record),
+            (0, &done.record),
+            "nothing was read"
+        );
+        assert_eq!(kept.into_snapshot().last_seq, 3);
+
+        // A kept record serves only its own user and job.
+        assert_eq!(
+            store
+                .view_job("intruder", &id, 0, 500, Some(done.record.clone()))
+                .await
+                .expect("view"),
+            None
+        );
+        assert_eq!(
+            store
+                .view_job("viewer", &job_id(), 0, 500, Some(done.record.clone()))
+                .await
+                .expect("view"),
+            None
+        );
+        // A kept record that is not terminal is not trusted: the store's record is read.
+        let mut running = (*done.record).clone();
+        running.state = JobState::Running;
+        let read = store
+            .view_job("viewer", &id, 0, 500, Some(std::sync::Arc::new(running)))
+            .await
+            .expect("view")
+            .expect("exists");
+        assert_eq!(read.record.state, JobState::Cancelled);
+        for bad in [0, 501] {
+            assert!(matches!(
+                store.view_job("viewer", &id, 0, bad, None).await,
+                Err(StoreError::Invalid { what: "limit", .. })
+            ));
+        }
     }))
     .await;
 }

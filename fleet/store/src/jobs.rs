@@ -1,8 +1,11 @@
-//! Job records (`<prefix>_jobs`, key `<user_key>.<job_id>`): creation with admission, reads, compare-and-set
-//! transitions and updates, listing one user's jobs, and every active job for the sweeper.
+//! Job records (`<prefix>_jobs`, key `<user_key>.<job_id>`): creation with admission, reads (`getJob`'s view:
+//! the record and its progress), compare-and-set transitions and updates, listing one user's jobs, and every
+//! active job for the sweeper.
+
+use std::sync::Arc;
 
 use async_nats::jetstream::consumer::DeliverPolicy;
-use fleet_proto::api::{JobId, JobState};
+use fleet_proto::api::{JobId, JobSnapshot, JobState, ProgressEvent};
 use futures::{StreamExt, TryStreamExt};
 
 use fleet_proto::api::user_key;
@@ -12,7 +15,7 @@ use super::active::{Acquired, ActiveSet};
 use super::scan::{Scan, scan};
 use super::{
     JobFilter, JobRecord, MAX_CAS_ATTEMPTS, Op, Revisioned, Store, StoreError, Transition, backoff,
-    cas_write, encode, is_kv_marker, read,
+    cas_write, encode, is_kv_marker, read, read_sized,
 };
 
 /// Concurrent record reads of [`Store::active_jobs`].
@@ -88,6 +91,76 @@ impl Store {
         job_id: &JobId,
     ) -> Result<Option<Revisioned<JobRecord>>, StoreError> {
         self.read_job(user, job_id, Op::GetJob).await
+    }
+
+    /// What `tools.getJob` shows (spec §10.7): the record, the progress events with `seq > since_seq` (at most
+    /// `limit`, 1..=`progress_max_per_job`) and the `lastSeq` to report; `None` when the user has no such job.
+    ///
+    /// Round trips: the record and the ring's newest message are read concurrently (two direct gets, one round
+    /// trip); a slice of older events is one more (a batched direct get), only when more than the newest event
+    /// is due. `known` is a terminal record the caller kept (a finished job's record is never written again): it
+    /// replaces the record read, so a finished job with nothing due costs no read at all.
+    ///
+    /// Consistency of the two concurrent reads: the ring's newest message may have been read before or after
+    /// the record. For an active record that is harmless — the slice stops at that newest message, so `lastSeq`
+    /// never passes an event that was not returned, and later events come with the next call. For a terminal
+    /// record the ring is read up to the record's `last_seq` (which freezes what a caller may see: events a
+    /// worker appended after a cancel or an expiry are never shown), never up to that message: it may predate
+    /// the terminal write, while the slice, read after the record, holds every event stored before it.
+    pub async fn view_job(
+        &self,
+        user: &str,
+        job_id: &JobId,
+        since_seq: u64,
+        limit: usize,
+        known: Option<Arc<JobRecord>>,
+    ) -> Result<Option<JobView>, StoreError> {
+        self.check_progress_limit(limit, Op::GetJob)?;
+        let known = known.filter(|r| r.state.is_terminal() && r.user == user && r.job_id == *job_id);
+        let (record, record_bytes, tail) = match known {
+            Some(record) => (record, 0, None),
+            None => {
+                let key = Self::job_key(user, job_id);
+                let (record, tail) = tokio::join!(
+                    read_sized::<JobRecord>(&self.inner.jobs, &key, Op::GetJob),
+                    self.ring_tail(user, job_id),
+                );
+                // The key already holds the user's hash; the id inside settles a (theoretical) collision.
+                let Some((record, bytes)) =
+                    record?.filter(|(r, _)| r.value.user == user && r.value.job_id == *job_id)
+                else {
+                    return Ok(None);
+                };
+                (Arc::new(record.value), bytes, tail?)
+            }
+        };
+        let stored = tail.as_ref().map_or(0, |t| t.seq);
+        let upto = if record.state.is_terminal() {
+            record.last_seq
+        } else {
+            stored
+        };
+        // One more than `limit`: whether the slice was cut.
+        let mut events = self
+            .ring_slice(user, job_id, (since_seq, upto), limit + 1, tail.as_ref())
+            .await?;
+        let last_seq = if events.len() > limit {
+            events.truncate(limit);
+            events.last().map_or(since_seq, |e| e.seq)
+        } else if record.state.is_terminal() {
+            record.last_seq
+        } else {
+            events
+                .iter()
+                .map(|e| e.seq)
+                .fold(record.last_seq.max(stored), u64::max)
+        };
+        Ok(Some(JobView {
+            record,
+            record_bytes,
+            events,
+            last_seq,
+        }))
     }
 
     async fn read_job(
@@ -341,4 +414,28 @@ fn keep_identity(next: &mut JobRecord, current: &JobRecord) {
     next.job_id.clone_from(&current.job_id);
     next.user.clone_from(&current.user);
     next.created_at_ms = current.created_at_ms;
+}
+
+/// What `tools.getJob` shows of a job ([`Store::view_job`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobView {
+    /// The record (shared: a caller may keep a finished one).
+    pub record: Arc<JobRecord>,
+    /// Bytes of the stored record's JSON; 0 when the caller passed the record in.
+    pub record_bytes: usize,
+    /// Events with `seq > sinceSeq`, oldest first, at most `limit`; for a terminal job, none after its
+    /// `last_seq`.
+    pub events: Vec<ProgressEvent>,
+    /// What to feed back as `sinceSeq`: the last event returned when `limit` cut the slice; else the highest seq
+    /// a caller may see (a terminal record's `last_seq`; for an active job, the ring's newest or the record's).
+    pub last_seq: u64,
+}
+
+impl JobView {
+    /// The app-facing snapshot.
+    pub fn into_snapshot(self) -> JobSnapshot {
+        let mut snapshot = self.record.snapshot(self.events);
+        snapshot.last_seq = self.last_seq;
+        snapshot
+    }
 }

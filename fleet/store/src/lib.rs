@@ -23,6 +23,7 @@
 //!   terminal, and [`Store::heal_active_set`] drops slots left behind by a replica that died in between.
 
 mod active;
+mod direct;
 mod error;
 mod jobs;
 mod manifests;
@@ -44,6 +45,7 @@ use serde::de::DeserializeOwned;
 
 pub use active::Acquired;
 pub use error::{Op, StoreError};
+pub use jobs::JobView;
 pub use provision::{BoxError, Provision, ProvisionError};
 pub use record::{JobRecord, rfc3339_ms};
 pub use settings::{SettingsError, StoreSettings};
@@ -178,6 +180,15 @@ pub async fn read<T: DeserializeOwned>(
     key: &str,
     op: Op,
 ) -> Result<Option<Revisioned<T>>, StoreError> {
+    Ok(read_sized(kv, key, op).await?.map(|(value, _)| value))
+}
+
+/// [`read`], with the size of the stored JSON.
+pub(crate) async fn read_sized<T: DeserializeOwned>(
+    kv: &kv::Store,
+    key: &str,
+    op: Op,
+) -> Result<Option<(Revisioned<T>, usize)>, StoreError> {
     match kv.entry(key).await.map_err(|e| StoreError::nats(op, e))? {
         Some(entry) if entry.operation == kv::Operation::Put => {
             let value = serde_json::from_slice(&entry.value).map_err(|source| StoreError::Corrupt {
@@ -185,10 +196,13 @@ pub async fn read<T: DeserializeOwned>(
                 key: key.to_string(),
                 source,
             })?;
-            Ok(Some(Revisioned {
-                value,
-                revision: entry.revision,
-            }))
+            Ok(Some((
+                Revisioned {
+                    value,
+                    revision: entry.revision,
+                },
+                entry.value.len(),
+            )))
         }
         _ => Ok(None),
     }

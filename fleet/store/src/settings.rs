@@ -6,10 +6,11 @@
 //! | `<prefix>_active` | KV | `<user_key>` → the user's active (queued + running) job ids | history 1, `max_age` = job retention, `max_value_size` = 64 KiB |
 //! | `<prefix>_workers` | KV | `<worker_id>` → [`WorkerInfo`](super::WorkerInfo) JSON | history 1, `max_age` = worker TTL (10 s): an expired key is a dead worker |
 //! | `<prefix>_manifests` | KV | `<hash of tool_id>` → `{tool_id, manifest}` | history 1, no `max_age`, `max_value_size` = 512 KiB |
-//! | `<prefix>_progress` | stream | `<prefix>.v1.progress.<user_key>.<job_id>`, header `Fleet-Seq` | 500 msgs per subject, discard old, `max_msg_size` = 8 KiB + 1 KiB, `max_age` = job retention |
+//! | `<prefix>_progress` | stream | `<prefix>.v1.progress.<user_key>.<job_id>`, header `Fleet-Seq` | 500 msgs per subject, discard old, `max_msg_size` = 8 KiB + 1 KiB, `max_age` = job retention, `allow_direct` |
 //!
 //! All are created (or updated to these settings) at [`Store::open`](super::Store::open), with `replicas` and
-//! `storage` applied to each.
+//! `storage` applied to each. Every one allows direct gets (KV buckets always do): reads are answered by any
+//! replica without a consumer, and batched direct gets (the progress ring's slices) need nats-server ≥ 2.11.
 
 use std::time::Duration;
 
