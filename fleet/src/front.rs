@@ -34,7 +34,7 @@ use crate::policy::{self, SyncTimeout};
 use fleet_client::auth::Verifier;
 use fleet_proto::api::user_key;
 use fleet_proto::util::now_ms;
-use fleet_store::{JobFilter, JobRecord, Store, StoreError, Transition};
+use fleet_store::{JobFilter, JobRecord, ListCursor, Store, StoreError, Transition};
 
 use crate::finished::FinishedJobs;
 
@@ -490,6 +490,7 @@ impl Front {
                     json!({ "active": active, "max": max }),
                 ));
             }
+            Err(e @ StoreError::RetainedQuotaExceeded { .. }) => return Err(e.to_api_error()),
             Err(e) => return Err(self.js_error("create_job", e)),
         };
         self.metrics.job_transition(None, JobState::Queued);
@@ -634,14 +635,26 @@ impl Front {
             since_ms: Some(since_ms.unwrap_or(floor)),
         };
         let limit = args.limit.unwrap_or(LIST_JOBS_LIMIT_DEFAULT) as usize;
-        let (records, truncated) = self
+        let cursor = args
+            .cursor
+            .as_deref()
+            .map(str::parse::<ListCursor>)
+            .transpose()
+            .map_err(|e| {
+                ApiError::invalid_arg("cursor", format!("cursor: {e}; pass back a listJobs cursor"))
+            })?;
+        let page = self
             .inner
             .store
-            .list_jobs(user, &filter, limit)
+            .list_jobs(user, &filter, limit, cursor)
             .await
             .map_err(|e| self.js_error("list_jobs", e))?;
-        let jobs = records.iter().map(|r| r.snapshot(Vec::new())).collect();
-        to_value(&ListJobsResult { jobs, truncated })
+        let jobs = page.jobs.iter().map(|r| r.snapshot(Vec::new())).collect();
+        to_value(&ListJobsResult {
+            jobs,
+            truncated: page.truncated,
+            cursor: page.cursor.map(|c| c.to_string()),
+        })
     }
 }
 

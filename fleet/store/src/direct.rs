@@ -26,6 +26,9 @@ pub(crate) const DIRECT_READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// The header every message of a batch carries (a server without batched direct gets sends none).
 const NUM_PENDING: &str = "Nats-Num-Pending";
 
+/// Most subjects one `multi_last` request may name (the server answers at most 1024 messages per request).
+pub(crate) const MULTI_LAST_MAX: usize = 1024;
+
 /// What to read.
 #[derive(Debug, Serialize)]
 pub(crate) struct BatchRequest<'a> {

@@ -1,6 +1,6 @@
 //! Job records (`<prefix>_jobs`, key `<user_key>.<job_id>`): creation with admission, reads (`getJob`'s view:
-//! the record and its progress), compare-and-set transitions and updates, listing one user's jobs, and every
-//! active job for the sweeper.
+//! the record and its progress), compare-and-set transitions and updates, and every active job for the sweeper.
+//! Listing one user's jobs is the index's ([`super::index`]).
 
 use std::sync::Arc;
 
@@ -8,14 +8,13 @@ use async_nats::jetstream::consumer::DeliverPolicy;
 use fleet_proto::api::{JobId, JobSnapshot, JobState, ProgressEvent};
 use futures::{StreamExt, TryStreamExt};
 
-use fleet_proto::api::user_key;
 use fleet_proto::util::now_ms;
 
 use super::active::{Acquired, ActiveSet};
 use super::scan::{Scan, scan};
 use super::{
-    JobFilter, JobRecord, MAX_CAS_ATTEMPTS, Op, Revisioned, Store, StoreError, Transition, backoff,
-    cas_write, encode, is_kv_marker, read, read_sized,
+    JobRecord, MAX_CAS_ATTEMPTS, Op, Revisioned, Store, StoreError, Transition, backoff, cas_write, encode,
+    is_kv_marker, read, read_sized,
 };
 
 /// Concurrent record reads of [`Store::active_jobs`].
@@ -28,8 +27,9 @@ impl Store {
 
     /// Admission and creation: takes a slot in the user's active set (at most `max_active`, else
     /// [`StoreError::QuotaExceeded`]), then creates the record at `<user_key>.<job_id>` (never overwriting:
-    /// [`StoreError::JobExists`]). If creating the record fails, the slot is given back. The record must be
-    /// active (`queued`, normally).
+    /// [`StoreError::JobExists`]) and adds the job to its user's index (at most `max_retained_jobs_per_user` jobs
+    /// created within the retention, else [`StoreError::RetainedQuotaExceeded`]). If either fails, the slot is
+    /// given back (and a record the index refused is deleted). The record must be active (`queued`, normally).
     pub async fn create_job(
         &self,
         record: JobRecord,
@@ -44,10 +44,16 @@ impl Store {
         }
         let bytes = encode(&record, self.record_limit(), Op::CreateJob)?;
         let key = Self::job_key(&record.user, &record.job_id);
-        let acquired = self
-            .acquire_slot(&record.user, &record.job_id, max_active)
-            .await?;
-        let revision = match self.inner.jobs.create(&key, bytes).await {
+        // The index head is read while the slot is taken, and written while the record is created: the index
+        // costs no round trip of its own on this path.
+        let (acquired, head) = tokio::join!(
+            self.acquire_slot(&record.user, &record.job_id, max_active),
+            self.index_head(&record.user),
+        );
+        let acquired = acquired?;
+        let (created, indexed) =
+            tokio::join!(self.inner.jobs.create(&key, bytes), self.index_job(&record, head),);
+        let revision = match created {
             Ok(revision) => revision,
             Err(e) => {
                 // A retried creation whose first attempt got through holds the slot already: leave it.
@@ -68,6 +74,18 @@ impl Store {
                 );
             }
         };
+        if let Err(e) = indexed {
+            // Refused by the user's cap, or not indexed: the job must not exist unlisted. Nothing ran it yet.
+            if let Err(undo) = self.inner.jobs.delete(&key).await {
+                tracing::warn!(job = %record.job_id, error = %undo, "cannot delete an unindexed job record");
+            }
+            if matches!(acquired, Acquired::New { .. })
+                && let Err(release) = self.release_slot(&record.user, &record.job_id).await
+            {
+                tracing::warn!(job = %record.job_id, error = %release, "cannot give a slot back");
+            }
+            return Err(e);
+        }
         // A replica that stalled between the two steps may have had its slot healed away as an orphan: put it
         // back, so every active record is in its user's set (the sweeper finds active jobs through the sets).
         let (Acquired::New { taken_at_ms } | Acquired::Already { taken_at_ms }) = acquired;
@@ -310,53 +328,6 @@ impl Store {
             key,
             attempts: MAX_CAS_ATTEMPTS,
         })
-    }
-
-    /// One user's jobs matching `filter`, newest first (ties by id), at most `limit` (≥ 1); the flag is whether
-    /// more matched. Reads only the user's keys: an ephemeral consumer on `$KV.<bucket>.<user_key>.*` delivering
-    /// the last value per key (the filter is applied by the server, other users' records are never read).
-    /// Records that do not parse are skipped (and logged).
-    pub async fn list_jobs(
-        &self,
-        user: &str,
-        filter: &JobFilter,
-        limit: usize,
-    ) -> Result<(Vec<JobRecord>, bool), StoreError> {
-        if limit == 0 {
-            return Err(StoreError::invalid(Op::ListJobs, "limit", "must be at least 1"));
-        }
-        let jobs = &self.inner.jobs;
-        let messages = scan(
-            &jobs.stream,
-            Scan {
-                filter: format!("{}{}.*", jobs.prefix, user_key(user)),
-                deliver: DeliverPolicy::LastPerSubject,
-                headers_only: false,
-                max: usize::MAX,
-            },
-        )
-        .await
-        .map_err(|e| StoreError::nats(Op::ListJobs, e))?;
-        let mut matched: Vec<JobRecord> = messages
-            .iter()
-            .filter(|m| !is_kv_marker(&m.message))
-            .filter_map(|m| match serde_json::from_slice::<JobRecord>(&m.message.payload) {
-                Ok(r) => Some(r),
-                Err(e) => {
-                    tracing::warn!(subject = %m.message.subject, error = %e, "skipping a job record that does not parse");
-                    None
-                }
-            })
-            .filter(|r| r.user == user && filter.matches(r))
-            .collect();
-        matched.sort_by(|a, b| {
-            b.created_at_ms
-                .cmp(&a.created_at_ms)
-                .then_with(|| b.job_id.cmp(&a.job_id))
-        });
-        let truncated = matched.len() > limit;
-        matched.truncate(limit);
-        Ok((matched, truncated))
     }
 
     /// Every queued or running job of every user, for the expiry sweeper. Found through the active sets (small:

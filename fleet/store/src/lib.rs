@@ -10,6 +10,7 @@
 //! * active sets: `<user_key>`;
 //! * workers: `<worker_id>`;
 //! * manifests: the [`user_key`]-style hash of the tool id (the id is kept in the value);
+//! * job index: `<user_key>` (the head: the open page) and `<user_key>.<n>` (sealed pages), see [`index`];
 //! * progress subjects: `<prefix>.v1.progress.<user_key>.<job_id>`.
 //!
 //! [`user_key`] maps any user id to 32 hex characters (user ids may hold characters subjects and keys forbid);
@@ -20,11 +21,14 @@
 //!   ([`Store::transition`], [`Store::update_job`]);
 //! * a user never has more than `max_active` ids in the active set, however many replicas race
 //!   ([`Store::create_job`]); a slot is taken before the record exists and given back when the record becomes
-//!   terminal, and [`Store::heal_active_set`] drops slots left behind by a replica that died in between.
+//!   terminal, and [`Store::heal_active_set`] drops slots left behind by a replica that died in between;
+//! * every job is in its user's index before [`Store::create_job`] returns, and a user never has more than
+//!   `max_retained_jobs_per_user` jobs created within the retention ([`StoreError::RetainedQuotaExceeded`]).
 
 mod active;
 mod direct;
 mod error;
+pub mod index;
 mod jobs;
 mod manifests;
 mod progress;
@@ -45,6 +49,7 @@ use serde::de::DeserializeOwned;
 
 pub use active::Acquired;
 pub use error::{Op, StoreError};
+pub use index::{JobPage, ListCursor, ListCursorError};
 pub use jobs::JobView;
 pub use provision::{BoxError, Provision, ProvisionError};
 pub use record::{JobRecord, rfc3339_ms};
@@ -116,6 +121,7 @@ struct Inner {
     active: kv::Store,
     workers: kv::Store,
     manifests: kv::Store,
+    index: kv::Store,
     progress: Stream,
 }
 
@@ -128,6 +134,7 @@ impl Store {
         let active = open_kv(&js, settings.active_kv_config(), settings.provision).await?;
         let workers = open_kv(&js, settings.workers_kv_config(), settings.provision).await?;
         let manifests = open_kv(&js, settings.manifests_kv_config(), settings.provision).await?;
+        let index = open_kv(&js, settings.job_index_kv_config(), settings.provision).await?;
         let config = settings.progress_stream_config();
         let name = config.name.clone();
         let resource = |source: BoxError| StoreError::Resource {
@@ -145,6 +152,7 @@ impl Store {
                 active,
                 workers,
                 manifests,
+                index,
                 progress,
             }),
         })
@@ -261,9 +269,13 @@ pub async fn backoff(attempt: u32) {
 
 /// Whether a KV message (read through a consumer) is a delete/purge marker rather than a value.
 fn is_kv_marker(message: &async_nats::Message) -> bool {
-    message.headers.as_ref().is_some_and(|h| {
-        h.get("KV-Operation")
-            .is_some_and(|v| matches!(v.as_str(), "DEL" | "PURGE"))
-            || h.get(async_nats::header::NATS_MARKER_REASON).is_some()
-    })
+    message.headers.as_ref().is_some_and(is_marker)
+}
+
+/// Whether the headers of a KV message mark a delete or purge rather than a value.
+fn is_marker(headers: &async_nats::HeaderMap) -> bool {
+    headers
+        .get("KV-Operation")
+        .is_some_and(|v| matches!(v.as_str(), "DEL" | "PURGE"))
+        || headers.get(async_nats::header::NATS_MARKER_REASON).is_some()
 }
