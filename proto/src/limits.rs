@@ -101,8 +101,17 @@ pub const GET_JOB_LIMIT_MAX: u32 = 500;
 pub const LIST_JOBS_LIMIT_MAX: u32 = 100;
 /// `tools.listJobs` `limit` default (spec §10.8: 20).
 pub const LIST_JOBS_LIMIT_DEFAULT: u32 = 20;
+/// Longest `tools.listJobs` `cursor`, in characters (derived: the paging extension of §10.8; the fleet's cursors
+/// are at most 33).
+pub const LIST_JOBS_CURSOR_MAX_CHARS: usize = 64;
 /// `tools.listJobs` `since` lookback cap, and minimum job retention: 7 days (spec §10.8 HR-LJ-01).
 pub const JOB_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+/// Jobs one user may have created within the job retention (the fleet keeps 8 days): `tools.invokeAsync` beyond it is
+/// `job_quota_exceeded` with `{retained, max, retry_after_ms}` until the user's oldest jobs leave the window (derived:
+/// the spec bounds a user's active jobs (§10.4) but not the rows kept for the 7-day `listJobs` lookback (§10.8
+/// HR-LJ-01); without a bound one user's rows grow without limit, and refusing keeps every row its 7 days, where
+/// evicting would not).
+pub const MAX_RETAINED_JOBS_PER_USER: usize = 10_000;
 
 // ---------------------------------------------------------------------------------------------------------------
 // Reverse RPC budgets (spec §7.4, §8)

@@ -8,7 +8,8 @@ use std::str::FromStr;
 
 use fleet_proto::api::{
     ApiError, ApiErrorCode, ApiResponse, CancelJobArgs, GetJobArgs, InvokeArgs, InvokeAsyncArgs, JobId,
-    JobSnapshot, JobState, ListJobsArgs, OneOrMany, ProgressEvent, Target, ToolJobEvent, parse_args,
+    JobSnapshot, JobState, ListJobsArgs, ListJobsResult, OneOrMany, ProgressEvent, Target, ToolJobEvent,
+    parse_args,
 };
 use fleet_proto::executa::invoke::{InvokeContext, InvokeResult, ProgressParams, ProgressType};
 use fleet_proto::executa::lifecycle::{Health, HealthResult, InitializeResult, PeerInfo, ProtocolVersion};
@@ -1031,6 +1032,12 @@ fn list_jobs_limit_range_and_state_shapes() {
         ..ListJobsArgs::default()
     };
     assert_invalid_arg(tagged.validate(), Some("clientTag"));
+    let cursor = |chars: usize| ListJobsArgs {
+        cursor: Some("c".repeat(chars)),
+        ..ListJobsArgs::default()
+    };
+    assert!(cursor(64).validate().is_ok());
+    assert_invalid_arg(cursor(65).validate(), Some("cursor"));
 
     let one: ListJobsArgs = parse_args(&json!({"state": "running"})).unwrap();
     assert_eq!(one.state, Some(OneOrMany::One(JobState::Running)));
@@ -1047,12 +1054,30 @@ fn list_jobs_limit_range_and_state_shapes() {
     assert_invalid_arg(parse_args::<ListJobsArgs>(&json!({"state": 1})), None);
 
     let full: ListJobsArgs = parse_args(&json!({
-        "tool_id": "a.b", "clientTag": "t", "since": "2024-01-01T00:00:00Z", "limit": 5
+        "tool_id": "a.b", "clientTag": "t", "since": "2024-01-01T00:00:00Z", "limit": 5, "cursor": "1f.a"
     }))
     .unwrap();
     assert_eq!(full.tool_id.as_deref(), Some("a.b"));
     assert_eq!(full.client_tag.as_deref(), Some("t"));
     assert_eq!(full.limit, Some(5));
+    assert_eq!(full.cursor.as_deref(), Some("1f.a"));
+    assert_invalid_arg(parse_args::<ListJobsArgs>(&json!({"cursor": 7})), None);
+
+    // The result's cursor is there only to continue; a result without one reads as before.
+    let last = ListJobsResult {
+        jobs: Vec::new(),
+        truncated: false,
+        cursor: None,
+    };
+    assert_eq!(
+        serde_json::to_value(&last).unwrap(),
+        json!({"jobs": [], "truncated": false})
+    );
+    let more: ListJobsResult =
+        serde_json::from_value(json!({"jobs": [], "truncated": true, "cursor": "1f.a"})).unwrap();
+    assert_eq!(more.cursor.as_deref(), Some("1f.a"));
+    let old: ListJobsResult = serde_json::from_value(json!({"jobs": [], "truncated": true})).unwrap();
+    assert_eq!(old.cursor, None);
 }
 
 // =============================================================================================================

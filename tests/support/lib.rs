@@ -583,13 +583,16 @@ pub mod cluster {
 
         /// Adds a front replica with its own connection and these settings.
         pub async fn add_front_with(&mut self, config: FrontConfig) -> usize {
+            self.add_front_with_store(config, StoreSettings::default()).await
+        }
+
+        /// Adds a front replica whose store has `settings` (same resources: only what the store decides by its
+        /// settings differs, e.g. the per-user cap of retained jobs).
+        pub async fn add_front_with_store(&mut self, config: FrontConfig, settings: StoreSettings) -> usize {
             let client = connect(&self.nats, Role::Front).await;
-            let store = Store::open(
-                async_nats::jetstream::new(client.clone()),
-                StoreSettings::default(),
-            )
-            .await
-            .expect("store");
+            let store = Store::open(async_nats::jetstream::new(client.clone()), settings)
+                .await
+                .expect("store");
             let verifier = Verifier::new(
                 vec![self.key.verify_key().expect("verify key")],
                 DEFAULT_ISSUER,

@@ -93,6 +93,8 @@ pub const ACTIVE: Resource = kv("active");
 pub const WORKERS: Resource = kv("workers");
 /// Manifests of described tools.
 pub const MANIFESTS: Resource = kv("manifests");
+/// The per-user job index of `listJobs` (written by fronts at job creation).
+pub const JOB_INDEX: Resource = kv("job_index");
 /// Job progress rings.
 pub const PROGRESS: Resource = Resource {
     kind: Kind::Stream,
@@ -127,11 +129,12 @@ pub const APS_STAGING: Resource = objects("aps_staging");
 pub const UPLOADS: Resource = objects("uploads");
 
 /// Every JetStream resource of the fleet.
-pub const RESOURCES: [Resource; 17] = [
+pub const RESOURCES: [Resource; 18] = [
     JOBS,
     ACTIVE,
     WORKERS,
     MANIFESTS,
+    JOB_INDEX,
     PROGRESS,
     JOB_QUEUE,
     GRANTS,
@@ -224,7 +227,7 @@ pub fn jetstream_access(role: Role) -> Vec<(Resource, Access)> {
             .map(|r| (*r, Access::Write))
             .collect();
             out.extend(
-                [GRANTS, PLUGINS, PLUGIN_PACKAGES]
+                [GRANTS, PLUGINS, PLUGIN_PACKAGES, JOB_INDEX]
                     .iter()
                     .map(|r| (*r, Access::Read)),
             );

@@ -22,6 +22,8 @@ pub enum Op {
     UpdateJob,
     /// [`Store::list_jobs`](super::Store::list_jobs).
     ListJobs,
+    /// Adding a job to its user's index (part of [`Store::create_job`](super::Store::create_job)).
+    IndexJob,
     /// [`Store::active_jobs`](super::Store::active_jobs).
     ActiveJobs,
     /// Taking a slot in a user's active set.
@@ -70,6 +72,7 @@ impl Op {
             Op::Transition => "transition",
             Op::UpdateJob => "update_job",
             Op::ListJobs => "list_jobs",
+            Op::IndexJob => "index_job",
             Op::ActiveJobs => "active_jobs",
             Op::AcquireSlot => "acquire_slot",
             Op::ReleaseSlot => "release_slot",
@@ -108,6 +111,17 @@ pub enum StoreError {
         active: usize,
         /// The limit.
         max: usize,
+    },
+    /// The user created `max` jobs within the retention already (`limits::MAX_RETAINED_JOBS_PER_USER`); room frees
+    /// when the oldest page of the user's index leaves the window, `retry_after_ms` from now.
+    #[error("{retained} jobs created within the retention, the limit is {max}; retry in {retry_after_ms} ms")]
+    RetainedQuotaExceeded {
+        /// Jobs the user's index counts now.
+        retained: usize,
+        /// The limit.
+        max: usize,
+        /// When room frees, from now.
+        retry_after_ms: u64,
     },
     /// A record with this id exists already (never overwritten).
     #[error("{op}: job {job_id} exists already")]
@@ -203,18 +217,39 @@ impl StoreError {
     pub fn retryable(&self) -> bool {
         matches!(
             self,
-            StoreError::QuotaExceeded { .. } | StoreError::Contention { .. } | StoreError::Nats { .. }
+            StoreError::QuotaExceeded { .. }
+                | StoreError::RetainedQuotaExceeded { .. }
+                | StoreError::Contention { .. }
+                | StoreError::Nats { .. }
         )
     }
 
-    /// The app-facing error: `job_quota_exceeded` for the quota, `internal_error` for everything else
-    /// (the details stay in logs).
+    /// The app-facing error: `job_quota_exceeded` for either quota (`{active, max}` for the active jobs,
+    /// `{retained, max, retry_after_ms}` for the jobs kept), `internal_error` for everything else (the details
+    /// stay in logs).
     pub fn to_api_error(&self) -> ApiError {
         match self {
             StoreError::QuotaExceeded { active, max } => ApiError::with_details(
                 ApiErrorCode::JobQuotaExceeded,
                 format!("{active} jobs are active, the limit is {max}"),
                 serde_json::json!({ "active": active, "max": max, "retriable": true }),
+            ),
+            StoreError::RetainedQuotaExceeded {
+                retained,
+                max,
+                retry_after_ms,
+            } => ApiError::with_details(
+                ApiErrorCode::JobQuotaExceeded,
+                format!(
+                    "{retained} jobs were created within the retention, the limit is {max}; retry in {} s",
+                    retry_after_ms.div_ceil(1000)
+                ),
+                serde_json::json!({
+                    "retained": retained,
+                    "max": max,
+                    "retry_after_ms": retry_after_ms,
+                    "retriable": true,
+                }),
             ),
             _ => ApiError::new(ApiErrorCode::InternalError, "the job store failed"),
         }

@@ -1,18 +1,20 @@
-//! Job records (`<prefix>_jobs`, key `<user_key>.<job_id>`): creation with admission, reads, compare-and-set
-//! transitions and updates, listing one user's jobs, and every active job for the sweeper.
+//! Job records (`<prefix>_jobs`, key `<user_key>.<job_id>`): creation with admission, reads (`getJob`'s view:
+//! the record and its progress), compare-and-set transitions and updates, and every active job for the sweeper.
+//! Listing one user's jobs is the index's ([`super::index`]).
+
+use std::sync::Arc;
 
 use async_nats::jetstream::consumer::DeliverPolicy;
-use fleet_proto::api::{JobId, JobState};
+use fleet_proto::api::{JobId, JobSnapshot, JobState, ProgressEvent};
 use futures::{StreamExt, TryStreamExt};
 
-use fleet_proto::api::user_key;
 use fleet_proto::util::now_ms;
 
 use super::active::{Acquired, ActiveSet};
 use super::scan::{Scan, scan};
 use super::{
-    JobFilter, JobRecord, MAX_CAS_ATTEMPTS, Op, Revisioned, Store, StoreError, Transition, backoff,
-    cas_write, encode, is_kv_marker, read,
+    JobRecord, MAX_CAS_ATTEMPTS, Op, Revisioned, Store, StoreError, Transition, backoff, cas_write, encode,
+    is_kv_marker, read, read_sized,
 };
 
 /// Concurrent record reads of [`Store::active_jobs`].
@@ -25,8 +27,9 @@ impl Store {
 
     /// Admission and creation: takes a slot in the user's active set (at most `max_active`, else
     /// [`StoreError::QuotaExceeded`]), then creates the record at `<user_key>.<job_id>` (never overwriting:
-    /// [`StoreError::JobExists`]). If creating the record fails, the slot is given back. The record must be
-    /// active (`queued`, normally).
+    /// [`StoreError::JobExists`]) and adds the job to its user's index (at most `max_retained_jobs_per_user` jobs
+    /// created within the retention, else [`StoreError::RetainedQuotaExceeded`]). If either fails, the slot is
+    /// given back (and a record the index refused is deleted). The record must be active (`queued`, normally).
     pub async fn create_job(
         &self,
         record: JobRecord,
@@ -52,10 +55,16 @@ impl Store {
         }
         let bytes = encode(&record, self.record_limit(), Op::CreateJob)?;
         let key = Self::job_key(&record.user, &record.job_id);
-        let acquired = self
-            .acquire_slot(&record.user, &record.job_id, max_active)
-            .await?;
-        let revision = match self.inner.jobs.create(&key, bytes).await {
+        // The index head is read while the slot is taken, and written while the record is created: the index
+        // costs no round trip of its own on this path.
+        let (acquired, head) = tokio::join!(
+            self.acquire_slot(&record.user, &record.job_id, max_active),
+            self.index_head(&record.user),
+        );
+        let acquired = acquired?;
+        let (created, indexed) =
+            tokio::join!(self.inner.jobs.create(&key, bytes), self.index_job(&record, head),);
+        let revision = match created {
             Ok(revision) => revision,
             Err(e) => {
                 // A retried creation whose first attempt got through holds the slot already: leave it.
@@ -76,6 +85,18 @@ impl Store {
                 );
             }
         };
+        if let Err(e) = indexed {
+            // Refused by the user's cap, or not indexed: the job must not exist unlisted. Nothing ran it yet.
+            if let Err(undo) = self.inner.jobs.delete(&key).await {
+                tracing::warn!(job = %record.job_id, error = %undo, "cannot delete an unindexed job record");
+            }
+            if matches!(acquired, Acquired::New { .. })
+                && let Err(release) = self.release_slot(&record.user, &record.job_id).await
+            {
+                tracing::warn!(job = %record.job_id, error = %release, "cannot give a slot back");
+            }
+            return Err(e);
+        }
         // A replica that stalled between the two steps may have had its slot healed away as an orphan: put it
         // back, so every active record is in its user's set (the sweeper finds active jobs through the sets).
         let taken_at_ms = acquired.taken_at_ms();
@@ -102,6 +123,76 @@ impl Store {
         job_id: &JobId,
     ) -> Result<Option<Revisioned<JobRecord>>, StoreError> {
         self.read_job(user, job_id, Op::GetJob).await
+    }
+
+    /// What `tools.getJob` shows (spec §10.7): the record, the progress events with `seq > since_seq` (at most
+    /// `limit`, 1..=`progress_max_per_job`) and the `lastSeq` to report; `None` when the user has no such job.
+    ///
+    /// Round trips: the record and the ring's newest message are read concurrently (two direct gets, one round
+    /// trip); a slice of older events is one more (a batched direct get), only when more than the newest event
+    /// is due. `known` is a terminal record the caller kept (a finished job's record is never written again): it
+    /// replaces the record read, so a finished job with nothing due costs no read at all.
+    ///
+    /// Consistency of the two concurrent reads: the ring's newest message may have been read before or after
+    /// the record. For an active record that is harmless — the slice stops at that newest message, so `lastSeq`
+    /// never passes an event that was not returned, and later events come with the next call. For a terminal
+    /// record the ring is read up to the record's `last_seq` (which freezes what a caller may see: events a
+    /// worker appended after a cancel or an expiry are never shown), never up to that message: it may predate
+    /// the terminal write, while the slice, read after the record, holds every event stored before it.
+    pub async fn view_job(
+        &self,
+        user: &str,
+        job_id: &JobId,
+        since_seq: u64,
+        limit: usize,
+        known: Option<Arc<JobRecord>>,
+    ) -> Result<Option<JobView>, StoreError> {
+        self.check_progress_limit(limit, Op::GetJob)?;
+        let known = known.filter(|r| r.state.is_terminal() && r.user == user && r.job_id == *job_id);
+        let (record, record_bytes, tail) = match known {
+            Some(record) => (record, 0, None),
+            None => {
+                let key = Self::job_key(user, job_id);
+                let (record, tail) = tokio::join!(
+                    read_sized::<JobRecord>(&self.inner.jobs, &key, Op::GetJob),
+                    self.ring_tail(user, job_id),
+                );
+                // The key already holds the user's hash; the id inside settles a (theoretical) collision.
+                let Some((record, bytes)) =
+                    record?.filter(|(r, _)| r.value.user == user && r.value.job_id == *job_id)
+                else {
+                    return Ok(None);
+                };
+                (Arc::new(record.value), bytes, tail?)
+            }
+        };
+        let stored = tail.as_ref().map_or(0, |t| t.seq);
+        let upto = if record.state.is_terminal() {
+            record.last_seq
+        } else {
+            stored
+        };
+        // One more than `limit`: whether the slice was cut.
+        let mut events = self
+            .ring_slice(user, job_id, (since_seq, upto), limit + 1, tail.as_ref())
+            .await?;
+        let last_seq = if events.len() > limit {
+            events.truncate(limit);
+            events.last().map_or(since_seq, |e| e.seq)
+        } else if record.state.is_terminal() {
+            record.last_seq
+        } else {
+            events
+                .iter()
+                .map(|e| e.seq)
+                .fold(record.last_seq.max(stored), u64::max)
+        };
+        Ok(Some(JobView {
+            record,
+            record_bytes,
+            events,
+            last_seq,
+        }))
     }
 
     async fn read_job(
@@ -253,53 +344,6 @@ impl Store {
         })
     }
 
-    /// One user's jobs matching `filter`, newest first (ties by id), at most `limit` (≥ 1); the flag is whether
-    /// more matched. Reads only the user's keys: an ephemeral consumer on `$KV.<bucket>.<user_key>.*` delivering
-    /// the last value per key (the filter is applied by the server, other users' records are never read).
-    /// Records that do not parse are skipped (and logged).
-    pub async fn list_jobs(
-        &self,
-        user: &str,
-        filter: &JobFilter,
-        limit: usize,
-    ) -> Result<(Vec<JobRecord>, bool), StoreError> {
-        if limit == 0 {
-            return Err(StoreError::invalid(Op::ListJobs, "limit", "must be at least 1"));
-        }
-        let jobs = &self.inner.jobs;
-        let messages = scan(
-            &jobs.stream,
-            Scan {
-                filter: format!("{}{}.*", jobs.prefix, user_key(user)),
-                deliver: DeliverPolicy::LastPerSubject,
-                headers_only: false,
-                max: usize::MAX,
-            },
-        )
-        .await
-        .map_err(|e| StoreError::nats(Op::ListJobs, e))?;
-        let mut matched: Vec<JobRecord> = messages
-            .iter()
-            .filter(|m| !is_kv_marker(&m.message))
-            .filter_map(|m| match serde_json::from_slice::<JobRecord>(&m.message.payload) {
-                Ok(r) => Some(r),
-                Err(e) => {
-                    tracing::warn!(subject = %m.message.subject, error = %e, "skipping a job record that does not parse");
-                    None
-                }
-            })
-            .filter(|r| r.user == user && filter.matches(r))
-            .collect();
-        matched.sort_by(|a, b| {
-            b.created_at_ms
-                .cmp(&a.created_at_ms)
-                .then_with(|| b.job_id.cmp(&a.job_id))
-        });
-        let truncated = matched.len() > limit;
-        matched.truncate(limit);
-        Ok((matched, truncated))
-    }
-
     /// Every queued or running job of every user, for the expiry sweeper. Found through the active sets (small:
     /// at most `max_active` ids per user) rather than by reading every record of the retention window.
     pub async fn active_jobs(&self) -> Result<Vec<Revisioned<JobRecord>>, StoreError> {
@@ -355,4 +399,28 @@ fn keep_identity(next: &mut JobRecord, current: &JobRecord) {
     next.job_id.clone_from(&current.job_id);
     next.user.clone_from(&current.user);
     next.created_at_ms = current.created_at_ms;
+}
+
+/// What `tools.getJob` shows of a job ([`Store::view_job`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobView {
+    /// The record (shared: a caller may keep a finished one).
+    pub record: Arc<JobRecord>,
+    /// Bytes of the stored record's JSON; 0 when the caller passed the record in.
+    pub record_bytes: usize,
+    /// Events with `seq > sinceSeq`, oldest first, at most `limit`; for a terminal job, none after its
+    /// `last_seq`.
+    pub events: Vec<ProgressEvent>,
+    /// What to feed back as `sinceSeq`: the last event returned when `limit` cut the slice; else the highest seq
+    /// a caller may see (a terminal record's `last_seq`; for an active job, the ring's newest or the record's).
+    pub last_seq: u64,
+}
+
+impl JobView {
+    /// The app-facing snapshot.
+    pub fn into_snapshot(self) -> JobSnapshot {
+        let mut snapshot = self.record.snapshot(self.events);
+        snapshot.last_seq = self.last_seq;
+        snapshot
+    }
 }

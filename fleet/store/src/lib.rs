@@ -10,6 +10,7 @@
 //! * active sets: `<user_key>`;
 //! * workers: `<worker_id>`;
 //! * manifests: the [`user_key`]-style hash of the tool id (the id is kept in the value);
+//! * job index: `<user_key>` (the head: the open page) and `<user_key>.<n>` (sealed pages), see [`index`];
 //! * progress subjects: `<prefix>.v1.progress.<user_key>.<job_id>`;
 //! * job queue subjects: `<prefix>.v1.job_queue.<user_key>` ([`JobQueue`]).
 //!
@@ -24,10 +25,14 @@
 //!   terminal, and [`Store::heal_active_set`] drops slots left behind by a replica that died in between;
 //! * of a user's active jobs only the first [`MAX_LONG_JOBS_PER_AGENT`](fleet_proto::limits::MAX_LONG_JOBS_PER_AGENT)
 //!   in admission order may run (the agent's long-job slots, [`may_run`]); whichever edit of the active set moves
-//!   a job into them queues it ([`Store::enqueue_job`]).
+//!   a job into them queues it ([`Store::enqueue_job`]);
+//! * every job is in its user's index before [`Store::create_job`] returns, and a user never has more than
+//!   `max_retained_jobs_per_user` jobs created within the retention ([`StoreError::RetainedQuotaExceeded`]).
 
 mod active;
+mod direct;
 mod error;
+pub mod index;
 mod jobs;
 mod manifests;
 mod progress;
@@ -49,6 +54,8 @@ use serde::de::DeserializeOwned;
 
 pub use active::Acquired;
 pub use error::{Op, StoreError};
+pub use index::{JobPage, ListCursor, ListCursorError};
+pub use jobs::JobView;
 pub use provision::{BoxError, Provision, ProvisionError};
 pub use queue::{JobQueue, Pulled, QueuedJob, may_run};
 pub use record::{JobRecord, rfc3339_ms};
@@ -120,6 +127,7 @@ struct Inner {
     active: kv::Store,
     workers: kv::Store,
     manifests: kv::Store,
+    index: kv::Store,
     progress: Stream,
     job_queue: Stream,
 }
@@ -133,6 +141,7 @@ impl Store {
         let active = open_kv(&js, settings.active_kv_config(), settings.provision).await?;
         let workers = open_kv(&js, settings.workers_kv_config(), settings.provision).await?;
         let manifests = open_kv(&js, settings.manifests_kv_config(), settings.provision).await?;
+        let index = open_kv(&js, settings.job_index_kv_config(), settings.provision).await?;
         let config = settings.progress_stream_config();
         let name = config.name.clone();
         let resource = |source: BoxError| StoreError::Resource {
@@ -158,6 +167,7 @@ impl Store {
                 active,
                 workers,
                 manifests,
+                index,
                 progress,
                 job_queue,
             }),
@@ -194,6 +204,15 @@ pub async fn read<T: DeserializeOwned>(
     key: &str,
     op: Op,
 ) -> Result<Option<Revisioned<T>>, StoreError> {
+    Ok(read_sized(kv, key, op).await?.map(|(value, _)| value))
+}
+
+/// [`read`], with the size of the stored JSON.
+pub(crate) async fn read_sized<T: DeserializeOwned>(
+    kv: &kv::Store,
+    key: &str,
+    op: Op,
+) -> Result<Option<(Revisioned<T>, usize)>, StoreError> {
     match kv.entry(key).await.map_err(|e| StoreError::nats(op, e))? {
         Some(entry) if entry.operation == kv::Operation::Put => {
             let value = serde_json::from_slice(&entry.value).map_err(|source| StoreError::Corrupt {
@@ -201,10 +220,13 @@ pub async fn read<T: DeserializeOwned>(
                 key: key.to_string(),
                 source,
             })?;
-            Ok(Some(Revisioned {
-                value,
-                revision: entry.revision,
-            }))
+            Ok(Some((
+                Revisioned {
+                    value,
+                    revision: entry.revision,
+                },
+                entry.value.len(),
+            )))
         }
         _ => Ok(None),
     }
@@ -263,9 +285,13 @@ pub async fn backoff(attempt: u32) {
 
 /// Whether a KV message (read through a consumer) is a delete/purge marker rather than a value.
 fn is_kv_marker(message: &async_nats::Message) -> bool {
-    message.headers.as_ref().is_some_and(|h| {
-        h.get("KV-Operation")
-            .is_some_and(|v| matches!(v.as_str(), "DEL" | "PURGE"))
-            || h.get(async_nats::header::NATS_MARKER_REASON).is_some()
-    })
+    message.headers.as_ref().is_some_and(is_marker)
+}
+
+/// Whether the headers of a KV message mark a delete or purge rather than a value.
+fn is_marker(headers: &async_nats::HeaderMap) -> bool {
+    headers
+        .get("KV-Operation")
+        .is_some_and(|v| matches!(v.as_str(), "DEL" | "PURGE"))
+        || headers.get(async_nats::header::NATS_MARKER_REASON).is_some()
 }

@@ -6,11 +6,14 @@
 //! | `<prefix>_active` | KV | `<user_key>` → the user's active (queued + running) job ids | history 1, `max_age` = job retention, `max_value_size` = 64 KiB |
 //! | `<prefix>_workers` | KV | `<worker_id>` → [`WorkerInfo`](super::WorkerInfo) JSON | history 1, `max_age` = worker TTL (10 s): an expired key is a dead worker |
 //! | `<prefix>_manifests` | KV | `<hash of tool_id>` → `{tool_id, manifest}` | history 1, no `max_age`, `max_value_size` = 512 KiB |
-//! | `<prefix>_progress` | stream | `<prefix>.v1.progress.<user_key>.<job_id>`, header `Fleet-Seq` | 500 msgs per subject, discard old, `max_msg_size` = 8 KiB + 1 KiB, `max_age` = job retention |
+//! | `<prefix>_job_index` | KV | `<user_key>` → the user's index head (the open page); `<user_key>.<n>` → sealed page `n` | history 1, `max_age` = job retention, `max_value_size` = 192 KiB |
+//! | `<prefix>_progress` | stream | `<prefix>.v1.progress.<user_key>.<job_id>`, header `Fleet-Seq` | 500 msgs per subject, discard old, `max_msg_size` = 8 KiB + 1 KiB, `max_age` = job retention, `allow_direct` |
 //! | `<prefix>_job_queue` | stream, work queue | `<prefix>.v1.job_queue.<user_key>` → `{user, job_id}` | work-queue retention (a message is gone once a worker acks it), `max_age` = the longest job deadline (24 h), `max_msg_size` = 1 KiB; one durable pull consumer `workers` (explicit ack, ack wait 30 s) |
 //!
 //! All are created (or updated to these settings) at [`Store::open`](super::Store::open), with `replicas` and
-//! `storage` applied to each.
+//! `storage` applied to each. The KV buckets and the progress stream allow direct gets: reads are answered by any
+//! replica without a consumer, and batched direct gets (the job index, `listJobs`' records, the progress ring's
+//! slices) need nats-server ≥ 2.11.
 
 use std::time::Duration;
 
@@ -51,6 +54,21 @@ pub const JOB_QUEUE_ACK_WAIT: Duration = Duration::from_secs(30);
 /// Header carrying a progress event's per-job seq.
 pub const SEQ_HEADER: &str = "Fleet-Seq";
 
+/// Largest job index value (a head or a sealed page): [`JOB_INDEX_PAGE_MAX`] entries of at most ~2.4 KB (the
+/// id, the creation time, and the JSON — escapes included — of a tool id kept up to [`INDEX_TOOL_ID_MAX_BYTES`]
+/// and of a 120-character tag), and the user id (≤ 256 bytes, the API tokens' `sub`).
+pub const JOB_INDEX_MAX_BYTES: usize = 192 * KIB;
+
+/// Entries per page of the job index by default: `listJobs`' default page (20) and its probe fit in the open
+/// page and one sealed page; the head, rewritten at every job creation, stays a few KiB.
+pub const JOB_INDEX_PAGE_ENTRIES: usize = 32;
+
+/// Largest page of the job index (see [`JOB_INDEX_MAX_BYTES`]).
+pub const JOB_INDEX_PAGE_MAX: usize = 64;
+
+/// A tool id longer than this is not kept in the index entry (`listJobs` then checks it on the record).
+pub const INDEX_TOOL_ID_MAX_BYTES: usize = 256;
+
 /// Settings of every resource of the [`Store`](super::Store).
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoreSettings {
@@ -72,6 +90,13 @@ pub struct StoreSettings {
     pub progress_max_bytes_per_event: usize,
     /// A worker whose registry key was not refreshed for this long is dead. Default 10 s.
     pub worker_ttl: Duration,
+    /// Entries per page of the per-user job index (`listJobs`). Default [`JOB_INDEX_PAGE_ENTRIES`]; 1 to
+    /// [`JOB_INDEX_PAGE_MAX`]. An index keeps the page size it was created with.
+    pub job_index_page: usize,
+    /// Jobs one user may have created within `job_retention`: a creation beyond it is refused
+    /// ([`StoreError::RetainedQuotaExceeded`](super::StoreError::RetainedQuotaExceeded)) until the user's oldest
+    /// index page leaves the window. Default [`limits::MAX_RETAINED_JOBS_PER_USER`]; more than one page.
+    pub max_retained_jobs_per_user: usize,
     /// An id in a user's active set whose job record does not exist is dropped by
     /// [`heal_active_set`](super::Store::heal_active_set) only once its slot is this old (a replica may be
     /// between taking the slot and creating the record). Default 30 s.
@@ -92,6 +117,8 @@ impl Default for StoreSettings {
             progress_max_per_job: limits::PROGRESS_RING_SIZE,
             progress_max_bytes_per_event: limits::MAX_PROGRESS_EVENT_BYTES,
             worker_ttl: Duration::from_secs(10),
+            job_index_page: JOB_INDEX_PAGE_ENTRIES,
+            max_retained_jobs_per_user: limits::MAX_RETAINED_JOBS_PER_USER,
             orphan_slot_grace: Duration::from_secs(30),
             provision: super::provision::Provision::Create,
         }
@@ -170,6 +197,20 @@ impl StoreSettings {
         )?;
         let t = self.worker_ttl;
         range("worker_ttl", t.as_millis(), t >= Duration::from_secs(1), "≥ 1 s")?;
+        let page = self.job_index_page;
+        range(
+            "job_index_page",
+            page as u128,
+            (1..=JOB_INDEX_PAGE_MAX).contains(&page),
+            "1–64",
+        )?;
+        let cap = self.max_retained_jobs_per_user;
+        range(
+            "max_retained_jobs_per_user",
+            cap as u128,
+            cap > page,
+            "more than job_index_page",
+        )?;
         Ok(())
     }
 
@@ -191,6 +232,11 @@ impl StoreSettings {
     /// `<prefix>_manifests`.
     pub fn manifests_bucket(&self) -> String {
         format!("{}_manifests", self.prefix)
+    }
+
+    /// `<prefix>_job_index`.
+    pub fn job_index_bucket(&self) -> String {
+        format!("{}_job_index", self.prefix)
     }
 
     /// `<prefix>_progress`.
@@ -249,6 +295,17 @@ impl StoreSettings {
             "fleet per-user active job sets",
             self.job_retention,
             ACTIVE_SET_MAX_BYTES,
+        )
+    }
+
+    /// The per-user job index of `listJobs`: heads and sealed pages, kept for the retention (a head is rewritten
+    /// at every creation of its user's jobs; a sealed page never).
+    pub fn job_index_kv_config(&self) -> kv::Config {
+        self.kv(
+            self.job_index_bucket(),
+            "fleet per-user job index",
+            self.job_retention,
+            JOB_INDEX_MAX_BYTES,
         )
     }
 
