@@ -900,3 +900,267 @@ fn fleet_up_stops_when_its_nats_server_died_first() {
         "{stderr}"
     );
 }
+
+/// One node of `fleet up --nats-cluster`'s servers, from its configuration file.
+struct ClusterNode {
+    dir: PathBuf,
+    port: u16,
+    monitor: u16,
+    name: String,
+}
+
+fn cluster_nodes(up: &Up) -> Vec<ClusterNode> {
+    let urls = std::fs::read_to_string(up.data_dir.join("nats-url")).unwrap();
+    urls.trim()
+        .split(',')
+        .enumerate()
+        .map(|(i, url)| {
+            let dir = up.data_dir.join("nats").join(format!("node-{i}"));
+            let conf = std::fs::read_to_string(dir.join("nats.conf")).unwrap();
+            let value = |key: &str| {
+                conf.lines()
+                    .find_map(|l| l.trim().strip_prefix(key))
+                    .map(|v| v.trim().trim_matches('"').to_owned())
+                    .unwrap_or_else(|| panic!("no {key} in node {i}'s nats.conf"))
+            };
+            ClusterNode {
+                port: url.rsplit(':').next().unwrap().parse().unwrap(),
+                monitor: value("http:").rsplit(':').next().unwrap().parse().unwrap(),
+                name: value("server_name:"),
+                dir,
+            }
+        })
+        .collect()
+}
+
+/// Every stream of the FLEET account as node `monitor`'s `/jsz` shows it: (name, replicas configured, leader,
+/// whether every follower is current).
+fn streams_on(monitor: u16) -> Option<Vec<(String, u64, String, bool)>> {
+    let mut s = TcpStream::connect(("127.0.0.1", monitor)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    s.write_all(b"GET /jsz?accounts=true&streams=true&config=true HTTP/1.0\r\n\r\n")
+        .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    let body: Value = serde_json::from_str(text.split("\r\n\r\n").nth(1)?).ok()?;
+    let mut out = Vec::new();
+    for account in body["account_details"].as_array()? {
+        for st in account["stream_detail"].as_array().into_iter().flatten() {
+            let cluster = &st["cluster"];
+            let followers_current = cluster["replicas"].as_array().is_some_and(|r| {
+                r.iter()
+                    .all(|f| f["current"] == json!(true) && f["offline"] != json!(true))
+            });
+            out.push((
+                st["name"].as_str()?.to_owned(),
+                st["config"]["num_replicas"].as_u64()?,
+                cluster["leader"].as_str().unwrap_or_default().to_owned(),
+                followers_current,
+            ));
+        }
+    }
+    Some(out)
+}
+
+/// One load call's outcome: when it answered, sync or async, the user, the job id or the error code, and when
+/// it was sent.
+type Outcome = (Instant, bool, String, Result<String, String>, Instant);
+
+/// How long after `from` the first successful call of the kind sent after `from` answered: when the API
+/// answers again. (A call in flight at `from` is lost with its server; it fails on its own,
+/// `fleet_client::api::RECONNECT_GRACE` after its connection is re-established.)
+fn first_after(outcomes: &[Outcome], from: Instant, sync: bool) -> Option<Duration> {
+    outcomes
+        .iter()
+        .filter(|o| o.4 > from && o.1 == sync && o.3.is_ok())
+        .map(|o| o.0.duration_since(from))
+        .min()
+}
+
+/// `fleet up --nats-cluster 3` (chaos test 3 of the churn issue): three clustered nats-servers, every fleet
+/// resource at 3 replicas, `<data-dir>/nats-url` listing the three; under steady sync and async load one node —
+/// the leader of the active-set bucket, which every admission writes — is killed with SIGKILL; the API answers
+/// again, the node restarts with its own store and every stream is current on all three replicas again; every
+/// job whose `invokeAsync` was answered is terminal (none lost). Calls that fail during the election are
+/// counted by code and printed with the longest gap without a successful call (the recovery time) — reported,
+/// not asserted: nats-server's Raft election timeout sets it.
+#[test]
+fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job() {
+    let mut up = Up::start_with(|_| vec!["--nats-cluster".into(), "3".into()]);
+    up.wait_ready();
+    let nodes = cluster_nodes(&up);
+    assert_eq!(nodes.len(), 3, "three URLs in nats-url");
+    let pids: Vec<String> = up.lines()[0]
+        .split("(pids ")
+        .nth(1)
+        .unwrap()
+        .split(',')
+        .map(|p| p.trim().to_owned())
+        .take(3)
+        .collect();
+    let streams = streams_on(nodes[0].monitor).expect("node 0's /jsz");
+    assert!(streams.len() >= 10, "the fleet's streams: {streams:?}");
+    for (name, replicas, _, _) in &streams {
+        assert_eq!(*replicas, 3, "{name} has 3 replicas");
+    }
+
+    let up = Arc::new(up);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let outcomes: Arc<Mutex<Vec<Outcome>>> = Arc::default();
+    let mut load = Vec::new();
+    for lane in 0..3 {
+        let (up, stop, outcomes) = (up.clone(), stop.clone(), outcomes.clone());
+        load.push(std::thread::spawn(move || {
+            let mut k = 0usize;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let user = format!("c{lane}-{}", k % 16);
+                k += 1;
+                let sync = lane == 0;
+                let method = if sync { "invoke" } else { "invoke-async" };
+                let sent = Instant::now();
+                let out = up.cli(&[
+                    method,
+                    "--user",
+                    &user,
+                    "--tool-id",
+                    "echo",
+                    "--tool",
+                    "echo",
+                    "--args",
+                    r#"{"k":1}"#,
+                ]);
+                let result = if out.success {
+                    let v: Value = serde_json::from_str(&out.stdout).unwrap();
+                    Ok(v["jobId"].as_str().unwrap_or("sync").to_owned())
+                } else {
+                    Err(serde_json::from_str::<Value>(&out.stdout)
+                        .ok()
+                        .and_then(|v| v["error"]["code"].as_str().map(str::to_owned))
+                        .unwrap_or_else(|| "no answer".to_owned()))
+                };
+                outcomes
+                    .lock()
+                    .unwrap()
+                    .push((Instant::now(), sync, user, result, sent));
+            }
+        }));
+    }
+    let answered = |since: Instant, sync: bool| {
+        outcomes
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(at, s, _, r, _)| *at > since && *s == sync && r.is_ok())
+            .count()
+    };
+    let start = Instant::now();
+    wait_until("sync and async calls answered before the kill", || {
+        answered(start, true) >= 10 && answered(start, false) >= 20
+    });
+
+    // The leader of the active sets: every invokeAsync writes there first.
+    let leader = streams_on(nodes[1].monitor)
+        .unwrap()
+        .into_iter()
+        .find(|s| s.0 == "KV_fleet_active")
+        .map(|s| s.2)
+        .unwrap();
+    let victim = nodes.iter().position(|n| n.name == leader).unwrap();
+    let killed_at = Instant::now();
+    assert!(
+        Command::new("kill")
+            .args(["-9", &pids[victim]])
+            .status()
+            .unwrap()
+            .success()
+    );
+    wait_until("sync and async calls answered again after the kill", || {
+        answered(killed_at, true) >= 10 && answered(killed_at, false) >= 20
+    });
+
+    // The node comes back with its own store and configuration, as a restarted pod would.
+    let node = &nodes[victim];
+    let mut restarted = Command::new(fleet::nats_server::find().unwrap())
+        .arg("-c")
+        .arg(node.dir.join("nats.conf"))
+        .args(["-a", "127.0.0.1", "-p", &node.port.to_string(), "-js", "-sd"])
+        .arg(&node.dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let restarted_at = Instant::now();
+    wait_until("every stream current on its 3 replicas again", || {
+        let mut led = BTreeMap::new();
+        for n in &nodes {
+            for (name, _, leader, current) in streams_on(n.monitor).unwrap_or_default() {
+                if leader == n.name {
+                    led.insert(name, current);
+                }
+            }
+        }
+        led.len() == streams.len() && led.values().all(|c| *c)
+    });
+    let catch_up = restarted_at.elapsed();
+    let after_restart = Instant::now();
+    wait_until("calls answered after the restart", || {
+        answered(after_restart, true) >= 5 && answered(after_restart, false) >= 5
+    });
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for t in load {
+        t.join().unwrap();
+    }
+
+    // Every accepted job reaches a terminal state.
+    let outcomes = outcomes.lock().unwrap().clone();
+    let mut pending: Vec<(String, String)> = outcomes
+        .iter()
+        .filter(|(_, sync, _, _, _)| !sync)
+        .filter_map(|(_, _, user, r, _)| r.as_ref().ok().map(|id| (user.clone(), id.clone())))
+        .collect();
+    let accepted = pending.len();
+    let deadline = Instant::now() + GUARD;
+    while !pending.is_empty() && Instant::now() < deadline {
+        pending.retain(|(user, id)| {
+            let out = up.cli(&["job", "get", "--user", user, id]);
+            let state = serde_json::from_str::<Value>(&out.stdout)
+                .ok()
+                .map(|v| v["state"].clone());
+            !matches!(
+                state.as_ref().and_then(Value::as_str),
+                Some("succeeded" | "failed" | "cancelled" | "expired")
+            )
+        });
+    }
+    let _ = restarted.kill();
+    let _ = restarted.wait();
+
+    let mut failed: BTreeMap<(bool, String), usize> = BTreeMap::new();
+    for (_, sync, _, r, _) in &outcomes {
+        if let Err(code) = r {
+            *failed.entry((*sync, code.clone())).or_default() += 1;
+        }
+    }
+    let mut longest_gap = Duration::ZERO;
+    let mut last_ok = killed_at;
+    for (at, _, _, r, _) in &outcomes {
+        if *at > killed_at && r.is_ok() {
+            longest_gap = longest_gap.max(at.duration_since(last_ok));
+            last_ok = *at;
+        }
+    }
+    println!(
+        "nats-node-kill: {} calls ({} sync), failed by (sync, code) {failed:?}; jobs accepted {accepted}, lost {}; \
+         API answers again after the kill: sync {:?} / async {:?}; longest gap without a success {longest_gap:?}; \
+         restarted node caught up in {catch_up:?}",
+        outcomes.len(),
+        outcomes.iter().filter(|o| o.1).count(),
+        pending.len(),
+        first_after(&outcomes, killed_at, true),
+        first_after(&outcomes, killed_at, false),
+    );
+    assert!(
+        pending.is_empty(),
+        "accepted jobs not terminal (lost): {pending:?}"
+    );
+}

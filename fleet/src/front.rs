@@ -466,12 +466,27 @@ impl Front {
             fleet.job_id = %job_id,
             fleet.admission.outcome = tracing::field::Empty,
         );
-        let created = self
-            .inner
-            .store
-            .admit_job(record, self.inner.config.max_active_jobs)
-            .instrument(admission.clone())
-            .await;
+        // Admission is idempotent by job id (the slot is found again, the record is never created twice): while
+        // the store does not answer (a NATS node lost, its streams electing new leaders) it is tried again, up
+        // to STORE_FAILOVER_WAIT.
+        let give_up = tokio::time::Instant::now() + policy::STORE_FAILOVER_WAIT;
+        let mut pause = policy::STORE_RETRY_FIRST_PAUSE;
+        let created = loop {
+            let attempt = self
+                .inner
+                .store
+                .admit_job(record.clone(), self.inner.config.max_active_jobs)
+                .instrument(admission.clone())
+                .await;
+            match attempt {
+                Err(StoreError::Nats { .. }) if tokio::time::Instant::now() + pause < give_up => {
+                    self.metrics.jetstream_error("create_job");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(policy::STORE_RETRY_MAX_PAUSE);
+                }
+                other => break other,
+            }
+        };
         admission.record(
             "fleet.admission.outcome",
             match &created {
@@ -491,6 +506,18 @@ impl Front {
                 ));
             }
             Err(e @ StoreError::RetainedQuotaExceeded { .. }) => return Err(e.to_api_error()),
+            Err(e @ StoreError::Nats { .. }) => {
+                self.metrics.jetstream_error("create_job");
+                tracing::warn!(error = %e, "the job store did not answer within the failover wait");
+                return Err(ApiError::with_details(
+                    ApiErrorCode::AgentUnavailable,
+                    format!(
+                        "the job store did not answer for {} s; retry",
+                        policy::STORE_FAILOVER_WAIT.as_secs()
+                    ),
+                    json!({ "retriable": true }),
+                ));
+            }
             Err(e) => return Err(self.js_error("create_job", e)),
         };
         self.metrics.job_transition(None, JobState::Queued);

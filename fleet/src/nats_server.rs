@@ -80,14 +80,34 @@ pub fn stale_server(store_dir: &Path) -> Option<u32> {
     (comm.trim() == "nats-server").then_some(pid)
 }
 
-/// A running child nats-server.
+/// The fleet's NATS: one child nats-server, or a cluster of them on loopback ([`NatsServer::start_cluster`]).
 #[derive(Debug)]
 pub struct NatsServer {
-    child: Child,
-    port: u16,
+    nodes: Vec<Node>,
     store_dir: PathBuf,
     auth: AuthMaterial,
 }
+
+/// One nats-server process of a [`NatsServer`].
+#[derive(Debug)]
+struct Node {
+    /// None once killed ([`NatsServer::kill_node`]) and not restarted.
+    child: Option<Child>,
+    port: u16,
+    /// Its own directory: JetStream store, resolver, pid file.
+    dir: PathBuf,
+    conf: PathBuf,
+    server_name: String,
+    /// The monitoring port (`/healthz`) of a cluster node.
+    monitor_port: Option<u16>,
+}
+
+/// Servers a `fleet up --nats-cluster` may start: a single server, or a Raft group of 3 or 5.
+pub const CLUSTER_SIZES: [usize; 3] = [1, 3, 5];
+
+/// How long a start waits for a server to accept connections (and, in a cluster, for JetStream to elect its
+/// meta leader).
+pub const START_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The resolver directory (account JWTs pushed since the start: revocations) under the store directory.
 pub const RESOLVER_DIR: &str = "resolver";
@@ -153,92 +173,149 @@ pub fn free_port() -> Result<u16, NatsServerError> {
 
 impl NatsServer {
     /// Starts a server with JetStream storing under `store_dir`, on a free port, and waits until it accepts
-    /// connections (up to 15 s).
+    /// connections (up to [`START_TIMEOUT`]).
     pub fn start(store_dir: &Path) -> Result<NatsServer, NatsServerError> {
         Self::start_on(store_dir, free_port()?)
     }
 
     /// Like [`start`](Self::start), on a given port.
     pub fn start_on(store_dir: &Path, port: u16) -> Result<NatsServer, NatsServerError> {
+        Self::start_nodes(store_dir, &[port], false)
+    }
+
+    /// Starts `size` clustered servers on loopback ([`CLUSTER_SIZES`]; 1 is [`start_on`](Self::start_on)): the
+    /// first client port is `first_port`, the others free ports; one auth material in `store_dir` for all, and
+    /// each node's JetStream store, resolver and pid file in `store_dir/node-<i>`. Returns once every node
+    /// accepts connections and reports JetStream healthy (a meta leader elected), up to [`START_TIMEOUT`].
+    pub fn start_cluster(
+        store_dir: &Path,
+        size: usize,
+        first_port: u16,
+    ) -> Result<NatsServer, NatsServerError> {
+        if !CLUSTER_SIZES.contains(&size) {
+            return Err(NatsServerError::Start(format!(
+                "a cluster has 1, 3 or 5 servers, not {size}"
+            )));
+        }
+        if size == 1 {
+            return Self::start_on(store_dir, first_port);
+        }
+        let mut ports = vec![first_port];
+        while ports.len() < size {
+            let p = free_port()?;
+            if !ports.contains(&p) {
+                ports.push(p);
+            }
+        }
+        Self::start_nodes(store_dir, &ports, true)
+    }
+
+    fn start_nodes(store_dir: &Path, ports: &[u16], clustered: bool) -> Result<NatsServer, NatsServerError> {
         let bin = find()?;
-        if let Some(pid) = stale_server(store_dir) {
-            return Err(NatsServerError::Stale {
-                pid,
-                store: store_dir.to_path_buf(),
-            });
+        let dirs: Vec<PathBuf> = if clustered {
+            (0..ports.len())
+                .map(|i| store_dir.join(format!("node-{i}")))
+                .collect()
+        } else {
+            vec![store_dir.to_path_buf()]
+        };
+        for dir in &dirs {
+            if let Some(pid) = stale_server(dir) {
+                return Err(NatsServerError::Stale {
+                    pid,
+                    store: dir.clone(),
+                });
+            }
         }
         // Keys and credentials: created once, reused at every later start.
         let auth = AuthMaterial::load_or_create(store_dir, permissions::default_for_role)
             .map_err(|e| NatsServerError::Start(format!("NATS auth material: {e}")))?;
-        // Sync results may be up to 4 MiB plus envelopes (spec §10.3): raise the 1 MB default max_payload.
-        let conf = store_dir.join("nats.conf");
         // A name of its own, to tell it from any other server on the port.
-        let server_name = format!("fleet-{}-{:016x}", std::process::id(), rand::random::<u64>());
-        let text = format!(
-            "server_name: {server_name}\nmax_payload: {MAX_PAYLOAD}\nmax_control_line: {MAX_CONTROL_LINE}\n{}",
-            auth.server_config(&store_dir.join(RESOLVER_DIR))
-        );
-        crate::nats_auth::creds::write_private_atomic(&conf, text.as_bytes())
-            .map_err(|e| NatsServerError::Start(format!("{}: {e}", conf.display())))?;
-        let mut cmd = Command::new(&bin);
-        cmd.arg("-c")
-            .arg(&conf)
-            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-            .arg(store_dir)
-            .arg("-P")
-            .arg(store_dir.join(PID_FILE))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        // The server dies with its parent (a `kill -9` of `fleet up` or of a test leaves no server behind)...
-        fleet_worker::sandbox::die_with_parent(&mut cmd);
-        // ...and only then: in a process group of its own, a terminal's Ctrl-C (SIGINT to the whole foreground
-        // group) reaches `fleet up` alone, which stops the server last, after the workers' final writes.
-        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        let child = cmd
-            .spawn()
-            .map_err(|e| NatsServerError::Start(format!("{}: {e}", bin.display())))?;
+        let name = format!("fleet-{}-{:016x}", std::process::id(), rand::random::<u64>());
+        let mut routes = Vec::new();
+        let mut monitors = Vec::new();
+        if clustered {
+            for _ in ports {
+                routes.push(free_port()?);
+                monitors.push(free_port()?);
+            }
+        }
+        let mut nodes = Vec::new();
+        for (i, (&port, dir)) in ports.iter().zip(&dirs).enumerate() {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| NatsServerError::Start(format!("{}: {e}", dir.display())))?;
+            let server_name = if clustered {
+                format!("{name}-n{i}")
+            } else {
+                name.clone()
+            };
+            // Sync results may be up to 4 MiB plus envelopes (spec §10.3): raise the 1 MB default max_payload.
+            let mut text = format!(
+                "server_name: {server_name}\nmax_payload: {MAX_PAYLOAD}\nmax_control_line: {MAX_CONTROL_LINE}\n"
+            );
+            if clustered {
+                let peers: Vec<String> = routes
+                    .iter()
+                    .map(|p| format!("nats-route://127.0.0.1:{p}"))
+                    .collect();
+                text.push_str(&format!(
+                    "http: \"127.0.0.1:{}\"\ncluster {{\n    name: {name}\n    listen: \"127.0.0.1:{}\"\n    routes: [{}]\n}}\n",
+                    monitors[i],
+                    routes[i],
+                    peers.join(", ")
+                ));
+            }
+            text.push_str(&auth.server_config(&dir.join(RESOLVER_DIR)));
+            let conf = dir.join("nats.conf");
+            crate::nats_auth::creds::write_private_atomic(&conf, text.as_bytes())
+                .map_err(|e| NatsServerError::Start(format!("{}: {e}", conf.display())))?;
+            let mut node = Node {
+                child: None,
+                port,
+                dir: dir.clone(),
+                conf,
+                server_name,
+                monitor_port: clustered.then(|| monitors[i]),
+            };
+            node.spawn(&bin)?;
+            nodes.push(node);
+        }
         let mut server = NatsServer {
-            child,
-            port,
+            nodes,
             store_dir: store_dir.to_path_buf(),
             auth,
         };
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            // Ours, not another server that holds the port: its INFO names the server.
-            if let Some(name) = server_name_on(port)
-                && name == server_name
-            {
-                return Ok(server);
+        let deadline = Instant::now() + START_TIMEOUT;
+        for i in 0..server.nodes.len() {
+            server.nodes[i].wait_ready(deadline)?;
+            if clustered {
+                server.wait_account_jetstream(i, deadline)?;
             }
-            if let Ok(Some(status)) = server.child.try_wait() {
-                return Err(if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                    NatsServerError::PortTaken(port)
-                } else {
-                    NatsServerError::Start(format!("exited with {status}"))
-                });
-            }
-            if Instant::now() >= deadline {
-                return Err(NatsServerError::Start(format!(
-                    "not accepting connections on port {port} after 15 s"
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(20));
         }
+        Ok(server)
     }
 
-    /// `nats://127.0.0.1:<port>`.
+    /// The client URL: `nats://127.0.0.1:<port>`, comma-separated over the nodes of a cluster (every
+    /// `--nats-url` takes such a list).
     pub fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
+        self.nodes
+            .iter()
+            .map(|n| format!("nats://127.0.0.1:{}", n.port))
+            .collect::<Vec<_>>()
+            .join(",")
     }
 
-    /// The port.
+    /// The client port (of the first node).
     pub fn port(&self) -> u16 {
-        self.port
+        self.nodes[0].port
     }
 
-    /// Where JetStream stores its data.
+    /// How many servers.
+    pub fn size(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// The store directory: the auth material (and, for a single server, the JetStream store).
     pub fn store_dir(&self) -> &Path {
         &self.store_dir
     }
@@ -263,7 +340,7 @@ impl NatsServer {
         ExecVerifier::locate(None, Some(self.auth.dir()), None)
     }
 
-    /// A connector to this server as `role`.
+    /// A connector to this server (every node of a cluster) as `role`.
     pub fn connector(&self, role: Role) -> Connector {
         Connector::new(self.url(), Some(self.creds(role)))
     }
@@ -276,32 +353,196 @@ impl NatsServer {
         self.connector(role).connect(role.as_str()).await
     }
 
-    /// The server's pid.
+    /// The pid of the (first) server; 0 once it was killed.
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.node_pid(0).unwrap_or(0)
     }
 
-    /// Stops it: SIGTERM (lame-duck-free shutdown), then SIGKILL after 5 s.
-    pub fn stop(&mut self) {
-        if let Ok(Some(_)) = self.child.try_wait() {
-            return;
+    /// The pid of node `i`, if it runs.
+    pub fn node_pid(&self, i: usize) -> Option<u32> {
+        self.nodes.get(i)?.child.as_ref().map(Child::id)
+    }
+
+    /// Kills node `i` with SIGKILL (chaos tests: a server lost without a goodbye).
+    pub fn kill_node(&mut self, i: usize) {
+        if let Some(mut child) = self.nodes.get_mut(i).and_then(|n| n.child.take()) {
+            let _ = child.kill();
+            let _ = child.wait();
         }
-        if let Some(pid) = i32::try_from(self.child.id())
-            .ok()
-            .and_then(rustix::process::Pid::from_raw)
-        {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+    }
+
+    /// Starts node `i` again after [`kill_node`](Self::kill_node): same name, ports, store and configuration,
+    /// so it rejoins its cluster and catches up; returns once it accepts connections (and, in a cluster,
+    /// reports JetStream healthy).
+    pub fn restart_node(&mut self, i: usize) -> Result<(), NatsServerError> {
+        let bin = find()?;
+        let Some(node) = self.nodes.get_mut(i) else {
+            return Err(NatsServerError::Start(format!("no node {i}")));
+        };
+        if node.child.is_some() {
+            return Ok(());
+        }
+        node.spawn(&bin)?;
+        let deadline = Instant::now() + START_TIMEOUT;
+        node.wait_ready(deadline)?;
+        if self.nodes.len() > 1 {
+            self.wait_account_jetstream(i, deadline)?;
+        }
+        Ok(())
+    }
+
+    /// Waits until node `i` answers the FLEET account's JetStream API (`$JS.API.INFO` as the `front` user). A
+    /// clustered server reports itself healthy before it has enabled JetStream for the accounts of its resolver:
+    /// for a moment its JetStream API answers "JetStream not enabled for account" (10039).
+    fn wait_account_jetstream(&self, i: usize, deadline: Instant) -> Result<(), NatsServerError> {
+        let connector = Connector::new(
+            format!("nats://127.0.0.1:{}", self.nodes[i].port),
+            Some(self.creds(Role::Front)),
+        );
+        // Callers may be inside a runtime (tests, `fleet up`): the check runs on a thread of its own.
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| NatsServerError::Start(e.to_string()))?;
+            runtime.block_on(async move {
+                let client = connector
+                    .connect("fleet-start")
+                    .await
+                    .map_err(|e| NatsServerError::Start(e.to_string()))?;
+                let js = async_nats::jetstream::new(client);
+                loop {
+                    let last = match js.query_account().await {
+                        Ok(_) => return Ok(()),
+                        Err(e) => e.to_string(),
+                    };
+                    if Instant::now() >= deadline {
+                        return Err(NatsServerError::Start(format!(
+                            "JetStream not ready for the fleet account after {} s: {last}",
+                            START_TIMEOUT.as_secs()
+                        )));
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            })
+        })
+        .join()
+        .map_err(|_| NatsServerError::Start("the JetStream readiness check panicked".to_owned()))?
+    }
+
+    /// Stops every node: SIGTERM (lame-duck-free shutdown), then SIGKILL after 5 s.
+    pub fn stop(&mut self) {
+        for node in &self.nodes {
+            if let Some(pid) = node
+                .child
+                .as_ref()
+                .and_then(|c| i32::try_from(c.id()).ok())
+                .and_then(rustix::process::Pid::from_raw)
+            {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+            }
         }
         let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
+        for node in &mut self.nodes {
+            let Some(mut child) = node.child.take() else {
+                continue;
+            };
+            loop {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+impl Node {
+    fn spawn(&mut self, bin: &Path) -> Result<(), NatsServerError> {
+        let mut cmd = Command::new(bin);
+        cmd.arg("-c")
+            .arg(&self.conf)
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
+            .arg(&self.dir)
+            .arg("-P")
+            .arg(self.dir.join(PID_FILE))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        // The server dies with its parent (a `kill -9` of `fleet up` or of a test leaves no server behind)...
+        fleet_worker::sandbox::die_with_parent(&mut cmd);
+        // ...and only then: in a process group of its own, a terminal's Ctrl-C (SIGINT to the whole foreground
+        // group) reaches `fleet up` alone, which stops the server last, after the workers' final writes.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        self.child = Some(
+            cmd.spawn()
+                .map_err(|e| NatsServerError::Start(format!("{}: {e}", bin.display())))?,
+        );
+        Ok(())
+    }
+
+    /// Waits until the node answers on its port as itself (its INFO names it) and, in a cluster, until its
+    /// `/healthz` says JetStream is ready.
+    fn wait_ready(&mut self, deadline: Instant) -> Result<(), NatsServerError> {
+        let port = self.port;
+        loop {
+            let Some(child) = self.child.as_mut() else {
+                return Err(NatsServerError::Start("not running".to_owned()));
+            };
+            // Ours, not another server that holds the port: its INFO names the server.
+            if server_name_on(port).is_some_and(|n| n == self.server_name)
+                && self.monitor_port.is_none_or(healthz_ok)
+            {
+                return Ok(());
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                self.child = None;
+                return Err(if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                    NatsServerError::PortTaken(port)
+                } else {
+                    NatsServerError::Start(format!("exited with {status}"))
+                });
+            }
+            if Instant::now() >= deadline {
+                return Err(NatsServerError::Start(format!(
+                    "not ready on port {port} after {} s",
+                    START_TIMEOUT.as_secs()
+                )));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
+}
+
+/// Whether the server's monitoring port answers `GET /healthz` with 200 (JetStream enabled and current: in a
+/// cluster, a meta leader is known).
+fn healthz_ok(port: u16) -> bool {
+    use std::io::{Read as _, Write as _};
+    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
+    if stream
+        .write_all(b"GET /healthz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .is_err()
+    {
+        return false;
+    }
+    let mut head = [0u8; 16];
+    let mut got = 0;
+    while got < head.len() {
+        match stream.read(&mut head[got..]) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got += n,
+        }
+    }
+    head[..got].starts_with(b"HTTP/1.1 200") || head[..got].starts_with(b"HTTP/1.0 200")
 }
 
 impl Drop for NatsServer {

@@ -7,6 +7,7 @@ use fleet_proto::limits::{
     JOB_DEADLINE_DEFAULT_MS, JOB_DEADLINE_MAX_MS, JOB_DEADLINE_MIN_MS,
 };
 use serde_json::json;
+use std::time::Duration;
 
 /// The resolved `tools.invoke` timeout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,6 +77,18 @@ pub fn job_timeout_ms(requested: Option<u64>) -> u64 {
 
 /// The default when the manifest declares nothing.
 pub const SYNC_DEFAULT_MS: u64 = INVOKE_TIMEOUT_DEFAULT_MS;
+
+/// How long `tools.invokeAsync` keeps trying to admit a job while the job store does not answer (a NATS server
+/// of a cluster died and its streams elect new leaders: measured 5.0 s for nats-server 2.15 on 3 nodes, see
+/// docs/operations.md) before it answers `agent_unavailable`. Well under the 30 s clients wait for an answer.
+pub const STORE_FAILOVER_WAIT: Duration = Duration::from_secs(10);
+
+/// The first pause between two admission attempts while the store does not answer; it doubles up to
+/// [`STORE_RETRY_MAX_PAUSE`].
+pub const STORE_RETRY_FIRST_PAUSE: Duration = Duration::from_millis(50);
+
+/// The longest pause between two admission attempts.
+pub const STORE_RETRY_MAX_PAUSE: Duration = Duration::from_millis(500);
 
 #[cfg(test)]
 mod tests {

@@ -33,6 +33,12 @@ pub struct UpArgs {
     /// Use this NATS server (or comma-separated servers) instead of starting one.
     #[arg(long, env = "FLEET_NATS_URL")]
     pub nats_url: Option<String>,
+    /// Start this many clustered nats-servers on loopback instead of one (1, 3 or 5): the production topology on
+    /// one machine. `<data-dir>/nats-url` then lists them comma-separated, and every JetStream resource gets this
+    /// many replicas unless --jetstream-replicas says otherwise.
+    #[arg(long, env = "FLEET_NATS_CLUSTER", default_value_t = 1, conflicts_with = "nats_url",
+          value_parser = parse_cluster_size)]
+    pub nats_cluster: usize,
     /// Credentials and TLS of the connections (`--nats-creds` is the front's; with --nats-url and no
     /// --nats-auth-dir, the in-process workers use it too).
     #[command(flatten)]
@@ -95,9 +101,10 @@ pub struct UpArgs {
     /// Export traces over OTLP/gRPC to this endpoint (e.g. http://127.0.0.1:4317); off when absent.
     #[arg(long, env = "FLEET_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
-    /// Replicas of every JetStream resource (3 on a NATS cluster); every process of a fleet must agree.
-    #[arg(long, env = "FLEET_JETSTREAM_REPLICAS", default_value_t = 1)]
-    pub jetstream_replicas: usize,
+    /// Replicas of every JetStream resource (3 on a NATS cluster); every process of a fleet must agree. Default:
+    /// the --nats-cluster size with its own servers, else 1.
+    #[arg(long, env = "FLEET_JETSTREAM_REPLICAS")]
+    pub jetstream_replicas: Option<usize>,
     /// Active (queued + running) jobs per user (spec: 5).
     #[arg(long, env = "FLEET_MAX_ACTIVE_JOBS_PER_USER", default_value_t = fleet_proto::limits::MAX_ACTIVE_JOBS_PER_USER)]
     pub max_active_jobs_per_user: usize,
@@ -110,6 +117,14 @@ pub struct UpArgs {
     /// Host services (sampling, embeddings, APS storage and files, uploads).
     #[command(flatten)]
     pub services: fleet_services::args::ServicesArgs,
+}
+
+/// `--nats-cluster`: one of [`CLUSTER_SIZES`](crate::nats_server::CLUSTER_SIZES).
+fn parse_cluster_size(text: &str) -> Result<usize, String> {
+    text.parse::<usize>()
+        .ok()
+        .filter(|n| crate::nats_server::CLUSTER_SIZES.contains(n))
+        .ok_or_else(|| format!("{text:?}: a NATS cluster here has 1, 3 or 5 servers"))
 }
 
 /// The verifier: the configured keys, or the dev key of the data dir when none is configured.
@@ -198,17 +213,22 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
                 free_port()?
             };
             let store = data_dir.join("nats");
-            let s = match NatsServer::start_on(&store, port) {
+            let s = match NatsServer::start_cluster(&store, args.nats_cluster, port) {
                 // Another server took 4222 between the check and the start (a second `fleet up`): any free port.
                 Err(crate::nats_server::NatsServerError::PortTaken(_)) => {
-                    NatsServer::start_on(&store, free_port()?)?
+                    NatsServer::start_cluster(&store, args.nats_cluster, free_port()?)?
                 }
                 other => other?,
             };
+            let pids: Vec<String> = (0..s.size())
+                .filter_map(|i| s.node_pid(i))
+                .map(|p| p.to_string())
+                .collect();
             say(&format!(
-                "nats-server   {} (pid {}, JetStream in {})",
+                "nats-server   {} ({} {}, JetStream in {})",
                 s.url(),
-                s.pid(),
+                if s.size() == 1 { "pid" } else { "pids" },
+                pids.join(", "),
                 s.store_dir().display()
             ));
             let url = s.url();
@@ -251,7 +271,11 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     );
     let seal_signer = Arc::new(seal_signer);
     let settings = StoreSettings {
-        replicas: args.jetstream_replicas,
+        replicas: args.jetstream_replicas.unwrap_or(if args.nats_url.is_some() {
+            1
+        } else {
+            args.nats_cluster
+        }),
         ..StoreSettings::default()
     };
     let js = async_nats::jetstream::new(client.clone());

@@ -96,7 +96,9 @@ BAD_VALUES = [
      {"worker": {"autoscaling": {"mode": "keda", "keda": {"trigger": "nats-jetstream",
                                                            "natsJetstream": {"stream": "KV_fleet_jobs", "consumer": "c"}}}}},
      "in operator mode (natsAuth) the fleet's streams live in the FLEET account, not $G"),
-    ("keda jetstream without stream", {"worker": {"autoscaling": {"mode": "keda", "keda": {"trigger": "nats-jetstream"}}}},
+    # The stream and consumer default to the job queue's (fleet_job_queue / workers): an emptied one is refused.
+    ("keda jetstream without stream", {"worker": {"autoscaling": {"mode": "keda", "keda": {
+        "trigger": "nats-jetstream", "natsJetstream": {"stream": ""}}}}},
      "/worker/autoscaling/keda/natsJetstream/stream"),
     ("secret ref without key", {"auth": {"hs256Secrets": [{"secretName": "jwt"}]}}, "missing property 'key'"),
     ("grace shorter than the shutdown ladder", {"worker": {"terminationGracePeriodSeconds": 15}},

@@ -4,6 +4,7 @@
 //! the app API `fleet.v1.api.tools.*` and the operator API `fleet.v1.admin.*`).
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use fleet_proto::admin;
@@ -85,7 +86,18 @@ pub fn bearer(token: &str) -> String {
     format!("Bearer {token}")
 }
 
-/// Sends one request with `Authorization: Bearer <token>` to `subject` and unwraps the `ApiResponse`.
+/// How often a waiting [`request`] checks whether its connection was re-established under it.
+pub const RECONNECT_CHECK: Duration = Duration::from_millis(50);
+
+/// How long a [`request`] still waits for its answer after its connection was re-established: a request in
+/// flight when its NATS server died is lost (or its answer is), and without this it would wait its whole `wait`
+/// (30 s for most methods) for an answer that cannot come.
+pub const RECONNECT_GRACE: Duration = Duration::from_secs(2);
+
+/// Sends one request with `Authorization: Bearer <token>` to `subject` and unwraps the `ApiResponse`. When the
+/// connection is lost and re-established while it waits (its server died: the request or its answer went with
+/// it), it gives up [`RECONNECT_GRACE`] after the reconnect with `agent_unavailable` (retriable), naming the
+/// unknown outcome.
 pub async fn request(
     client: &async_nats::Client,
     token: &str,
@@ -94,10 +106,39 @@ pub async fn request(
     wait: Duration,
 ) -> Result<Value, ApiError> {
     let request = api_request(&bearer(token), body, wait);
-    let reply = client
-        .send_request(subject.clone(), request)
-        .await
-        .map_err(|e| ApiError::new(ApiErrorCode::AgentUnavailable, format!("{subject}: {e}")))?;
+    let stats = client.statistics();
+    let connects = stats.connects.load(Ordering::Relaxed);
+    let send = client.send_request(subject.clone(), request);
+    tokio::pin!(send);
+    let mut check = tokio::time::interval(RECONNECT_CHECK);
+    // Once the connection was re-established under the request: how long its answer may still take.
+    let mut lost_by: Option<tokio::time::Instant> = None;
+    let reply = loop {
+        tokio::select! {
+            reply = &mut send => break reply
+                .map_err(|e| ApiError::new(ApiErrorCode::AgentUnavailable, format!("{subject}: {e}")))?,
+            _ = check.tick() => {
+                let now = tokio::time::Instant::now();
+                match lost_by {
+                    None if stats.connects.load(Ordering::Relaxed) != connects => {
+                        lost_by = Some(now + RECONNECT_GRACE);
+                    }
+                    Some(by) if now >= by => {
+                        return Err(ApiError::new(
+                            ApiErrorCode::AgentUnavailable,
+                            format!(
+                                "{subject}: the NATS connection was lost and re-established with the request in \
+                                 flight, and no answer came within {} ms of the reconnect: its outcome is unknown \
+                                 (an invokeAsync may have created a job: list your jobs before retrying)",
+                                RECONNECT_GRACE.as_millis()
+                            ),
+                        ));
+                    }
+                    _ => {}
+                }
+            }
+        }
+    };
     let response: ApiResponse<Value> = serde_json::from_slice(&reply.payload)
         .map_err(|e| ApiError::new(ApiErrorCode::InternalError, format!("unreadable answer: {e}")))?;
     response.into_result()
