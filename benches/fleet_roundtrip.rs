@@ -5,8 +5,11 @@
 //! JetStream, the store, one front replica and one worker node (cgroup isolation) over the release build of the
 //! Rust echo plugin, with real HS256 JWTs. The echo install gets `pids_max = 256`: the fixture runs every invoke
 //! on a thread of its own, and 64 invokes in flight plus its own threads exceed the default cgroup `pids.max` of
-//! 64 ("cannot spawn a thread"). One user's echo session is warmed by an invoke before anything is
-//! timed. Measured, from a client connection of this process:
+//! 64 ("cannot spawn a thread"). The worker's `max_in_flight_per_session` is `IN_FLIGHT + 1` (default 64): Dr's
+//! running job holds one of the echo session's in-flight slots for the whole run, so the 64 pipelined invokes
+//! of B need one more (at the default, the 64th is refused and `tools.invoke` answers `agent_unavailable`, "no
+//! worker can take the call"). One user's echo session is warmed by an invoke before anything is timed.
+//! Measured, from a client connection of this process:
 //! - A `raw_echo` — NATS request/reply to a responder task (its own connection) that answers every message with
 //!   its payload: the same ≈150-byte body and the same `Authorization` header as B. The physical floor of one
 //!   API call;
@@ -150,7 +153,14 @@ impl Bench {
     async fn new() -> Bench {
         // The fixture serves each invoke on its own thread: 64 in flight need more than the default pids.max (64).
         let plugin = Plugin::echo("echo", &[]).limits(json!({ "pids_max": 256 }));
-        let mut cluster = Cluster::start("bench-rt", 0, 1, &[plugin]).await;
+        let mut cluster = Cluster::start("bench-rt", 0, 0, &[plugin]).await;
+        // One in-flight slot of the echo session more than the pipelined batches use: Dr's running job holds
+        // one for the whole run (see the module docs).
+        cluster
+            .add_worker_with("bench-rt-w0", |w| {
+                w.max_in_flight_per_session = IN_FLIGHT + 1;
+            })
+            .await;
         // The cluster's front, with the per-user rate limit out of reach (see the module docs).
         let front_client = connect(&cluster.nats, Role::Front).await;
         let store = Store::open(

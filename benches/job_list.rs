@@ -3,9 +3,10 @@
 //! the physical floor.
 //!
 //! One process runs a fleet as the e2e tests do (`fleet_e2e::cluster`): a real nats-server with JetStream and
-//! authorization, one front replica, no worker. The jobs are written through the store as the front writes them
-//! (`create_job`, then a transition to `cancelled`, which gives the quota slot back), four at a time, created
-//! "now" so the 7-day lookback keeps them all. Measured, from the `app` user's connection:
+//! authorization, one front replica (its per-user rate limit raised out of reach: a bench setting, see
+//! `Bench::new`), no worker. The jobs are written through the store as the front writes them (`create_job`, then
+//! a transition to `cancelled`, which gives the quota slot back), four at a time, created "now" so the 7-day
+//! lookback keeps them all. Measured, from the `app` user's connection:
 //! - L20 `tools.listJobs {}` (the default page of 20, newest first) and L100 `{limit: 100}`, for each user;
 //! - Lf `tools.listJobs {state: "expired"}`: a filter no job matches, so a call reads as far as it may;
 //! - F one JetStream KV `entry` read of a job record (the `front` user).
@@ -24,6 +25,7 @@ use std::time::{Duration, Instant};
 use async_nats::{HeaderMap, Request};
 use bytes::Bytes;
 use criterion::{Criterion, criterion_group, criterion_main};
+use fleet::front::FrontConfig;
 use fleet_e2e::cluster::Cluster;
 use fleet_proto::api::{JobId, JobState, ListJobsResult, methods, subjects, user_key};
 use fleet_proto::util::now_ms;
@@ -89,7 +91,16 @@ struct Bench {
 impl Bench {
     async fn new(few: usize, many: usize) -> Bench {
         let mut cluster = Cluster::start("bench-list", 0, 0, &[]).await;
-        cluster.add_front().await;
+        // A bench setting: the per-user rate limit (50/s, burst 100 by default) out of reach, since each user
+        // makes its `tools.listJobs` calls back to back here, far above 50 a second (at the default, the calls
+        // beyond the burst answer `rate_limited`); the limiter is still consulted on every call.
+        cluster
+            .add_front_with(FrontConfig {
+                rate_per_user: 1_000_000_000,
+                burst_per_user: 1_000_000_000,
+                ..FrontConfig::default()
+            })
+            .await;
         cluster.wait_for_api(Duration::from_secs(30)).await;
         let (u_few, u_many) = (format!("list-{few}"), format!("list-{many}"));
         let t = Instant::now();

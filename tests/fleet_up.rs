@@ -966,6 +966,36 @@ fn streams_on(monitor: u16) -> Option<Vec<(String, u64, String, bool)>> {
 /// it was sent.
 type Outcome = (Instant, bool, String, Result<String, String>, Instant);
 
+/// The server that leads `stream` (or, for `meta`, the JetStream meta group), as a live node's `/jsz` says.
+fn leader_of(nodes: &[ClusterNode], stream: &str) -> String {
+    for n in nodes {
+        let Ok(mut s) = TcpStream::connect(("127.0.0.1", n.monitor)) else {
+            continue;
+        };
+        if stream == "meta" {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+            let _ = s.write_all(b"GET /jsz HTTP/1.0\r\n\r\n");
+            let mut text = String::new();
+            let _ = s.read_to_string(&mut text);
+            let leader = text
+                .split("\r\n\r\n")
+                .nth(1)
+                .and_then(|b| serde_json::from_str::<Value>(b).ok())
+                .and_then(|v| v["meta_cluster"]["leader"].as_str().map(str::to_owned));
+            if let Some(leader) = leader.filter(|l| !l.is_empty()) {
+                return leader;
+            }
+        } else if let Some(found) = streams_on(n.monitor)
+            .unwrap_or_default()
+            .into_iter()
+            .find(|s| s.0 == stream && !s.2.is_empty())
+        {
+            return found.2;
+        }
+    }
+    panic!("no node names a leader of {stream}")
+}
+
 /// How long after `from` the first successful call of the kind sent after `from` answered: when the API
 /// answers again. (A call in flight at `from` is lost with its server; it fails on its own,
 /// `fleet_client::api::RECONNECT_GRACE` after its connection is re-established.)
@@ -977,13 +1007,14 @@ fn first_after(outcomes: &[Outcome], from: Instant, sync: bool) -> Option<Durati
         .min()
 }
 
-/// `fleet up --nats-cluster 3` (chaos test 3 of the churn issue): three clustered nats-servers, every fleet
-/// resource at 3 replicas, `<data-dir>/nats-url` listing the three; under steady sync and async load one node —
-/// the leader of the active-set bucket, which every admission writes — is killed with SIGKILL; the API answers
-/// again, the node restarts with its own store and every stream is current on all three replicas again; every
-/// job whose `invokeAsync` was answered is terminal (none lost). Calls that fail during the election are
-/// counted by code and printed with the longest gap without a successful call (the recovery time) — reported,
-/// not asserted: nats-server's Raft election timeout sets it.
+/// `fleet up --nats-cluster 3` (chaos tests 3 and 4 of the churn issue): three clustered nats-servers, every
+/// fleet resource at 3 replicas, `<data-dir>/nats-url` listing the three. Under steady sync and async load, three
+/// rounds each kill one node with SIGKILL — the leader of the active-set bucket (which every admission writes),
+/// the JetStream meta leader, the leader of the job records — then restart it on its own store until every
+/// stream is current on all three replicas again. Every job whose `invokeAsync` was answered is terminal (none
+/// lost). Calls that failed are counted by code and printed with, per round, when the API answered again, the
+/// longest gap without a successful call and the catch-up time — reported, not asserted: nats-server's Raft
+/// election timeout sets them.
 #[test]
 fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job() {
     let mut up = Up::start_with(|_| vec!["--nats-cluster".into(), "3".into()]);
@@ -1058,52 +1089,54 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
         answered(start, true) >= 10 && answered(start, false) >= 20
     });
 
-    // The leader of the active sets: every invokeAsync writes there first.
-    let leader = streams_on(nodes[1].monitor)
-        .unwrap()
-        .into_iter()
-        .find(|s| s.0 == "KV_fleet_active")
-        .map(|s| s.2)
-        .unwrap();
-    let victim = nodes.iter().position(|n| n.name == leader).unwrap();
-    let killed_at = Instant::now();
-    assert!(
-        Command::new("kill")
-            .args(["-9", &pids[victim]])
-            .status()
-            .unwrap()
-            .success()
-    );
-    wait_until("sync and async calls answered again after the kill", || {
-        answered(killed_at, true) >= 10 && answered(killed_at, false) >= 20
-    });
-
-    // The node comes back with its own store and configuration, as a restarted pod would.
-    let node = &nodes[victim];
-    let mut restarted = Command::new(fleet::nats_server::find().unwrap())
-        .arg("-c")
-        .arg(node.dir.join("nats.conf"))
-        .args(["-a", "127.0.0.1", "-p", &node.port.to_string(), "-js", "-sd"])
-        .arg(&node.dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let restarted_at = Instant::now();
-    wait_until("every stream current on its 3 replicas again", || {
-        let mut led = BTreeMap::new();
-        for n in &nodes {
-            for (name, _, leader, current) in streams_on(n.monitor).unwrap_or_default() {
-                if leader == n.name {
-                    led.insert(name, current);
+    // Three rounds, each a node killed with SIGKILL, then restarted with its own store and configuration (as a
+    // restarted pod would) and caught up: the leader of the active sets (every invokeAsync writes there first),
+    // the JetStream meta leader, and the leader of the job records.
+    let mut pids = pids;
+    let mut restarted: Vec<std::process::Child> = Vec::new();
+    let mut rounds = Vec::new();
+    for target in ["KV_fleet_active", "meta", "KV_fleet_jobs"] {
+        let leader = leader_of(&nodes, target);
+        let victim = nodes.iter().position(|n| n.name == leader).unwrap();
+        let killed_at = Instant::now();
+        assert!(
+            Command::new("kill")
+                .args(["-9", &pids[victim]])
+                .status()
+                .unwrap()
+                .success()
+        );
+        wait_until("sync and async calls answered again after the kill", || {
+            answered(killed_at, true) >= 10 && answered(killed_at, false) >= 20
+        });
+        let node = &nodes[victim];
+        let child = Command::new(fleet::nats_server::find().unwrap())
+            .arg("-c")
+            .arg(node.dir.join("nats.conf"))
+            .args(["-a", "127.0.0.1", "-p", &node.port.to_string(), "-js", "-sd"])
+            .arg(&node.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        pids[victim] = child.id().to_string();
+        restarted.push(child);
+        let restarted_at = Instant::now();
+        wait_until("every stream current on its 3 replicas again", || {
+            let mut led = BTreeMap::new();
+            for n in &nodes {
+                for (name, _, leader, current) in streams_on(n.monitor).unwrap_or_default() {
+                    if leader == n.name {
+                        led.insert(name, current);
+                    }
                 }
             }
-        }
-        led.len() == streams.len() && led.values().all(|c| *c)
-    });
-    let catch_up = restarted_at.elapsed();
+            led.len() == streams.len() && led.values().all(|c| *c)
+        });
+        rounds.push((target, killed_at, restarted_at.elapsed()));
+    }
     let after_restart = Instant::now();
-    wait_until("calls answered after the restart", || {
+    wait_until("calls answered after the restarts", || {
         answered(after_restart, true) >= 5 && answered(after_restart, false) >= 5
     });
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -1132,8 +1165,10 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
             )
         });
     }
-    let _ = restarted.kill();
-    let _ = restarted.wait();
+    for mut child in restarted {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
 
     let mut failed: BTreeMap<(bool, String), usize> = BTreeMap::new();
     for (_, sync, _, r, _) in &outcomes {
@@ -1141,24 +1176,28 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
             *failed.entry((*sync, code.clone())).or_default() += 1;
         }
     }
-    let mut longest_gap = Duration::ZERO;
-    let mut last_ok = killed_at;
-    for (at, _, _, r, _) in &outcomes {
-        if *at > killed_at && r.is_ok() {
-            longest_gap = longest_gap.max(at.duration_since(last_ok));
-            last_ok = *at;
-        }
-    }
     println!(
-        "nats-node-kill: {} calls ({} sync), failed by (sync, code) {failed:?}; jobs accepted {accepted}, lost {}; \
-         API answers again after the kill: sync {:?} / async {:?}; longest gap without a success {longest_gap:?}; \
-         restarted node caught up in {catch_up:?}",
+        "nats-node-kill: {} calls ({} sync), failed by (sync, code) {failed:?}; jobs accepted {accepted}, lost {}",
         outcomes.len(),
         outcomes.iter().filter(|o| o.1).count(),
         pending.len(),
-        first_after(&outcomes, killed_at, true),
-        first_after(&outcomes, killed_at, false),
     );
+    for (target, killed_at, catch_up) in &rounds {
+        let mut longest_gap = Duration::ZERO;
+        let mut last_ok = *killed_at;
+        for (at, _, _, r, _) in &outcomes {
+            if at > killed_at && r.is_ok() {
+                longest_gap = longest_gap.max(at.duration_since(last_ok));
+                last_ok = *at;
+            }
+        }
+        println!(
+            "  leader of {target} killed: API answers again after sync {:?} / async {:?}; longest gap without a \
+             success {longest_gap:?}; restarted node caught up in {catch_up:?}",
+            first_after(&outcomes, *killed_at, true),
+            first_after(&outcomes, *killed_at, false),
+        );
+    }
     assert!(
         pending.is_empty(),
         "accepted jobs not terminal (lost): {pending:?}"
