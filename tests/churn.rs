@@ -146,3 +146,195 @@ async fn a_call_that_finds_no_worker_waits_for_one_to_register() {
     }
     c.shutdown().await;
 }
+
+/// What the load of [`rolling_restart_of_every_worker_under_load_fails_no_call_and_loses_no_job`] saw.
+#[derive(Debug, Default)]
+struct Seen {
+    sync_ok: usize,
+    /// Failed calls by (method, code).
+    failed: std::collections::BTreeMap<(&'static str, String), usize>,
+    /// Jobs whose invokeAsync was answered: (user, job id).
+    accepted: Vec<(String, String)>,
+}
+
+/// Steady sync and async load on the cluster's API from many users, until stopped.
+struct Load {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    seen: std::sync::Arc<std::sync::Mutex<Seen>>,
+    lanes: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    /// Four sync lanes (quick echoes and 200 ms sleeps, so calls are in flight at every restart) and two async
+    /// lanes (300 ms jobs), each over 8 users of its own.
+    fn start(c: &Cluster, prefix: &str) -> Load {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::{Arc, Mutex};
+        let stop = Arc::new(AtomicBool::new(false));
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let mut lanes = Vec::new();
+        for lane in 0..6usize {
+            let (client, stop, seen) = (c.app.clone(), stop.clone(), seen.clone());
+            let tokens: Vec<(String, String)> = (0..8)
+                .map(|u| {
+                    let user = format!("{prefix}-{lane}-{u}");
+                    let token = c.token(&user);
+                    (user, token)
+                })
+                .collect();
+            lanes.push(tokio::spawn(async move {
+                let sync = lane < 4;
+                let mut n = 0usize;
+                while !stop.load(Ordering::SeqCst) {
+                    let (user, token) = &tokens[n % tokens.len()];
+                    n += 1;
+                    if sync {
+                        let (method, args) = if n.is_multiple_of(3) {
+                            ("sleep", json!({ "ms": 200 }))
+                        } else {
+                            ("echo", json!({ "n": n }))
+                        };
+                        match invoke(client.clone(), token.clone(), method, args).await {
+                            ApiResponse::Ok(_) => seen.lock().unwrap().sync_ok += 1,
+                            ApiResponse::Err(e) => {
+                                *seen
+                                    .lock()
+                                    .unwrap()
+                                    .failed
+                                    .entry(("invoke", e.code.to_string()))
+                                    .or_default() += 1;
+                            }
+                        }
+                    } else {
+                        let body = json!({ "tool_id": "echo", "method": "sleep", "args": { "ms": 300 } });
+                        let request = api_request(&bearer(token), &body, GUARD);
+                        let msg = client
+                            .send_request(subjects::api(methods::TOOLS_INVOKE_ASYNC), request)
+                            .await
+                            .expect("an answer");
+                        match serde_json::from_slice(&msg.payload).expect("an envelope") {
+                            ApiResponse::<Value>::Ok(v) => seen
+                                .lock()
+                                .unwrap()
+                                .accepted
+                                .push((user.clone(), v["jobId"].as_str().unwrap().to_owned())),
+                            ApiResponse::Err(e) => {
+                                *seen
+                                    .lock()
+                                    .unwrap()
+                                    .failed
+                                    .entry(("invokeAsync", e.code.to_string()))
+                                    .or_default() += 1;
+                            }
+                        }
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                }
+            }));
+        }
+        Load { stop, seen, lanes }
+    }
+
+    /// (sync calls answered, jobs accepted) so far.
+    fn progress(&self) -> (usize, usize) {
+        let s = self.seen.lock().unwrap();
+        (s.sync_ok, s.accepted.len())
+    }
+
+    /// Waits until 20 more sync calls were answered and 5 more jobs accepted.
+    async fn served(&self, what: &str) {
+        let (s, a) = self.progress();
+        until(what, async || {
+            let (s2, a2) = self.progress();
+            (s2 >= s + 20 && a2 >= a + 5).then_some(())
+        })
+        .await;
+    }
+
+    /// Stops the load, waits for every accepted job to be terminal, prints the figures and asserts that no call
+    /// failed but for the caller's own limit (5 active jobs per user) and that every accepted job succeeded.
+    async fn finish(self, c: &Cluster, scenario: &str) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        for t in self.lanes {
+            t.await.unwrap();
+        }
+        let (failed, accepted, sync_ok) = {
+            let s = self.seen.lock().unwrap();
+            (s.failed.clone(), s.accepted.clone(), s.sync_ok)
+        };
+        let mut states = std::collections::BTreeMap::<String, usize>::new();
+        for (user, id) in &accepted {
+            let state = until("every accepted job terminal", async || {
+                match c.call(user, methods::TOOLS_GET_JOB, json!({ "jobId": id })).await {
+                    ApiResponse::Ok(v) => {
+                        let state = v["state"].as_str().unwrap_or_default().to_owned();
+                        matches!(state.as_str(), "succeeded" | "failed" | "cancelled" | "expired")
+                            .then_some(state)
+                    }
+                    ApiResponse::Err(e) => panic!("getJob {id}: {e}"),
+                }
+            })
+            .await;
+            *states.entry(state).or_default() += 1;
+        }
+        println!(
+            "{scenario}: {sync_ok} sync calls answered, {} jobs accepted, failed by (method, code) {failed:?}; \
+             accepted jobs by state {states:?}",
+            accepted.len()
+        );
+        let unexpected: Vec<_> = failed
+            .iter()
+            .filter(|((method, code), _)| !(*method == "invokeAsync" && code == "job_quota_exceeded"))
+            .collect();
+        assert!(unexpected.is_empty(), "{scenario}: calls failed: {unexpected:?}");
+        assert_eq!(
+            states.get("succeeded"),
+            Some(&accepted.len()),
+            "{scenario}: every accepted job succeeded: {states:?}"
+        );
+    }
+}
+
+/// Chaos test 1 of the churn issue: a rolling restart of every worker, one at a time (a new worker joins, then
+/// the old one drains: Kubernetes' default surge of one), under steady sync and async load from many users →
+/// no sync call fails, no invokeAsync is refused for anything but the caller's own limits, and every accepted
+/// job reaches a terminal state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_restart_of_every_worker_under_load_fails_no_call_and_loses_no_job() {
+    let mut c = Cluster::start("churn-roll", 1, 3, &[Plugin::echo("echo", &[])]).await;
+    let load = Load::start(&c, "roll");
+    load.served("load running").await;
+    for old in 0..3 {
+        // A new worker joins and registers…
+        let new = c.add_worker().await;
+        let new_id = c.workers[new].node.as_ref().unwrap().id().to_string();
+        until("the new worker registered", async || {
+            let live = c.store.live_workers().await.ok()?;
+            live.iter().any(|w| w.id == new_id).then_some(())
+        })
+        .await;
+        // …then the old one drains (leaves the registry, finishes its calls and jobs) and stops.
+        let node = c.workers[old].node.take().unwrap();
+        node.drain(DRAIN_GRACE).await;
+        load.served("load served after the restart").await;
+    }
+    load.finish(&c, "rolling-workers").await;
+    c.shutdown().await;
+}
+
+/// Chaos test 2 of the churn issue: the same for fronts — a new front replica starts serving, then an old one
+/// stops (its service drains: no new request, every request in flight answered), every front in turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_restart_of_every_front_under_load_fails_no_call_and_loses_no_job() {
+    let mut c = Cluster::start("churn-fronts", 2, 2, &[Plugin::echo("echo", &[])]).await;
+    let load = Load::start(&c, "rollf");
+    load.served("load running").await;
+    for _ in 0..2 {
+        c.add_front().await;
+        let (_, service) = c.fronts.remove(0);
+        service.stop().await;
+        load.served("load served after the restart").await;
+    }
+    load.finish(&c, "rolling-fronts").await;
+    c.shutdown().await;
+}
