@@ -157,6 +157,12 @@ struct Seen {
     accepted: Vec<(String, String)>,
 }
 
+impl Seen {
+    fn failure(&mut self, method: &'static str, e: &fleet_proto::api::ApiError) {
+        *self.failed.entry((method, e.code.to_string())).or_default() += 1;
+    }
+}
+
 /// Steady sync and async load on the cluster's API from many users, until stopped.
 struct Load {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -196,14 +202,7 @@ impl Load {
                         };
                         match invoke(client.clone(), token.clone(), method, args).await {
                             ApiResponse::Ok(_) => seen.lock().unwrap().sync_ok += 1,
-                            ApiResponse::Err(e) => {
-                                *seen
-                                    .lock()
-                                    .unwrap()
-                                    .failed
-                                    .entry(("invoke", e.code.to_string()))
-                                    .or_default() += 1;
-                            }
+                            ApiResponse::Err(e) => seen.lock().unwrap().failure("invoke", &e),
                         }
                     } else {
                         let body = json!({ "tool_id": "echo", "method": "sleep", "args": { "ms": 300 } });
@@ -218,14 +217,7 @@ impl Load {
                                 .unwrap()
                                 .accepted
                                 .push((user.clone(), v["jobId"].as_str().unwrap().to_owned())),
-                            ApiResponse::Err(e) => {
-                                *seen
-                                    .lock()
-                                    .unwrap()
-                                    .failed
-                                    .entry(("invokeAsync", e.code.to_string()))
-                                    .or_default() += 1;
-                            }
+                            ApiResponse::Err(e) => seen.lock().unwrap().failure("invokeAsync", &e),
                         }
                         tokio::time::sleep(Duration::from_millis(20)).await;
                     }
