@@ -266,6 +266,21 @@ fn every_scenario_smoke_runs() {
             &reports.join("spawn"),
             None,
         );
+        // nats-node-kill builds its own 3-node cluster (`fleet up --nats-cluster 3`), kills and restarts a node.
+        let cluster_dir = tmp.path().join("spawned-cluster");
+        smoke(
+            &bin,
+            "nats-node-kill",
+            &["--spawn", "--data-dir", cluster_dir.to_str().unwrap()],
+            &reports.join("spawn"),
+            None,
+        );
+        let json: Value = serde_json::from_str(
+            &std::fs::read_to_string(reports.join("spawn/nats-node-kill/report.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(json["counters"]["nats_nodes_killed"], 1, "{json}");
+        assert_eq!(json["jobs"]["lost"], 0, "{json}");
         // With --spawn the loadtest scrapes the child's /metrics for the warm-hit ratio.
         let json: Value = serde_json::from_str(
             &std::fs::read_to_string(reports.join("spawn/steady-async/report.json")).unwrap(),
@@ -377,6 +392,7 @@ fn list_names_every_scenario_and_bad_runs_exit_2() {
         "hostile-neighbour",
         "host-storage",
         "mixed",
+        "nats-node-kill",
     ] {
         let line = text.lines().find(|l| l.starts_with(name));
         assert!(

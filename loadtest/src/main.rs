@@ -11,6 +11,7 @@
 mod chaos;
 mod engine;
 mod metrics;
+mod nats_nodes;
 mod report;
 mod scenarios;
 mod spawn;
@@ -153,6 +154,7 @@ fn run(args: &RunArgs) -> anyhow::Result<bool> {
             args.nats_url.as_deref(),
             args.nats_auth_dir.as_deref(),
             &args.nats,
+            scenario.nats_cluster,
         )?)
     } else {
         None
@@ -189,6 +191,8 @@ fn run(args: &RunArgs) -> anyhow::Result<bool> {
         native_echo: false,
         users: args.users,
         worker_nats: worker,
+        data_dir: data_dir.clone(),
+        spawned: args.spawn,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let metrics_url = spawned

@@ -20,6 +20,8 @@ pub(crate) struct Scenario {
     pub(crate) implemented: bool,
     /// Default `--rate` (arrivals per second).
     pub(crate) default_rate: f64,
+    /// NATS servers `--spawn` starts (`fleet up --nats-cluster N`; 1: one server).
+    pub(crate) nats_cluster: usize,
 }
 
 /// Every scenario, in `list` order.
@@ -29,72 +31,91 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         description: "open-model constant arrival rate of invokeAsync(echo-py.echo), each job polled with getJob until terminal",
         implemented: true,
         default_rate: 20.0,
+        nats_cluster: 1,
     },
     Scenario {
         name: "sync-burst",
         description: "each second, the second's whole quota of sync tools.invoke(echo) arrives at once (20 users)",
         implemented: true,
         default_rate: 20.0,
+        nats_cluster: 1,
     },
     Scenario {
         name: "cold-start-storm",
         description: "bursts of brand-new users (one per request) calling tools.invoke(echo): every call is a plugin cold start",
         implemented: true,
         default_rate: 5.0,
+        nats_cluster: 1,
     },
     Scenario {
         name: "quota-flood",
         description: "few users submitting 1.5 s sleep jobs faster than they finish: beyond 5 active jobs each gets job_quota_exceeded, accepted jobs all finish",
         implemented: true,
         default_rate: 10.0,
+        nats_cluster: 1,
     },
     Scenario {
         name: "cancel-storm",
         description: "invokeAsync(sleep 10 s) then cancelJob 50-300 ms later; every job must end cancelled (counter not_cancelled)",
         implemented: true,
         default_rate: 10.0,
+        nats_cluster: 1,
     },
     Scenario {
         name: "progress-flood",
         description: "jobs emitting 200 progress events each, read back incrementally with getJob sinceSeq (counter progress_events)",
         implemented: true,
         default_rate: 5.0,
+        nats_cluster: 1,
     },
     Scenario {
         name: "big-frames",
         description: "results near the caps: sync invoke of a ~4 MB result (cap 4 MiB) alternating with async jobs of a ~240 KB result (cap 256 KB)",
         implemented: true,
         default_rate: 4.0,
+        nats_cluster: 1,
     },
     Scenario {
         name: "fairness",
         description: "one noisy tenant (4x the rate of 1 s sleep jobs, hitting quota and rate limits) vs 10 quiet users' sync echo: quiet p99 must hold",
         implemented: true,
         default_rate: 10.0,
+        nats_cluster: 1,
     },
     Scenario {
         name: "chaos-worker-kill",
         description: "starts 2 extra `fleet worker` processes, SIGKILLs one halfway through a mix of async sleep jobs and sync echo: no job may be lost (they fail with worker_lost)",
         implemented: true,
         default_rate: 10.0,
+        nats_cluster: 1,
     },
     Scenario {
         name: "hostile-neighbour",
         description: "one hostile tenant driving the native echo's spin/alloc/fork (half the rate) next to 10 quiet users' sync echo-py echo: quiet p99 must hold (needs the native `echo` plugin)",
         implemented: true,
         default_rate: 10.0,
+        nats_cluster: 1,
     },
     Scenario {
         name: "host-storage",
         description: "APS KV through the host services: 10 granted users' sync notes-py invokes each doing one storage/set or storage/get reverse call, against the same plugin's plain echo measured first in the same run (counter storage_errors)",
         implemented: true,
         default_rate: 20.0,
+        nats_cluster: 1,
     },
     Scenario {
         name: "mixed",
         description: "a weighted mix: 40% sync echo, 30% async echo, 10% async progress, 10% async sleep + cancel, 10% listJobs",
         implemented: true,
         default_rate: 20.0,
+        nats_cluster: 1,
+    },
+    Scenario {
+        name: "nats-node-kill",
+        description: "on a 3-node NATS cluster (--spawn starts `fleet up --nats-cluster 3`), SIGKILLs the node leading the active-set bucket a third of the way through async sleep jobs and sync echo, restarts it at two thirds: no accepted job may be lost; counters recovery_ms (kill to the first successful probe call sent after it), longest_gap_ms (without a successful probe), catch_up_ms (restart to every stream current)",
+        implemented: true,
+        default_rate: 10.0,
+        nats_cluster: 3,
     },
 ];
 
@@ -116,6 +137,10 @@ pub(crate) struct Params {
     pub(crate) users: Option<u64>,
     /// Where and as whom the worker processes `chaos-worker-kill` starts connect.
     pub(crate) worker_nats: fleet_client::nats_conn::Connector,
+    /// The fleet's data dir (`nats-node-kill` finds the cluster's nodes under it).
+    pub(crate) data_dir: std::path::PathBuf,
+    /// Whether the fleet is this run's own `--spawn` (a node it restarts is then stopped at the end).
+    pub(crate) spawned: bool,
 }
 
 const SYNC_WAIT: Duration = Duration::from_secs(30);
@@ -313,6 +338,7 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
             tokio::join!(killer, load);
             workers.stop();
         }
+        "nats-node-kill" => nats_node_kill(ctx, p, rate, d).await?,
         "hostile-neighbour" => {
             if !p.native_echo {
                 anyhow::bail!(
@@ -469,4 +495,104 @@ async fn storage_invokes(ctx: &Arc<Ctx>, op: &'static str, rate: f64, d: Duratio
         }
     })
     .await;
+}
+
+/// `nats-node-kill`: async sleep jobs (followed to their end) and sync echo at `rate`, a probe (one sync echo
+/// every 50 ms) timing the outage, the node leading the active sets killed at a third and restarted at two thirds.
+async fn nats_node_kill(ctx: &Arc<Ctx>, p: &Params, rate: f64, d: Duration) -> anyhow::Result<()> {
+    use crate::nats_nodes;
+    let nodes = nats_nodes::nodes(&p.data_dir)?;
+    let streams = nats_nodes::stream_count(&nodes);
+    let killed_at = Arc::new(std::sync::Mutex::new(None::<Instant>));
+    let killer = {
+        let (c, nodes, killed_at) = (Arc::clone(ctx), nodes.clone(), Arc::clone(&killed_at));
+        async move {
+            tokio::time::sleep(d / 3).await;
+            let victim = nats_nodes::leader_of(&nodes, "KV_fleet_active").unwrap_or(0);
+            let killed = nats_nodes::kill(&nodes, victim)?;
+            *killed_at
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
+            c.rec.count("nats_nodes_killed", 1);
+            tokio::time::sleep(d / 3).await;
+            let child = killed.restart()?;
+            let restarted = Instant::now();
+            let catch_up = Duration::from_secs(60);
+            loop {
+                let n = nodes.clone();
+                if tokio::task::spawn_blocking(move || nats_nodes::all_current(&n, streams)).await? {
+                    c.rec
+                        .count("catch_up_ms", to_u64(restarted.elapsed().as_secs_f64() * 1000.0));
+                    break;
+                }
+                if restarted.elapsed() > catch_up {
+                    c.rec.count("not_caught_up", 1);
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            anyhow::Ok(child)
+        }
+    };
+    // The probe: (sent, answered ok at).
+    let probe = {
+        let c = Arc::clone(ctx);
+        async move {
+            let mut oks = Vec::new();
+            let end = Instant::now() + d;
+            let user = format!("probe-{}", c.run_tag);
+            while Instant::now() < end {
+                let sent = Instant::now();
+                let body = invoke_body(PY, "echo", &json!({ "probe": true }));
+                if c.op("probe.invoke", sent, &user, "tools.invoke", &body, SYNC_WAIT)
+                    .await
+                    .is_ok()
+                {
+                    oks.push((sent, Instant::now()));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            oks
+        }
+    };
+    let users = user_count(p, 20);
+    let load = open_loop(ctx, "invokeAsync", Arrivals::Constant, rate, d, move |i, t| {
+        let c = Arc::clone(ctx);
+        async move {
+            let user = format!("nnk-{}", i % users);
+            if i % 2 == 0 {
+                let body = invoke_body(PY, "sleep", &json!({ "ms": 300 }));
+                if let Some(job) = c.invoke_async("invokeAsync", t, &user, &body).await {
+                    c.follow(&user, &job).await;
+                }
+            } else {
+                let body = invoke_body(PY, "echo", &json!({ "i": i }));
+                let _ = c.op("invoke", t, &user, "tools.invoke", &body, SYNC_WAIT).await;
+            }
+        }
+    });
+    let (restarted, oks, ()) = tokio::join!(killer, probe, load);
+    let mut restarted = restarted?;
+    if let Some(killed_at) = *killed_at
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+    {
+        let ms = |x: Duration| to_u64(x.as_secs_f64() * 1000.0);
+        if let Some((_, at)) = oks.iter().find(|(sent, _)| *sent > killed_at) {
+            ctx.rec.count("recovery_ms", ms(at.duration_since(killed_at)));
+        }
+        let mut last = killed_at;
+        let mut gap = Duration::ZERO;
+        for (_, at) in oks.iter().filter(|(_, at)| *at > killed_at) {
+            gap = gap.max(at.duration_since(last));
+            last = *at;
+        }
+        ctx.rec.count("longest_gap_ms", ms(gap));
+    }
+    if p.spawned {
+        // Ours: stopped with the rest of the spawned fleet.
+        let _ = restarted.kill();
+        let _ = restarted.wait();
+    }
+    Ok(())
 }

@@ -37,13 +37,14 @@ fn free_port() -> anyhow::Result<u16> {
 }
 
 impl SpawnedFleet {
-    /// Starts `fleet up --data-dir DIR --http 127.0.0.1:<free port> [--nats-url URL]` and waits for its "try"
-    /// line. Its output goes to `DIR/fleet-up.log`.
+    /// Starts `fleet up --data-dir DIR --http 127.0.0.1:<free port> [--nats-url URL | --nats-cluster N]` (the
+    /// cluster when the scenario needs one and no URL is given) and waits for its "try" line. Its output goes to `DIR/fleet-up.log`.
     pub(crate) fn start(
         data_dir: &Path,
         nats_url: Option<&str>,
         nats_auth_dir: Option<&Path>,
         nats: &fleet_client::nats_conn::NatsAuthArgs,
+        nats_cluster: usize,
     ) -> anyhow::Result<SpawnedFleet> {
         std::fs::create_dir_all(data_dir)?;
         let log_path = data_dir.join("fleet-up.log");
@@ -61,6 +62,9 @@ impl SpawnedFleet {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(log.try_clone()?));
+        if nats_url.is_none() && nats_cluster > 1 {
+            cmd.arg("--nats-cluster").arg(nats_cluster.to_string());
+        }
         if let Some(url) = nats_url {
             cmd.arg("--nats-url").arg(url);
             // An external server: the fleet connects with the role credentials of the auth dir, and TLS.
