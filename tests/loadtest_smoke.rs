@@ -350,6 +350,7 @@ fn every_scenario_smoke_runs() {
         "hostile-neighbour",
         "host-storage",
         "mixed",
+        "rolling-workers",
         // Last: the killed worker stays in the registry for up to 10 s.
         "chaos-worker-kill",
     ] {
@@ -393,6 +394,7 @@ fn list_names_every_scenario_and_bad_runs_exit_2() {
         "host-storage",
         "mixed",
         "nats-node-kill",
+        "rolling-workers",
     ] {
         let line = text.lines().find(|l| l.starts_with(name));
         assert!(

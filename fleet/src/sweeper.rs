@@ -1,6 +1,7 @@
 //! The sweeper, run by every front replica (idempotent through compare-and-set, no leader): expires jobs past
-//! their deadline (and cancels their execution wherever it runs), fails running jobs whose worker's registry entry
-//! expired (`executa_unavailable`, retriable, `details.reason = "worker_lost"`), and dispatches queued jobs
+//! their deadline (and cancels their execution wherever it runs), fails running jobs whose heartbeat stopped for
+//! longer than the worker TTL (`executa_unavailable`, retriable, `details.reason = "worker_lost"`; a draining
+//! worker keeps its jobs' heartbeats, so a rolling restart fails none), and dispatches queued jobs
 //! nobody took — within each user's agent slots (`MAX_LONG_JOBS_PER_AGENT`), interleaving users (round robin by
 //! user, not FIFO over everyone). Normally the job queue starts a queued job first; this is the safety net.
 //!
@@ -91,22 +92,14 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
         }
         match r.state {
             JobState::Running => {
-                // Lost: its worker left the registry, or the job's own heartbeat (refreshed every 2 s by the
-                // worker running it) is older than the registry TTL — e.g. the worker restarted under the same id
-                // and no longer runs it. Unknown liveness (registry unreadable) decides nothing.
+                // Lost: the job's own heartbeat (refreshed every HEARTBEAT_EVERY, 2 s, by the worker running it,
+                // also while that worker drains) is older than the registry TTL — the worker died, or restarted
+                // under the same id and no longer runs it. Not whether the worker is in the registry: a draining
+                // worker leaves it at once and still finishes its running jobs (a rolling restart must not fail
+                // them), and a dead worker's entry expires after the same TTL.
                 let ttl_ms = u64::try_from(store.settings().worker_ttl.as_millis()).unwrap_or(u64::MAX);
-                let stale = r
-                    .last_heartbeat_ms
-                    .is_some_and(|hb| now.saturating_sub(hb) > ttl_ms);
-                let worker_live = match &r.worker {
-                    Some(w) => front.dispatcher().is_live(w).await,
-                    None => Some(false),
-                };
-                let lost = match worker_live {
-                    Some(false) => true,
-                    Some(true) => stale,
-                    None => false,
-                };
+                let last_sign_of_life = r.last_heartbeat_ms.unwrap_or(r.updated_at_ms);
+                let lost = now.saturating_sub(last_sign_of_life) > ttl_ms;
                 if lost {
                     let outcome = store
                         .finish(&r.user, &r.job_id, JobState::Failed, |rec| {

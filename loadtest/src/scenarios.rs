@@ -111,6 +111,13 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         nats_cluster: 1,
     },
     Scenario {
+        name: "rolling-workers",
+        description: "starts 2 extra `fleet worker` processes, then replaces each in turn (a new one registers, the old one gets SIGTERM and drains) during async sleep jobs and sync echo: no call may fail and no job be lost; counters workers_rolled, longest_gap_ms (without a successful probe call)",
+        implemented: true,
+        default_rate: 10.0,
+        nats_cluster: 1,
+    },
+    Scenario {
         name: "nats-node-kill",
         description: "on a 3-node NATS cluster (--spawn starts `fleet up --nats-cluster 3`), SIGKILLs the node leading the active-set bucket a third of the way through async sleep jobs and sync echo, restarts it at two thirds: no accepted job may be lost; counters recovery_ms (kill to the first successful probe call sent after it), longest_gap_ms (without a successful probe), catch_up_ms (restart to every stream current)",
         implemented: true,
@@ -339,6 +346,7 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
             workers.stop();
         }
         "nats-node-kill" => nats_node_kill(ctx, p, rate, d).await?,
+        "rolling-workers" => rolling_workers(ctx, p, rate, d).await?,
         "hostile-neighbour" => {
             if !p.native_echo {
                 anyhow::bail!(
@@ -534,32 +542,67 @@ async fn nats_node_kill(ctx: &Arc<Ctx>, p: &Params, rate: f64, d: Duration) -> a
             anyhow::Ok(child)
         }
     };
-    // The probe: (sent, answered ok at).
-    let probe = {
-        let c = Arc::clone(ctx);
-        async move {
-            let mut oks = Vec::new();
-            let end = Instant::now() + d;
-            let user = format!("probe-{}", c.run_tag);
-            while Instant::now() < end {
-                let sent = Instant::now();
-                let body = invoke_body(PY, "echo", &json!({ "probe": true }));
-                if c.op("probe.invoke", sent, &user, "tools.invoke", &body, SYNC_WAIT)
-                    .await
-                    .is_ok()
-                {
-                    oks.push((sent, Instant::now()));
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            oks
+    let probe = probe(ctx, d);
+    let load = churn_load(ctx, p, rate, d, "nnk");
+    let (restarted, oks, ()) = tokio::join!(killer, probe, load);
+    let mut restarted = restarted?;
+    if let Some(killed_at) = *killed_at
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+    {
+        outage_counters(ctx, &oks, killed_at);
+    }
+    if p.spawned {
+        // Ours: stopped with the rest of the spawned fleet.
+        let _ = restarted.kill();
+        let _ = restarted.wait();
+    }
+    Ok(())
+}
+
+/// A probe: one sync echo every 50 ms for `d`; (sent, answered) of each success.
+async fn probe(ctx: &Arc<Ctx>, d: Duration) -> Vec<(Instant, Instant)> {
+    let mut oks = Vec::new();
+    let end = Instant::now() + d;
+    let user = format!("probe-{}", ctx.run_tag);
+    while Instant::now() < end {
+        let sent = Instant::now();
+        let body = invoke_body(PY, "echo", &json!({ "probe": true }));
+        if ctx
+            .op("probe.invoke", sent, &user, "tools.invoke", &body, SYNC_WAIT)
+            .await
+            .is_ok()
+        {
+            oks.push((sent, Instant::now()));
         }
-    };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    oks
+}
+
+/// Counters of an outage that began at `from`, from the probe's successes: `recovery_ms` (to the first success of
+/// a call sent after it) and `longest_gap_ms` (the longest time without a success after it).
+fn outage_counters(ctx: &Ctx, oks: &[(Instant, Instant)], from: Instant) {
+    let ms = |x: Duration| to_u64(x.as_secs_f64() * 1000.0);
+    if let Some((_, at)) = oks.iter().find(|(sent, _)| *sent > from) {
+        ctx.rec.count("recovery_ms", ms(at.duration_since(from)));
+    }
+    let mut last = from;
+    let mut gap = Duration::ZERO;
+    for (_, at) in oks.iter().filter(|(_, at)| *at > from) {
+        gap = gap.max(at.duration_since(last));
+        last = *at;
+    }
+    ctx.rec.count("longest_gap_ms", ms(gap));
+}
+
+/// The load of the churn scenarios: half async 300 ms sleep jobs (followed to their end), half sync echo.
+async fn churn_load(ctx: &Arc<Ctx>, p: &Params, rate: f64, d: Duration, prefix: &'static str) {
     let users = user_count(p, 20);
-    let load = open_loop(ctx, "invokeAsync", Arrivals::Constant, rate, d, move |i, t| {
+    open_loop(ctx, "invokeAsync", Arrivals::Constant, rate, d, move |i, t| {
         let c = Arc::clone(ctx);
         async move {
-            let user = format!("nnk-{}", i % users);
+            let user = format!("{prefix}-{}", i % users);
             if i % 2 == 0 {
                 let body = invoke_body(PY, "sleep", &json!({ "ms": 300 }));
                 if let Some(job) = c.invoke_async("invokeAsync", t, &user, &body).await {
@@ -570,29 +613,36 @@ async fn nats_node_kill(ctx: &Arc<Ctx>, p: &Params, rate: f64, d: Duration) -> a
                 let _ = c.op("invoke", t, &user, "tools.invoke", &body, SYNC_WAIT).await;
             }
         }
-    });
-    let (restarted, oks, ()) = tokio::join!(killer, probe, load);
-    let mut restarted = restarted?;
-    if let Some(killed_at) = *killed_at
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-    {
-        let ms = |x: Duration| to_u64(x.as_secs_f64() * 1000.0);
-        if let Some((_, at)) = oks.iter().find(|(sent, _)| *sent > killed_at) {
-            ctx.rec.count("recovery_ms", ms(at.duration_since(killed_at)));
+    })
+    .await;
+}
+
+/// `rolling-workers`: two extra workers, each replaced in turn (surge one: the new one registers before the old
+/// one drains), at a third and at two thirds of the run.
+async fn rolling_workers(ctx: &Arc<Ctx>, p: &Params, rate: f64, d: Duration) -> anyhow::Result<()> {
+    let mut workers = crate::chaos::Workers::start(ctx, &p.worker_nats, 2).await?;
+    let started = Instant::now();
+    let roll = {
+        let c = Arc::clone(ctx);
+        async move {
+            let mut first = None;
+            for k in 1..=2u32 {
+                tokio::time::sleep_until((started + d * k / 3).into()).await;
+                workers.add().await?;
+                first.get_or_insert_with(Instant::now);
+                if workers.retire_oldest().await {
+                    c.rec.count("workers_rolled", 1);
+                } else {
+                    c.rec.count("workers_killed_after_grace", 1);
+                }
+            }
+            workers.stop();
+            anyhow::Ok(first)
         }
-        let mut last = killed_at;
-        let mut gap = Duration::ZERO;
-        for (_, at) in oks.iter().filter(|(_, at)| *at > killed_at) {
-            gap = gap.max(at.duration_since(last));
-            last = *at;
-        }
-        ctx.rec.count("longest_gap_ms", ms(gap));
-    }
-    if p.spawned {
-        // Ours: stopped with the rest of the spawned fleet.
-        let _ = restarted.kill();
-        let _ = restarted.wait();
+    };
+    let (first, oks, ()) = tokio::join!(roll, probe(ctx, d), churn_load(ctx, p, rate, d, "roll"));
+    if let Some(from) = first? {
+        outage_counters(ctx, &oks, from);
     }
     Ok(())
 }
