@@ -1054,7 +1054,7 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
                     "--user",
                     &user,
                     "--tool-id",
-                    "echo",
+                    "echo-py",
                     "--tool",
                     "echo",
                     "--args",
