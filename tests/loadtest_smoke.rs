@@ -351,6 +351,7 @@ fn every_scenario_smoke_runs() {
         "host-storage",
         "mixed",
         "rolling-workers",
+        "rolling-fronts",
         // Last: the killed worker stays in the registry for up to 10 s.
         "chaos-worker-kill",
     ] {
@@ -395,6 +396,7 @@ fn list_names_every_scenario_and_bad_runs_exit_2() {
         "mixed",
         "nats-node-kill",
         "rolling-workers",
+        "rolling-fronts",
     ] {
         let line = text.lines().find(|l| l.starts_with(name));
         assert!(

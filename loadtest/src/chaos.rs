@@ -115,20 +115,7 @@ impl Workers {
         if self.children.is_empty() {
             return false;
         }
-        let mut child = self.children.remove(0);
-        if let Some(pid) = rustix::process::Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX)) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        }
-        let deadline = Instant::now() + STOP_WITHIN;
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = child.try_wait() {
-                return true;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-        false
+        crate::spawn::terminate(self.children.remove(0), STOP_WITHIN).await
     }
 
     /// The worker to kill (taken out of the set).
@@ -158,5 +145,15 @@ impl Workers {
 impl Drop for Workers {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+impl crate::scenarios::Replicas for Workers {
+    async fn add(&mut self) -> anyhow::Result<()> {
+        Workers::add(self).await
+    }
+
+    async fn retire_oldest(&mut self) -> bool {
+        Workers::retire_oldest(self).await
     }
 }

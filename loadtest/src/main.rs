@@ -10,6 +10,7 @@
 
 mod chaos;
 mod engine;
+mod fronts;
 mod metrics;
 mod nats_nodes;
 mod report;
@@ -193,6 +194,7 @@ fn run(args: &RunArgs) -> anyhow::Result<bool> {
         worker_nats: worker,
         data_dir: data_dir.clone(),
         spawned: args.spawn,
+        auth_dir: auth_dir.clone(),
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let metrics_url = spawned

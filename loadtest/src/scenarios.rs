@@ -118,6 +118,13 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         nats_cluster: 1,
     },
     Scenario {
+        name: "rolling-fronts",
+        description: "starts 2 extra front replicas (`fleet up --workers 0 --nats-url …`), then replaces each in turn (a new one serves, the old one gets SIGTERM and drains) during async sleep jobs and sync echo: no call may fail and no job be lost; counters fronts_rolled, longest_gap_ms (without a successful probe call)",
+        implemented: true,
+        default_rate: 10.0,
+        nats_cluster: 1,
+    },
+    Scenario {
         name: "nats-node-kill",
         description: "on a 3-node NATS cluster (--spawn starts `fleet up --nats-cluster 3`), SIGKILLs the node leading the active-set bucket a third of the way through async sleep jobs and sync echo, restarts it at two thirds: no accepted job may be lost; counters recovery_ms (kill to the first successful probe call sent after it), longest_gap_ms (without a successful probe), catch_up_ms (restart to every stream current)",
         implemented: true,
@@ -148,6 +155,8 @@ pub(crate) struct Params {
     pub(crate) data_dir: std::path::PathBuf,
     /// Whether the fleet is this run's own `--spawn` (a node it restarts is then stopped at the end).
     pub(crate) spawned: bool,
+    /// The fleet's NATS auth material (`rolling-fronts` starts fronts with it).
+    pub(crate) auth_dir: std::path::PathBuf,
 }
 
 const SYNC_WAIT: Duration = Duration::from_secs(30);
@@ -347,6 +356,7 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
         }
         "nats-node-kill" => nats_node_kill(ctx, p, rate, d).await?,
         "rolling-workers" => rolling_workers(ctx, p, rate, d).await?,
+        "rolling-fronts" => rolling_fronts(ctx, p, rate, d).await?,
         "hostile-neighbour" => {
             if !p.native_echo {
                 anyhow::bail!(
@@ -617,10 +627,24 @@ async fn churn_load(ctx: &Arc<Ctx>, p: &Params, rate: f64, d: Duration, prefix: 
     .await;
 }
 
-/// `rolling-workers`: two extra workers, each replaced in turn (surge one: the new one registers before the old
-/// one drains), at a third and at two thirds of the run.
-async fn rolling_workers(ctx: &Arc<Ctx>, p: &Params, rate: f64, d: Duration) -> anyhow::Result<()> {
-    let mut workers = crate::chaos::Workers::start(ctx, &p.worker_nats, 2).await?;
+/// Replicas a rolling scenario replaces: worker or front processes.
+pub(crate) trait Replicas {
+    /// Starts one more and waits until it serves.
+    async fn add(&mut self) -> anyhow::Result<()>;
+    /// SIGTERM to the oldest, waited for; whether it exited on its own (false also when none is left).
+    async fn retire_oldest(&mut self) -> bool;
+}
+
+/// A rolling update under the churn load: at a third and at two thirds of the run one replica is replaced (surge
+/// one: the new one serves before the old one drains); then the replacements leave, drained too. Counters
+/// `<what>_rolled` and `<what>_killed_after_grace`, and the probe's outage counters from the first replacement.
+async fn rolling(
+    ctx: &Arc<Ctx>,
+    p: &Params,
+    (rate, d): (f64, Duration),
+    mut replicas: impl Replicas,
+    what: &'static str,
+) -> anyhow::Result<()> {
     let started = Instant::now();
     let roll = {
         let c = Arc::clone(ctx);
@@ -628,21 +652,34 @@ async fn rolling_workers(ctx: &Arc<Ctx>, p: &Params, rate: f64, d: Duration) -> 
             let mut first = None;
             for k in 1..=2u32 {
                 tokio::time::sleep_until((started + d * k / 3).into()).await;
-                workers.add().await?;
+                replicas.add().await?;
                 first.get_or_insert_with(Instant::now);
-                if workers.retire_oldest().await {
-                    c.rec.count("workers_rolled", 1);
+                if replicas.retire_oldest().await {
+                    c.rec.count(&format!("{what}_rolled"), 1);
                 } else {
-                    c.rec.count("workers_killed_after_grace", 1);
+                    c.rec.count(&format!("{what}_killed_after_grace"), 1);
                 }
             }
-            workers.stop();
+            while replicas.retire_oldest().await {}
             anyhow::Ok(first)
         }
     };
-    let (first, oks, ()) = tokio::join!(roll, probe(ctx, d), churn_load(ctx, p, rate, d, "roll"));
+    let (first, oks, ()) = tokio::join!(roll, probe(ctx, d), churn_load(ctx, p, rate, d, what));
     if let Some(from) = first? {
         outage_counters(ctx, &oks, from);
     }
     Ok(())
+}
+
+/// `rolling-workers`: two extra workers, each replaced in turn.
+async fn rolling_workers(ctx: &Arc<Ctx>, p: &Params, rate: f64, d: Duration) -> anyhow::Result<()> {
+    let workers = crate::chaos::Workers::start(ctx, &p.worker_nats, 2).await?;
+    rolling(ctx, p, (rate, d), workers, "workers").await
+}
+
+/// `rolling-fronts`: two extra front replicas, each replaced in turn.
+async fn rolling_fronts(ctx: &Arc<Ctx>, p: &Params, rate: f64, d: Duration) -> anyhow::Result<()> {
+    let nats_url = p.worker_nats.url.clone();
+    let fronts = crate::fronts::Fronts::start(&nats_url, p.auth_dir.clone(), p.data_dir.clone(), 2).await?;
+    rolling(ctx, p, (rate, d), fronts, "fronts").await
 }

@@ -151,3 +151,20 @@ impl Drop for SpawnedFleet {
         let _ = self.child.wait();
     }
 }
+
+/// SIGTERM to `child`, then waits up to `within` for it to exit (SIGKILL after); whether it exited on its own.
+pub(crate) async fn terminate(mut child: Child, within: Duration) -> bool {
+    if let Some(pid) = rustix::process::Pid::from_raw(i32::try_from(child.id()).unwrap_or(i32::MAX)) {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+    }
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    false
+}
