@@ -333,24 +333,7 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
                     }
                 }
             };
-            let users = user_count(p, 20);
-            let load = open_loop(ctx, "invokeAsync", Arrivals::Constant, rate, d, move |i, t| {
-                let c = Arc::clone(ctx);
-                async move {
-                    let user = format!("chaos-{}", i % users);
-                    if i % 2 == 0 {
-                        let body = invoke_body(PY, "sleep", &json!({ "ms": 500 }));
-                        if let Some(job) = c.invoke_async("invokeAsync", t, &user, &body).await {
-                            c.follow(&user, &job).await;
-                        }
-                    } else {
-                        let mut body = invoke_body(PY, "echo", &json!({ "i": i }));
-                        body["timeoutMs"] = json!(5000);
-                        let wait = Duration::from_secs(10);
-                        let _ = c.op("invoke", t, &user, "tools.invoke", &body, wait).await;
-                    }
-                }
-            });
+            let load = churn_load(ctx, p, (rate, d), "chaos", CHAOS_MIX);
             tokio::join!(killer, load);
             workers.stop();
         }
@@ -553,7 +536,7 @@ async fn nats_node_kill(ctx: &Arc<Ctx>, p: &Params, rate: f64, d: Duration) -> a
         }
     };
     let probe = probe(ctx, d);
-    let load = churn_load(ctx, p, rate, d, "nnk");
+    let load = churn_load(ctx, p, (rate, d), "nnk", CHURN_MIX);
     let (restarted, oks, ()) = tokio::join!(killer, probe, load);
     let mut restarted = restarted?;
     if let Some(killed_at) = *killed_at
@@ -606,21 +589,56 @@ fn outage_counters(ctx: &Ctx, oks: &[(Instant, Instant)], from: Instant) {
     ctx.rec.count("longest_gap_ms", ms(gap));
 }
 
-/// The load of the churn scenarios: half async 300 ms sleep jobs (followed to their end), half sync echo.
-async fn churn_load(ctx: &Arc<Ctx>, p: &Params, rate: f64, d: Duration, prefix: &'static str) {
+/// What [`churn_load`] sends: async sleep jobs of `sleep_ms`, and sync echoes with an optional `timeoutMs`,
+/// waited for `sync_wait`.
+#[derive(Debug, Clone, Copy)]
+struct ChurnMix {
+    sleep_ms: u64,
+    sync_timeout_ms: Option<u64>,
+    sync_wait: Duration,
+}
+
+/// The rolling and node-kill scenarios' mix: 300 ms jobs, sync calls with the default timeout.
+const CHURN_MIX: ChurnMix = ChurnMix {
+    sleep_ms: 300,
+    sync_timeout_ms: None,
+    sync_wait: SYNC_WAIT,
+};
+
+/// `chaos-worker-kill`'s mix: 500 ms jobs, sync calls bounded to 5 s (waited for 10 s).
+const CHAOS_MIX: ChurnMix = ChurnMix {
+    sleep_ms: 500,
+    sync_timeout_ms: Some(5000),
+    sync_wait: Duration::from_secs(10),
+};
+
+/// The load of the churn scenarios: half async sleep jobs (followed to their end), half sync echo, over
+/// `<prefix>-<n>` users.
+async fn churn_load(
+    ctx: &Arc<Ctx>,
+    p: &Params,
+    (rate, d): (f64, Duration),
+    prefix: &'static str,
+    mix: ChurnMix,
+) {
     let users = user_count(p, 20);
     open_loop(ctx, "invokeAsync", Arrivals::Constant, rate, d, move |i, t| {
         let c = Arc::clone(ctx);
         async move {
             let user = format!("{prefix}-{}", i % users);
             if i % 2 == 0 {
-                let body = invoke_body(PY, "sleep", &json!({ "ms": 300 }));
+                let body = invoke_body(PY, "sleep", &json!({ "ms": mix.sleep_ms }));
                 if let Some(job) = c.invoke_async("invokeAsync", t, &user, &body).await {
                     c.follow(&user, &job).await;
                 }
             } else {
-                let body = invoke_body(PY, "echo", &json!({ "i": i }));
-                let _ = c.op("invoke", t, &user, "tools.invoke", &body, SYNC_WAIT).await;
+                let mut body = invoke_body(PY, "echo", &json!({ "i": i }));
+                if let Some(ms) = mix.sync_timeout_ms {
+                    body["timeoutMs"] = json!(ms);
+                }
+                let _ = c
+                    .op("invoke", t, &user, "tools.invoke", &body, mix.sync_wait)
+                    .await;
             }
         }
     })
@@ -664,7 +682,11 @@ async fn rolling(
             anyhow::Ok(first)
         }
     };
-    let (first, oks, ()) = tokio::join!(roll, probe(ctx, d), churn_load(ctx, p, rate, d, what));
+    let (first, oks, ()) = tokio::join!(
+        roll,
+        probe(ctx, d),
+        churn_load(ctx, p, (rate, d), what, CHURN_MIX)
+    );
     if let Some(from) = first? {
         outage_counters(ctx, &oks, from);
     }
