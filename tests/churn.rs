@@ -333,3 +333,39 @@ async fn rolling_restart_of_every_front_under_load_fails_no_call_and_loses_no_jo
     load.finish(&c, "rolling-fronts").await;
     c.shutdown().await;
 }
+
+/// A request sent while no front listens (every replica restarting, or failing over to another NATS server):
+/// `fleet_client::api::request` sends it again until a front answers (within `api::NO_FRONT_WAIT`), instead of
+/// failing with "no responders" — nothing ran, so sending it again is safe. The front is added only after the
+/// client's first attempt (a front's start opens its store first: many JetStream round trips).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_sent_while_no_front_listens_is_answered_once_one_does() {
+    let mut c = Cluster::start("churn-no-front", 0, 0, &[]).await;
+    let probe = c
+        .app
+        .send_request(
+            subjects::api(methods::TOOLS_LIST),
+            api_request(&bearer(&c.token(USER)), &json!({}), Duration::from_secs(5)),
+        )
+        .await
+        .expect_err("no front yet");
+    assert_eq!(probe.kind(), async_nats::client::RequestErrorKind::NoResponders);
+    let (app, token) = (c.app.clone(), c.token(USER));
+    let ask = tokio::spawn(async move {
+        fleet_client::api::request(
+            &app,
+            &token,
+            subjects::api(methods::TOOLS_LIST),
+            &json!({}),
+            GUARD,
+        )
+        .await
+    });
+    c.add_front().await;
+    let answer = tokio::time::timeout(GUARD, ask)
+        .await
+        .expect("failure guard")
+        .unwrap();
+    assert!(answer.is_ok(), "{answer:?}");
+    c.shutdown().await;
+}

@@ -195,6 +195,110 @@ async fn worker_credentials_cannot_write_grants_plugins_or_admin_subjects() {
     c.shutdown().await;
 }
 
+/// Returns once the server has processed everything `client` sent before (its subscriptions are in place): a
+/// flush only writes them out, so a request from another connection could overtake them. A JetStream API round
+/// trip on the same connection is the barrier (a server reads a connection's protocol in order).
+async fn registered(client: &async_nats::Client) {
+    async_nats::jetstream::new(client.clone())
+        .query_account()
+        .await
+        .expect("a JetStream API round trip");
+}
+
+/// Waits until `events` reports the connection (re-)established.
+async fn reconnected(events: &mut mpsc::UnboundedReceiver<String>) {
+    let deadline = tokio::time::Instant::now() + GUARD;
+    loop {
+        let event = tokio::time::timeout_at(deadline, events.recv())
+            .await
+            .expect("no reconnect")
+            .expect("events");
+        if event == "connected" {
+            return;
+        }
+    }
+}
+
+/// The churn issue (a NATS node killed under load): a responder whose connection fails over to another server
+/// still answers the requests it took before. NATS's response permission is granted per delivered request by the
+/// server that delivered it, so it does not survive the reconnect; the front answers every requester (an app's
+/// imported request, an operator's) and a worker the fronts' inboxes explicitly. Here the failover is a reconnect
+/// to the same server, which forgets the grant just the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_survive_a_reconnect_of_the_responder() {
+    let c = Cluster::start("trust-answer", 0, 0, &[]).await;
+    for (asker_role, answerer_role, subject) in [
+        (Role::App, Role::Front, "fleet.v1.api.test.reconnect"),
+        (Role::Operator, Role::Front, "fleet.v1.admin.test.reconnect"),
+        (Role::Front, Role::Worker, "fleet.v1.worker.w-reconnect.exec"),
+    ] {
+        let asker = c.nats.connector(asker_role).connect("asker").await.unwrap();
+        let (answerer, mut events) = watched(&c.nats.connector(answerer_role), "answerer").await;
+        reconnected(&mut events).await;
+        let mut requests = answerer.subscribe(subject).await.unwrap();
+        registered(&answerer).await;
+        let ask = tokio::spawn(async move {
+            let request = async_nats::Request::new()
+                .payload("ping".into())
+                .timeout(Some(GUARD));
+            asker.send_request(subject, request).await
+        });
+        let request = tokio::time::timeout(GUARD, futures::StreamExt::next(&mut requests))
+            .await
+            .expect("the request arrives")
+            .expect("subscription");
+        answerer.force_reconnect().await.unwrap();
+        reconnected(&mut events).await;
+        answerer
+            .publish(request.reply.expect("a reply subject"), "pong".into())
+            .await
+            .unwrap();
+        answerer.flush().await.unwrap();
+        let answer = ask.await.unwrap().unwrap_or_else(|e| {
+            panic!("{asker_role:?} got no answer from a {answerer_role:?} that reconnected: {e}")
+        });
+        assert_eq!(&answer.payload[..], b"pong");
+    }
+    c.shutdown().await;
+}
+
+/// The other side of the same failover: a request whose own connection is re-established while it waits (its
+/// answer, sent meanwhile, is gone with the old connection) gives up `RECONNECT_GRACE` after the reconnect, as
+/// `RequestError::LostInReconnect`, instead of waiting out its timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_connection_fails_over_gives_up_after_the_grace() {
+    let c = Cluster::start("trust-lost", 0, 0, &[]).await;
+    let asker = c.nats.connector(Role::Front).connect("asker").await.unwrap();
+    let worker = c.nats.connector(Role::Worker).connect("silent").await.unwrap();
+    let subject = "fleet.v1.worker.w-silent.exec";
+    let mut requests = worker.subscribe(subject).await.unwrap();
+    registered(&worker).await;
+    let waiting = asker.clone();
+    let ask = tokio::spawn(async move {
+        // A timeout far beyond the test's guard: only the reconnect can end the wait in time.
+        let request = async_nats::Request::new()
+            .payload("ping".into())
+            .timeout(Some(GUARD * 10));
+        fleet_client::nats_conn::request(&waiting, subject.to_owned(), request).await
+    });
+    let _unanswered = tokio::time::timeout(GUARD, futures::StreamExt::next(&mut requests))
+        .await
+        .expect("the request arrives");
+    asker.force_reconnect().await.unwrap();
+    let outcome = tokio::time::timeout(GUARD, ask)
+        .await
+        .expect("the request gives up after the reconnect")
+        .unwrap();
+    assert!(
+        matches!(
+            outcome,
+            Err(fleet_client::nats_conn::RequestError::LostInReconnect)
+        ),
+        "{outcome:?}"
+    );
+    c.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_issued_app_credential_works_until_revoked_then_is_closed_and_refused() {
     let c = Cluster::start("trust-revoke", 1, 1, &[Plugin::echo("echo", &[])]).await;

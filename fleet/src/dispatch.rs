@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use fleet_client::nats_conn;
 use fleet_proto::api::worker::{CancelCommand, ExecKind, ExecReply, ExecRequest};
 use fleet_proto::api::{ApiError, ApiErrorCode, subjects};
 use sha2::{Digest, Sha256};
@@ -22,6 +23,10 @@ const REGISTRY_CACHE: Duration = Duration::from_millis(500);
 /// waits for membership to change before it answers `agent_unavailable` — bounded further by the call's own
 /// timeout (the default of [`FrontConfig::no_worker_wait`](crate::front::FrontConfig::no_worker_wait)). A rolling restart replaces a worker within this (a new worker registers before it takes work).
 pub const NO_WORKER_WAIT: Duration = Duration::from_secs(5);
+
+/// How long a sync call waits before it asks again a registered worker whose exec subject had no subscriber (a
+/// worker whose NATS connection is failing over to another server; nothing ran, so asking again is safe).
+const NO_RESPONDERS_PAUSE: Duration = Duration::from_millis(100);
 
 /// How long a worker may take to accept (or refuse) a job.
 const JOB_ACCEPT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -151,9 +156,13 @@ impl Dispatcher {
             .payload(payload.into())
             .headers(headers)
             .timeout(Some(wait));
-        match self.client.send_request(subject, request).instrument(span).await {
+        match nats_conn::request(&self.client, subject, request)
+            .instrument(span)
+            .await
+        {
             Ok(msg) => serde_json::from_slice(&msg.payload).map_err(|e| RequestFailure::Other(e.to_string())),
-            Err(e) => Err(match e.kind() {
+            Err(nats_conn::RequestError::LostInReconnect) => Err(RequestFailure::Lost),
+            Err(nats_conn::RequestError::Nats(e)) => Err(match e.kind() {
                 async_nats::client::RequestErrorKind::NoResponders => RequestFailure::NoResponders,
                 async_nats::client::RequestErrorKind::TimedOut => RequestFailure::TimedOut,
                 _ => RequestFailure::Other(e.to_string()),
@@ -161,8 +170,10 @@ impl Dispatcher {
         }
     }
 
-    /// A synchronous invoke: the first ranked worker that answers runs it. A worker that is gone (no responders)
-    /// or refuses for capacity is skipped; a timeout is final (the invoke may have run).
+    /// A synchronous invoke: the first ranked worker that answers runs it. A worker that refuses for capacity is
+    /// skipped; one that is registered but has no subscriber (gone, or failing over to another NATS server) is
+    /// asked again every [`NO_RESPONDERS_PAUSE`] until [`NO_WORKER_WAIT`]; a timeout is final (the invoke may have
+    /// run), and so is an answer lost with the front's own connection.
     pub async fn sync(&self, req: &ExecRequest, wait: Duration) -> Result<(String, ExecReply), ApiError> {
         let span = dispatch_span(req);
         let result = self.sync_inner(req, wait).instrument(span.clone()).await;
@@ -181,6 +192,8 @@ impl Dispatcher {
             // Whether a worker was gone or draining (membership is changing), as opposed to every live worker
             // refusing for capacity, which is answered at once.
             let mut churn = false;
+            // Whether a registered worker had no subscriber: it is asked again after a pause.
+            let mut unheard = false;
             let ranked = self.ranked(&req.user, &req.plugin).await;
             if ranked.is_empty() {
                 churn = true;
@@ -197,8 +210,13 @@ impl Dispatcher {
                     Ok(reply) if reply.draining => churn = true,
                     Ok(reply) if skippable(&reply) => {}
                     Ok(reply) => return Ok((worker, reply)),
-                    Err(RequestFailure::NoResponders) => churn = true,
+                    Err(RequestFailure::NoResponders) => {
+                        churn = true;
+                        unheard = true;
+                        tried.remove(&worker);
+                    }
                     Err(RequestFailure::TimedOut) => return Err(timed_out(wait)),
+                    Err(RequestFailure::Lost) => return Err(lost()),
                     Err(RequestFailure::Other(e)) => {
                         return Err(ApiError::new(ApiErrorCode::AgentUnavailable, e));
                     }
@@ -207,6 +225,12 @@ impl Dispatcher {
             let until = give_up.min(deadline);
             if !churn || Instant::now() >= until {
                 break;
+            }
+            if unheard {
+                // A worker between two connections: ask it again soon (or earlier, on a membership change).
+                let pause = until.min(Instant::now() + NO_RESPONDERS_PAUSE);
+                let _ = tokio::time::timeout_at(pause.into(), changes.changed()).await;
+                continue;
             }
             // Wait for a worker to register (or any other change), then try the ones not tried yet.
             if tokio::time::timeout_at(until.into(), changes.changed())
@@ -255,7 +279,7 @@ impl Dispatcher {
                     Some(e) => return Err(e),
                     None => {}
                 },
-                Err(RequestFailure::NoResponders | RequestFailure::TimedOut) => {}
+                Err(RequestFailure::NoResponders | RequestFailure::TimedOut | RequestFailure::Lost) => {}
                 Err(RequestFailure::Other(e)) => {
                     return Err(ApiError::new(ApiErrorCode::AgentUnavailable, e));
                 }
@@ -349,6 +373,20 @@ fn timed_out(wait: Duration) -> ApiError {
     ApiError::new(ApiErrorCode::ToolTimeout, format!("no answer within {wait:?}"))
 }
 
+/// The answer to a sync call whose worker's answer was lost with a NATS server (the front's connection failed
+/// over under it): it may have run, so it is not sent again; the caller may retry.
+fn lost() -> ApiError {
+    ApiError::with_details(
+        ApiErrorCode::AgentUnavailable,
+        format!(
+            "the worker's answer was lost with a NATS server (the front reconnected with the call in flight, and \
+             no answer came within {} ms): the call's outcome is unknown",
+            nats_conn::RECONNECT_GRACE.as_millis()
+        ),
+        serde_json::json!({ "retriable": true }),
+    )
+}
+
 /// A worker that refused only because it cannot take the call now.
 fn skippable(reply: &ExecReply) -> bool {
     !reply.success
@@ -361,6 +399,8 @@ fn skippable(reply: &ExecReply) -> bool {
 enum RequestFailure {
     NoResponders,
     TimedOut,
+    /// The front's connection failed over with the request in flight; no answer came after it.
+    Lost,
     Other(String),
 }
 

@@ -4,7 +4,6 @@
 //! the app API `fleet.v1.api.tools.*` and the operator API `fleet.v1.admin.*`).
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use fleet_proto::admin;
@@ -13,7 +12,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 
 use crate::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, DevKey, OPERATOR_AUDIENCE};
-use crate::nats_conn::Connector;
+use crate::nats_conn::{self, Connector, RequestError};
 
 /// The NATS URL clients use by default.
 pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
@@ -86,17 +85,18 @@ pub fn bearer(token: &str) -> String {
     format!("Bearer {token}")
 }
 
-/// How often a waiting [`request`] checks whether its connection was re-established under it.
-pub const RECONNECT_CHECK: Duration = Duration::from_millis(50);
+/// How long [`request`] keeps sending again a request no front subscribed to ("no responders": every front
+/// replica restarting or failing over to another NATS server) before it answers `agent_unavailable`. A front
+/// re-subscribes within a second of its reconnect; a fleet with no front at all is reported after this.
+pub const NO_FRONT_WAIT: Duration = Duration::from_secs(5);
+/// The first pause before a request that had no responders is sent again; it doubles up to [`NO_FRONT_PAUSE_MAX`].
+const NO_FRONT_PAUSE: Duration = Duration::from_millis(50);
+const NO_FRONT_PAUSE_MAX: Duration = Duration::from_millis(500);
 
-/// How long a [`request`] still waits for its answer after its connection was re-established: a request in
-/// flight when its NATS server died is lost (or its answer is), and without this it would wait its whole `wait`
-/// (30 s for most methods) for an answer that cannot come.
-pub const RECONNECT_GRACE: Duration = Duration::from_secs(2);
-
-/// Sends one request with `Authorization: Bearer <token>` to `subject` and unwraps the `ApiResponse`. When the
+/// Sends one request with `Authorization: Bearer <token>` to `subject` and unwraps the `ApiResponse`. A request
+/// that no front subscribed to is sent again for up to [`NO_FRONT_WAIT`] (bounded by `wait`). When the
 /// connection is lost and re-established while it waits (its server died: the request or its answer went with
-/// it), it gives up [`RECONNECT_GRACE`] after the reconnect with `agent_unavailable` (retriable), naming the
+/// it), it gives up [`nats_conn::RECONNECT_GRACE`] after the reconnect with `agent_unavailable` (retriable), naming the
 /// unknown outcome.
 pub async fn request(
     client: &async_nats::Client,
@@ -105,40 +105,30 @@ pub async fn request(
     body: &Value,
     wait: Duration,
 ) -> Result<Value, ApiError> {
-    let request = api_request(&bearer(token), body, wait);
-    let stats = client.statistics();
-    let connects = stats.connects.load(Ordering::Relaxed);
-    let send = client.send_request(subject.clone(), request);
-    tokio::pin!(send);
-    let mut check = tokio::time::interval(RECONNECT_CHECK);
-    // Once the connection was re-established under the request: how long its answer may still take.
-    let mut lost_by: Option<tokio::time::Instant> = None;
+    let give_up = tokio::time::Instant::now() + NO_FRONT_WAIT.min(wait);
+    let mut pause = NO_FRONT_PAUSE;
     let reply = loop {
-        tokio::select! {
-            reply = &mut send => break reply
-                .map_err(|e| ApiError::new(ApiErrorCode::AgentUnavailable, format!("{subject}: {e}")))?,
-            _ = check.tick() => {
-                let now = tokio::time::Instant::now();
-                match lost_by {
-                    None if stats.connects.load(Ordering::Relaxed) != connects => {
-                        lost_by = Some(now + RECONNECT_GRACE);
-                    }
-                    Some(by) if now >= by => {
-                        return Err(ApiError::new(
-                            ApiErrorCode::AgentUnavailable,
-                            format!(
-                                "{subject}: the NATS connection was lost and re-established with the request in \
-                                 flight, and no answer came within {} ms of the reconnect: its outcome is unknown \
-                                 (an invokeAsync may have created a job: list your jobs before retrying)",
-                                RECONNECT_GRACE.as_millis()
-                            ),
-                        ));
-                    }
-                    _ => {}
-                }
+        let request = api_request(&bearer(token), body, wait);
+        match nats_conn::request(client, subject.clone(), request).await {
+            // No front subscribed at this instant (a replica failing over to another server, or restarting):
+            // nothing ran, so the request is sent again, at growing intervals.
+            Err(RequestError::Nats(e))
+                if e.kind() == async_nats::client::RequestErrorKind::NoResponders
+                    && tokio::time::Instant::now() + pause < give_up =>
+            {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(NO_FRONT_PAUSE_MAX);
             }
+            other => break other,
         }
-    };
+    }
+    .map_err(|e| match e {
+        RequestError::LostInReconnect => ApiError::new(
+            ApiErrorCode::AgentUnavailable,
+            format!("{subject}: {e} (an invokeAsync may have created a job: list your jobs before retrying)"),
+        ),
+        RequestError::Nats(e) => ApiError::new(ApiErrorCode::AgentUnavailable, format!("{subject}: {e}")),
+    })?;
     let response: ApiResponse<Value> = serde_json::from_slice(&reply.payload)
         .map_err(|e| ApiError::new(ApiErrorCode::InternalError, format!("unreadable answer: {e}")))?;
     response.into_result()

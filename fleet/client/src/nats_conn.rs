@@ -50,6 +50,64 @@ pub async fn drain(client: &async_nats::Client) -> Result<(), FlushError> {
     Ok(())
 }
 
+/// How often [`request`] looks whether its connection was re-established.
+pub const RECONNECT_CHECK: Duration = Duration::from_millis(50);
+
+/// How long a [`request`] still waits for its answer after its connection was re-established: a request in
+/// flight when its NATS server died is lost (or its answer is), and without this it would wait its whole
+/// timeout (30 s for most API methods, a sync invoke's own timeout for a front's call to a worker) for an answer
+/// that cannot come.
+pub const RECONNECT_GRACE: Duration = Duration::from_secs(2);
+
+/// Why [`request`] got no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// The client's connection was lost and re-established while the request was in flight, and no answer
+    /// came within [`RECONNECT_GRACE`] of the reconnect: whether the request was served is unknown.
+    #[error(
+        "the NATS connection was lost and re-established with the request in flight, and no answer came within \
+         {} ms of the reconnect: its outcome is unknown",
+        RECONNECT_GRACE.as_millis()
+    )]
+    LostInReconnect,
+    /// NATS's own failure (no responders, the request's timeout, a closed client).
+    #[error(transparent)]
+    Nats(#[from] async_nats::RequestError),
+}
+
+/// Sends `request` to `subject` and waits for its answer (at most the request's own timeout). Every request of
+/// the fleet that crosses a server goes through here — a client's to the API, a front's to a worker — so a
+/// connection that fails over to another server of the cluster costs a caller [`RECONNECT_GRACE`], not the
+/// request's whole timeout.
+pub async fn request(
+    client: &async_nats::Client,
+    subject: String,
+    request: async_nats::Request,
+) -> Result<async_nats::Message, RequestError> {
+    let stats = client.statistics();
+    let connects = stats.connects.load(std::sync::atomic::Ordering::Relaxed);
+    let send = client.send_request(subject, request);
+    tokio::pin!(send);
+    let mut check = tokio::time::interval(RECONNECT_CHECK);
+    // Once the connection was re-established under the request: how long its answer may still take.
+    let mut lost_by: Option<tokio::time::Instant> = None;
+    loop {
+        tokio::select! {
+            reply = &mut send => return Ok(reply?),
+            _ = check.tick() => {
+                let now = tokio::time::Instant::now();
+                match lost_by {
+                    None if stats.connects.load(std::sync::atomic::Ordering::Relaxed) != connects => {
+                        lost_by = Some(now + RECONNECT_GRACE);
+                    }
+                    Some(by) if now >= by => return Err(RequestError::LostInReconnect),
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
 /// The directory, under a data dir, where `fleet up` keeps the NATS auth material and each role's `.creds`.
 pub fn auth_dir(data_dir: &Path) -> PathBuf {
     data_dir.join("nats")

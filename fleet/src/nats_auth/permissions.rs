@@ -1,6 +1,6 @@
 //! Least privilege per role: which subjects each of the fleet's NATS users may publish and subscribe to, and
 //! which JetStream resources it may create, write or only read. This table is the only place they are decided;
-//! the permission table of `docs/operations.md` is generated from it (see `tests/nats_permissions.rs`, which also
+//! the permission table of `docs/operations.md` is generated from it (see `tests/nats_trust.rs`, which also
 //! tries every refusal against a real server).
 //!
 //! JetStream access is granted per stream through the subjects of JetStream's API (`$JS.API.STREAM.INFO.<S>`,
@@ -27,6 +27,13 @@ pub const ADMIN_SUBJECTS: &str = "fleet.v1.admin.>";
 pub const MATRIX_CANCEL: &str = "matrix.cancel.*";
 /// The service-discovery subjects of NATS services (`$SRV.PING`, `$SRV.INFO.<name>`, …).
 pub const SERVICE_DISCOVERY: &str = "$SRV.>";
+
+/// Every reply subject a requester of the fleet's account can give: the inboxes of its users (`_INBOX.<user>.…`)
+/// and the subjects NATS maps the reply of an imported request to (`_R_.…`: an app's API request seen from the
+/// FLEET account). A front answers on them explicitly, not only through the response permission NATS grants per
+/// delivered request, because that grant lives on the server that delivered the request: a front whose
+/// connection fails over to another server of the cluster could not answer the requests it took before.
+pub const ANY_REPLY: [&str; 2] = ["_INBOX.>", "_R_.>"];
 
 /// What a role may do with one JetStream resource.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -275,7 +282,9 @@ pub fn for_role(role: Role, prefix: &str) -> Permissions {
     match role {
         Role::Front => {
             publish_allow.extend(strings(&[WORKER_EXEC, WORKER_CANCEL, EVENT_SUBJECTS]));
-            publish_allow.push(inbox(name));
+            // Its own inbox is among them. A front is trusted with every stream already; answering any
+            // requester adds no reach.
+            publish_allow.extend(strings(&ANY_REPLY));
             subscribe_allow.extend(strings(&[
                 API_SUBJECTS,
                 ADMIN_SUBJECTS,
@@ -287,6 +296,11 @@ pub fn for_role(role: Role, prefix: &str) -> Permissions {
         Role::Worker => {
             publish_allow.push(EVENT_SUBJECTS.to_owned());
             publish_allow.push(inbox(name));
+            // The fronts' inboxes, where it answers exec requests, also after its connection failed over to
+            // another server (see [`ANY_REPLY`]). It adds no reach: the worker credential already receives every
+            // exec request (one credential serves every worker), and the fronts' other reply subjects (their
+            // JetStream API answers) are random per request and never seen by a worker.
+            publish_allow.push(inbox(Role::Front.as_str()));
             subscribe_allow.extend(strings(&[WORKER_EXEC, WORKER_CANCEL, MATRIX_CANCEL]));
             // Spelled out although outside the allow list: a worker never acts as a front or an operator.
             publish_deny.extend(strings(&[ADMIN_SUBJECTS, WORKER_SUBJECTS, API_SUBJECTS]));
