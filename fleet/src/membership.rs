@@ -4,9 +4,11 @@
 //! The watch starts before the registry is read, so no change between the read and the first change is missed
 //! (a change seen twice is applied twice, harmlessly: the changes are idempotent and in order). A key removed by
 //! the bucket's `max_age` produces no change, so every entry also ages out here after the worker TTL without a
-//! refresh — the same rule JetStream applies. When the watch breaks (a NATS restart, the bucket deleted), it is
-//! set up again and the registry re-read; until the first read and after a break, [`Membership::snapshot`] says
-//! it knows nothing (`None`) so callers never mistake "not read" for "no workers".
+//! refresh — the same rule JetStream applies, on the registry's clock (see [`Membership::snapshot`]: a registry
+//! that stores nothing for a while stops the ageing). When the watch breaks (a NATS restart, the stream electing a
+//! leader, the bucket deleted), it is set up again and the registry re-read, the last membership serving
+//! meanwhile; until the first read, [`Membership::snapshot`] says it knows nothing (`None`) so callers never
+//! mistake "not read" for "no workers".
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -16,6 +18,8 @@ use futures::StreamExt as _;
 use tokio::sync::watch;
 
 use fleet_store::{Store, StoreError, WorkerChange, WorkerInfo};
+
+use crate::policy;
 
 /// How long to wait before watching again after the watch broke.
 const REWATCH_AFTER: Duration = Duration::from_millis(500);
@@ -60,16 +64,14 @@ impl Membership {
     }
 
     /// The live workers sorted by id, or `None` while the registry has not been read yet.
+    ///
+    /// An entry is live until the worker TTL after its last refresh, on the registry's clock: while the registry
+    /// stores refreshes that is now; once no worker's refresh has arrived for [`policy::REGISTRY_QUIET`], it is
+    /// the newest refresh seen, so a registry that cannot store (its stream electing a leader) does not empty the
+    /// membership, and entries age again from the first refresh it stores.
     pub fn snapshot(&self) -> Option<Vec<WorkerInfo>> {
         let guard = self.shared.lock();
-        let members = guard.as_ref()?;
-        let mut live: Vec<WorkerInfo> = members
-            .values()
-            .filter(|(_, seen)| seen.elapsed() < self.shared.ttl)
-            .map(|(info, _)| info.clone())
-            .collect();
-        live.sort_by(|a, b| a.id.cmp(&b.id));
-        Some(live)
+        Some(live_at(guard.as_ref()?, Instant::now(), self.shared.ttl))
     }
 
     /// A receiver that wakes on every change applied from now on.
@@ -84,14 +86,33 @@ impl Drop for Membership {
     }
 }
 
+/// The entries of `members` live at `now` (sorted by id): refreshed less than `ttl` before the registry's clock —
+/// `now`, or the newest refresh once none arrived for [`policy::REGISTRY_QUIET`].
+fn live_at(members: &HashMap<String, (WorkerInfo, Instant)>, now: Instant, ttl: Duration) -> Vec<WorkerInfo> {
+    let newest = members.values().map(|(_, seen)| *seen).max().unwrap_or(now);
+    let clock = if now.saturating_duration_since(newest) > policy::REGISTRY_QUIET {
+        newest
+    } else {
+        now
+    };
+    let mut live: Vec<WorkerInfo> = members
+        .values()
+        .filter(|(_, seen)| clock.saturating_duration_since(*seen) < ttl)
+        .map(|(info, _)| info.clone())
+        .collect();
+    live.sort_by(|a, b| a.id.cmp(&b.id));
+    live
+}
+
 async fn run(store: Store, shared: Arc<Shared>) {
     loop {
         if let Err(e) = follow_once(&store, &shared).await {
             tracing::warn!(error = %e, "the worker registry watch broke; watching again");
         }
-        // Whatever was known may be stale now: say so until the registry has been read again.
-        *shared.lock() = None;
-        shared.bump();
+        // What was known stays until the registry is read again: the watch breaks when its stream loses its
+        // leader (a NATS node died), which is when workers keep running and only the registry is unavailable;
+        // no refresh arrives meanwhile, so the entries stop ageing (`snapshot`), and a worker that did go away
+        // costs a call one "no responders" round trip.
         tokio::time::sleep(REWATCH_AFTER).await;
     }
 }
@@ -129,4 +150,56 @@ async fn follow_once(store: &Store, shared: &Shared) -> Result<(), StoreError> {
         shared.bump();
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TTL: Duration = Duration::from_secs(10);
+
+    fn members(seen: &[(&str, Instant)]) -> HashMap<String, (WorkerInfo, Instant)> {
+        seen.iter()
+            .map(|(id, at)| {
+                let info = WorkerInfo {
+                    id: (*id).to_owned(),
+                    capacity_long_jobs: 1,
+                    long_jobs_running: 0,
+                    sessions_warm: Vec::new(),
+                    started_at_ms: 0,
+                };
+                ((*id).to_owned(), (info, *at))
+            })
+            .collect()
+    }
+
+    fn ids(live: &[WorkerInfo]) -> Vec<&str> {
+        live.iter().map(|w| w.id.as_str()).collect()
+    }
+
+    #[test]
+    fn while_the_registry_stores_refreshes_an_entry_lives_until_the_ttl_after_its_last() {
+        let t0 = Instant::now();
+        let now = t0 + TTL + Duration::from_secs(1);
+        // "b" refreshed just now: the registry stores; "a" is exactly at, then past, the TTL.
+        let m = members(&[("a", t0 + Duration::from_secs(1)), ("b", now)]);
+        assert_eq!(ids(&live_at(&m, now - Duration::from_millis(1), TTL)), ["a", "b"]);
+        assert_eq!(ids(&live_at(&m, now, TTL)), ["b"]);
+    }
+
+    #[test]
+    fn a_registry_quiet_for_longer_than_registry_quiet_stops_the_ageing() {
+        let t0 = Instant::now();
+        // Every entry's last refresh is older than REGISTRY_QUIET: nothing is stored (a stream electing its
+        // leader); both stay, however long the silence lasts, as long as they were live at the newest refresh.
+        let m = members(&[("a", t0), ("b", t0 + Duration::from_secs(2))]);
+        let later = t0 + policy::REGISTRY_QUIET + TTL * 3;
+        assert_eq!(ids(&live_at(&m, later, TTL)), ["a", "b"]);
+        // An entry already dead at the newest refresh stays dead.
+        let m = members(&[("a", t0), ("b", t0 + TTL)]);
+        assert_eq!(ids(&live_at(&m, later + TTL, TTL)), ["b"]);
+        // At REGISTRY_QUIET exactly the registry still counts as storing (its clock is now).
+        let m = members(&[("a", t0), ("b", t0 + TTL - policy::REGISTRY_QUIET)]);
+        assert_eq!(ids(&live_at(&m, t0 + TTL, TTL)), ["b"]);
+    }
 }

@@ -33,9 +33,6 @@ use crate::policy;
 use fleet_proto::api::user_key;
 use fleet_store::{Store, Transition, WorkerInfo};
 
-/// How often the worker refreshes its registry entry and its running jobs' heartbeats.
-pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
-
 /// How long [`WorkerNode::shutdown`] lets in-flight invokes and running jobs finish before it stops their plugins
 /// (the Helm chart's `terminationGracePeriodSeconds` must cover it plus the plugin shutdown ladder).
 pub const DRAIN_GRACE: Duration = Duration::from_secs(30);
@@ -182,7 +179,7 @@ impl WorkerNode {
         }
         let c = ctx.clone();
         tasks.spawn(async move {
-            let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
+            let mut tick = tokio::time::interval(policy::HEARTBEAT_EVERY);
             loop {
                 tick.tick().await;
                 heartbeat(&c).await;
@@ -877,7 +874,7 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
     let hb_ctx = ctx.clone();
     let (hb_user, hb_job) = (user.clone(), job_id.clone());
     let heartbeat = tokio::spawn(async move {
-        let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
+        let mut tick = tokio::time::interval(policy::HEARTBEAT_EVERY);
         loop {
             tick.tick().await;
             let _ = hb_ctx

@@ -78,6 +78,16 @@ pub fn job_timeout_ms(requested: Option<u64>) -> u64 {
 /// The default when the manifest declares nothing.
 pub const SYNC_DEFAULT_MS: u64 = INVOKE_TIMEOUT_DEFAULT_MS;
 
+/// How often a worker refreshes its registry entry and its running jobs' heartbeats.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
+
+/// How long the worker registry may go without storing any worker's refresh before a front stops ageing its
+/// entries (twice a worker's refresh interval: a live worker refreshes within one). Every worker falling silent
+/// at once is a registry that cannot store (its stream electing a leader after a NATS node died, 5–8 s), not
+/// every worker dying: the front keeps the last membership it saw, and a worker that is really gone costs a call
+/// one "no responders" round trip.
+pub const REGISTRY_QUIET: Duration = HEARTBEAT_EVERY.saturating_mul(2);
+
 /// How long `tools.invokeAsync` keeps trying to admit a job while the job store does not answer (a NATS server
 /// of a cluster died and its streams elect new leaders: measured 5.0 s for nats-server 2.15 on 3 nodes, see
 /// docs/operations.md) before it answers `agent_unavailable`. Well under the 30 s clients wait for an answer.
