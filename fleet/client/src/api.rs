@@ -1,8 +1,8 @@
-//! Request/response plumbing of the fleet's NATS API and the typed client the CLI, `loadtest`, the benches and
-//! the tests share: where a local fleet (`fleet up`) leaves its URL and keys, dev tokens, one request with
-//! `Authorization: Bearer <token>` unwrapped from the API envelope, and [`ApiClient`] (one connection, one token,
-//! the app API `fleet.v1.api.tools.*` — a typed method per method, with the wire types of `fleet_proto::api` and
-//! a [`CallError`] per failure — and the operator API `fleet.v1.admin.*`).
+//! Request/response plumbing of the fleet's NATS API and the client the CLI, `loadtest` and the tests share:
+//! where a local fleet (`fleet up`) leaves its URL and keys, dev tokens, one request with `Authorization: Bearer
+//! <token>` unwrapped from the API envelope, and [`ApiClient`] (one connection, one token, the app API
+//! `fleet.v1.api.tools.*` — a typed method per method, with the wire types of `fleet_proto::api` and a
+//! [`CallError`] per failure — and the operator API `fleet.v1.admin.*`).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
