@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 use fleet::dispatch::rank;
 use fleet::front::FrontConfig;
 use fleet::node::DRAIN_GRACE;
-use fleet_client::api::{api_request, bearer};
+use fleet_client::api::{ApiClient, CallError, api_request, bearer};
 use fleet_e2e::cluster::Cluster;
 use fleet_e2e::worker::Plugin;
 use fleet_proto::api::user_key;
-use fleet_proto::api::{ApiResponse, methods, subjects};
+use fleet_proto::api::{ApiResponse, InvokeArgs, InvokeAsyncArgs, methods, subjects};
 use serde_json::{Value, json};
 
 /// Failure guard only.
@@ -35,15 +35,32 @@ async fn until<T>(what: &str, mut f: impl AsyncFnMut() -> Option<T>) -> T {
     }
 }
 
-/// A sync invoke of the echo fixture over its own request (so it can run in a task).
-async fn invoke(client: async_nats::Client, token: String, method: &str, args: Value) -> ApiResponse<Value> {
-    let body = json!({ "tool_id": "echo", "method": method, "args": args });
-    let request = api_request(&bearer(&token), &body, GUARD);
-    let msg = client
-        .send_request(subjects::api(methods::TOOLS_INVOKE), request)
-        .await
-        .expect("an answer");
-    serde_json::from_slice(&msg.payload).expect("an envelope")
+/// `user`'s client on the cluster's app connection; a call waits for its answer for its whole wait.
+fn client(c: &Cluster, user: &str) -> ApiClient {
+    ApiClient::new(c.app.clone(), c.token(user)).waiting_through_reconnects()
+}
+
+/// The fleet's answer, or a panic when there was none.
+fn answer<T>(r: Result<T, CallError>) -> ApiResponse<T> {
+    match r {
+        Ok(v) => ApiResponse::Ok(v),
+        Err(CallError::Api(e)) => ApiResponse::Err(e),
+        Err(e) => panic!("an answer: {e}"),
+    }
+}
+
+/// A sync invoke of the echo fixture (owning its client, so it can run in a task).
+async fn invoke(client: ApiClient, method: &str, args: Value) -> ApiResponse<Value> {
+    let args = InvokeArgs {
+        tool_id: "echo".into(),
+        method: Some(method.into()),
+        args: args.as_object().cloned(),
+        timeout_ms: None,
+    };
+    match answer(client.invoke(&args, GUARD).await) {
+        ApiResponse::Ok(data) => ApiResponse::Ok(Value::Object(data)),
+        ApiResponse::Err(e) => ApiResponse::Err(e),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -62,12 +79,7 @@ async fn a_draining_worker_finishes_its_calls_while_the_next_worker_takes_new_on
     let (fi, other) = if ids[0] == first { (0, 1) } else { (1, 0) };
 
     // A long call runs on the first-ranked worker…
-    let long = tokio::spawn(invoke(
-        c.app.clone(),
-        c.token(USER),
-        "sleep",
-        json!({ "ms": 1500 }),
-    ));
+    let long = tokio::spawn(invoke(client(&c, USER), "sleep", json!({ "ms": 1500 })));
     let pool = c.workers[fi].node.as_ref().unwrap().pool().clone();
     until("the long call reaching the plugin", async || {
         pool.session(USER, "echo")
@@ -127,12 +139,7 @@ async fn a_call_that_finds_no_worker_waits_for_one_to_register() {
         ..FrontConfig::default()
     })
     .await;
-    let call = tokio::spawn(invoke(
-        c.app.clone(),
-        c.token(USER),
-        "echo",
-        json!({ "waited": true }),
-    ));
+    let call = tokio::spawn(invoke(client(&c, USER), "echo", json!({ "waited": true })));
     // The front holds the call (it found no worker and waits for membership to change)…
     until("the front holding the call", async || {
         (c.fronts[0].1.in_flight() == 1).then_some(())
@@ -180,19 +187,19 @@ impl Load {
         let seen = Arc::new(Mutex::new(Seen::default()));
         let mut lanes = Vec::new();
         for lane in 0..6usize {
-            let (client, stop, seen) = (c.app.clone(), stop.clone(), seen.clone());
-            let tokens: Vec<(String, String)> = (0..8)
+            let (stop, seen) = (stop.clone(), seen.clone());
+            let clients: Vec<(String, ApiClient)> = (0..8)
                 .map(|u| {
                     let user = format!("{prefix}-{lane}-{u}");
-                    let token = c.token(&user);
-                    (user, token)
+                    let api = client(c, &user);
+                    (user, api)
                 })
                 .collect();
             lanes.push(tokio::spawn(async move {
                 let sync = lane < 4;
                 let mut n = 0usize;
                 while !stop.load(Ordering::SeqCst) {
-                    let (user, token) = &tokens[n % tokens.len()];
+                    let (user, api) = &clients[n % clients.len()];
                     n += 1;
                     if sync {
                         let (method, args) = if n.is_multiple_of(3) {
@@ -200,23 +207,24 @@ impl Load {
                         } else {
                             ("echo", json!({ "n": n }))
                         };
-                        match invoke(client.clone(), token.clone(), method, args).await {
+                        match invoke(api.clone(), method, args).await {
                             ApiResponse::Ok(_) => seen.lock().unwrap().sync_ok += 1,
                             ApiResponse::Err(e) => seen.lock().unwrap().failure("invoke", &e),
                         }
                     } else {
-                        let body = json!({ "tool_id": "echo", "method": "sleep", "args": { "ms": 300 } });
-                        let request = api_request(&bearer(token), &body, GUARD);
-                        let msg = client
-                            .send_request(subjects::api(methods::TOOLS_INVOKE_ASYNC), request)
-                            .await
-                            .expect("an answer");
-                        match serde_json::from_slice(&msg.payload).expect("an envelope") {
-                            ApiResponse::<Value>::Ok(v) => seen
+                        let args = InvokeAsyncArgs {
+                            tool_id: "echo".into(),
+                            method: Some("sleep".into()),
+                            args: json!({ "ms": 300 }).as_object().cloned(),
+                            timeout_ms: None,
+                            client_tag: None,
+                        };
+                        match answer(api.invoke_async(&args, GUARD).await) {
+                            ApiResponse::Ok(r) => seen
                                 .lock()
                                 .unwrap()
                                 .accepted
-                                .push((user.clone(), v["jobId"].as_str().unwrap().to_owned())),
+                                .push((user.clone(), r.job_id.to_string())),
                             ApiResponse::Err(e) => seen.lock().unwrap().failure("invokeAsync", &e),
                         }
                         tokio::time::sleep(Duration::from_millis(20)).await;

@@ -7,12 +7,7 @@
 use std::collections::BTreeSet;
 use std::path::{Component, Path, PathBuf};
 
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
+use fleet_e2e_client::workspace_root;
 
 /// Every `*.md` file of the repository, outside build output, vendored code and hidden directories.
 fn markdown_files(dir: &Path, out: &mut Vec<PathBuf>) {

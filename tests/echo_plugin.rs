@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
-use fleet_e2e::{echo_plugin_bin, python_plugin_path};
+use fleet_e2e_client::{echo_plugin_bin, python_plugin_path};
 use serde_json::{Value, json};
 use tokio::io::Lines;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};

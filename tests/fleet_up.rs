@@ -15,8 +15,7 @@ use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use fleet_e2e::worker::alive;
-use fleet_e2e::{fleet_bin, workspace_root};
+use fleet_e2e_client::{alive, fleet_bin, workspace_root};
 use fleet_worker::config::{IsolationMode, RunAs, WorkerConfig};
 use fleet_worker::sandbox::Sandbox;
 use serde_json::{Value, json};
@@ -719,7 +718,7 @@ fn run_bounded(mut cmd: Command) -> Output {
 #[test]
 fn a_python_plugin_samples_stores_and_uploads_through_fleet_up() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let llm = runtime.block_on(fleet_e2e::fake_llm::FakeLlm::start());
+    let llm = runtime.block_on(fleet_e2e_client::fake_llm::FakeLlm::start());
     llm.set(|b| b.text = Some("Cats sleep a lot.".into()));
     let base_url = llm.base_url();
     let mut up = Up::start_with(|dir| {
@@ -1128,6 +1127,8 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
     for target in ["KV_fleet_active", "meta", "KV_fleet_jobs"] {
         let leader = leader_of(&nodes, target);
         let victim = nodes.iter().position(|n| n.name == leader).unwrap();
+        // The binary `fleet up` started the node with, to restart it with the same one.
+        let nats_server = std::fs::read_link(format!("/proc/{}/exe", pids[victim])).unwrap();
         let killed_at = Instant::now();
         assert!(
             Command::new("kill")
@@ -1145,7 +1146,7 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
             answered(killed_at, true) >= 10 && answered(killed_at, false) >= 20
         });
         let node = &nodes[victim];
-        let child = Command::new(fleet::nats_server::find().unwrap())
+        let child = Command::new(&nats_server)
             .arg("-c")
             .arg(node.dir.join("nats.conf"))
             .args(["-a", "127.0.0.1", "-p", &node.port.to_string(), "-js", "-sd"])

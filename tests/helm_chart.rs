@@ -13,7 +13,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use fleet_e2e::workspace_root;
+use fleet_e2e_client::workspace_root;
 use serde_json::Value;
 
 fn python(root: &Path) -> PathBuf {

@@ -6,10 +6,14 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use fleet_client::api::{ApiClient, DEFAULT_DATA_DIR, connect, mint, resolve_url};
+use std::future::Future;
+
+use fleet_client::api::{ApiClient, CallError, DEFAULT_DATA_DIR, connect, mint, resolve_url};
 use fleet_client::creds::Role;
 use fleet_client::nats_conn::{Connector, NatsAuthArgs, role_creds};
-use fleet_proto::api::{ApiError, ApiErrorCode};
+use fleet_proto::api::{ApiError, ApiErrorCode, ListToolsArgs, methods, parse_args};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 /// Connection and identity flags shared by every client subcommand.
@@ -80,7 +84,7 @@ impl OperatorConn {
     /// connection.
     pub async fn client(&self) -> Result<ApiClient, ApiError> {
         let token = self.token()?;
-        ApiClient::connect(&self.connector(), "operator", token).await
+        Ok(ApiClient::connect(&self.connector(), "operator", token).await?)
     }
 }
 
@@ -111,9 +115,52 @@ impl ClientArgs {
     }
 }
 
-/// Sends one API call and returns its result.
+/// Sends one app API call with the typed client and returns its result as JSON. `body` is the subcommand's flags
+/// as the method's arguments.
 pub async fn call(args: &ClientArgs, method: &str, body: &Value, wait: Duration) -> Result<Value, ApiError> {
     let token = args.token()?;
     let client = ApiClient::connect(&args.connector(), "fleet-cli", token).await?;
-    client.call(method, body, wait).await
+    let c = &client;
+    let call = Typed {
+        client: c,
+        method,
+        body,
+        wait,
+    };
+    match method {
+        methods::TOOLS_LIST => call.send(|_: ListToolsArgs| c.list_tools(wait)).await,
+        methods::TOOLS_INVOKE => call.send(|a| async move { c.invoke(&a, wait).await }).await,
+        methods::TOOLS_INVOKE_ASYNC => call.send(|a| async move { c.invoke_async(&a, wait).await }).await,
+        methods::TOOLS_GET_JOB => call.send(|a| async move { c.get_job(&a, wait).await }).await,
+        methods::TOOLS_CANCEL_JOB => call.send(|a| async move { c.cancel_job(&a, wait).await }).await,
+        methods::TOOLS_LIST_JOBS => call.send(|a| async move { c.list_jobs(&a, wait).await }).await,
+        _ => client.call(method, body, wait).await,
+    }
+}
+
+/// One app API call of the CLI: `body` as the method's arguments.
+struct Typed<'a> {
+    client: &'a ApiClient,
+    method: &'a str,
+    body: &'a Value,
+    wait: Duration,
+}
+
+impl Typed<'_> {
+    /// `send`s the body parsed as the method's arguments `A` (by the fleet's own parser, `parse_args`) and returns
+    /// the result as JSON. Arguments that do not parse are sent as they are: the fleet refuses them exactly as it
+    /// refuses any caller's (it checks the token first, then the arguments).
+    async fn send<A, R, Fut>(self, send: impl FnOnce(A) -> Fut) -> Result<Value, ApiError>
+    where
+        A: DeserializeOwned,
+        R: Serialize,
+        Fut: Future<Output = Result<R, CallError>>,
+    {
+        let Ok(args) = parse_args::<A>(self.body) else {
+            return self.client.call(self.method, self.body, self.wait).await;
+        };
+        let result = send(args).await?;
+        serde_json::to_value(result)
+            .map_err(|e| ApiError::new(ApiErrorCode::InternalError, format!("unprintable result: {e}")))
+    }
 }

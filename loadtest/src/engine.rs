@@ -7,11 +7,14 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use fleet_client::api::{api_request, bearer};
+use fleet_client::api::{ApiClient, NoAnswer};
 use fleet_client::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, SigningKey};
-use fleet_proto::api::subjects;
+use fleet_proto::api::{
+    CancelJobArgs, CancelJobResult, GetJobArgs, InvokeArgs, InvokeAsyncArgs, InvokePayload, JobId, JobState,
+    ListJobsArgs, ListJobsResult, ListToolsResult,
+};
 use hdrhistogram::Histogram;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 /// Largest latency a histogram holds (1 h, in µs); larger values saturate.
 const MAX_LATENCY_US: u64 = 3_600_000_000;
@@ -166,6 +169,32 @@ pub(crate) struct CallError {
     pub(crate) message: String,
 }
 
+impl From<fleet_client::api::CallError> for CallError {
+    /// The API's code, or the client-side code of a request without an answer (`timeout`, `no_responders`,
+    /// `max_payload_exceeded`, `request_failed`) or with an unreadable one (`bad_reply`).
+    fn from(e: fleet_client::api::CallError) -> CallError {
+        use fleet_client::api::CallError as E;
+        let (code, message) = match e {
+            E::Api(e) => (e.code.as_str(), e.message),
+            E::NoAnswer { kind, detail, .. } => (
+                match kind {
+                    NoAnswer::TimedOut => "timeout",
+                    NoAnswer::NoResponders => "no_responders",
+                    NoAnswer::MaxPayloadExceeded => "max_payload_exceeded",
+                    NoAnswer::ConnectionLost | NoAnswer::Failed => "request_failed",
+                },
+                detail,
+            ),
+            E::Connect(message) => ("request_failed", message),
+            E::Unreadable(message) => ("bad_reply", message),
+        };
+        CallError {
+            code: code.into(),
+            message,
+        }
+    }
+}
+
 /// The shared context of a run.
 #[derive(Debug)]
 pub(crate) struct Ctx {
@@ -176,7 +205,8 @@ pub(crate) struct Ctx {
     key: SigningKey,
     /// The fleet's operator key (or why it is not available), for [`Ctx::admin`].
     operator_key: Result<SigningKey, String>,
-    tokens: Mutex<HashMap<String, String>>,
+    /// Each user's client: the connection with the user's token.
+    clients: Mutex<HashMap<String, ApiClient>>,
     /// The measurements.
     pub(crate) rec: Recorder,
     /// Tasks in flight.
@@ -209,7 +239,7 @@ impl Ctx {
             ops,
             key,
             operator_key: Err("no operator key was loaded".into()),
-            tokens: Mutex::new(HashMap::new()),
+            clients: Mutex::new(HashMap::new()),
             rec: Recorder::new(),
             in_flight: AtomicUsize::new(0),
             max_in_flight,
@@ -218,9 +248,11 @@ impl Ctx {
         }
     }
 
-    fn token(&self, user: &str) -> Result<String, CallError> {
-        if let Some(t) = lock(&self.tokens).get(user) {
-            return Ok(t.clone());
+    /// `user`'s client (its token minted on first use). A call waits for its answer for its whole wait, even
+    /// over a reconnect: its outcome is what the run measures.
+    fn client(&self, user: &str) -> Result<ApiClient, CallError> {
+        if let Some(c) = lock(&self.clients).get(user) {
+            return Ok(c.clone());
         }
         let token = self
             .key
@@ -235,59 +267,25 @@ impl Ctx {
                 code: "mint_failed".into(),
                 message: e.to_string(),
             })?;
-        lock(&self.tokens).insert(user.to_string(), token.clone());
-        Ok(token)
+        let client = ApiClient::new(self.nats.clone(), token).waiting_through_reconnects();
+        lock(&self.clients).insert(user.to_string(), client.clone());
+        Ok(client)
     }
 
-    /// One API call as `user`; the answer's `result`, or its error code.
-    pub(crate) async fn call(
-        &self,
-        user: &str,
-        method: &str,
-        body: &Value,
-        wait: Duration,
-    ) -> Result<Value, CallError> {
-        let token = self.token(user)?;
-        let request = api_request(&bearer(&token), body, wait);
+    /// One API call as `user` (`call` sends it with the user's client); counted as sent, not measured.
+    pub(crate) async fn call<T, F, Fut>(&self, user: &str, call: F) -> Result<T, CallError>
+    where
+        F: FnOnce(ApiClient) -> Fut,
+        Fut: Future<Output = Result<T, fleet_client::api::CallError>>,
+    {
+        let client = self.client(user)?;
         self.rec.sent.fetch_add(1, Ordering::Relaxed);
-        let reply = self
-            .nats
-            .send_request(subjects::api(method), request)
-            .await
-            .map_err(|e| {
-                use async_nats::RequestErrorKind as K;
-                let code = match e.kind() {
-                    K::TimedOut => "timeout",
-                    K::NoResponders => "no_responders",
-                    K::MaxPayloadExceeded => "max_payload_exceeded",
-                    _ => "request_failed",
-                };
-                CallError {
-                    code: code.into(),
-                    message: e.to_string(),
-                }
-            })?;
-        let answer: Value = serde_json::from_slice(&reply.payload).map_err(|e| CallError {
-            code: "bad_reply".into(),
-            message: e.to_string(),
-        })?;
-        if answer.get("ok").and_then(Value::as_bool) == Some(true) {
-            Ok(answer.get("result").cloned().unwrap_or(Value::Null))
-        } else {
-            let err = answer.get("error").cloned().unwrap_or(Value::Null);
-            Err(CallError {
-                code: err
-                    .get("code")
-                    .and_then(Value::as_str)
-                    .unwrap_or("bad_reply")
-                    .to_string(),
-                message: err
-                    .get("message")
-                    .and_then(Value::as_str)
-                    .unwrap_or_default()
-                    .to_string(),
-            })
-        }
+        call(client).await.map_err(CallError::from)
+    }
+
+    /// `tools.list` as `user`, not measured.
+    pub(crate) async fn list_tools(&self, user: &str, wait: Duration) -> Result<ListToolsResult, CallError> {
+        self.call(user, |c| async move { c.list_tools(wait).await }).await
     }
 
     /// Operator calls sign with `key` (the fleet's dev operator key) from now on.
@@ -329,74 +327,124 @@ impl Ctx {
         })
     }
 
-    /// One measured call: the latency runs from `intended` (an open-model arrival's scheduled start, or now).
-    pub(crate) async fn op(
+    /// One measured call ([`Ctx::call`]): the latency runs from `intended` (an open-model arrival's scheduled
+    /// start, or now).
+    pub(crate) async fn op<T, F, Fut>(
         &self,
         op: &str,
         intended: Instant,
         user: &str,
-        method: &str,
-        body: &Value,
-        wait: Duration,
-    ) -> Result<Value, CallError> {
-        let r = self.call(user, method, body, wait).await;
+        call: F,
+    ) -> Result<T, CallError>
+    where
+        F: FnOnce(ApiClient) -> Fut,
+        Fut: Future<Output = Result<T, fleet_client::api::CallError>>,
+    {
+        let r = self.call(user, call).await;
         self.rec
             .record(op, intended, r.as_ref().map(|_| ()).map_err(|e| e.code.as_str()));
         r
     }
 
-    /// `tools.invokeAsync`; counts the job as accepted when it gets an id.
+    /// `tools.invoke`, measured as `op`.
+    pub(crate) async fn invoke(
+        &self,
+        op: &str,
+        intended: Instant,
+        user: &str,
+        args: &InvokeArgs,
+        wait: Duration,
+    ) -> Result<InvokePayload, CallError> {
+        self.op(op, intended, user, |c| async move { c.invoke(args, wait).await })
+            .await
+    }
+
+    /// `tools.invokeAsync` of the call `args` names (without its sync timeout); counts the job as accepted when
+    /// it gets an id.
     pub(crate) async fn invoke_async(
         &self,
         op: &str,
         intended: Instant,
         user: &str,
-        body: &Value,
-    ) -> Option<String> {
+        args: &InvokeArgs,
+    ) -> Option<JobId> {
+        let args = InvokeAsyncArgs {
+            tool_id: args.tool_id.clone(),
+            method: args.method.clone(),
+            args: args.args.clone(),
+            timeout_ms: None,
+            client_tag: None,
+        };
         let r = self
-            .op(
-                op,
-                intended,
-                user,
-                "tools.invokeAsync",
-                body,
-                Duration::from_secs(30),
-            )
+            .op(op, intended, user, |c| async move {
+                c.invoke_async(&args, Duration::from_secs(30)).await
+            })
             .await;
-        let id = r.ok()?.get("jobId").and_then(Value::as_str).map(str::to_string)?;
+        let id = r.ok()?.job_id;
         self.rec.jobs.accepted.fetch_add(1, Ordering::Relaxed);
         Some(id)
     }
 
+    /// `tools.cancelJob`, measured as `op` from now.
+    pub(crate) async fn cancel_job(
+        &self,
+        op: &str,
+        user: &str,
+        args: &CancelJobArgs,
+        wait: Duration,
+    ) -> Result<CancelJobResult, CallError> {
+        self.op(op, Instant::now(), user, |c| async move {
+            c.cancel_job(args, wait).await
+        })
+        .await
+    }
+
+    /// `tools.listJobs`, measured as `op`.
+    pub(crate) async fn list_jobs(
+        &self,
+        op: &str,
+        intended: Instant,
+        user: &str,
+        args: &ListJobsArgs,
+        wait: Duration,
+    ) -> Result<ListJobsResult, CallError> {
+        self.op(
+            op,
+            intended,
+            user,
+            |c| async move { c.list_jobs(args, wait).await },
+        )
+        .await
+    }
+
     /// Polls `tools.getJob` until the job is terminal (counted) or the drain deadline passes (then it is lost).
     /// Progress events seen are counted under `progress_events`. Returns the terminal state.
-    pub(crate) async fn follow(&self, user: &str, job_id: &str) -> Option<String> {
+    pub(crate) async fn follow(&self, user: &str, job_id: &JobId) -> Option<JobState> {
         let mut since = 0u64;
         loop {
-            let body = json!({ "jobId": job_id, "sinceSeq": since, "limit": 500 });
+            let args = GetJobArgs {
+                job_id: job_id.clone(),
+                since_seq: Some(since),
+                limit: Some(500),
+            };
+            let args = &args;
             if let Ok(snap) = self
-                .op(
-                    "getJob",
-                    Instant::now(),
-                    user,
-                    "tools.getJob",
-                    &body,
-                    Duration::from_secs(10),
-                )
+                .op("getJob", Instant::now(), user, |c| async move {
+                    c.get_job(args, Duration::from_secs(10)).await
+                })
                 .await
             {
-                let events = snap.get("progress").and_then(Value::as_array).map_or(0, Vec::len);
+                let events = snap.progress.len();
                 if events > 0 {
                     self.rec.count("progress_events", events as u64);
                 }
-                since = snap.get("lastSeq").and_then(Value::as_u64).unwrap_or(since);
-                let state = snap.get("state").and_then(Value::as_str).unwrap_or_default();
-                if matches!(state, "succeeded" | "failed" | "cancelled" | "expired") {
+                since = snap.last_seq;
+                if snap.state.is_terminal() {
                     self.rec.jobs.terminal.fetch_add(1, Ordering::Relaxed);
                     *lock(&self.rec.jobs.by_state)
-                        .entry(state.to_string())
+                        .entry(snap.state.as_str().to_string())
                         .or_default() += 1;
-                    return Some(state.to_string());
+                    return Some(snap.state);
                 }
             }
             if Instant::now() >= *lock(&self.drain_deadline) {

@@ -24,6 +24,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
+use fleet_proto::api::InvokeArgs;
 use serde_json::{Value, json};
 
 use crate::engine::{Ctx, lock};
@@ -241,28 +242,28 @@ async fn drive(
     let ops = operator.connect("loadtest-operator").await?;
     let ctx = Arc::new(Ctx::new(nats, ops, key, MAX_IN_FLIGHT).with_operator_key(operator_key));
     // Which demo plugins are served (the native `echo` needs `target/release`).
+    let user = format!("loadtest-{}", ctx.run_tag);
     let tools = ctx
-        .call(
-            &format!("loadtest-{}", ctx.run_tag),
-            "tools.list",
-            &json!({}),
-            Duration::from_secs(10),
-        )
+        .list_tools(&user, Duration::from_secs(10))
         .await
         .map_err(|e| anyhow::anyhow!("tools.list on {nats_url}: {}: {}", e.code, e.message))?;
-    let ids: Vec<&str> = tools["tools"]
-        .as_array()
-        .map(|t| t.iter().filter_map(|t| t["tool_id"].as_str()).collect())
-        .unwrap_or_default();
+    let ids: Vec<&str> = tools.tools.iter().map(|t| t.tool_id.as_str()).collect();
     // tools.list shows only what workers have described so far: when `echo` is not there yet, one probe call says.
     params.native_echo = ids
         .iter()
         .any(|id| *id == "echo" || id.starts_with("echo.") || id.starts_with("echo__"));
     if !params.native_echo {
-        let probe = json!({ "tool_id": "echo", "method": "echo", "args": {}, "timeoutMs": 5000 });
-        let user = format!("loadtest-{}", ctx.run_tag);
+        let probe = InvokeArgs {
+            tool_id: "echo".into(),
+            method: Some("echo".into()),
+            args: Some(serde_json::Map::new()),
+            timeout_ms: Some(5000),
+        };
+        let probe = &probe;
         params.native_echo = ctx
-            .call(&user, "tools.invoke", &probe, Duration::from_secs(10))
+            .call(&user, |c| async move {
+                c.invoke(probe, Duration::from_secs(10)).await
+            })
             .await
             .is_ok();
     }

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use fleet_proto::api::{CancelJobArgs, InvokeArgs, JobState, ListJobsArgs};
 use serde_json::{Value, json};
 
 use crate::engine::{Arrivals, Ctx, open_loop, to_u64};
@@ -166,8 +167,14 @@ const NOTES: &str = "notes-py";
 /// Users of `host-storage`.
 const STORAGE_USERS: u64 = 10;
 
-fn invoke_body(tool_id: &str, tool: &str, args: &Value) -> Value {
-    json!({ "tool_id": tool_id, "method": tool, "args": args })
+/// A call of `tool` of `tool_id` with `args` (an object: anything else sends no arguments).
+fn invoke_body(tool_id: &str, tool: &str, args: &Value) -> InvokeArgs {
+    InvokeArgs {
+        tool_id: tool_id.to_owned(),
+        method: Some(tool.to_owned()),
+        args: args.as_object().cloned(),
+        timeout_ms: None,
+    }
 }
 
 /// How many users a scenario spreads its load over: `--users`, else the scenario's `default` (at least 1).
@@ -202,7 +209,7 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
                 async move {
                     let user = format!("burst-{}", i % users);
                     let body = invoke_body(PY, "echo", &json!({ "i": i }));
-                    let _ = c.op("invoke", t, &user, "tools.invoke", &body, SYNC_WAIT).await;
+                    let _ = c.invoke("invoke", t, &user, &body, SYNC_WAIT).await;
                 }
             })
             .await;
@@ -213,7 +220,7 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
                 async move {
                     let user = format!("cold-{}-{i}", c.run_tag);
                     let body = invoke_body(PY, "echo", &json!({ "i": i }));
-                    let _ = c.op("invoke", t, &user, "tools.invoke", &body, SYNC_WAIT).await;
+                    let _ = c.invoke("invoke", t, &user, &body, SYNC_WAIT).await;
                 }
             })
             .await;
@@ -241,19 +248,13 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
                     let body = invoke_body(PY, "sleep", &json!({ "ms": 10_000 }));
                     if let Some(job) = c.invoke_async("invokeAsync", t, &user, &body).await {
                         tokio::time::sleep(Duration::from_millis(50 + (i * 37) % 250)).await;
-                        let body = json!({ "jobId": job, "reason": "loadtest cancel-storm" });
-                        let _ = c
-                            .op(
-                                "cancelJob",
-                                Instant::now(),
-                                &user,
-                                "tools.cancelJob",
-                                &body,
-                                SYNC_WAIT,
-                            )
-                            .await;
+                        let args = CancelJobArgs {
+                            job_id: job.clone(),
+                            reason: Some("loadtest cancel-storm".into()),
+                        };
+                        let _ = c.cancel_job("cancelJob", &user, &args, SYNC_WAIT).await;
                         let end = c.follow(&user, &job).await;
-                        if end.is_some_and(|s| s != "cancelled") {
+                        if end.is_some_and(|s| s != JobState::Cancelled) {
                             c.rec.count("not_cancelled", 1);
                         }
                     }
@@ -285,11 +286,13 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
                     let user = format!("big-{}", i % users);
                     if i % 2 == 0 {
                         let body = invoke_body(PY, "big_result", &json!({ "bytes": 4_000_000 }));
-                        let _ = c.op("invoke", t, &user, "tools.invoke", &body, SYNC_WAIT).await;
+                        let _ = c.invoke("invoke", t, &user, &body, SYNC_WAIT).await;
                     } else {
                         let body = invoke_body(PY, "big_result", &json!({ "bytes": 240_000 }));
                         if let Some(job) = c.invoke_async("invokeAsync", t, &user, &body).await
-                            && c.follow(&user, &job).await.is_some_and(|s| s != "succeeded")
+                            && c.follow(&user, &job)
+                                .await
+                                .is_some_and(|s| s != JobState::Succeeded)
                         {
                             c.rec.count("big_jobs_not_succeeded", 1);
                         }
@@ -363,9 +366,7 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
                             _ => ("fork", json!({ "count": 16, "hold_ms": 1000 })),
                         };
                         let body = invoke_body("echo", tool, &args);
-                        let _ = c
-                            .op("hostile.invoke", t, &user, "tools.invoke", &body, SYNC_WAIT)
-                            .await;
+                        let _ = c.invoke("hostile.invoke", t, &user, &body, SYNC_WAIT).await;
                     }
                 },
             );
@@ -386,7 +387,7 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
                         0..=3 => {
                             let tool_id = if native && i % 2 == 1 { "echo" } else { PY };
                             let body = invoke_body(tool_id, "echo", &json!({ "i": i }));
-                            let _ = c.op("invoke", t, &user, "tools.invoke", &body, SYNC_WAIT).await;
+                            let _ = c.invoke("invoke", t, &user, &body, SYNC_WAIT).await;
                         }
                         4..=7 => {
                             let body = if i % 10 == 7 {
@@ -402,25 +403,20 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
                             let body = invoke_body(PY, "sleep", &json!({ "ms": 5000 }));
                             if let Some(job) = c.invoke_async("invokeAsync", t, &user, &body).await {
                                 tokio::time::sleep(Duration::from_millis(100)).await;
-                                let body = json!({ "jobId": job });
-                                let _ = c
-                                    .op(
-                                        "cancelJob",
-                                        Instant::now(),
-                                        &user,
-                                        "tools.cancelJob",
-                                        &body,
-                                        SYNC_WAIT,
-                                    )
-                                    .await;
+                                let args = CancelJobArgs {
+                                    job_id: job.clone(),
+                                    reason: None,
+                                };
+                                let _ = c.cancel_job("cancelJob", &user, &args, SYNC_WAIT).await;
                                 c.follow(&user, &job).await;
                             }
                         }
                         _ => {
-                            let body = json!({ "limit": 20 });
-                            let _ = c
-                                .op("listJobs", t, &user, "tools.listJobs", &body, SYNC_WAIT)
-                                .await;
+                            let args = ListJobsArgs {
+                                limit: Some(20),
+                                ..ListJobsArgs::default()
+                            };
+                            let _ = c.list_jobs("listJobs", t, &user, &args, SYNC_WAIT).await;
                         }
                     }
                 }
@@ -455,7 +451,7 @@ async fn quiet_echo(ctx: &Arc<Ctx>, op: &'static str, prefix: &'static str, rate
         async move {
             let user = format!("{prefix}-{}", i % 10);
             let body = invoke_body(PY, "echo", &json!({ "i": i }));
-            let _ = c.op(op, t, &user, "tools.invoke", &body, SYNC_WAIT).await;
+            let _ = c.invoke(op, t, &user, &body, SYNC_WAIT).await;
         }
     })
     .await;
@@ -487,7 +483,7 @@ async fn storage_invokes(ctx: &Arc<Ctx>, op: &'static str, rate: f64, d: Duratio
                     &json!({ "method": "storage/get", "params": params }),
                 )
             };
-            if let Ok(data) = c.op(op, t, &user, "tools.invoke", &body, SYNC_WAIT).await
+            if let Ok(data) = c.invoke(op, t, &user, &body, SYNC_WAIT).await
                 && storage
                 && data.get("error").is_some()
             {
@@ -562,7 +558,7 @@ async fn probe(ctx: &Arc<Ctx>, d: Duration) -> Vec<(Instant, Instant)> {
         let sent = Instant::now();
         let body = invoke_body(PY, "echo", &json!({ "probe": true }));
         if ctx
-            .op("probe.invoke", sent, &user, "tools.invoke", &body, SYNC_WAIT)
+            .invoke("probe.invoke", sent, &user, &body, SYNC_WAIT)
             .await
             .is_ok()
         {
@@ -634,11 +630,9 @@ async fn churn_load(
             } else {
                 let mut body = invoke_body(PY, "echo", &json!({ "i": i }));
                 if let Some(ms) = mix.sync_timeout_ms {
-                    body["timeoutMs"] = json!(ms);
+                    body.timeout_ms = Some(ms);
                 }
-                let _ = c
-                    .op("invoke", t, &user, "tools.invoke", &body, mix.sync_wait)
-                    .await;
+                let _ = c.invoke("invoke", t, &user, &body, mix.sync_wait).await;
             }
         }
     })

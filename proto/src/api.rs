@@ -213,6 +213,15 @@ impl ApiError {
         ApiError::with_details(ApiErrorCode::InvalidArg, message, json!({ "field": field }))
     }
 
+    /// The typed `details` of a `job_quota_exceeded` error (`None` for any other code, or details of another
+    /// shape).
+    pub fn job_quota(&self) -> Option<JobQuotaDetails> {
+        if self.code != ApiErrorCode::JobQuotaExceeded {
+            return None;
+        }
+        JobQuotaDetails::deserialize(self.details.as_ref()?).ok()
+    }
+
     /// `result_too_large` with `{size, max, retriable: false}` (spec §10.3 HR-SI-05).
     pub fn result_too_large(size: usize, max: usize) -> Self {
         ApiError::with_details(
@@ -220,6 +229,45 @@ impl ApiError {
             format!("the result is {size} bytes, over the limit of {max}"),
             json!({ "size": size, "max": max, "retriable": false }),
         )
+    }
+}
+
+/// The `details` of `job_quota_exceeded` (`tools.invokeAsync`): which of the two quotas refused the job.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum JobQuotaDetails {
+    /// `max_retained_jobs_per_user` jobs were created within the retention; room frees when the user's oldest
+    /// jobs leave it, `retry_after_ms` from the answer.
+    Retained {
+        /// Jobs created within the retention.
+        retained: u64,
+        /// The cap.
+        max: u64,
+        /// When a creation may succeed again, in ms from the answer.
+        retry_after_ms: u64,
+        /// Always `true`.
+        #[serde(default)]
+        retriable: bool,
+    },
+    /// The user has `max` active (queued or running) jobs.
+    Active {
+        /// The user's active jobs.
+        active: u64,
+        /// The cap (5).
+        max: u64,
+    },
+}
+
+impl JobQuotaDetails {
+    /// How long to wait before trying again, when the quota says (the retained-jobs cap does; the active-jobs
+    /// quota frees when one of the user's jobs ends).
+    pub fn retry_after(&self) -> Option<std::time::Duration> {
+        match self {
+            JobQuotaDetails::Retained { retry_after_ms, .. } => {
+                Some(std::time::Duration::from_millis(*retry_after_ms))
+            }
+            JobQuotaDetails::Active { .. } => None,
+        }
     }
 }
 
@@ -551,6 +599,14 @@ pub struct ToolInfo {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status: Option<String>,
 }
+
+/// `tools.list` arguments: none (any object is accepted and ignored).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ListToolsArgs {}
+
+/// `tools.invoke` result: the plugin's payload (its `InvokeResult.data`), always an object — a payload that is
+/// not one comes back as `{"value": <payload>}`, none as `{}` (spec §10.3).
+pub type InvokePayload = Map<String, Value>;
 
 /// `tools.list` result.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

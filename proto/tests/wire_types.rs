@@ -8,8 +8,8 @@ use std::str::FromStr;
 
 use fleet_proto::api::{
     ApiError, ApiErrorCode, ApiResponse, CancelJobArgs, GetJobArgs, InvokeArgs, InvokeAsyncArgs, JobId,
-    JobSnapshot, JobState, ListJobsArgs, ListJobsResult, OneOrMany, ProgressEvent, Target, ToolJobEvent,
-    parse_args,
+    JobQuotaDetails, JobSnapshot, JobState, ListJobsArgs, ListJobsResult, OneOrMany, ProgressEvent, Target,
+    ToolJobEvent, parse_args,
 };
 use fleet_proto::executa::invoke::{InvokeContext, InvokeResult, ProgressParams, ProgressType};
 use fleet_proto::executa::lifecycle::{Health, HealthResult, InitializeResult, PeerInfo, ProtocolVersion};
@@ -1215,5 +1215,51 @@ fn tool_job_event_is_snake_case() {
     assert_eq!(
         keys(&serde_json::to_value(&done).unwrap()),
         set(&["job_id", "tool_id", "state", "seq", "terminal"])
+    );
+}
+
+#[test]
+fn job_quota_details_are_typed_for_both_quotas() {
+    let active = ApiError::with_details(
+        ApiErrorCode::JobQuotaExceeded,
+        "5 jobs are active; at most 5 per user",
+        json!({ "active": 5, "max": 5 }),
+    );
+    assert_eq!(
+        active.job_quota(),
+        Some(JobQuotaDetails::Active { active: 5, max: 5 })
+    );
+    assert_eq!(active.job_quota().unwrap().retry_after(), None);
+    let retained = ApiError::with_details(
+        ApiErrorCode::JobQuotaExceeded,
+        "10000 jobs created within the retention",
+        json!({ "retained": 10_000, "max": 10_000, "retry_after_ms": 1500, "retriable": true }),
+    );
+    let details = retained.job_quota().unwrap();
+    assert_eq!(
+        details,
+        JobQuotaDetails::Retained {
+            retained: 10_000,
+            max: 10_000,
+            retry_after_ms: 1500,
+            retriable: true
+        }
+    );
+    assert_eq!(
+        details.retry_after(),
+        Some(std::time::Duration::from_millis(1500))
+    );
+    // Another code, or details of another shape, are not a quota.
+    let other = ApiError::with_details(
+        ApiErrorCode::RateLimited,
+        "slow down",
+        json!({ "active": 5, "max": 5 }),
+    );
+    assert_eq!(other.job_quota(), None);
+    let odd = ApiError::with_details(ApiErrorCode::JobQuotaExceeded, "?", json!({ "max": "five" }));
+    assert_eq!(odd.job_quota(), None);
+    assert_eq!(
+        ApiError::new(ApiErrorCode::JobQuotaExceeded, "?").job_quota(),
+        None
     );
 }

@@ -1,14 +1,20 @@
-//! Request/response plumbing of the fleet's NATS API and the typed client the CLI, `loadtest`, the benches and
-//! the tests share: where a local fleet (`fleet up`) leaves its URL and keys, dev tokens, one request with
-//! `Authorization: Bearer <token>` unwrapped from the API envelope, and [`ApiClient`] (one connection, one token,
-//! the app API `fleet.v1.api.tools.*` and the operator API `fleet.v1.admin.*`).
+//! Request/response plumbing of the fleet's NATS API and the client the CLI, `loadtest` and the tests share:
+//! where a local fleet (`fleet up`) leaves its URL and keys, dev tokens, one request with `Authorization: Bearer
+//! <token>` unwrapped from the API envelope, and [`ApiClient`] (one connection, one token, the app API
+//! `fleet.v1.api.tools.*` — a typed method per method, with the wire types of `fleet_proto::api` and a
+//! [`CallError`] per failure — and the operator API `fleet.v1.admin.*`).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use fleet_proto::admin;
-use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, methods, subjects};
+use fleet_proto::api::{
+    ApiError, ApiErrorCode, ApiResponse, CancelJobArgs, CancelJobResult, GetJobArgs, InvokeArgs,
+    InvokeAsyncArgs, InvokeAsyncResult, InvokePayload, JobQuotaDetails, JobSnapshot, ListJobsArgs,
+    ListJobsResult, ListToolsArgs, ListToolsResult, methods, subjects,
+};
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
 use crate::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, DevKey, OPERATOR_AUDIENCE};
@@ -62,10 +68,116 @@ pub fn mint(data_dir: &Path, user: &str, ttl: Duration, operator: bool) -> Resul
 /// Connects a client (5 s connection timeout); a refusal or an unreadable credential is `AGENT_UNAVAILABLE`
 /// with the one-line reason.
 pub async fn connect(connector: &Connector, name: &str) -> Result<async_nats::Client, ApiError> {
+    connect_typed(connector, name).await.map_err(ApiError::from)
+}
+
+/// [`connect`], failing with [`CallError::Connect`].
+async fn connect_typed(connector: &Connector, name: &str) -> Result<async_nats::Client, CallError> {
     connector
         .connect(name)
         .await
-        .map_err(|e| ApiError::new(ApiErrorCode::AgentUnavailable, e.to_string()))
+        .map_err(|e| CallError::Connect(e.to_string()))
+}
+
+/// Why a request got no answer (each is `agent_unavailable` on the wire's terms).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoAnswer {
+    /// Nobody serves the subject (no front is up).
+    NoResponders,
+    /// No answer within the wait.
+    TimedOut,
+    /// The request is over the server's maximum payload.
+    MaxPayloadExceeded,
+    /// The connection was lost and re-established with the request in flight, and no answer came within
+    /// [`nats_conn::RECONNECT_GRACE`]: its outcome is unknown.
+    ConnectionLost,
+    /// Any other failure to send the request or receive its answer.
+    Failed,
+}
+
+impl NoAnswer {
+    fn of(kind: async_nats::RequestErrorKind) -> NoAnswer {
+        use async_nats::RequestErrorKind as K;
+        match kind {
+            K::NoResponders => NoAnswer::NoResponders,
+            K::TimedOut => NoAnswer::TimedOut,
+            K::MaxPayloadExceeded => NoAnswer::MaxPayloadExceeded,
+            _ => NoAnswer::Failed,
+        }
+    }
+}
+
+/// Why a call of [`ApiClient`] failed. [`CallError::code`] is the wire error code of each (what the CLI
+/// prints): the fleet's own for [`CallError::Api`], `agent_unavailable` when there was no connection or no
+/// answer, `internal_error` for an answer that is not the method's envelope. Never carries the token.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CallError {
+    /// The fleet answered with an API error (`{ok: false, error}`); match on its `code` (and see
+    /// [`CallError::job_quota`] for `job_quota_exceeded`).
+    #[error("{0}")]
+    Api(ApiError),
+    /// No connection to the fleet: refused, unreachable, or unreadable credentials (the one-line reason).
+    #[error("agent_unavailable: {0}")]
+    Connect(String),
+    /// The request on `subject` got no answer.
+    #[error("agent_unavailable: {subject}: {detail}")]
+    NoAnswer {
+        /// The request's subject.
+        subject: String,
+        /// Why.
+        kind: NoAnswer,
+        /// The NATS client's reason.
+        detail: String,
+    },
+    /// An answer came that is not the method's envelope (or not its result type).
+    #[error("internal_error: unreadable answer: {0}")]
+    Unreadable(String),
+}
+
+impl CallError {
+    /// The wire error code.
+    pub fn code(&self) -> ApiErrorCode {
+        match self {
+            CallError::Api(e) => e.code,
+            CallError::Connect(_) | CallError::NoAnswer { .. } => ApiErrorCode::AgentUnavailable,
+            CallError::Unreadable(_) => ApiErrorCode::InternalError,
+        }
+    }
+
+    /// The fleet's error, when it answered with one.
+    pub fn api_error(&self) -> Option<&ApiError> {
+        match self {
+            CallError::Api(e) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// The details of a `job_quota_exceeded` (which quota, and for the retained-jobs cap `retry_after_ms`).
+    pub fn job_quota(&self) -> Option<JobQuotaDetails> {
+        self.api_error().and_then(ApiError::job_quota)
+    }
+
+    /// Whether the same call may succeed later (spec §10.10 "Retryable"; no connection or no answer is
+    /// `agent_unavailable`, retryable).
+    pub fn retryable(&self) -> bool {
+        self.code().retryable()
+    }
+}
+
+impl From<CallError> for ApiError {
+    /// The error as the API states it: the fleet's own, or the code of [`CallError::code`] with the message.
+    fn from(e: CallError) -> ApiError {
+        match e {
+            CallError::Api(e) => e,
+            CallError::Connect(message) => ApiError::new(ApiErrorCode::AgentUnavailable, message),
+            CallError::NoAnswer { subject, detail, .. } => {
+                ApiError::new(ApiErrorCode::AgentUnavailable, format!("{subject}: {detail}"))
+            }
+            CallError::Unreadable(e) => {
+                ApiError::new(ApiErrorCode::InternalError, format!("unreadable answer: {e}"))
+            }
+        }
+    }
 }
 
 /// An API request: the `Authorization` header set to `authorization` (`Bearer <token>`, or whatever a test
@@ -105,11 +217,35 @@ pub async fn request(
     body: &Value,
     wait: Duration,
 ) -> Result<Value, ApiError> {
+    send(client, token, subject, body, wait, true)
+        .await
+        .map_err(ApiError::from)
+}
+
+/// [`request`] with a typed result; `watch_reconnect`: whether to give the request up
+/// [`nats_conn::RECONNECT_GRACE`] after its connection was re-established under it (`false`: wait the whole
+/// `wait`). A request no front subscribed to is sent again for up to [`NO_FRONT_WAIT`] (bounded by `wait`).
+async fn send<T: DeserializeOwned>(
+    client: &async_nats::Client,
+    token: &str,
+    subject: String,
+    body: &impl Serialize,
+    wait: Duration,
+    watch_reconnect: bool,
+) -> Result<T, CallError> {
     let give_up = tokio::time::Instant::now() + NO_FRONT_WAIT.min(wait);
     let mut pause = NO_FRONT_PAUSE;
     let reply = loop {
         let request = api_request(&bearer(token), body, wait);
-        match nats_conn::request(client, subject.clone(), request).await {
+        let sent = if watch_reconnect {
+            nats_conn::request(client, subject.clone(), request).await
+        } else {
+            client
+                .send_request(subject.clone(), request)
+                .await
+                .map_err(RequestError::Nats)
+        };
+        match sent {
             // No front subscribed at this instant (a replica failing over to another server, or restarting):
             // nothing ran, so the request is sent again, at growing intervals.
             Err(RequestError::Nats(e))
@@ -123,15 +259,20 @@ pub async fn request(
         }
     }
     .map_err(|e| match e {
-        RequestError::LostInReconnect => ApiError::new(
-            ApiErrorCode::AgentUnavailable,
-            format!("{subject}: {e} (an invokeAsync may have created a job: list your jobs before retrying)"),
-        ),
-        RequestError::Nats(e) => ApiError::new(ApiErrorCode::AgentUnavailable, format!("{subject}: {e}")),
+        RequestError::LostInReconnect => CallError::NoAnswer {
+            subject: subject.clone(),
+            kind: NoAnswer::ConnectionLost,
+            detail: format!("{e} (an invokeAsync may have created a job: list your jobs before retrying)"),
+        },
+        RequestError::Nats(e) => CallError::NoAnswer {
+            subject: subject.clone(),
+            kind: NoAnswer::of(e.kind()),
+            detail: e.to_string(),
+        },
     })?;
-    let response: ApiResponse<Value> = serde_json::from_slice(&reply.payload)
-        .map_err(|e| ApiError::new(ApiErrorCode::InternalError, format!("unreadable answer: {e}")))?;
-    response.into_result()
+    let response: ApiResponse<T> =
+        serde_json::from_slice(&reply.payload).map_err(|e| CallError::Unreadable(e.to_string()))?;
+    response.into_result().map_err(CallError::Api)
 }
 
 /// `fleet invoke` / `invoke-async` arguments into the API's.
@@ -166,10 +307,16 @@ pub fn wait_for(method: &str, timeout_ms: Option<u64>) -> Duration {
 }
 
 /// One connection to a fleet and the token it presents. Cheap to clone.
+///
+/// The app API has a typed method per method (`tools.list` → [`ApiClient::list_tools`], …): the arguments and
+/// results are the wire types of `fleet_proto::api`, failures a [`CallError`]. [`ApiClient::call`] sends any
+/// method with any body (a test's malformed arguments, say).
 #[derive(Clone)]
 pub struct ApiClient {
     nats: async_nats::Client,
     token: String,
+    /// Whether a call gives up [`nats_conn::RECONNECT_GRACE`] after its connection was re-established.
+    watch_reconnect: bool,
 }
 
 impl std::fmt::Debug for ApiClient {
@@ -181,12 +328,24 @@ impl std::fmt::Debug for ApiClient {
 impl ApiClient {
     /// A client on `nats` presenting `token`.
     pub fn new(nats: async_nats::Client, token: String) -> ApiClient {
-        ApiClient { nats, token }
+        ApiClient {
+            nats,
+            token,
+            watch_reconnect: true,
+        }
     }
 
     /// Connects through `connector` (connection name `name`).
-    pub async fn connect(connector: &Connector, name: &str, token: String) -> Result<ApiClient, ApiError> {
-        Ok(ApiClient::new(connect(connector, name).await?, token))
+    pub async fn connect(connector: &Connector, name: &str, token: String) -> Result<ApiClient, CallError> {
+        Ok(ApiClient::new(connect_typed(connector, name).await?, token))
+    }
+
+    /// Calls that wait for their answer until their own wait ends ([`NoAnswer::TimedOut`]) even when their
+    /// connection was re-established under them; by default they give up [`nats_conn::RECONNECT_GRACE`] after the
+    /// reconnect ([`NoAnswer::ConnectionLost`]).
+    pub fn waiting_through_reconnects(mut self) -> ApiClient {
+        self.watch_reconnect = false;
+        self
     }
 
     /// The connection.
@@ -194,9 +353,67 @@ impl ApiClient {
         &self.nats
     }
 
-    /// An app API call (`fleet.v1.api.<method>`, e.g. `tools.invoke`): its result, or the API error.
+    /// An app API call (`fleet.v1.api.<method>`, e.g. `tools.invoke`) with any body: its result, or the API
+    /// error.
     pub async fn call(&self, method: &str, body: &Value, wait: Duration) -> Result<Value, ApiError> {
-        request(&self.nats, &self.token, subjects::api(method), body, wait).await
+        self.app(method, body, wait).await.map_err(ApiError::from)
+    }
+
+    /// A typed app API call.
+    async fn app<T: DeserializeOwned>(
+        &self,
+        method: &str,
+        args: &impl Serialize,
+        wait: Duration,
+    ) -> Result<T, CallError> {
+        send(
+            &self.nats,
+            &self.token,
+            subjects::api(method),
+            args,
+            wait,
+            self.watch_reconnect,
+        )
+        .await
+    }
+
+    /// `tools.list`: the tools the fleet's workers have described.
+    pub async fn list_tools(&self, wait: Duration) -> Result<ListToolsResult, CallError> {
+        self.app(methods::TOOLS_LIST, &ListToolsArgs::default(), wait)
+            .await
+    }
+
+    /// `tools.invoke`: one synchronous call; the plugin's payload. [`wait_for`] gives the wait the CLI uses.
+    pub async fn invoke(&self, args: &InvokeArgs, wait: Duration) -> Result<InvokePayload, CallError> {
+        self.app(methods::TOOLS_INVOKE, args, wait).await
+    }
+
+    /// `tools.invokeAsync`: a new job (`job_quota_exceeded`: see [`CallError::job_quota`]).
+    pub async fn invoke_async(
+        &self,
+        args: &InvokeAsyncArgs,
+        wait: Duration,
+    ) -> Result<InvokeAsyncResult, CallError> {
+        self.app(methods::TOOLS_INVOKE_ASYNC, args, wait).await
+    }
+
+    /// `tools.getJob`: the job's snapshot with its progress after `sinceSeq`.
+    pub async fn get_job(&self, args: &GetJobArgs, wait: Duration) -> Result<JobSnapshot, CallError> {
+        self.app(methods::TOOLS_GET_JOB, args, wait).await
+    }
+
+    /// `tools.cancelJob`.
+    pub async fn cancel_job(
+        &self,
+        args: &CancelJobArgs,
+        wait: Duration,
+    ) -> Result<CancelJobResult, CallError> {
+        self.app(methods::TOOLS_CANCEL_JOB, args, wait).await
+    }
+
+    /// `tools.listJobs`: one page of the caller's jobs, newest first.
+    pub async fn list_jobs(&self, args: &ListJobsArgs, wait: Duration) -> Result<ListJobsResult, CallError> {
+        self.app(methods::TOOLS_LIST_JOBS, args, wait).await
     }
 
     /// An operator API call (`fleet.v1.admin.<area>.<method>`; the token must be an operator's).
@@ -210,5 +427,56 @@ impl ApiClient {
         let body = serde_json::to_value(body)
             .map_err(|e| ApiError::new(ApiErrorCode::InternalError, format!("arguments: {e}")))?;
         request(&self.nats, &self.token, admin::subject(area, method), &body, wait).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each failure states the same code and message as the `ApiError` the raw calls return.
+    #[test]
+    fn call_errors_convert_to_the_api_error_they_print_as() {
+        let quota = ApiError::with_details(
+            ApiErrorCode::JobQuotaExceeded,
+            "5 jobs are active; at most 5 per user",
+            json!({ "active": 5, "max": 5 }),
+        );
+        let cases = [
+            CallError::Api(quota.clone()),
+            CallError::Connect("cannot connect to nats://127.0.0.1:1: connection refused".into()),
+            CallError::NoAnswer {
+                subject: "fleet.v1.api.tools.invoke".into(),
+                kind: NoAnswer::TimedOut,
+                detail: "request timed out: deadline has elapsed".into(),
+            },
+            CallError::Unreadable("expected value at line 1 column 1".into()),
+        ];
+        let codes = [
+            ApiErrorCode::JobQuotaExceeded,
+            ApiErrorCode::AgentUnavailable,
+            ApiErrorCode::AgentUnavailable,
+            ApiErrorCode::InternalError,
+        ];
+        for (e, code) in cases.into_iter().zip(codes) {
+            assert_eq!(e.code(), code, "{e:?}");
+            let printed = e.to_string();
+            let api = ApiError::from(e);
+            assert_eq!(api.code, code);
+            assert_eq!(api.to_string(), printed);
+        }
+        assert_eq!(
+            ApiError::from(CallError::NoAnswer {
+                subject: "fleet.v1.api.tools.list".into(),
+                kind: NoAnswer::NoResponders,
+                detail: "no responders".into(),
+            })
+            .message,
+            "fleet.v1.api.tools.list: no responders"
+        );
+        let e = CallError::Api(quota);
+        assert!(e.retryable());
+        assert_eq!(e.job_quota(), Some(JobQuotaDetails::Active { active: 5, max: 5 }));
+        assert_eq!(CallError::Connect("x".into()).job_quota(), None);
     }
 }
