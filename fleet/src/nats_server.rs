@@ -52,6 +52,10 @@ pub enum NatsServerError {
     /// Could not be started or did not come up.
     #[error("nats-server failed to start: {0}")]
     Start(String),
+    /// A cluster server found a port it was given (route, monitoring or client port picked free) taken by the
+    /// time it bound it; [`NatsServer::start_cluster`] starts again with other ports.
+    #[error("a port picked for the cluster was taken before its server bound it: {0}")]
+    PortsRaced(String),
     /// A server left by an earlier run (e.g. a `fleet up` killed with SIGKILL before this version) still holds
     /// the store.
     #[error(
@@ -108,6 +112,13 @@ pub const CLUSTER_SIZES: [usize; 3] = [1, 3, 5];
 /// How long a start waits for a server to accept connections (and, in a cluster, for JetStream to elect its
 /// meta leader).
 pub const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Each server's own log (its stderr) in its directory.
+pub const SERVER_LOG: &str = "nats-server.log";
+
+/// How many times a cluster start picks its ports again when a server found one of the ports it was given
+/// taken (a free port is found by binding and releasing it; another process may take it before the server binds).
+const PORT_ATTEMPTS: usize = 3;
 
 /// The resolver directory (account JWTs pushed since the start: revocations) under the store directory.
 pub const RESOLVER_DIR: &str = "resolver";
@@ -200,14 +211,24 @@ impl NatsServer {
         if size == 1 {
             return Self::start_on(store_dir, first_port);
         }
-        let mut ports = vec![first_port];
-        while ports.len() < size {
-            let p = free_port()?;
-            if !ports.contains(&p) {
-                ports.push(p);
+        let mut attempt = 1;
+        loop {
+            let mut ports = vec![first_port];
+            while ports.len() < size {
+                let p = free_port()?;
+                if !ports.contains(&p) {
+                    ports.push(p);
+                }
+            }
+            match Self::start_nodes(store_dir, &ports, true) {
+                Err(NatsServerError::PortsRaced(why)) if attempt < PORT_ATTEMPTS => {
+                    tracing::info!(attempt, reason = %why, "a cluster port was taken; starting with other ports");
+                    attempt += 1;
+                }
+                Err(NatsServerError::PortsRaced(why)) => return Err(NatsServerError::Start(why)),
+                other => return other,
             }
         }
-        Self::start_nodes(store_dir, &ports, true)
     }
 
     fn start_nodes(store_dir: &Path, ports: &[u16], clustered: bool) -> Result<NatsServer, NatsServerError> {
@@ -286,6 +307,11 @@ impl NatsServer {
             auth,
         };
         let deadline = Instant::now() + START_TIMEOUT;
+        if clustered {
+            // Every node at once: one that exits (a port it was given taken meanwhile) leaves the others without
+            // a quorum, so waiting on them one by one would only time out.
+            server.wait_cluster_up(ports[0], deadline)?;
+        }
         for i in 0..server.nodes.len() {
             server.nodes[i].wait_ready(deadline)?;
             if clustered {
@@ -293,6 +319,42 @@ impl NatsServer {
             }
         }
         Ok(server)
+    }
+
+    /// Waits until every node of a cluster answers as itself with `/healthz` green; fails at once when one exits
+    /// ([`NatsServerError::PortsRaced`] when a port other than `first_port` was taken: the caller picks others).
+    fn wait_cluster_up(&mut self, first_port: u16, deadline: Instant) -> Result<(), NatsServerError> {
+        loop {
+            let mut up = 0;
+            for node in &mut self.nodes {
+                if let Some(why) = node.exited() {
+                    let taken = std::net::TcpStream::connect(("127.0.0.1", node.port)).is_ok();
+                    return Err(if taken && node.port == first_port {
+                        NatsServerError::PortTaken(first_port)
+                    } else if taken || why.contains("address already in use") {
+                        NatsServerError::PortsRaced(format!("{}: {why}", node.server_name))
+                    } else {
+                        NatsServerError::Start(format!("{}: {why}", node.server_name))
+                    });
+                }
+                if server_name_on(node.port).is_some_and(|n| n == node.server_name)
+                    && node.monitor_port.is_none_or(healthz_ok)
+                {
+                    up += 1;
+                }
+            }
+            if up == self.nodes.len() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(NatsServerError::Start(format!(
+                    "{up} of {} servers ready after {} s",
+                    self.nodes.len(),
+                    START_TIMEOUT.as_secs()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// The client URL: `nats://127.0.0.1:<port>`, comma-separated over the nodes of a cluster (every
@@ -473,7 +535,7 @@ impl Node {
             .arg(self.dir.join(PID_FILE))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null());
+            .stderr(Self::log_file(&self.dir)?);
         // The server dies with its parent (a `kill -9` of `fleet up` or of a test leaves no server behind)...
         fleet_worker::sandbox::die_with_parent(&mut cmd);
         // ...and only then: in a process group of its own, a terminal's Ctrl-C (SIGINT to the whole foreground
@@ -484,6 +546,30 @@ impl Node {
                 .map_err(|e| NatsServerError::Start(format!("{}: {e}", bin.display())))?,
         );
         Ok(())
+    }
+
+    /// The server's own log (its stderr), appended to across restarts: what a start that failed names.
+    fn log_file(dir: &Path) -> Result<std::fs::File, NatsServerError> {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join(SERVER_LOG))
+            .map_err(|e| NatsServerError::Start(format!("{}: {e}", dir.join(SERVER_LOG).display())))
+    }
+
+    /// Whether the process exited; then the reason from the end of its log.
+    fn exited(&mut self) -> Option<String> {
+        let status = self.child.as_mut()?.try_wait().ok()??;
+        self.child = None;
+        let log = std::fs::read_to_string(self.dir.join(SERVER_LOG)).unwrap_or_default();
+        let last = log
+            .lines()
+            .rev()
+            .find(|l| l.contains("[FTL]") || l.contains("[ERR]"))
+            .unwrap_or_default()
+            .trim()
+            .to_owned();
+        Some(format!("exited with {status}: {last}"))
     }
 
     /// Waits until the node answers on its port as itself (its INFO names it) and, in a cluster, until its
@@ -500,12 +586,12 @@ impl Node {
             {
                 return Ok(());
             }
-            if let Ok(Some(status)) = child.try_wait() {
-                self.child = None;
+            if let Ok(Some(_)) = child.try_wait() {
+                let why = self.exited().unwrap_or_default();
                 return Err(if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
                     NatsServerError::PortTaken(port)
                 } else {
-                    NatsServerError::Start(format!("exited with {status}"))
+                    NatsServerError::Start(why)
                 });
             }
             if Instant::now() >= deadline {

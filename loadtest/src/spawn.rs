@@ -105,13 +105,18 @@ impl SpawnedFleet {
                 Ok(line) if line.starts_with("try") => break,
                 Ok(_) | Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    anyhow::bail!("fleet up exited before it was ready (see {})", log_path.display())
+                    anyhow::bail!(
+                        "fleet up exited before it was ready (see {}); it ended with:\n{}",
+                        log_path.display(),
+                        log_tail(&log_path)
+                    )
                 }
             }
             if let Ok(Some(status)) = fleet.child.try_wait() {
                 anyhow::bail!(
-                    "fleet up exited ({status}) before it was ready (see {})",
-                    log_path.display()
+                    "fleet up exited ({status}) before it was ready (see {}); it ended with:\n{}",
+                    log_path.display(),
+                    log_tail(&log_path)
                 );
             }
             if Instant::now() > deadline {
@@ -167,4 +172,12 @@ pub(crate) async fn terminate(mut child: Child, within: Duration) -> bool {
     let _ = child.kill();
     let _ = child.wait();
     false
+}
+
+/// The last lines of `fleet up`'s log (its JSON logs carry no token), for an error that must say why it stopped.
+fn log_tail(path: &Path) -> String {
+    const LINES: usize = 5;
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(LINES)..].join("\n")
 }
