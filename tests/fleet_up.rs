@@ -1022,6 +1022,62 @@ fn leader_of(nodes: &[ClusterNode], stream: &str) -> String {
     panic!("no node names a leader of {stream}")
 }
 
+/// [`wait_until`], whose failure also prints `report()`: what a run that failed once in many needs to be
+/// understood afterwards.
+fn wait_or_report(what: &str, mut cond: impl FnMut() -> bool, report: impl FnOnce() -> String) {
+    let deadline = Instant::now() + GUARD;
+    while !cond() {
+        if Instant::now() >= deadline {
+            panic!(
+                "failure guard: {what} did not happen within {GUARD:?}\n{}",
+                report()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+/// The last lines of `text`.
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// What the cluster test saw, for a failure: each node's streams and log tail, `fleet up`'s stderr tail, the
+/// outcomes of the last calls and the stderr of the last failed ones.
+fn cluster_report(
+    up: &Up,
+    nodes: &[ClusterNode],
+    outcomes: &[Outcome],
+    failures: &[String],
+    t0: Instant,
+) -> String {
+    let mut out = String::new();
+    for n in nodes {
+        let log = std::fs::read_to_string(n.dir.join("nats-server.log")).unwrap_or_default();
+        out += &format!(
+            "--- node {} streams {:?}\n{}\n",
+            n.name,
+            streams_on(n.monitor),
+            tail(&log, 40)
+        );
+    }
+    out += &format!("--- fleet up stderr\n{}\n", tail(&up.stderr(), 120));
+    out += "--- last outcomes (answered at, sync, user, result, sent at; seconds after the start)\n";
+    for (at, sync, user, r, sent) in outcomes.iter().rev().take(40).rev() {
+        out += &format!(
+            "{:.2} {sync} {user} {r:?} {:.2}\n",
+            at.duration_since(t0).as_secs_f64(),
+            sent.duration_since(t0).as_secs_f64()
+        );
+    }
+    out += &format!(
+        "--- last failed calls\n{}\n",
+        failures[failures.len().saturating_sub(20)..].join("\n")
+    );
+    out
+}
+
 /// How long after `from` the first successful call of the kind sent after `from` answered: when the API
 /// answers again. (A call in flight at `from` is lost with its server; it fails on its own,
 /// `fleet_client::nats_conn::RECONNECT_GRACE` after its connection is re-established.)
@@ -1071,8 +1127,11 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
         stop: stop.clone(),
         threads: Vec::new(),
     };
+    // The CLI's stderr of every failed call, for the report of a failure.
+    let failures: Arc<Mutex<Vec<String>>> = Arc::default();
+    let t0 = Instant::now();
     for lane in 0..3 {
-        let (up, stop, outcomes) = (up.clone(), stop.clone(), outcomes.clone());
+        let (up, stop, outcomes, failures) = (up.clone(), stop.clone(), outcomes.clone(), failures.clone());
         load.threads.push(std::thread::spawn(move || {
             let mut k = 0usize;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
@@ -1096,10 +1155,16 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
                     let v: Value = serde_json::from_str(&out.stdout).unwrap();
                     Ok(v["jobId"].as_str().unwrap_or("sync").to_owned())
                 } else {
-                    Err(serde_json::from_str::<Value>(&out.stdout)
+                    let code = serde_json::from_str::<Value>(&out.stdout)
                         .ok()
                         .and_then(|v| v["error"]["code"].as_str().map(str::to_owned))
-                        .unwrap_or_else(|| "no answer".to_owned()))
+                        .unwrap_or_else(|| "no answer".to_owned());
+                    failures.lock().unwrap().push(format!(
+                        "{:?} after the start, {method} {user}: {}",
+                        sent.duration_since(t0),
+                        out.stderr.trim()
+                    ));
+                    Err(code)
                 };
                 outcomes
                     .lock()
@@ -1145,9 +1210,19 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
             nodes[victim].name,
             outcomes.lock().unwrap().len()
         );
-        wait_until("sync and async calls answered again after the kill", || {
-            answered(killed_at, true) >= 10 && answered(killed_at, false) >= 20
-        });
+        wait_or_report(
+            "sync and async calls answered again after the kill",
+            || answered(killed_at, true) >= 10 && answered(killed_at, false) >= 20,
+            || {
+                cluster_report(
+                    &up,
+                    &nodes,
+                    &outcomes.lock().unwrap(),
+                    &failures.lock().unwrap(),
+                    t0,
+                )
+            },
+        );
         let node = &nodes[victim];
         let child = Command::new(&nats_server)
             .arg("-c")
@@ -1155,29 +1230,57 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
             .args(["-a", "127.0.0.1", "-p", &node.port.to_string(), "-js", "-sd"])
             .arg(&node.dir)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(
+                std::fs::OpenOptions::new()
+                    .append(true)
+                    .create(true)
+                    .open(node.dir.join("nats-server.log"))
+                    .unwrap(),
+            )
             .spawn()
             .unwrap();
         pids[victim] = child.id().to_string();
         restarted.push(child);
         let restarted_at = Instant::now();
-        wait_until("every stream current on its 3 replicas again", || {
-            let mut led = BTreeMap::new();
-            for n in &nodes {
-                for (name, _, leader, current) in streams_on(n.monitor).unwrap_or_default() {
-                    if leader == n.name {
-                        led.insert(name, current);
+        wait_or_report(
+            "every stream current on its 3 replicas again",
+            || {
+                let mut led = BTreeMap::new();
+                for n in &nodes {
+                    for (name, _, leader, current) in streams_on(n.monitor).unwrap_or_default() {
+                        if leader == n.name {
+                            led.insert(name, current);
+                        }
                     }
                 }
-            }
-            led.len() == streams.len() && led.values().all(|c| *c)
-        });
+                led.len() == streams.len() && led.values().all(|c| *c)
+            },
+            || {
+                cluster_report(
+                    &up,
+                    &nodes,
+                    &outcomes.lock().unwrap(),
+                    &failures.lock().unwrap(),
+                    t0,
+                )
+            },
+        );
         rounds.push((target, killed_at, restarted_at.elapsed()));
     }
     let after_restart = Instant::now();
-    wait_until("calls answered after the restarts", || {
-        answered(after_restart, true) >= 5 && answered(after_restart, false) >= 5
-    });
+    wait_or_report(
+        "calls answered after the restarts",
+        || answered(after_restart, true) >= 5 && answered(after_restart, false) >= 5,
+        || {
+            cluster_report(
+                &up,
+                &nodes,
+                &outcomes.lock().unwrap(),
+                &failures.lock().unwrap(),
+                t0,
+            )
+        },
+    );
     load.finish();
 
     // Every accepted job reaches a terminal state.
