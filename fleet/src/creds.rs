@@ -358,26 +358,35 @@ pub enum CredsCmd {
 
 /// Runs a `fleet creds` command and returns what to print.
 pub async fn run(cmd: &CredsCmd) -> Result<Value, ApiError> {
-    let (conn, method, body) = match cmd {
-        CredsCmd::Issue { name, conn, .. } => (conn, ISSUE, json!({ "name": name })),
-        CredsCmd::List { conn } => (conn, LIST, json!({})),
-        CredsCmd::Revoke { name, conn } => (conn, REVOKE, json!({ "name": name })),
-    };
-    let client = conn.client().await?;
-    let mut out = client.admin(AREA, method, &body, Duration::from_secs(15)).await?;
-    if let CredsCmd::Issue { out: Some(path), .. } = cmd {
-        let creds = out
-            .get("creds")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned();
-        // 0600 from its creation, replaced atomically (the auth directory's own writer).
-        nats_auth::creds::write_private_atomic(path, creds.as_bytes())
-            .map_err(|e| ApiError::new(ApiErrorCode::InternalError, e.to_string()))?;
-        if let Some(o) = out.as_object_mut() {
-            o.remove("creds");
-            o.insert("written".into(), json!(path.display().to_string()));
+    let wait = Duration::from_secs(15);
+    let out = match cmd {
+        CredsCmd::Issue { name, conn, out } => {
+            let client = conn.client().await?;
+            let issued = client.creds_issue(&NameArgs { name: name.clone() }, wait).await?;
+            let Some(path) = out else {
+                return Ok(serde_json::to_value(&issued).unwrap_or(Value::Null));
+            };
+            // 0600 from its creation, replaced atomically (the auth directory's own writer).
+            nats_auth::creds::write_private_atomic(path, issued.creds.as_bytes())
+                .map_err(|e| ApiError::new(ApiErrorCode::InternalError, e.to_string()))?;
+            json!({
+                "credential": issued.credential,
+                "inbox_prefix": issued.inbox_prefix,
+                "written": path.display().to_string(),
+            })
         }
-    }
+        CredsCmd::List { conn } => {
+            serde_json::to_value(conn.client().await?.creds_list(wait).await?).unwrap_or(Value::Null)
+        }
+        CredsCmd::Revoke { name, conn } => {
+            let client = conn.client().await?;
+            serde_json::to_value(
+                client
+                    .creds_revoke(&NameArgs { name: name.clone() }, wait)
+                    .await?,
+            )
+            .unwrap_or(Value::Null)
+        }
+    };
     Ok(out)
 }

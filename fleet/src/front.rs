@@ -498,14 +498,9 @@ impl Front {
         drop(admission);
         let (created, may_run) = match created {
             Ok((r, acquired)) => (r.value, fleet_store::may_run(acquired.position())),
-            Err(StoreError::QuotaExceeded { active, max }) => {
-                return Err(ApiError::with_details(
-                    ApiErrorCode::JobQuotaExceeded,
-                    format!("{active} jobs are active; at most {max} per user"),
-                    json!({ "active": active, "max": max }),
-                ));
+            Err(e @ (StoreError::QuotaExceeded { .. } | StoreError::RetainedQuotaExceeded { .. })) => {
+                return Err(e.to_api_error());
             }
-            Err(e @ StoreError::RetainedQuotaExceeded { .. }) => return Err(e.to_api_error()),
             Err(e @ StoreError::Nats { .. }) => {
                 self.metrics.jetstream_error("create_job");
                 tracing::warn!(error = %e, "the job store did not answer within the failover wait");

@@ -78,18 +78,21 @@ pub struct GrantArgs {
 /// Runs `fleet grant`: prints the grant as it is now.
 pub async fn run_grant(args: &GrantArgs) -> Result<Value, ApiError> {
     let client = args.conn.client().await?;
-    let method = if args.allow.is_empty() && args.revoke.is_empty() {
-        grants::GET
+    let wait = Duration::from_secs(10);
+    let grant = if args.allow.is_empty() && args.revoke.is_empty() {
+        let get = grants::GetArgs {
+            user: args.user.clone(),
+            tool_id: args.tool_id.clone(),
+        };
+        client.grants_get(&get, wait).await?
     } else {
-        grants::SET
+        let set = grants::SetArgs {
+            user: args.user.clone(),
+            tool_id: args.tool_id.clone(),
+            allow: args.allow.clone(),
+            revoke: args.revoke.clone(),
+        };
+        client.grants_set(&set, wait).await?
     };
-    let body = grants::SetArgs {
-        user: args.user.clone(),
-        tool_id: args.tool_id.clone(),
-        allow: args.allow.clone(),
-        revoke: args.revoke.clone(),
-    };
-    client
-        .admin(grants::AREA, method, &body, Duration::from_secs(10))
-        .await
+    Ok(serde_json::to_value(grant).unwrap_or(Value::Null))
 }

@@ -14,7 +14,6 @@ use fleet_proto::api::{
     ListJobsArgs, ListJobsResult, ListToolsResult,
 };
 use hdrhistogram::Histogram;
-use serde_json::Value;
 
 /// Largest latency a histogram holds (1 h, in µs); larger values saturate.
 const MAX_LATENCY_US: u64 = 3_600_000_000;
@@ -294,9 +293,8 @@ impl Ctx {
         self
     }
 
-    /// One operator call (`fleet.v1.admin.<method>`, e.g. `grants.set`) with an operator token minted with the
-    /// operator key; not measured.
-    pub(crate) async fn admin(&self, method: &str, body: &Value) -> Result<Value, CallError> {
+    /// An operator client (`fleet.v1.admin.*`) whose token is minted with the operator key; not measured.
+    pub(crate) fn operator(&self) -> Result<ApiClient, CallError> {
         let key = self.operator_key.as_ref().map_err(|e| CallError {
             code: "no_operator_key".into(),
             message: e.clone(),
@@ -313,18 +311,7 @@ impl Ctx {
                 code: "mint_failed".into(),
                 message: e.to_string(),
             })?;
-        fleet_client::api::request(
-            &self.ops,
-            &token,
-            format!("{}.{method}", fleet_proto::admin::ADMIN_PREFIX),
-            body,
-            Duration::from_secs(10),
-        )
-        .await
-        .map_err(|e| CallError {
-            code: e.code.as_str().to_owned(),
-            message: e.message,
-        })
+        Ok(ApiClient::new(self.ops.clone(), token))
     }
 
     /// One measured call ([`Ctx::call`]): the latency runs from `intended` (an open-model arrival's scheduled

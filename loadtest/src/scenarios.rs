@@ -5,10 +5,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use fleet_proto::admin::grants;
 use fleet_proto::api::{CancelJobArgs, InvokeArgs, JobState, ListJobsArgs};
 use serde_json::{Value, json};
 
-use crate::engine::{Arrivals, Ctx, open_loop, to_u64};
+use crate::engine::{Arrivals, CallError, Ctx, open_loop, to_u64};
 
 /// One entry of the catalogue.
 #[derive(Debug, Clone, Copy)]
@@ -161,6 +162,8 @@ pub(crate) struct Params {
 }
 
 const SYNC_WAIT: Duration = Duration::from_secs(30);
+/// How long an operator call (a grant) may take.
+const OPERATOR_WAIT: Duration = Duration::from_secs(10);
 const PY: &str = "echo-py";
 /// The host-services demo plugin (`plugins/notes-py`).
 const NOTES: &str = "notes-py";
@@ -425,8 +428,16 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
         }
         "host-storage" => {
             for u in 0..STORAGE_USERS {
-                let grant = json!({ "user": format!("storage-{u}"), "tool_id": NOTES, "allow": ["aps.kv"] });
-                ctx.admin("grants.set", &grant).await.map_err(|e| {
+                let grant = grants::SetArgs {
+                    user: format!("storage-{u}"),
+                    tool_id: NOTES.to_owned(),
+                    allow: vec!["aps.kv".to_owned()],
+                    revoke: Vec::new(),
+                };
+                let operator = ctx
+                    .operator()
+                    .map_err(|e| anyhow::anyhow!("{}: {}", e.code, e.message))?;
+                operator.grants_set(&grant, OPERATOR_WAIT).await.map_err(CallError::from).map_err(|e| {
                     anyhow::anyhow!(
                         "granting aps.kv for {NOTES}: {}: {} (the data dir's dev key must be one the fleet accepts)",
                         e.code,

@@ -137,13 +137,13 @@ pub mod plugins {
     pub const AREA: &str = "plugins";
     /// Its queue group.
     pub const QUEUE_GROUP: &str = "fleet-api-plugins";
-    /// `install`: [`InstallArgs`] → `Published`.
+    /// `install`: [`InstallArgs`] → [`Published`].
     pub const INSTALL: &str = "install";
-    /// `list`: `{}` → `{plugins: [`[`PluginRecord`]`]}`.
+    /// `list`: `{}` → [`Listed`].
     pub const LIST: &str = "list";
     /// `remove`: [`RemoveArgs`] → [`Removed`].
     pub const REMOVE: &str = "remove";
-    /// `describe`: [`DescribeArgs`] → `{plugin, manifest}`.
+    /// `describe`: [`DescribeArgs`] → [`Described`].
     pub const DESCRIBE: &str = "describe";
 
     /// The subject of a method.
@@ -306,6 +306,38 @@ pub mod plugins {
         /// Format override (`tar.gz`, `tgz`, `zip`, `raw`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub format: Option<String>,
+    }
+
+    /// What `plugins.install` answers.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    pub struct Published {
+        /// The tool id.
+        pub tool_id: String,
+        /// The version now current.
+        pub version: String,
+        /// The version that was current before, if any.
+        pub previous: Option<String>,
+        /// The package.
+        pub package: PackageVersion,
+        /// Download statistics (URL sources).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub download: Option<Value>,
+    }
+
+    /// What `plugins.list` answers.
+    #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+    pub struct Listed {
+        /// Every plugin published.
+        pub plugins: Vec<PluginRecord>,
+    }
+
+    /// What `plugins.describe` answers.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    pub struct Described {
+        /// The plugin's record.
+        pub plugin: PluginRecord,
+        /// The manifest a worker described (`tools.list`'s entry), once one has.
+        pub manifest: Option<crate::executa::manifest::Manifest>,
     }
 
     /// `plugins.remove`: one version, or (no `version`) the whole plugin.

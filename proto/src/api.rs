@@ -213,6 +213,36 @@ impl ApiError {
         ApiError::with_details(ApiErrorCode::InvalidArg, message, json!({ "field": field }))
     }
 
+    /// `job_quota_exceeded` for either quota, its message and `details` made from `details` (the one place both
+    /// are spelled; the retained-jobs quota's `retriable` is always `true`).
+    pub fn job_quota_exceeded(details: JobQuotaDetails) -> Self {
+        let (message, details) = match details {
+            JobQuotaDetails::Active { active, max } => (
+                format!("{active} jobs are active; at most {max} per user"),
+                JobQuotaDetails::Active { active, max },
+            ),
+            JobQuotaDetails::Retained {
+                retained,
+                max,
+                retry_after_ms,
+                ..
+            } => (
+                format!(
+                    "{retained} jobs were created within the retention, the limit is {max}; retry in {} s",
+                    retry_after_ms.div_ceil(1000)
+                ),
+                JobQuotaDetails::Retained {
+                    retained,
+                    max,
+                    retry_after_ms,
+                    retriable: true,
+                },
+            ),
+        };
+        let details = serde_json::to_value(details).unwrap_or(Value::Null);
+        ApiError::with_details(ApiErrorCode::JobQuotaExceeded, message, details)
+    }
+
     /// The typed `details` of a `job_quota_exceeded` error (`None` for any other code, or details of another
     /// shape).
     pub fn job_quota(&self) -> Option<JobQuotaDetails> {
@@ -233,7 +263,7 @@ impl ApiError {
 }
 
 /// The `details` of `job_quota_exceeded` (`tools.invokeAsync`): which of the two quotas refused the job.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum JobQuotaDetails {
     /// `max_retained_jobs_per_user` jobs were created within the retention; room frees when the user's oldest

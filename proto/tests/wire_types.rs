@@ -1229,6 +1229,29 @@ fn job_quota_details_are_typed_for_both_quotas() {
         active.job_quota(),
         Some(JobQuotaDetails::Active { active: 5, max: 5 })
     );
+    // The server's constructor spells message and details from the typed value, and they read back.
+    let made = ApiError::job_quota_exceeded(JobQuotaDetails::Active { active: 5, max: 5 });
+    assert_eq!(made.code, ApiErrorCode::JobQuotaExceeded);
+    assert_eq!(made.message, "5 jobs are active; at most 5 per user");
+    assert_eq!(made.details, Some(json!({ "active": 5, "max": 5 })));
+    let made = ApiError::job_quota_exceeded(JobQuotaDetails::Retained {
+        retained: 10_000,
+        max: 10_000,
+        retry_after_ms: 1_001,
+        retriable: false,
+    });
+    assert_eq!(
+        made.message,
+        "10000 jobs were created within the retention, the limit is 10000; retry in 2 s"
+    );
+    assert_eq!(
+        made.details,
+        Some(json!({ "retained": 10_000, "max": 10_000, "retry_after_ms": 1_001, "retriable": true }))
+    );
+    assert_eq!(
+        made.job_quota().and_then(|d| d.retry_after()),
+        Some(std::time::Duration::from_millis(1_001))
+    );
     assert_eq!(active.job_quota().unwrap().retry_after(), None);
     let retained = ApiError::with_details(
         ApiErrorCode::JobQuotaExceeded,

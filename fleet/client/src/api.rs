@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use fleet_proto::admin;
+use fleet_proto::admin::{self, creds, grants, plugins};
 use fleet_proto::api::{
     ApiError, ApiErrorCode, ApiResponse, CancelJobArgs, CancelJobResult, GetJobArgs, InvokeArgs,
     InvokeAsyncArgs, InvokeAsyncResult, InvokePayload, JobQuotaDetails, JobSnapshot, ListJobsArgs,
@@ -416,7 +416,102 @@ impl ApiClient {
         self.app(methods::TOOLS_LIST_JOBS, args, wait).await
     }
 
-    /// An operator API call (`fleet.v1.admin.<area>.<method>`; the token must be an operator's).
+    /// One operator API call with typed arguments and result (`fleet.v1.admin.<area>.<method>`; the token must be
+    /// an operator's).
+    async fn operator<T: DeserializeOwned>(
+        &self,
+        area: &str,
+        method: &str,
+        args: &impl Serialize,
+        wait: Duration,
+    ) -> Result<T, CallError> {
+        send(
+            &self.nats,
+            &self.token,
+            admin::subject(area, method),
+            args,
+            wait,
+            self.watch_reconnect,
+        )
+        .await
+    }
+
+    /// `admin.grants.set`: the grant as it is after the edit.
+    pub async fn grants_set(
+        &self,
+        args: &grants::SetArgs,
+        wait: Duration,
+    ) -> Result<grants::Grant, CallError> {
+        self.operator(grants::AREA, grants::SET, args, wait).await
+    }
+
+    /// `admin.grants.get`: the grant as it is.
+    pub async fn grants_get(
+        &self,
+        args: &grants::GetArgs,
+        wait: Duration,
+    ) -> Result<grants::Grant, CallError> {
+        self.operator(grants::AREA, grants::GET, args, wait).await
+    }
+
+    /// `admin.creds.issue`: a new app credential (its `.creds` text is a secret).
+    pub async fn creds_issue(
+        &self,
+        args: &creds::NameArgs,
+        wait: Duration,
+    ) -> Result<creds::Issued, CallError> {
+        self.operator(creds::AREA, creds::ISSUE, args, wait).await
+    }
+
+    /// `admin.creds.list`: every app credential issued.
+    pub async fn creds_list(&self, wait: Duration) -> Result<creds::Listed, CallError> {
+        self.operator(creds::AREA, creds::LIST, &json!({}), wait).await
+    }
+
+    /// `admin.creds.revoke`: the credential, revoked.
+    pub async fn creds_revoke(
+        &self,
+        args: &creds::NameArgs,
+        wait: Duration,
+    ) -> Result<creds::Revoked, CallError> {
+        self.operator(creds::AREA, creds::REVOKE, args, wait).await
+    }
+
+    /// `admin.plugins.install`: the version published.
+    pub async fn plugins_install(
+        &self,
+        args: &plugins::InstallArgs,
+        wait: Duration,
+    ) -> Result<plugins::Published, CallError> {
+        self.operator(plugins::AREA, plugins::INSTALL, args, wait).await
+    }
+
+    /// `admin.plugins.list`: every plugin published.
+    pub async fn plugins_list(&self, wait: Duration) -> Result<plugins::Listed, CallError> {
+        self.operator(plugins::AREA, plugins::LIST, &json!({}), wait)
+            .await
+    }
+
+    /// `admin.plugins.remove`: the versions removed.
+    pub async fn plugins_remove(
+        &self,
+        args: &plugins::RemoveArgs,
+        wait: Duration,
+    ) -> Result<plugins::Removed, CallError> {
+        self.operator(plugins::AREA, plugins::REMOVE, args, wait).await
+    }
+
+    /// `admin.plugins.describe`: the plugin's record and described manifest.
+    pub async fn plugins_describe(
+        &self,
+        args: &plugins::DescribeArgs,
+        wait: Duration,
+    ) -> Result<plugins::Described, CallError> {
+        self.operator(plugins::AREA, plugins::DESCRIBE, args, wait).await
+    }
+
+    /// An operator API call with a raw body and result (for bodies the typed methods cannot send, e.g. a test's
+    /// malformed ones).
     pub async fn admin(
         &self,
         area: &str,
@@ -437,11 +532,7 @@ mod tests {
     /// Each failure states the same code and message as the `ApiError` the raw calls return.
     #[test]
     fn call_errors_convert_to_the_api_error_they_print_as() {
-        let quota = ApiError::with_details(
-            ApiErrorCode::JobQuotaExceeded,
-            "5 jobs are active; at most 5 per user",
-            json!({ "active": 5, "max": 5 }),
-        );
+        let quota = ApiError::job_quota_exceeded(JobQuotaDetails::Active { active: 5, max: 5 });
         let cases = [
             CallError::Api(quota.clone()),
             CallError::Connect("cannot connect to nats://127.0.0.1:1: connection refused".into()),

@@ -11,9 +11,9 @@
 use std::path::Path;
 use std::time::Duration;
 
-use fleet_proto::admin::plugins::{DESCRIBE, INSTALL, LIST, REMOVE, subject};
+use fleet_proto::admin::plugins::{DescribeArgs, InstallArgs, RemoveArgs, subject};
 use fleet_proto::api::{ApiError, ApiErrorCode};
-use serde_json::{Value, json};
+use serde_json::Value;
 use sha2::{Digest as _, Sha256};
 
 use super::object_name;
@@ -23,6 +23,10 @@ use fleet_store::StoreSettings;
 
 /// How long the CLI waits for an install (downloads and validation happen on the front).
 pub const INSTALL_WAIT: Duration = Duration::from_secs(600);
+/// How long it waits for a list or a description.
+const LIST_WAIT: Duration = Duration::from_secs(30);
+/// How long it waits for a removal (packages deleted from the object store).
+const REMOVE_WAIT: Duration = Duration::from_secs(60);
 
 /// Connection flags shared by every `fleet plugins` command (see [`OperatorConn`]).
 pub type Conn = OperatorConn;
@@ -85,6 +89,7 @@ pub async fn request(
 
 /// Runs a `fleet plugins` command and returns what to print.
 pub async fn run(cmd: &PluginsCmd) -> Result<Value, ApiError> {
+    let printed = |v: Result<Value, serde_json::Error>| v.unwrap_or(Value::Null);
     match cmd {
         PluginsCmd::Install {
             source,
@@ -92,72 +97,59 @@ pub async fn run(cmd: &PluginsCmd) -> Result<Value, ApiError> {
             sha256,
             conn,
         } => {
-            let token = conn.token()?;
-            let client = conn.connect().await?;
-            let body = install_body(&client, source, tool_id.as_deref(), sha256.as_deref()).await?;
-            request(&client, &token, INSTALL, &body, INSTALL_WAIT).await
+            let client = conn.client().await?;
+            let args = install_args(client.nats(), source, tool_id.as_deref(), sha256.as_deref()).await?;
+            Ok(printed(serde_json::to_value(
+                client.plugins_install(&args, INSTALL_WAIT).await?,
+            )))
         }
         PluginsCmd::List { conn } => {
-            let token = conn.token()?;
-            request(
-                &conn.connect().await?,
-                &token,
-                LIST,
-                &json!({}),
-                Duration::from_secs(30),
-            )
-            .await
+            let client = conn.client().await?;
+            Ok(printed(serde_json::to_value(
+                client.plugins_list(LIST_WAIT).await?,
+            )))
         }
         PluginsCmd::Remove {
             tool_id,
             version,
             conn,
         } => {
-            let token = conn.token()?;
-            let mut body = json!({ "tool_id": tool_id });
-            if let Some(v) = version {
-                body["version"] = json!(v);
-            }
-            request(
-                &conn.connect().await?,
-                &token,
-                REMOVE,
-                &body,
-                Duration::from_secs(60),
-            )
-            .await
+            let args = RemoveArgs {
+                tool_id: tool_id.clone(),
+                version: version.clone(),
+            };
+            let client = conn.client().await?;
+            Ok(printed(serde_json::to_value(
+                client.plugins_remove(&args, REMOVE_WAIT).await?,
+            )))
         }
         PluginsCmd::Describe { tool_id, conn } => {
-            let token = conn.token()?;
-            request(
-                &conn.connect().await?,
-                &token,
-                DESCRIBE,
-                &json!({ "tool_id": tool_id }),
-                Duration::from_secs(30),
-            )
-            .await
+            let args = DescribeArgs {
+                tool_id: tool_id.clone(),
+            };
+            let client = conn.client().await?;
+            Ok(printed(serde_json::to_value(
+                client.plugins_describe(&args, LIST_WAIT).await?,
+            )))
         }
     }
 }
 
-/// The `plugins.install` body for `source`, uploading local packages first.
-pub async fn install_body(
+/// The `plugins.install` arguments for `source`, uploading local packages first.
+pub async fn install_args(
     client: &async_nats::Client,
     source: &str,
     tool_id: Option<&str>,
     sha256: Option<&str>,
-) -> Result<Value, ApiError> {
-    let mut body = json!({});
-    if let Some(t) = tool_id {
-        body["tool_id"] = json!(t);
-    }
-    if let Some(h) = sha256 {
-        body["sha256"] = json!(h);
-    }
+) -> Result<InstallArgs, ApiError> {
+    let mut args = InstallArgs {
+        tool_id: tool_id.map(str::to_owned),
+        sha256: sha256.map(str::to_owned),
+        ..InstallArgs::default()
+    };
     if source.starts_with("http://") || source.starts_with("https://") {
-        body["source"] = json!(source);
-        return Ok(body);
+        args.source = Some(source.to_owned());
+        return Ok(args);
     }
     let path = Path::new(source);
     let meta = std::fs::metadata(path).map_err(|e| invalid(format!("{source}: {e}")))?;
@@ -170,17 +162,22 @@ pub async fn install_body(
                 "{source}: expected a JSON object with `binary_urls`"
             )));
         };
-        for key in ["binary_urls", "tool_id", "version", "entrypoint"] {
-            if let Some(v) = obj.get(key)
-                && body.get(key).is_none()
-            {
-                body[key] = v.clone();
+        let text_of = |key: &str| -> Result<Option<String>, ApiError> {
+            match obj.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::String(s)) => Ok(Some(s.clone())),
+                Some(_) => Err(invalid(format!("{source}: `{key}` must be a string"))),
             }
+        };
+        args.tool_id = args.tool_id.or(text_of("tool_id")?);
+        args.version = text_of("version")?;
+        args.entrypoint = text_of("entrypoint")?;
+        match obj.get("binary_urls") {
+            Some(Value::Object(urls)) => args.binary_urls = Some(urls.clone()),
+            Some(_) => return Err(invalid(format!("{source}: `binary_urls` must be an object"))),
+            None => return Err(invalid(format!("{source}: a descriptor needs `binary_urls`"))),
         }
-        if body.get("binary_urls").is_none() {
-            return Err(invalid(format!("{source}: a descriptor needs `binary_urls`")));
-        }
-        return Ok(body);
+        return Ok(args);
     }
     let (bytes, file_name) = if meta.is_dir() {
         let packed = tokio::task::spawn_blocking({
@@ -221,10 +218,10 @@ pub async fn install_body(
         .await;
     let _ = std::fs::remove_file(&tmp);
     put.map_err(|e| e.to_api_error())?;
-    body["object"] = json!(hex);
-    body["file_name"] = json!(file_name);
-    body["size"] = json!(bytes.len());
-    Ok(body)
+    args.object = Some(hex);
+    args.file_name = Some(file_name);
+    args.size = Some(bytes.len() as u64);
+    Ok(args)
 }
 
 /// A directory as a tar.gz (symbolic links kept as links; the installer checks them).

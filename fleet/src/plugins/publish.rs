@@ -3,31 +3,14 @@
 
 use std::path::{Path, PathBuf};
 
-use fleet_proto::admin::plugins::InstallArgs;
+use fleet_proto::admin::plugins::{InstallArgs, Published};
 use fleet_worker::install::{self, Format, InstallError, InstallOptions, InstallRequest};
-use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::download::{TempPackage, download};
 use super::store::{Edit, PluginStore};
 use super::{PackageVersion, PluginError, PluginRecord, object_name};
 use fleet_proto::util::now_ms;
-
-/// What `plugins.install` answers.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Published {
-    /// The tool id.
-    pub tool_id: String,
-    /// The version now current.
-    pub version: String,
-    /// The version that was current before, if any.
-    pub previous: Option<String>,
-    /// The package.
-    pub package: PackageVersion,
-    /// Download statistics (URL sources).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub download: Option<Value>,
-}
 
 /// Publishes a package: see the module docs. `scratch` holds temporary files and the validation home.
 pub async fn install(

@@ -4,16 +4,16 @@
 //!
 //! | Subject | Arguments | Result |
 //! |---|---|---|
-//! | `fleet.v1.admin.plugins.install` | [`InstallArgs`] | [`Published`](super::publish::Published) |
-//! | `fleet.v1.admin.plugins.list` | `{}` | `{plugins: [PluginRecord]}` |
+//! | `fleet.v1.admin.plugins.install` | [`InstallArgs`] | [`Published`](fleet_proto::admin::plugins::Published) |
+//! | `fleet.v1.admin.plugins.list` | `{}` | [`Listed`] |
 //! | `fleet.v1.admin.plugins.remove` | [`RemoveArgs`] | [`Removed`] |
-//! | `fleet.v1.admin.plugins.describe` | [`DescribeArgs`] | `{plugin: PluginRecord, manifest: <described manifest or null>}` |
+//! | `fleet.v1.admin.plugins.describe` | [`DescribeArgs`] | [`Described`] |
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use fleet_proto::api::{ApiError, ApiErrorCode};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::publish;
 use super::store::PluginStore;
@@ -21,7 +21,8 @@ use crate::operator;
 use fleet_client::auth::OperatorVerifier;
 use fleet_proto::admin::parse_args as parse;
 use fleet_proto::admin::plugins::{
-    AREA, DESCRIBE, DescribeArgs, INSTALL, InstallArgs, LIST, QUEUE_GROUP, REMOVE, RemoveArgs, Removed,
+    AREA, DESCRIBE, DescribeArgs, Described, INSTALL, InstallArgs, LIST, Listed, QUEUE_GROUP, REMOVE,
+    RemoveArgs, Removed,
 };
 use fleet_store::Store;
 
@@ -70,7 +71,7 @@ async fn call(ctx: &Ctx, method: &str, payload: &[u8]) -> Result<Value, ApiError
         LIST => {
             let _: Value = parse(payload)?;
             let plugins = publish::list(&ctx.plugins).await.map_err(|e| e.to_api_error())?;
-            Ok(json!({ "plugins": plugins }))
+            Ok(serde_json::to_value(&Listed { plugins }).unwrap_or(Value::Null))
         }
         REMOVE => {
             let args: RemoveArgs = parse(payload)?;
@@ -95,7 +96,7 @@ async fn call(ctx: &Ctx, method: &str, payload: &[u8]) -> Result<Value, ApiError
                 .await
                 .map_err(|e| e.to_api_error())?;
             let manifest = ctx.store.manifest(&args.tool_id).await.ok().flatten();
-            Ok(json!({ "plugin": plugin, "manifest": manifest }))
+            Ok(serde_json::to_value(&Described { plugin, manifest }).unwrap_or(Value::Null))
         }
         other => Err(ApiError::new(
             ApiErrorCode::InvalidArg,

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use fleet_proto::api::{ApiError, ApiErrorCode, JobId};
+use fleet_proto::api::{ApiError, ApiErrorCode, JobId, JobQuotaDetails};
 
 use super::provision::BoxError;
 use super::settings::SettingsError;
@@ -229,28 +229,22 @@ impl StoreError {
     /// stay in logs).
     pub fn to_api_error(&self) -> ApiError {
         match self {
-            StoreError::QuotaExceeded { active, max } => ApiError::with_details(
-                ApiErrorCode::JobQuotaExceeded,
-                format!("{active} jobs are active, the limit is {max}"),
-                serde_json::json!({ "active": active, "max": max, "retriable": true }),
-            ),
+            StoreError::QuotaExceeded { active, max } => {
+                ApiError::job_quota_exceeded(JobQuotaDetails::Active {
+                    active: *active as u64,
+                    max: *max as u64,
+                })
+            }
             StoreError::RetainedQuotaExceeded {
                 retained,
                 max,
                 retry_after_ms,
-            } => ApiError::with_details(
-                ApiErrorCode::JobQuotaExceeded,
-                format!(
-                    "{retained} jobs were created within the retention, the limit is {max}; retry in {} s",
-                    retry_after_ms.div_ceil(1000)
-                ),
-                serde_json::json!({
-                    "retained": retained,
-                    "max": max,
-                    "retry_after_ms": retry_after_ms,
-                    "retriable": true,
-                }),
-            ),
+            } => ApiError::job_quota_exceeded(JobQuotaDetails::Retained {
+                retained: *retained as u64,
+                max: *max as u64,
+                retry_after_ms: *retry_after_ms,
+                retriable: true,
+            }),
             _ => ApiError::new(ApiErrorCode::InternalError, "the job store failed"),
         }
     }
