@@ -1050,9 +1050,13 @@ fn cluster_report(
     nodes: &[ClusterNode],
     outcomes: &[Outcome],
     failures: &[String],
+    in_flight: &[Option<Instant>; 3],
     t0: Instant,
 ) -> String {
-    let mut out = String::new();
+    let mut out = format!(
+        "--- lanes' calls in flight, sent at (s after the start; lane 0 sync): {:?}\n",
+        in_flight.map(|s| s.map(|s| s.duration_since(t0).as_secs_f64()))
+    );
     for n in nodes {
         let log = std::fs::read_to_string(n.dir.join("nats-server.log")).unwrap_or_default();
         out += &format!(
@@ -1127,11 +1131,19 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
         stop: stop.clone(),
         threads: Vec::new(),
     };
-    // The CLI's stderr of every failed call, for the report of a failure.
+    // The CLI's stderr of every failed call, and when each lane's call in flight was sent, for the report of a
+    // failure.
     let failures: Arc<Mutex<Vec<String>>> = Arc::default();
+    let in_flight: Arc<Mutex<[Option<Instant>; 3]>> = Arc::default();
     let t0 = Instant::now();
     for lane in 0..3 {
-        let (up, stop, outcomes, failures) = (up.clone(), stop.clone(), outcomes.clone(), failures.clone());
+        let (up, stop, outcomes, failures, in_flight) = (
+            up.clone(),
+            stop.clone(),
+            outcomes.clone(),
+            failures.clone(),
+            in_flight.clone(),
+        );
         load.threads.push(std::thread::spawn(move || {
             let mut k = 0usize;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
@@ -1140,6 +1152,7 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
                 let sync = lane == 0;
                 let method = if sync { "invoke" } else { "invoke-async" };
                 let sent = Instant::now();
+                in_flight.lock().unwrap()[lane] = Some(sent);
                 let out = up.cli(&[
                     method,
                     "--user",
@@ -1219,6 +1232,7 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
                     &nodes,
                     &outcomes.lock().unwrap(),
                     &failures.lock().unwrap(),
+                    &in_flight.lock().unwrap(),
                     t0,
                 )
             },
@@ -1261,6 +1275,7 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
                     &nodes,
                     &outcomes.lock().unwrap(),
                     &failures.lock().unwrap(),
+                    &in_flight.lock().unwrap(),
                     t0,
                 )
             },
@@ -1277,6 +1292,7 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
                 &nodes,
                 &outcomes.lock().unwrap(),
                 &failures.lock().unwrap(),
+                &in_flight.lock().unwrap(),
                 t0,
             )
         },

@@ -299,6 +299,128 @@ async fn a_request_whose_connection_fails_over_gives_up_after_the_grace() {
     c.shutdown().await;
 }
 
+/// The churn issue: a request, or its answer, lost inside the cluster (a NATS server killed with it in its
+/// buffers) while neither end's connection fails. A requester that asked for keepalives gives it up once it has
+/// heard nothing for `KEEPALIVE_SILENCE` (`RequestError::Silent`), not at its timeout; a responder that keeps
+/// alive is waited for as long as its call runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_lost_in_the_cluster_is_given_up_after_the_keepalive_silence() {
+    use fleet_client::nats_conn::{RequestError, Requester, keeping_alive};
+    use fleet_proto::api::subjects::KEEPALIVE_SILENCE;
+    let c = Cluster::start("trust-keepalive", 0, 0, &[]).await;
+    let front = c.nats.connector(Role::Front).connect("asker").await.unwrap();
+    let worker = c.nats.connector(Role::Worker).connect("responder").await.unwrap();
+    let mut requests = worker.subscribe("fleet.v1.worker.w-ka.exec").await.unwrap();
+    registered(&worker).await;
+    let requester = Requester::new(&front).await.unwrap();
+
+    // Lost: the request arrives and nothing ever comes back. The timeout is far beyond the guard: only the
+    // silence rule can end the wait in time.
+    let asking = requester.clone();
+    let ask = tokio::spawn(async move {
+        let sent = Instant::now();
+        let outcome = asking
+            .request(
+                "fleet.v1.worker.w-ka.exec".into(),
+                async_nats::HeaderMap::new(),
+                "ping".into(),
+                GUARD * 10,
+            )
+            .await;
+        (outcome, sent.elapsed())
+    });
+    let lost = tokio::time::timeout(GUARD, futures::StreamExt::next(&mut requests))
+        .await
+        .expect("the request arrives")
+        .unwrap();
+    assert!(
+        lost.headers
+            .as_ref()
+            .is_some_and(|h| h.get(subjects::KEEPALIVE_HEADER).is_some()),
+        "the request asks for keepalives"
+    );
+    let (outcome, waited) = tokio::time::timeout(GUARD, ask)
+        .await
+        .expect("the request gives up on the silence")
+        .unwrap();
+    assert!(matches!(outcome, Err(RequestError::Silent)), "{outcome:?}");
+    assert!(
+        waited >= KEEPALIVE_SILENCE,
+        "given up only after the silence: {waited:?}"
+    );
+
+    // Kept alive: the call runs for twice the silence (the worker's keepalives reach the front's inbox under
+    // the production permissions), and its answer is what the requester gets.
+    let asking = requester.clone();
+    let ask = tokio::spawn(async move {
+        asking
+            .request(
+                "fleet.v1.worker.w-ka.exec".into(),
+                async_nats::HeaderMap::new(),
+                "ping".into(),
+                GUARD * 10,
+            )
+            .await
+    });
+    let msg = tokio::time::timeout(GUARD, futures::StreamExt::next(&mut requests))
+        .await
+        .expect("the request arrives")
+        .unwrap();
+    let long_call = tokio::time::sleep(KEEPALIVE_SILENCE * 2);
+    keeping_alive(&worker, &msg, long_call).await;
+    worker
+        .publish(msg.reply.clone().unwrap(), "pong".into())
+        .await
+        .unwrap();
+    let answer = tokio::time::timeout(GUARD, ask)
+        .await
+        .expect("answered")
+        .unwrap()
+        .unwrap();
+    assert_eq!(&answer.payload[..], b"pong");
+    c.shutdown().await;
+}
+
+/// Keepalives through the fleet: a sync invoke that runs longer than `KEEPALIVE_SILENCE` is answered (the worker
+/// keeps the front's dispatch alive); an app's request, which reaches the front through the service import whose
+/// response mapping passes one message, gets the answer as its only message — also when it asks for keepalives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_sync_call_outlasts_the_silence_and_an_app_gets_only_the_answer() {
+    use fleet_proto::api::subjects::{KEEPALIVE_EVERY, KEEPALIVE_SILENCE};
+    let c = Cluster::start("trust-keepalive-e2e", 1, 1, &[Plugin::echo("echo", &[])]).await;
+    let long_ms = u64::try_from((KEEPALIVE_SILENCE + KEEPALIVE_EVERY * 2).as_millis()).unwrap();
+    let ask = |user: &str, keepalive: bool| {
+        let mut request = fleet_client::api::api_request(
+            &format!("Bearer {}", c.token(user)),
+            &json!({"tool_id": "echo.sleep", "args": {"ms": long_ms}}),
+            GUARD,
+        );
+        if keepalive {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert(
+                subjects::AUTH_HEADER,
+                format!("Bearer {}", c.token(user)).as_str(),
+            );
+            headers.insert(subjects::KEEPALIVE_HEADER, "1");
+            request = request.headers(headers);
+        }
+        c.app.send_request(subjects::api(methods::TOOLS_INVOKE), request)
+    };
+    let (plain, asking) = tokio::join!(ask("plain", false), ask("asking", true));
+    for answer in [plain, asking] {
+        let answer = answer.expect("the long call is answered");
+        assert!(
+            answer
+                .headers
+                .is_none_or(|h| h.get(subjects::STATUS_HEADER).is_none())
+        );
+        let body: Value = serde_json::from_slice(&answer.payload).expect("the answer, not a keepalive");
+        assert_eq!(body["ok"], json!(true), "{body}");
+        assert_eq!(body["result"]["slept_ms"], json!(long_ms), "{body}");
+    }
+    c.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_issued_app_credential_works_until_revoked_then_is_closed_and_refused() {
     let c = Cluster::start("trust-revoke", 1, 1, &[Plugin::echo("echo", &[])]).await;

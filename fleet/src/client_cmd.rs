@@ -84,7 +84,9 @@ impl OperatorConn {
     /// connection.
     pub async fn client(&self) -> Result<ApiClient, ApiError> {
         let token = self.token()?;
-        Ok(ApiClient::connect(&self.connector(), "operator", token).await?)
+        Ok(ApiClient::connect(&self.connector(), "operator", token)
+            .await?
+            .keeping_alive())
     }
 }
 

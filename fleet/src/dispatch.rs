@@ -61,6 +61,8 @@ pub struct Dispatcher {
     no_worker_wait: Duration,
     /// Seals every exec request and cancel command (workers serve nothing else).
     seals: Arc<ExecSigner>,
+    /// Exec requests ask the worker for keepalives: the subscription of their answers, made at the first.
+    requester: tokio::sync::OnceCell<nats_conn::Requester>,
 }
 
 impl Dispatcher {
@@ -73,6 +75,7 @@ impl Dispatcher {
             cache: Mutex::new(None),
             no_worker_wait: NO_WORKER_WAIT,
             seals,
+            requester: tokio::sync::OnceCell::new(),
         }
     }
 
@@ -152,16 +155,22 @@ impl Dispatcher {
         );
         let mut headers = crate::telemetry::headers(&span).unwrap_or_default();
         self.seals.seal(&subject, &payload, &mut headers);
-        let request = async_nats::Request::new()
-            .payload(payload.into())
-            .headers(headers)
-            .timeout(Some(wait));
-        match nats_conn::request(&self.client, subject, request)
+        let requester = self
+            .requester
+            .get_or_try_init(|| nats_conn::Requester::new(&self.client))
+            .await
+            .map_err(|e| RequestFailure::Other(format!("cannot subscribe the workers' answers: {e}")))?;
+        // The worker says every second that it still runs the call; an answer (or the request) lost with a NATS
+        // server is noticed after `KEEPALIVE_SILENCE`, not at the call's timeout.
+        match requester
+            .request(subject, headers, payload.into(), wait)
             .instrument(span)
             .await
         {
             Ok(msg) => serde_json::from_slice(&msg.payload).map_err(|e| RequestFailure::Other(e.to_string())),
-            Err(nats_conn::RequestError::LostInReconnect) => Err(RequestFailure::Lost),
+            Err(nats_conn::RequestError::LostInReconnect | nats_conn::RequestError::Silent) => {
+                Err(RequestFailure::Lost)
+            }
             Err(nats_conn::RequestError::Nats(e)) => Err(match e.kind() {
                 async_nats::client::RequestErrorKind::NoResponders => RequestFailure::NoResponders,
                 async_nats::client::RequestErrorKind::TimedOut => RequestFailure::TimedOut,
@@ -373,15 +382,15 @@ fn timed_out(wait: Duration) -> ApiError {
     ApiError::new(ApiErrorCode::ToolTimeout, format!("no answer within {wait:?}"))
 }
 
-/// The answer to a sync call whose worker's answer was lost with a NATS server (the front's connection failed
-/// over under it): it may have run, so it is not sent again; the caller may retry.
+/// The answer to a sync call whose request or answer was lost with a NATS server (nothing heard from the worker
+/// for `KEEPALIVE_SILENCE`): it may have run, so it is not sent again; the caller may retry.
 fn lost() -> ApiError {
     ApiError::with_details(
         ApiErrorCode::AgentUnavailable,
         format!(
-            "the worker's answer was lost with a NATS server (the front reconnected with the call in flight, and \
-             no answer came within {} ms): the call's outcome is unknown",
-            nats_conn::RECONNECT_GRACE.as_millis()
+            "the call or the worker's answer was lost with a NATS server (nothing heard from the worker for {} ms): \
+             the call's outcome is unknown",
+            fleet_proto::api::subjects::KEEPALIVE_SILENCE.as_millis()
         ),
         serde_json::json!({ "retriable": true }),
     )
@@ -399,7 +408,7 @@ fn skippable(reply: &ExecReply) -> bool {
 enum RequestFailure {
     NoResponders,
     TimedOut,
-    /// The front's connection failed over with the request in flight; no answer came after it.
+    /// Nothing was heard from the worker for `KEEPALIVE_SILENCE`: the request or its answer was lost.
     Lost,
     Other(String),
 }

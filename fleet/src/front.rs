@@ -227,10 +227,17 @@ impl Front {
                             .map(|v| v.as_str().to_string());
                         let span = api_span(method, "nats");
                         crate::telemetry::extract_into(&span, request.message.headers.as_ref());
-                        let response = front
-                            .handle(method, auth.as_deref(), &request.message.payload)
-                            .instrument(span)
-                            .await;
+                        let handled = Box::pin(
+                            front
+                                .handle(method, auth.as_deref(), &request.message.payload)
+                                .instrument(span),
+                        );
+                        let response = fleet_client::nats_conn::keeping_alive(
+                            &front.inner.client,
+                            &request.message,
+                            handled,
+                        )
+                        .await;
                         let payload = serde_json::to_vec(&response).unwrap_or_default();
                         let _ = request.respond(Ok(Bytes::from(payload))).await;
                     });

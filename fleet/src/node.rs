@@ -149,7 +149,7 @@ impl WorkerNode {
                 let guard = c.in_flight.enter();
                 let c = c.clone();
                 tokio::spawn(async move {
-                    serve_exec(c, msg).await;
+                    Box::pin(serve_exec(c, msg)).await;
                     drop(guard);
                 });
             }
@@ -456,12 +456,14 @@ async fn serve_exec_traced(ctx: Arc<Ctx>, msg: async_nats::Message) {
     span.record("gen_ai.tool.name", req.tool.as_str());
     span.record("executa.tool_id", req.plugin.as_str());
     span.record("executa.invoke_id", req.invoke_id.as_str());
-    if let Err(e) = ensure_plugin(&ctx, &req).await {
+    // A lazy install, then the call itself, can take long: the front hears every second that it still runs.
+    let ensured = fleet_client::nats_conn::keeping_alive(&ctx.client, &msg, ensure_plugin(&ctx, &req)).await;
+    if let Err(e) = ensured {
         return respond(&ctx, &msg, &refuse(e)).await;
     }
     match req.kind {
         ExecKind::Sync => {
-            let reply = run_sync(&ctx, &req).await;
+            let reply = fleet_client::nats_conn::keeping_alive(&ctx.client, &msg, run_sync(&ctx, &req)).await;
             respond(&ctx, &msg, &reply).await;
         }
         ExecKind::Job => {

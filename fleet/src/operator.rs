@@ -13,6 +13,7 @@ use futures::StreamExt as _;
 use serde_json::Value;
 
 use fleet_client::auth::OperatorVerifier;
+use fleet_client::nats_conn::keeping_alive;
 
 /// Serves `fleet.v1.admin.<area>.*` in queue group `queue` until the client closes: every request from a token
 /// with the operator claim goes to `handler(method, payload)` (`what` names the area in the refusal of other
@@ -49,7 +50,8 @@ where
                     .unwrap_or_default()
                     .to_owned();
                 let response = match verifier.authorize(auth.as_deref(), what) {
-                    Ok(_) => match handler(method, msg.payload.clone()).await {
+                    // An install can take minutes: the caller hears every second that it still runs.
+                    Ok(_) => match keeping_alive(&client, &msg, handler(method, msg.payload.clone())).await {
                         Ok(v) => ApiResponse::Ok(v),
                         Err(e) => ApiResponse::Err(e),
                     },

@@ -180,7 +180,7 @@ impl From<fleet_client::api::CallError> for CallError {
                     NoAnswer::TimedOut => "timeout",
                     NoAnswer::NoResponders => "no_responders",
                     NoAnswer::MaxPayloadExceeded => "max_payload_exceeded",
-                    NoAnswer::ConnectionLost | NoAnswer::Failed => "request_failed",
+                    NoAnswer::ConnectionLost | NoAnswer::Silent | NoAnswer::Failed => "request_failed",
                 },
                 detail,
             ),

@@ -59,6 +59,22 @@ pub mod subjects {
     pub const API_QUEUE_GROUP: &str = "fleet-api";
     /// Header carrying the caller's JWT.
     pub const AUTH_HEADER: &str = "Authorization";
+    /// Request header (any value) asking the responder to say it is still working: until it answers, it sends
+    /// the request's reply subject an empty message with [`STATUS_HEADER`] `working` every [`KEEPALIVE_EVERY`].
+    /// A requester that hears nothing for [`KEEPALIVE_SILENCE`] knows its request or its answer was lost (a NATS
+    /// server of the cluster died with it) instead of waiting for its whole timeout. Without the header the
+    /// answer is the only message, as in plain NATS request/reply.
+    pub const KEEPALIVE_HEADER: &str = "Fleet-Keepalive";
+    /// Header of a keepalive message; its value is [`STATUS_WORKING`].
+    pub const STATUS_HEADER: &str = "Fleet-Status";
+    /// [`STATUS_HEADER`]'s value on a keepalive.
+    pub const STATUS_WORKING: &str = "working";
+    /// How often a responder asked for keepalives sends one while it works.
+    pub const KEEPALIVE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+    /// How long a requester that asked for keepalives waits without hearing anything (neither a keepalive nor
+    /// the answer) before it gives the request up as lost: four keepalive periods, so a responder whose timer is
+    /// late by up to three (a starved machine) is not taken for lost.
+    pub const KEEPALIVE_SILENCE: std::time::Duration = std::time::Duration::from_secs(4);
 
     /// The subject of an API method, e.g. `fleet.v1.api.tools.invoke`.
     pub fn api(method: &str) -> String {

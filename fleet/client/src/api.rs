@@ -5,6 +5,7 @@
 //! [`CallError`] per failure — and the operator API `fleet.v1.admin.*`).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use fleet_proto::admin::{self, creds, grants, plugins};
@@ -91,6 +92,10 @@ pub enum NoAnswer {
     /// The connection was lost and re-established with the request in flight, and no answer came within
     /// [`nats_conn::RECONNECT_GRACE`]: its outcome is unknown.
     ConnectionLost,
+    /// Nothing was heard from the front — no keepalive, no answer — for
+    /// [`KEEPALIVE_SILENCE`](fleet_proto::api::subjects::KEEPALIVE_SILENCE): the request or its answer was lost
+    /// in the cluster (a NATS server died with it); its outcome is unknown.
+    Silent,
     /// Any other failure to send the request or receive its answer.
     Failed,
 }
@@ -217,33 +222,50 @@ pub async fn request(
     body: &Value,
     wait: Duration,
 ) -> Result<Value, ApiError> {
-    send(client, token, subject, body, wait, true)
+    send(client, token, subject, body, wait, Via::WatchReconnect)
         .await
         .map_err(ApiError::from)
 }
 
-/// [`request`] with a typed result; `watch_reconnect`: whether to give the request up
-/// [`nats_conn::RECONNECT_GRACE`] after its connection was re-established under it (`false`: wait the whole
-/// `wait`). A request no front subscribed to is sent again for up to [`NO_FRONT_WAIT`] (bounded by `wait`).
+/// How one [`send`] waits for its answer.
+enum Via<'a> {
+    /// Keepalives asked for ([`nats_conn::Requester`]): fails once nothing was heard for `KEEPALIVE_SILENCE`.
+    Keepalive(&'a nats_conn::Requester),
+    /// Plain request/reply, given up [`nats_conn::RECONNECT_GRACE`] after the connection was re-established
+    /// under it.
+    WatchReconnect,
+    /// Plain request/reply for the whole wait.
+    Plain,
+}
+
+/// [`request`] with a typed result, waiting as `via` says. A request no front subscribed to is sent again for up
+/// to [`NO_FRONT_WAIT`] (bounded by `wait`).
 async fn send<T: DeserializeOwned>(
     client: &async_nats::Client,
     token: &str,
     subject: String,
     body: &impl Serialize,
     wait: Duration,
-    watch_reconnect: bool,
+    via: Via<'_>,
 ) -> Result<T, CallError> {
     let give_up = tokio::time::Instant::now() + NO_FRONT_WAIT.min(wait);
     let mut pause = NO_FRONT_PAUSE;
     let reply = loop {
         let request = api_request(&bearer(token), body, wait);
-        let sent = if watch_reconnect {
-            nats_conn::request(client, subject.clone(), request).await
-        } else {
-            client
+        let sent = match via {
+            Via::Keepalive(requester) => {
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert(subjects::AUTH_HEADER, bearer(token).as_str());
+                let payload = serde_json::to_vec(body).unwrap_or_default();
+                requester
+                    .request(subject.clone(), headers, payload.into(), wait)
+                    .await
+            }
+            Via::WatchReconnect => nats_conn::request(client, subject.clone(), request).await,
+            Via::Plain => client
                 .send_request(subject.clone(), request)
                 .await
-                .map_err(RequestError::Nats)
+                .map_err(RequestError::Nats),
         };
         match sent {
             // No front subscribed at this instant (a replica failing over to another server, or restarting):
@@ -259,9 +281,13 @@ async fn send<T: DeserializeOwned>(
         }
     }
     .map_err(|e| match e {
-        RequestError::LostInReconnect => CallError::NoAnswer {
+        RequestError::LostInReconnect | RequestError::Silent => CallError::NoAnswer {
             subject: subject.clone(),
-            kind: NoAnswer::ConnectionLost,
+            kind: if matches!(e, RequestError::Silent) {
+                NoAnswer::Silent
+            } else {
+                NoAnswer::ConnectionLost
+            },
             detail: format!("{e} (an invokeAsync may have created a job: list your jobs before retrying)"),
         },
         RequestError::Nats(e) => CallError::NoAnswer {
@@ -315,8 +341,12 @@ pub fn wait_for(method: &str, timeout_ms: Option<u64>) -> Duration {
 pub struct ApiClient {
     nats: async_nats::Client,
     token: String,
-    /// Whether a call gives up [`nats_conn::RECONNECT_GRACE`] after its connection was re-established.
+    /// Whether calls ask the front for keepalives (and give up once nothing was heard for `KEEPALIVE_SILENCE`).
+    keepalive: bool,
+    /// Otherwise, whether a call gives up [`nats_conn::RECONNECT_GRACE`] after its connection was re-established.
     watch_reconnect: bool,
+    /// The keepalive requests' subscription, made at the first call.
+    requester: Arc<tokio::sync::OnceCell<nats_conn::Requester>>,
 }
 
 impl std::fmt::Debug for ApiClient {
@@ -331,7 +361,9 @@ impl ApiClient {
         ApiClient {
             nats,
             token,
+            keepalive: false,
             watch_reconnect: true,
+            requester: Arc::default(),
         }
     }
 
@@ -344,8 +376,54 @@ impl ApiClient {
     /// connection was re-established under them; by default they give up [`nats_conn::RECONNECT_GRACE`] after the
     /// reconnect ([`NoAnswer::ConnectionLost`]).
     pub fn waiting_through_reconnects(mut self) -> ApiClient {
+        self.keepalive = false;
         self.watch_reconnect = false;
         self
+    }
+
+    /// Calls that ask the front for keepalives and give up once nothing was heard for
+    /// [`KEEPALIVE_SILENCE`](fleet_proto::api::subjects::KEEPALIVE_SILENCE) ([`NoAnswer::Silent`]): a request or
+    /// an answer lost inside the cluster costs that, not the call's whole wait. Only for a connection of the
+    /// fleet's own account (the operator tooling): an app's requests cross into it through a service import whose
+    /// response mapping passes one message, so the front answers them without keepalives.
+    pub fn keeping_alive(mut self) -> ApiClient {
+        self.keepalive = true;
+        self
+    }
+
+    /// One request through this client's way of waiting.
+    async fn send<T: DeserializeOwned>(
+        &self,
+        subject: String,
+        args: &impl Serialize,
+        wait: Duration,
+    ) -> Result<T, CallError> {
+        if !self.keepalive {
+            let via = if self.watch_reconnect {
+                Via::WatchReconnect
+            } else {
+                Via::Plain
+            };
+            return send(&self.nats, &self.token, subject, args, wait, via).await;
+        }
+        let requester = self
+            .requester
+            .get_or_try_init(|| nats_conn::Requester::new(&self.nats))
+            .await
+            .map_err(|e| CallError::NoAnswer {
+                subject: subject.clone(),
+                kind: NoAnswer::Failed,
+                detail: format!("cannot subscribe the reply subjects: {e}"),
+            })?;
+        send(
+            &self.nats,
+            &self.token,
+            subject,
+            args,
+            wait,
+            Via::Keepalive(requester),
+        )
+        .await
     }
 
     /// The connection.
@@ -366,15 +444,7 @@ impl ApiClient {
         args: &impl Serialize,
         wait: Duration,
     ) -> Result<T, CallError> {
-        send(
-            &self.nats,
-            &self.token,
-            subjects::api(method),
-            args,
-            wait,
-            self.watch_reconnect,
-        )
-        .await
+        self.send(subjects::api(method), args, wait).await
     }
 
     /// `tools.list`: the tools the fleet's workers have described.
@@ -425,15 +495,7 @@ impl ApiClient {
         args: &impl Serialize,
         wait: Duration,
     ) -> Result<T, CallError> {
-        send(
-            &self.nats,
-            &self.token,
-            admin::subject(area, method),
-            args,
-            wait,
-            self.watch_reconnect,
-        )
-        .await
+        self.send(admin::subject(area, method), args, wait).await
     }
 
     /// `admin.grants.set`: the grant as it is after the edit.

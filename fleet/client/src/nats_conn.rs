@@ -4,10 +4,16 @@
 //! key). It sets the inbox prefix the user's permissions allow (`_INBOX.<user name>`, read from the credentials'
 //! JWT) and fails in one clear line naming the file and NATS's reason: no hang, no retry loop on a refusal.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::{ConnectErrorKind, ConnectOptions};
+use fleet_proto::api::subjects::{
+    KEEPALIVE_EVERY, KEEPALIVE_HEADER, KEEPALIVE_SILENCE, STATUS_HEADER, STATUS_WORKING,
+};
 
 use crate::creds::{Role, creds_in, creds_user_name, inbox_prefix};
 
@@ -70,9 +76,200 @@ pub enum RequestError {
         RECONNECT_GRACE.as_millis()
     )]
     LostInReconnect,
+    /// The request asked for keepalives ([`Requester`]) and nothing came — neither one nor the answer — for
+    /// [`KEEPALIVE_SILENCE`]: the request, or its answer, was lost on the way (a server of the cluster died with
+    /// it), or the responder died. Whether it was served is unknown.
+    #[error(
+        "nothing was heard from the responder for {} ms (no keepalive, no answer): the request or its answer was \
+         lost, its outcome is unknown",
+        KEEPALIVE_SILENCE.as_millis()
+    )]
+    Silent,
     /// NATS's own failure (no responders, the request's timeout, a closed client).
     #[error(transparent)]
     Nats(#[from] async_nats::RequestError),
+}
+
+/// Requests whose responder says it is still working (the [`KEEPALIVE_HEADER`] protocol): one subscription per
+/// connection on `<inbox>.*`, each request's messages routed to it by the last token of its reply subject. A
+/// request is answered, or fails as [`RequestError::Silent`] once nothing was heard for [`KEEPALIVE_SILENCE`],
+/// or at its own timeout. Cheap to clone.
+#[derive(Clone)]
+pub struct Requester {
+    client: async_nats::Client,
+    prefix: String,
+    pending: Arc<Mutex<HashMap<u64, tokio::sync::mpsc::UnboundedSender<async_nats::Message>>>>,
+    next: Arc<AtomicU64>,
+    _router: Arc<AbortOnDrop>,
+}
+
+impl std::fmt::Debug for Requester {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Requester")
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Aborts the task when the last [`Requester`] clone is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Removes a request's route when it ends, however it ends.
+struct Route<'a> {
+    pending: &'a Mutex<HashMap<u64, tokio::sync::mpsc::UnboundedSender<async_nats::Message>>>,
+    token: u64,
+}
+
+impl Drop for Route<'_> {
+    fn drop(&mut self) {
+        lock(self.pending).remove(&self.token);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl Requester {
+    /// Subscribes `client`'s reply subjects for keepalive requests.
+    ///
+    /// # Errors
+    /// The subscription failed (the client is closed).
+    pub async fn new(client: &async_nats::Client) -> Result<Requester, async_nats::SubscribeError> {
+        let prefix = client.new_inbox();
+        let mut sub = client.subscribe(format!("{prefix}.*")).await?;
+        let pending: Arc<Mutex<HashMap<u64, tokio::sync::mpsc::UnboundedSender<async_nats::Message>>>> =
+            Arc::default();
+        let routes = pending.clone();
+        let router = tokio::spawn(async move {
+            use futures::StreamExt as _;
+            while let Some(msg) = sub.next().await {
+                let token = msg
+                    .subject
+                    .as_str()
+                    .rsplit('.')
+                    .next()
+                    .and_then(|t| t.parse::<u64>().ok());
+                let Some(token) = token else { continue };
+                if let Some(to) = lock(&routes).get(&token) {
+                    let _ = to.send(msg);
+                }
+            }
+        });
+        Ok(Requester {
+            client: client.clone(),
+            prefix,
+            pending,
+            next: Arc::default(),
+            _router: Arc::new(AbortOnDrop(router)),
+        })
+    }
+
+    /// The connection it sends on.
+    pub fn client(&self) -> &async_nats::Client {
+        &self.client
+    }
+
+    /// Sends `payload` with `headers` (plus [`KEEPALIVE_HEADER`]) to `subject` and waits for the answer, at most
+    /// `timeout`, and at most [`KEEPALIVE_SILENCE`] without hearing from the responder.
+    pub async fn request(
+        &self,
+        subject: String,
+        mut headers: async_nats::HeaderMap,
+        payload: bytes::Bytes,
+        timeout: Duration,
+    ) -> Result<async_nats::Message, RequestError> {
+        use async_nats::client::RequestErrorKind as Kind;
+        let token = self.next.fetch_add(1, Ordering::Relaxed);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        lock(&self.pending).insert(token, tx);
+        let _route = Route {
+            pending: &self.pending,
+            token,
+        };
+        headers.insert(KEEPALIVE_HEADER, "1");
+        self.client
+            .publish_with_reply_and_headers(subject, format!("{}.{token}", self.prefix), headers, payload)
+            .await
+            .map_err(|e| {
+                let kind = match e.kind() {
+                    async_nats::client::PublishErrorKind::MaxPayloadExceeded => Kind::MaxPayloadExceeded,
+                    async_nats::client::PublishErrorKind::InvalidSubject => Kind::InvalidSubject,
+                    async_nats::client::PublishErrorKind::Send => Kind::Other,
+                };
+                async_nats::RequestError::with_source(kind, e)
+            })?;
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let silent_at = tokio::time::Instant::now() + KEEPALIVE_SILENCE;
+            let msg = match tokio::time::timeout_at(deadline.min(silent_at), rx.recv()).await {
+                Ok(Some(msg)) => msg,
+                Ok(None) => return Err(async_nats::RequestError::new(Kind::Other).into()),
+                Err(_) if tokio::time::Instant::now() >= deadline => {
+                    return Err(async_nats::RequestError::new(Kind::TimedOut).into());
+                }
+                Err(_) => return Err(RequestError::Silent),
+            };
+            if msg.status == Some(async_nats::StatusCode::NO_RESPONDERS) {
+                return Err(async_nats::RequestError::new(Kind::NoResponders).into());
+            }
+            let working = msg
+                .headers
+                .as_ref()
+                .and_then(|h| h.get(STATUS_HEADER))
+                .is_some_and(|v| v.as_str() == STATUS_WORKING);
+            if !working {
+                return Ok(msg);
+            }
+        }
+    }
+}
+
+/// The reply subjects nats-server gives a request imported from another account (a service import's response
+/// mapping).
+pub const IMPORTED_REPLY_PREFIX: &str = "_R_.";
+
+/// Runs `work` — the handling of `msg` — and, when `msg` asked for keepalives ([`KEEPALIVE_HEADER`]) and has a
+/// reply subject of its own account (not [`IMPORTED_REPLY_PREFIX`]), tells the requester every [`KEEPALIVE_EVERY`] that it is still working, until `work` ends (the
+/// caller then publishes the answer).
+pub async fn keeping_alive<F: std::future::Future>(
+    client: &async_nats::Client,
+    msg: &async_nats::Message,
+    work: F,
+) -> F::Output {
+    // A request imported from another account (an app's) is answered through the server's response mapping
+    // (`_R_.…`), which passes one message — the first — and drops the rest: it gets the answer only.
+    let reply = msg.reply.clone().filter(|r| {
+        !r.as_str().starts_with(IMPORTED_REPLY_PREFIX)
+            && msg
+                .headers
+                .as_ref()
+                .is_some_and(|h| h.get(KEEPALIVE_HEADER).is_some())
+    });
+    let Some(reply) = reply else {
+        return work.await;
+    };
+    tokio::pin!(work);
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + KEEPALIVE_EVERY, KEEPALIVE_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            out = &mut work => return out,
+            _ = tick.tick() => {
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert(STATUS_HEADER, STATUS_WORKING);
+                let _ = client
+                    .publish_with_headers(reply.clone(), headers, bytes::Bytes::new())
+                    .await;
+            }
+        }
+    }
 }
 
 /// Sends `request` to `subject` and waits for its answer (at most the request's own timeout). Every request of
