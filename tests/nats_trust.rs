@@ -382,8 +382,9 @@ async fn a_request_lost_in_the_cluster_is_given_up_after_the_keepalive_silence()
 }
 
 /// Keepalives through the fleet: a sync invoke that runs longer than `KEEPALIVE_SILENCE` is answered (the worker
-/// keeps the front's dispatch alive); an app's request, which reaches the front through the service import whose
-/// response mapping passes one message, gets the answer as its only message — also when it asks for keepalives.
+/// keeps the front's dispatch alive); an app's client that asks with a token hears the front's keepalives on the
+/// events export; and an app's request gets the answer as the only message on its reply subject (it reaches the
+/// front through the service import whose response mapping passes one message).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_long_sync_call_outlasts_the_silence_and_an_app_gets_only_the_answer() {
     use fleet_proto::api::subjects::{KEEPALIVE_EVERY, KEEPALIVE_SILENCE};
@@ -406,7 +407,13 @@ async fn a_long_sync_call_outlasts_the_silence_and_an_app_gets_only_the_answer()
         }
         c.app.send_request(subjects::api(methods::TOOLS_INVOKE), request)
     };
-    let (plain, asking) = tokio::join!(ask("plain", false), ask("asking", true));
+    // The CLI's client: keepalives on the events export (a silence of `KEEPALIVE_SILENCE` would end the call).
+    let app = fleet_client::api::ApiClient::new(c.app.clone(), c.token("kept")).keeping_alive_as_app();
+    let long = json!({"tool_id": "echo.sleep", "args": {"ms": long_ms}});
+    let kept = app.call(methods::TOOLS_INVOKE, &long, GUARD);
+    let (plain, asking, kept) = tokio::join!(ask("plain", false), ask("asking", true), kept);
+    let kept = kept.expect("the app's long call is kept alive and answered");
+    assert_eq!(kept["slept_ms"], json!(long_ms), "{kept}");
     for answer in [plain, asking] {
         let answer = answer.expect("the long call is answered");
         assert!(

@@ -121,7 +121,9 @@ impl ClientArgs {
 /// as the method's arguments.
 pub async fn call(args: &ClientArgs, method: &str, body: &Value, wait: Duration) -> Result<Value, ApiError> {
     let token = args.token()?;
-    let client = ApiClient::connect(&args.connector(), "fleet-cli", token).await?;
+    let client = ApiClient::connect(&args.connector(), "fleet-cli", token)
+        .await?
+        .keeping_alive_as_app();
     let c = &client;
     let call = Typed {
         client: c,

@@ -67,6 +67,27 @@ pub mod subjects {
     pub const KEEPALIVE_HEADER: &str = "Fleet-Keepalive";
     /// Header of a keepalive message; its value is [`STATUS_WORKING`].
     pub const STATUS_HEADER: &str = "Fleet-Status";
+    /// Where a front sends the keepalives of a request it got from another account (an app's: its reply
+    /// subject passes one message, the answer): `fleet.v1.events.keepalive.<token>`, the token being the
+    /// [`KEEPALIVE_HEADER`]'s value ([`keepalive_token_ok`]). Apps hear the events export already.
+    pub const KEEPALIVE_EVENTS_PREFIX: &str = "fleet.v1.events.keepalive";
+    /// The longest [`KEEPALIVE_HEADER`] token a front accepts.
+    pub const KEEPALIVE_TOKEN_MAX: usize = 64;
+
+    /// The subject of the keepalives of token `token` (see [`KEEPALIVE_EVENTS_PREFIX`]).
+    pub fn keepalive(token: &str) -> String {
+        format!("{KEEPALIVE_EVENTS_PREFIX}.{token}")
+    }
+
+    /// Whether `token` may name a keepalive subject: 1 to [`KEEPALIVE_TOKEN_MAX`] ASCII letters and digits in
+    /// dot-separated non-empty parts (no wildcard, no space, no empty token).
+    pub fn keepalive_token_ok(token: &str) -> bool {
+        !token.is_empty()
+            && token.len() <= KEEPALIVE_TOKEN_MAX
+            && token
+                .split('.')
+                .all(|part| !part.is_empty() && part.bytes().all(|b| b.is_ascii_alphanumeric()))
+    }
     /// [`STATUS_HEADER`]'s value on a keepalive.
     pub const STATUS_WORKING: &str = "working";
     /// How often a responder asked for keepalives sends one while it works.

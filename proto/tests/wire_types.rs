@@ -1286,3 +1286,26 @@ fn job_quota_details_are_typed_for_both_quotas() {
         None
     );
 }
+
+#[test]
+fn keepalive_tokens_name_one_subject_and_nothing_else() {
+    use fleet_proto::api::subjects::{KEEPALIVE_TOKEN_MAX, keepalive, keepalive_token_ok};
+    assert_eq!(keepalive("abc.7"), "fleet.v1.events.keepalive.abc.7");
+    assert!(keepalive_token_ok("Xy9.12"));
+    assert!(keepalive_token_ok(&"a".repeat(KEEPALIVE_TOKEN_MAX)));
+    for bad in [
+        String::new(),
+        "a".repeat(KEEPALIVE_TOKEN_MAX + 1),
+        "*".into(),
+        ">".into(),
+        "a.>".into(),
+        "a..b".into(),
+        ".a".into(),
+        "a.".into(),
+        "a b".into(),
+        "a-b".into(),
+        "ü".into(),
+    ] {
+        assert!(!keepalive_token_ok(&bad), "{bad:?} is refused");
+    }
+}

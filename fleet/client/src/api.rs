@@ -227,6 +227,17 @@ pub async fn request(
         .map_err(ApiError::from)
 }
 
+/// Whether an [`ApiClient`] asks for keepalives, and where they come.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Keepalive {
+    /// It does not.
+    Off,
+    /// To the reply subject (a connection of the fleet's own account).
+    Own,
+    /// On the events export (an app's connection: its requests cross a service import).
+    ThroughImport,
+}
+
 /// How one [`send`] waits for its answer.
 enum Via<'a> {
     /// Keepalives asked for ([`nats_conn::Requester`]): fails once nothing was heard for `KEEPALIVE_SILENCE`.
@@ -341,8 +352,9 @@ pub fn wait_for(method: &str, timeout_ms: Option<u64>) -> Duration {
 pub struct ApiClient {
     nats: async_nats::Client,
     token: String,
-    /// Whether calls ask the front for keepalives (and give up once nothing was heard for `KEEPALIVE_SILENCE`).
-    keepalive: bool,
+    /// Whether calls ask the front for keepalives (and give up once nothing was heard for `KEEPALIVE_SILENCE`),
+    /// and how they hear them.
+    keepalive: Keepalive,
     /// Otherwise, whether a call gives up [`nats_conn::RECONNECT_GRACE`] after its connection was re-established.
     watch_reconnect: bool,
     /// The keepalive requests' subscription, made at the first call.
@@ -361,7 +373,7 @@ impl ApiClient {
         ApiClient {
             nats,
             token,
-            keepalive: false,
+            keepalive: Keepalive::Off,
             watch_reconnect: true,
             requester: Arc::default(),
         }
@@ -376,18 +388,25 @@ impl ApiClient {
     /// connection was re-established under them; by default they give up [`nats_conn::RECONNECT_GRACE`] after the
     /// reconnect ([`NoAnswer::ConnectionLost`]).
     pub fn waiting_through_reconnects(mut self) -> ApiClient {
-        self.keepalive = false;
+        self.keepalive = Keepalive::Off;
         self.watch_reconnect = false;
         self
     }
 
     /// Calls that ask the front for keepalives and give up once nothing was heard for
     /// [`KEEPALIVE_SILENCE`](fleet_proto::api::subjects::KEEPALIVE_SILENCE) ([`NoAnswer::Silent`]): a request or
-    /// an answer lost inside the cluster costs that, not the call's whole wait. Only for a connection of the
-    /// fleet's own account (the operator tooling): an app's requests cross into it through a service import whose
-    /// response mapping passes one message, so the front answers them without keepalives.
+    /// an answer lost inside the cluster costs that, not the call's whole wait. For a connection of the fleet's own
+    /// account (the operator tooling): the keepalives come to the request's reply subject.
     pub fn keeping_alive(mut self) -> ApiClient {
-        self.keepalive = true;
+        self.keepalive = Keepalive::Own;
+        self
+    }
+
+    /// [`ApiClient::keeping_alive`] for a connection of an app's account, whose requests reach the fronts through
+    /// a service import that passes one message back (the answer): the keepalives come on the events export
+    /// (`fleet.v1.events.keepalive.<token>`).
+    pub fn keeping_alive_as_app(mut self) -> ApiClient {
+        self.keepalive = Keepalive::ThroughImport;
         self
     }
 
@@ -398,7 +417,7 @@ impl ApiClient {
         args: &impl Serialize,
         wait: Duration,
     ) -> Result<T, CallError> {
-        if !self.keepalive {
+        if self.keepalive == Keepalive::Off {
             let via = if self.watch_reconnect {
                 Via::WatchReconnect
             } else {
@@ -408,7 +427,13 @@ impl ApiClient {
         }
         let requester = self
             .requester
-            .get_or_try_init(|| nats_conn::Requester::new(&self.nats))
+            .get_or_try_init(|| async {
+                if self.keepalive == Keepalive::ThroughImport {
+                    nats_conn::Requester::through_import(&self.nats).await
+                } else {
+                    nats_conn::Requester::new(&self.nats).await
+                }
+            })
             .await
             .map_err(|e| CallError::NoAnswer {
                 subject: subject.clone(),

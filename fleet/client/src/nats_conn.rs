@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use async_nats::{ConnectErrorKind, ConnectOptions};
 use fleet_proto::api::subjects::{
-    KEEPALIVE_EVERY, KEEPALIVE_HEADER, KEEPALIVE_SILENCE, STATUS_HEADER, STATUS_WORKING,
+    KEEPALIVE_EVENTS_PREFIX, KEEPALIVE_EVERY, KEEPALIVE_HEADER, KEEPALIVE_SILENCE, STATUS_HEADER,
+    STATUS_WORKING, keepalive, keepalive_token_ok,
 };
 
 use crate::creds::{Role, creds_in, creds_user_name, inbox_prefix};
@@ -98,6 +99,8 @@ pub enum RequestError {
 pub struct Requester {
     client: async_nats::Client,
     prefix: String,
+    /// For a connection of an app's account: the token prefix its keepalives are sent under.
+    keepalive_prefix: Option<String>,
     pending: Arc<Mutex<HashMap<u64, tokio::sync::mpsc::UnboundedSender<async_nats::Message>>>>,
     next: Arc<AtomicU64>,
     _router: Arc<AbortOnDrop>,
@@ -142,14 +145,43 @@ impl Requester {
     /// # Errors
     /// The subscription failed (the client is closed).
     pub async fn new(client: &async_nats::Client) -> Result<Requester, async_nats::SubscribeError> {
+        Requester::start(client, false).await
+    }
+
+    /// A requester for a connection of an app's account, whose requests reach the fronts through a service
+    /// import: the fronts send its keepalives to `KEEPALIVE_EVENTS_PREFIX.<nuid>.<n>`, which it subscribes too.
+    ///
+    /// # Errors
+    /// A subscription failed (the client is closed).
+    pub async fn through_import(
+        client: &async_nats::Client,
+    ) -> Result<Requester, async_nats::SubscribeError> {
+        Requester::start(client, true).await
+    }
+
+    async fn start(
+        client: &async_nats::Client,
+        imported: bool,
+    ) -> Result<Requester, async_nats::SubscribeError> {
+        use futures::StreamExt as _;
         let prefix = client.new_inbox();
-        let mut sub = client.subscribe(format!("{prefix}.*")).await?;
+        let replies = client.subscribe(format!("{prefix}.*")).await?;
+        // The inbox's last token: unique to this connection, subject-safe.
+        let keepalive_prefix = imported.then(|| prefix.rsplit('.').next().unwrap_or_default().to_owned());
+        let mut messages = match &keepalive_prefix {
+            Some(nuid) => {
+                let keepalives = client
+                    .subscribe(format!("{KEEPALIVE_EVENTS_PREFIX}.{nuid}.*"))
+                    .await?;
+                futures::stream::select(replies, keepalives).boxed()
+            }
+            None => replies.boxed(),
+        };
         let pending: Arc<Mutex<HashMap<u64, tokio::sync::mpsc::UnboundedSender<async_nats::Message>>>> =
             Arc::default();
         let routes = pending.clone();
         let router = tokio::spawn(async move {
-            use futures::StreamExt as _;
-            while let Some(msg) = sub.next().await {
+            while let Some(msg) = messages.next().await {
                 let token = msg
                     .subject
                     .as_str()
@@ -165,6 +197,7 @@ impl Requester {
         Ok(Requester {
             client: client.clone(),
             prefix,
+            keepalive_prefix,
             pending,
             next: Arc::default(),
             _router: Arc::new(AbortOnDrop(router)),
@@ -193,7 +226,10 @@ impl Requester {
             pending: &self.pending,
             token,
         };
-        headers.insert(KEEPALIVE_HEADER, "1");
+        match &self.keepalive_prefix {
+            Some(nuid) => headers.insert(KEEPALIVE_HEADER, format!("{nuid}.{token}").as_str()),
+            None => headers.insert(KEEPALIVE_HEADER, "1"),
+        }
         self.client
             .publish_with_reply_and_headers(subject, format!("{}.{token}", self.prefix), headers, payload)
             .await
@@ -235,24 +271,27 @@ impl Requester {
 /// mapping).
 pub const IMPORTED_REPLY_PREFIX: &str = "_R_.";
 
-/// Runs `work` — the handling of `msg` — and, when `msg` asked for keepalives ([`KEEPALIVE_HEADER`]) and has a
-/// reply subject of its own account (not [`IMPORTED_REPLY_PREFIX`]), tells the requester every [`KEEPALIVE_EVERY`] that it is still working, until `work` ends (the
+/// Where the keepalives of `msg` go, if it asked for them: its reply subject, or — for a request imported from
+/// another account (an app's), whose response mapping passes one message, the answer — the keepalive subject
+/// of the token it gave (`KEEPALIVE_EVENTS_PREFIX.<token>`; none for a token that is not `keepalive_token_ok`).
+fn keepalive_subject(msg: &async_nats::Message) -> Option<String> {
+    let asked = msg.headers.as_ref()?.get(KEEPALIVE_HEADER)?.as_str();
+    let reply = msg.reply.as_ref()?.as_str();
+    if !reply.starts_with(IMPORTED_REPLY_PREFIX) {
+        return Some(reply.to_owned());
+    }
+    keepalive_token_ok(asked).then(|| keepalive(asked))
+}
+
+/// Runs `work` — the handling of `msg` — and, when `msg` asked for keepalives ([`KEEPALIVE_HEADER`]), tells the
+/// requester every [`KEEPALIVE_EVERY`] that it is still working ([`keepalive_subject`]), until `work` ends (the
 /// caller then publishes the answer).
 pub async fn keeping_alive<F: std::future::Future>(
     client: &async_nats::Client,
     msg: &async_nats::Message,
     work: F,
 ) -> F::Output {
-    // A request imported from another account (an app's) is answered through the server's response mapping
-    // (`_R_.…`), which passes one message — the first — and drops the rest: it gets the answer only.
-    let reply = msg.reply.clone().filter(|r| {
-        !r.as_str().starts_with(IMPORTED_REPLY_PREFIX)
-            && msg
-                .headers
-                .as_ref()
-                .is_some_and(|h| h.get(KEEPALIVE_HEADER).is_some())
-    });
-    let Some(reply) = reply else {
+    let Some(reply) = keepalive_subject(msg) else {
         return work.await;
     };
     tokio::pin!(work);
