@@ -77,6 +77,19 @@ fn processes() -> BTreeMap<u32, (u32, String)> {
     out
 }
 
+/// When process `pid` started (`/proc/<pid>/stat` field 22, clock ticks after boot): with the pid, the identity of
+/// a process — pids are reused (`pid_max` is 32 768 on many machines, and a busy one wraps in minutes), exec keeps it.
+fn start_time(pid: u32) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()?
+        .rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(19)?
+        .parse()
+        .ok()
+}
+
 /// Every live descendant of `root`, with its command line.
 fn descendants(root: u32) -> BTreeMap<u32, String> {
     let all = processes();
@@ -505,6 +518,15 @@ fn fleet_up_serves_the_readme_cli_and_stops_cleanly() {
             .any(|id| up.cli(&["job", "get", id, "--user", "alice"]).ok()["state"] == "running")
     });
     let mut learned = descendants(up.pid);
+    let mut born: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut note_births = |learned: &BTreeMap<u32, String>| {
+        for pid in learned.keys() {
+            if let Some(t) = start_time(*pid) {
+                born.entry(*pid).or_insert(t);
+            }
+        }
+    };
+    note_births(&learned);
     let first_plugins = plugin_pids(&learned);
     assert!(!first_plugins.is_empty(), "the python plugin runs: {learned:?}");
     for id in &sleeping {
@@ -523,6 +545,7 @@ fn fleet_up_serves_the_readme_cli_and_stops_cleanly() {
         up.cli(&["job", "get", &again_id, "--user", "alice"]).ok()["state"] == "running"
     });
     learned.extend(descendants(up.pid));
+    note_births(&learned);
 
     // HTTP.
     let (status, body) = http_get(&up.http, "/healthz");
@@ -535,6 +558,7 @@ fn fleet_up_serves_the_readme_cli_and_stops_cleanly() {
 
     // SIGINT stops everything: exit 0, "stopped", no process of it left.
     learned.extend(descendants(up.pid));
+    note_births(&learned);
     assert!(
         learned.contains_key(&nats_pid),
         "nats-server is its child: {learned:?}"
@@ -558,7 +582,11 @@ fn fleet_up_serves_the_readme_cli_and_stops_cleanly() {
     });
     let lines = up.lines();
     assert!(lines.iter().any(|l| l.starts_with("stopping")), "{lines:?}");
-    let left: Vec<(&u32, &String)> = learned.iter().filter(|(pid, _)| alive(**pid)).collect();
+    // Still running: the same process (its pid and start time), not another that was given a freed pid.
+    let left: Vec<(&u32, &String)> = learned
+        .iter()
+        .filter(|(pid, _)| alive(**pid) && start_time(**pid).is_some_and(|t| born.get(*pid) == Some(&t)))
+        .collect();
     assert!(left.is_empty(), "processes of fleet up still alive: {left:?}");
     let data = up.data_dir.display().to_string();
     let strays: Vec<(u32, String)> = processes()
