@@ -1130,9 +1130,6 @@ fn first_after(outcomes: &[Outcome], from: Instant, sync: bool) -> Option<Durati
 /// longest gap without a successful call and the catch-up time — reported, not asserted: nats-server's Raft
 /// election timeout sets them.
 #[test]
-#[ignore = "fails 1 run of 14 since the reply-grant, request-path and membership fixes (2026-12-03, fresh-clone CI \
-            run on f69a9d7: after the meta leader's kill, calls did not answer 10 sync + 20 async within the 90 s \
-            guard; cause not found yet — see the README's Churn gap); run with --ignored"]
 fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job() {
     let mut up = Up::start_with(|_| vec!["--nats-cluster".into(), "3".into()]);
     up.wait_ready();

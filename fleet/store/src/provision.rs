@@ -61,6 +61,64 @@ pub enum ProvisionError {
     },
 }
 
+/// How long a front waits for a cluster that cannot place a resource's replicas yet ("no suitable peers for
+/// placement": a NATS cluster still forming, or a node restarting that the meta leader has not seen back), the
+/// same bound as an attaching process's wait for a front.
+pub const PLACEMENT_WAIT: Duration = ATTACH_WAIT;
+
+/// Whether `e` (or an error it wraps) is JetStream's "no suitable peers for placement" (`10005`): not enough
+/// cluster peers are online for the replicas asked, for now.
+fn placement_pending(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        let code = e
+            .downcast_ref::<jetstream::Error>()
+            .map(jetstream::Error::error_code)
+            .or_else(|| {
+                e.downcast_ref::<jetstream::context::CreateStreamError>()
+                    .and_then(|c| match c.kind() {
+                        jetstream::context::CreateStreamErrorKind::JetStream(j) => Some(j.error_code()),
+                        _ => None,
+                    })
+            });
+        if code == Some(jetstream::ErrorCode::CLUSTER_NO_PEERS) {
+            return true;
+        }
+        next = e.source();
+    }
+    false
+}
+
+/// Runs `create` until it succeeds, fails otherwise than [`placement_pending`], or [`PLACEMENT_WAIT`] passed.
+async fn creating<T, E, F, Fut>(resource: &str, mut create: F) -> Result<T, ProvisionError>
+where
+    E: std::error::Error + Send + Sync + 'static,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let started = Instant::now();
+    loop {
+        match create().await {
+            Ok(v) => return Ok(v),
+            Err(e) if placement_pending(&e) && started.elapsed() < PLACEMENT_WAIT => {
+                if started.elapsed() < ATTACH_POLL {
+                    tracing::info!(
+                        resource,
+                        "waiting for the NATS cluster's peers to place a JetStream resource"
+                    );
+                }
+                tokio::time::sleep(ATTACH_POLL).await;
+            }
+            Err(e) => {
+                return Err(ProvisionError::Create {
+                    resource: resource.to_owned(),
+                    source: e.into(),
+                });
+            }
+        }
+    }
+}
+
 /// Waits until the stream `name` exists (at most [`ATTACH_WAIT`]).
 async fn wait_for_stream(js: &jetstream::Context, name: &str, resource: &str) -> Result<(), ProvisionError> {
     let started = Instant::now();
@@ -102,12 +160,12 @@ pub async fn key_value(
 ) -> Result<kv::Store, ProvisionError> {
     let bucket = config.bucket.clone();
     match provision {
-        Provision::Create => Box::pin(js.create_or_update_key_value(config))
+        Provision::Create => {
+            creating(&bucket, || {
+                Box::pin(js.create_or_update_key_value(config.clone()))
+            })
             .await
-            .map_err(|e| ProvisionError::Create {
-                resource: bucket,
-                source: e.into(),
-            }),
+        }
         Provision::Attach => {
             wait_for_stream(js, &format!("KV_{bucket}"), &bucket).await?;
             js.get_key_value(bucket.clone())
@@ -128,12 +186,7 @@ pub async fn stream(
 ) -> Result<stream::Stream, ProvisionError> {
     let name = config.name.clone();
     if provision == Provision::Create {
-        Box::pin(js.create_or_update_stream(config))
-            .await
-            .map_err(|e| ProvisionError::Create {
-                resource: name.clone(),
-                source: e.into(),
-            })?;
+        creating(&name, || Box::pin(js.create_or_update_stream(config.clone()))).await?;
     } else {
         wait_for_stream(js, &name, &name).await?;
     }
@@ -161,16 +214,62 @@ pub async fn object_store(
             resource: bucket,
             source: e.into(),
         }),
-        Err(_) => match js.create_object_store(config).await {
+        Err(_) => match creating(&bucket, || js.create_object_store(config.clone())).await {
             Ok(s) => Ok(s),
             // Another process created it in between.
-            Err(e) => js
-                .get_object_store(&bucket)
-                .await
-                .map_err(|_| ProvisionError::Create {
-                    resource: bucket,
-                    source: e.into(),
-                }),
+            Err(e) => js.get_object_store(&bucket).await.map_err(|_| e),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn api_error(err_code: u64) -> jetstream::Error {
+        serde_json::from_value(serde_json::json!({
+            "code": 400,
+            "err_code": err_code,
+            "description": "from the JetStream API",
+        }))
+        .unwrap_or_else(|e| panic!("a JetStream API error: {e}"))
+    }
+
+    fn create_error(err_code: u64) -> jetstream::context::CreateStreamError {
+        jetstream::context::CreateStreamError::new(jetstream::context::CreateStreamErrorKind::JetStream(
+            api_error(err_code),
+        ))
+    }
+
+    /// "No suitable peers for placement" (a NATS cluster still forming, seen once at a `fleet up --nats-cluster
+    /// 3` start) is waited out, as the stream or wrapped in a bucket's error; anything else fails at once.
+    #[tokio::test]
+    async fn creation_waits_out_a_cluster_that_cannot_place_replicas_yet() {
+        assert!(placement_pending(&create_error(10005)));
+        assert!(placement_pending(&api_error(10005)));
+        let wrapped = jetstream::context::CreateKeyValueError::with_source(
+            jetstream::context::CreateKeyValueErrorKind::BucketCreate,
+            create_error(10005),
+        );
+        assert!(placement_pending(&wrapped));
+        assert!(!placement_pending(&create_error(10058)));
+
+        let mut attempts = 0;
+        let created = creating("s", || {
+            attempts += 1;
+            let n = attempts;
+            async move { if n < 3 { Err(create_error(10005)) } else { Ok(n) } }
+        })
+        .await;
+        assert_eq!(created.ok(), Some(3), "created at the third attempt");
+
+        let mut attempts = 0;
+        let refused = creating("s", || {
+            attempts += 1;
+            async { Err::<(), _>(create_error(10058)) }
+        })
+        .await;
+        assert!(matches!(refused, Err(ProvisionError::Create { .. })));
+        assert_eq!(attempts, 1, "another error is not retried");
     }
 }
