@@ -1016,6 +1016,19 @@ impl Drop for Load {
     }
 }
 
+/// The nats-servers the cluster test restarted itself (not `fleet up`'s children): killed when the test ends, also
+/// when it fails.
+struct Restarted(Vec<std::process::Child>);
+
+impl Drop for Restarted {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// One load call's outcome: when it answered, sync or async, the user, the job id or the error code, and when
 /// it was sent.
 type Outcome = (Instant, bool, String, Result<String, String>, Instant);
@@ -1228,7 +1241,7 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
     // restarted pod would) and caught up: the leader of the active sets (every invokeAsync writes there first),
     // the JetStream meta leader, and the leader of the job records.
     let mut pids = pids;
-    let mut restarted: Vec<std::process::Child> = Vec::new();
+    let mut restarted = Restarted(Vec::new());
     let mut rounds = Vec::new();
     for target in ["KV_fleet_active", "meta", "KV_fleet_jobs"] {
         let leader = leader_of(&nodes, target);
@@ -1279,7 +1292,7 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
             .spawn()
             .unwrap();
         pids[victim] = child.id().to_string();
-        restarted.push(child);
+        restarted.0.push(child);
         let restarted_at = Instant::now();
         wait_or_report(
             "every stream current on its 3 replicas again",
@@ -1345,10 +1358,7 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
             )
         });
     }
-    for mut child in restarted {
-        let _ = child.kill();
-        let _ = child.wait();
-    }
+    drop(restarted);
 
     let mut failed: BTreeMap<(bool, String), usize> = BTreeMap::new();
     for (_, sync, _, r, _) in &outcomes {
