@@ -16,6 +16,8 @@ use fleet_proto::api::subjects::{
     STATUS_WORKING, keepalive, keepalive_token_ok,
 };
 
+use fleet_proto::util::lock;
+
 use crate::creds::{Role, creds_in, creds_user_name, inbox_prefix};
 
 /// How long connecting may take before it fails.
@@ -133,10 +135,6 @@ impl Drop for Route<'_> {
     fn drop(&mut self) {
         lock(self.pending).remove(&self.token);
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl Requester {
