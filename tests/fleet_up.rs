@@ -901,6 +901,41 @@ fn a_ctrl_c_to_the_process_group_stops_the_nats_server_last() {
     }
 }
 
+/// The churn issue (a loaded CI run: a port `fleet up --nats-cluster 3` picked free for one of its nats-servers was
+/// the test's `--http`): `fleet up` binds `--http` before it starts anything, so its own port picks cannot take it,
+/// and a taken address fails at once, naming the flag, before any nats-server starts.
+#[test]
+fn a_taken_http_address_fails_before_any_nats_server_starts() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new(fleet_bin());
+    cmd.arg("up")
+        .arg("--data-dir")
+        .arg(tmp.path().join("data"))
+        .arg("--plugins-dir")
+        .arg(workspace_root().join("plugins"))
+        .args(["--http", &addr, "--nats-cluster", "3"])
+        .current_dir(tmp.path())
+        .stdin(Stdio::null());
+    for var in SCRUBBED_ENV {
+        cmd.env_remove(var);
+    }
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stdout}");
+    assert!(
+        stderr.contains(&format!("--http {addr}")),
+        "the flag is named: {stderr}"
+    );
+    assert!(
+        !stdout.contains("nats-server"),
+        "no nats-server started first: {stdout}"
+    );
+    drop(taken);
+}
+
 /// The churn issue: a `fleet up` whose nats-server died first (a crash, an OOM kill) still stops on SIGINT —
 /// nothing waits for a confirmation from a server that is gone (each flush gives up after
 /// `nats_conn::FLUSH_TIMEOUT`), and it says what it could not do.

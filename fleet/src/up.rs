@@ -199,6 +199,12 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     std::fs::create_dir_all(&args.data_dir).map_err(|e| other("data dir")(&e))?;
     let data_dir = std::fs::canonicalize(&args.data_dir).map_err(|e| other("data dir")(&e))?;
 
+    // The HTTP listener first, held until it serves: the ports picked free below for the NATS servers (client,
+    // routes, monitoring) cannot take it meanwhile, and a taken `--http` fails before anything starts.
+    let http = tokio::net::TcpListener::bind(&args.http)
+        .await
+        .map_err(|e| other(&format!("--http {}", args.http))(&e))?;
+
     // Metrics: one registry for the front, the sweeper and every in-process worker.
     let metrics = Arc::new(crate::metrics::FleetMetrics::new());
 
@@ -449,9 +455,6 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         }
     };
     let sweeper = tokio::spawn(crate::sweeper::run(front.clone(), client.clone()));
-    let http = tokio::net::TcpListener::bind(&args.http)
-        .await
-        .map_err(|e| other(&format!("--http {}", args.http))(&e))?;
     let http_state = crate::http::HttpState::start(
         front.clone(),
         client.clone(),
