@@ -36,15 +36,20 @@ const SCRUBBED_ENV: &[&str] = &[
 ];
 
 /// Polls `cond` (a look at an observable) until it holds; fails the test after [`GUARD`].
-fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + GUARD;
-    while !cond() {
-        assert!(
-            Instant::now() < deadline,
-            "failure guard: {what} did not happen within {GUARD:?}"
-        );
-        std::thread::sleep(Duration::from_millis(25));
-    }
+fn wait_until(what: &str, cond: impl FnMut() -> bool) {
+    wait_or_report(what, cond, String::new);
+}
+
+/// `fleet up --data-dir <data_dir> --plugins-dir <repo>/plugins --http <http>`, the environment not yet scrubbed.
+fn up_command(data_dir: &std::path::Path, http: &str) -> Command {
+    let mut cmd = Command::new(fleet_bin());
+    cmd.arg("up")
+        .arg("--data-dir")
+        .arg(data_dir)
+        .arg("--plugins-dir")
+        .arg(workspace_root().join("plugins"))
+        .args(["--http", http]);
+    cmd
 }
 
 fn free_addr() -> String {
@@ -140,14 +145,8 @@ impl Up {
         let data_dir = tmp.path().join("data");
         let http = free_addr();
         let stderr_file = tmp.path().join("up.stderr");
-        let mut cmd = Command::new(fleet_bin());
-        cmd.arg("up")
-            .arg("--data-dir")
-            .arg(&data_dir)
-            .arg("--plugins-dir")
-            .arg(workspace_root().join("plugins"))
-            .args(["--http", &http])
-            .args(extra(tmp.path()))
+        let mut cmd = up_command(&data_dir, &http);
+        cmd.args(extra(tmp.path()))
             .current_dir(tmp.path())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -691,14 +690,8 @@ fn fleet_up_without_a_nats_server_says_how_to_install_one() {
     let tmp = tempfile::tempdir().unwrap();
     let not_executable = tmp.path().join("nats-server");
     std::fs::write(&not_executable, "not a program\n").unwrap();
-    let mut cmd = Command::new(fleet_bin());
-    cmd.arg("up")
-        .arg("--data-dir")
-        .arg(tmp.path().join("data"))
-        .arg("--plugins-dir")
-        .arg(workspace_root().join("plugins"))
-        .args(["--http", &free_addr()])
-        .current_dir("/")
+    let mut cmd = up_command(&tmp.path().join("data"), &free_addr());
+    cmd.current_dir("/")
         .env("PATH", "/usr/bin:/bin")
         .env("FLEET_NATS_SERVER", &not_executable);
     for var in SCRUBBED_ENV.iter().filter(|v| **v != "FLEET_NATS_SERVER") {
@@ -909,19 +902,12 @@ fn a_taken_http_address_fails_before_any_nats_server_starts() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();
     let tmp = tempfile::tempdir().unwrap();
-    let mut cmd = Command::new(fleet_bin());
-    cmd.arg("up")
-        .arg("--data-dir")
-        .arg(tmp.path().join("data"))
-        .arg("--plugins-dir")
-        .arg(workspace_root().join("plugins"))
-        .args(["--http", &addr, "--nats-cluster", "3"])
-        .current_dir(tmp.path())
-        .stdin(Stdio::null());
+    let mut cmd = up_command(&tmp.path().join("data"), &addr);
+    cmd.args(["--nats-cluster", "3"]).current_dir(tmp.path());
     for var in SCRUBBED_ENV {
         cmd.env_remove(var);
     }
-    let out = cmd.output().unwrap();
+    let out = run_bounded(cmd);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stdout}");
@@ -1098,8 +1084,8 @@ fn leader_of(nodes: &[ClusterNode], stream: &str) -> String {
     panic!("no node names a leader of {stream}")
 }
 
-/// [`wait_until`], whose failure also prints `report()`: what a run that failed once in many needs to be
-/// understood afterwards.
+/// Waits (at most [`GUARD`]) until `cond` holds; a failure also prints `report()`: what a run that failed once
+/// in many needs to be understood afterwards.
 fn wait_or_report(what: &str, mut cond: impl FnMut() -> bool, report: impl FnOnce() -> String) {
     let deadline = Instant::now() + GUARD;
     while !cond() {
@@ -1267,6 +1253,17 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
             .filter(|(at, s, _, r, _)| *at > since && *s == sync && r.is_ok())
             .count()
     };
+    // What a failure of any wait below prints.
+    let report = || {
+        cluster_report(
+            &up,
+            &nodes,
+            &outcomes.lock().unwrap(),
+            &failures.lock().unwrap(),
+            &in_flight.lock().unwrap(),
+            t0,
+        )
+    };
     let start = Instant::now();
     wait_until("sync and async calls answered before the kill", || {
         answered(start, true) >= 10 && answered(start, false) >= 20
@@ -1299,16 +1296,7 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
         wait_or_report(
             "sync and async calls answered again after the kill",
             || answered(killed_at, true) >= 10 && answered(killed_at, false) >= 20,
-            || {
-                cluster_report(
-                    &up,
-                    &nodes,
-                    &outcomes.lock().unwrap(),
-                    &failures.lock().unwrap(),
-                    &in_flight.lock().unwrap(),
-                    t0,
-                )
-            },
+            report,
         );
         let node = &nodes[victim];
         let child = Command::new(&nats_server)
@@ -1342,16 +1330,7 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
                 }
                 led.len() == streams.len() && led.values().all(|c| *c)
             },
-            || {
-                cluster_report(
-                    &up,
-                    &nodes,
-                    &outcomes.lock().unwrap(),
-                    &failures.lock().unwrap(),
-                    &in_flight.lock().unwrap(),
-                    t0,
-                )
-            },
+            report,
         );
         rounds.push((target, killed_at, restarted_at.elapsed()));
     }
@@ -1359,16 +1338,7 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
     wait_or_report(
         "calls answered after the restarts",
         || answered(after_restart, true) >= 5 && answered(after_restart, false) >= 5,
-        || {
-            cluster_report(
-                &up,
-                &nodes,
-                &outcomes.lock().unwrap(),
-                &failures.lock().unwrap(),
-                &in_flight.lock().unwrap(),
-                t0,
-            )
-        },
+        report,
     );
     load.finish();
 
@@ -1381,9 +1351,12 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
         .collect();
     let accepted = pending.len();
     let deadline = Instant::now() + GUARD;
+    // The last answer of `job get` for each job still pending, for the report of a failure.
+    let mut last_seen: BTreeMap<String, String> = BTreeMap::new();
     while !pending.is_empty() && Instant::now() < deadline {
         pending.retain(|(user, id)| {
             let out = up.cli(&["job", "get", "--user", user, id]);
+            last_seen.insert(id.clone(), format!("{} {}", out.stdout.trim(), out.stderr.trim()));
             let state = serde_json::from_str::<Value>(&out.stdout)
                 .ok()
                 .map(|v| v["state"].clone());
@@ -1423,8 +1396,9 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
             first_after(&outcomes, *killed_at, false),
         );
     }
+    let seen: Vec<&String> = pending.iter().filter_map(|(_, id)| last_seen.get(id)).collect();
     assert!(
         pending.is_empty(),
-        "accepted jobs not terminal (lost): {pending:?}"
+        "accepted jobs not terminal (lost): {pending:?}; their last `job get`: {seen:?}"
     );
 }

@@ -163,8 +163,12 @@ impl Typed<'_> {
         let Ok(args) = parse_args::<A>(self.body) else {
             return self.client.call(self.method, self.body, self.wait).await;
         };
-        let result = send(args).await?;
-        serde_json::to_value(result)
-            .map_err(|e| ApiError::new(ApiErrorCode::InternalError, format!("unprintable result: {e}")))
+        printable(send(args).await?)
     }
+}
+
+/// A command's typed result as the JSON it prints.
+pub fn printable(result: impl Serialize) -> Result<Value, ApiError> {
+    serde_json::to_value(result)
+        .map_err(|e| ApiError::new(ApiErrorCode::InternalError, format!("unprintable result: {e}")))
 }

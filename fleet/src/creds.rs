@@ -25,7 +25,7 @@ use fleet_proto::admin::{ADMIN_QUEUE_GROUP, parse_args};
 use fleet_proto::api::{ApiError, ApiErrorCode};
 use serde_json::{Value, json};
 
-use crate::client_cmd::OperatorConn;
+use crate::client_cmd::{OperatorConn, printable};
 use crate::nats_auth::{self, AuthMaterial, permissions, push_account_jwt};
 use crate::operator;
 use fleet_client::auth::OperatorVerifier;
@@ -359,34 +359,30 @@ pub enum CredsCmd {
 /// Runs a `fleet creds` command and returns what to print.
 pub async fn run(cmd: &CredsCmd) -> Result<Value, ApiError> {
     let wait = Duration::from_secs(15);
-    let out = match cmd {
+    match cmd {
         CredsCmd::Issue { name, conn, out } => {
             let client = conn.client().await?;
             let issued = client.creds_issue(&NameArgs { name: name.clone() }, wait).await?;
             let Some(path) = out else {
-                return Ok(serde_json::to_value(&issued).unwrap_or(Value::Null));
+                return printable(&issued);
             };
             // 0600 from its creation, replaced atomically (the auth directory's own writer).
             nats_auth::creds::write_private_atomic(path, issued.creds.as_bytes())
                 .map_err(|e| ApiError::new(ApiErrorCode::InternalError, e.to_string()))?;
-            json!({
+            Ok(json!({
                 "credential": issued.credential,
                 "inbox_prefix": issued.inbox_prefix,
                 "written": path.display().to_string(),
-            })
+            }))
         }
-        CredsCmd::List { conn } => {
-            serde_json::to_value(conn.client().await?.creds_list(wait).await?).unwrap_or(Value::Null)
-        }
+        CredsCmd::List { conn } => printable(conn.client().await?.creds_list(wait).await?),
         CredsCmd::Revoke { name, conn } => {
             let client = conn.client().await?;
-            serde_json::to_value(
+            printable(
                 client
                     .creds_revoke(&NameArgs { name: name.clone() }, wait)
                     .await?,
             )
-            .unwrap_or(Value::Null)
         }
-    };
-    Ok(out)
+    }
 }

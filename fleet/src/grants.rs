@@ -9,7 +9,7 @@ use fleet_proto::api::{ApiError, ApiErrorCode};
 use fleet_services::grants::GrantStore;
 use serde_json::Value;
 
-use crate::client_cmd::OperatorConn;
+use crate::client_cmd::{OperatorConn, printable};
 use crate::operator;
 
 /// Serves `fleet.v1.admin.grants.*` (queue group: any front answers) until the client closes. Every call needs
@@ -94,5 +94,5 @@ pub async fn run_grant(args: &GrantArgs) -> Result<Value, ApiError> {
         };
         client.grants_set(&set, wait).await?
     };
-    Ok(serde_json::to_value(grant).unwrap_or(Value::Null))
+    printable(grant)
 }

@@ -188,13 +188,18 @@ impl From<CallError> for ApiError {
 /// An API request: the `Authorization` header set to `authorization` (`Bearer <token>`, or whatever a test
 /// presents), `body` as JSON, answered within `wait`.
 pub fn api_request(authorization: &str, body: &impl Serialize, wait: Duration) -> async_nats::Request {
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert(subjects::AUTH_HEADER, authorization);
     let payload = serde_json::to_vec(body).unwrap_or_default();
     async_nats::Request::new()
-        .headers(headers)
+        .headers(api_headers(authorization))
         .payload(payload.into())
         .timeout(Some(wait))
+}
+
+/// The headers of an API request: `Authorization` set to `authorization`.
+fn api_headers(authorization: &str) -> async_nats::HeaderMap {
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(subjects::AUTH_HEADER, authorization);
+    headers
 }
 
 /// The `Authorization` value of a token: `Bearer <token>`.
@@ -227,15 +232,19 @@ pub async fn request(
         .map_err(ApiError::from)
 }
 
-/// Whether an [`ApiClient`] asks for keepalives, and where they come.
+/// How an [`ApiClient`]'s calls wait for their answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Keepalive {
-    /// It does not.
-    Off,
-    /// To the reply subject (a connection of the fleet's own account).
-    Own,
-    /// On the events export (an app's connection: its requests cross a service import).
-    ThroughImport,
+enum Waiting {
+    /// Plain request/reply, given up [`nats_conn::RECONNECT_GRACE`] after the connection was re-established
+    /// under it (the default).
+    WatchReconnect,
+    /// Plain request/reply for the whole wait.
+    Plain,
+    /// Keepalives asked for, coming to the reply subject (a connection of the fleet's own account).
+    KeepaliveOwn,
+    /// Keepalives asked for, coming on the events export (an app's connection: its requests cross a service
+    /// import).
+    KeepaliveThroughImport,
 }
 
 /// How one [`send`] waits for its answer.
@@ -261,20 +270,26 @@ async fn send<T: DeserializeOwned>(
 ) -> Result<T, CallError> {
     let give_up = tokio::time::Instant::now() + NO_FRONT_WAIT.min(wait);
     let mut pause = NO_FRONT_PAUSE;
+    // Serialised once, sent again as it is.
+    let authorization = bearer(token);
+    let payload = bytes::Bytes::from(serde_json::to_vec(body).unwrap_or_default());
+    let plain = || {
+        async_nats::Request::new()
+            .headers(api_headers(&authorization))
+            .payload(payload.clone())
+            .timeout(Some(wait))
+    };
     let reply = loop {
-        let request = api_request(&bearer(token), body, wait);
         let sent = match via {
             Via::Keepalive(requester) => {
-                let mut headers = async_nats::HeaderMap::new();
-                headers.insert(subjects::AUTH_HEADER, bearer(token).as_str());
-                let payload = serde_json::to_vec(body).unwrap_or_default();
+                let headers = api_headers(&authorization);
                 requester
-                    .request(subject.clone(), headers, payload.into(), wait)
+                    .request(subject.clone(), headers, payload.clone(), wait)
                     .await
             }
-            Via::WatchReconnect => nats_conn::request(client, subject.clone(), request).await,
+            Via::WatchReconnect => nats_conn::request(client, subject.clone(), plain()).await,
             Via::Plain => client
-                .send_request(subject.clone(), request)
+                .send_request(subject.clone(), plain())
                 .await
                 .map_err(RequestError::Nats),
         };
@@ -352,11 +367,8 @@ pub fn wait_for(method: &str, timeout_ms: Option<u64>) -> Duration {
 pub struct ApiClient {
     nats: async_nats::Client,
     token: String,
-    /// Whether calls ask the front for keepalives (and give up once nothing was heard for `KEEPALIVE_SILENCE`),
-    /// and how they hear them.
-    keepalive: Keepalive,
-    /// Otherwise, whether a call gives up [`nats_conn::RECONNECT_GRACE`] after its connection was re-established.
-    watch_reconnect: bool,
+    /// How calls wait for their answer.
+    waiting: Waiting,
     /// The keepalive requests' subscription, made at the first call.
     requester: Arc<tokio::sync::OnceCell<nats_conn::Requester>>,
 }
@@ -373,8 +385,7 @@ impl ApiClient {
         ApiClient {
             nats,
             token,
-            keepalive: Keepalive::Off,
-            watch_reconnect: true,
+            waiting: Waiting::WatchReconnect,
             requester: Arc::default(),
         }
     }
@@ -388,8 +399,7 @@ impl ApiClient {
     /// connection was re-established under them; by default they give up [`nats_conn::RECONNECT_GRACE`] after the
     /// reconnect ([`NoAnswer::ConnectionLost`]).
     pub fn waiting_through_reconnects(mut self) -> ApiClient {
-        self.keepalive = Keepalive::Off;
-        self.watch_reconnect = false;
+        self.waiting = Waiting::Plain;
         self
     }
 
@@ -398,7 +408,7 @@ impl ApiClient {
     /// an answer lost inside the cluster costs that, not the call's whole wait. For a connection of the fleet's own
     /// account (the operator tooling): the keepalives come to the request's reply subject.
     pub fn keeping_alive(mut self) -> ApiClient {
-        self.keepalive = Keepalive::Own;
+        self.waiting = Waiting::KeepaliveOwn;
         self
     }
 
@@ -406,7 +416,7 @@ impl ApiClient {
     /// a service import that passes one message back (the answer): the keepalives come on the events export
     /// (`fleet.v1.events.keepalive.<token>`).
     pub fn keeping_alive_as_app(mut self) -> ApiClient {
-        self.keepalive = Keepalive::ThroughImport;
+        self.waiting = Waiting::KeepaliveThroughImport;
         self
     }
 
@@ -417,18 +427,18 @@ impl ApiClient {
         args: &impl Serialize,
         wait: Duration,
     ) -> Result<T, CallError> {
-        if self.keepalive == Keepalive::Off {
-            let via = if self.watch_reconnect {
-                Via::WatchReconnect
-            } else {
-                Via::Plain
-            };
-            return send(&self.nats, &self.token, subject, args, wait, via).await;
-        }
+        let through_import = match self.waiting {
+            Waiting::WatchReconnect => {
+                return send(&self.nats, &self.token, subject, args, wait, Via::WatchReconnect).await;
+            }
+            Waiting::Plain => return send(&self.nats, &self.token, subject, args, wait, Via::Plain).await,
+            Waiting::KeepaliveOwn => false,
+            Waiting::KeepaliveThroughImport => true,
+        };
         let requester = self
             .requester
             .get_or_try_init(|| async {
-                if self.keepalive == Keepalive::ThroughImport {
+                if through_import {
                     nats_conn::Requester::through_import(&self.nats).await
                 } else {
                     nats_conn::Requester::new(&self.nats).await

@@ -202,11 +202,6 @@ impl Requester {
         })
     }
 
-    /// The connection it sends on.
-    pub fn client(&self) -> &async_nats::Client {
-        &self.client
-    }
-
     /// Sends `payload` with `headers` (plus [`KEEPALIVE_HEADER`]) to `subject` and waits for the answer, at most
     /// `timeout`, and at most [`KEEPALIVE_SILENCE`] without hearing from the responder.
     pub async fn request(

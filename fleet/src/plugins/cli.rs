@@ -18,7 +18,7 @@ use sha2::{Digest as _, Sha256};
 
 use super::object_name;
 use super::store::PluginStore;
-use crate::client_cmd::OperatorConn;
+use crate::client_cmd::{OperatorConn, printable};
 use fleet_store::StoreSettings;
 
 /// How long the CLI waits for an install (downloads and validation happen on the front).
@@ -89,7 +89,6 @@ pub async fn request(
 
 /// Runs a `fleet plugins` command and returns what to print.
 pub async fn run(cmd: &PluginsCmd) -> Result<Value, ApiError> {
-    let printed = |v: Result<Value, serde_json::Error>| v.unwrap_or(Value::Null);
     match cmd {
         PluginsCmd::Install {
             source,
@@ -99,15 +98,11 @@ pub async fn run(cmd: &PluginsCmd) -> Result<Value, ApiError> {
         } => {
             let client = conn.client().await?;
             let args = install_args(client.nats(), source, tool_id.as_deref(), sha256.as_deref()).await?;
-            Ok(printed(serde_json::to_value(
-                client.plugins_install(&args, INSTALL_WAIT).await?,
-            )))
+            printable(client.plugins_install(&args, INSTALL_WAIT).await?)
         }
         PluginsCmd::List { conn } => {
             let client = conn.client().await?;
-            Ok(printed(serde_json::to_value(
-                client.plugins_list(LIST_WAIT).await?,
-            )))
+            printable(client.plugins_list(LIST_WAIT).await?)
         }
         PluginsCmd::Remove {
             tool_id,
@@ -119,18 +114,14 @@ pub async fn run(cmd: &PluginsCmd) -> Result<Value, ApiError> {
                 version: version.clone(),
             };
             let client = conn.client().await?;
-            Ok(printed(serde_json::to_value(
-                client.plugins_remove(&args, REMOVE_WAIT).await?,
-            )))
+            printable(client.plugins_remove(&args, REMOVE_WAIT).await?)
         }
         PluginsCmd::Describe { tool_id, conn } => {
             let args = DescribeArgs {
                 tool_id: tool_id.clone(),
             };
             let client = conn.client().await?;
-            Ok(printed(serde_json::to_value(
-                client.plugins_describe(&args, LIST_WAIT).await?,
-            )))
+            printable(client.plugins_describe(&args, LIST_WAIT).await?)
         }
     }
 }
