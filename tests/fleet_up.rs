@@ -1054,8 +1054,23 @@ impl Drop for Restarted {
 /// it was sent.
 type Outcome = (Instant, bool, String, Result<String, String>, Instant);
 
-/// The server that leads `stream` (or, for `meta`, the JetStream meta group), as a live node's `/jsz` says.
-fn leader_of(nodes: &[ClusterNode], stream: &str) -> String {
+/// The server that leads `stream` (or, for `meta`, the JetStream meta group), as a live node's `/jsz` says; a
+/// group between two leaders (an election, e.g. after a restarted node rejoined) is waited out, within [`GUARD`].
+fn leader_of(nodes: &[ClusterNode], stream: &str, report: impl FnOnce() -> String) -> String {
+    let mut leader = None;
+    wait_or_report(
+        &format!("a node names a leader of {stream}"),
+        || {
+            leader = named_leader(nodes, stream);
+            leader.is_some()
+        },
+        report,
+    );
+    leader.unwrap_or_default()
+}
+
+/// [`leader_of`], as the nodes answer now.
+fn named_leader(nodes: &[ClusterNode], stream: &str) -> Option<String> {
     for n in nodes {
         let Ok(mut s) = TcpStream::connect(("127.0.0.1", n.monitor)) else {
             continue;
@@ -1071,17 +1086,17 @@ fn leader_of(nodes: &[ClusterNode], stream: &str) -> String {
                 .and_then(|b| serde_json::from_str::<Value>(b).ok())
                 .and_then(|v| v["meta_cluster"]["leader"].as_str().map(str::to_owned));
             if let Some(leader) = leader.filter(|l| !l.is_empty()) {
-                return leader;
+                return Some(leader);
             }
         } else if let Some(found) = streams_on(n.monitor)
             .unwrap_or_default()
             .into_iter()
             .find(|s| s.0 == stream && !s.2.is_empty())
         {
-            return found.2;
+            return Some(found.2);
         }
     }
-    panic!("no node names a leader of {stream}")
+    None
 }
 
 /// Waits (at most [`GUARD`]) until `cond` holds; a failure also prints `report()`: what a run that failed once
@@ -1276,7 +1291,7 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
     let mut restarted = Restarted(Vec::new());
     let mut rounds = Vec::new();
     for target in ["KV_fleet_active", "meta", "KV_fleet_jobs"] {
-        let leader = leader_of(&nodes, target);
+        let leader = leader_of(&nodes, target, report);
         let victim = nodes.iter().position(|n| n.name == leader).unwrap();
         // The binary `fleet up` started the node with, to restart it with the same one.
         let nats_server = std::fs::read_link(format!("/proc/{}/exe", pids[victim])).unwrap();

@@ -19,7 +19,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, kv};
-use bytes::Bytes;
 use fleet_proto::admin::creds::{AREA, CredRecord, ISSUE, Issued, LIST, Listed, NameArgs, REVOKE, Revoked};
 use fleet_proto::admin::{ADMIN_QUEUE_GROUP, parse_args};
 use fleet_proto::api::{ApiError, ApiErrorCode};
@@ -30,10 +29,11 @@ use crate::nats_auth::{self, AuthMaterial, permissions, push_account_jwt};
 use crate::operator;
 use fleet_client::auth::OperatorVerifier;
 use fleet_client::creds::{Role, inbox_prefix};
-use fleet_store::StoreSettings;
+use fleet_store::cas::{Edit, Target, compare_and_set};
+use fleet_store::{Op, Revisioned, StoreSettings};
 
-/// How many times a record update is retried on a concurrent write.
-const CAS_ATTEMPTS: usize = 8;
+/// Largest credential record (the bucket's `max_value_size`).
+const CRED_RECORD_MAX_BYTES: usize = 64 * 1024;
 
 /// Why a credentials operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +53,12 @@ pub enum CredsError {
     /// The bucket.
     #[error("app credentials bucket: {0}")]
     Store(String),
+}
+
+impl From<fleet_store::StoreError> for CredsError {
+    fn from(e: fleet_store::StoreError) -> CredsError {
+        CredsError::Store(e.to_string())
+    }
 }
 
 impl CredsError {
@@ -104,7 +110,7 @@ impl Issuer {
                 bucket: permissions::APP_CREDS.bucket(&settings.prefix),
                 description: "Cloud Agents: issued app NATS credentials (no secrets)".into(),
                 history: 1,
-                max_value_size: 64 * 1024,
+                max_value_size: i32::try_from(CRED_RECORD_MAX_BYTES).unwrap_or(i32::MAX),
                 num_replicas: settings.replicas,
                 storage: settings.storage,
                 ..kv::Config::default()
@@ -147,70 +153,44 @@ impl Issuer {
         }
     }
 
-    async fn write(&self, record: &CredRecord, revision: Option<u64>) -> Result<bool, CredsError> {
-        let bytes: Bytes = serde_json::to_vec(record)
-            .map_err(|e| CredsError::Store(e.to_string()))?
-            .into();
-        let result = match revision {
-            Some(rev) => self
-                .kv
-                .update(&record.name, bytes, rev)
-                .await
-                .map(|_| ())
-                .map_err(|e| {
-                    matches!(e.kind(), kv::UpdateErrorKind::WrongLastRevision)
-                        .then_some(())
-                        .ok_or_else(|| e.to_string())
-                }),
-            None => self
-                .kv
-                .create(&record.name, bytes)
-                .await
-                .map(|_| ())
-                .map_err(|e| {
-                    matches!(e.kind(), kv::CreateErrorKind::AlreadyExists)
-                        .then_some(())
-                        .ok_or_else(|| e.to_string())
-                }),
-        };
-        match result {
-            Ok(()) => Ok(true),
-            Err(Ok(())) => Ok(false),
-            Err(Err(e)) => Err(CredsError::Store(e)),
-        }
-    }
-
     /// Issues a new credential named `name`; returns its record and the `.creds` text (a secret, for the
     /// caller alone).
     pub async fn issue(&self, name: &str) -> Result<(CredRecord, String), CredsError> {
         Self::check_name(name)?;
-        for _ in 0..CAS_ATTEMPTS {
-            let existing = self.record(name).await?;
-            if let Some((r, _)) = &existing
-                && r.revoked_at.is_none()
-            {
-                return Err(CredsError::Exists(name.to_owned()));
-            }
-            let user = self.material.issue_app_user(name, &permissions::app_user(name))?;
-            let mut revoked_keys = BTreeMap::new();
-            if let Some((old, _)) = &existing {
-                revoked_keys.clone_from(&old.revoked_keys);
-                if let Some(at) = old.revoked_at {
-                    revoked_keys.insert(old.public_key.clone(), at);
+        let committed = compare_and_set(
+            self.target(name),
+            None,
+            |existing: Option<Revisioned<CredRecord>>| {
+                let existing = existing.map(|r| r.value);
+                if let Some(r) = &existing
+                    && r.revoked_at.is_none()
+                {
+                    return Err(CredsError::Exists(name.to_owned()));
                 }
-            }
-            let record = CredRecord {
-                name: name.to_owned(),
-                public_key: user.public_key.clone(),
-                issued_at: user.issued_at,
-                revoked_at: None,
-                revoked_keys,
-            };
-            if self.write(&record, existing.map(|(_, rev)| rev)).await? {
-                return Ok((record, user.creds));
-            }
-        }
-        Err(CredsError::Store("too many concurrent changes".into()))
+                let user = self.material.issue_app_user(name, &permissions::app_user(name))?;
+                let mut revoked_keys = BTreeMap::new();
+                if let Some(old) = &existing {
+                    revoked_keys.clone_from(&old.revoked_keys);
+                    if let Some(at) = old.revoked_at {
+                        revoked_keys.insert(old.public_key.clone(), at);
+                    }
+                }
+                let record = CredRecord {
+                    name: name.to_owned(),
+                    public_key: user.public_key.clone(),
+                    issued_at: user.issued_at,
+                    revoked_at: None,
+                    revoked_keys,
+                };
+                Ok(Edit::Write(record, user.creds))
+            },
+        )
+        .await?;
+        let record = committed
+            .written
+            .map(|w| w.value)
+            .ok_or_else(|| CredsError::Store("the credential record was not written".to_owned()))?;
+        Ok((record, committed.out))
     }
 
     /// Every credential ever issued, by name.
@@ -235,21 +215,39 @@ impl Issuer {
 
     /// Revokes the credential `name` (its current key): the servers close its connections and refuse it.
     pub async fn revoke(&self, name: &str) -> Result<CredRecord, CredsError> {
-        for _ in 0..CAS_ATTEMPTS {
-            let Some((mut record, rev)) = self.record(name).await? else {
-                return Err(CredsError::NotFound(name.to_owned()));
-            };
-            if record.revoked_at.is_none() {
+        let committed = compare_and_set(
+            self.target(name),
+            None,
+            |current: Option<Revisioned<CredRecord>>| {
+                let Some(mut record) = current.map(|r| r.value) else {
+                    return Err(CredsError::NotFound(name.to_owned()));
+                };
+                if record.revoked_at.is_some() {
+                    return Ok(Edit::Keep(Some(record)));
+                }
                 // At or after the user JWT's `iat`: the server refuses every JWT of the key issued until then.
                 record.revoked_at = Some(now_secs().max(record.issued_at));
-                if !self.write(&record, Some(rev)).await? {
-                    continue;
-                }
-            }
-            self.push_revocations().await?;
-            return Ok(record);
+                Ok(Edit::Write(record, None))
+            },
+        )
+        .await?;
+        let record = committed
+            .written
+            .map(|w| w.value)
+            .or(committed.out)
+            .ok_or_else(|| CredsError::NotFound(name.to_owned()))?;
+        self.push_revocations().await?;
+        Ok(record)
+    }
+
+    /// The compare-and-set target of the record `name`.
+    fn target<'a>(&'a self, name: &'a str) -> Target<'a> {
+        Target {
+            kv: &self.kv,
+            key: name,
+            op: Op::EditCredential,
+            limit: ("app credential record", CRED_RECORD_MAX_BYTES),
         }
-        Err(CredsError::Store("too many concurrent changes".into()))
     }
 
     /// Signs the APP account with every revocation on record and pushes it to the servers.

@@ -44,6 +44,7 @@ use super::kv::{
 };
 use super::{CallContext, ServicesError};
 use fleet_proto::util::now_ms;
+use fleet_store::cas::Races;
 use fleet_store::{StoreSettings, rfc3339_ms};
 
 /// How long staged bytes and pending records are kept without `upload_complete`.
@@ -987,7 +988,8 @@ impl FilesService {
             let _ = self.pending.remove(&Self::pending_key(scope, path)).await;
         }
         let key = Self::key(scope, path);
-        for _ in 0..8 {
+        let mut races = Races::new();
+        loop {
             let (revision, rec) = self.record(scope, path).await?;
             let Some(rec) = rec else {
                 return if pending.is_some() {
@@ -1002,11 +1004,12 @@ impl FilesService {
                     let _ = self.objects.store(Bucket::Files).delete(&rec.object).await;
                     return Ok(json!({ "deleted": true }));
                 }
-                Err(IndexError::Conflict) => {}
+                Err(IndexError::Conflict) => {
+                    races.lost().await.map_err(|_| IndexError::Contention.to_rpc())?
+                }
                 Err(e) => return Err(e.to_rpc()),
             }
         }
-        Err(IndexError::Contention.to_rpc())
     }
 }
 

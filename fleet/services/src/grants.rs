@@ -13,12 +13,11 @@ use fleet_proto::admin::grants::{Grant, REVOKE_ALL};
 use fleet_proto::api::{ApiError, ApiErrorCode, user_key};
 use fleet_proto::executa::capabilities::is_known_host_capability;
 use fleet_proto::util::now_ms;
+use fleet_store::cas::{Edit, Target, compare_and_set};
 use fleet_store::{self as store, Op, Revisioned, StoreError, StoreSettings};
 
 /// Largest grant record.
 const GRANT_MAX_BYTES: usize = 16 * 1024;
-/// Compare-and-set attempts before giving up.
-const MAX_CAS_ATTEMPTS: u32 = 50;
 
 /// Why a grant operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -135,9 +134,13 @@ impl GrantStore {
             return Err(GrantError::Unknown(unknown));
         }
         let key = Self::key(user, tool_id);
-        for attempt in 0..MAX_CAS_ATTEMPTS {
-            let current = self.read(user, tool_id).await?;
-            let revision = current.as_ref().map(|r| r.revision);
+        let target = Target {
+            kv: &self.kv,
+            key: &key,
+            op: Op::EditGrant,
+            limit: ("grant", GRANT_MAX_BYTES),
+        };
+        let committed = compare_and_set(target, None, |current: Option<Revisioned<Grant>>| {
             let mut grant = current.map(|r| r.value).unwrap_or_default();
             grant.user = user.to_owned();
             grant.tool_id = tool_id.to_owned();
@@ -149,19 +152,10 @@ impl GrantStore {
             }
             grant.allow.extend(allow.iter().cloned());
             grant.updated_at_ms = now_ms();
-            let limit = ("grant", GRANT_MAX_BYTES);
-            match store::cas_write(&self.kv, &key, &grant, revision, limit, Op::EditGrant)
-                .await
-                .map_err(store_err)?
-            {
-                Ok(_) => return Ok(grant),
-                Err(store::Conflict) => store::backoff(attempt).await,
-            }
-        }
-        Err(store_err(StoreError::Contention {
-            op: Op::EditGrant,
-            key,
-            attempts: MAX_CAS_ATTEMPTS,
-        }))
+            Ok::<_, StoreError>(Edit::Write(grant, ()))
+        })
+        .await
+        .map_err(store_err)?;
+        Ok(committed.written.map(|w| w.value).unwrap_or_default())
     }
 }

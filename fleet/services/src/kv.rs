@@ -40,10 +40,8 @@ use sha2::{Digest, Sha256};
 use super::{CallContext, ServicesError};
 use fleet_proto::api::user_key;
 use fleet_proto::util::now_ms;
-use fleet_store::{StoreSettings, rfc3339_ms};
-
-/// Compare-and-set attempts before a write gives up.
-const MAX_CAS_ATTEMPTS: u32 = 32;
+use fleet_store::cas::{self, Conflict, Races};
+use fleet_store::{Op, StoreSettings, rfc3339_ms};
 
 /// Largest `storage/set` `metadata` (canonical JSON; ours: the spec names no number).
 const METADATA_MAX_BYTES: usize = 16 * 1024;
@@ -655,7 +653,8 @@ impl Quota {
 
     async fn adjust(&self, user: &str, delta: i128) -> Result<(), IndexError> {
         let key = user_key(user);
-        for _ in 0..MAX_CAS_ATTEMPTS {
+        let mut races = Races::new();
+        loop {
             let (used, rev) = self.read(&key).await?;
             let next = i128::from(used) + delta;
             if delta > 0 && next > i128::from(self.cap) {
@@ -666,24 +665,20 @@ impl Quota {
                 });
             }
             let next = u64::try_from(next.max(0)).unwrap_or(u64::MAX);
-            let value = Bytes::from(next.to_string());
-            let written = match rev {
-                Some(r) => self.kv.update(&key, value, r).await.map(|_| ()),
-                None => self.kv.create(&key, value).await.map(|_| ()).map_err(|e| {
-                    kv::UpdateError::new(if e.kind() == kv::CreateErrorKind::AlreadyExists {
-                        kv::UpdateErrorKind::WrongLastRevision
-                    } else {
-                        kv::UpdateErrorKind::Other
-                    })
-                }),
-            };
-            match written {
-                Ok(()) => return Ok(()),
-                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
+            match cas::write_bytes(
+                &self.kv,
+                &key,
+                Bytes::from(next.to_string()),
+                rev,
+                Op::StorageQuota,
+            )
+            .await
+            {
+                Ok(Ok(_)) => return Ok(()),
+                Ok(Err(Conflict)) => races.lost().await.map_err(|_| IndexError::Contention)?,
                 Err(e) => return Err(IndexError::nats(e)),
             }
         }
-        Err(IndexError::Contention)
     }
 
     /// Reserves `bytes` for `user`, or refuses at the first byte over the quota.
@@ -1015,7 +1010,8 @@ impl KvService {
         };
         let etag = etag_of(&canonical);
         let entry_key = Self::entry_key(scope, key);
-        for _ in 0..MAX_CAS_ATTEMPTS {
+        let mut races = Races::new();
+        loop {
             let (revision, current) = self.current(ctx, &entry_key).await?;
             if let Some(m) = &if_match {
                 match &current {
@@ -1065,6 +1061,7 @@ impl KvService {
                     if let Some(m) = &if_match {
                         return Err(m.refused(None));
                     }
+                    races.lost().await.map_err(|_| IndexError::Contention.to_rpc())?;
                 }
                 Err(e) => {
                     self.quota.undo_growth(&ctx.user, old, size).await;
@@ -1072,7 +1069,6 @@ impl KvService {
                 }
             }
         }
-        Err(IndexError::Contention.to_rpc())
     }
 
     async fn delete(
@@ -1085,7 +1081,8 @@ impl KvService {
         validate_key(key)?;
         let if_match = IfMatch::parse(p)?;
         let entry_key = Self::entry_key(scope, key);
-        for _ in 0..MAX_CAS_ATTEMPTS {
+        let mut races = Races::new();
+        loop {
             let (revision, current) = self.current(ctx, &entry_key).await?;
             let Some(current) = current else {
                 return match &if_match {
@@ -1108,11 +1105,12 @@ impl KvService {
                         .as_ref()
                         .map_or_else(|| IndexError::Conflict.to_rpc(), |m| m.refused(None)));
                 }
-                Err(IndexError::Conflict) => {}
+                Err(IndexError::Conflict) => {
+                    races.lost().await.map_err(|_| IndexError::Contention.to_rpc())?
+                }
                 Err(e) => return Err(e.to_rpc()),
             }
         }
-        Err(IndexError::Contention.to_rpc())
     }
 
     async fn list(

@@ -97,6 +97,20 @@ pub enum PluginError {
     },
 }
 
+impl From<fleet_store::StoreError> for PluginError {
+    fn from(e: fleet_store::StoreError) -> PluginError {
+        match e {
+            fleet_store::StoreError::TooLarge { size, max, .. } => PluginError::BadRequest(format!(
+                "the plugin record would be {size} bytes, over its {max}: remove old versions"
+            )),
+            e => PluginError::Store {
+                op: "edit a plugin record",
+                reason: e.to_string(),
+            },
+        }
+    }
+}
+
 impl PluginError {
     pub(crate) fn store(op: &'static str) -> impl FnOnce(&dyn std::fmt::Display) -> PluginError {
         move |e| PluginError::Store {

@@ -3,7 +3,6 @@
 //! is a compare-and-set on the key's revision).
 
 use std::path::Path;
-use std::time::Duration;
 
 use async_nats::jetstream::{self, kv, object_store};
 use futures::StreamExt as _;
@@ -11,13 +10,11 @@ use tokio::io::AsyncWriteExt as _;
 
 use super::{PluginError, PluginRecord};
 use fleet_proto::api::user_key;
-use fleet_store::StoreSettings;
+use fleet_store::cas::{Edit as CasEdit, Target, compare_and_set};
+use fleet_store::{Op, Revisioned, StoreSettings};
 
 /// Largest plugin record (every version's metadata with its cached manifest).
 pub const PLUGIN_RECORD_MAX_BYTES: usize = 1024 * 1024;
-
-/// Compare-and-set attempts before giving up.
-const MAX_CAS_ATTEMPTS: u32 = 50;
 
 /// The store. Cheap to clone.
 #[derive(Clone)]
@@ -161,41 +158,23 @@ impl PluginStore {
         mut f: impl FnMut(Option<PluginRecord>) -> Result<Edit, PluginError>,
     ) -> Result<Option<PluginRecord>, PluginError> {
         let key = user_key(tool_id);
-        for _ in 0..MAX_CAS_ATTEMPTS {
-            let current = self.get(tool_id).await?;
-            let revision = current.as_ref().map(|(_, r)| *r);
-            let existing = current.map(|(r, _)| r);
-            match f(existing.clone())? {
-                Edit::Keep => return Ok(existing),
-                Edit::Put(record) => {
-                    let bytes = serde_json::to_vec(&record)
-                        .map_err(|e| PluginError::store("encode a plugin record")(&e))?;
-                    if bytes.len() > PLUGIN_RECORD_MAX_BYTES {
-                        return Err(PluginError::BadRequest(format!(
-                            "the record of {tool_id} would exceed {PLUGIN_RECORD_MAX_BYTES} bytes: remove old versions"
-                        )));
-                    }
-                    let written = match revision {
-                        None => self.kv.create(&key, bytes.into()).await.is_ok(),
-                        Some(rev) => self.kv.update(&key, bytes.into(), rev).await.is_ok(),
-                    };
-                    if written {
-                        return Ok(Some(record));
-                    }
-                }
-                Edit::Delete => {
-                    let Some(rev) = revision else { return Ok(None) };
-                    if self.kv.delete_expect_revision(&key, Some(rev)).await.is_ok() {
-                        return Ok(None);
-                    }
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(rand::random_range(1..=20))).await;
-        }
-        Err(PluginError::Store {
-            op: "edit a plugin record",
-            reason: "too much contention".into(),
+        let target = Target {
+            kv: &self.kv,
+            key: &key,
+            op: Op::EditPlugin,
+            limit: ("plugin record", PLUGIN_RECORD_MAX_BYTES),
+        };
+        let committed = compare_and_set(target, None, |current: Option<Revisioned<PluginRecord>>| {
+            // Another tool id under the same key (a hash collision) reads as absent.
+            let existing = current.map(|r| r.value).filter(|r| r.tool_id == tool_id);
+            Ok::<_, PluginError>(match f(existing.clone())? {
+                Edit::Keep => CasEdit::Keep(existing),
+                Edit::Put(record) => CasEdit::Write(record, None),
+                Edit::Delete => CasEdit::Delete(None),
+            })
         })
+        .await?;
+        Ok(committed.written.map(|w| w.value).or(committed.out))
     }
 
     /// Whether the package object exists with this size.

@@ -11,7 +11,8 @@ use fleet_proto::api::user_key;
 use fleet_proto::limits::MAX_LONG_JOBS_PER_AGENT;
 use fleet_proto::util::now_ms;
 
-use super::{JobRecord, MAX_CAS_ATTEMPTS, Op, Store, StoreError, backoff, cas_write, read};
+use super::cas::{Edit, Target, compare_and_set};
+use super::{JobRecord, Op, Revisioned, Store, StoreError, read};
 
 /// The value at `<user_key>`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -213,58 +214,45 @@ impl Store {
         Ok(removed)
     }
 
-    /// The one compare-and-set loop over a user's active set: reads it (an absent key is an empty set owned by
-    /// `user`), lets `edit` decide, writes the new set at the read revision (create when absent), and on a
-    /// revision conflict reads again after a short backoff, at most [`MAX_CAS_ATTEMPTS`] times.
+    /// A compare-and-set of a user's active set ([`compare_and_set`]): an absent key is an empty set owned by
+    /// `user`; `edit` decides.
     async fn edit_active_set<T>(
         &self,
         user: &str,
         op: Op,
-        mut edit: impl FnMut(ActiveSet) -> Result<Edit<T>, StoreError>,
+        mut edit: impl FnMut(ActiveSet) -> Result<Edit<ActiveSet, T>, StoreError>,
     ) -> Result<T, StoreError> {
         let key = user_key(user);
-        for attempt in 0..MAX_CAS_ATTEMPTS {
-            let current = read::<ActiveSet>(&self.inner.active, &key, op).await?;
-            let (set, revision) = match current {
-                Some(r) => (r.value, Some(r.revision)),
-                None => (
-                    ActiveSet {
-                        user: user.to_string(),
-                        jobs: Vec::new(),
-                    },
-                    None,
-                ),
-            };
-            match edit(set)? {
-                Edit::Keep(out) => return Ok(out),
+        let target = Target {
+            kv: &self.inner.active,
+            key: &key,
+            op,
+            limit: LIMIT,
+        };
+        let committed = compare_and_set(target, None, |current: Option<Revisioned<ActiveSet>>| {
+            let set = current.map_or_else(
+                || ActiveSet {
+                    user: user.to_string(),
+                    jobs: Vec::new(),
+                },
+                |r| r.value,
+            );
+            Ok::<_, StoreError>(match edit(set)? {
                 Edit::Write(mut set, out) => {
                     set.user = user.to_string();
-                    match cas_write(&self.inner.active, &key, &set, revision, LIMIT, op).await? {
-                        Ok(_) => return Ok(out),
-                        Err(_conflict) => backoff(attempt).await,
-                    }
+                    Edit::Write(set, out)
                 }
-            }
-        }
-        Err(StoreError::Contention {
-            op,
-            key,
-            attempts: MAX_CAS_ATTEMPTS,
+                other => other,
+            })
         })
+        .await?;
+        Ok(committed.out)
     }
-}
-
-/// What an edit of the active set decided.
-enum Edit<T> {
-    /// Nothing to write: return this.
-    Keep(T),
-    /// Write this set, then return this.
-    Write(ActiveSet, T),
 }
 
 /// Removes the slots matching `dead`; the edit writes only when something was removed, and yields how many and
 /// the ids that moved into the agent's long-job slots ([`may_run`](super::may_run)) by it.
-fn remove(mut set: ActiveSet, dead: impl Fn(&Slot) -> bool) -> Edit<(usize, Vec<JobId>)> {
+fn remove(mut set: ActiveSet, dead: impl Fn(&Slot) -> bool) -> Edit<ActiveSet, (usize, Vec<JobId>)> {
     let running_before: Vec<JobId> = set
         .jobs
         .iter()

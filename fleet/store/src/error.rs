@@ -60,6 +60,12 @@ pub enum Op {
     ReadGrant,
     /// `GrantStore::edit` (fleet-services).
     EditGrant,
+    /// The storage service's per-user byte counter (fleet-services).
+    StorageQuota,
+    /// `PluginStore::edit` (fleet).
+    EditPlugin,
+    /// Issuing or revoking an operator credential (fleet).
+    EditCredential,
 }
 
 impl Op {
@@ -91,6 +97,9 @@ impl Op {
             Op::JobQueue => "job_queue",
             Op::ReadGrant => "read_grant",
             Op::EditGrant => "edit_grant",
+            Op::StorageQuota => "storage_quota",
+            Op::EditPlugin => "edit_plugin",
+            Op::EditCredential => "edit_credential",
         }
     }
 }
@@ -202,6 +211,15 @@ impl StoreError {
         StoreError::Nats {
             op,
             source: source.into(),
+        }
+    }
+
+    /// [`StoreError::Contention`] of a compare-and-set loop on `key` that gave up.
+    pub fn contended(op: Op, key: &str, c: super::cas::Contended) -> StoreError {
+        StoreError::Contention {
+            op,
+            key: key.to_owned(),
+            attempts: c.attempts,
         }
     }
 

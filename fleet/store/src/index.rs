@@ -46,12 +46,10 @@ use fleet_proto::util::now_ms;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use super::cas::{self, Conflict, Races};
 use super::direct::{self, BatchRequest, MULTI_LAST_MAX};
 use super::settings::{INDEX_TOOL_ID_MAX_BYTES, JOB_INDEX_MAX_BYTES};
-use super::{
-    JobFilter, JobRecord, MAX_CAS_ATTEMPTS, Op, Revisioned, Store, StoreError, backoff, cas_write, encode,
-    is_marker, read,
-};
+use super::{JobFilter, JobRecord, Op, Revisioned, Store, StoreError, encode, is_marker, read};
 
 /// Index entries one `listJobs` call examines at most (a page of the default size is 32 entries).
 pub const LIST_SCAN_ENTRIES_MAX: usize = 2048;
@@ -247,7 +245,8 @@ impl Store {
         let retention_ms = ms(settings.job_retention);
         let cap = settings.max_retained_jobs_per_user;
         let mut prefetched = prefetched.ok();
-        for attempt in 0..MAX_CAS_ATTEMPTS {
+        let mut races = Races::new();
+        loop {
             let current = match prefetched.take() {
                 Some(head) => head,
                 None => self.index_head(user).await?,
@@ -291,16 +290,14 @@ impl Store {
                 self.seal_open_page(&key, &mut head).await?;
             }
             head.open.push(entry.clone());
-            match cas_write(&self.inner.index, &key, &head, revision, LIMIT, Op::IndexJob).await? {
+            match cas::write(&self.inner.index, &key, &head, revision, LIMIT, Op::IndexJob).await? {
                 Ok(_) => return Ok(()),
-                Err(_conflict) => backoff(attempt).await,
+                Err(Conflict) => races
+                    .lost()
+                    .await
+                    .map_err(|c| StoreError::contended(Op::IndexJob, &key, c))?,
             }
         }
-        Err(StoreError::Contention {
-            op: Op::IndexJob,
-            key,
-            attempts: MAX_CAS_ATTEMPTS,
-        })
     }
 
     /// Writes the open page as sealed page `head.sealed` and empties it (in `head`; the caller writes it).

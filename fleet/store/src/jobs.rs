@@ -11,10 +11,10 @@ use futures::{StreamExt, TryStreamExt};
 use fleet_proto::util::now_ms;
 
 use super::active::{Acquired, ActiveSet};
+use super::cas::{Edit, Target, compare_and_set};
 use super::scan::{Scan, scan};
 use super::{
-    JobRecord, MAX_CAS_ATTEMPTS, Op, Revisioned, Store, StoreError, Transition, backoff, cas_write, encode,
-    is_kv_marker, read, read_sized,
+    JobRecord, Op, Revisioned, Store, StoreError, Transition, encode, is_kv_marker, read, read_sized,
 };
 
 /// Concurrent record reads of [`Store::active_jobs`].
@@ -202,8 +202,27 @@ impl Store {
         op: Op,
     ) -> Result<Option<Revisioned<JobRecord>>, StoreError> {
         let record = read::<JobRecord>(&self.inner.jobs, &Self::job_key(user, job_id), op).await?;
-        // The key already holds the user's hash; the id inside settles a (theoretical) collision.
-        Ok(record.filter(|r| r.value.user == user && r.value.job_id == *job_id))
+        Ok(Self::own(record, user, job_id))
+    }
+
+    /// The compare-and-set target of the record at `key`.
+    fn job_target<'a>(&'a self, key: &'a str, op: Op) -> Target<'a> {
+        Target {
+            kv: &self.inner.jobs,
+            key,
+            op,
+            limit: self.record_limit(),
+        }
+    }
+
+    /// `record`, when it is `user`'s job `job_id`: the key already holds the user's hash; the id inside settles a
+    /// (theoretical) collision.
+    fn own(
+        record: Option<Revisioned<JobRecord>>,
+        user: &str,
+        job_id: &JobId,
+    ) -> Option<Revisioned<JobRecord>> {
+        record.filter(|r| r.value.user == user && r.value.job_id == *job_id)
     }
 
     /// [`Store::transition`] to a terminal state decided by someone other than the job's worker (a cancel, an
@@ -239,12 +258,12 @@ impl Store {
         edit: impl Fn(&mut JobRecord) + Send + Sync,
     ) -> Result<Transition, StoreError> {
         let key = Self::job_key(user, job_id);
-        for attempt in 0..MAX_CAS_ATTEMPTS {
-            let Some(current) = self.read_job(user, job_id, Op::Transition).await? else {
-                return Ok(Transition::NotFound);
+        let committed = compare_and_set(self.job_target(&key, Op::Transition), None, |current| {
+            let Some(current) = Self::own(current, user, job_id) else {
+                return Ok::<_, StoreError>(Edit::Keep(Some(Transition::NotFound)));
             };
             if !current.value.state.can_become(to) {
-                return Ok(Transition::Refused(current));
+                return Ok(Edit::Keep(Some(Transition::Refused(current))));
             }
             let mut next = current.value.clone();
             edit(&mut next);
@@ -258,38 +277,21 @@ impl Store {
             if to.is_terminal() && next.finished_at_ms.is_none() {
                 next.finished_at_ms = Some(now);
             }
-            let limit = self.record_limit();
-            match cas_write(
-                &self.inner.jobs,
-                &key,
-                &next,
-                Some(current.revision),
-                limit,
-                Op::Transition,
-            )
-            .await?
-            {
-                Ok(revision) => {
-                    if to.is_terminal()
-                        && let Err(e) = self.release_slot(user, job_id).await
-                    {
-                        // The job is terminal; the slot is healed later (heal_active_set, or the next admission
-                        // that finds the set full).
-                        tracing::warn!(job = %job_id, error = %e, "cannot give the slot of a finished job back");
-                    }
-                    return Ok(Transition::Done(Revisioned {
-                        value: next,
-                        revision,
-                    }));
-                }
-                Err(_conflict) => backoff(attempt).await,
-            }
-        }
-        Err(StoreError::Contention {
-            op: Op::Transition,
-            key,
-            attempts: MAX_CAS_ATTEMPTS,
+            Ok(Edit::Write(next, None))
         })
+        .await?;
+        let Some(written) = committed.written else {
+            // Every decision that writes nothing carries its outcome.
+            return Ok(committed.out.unwrap_or(Transition::NotFound));
+        };
+        if to.is_terminal()
+            && let Err(e) = self.release_slot(user, job_id).await
+        {
+            // The job is terminal; the slot is healed later (heal_active_set, or the next admission that finds
+            // the set full).
+            tracing::warn!(job = %job_id, error = %e, "cannot give the slot of a finished job back");
+        }
+        Ok(Transition::Done(written))
     }
 
     /// A non-state update (heartbeat, worker, `last_seq`) by compare-and-set, retried on conflict. `edit` returns
@@ -303,45 +305,24 @@ impl Store {
         edit: impl Fn(&mut JobRecord) -> bool + Send + Sync,
     ) -> Result<Option<Revisioned<JobRecord>>, StoreError> {
         let key = Self::job_key(user, job_id);
-        for attempt in 0..MAX_CAS_ATTEMPTS {
-            let Some(current) = self.read_job(user, job_id, Op::UpdateJob).await? else {
-                return Ok(None);
+        let committed = compare_and_set(self.job_target(&key, Op::UpdateJob), None, |current| {
+            let Some(current) = Self::own(current, user, job_id) else {
+                return Ok::<_, StoreError>(Edit::Keep(None));
             };
             if current.value.state.is_terminal() {
-                return Ok(None);
+                return Ok(Edit::Keep(None));
             }
             let mut next = current.value.clone();
             if !edit(&mut next) {
-                return Ok(Some(current));
+                return Ok(Edit::Keep(Some(current)));
             }
             keep_identity(&mut next, &current.value);
             next.state = current.value.state;
             next.updated_at_ms = now_ms();
-            let limit = self.record_limit();
-            match cas_write(
-                &self.inner.jobs,
-                &key,
-                &next,
-                Some(current.revision),
-                limit,
-                Op::UpdateJob,
-            )
-            .await?
-            {
-                Ok(revision) => {
-                    return Ok(Some(Revisioned {
-                        value: next,
-                        revision,
-                    }));
-                }
-                Err(_conflict) => backoff(attempt).await,
-            }
-        }
-        Err(StoreError::Contention {
-            op: Op::UpdateJob,
-            key,
-            attempts: MAX_CAS_ATTEMPTS,
+            Ok(Edit::Write(next, None))
         })
+        .await?;
+        Ok(committed.written.or(committed.out))
     }
 
     /// Every queued or running job of every user, for the expiry sweeper. Found through the active sets (small:

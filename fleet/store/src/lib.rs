@@ -30,6 +30,7 @@
 //!   `max_retained_jobs_per_user` jobs created within the retention ([`StoreError::RetainedQuotaExceeded`]).
 
 mod active;
+pub mod cas;
 mod direct;
 mod error;
 pub mod index;
@@ -44,15 +45,13 @@ pub mod settings;
 mod workers;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use async_nats::jetstream::{self, kv, stream::Stream};
-use bytes::Bytes;
 use fleet_proto::api::{JobId, JobState};
-use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 pub use active::Acquired;
+pub(crate) use cas::encode;
 pub use error::{Op, StoreError};
 pub use index::{JobPage, ListCursor, ListCursorError};
 pub use jobs::JobView;
@@ -61,9 +60,6 @@ pub use queue::{JobQueue, Pulled, QueuedJob, may_run};
 pub use record::{JobRecord, rfc3339_ms};
 pub use settings::{SettingsError, StoreSettings};
 pub use workers::{WorkerChange, WorkerInfo};
-
-/// Compare-and-set retries before [`StoreError::Contention`].
-const MAX_CAS_ATTEMPTS: u32 = 100;
 
 use fleet_proto::api::user_key;
 
@@ -230,57 +226,6 @@ pub(crate) async fn read_sized<T: DeserializeOwned>(
         }
         _ => Ok(None),
     }
-}
-
-/// A lost compare-and-set.
-#[derive(Debug)]
-pub struct Conflict;
-
-/// Serializes `value`, checks it fits, and writes it: `create` when `revision` is `None` (absent or deleted key),
-/// else `update` expecting `revision`. `Ok(Err(Conflict))` when another writer got there first.
-pub async fn cas_write<T: Serialize>(
-    kv: &kv::Store,
-    key: &str,
-    value: &T,
-    revision: Option<u64>,
-    limit: (&'static str, usize),
-    op: Op,
-) -> Result<Result<u64, Conflict>, StoreError> {
-    let bytes = encode(value, limit, op)?;
-    match revision {
-        None => match kv.create(key, bytes).await {
-            Ok(rev) => Ok(Ok(rev)),
-            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(Err(Conflict)),
-            Err(e) => Err(StoreError::nats(op, e)),
-        },
-        Some(rev) => match kv.update(key, bytes, rev).await {
-            Ok(rev) => Ok(Ok(rev)),
-            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(Err(Conflict)),
-            Err(e) => Err(StoreError::nats(op, e)),
-        },
-    }
-}
-
-/// JSON of `value`, refused when over `limit`.
-fn encode<T: Serialize>(value: &T, (what, max): (&'static str, usize), op: Op) -> Result<Bytes, StoreError> {
-    let bytes = serde_json::to_vec(value).map_err(|e| StoreError::invalid(op, what, e.to_string()))?;
-    if bytes.len() > max {
-        return Err(StoreError::TooLarge {
-            op,
-            what,
-            size: bytes.len(),
-            max,
-        });
-    }
-    Ok(bytes.into())
-}
-
-/// A short random pause after a lost compare-and-set, growing with the attempt (≤ 32 ms), so racing writers
-/// spread out instead of colliding again.
-pub async fn backoff(attempt: u32) {
-    let cap = 1u64 << attempt.min(5);
-    let ms = rand::random_range(0..=cap);
-    tokio::time::sleep(Duration::from_millis(ms)).await;
 }
 
 /// Whether a KV message (read through a consumer) is a delete/purge marker rather than a value.

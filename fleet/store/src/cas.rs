@@ -1,0 +1,237 @@
+//! The fleet's one compare-and-set loop. Every read-decide-write on a JetStream KV key (jobs, active sets, the
+//! job index, grants, plugin records, operator credentials, the storage service's quotas and entries) goes
+//! through it, so they share one retry cap ([`MAX_CAS_ATTEMPTS`]), one backoff ([`Races::lost`]) and one rule: a
+//! lost race (the key moved since it was read) is retried, any other JetStream error is reported at once.
+//!
+//! Two levels:
+//! * [`compare_and_set`]: a JSON value under a KV key, decided by a synchronous closure — the common case;
+//! * [`Races`]: the retry budget alone, for a loop whose write is not a plain KV update (the storage service's
+//!   entries carry headers and reserve quota between the read and the write).
+
+use std::time::Duration;
+
+use async_nats::jetstream::kv;
+use bytes::Bytes;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::{Op, Revisioned, StoreError, read};
+
+/// Lost races in a row before a compare-and-set loop gives up ([`StoreError::Contention`], or [`Contended`]).
+/// With [`Races::lost`]'s backoff this is about 3 s of waiting, far beyond any real contention on one key.
+pub const MAX_CAS_ATTEMPTS: u32 = 100;
+
+/// The longest single backoff after a lost race: 2^`BACKOFF_MAX_SHIFT` ms.
+const BACKOFF_MAX_SHIFT: u32 = 5;
+
+/// A lost compare-and-set: the key's revision was not the one read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Conflict;
+
+/// A loop lost [`MAX_CAS_ATTEMPTS`] races in a row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("lost {attempts} compare-and-set races in a row")]
+pub struct Contended {
+    /// Races lost.
+    pub attempts: u32,
+}
+
+/// The retry budget of one compare-and-set loop.
+#[derive(Debug, Default)]
+pub struct Races {
+    lost: u32,
+}
+
+impl Races {
+    /// A fresh budget.
+    pub fn new() -> Races {
+        Races::default()
+    }
+
+    /// Records a lost race and waits a short random pause that grows with the losses (≤ 32 ms), so racing
+    /// writers spread out instead of colliding again; `Err` once [`MAX_CAS_ATTEMPTS`] races are lost.
+    pub async fn lost(&mut self) -> Result<(), Contended> {
+        self.lost += 1;
+        if self.lost >= MAX_CAS_ATTEMPTS {
+            return Err(Contended { attempts: self.lost });
+        }
+        let cap = 1u64 << self.lost.min(BACKOFF_MAX_SHIFT);
+        let ms = rand::random_range(0..=cap);
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        Ok(())
+    }
+}
+
+/// What a [`compare_and_set`] decision does with the value it saw.
+#[derive(Debug)]
+pub enum Edit<T, R> {
+    /// Write nothing; the loop returns `R`.
+    Keep(R),
+    /// Write `T` at the revision read (create it when the key was absent); the loop returns `R` once written.
+    Write(T, R),
+    /// Delete the key at the revision read (nothing to do when absent); the loop returns `R` once deleted.
+    Delete(R),
+}
+
+/// What a [`compare_and_set`] ended with.
+#[derive(Debug)]
+pub struct Committed<T, R> {
+    /// The decision's result.
+    pub out: R,
+    /// The value written and its revision, when the decision was [`Edit::Write`].
+    pub written: Option<Revisioned<T>>,
+}
+
+/// The key a [`compare_and_set`] works on, and the size limit of what it writes.
+#[derive(Debug, Clone, Copy)]
+pub struct Target<'a> {
+    /// The bucket.
+    pub kv: &'a kv::Store,
+    /// The key.
+    pub key: &'a str,
+    /// The store operation this is part of (named in errors).
+    pub op: Op,
+    /// What the value is and its largest JSON size in bytes; a bigger value is [`StoreError::TooLarge`].
+    pub limit: (&'static str, usize),
+}
+
+/// Reads the JSON value at `target` (absent, deleted and purged keys are `None`), lets `decide` choose an
+/// [`Edit`], and applies it at the revision read; when another writer moved the key in between, reads again and
+/// decides again, after [`Races::lost`]'s backoff. `first` is a read taken earlier (it saves the first read; the
+/// write still checks its revision). Errors of `decide` end the loop as they are.
+pub async fn compare_and_set<T, R, E>(
+    target: Target<'_>,
+    mut first: Option<Option<Revisioned<T>>>,
+    mut decide: impl FnMut(Option<Revisioned<T>>) -> Result<Edit<T, R>, E>,
+) -> Result<Committed<T, R>, E>
+where
+    T: Serialize + DeserializeOwned,
+    E: From<StoreError>,
+{
+    let Target { kv, key, op, limit } = target;
+    let mut races = Races::new();
+    loop {
+        let current = match first.take() {
+            Some(current) => current,
+            None => read::<T>(kv, key, op).await?,
+        };
+        let revision = current.as_ref().map(|c| c.revision);
+        match decide(current)? {
+            Edit::Keep(out) => return Ok(Committed { out, written: None }),
+            Edit::Write(value, out) => {
+                if let Ok(revision) = write(kv, key, &value, revision, limit, op).await? {
+                    return Ok(Committed {
+                        out,
+                        written: Some(Revisioned { value, revision }),
+                    });
+                }
+            }
+            Edit::Delete(out) => {
+                if delete(kv, key, revision, op).await?.is_ok() {
+                    return Ok(Committed { out, written: None });
+                }
+            }
+        }
+        races
+            .lost()
+            .await
+            .map_err(|c| StoreError::contended(op, key, c))?;
+    }
+}
+
+/// Serializes `value`, checks it fits, and writes it: `create` when `revision` is `None` (absent or deleted key),
+/// else `update` expecting `revision`. `Ok(Err(Conflict))` when another writer got there first.
+pub(crate) async fn write<T: Serialize>(
+    kv: &kv::Store,
+    key: &str,
+    value: &T,
+    revision: Option<u64>,
+    limit: (&'static str, usize),
+    op: Op,
+) -> Result<Result<u64, Conflict>, StoreError> {
+    let bytes = encode(value, limit, op)?;
+    write_bytes(kv, key, bytes, revision, op).await
+}
+
+/// [`write`] of bytes already encoded.
+pub async fn write_bytes(
+    kv: &kv::Store,
+    key: &str,
+    bytes: Bytes,
+    revision: Option<u64>,
+    op: Op,
+) -> Result<Result<u64, Conflict>, StoreError> {
+    match revision {
+        None => match kv.create(key, bytes).await {
+            Ok(rev) => Ok(Ok(rev)),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => Ok(Err(Conflict)),
+            Err(e) => Err(StoreError::nats(op, e)),
+        },
+        Some(rev) => match kv.update(key, bytes, rev).await {
+            Ok(rev) => Ok(Ok(rev)),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Ok(Err(Conflict)),
+            Err(e) => Err(StoreError::nats(op, e)),
+        },
+    }
+}
+
+/// Deletes `key` expecting `revision` (nothing to do when `None`: the key is absent already).
+async fn delete(
+    kv: &kv::Store,
+    key: &str,
+    revision: Option<u64>,
+    op: Op,
+) -> Result<Result<(), Conflict>, StoreError> {
+    let Some(revision) = revision else {
+        return Ok(Ok(()));
+    };
+    match kv.delete_expect_revision(key, Some(revision)).await {
+        Ok(()) => Ok(Ok(())),
+        Err(e) if e.kind() == kv::DeleteErrorKind::WrongLastRevision => Ok(Err(Conflict)),
+        Err(e) => Err(StoreError::nats(op, e)),
+    }
+}
+
+/// JSON of `value`, refused when over `limit`.
+pub(crate) fn encode<T: Serialize>(
+    value: &T,
+    (what, max): (&'static str, usize),
+    op: Op,
+) -> Result<Bytes, StoreError> {
+    let bytes = serde_json::to_vec(value).map_err(|e| StoreError::invalid(op, what, e.to_string()))?;
+    if bytes.len() > max {
+        return Err(StoreError::TooLarge {
+            op,
+            what,
+            size: bytes.len(),
+            max,
+        });
+    }
+    Ok(bytes.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A loop may lose `MAX_CAS_ATTEMPTS - 1` races and still go on; the next loss ends it. Its pauses never
+    /// exceed the backoff's caps (time is paused: the clock moves only by the pauses).
+    #[tokio::test(start_paused = true)]
+    async fn a_loop_gives_up_at_the_cap_and_its_pauses_stay_within_the_backoff() {
+        let start = tokio::time::Instant::now();
+        let mut races = Races::new();
+        for lost in 1..MAX_CAS_ATTEMPTS {
+            assert_eq!(races.lost().await, Ok(()), "race {lost} of {MAX_CAS_ATTEMPTS}");
+        }
+        assert_eq!(
+            races.lost().await,
+            Err(Contended {
+                attempts: MAX_CAS_ATTEMPTS
+            })
+        );
+        let most: u64 = (1..MAX_CAS_ATTEMPTS)
+            .map(|lost| 1u64 << lost.min(BACKOFF_MAX_SHIFT))
+            .sum();
+        assert!(start.elapsed() <= Duration::from_millis(most));
+    }
+}
