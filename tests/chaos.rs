@@ -245,10 +245,7 @@ impl Drop for Bg {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_server_restart_under_load_loses_no_accepted_job() {
     let mut c = Cluster::start("chaos-nats", 1, 1, &[Plugin::echo("echo", &[])]).await;
-    let _sweeper = Bg(tokio::spawn(fleet::sweeper::run(
-        c.fronts[0].0.clone(),
-        c.client.clone(),
-    )));
+    let _sweeper = Bg(tokio::spawn(fleet::sweeper::run(c.fronts[0].0.clone())));
     let client = connect(&c.nats, Role::App).await;
     assert!(
         wait_api(&client, &bearer(&c, "probe"), GUARD).await,

@@ -303,7 +303,7 @@ impl Load {
 async fn rolling_restart_of_every_worker_under_load_fails_no_call_and_loses_no_job() {
     let mut c = Cluster::start("churn-roll", 1, 3, &[Plugin::echo("echo", &[])]).await;
     // The sweeper runs as in production: it must not take a draining worker's running jobs for lost.
-    let sweeper = tokio::spawn(fleet::sweeper::run(c.fronts[0].0.clone(), c.client.clone()));
+    let sweeper = tokio::spawn(fleet::sweeper::run(c.fronts[0].0.clone()));
     let load = Load::start(&c, "roll");
     load.served("load running").await;
     for old in 0..3 {

@@ -647,7 +647,7 @@ async fn invoke_async_unknown_plugin_is_permission_denied() {
             // (what every front runs once a second) re-dispatches it synchronously, so three passes decide.
             let id: JobId = res["jobId"].as_str().expect("jobId").parse().expect("id");
             for _ in 0..3 {
-                fleet::sweeper::sweep(&c.fronts[0].0, &c.client).await;
+                fleet::sweeper::sweep(&c.fronts[0].0).await;
             }
             let r = c
                 .store
@@ -1725,6 +1725,76 @@ async fn tool_job_events_fold_progress_and_never_carry_the_result() {
     assert!(
         futures::FutureExt::now_or_never(others.next()).is_none(),
         "events leaked to another user's subject"
+    );
+    c.shutdown().await;
+}
+
+/// A job accepted, whose plugin no worker has by the time it is dispatched (e.g. removed from the catalogue in
+/// between), is failed by the dispatch — and, like every terminal transition, announced with a terminal event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_no_worker_can_run_is_failed_and_announced() {
+    let c = start("api-undispatchable", 1, 1, &[echo()]).await;
+    let u = "frank";
+    let mut events = c
+        .app
+        .subscribe(subjects::user_events(&user_key(u)))
+        .await
+        .expect("subscribe");
+    c.app.flush().await.expect("flush");
+    let now = now_ms();
+    let id: JobId = fleet::node::new_invoke_id();
+    let record = JobRecord {
+        job_id: id.clone(),
+        user: u.to_string(),
+        tool_id: "gone.echo".into(),
+        plugin: "gone".into(),
+        tool: "echo".into(),
+        args: serde_json::Map::new(),
+        client_tag: None,
+        state: JobState::Queued,
+        created_at_ms: now,
+        updated_at_ms: now,
+        started_at_ms: None,
+        finished_at_ms: None,
+        deadline_ms: now + 60_000,
+        timeout_ms: 60_000,
+        worker: None,
+        attempt: 0,
+        result: None,
+        error: None,
+        last_heartbeat_ms: None,
+        last_seq: 0,
+    };
+    c.store.create_job(record.clone(), 5).await.expect("create");
+    let refused = c.fronts[0]
+        .0
+        .dispatch_job(&record)
+        .await
+        .expect_err("no worker has the plugin");
+    assert_eq!(refused.code, ApiErrorCode::PermissionDenied, "{refused:?}");
+    let msg = tokio::time::timeout(GUARD, events.next())
+        .await
+        .expect("a tool_job event")
+        .expect("subscription open");
+    let event: Value = serde_json::from_slice(&msg.payload).expect("event json");
+    assert_eq!(
+        event,
+        json!({"job_id": id, "tool_id": "gone.echo", "state": "failed", "seq": 0, "terminal": true})
+    );
+    let r = c
+        .store
+        .get_job(u, &id)
+        .await
+        .expect("read")
+        .expect("record")
+        .value;
+    assert_eq!(
+        (r.state, r.error.map(|e| e.code)),
+        (JobState::Failed, Some(ApiErrorCode::PermissionDenied))
+    );
+    assert!(
+        c.store.active_set(u).await.expect("set").is_empty(),
+        "its quota slot is given back"
     );
     c.shutdown().await;
 }

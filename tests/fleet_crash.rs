@@ -62,10 +62,7 @@ struct Bg(tokio::task::JoinHandle<()>);
 impl Bg {
     /// `fleet::sweeper::run` on the cluster's first front.
     fn sweeper(c: &Cluster) -> Bg {
-        Bg(tokio::spawn(fleet::sweeper::run(
-            c.fronts[0].0.clone(),
-            c.client.clone(),
-        )))
+        Bg(tokio::spawn(fleet::sweeper::run(c.fronts[0].0.clone())))
     }
 }
 
@@ -328,7 +325,7 @@ async fn worker_killed_mid_job_fails_the_job_as_worker_lost_and_never_reruns_it(
     // The worker's entry is gone (that is what failed the job): another sweep changes nothing.
     assert!(!live_ids(&c).await.contains(&w.id));
     let front = c.fronts[0].0.clone();
-    assert_eq!(fleet::sweeper::sweep(&front, &c.client).await, (0, 0, 0));
+    assert_eq!(fleet::sweeper::sweep(&front).await, (0, 0, 0));
 
     // A worker started with the same id sweeps what the killed one left, and does not pick the job up.
     w.restart(&c).await;
@@ -336,7 +333,7 @@ async fn worker_killed_mid_job_fails_the_job_as_worker_lost_and_never_reruns_it(
         eventually(GUARD, || !alive(plugin)).await,
         "the restarted worker swept the orphaned plugin {plugin}"
     );
-    assert_eq!(fleet::sweeper::sweep(&front, &c.client).await, (0, 0, 0));
+    assert_eq!(fleet::sweeper::sweep(&front).await, (0, 0, 0));
     let (after, after_revision) = record(&c, USER, &id).await;
     assert_eq!(
         after_revision, revision,
@@ -454,7 +451,7 @@ async fn running_job_of_a_killed_worker_expires_once_at_its_deadline() {
     // expired record alone.
     wait_unregistered(&c, &w.id).await;
     let front = c.fronts[0].0.clone();
-    assert_eq!(fleet::sweeper::sweep(&front, &c.client).await, (0, 0, 0));
+    assert_eq!(fleet::sweeper::sweep(&front).await, (0, 0, 0));
     let cancel = cancel_job(&c, USER, &id).await;
     assert_eq!(cancel["cancelled"], false, "{cancel}");
     assert_eq!(cancel["state"], "expired", "{cancel}");
@@ -497,8 +494,8 @@ async fn expiry_racing_cancel_leaves_exactly_one_terminal_state() {
     }
     let mut sweeps = tokio::task::JoinSet::new();
     for (front, _) in &c.fronts {
-        let (front, client) = (front.clone(), c.client.clone());
-        sweeps.spawn(async move { fleet::sweeper::sweep(&front, &client).await });
+        let front = front.clone();
+        sweeps.spawn(async move { fleet::sweeper::sweep(&front).await });
     }
     // One cancel after the other, newest first, while the sweeps work through the jobs oldest first.
     let (client, auths) = (
@@ -548,7 +545,7 @@ async fn expiry_racing_cancel_leaves_exactly_one_terminal_state() {
         jobs.len()
     );
     let front = c.fronts[0].0.clone();
-    assert_eq!(fleet::sweeper::sweep(&front, &c.client).await, (0, 0, 0));
+    assert_eq!(fleet::sweeper::sweep(&front).await, (0, 0, 0));
     assert!(c.store.active_jobs().await.unwrap().is_empty());
     // Every slot came back: each user is admitted five new jobs.
     for user in users {
@@ -782,7 +779,7 @@ async fn unreadable_registry_does_not_fail_running_jobs() {
     while front.dispatcher().registry().await.is_some() {
         d.tick().await;
     }
-    let (_, lost, _) = fleet::sweeper::sweep(&front, &c.client).await;
+    let (_, lost, _) = fleet::sweeper::sweep(&front).await;
     let job = get_job(&c, USER, &id).await;
     assert!(alive(plugin), "the job still runs on its worker");
     assert_eq!((lost, job["state"].as_str()), (0, Some("running")), "{job}");

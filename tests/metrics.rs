@@ -121,7 +121,7 @@ async fn workload(name: &str) -> Cluster {
     assert_eq!(res["cancelled"], json!(true), "{res}");
     wait_state(&c, "q", &long[MAX_LONG_JOBS_PER_AGENT], JobState::Running).await;
     // One sweep records the active-job distribution (4 active jobs of one user: 3 running, 1 queued).
-    fleet::sweeper::sweep(&c.fronts[0].0, &c.client).await;
+    fleet::sweeper::sweep(&c.fronts[0].0).await;
     c
 }
 

@@ -12,7 +12,7 @@ use fleet_proto::api::worker::{ExecKind, ExecRequest};
 use fleet_proto::api::{
     ApiError, ApiErrorCode, ApiResponse, CancelJobArgs, CancelJobResult, GetJobArgs, InvokeArgs,
     InvokeAsyncArgs, InvokeAsyncResult, JobId, JobState, ListJobsArgs, ListJobsResult, ListToolsResult,
-    ToolInfo, ToolJobEvent, methods, parse_args, subjects,
+    ToolInfo, methods, parse_args, subjects,
 };
 use fleet_proto::limits::{
     GET_JOB_LIMIT_MAX, INVOKE_TIMEOUT_MAX_MS, JOB_RETENTION, LIST_JOBS_LIMIT_DEFAULT,
@@ -27,12 +27,12 @@ use tracing::Instrument as _;
 
 use crate::dispatch::Dispatcher;
 use crate::in_flight::InFlight;
+use crate::job_steps::{Decider, JobSteps};
 use crate::metrics::FleetMetrics;
 use crate::nats_auth::exec_seal::ExecSigner;
 use crate::node::new_invoke_id;
 use crate::policy::{self, SyncTimeout};
 use fleet_client::auth::Verifier;
-use fleet_proto::api::user_key;
 use fleet_proto::util::now_ms;
 use fleet_store::{JobFilter, JobRecord, ListCursor, Store, StoreError, Transition};
 
@@ -363,14 +363,28 @@ impl Front {
         internal(e)
     }
 
-    /// [`dispatch_job`], recording the refusal's transition.
+    /// Dispatches a queued job. `Ok(true)`: a worker took it (and records itself on the job as it starts it,
+    /// by the `queued → running` compare-and-set: the front writes nothing after the hand-off, so it never races
+    /// that write); `Ok(false)`: none could now (it stays queued); `Err`: no worker will ever run it (e.g. an
+    /// unknown plugin) — the job is failed with that error (its quota slot given back, the failure announced).
     pub async fn dispatch_job(&self, record: &JobRecord) -> Result<bool, ApiError> {
-        let outcome = dispatch_job(&self.inner.dispatcher, &self.inner.store, record).await;
-        if outcome.is_err() {
-            self.metrics
-                .job_transition(Some(JobState::Queued), JobState::Failed);
+        let req = crate::dispatch::job_request(record);
+        match self.inner.dispatcher.job(&req).await {
+            Ok(_worker) => Ok(true),
+            Err(e) if matches!(e.code, ApiErrorCode::PermissionDenied | ApiErrorCode::InvalidArg) => {
+                fail_undispatchable(self.steps(), record, e.clone()).await;
+                Err(e)
+            }
+            Err(e) => {
+                tracing::debug!(job = %record.job_id, error = %e, "job not dispatched yet");
+                Ok(false)
+            }
         }
-        outcome
+    }
+
+    /// This front's job transitions: its store, metrics and connection.
+    pub fn steps(&self) -> JobSteps<'_> {
+        JobSteps::new(&self.inner.store, &self.metrics, &self.inner.client)
     }
 
     async fn list_tools(&self) -> Result<Value, ApiError> {
@@ -522,20 +536,7 @@ impl Front {
             }
             Err(e) => return Err(self.js_error("create_job", e)),
         };
-        self.metrics.job_transition(None, JobState::Queued);
-        publish_event(
-            &self.inner.client,
-            &ToolJobEvent {
-                job_id: job_id.clone(),
-                tool_id: created.tool_id.clone(),
-                state: JobState::Queued,
-                seq: 0,
-                event: None,
-                terminal: false,
-            },
-            user,
-        )
-        .await;
+        self.steps().created(&created).await;
         // Within the user's agent slots, hand it to a worker now; if none has room it goes to the job queue, which
         // the first worker with a free slot pulls from. Beyond them it waits: the end of one of the user's earlier
         // jobs queues it. A plugin no worker has is refused now (and the job ended).
@@ -601,40 +602,20 @@ impl Front {
             .clone()
             .unwrap_or_else(|| "cancelled by the caller".into());
         let outcome = self
-            .inner
-            .store
-            .finish(user, &args.job_id, JobState::Cancelled, |r| {
+            .steps()
+            .step(user, &args.job_id, JobState::Cancelled, Decider::Other, |r| {
                 r.finished_at_ms = Some(now_ms());
                 r.error = Some(ApiError::new(ApiErrorCode::Cancelled, reason.clone()));
             })
             .await
-            .map_err(|e| self.js_error("transition", e))?;
+            .map_err(internal)?;
         match outcome {
             Transition::Done(r) => {
-                let from = if r.value.started_at_ms.is_some() {
-                    JobState::Running
-                } else {
-                    JobState::Queued
-                };
-                self.metrics.job_transition(Some(from), JobState::Cancelled);
                 // The row flipped first; now stop the execution wherever it runs.
                 self.inner
                     .dispatcher
                     .cancel(r.value.worker.as_deref(), args.job_id.as_str())
                     .await;
-                publish_event(
-                    &self.inner.client,
-                    &ToolJobEvent {
-                        job_id: args.job_id.clone(),
-                        tool_id: r.value.tool_id.clone(),
-                        state: JobState::Cancelled,
-                        seq: r.value.last_seq,
-                        event: None,
-                        terminal: true,
-                    },
-                    user,
-                )
-                .await;
                 to_value(&CancelJobResult {
                     job_id: args.job_id,
                     state: JobState::Cancelled,
@@ -695,40 +676,23 @@ impl Front {
     }
 }
 
-/// Dispatches a queued job. `Ok(true)`: a worker took it (and records itself on the job as it starts it, by the
-/// `queued → running` compare-and-set: the front writes nothing after the hand-off, so it never races that
-/// write); `Ok(false)`: none could now (it stays queued); `Err`: no worker will ever run it (e.g. an unknown
-/// plugin) — the job is failed with that error, releasing its quota slot.
-pub async fn dispatch_job(
-    dispatcher: &Dispatcher,
-    store: &Store,
-    record: &JobRecord,
-) -> Result<bool, ApiError> {
-    let req = crate::dispatch::job_request(record);
-    match dispatcher.job(&req).await {
-        Ok(_worker) => Ok(true),
-        Err(e) if matches!(e.code, ApiErrorCode::PermissionDenied | ApiErrorCode::InvalidArg) => {
-            let error = e.clone();
-            let _ = store
-                .transition(&record.user, &record.job_id, JobState::Failed, |r| {
-                    r.finished_at_ms = Some(now_ms());
-                    r.error = Some(error.clone());
-                })
-                .await;
-            Err(e)
-        }
-        Err(e) => {
-            tracing::debug!(job = %record.job_id, error = %e, "job not dispatched yet");
-            Ok(false)
-        }
-    }
-}
-
-pub(crate) async fn publish_event(client: &async_nats::Client, event: &ToolJobEvent, user: &str) {
-    if let Ok(payload) = serde_json::to_vec(event) {
-        let _ = client
-            .publish(subjects::user_events(&user_key(user)), payload.into())
-            .await;
+/// Fails a queued job that no worker can run (e.g. its tool id is unknown to the fleet): failed with `error`,
+/// by whoever found out (the front at dispatch, a worker pulling it from the job queue).
+pub(crate) async fn fail_undispatchable(steps: JobSteps<'_>, record: &JobRecord, error: ApiError) {
+    let outcome = steps
+        .step(
+            &record.user,
+            &record.job_id,
+            JobState::Failed,
+            Decider::Other,
+            |r| {
+                r.finished_at_ms = Some(now_ms());
+                r.error = Some(error.clone());
+            },
+        )
+        .await;
+    if let Err(e) = outcome {
+        tracing::warn!(job = %record.job_id, error = %e, "cannot fail a job no worker can run");
     }
 }
 

@@ -25,6 +25,7 @@ pub mod front;
 pub mod grants;
 pub mod http;
 pub mod in_flight;
+pub mod job_steps;
 pub mod membership;
 pub mod metrics;
 pub mod nats_auth;

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use fleet_proto::api::worker::{CancelCommand, ExecKind, ExecReply, ExecRequest};
-use fleet_proto::api::{ApiError, ApiErrorCode, JobId, JobState, ProgressEvent, ToolJobEvent, subjects};
+use fleet_proto::api::{ApiError, ApiErrorCode, JobId, JobState, ProgressEvent, subjects};
 use fleet_proto::limits::{MAX_JOB_RESULT_BYTES, MAX_SYNC_RESULT_BYTES};
 use fleet_worker::pool::{Pool, PoolError};
 use fleet_worker::session::progress::ProgressUpdate;
@@ -27,6 +27,7 @@ use tokio::task::JoinSet;
 use tracing::Instrument as _;
 
 use crate::in_flight::InFlight;
+use crate::job_steps::{Decider, JobSteps};
 use crate::metrics::FleetMetrics;
 use crate::nats_auth::exec_seal::ExecVerifier;
 use crate::policy;
@@ -82,6 +83,13 @@ struct Ctx {
     installer: Option<Arc<crate::plugins::Installer>>,
     /// Checks the front's seal on every exec request and cancel command.
     seals: Arc<ExecVerifier>,
+}
+
+impl Ctx {
+    /// This node's job transitions: its store, metrics and connection.
+    fn steps(&self) -> JobSteps<'_> {
+        JobSteps::new(&self.store, &self.metrics, &self.client)
+    }
 }
 
 impl WorkerNode {
@@ -585,7 +593,7 @@ async fn pull_queued_jobs(ctx: Arc<Ctx>) {
         let req = crate::dispatch::job_request(&record);
         if let Err(e) = ensure_plugin(&ctx, &req).await {
             if e.code == ApiErrorCode::PermissionDenied {
-                fail_undispatchable(&ctx.store, &record, e).await;
+                crate::front::fail_undispatchable(ctx.steps(), &record, e).await;
                 let _ = pulled.ack().await;
             } else {
                 let _ = pulled.hand_back().await;
@@ -602,16 +610,6 @@ async fn pull_queued_jobs(ctx: Arc<Ctx>) {
             drop(guard);
         });
     }
-}
-
-/// Fails a queued job that no worker can run (its tool id is unknown to the fleet).
-async fn fail_undispatchable(store: &Store, record: &fleet_store::JobRecord, error: ApiError) {
-    let _ = store
-        .transition(&record.user, &record.job_id, JobState::Failed, |r| {
-            r.finished_at_ms = Some(now_ms());
-            r.error = Some(error.clone());
-        })
-        .await;
 }
 
 fn manifest_timeout_ms(ctx: &Ctx, req: &ExecRequest) -> Option<u64> {
@@ -785,23 +783,14 @@ fn job_outcome(
     }
 }
 
-async fn publish_event(ctx: &Ctx, user: &str, event: &ToolJobEvent) {
-    if let Ok(payload) = serde_json::to_vec(event) {
-        let _ = ctx
-            .client
-            .publish(subjects::user_events(&user_key(user)), payload.into())
-            .await;
-    }
-}
-
 async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
     let Some(job_id) = req.job_id.clone() else { return };
     let user = req.user.clone();
     let id = ctx.id.clone();
     // queued → running, by CAS, before the plugin sees anything.
     let started = ctx
-        .store
-        .transition(&user, &job_id, JobState::Running, |r| {
+        .steps()
+        .step(&user, &job_id, JobState::Running, Decider::Worker, |r| {
             r.worker = Some(id.clone());
             r.started_at_ms = Some(now_ms());
             r.last_heartbeat_ms = Some(now_ms());
@@ -812,31 +801,15 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
         Ok(Transition::Done(r)) => r.value,
         Ok(_) => return, // cancelled, expired or gone before it started
         Err(e) => {
-            ctx.metrics.jetstream_error("transition");
             tracing::warn!(job = %job_id, error = %e, "cannot start the job");
             return;
         }
     };
-    ctx.metrics
-        .job_transition(Some(JobState::Queued), JobState::Running);
     let started_at_ms = record.started_at_ms.unwrap_or_else(now_ms);
     ctx.metrics.queue_wait(
         &req.plugin,
         Duration::from_millis(started_at_ms.saturating_sub(record.created_at_ms)),
     );
-    publish_event(
-        ctx,
-        &user,
-        &ToolJobEvent {
-            job_id: job_id.clone(),
-            tool_id: record.tool_id.clone(),
-            state: JobState::Running,
-            seq: record.last_seq,
-            event: None,
-            terminal: false,
-        },
-    )
-    .await;
 
     // Progress: the plugin's reader hands events to this channel (never blocking); a task stores them in order.
     let (tx, mut rx) = mpsc::channel::<ProgressUpdate>(PROGRESS_BUFFER);
@@ -860,15 +833,10 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
                 tracing::warn!(job = %p_job, error = %e, "cannot store a progress event");
                 continue;
             }
-            let ev = ToolJobEvent {
-                job_id: p_job.clone(),
-                tool_id: p_tool.clone(),
-                state: JobState::Running,
-                seq,
-                event: Some(event),
-                terminal: false,
-            };
-            publish_event(&progress_ctx, &p_user, &ev).await;
+            progress_ctx
+                .steps()
+                .progress(&p_user, &p_job, &p_tool, event)
+                .await;
         }
         seq
     });
@@ -909,38 +877,24 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
     let last_seq = progress_task.await.unwrap_or(record.last_seq);
     let (state, result_value, error) = job_outcome(&result, timeout_ms);
     let done = ctx
-        .store
-        .transition(&user, &job_id, state, |r| {
+        .steps()
+        .step(&user, &job_id, state, Decider::Worker, |r| {
             r.finished_at_ms = Some(now_ms());
             r.result.clone_from(&result_value);
             r.error.clone_from(&error);
             r.last_seq = last_seq;
         })
         .await;
-    if let Err(e) = &done {
-        ctx.metrics.jetstream_error("transition");
-        tracing::warn!(job = %job_id, error = %e, "cannot record the job's outcome");
-    }
-    if let Ok(Transition::Done(r)) = done {
-        ctx.metrics.job_transition(Some(JobState::Running), state);
-        let finished = r.value.finished_at_ms.unwrap_or_else(now_ms);
-        ctx.metrics.run_time(
-            &req.plugin,
-            Duration::from_millis(finished.saturating_sub(started_at_ms)),
-        );
-        publish_event(
-            ctx,
-            &user,
-            &ToolJobEvent {
-                job_id: job_id.clone(),
-                tool_id: r.value.tool_id.clone(),
-                state,
-                seq: last_seq,
-                event: None,
-                terminal: true,
-            },
-        )
-        .await;
+    match done {
+        Ok(Transition::Done(r)) => {
+            let finished = r.value.finished_at_ms.unwrap_or_else(now_ms);
+            ctx.metrics.run_time(
+                &req.plugin,
+                Duration::from_millis(finished.saturating_sub(started_at_ms)),
+            );
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(job = %job_id, error = %e, "cannot record the job's outcome"),
     }
 }
 

@@ -11,11 +11,12 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use fleet_proto::api::{ApiError, ApiErrorCode, JobState, ToolJobEvent};
+use fleet_proto::api::{ApiError, ApiErrorCode, JobState};
 use serde_json::json;
 use tracing::Instrument as _;
 
-use crate::front::{Front, publish_event};
+use crate::front::Front;
+use crate::job_steps::Decider;
 use fleet_proto::util::now_ms;
 use fleet_store::{JobRecord, Transition};
 
@@ -26,7 +27,7 @@ pub const SWEEP_EVERY: Duration = Duration::from_secs(1);
 const REDISPATCH_AFTER_MS: u64 = 10_000;
 
 /// One sweep; returns (expired, lost, dispatched).
-pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize, usize) {
+pub async fn sweep(front: &Front) -> (usize, usize, usize) {
     let store = front.store();
     let metrics = front.metrics();
     let Ok(jobs) = store.active_jobs().await else {
@@ -61,8 +62,9 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
                 fleet.job.expired = tracing::field::Empty,
             );
             let done = async {
-                let outcome = store
-                    .finish(&r.user, &r.job_id, JobState::Expired, |rec| {
+                let outcome = front
+                    .steps()
+                    .step(&r.user, &r.job_id, JobState::Expired, Decider::Other, |rec| {
                         rec.finished_at_ms = Some(now_ms());
                         rec.error = Some(ApiError::new(
                             ApiErrorCode::ToolTimeout,
@@ -75,12 +77,10 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
                 let Ok(Transition::Done(done)) = outcome else {
                     return false;
                 };
-                metrics.job_transition(Some(r.state), JobState::Expired);
                 front
                     .dispatcher()
                     .cancel(done.value.worker.as_deref(), r.job_id.as_str())
                     .await;
-                terminal_event(client, &done.value, JobState::Expired).await;
                 true
             }
             .instrument(span)
@@ -101,8 +101,9 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
                 let last_sign_of_life = r.last_heartbeat_ms.unwrap_or(r.updated_at_ms);
                 let lost = now.saturating_sub(last_sign_of_life) > ttl_ms;
                 if lost {
-                    let outcome = store
-                        .finish(&r.user, &r.job_id, JobState::Failed, |rec| {
+                    let outcome = front
+                        .steps()
+                        .step(&r.user, &r.job_id, JobState::Failed, Decider::Other, |rec| {
                             rec.finished_at_ms = Some(now_ms());
                             rec.error = Some(ApiError::with_details(
                                 ApiErrorCode::ExecutaUnavailable,
@@ -111,11 +112,9 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
                             ));
                         })
                         .await;
-                    if let Ok(Transition::Done(done)) = outcome {
+                    if let Ok(Transition::Done(_)) = outcome {
                         lost_jobs += 1;
-                        metrics.job_transition(Some(JobState::Running), JobState::Failed);
                         metrics.job_worker_lost();
-                        terminal_event(client, &done.value, JobState::Failed).await;
                     }
                 }
             }
@@ -156,24 +155,12 @@ pub async fn sweep(front: &Front, client: &async_nats::Client) -> (usize, usize,
     (expired, lost_jobs, dispatched)
 }
 
-async fn terminal_event(client: &async_nats::Client, r: &JobRecord, state: JobState) {
-    let ev = ToolJobEvent {
-        job_id: r.job_id.clone(),
-        tool_id: r.tool_id.clone(),
-        state,
-        seq: r.last_seq,
-        event: None,
-        terminal: true,
-    };
-    publish_event(client, &ev, &r.user).await;
-}
-
 /// Runs sweeps forever.
-pub async fn run(front: Front, client: async_nats::Client) {
+pub async fn run(front: Front) {
     let mut tick = tokio::time::interval(SWEEP_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        sweep(&front, &client).await;
+        sweep(&front).await;
     }
 }

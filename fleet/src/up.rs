@@ -454,7 +454,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             )
         }
     };
-    let sweeper = tokio::spawn(crate::sweeper::run(front.clone(), client.clone()));
+    let sweeper = tokio::spawn(crate::sweeper::run(front.clone()));
     let http_state = crate::http::HttpState::start(
         front.clone(),
         client.clone(),

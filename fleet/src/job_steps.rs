@@ -1,0 +1,171 @@
+//! The one transition step of a job: **compare-and-set** (the store's state machine), **count**
+//! (`fleet_job_transitions_total{from,to}`) and **announce** (a `tool_job` event on the user's events subject).
+//! Every transition of the front (creation, cancel, a job no worker can run), the worker node (start, outcome, a
+//! queued job no worker can run) and the sweeper (expiry, a lost worker) goes through [`JobSteps::step`], so a
+//! transition is counted exactly when it was written, and every job that reaches a terminal state announces it.
+//!
+//! The `from` of the count follows from the state machine (`queued → running → terminal`, or `queued →
+//! terminal`): `running` is reached only from `queued`, and a terminal state from `running` exactly when the
+//! record has a start time.
+
+use fleet_proto::api::{JobId, JobState, ProgressEvent, ToolJobEvent, subjects, user_key};
+use fleet_store::{JobRecord, Store, StoreError, Transition};
+
+use crate::metrics::FleetMetrics;
+
+/// Who decided a transition, which picks the store's operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decider {
+    /// The worker running the job (start, outcome): [`Store::transition`], with the `last_seq` it sets.
+    Worker,
+    /// Anyone else (a cancel, an expiry, a lost worker, an undispatchable job): [`Store::finish`], which freezes
+    /// the progress a caller sees at the last event stored ("terminal is final").
+    Other,
+}
+
+/// The store, the metrics and the connection one process's transitions go through. Cheap: borrows all three.
+#[derive(Clone, Copy)]
+pub struct JobSteps<'a> {
+    store: &'a Store,
+    metrics: &'a FleetMetrics,
+    client: &'a async_nats::Client,
+}
+
+impl std::fmt::Debug for JobSteps<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobSteps").finish_non_exhaustive()
+    }
+}
+
+impl<'a> JobSteps<'a> {
+    /// Steps over `store`, counted in `metrics`, announced on `client`.
+    pub fn new(store: &'a Store, metrics: &'a FleetMetrics, client: &'a async_nats::Client) -> JobSteps<'a> {
+        JobSteps {
+            store,
+            metrics,
+            client,
+        }
+    }
+
+    /// A job the store just created (`queued`): counted and announced.
+    pub async fn created(&self, record: &JobRecord) {
+        self.metrics.job_transition(None, JobState::Queued);
+        self.announce(record, JobState::Queued).await;
+    }
+
+    /// Moves `user`'s job `job_id` to `to` (the store's compare-and-set, `edit` applied to the record written);
+    /// when written, counts it and announces it (`terminal: true` for a terminal state). The store's answer is
+    /// returned as it is: a refused or unknown job is neither counted nor announced.
+    pub async fn step(
+        &self,
+        user: &str,
+        job_id: &JobId,
+        to: JobState,
+        by: Decider,
+        edit: impl Fn(&mut JobRecord) + Send + Sync,
+    ) -> Result<Transition, StoreError> {
+        let outcome = match by {
+            Decider::Worker => self.store.transition(user, job_id, to, edit).await,
+            Decider::Other => self.store.finish(user, job_id, to, edit).await,
+        };
+        match &outcome {
+            Ok(Transition::Done(written)) => {
+                self.metrics.job_transition(Some(from(&written.value, to)), to);
+                self.announce(&written.value, to).await;
+            }
+            Ok(Transition::Refused(_) | Transition::NotFound) => {}
+            Err(_) => self.metrics.jetstream_error("transition"),
+        }
+        outcome
+    }
+
+    /// A progress event of a running job, announced (stored by the caller first).
+    pub async fn progress(&self, user: &str, job_id: &JobId, tool_id: &str, event: ProgressEvent) {
+        let ev = ToolJobEvent {
+            job_id: job_id.clone(),
+            tool_id: tool_id.to_owned(),
+            state: JobState::Running,
+            seq: event.seq,
+            event: Some(event),
+            terminal: false,
+        };
+        self.publish(user, &ev).await;
+    }
+
+    async fn announce(&self, record: &JobRecord, state: JobState) {
+        let ev = ToolJobEvent {
+            job_id: record.job_id.clone(),
+            tool_id: record.tool_id.clone(),
+            state,
+            seq: record.last_seq,
+            event: None,
+            terminal: state.is_terminal(),
+        };
+        self.publish(&record.user, &ev).await;
+    }
+
+    /// Best effort: events are a notification (the record is the truth, `getJob` reads it), so a failed publish
+    /// loses nothing.
+    async fn publish(&self, user: &str, event: &ToolJobEvent) {
+        if let Ok(payload) = serde_json::to_vec(event) {
+            let _ = self
+                .client
+                .publish(subjects::user_events(&user_key(user)), payload.into())
+                .await;
+        }
+    }
+}
+
+/// The state a job written in `to` came from (see the module's comment).
+fn from(written: &JobRecord, to: JobState) -> JobState {
+    if to != JobState::Running && written.started_at_ms.is_some() {
+        JobState::Running
+    } else {
+        JobState::Queued
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `running` comes from `queued`; a terminal state from `running` when the job started, else from `queued`.
+    #[test]
+    fn the_counted_from_follows_the_state_machine() {
+        let mut r = JobRecord {
+            job_id: crate::node::new_invoke_id(),
+            user: "u".into(),
+            tool_id: "p.t".into(),
+            plugin: "p".into(),
+            tool: "t".into(),
+            args: serde_json::Map::new(),
+            client_tag: None,
+            state: JobState::Running,
+            created_at_ms: 1,
+            updated_at_ms: 1,
+            started_at_ms: Some(1),
+            finished_at_ms: None,
+            deadline_ms: 2,
+            timeout_ms: 1,
+            worker: None,
+            attempt: 1,
+            result: None,
+            error: None,
+            last_heartbeat_ms: None,
+            last_seq: 0,
+        };
+        assert_eq!(from(&r, JobState::Running), JobState::Queued);
+        for to in [
+            JobState::Succeeded,
+            JobState::Failed,
+            JobState::Cancelled,
+            JobState::Expired,
+        ] {
+            assert_eq!(from(&r, to), JobState::Running, "{to:?} after a start");
+        }
+        r.started_at_ms = None;
+        for to in [JobState::Failed, JobState::Cancelled, JobState::Expired] {
+            assert_eq!(from(&r, to), JobState::Queued, "{to:?} before a start");
+        }
+    }
+}
