@@ -30,10 +30,8 @@ use crate::operator;
 use fleet_client::auth::OperatorVerifier;
 use fleet_client::creds::{Role, inbox_prefix};
 use fleet_store::cas::{Edit, Target, compare_and_set};
+use fleet_store::settings::CRED_RECORD_MAX_BYTES;
 use fleet_store::{Op, Revisioned, StoreSettings};
-
-/// Largest credential record (the bucket's `max_value_size`).
-const CRED_RECORD_MAX_BYTES: usize = 64 * 1024;
 
 /// Why a credentials operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -104,21 +102,9 @@ impl Issuer {
         material: AuthMaterial,
         sys: async_nats::Client,
     ) -> Result<Issuer, CredsError> {
-        let kv = fleet_store::provision::key_value(
-            js,
-            kv::Config {
-                bucket: permissions::APP_CREDS.bucket(&settings.prefix),
-                description: "Cloud Agents: issued app NATS credentials (no secrets)".into(),
-                history: 1,
-                max_value_size: i32::try_from(CRED_RECORD_MAX_BYTES).unwrap_or(i32::MAX),
-                num_replicas: settings.replicas,
-                storage: settings.storage,
-                ..kv::Config::default()
-            },
-            settings.provision,
-        )
-        .await
-        .map_err(|e| CredsError::Store(e.to_string()))?;
+        let kv = fleet_store::provision::key_value(js, settings.app_creds_kv_config(), settings.provision)
+            .await
+            .map_err(|e| CredsError::Store(e.to_string()))?;
         Ok(Issuer {
             material: Arc::new(material),
             kv,

@@ -1,7 +1,7 @@
 //! APS files (`files/*`, spec §8.4) on the JetStream object store, and the signed links the fleet's HTTP
 //! listener serves (`fleet::http::files`).
 //!
-//! Resources (all with the store's `replicas` and `storage`):
+//! Resources (configured in `fleet_store::settings`, all with the store's `replicas` and `storage`):
 //!
 //! | Resource | Kind | What |
 //! |---|---|---|
@@ -47,10 +47,6 @@ use fleet_proto::util::now_ms;
 use fleet_store::cas::Races;
 use fleet_store::{StoreSettings, rfc3339_ms};
 
-/// How long staged bytes and pending records are kept without `upload_complete`.
-pub const STAGING_RETENTION: Duration = Duration::from_secs(3600);
-/// How long `host/uploadFile` objects are kept.
-pub const UPLOAD_RETENTION: Duration = Duration::from_secs(24 * 3600);
 /// Object metadata: the content type.
 pub const META_CONTENT_TYPE: &str = "content-type";
 /// Object metadata: set once a host upload was confirmed.
@@ -241,21 +237,12 @@ impl std::fmt::Debug for ObjectsInner {
     }
 }
 
+/// Creates (when missing) the object store of `config` (one of [`StoreSettings`]' configs), or attaches to it.
 async fn open_objects(
     js: &jetstream::Context,
     settings: &StoreSettings,
-    bucket: String,
-    description: &str,
-    max_age: Duration,
+    config: object_store::Config,
 ) -> Result<object_store::ObjectStore, ServicesError> {
-    let config = object_store::Config {
-        bucket: bucket.clone(),
-        description: Some(description.to_owned()),
-        max_age,
-        storage: settings.storage,
-        num_replicas: settings.replicas,
-        ..Default::default()
-    };
     fleet_store::provision::object_store(js, config, settings.provision)
         .await
         .map_err(|e| ServicesError::Store(e.to_string()))
@@ -270,31 +257,9 @@ impl HostObjects {
         signer: LinkSigner,
         public_url: Option<String>,
     ) -> Result<HostObjects, ServicesError> {
-        let p = &settings.prefix;
-        let files = open_objects(
-            js,
-            settings,
-            format!("{p}_aps_objects"),
-            "APS files",
-            Duration::ZERO,
-        )
-        .await?;
-        let staging = open_objects(
-            js,
-            settings,
-            format!("{p}_aps_staging"),
-            "APS files uploaded but not completed",
-            STAGING_RETENTION,
-        )
-        .await?;
-        let uploads = open_objects(
-            js,
-            settings,
-            format!("{p}_uploads"),
-            "host/uploadFile objects",
-            UPLOAD_RETENTION,
-        )
-        .await?;
+        let files = open_objects(js, settings, settings.aps_objects_config()).await?;
+        let staging = open_objects(js, settings, settings.aps_staging_config()).await?;
+        let uploads = open_objects(js, settings, settings.uploads_config()).await?;
         Ok(HostObjects {
             inner: Arc::new(ObjectsInner {
                 files,
@@ -558,24 +523,8 @@ impl FilesService {
     ) -> Result<FilesService, ServicesError> {
         let objects = HostObjects::open(js, settings, links, public_url).await?;
         let max = 16 * 1024;
-        let index = Index::open(
-            js,
-            settings,
-            format!("{}_aps_files", settings.prefix),
-            "APS files (files/*)",
-            max,
-            Duration::ZERO,
-        )
-        .await?;
-        let pending = Index::open(
-            js,
-            settings,
-            format!("{}_aps_pending", settings.prefix),
-            "APS files begun, not completed",
-            max,
-            STAGING_RETENTION,
-        )
-        .await?;
+        let index = Index::open(js, settings, settings.aps_files_kv_config(max)).await?;
+        let pending = Index::open(js, settings, settings.aps_pending_kv_config(max)).await?;
         Ok(FilesService {
             objects,
             index,

@@ -14,10 +14,8 @@ use fleet_proto::api::{ApiError, ApiErrorCode, user_key};
 use fleet_proto::executa::capabilities::is_known_host_capability;
 use fleet_proto::util::now_ms;
 use fleet_store::cas::{Edit, Target, compare_and_set};
+use fleet_store::settings::GRANT_MAX_BYTES;
 use fleet_store::{self as store, Op, Revisioned, StoreError, StoreSettings};
-
-/// Largest grant record.
-const GRANT_MAX_BYTES: usize = 16 * 1024;
 
 /// Why a grant operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -60,20 +58,9 @@ pub struct GrantStore {
 impl GrantStore {
     /// Creates (or updates to these settings) `<prefix>_grants`.
     pub async fn open(js: &jetstream::Context, settings: &StoreSettings) -> Result<GrantStore, GrantError> {
-        let kv = store::open_kv(
-            js,
-            kv::Config {
-                bucket: format!("{}_grants", settings.prefix),
-                description: "Cloud Agents: user grants of host capabilities per plugin".into(),
-                history: 1,
-                max_value_size: i32::try_from(GRANT_MAX_BYTES).unwrap_or(i32::MAX),
-                num_replicas: settings.replicas,
-                ..Default::default()
-            },
-            settings.provision,
-        )
-        .await
-        .map_err(store_err)?;
+        let kv = store::open_kv(js, settings.grants_kv_config(), settings.provision)
+            .await
+            .map_err(store_err)?;
         Ok(GrantStore { kv })
     }
 

@@ -23,7 +23,6 @@
 //! * **Delete** is a purge (not recoverable); deleting a missing key answers `{"deleted": false}`.
 
 use std::collections::BinaryHeap;
-use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer, context, kv, stream::Stream};
@@ -382,26 +381,13 @@ pub(crate) struct Index {
 }
 
 impl Index {
-    /// Creates or updates the bucket.
+    /// Creates or updates the bucket of `config` (one of [`StoreSettings`]' configs), or attaches to it.
     pub(crate) async fn open(
         js: &jetstream::Context,
         settings: &StoreSettings,
-        bucket: String,
-        description: &str,
-        max_value: usize,
-        max_age: Duration,
+        config: kv::Config,
     ) -> Result<Index, ServicesError> {
-        let config = kv::Config {
-            bucket: bucket.clone(),
-            description: description.to_owned(),
-            max_value_size: i32::try_from(max_value).unwrap_or(i32::MAX),
-            history: 1,
-            max_age,
-            max_bytes: -1,
-            storage: settings.storage,
-            num_replicas: settings.replicas,
-            ..Default::default()
-        };
+        let bucket = config.bucket.clone();
         let kv = fleet_store::provision::key_value(js, config, settings.provision)
             .await
             .map_err(|e| ServicesError::Store(format!("{bucket}: {e}")))?;
@@ -605,18 +591,11 @@ impl Quota {
         settings: &StoreSettings,
         config: &StorageConfig,
     ) -> Result<Quota, ServicesError> {
-        let bucket = format!("{}_aps_usage", settings.prefix);
+        let bucket_config = settings.aps_usage_kv_config();
+        let bucket = bucket_config.bucket.clone();
         let kv = Box::pin(fleet_store::provision::key_value(
             js,
-            kv::Config {
-                bucket: bucket.clone(),
-                description: "APS storage bytes per user".to_owned(),
-                max_value_size: 64,
-                history: 1,
-                storage: settings.storage,
-                num_replicas: settings.replicas,
-                ..Default::default()
-            },
+            bucket_config,
             settings.provision,
         ))
         .await
@@ -843,15 +822,7 @@ impl KvService {
     ) -> Result<KvService, ServicesError> {
         // The envelope around a 256 KiB value: the key (≤ 4 KiB of UTF-8), metadata, tags, headers.
         let max_value = limits::STORAGE_VALUE_MAX_BYTES + 64 * 1024;
-        let index = Index::open(
-            js,
-            settings,
-            format!("{}_aps_kv", settings.prefix),
-            "APS KV (storage/*)",
-            max_value,
-            Duration::ZERO,
-        )
-        .await?;
+        let index = Index::open(js, settings, settings.aps_kv_config(max_value)).await?;
         Ok(KvService { index, quota })
     }
 

@@ -448,3 +448,64 @@ pub fn markdown_table(prefix: &str) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use async_nats::jetstream::{kv, object_store, stream};
+    use fleet_store::StoreSettings;
+
+    use super::*;
+
+    /// The two tables of the fleet's JetStream resources cannot drift: every resource of [`RESOURCES`] is
+    /// configured in `fleet_store::settings` under the same kind and name (and a stream on the same subjects),
+    /// and nothing is configured there that this table does not grant.
+    #[test]
+    fn every_resource_is_configured_in_the_store_settings_under_its_name() {
+        let kv = |c: kv::Config| (Kind::Kv, c.bucket, None);
+        let objects = |c: object_store::Config| (Kind::Objects, c.bucket, None);
+        let stream = |c: stream::Config| (Kind::Stream, c.name, Some(c.subjects));
+        for prefix in [DEFAULT_PREFIX, "other-prefix_2"] {
+            let s = StoreSettings {
+                prefix: prefix.to_owned(),
+                ..StoreSettings::default()
+            };
+            let configured = [
+                (JOBS, kv(s.jobs_kv_config())),
+                (ACTIVE, kv(s.active_kv_config())),
+                (WORKERS, kv(s.workers_kv_config())),
+                (MANIFESTS, kv(s.manifests_kv_config())),
+                (JOB_INDEX, kv(s.job_index_kv_config())),
+                (PROGRESS, stream(s.progress_stream_config())),
+                (JOB_QUEUE, stream(s.job_queue_stream_config())),
+                (GRANTS, kv(s.grants_kv_config())),
+                (PLUGINS, kv(s.plugins_kv_config())),
+                (PLUGIN_PACKAGES, objects(s.plugin_packages_config())),
+                (APP_CREDS, kv(s.app_creds_kv_config())),
+                (APS_KV, kv(s.aps_kv_config(1024))),
+                (APS_USAGE, kv(s.aps_usage_kv_config())),
+                (APS_FILES, kv(s.aps_files_kv_config(1024))),
+                (APS_PENDING, kv(s.aps_pending_kv_config(1024))),
+                (APS_OBJECTS, objects(s.aps_objects_config())),
+                (APS_STAGING, objects(s.aps_staging_config())),
+                (UPLOADS, objects(s.uploads_config())),
+            ];
+            assert_eq!(configured.len(), RESOURCES.len(), "one config per resource");
+            for resource in RESOURCES {
+                let mut matching = configured.iter().filter(|(r, _)| *r == resource);
+                let Some((_, (kind, name, subjects))) = matching.next() else {
+                    panic!("{resource:?} has no config in fleet_store::settings");
+                };
+                assert!(matching.next().is_none(), "{resource:?} is listed twice");
+                assert_eq!(*kind, resource.kind, "{resource:?}: kind");
+                assert_eq!(*name, resource.bucket(prefix), "{resource:?}: name");
+                if let Some(subjects) = subjects {
+                    assert_eq!(
+                        *subjects,
+                        vec![resource.data_subject(prefix)],
+                        "{resource:?}: subjects"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -11,10 +11,8 @@ use tokio::io::AsyncWriteExt as _;
 use super::{PluginError, PluginRecord};
 use fleet_proto::api::user_key;
 use fleet_store::cas::{Edit as CasEdit, Target, compare_and_set};
+use fleet_store::settings::PLUGIN_RECORD_MAX_BYTES;
 use fleet_store::{Op, Revisioned, StoreSettings};
-
-/// Largest plugin record (every version's metadata with its cached manifest).
-pub const PLUGIN_RECORD_MAX_BYTES: usize = 1024 * 1024;
 
 /// The store. Cheap to clone.
 #[derive(Clone)]
@@ -27,16 +25,6 @@ impl std::fmt::Debug for PluginStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PluginStore").finish_non_exhaustive()
     }
-}
-
-/// `<prefix>_plugins`.
-pub fn records_bucket(settings: &StoreSettings) -> String {
-    format!("{}_plugins", settings.prefix)
-}
-
-/// `<prefix>_plugin_packages`.
-pub fn packages_bucket(settings: &StoreSettings) -> String {
-    format!("{}_plugin_packages", settings.prefix)
 }
 
 /// What a record edit decides.
@@ -54,33 +42,13 @@ impl PluginStore {
     /// Opens (creating when missing) the bucket and the object store. Idempotent; any number of processes may
     /// open concurrently.
     pub async fn open(js: &jetstream::Context, settings: &StoreSettings) -> Result<PluginStore, PluginError> {
-        let kv = fleet_store::provision::key_value(
-            js,
-            kv::Config {
-                bucket: records_bucket(settings),
-                description: "Cloud Agents plugin records (versions, current)".into(),
-                history: 5,
-                max_value_size: i32::try_from(PLUGIN_RECORD_MAX_BYTES).unwrap_or(i32::MAX),
-                num_replicas: settings.replicas,
-                ..kv::Config::default()
-            },
-            settings.provision,
-        )
-        .await
-        .map_err(|e| PluginError::store("open the plugins bucket")(&e))?;
-        let name = packages_bucket(settings);
-        let objects = fleet_store::provision::object_store(
-            js,
-            object_store::Config {
-                bucket: name.clone(),
-                description: Some("Cloud Agents plugin packages (sha256-<hex>)".into()),
-                num_replicas: settings.replicas,
-                ..object_store::Config::default()
-            },
-            settings.provision,
-        )
-        .await
-        .map_err(|e| PluginError::store("open the packages object store")(&e))?;
+        let kv = fleet_store::provision::key_value(js, settings.plugins_kv_config(), settings.provision)
+            .await
+            .map_err(|e| PluginError::store("open the plugins bucket")(&e))?;
+        let objects =
+            fleet_store::provision::object_store(js, settings.plugin_packages_config(), settings.provision)
+                .await
+                .map_err(|e| PluginError::store("open the packages object store")(&e))?;
         Ok(PluginStore { kv, objects })
     }
 

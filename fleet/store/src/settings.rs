@@ -1,4 +1,8 @@
-//! Every JetStream resource of the job layer and its settings, in one place (design.md "State in JetStream").
+//! Every JetStream bucket and stream of the fleet and its settings, in one place (design.md "State in
+//! JetStream"): the job layer's, which [`Store::open`](super::Store::open) creates, and those the other crates
+//! open with the configs built here — the fleet crate's plugin store and app credentials, fleet-services' grants,
+//! APS storage and files, and `host/uploadFile` objects. The fleet crate's NATS permission table
+//! (`nats_auth::permissions::RESOURCES`) names the same resources; a test there keeps the two equal.
 //!
 //! | Resource | Kind | Key / subject | Settings |
 //! |---|---|---|---|
@@ -9,15 +13,29 @@
 //! | `<prefix>_job_index` | KV | `<user_key>` → the user's index head (the open page); `<user_key>.<n>` → sealed page `n` | history 1, `max_age` = job retention, `max_value_size` = 192 KiB |
 //! | `<prefix>_progress` | stream | `<prefix>.v1.progress.<user_key>.<job_id>`, header `Fleet-Seq` | 500 msgs per subject, discard old, `max_msg_size` = 8 KiB + 1 KiB, `max_age` = job retention, `allow_direct` |
 //! | `<prefix>_job_queue` | stream, work queue | `<prefix>.v1.job_queue.<user_key>` → `{user, job_id}` | work-queue retention (a message is gone once a worker acks it), `max_age` = the longest job deadline (24 h), `max_msg_size` = 1 KiB; one durable pull consumer `workers` (explicit ack, ack wait 30 s) |
+//! | `<prefix>_plugins` | KV (fleet: plugin store) | `<hash of tool_id>` → the plugin record | history 5, no `max_age`, `max_value_size` = 1 MiB, file storage |
+//! | `<prefix>_plugin_packages` | object store (fleet: plugin store) | `sha256-<hex>` → a plugin package | no `max_age`, file storage |
+//! | `<prefix>_app_creds` | KV (fleet: app credentials) | `<name>` → the issued credential's record (no secrets) | history 1, no `max_age`, `max_value_size` = 64 KiB |
+//! | `<prefix>_grants` | KV (fleet-services: grants) | `<user_key>.<hash of tool_id>` → the user's grant to a plugin | history 1, no `max_age`, `max_value_size` = 16 KiB, file storage |
+//! | `<prefix>_aps_kv` | KV (fleet-services: `storage/*`) | `<user_key>.<scope>.<sha256(key)>` → a value's envelope | history 1, no `max_age`, `max_value_size` = 256 KiB + 64 KiB |
+//! | `<prefix>_aps_usage` | KV (fleet-services: storage quota) | `<user_key>` → the user's stored bytes | history 1, no `max_age`, `max_value_size` = 64 B |
+//! | `<prefix>_aps_files` | KV (fleet-services: `files/*`) | `f.<user_key>.<scope>.<sha256(path)>` → a file's index entry | history 1, no `max_age`, `max_value_size` = 16 KiB |
+//! | `<prefix>_aps_pending` | KV (fleet-services: `files/*`) | `<user_key>.<scope>.<sha256(path)>` → a begun upload | history 1, `max_age` = staging retention (1 h), `max_value_size` = 16 KiB |
+//! | `<prefix>_aps_objects` | object store (fleet-services: `files/*`) | the bytes of committed files | no `max_age` |
+//! | `<prefix>_aps_staging` | object store (fleet-services: `files/*`) | bytes uploaded, not yet completed | `max_age` = staging retention (1 h) |
+//! | `<prefix>_uploads` | object store (fleet-services: `host/uploadFile`) | uploaded objects, named by their `r2_key` | `max_age` = upload retention (24 h) |
 //!
-//! All are created (or updated to these settings) at [`Store::open`](super::Store::open), with `replicas` and
-//! `storage` applied to each. The KV buckets and the progress stream allow direct gets: reads are answered by any
-//! replica without a consumer, and batched direct gets (the job index, `listJobs`' records, the progress ring's
-//! slices) need nats-server ≥ 2.11.
+//! Each is created (or a KV bucket or stream updated to these settings; an existing object store is kept as it
+//! is) by the process that opens it with [`Provision::Create`](super::Provision::Create), and attached to
+//! otherwise. `replicas` applies to every one; `storage` to every one but `<prefix>_plugins`,
+//! `<prefix>_plugin_packages` and `<prefix>_grants`, which keep JetStream's default, file storage. The job
+//! layer's KV buckets and the progress stream allow direct gets: reads are answered by any replica without a
+//! consumer, and batched direct gets (the job index, `listJobs`' records, the progress ring's slices) need
+//! nats-server ≥ 2.11.
 
 use std::time::Duration;
 
-use async_nats::jetstream::{kv, stream};
+use async_nats::jetstream::{kv, object_store, stream};
 use fleet_proto::limits;
 
 const KIB: usize = 1024;
@@ -68,6 +86,25 @@ pub const JOB_INDEX_PAGE_MAX: usize = 64;
 
 /// A tool id longer than this is not kept in the index entry (`listJobs` then checks it on the record).
 pub const INDEX_TOOL_ID_MAX_BYTES: usize = 256;
+
+/// Largest plugin record of `<prefix>_plugins` (every version's metadata with its cached manifest).
+pub const PLUGIN_RECORD_MAX_BYTES: usize = 1024 * KIB;
+
+/// Largest issued-credential record of `<prefix>_app_creds`.
+pub const CRED_RECORD_MAX_BYTES: usize = 64 * KIB;
+
+/// Largest grant record of `<prefix>_grants`.
+pub const GRANT_MAX_BYTES: usize = 16 * KIB;
+
+/// Largest value of `<prefix>_aps_usage`: one user's stored bytes, in decimal digits.
+pub const APS_USAGE_MAX_BYTES: usize = 64;
+
+/// How long staged APS file bytes (`<prefix>_aps_staging`) and their pending records (`<prefix>_aps_pending`)
+/// are kept without `upload_complete`.
+pub const STAGING_RETENTION: Duration = Duration::from_secs(3600);
+
+/// How long `host/uploadFile` objects (`<prefix>_uploads`) are kept.
+pub const UPLOAD_RETENTION: Duration = Duration::from_secs(24 * 3600);
 
 /// Settings of every resource of the [`Store`](super::Store).
 #[derive(Debug, Clone, PartialEq)]
@@ -259,6 +296,61 @@ impl StoreSettings {
         format!("{}.v1.job_queue", self.prefix)
     }
 
+    /// `<prefix>_plugins`.
+    pub fn plugins_bucket(&self) -> String {
+        format!("{}_plugins", self.prefix)
+    }
+
+    /// `<prefix>_plugin_packages`.
+    pub fn plugin_packages_bucket(&self) -> String {
+        format!("{}_plugin_packages", self.prefix)
+    }
+
+    /// `<prefix>_app_creds`.
+    pub fn app_creds_bucket(&self) -> String {
+        format!("{}_app_creds", self.prefix)
+    }
+
+    /// `<prefix>_grants`.
+    pub fn grants_bucket(&self) -> String {
+        format!("{}_grants", self.prefix)
+    }
+
+    /// `<prefix>_aps_kv`.
+    pub fn aps_kv_bucket(&self) -> String {
+        format!("{}_aps_kv", self.prefix)
+    }
+
+    /// `<prefix>_aps_usage`.
+    pub fn aps_usage_bucket(&self) -> String {
+        format!("{}_aps_usage", self.prefix)
+    }
+
+    /// `<prefix>_aps_files`.
+    pub fn aps_files_bucket(&self) -> String {
+        format!("{}_aps_files", self.prefix)
+    }
+
+    /// `<prefix>_aps_pending`.
+    pub fn aps_pending_bucket(&self) -> String {
+        format!("{}_aps_pending", self.prefix)
+    }
+
+    /// `<prefix>_aps_objects`.
+    pub fn aps_objects_bucket(&self) -> String {
+        format!("{}_aps_objects", self.prefix)
+    }
+
+    /// `<prefix>_aps_staging`.
+    pub fn aps_staging_bucket(&self) -> String {
+        format!("{}_aps_staging", self.prefix)
+    }
+
+    /// `<prefix>_uploads`.
+    pub fn uploads_bucket(&self) -> String {
+        format!("{}_uploads", self.prefix)
+    }
+
     /// The largest progress message the stream accepts (event + headroom).
     pub fn progress_max_message_bytes(&self) -> usize {
         self.progress_max_bytes_per_event + PROGRESS_ENVELOPE_HEADROOM
@@ -378,6 +470,232 @@ impl StoreSettings {
             max_deliver: -1,
             num_replicas: self.replicas,
             ..Default::default()
+        }
+    }
+
+    /// The plugin records (the fleet crate's plugin store): history 5. `storage` is not applied (file storage).
+    pub fn plugins_kv_config(&self) -> kv::Config {
+        kv::Config {
+            bucket: self.plugins_bucket(),
+            description: "Cloud Agents plugin records (versions, current)".to_string(),
+            history: 5,
+            max_value_size: i32::try_from(PLUGIN_RECORD_MAX_BYTES).unwrap_or(i32::MAX),
+            num_replicas: self.replicas,
+            ..Default::default()
+        }
+    }
+
+    /// The plugin packages, content-addressed (the fleet crate's plugin store). `storage` is not applied (file
+    /// storage).
+    pub fn plugin_packages_config(&self) -> object_store::Config {
+        object_store::Config {
+            bucket: self.plugin_packages_bucket(),
+            description: Some("Cloud Agents plugin packages (sha256-<hex>)".to_string()),
+            num_replicas: self.replicas,
+            ..Default::default()
+        }
+    }
+
+    /// The issued app credentials and revocations (the fleet crate's `creds`).
+    pub fn app_creds_kv_config(&self) -> kv::Config {
+        kv::Config {
+            bucket: self.app_creds_bucket(),
+            description: "Cloud Agents: issued app NATS credentials (no secrets)".to_string(),
+            history: 1,
+            max_value_size: i32::try_from(CRED_RECORD_MAX_BYTES).unwrap_or(i32::MAX),
+            num_replicas: self.replicas,
+            storage: self.storage,
+            ..Default::default()
+        }
+    }
+
+    /// The user grants of host capabilities (fleet-services' `grants`). `storage` is not applied (file storage).
+    pub fn grants_kv_config(&self) -> kv::Config {
+        kv::Config {
+            bucket: self.grants_bucket(),
+            description: "Cloud Agents: user grants of host capabilities per plugin".to_string(),
+            history: 1,
+            max_value_size: i32::try_from(GRANT_MAX_BYTES).unwrap_or(i32::MAX),
+            num_replicas: self.replicas,
+            ..Default::default()
+        }
+    }
+
+    /// The APS storage KV (`storage/*`), whose values are envelopes of at most `max_value` bytes (the services'
+    /// value cap plus the envelope).
+    pub fn aps_kv_config(&self, max_value: usize) -> kv::Config {
+        self.kv(
+            self.aps_kv_bucket(),
+            "APS KV (storage/*)",
+            Duration::ZERO,
+            max_value,
+        )
+    }
+
+    /// The APS bytes stored per user (the quota KV values and files share).
+    pub fn aps_usage_kv_config(&self) -> kv::Config {
+        kv::Config {
+            bucket: self.aps_usage_bucket(),
+            description: "APS storage bytes per user".to_string(),
+            max_value_size: i32::try_from(APS_USAGE_MAX_BYTES).unwrap_or(i32::MAX),
+            history: 1,
+            storage: self.storage,
+            num_replicas: self.replicas,
+            ..Default::default()
+        }
+    }
+
+    /// The APS file index (`files/*`), entries of at most `max_value` bytes.
+    pub fn aps_files_kv_config(&self, max_value: usize) -> kv::Config {
+        self.kv(
+            self.aps_files_bucket(),
+            "APS files (files/*)",
+            Duration::ZERO,
+            max_value,
+        )
+    }
+
+    /// The APS files begun and not completed, entries of at most `max_value` bytes, kept for
+    /// [`STAGING_RETENTION`].
+    pub fn aps_pending_kv_config(&self, max_value: usize) -> kv::Config {
+        self.kv(
+            self.aps_pending_bucket(),
+            "APS files begun, not completed",
+            STAGING_RETENTION,
+            max_value,
+        )
+    }
+
+    /// The object store of `bucket`, with `storage` and `replicas`.
+    fn objects(&self, bucket: String, description: &str, max_age: Duration) -> object_store::Config {
+        object_store::Config {
+            bucket,
+            description: Some(description.to_string()),
+            max_age,
+            storage: self.storage,
+            num_replicas: self.replicas,
+            ..Default::default()
+        }
+    }
+
+    /// The bytes of committed APS files.
+    pub fn aps_objects_config(&self) -> object_store::Config {
+        self.objects(self.aps_objects_bucket(), "APS files", Duration::ZERO)
+    }
+
+    /// The bytes of APS files uploaded but not completed, kept for [`STAGING_RETENTION`].
+    pub fn aps_staging_config(&self) -> object_store::Config {
+        self.objects(
+            self.aps_staging_bucket(),
+            "APS files uploaded but not completed",
+            STAGING_RETENTION,
+        )
+    }
+
+    /// The `host/uploadFile` objects, kept for [`UPLOAD_RETENTION`].
+    pub fn uploads_config(&self) -> object_store::Config {
+        self.objects(self.uploads_bucket(), "host/uploadFile objects", UPLOAD_RETENTION)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The buckets other crates open keep the exact configuration they were created with before they were
+    /// configured here (a change would update live buckets at the next front start).
+    #[test]
+    fn the_other_crates_buckets_keep_their_settings() {
+        let s = StoreSettings {
+            prefix: "p".to_string(),
+            replicas: 3,
+            storage: stream::StorageType::Memory,
+            ..StoreSettings::default()
+        };
+        let (file, memory) = (stream::StorageType::File, stream::StorageType::Memory);
+        let kvs = [
+            (
+                s.plugins_kv_config(),
+                ("p_plugins", "Cloud Agents plugin records (versions, current)"),
+                (5, 1024 * 1024, Duration::ZERO, 0, file),
+            ),
+            (
+                s.app_creds_kv_config(),
+                (
+                    "p_app_creds",
+                    "Cloud Agents: issued app NATS credentials (no secrets)",
+                ),
+                (1, 64 * 1024, Duration::ZERO, 0, memory),
+            ),
+            (
+                s.grants_kv_config(),
+                (
+                    "p_grants",
+                    "Cloud Agents: user grants of host capabilities per plugin",
+                ),
+                (1, 16 * 1024, Duration::ZERO, 0, file),
+            ),
+            (
+                s.aps_usage_kv_config(),
+                ("p_aps_usage", "APS storage bytes per user"),
+                (1, 64, Duration::ZERO, 0, memory),
+            ),
+            (
+                s.aps_kv_config(320 * 1024),
+                ("p_aps_kv", "APS KV (storage/*)"),
+                (1, 320 * 1024, Duration::ZERO, -1, memory),
+            ),
+            (
+                s.aps_files_kv_config(16 * 1024),
+                ("p_aps_files", "APS files (files/*)"),
+                (1, 16 * 1024, Duration::ZERO, -1, memory),
+            ),
+            (
+                s.aps_pending_kv_config(16 * 1024),
+                ("p_aps_pending", "APS files begun, not completed"),
+                (1, 16 * 1024, Duration::from_secs(3600), -1, memory),
+            ),
+        ];
+        for (c, (bucket, description), (history, max_value, max_age, max_bytes, storage)) in kvs {
+            assert_eq!((c.bucket.as_str(), c.description.as_str()), (bucket, description));
+            assert_eq!(c.history, history, "{bucket}: history");
+            assert_eq!(c.max_value_size, max_value, "{bucket}: max_value_size");
+            assert_eq!(c.max_age, max_age, "{bucket}: max_age");
+            assert_eq!(c.max_bytes, max_bytes, "{bucket}: max_bytes");
+            assert_eq!(c.storage, storage, "{bucket}: storage");
+            assert_eq!(c.num_replicas, 3, "{bucket}: replicas");
+        }
+        let objects = [
+            (
+                s.plugin_packages_config(),
+                ("p_plugin_packages", "Cloud Agents plugin packages (sha256-<hex>)"),
+                (Duration::ZERO, file),
+            ),
+            (
+                s.aps_objects_config(),
+                ("p_aps_objects", "APS files"),
+                (Duration::ZERO, memory),
+            ),
+            (
+                s.aps_staging_config(),
+                ("p_aps_staging", "APS files uploaded but not completed"),
+                (Duration::from_secs(3600), memory),
+            ),
+            (
+                s.uploads_config(),
+                ("p_uploads", "host/uploadFile objects"),
+                (Duration::from_secs(24 * 3600), memory),
+            ),
+        ];
+        for (c, (bucket, description), (max_age, storage)) in objects {
+            assert_eq!(
+                (c.bucket.as_str(), c.description.as_deref()),
+                (bucket, Some(description))
+            );
+            assert_eq!(c.max_age, max_age, "{bucket}: max_age");
+            assert_eq!(c.max_bytes, 0, "{bucket}: max_bytes");
+            assert_eq!(c.storage, storage, "{bucket}: storage");
+            assert_eq!(c.num_replicas, 3, "{bucket}: replicas");
         }
     }
 }
