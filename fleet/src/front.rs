@@ -28,6 +28,7 @@ use tracing::Instrument as _;
 use crate::dispatch::Dispatcher;
 use crate::in_flight::InFlight;
 use crate::job_steps::{Decider, JobSteps};
+use crate::known_plugins::KnownPlugins;
 use crate::metrics::FleetMetrics;
 use crate::nats_auth::exec_seal::ExecSigner;
 use crate::node::new_invoke_id;
@@ -66,6 +67,10 @@ struct Inner {
     store: Store,
     /// Finished jobs' records, for `getJob` without a read.
     finished: FinishedJobs,
+    /// Plugins whose jobs are handed off after the reply.
+    known: KnownPlugins,
+    /// Hand-offs running after their reply (a drain waits for them too).
+    hand_offs: InFlight,
     dispatcher: Dispatcher,
     verifier: Verifier,
     limiter: DefaultKeyedRateLimiter<String>,
@@ -98,6 +103,8 @@ pub struct FrontService {
     endpoints: tokio::task::JoinSet<()>,
     /// Requests being handled.
     in_flight: InFlight,
+    /// `invokeAsync` hand-offs running after their reply.
+    hand_offs: InFlight,
     /// The connection the answers go out on (flushed before `stop` returns).
     client: async_nats::Client,
 }
@@ -110,7 +117,8 @@ impl FrontService {
 
     /// Drains: unsubscribes every endpoint (the other replicas of the queue group take new requests), handles
     /// every request this replica was already delivered, waits up to [`FRONT_DRAIN_GRACE`] for the requests in
-    /// flight to be answered, then returns. No request this replica received goes unanswered.
+    /// flight to be answered and the `invokeAsync` hand-offs that follow their reply to end, then returns. No
+    /// request this replica received goes unanswered.
     pub async fn stop(mut self) {
         if let Some(service) = self.service.take() {
             // The endpoints unsubscribe and then yield what is buffered until their stream ends.
@@ -127,7 +135,11 @@ impl FrontService {
         if ended.is_err() {
             tracing::warn!("the NATS server did not confirm the API endpoints' drain");
         }
-        let drained = tokio::time::timeout(FRONT_DRAIN_GRACE, self.in_flight.idle()).await;
+        let drained = tokio::time::timeout(FRONT_DRAIN_GRACE, async {
+            self.in_flight.idle().await;
+            self.hand_offs.idle().await;
+        })
+        .await;
         if drained.is_err() {
             tracing::warn!("front drain grace elapsed with requests in flight");
         }
@@ -159,6 +171,8 @@ impl Front {
                 dispatcher: Dispatcher::new(client.clone(), store.clone(), seals)
                     .with_no_worker_wait(config.no_worker_wait),
                 finished: FinishedJobs::new(store.settings().job_retention),
+                known: KnownPlugins::default(),
+                hand_offs: InFlight::default(),
                 store,
                 verifier,
                 limiter: RateLimiter::keyed(quota),
@@ -257,6 +271,7 @@ impl Front {
             service: Some(service),
             endpoints: tasks,
             in_flight,
+            hand_offs: self.inner.hand_offs.clone(),
             client: self.inner.client.clone(),
         })
     }
@@ -370,7 +385,10 @@ impl Front {
     pub async fn dispatch_job(&self, record: &JobRecord) -> Result<bool, ApiError> {
         let req = crate::dispatch::job_request(record);
         match self.inner.dispatcher.job(&req).await {
-            Ok(_worker) => Ok(true),
+            Ok(_worker) => {
+                self.inner.known.accepted(&record.plugin);
+                Ok(true)
+            }
             Err(e) if matches!(e.code, ApiErrorCode::PermissionDenied | ApiErrorCode::InvalidArg) => {
                 fail_undispatchable(self.steps(), record, e.clone()).await;
                 Err(e)
@@ -537,22 +555,41 @@ impl Front {
             Err(e) => return Err(self.js_error("create_job", e)),
         };
         self.steps().created(&created).await;
-        // Within the user's agent slots, hand it to a worker now; if none has room it goes to the job queue, which
-        // the first worker with a free slot pulls from. Beyond them it waits: the end of one of the user's earlier
-        // jobs queues it. A plugin no worker has is refused now (and the job ended).
-        if may_run
-            && !self.dispatch_job(&created).await?
-            && let Err(e) = self.inner.store.enqueue_job(user, &created.job_id).await
+        let answer = to_value(&InvokeAsyncResult {
+            job_id,
+            state: JobState::Queued,
+            deadline_ms: created.deadline_ms,
+        });
+        // Within the user's agent slots, hand it to a worker; if none has room it goes to the job queue, which the
+        // first worker with a free slot pulls from. Beyond them it waits: the end of one of the user's earlier jobs
+        // queues it. For a plugin a worker recently accepted a job of, the hand-off runs after the reply (the
+        // record and the slot are written already; see `known_plugins`); for any other, before it, so a plugin no
+        // worker has is refused now (and the job ended).
+        if may_run {
+            if self.inner.known.knows(&created.plugin) {
+                let front = self.clone();
+                let handing = self.inner.hand_offs.enter();
+                tokio::spawn(async move {
+                    let _handing = handing;
+                    let _ = front.hand_off(&created).await;
+                });
+            } else {
+                self.hand_off(&created).await?;
+            }
+        }
+        answer
+    }
+
+    /// Hands a job that may run to a worker ([`Front::dispatch_job`]), or queues it when none has room now.
+    async fn hand_off(&self, created: &JobRecord) -> Result<(), ApiError> {
+        if !self.dispatch_job(created).await?
+            && let Err(e) = self.inner.store.enqueue_job(&created.user, &created.job_id).await
         {
             // Still queued: the sweeper dispatches it.
             self.metrics.jetstream_error("enqueue_job");
             tracing::warn!(job = %created.job_id, error = %e, "cannot queue the job");
         }
-        to_value(&InvokeAsyncResult {
-            job_id,
-            state: JobState::Queued,
-            deadline_ms: created.deadline_ms,
-        })
+        Ok(())
     }
 
     async fn get_job(&self, user: &str, args: &Value) -> Result<Value, ApiError> {

@@ -26,6 +26,7 @@ pub mod grants;
 pub mod http;
 pub mod in_flight;
 pub mod job_steps;
+pub mod known_plugins;
 pub mod membership;
 pub mod metrics;
 pub mod nats_auth;
