@@ -880,3 +880,41 @@ async fn killed_waiting_stubs_fall_back_to_a_direct_spawn() {
     assert_eq!(w.sandbox.stub_claims(), 1);
     w.pool.shutdown().await;
 }
+
+/// A worker that stops leaves no sandbox stub behind: `Pool::shutdown` kills and reaps every waiting stub (and
+/// the one the pool is making to replace a stub just taken) before it returns — so `fleet up` that printed
+/// "stopped" has none left — and makes no more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_stops_leaves_no_stub_behind() {
+    let w = hostile_worker_with("stopstub", Layout::OutsideTmp, |c| {
+        c.confinement.stub_pool = 2;
+    });
+    w.sandbox.start_stubs();
+    assert!(eventually(GUARD, || w.sandbox.stubs_ready() == 2).await);
+    let mut stubs = waiting_stubs();
+    assert_eq!(stubs.len(), 2, "{stubs:?}");
+    // A session takes one: the pool starts its replacement while it stops.
+    let s = w.pool.prewarm("hana", "sibling", GUARD).await.unwrap();
+    let plugin = s.pid().unwrap();
+    stubs.retain(|p| *p != plugin);
+    w.pool.shutdown().await;
+    // Reaped, not only signalled: no child of this process left from them, not even a zombie.
+    let me = std::process::id();
+    let children_left: Vec<u32> = stubs
+        .iter()
+        .copied()
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+                stat.rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                    .is_some_and(|ppid| ppid == me.to_string())
+            })
+        })
+        .collect();
+    assert!(
+        children_left.is_empty(),
+        "stubs left after the shutdown: {children_left:?}"
+    );
+    assert!(waiting_stubs().is_empty(), "{:?}", waiting_stubs());
+    assert_eq!(w.sandbox.stubs_ready(), 0);
+}

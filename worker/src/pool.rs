@@ -481,7 +481,8 @@ impl Pool {
         n + animus
     }
 
-    /// Shuts every session down (in parallel, each with the full ladder) and refuses new work.
+    /// Shuts every session down (in parallel, each with the full ladder), kills and reaps the sandbox stubs,
+    /// and refuses new work.
     pub async fn shutdown(&self) {
         {
             let _sessions = lock(&self.inner.sessions);
@@ -501,6 +502,8 @@ impl Pool {
         }
         let animus = self.inner.animus.clone();
         set.spawn(async move { animus.shutdown().await });
+        let sandbox = self.inner.ctx.sandbox.clone();
+        set.spawn(async move { sandbox.shutdown_stubs().await });
         while set.join_next().await.is_some() {}
     }
 }

@@ -334,6 +334,13 @@ impl Sandbox {
         }
     }
 
+    /// Kills and reaps every sandbox stub and makes no more (the worker is stopping).
+    pub async fn shutdown_stubs(&self) {
+        if let Some(pool) = self.stub_pool() {
+            pool.shutdown().await;
+        }
+    }
+
     fn stub_pool(&self) -> Option<&StubPool> {
         self.inner.confine.as_ref().and_then(|c| c.stub_pool.as_ref())
     }

@@ -60,6 +60,11 @@ pub(crate) struct Stub {
 }
 
 impl Stub {
+    /// Kills the stub and reaps it.
+    async fn end(mut self) {
+        let _ = self.child.kill().await;
+    }
+
     /// Hands the stub `claim` (a framed [`super::stub_msg::Claim`]) and returns at once: the child (soon the plugin,
     /// with the stub's stdio pipes) and the outcome of its `exec`, to await when it matters. What the caller
     /// writes to the child's stdin meanwhile waits in the pipe behind the claim for the plugin (the stub reads
@@ -158,7 +163,11 @@ struct PoolInner {
     wake: Arc<Notify>,
     started: AtomicBool,
     failed: AtomicBool,
+    /// Set (under `ready`'s lock) by [`StubPool::shutdown`]: nothing is pushed to `ready` after it.
+    closed: AtomicBool,
     claims: AtomicU64,
+    /// The refill task, once started (awaited by [`StubPool::shutdown`]).
+    refill: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl StubPool {
@@ -173,7 +182,9 @@ impl StubPool {
                 wake: Arc::new(Notify::new()),
                 started: AtomicBool::new(false),
                 failed: AtomicBool::new(false),
+                closed: AtomicBool::new(false),
                 claims: AtomicU64::new(0),
+                refill: Mutex::new(None),
             }),
         })
     }
@@ -204,9 +215,32 @@ impl StubPool {
             return false;
         };
         if !inner.started.swap(true, Ordering::AcqRel) {
-            rt.spawn(refill(Arc::downgrade(inner), inner.wake.clone()));
+            let task = rt.spawn(refill(Arc::downgrade(inner), inner.wake.clone()));
+            *inner.refill.lock().unwrap_or_else(PoisonError::into_inner) = Some(task);
         }
         true
+    }
+
+    /// Ends the pool: no stub is made or handed out from now on, and every waiting stub (and one the refill task
+    /// was making) is killed and reaped before this returns — a worker that stops leaves no stub behind.
+    pub(crate) async fn shutdown(&self) {
+        let inner = &self.inner;
+        inner.failed.store(true, Ordering::Relaxed);
+        let waiting: Vec<Stub> = {
+            let mut ready = inner.ready.lock().unwrap_or_else(PoisonError::into_inner);
+            inner.closed.store(true, Ordering::Release);
+            ready.drain(..).collect()
+        };
+        inner.wake.notify_one();
+        let task = inner.refill.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if let Some(task) = task {
+            // It ends at its next look at the pool: at once when waiting, after the stub it is making otherwise
+            // (bounded by STUB_WAIT), which it then kills and reaps itself.
+            let _ = task.await;
+        }
+        for stub in waiting {
+            stub.end().await;
+        }
     }
 
     /// Starts `argv` in `dir` with exactly `env` under `plan` from a waiting stub: `None` when the plan is not
@@ -273,13 +307,20 @@ async fn refill(pool: Weak<PoolInner>, wake: Arc<Notify>) {
     loop {
         {
             let Some(inner) = pool.upgrade() else { return };
+            if inner.closed.load(Ordering::Acquire) {
+                return;
+            }
             if inner.ready.lock().unwrap_or_else(PoisonError::into_inner).len() < inner.target {
                 match start_stub(&inner).await {
-                    Ok(stub) => inner
-                        .ready
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .push(stub),
+                    Ok(stub) => {
+                        let mut ready = inner.ready.lock().unwrap_or_else(PoisonError::into_inner);
+                        if inner.closed.load(Ordering::Acquire) {
+                            drop(ready);
+                            stub.end().await;
+                            return;
+                        }
+                        ready.push(stub);
+                    }
                     Err(e) => {
                         tracing::warn!(
                             program = %inner.program.display(),
