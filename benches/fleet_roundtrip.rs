@@ -34,6 +34,12 @@
 //! (50/s, burst 100 by default) is raised out of reach, since one user drives thousands of calls per second
 //! here; the limiter is still consulted on every call.
 //!
+//! Tracing: the production subscriber (`fleet::telemetry::layers`: JSON logs on stderr at `info`, spans exported
+//! over OTLP/gRPC to an in-process receiver, `opentelemetry-proto`'s `TraceServiceServer` on tonic) is installed
+//! at the start under a switch, off except in the traced phase of each round: Bt and Ct are B and C with it on
+//! (and Bt pipelined), so Bt/B and Ct/C are the cost of the spans and logs, measured in the same rounds.
+//! Run it with stderr to a file (`2>/tmp/bench.log`): the traced phase logs as production does.
+//!
 //! Criterion measures A, B, E and F (sequential latency). Then an interleaved pass (A and B alternate request
 //! by request; C, D, E, F in turn; the pipelined batches of A then B each round) prints p50/p99 of every
 //! measure over all its samples, the median pipelined throughput of the rounds, and the ratios, so slow and fast
@@ -45,6 +51,8 @@
     clippy::cast_precision_loss
 )]
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::kv;
@@ -61,7 +69,16 @@ use fleet_proto::api::{
 };
 use fleet_store::{Store, StoreSettings};
 use futures::StreamExt as _;
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
 use serde_json::json;
+use tracing_subscriber::Layer as _;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
 
 /// The user whose echo session is warm.
 const USER: &str = "bench-user";
@@ -78,6 +95,57 @@ const SCRATCH_PREFIX: &str = "bench";
 const JOB_WAIT: Duration = Duration::from_secs(30);
 /// Dr's job: one progress event, then an hour's wait for the second (cancelled at the end).
 const RUNNING_JOB: &str = r#"{"tool_id": "echo.progress", "args": {"count": 2, "interval_ms": 3600000}}"#;
+
+/// Whether the production subscriber is on (the traced phase of a round).
+static TRACING: AtomicBool = AtomicBool::new(false);
+
+/// The in-process OTLP receiver: counts the spans exported to it.
+#[derive(Debug, Default, Clone)]
+struct Receiver {
+    spans: Arc<AtomicU64>,
+}
+
+#[tonic::async_trait]
+impl TraceService for Receiver {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let n: usize = request
+            .into_inner()
+            .resource_spans
+            .iter()
+            .flat_map(|r| &r.scope_spans)
+            .map(|s| s.spans.len())
+            .sum();
+        self.spans.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(tonic::Response::new(ExportTraceServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+/// Starts the receiver and installs the production subscriber (logs at `info`, spans to the receiver) under the
+/// [`TRACING`] switch; returns the receiver and the guard that flushes the exporter.
+async fn tracing_on_switch() -> (Receiver, fleet::telemetry::TelemetryGuard) {
+    let receiver = Receiver::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let service = receiver.clone();
+    tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(TraceServiceServer::new(service))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+            .await
+            .unwrap();
+    });
+    let (layers, provider) = fleet::telemetry::layers(Some(&endpoint), "fleet-bench", "info").unwrap();
+    let switch = tracing_subscriber::filter::filter_fn(|_| TRACING.load(Ordering::Relaxed));
+    tracing_subscriber::registry()
+        .with(layers.with_filter(switch))
+        .init();
+    (receiver, fleet::telemetry::activate(provider.unwrap()))
+}
 
 /// How much the interleaved pass does.
 #[derive(Debug, Clone, Copy)]
@@ -114,6 +182,9 @@ impl Plan {
 
 struct Bench {
     cluster: Option<Cluster>,
+    /// The OTLP receiver of the traced phase, and the exporter's guard.
+    receiver: Receiver,
+    telemetry: fleet::telemetry::TelemetryGuard,
     /// The connection the API calls go out on (the cluster's `app` user).
     client: async_nats::Client,
     /// The connection of A, E and F (the cluster's `front` user).
@@ -151,6 +222,7 @@ fn invoke_body() -> Bytes {
 
 impl Bench {
     async fn new() -> Bench {
+        let (receiver, telemetry) = tracing_on_switch().await;
         // The fixture serves each invoke on its own thread: 64 in flight need more than the default pids.max (64).
         let plugin = Plugin::echo("echo", &[]).limits(json!({ "pids_max": 256 }));
         let mut cluster = Cluster::start("bench-rt", 0, 0, &[plugin]).await;
@@ -218,6 +290,8 @@ impl Bench {
 
         let mut bench = Bench {
             cluster: Some(cluster),
+            receiver,
+            telemetry,
             client,
             raw,
             headers,
@@ -433,6 +507,12 @@ impl Bench {
 
     /// Cancels the running job, stops the responder, purges the scratch keys and shuts the fleet down (front,
     /// worker node and its plugin sessions; the nats-server stops when the cluster is dropped).
+    /// Spans the receiver got (the exporter flushed first).
+    fn spans_exported(&self) -> u64 {
+        let _ = self.telemetry.force_flush();
+        self.receiver.spans.load(Ordering::Relaxed)
+    }
+
     async fn shutdown(mut self) {
         if let Some(job) = self.running.take() {
             let body = serde_json::to_vec(&json!({ "jobId": job })).unwrap();
@@ -490,7 +570,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 struct Samples {
     a: Vec<Duration>,
     b: Vec<Duration>,
+    /// B with the production subscriber on.
+    bt: Vec<Duration>,
     c: Vec<Duration>,
+    /// C with the production subscriber on.
+    ct: Vec<Duration>,
     d: Vec<Duration>,
     dk: Vec<Duration>,
     dr: Vec<Duration>,
@@ -498,6 +582,7 @@ struct Samples {
     f: Vec<Duration>,
     a_rps: Vec<f64>,
     b_rps: Vec<f64>,
+    bt_rps: Vec<f64>,
 }
 
 /// The interleaved pass.
@@ -520,6 +605,20 @@ async fn interleaved(bench: &mut Bench, plan: Plan) -> Samples {
         }
         s.a_rps.push(bench.pipelined(false, plan.pipelined).await);
         s.b_rps.push(bench.pipelined(true, plan.pipelined).await);
+        // The traced phase: the same B and C, then B pipelined, with the production subscriber on.
+        TRACING.store(true, Ordering::Relaxed);
+        tracing::callsite::rebuild_interest_cache();
+        for _ in 0..plan.latency {
+            s.bt.push(bench.invoke().await);
+        }
+        for _ in 0..plan.jobs {
+            let (c, job) = bench.invoke_async().await;
+            s.ct.push(c);
+            bench.wait_terminal(&job).await;
+        }
+        s.bt_rps.push(bench.pipelined(true, plan.pipelined).await);
+        TRACING.store(false, Ordering::Relaxed);
+        tracing::callsite::rebuild_interest_cache();
     }
     s
 }
@@ -538,7 +637,8 @@ fn print_table(s: Samples, plan: Plan, bench: &Bench) {
         stats(s.f),
     );
     let (dk, dr) = (stats(s.dk), stats(s.dr));
-    let (a_rps, b_rps) = (median(s.a_rps), median(s.b_rps));
+    let (bt, ct) = (stats(s.bt), stats(s.ct));
+    let (a_rps, b_rps, bt_rps) = (median(s.a_rps), median(s.b_rps), median(s.bt_rps));
     println!();
     println!(
         "fleet_roundtrip ({}, {} rounds; 1 front, 1 worker, warm echo session, {}; body {BODY_BYTES} B \
@@ -566,6 +666,8 @@ fn print_table(s: Samples, plan: Plan, bench: &Bench) {
     row("Dr tools.getJob (running job, polled)", dr, None);
     row("E JetStream KV put (scratch bucket)", e, None);
     row("F JetStream KV get (scratch bucket)", f, None);
+    row("Bt B with tracing on (info logs + OTLP)", bt, Some(bt_rps));
+    row("Ct C with tracing on (info logs + OTLP)", ct, None);
     println!();
     let ratio = |x: Duration, y: Duration| x.as_secs_f64() / y.as_secs_f64();
     println!(
@@ -579,6 +681,15 @@ fn print_table(s: Samples, plan: Plan, bench: &Bench) {
         "C/E  p50 {:>6.2}x  p99 {:>6.2}x",
         ratio(c.1, e.1),
         ratio(c.2, e.2)
+    );
+    println!(
+        "Bt/B p50 {:>6.2}x  p99 {:>6.2}x  throughput {:>6.3}x;  Ct/C p50 {:>6.2}x  p99 {:>6.2}x  ({} spans exported)",
+        ratio(bt.1, b.1),
+        ratio(bt.2, b.2),
+        bt_rps / b_rps,
+        ratio(ct.1, c.1),
+        ratio(ct.2, c.2),
+        bench.spans_exported(),
     );
     for (name, x) in [("D/F ", d), ("Dk/F", dk), ("Dr/F", dr)] {
         println!(

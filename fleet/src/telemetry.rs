@@ -42,14 +42,18 @@ impl Drop for TelemetryGuard {
 #[error("OTLP exporter: {0}")]
 pub struct TelemetryError(String);
 
-/// Installs the process's subscriber: JSON logs on stderr filtered by `FLEET_LOG` (else `default_filter`), plus
-/// the OpenTelemetry layer exporting to `endpoint` (e.g. `http://127.0.0.1:4317`) when given. Returns the guard
-/// of the tracer provider when traces are on. A subscriber already installed is left as it is (and `None` then).
-pub fn init(
+/// The process's subscriber layers, boxed: what [`init`] installs (and what a bench installs under a switch of
+/// its own, to measure their cost).
+pub type Layers = Box<dyn tracing_subscriber::Layer<tracing_subscriber::Registry> + Send + Sync>;
+
+/// Builds the production layers: JSON logs on stderr filtered by `FLEET_LOG` (else `default_filter`), plus the
+/// OpenTelemetry layer exporting to `endpoint` (e.g. `http://127.0.0.1:4317`) when given, with the tracer
+/// provider that must outlive them (flushed and shut down by its guard).
+pub fn layers(
     endpoint: Option<&str>,
     service_name: &str,
     default_filter: &str,
-) -> Result<Option<TelemetryGuard>, TelemetryError> {
+) -> Result<(Layers, Option<SdkTracerProvider>), TelemetryError> {
     let filter = || {
         tracing_subscriber::EnvFilter::try_from_env("FLEET_LOG").unwrap_or_else(|_| {
             // The OpenTelemetry SDK's own info lines (provider set, exporter built) are noise in service logs.
@@ -63,10 +67,8 @@ pub fn init(
         .with_writer(std::io::stderr)
         .with_filter(filter());
     let Some(endpoint) = endpoint.filter(|e| !e.is_empty()) else {
-        let _ = tracing_subscriber::registry().with(fmt).try_init();
-        return Ok(None);
+        return Ok((Box::new(fmt), None));
     };
-    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     let exporter = opentelemetry_otlp::SpanExporter::builder()
         .with_tonic()
         .with_endpoint(endpoint)
@@ -88,17 +90,35 @@ pub fn init(
             meta.is_span() && *meta.level() <= tracing::Level::INFO && meta.target().starts_with("fleet")
         }),
     );
-    if tracing_subscriber::registry()
-        .with(fmt)
-        .with(otel)
-        .try_init()
-        .is_err()
-    {
+    Ok((Box::new(fmt.and_then(otel)), Some(provider)))
+}
+
+/// Installs the process's subscriber ([`layers`]) and the W3C trace-context propagator when traces are on.
+/// Returns the guard of the tracer provider when traces are on. A subscriber already installed is left as it is
+/// (and `None` then).
+pub fn init(
+    endpoint: Option<&str>,
+    service_name: &str,
+    default_filter: &str,
+) -> Result<Option<TelemetryGuard>, TelemetryError> {
+    let (layers, provider) = layers(endpoint, service_name, default_filter)?;
+    let installed = tracing_subscriber::registry().with(layers).try_init().is_ok();
+    let Some(provider) = provider else {
+        return Ok(None);
+    };
+    if !installed {
         let _ = provider.shutdown();
         return Ok(None);
     }
+    Ok(Some(activate(provider)))
+}
+
+/// Makes `provider` the global tracer provider and W3C trace context the propagator (what [`inject`] and
+/// [`extract_into`] use); the guard flushes and shuts it down.
+pub fn activate(provider: SdkTracerProvider) -> TelemetryGuard {
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     opentelemetry::global::set_tracer_provider(provider.clone());
-    Ok(Some(TelemetryGuard { provider }))
+    TelemetryGuard { provider }
 }
 
 /// Writes OpenTelemetry context into NATS headers.
