@@ -340,6 +340,7 @@ fn every_scenario_smoke_runs() {
 
     for scenario in [
         "steady-async",
+        "steady-sync",
         "sync-burst",
         "cold-start-storm",
         "quota-flood",
@@ -383,6 +384,7 @@ fn list_names_every_scenario_and_bad_runs_exit_2() {
     let text = String::from_utf8_lossy(&out.stdout);
     for name in [
         "steady-async",
+        "steady-sync",
         "sync-burst",
         "cold-start-storm",
         "quota-flood",

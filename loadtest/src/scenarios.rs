@@ -36,6 +36,13 @@ pub(crate) const SCENARIOS: &[Scenario] = &[
         nats_cluster: 1,
     },
     Scenario {
+        name: "steady-sync",
+        description: "open-model constant arrival rate of sync tools.invoke(echo) over 20 users (raise --users with --rate for the knee)",
+        implemented: true,
+        default_rate: 20.0,
+        nats_cluster: 1,
+    },
+    Scenario {
         name: "sync-burst",
         description: "each second, the second's whole quota of sync tools.invoke(echo) arrives at once (20 users)",
         implemented: true,
@@ -201,6 +208,18 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
                         c.follow(&user, &job).await;
                         c.rec.record("job", t, Ok(()));
                     }
+                }
+            })
+            .await;
+        }
+        "steady-sync" => {
+            let users = user_count(p, 20);
+            open_loop(ctx, "invoke", Arrivals::Constant, rate, d, move |i, t| {
+                let c = Arc::clone(ctx);
+                async move {
+                    let user = format!("steady-sync-{}", i % users);
+                    let body = invoke_body(PY, "echo", &json!({ "i": i }));
+                    let _ = c.invoke("invoke", t, &user, &body, SYNC_WAIT).await;
                 }
             })
             .await;
