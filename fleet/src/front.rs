@@ -390,7 +390,7 @@ impl Front {
                 Ok(true)
             }
             Err(e) if matches!(e.code, ApiErrorCode::PermissionDenied | ApiErrorCode::InvalidArg) => {
-                fail_undispatchable(self.steps(), record, e.clone()).await;
+                self.steps().fail_undispatchable(record, e.clone()).await;
                 Err(e)
             }
             Err(e) => {
@@ -710,26 +710,6 @@ impl Front {
             truncated: page.truncated,
             cursor: page.cursor.map(|c| c.to_string()),
         })
-    }
-}
-
-/// Fails a queued job that no worker can run (e.g. its tool id is unknown to the fleet): failed with `error`,
-/// by whoever found out (the front at dispatch, a worker pulling it from the job queue).
-pub(crate) async fn fail_undispatchable(steps: JobSteps<'_>, record: &JobRecord, error: ApiError) {
-    let outcome = steps
-        .step(
-            &record.user,
-            &record.job_id,
-            JobState::Failed,
-            Decider::Other,
-            |r| {
-                r.finished_at_ms = Some(now_ms());
-                r.error = Some(error.clone());
-            },
-        )
-        .await;
-    if let Err(e) = outcome {
-        tracing::warn!(job = %record.job_id, error = %e, "cannot fail a job no worker can run");
     }
 }
 

@@ -8,7 +8,8 @@
 //! terminal`): `running` is reached only from `queued`, and a terminal state from `running` exactly when the
 //! record has a start time.
 
-use fleet_proto::api::{JobId, JobState, ProgressEvent, ToolJobEvent, subjects, user_key};
+use fleet_proto::api::{ApiError, JobId, JobState, ProgressEvent, ToolJobEvent, subjects, user_key};
+use fleet_proto::util::now_ms;
 use fleet_store::{JobRecord, Store, StoreError, Transition};
 
 use crate::metrics::FleetMetrics;
@@ -77,6 +78,26 @@ impl<'a> JobSteps<'a> {
             Err(_) => self.metrics.jetstream_error("transition"),
         }
         outcome
+    }
+
+    /// Fails a queued job that no worker can run (e.g. its tool id is unknown to the fleet) with `error`, by
+    /// whoever found out (the front at dispatch, a worker pulling it from the job queue).
+    pub async fn fail_undispatchable(&self, record: &JobRecord, error: ApiError) {
+        let outcome = self
+            .step(
+                &record.user,
+                &record.job_id,
+                JobState::Failed,
+                Decider::Other,
+                |r| {
+                    r.finished_at_ms = Some(now_ms());
+                    r.error = Some(error.clone());
+                },
+            )
+            .await;
+        if let Err(e) = outcome {
+            tracing::warn!(job = %record.job_id, error = %e, "cannot fail a job no worker can run");
+        }
     }
 
     /// A progress event of a running job, announced (stored by the caller first).

@@ -593,7 +593,7 @@ async fn pull_queued_jobs(ctx: Arc<Ctx>) {
         let req = crate::dispatch::job_request(&record);
         if let Err(e) = ensure_plugin(&ctx, &req).await {
             if e.code == ApiErrorCode::PermissionDenied {
-                crate::front::fail_undispatchable(ctx.steps(), &record, e).await;
+                ctx.steps().fail_undispatchable(&record, e).await;
                 let _ = pulled.ack().await;
             } else {
                 let _ = pulled.hand_back().await;

@@ -148,7 +148,7 @@ impl Drop for Workers {
     }
 }
 
-impl crate::scenarios::Replicas for Workers {
+impl crate::replicas::Replicas for Workers {
     async fn add(&mut self) -> anyhow::Result<()> {
         Workers::add(self).await
     }

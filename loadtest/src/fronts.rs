@@ -87,7 +87,7 @@ impl Fronts {
     }
 }
 
-impl crate::scenarios::Replicas for Fronts {
+impl crate::replicas::Replicas for Fronts {
     async fn add(&mut self) -> anyhow::Result<()> {
         Fronts::add(self).await
     }

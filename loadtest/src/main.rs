@@ -13,6 +13,7 @@ mod engine;
 mod fronts;
 mod metrics;
 mod nats_nodes;
+mod replicas;
 mod report;
 mod scenarios;
 mod spawn;

@@ -10,6 +10,7 @@ use fleet_proto::api::{CancelJobArgs, InvokeArgs, JobState, ListJobsArgs};
 use serde_json::{Value, json};
 
 use crate::engine::{Arrivals, CallError, Ctx, open_loop, to_u64};
+use crate::replicas::Replicas;
 
 /// One entry of the catalogue.
 #[derive(Debug, Clone, Copy)]
@@ -667,14 +668,6 @@ async fn churn_load(
         }
     })
     .await;
-}
-
-/// Replicas a rolling scenario replaces: worker or front processes.
-pub(crate) trait Replicas {
-    /// Starts one more and waits until it serves.
-    async fn add(&mut self) -> anyhow::Result<()>;
-    /// SIGTERM to the oldest, waited for; whether it exited on its own (false also when none is left).
-    async fn retire_oldest(&mut self) -> bool;
 }
 
 /// A rolling update under the churn load: at a third and at two thirds of the run one replica is replaced (surge
