@@ -60,9 +60,13 @@ pub(crate) struct Stub {
 }
 
 impl Stub {
-    /// Kills the stub and reaps it.
+    /// Kills the stub and reaps it, waiting at most [`STUB_WAIT`] (a stub stuck in the kernel is left to the
+    /// runtime's reaper then, and said so).
     async fn end(mut self) {
-        let _ = self.child.kill().await;
+        let _ = self.child.start_kill();
+        if tokio::time::timeout(STUB_WAIT, self.child.wait()).await.is_err() {
+            tracing::warn!("a killed sandbox stub did not exit within {STUB_WAIT:?}");
+        }
     }
 
     /// Hands the stub `claim` (a framed [`super::stub_msg::Claim`]) and returns at once: the child (soon the plugin,
@@ -233,10 +237,16 @@ impl StubPool {
         };
         inner.wake.notify_one();
         let task = inner.refill.lock().unwrap_or_else(PoisonError::into_inner).take();
-        if let Some(task) = task {
+        if let Some(mut task) = task {
             // It ends at its next look at the pool: at once when waiting, after the stub it is making otherwise
-            // (bounded by STUB_WAIT), which it then kills and reaps itself.
-            let _ = task.await;
+            // (bounded by STUB_WAIT), which it then kills and reaps itself. A shutdown is bounded whatever happens.
+            if tokio::time::timeout(2 * STUB_WAIT, &mut task).await.is_err() {
+                tracing::warn!(
+                    "the sandbox stubs' refill task did not end within {:?}",
+                    2 * STUB_WAIT
+                );
+                task.abort();
+            }
         }
         for stub in waiting {
             stub.end().await;
