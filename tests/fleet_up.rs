@@ -246,13 +246,11 @@ impl Up {
             // The child stays in `self`: a failed wait kills it and cleans up on drop.
             assert!(
                 Instant::now() < deadline,
-                "failure guard: fleet up still running {GUARD:?} after SIGINT\nstdout: {:?}\nwarnings: {}",
+                "failure guard: fleet up still running {GUARD:?} after SIGINT\nstdout: {:?}\nstderr (tail): {}\n\
+                 threads (name: kernel wait channel): {}",
                 self.lines(),
-                self.stderr()
-                    .lines()
-                    .filter(|l| !l.contains(r#""level":"INFO""#))
-                    .collect::<Vec<_>>()
-                    .join("\n")
+                tail(&self.stderr(), 60),
+                threads_waiting(self.child.as_ref().map_or(0, std::process::Child::id)),
             );
             std::thread::sleep(Duration::from_millis(25));
         }
@@ -1112,6 +1110,23 @@ fn wait_or_report(what: &str, mut cond: impl FnMut() -> bool, report: impl FnOnc
         }
         std::thread::sleep(Duration::from_millis(25));
     }
+}
+
+/// Each thread of `pid` with the kernel function it waits in (`/proc/<pid>/task/*/wchan`): where a process that
+/// does not exit is stuck, for a failure report.
+fn threads_waiting(pid: u32) -> String {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return format!("(no /proc/{pid}/task)");
+    };
+    let mut out: Vec<String> = tasks
+        .flatten()
+        .map(|t| {
+            let read = |f: &str| std::fs::read_to_string(t.path().join(f)).unwrap_or_default();
+            format!("{}: {}", read("comm").trim(), read("wchan").trim())
+        })
+        .collect();
+    out.sort();
+    out.join(", ")
 }
 
 /// The last lines of `text`.
