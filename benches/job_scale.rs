@@ -46,14 +46,18 @@ const ROUNDS: usize = 300;
 
 /// One queued job of `user` as `tools.invokeAsync` records it.
 fn record(user: &str, created_at_ms: u64) -> JobRecord {
-    let job_id: JobId = fleet::node::new_invoke_id();
-    serde_json::from_value(json!({
-        "job_id": job_id, "user": user, "tool_id": "echo.echo", "plugin": "echo", "tool": "echo",
-        "args": {"message": "job_scale bench"}, "client_tag": "bench", "state": "queued",
-        "created_at_ms": created_at_ms, "updated_at_ms": created_at_ms,
-        "deadline_ms": created_at_ms + 3_600_000, "timeout_ms": 3_600_000,
-    }))
-    .unwrap()
+    let mut r = JobRecord::queued(
+        fleet::node::new_invoke_id(),
+        user,
+        "echo.echo",
+        "echo",
+        "echo",
+        created_at_ms,
+        3_600_000,
+    );
+    r.args.insert("message".into(), json!("job_scale bench"));
+    r.client_tag = Some("bench".into());
+    r
 }
 
 /// Fills every one of `users` users' quota with queued jobs; (user, job) of each.

@@ -1296,28 +1296,7 @@ async fn queued_jobs_default_limit_since_cap_and_cross_user() {
     for age_days in [8, 6] {
         let created = now_ms() - age_days * day;
         let id: JobId = fleet::node::new_invoke_id();
-        let record = JobRecord {
-            job_id: id.clone(),
-            user: u.to_string(),
-            tool_id: "echo.echo".into(),
-            plugin: "echo".into(),
-            tool: "echo".into(),
-            args: serde_json::Map::new(),
-            client_tag: None,
-            state: JobState::Queued,
-            created_at_ms: created,
-            updated_at_ms: created,
-            started_at_ms: None,
-            finished_at_ms: None,
-            deadline_ms: created + 60_000,
-            timeout_ms: 60_000,
-            worker: None,
-            attempt: 0,
-            result: None,
-            error: None,
-            last_heartbeat_ms: None,
-            last_seq: 0,
-        };
+        let record = JobRecord::queued(id.clone(), u, "echo.echo", "echo", "echo", created, 60_000);
         c.store.create_job(record, 5).await.expect("create");
         let t = c
             .store
@@ -1743,28 +1722,7 @@ async fn a_job_no_worker_can_run_is_failed_and_announced() {
     c.app.flush().await.expect("flush");
     let now = now_ms();
     let id: JobId = fleet::node::new_invoke_id();
-    let record = JobRecord {
-        job_id: id.clone(),
-        user: u.to_string(),
-        tool_id: "gone.echo".into(),
-        plugin: "gone".into(),
-        tool: "echo".into(),
-        args: serde_json::Map::new(),
-        client_tag: None,
-        state: JobState::Queued,
-        created_at_ms: now,
-        updated_at_ms: now,
-        started_at_ms: None,
-        finished_at_ms: None,
-        deadline_ms: now + 60_000,
-        timeout_ms: 60_000,
-        worker: None,
-        attempt: 0,
-        result: None,
-        error: None,
-        last_heartbeat_ms: None,
-        last_seq: 0,
-    };
+    let record = JobRecord::queued(id.clone(), u, "gone.echo", "gone", "echo", now, 60_000);
     c.store.create_job(record.clone(), 5).await.expect("create");
     let refused = c.fronts[0]
         .0

@@ -477,28 +477,17 @@ impl Front {
         let timeout_ms = policy::job_timeout_ms(args.timeout_ms);
         let now = now_ms();
         let job_id = new_invoke_id();
-        let record = JobRecord {
-            job_id: job_id.clone(),
-            user: user.to_string(),
-            tool_id: args.tool_id.clone(),
-            plugin: target.plugin,
-            tool: target.tool,
-            args: args.args.unwrap_or_default(),
-            client_tag: args.client_tag,
-            state: JobState::Queued,
-            created_at_ms: now,
-            updated_at_ms: now,
-            started_at_ms: None,
-            finished_at_ms: None,
-            deadline_ms: now + timeout_ms,
+        let mut record = JobRecord::queued(
+            job_id.clone(),
+            user,
+            &args.tool_id,
+            &target.plugin,
+            &target.tool,
+            now,
             timeout_ms,
-            worker: None,
-            attempt: 0,
-            result: None,
-            error: None,
-            last_heartbeat_ms: None,
-            last_seq: 0,
-        };
+        );
+        record.args = args.args.unwrap_or_default();
+        record.client_tag = args.client_tag;
         let admission = tracing::info_span!(
             "admission",
             fleet.admission.kind = "quota",

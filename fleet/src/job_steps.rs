@@ -153,28 +153,9 @@ mod tests {
     /// `running` comes from `queued`; a terminal state from `running` when the job started, else from `queued`.
     #[test]
     fn the_counted_from_follows_the_state_machine() {
-        let mut r = JobRecord {
-            job_id: crate::node::new_invoke_id(),
-            user: "u".into(),
-            tool_id: "p.t".into(),
-            plugin: "p".into(),
-            tool: "t".into(),
-            args: serde_json::Map::new(),
-            client_tag: None,
-            state: JobState::Running,
-            created_at_ms: 1,
-            updated_at_ms: 1,
-            started_at_ms: Some(1),
-            finished_at_ms: None,
-            deadline_ms: 2,
-            timeout_ms: 1,
-            worker: None,
-            attempt: 1,
-            result: None,
-            error: None,
-            last_heartbeat_ms: None,
-            last_seq: 0,
-        };
+        let mut r = JobRecord::queued(crate::node::new_invoke_id(), "u", "p.t", "p", "t", 1, 1);
+        r.state = JobState::Running;
+        r.started_at_ms = Some(1);
         assert_eq!(from(&r, JobState::Running), JobState::Queued);
         for to in [
             JobState::Succeeded,

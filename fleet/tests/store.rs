@@ -19,7 +19,7 @@ use fleet_store::{
     Acquired, JobFilter, JobPage, JobRecord, ListCursor, Revisioned, Store, StoreError, StoreSettings,
     Transition, WorkerInfo,
 };
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 use tempfile::TempDir;
 
 const GUARD: Duration = Duration::from_secs(60);
@@ -64,30 +64,10 @@ fn job_id() -> JobId {
 }
 
 fn record(user: &str, tool_id: &str, created_at_ms: u64) -> JobRecord {
-    let mut args = Map::new();
-    args.insert("text".to_string(), json!("hello"));
-    JobRecord {
-        job_id: job_id(),
-        user: user.to_string(),
-        tool_id: tool_id.to_string(),
-        plugin: tool_id.split('.').next().unwrap_or("p").to_string(),
-        tool: "run".to_string(),
-        args,
-        client_tag: None,
-        state: JobState::Queued,
-        created_at_ms,
-        updated_at_ms: created_at_ms,
-        started_at_ms: None,
-        finished_at_ms: None,
-        deadline_ms: created_at_ms + 1_800_000,
-        timeout_ms: 1_800_000,
-        worker: None,
-        attempt: 0,
-        result: None,
-        error: None,
-        last_heartbeat_ms: None,
-        last_seq: 0,
-    }
+    let plugin = tool_id.split('.').next().unwrap_or("p");
+    let mut r = JobRecord::queued(job_id(), user, tool_id, plugin, "run", created_at_ms, 1_800_000);
+    r.args.insert("text".to_string(), json!("hello"));
+    r
 }
 
 fn event(seq: u64) -> ProgressEvent {

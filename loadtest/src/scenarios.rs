@@ -213,24 +213,18 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
             })
             .await;
         }
-        "steady-sync" => {
+        // The same sync echo of 20 users (or --users), evenly spaced or each second's arrivals at once.
+        "steady-sync" | "sync-burst" => {
             let users = user_count(p, 20);
-            open_loop(ctx, "invoke", Arrivals::Constant, rate, d, move |i, t| {
+            let (arrivals, prefix) = if name == "steady-sync" {
+                (Arrivals::Constant, "steady-sync")
+            } else {
+                (Arrivals::Burst, "burst")
+            };
+            open_loop(ctx, "invoke", arrivals, rate, d, move |i, t| {
                 let c = Arc::clone(ctx);
                 async move {
-                    let user = format!("steady-sync-{}", i % users);
-                    let body = invoke_body(PY, "echo", &json!({ "i": i }));
-                    let _ = c.invoke("invoke", t, &user, &body, SYNC_WAIT).await;
-                }
-            })
-            .await;
-        }
-        "sync-burst" => {
-            let users = user_count(p, 20);
-            open_loop(ctx, "invoke", Arrivals::Burst, rate, d, move |i, t| {
-                let c = Arc::clone(ctx);
-                async move {
-                    let user = format!("burst-{}", i % users);
+                    let user = format!("{prefix}-{}", i % users);
                     let body = invoke_body(PY, "echo", &json!({ "i": i }));
                     let _ = c.invoke("invoke", t, &user, &body, SYNC_WAIT).await;
                 }

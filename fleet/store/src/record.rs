@@ -71,6 +71,41 @@ pub fn rfc3339_ms(ms: u64) -> String {
 }
 
 impl JobRecord {
+    /// A new job as `tools.invokeAsync` records it before admission: `queued` at `now_ms`, its deadline
+    /// `timeout_ms` later, no arguments or tag yet (set them on the result), never started or tried.
+    pub fn queued(
+        job_id: JobId,
+        user: &str,
+        tool_id: &str,
+        plugin: &str,
+        tool: &str,
+        now_ms: u64,
+        timeout_ms: u64,
+    ) -> JobRecord {
+        JobRecord {
+            job_id,
+            user: user.to_owned(),
+            tool_id: tool_id.to_owned(),
+            plugin: plugin.to_owned(),
+            tool: tool.to_owned(),
+            args: Map::new(),
+            client_tag: None,
+            state: JobState::Queued,
+            created_at_ms: now_ms,
+            updated_at_ms: now_ms,
+            started_at_ms: None,
+            finished_at_ms: None,
+            deadline_ms: now_ms.saturating_add(timeout_ms),
+            timeout_ms,
+            worker: None,
+            attempt: 0,
+            result: None,
+            error: None,
+            last_heartbeat_ms: None,
+            last_seq: 0,
+        }
+    }
+
     /// The app-facing snapshot with the given progress slice. `lastSeq` is the higher of the record's and the
     /// slice's last seq (the ring may be ahead of the record).
     pub fn snapshot(&self, progress: Vec<ProgressEvent>) -> JobSnapshot {
