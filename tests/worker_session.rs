@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use fleet_e2e::worker::{Plugin, TestWorker, alive, call, data, eventually, req, test_config};
+use fleet_proto::codec::io::WRITE_QUEUE;
 use fleet_proto::executa::invoke::ProgressType;
 use fleet_proto::executa::lifecycle::ProtocolVersion;
 use fleet_worker::metrics::{ProgressDrop, WorkerMetrics};
@@ -337,6 +338,48 @@ async fn a_plugin_ignoring_eof_and_sigterm_is_killed_on_schedule() {
         WorkerMetrics::get(&w.metrics.tree_kills) >= 1,
         "SIGKILL was the last step"
     );
+}
+
+/// A plugin that stops reading its stdin and floods reverse-RPC requests the host must answer: the answers fill
+/// the pipe and then the writer's queue ([`WRITE_QUEUE`] frames), and the shutdown ladder still ends the plugin
+/// (closing stdin never waits for queue space; before, it waited forever).
+#[tokio::test]
+async fn a_plugin_that_stops_reading_its_stdin_cannot_hold_up_shutdown() {
+    /// Linux's default pipe capacity.
+    const PIPE_BYTES: usize = 64 * 1024;
+    /// Each answer echoes a request id this long, so the pipe holds fewer than `PIPE_BYTES / ID_BYTES` of them.
+    const ID_BYTES: usize = 2048;
+    let mut config = test_config("deaf");
+    config.shutdown_grace = Duration::from_millis(500);
+    let w = Arc::new(TestWorker::start(config, &[Plugin::echo("echo", &[])]));
+    let s = w.pool.prewarm("u", "echo", GUARD).await.unwrap();
+    let pid = s.pid().unwrap();
+    let before = WorkerMetrics::get(&w.metrics.reverse_refused);
+    // More answers than the pipe, the one frame being written and the queue can hold.
+    let full = (PIPE_BYTES / ID_BYTES + 1 + WRITE_QUEUE) as u64;
+    let args = json!({"requests": 4 * full, "id_bytes": ID_BYTES, "stop_reading": true});
+    let flooding = w.clone();
+    let flood = tokio::spawn(async move { call(&flooding, "u", "echo", req("flood", args)).await });
+    assert!(
+        eventually(GUARD, || WorkerMetrics::get(&w.metrics.reverse_refused) - before
+            > full)
+        .await,
+        "the host answered more requests than its pipe and queue can hold"
+    );
+    tokio::time::timeout(GUARD, w.pool.shutdown())
+        .await
+        .expect("failure guard: the shutdown waited on a plugin that does not read");
+    assert!(!alive(pid));
+    assert!(
+        s.stderr_lines()
+            .iter()
+            .any(|l| l.contains("stopped reading stdin"))
+    );
+    // Its outcome depends on whether its answer was read before the host's reader blocked; it ends either way.
+    let _outcome = tokio::time::timeout(GUARD, flood)
+        .await
+        .expect("failure guard: the flood's call outlived the shutdown")
+        .unwrap();
 }
 
 #[tokio::test]

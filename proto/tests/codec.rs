@@ -6,7 +6,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use bytes::{BufMut, BytesMut};
-use fleet_proto::codec::io::{FrameReader, FrameWriter, ReadError, WriteError};
+use fleet_proto::codec::io::{FrameReader, FrameWriter, ReadError, WRITE_QUEUE, WriteError};
 use fleet_proto::codec::{EncodeError, Frame, FrameDecoder, FrameError, FrameKind, NotJsonRpc, encode_frame};
 use fleet_proto::jsonrpc::{ErrorObject, Id, Response};
 use fleet_proto::limits::MAX_FRAME_BYTES;
@@ -696,11 +696,38 @@ async fn close_ends_the_stream_after_queued_frames_even_with_live_handles() {
         .send(&json!({"jsonrpc": "2.0", "id": 1, "result": 1}))
         .await
         .unwrap();
-    writer.close().await;
+    writer.close();
     task.await.unwrap().unwrap();
     assert!(matches!(other.send(&json!({})).await, Err(WriteError::Closed)));
     let frames = read_all(FrameReader::new(b)).await;
     assert_eq!(frames.len(), 1, "the queued frame, then EOF");
     assert_eq!(frames[0].as_ref().unwrap().id(), Some(&Id::number(1)));
-    other.close().await; // closing twice is harmless
+    other.close(); // closing twice is harmless
+}
+
+#[tokio::test]
+async fn a_reader_that_stopped_reading_fills_the_queue_and_close_never_waits() {
+    let (a, b) = tokio::io::duplex(64);
+    let (writer, task) = FrameWriter::spawn(a);
+    let frame = json!({"jsonrpc": "2.0", "method": "x", "params": "y".repeat(100)});
+    // The task takes the first frame and blocks writing it (the pipe holds 64 bytes); the queue then fills.
+    let mut queued = 0;
+    loop {
+        match writer.try_send(&frame) {
+            Ok(()) => queued += 1,
+            Err(WriteError::Full) => break,
+            Err(e) => panic!("unexpected {e}"),
+        }
+        tokio::task::yield_now().await;
+    }
+    assert!(queued >= WRITE_QUEUE, "{queued} frames queued before Full");
+    writer.close(); // a plain call: it cannot wait for queue space
+    assert!(matches!(writer.try_send(&frame), Err(WriteError::Closed)));
+    assert!(matches!(writer.send(&frame).await, Err(WriteError::Closed)));
+    // The blocked write ends when the reader goes away, and so does the task.
+    drop(b);
+    assert!(
+        task.await.unwrap().is_err(),
+        "the write failed: the reader is gone"
+    );
 }

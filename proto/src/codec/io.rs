@@ -5,11 +5,13 @@
 //! cancelled mid-send can never leave half a frame on the pipe (the task writes whole frames only).
 
 use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::{Bytes, BytesMut};
 use serde::Serialize;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 use tokio::task::JoinHandle;
 
 use super::{EncodeError, Frame, FrameDecoder, FrameError, encode_frame};
@@ -19,7 +21,7 @@ use crate::limits::MAX_FRAME_BYTES;
 const READ_CHUNK: usize = 64 * 1024;
 
 /// Frames queued to the writer task before `send` waits (backpressure).
-const WRITE_QUEUE: usize = 256;
+pub const WRITE_QUEUE: usize = 256;
 
 /// What reading a stream of frames can yield besides a frame.
 #[derive(Debug, thiserror::Error)]
@@ -105,31 +107,37 @@ pub enum WriteError {
     /// The message could not be encoded (or is over the limit); nothing was sent.
     #[error(transparent)]
     Encode(#[from] EncodeError),
-    /// The writer task has stopped (the pipe closed or a write failed).
+    /// The writer was closed, or its task has stopped (the pipe closed or a write failed).
     #[error("the frame writer is closed")]
     Closed,
+    /// [`FrameWriter::try_send`] only: [`WRITE_QUEUE`] frames are already waiting (the reader is not keeping up).
+    #[error("the frame writer's queue is full")]
+    Full,
     /// A raw frame was not one LF-terminated line.
     #[error("a raw frame must be one line ending in LF")]
     NotOneLine,
 }
 
-/// What the writer task is asked to do.
-#[derive(Debug)]
-enum Command {
-    Frame(Bytes),
-    Close,
+/// A close asked of the writer task. Apart from the frame queue, so that asking never waits for queue space: a
+/// reader that stopped reading (a plugin that never reads its stdin) fills the queue, and a close that waited
+/// behind it would never be asked.
+#[derive(Debug, Default)]
+struct Closing {
+    asked: AtomicBool,
+    wake: Notify,
 }
 
 /// A cloneable handle that sends frames to the single writer task.
 #[derive(Debug, Clone)]
 pub struct FrameWriter {
-    tx: mpsc::Sender<Command>,
+    tx: mpsc::Sender<Bytes>,
+    closing: Arc<Closing>,
     max_frame_bytes: usize,
 }
 
 impl FrameWriter {
     /// Starts the writer task on `writer` (spec's 16 MiB limit) and returns the handle and the task. The task
-    /// ends when every handle is dropped (returning `Ok`) or when a write fails (returning the error).
+    /// ends when every handle is dropped or closed (returning `Ok`) or when a write fails (returning the error).
     pub fn spawn<W>(writer: W) -> (FrameWriter, JoinHandle<io::Result<()>>)
     where
         W: AsyncWrite + Unpin + Send + 'static,
@@ -146,24 +154,43 @@ impl FrameWriter {
         W: AsyncWrite + Unpin + Send + 'static,
     {
         let (tx, rx) = mpsc::channel(WRITE_QUEUE);
-        let task = tokio::spawn(write_loop(writer, rx));
-        (FrameWriter { tx, max_frame_bytes }, task)
+        let closing = Arc::new(Closing::default());
+        let task = tokio::spawn(write_loop(writer, rx, closing.clone()));
+        let handle = FrameWriter {
+            tx,
+            closing,
+            max_frame_bytes,
+        };
+        (handle, task)
     }
 
-    /// Encodes and sends one message. Returns once the frame is queued (the task writes and flushes it).
+    /// Encodes and sends one message. Returns once the frame is queued (the task writes and flushes it); waits
+    /// while [`WRITE_QUEUE`] frames are queued (backpressure).
     pub async fn send<T: Serialize + ?Sized>(&self, message: &T) -> Result<(), WriteError> {
         let frame = encode_frame(message, self.max_frame_bytes)?;
-        self.tx
-            .send(Command::Frame(frame))
-            .await
-            .map_err(|_| WriteError::Closed)
+        self.queue(frame).await
+    }
+
+    /// Like [`send`](Self::send), but never waits: a full queue is [`WriteError::Full`] and nothing is sent
+    /// (for best-effort messages that must not hold their caller behind a reader that stopped reading).
+    pub fn try_send<T: Serialize + ?Sized>(&self, message: &T) -> Result<(), WriteError> {
+        let frame = encode_frame(message, self.max_frame_bytes)?;
+        if self.is_closing() {
+            return Err(WriteError::Closed);
+        }
+        self.tx.try_send(frame).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => WriteError::Full,
+            mpsc::error::TrySendError::Closed(_) => WriteError::Closed,
+        })
     }
 
     /// Closes the stream after the frames already queued: the task writes them, then shuts the writer down
     /// (for a child's stdin: the plugin sees EOF), even while other handles are still alive. Later sends fail
-    /// with [`WriteError::Closed`]. Closing twice is harmless.
-    pub async fn close(&self) {
-        let _ = self.tx.send(Command::Close).await;
+    /// with [`WriteError::Closed`]. Never waits, whatever the queue holds (a task blocked on a reader that stopped
+    /// reading stays blocked until the write fails, e.g. when that reader dies). Closing twice is harmless.
+    pub fn close(&self) {
+        self.closing.asked.store(true, Ordering::SeqCst);
+        self.closing.wake.notify_one();
     }
 
     /// Sends an already-encoded frame: exactly one line, ending in LF, within the limit.
@@ -179,34 +206,51 @@ impl FrameWriter {
             }
             .into());
         }
-        self.tx
-            .send(Command::Frame(frame))
-            .await
-            .map_err(|_| WriteError::Closed)
+        self.queue(frame).await
     }
 
     /// Whether the writer task has stopped.
     pub fn is_closed(&self) -> bool {
         self.tx.is_closed()
     }
+
+    fn is_closing(&self) -> bool {
+        self.closing.asked.load(Ordering::SeqCst)
+    }
+
+    async fn queue(&self, frame: Bytes) -> Result<(), WriteError> {
+        if self.is_closing() {
+            return Err(WriteError::Closed);
+        }
+        self.tx.send(frame).await.map_err(|_| WriteError::Closed)
+    }
 }
 
-async fn write_loop<W: AsyncWrite + Unpin>(mut writer: W, mut rx: mpsc::Receiver<Command>) -> io::Result<()> {
-    'outer: while let Some(command) = rx.recv().await {
-        let Command::Frame(frame) = command else { break };
+async fn write_loop<W: AsyncWrite + Unpin>(
+    mut writer: W,
+    mut rx: mpsc::Receiver<Bytes>,
+    closing: Arc<Closing>,
+) -> io::Result<()> {
+    loop {
+        // Queued frames go before a close (biased), so a close asked after a send never overtakes its frame.
+        let frame = tokio::select! {
+            biased;
+            frame = rx.recv() => frame,
+            () = closing.wake.notified() => None,
+        };
+        let Some(frame) = frame else { break };
         writer.write_all(&frame).await?;
         // Write whatever else is already queued, then flush once: every frame is flushed before the task waits.
-        while let Ok(command) = rx.try_recv() {
-            match command {
-                Command::Frame(frame) => writer.write_all(&frame).await?,
-                Command::Close => {
-                    writer.flush().await?;
-                    break 'outer;
-                }
-            }
+        while let Ok(frame) = rx.try_recv() {
+            writer.write_all(&frame).await?;
         }
         writer.flush().await?;
     }
+    // Frames queued by a send that raced the close are still written; nothing can be queued after `rx.close()`.
     rx.close();
+    while let Ok(frame) = rx.try_recv() {
+        writer.write_all(&frame).await?;
+    }
+    writer.flush().await?;
     writer.shutdown().await
 }

@@ -990,12 +990,10 @@ impl AnimusHost {
         let caps = &info.capabilities;
         let sent_cancel_request = caps.cancellation;
         if sent_cancel_request {
-            process
-                .notify(
-                    methods::CANCEL_REQUEST,
-                    Some(CancelRequestParams { id: json!(id) }),
-                )
-                .await;
+            process.notify(
+                methods::CANCEL_REQUEST,
+                Some(CancelRequestParams { id: json!(id) }),
+            );
         }
         let agent_cancel =
             info.plugin_info.plugin_kind == PluginKind::Provider && caps.has(methods::AGENT_CANCEL);

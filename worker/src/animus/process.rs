@@ -238,7 +238,7 @@ impl AnimusProcess {
                 result.plugin_info.plugin_kind
             )));
         }
-        self.notify::<Value>(methods::INITIALIZED, None).await;
+        self.notify::<Value>(methods::INITIALIZED, None);
         let _ = self.info.set(result);
         self.info
             .get()
@@ -280,9 +280,9 @@ impl AnimusProcess {
         }
     }
 
-    /// Sends a notification (best effort: a dead plugin needs none).
-    pub(crate) async fn notify<P: Serialize>(&self, method: &str, params: Option<P>) {
-        self.child.notify(method, params).await;
+    /// Sends a notification, best effort (the process core's `notify`: never waits).
+    pub(crate) fn notify<P: Serialize>(&self, method: &str, params: Option<P>) {
+        self.child.notify(method, params);
     }
 
     /// Stops waiting for `id`: its answer, if it comes, is dropped.
@@ -315,8 +315,8 @@ impl AnimusProcess {
         let _ = self
             .call::<Value>(methods::SHUTDOWN, None, limits::ANIMUS_SHUTDOWN_TIMEOUT)
             .await;
-        self.notify::<Value>(methods::EXIT, None).await;
-        self.child.close_stdin().await;
+        self.notify::<Value>(methods::EXIT, None);
+        self.child.close_stdin();
         if tokio::time::timeout(grace, self.child.exited()).await.is_ok() {
             return;
         }

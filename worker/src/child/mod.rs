@@ -252,14 +252,16 @@ impl ChildProcess {
         Ok((id, rx))
     }
 
-    /// Sends a notification (best effort: a dead plugin needs none).
-    pub(crate) async fn notify<P: Serialize>(&self, method: &str, params: Option<P>) {
+    /// Sends a notification, best effort: a dead plugin needs none, and one that has left
+    /// [`fleet_proto::codec::io::WRITE_QUEUE`] frames unread gets none (it is not waited for: a cancel or a
+    /// shutdown that follows must not hang behind a plugin that stopped reading).
+    pub(crate) fn notify<P: Serialize>(&self, method: &str, params: Option<P>) {
         let n = Notification {
             jsonrpc: fleet_proto::jsonrpc::V2,
             method: method.into(),
             params,
         };
-        if self.writer.send(&n).await.is_ok() {
+        if self.writer.try_send(&n).is_ok() {
             WorkerMetrics::inc(&self.metrics.frames_written);
         }
     }
@@ -305,9 +307,10 @@ impl ChildProcess {
         }
     }
 
-    /// Closes the plugin's stdin.
-    pub(crate) async fn close_stdin(&self) {
-        self.writer.close().await;
+    /// Closes the plugin's stdin after what is queued for it; never waits (a plugin that stopped reading its
+    /// stdin cannot hold a shutdown ladder at this step).
+    pub(crate) fn close_stdin(&self) {
+        self.writer.close();
     }
 
     /// The last `n` stderr lines (redacted).

@@ -901,7 +901,7 @@ async fn requested(rx: &mut watch::Receiver<bool>) {
 
 /// close stdin → grace → SIGTERM → grace → SIGKILL of the whole tree (spec §3.7 HR-SD-01).
 async fn shutdown_ladder(process: &Arc<Process>, grace: Duration) {
-    process.child.close_stdin().await;
+    process.child.close_stdin();
     if tokio::time::timeout(grace, process.child.exited()).await.is_ok() {
         return;
     }

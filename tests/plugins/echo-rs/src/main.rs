@@ -41,6 +41,8 @@ pub(crate) mod code {
 
 /// Logged to stderr when the plugin parks after stdin EOF (`--ignore-eof` / `ignore_shutdown`).
 const EOF_IGNORED: &str = "fleet-echo-plugin: stdin EOF ignored, parking";
+/// Logged to stderr when the reader stops reading stdin for good (`flood` `stop_reading`).
+const STOPPED_READING: &str = "fleet-echo-plugin: stopped reading stdin, parking";
 /// Logged to stderr each time an ignored SIGTERM arrives (`--ignore-sigterm` / `ignore_shutdown`).
 const SIGTERM_IGNORED: &str = "fleet-echo-plugin: SIGTERM ignored";
 
@@ -73,6 +75,8 @@ pub(crate) struct Shared {
     held_initialize: Mutex<Option<Value>>,
     /// Keep running after stdin EOF.
     ignore_eof: AtomicBool,
+    /// Stop reading stdin (`flood` `stop_reading`): the reader parks after the next line.
+    stop_reading: AtomicBool,
     /// Requests being served on their own threads (invoke, describe); stdin EOF waits for them.
     in_flight: Mutex<usize>,
     idle: Condvar,
@@ -84,6 +88,7 @@ impl Shared {
     fn new(cfg: Config) -> Self {
         Self {
             ignore_eof: AtomicBool::new(cfg.ignore_eof),
+            stop_reading: AtomicBool::new(false),
             in_flight: Mutex::new(0),
             idle: Condvar::new(),
             cfg,
@@ -125,6 +130,11 @@ impl Shared {
 
     pub(crate) fn respond_err(&self, id: &Value, code: i64, message: &str, data: Option<Value>) {
         self.send(&error_response(id, code, message, data));
+    }
+
+    /// Makes the reader stop reading stdin after the line it is waiting for.
+    pub(crate) fn stop_reading(&self) {
+        self.stop_reading.store(true, Ordering::SeqCst);
     }
 
     pub(crate) fn set_ignore_eof(&self) {
@@ -284,6 +294,12 @@ fn serve(cfg: Config) -> ExitCode {
         buf.clear();
         match input.read_until(b'\n', &mut buf) {
             Ok(0) => break,
+            Ok(_) if shared.stop_reading.load(Ordering::SeqCst) => {
+                log(STOPPED_READING);
+                loop {
+                    thread::park();
+                }
+            }
             Ok(_) => handle_line(&shared, buf.trim_ascii()),
             Err(e) => {
                 eprintln!("fleet-echo-plugin: stdin read failed: {e}");

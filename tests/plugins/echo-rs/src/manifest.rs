@@ -191,7 +191,7 @@ pub(crate) fn manifest(cfg: &Config) -> Value {
         ),
         tool(
             "flood",
-            "Writes junk lines to stdout and/or stderr, then answers.",
+            "Writes junk lines to stdout and/or stderr and/or unanswerable reverse-RPC requests, then answers.",
             &[
                 p(
                     "stdout_bytes",
@@ -213,6 +213,27 @@ pub(crate) fn manifest(cfg: &Config) -> Value {
                     "Bytes per junk line (newline included).",
                     false,
                     Some(json!(4096)),
+                ),
+                p(
+                    "requests",
+                    "integer",
+                    "Reverse-RPC requests of an unknown method to write (their answers are not awaited).",
+                    false,
+                    Some(json!(0)),
+                ),
+                p(
+                    "id_bytes",
+                    "integer",
+                    "Bytes of padding in each such request's id (the host echoes it in its answer).",
+                    false,
+                    Some(json!(0)),
+                ),
+                p(
+                    "stop_reading",
+                    "boolean",
+                    "Stop reading stdin first (the reader parks after the next line).",
+                    false,
+                    Some(json!(false)),
                 ),
             ],
         ),

@@ -415,10 +415,22 @@ fn progress(shared: &Shared, args: &Args<'_>, context: &Value) -> ToolResult {
     Ok(Outcome::Data(json!({ "emitted": count })))
 }
 
+/// The method of `flood`'s reverse-RPC requests: one no host serves.
+const FLOOD_METHOD: &str = "fixture/flood";
+
 fn flood(shared: &Shared, args: &Args<'_>) -> ToolResult {
     let stdout_bytes = args.usize_or("stdout_bytes", 0)?;
     let stderr_bytes = args.usize_or("stderr_bytes", 0)?;
     let line_bytes = args.usize_or("line_bytes", 4096)?.max(1);
+    let requests = args.usize_or("requests", 0)?;
+    let pad = "p".repeat(args.usize_or("id_bytes", 0)?);
+    if args.bool_or("stop_reading", false)? {
+        shared.stop_reading();
+    }
+    for i in 0..requests {
+        let request = json!({"jsonrpc": "2.0", "id": format!("flood-{i}-{pad}"), "method": FLOOD_METHOD});
+        shared.write_line(request.to_string().as_bytes());
+    }
     // Each line is `line_bytes` bytes including its newline (the last one may be shorter).
     let body = vec![b'z'; line_bytes - 1];
     let mut left = stdout_bytes;
@@ -442,7 +454,7 @@ fn flood(shared: &Shared, args: &Args<'_>) -> ToolResult {
     }
     let _ = err.flush();
     Ok(Outcome::Data(
-        json!({ "stdout_bytes": stdout_bytes, "stderr_bytes": stderr_bytes }),
+        json!({ "stdout_bytes": stdout_bytes, "stderr_bytes": stderr_bytes, "requests": requests }),
     ))
 }
 
