@@ -10,7 +10,12 @@
 //!   placing and confining the process costs;
 //! - `native_ready_in_cgroup` — the product's cold start: `Session::new` (session cgroup with limits, user
 //!   directories) then `prewarm` (spawn into the cgroup as the user → `initialize` → `describe`) until Ready.
-//!   The session is then shut down (stdin EOF, cgroup removed) outside the timed section;
+//!   The session is then shut down (stdin EOF, cgroup removed) outside the timed section. The bench's user has
+//!   no other session, so this is a user's first session: it adopts a seated stub, whose seat becomes the
+//!   user's ceiling and the session's cgroup (`sandbox/seat.rs`) — no cgroup is made, nothing migrated;
+//! - `native_ready_live_user` — the same for a user who keeps another session open (a Python one, for the whole
+//!   bench): the session's cgroup is made in the user's live ceiling and the stub joins it on its claim (the
+//!   path every stub took before seats);
 //! - `python_pass` — `python3 -c pass` (posix_spawn path): the interpreter's floor;
 //! - `python_ready_in_cgroup` — the same cold start for `tests/plugins/python/echo_plugin.py`.
 //!
@@ -66,6 +71,9 @@ const READY_WAIT: Duration = Duration::from_secs(30);
 const ROUNDS: usize = 15;
 /// The user every session runs for.
 const USER: &str = "bench-user";
+
+/// The user of the `*_live_user` variants, who keeps a Python session open for the whole bench.
+const LIVE_USER: &str = "bench-live-user";
 
 /// The workspace root (the parent of this crate's directory).
 fn workspace_root() -> PathBuf {
@@ -159,8 +167,12 @@ enum Kind {
     NativeNoopPosixSpawn,
     NativeNoopForkSetsid,
     NativeNoopForkPlan,
-    /// From a waiting sandbox stub (the worker's default).
+    /// From a waiting sandbox stub (the worker's default), for a user with no session yet: the stub's seat
+    /// becomes the user's ceiling and the session's cgroup (`sandbox/seat.rs`).
     NativeReady,
+    /// From a waiting sandbox stub for a user who already has a session (of another tool): the stub joins the
+    /// new session's cgroup on its claim.
+    NativeReadyLiveUser,
     /// Spawned directly by the worker (`confinement.stub_pool = 0`, the pooled network namespaces instead).
     NativeReadyDirect,
     PythonPass,
@@ -198,7 +210,7 @@ struct Variant {
 }
 
 impl Variant {
-    const ALL: [Variant; 15] = [
+    const ALL: [Variant; 17] = [
         Variant::new(
             "native_noop_posix_spawn",
             Kind::NativeNoopPosixSpawn,
@@ -224,6 +236,12 @@ impl Variant {
         Variant::new(
             "native_ready_in_cgroup_after_idle",
             Kind::NativeReady,
+            Prelude::Idle,
+        ),
+        Variant::new("native_ready_live_user", Kind::NativeReadyLiveUser, Prelude::Warm),
+        Variant::new(
+            "native_ready_live_user_after_idle",
+            Kind::NativeReadyLiveUser,
             Prelude::Idle,
         ),
         Variant::new("native_ready_direct", Kind::NativeReadyDirect, Prelude::Warm),
@@ -300,6 +318,8 @@ struct Bench {
     /// The cgroup the `native_noop_fork_plan` spawns join (the processes exit; the cgroup stays until the end).
     noop_cgroup: Option<SessionCgroup>,
     noop_plan: SpawnPlan,
+    /// [`LIVE_USER`]'s Python session, open for the whole bench (shut down at the end).
+    live: Option<Session>,
     _root: tempfile::TempDir,
 }
 
@@ -375,6 +395,11 @@ impl Bench {
             metrics: Arc::new(WorkerMetrics::default()),
         };
         rt.block_on(async { ctx.sandbox.start_stubs() });
+        let live = rt.block_on(async {
+            let live = Session::new(LIVE_USER, &py, &ctx).unwrap();
+            live.prewarm(READY_WAIT).await.unwrap();
+            live
+        });
         println!(
             "cold_start: isolation {}, uid {:?}, echo plugin {}, python {}",
             ctx.sandbox.mode(),
@@ -392,6 +417,7 @@ impl Bench {
             py,
             noop_cgroup,
             noop_plan,
+            live: Some(live),
             _root: root,
         }
     }
@@ -420,7 +446,7 @@ impl Bench {
     /// One cold start of `install` as the product does it (in `ctx`); the session is always shut down. With
     /// stubs, the pool is full first (untimed): a session start on a worker that is not starting sessions
     /// faster than it makes stubs.
-    async fn cold_start(&self, install: &Arc<Install>, ctx: &WorkerContext) -> ColdStart {
+    async fn cold_start(&self, user: &str, install: &Arc<Install>, ctx: &WorkerContext) -> ColdStart {
         if ctx.sandbox.stubs_enabled() {
             let target = ctx.config.confinement.stub_pool;
             let deadline = Instant::now() + READY_WAIT;
@@ -430,7 +456,7 @@ impl Bench {
             }
         }
         let t = Instant::now();
-        let session = Session::new(USER, install, ctx).unwrap();
+        let session = Session::new(user, install, ctx).unwrap();
         let setup = t.elapsed();
         let t = Instant::now();
         let ready = session.prewarm(READY_WAIT).await;
@@ -479,19 +505,23 @@ impl Bench {
                 (Self::spawn_wait(cmd).await, None)
             }
             Kind::NativeReady => {
-                let c = self.cold_start(&self.native, &self.ctx).await;
+                let c = self.cold_start(USER, &self.native, &self.ctx).await;
+                (c.total(), Some(c))
+            }
+            Kind::NativeReadyLiveUser => {
+                let c = self.cold_start(LIVE_USER, &self.native, &self.ctx).await;
                 (c.total(), Some(c))
             }
             Kind::NativeReadyDirect => {
-                let c = self.cold_start(&self.native, &self.direct).await;
+                let c = self.cold_start(USER, &self.native, &self.direct).await;
                 (c.total(), Some(c))
             }
             Kind::PythonReady => {
-                let c = self.cold_start(&self.py, &self.ctx).await;
+                let c = self.cold_start(USER, &self.py, &self.ctx).await;
                 (c.total(), Some(c))
             }
             Kind::PythonReadyDirect => {
-                let c = self.cold_start(&self.py, &self.direct).await;
+                let c = self.cold_start(USER, &self.py, &self.direct).await;
                 (c.total(), Some(c))
             }
         }
@@ -510,6 +540,11 @@ impl Bench {
 
     /// Removes the noop cgroup and the worker's subtree (every session is already shut down).
     fn cleanup(&mut self) {
+        if let Some(live) = self.live.take() {
+            self.rt.block_on(live.shutdown());
+        }
+        // The waiting stubs and their seats first: what the sweep below still finds was left behind.
+        self.rt.block_on(self.ctx.sandbox.shutdown_stubs());
         if let Some(cg) = self.noop_cgroup.take()
             && let Err(e) = cg.remove()
         {
@@ -618,6 +653,9 @@ fn print_ratios(b: &Bench) {
         ("native_ready_in_cgroup", posix),
         ("native_ready_in_cgroup_after_idle", posix),
         ("native_ready_in_cgroup_after_idle", posix_idle),
+        ("native_ready_live_user", posix),
+        ("native_ready_live_user_after_idle", posix),
+        ("native_ready_live_user_after_idle", posix_idle),
         ("native_ready_direct", posix),
         ("native_ready_direct_after_idle", posix),
         ("native_ready_direct_after_idle", posix_idle),

@@ -847,6 +847,85 @@ fn waiting_stubs() -> Vec<u32> {
     pids
 }
 
+/// The memory cgroup (v1) or the unified one (v2) of `pid`, as a path under its hierarchy's mount.
+fn cgroup_dir(pid: u32) -> PathBuf {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    text.lines()
+        .find_map(|l| {
+            let mut f = l.splitn(3, ':');
+            let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
+            match controllers {
+                "" => Some(PathBuf::from(format!("/sys/fs/cgroup{path}"))),
+                c if c.split(',').any(|c| c == "memory") => {
+                    Some(PathBuf::from(format!("/sys/fs/cgroup/memory{path}")))
+                }
+                _ => None,
+            }
+        })
+        .unwrap()
+}
+
+/// A user's first session adopts a seated stub (`sandbox/seat.rs`): its plugin runs in the seat's session cgroup,
+/// inside the seat's ceiling, which is now that user's — nothing was migrated. The same user's next session
+/// makes its cgroup in that ceiling and the stub it takes joins it; the seat that stub left is removed, and
+/// another user gets a seat of their own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_users_first_session_adopts_a_seat_and_the_next_joins_its_ceiling() {
+    let w = hostile_worker_with("seats", Layout::OutsideTmp, |c| {
+        c.confinement.stub_pool = 2;
+    });
+    w.sandbox.start_stubs();
+    assert!(eventually(GUARD, || w.sandbox.stubs_ready() == 2).await);
+    let seat_of = |dir: &Path| {
+        dir.parent()
+            .unwrap()
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .into_owned()
+    };
+
+    let first = w.pool.prewarm("ivy", "sibling", GUARD).await.unwrap();
+    let first_cg = cgroup_dir(first.pid().unwrap());
+    assert_eq!(first_cg.file_name().unwrap(), "seat", "{}", first_cg.display());
+    let ceiling = seat_of(&first_cg);
+    assert!(ceiling.starts_with("user-seat"), "{ceiling}");
+    let subtree = first_cg.parent().unwrap().parent().unwrap().to_path_buf();
+
+    let second = w.pool.prewarm("ivy", "exec-probe", GUARD).await.unwrap();
+    let second_cg = cgroup_dir(second.pid().unwrap());
+    assert_ne!(second_cg, first_cg);
+    assert_eq!(
+        seat_of(&second_cg),
+        ceiling,
+        "the second session is in ivy's ceiling"
+    );
+    assert_eq!(w.sandbox.stub_claims(), 2, "both started from stubs");
+
+    // No seat is left empty: the one the second stub left is removed (seats being made are filled at once).
+    let empty_seats = || {
+        std::fs::read_dir(&subtree)
+            .unwrap()
+            .filter_map(Result::ok)
+            .filter(|e| e.file_name().to_string_lossy().starts_with("user-seat"))
+            .filter(|e| {
+                std::fs::read_to_string(e.path().join("seat/cgroup.procs")).is_ok_and(|p| p.trim().is_empty())
+            })
+            .count()
+    };
+    assert!(
+        eventually(GUARD, || empty_seats() == 0).await,
+        "an emptied seat was left"
+    );
+
+    let other = w.pool.prewarm("jay", "sibling", GUARD).await.unwrap();
+    let other_cg = cgroup_dir(other.pid().unwrap());
+    assert_ne!(seat_of(&other_cg), ceiling, "jay has a ceiling of their own");
+    let pids = [first.pid(), second.pid(), other.pid()].map(Option::unwrap);
+    w.pool.shutdown().await;
+    assert!(pids.iter().all(|p| !alive(*p)));
+}
+
 /// Stubs killed while they wait (an operator's `kill`, the OOM killer) cost nothing but speed: the next
 /// session is spawned directly and serves, and the pool makes new stubs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

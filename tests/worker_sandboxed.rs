@@ -306,10 +306,14 @@ async fn sigterm_stops_the_worker_with_no_orphans_and_kill_9_leftovers_are_swept
     first.kill().unwrap();
     first.wait().unwrap();
     assert!(orphans.iter().all(|p| alive(*p)), "kill -9 cannot clean up");
+    // Besides the two sessions, the seats its waiting sandbox stubs sat in (`sandbox/seat.rs`; how many depends
+    // on how far the stub pool had refilled). Nothing makes or removes cgroups between this count and the sweep.
+    let left = session_cgroups_beside(orphans[0]);
+    assert!(left >= 2, "{left}");
 
     // ...which the next worker with the same id finds and removes before serving.
     let (mut second, swept, ready) = start_fleet_worker(root.path(), &worker_id, &["alice:echo"]);
-    assert_eq!(swept["swept"]["cgroups_removed"], 2);
+    assert_eq!(swept["swept"]["cgroups_removed"], left);
     assert!(swept["swept"]["processes_killed"].as_u64().unwrap() >= 2);
     assert!(eventually(GUARD, || orphans.iter().all(|p| !alive(*p))).await);
 
@@ -324,6 +328,44 @@ async fn sigterm_stops_the_worker_with_no_orphans_and_kill_9_leftovers_are_swept
     let exit = second.wait().unwrap();
     assert!(exit.success(), "{exit}");
     assert!(!alive(pid));
+}
+
+/// How many session-level cgroups the worker subtree holding `pid` has: each `user-*` ceiling's children, and
+/// any other cgroup directly in the subtree (read in the memory hierarchy, or the unified one).
+fn session_cgroups_beside(pid: u32) -> usize {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    let (mount, path) = text
+        .lines()
+        .find_map(|l| {
+            let mut f = l.splitn(3, ':');
+            let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
+            match controllers {
+                "" => Some(("/sys/fs/cgroup".to_owned(), path)),
+                c if c.split(',').any(|c| c == "memory") => Some(("/sys/fs/cgroup/memory".to_owned(), path)),
+                _ => None,
+            }
+        })
+        .unwrap();
+    // `<subtree>/user-<key>/<session>`
+    let session = std::path::PathBuf::from(format!("{mount}{path}"));
+    let subtree = session.parent().and_then(std::path::Path::parent).unwrap();
+    let dirs = |p: &std::path::Path| -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(p)
+            .unwrap()
+            .filter_map(Result::ok)
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            .map(|e| e.path())
+            .collect()
+    };
+    dirs(subtree)
+        .iter()
+        .map(|d| {
+            let user = d
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("user-"));
+            if user { dirs(d).len() } else { 1 }
+        })
+        .sum()
 }
 
 #[tokio::test]

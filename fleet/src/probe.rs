@@ -242,6 +242,7 @@ pub async fn run(opts: &ProbeOptions) -> Result<ProbeReport, ProbeError> {
                 fleet_worker::config::ResourceLimits::default(),
                 &cwd,
                 &opts.command,
+                fleet_worker::sandbox::Start::Caller,
             )?;
             if let Some(home) = prepared.space.workspace.to_str() {
                 cmd.env("HOME", home).env("ANNA_WORKSPACE_DIR", home);

@@ -299,6 +299,7 @@ async fn probe_manifest(
             install.effective_limits(ctx.config.limits),
             &install.dir,
             &install.argv,
+            crate::sandbox::Start::Caller,
         )
         .map_err(|e| DetectError::Probe(e.to_string()))?;
     let sandbox = Sandboxed::new(prepared);

@@ -120,6 +120,7 @@ impl AnimusProcess {
                 install.effective_limits(ctx.config.limits),
                 &install.dir,
                 &install.argv,
+                crate::sandbox::Start::Worker,
             )
             .map_err(|e| refused(&e))?;
         let sandbox = Arc::new(Sandboxed::new(prepared));

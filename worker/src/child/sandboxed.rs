@@ -4,12 +4,12 @@
 
 use std::path::Path;
 use std::process::Stdio;
-use std::sync::RwLock;
+use std::sync::{Mutex, PoisonError, RwLock};
 
 use tokio::process::Command;
 
 use super::SpawnError;
-use crate::sandbox::{ExecStatus, Prepared, SandboxError, SessionCgroup, UserSpace};
+use crate::sandbox::{ExecStatus, Prepared, SandboxError, SessionCgroup, Stub, UserSpace};
 
 /// A prepared sandbox. The whole [`Prepared`] is kept, so everything it holds lives exactly as long as this
 /// value (the processes spawned into it hold it); only the cgroup is moved out, to be removed on
@@ -19,6 +19,8 @@ pub(crate) struct Sandboxed {
     /// What `prepare` made, less its cgroup (moved to `cgroup`).
     prepared: Prepared,
     cgroup: RwLock<Option<SessionCgroup>>,
+    /// A stub already in `cgroup` (an adopted seat), used by the first launch.
+    seated: Mutex<Option<Stub>>,
     /// Whether it had a cgroup at all: once released, nothing is signalled (never a process group whose
     /// leader's pid may have been reused).
     isolated: bool,
@@ -28,9 +30,11 @@ impl Sandboxed {
     /// Takes what `prepare` made.
     pub(crate) fn new(mut prepared: Prepared) -> Sandboxed {
         let cgroup = prepared.cgroup.take();
+        let seated = prepared.seated.take();
         Sandboxed {
             isolated: cgroup.is_some(),
             cgroup: RwLock::new(cgroup),
+            seated: Mutex::new(seated),
             prepared,
         }
     }
@@ -64,9 +68,15 @@ impl Sandboxed {
         env: Vec<(String, String)>,
     ) -> Result<(tokio::process::Child, Option<ExecStatus>), SpawnError> {
         let program = || argv.first().cloned().unwrap_or_default();
-        if let Some(pool) = &self.prepared.stubs
-            && let Some(started) = pool.try_launch(&self.prepared.plan, argv, dir, &env).await
-        {
+        let seated = self.seated.lock().unwrap_or_else(PoisonError::into_inner).take();
+        let plan = &self.prepared.plan;
+        // Boxed: a claim's future is large, and every spawn path awaits this one.
+        let started = match (&self.prepared.stubs, seated) {
+            (Some(pool), Some(stub)) => Box::pin(pool.launch_seated(stub, plan, argv, dir, &env)).await,
+            (Some(pool), None) => Box::pin(pool.try_launch(plan, argv, dir, &env)).await,
+            (None, _) => None,
+        };
+        if let Some(started) = started {
             return started
                 .map(|(child, exec)| (child, Some(exec)))
                 .map_err(|source| SpawnError::Stub {

@@ -234,7 +234,7 @@ pub(crate) fn ensure_user_cgroup(dirs: &Dirs, limits: &UserLimits) -> Result<(),
 
 /// Performs `writes` in order. A best-effort write (swap) is skipped when its file is absent and logged when
 /// it fails; any other failure stops and names the file.
-fn apply_writes(writes: Vec<LimitWrite>) -> Result<(), (PathBuf, io::Error)> {
+pub(crate) fn apply_writes(writes: Vec<LimitWrite>) -> Result<(), (PathBuf, io::Error)> {
     for write in writes {
         match write_file(&write.file, &write.content) {
             Ok(()) => {}
@@ -438,6 +438,11 @@ impl SessionCgroup {
             procs_files,
             user: None,
         })
+    }
+
+    /// Its directories.
+    pub(crate) fn dirs(&self) -> &Dirs {
+        &self.dirs
     }
 
     /// The cgroup's directory name (sanitized, with a hash suffix).

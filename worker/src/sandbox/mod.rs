@@ -51,6 +51,7 @@ mod detect;
 mod error;
 mod names;
 mod netns;
+mod seat;
 pub mod seccomp;
 mod spawn;
 mod stub;
@@ -78,8 +79,8 @@ pub use spawn::{SpawnPlan, apply, die_with_parent};
 pub use stub::run_if_stub;
 pub use stub_msg::STUB_ARG;
 pub use stub_msg::Step as StubStep;
-pub(crate) use stub_pool::StubPool;
 pub use stub_pool::{ExecStatus, StubError};
+pub(crate) use stub_pool::{Stub, StubPool};
 pub use users::UserSpace;
 use users::Users;
 
@@ -100,6 +101,15 @@ pub enum CgroupVersion {
     V2,
 }
 
+/// Who starts the process [`Sandbox::prepare`] prepares for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// The worker (a session's or an Animus process's launch: from a sandbox stub where it can).
+    Worker,
+    /// The caller, with [`apply`] on a command of its own (detection probes, `fleet probe`).
+    Caller,
+}
+
 /// What [`Sandbox::prepare`] made for one plugin process.
 #[derive(Debug)]
 pub struct Prepared {
@@ -111,6 +121,8 @@ pub struct Prepared {
     pub plan: SpawnPlan,
     /// Where a waiting sandbox stub can be taken for it (none: spawned directly).
     pub(crate) stubs: Option<StubPool>,
+    /// The stub already in its cgroup: the first session of a user adopts a seated stub (`seat.rs`).
+    pub(crate) seated: Option<Stub>,
 }
 
 /// What [`Sandbox::sweep_stale`] did.
@@ -212,10 +224,15 @@ impl Sandbox {
                 );
                 (None, None)
             }
-            IsolationMode::Cgroup => (
-                Some(prepare_cgroups(&config.worker_id)?),
-                Some(prepare_confinement(config)?),
-            ),
+            IsolationMode::Cgroup => {
+                let subtree = prepare_cgroups(&config.worker_id)?;
+                let seats = seat::SeatPlan {
+                    root: subtree.clone(),
+                    user_limits: config.user_limits,
+                    session_limits: config.limits,
+                };
+                (Some(subtree), Some(prepare_confinement(config, seats)?))
+            }
         };
         let egress = match &confine {
             Some(base) if base.namespaces && !config.egress.tools.is_empty() => {
@@ -354,6 +371,12 @@ impl Sandbox {
     /// new session cgroup (`<user key prefix>-<tool_id>-<kind><n>`, unique in the process) with `limits`
     /// inside the user's ceiling, and the [`plan`](Self::plan) for `argv` run from `dir`. Nothing is left
     /// behind on failure.
+    ///
+    /// `start` says who starts the process: [`Start::Worker`] (the worker's launch, from a sandbox stub where it
+    /// can) lets the first session of a user with no live ceiling adopt a seated stub (`seat.rs`), whose cgroups
+    /// become the user's ceiling and the session's cgroup, so neither is made on the cold path and the plugin is
+    /// not migrated; [`Start::Caller`] (a command of the caller's, spawned with [`apply`]) never takes a stub.
+    #[allow(clippy::too_many_arguments)] // each names a different fact of the process; none has a default
     pub fn prepare(
         &self,
         user: &str,
@@ -362,6 +385,7 @@ impl Sandbox {
         limits: ResourceLimits,
         dir: &std::path::Path,
         argv: &[String],
+        start: Start,
     ) -> Result<Prepared, SandboxError> {
         // A sequence number keeps a new session's cgroup apart from an evicted one's still being removed.
         static SEQ: AtomicU64 = AtomicU64::new(0);
@@ -371,14 +395,24 @@ impl Sandbox {
             "{}-{tool_id}-{kind}{seq}",
             &space.user_key[..8.min(space.user_key.len())]
         );
-        let cgroup = self.create_session(&space.user_key, &name, limits)?;
         let egress = self.grants_egress(tool_id);
+        // An egress-granted plugin joins another network namespace: no stub can carry it.
+        let adopted = if start == Start::Worker && !egress {
+            self.adopt_seat(&space.user_key, &limits)
+        } else {
+            None
+        };
+        let (cgroup, seated) = match adopted {
+            Some((cgroup, stub)) => (Some(cgroup), Some(stub)),
+            None => (self.create_session(&space.user_key, &name, limits)?, None),
+        };
         match self.plan_with(cgroup.as_ref(), &space, command_paths(dir, argv), egress) {
             Ok(plan) => Ok(Prepared {
                 space,
                 cgroup,
                 plan,
-                stubs: self.inner.confine.as_ref().and_then(|c| c.stub_pool.clone()),
+                stubs: self.stub_pool().cloned(),
+                seated,
             }),
             Err(e) => {
                 if let Some(cg) = cgroup {
@@ -387,6 +421,35 @@ impl Sandbox {
                 Err(e)
             }
         }
+    }
+
+    /// For a user with no live ceiling, a seated stub whose seat becomes the user's ceiling and the session's
+    /// cgroup, with `limits` (`seat.rs`). `None`: the user's ceiling is live, no seated stub waits, or the seat
+    /// cannot take `limits` (that stub is then discarded, and the session made as usual).
+    fn adopt_seat(&self, user_key: &str, limits: &ResourceLimits) -> Option<(SessionCgroup, Stub)> {
+        let pool = self.stub_pool()?;
+        let mut live = self
+            .inner
+            .user_cgroups
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if live.get(user_key).and_then(Weak::upgrade).is_some() {
+            return None;
+        }
+        let mut stub = pool.take_seated()?;
+        let seat = stub.take_seat()?;
+        if let Err(e) = seat.adapt(limits) {
+            tracing::warn!(error = %e, "cannot give a seat the session's limits: the session's cgroup is made anew");
+            pool.discard(stub, seat);
+            return None;
+        }
+        let user = Arc::new(UserCgroup {
+            key: user_key.to_owned(),
+            dirs: seat.user,
+            registry: self.inner.user_cgroups.clone(),
+        });
+        live.insert(user_key.to_owned(), Arc::downgrade(&user));
+        Some((seat.session.in_user(user), stub))
     }
 
     /// Whether plugins get namespaces (and private `/proc`, `/tmp`) and seccomp: `(namespaces, seccomp)`.
@@ -581,7 +644,7 @@ fn sweep_level(parent: &Dirs, top: bool, report: &mut SweepReport, first_error: 
 }
 
 /// Compiles the seccomp profile and proves the configured confinement works in a forked probe.
-fn prepare_confinement(config: &WorkerConfig) -> Result<ConfineBase, SandboxError> {
+fn prepare_confinement(config: &WorkerConfig, seats: seat::SeatPlan) -> Result<ConfineBase, SandboxError> {
     let c = &config.confinement;
     let unavailable = |reason: String| SandboxError::Unavailable { reason };
     let seccomp = if c.seccomp {
@@ -626,7 +689,7 @@ fn prepare_confinement(config: &WorkerConfig) -> Result<ConfineBase, SandboxErro
                     .unwrap_or_default(),
             };
             Some(
-                StubPool::new(program.clone(), c.stub_pool, &setup)
+                StubPool::new(program.clone(), c.stub_pool, &setup, Some(seats))
                     .map_err(|e| unavailable(format!("cannot prepare the sandbox stubs: {e}")))?,
             )
         }

@@ -24,6 +24,7 @@ use tokio::net::unix::pipe;
 use tokio::sync::Notify;
 
 use super::SpawnPlan;
+use super::seat::{Seat, SeatPlan};
 use super::stub_msg::{FAILED, FAILURE_BYTES, READY, STUB_ARG, Setup, Step};
 
 /// How long a new stub may take to be ready, and a claimed one to `exec`: failure guards (a stub is ready in a
@@ -57,16 +58,27 @@ pub enum StubError {
 pub(crate) struct Stub {
     child: tokio::process::Child,
     status: pipe::Receiver,
+    /// The cgroups it waits in (`seat.rs`), when the pool makes seats.
+    seat: Option<Seat>,
 }
 
 impl Stub {
     /// Kills the stub and reaps it, waiting at most [`STUB_WAIT`] (a stub stuck in the kernel is left to the
-    /// runtime's reaper then, and said so).
+    /// runtime's reaper then, and said so), then removes its seat.
     async fn end(mut self) {
         let _ = self.child.start_kill();
         if tokio::time::timeout(STUB_WAIT, self.child.wait()).await.is_err() {
             tracing::warn!("a killed sandbox stub did not exit within {STUB_WAIT:?}");
         }
+        if let Some(seat) = self.seat.take() {
+            // Left to the sweep at the next start if the stub is somehow still in it.
+            let _ = tokio::task::spawn_blocking(move || seat.remove_if_empty()).await;
+        }
+    }
+
+    /// Its seat, taken out (the caller now owns the seat's cgroups).
+    pub(crate) fn take_seat(&mut self) -> Option<Seat> {
+        self.seat.take()
     }
 
     /// Hands the stub `claim` (a framed [`super::stub_msg::Claim`]) and returns at once: the child (soon the plugin,
@@ -169,14 +181,27 @@ struct PoolInner {
     failed: AtomicBool,
     /// Set (under `ready`'s lock) by [`StubPool::shutdown`]: nothing is pushed to `ready` after it.
     closed: AtomicBool,
+    /// How stubs are seated (`None`: they wait in the worker's cgroup and always join a session's on a claim).
+    seats: Option<SeatPlan>,
+    /// Set when making a seat failed once (logged then): later stubs are not seated.
+    seats_failed: AtomicBool,
+    /// Seats whose stub left them (joined another session's cgroup, or was discarded), removed by the refill
+    /// task once empty.
+    emptied: Mutex<Vec<Seat>>,
     claims: AtomicU64,
     /// The refill task, once started (awaited by [`StubPool::shutdown`]).
     refill: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl StubPool {
-    /// A pool of `target` stubs of `program` that each run `setup` first. Nothing starts before the first take.
-    pub(crate) fn new(program: PathBuf, target: usize, setup: &Setup) -> std::io::Result<StubPool> {
+    /// A pool of `target` stubs of `program` that each run `setup` first, each seated as `seats` says. Nothing
+    /// starts before the first take.
+    pub(crate) fn new(
+        program: PathBuf,
+        target: usize,
+        setup: &Setup,
+        seats: Option<SeatPlan>,
+    ) -> std::io::Result<StubPool> {
         Ok(StubPool {
             inner: Arc::new(PoolInner {
                 program,
@@ -187,6 +212,9 @@ impl StubPool {
                 started: AtomicBool::new(false),
                 failed: AtomicBool::new(false),
                 closed: AtomicBool::new(false),
+                seats,
+                seats_failed: AtomicBool::new(false),
+                emptied: Mutex::new(Vec::new()),
                 claims: AtomicU64::new(0),
                 refill: Mutex::new(None),
             }),
@@ -203,6 +231,69 @@ impl StubPool {
         let stub = inner.ready.lock().unwrap_or_else(PoisonError::into_inner).pop();
         inner.wake.notify_one();
         stub
+    }
+
+    /// A ready stub that sits in a seat, for a session that adopts the seat (`seat.rs`); none if none waits.
+    pub(crate) fn take_seated(&self) -> Option<Stub> {
+        if !self.start() {
+            return None;
+        }
+        let inner = &self.inner;
+        let stub = {
+            let mut ready = inner.ready.lock().unwrap_or_else(PoisonError::into_inner);
+            let at = ready.iter().rposition(|s| s.seat.is_some())?;
+            ready.swap_remove(at)
+        };
+        inner.wake.notify_one();
+        Some(stub)
+    }
+
+    /// Gives up a stub taken with its seat: it is killed, and the seat removed once empty.
+    pub(crate) fn discard(&self, mut stub: Stub, seat: Seat) {
+        let _ = stub.child.start_kill();
+        stub.seat = Some(seat);
+        self.abandon_seat(&mut stub);
+        drop(stub);
+    }
+
+    /// Moves `stub`'s seat, if any, to the seats the refill task removes once empty.
+    fn abandon_seat(&self, stub: &mut Stub) {
+        if let Some(seat) = stub.seat.take() {
+            let mut emptied = self.inner.emptied.lock().unwrap_or_else(PoisonError::into_inner);
+            emptied.push(seat);
+        }
+        self.inner.wake.notify_one();
+    }
+
+    /// Turns `stub`, taken with [`take_seated`](Self::take_seated) and whose seat is the session's cgroup now,
+    /// into the plugin `argv` run from `dir` with exactly `env` under `plan` — without joining any cgroup (it is
+    /// in the session's already). `None` when the plan is not one a stub can carry or the stub died while it
+    /// waited (it is then dropped: killed in the session's cgroup, which the caller spawns into directly).
+    pub(crate) async fn launch_seated(
+        &self,
+        mut stub: Stub,
+        plan: &SpawnPlan,
+        argv: &[String],
+        dir: &std::path::Path,
+        env: &[(String, String)],
+    ) -> Option<Result<(tokio::process::Child, ExecStatus), StubError>> {
+        let mut claim = plan.stub_claim(argv, dir, env)?;
+        claim.procs.clear();
+        let bytes = match super::stub_msg::frame(&claim) {
+            Ok(bytes) => bytes,
+            Err(e) => return Some(Err(StubError::Io(e))),
+        };
+        // A stub that died while it waited (killed, OOM) cannot take the claim: the caller spawns directly.
+        if !matches!(stub.child.try_wait(), Ok(None)) {
+            return None;
+        }
+        match stub.claim(&bytes, claim.argv[0].clone()).await {
+            Err(StubError::Io(_)) => None,
+            started => {
+                self.inner.claims.fetch_add(1, Ordering::Relaxed);
+                Some(started)
+            }
+        }
     }
 
     /// Starts the refill task on the current runtime if it is not running yet, so the first session finds stubs
@@ -251,6 +342,7 @@ impl StubPool {
         for stub in waiting {
             stub.end().await;
         }
+        remove_emptied_seats(inner).await;
     }
 
     /// Starts `argv` in `dir` with exactly `env` under `plan` from a waiting stub: `None` when the plan is not
@@ -271,6 +363,8 @@ impl StubPool {
         // caller spawns directly. Each attempt uses a stub up, so this ends.
         for _ in 0..=self.inner.target {
             let mut stub = self.take()?;
+            // It joins the session's cgroup on the claim: its seat, if any, is left behind.
+            self.abandon_seat(&mut stub);
             if !matches!(stub.child.try_wait(), Ok(None)) {
                 continue;
             }
@@ -320,9 +414,11 @@ async fn refill(pool: Weak<PoolInner>, wake: Arc<Notify>) {
             if inner.closed.load(Ordering::Acquire) {
                 return;
             }
+            remove_emptied_seats(&inner).await;
             if inner.ready.lock().unwrap_or_else(PoisonError::into_inner).len() < inner.target {
                 match start_stub(&inner).await {
-                    Ok(stub) => {
+                    Ok(mut stub) => {
+                        seat_stub(&inner, &mut stub).await;
                         let mut ready = inner.ready.lock().unwrap_or_else(PoisonError::into_inner);
                         if inner.closed.load(Ordering::Acquire) {
                             drop(ready);
@@ -350,6 +446,69 @@ async fn refill(pool: Weak<PoolInner>, wake: Arc<Notify>) {
     }
 }
 
+/// Removes the seats whose stub has left them; the ones still occupied wait for the next round.
+async fn remove_emptied_seats(inner: &PoolInner) {
+    let seats: Vec<Seat> = std::mem::take(&mut *inner.emptied.lock().unwrap_or_else(PoisonError::into_inner));
+    if seats.is_empty() {
+        return;
+    }
+    let busy = tokio::task::spawn_blocking(move || {
+        seats
+            .into_iter()
+            .filter_map(Seat::remove_if_empty)
+            .collect::<Vec<Seat>>()
+    })
+    .await
+    .unwrap_or_default();
+    inner
+        .emptied
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .extend(busy);
+}
+
+/// Makes a seat for the ready `stub` and moves it in, when the pool seats its stubs. A failure is logged once
+/// and ends seating (the stubs then join a session's cgroup on each claim, as without seats).
+async fn seat_stub(inner: &PoolInner, stub: &mut Stub) {
+    let (Some(plan), Some(pid)) = (inner.seats.clone(), stub.child.id()) else {
+        return;
+    };
+    if inner.seats_failed.load(Ordering::Relaxed) {
+        return;
+    }
+    let made = tokio::task::spawn_blocking(move || {
+        let seat = plan.make().map_err(|e| (None, e.to_string()))?;
+        match seat.seat(pid) {
+            Ok(()) => Ok(seat),
+            Err(e) => Err((
+                Some(Box::new(seat)),
+                format!("cannot move a stub into its seat: {e}"),
+            )),
+        }
+    })
+    .await;
+    match made {
+        Ok(Ok(seat)) => stub.seat = Some(seat),
+        Ok(Err((seat, error))) => {
+            inner.seats_failed.store(true, Ordering::Relaxed);
+            tracing::warn!(
+                %error,
+                "cannot seat sandbox stubs in cgroups of their own: every claim joins the session's cgroup \
+                 (slower cold starts)"
+            );
+            // Partly attached: removed once the stub has left it.
+            if let Some(seat) = seat {
+                inner
+                    .emptied
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(*seat);
+            }
+        }
+        Err(_) => {}
+    }
+}
+
 /// Spawns one stub, hands it the setup and waits until it is ready.
 async fn start_stub(inner: &PoolInner) -> Result<Stub, StubError> {
     let (read, write): (OwnedFd, OwnedFd) =
@@ -372,7 +531,11 @@ async fn start_stub(inner: &PoolInner) -> Result<Stub, StubError> {
         .ok_or_else(|| StubError::Io(std::io::ErrorKind::BrokenPipe.into()))?;
     stdin.write_all(&inner.setup).await.map_err(StubError::Io)?;
     match read_status(&mut status).await? {
-        Status::Ready => Ok(Stub { child, status }),
+        Status::Ready => Ok(Stub {
+            child,
+            status,
+            seat: None,
+        }),
         Status::Exec => Err(StubError::Io(std::io::Error::other(
             "the stub program exited before it was ready (is it a stub?)",
         ))),

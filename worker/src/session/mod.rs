@@ -252,6 +252,7 @@ impl Session {
             install.effective_limits(ctx.config.limits),
             &install.dir,
             &install.argv,
+            crate::sandbox::Start::Worker,
         )?;
         let shared = Arc::new(SessionShared {
             user: user.to_string(),
