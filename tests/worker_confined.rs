@@ -118,6 +118,16 @@ fn hostile_worker_with(name: &str, layout: Layout, configure: impl FnOnce(&mut W
             json!([PYTHON, "echo_plugin.py", "--hostile"]),
             json!({}),
         ),
+        // More memory than the worker's default limits give (an operator's catalogue may raise them).
+        (
+            "big-probe",
+            json!([
+                PYTHON,
+                python_dir().join("echo_plugin.py").display().to_string(),
+                "--hostile"
+            ]),
+            json!({"limits": {"memory_bytes": BIG_MEMORY}}),
+        ),
         // The shipped `notes-py`'s: that symlink, named through the sibling install.
         (
             "rel-link-probe",
@@ -847,6 +857,9 @@ fn waiting_stubs() -> Vec<u32> {
     pids
 }
 
+/// The `big-probe` install's memory limit: above the test worker's default.
+const BIG_MEMORY: u64 = 1 << 30;
+
 /// The memory cgroup (v1) or the unified one (v2) of `pid`, as a path under its hierarchy's mount.
 fn cgroup_dir(pid: u32) -> PathBuf {
     let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
@@ -918,9 +931,17 @@ async fn a_users_first_session_adopts_a_seat_and_the_next_joins_its_ceiling() {
         "an emptied seat was left"
     );
 
-    let other = w.pool.prewarm("jay", "sibling", GUARD).await.unwrap();
+    // Another user gets a seat of their own, adapted to a tool that may use more memory than the seat's
+    // default (v1: the memory+swap limit is raised first).
+    let other = w.pool.prewarm("jay", "big-probe", GUARD).await.unwrap();
     let other_cg = cgroup_dir(other.pid().unwrap());
+    assert_eq!(other_cg.file_name().unwrap(), "seat", "{}", other_cg.display());
     assert_ne!(seat_of(&other_cg), ceiling, "jay has a ceiling of their own");
+    let limit = ["memory.limit_in_bytes", "memory.max"]
+        .iter()
+        .find_map(|f| std::fs::read_to_string(other_cg.join(f)).ok())
+        .unwrap();
+    assert_eq!(limit.trim(), BIG_MEMORY.to_string());
     let pids = [first.pid(), second.pid(), other.pid()].map(Option::unwrap);
     w.pool.shutdown().await;
     assert!(pids.iter().all(|p| !alive(*p)));

@@ -90,12 +90,7 @@ impl Seat {
     /// Gives the session cgroup `limits`: only the control files whose content differs from the seat's are
     /// written.
     pub(crate) fn adapt(&self, limits: &ResourceLimits) -> Result<(), SandboxError> {
-        let dirs = self.session.dirs();
-        let now = control::limit_writes(dirs, &self.limits);
-        let writes = control::limit_writes(dirs, limits)
-            .into_iter()
-            .filter(|w| !now.iter().any(|n| n.file == w.file && n.content == w.content))
-            .collect();
+        let writes = adapt_writes(self.session.dirs(), &self.limits, limits);
         control::apply_writes(writes).map_err(|(file, source)| SandboxError::CreateSession {
             name: SEAT_SESSION.to_owned(),
             action: "write",
@@ -118,9 +113,98 @@ impl Seat {
     }
 }
 
+/// The writes that take the cgroup `dirs` from limits `from` to `to`: only the files whose content changes, in
+/// [`control::limit_writes`]'s order — except that a raised v1 memory limit writes `memory.memsw.limit_in_bytes`
+/// first (the kernel refuses a memory limit above the memory+swap one, which a seat set equal to its memory).
+fn adapt_writes(dirs: &Dirs, from: &ResourceLimits, to: &ResourceLimits) -> Vec<control::LimitWrite> {
+    let now = control::limit_writes(dirs, from);
+    let mut writes: Vec<control::LimitWrite> = control::limit_writes(dirs, to)
+        .into_iter()
+        .filter(|w| !now.iter().any(|n| n.file == w.file && n.content == w.content))
+        .collect();
+    if to.memory_bytes > from.memory_bytes {
+        // Stable: everything else keeps its order.
+        writes.sort_by_key(|w| !w.file.ends_with(MEMSW_LIMIT));
+    }
+    writes
+}
+
+/// v1's memory+swap limit file.
+const MEMSW_LIMIT: &str = "memory.memsw.limit_in_bytes";
+
 /// Best-effort `rmdir` of every directory of `dirs` (a busy one is left to the sweep at the next start).
 fn remove_dirs(dirs: &Dirs) {
     for dir in dirs.unique() {
         let _ = std::fs::remove_dir(dir);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::*;
+    use crate::sandbox::control::V1Dirs;
+
+    fn v1() -> Dirs {
+        let at = |h: &str| PathBuf::from(format!("/sys/fs/cgroup/{h}/w/user-seat0/seat"));
+        Dirs::V1(V1Dirs {
+            memory: at("memory"),
+            pids: at("pids"),
+            cpu: at("cpu"),
+            cpuacct: at("cpuacct"),
+            freezer: at("freezer"),
+        })
+    }
+
+    fn limits(memory_bytes: u64, pids_max: u64, cpu_millis: u64) -> ResourceLimits {
+        ResourceLimits {
+            memory_bytes,
+            pids_max,
+            cpu_millis,
+        }
+    }
+
+    fn files(writes: &[control::LimitWrite]) -> Vec<String> {
+        writes
+            .iter()
+            .map(|w| format!("{}={}", w.file.file_name().unwrap().to_string_lossy(), w.content))
+            .collect()
+    }
+
+    #[test]
+    fn equal_limits_write_nothing() {
+        let l = limits(512 << 20, 64, 1000);
+        assert!(adapt_writes(&v1(), &l, &l).is_empty());
+    }
+
+    #[test]
+    fn only_what_differs_is_written() {
+        let from = limits(512 << 20, 64, 1000);
+        let to = limits(512 << 20, 32, 500);
+        assert_eq!(
+            files(&adapt_writes(&v1(), &from, &to)),
+            ["pids.max=32", "cpu.cfs_quota_us=50000"]
+        );
+    }
+
+    #[test]
+    fn a_raised_memory_limit_writes_memsw_first_a_lowered_one_after() {
+        let from = limits(256 << 20, 64, 1000);
+        let to = limits(1 << 30, 64, 1000);
+        assert_eq!(
+            files(&adapt_writes(&v1(), &from, &to)),
+            [
+                "memory.memsw.limit_in_bytes=1073741824",
+                "memory.limit_in_bytes=1073741824"
+            ]
+        );
+        assert_eq!(
+            files(&adapt_writes(&v1(), &to, &from)),
+            [
+                "memory.limit_in_bytes=268435456",
+                "memory.memsw.limit_in_bytes=268435456"
+            ]
+        );
     }
 }
