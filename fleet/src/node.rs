@@ -702,8 +702,17 @@ fn failure(e: &PoolError, timeout_ms: u64, requested_ms: Option<u64>) -> ApiErro
         | PoolError::Invoke(InvokeError::TooManyInFlight { .. })
         | PoolError::Closed => ApiError::new(ApiErrorCode::AgentUnavailable, message),
         PoolError::UnknownPlugin(_) => ApiError::new(ApiErrorCode::PermissionDenied, message),
-        // Refused at detection or quarantined: retrying the same install cannot help.
-        PoolError::Refused(_) | PoolError::NotExecuta(_) => ApiError::with_details(
+        // Refused at detection or quarantined: retrying the same install cannot help. Only a refusal of the
+        // plugin's answer is about its dialect; a program that does not start is a launch failure.
+        PoolError::Refused(err) => {
+            let stage = err.stage();
+            let mut details = json!({ "retriable": false, "stage": stage.as_str() });
+            if stage == fleet_worker::animus::RefusalStage::Dialect {
+                details["dialect"] = json!("animus");
+            }
+            ApiError::with_details(ApiErrorCode::ExecutaUnavailable, message, details)
+        }
+        PoolError::NotExecuta(_) => ApiError::with_details(
             ApiErrorCode::ExecutaUnavailable,
             message,
             json!({ "retriable": false, "dialect": "animus" }),

@@ -44,7 +44,8 @@ use fleet_proto::limits;
 use rustix::fs::{Mode, OFlags};
 use serde_json::{Map, Value};
 
-use crate::config::LimitOverrides;
+use crate::config::{LimitOverrides, RunAs};
+use crate::sandbox::reach::{self, Access, Blocker};
 
 /// The file that describes an install.
 pub const MANIFEST_FILE: &str = "executa.json";
@@ -232,21 +233,55 @@ impl Install {
     }
 }
 
+/// Who runs the plugins, which decides what counts as a usable program or directory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Runner {
+    /// The worker's own uid (`run_as: inherit`): any execute bit will do.
+    #[default]
+    Worker,
+    /// Unprivileged per-user uids (a root worker with `run_as: per_user`): only the "other" permission bits
+    /// apply, so a program, the install directory and every directory on their way must grant them (see
+    /// [`crate::sandbox::reach`]). A program found only where they cannot reach it (a pyenv shim in root's 0700
+    /// home) is skipped for the next `PATH` entry, and reported with its fix when no entry works.
+    OtherUsers,
+}
+
+impl Runner {
+    /// The runner of plugins under `run_as`.
+    pub fn of(run_as: &RunAs) -> Runner {
+        match run_as {
+            RunAs::Inherit => Runner::Worker,
+            RunAs::PerUser { .. } => Runner::OtherUsers,
+        }
+    }
+}
+
 /// How [`Catalogue::load`] resolves programs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoadOptions {
-    /// Directories searched, in order, for bare program names (`uv`, `node`, `go`, and a `command`'s `argv[0]`
-    /// without a `/`): normally the worker's `PATH`. Relative entries are ignored.
+    /// Directories searched, in order, for bare program names (`uv`, `python3`, `node`, `go`, and a `command`'s
+    /// `argv[0]` without a `/`): normally the worker's `PATH`. Relative entries are ignored.
     pub search_path: Vec<PathBuf>,
+    /// Who must be able to run what is resolved.
+    pub runner: Runner,
 }
 
 impl LoadOptions {
-    /// Options searching the worker's own `PATH`.
+    /// Options searching the worker's own `PATH`, for plugins run as the worker's own uid.
     pub fn from_env() -> LoadOptions {
         let search_path = std::env::var_os("PATH")
             .map(|p| std::env::split_paths(&p).collect())
             .unwrap_or_default();
-        LoadOptions { search_path }
+        LoadOptions {
+            search_path,
+            runner: Runner::Worker,
+        }
+    }
+
+    /// Options searching the worker's own `PATH` for programs the plugins can run under `run_as` (what a worker
+    /// uses: its [`crate::config::WorkerConfig::run_as`]).
+    pub fn for_run_as(run_as: &RunAs) -> LoadOptions {
+        LoadOptions::from_env().with_runner(Runner::of(run_as))
     }
 
     /// Options searching exactly `dirs`.
@@ -257,20 +292,85 @@ impl LoadOptions {
     {
         LoadOptions {
             search_path: dirs.into_iter().map(Into::into).collect(),
+            runner: Runner::Worker,
         }
     }
 
-    /// The absolute path of the first executable regular file named `program` on the search path.
+    /// These options with `runner`.
+    #[must_use]
+    pub fn with_runner(mut self, runner: Runner) -> LoadOptions {
+        self.runner = runner;
+        self
+    }
+
+    /// The absolute path of the first executable regular file named `program` on the search path that the
+    /// [`Runner`] can execute.
     pub fn lookup(&self, program: &str) -> Option<PathBuf> {
+        self.search(program).ok()
+    }
+
+    /// [`lookup`](Self::lookup), or every candidate found and what stops the runner from executing it (empty:
+    /// `program` is nowhere on the search path).
+    fn search(&self, program: &str) -> Result<PathBuf, Vec<BlockedProgram>> {
         if program.is_empty() || program.contains('/') || program.contains('\0') {
-            return None;
+            return Err(Vec::new());
         }
-        self.search_path
+        let mut blocked = Vec::new();
+        for candidate in self
+            .search_path
             .iter()
             .filter(|dir| dir.is_absolute())
             .map(|dir| dir.join(program))
-            .find(|candidate| executable_file(candidate) == FileCheck::Ok)
+            .filter(|candidate| executable_file(candidate) == FileCheck::Ok)
+        {
+            match self.blockers(&candidate, Access::Execute) {
+                None => return Ok(candidate),
+                Some(blockers) => blocked.push(BlockedProgram {
+                    path: candidate,
+                    blockers,
+                }),
+            }
+        }
+        Err(blocked)
     }
+
+    /// What stops the runner from reaching `path` with `access`; `None`: nothing (always for
+    /// [`Runner::Worker`]). A path that cannot be inspected is left to fail at spawn.
+    fn blockers(&self, path: &Path, access: Access) -> Option<Vec<Blocker>> {
+        match self.runner {
+            Runner::Worker => None,
+            Runner::OtherUsers => reach::blockers(path, access).ok().filter(|b| !b.is_empty()),
+        }
+    }
+
+    /// `program` on the search path, or why not: [`CatalogueError::MissingRuntime`] (for `kind`'s default
+    /// launch) or [`CatalogueError::CommandNotFound`] (for a `command`) when it is nowhere,
+    /// [`CatalogueError::RuntimeUnreachable`] when it is only where the plugins cannot run it.
+    fn require(
+        &self,
+        program: &str,
+        missing: impl FnOnce() -> CatalogueError,
+    ) -> Result<PathBuf, CatalogueError> {
+        self.search(program).map_err(|blocked| {
+            if blocked.is_empty() {
+                missing()
+            } else {
+                CatalogueError::RuntimeUnreachable {
+                    program: program.to_string(),
+                    blocked,
+                }
+            }
+        })
+    }
+}
+
+/// A program found on the search path that the plugins' uids cannot execute.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockedProgram {
+    /// Where it was found.
+    pub path: PathBuf,
+    /// What is in the way (outermost first).
+    pub blockers: Vec<Blocker>,
 }
 
 /// Why an install could not be loaded (or, for [`Catalogue::load`]'s `Err`, why the catalogue could not be read).
@@ -374,6 +474,55 @@ pub enum CatalogueError {
         /// The `executa.json` of the install that kept it.
         first: PathBuf,
     },
+    /// A program the launch needs is on the search path only where the plugins' uids cannot execute it (a
+    /// pyenv shim under root's 0700 home…).
+    #[error(
+        "`{program}` is on PATH only where the plugins' uids cannot execute it: {}; install `{program}` \
+         system-wide (e.g. /usr/bin/{program}), or run `{}`",
+        blocked.iter().map(|b| format!("{} ({})", b.path.display(), join_blockers(&b.blockers))).collect::<Vec<_>>().join("; "),
+        blocked.first().map(|b| reach::fix(&b.blockers)).unwrap_or_default()
+    )]
+    RuntimeUnreachable {
+        /// The program name.
+        program: String,
+        /// Every candidate found, with what stops the plugins from executing it.
+        blocked: Vec<BlockedProgram>,
+    },
+    /// A directory or file the plugin needs is out of its uid's reach (a catalogue under a 0700 `mktemp -d`…).
+    #[error("{what} {} is out of the plugins' reach: {}", path.display(), reach::describe(blockers))]
+    Unreachable {
+        /// What it is (`the catalogue directory`, `the install directory`, `the program`, `the script's module`).
+        what: &'static str,
+        /// The path.
+        path: PathBuf,
+        /// What is in the way, and (in the message) the `chmod` that fixes it.
+        blockers: Vec<Blocker>,
+    },
+    /// The type's default launch found nothing to run; every place looked at is listed.
+    #[error("type {kind}: nothing to launch; tried {} (or set `command`)", tried.join("; "))]
+    NothingToLaunch {
+        /// The install's type.
+        kind: InstallType,
+        /// What was looked for, in order, and why each did not apply.
+        tried: Vec<String>,
+    },
+    /// A `pyproject.toml` is not valid TOML.
+    #[error("{}: invalid TOML: {source}", path.display())]
+    Toml {
+        /// The file.
+        path: PathBuf,
+        /// The parser's error (line and column).
+        #[source]
+        source: toml::de::Error,
+    },
+    /// A `pyproject.toml` or `package.json` is well-formed but a field the launch uses is not usable.
+    #[error("{}: {reason}", path.display())]
+    BadFile {
+        /// The file.
+        path: PathBuf,
+        /// The field and what is wrong with it.
+        reason: String,
+    },
     /// A path that must appear in the argv is not valid UTF-8.
     #[error("{}: path is not valid UTF-8", path.display())]
     NonUtf8Path {
@@ -390,6 +539,9 @@ impl CatalogueError {
             | CatalogueError::NotAFile { path }
             | CatalogueError::TooLarge { path, .. }
             | CatalogueError::Json { path, .. }
+            | CatalogueError::Toml { path, .. }
+            | CatalogueError::BadFile { path, .. }
+            | CatalogueError::Unreachable { path, .. }
             | CatalogueError::NonUtf8Path { path } => Some(path),
             _ => None,
         }
@@ -464,6 +616,21 @@ impl Catalogue {
             dir: dir.to_path_buf(),
             installs: BTreeMap::new(),
         };
+        // A catalogue the plugins cannot reach is one problem, not one per install.
+        if let Some(blockers) = opts.blockers(dir, Access::Search) {
+            let error = CatalogueError::Unreachable {
+                what: "the catalogue directory",
+                path: dir.to_path_buf(),
+                blockers,
+            };
+            return Ok((
+                catalogue,
+                vec![CatalogueProblem {
+                    path: dir.to_path_buf(),
+                    error,
+                }],
+            ));
+        }
         let mut first_paths: HashMap<String, PathBuf> = HashMap::new();
         let mut problems = Vec::new();
         for name in names {
@@ -546,6 +713,10 @@ impl<'a> IntoIterator for &'a Catalogue {
 struct Entry {
     tool_id: String,
     kind: InstallType,
+    /// The SDK's `name` (a label, not the identity): a script / `bin` key the launch looks for.
+    name: Option<String>,
+    /// The SDK's `slug`: likewise.
+    slug: Option<String>,
     command: Option<Vec<String>>,
     enabled: bool,
     limits: LimitOverrides,
@@ -578,6 +749,15 @@ fn load_install(sub: &Path, manifest: &Path, opts: &LoadOptions) -> Result<Insta
         source,
     })?;
     let dir_str = path_string(dir.clone())?;
+    if entry.enabled
+        && let Some(blockers) = opts.blockers(&dir, Access::Search)
+    {
+        return Err(CatalogueError::Unreachable {
+            what: "the install directory",
+            path: dir,
+            blockers,
+        });
+    }
     let argv = if entry.enabled {
         resolve_argv(&entry, &dir, &dir_str, opts)?
     } else {
@@ -625,6 +805,14 @@ fn parse_entry(value: &Value) -> Result<Entry, CatalogueError> {
         }
         Some(other) => return Err(expected("type", "a string", other)),
     };
+
+    let [name, slug] = ["name", "slug"].map(|field| match optional(obj, field) {
+        None => Ok(None),
+        Some(Value::String(s)) if s.is_empty() => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(other) => Err(expected(field, "a string", other)),
+    });
+    let (name, slug) = (name?, slug?);
 
     let command = optional(obj, "command").map(parse_command).transpose()?;
 
@@ -708,6 +896,8 @@ fn parse_entry(value: &Value) -> Result<Entry, CatalogueError> {
     Ok(Entry {
         tool_id,
         kind,
+        name,
+        slug,
         command,
         enabled,
         limits,
@@ -823,36 +1013,42 @@ fn resolve_argv(
     dir_str: &str,
     opts: &LoadOptions,
 ) -> Result<Vec<String>, CatalogueError> {
-    if let Some(command) = &entry.command {
-        return resolve_command(command, dir, opts);
+    let argv = if let Some(command) = &entry.command {
+        resolve_command(command, dir, opts)?
+    } else {
+        default_argv(entry, dir, dir_str, opts)?
+    };
+    // Bare names were looked up for the runner already; a path (an install's own binary, a `command` with a
+    // `/`) is checked here.
+    if let Some(program) = argv.first()
+        && let Some(blockers) = opts.blockers(Path::new(program), Access::Execute)
+    {
+        return Err(CatalogueError::Unreachable {
+            what: "the program",
+            path: PathBuf::from(program),
+            blockers,
+        });
     }
+    Ok(argv)
+}
+
+fn default_argv(
+    entry: &Entry,
+    dir: &Path,
+    dir_str: &str,
+    opts: &LoadOptions,
+) -> Result<Vec<String>, CatalogueError> {
     let runtime = |program: &'static str| {
-        opts.lookup(program)
-            .ok_or(CatalogueError::MissingRuntime {
-                kind: entry.kind,
-                program,
-            })
-            .and_then(path_string)
+        opts.require(program, || CatalogueError::MissingRuntime {
+            kind: entry.kind,
+            program,
+        })
+        .and_then(path_string)
     };
     match entry.kind {
-        InstallType::Python => {
-            if opts.lookup("uv").is_none()
-                && let Some(argv) = python_fallback(dir, &entry.tool_id, opts)?
-            {
-                return Ok(argv);
-            }
-            require_file(dir, "pyproject.toml", entry.kind)?;
-            let uv = runtime("uv")?;
-            Ok(vec![
-                uv,
-                "run".into(),
-                "--project".into(),
-                dir_str.to_string(),
-                entry.tool_id.clone(),
-            ])
-        }
+        InstallType::Python => python_argv(entry, dir, dir_str, opts),
         InstallType::Node => {
-            let main = node_entry(dir, &entry.tool_id)?;
+            let main = node_entry(dir, entry)?;
             let node = runtime("node")?;
             Ok(vec![node, path_string(main)?])
         }
@@ -903,10 +1099,9 @@ fn resolve_command(
             }
         }
     } else {
-        opts.lookup(program)
-            .ok_or_else(|| CatalogueError::CommandNotFound {
-                program: program.clone(),
-            })?
+        opts.require(program, || CatalogueError::CommandNotFound {
+            program: program.clone(),
+        })?
     };
     let mut argv = Vec::with_capacity(command.len());
     argv.push(path_string(resolved)?);
@@ -914,30 +1109,290 @@ fn resolve_command(
     Ok(argv)
 }
 
-/// The scripts the `python` fallback runs, in order (`{tool_id}` is replaced).
+/// The scripts the `python` fallback runs, in order (`{tool_id}` is replaced), when `pyproject.toml` names no
+/// script to run.
 pub const PYTHON_FALLBACK_SCRIPTS: [&str; 3] = ["{tool_id}.py", "main.py", "__main__.py"];
 
-/// Without `uv` on the search path, a `python` install with a stdlib-only script is run as
-/// `[<python3>, <dir>/<script>]`, the script being the first of [`PYTHON_FALLBACK_SCRIPTS`] present. `None`: no such
-/// script (the caller then reports the missing `uv`); an error: the script exists but `python3` is not on PATH.
-/// No dependency is installed by the fallback: production Python plugins should ship with `uv` present.
-fn python_fallback(
+/// The project file of a `python` install.
+pub const PYPROJECT_FILE: &str = "pyproject.toml";
+
+/// Where a project's top-level modules are looked for, in order: the flat layout, then the `src/` layout.
+pub const PYTHON_MODULE_ROOTS: [&str; 2] = [".", "src"];
+
+/// The program `python3 -c` runs for a console script without `uv`: what pip's generated wrapper does
+/// (`sys.exit(<module>:<attr>())`). Its four arguments — the directory put first on `sys.path`, the module, the
+/// attribute path and the script's name — follow the program and are removed from `sys.argv` before the
+/// plugin's code runs, so the plugin sees `sys.argv == [<script name>, <arguments the host adds>…]`. Nothing
+/// of the install is spliced into the code itself.
+pub const PYTHON_SCRIPT_LAUNCHER: &str = "import importlib, sys
+root, module, attr, name = sys.argv[1:5]
+del sys.argv[1:5]
+sys.argv[0] = name
+sys.path.insert(0, root)
+target = importlib.import_module(module)
+for part in attr.split('.'):
+    target = getattr(target, part)
+sys.exit(target())
+";
+
+/// A `[project.scripts]` entry: `name = "module.path:attr.path [extras]"`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Script {
+    name: String,
+    module: String,
+    attr: String,
+}
+
+/// The launch of a `python` install (spec §14.5, extended to what the SDK's examples ship):
+///
+/// 1. The script: the `pyproject.toml` `[project.scripts]` key equal to the `tool_id`, else to the manifest's
+///    `name`, else to its `slug`, else the only script. With `uv`: `uv run --project <dir> <script>`; without:
+///    `python3 -c <PYTHON_SCRIPT_LAUNCHER> <root> <module> <attr> <script>` (stdlib-only projects; the module is
+///    looked for under [`PYTHON_MODULE_ROOTS`]).
+/// 2. No such script: with `uv` and a `pyproject.toml` that declares no script at all, `uv run --project <dir>
+///    <tool_id>` (the dev harness's default, for build back-ends that declare scripts elsewhere); else the first
+///    of [`PYTHON_FALLBACK_SCRIPTS`] present, run by `python3`.
+/// 3. Otherwise [`CatalogueError::NothingToLaunch`], listing each step tried.
+fn python_argv(
+    entry: &Entry,
     dir: &Path,
-    tool_id: &str,
+    dir_str: &str,
     opts: &LoadOptions,
-) -> Result<Option<Vec<String>>, CatalogueError> {
-    let Some(script) = PYTHON_FALLBACK_SCRIPTS
-        .iter()
-        .map(|s| dir.join(s.replace("{tool_id}", tool_id)))
-        .find(|p| fs::symlink_metadata(p).is_ok_and(|m| m.is_file()))
-    else {
-        return Ok(None);
+) -> Result<Vec<String>, CatalogueError> {
+    let pyproject = dir.join(PYPROJECT_FILE);
+    let scripts = read_scripts(&pyproject)?;
+    let mut tried = Vec::new();
+    let python3 = || {
+        opts.require("python3", || CatalogueError::MissingRuntime {
+            kind: InstallType::Python,
+            program: "python3",
+        })
+        .and_then(path_string)
     };
-    let python = opts.lookup("python3").ok_or(CatalogueError::MissingRuntime {
+    let uv = opts.lookup("uv");
+    if let Some(scripts) = &scripts {
+        if let Some(script) = choose_script(scripts, entry, &mut tried) {
+            let script = parse_script(&pyproject, script)?;
+            if let Some(uv) = uv {
+                return Ok(vec![
+                    path_string(uv)?,
+                    "run".into(),
+                    "--project".into(),
+                    dir_str.to_string(),
+                    script.name,
+                ]);
+            }
+            let root = module_root(dir, &script, opts)?;
+            return Ok(vec![
+                python3()?,
+                "-c".into(),
+                PYTHON_SCRIPT_LAUNCHER.into(),
+                path_string(root)?,
+                script.module,
+                script.attr,
+                script.name,
+            ]);
+        }
+        if scripts.is_empty() {
+            match uv {
+                Some(uv) => {
+                    return Ok(vec![
+                        path_string(uv)?,
+                        "run".into(),
+                        "--project".into(),
+                        dir_str.to_string(),
+                        entry.tool_id.clone(),
+                    ]);
+                }
+                None => tried.push(format!(
+                    "`uv run --project <dir> {}` (`uv` is not on PATH)",
+                    entry.tool_id
+                )),
+            }
+        }
+    } else {
+        tried.push(format!(
+            "`{PYPROJECT_FILE}` `[project.scripts]` (no {PYPROJECT_FILE})"
+        ));
+    }
+    let fallbacks: Vec<String> = PYTHON_FALLBACK_SCRIPTS
+        .iter()
+        .map(|s| s.replace("{tool_id}", &entry.tool_id))
+        .collect();
+    if let Some(script) = fallbacks
+        .iter()
+        .map(|s| dir.join(s))
+        .find(|p| fs::symlink_metadata(p).is_ok_and(|m| m.is_file()))
+    {
+        return Ok(vec![python3()?, path_string(script)?]);
+    }
+    tried.push(format!("the scripts {} (none exists)", fallbacks.join(", ")));
+    Err(CatalogueError::NothingToLaunch {
         kind: InstallType::Python,
-        program: "python3",
+        tried,
+    })
+}
+
+/// The `[project.scripts]` of `path`, in key order; `None` when there is no such file, empty when it declares
+/// no script.
+fn read_scripts(path: &Path) -> Result<Option<Vec<(String, String)>>, CatalogueError> {
+    let bytes = match read_small_file(path) {
+        Err(CatalogueError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
+            return Ok(None);
+        }
+        other => other?,
+    };
+    let bad = |reason: String| CatalogueError::BadFile {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let text = String::from_utf8(bytes).map_err(|e| bad(format!("not UTF-8: {e}")))?;
+    let doc: toml::Table = text.parse().map_err(|source| CatalogueError::Toml {
+        path: path.to_path_buf(),
+        source,
     })?;
-    Ok(Some(vec![path_string(python)?, path_string(script)?]))
+    let scripts = match doc.get("project") {
+        None => return Ok(Some(Vec::new())),
+        Some(toml::Value::Table(project)) => match project.get("scripts") {
+            None => return Ok(Some(Vec::new())),
+            Some(toml::Value::Table(scripts)) => scripts,
+            Some(other) => {
+                return Err(bad(format!(
+                    "`[project.scripts]` must be a table, found {}",
+                    other.type_str()
+                )));
+            }
+        },
+        Some(other) => {
+            return Err(bad(format!(
+                "`project` must be a table, found {}",
+                other.type_str()
+            )));
+        }
+    };
+    let mut out = Vec::with_capacity(scripts.len());
+    for (name, target) in scripts {
+        let toml::Value::String(target) = target else {
+            return Err(bad(format!(
+                "`[project.scripts]` `{name}` must be a string (\"module:function\"), found {}",
+                target.type_str()
+            )));
+        };
+        out.push((name.clone(), target.clone()));
+    }
+    Ok(Some(out))
+}
+
+/// The script to run: the key equal to the `tool_id`, the manifest's `name`, its `slug`, else the only one.
+/// Each step that did not match is added to `tried`.
+fn choose_script<'a>(
+    scripts: &'a [(String, String)],
+    entry: &Entry,
+    tried: &mut Vec<String>,
+) -> Option<&'a (String, String)> {
+    if scripts.is_empty() {
+        tried.push(format!(
+            "`[project.scripts]` ({PYPROJECT_FILE} declares no script)"
+        ));
+        return None;
+    }
+    let keys = [
+        ("tool_id", Some(entry.tool_id.as_str())),
+        ("name", entry.name.as_deref()),
+        ("slug", entry.slug.as_deref()),
+    ];
+    for (field, key) in keys {
+        let Some(key) = key else { continue };
+        if let Some(found) = scripts.iter().find(|(name, _)| name == key) {
+            return Some(found);
+        }
+        tried.push(format!(
+            "`[project.scripts]` key `{key}` (the manifest's `{field}`)"
+        ));
+    }
+    if let [only] = scripts {
+        return Some(only);
+    }
+    let names: Vec<&str> = scripts.iter().map(|(n, _)| n.as_str()).collect();
+    tried.push(format!(
+        "the only `[project.scripts]` entry (it declares {}: {})",
+        names.len(),
+        names.join(", ")
+    ));
+    None
+}
+
+/// Parses a `[project.scripts]` target (`module.path:attr.path`, an optional `[extras]` suffix ignored). Both
+/// sides must be dotted identifiers: they are passed to Python as data, never as code, but a typo is better
+/// reported at load.
+fn parse_script(pyproject: &Path, (name, target): &(String, String)) -> Result<Script, CatalogueError> {
+    let bad = |why: &str| CatalogueError::BadFile {
+        path: pyproject.to_path_buf(),
+        reason: format!("`[project.scripts]` `{name}` = {target:?}: {why}"),
+    };
+    let spec = target.split('[').next().unwrap_or_default().trim();
+    let Some((module, attr)) = spec.split_once(':') else {
+        return Err(bad("expected \"module:function\""));
+    };
+    let (module, attr) = (module.trim(), attr.trim());
+    let dotted = |s: &str| {
+        !s.is_empty()
+            && s.split('.').all(|part| {
+                part.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+                    && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+            })
+    };
+    if !dotted(module) {
+        return Err(bad("the module is not a dotted Python name"));
+    }
+    if !dotted(attr) {
+        return Err(bad("the function is not a dotted Python name"));
+    }
+    Ok(Script {
+        name: name.clone(),
+        module: module.to_string(),
+        attr: attr.to_string(),
+    })
+}
+
+/// The directory under [`PYTHON_MODULE_ROOTS`] holding the script's top-level module (`<m>.py`, `<m>/`), checked
+/// readable by the runner (Python lists the directory and reads the file).
+fn module_root(dir: &Path, script: &Script, opts: &LoadOptions) -> Result<PathBuf, CatalogueError> {
+    let top = script.module.split('.').next().unwrap_or_default();
+    let mut tried = Vec::new();
+    for root in PYTHON_MODULE_ROOTS {
+        let base = normalize(&dir.join(root));
+        for candidate in [base.join(format!("{top}.py")), base.join(top)] {
+            if !candidate.exists() {
+                tried.push(path_display(dir, &candidate));
+                continue;
+            }
+            for (path, access) in [(&base, Access::Read), (&candidate, Access::Read)] {
+                if let Some(blockers) = opts.blockers(path, access) {
+                    return Err(CatalogueError::Unreachable {
+                        what: "the script's module",
+                        path: path.clone(),
+                        blockers,
+                    });
+                }
+            }
+            return Ok(base);
+        }
+    }
+    Err(CatalogueError::NothingToLaunch {
+        kind: InstallType::Python,
+        tried: vec![format!(
+            "`[project.scripts]` `{}` = module `{}`: none of {} exists",
+            script.name,
+            script.module,
+            tried.join(", ")
+        )],
+    })
+}
+
+/// `path` relative to `dir` when it is under it (for messages).
+fn path_display(dir: &Path, path: &Path) -> String {
+    path.strip_prefix(dir).unwrap_or(path).display().to_string()
 }
 
 fn require_file(dir: &Path, name: &str, kind: InstallType) -> Result<(), CatalogueError> {
@@ -950,8 +1405,10 @@ fn require_file(dir: &Path, name: &str, kind: InstallType) -> Result<(), Catalog
     }
 }
 
-/// The file `node` should run: `package.json` `bin[tool_id]` → `bin` (a string) → `main` → `module`.
-fn node_entry(dir: &Path, tool_id: &str) -> Result<PathBuf, CatalogueError> {
+/// The file `node` should run: `package.json` `bin[tool_id]` → `bin[name]` (the manifest's `name`, then its
+/// `slug`, then `package.json`'s own `name`) → `bin` (a string) → `main` → `module`.
+fn node_entry(dir: &Path, entry: &Entry) -> Result<PathBuf, CatalogueError> {
+    let tool_id = entry.tool_id.as_str();
     let pkg_path = dir.join("package.json");
     let bytes = match read_small_file(&pkg_path) {
         Err(CatalogueError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
@@ -966,23 +1423,38 @@ fn node_entry(dir: &Path, tool_id: &str) -> Result<PathBuf, CatalogueError> {
         source,
     })?;
     let bin = pkg.get("bin");
-    let candidates = [
-        (
-            "bin",
-            bin.and_then(|b| b.as_object())
-                .and_then(|m| non_empty(m.get(tool_id))),
-        ),
-        ("bin", non_empty(bin)),
-        ("main", non_empty(pkg.get("main"))),
-        ("module", non_empty(pkg.get("module"))),
-    ];
+    let bin_map = bin.and_then(|b| b.as_object());
+    let mut keys: Vec<&str> = vec![tool_id];
+    for key in [
+        entry.name.as_deref(),
+        entry.slug.as_deref(),
+        non_empty(pkg.get("name")),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        if !keys.contains(&key) {
+            keys.push(key);
+        }
+    }
+    let mut candidates: Vec<(String, Option<&str>)> = keys
+        .iter()
+        .map(|k| (format!("bin.{k}"), bin_map.and_then(|m| non_empty(m.get(*k)))))
+        .collect();
+    candidates.extend([
+        ("bin".to_string(), non_empty(bin)),
+        ("main".to_string(), non_empty(pkg.get("main"))),
+        ("module".to_string(), non_empty(pkg.get("module"))),
+    ]);
     let Some((field, entry)) = candidates
-        .into_iter()
+        .iter()
         .find_map(|(field, entry)| entry.map(|e| (field, e)))
     else {
+        let tried: Vec<String> = candidates.iter().map(|(f, _)| format!("`{f}`")).collect();
         return Err(CatalogueError::NoEntrypoint {
             reason: format!(
-                "`package.json` has no entry point: none of `bin.{tool_id}`, `bin` (a string), `main`, `module` (or set `command`)"
+                "`package.json` has no entry point: none of {} (`bin` a string) (or set `command`)",
+                tried.join(", ")
             ),
         });
     };
@@ -1003,6 +1475,14 @@ fn node_entry(dir: &Path, tool_id: &str) -> Result<PathBuf, CatalogueError> {
                 "`package.json` `{field}` is {entry:?}, which does not exist in the install directory"
             ),
         })
+}
+
+fn join_blockers(blockers: &[Blocker]) -> String {
+    blockers
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn non_empty(value: Option<&Value>) -> Option<&str> {

@@ -78,10 +78,62 @@ pub enum DetectError {
     /// The probe could not run at all (sandbox).
     #[error("cannot run the detection probe: {0}")]
     Probe(String),
+    /// The plugin's program could not be started (a launch failure, whatever the dialect: `argv[0]` missing or
+    /// not executable by the plugin's uid).
+    #[error("cannot start {program:?}: {reason}")]
+    Launch {
+        /// `argv[0]`.
+        program: String,
+        /// The OS's answer.
+        reason: String,
+    },
     /// The install changed since detection (binary, kind or major version): refused until the catalogue is
     /// reloaded.
     #[error("plugin quarantined: {0}")]
     Quarantined(String),
+}
+
+/// Which step refused an install ([`DetectError::stage`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RefusalStage {
+    /// The program did not start.
+    Launch,
+    /// The probe's sandbox could not be prepared.
+    Sandbox,
+    /// The launch's files could not be read.
+    Files,
+    /// The plugin's answer: a mismatch with the declared protocol, an Animus kind or version not hosted.
+    Dialect,
+    /// The install changed since detection.
+    Quarantine,
+}
+
+impl RefusalStage {
+    /// The stage's name (`launch`, `sandbox`, `files`, `dialect`, `quarantine`), as error details carry it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RefusalStage::Launch => "launch",
+            RefusalStage::Sandbox => "sandbox",
+            RefusalStage::Files => "files",
+            RefusalStage::Dialect => "dialect",
+            RefusalStage::Quarantine => "quarantine",
+        }
+    }
+}
+
+impl DetectError {
+    /// Which step refused the install: only [`RefusalStage::Dialect`] is about what the plugin speaks.
+    pub fn stage(&self) -> RefusalStage {
+        match self {
+            DetectError::Launch { .. } => RefusalStage::Launch,
+            DetectError::Probe(_) => RefusalStage::Sandbox,
+            DetectError::Fingerprint(_) => RefusalStage::Files,
+            DetectError::Mismatch { .. } | DetectError::KindNotHosted { .. } | DetectError::Version(_) => {
+                RefusalStage::Dialect
+            }
+            DetectError::Quarantined(_) => RefusalStage::Quarantine,
+        }
+    }
 }
 
 type DetectCell = OnceCell<Result<Detected, DetectError>>;
@@ -309,7 +361,10 @@ async fn probe_manifest(
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
     let result = match cmd.spawn() {
-        Err(e) => Err(DetectError::Probe(format!("cannot start {program:?}: {e}"))),
+        Err(e) => Err(DetectError::Launch {
+            program: program.clone(),
+            reason: e.to_string(),
+        }),
         Ok(mut child) => {
             let mut out = Vec::new();
             let read = async {
