@@ -920,3 +920,41 @@ fn trace_context() -> serde_json::Map<String, Value> {
 pub fn new_invoke_id() -> JobId {
     JobId::from_bytes(rand::random())
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use fleet_worker::animus::DetectError;
+
+    use super::*;
+
+    /// A program that does not start is a launch failure; only a refusal of the plugin's answer names a dialect.
+    #[test]
+    fn a_launch_failure_is_not_reported_as_a_dialect() {
+        let launch = failure(
+            &PoolError::Refused(DetectError::Launch {
+                program: "/root/.pyenv/shims/python3".into(),
+                reason: "Permission denied (os error 13)".into(),
+            }),
+            1000,
+            None,
+        );
+        assert_eq!(launch.code, ApiErrorCode::ExecutaUnavailable);
+        assert_eq!(
+            launch.details,
+            Some(json!({ "retriable": false, "stage": "launch" }))
+        );
+        assert!(launch.message.contains("Permission denied"), "{}", launch.message);
+
+        let kind = failure(
+            &PoolError::Refused(DetectError::KindNotHosted { kind: "tool".into() }),
+            1000,
+            None,
+        );
+        assert_eq!(
+            kind.details,
+            Some(json!({ "retriable": false, "stage": "dialect", "dialect": "animus" }))
+        );
+    }
+}

@@ -364,9 +364,8 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             sandbox_stub: Some(crate::worker_cmd::STUB_PROGRAM.into()),
             ..WorkerConfig::default()
         };
-        let (catalogue, problems) =
-            Catalogue::load(&config.catalogue_dir, &LoadOptions::for_run_as(&config.run_as))
-                .map_err(|e| other("catalogue")(&e))?;
+        let (catalogue, problems) = Catalogue::load(&config.catalogue_dir, &LoadOptions::for_worker(&config))
+            .map_err(|e| other("catalogue")(&e))?;
         if i == 0 {
             for p in &problems {
                 say(&format!("catalogue     skipped {p}"));

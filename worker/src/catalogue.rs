@@ -44,7 +44,7 @@ use fleet_proto::limits;
 use rustix::fs::{Mode, OFlags};
 use serde_json::{Map, Value};
 
-use crate::config::{LimitOverrides, RunAs};
+use crate::config::{IsolationMode, LimitOverrides, RunAs, WorkerConfig};
 use crate::sandbox::reach::{self, Access, Blocker};
 
 /// The file that describes an install.
@@ -243,15 +243,22 @@ pub enum Runner {
     /// apply, so a program, the install directory and every directory on their way must grant them (see
     /// [`crate::sandbox::reach`]). A program found only where they cannot reach it (a pyenv shim in root's 0700
     /// home) is skipped for the next `PATH` entry, and reported with its fix when no entry works.
-    OtherUsers,
+    OtherUsers {
+        /// The plugins get a private `/tmp` (namespaces on): what they need under `/tmp` is mounted back into
+        /// it and the directories leading there are created afresh, so only the mounted directory and what is
+        /// beneath it keep their modes (a catalogue in a 0700 `mktemp -d` works then).
+        private_tmp: bool,
+    },
 }
 
 impl Runner {
-    /// The runner of plugins under `run_as`.
-    pub fn of(run_as: &RunAs) -> Runner {
-        match run_as {
+    /// The runner of a worker's plugins: its `run_as`, and whether its confinement gives them a private `/tmp`.
+    pub fn of(config: &WorkerConfig) -> Runner {
+        match config.run_as {
             RunAs::Inherit => Runner::Worker,
-            RunAs::PerUser { .. } => Runner::OtherUsers,
+            RunAs::PerUser { .. } => Runner::OtherUsers {
+                private_tmp: config.isolation == IsolationMode::Cgroup && config.confinement.namespaces,
+            },
         }
     }
 }
@@ -278,10 +285,10 @@ impl LoadOptions {
         }
     }
 
-    /// Options searching the worker's own `PATH` for programs the plugins can run under `run_as` (what a worker
-    /// uses: its [`crate::config::WorkerConfig::run_as`]).
-    pub fn for_run_as(run_as: &RunAs) -> LoadOptions {
-        LoadOptions::from_env().with_runner(Runner::of(run_as))
+    /// Options searching the worker's own `PATH` for what the plugins of a worker with `config` can run (its
+    /// `run_as` and confinement: [`Runner::of`]).
+    pub fn for_worker(config: &WorkerConfig) -> LoadOptions {
+        LoadOptions::from_env().with_runner(Runner::of(config))
     }
 
     /// Options searching exactly `dirs`.
@@ -323,7 +330,8 @@ impl LoadOptions {
             .map(|dir| dir.join(program))
             .filter(|candidate| executable_file(candidate) == FileCheck::Ok)
         {
-            match self.blockers(&candidate, Access::Execute) {
+            let kept = candidate.parent().unwrap_or(&candidate).to_path_buf();
+            match self.blockers(&candidate, Access::Execute, &kept) {
                 None => return Ok(candidate),
                 Some(blockers) => blocked.push(BlockedProgram {
                     path: candidate,
@@ -335,12 +343,18 @@ impl LoadOptions {
     }
 
     /// What stops the runner from reaching `path` with `access`; `None`: nothing (always for
-    /// [`Runner::Worker`]). A path that cannot be inspected is left to fail at spawn.
-    fn blockers(&self, path: &Path, access: Access) -> Option<Vec<Blocker>> {
-        match self.runner {
-            Runner::Worker => None,
-            Runner::OtherUsers => reach::blockers(path, access).ok().filter(|b| !b.is_empty()),
+    /// [`Runner::Worker`]). `kept` is the directory the sandbox mounts back into a private `/tmp` for this path
+    /// (the install directory, a program's directory): the directories strictly between `/tmp` and it are
+    /// created afresh there, so they cannot block. A path that cannot be inspected is left to fail at spawn.
+    fn blockers(&self, path: &Path, access: Access, kept: &Path) -> Option<Vec<Blocker>> {
+        let Runner::OtherUsers { private_tmp } = self.runner else {
+            return None;
+        };
+        let mut blockers = reach::blockers(path, access).ok()?;
+        if private_tmp {
+            blockers = reach::beyond_private_tmp(blockers, kept);
         }
+        Some(blockers).filter(|b| !b.is_empty())
     }
 
     /// `program` on the search path, or why not: [`CatalogueError::MissingRuntime`] (for `kind`'s default
@@ -617,7 +631,11 @@ impl Catalogue {
             installs: BTreeMap::new(),
         };
         // A catalogue the plugins cannot reach is one problem, not one per install.
-        if let Some(blockers) = opts.blockers(dir, Access::Search) {
+        // (Under a private `/tmp` the catalogue directory itself is re-created: only its installs are mounted.)
+        let any_install = fs::canonicalize(dir)
+            .unwrap_or_else(|_| dir.to_path_buf())
+            .join(MANIFEST_FILE);
+        if let Some(blockers) = opts.blockers(dir, Access::Search, &any_install) {
             let error = CatalogueError::Unreachable {
                 what: "the catalogue directory",
                 path: dir.to_path_buf(),
@@ -750,7 +768,7 @@ fn load_install(sub: &Path, manifest: &Path, opts: &LoadOptions) -> Result<Insta
     })?;
     let dir_str = path_string(dir.clone())?;
     if entry.enabled
-        && let Some(blockers) = opts.blockers(&dir, Access::Search)
+        && let Some(blockers) = opts.blockers(&dir, Access::Search, &dir)
     {
         return Err(CatalogueError::Unreachable {
             what: "the install directory",
@@ -1021,7 +1039,11 @@ fn resolve_argv(
     // Bare names were looked up for the runner already; a path (an install's own binary, a `command` with a
     // `/`) is checked here.
     if let Some(program) = argv.first()
-        && let Some(blockers) = opts.blockers(Path::new(program), Access::Execute)
+        && let Some(blockers) = opts.blockers(
+            Path::new(program),
+            Access::Execute,
+            Path::new(program).parent().unwrap_or(dir),
+        )
     {
         return Err(CatalogueError::Unreachable {
             what: "the program",
@@ -1368,7 +1390,7 @@ fn module_root(dir: &Path, script: &Script, opts: &LoadOptions) -> Result<PathBu
                 continue;
             }
             for (path, access) in [(&base, Access::Read), (&candidate, Access::Read)] {
-                if let Some(blockers) = opts.blockers(path, access) {
+                if let Some(blockers) = opts.blockers(path, access, dir) {
                     return Err(CatalogueError::Unreachable {
                         what: "the script's module",
                         path: path.clone(),

@@ -1418,7 +1418,8 @@ fn an_interpreter_under_a_closed_home_is_skipped_then_reported_with_its_fix() {
     chmod(&f.cat.path().join("py"), 0o755);
 
     // Only the shim: reported at load, with both fixes.
-    let opts = LoadOptions::with_search_path([shims.clone()]).with_runner(Runner::OtherUsers);
+    let opts =
+        LoadOptions::with_search_path([shims.clone()]).with_runner(Runner::OtherUsers { private_tmp: false });
     let (cat, problems) = Catalogue::load(f.cat.path(), &opts).unwrap();
     assert!(cat.is_empty());
     assert_eq!(problems.len(), 1, "{}", show(&problems));
@@ -1452,7 +1453,7 @@ fn an_interpreter_under_a_closed_home_is_skipped_then_reported_with_its_fix() {
     chmod(sys.path(), 0o755);
     write_exec(&sys.path().join("python3"), "#!/bin/sh\nexit 0\n");
     let opts = LoadOptions::with_search_path([shims.clone(), sys.path().to_path_buf()])
-        .with_runner(Runner::OtherUsers);
+        .with_runner(Runner::OtherUsers { private_tmp: false });
     let (cat, problems) = Catalogue::load(f.cat.path(), &opts).unwrap();
     assert!(problems.is_empty(), "{}", show(&problems));
     assert_eq!(cat.get("py").unwrap().argv[0], s(&sys.path().join("python3")));
@@ -1460,7 +1461,8 @@ fn an_interpreter_under_a_closed_home_is_skipped_then_reported_with_its_fix() {
 
     // Once the home is opened, the shim is usable again.
     chmod(home.path(), 0o711);
-    let opts = LoadOptions::with_search_path([shims.clone()]).with_runner(Runner::OtherUsers);
+    let opts =
+        LoadOptions::with_search_path([shims.clone()]).with_runner(Runner::OtherUsers { private_tmp: false });
     assert_eq!(opts.lookup("python3"), Some(shims.join("python3")));
 }
 
@@ -1470,7 +1472,7 @@ fn a_catalogue_under_a_closed_directory_is_one_problem_naming_the_chmod() {
     f.install("py", r#"{"tool_id": "py", "type": "python"}"#);
     f.file("py/main.py", "");
     chmod(f.cat.path(), 0o700); // as `mktemp -d` makes it
-    let opts = f.opts().with_runner(Runner::OtherUsers);
+    let opts = f.opts().with_runner(Runner::OtherUsers { private_tmp: false });
     let (cat, problems) = Catalogue::load(f.cat.path(), &opts).unwrap();
     assert!(cat.is_empty());
     assert_eq!(problems.len(), 1, "{}", show(&problems));
@@ -1486,6 +1488,15 @@ fn a_catalogue_under_a_closed_directory_is_one_problem_naming_the_chmod() {
             cat_c.display()
         )
     );
+    // Plugins with a private /tmp see their install mounted back, the directories leading there re-created.
+    if cat_c.starts_with("/tmp") {
+        let private = f.opts().with_runner(Runner::OtherUsers { private_tmp: true });
+        let (cat, problems) = Catalogue::load(f.cat.path(), &private).unwrap();
+        assert!(problems.is_empty(), "{}", show(&problems));
+        assert_eq!(cat.len(), 1);
+    } else {
+        println!("skipping the private /tmp half: the fixture is not under /tmp");
+    }
 }
 
 #[test]
@@ -1510,7 +1521,7 @@ fn an_install_dir_program_or_module_out_of_reach_is_reported_per_install() {
     let secret = f.file("c-module/secret.py", "");
     chmod(&secret, 0o600);
 
-    let opts = f.opts().with_runner(Runner::OtherUsers);
+    let opts = f.opts().with_runner(Runner::OtherUsers { private_tmp: false });
     let (cat, problems) = Catalogue::load(f.cat.path(), &opts).unwrap();
     assert!(
         cat.is_empty(),

@@ -86,7 +86,7 @@ impl Installer {
             client,
             store,
             opts,
-            LoadOptions::for_run_as(&pool.context().config.run_as),
+            LoadOptions::for_worker(&pool.context().config),
         )
         .await
     }

@@ -127,6 +127,24 @@ pub fn blockers(path: &Path, access: Access) -> io::Result<Vec<Blocker>> {
     Ok(ordered)
 }
 
+/// Where plugins get a private tmpfs when their sandbox has namespaces (`confine`).
+pub const PRIVATE_TMP: &str = "/tmp";
+
+/// `blockers` without those a private `/tmp` does away with: a path under `/tmp` that the sandbox needs is
+/// mounted back into the plugin's private `/tmp` as `kept` (an install directory, a program's directory, a
+/// TMPDIR), and the directories strictly between `/tmp` and `kept` are created afresh there — only `kept` and
+/// what is beneath it keep their modes.
+pub fn beyond_private_tmp(mut blockers: Vec<Blocker>, kept: &Path) -> Vec<Blocker> {
+    let tmp = fs::canonicalize(PRIVATE_TMP).unwrap_or_else(|_| PathBuf::from(PRIVATE_TMP));
+    let kept = fs::canonicalize(kept).unwrap_or_else(|_| kept.to_path_buf());
+    blockers.retain(|b| {
+        let recreated =
+            b.path.starts_with(&tmp) && b.path != tmp && kept.starts_with(&b.path) && b.path != kept;
+        !recreated
+    });
+    blockers
+}
+
 /// The shell command that lets other users through `blockers`: `chmod o+x A B` (then `&& chmod o+r C` when a
 /// file must also be readable). Paths are quoted for a POSIX shell when they need it.
 pub fn fix(blockers: &[Blocker]) -> String {
