@@ -1238,3 +1238,120 @@ async fn an_interpreter_the_plugins_cannot_execute_is_reported_at_load_and_its_s
     assert!(err.to_string().contains("Permission denied"), "{err}");
     w.pool.shutdown().await;
 }
+
+/// Stands in for `uv sync` (`uv` is not installed on the test machines): appends its arguments to `count`, fails
+/// while `fail` exists, and otherwise makes the environment with the system's `python3` (the SDK example is
+/// stdlib-only, so an environment without packages is what `uv sync` would make of it).
+fn fake_uv(
+    path: &std::path::Path,
+    count: &std::path::Path,
+    fail: &std::path::Path,
+    python: &std::path::Path,
+) {
+    use std::os::unix::fs::PermissionsExt as _;
+    let script = format!(
+        "#!/bin/sh\necho \"$*\" >> '{}'\nif [ -e '{}' ]; then echo 'error: no solution found (test)' >&2; exit 1; fi\n\
+         exec '{}' -m venv --without-pip \"$UV_PROJECT_ENVIRONMENT\"\n",
+        count.display(),
+        fail.display(),
+        python.display()
+    );
+    std::fs::write(path, script).expect("fake uv");
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_uv_the_install_is_prepared_once_before_its_first_spawn_and_a_failed_preparation_is_retried() {
+    use fleet_e2e::worker::{TestWorker, data, req, test_config};
+    use fleet_worker::animus::{DetectError, RefusalStage};
+    use fleet_worker::catalogue::{Catalogue, LoadOptions, Prepare, Runner, UV_VENV_DIR};
+    use fleet_worker::pool::PoolError;
+    use fleet_worker::prepare::PREPARED_MARKER;
+
+    const ID: &str = "tool-dev-example-text-tool";
+    let w = TestWorker::start(test_config("uv-prepare"), &[]);
+    let python = LoadOptions::with_search_path(["/usr/bin", "/bin"])
+        .lookup("python3")
+        .expect("a system python3");
+    let tools = w.root.path().join("uv-bin");
+    std::fs::create_dir(&tools).expect("uv dir");
+    let (count, fail) = (w.root.path().join("uv-runs"), w.root.path().join("uv-fail"));
+    fake_uv(&tools.join("uv"), &count, &fail, &python);
+    std::fs::write(&fail, b"").expect("fail switch");
+    let runs = || {
+        std::fs::read_to_string(&count)
+            .map(|s| s.lines().count())
+            .unwrap_or(0)
+    };
+
+    let dir = w.config.catalogue_dir.join("sdk-python");
+    std::fs::create_dir(&dir).expect("install dir");
+    for (file, _, bytes) in fixture_files(&sdk_fixture("sdk-python")) {
+        std::fs::write(dir.join(file), bytes).expect("copy");
+    }
+    let opts = LoadOptions::with_search_path([tools.as_path(), python.parent().expect("bin dir")])
+        .with_runner(Runner::of(&w.config));
+    let (catalogue, problems) = Catalogue::load(&w.config.catalogue_dir, &opts).expect("catalogue");
+    assert!(problems.is_empty(), "{problems:?}");
+    let install = catalogue.get(ID).expect("install").clone();
+    let venv = install.dir.join(UV_VENV_DIR);
+    assert_eq!(
+        install.prepare,
+        Some(Prepare::UvSync {
+            uv: tools.join("uv"),
+            python: Some(python.clone()),
+            venv: venv.clone(),
+        })
+    );
+    assert_eq!(install.argv[0], venv.join("bin/python").display().to_string());
+    assert_eq!(runs(), 0, "nothing runs at load");
+    drop(w.pool.set_install(install.clone()));
+
+    // The first use prepares; the failure is reported as such, with uv's own words, and is not remembered.
+    let call = |text: &'static str| {
+        tokio::time::timeout(
+            GUARD,
+            w.pool
+                .invoke("gina", ID, req("word_count", json!({ "text": text }))),
+        )
+    };
+    let err = call("a b").await.expect("ends").expect_err("uv sync fails");
+    let PoolError::Refused(refusal) = &err else {
+        panic!("expected a refused preparation, got {err}");
+    };
+    assert!(matches!(refusal, DetectError::Prepare(_)), "{refusal}");
+    assert_eq!(refusal.stage(), RefusalStage::Prepare);
+    assert!(err.to_string().contains("no solution found (test)"), "{err}");
+    assert_eq!(runs(), 1);
+
+    std::fs::remove_file(&fail).expect("fail switch off");
+    let out = data(&w, "gina", ID, "word_count", json!({ "text": "one two three" })).await;
+    assert_eq!(out["words"], 3, "{out}");
+    assert_eq!(runs(), 2, "prepared on the retry");
+    let args = std::fs::read_to_string(&count).expect("runs");
+    assert_eq!(
+        args.lines().last(),
+        Some(
+            format!(
+                "sync --project {} --no-dev --python {}",
+                install.dir.display(),
+                python.display()
+            )
+            .as_str()
+        )
+    );
+    assert!(venv.join(PREPARED_MARKER).is_file());
+    // Another user's session of the same install: prepared already.
+    let out = data(&w, "hank", ID, "word_count", json!({ "text": "x" })).await;
+    assert_eq!(out["words"], 1, "{out}");
+    assert_eq!(runs(), 2);
+    w.pool.shutdown().await;
+
+    // A restarted worker finds the environment made from the same project files: no second sync.
+    let w2 = TestWorker::start(test_config("uv-prepare-2"), &[]);
+    drop(w2.pool.set_install(install));
+    let out = data(&w2, "gina", ID, "word_count", json!({ "text": "a b c d" })).await;
+    assert_eq!(out["words"], 4, "{out}");
+    assert_eq!(runs(), 2, "the marker matched");
+    w2.pool.shutdown().await;
+}

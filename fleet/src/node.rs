@@ -706,7 +706,9 @@ fn failure(e: &PoolError, timeout_ms: u64, requested_ms: Option<u64>) -> ApiErro
         // plugin's answer is about its dialect; a program that does not start is a launch failure.
         PoolError::Refused(err) => {
             let stage = err.stage();
-            let mut details = json!({ "retriable": false, "stage": stage.as_str() });
+            // A failed preparation (a `uv sync` timeout…) is tried again by the next call.
+            let retriable = stage == fleet_worker::animus::RefusalStage::Prepare;
+            let mut details = json!({ "retriable": retriable, "stage": stage.as_str() });
             if stage == fleet_worker::animus::RefusalStage::Dialect {
                 details["dialect"] = json!("animus");
             }

@@ -3,24 +3,26 @@
 //!
 //! ```text
 //! <catalogue_dir>/
-//!   weather/executa.json        {"tool_id": "tool-acme-weather-1a2b", "type": "python"}
-//!   weather/pyproject.toml
+//!   basic-tool/executa.json     {"tool_id": "tool-dev-example-text-tool", "type": "python", "name": "example-text-tool"}
+//!   basic-tool/pyproject.toml   [project.scripts] example-text-tool = "example_plugin:main"
+//!   basic-tool/example_plugin.py
 //!   notes/executa.json          {"tool_id": "tool-acme-notes-3c4d", "type": "binary", "limits": {"memory_bytes": 268435456}}
 //!   notes/bin/tool-acme-notes-3c4d
 //!   .staging-x/                 hidden: skipped
 //!   scratch/                    no executa.json: skipped
 //! ```
 //!
-//! The `executa.json` format is the public SDK's (`tool_id`, `type`, `command`, `enabled`, `_comment`; unknown
-//! fields are ignored) plus our extensions `limits`, `env`, `idle_timeout_secs`, `protocol` (`executa` | `animus`;
-//! absent: probed once), and for Animus plugins `ping_interval_secs` and `allow_methods`. Every launch is
-//! resolved into an **absolute** argv at load time, so a missing runtime or entry point is reported when the
-//! catalogue loads, with the file and the reason, rather than as a spawn failure in a user's invoke:
+//! The `executa.json` format is the public SDK's (`tool_id`, `type`, `command`, `enabled`, `_comment`, and the
+//! labels `name` and `slug`, which only name the script to run; unknown fields are ignored) plus our extensions
+//! `limits`, `env`, `idle_timeout_secs`, `protocol` (`executa` | `animus`; absent: probed once), and for Animus
+//! plugins `ping_interval_secs` and `allow_methods`. Every launch is resolved into an **absolute** argv at load
+//! time, so a missing runtime or entry point is reported when the catalogue loads, with the file, the reason and
+//! what was tried, rather than as a spawn failure in a user's invoke:
 //!
 //! | `type` | Default argv | Requires |
 //! |---|---|---|
-//! | `python` | `[<uv>, "run", "--project", <dir>, <tool_id>]` | `uv` on PATH, `<dir>/pyproject.toml` |
-//! | `node` | `[<node>, <entry>]`, entry = `package.json` `bin[tool_id]` → `bin` (string) → `main` → `module` | `node` on PATH, `<dir>/package.json` with an existing entry |
+//! | `python` | the `pyproject.toml` `[project.scripts]` key equal to `tool_id`, else to `name`, else to `slug`, else the only script: `[<uv>, "run", "--project", <dir>, <script>]`; without `uv`, `[<python3>, "-c", PYTHON_SCRIPT_LAUNCHER, <root>, <module>, <attr>, <script>]` (the module from `<dir>` or `<dir>/src`). No script: `[<uv>, "run", "--project", <dir>, <tool_id>]` if `uv` is there and `pyproject.toml` declares none, else `[<python3>, <dir>/<f>]` with `f` the first of `{tool_id}.py`, `main.py`, `__main__.py` | `uv`, or `python3` and a stdlib-only project; the module or fallback script present |
+//! | `node` | `[<node>, <entry>]`, entry = `package.json` `bin[tool_id]` → `bin[name]` (`name`, `slug`, then the package's `name`) → `bin` (string) → `main` → `module` | `node` on PATH, `<dir>/package.json` with an existing entry |
 //! | `go` | `[<go>, "run", "."]` (development only: production installs ship a prebuilt `binary`) | `go` on PATH, `<dir>/go.mod` |
 //! | `binary` | `[<dir>/bin/<tool_id>]` | that file, executable; otherwise `command` must be set |
 //!
@@ -28,8 +30,22 @@
 //! when it contains a `/` (and must be an executable file), otherwise looked up on the search path. Other
 //! arguments are passed verbatim. The working directory is always the install directory.
 //!
+//! **Who runs it.** Programs are resolved for the plugins' uids, not the worker's ([`Runner`],
+//! [`LoadOptions::for_worker`]). Under per-user uids only the "other" permission bits count: a program on the
+//! search path that they cannot execute (a pyenv shim in root's 0700 home) is skipped for the next entry, and
+//! reported with its fix ([`CatalogueError::RuntimeUnreachable`]) when no entry works; an install directory, a
+//! program or a script's module they cannot reach is [`CatalogueError::Unreachable`], naming the blocking
+//! directory and the `chmod` that opens it ([`crate::sandbox::reach`]). With a private `/tmp` the directories
+//! leading to what the sandbox mounts back into it do not count (they are re-created there).
+//!
+//! **`uv` installs are not prepared.** `uv run` resolves and downloads a project's dependencies at the first
+//! spawn, inside the plugin's first `initialize`/`describe`, into a `.venv` in the install directory and a cache
+//! the plugin's uid must be able to write; the one-time `uv sync` at install or first use (with its own timeout,
+//! into a location the sandbox uid can read) is not implemented. Without `uv`, stdlib-only projects run.
+//!
 //! [`Catalogue::load`] never stops at a bad entry: each one becomes a [`CatalogueProblem`] naming the file and the
-//! reason, and the rest loads. Only an unreadable catalogue directory is an error.
+//! reason, and the rest loads. Only an unreadable catalogue directory is an error (a catalogue the plugins
+//! cannot reach is one problem, and nothing loads).
 
 use std::collections::HashMap;
 use std::collections::btree_map::{self, BTreeMap};
@@ -169,7 +185,29 @@ pub struct Install {
     /// Installed from a package ([`PACKAGE_RECORD_FILE`] present): its `executa.json` is the package author's,
     /// so it names no worker environment variable (`env` is ignored) and its `limits` only lower the worker's.
     pub packaged: bool,
+    /// What must be done once before the first spawn ([`crate::prepare`]); `None`: nothing.
+    pub prepare: Option<Prepare>,
 }
+
+/// A one-time preparation an install needs before its first spawn, run by the worker ([`crate::prepare`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prepare {
+    /// `uv sync` of the project into `venv` ([`UV_VENV_DIR`]): the plugin then runs the environment's own
+    /// interpreter or script, never `uv`, so its first `initialize` cannot race a dependency download and its
+    /// uid needs neither `uv`, nor its cache, nor a writable project directory.
+    UvSync {
+        /// `uv`.
+        uv: PathBuf,
+        /// The interpreter the environment is made with (`--python`): the first `python3` the plugins' uids can
+        /// execute; `None`: `uv`'s choice.
+        python: Option<PathBuf>,
+        /// The environment (`UV_PROJECT_ENVIRONMENT`).
+        venv: PathBuf,
+    },
+}
+
+/// The environment `uv sync` prepares for a `python` install, in its directory.
+pub const UV_VENV_DIR: &str = ".fleet-venv";
 
 impl Install {
     /// The limits a session of this install runs with: `base` (the worker's) with this install's `limits`
@@ -314,6 +352,16 @@ impl LoadOptions {
     /// [`Runner`] can execute.
     pub fn lookup(&self, program: &str) -> Option<PathBuf> {
         self.search(program).ok()
+    }
+
+    /// [`lookup`](Self::lookup) of a program the worker itself runs (`uv` for [`Prepare::UvSync`]): its own
+    /// permissions apply, not the plugins'.
+    pub fn lookup_for_worker(&self, program: &str) -> Option<PathBuf> {
+        LoadOptions {
+            search_path: self.search_path.clone(),
+            runner: Runner::Worker,
+        }
+        .lookup(program)
     }
 
     /// [`lookup`](Self::lookup), or every candidate found and what stops the runner from executing it (empty:
@@ -766,7 +814,8 @@ fn load_install(sub: &Path, manifest: &Path, opts: &LoadOptions) -> Result<Insta
         path: sub.to_path_buf(),
         source,
     })?;
-    let dir_str = path_string(dir.clone())?;
+    // The directory appears in argvs (and is the working directory): it must be valid UTF-8.
+    path_string(dir.clone())?;
     if entry.enabled
         && let Some(blockers) = opts.blockers(&dir, Access::Search, &dir)
     {
@@ -776,10 +825,10 @@ fn load_install(sub: &Path, manifest: &Path, opts: &LoadOptions) -> Result<Insta
             blockers,
         });
     }
-    let argv = if entry.enabled {
-        resolve_argv(&entry, &dir, &dir_str, opts)?
+    let Launch { argv, prepare } = if entry.enabled {
+        resolve_argv(&entry, &dir, opts)?
     } else {
-        Vec::new()
+        Vec::new().into()
     };
     let first_launch = !fs::symlink_metadata(dir.join(DESCRIBED_MARKER)).is_ok_and(|m| m.is_file());
     let packaged = fs::symlink_metadata(dir.join(PACKAGE_RECORD_FILE)).is_ok();
@@ -799,6 +848,7 @@ fn load_install(sub: &Path, manifest: &Path, opts: &LoadOptions) -> Result<Insta
         ping_interval: entry.ping_interval,
         allow_methods: entry.allow_methods,
         packaged,
+        prepare,
     })
 }
 
@@ -1025,17 +1075,25 @@ fn is_env_name(s: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
-fn resolve_argv(
-    entry: &Entry,
-    dir: &Path,
-    dir_str: &str,
-    opts: &LoadOptions,
-) -> Result<Vec<String>, CatalogueError> {
-    let argv = if let Some(command) = &entry.command {
-        resolve_command(command, dir, opts)?
-    } else {
-        default_argv(entry, dir, dir_str, opts)?
+/// A resolved launch: the argv, and what must be done once before it can run.
+struct Launch {
+    argv: Vec<String>,
+    prepare: Option<Prepare>,
+}
+
+impl From<Vec<String>> for Launch {
+    fn from(argv: Vec<String>) -> Launch {
+        Launch { argv, prepare: None }
+    }
+}
+
+fn resolve_argv(entry: &Entry, dir: &Path, opts: &LoadOptions) -> Result<Launch, CatalogueError> {
+    let launch = match (&entry.command, entry.kind) {
+        (Some(command), _) => resolve_command(command, dir, opts)?.into(),
+        (None, InstallType::Python) => python_launch(entry, dir, opts)?,
+        (None, _) => default_argv(entry, dir, opts)?.into(),
     };
+    let argv = &launch.argv;
     // Bare names were looked up for the runner already; a path (an install's own binary, a `command` with a
     // `/`) is checked here.
     if let Some(program) = argv.first()
@@ -1051,15 +1109,10 @@ fn resolve_argv(
             blockers,
         });
     }
-    Ok(argv)
+    Ok(launch)
 }
 
-fn default_argv(
-    entry: &Entry,
-    dir: &Path,
-    dir_str: &str,
-    opts: &LoadOptions,
-) -> Result<Vec<String>, CatalogueError> {
+fn default_argv(entry: &Entry, dir: &Path, opts: &LoadOptions) -> Result<Vec<String>, CatalogueError> {
     let runtime = |program: &'static str| {
         opts.require(program, || CatalogueError::MissingRuntime {
             kind: entry.kind,
@@ -1068,7 +1121,7 @@ fn default_argv(
         .and_then(path_string)
     };
     match entry.kind {
-        InstallType::Python => python_argv(entry, dir, dir_str, opts),
+        InstallType::Python => Ok(python_launch(entry, dir, opts)?.argv),
         InstallType::Node => {
             let main = node_entry(dir, entry)?;
             let node = runtime("node")?;
@@ -1168,19 +1221,15 @@ struct Script {
 /// The launch of a `python` install (spec §14.5, extended to what the SDK's examples ship):
 ///
 /// 1. The script: the `pyproject.toml` `[project.scripts]` key equal to the `tool_id`, else to the manifest's
-///    `name`, else to its `slug`, else the only script. With `uv`: `uv run --project <dir> <script>`; without:
-///    `python3 -c <PYTHON_SCRIPT_LAUNCHER> <root> <module> <attr> <script>` (stdlib-only projects; the module is
-///    looked for under [`PYTHON_MODULE_ROOTS`]).
-/// 2. No such script: with `uv` and a `pyproject.toml` that declares no script at all, `uv run --project <dir>
-///    <tool_id>` (the dev harness's default, for build back-ends that declare scripts elsewhere); else the first
-///    of [`PYTHON_FALLBACK_SCRIPTS`] present, run by `python3`.
+///    `name`, else to its `slug`, else the only script. It runs as `<python> -c <PYTHON_SCRIPT_LAUNCHER> <root>
+///    <module> <attr> <script>` (the module looked for under [`PYTHON_MODULE_ROOTS`]), `<python>` being, with
+///    `uv`, the interpreter of the environment `uv sync` prepares once ([`Prepare::UvSync`]), and without it
+///    `python3` (stdlib-only projects).
+/// 2. No such script: with `uv` and a `pyproject.toml` that declares no script at all, the environment's
+///    `bin/<tool_id>` (for build back-ends that declare scripts elsewhere); else the first of
+///    [`PYTHON_FALLBACK_SCRIPTS`] present, run by `python3`.
 /// 3. Otherwise [`CatalogueError::NothingToLaunch`], listing each step tried.
-fn python_argv(
-    entry: &Entry,
-    dir: &Path,
-    dir_str: &str,
-    opts: &LoadOptions,
-) -> Result<Vec<String>, CatalogueError> {
+fn python_launch(entry: &Entry, dir: &Path, opts: &LoadOptions) -> Result<Launch, CatalogueError> {
     let pyproject = dir.join(PYPROJECT_FILE);
     let scripts = read_scripts(&pyproject)?;
     let mut tried = Vec::new();
@@ -1191,43 +1240,46 @@ fn python_argv(
         })
         .and_then(path_string)
     };
-    let uv = opts.lookup("uv");
+    let uv_sync = opts.lookup_for_worker("uv").map(|uv| {
+        let venv = dir.join(UV_VENV_DIR);
+        Prepare::UvSync {
+            uv,
+            python: opts.lookup("python3"),
+            venv,
+        }
+    });
+    let venv_bin = |name: &str| dir.join(UV_VENV_DIR).join("bin").join(name);
     if let Some(scripts) = &scripts {
         if let Some(script) = choose_script(scripts, entry, &mut tried) {
             let script = parse_script(&pyproject, script)?;
-            if let Some(uv) = uv {
-                return Ok(vec![
-                    path_string(uv)?,
-                    "run".into(),
-                    "--project".into(),
-                    dir_str.to_string(),
-                    script.name,
-                ]);
-            }
             let root = module_root(dir, &script, opts)?;
-            return Ok(vec![
-                python3()?,
-                "-c".into(),
-                PYTHON_SCRIPT_LAUNCHER.into(),
-                path_string(root)?,
-                script.module,
-                script.attr,
-                script.name,
-            ]);
+            let python = match &uv_sync {
+                Some(_) => path_string(venv_bin("python"))?,
+                None => python3()?,
+            };
+            return Ok(Launch {
+                argv: vec![
+                    python,
+                    "-c".into(),
+                    PYTHON_SCRIPT_LAUNCHER.into(),
+                    path_string(root)?,
+                    script.module,
+                    script.attr,
+                    script.name,
+                ],
+                prepare: uv_sync,
+            });
         }
         if scripts.is_empty() {
-            match uv {
-                Some(uv) => {
-                    return Ok(vec![
-                        path_string(uv)?,
-                        "run".into(),
-                        "--project".into(),
-                        dir_str.to_string(),
-                        entry.tool_id.clone(),
-                    ]);
+            match uv_sync {
+                Some(prepare) => {
+                    return Ok(Launch {
+                        argv: vec![path_string(venv_bin(&entry.tool_id))?],
+                        prepare: Some(prepare),
+                    });
                 }
                 None => tried.push(format!(
-                    "`uv run --project <dir> {}` (`uv` is not on PATH)",
+                    "`{UV_VENV_DIR}/bin/{}` after `uv sync` (`uv` is not on PATH)",
                     entry.tool_id
                 )),
             }
@@ -1246,7 +1298,7 @@ fn python_argv(
         .map(|s| dir.join(s))
         .find(|p| fs::symlink_metadata(p).is_ok_and(|m| m.is_file()))
     {
-        return Ok(vec![python3()?, path_string(script)?]);
+        return Ok(vec![python3()?, path_string(script)?].into());
     }
     tried.push(format!("the scripts {} (none exists)", fallbacks.join(", ")));
     Err(CatalogueError::NothingToLaunch {

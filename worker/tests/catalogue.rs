@@ -134,15 +134,18 @@ fn python_default_command() {
     let dir = canon(&dir);
     assert_eq!(install.tool_id, "tool-acme-weather-1a2b");
     assert_eq!(install.kind, InstallType::Python);
+    // No script declared: the environment `uv sync` prepares before the first spawn holds it, if anything does.
     assert_eq!(
         install.argv,
-        vec![
-            f.runtime("uv"),
-            "run".into(),
-            "--project".into(),
-            s(&dir),
-            install.tool_id.clone()
-        ]
+        vec![s(&dir.join(".fleet-venv/bin/tool-acme-weather-1a2b"))]
+    );
+    assert_eq!(
+        install.prepare,
+        Some(Prepare::UvSync {
+            uv: f.bin.path().join("uv"),
+            python: None,
+            venv: dir.join(".fleet-venv"),
+        })
     );
     assert_eq!(install.dir, dir);
     assert!(install.enabled);
@@ -172,7 +175,7 @@ fn python_without_uv_or_script_names_what_was_tried() {
         tried,
         &strings(&[
             "`[project.scripts]` (pyproject.toml declares no script)",
-            "`uv run --project <dir> py` (`uv` is not on PATH)",
+            "`.fleet-venv/bin/py` after `uv sync` (`uv` is not on PATH)",
             "the scripts py.py, main.py, __main__.py (none exists)",
         ])
     );
@@ -180,7 +183,7 @@ fn python_without_uv_or_script_names_what_was_tried() {
         problems[0].to_string(),
         format!(
             "{}: type python: nothing to launch; tried `[project.scripts]` (pyproject.toml declares no script); \
-             `uv run --project <dir> py` (`uv` is not on PATH); the scripts py.py, main.py, __main__.py (none \
+             `.fleet-venv/bin/py` after `uv sync` (`uv` is not on PATH); the scripts py.py, main.py, __main__.py (none \
              exists) (or set `command`)",
             f.manifest("py").display()
         )
@@ -1080,7 +1083,7 @@ fn animus_fields() {
 // ---------------------------------------------------------------------------------------------------------------
 // What authors ship: `[project.scripts]` and `package.json` `bin` named after the plugin's `name`/`slug`.
 
-use fleet_worker::catalogue::{PYTHON_SCRIPT_LAUNCHER, Runner};
+use fleet_worker::catalogue::{PYTHON_SCRIPT_LAUNCHER, Prepare, Runner};
 
 /// The fixture plugin directories laid out like the public SDK's examples.
 fn sdk_fixture(name: &str) -> PathBuf {
@@ -1166,12 +1169,23 @@ fn python_script_is_the_tool_id_then_name_then_slug_then_the_only_one() {
             let want = want.replace("ID", &id);
             let dir = canon(&f.cat.path().join(sub));
             let install = cat.get(&id).unwrap();
-            let expected = if with_uv {
-                vec![f.runtime("uv"), "run".into(), "--project".into(), s(&dir), want]
+            let (python, prepare) = if with_uv {
+                let venv = dir.join(".fleet-venv");
+                let prepare = Prepare::UvSync {
+                    uv: f.bin.path().join("uv"),
+                    python: Some(f.bin.path().join("python3")),
+                    venv: venv.clone(),
+                };
+                (s(&venv.join("bin/python")), Some(prepare))
             } else {
-                launcher(f.runtime("python3"), &dir, "mod", "main", &want)
+                (f.runtime("python3"), None)
             };
-            assert_eq!(install.argv, expected, "{sub}, uv: {with_uv}");
+            assert_eq!(
+                install.argv,
+                launcher(python, &dir, "mod", "main", &want),
+                "{sub}, uv: {with_uv}"
+            );
+            assert_eq!(install.prepare, prepare, "{sub}, uv: {with_uv}");
         }
     }
 }
@@ -1340,24 +1354,17 @@ fn the_sdk_python_example_runs_its_script_with_or_without_uv() {
         let dir = canon(&copy_fixture(&f, &sdk_fixture("sdk-python"), "basic-tool"));
         let install = f.load_one();
         assert_eq!(install.tool_id, "tool-dev-example-text-tool");
-        let want = if with_uv {
-            vec![
-                f.runtime("uv"),
-                "run".into(),
-                "--project".into(),
-                s(&dir),
-                "example-text-tool".into(),
-            ]
+        let python = if with_uv {
+            s(&dir.join(".fleet-venv/bin/python"))
         } else {
-            launcher(
-                f.runtime("python3"),
-                &dir,
-                "example_plugin",
-                "main",
-                "example-text-tool",
-            )
+            f.runtime("python3")
         };
-        assert_eq!(install.argv, want, "uv: {with_uv}");
+        assert_eq!(
+            install.argv,
+            launcher(python, &dir, "example_plugin", "main", "example-text-tool"),
+            "uv: {with_uv}"
+        );
+        assert_eq!(install.prepare.is_some(), with_uv);
     }
 }
 

@@ -78,6 +78,10 @@ pub enum DetectError {
     /// The probe could not run at all (sandbox).
     #[error("cannot run the detection probe: {0}")]
     Probe(String),
+    /// The install could not be prepared for its first spawn ([`crate::prepare`]: `uv sync`…); the next use
+    /// tries again.
+    #[error("cannot prepare the install: {0}")]
+    Prepare(String),
     /// The plugin's program could not be started (a launch failure, whatever the dialect: `argv[0]` missing or
     /// not executable by the plugin's uid).
     #[error("cannot start {program:?}: {reason}")]
@@ -96,6 +100,8 @@ pub enum DetectError {
 /// Which step refused an install ([`DetectError::stage`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RefusalStage {
+    /// The one-time preparation (`uv sync`) failed.
+    Prepare,
     /// The program did not start.
     Launch,
     /// The probe's sandbox could not be prepared.
@@ -112,6 +118,7 @@ impl RefusalStage {
     /// The stage's name (`launch`, `sandbox`, `files`, `dialect`, `quarantine`), as error details carry it.
     pub fn as_str(self) -> &'static str {
         match self {
+            RefusalStage::Prepare => "prepare",
             RefusalStage::Launch => "launch",
             RefusalStage::Sandbox => "sandbox",
             RefusalStage::Files => "files",
@@ -123,8 +130,10 @@ impl RefusalStage {
 
 impl DetectError {
     /// Which step refused the install: only [`RefusalStage::Dialect`] is about what the plugin speaks.
+    /// (`launch`/`prepare`/`sandbox`/`files`/`dialect`/`quarantine`.)
     pub fn stage(&self) -> RefusalStage {
         match self {
+            DetectError::Prepare(_) => RefusalStage::Prepare,
             DetectError::Launch { .. } => RefusalStage::Launch,
             DetectError::Probe(_) => RefusalStage::Sandbox,
             DetectError::Fingerprint(_) => RefusalStage::Files,
@@ -149,6 +158,7 @@ struct RegistryInner {
     cells: Mutex<HashMap<String, Arc<DetectCell>>>,
     quarantined: Mutex<HashMap<String, String>>,
     hashes: Mutex<HashMap<PathBuf, (FileStamp, String)>>,
+    preparations: crate::prepare::Preparations,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -167,6 +177,13 @@ impl Registry {
         if let Some(reason) = self.quarantine_reason(install) {
             return Err(DetectError::Quarantined(reason));
         }
+        // Prepared first (once; a failure is not cached, unlike the detection below): neither the probe nor the
+        // first `initialize` waits on a dependency download.
+        self.inner
+            .preparations
+            .ensure(install, crate::catalogue::Runner::of(&ctx.config))
+            .await
+            .map_err(|e| DetectError::Prepare(e.to_string()))?;
         let cell = lock(&self.inner.cells).entry(key(install)).or_default().clone();
         let detected = cell
             .get_or_init(|| async {
