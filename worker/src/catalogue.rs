@@ -21,7 +21,7 @@
 //!
 //! | `type` | Default argv | Requires |
 //! |---|---|---|
-//! | `python` | the `pyproject.toml` `[project.scripts]` key equal to `tool_id`, else to `name`, else to `slug`, else the only script: `[<uv>, "run", "--project", <dir>, <script>]`; without `uv`, `[<python3>, "-c", PYTHON_SCRIPT_LAUNCHER, <root>, <module>, <attr>, <script>]` (the module from `<dir>` or `<dir>/src`). No script: `[<uv>, "run", "--project", <dir>, <tool_id>]` if `uv` is there and `pyproject.toml` declares none, else `[<python3>, <dir>/<f>]` with `f` the first of `{tool_id}.py`, `main.py`, `__main__.py` | `uv`, or `python3` and a stdlib-only project; the module or fallback script present |
+//! | `python` | the `pyproject.toml` `[project.scripts]` key equal to `tool_id`, else to `name`, else to `slug`, else the only script: `[<python>, "-c", PYTHON_SCRIPT_LAUNCHER, <root>, <module>, <attr>, <script>]` (the module from `<dir>` or `<dir>/src`), `<python>` the `uv`-prepared environment's (below) or, without `uv`, `python3`. No script: `[<dir>/.fleet-venv/bin/<tool_id>]` if `uv` is there and `pyproject.toml` declares none, else `[<python3>, <dir>/<f>]` with `f` the first of `{tool_id}.py`, `main.py`, `__main__.py` | `uv`, or `python3` and a stdlib-only project; the module or fallback script present |
 //! | `node` | `[<node>, <entry>]`, entry = `package.json` `bin[tool_id]` → `bin[name]` (`name`, `slug`, then the package's `name`) → `bin` (string) → `main` → `module` | `node` on PATH, `<dir>/package.json` with an existing entry |
 //! | `go` | `[<go>, "run", "."]` (development only: production installs ship a prebuilt `binary`) | `go` on PATH, `<dir>/go.mod` |
 //! | `binary` | `[<dir>/bin/<tool_id>]` | that file, executable; otherwise `command` must be set |
@@ -38,10 +38,12 @@
 //! directory and the `chmod` that opens it ([`crate::sandbox::reach`]). With a private `/tmp` the directories
 //! leading to what the sandbox mounts back into it do not count (they are re-created there).
 //!
-//! **`uv` installs are not prepared.** `uv run` resolves and downloads a project's dependencies at the first
-//! spawn, inside the plugin's first `initialize`/`describe`, into a `.venv` in the install directory and a cache
-//! the plugin's uid must be able to write; the one-time `uv sync` at install or first use (with its own timeout,
-//! into a location the sandbox uid can read) is not implemented. Without `uv`, stdlib-only projects run.
+//! **`uv` installs are prepared once.** With `uv` on the worker's search path, a `python` install carries
+//! [`Prepare::UvSync`]: at its first use, before the dialect probe, the worker runs `uv sync` into
+//! `<dir>/`[`UV_VENV_DIR`] with its own timeout ([`crate::prepare`]), and the plugin runs that environment's
+//! interpreter (with the script launcher) or its `bin/<tool_id>` — never `uv` itself, so its first `initialize`
+//! cannot race a dependency download and its uid needs neither `uv`'s cache nor a writable project directory.
+//! Without `uv`, stdlib-only projects run on `python3`.
 //!
 //! [`Catalogue::load`] never stops at a bad entry: each one becomes a [`CatalogueProblem`] naming the file and the
 //! reason, and the rest loads. Only an unreadable catalogue directory is an error (a catalogue the plugins
@@ -113,7 +115,7 @@ impl fmt::Display for Dialect {
 /// The runtime of an install (`executa.json` `type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum InstallType {
-    /// A Python project run with `uv`.
+    /// A Python project: its `[project.scripts]` entry, in a `uv`-prepared environment or on `python3`.
     Python,
     /// A Node.js package run with `node`.
     Node,
@@ -1194,7 +1196,7 @@ pub const PYPROJECT_FILE: &str = "pyproject.toml";
 /// Where a project's top-level modules are looked for, in order: the flat layout, then the `src/` layout.
 pub const PYTHON_MODULE_ROOTS: [&str; 2] = [".", "src"];
 
-/// The program `python3 -c` runs for a console script without `uv`: what pip's generated wrapper does
+/// The program `python3 -c` runs for a console script: what pip's generated wrapper does
 /// (`sys.exit(<module>:<attr>())`). Its four arguments — the directory put first on `sys.path`, the module, the
 /// attribute path and the script's name — follow the program and are removed from `sys.argv` before the
 /// plugin's code runs, so the plugin sees `sys.argv == [<script name>, <arguments the host adds>…]`. Nothing
