@@ -1183,11 +1183,7 @@ async fn an_interpreter_the_plugins_cannot_execute_is_reported_at_load_and_its_s
     std::fs::write(&shim, format!("#!/bin/sh\nexec {} \"$@\"\n", python.display())).expect("shim");
     std::fs::set_permissions(&shim, std::fs::Permissions::from_mode(0o755)).expect("chmod shim");
     std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o700)).expect("chmod home");
-    let dir = w.config.catalogue_dir.join("sdk-python");
-    std::fs::create_dir(&dir).expect("install dir");
-    for (file, _, bytes) in fixture_files(&sdk_fixture("sdk-python")) {
-        std::fs::write(dir.join(file), bytes).expect("copy");
-    }
+    copy_into_catalogue(&w.config.catalogue_dir, "sdk-python");
 
     // Loaded for the plugins' uids: reported now, with the fix.
     let for_plugins = LoadOptions::with_search_path([&shims]).with_runner(Runner::of(&w.config));
@@ -1240,8 +1236,9 @@ async fn an_interpreter_the_plugins_cannot_execute_is_reported_at_load_and_its_s
 }
 
 /// Stands in for `uv sync` (`uv` is not installed on the test machines): appends its arguments to `count`, fails
-/// while `fail` exists, and otherwise makes the environment with the system's `python3` (the SDK example is
-/// stdlib-only, so an environment without packages is what `uv sync` would make of it).
+/// while `fail` exists, waits for a line on the FIFO `<count>.gate` when there is one, and otherwise makes the
+/// environment with the system's `python3` (the SDK example is stdlib-only, so an environment without packages is
+/// what `uv sync` would make of it).
 fn fake_uv(
     path: &std::path::Path,
     count: &std::path::Path,
@@ -1249,63 +1246,114 @@ fn fake_uv(
     python: &std::path::Path,
 ) {
     use std::os::unix::fs::PermissionsExt as _;
+    let gate = count.with_extension("gate");
     let script = format!(
-        "#!/bin/sh\necho \"$*\" >> '{}'\nif [ -e '{}' ]; then echo 'error: no solution found (test)' >&2; exit 1; fi\n\
-         exec '{}' -m venv --without-pip \"$UV_PROJECT_ENVIRONMENT\"\n",
-        count.display(),
-        fail.display(),
-        python.display()
+        "#!/bin/sh\necho \"$*\" >> '{count}'\n\
+         if [ -e '{fail}' ]; then echo 'error: no solution found (test)' >&2; exit 1; fi\n\
+         if [ -p '{gate}' ]; then read line < '{gate}'; fi\n\
+         exec '{python}' -m venv --without-pip \"$UV_PROJECT_ENVIRONMENT\"\n",
+        count = count.display(),
+        fail = fail.display(),
+        gate = gate.display(),
+        python = python.display()
     );
     std::fs::write(path, script).expect("fake uv");
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+}
+
+/// Copies the SDK-layout fixture `name` into `catalogue` as `<catalogue>/<name>/` (modes as the umask makes them).
+fn copy_into_catalogue(catalogue: &std::path::Path, name: &str) {
+    let dir = catalogue.join(name);
+    std::fs::create_dir(&dir).expect("install dir");
+    for (file, _, bytes) in fixture_files(&sdk_fixture(name)) {
+        std::fs::write(dir.join(file), bytes).expect("copy");
+    }
+}
+
+/// A worker, a [`fake_uv`] in a directory of its own (its runs counted in `count`, failing while `fail`
+/// exists), and the SDK Python example in the catalogue, loaded with that `uv` on the search path.
+struct UvSetup {
+    w: fleet_e2e::worker::TestWorker,
+    python: std::path::PathBuf,
+    tools: std::path::PathBuf,
+    count: std::path::PathBuf,
+    fail: std::path::PathBuf,
+    install: fleet_worker::catalogue::Install,
+}
+
+impl UvSetup {
+    const ID: &str = "tool-dev-example-text-tool";
+
+    /// `before_load` runs once the fake `uv` is in place (to set its switches).
+    fn start(name: &str, before_load: impl FnOnce(&UvPaths<'_>)) -> UvSetup {
+        use fleet_worker::catalogue::{Catalogue, LoadOptions, Runner};
+        let w = fleet_e2e::worker::TestWorker::start(fleet_e2e::worker::test_config(name), &[]);
+        let python = LoadOptions::with_search_path(["/usr/bin", "/bin"])
+            .lookup("python3")
+            .expect("a system python3");
+        let tools = w.root.path().join("uv-bin");
+        std::fs::create_dir(&tools).expect("uv dir");
+        let (count, fail) = (w.root.path().join("uv-runs"), w.root.path().join("uv-fail"));
+        fake_uv(&tools.join("uv"), &count, &fail, &python);
+        before_load(&UvPaths {
+            count: &count,
+            fail: &fail,
+        });
+        copy_into_catalogue(&w.config.catalogue_dir, "sdk-python");
+        let opts = LoadOptions::with_search_path([tools.as_path(), python.parent().expect("bin dir")])
+            .with_runner(Runner::of(&w.config));
+        let (catalogue, problems) = Catalogue::load(&w.config.catalogue_dir, &opts).expect("catalogue");
+        assert!(problems.is_empty(), "{problems:?}");
+        let install = catalogue.get(Self::ID).expect("install").clone();
+        drop(w.pool.set_install(install.clone()));
+        UvSetup {
+            w,
+            python,
+            tools,
+            count,
+            fail,
+            install,
+        }
+    }
+
+    /// How many times `uv` ran.
+    fn runs(&self) -> usize {
+        std::fs::read_to_string(&self.count)
+            .map(|s| s.lines().count())
+            .unwrap_or(0)
+    }
+}
+
+/// The switches of a [`fake_uv`].
+struct UvPaths<'a> {
+    count: &'a std::path::Path,
+    fail: &'a std::path::Path,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn with_uv_the_install_is_prepared_once_before_its_first_spawn_and_a_failed_preparation_is_retried() {
     use fleet_e2e::worker::{TestWorker, data, req, test_config};
     use fleet_worker::animus::{DetectError, RefusalStage};
-    use fleet_worker::catalogue::{Catalogue, LoadOptions, Prepare, Runner, UV_VENV_DIR};
+    use fleet_worker::catalogue::{Prepare, UV_VENV_DIR};
     use fleet_worker::pool::PoolError;
     use fleet_worker::prepare::PREPARED_MARKER;
 
-    const ID: &str = "tool-dev-example-text-tool";
-    let w = TestWorker::start(test_config("uv-prepare"), &[]);
-    let python = LoadOptions::with_search_path(["/usr/bin", "/bin"])
-        .lookup("python3")
-        .expect("a system python3");
-    let tools = w.root.path().join("uv-bin");
-    std::fs::create_dir(&tools).expect("uv dir");
-    let (count, fail) = (w.root.path().join("uv-runs"), w.root.path().join("uv-fail"));
-    fake_uv(&tools.join("uv"), &count, &fail, &python);
-    std::fs::write(&fail, b"").expect("fail switch");
-    let runs = || {
-        std::fs::read_to_string(&count)
-            .map(|s| s.lines().count())
-            .unwrap_or(0)
-    };
-
-    let dir = w.config.catalogue_dir.join("sdk-python");
-    std::fs::create_dir(&dir).expect("install dir");
-    for (file, _, bytes) in fixture_files(&sdk_fixture("sdk-python")) {
-        std::fs::write(dir.join(file), bytes).expect("copy");
-    }
-    let opts = LoadOptions::with_search_path([tools.as_path(), python.parent().expect("bin dir")])
-        .with_runner(Runner::of(&w.config));
-    let (catalogue, problems) = Catalogue::load(&w.config.catalogue_dir, &opts).expect("catalogue");
-    assert!(problems.is_empty(), "{problems:?}");
-    let install = catalogue.get(ID).expect("install").clone();
+    const ID: &str = UvSetup::ID;
+    let setup = UvSetup::start("uv-prepare", |uv| {
+        std::fs::write(uv.fail, b"").expect("fail switch");
+    });
+    let (w, python, install) = (&setup.w, &setup.python, setup.install.clone());
     let venv = install.dir.join(UV_VENV_DIR);
     assert_eq!(
         install.prepare,
         Some(Prepare::UvSync {
-            uv: tools.join("uv"),
+            uv: setup.tools.join("uv"),
             python: Some(python.clone()),
             venv: venv.clone(),
         })
     );
     assert_eq!(install.argv[0], venv.join("bin/python").display().to_string());
-    assert_eq!(runs(), 0, "nothing runs at load");
-    drop(w.pool.set_install(install.clone()));
+    assert_eq!(setup.runs(), 0, "nothing runs at load");
 
     // The first use prepares; the failure is reported as such, with uv's own words, and is not remembered.
     let call = |text: &'static str| {
@@ -1322,13 +1370,13 @@ async fn with_uv_the_install_is_prepared_once_before_its_first_spawn_and_a_faile
     assert!(matches!(refusal, DetectError::Prepare(_)), "{refusal}");
     assert_eq!(refusal.stage(), RefusalStage::Prepare);
     assert!(err.to_string().contains("no solution found (test)"), "{err}");
-    assert_eq!(runs(), 1);
+    assert_eq!(setup.runs(), 1);
 
-    std::fs::remove_file(&fail).expect("fail switch off");
-    let out = data(&w, "gina", ID, "word_count", json!({ "text": "one two three" })).await;
+    std::fs::remove_file(&setup.fail).expect("fail switch off");
+    let out = data(w, "gina", ID, "word_count", json!({ "text": "one two three" })).await;
     assert_eq!(out["words"], 3, "{out}");
-    assert_eq!(runs(), 2, "prepared on the retry");
-    let args = std::fs::read_to_string(&count).expect("runs");
+    assert_eq!(setup.runs(), 2, "prepared on the retry");
+    let args = std::fs::read_to_string(&setup.count).expect("runs");
     assert_eq!(
         args.lines().last(),
         Some(
@@ -1342,9 +1390,9 @@ async fn with_uv_the_install_is_prepared_once_before_its_first_spawn_and_a_faile
     );
     assert!(venv.join(PREPARED_MARKER).is_file());
     // Another user's session of the same install: prepared already.
-    let out = data(&w, "hank", ID, "word_count", json!({ "text": "x" })).await;
+    let out = data(w, "hank", ID, "word_count", json!({ "text": "x" })).await;
     assert_eq!(out["words"], 1, "{out}");
-    assert_eq!(runs(), 2);
+    assert_eq!(setup.runs(), 2);
     w.pool.shutdown().await;
 
     // A restarted worker finds the environment made from the same project files: no second sync.
@@ -1352,6 +1400,43 @@ async fn with_uv_the_install_is_prepared_once_before_its_first_spawn_and_a_faile
     drop(w2.pool.set_install(install));
     let out = data(&w2, "gina", ID, "word_count", json!({ "text": "a b c d" })).await;
     assert_eq!(out["words"], 4, "{out}");
-    assert_eq!(runs(), 2, "the marker matched");
+    assert_eq!(setup.runs(), 2, "the marker matched");
     w2.pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_caller_that_gives_up_does_not_stop_the_preparation() {
+    use fleet_e2e::worker::{data, eventually, req};
+
+    const ID: &str = UvSetup::ID;
+    let mut gate = std::path::PathBuf::new();
+    let setup = UvSetup::start("uv-prepare-abandoned", |uv| {
+        gate = uv.count.with_extension("gate");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&gate)
+            .status()
+            .expect("mkfifo");
+        assert!(made.success());
+    });
+    let w = &setup.w;
+    let runs = || setup.runs();
+
+    // The first caller starts the preparation, which waits at the gate; then the caller gives up.
+    let pool = w.pool.clone();
+    let first = tokio::spawn(async move {
+        pool.invoke("ivan", ID, req("word_count", json!({ "text": "a" })))
+            .await
+    });
+    assert!(eventually(GUARD, || runs() == 1).await, "the preparation started");
+    first.abort();
+    assert!(first.await.expect_err("aborted").is_cancelled());
+
+    // The preparation goes on: once the gate opens, the next caller gets the environment it made.
+    tokio::task::spawn_blocking(move || std::fs::write(gate, b"go\n").expect("open the gate"))
+        .await
+        .expect("gate");
+    let out = data(w, "ivan", ID, "word_count", json!({ "text": "one two" })).await;
+    assert_eq!(out["words"], 2, "{out}");
+    assert_eq!(runs(), 1, "one `uv sync`, not restarted by the second caller");
+    w.pool.shutdown().await;
 }

@@ -1224,7 +1224,8 @@ struct Script {
 ///
 /// 1. The script: the `pyproject.toml` `[project.scripts]` key equal to the `tool_id`, else to the manifest's
 ///    `name`, else to its `slug`, else the only script. It runs as `<python> -c <PYTHON_SCRIPT_LAUNCHER> <root>
-///    <module> <attr> <script>` (the module looked for under [`PYTHON_MODULE_ROOTS`]), `<python>` being, with
+///    <module> <attr> <script>` (the module looked for under [`PYTHON_MODULE_ROOTS`]; with `uv`, one the project
+///    does not hold is left to its environment), `<python>` being, with
 ///    `uv`, the interpreter of the environment `uv sync` prepares once ([`Prepare::UvSync`]), and without it
 ///    `python3` (stdlib-only projects).
 /// 2. No such script: with `uv` and a `pyproject.toml` that declares no script at all, the environment's
@@ -1254,7 +1255,11 @@ fn python_launch(entry: &Entry, dir: &Path, opts: &LoadOptions) -> Result<Launch
     if let Some(scripts) = &scripts {
         if let Some(script) = choose_script(scripts, entry, &mut tried) {
             let script = parse_script(&pyproject, script)?;
-            let root = module_root(dir, &script, opts)?;
+            let root = match module_root(dir, &script, opts) {
+                // With `uv`, a module the project does not hold itself comes from its environment (a dependency).
+                Err(CatalogueError::NothingToLaunch { .. }) if uv_sync.is_some() => dir.to_path_buf(),
+                other => other?,
+            };
             let python = match &uv_sync {
                 Some(_) => path_string(venv_bin("python"))?,
                 None => python3()?,

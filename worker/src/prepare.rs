@@ -16,8 +16,10 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use fleet_proto::util::lock;
 use sha2::{Digest as _, Sha256};
 use tokio::io::AsyncReadExt as _;
+use tokio::sync::watch;
 
 use crate::catalogue::{Install, PYPROJECT_FILE, Prepare, Runner};
 use crate::sandbox::reach::{self, Access};
@@ -93,39 +95,79 @@ pub enum PrepareError {
     },
 }
 
-/// The preparations of a worker: one guard per install directory.
+/// The preparations of a worker, one slot per install directory.
 #[derive(Debug, Default)]
 pub struct Preparations {
-    guards: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<bool>>>>,
+    slots: Mutex<HashMap<PathBuf, Slot>>,
+}
+
+/// Where one install's preparation stands.
+#[derive(Debug)]
+enum Slot {
+    /// Running, in a task of its own: its outcome is published here.
+    Running(watch::Receiver<Option<Result<(), PrepareError>>>),
+    /// Done: nothing more to do for this worker.
+    Done,
 }
 
 impl Preparations {
     /// Prepares `install` if it needs it and has not been prepared yet (by this worker, or before a restart with
-    /// the same project files). Concurrent callers for one install wait for the same run.
+    /// the same project files). The preparation runs in a task of its own, so a caller that gives up (its
+    /// request timed out) does not kill it: concurrent and later callers wait for the same run.
     ///
     /// # Errors
     /// [`PrepareError`]: nothing is remembered, the next call tries again.
-    pub async fn ensure(&self, install: &Install, runner: Runner) -> Result<(), PrepareError> {
-        let Some(prepare) = &install.prepare else {
-            return Ok(());
-        };
-        let guard = fleet_proto::util::lock(&self.guards)
-            .entry(install.dir.clone())
-            .or_default()
-            .clone();
-        let mut done = guard.lock().await;
-        if *done {
+    pub async fn ensure(self: &Arc<Self>, install: &Install, runner: Runner) -> Result<(), PrepareError> {
+        if install.prepare.is_none() {
             return Ok(());
         }
-        match prepare {
-            Prepare::UvSync { uv, python, venv } => {
-                uv_sync(install, uv, python.as_deref(), venv, UV_SYNC_TIMEOUT).await?;
+        let mut outcome = {
+            let mut slots = lock(&self.slots);
+            match slots.get(&install.dir) {
+                Some(Slot::Done) => return Ok(()),
+                Some(Slot::Running(rx)) => rx.clone(),
+                None => {
+                    let (tx, rx) = watch::channel(None);
+                    slots.insert(install.dir.clone(), Slot::Running(rx.clone()));
+                    let (this, install) = (self.clone(), install.clone());
+                    tokio::spawn(async move {
+                        let result = prepare(&install, runner).await;
+                        let mut slots = lock(&this.slots);
+                        if result.is_ok() {
+                            slots.insert(install.dir.clone(), Slot::Done);
+                        } else {
+                            slots.remove(&install.dir);
+                        }
+                        drop(slots);
+                        let _ = tx.send(Some(result));
+                    });
+                    rx
+                }
             }
-        }
-        check_launch(install, prepare, runner)?;
-        *done = true;
-        Ok(())
+        };
+        let Ok(published) = outcome.wait_for(Option::is_some).await else {
+            // The task ended without publishing (it panicked): the next call starts afresh.
+            lock(&self.slots).remove(&install.dir);
+            return Err(PrepareError::Io {
+                path: install.dir.clone(),
+                reason: "the preparation task ended without an outcome".into(),
+            });
+        };
+        published.clone().unwrap_or(Ok(()))
     }
+}
+
+/// Runs `install`'s preparation, then checks what its launch runs.
+async fn prepare(install: &Install, runner: Runner) -> Result<(), PrepareError> {
+    let Some(prepare) = &install.prepare else {
+        return Ok(());
+    };
+    match prepare {
+        Prepare::UvSync { uv, python, venv } => {
+            uv_sync(install, uv, python.as_deref(), venv, UV_SYNC_TIMEOUT).await?;
+        }
+    }
+    check_launch(install, prepare, runner)
 }
 
 /// `uv sync` of `install`'s project into `venv`, unless the environment's marker says it was made from the

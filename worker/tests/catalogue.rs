@@ -1568,3 +1568,25 @@ fn an_install_dir_program_or_module_out_of_reach_is_reported_per_install() {
     assert!(problems.is_empty(), "{}", show(&problems));
     assert_eq!(cat.len(), 3);
 }
+
+#[test]
+fn with_uv_a_module_the_project_does_not_hold_comes_from_its_environment() {
+    let f = Fixture::new(&["uv"]);
+    let dir = f.install("wrap", r#"{"tool_id": "wrap", "type": "python"}"#);
+    f.file(
+        "wrap/pyproject.toml",
+        "[project]\ndependencies = [\"someone-elses-plugin\"]\n\n[project.scripts]\nwrap = \"their_plugin.cli:main\"\n",
+    );
+    let install = f.load_one();
+    let dir = canon(&dir);
+    assert_eq!(
+        install.argv,
+        launcher(
+            s(&dir.join(".fleet-venv/bin/python")),
+            &dir,
+            "their_plugin.cli",
+            "main",
+            "wrap"
+        )
+    );
+}

@@ -158,7 +158,7 @@ struct RegistryInner {
     cells: Mutex<HashMap<String, Arc<DetectCell>>>,
     quarantined: Mutex<HashMap<String, String>>,
     hashes: Mutex<HashMap<PathBuf, (FileStamp, String)>>,
-    preparations: crate::prepare::Preparations,
+    preparations: Arc<crate::prepare::Preparations>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
