@@ -1403,7 +1403,7 @@ fn chmod(path: &Path, mode: u32) {
     fs::set_permissions(path, fs::Permissions::from_mode(mode)).unwrap();
 }
 
-/// A fixture whose catalogue and fake PATH other users can traverse (a `TempDir` is 0700).
+/// A fixture whose catalogue and fake PATH other users can traverse (whatever the umask made them).
 fn open_fixture(runtimes: &[&str]) -> Fixture {
     let f = Fixture::new(runtimes);
     chmod(f.cat.path(), 0o755);
