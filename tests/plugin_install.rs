@@ -1232,6 +1232,18 @@ async fn an_interpreter_the_plugins_cannot_execute_is_reported_at_load_and_its_s
     assert!(matches!(refusal, DetectError::Launch { .. }), "{refusal}");
     assert_eq!(refusal.stage(), RefusalStage::Launch);
     assert!(err.to_string().contains("Permission denied"), "{err}");
+
+    // Not remembered: once the operator follows the fix, the next call starts the plugin.
+    std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o711)).expect("chmod o+x home");
+    let out = fleet_e2e::worker::data(
+        &w,
+        "frank",
+        "tool-dev-example-text-tool",
+        "word_count",
+        json!({ "text": "a b" }),
+    )
+    .await;
+    assert_eq!(out["words"], 2, "{out}");
     w.pool.shutdown().await;
 }
 

@@ -428,6 +428,30 @@ impl LoadOptions {
     }
 }
 
+/// What of an install the plugins' uids must reach ([`CatalogueError::Unreachable`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Needed {
+    /// The catalogue directory (every install is below it).
+    CatalogueDir,
+    /// The install directory (the plugin's working directory).
+    InstallDir,
+    /// The program the launch runs (`argv[0]`).
+    Program,
+    /// The module a `[project.scripts]` entry imports (and the directory Python lists to find it).
+    Module,
+}
+
+impl fmt::Display for Needed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Needed::CatalogueDir => "the catalogue directory",
+            Needed::InstallDir => "the install directory",
+            Needed::Program => "the program",
+            Needed::Module => "the script's module",
+        })
+    }
+}
+
 /// A program found on the search path that the plugins' uids cannot execute.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockedProgram {
@@ -555,8 +579,8 @@ pub enum CatalogueError {
     /// A directory or file the plugin needs is out of its uid's reach (a catalogue under a 0700 `mktemp -d`…).
     #[error("{what} {} is out of the plugins' reach: {}", path.display(), reach::describe(blockers))]
     Unreachable {
-        /// What it is (`the catalogue directory`, `the install directory`, `the program`, `the script's module`).
-        what: &'static str,
+        /// What it is.
+        what: Needed,
         /// The path.
         path: PathBuf,
         /// What is in the way, and (in the message) the `chmod` that fixes it.
@@ -579,7 +603,7 @@ pub enum CatalogueError {
         #[source]
         source: toml::de::Error,
     },
-    /// A `pyproject.toml` or `package.json` is well-formed but a field the launch uses is not usable.
+    /// A `pyproject.toml` is well-formed but a field the launch uses is not usable.
     #[error("{}: {reason}", path.display())]
     BadFile {
         /// The file.
@@ -687,7 +711,7 @@ impl Catalogue {
             .join(MANIFEST_FILE);
         if let Some(blockers) = opts.blockers(dir, Access::Search, &any_install) {
             let error = CatalogueError::Unreachable {
-                what: "the catalogue directory",
+                what: Needed::CatalogueDir,
                 path: dir.to_path_buf(),
                 blockers,
             };
@@ -822,7 +846,7 @@ fn load_install(sub: &Path, manifest: &Path, opts: &LoadOptions) -> Result<Insta
         && let Some(blockers) = opts.blockers(&dir, Access::Search, &dir)
     {
         return Err(CatalogueError::Unreachable {
-            what: "the install directory",
+            what: Needed::InstallDir,
             path: dir,
             blockers,
         });
@@ -1106,7 +1130,7 @@ fn resolve_argv(entry: &Entry, dir: &Path, opts: &LoadOptions) -> Result<Launch,
         )
     {
         return Err(CatalogueError::Unreachable {
-            what: "the program",
+            what: Needed::Program,
             path: PathBuf::from(program),
             blockers,
         });
@@ -1451,7 +1475,7 @@ fn module_root(dir: &Path, script: &Script, opts: &LoadOptions) -> Result<PathBu
             for (path, access) in [(&base, Access::Read), (&candidate, Access::Read)] {
                 if let Some(blockers) = opts.blockers(path, access, dir) {
                     return Err(CatalogueError::Unreachable {
-                        what: "the script's module",
+                        what: Needed::Module,
                         path: path.clone(),
                         blockers,
                     });

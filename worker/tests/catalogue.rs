@@ -1083,7 +1083,7 @@ fn animus_fields() {
 // ---------------------------------------------------------------------------------------------------------------
 // What authors ship: `[project.scripts]` and `package.json` `bin` named after the plugin's `name`/`slug`.
 
-use fleet_worker::catalogue::{PYTHON_SCRIPT_LAUNCHER, Prepare, Runner};
+use fleet_worker::catalogue::{Needed, PYTHON_SCRIPT_LAUNCHER, Prepare, Runner};
 
 /// The fixture plugin directories laid out like the public SDK's examples.
 fn sdk_fixture(name: &str) -> PathBuf {
@@ -1541,7 +1541,7 @@ fn an_install_dir_program_or_module_out_of_reach_is_reported_per_install() {
         other => panic!("problem {i}: {other}"),
     };
     let (what, path, blockers) = unreachable(0);
-    assert_eq!((what, path), ("the install directory", canon(&closed)));
+    assert_eq!((what, path), (Needed::InstallDir, canon(&closed)));
     assert!(
         problems[0]
             .to_string()
@@ -1549,14 +1549,14 @@ fn an_install_dir_program_or_module_out_of_reach_is_reported_per_install() {
     );
     assert_eq!(blockers.len(), 1);
     let (what, path, _) = unreachable(1);
-    assert_eq!((what, path), ("the program", canon(&exe)));
+    assert_eq!((what, path), (Needed::Program, canon(&exe)));
     assert!(
         problems[1]
             .to_string()
             .ends_with(&format!("fix: `chmod o+x {}`", canon(&exe).display()))
     );
     let (what, path, _) = unreachable(2);
-    assert_eq!((what, path), ("the script's module", canon(&secret)));
+    assert_eq!((what, path), (Needed::Module, canon(&secret)));
     assert!(
         problems[2]
             .to_string()

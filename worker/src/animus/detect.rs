@@ -172,7 +172,8 @@ struct FileStamp {
 use fleet_proto::util::lock;
 
 impl Registry {
-    /// The detection of `install`, running it once (concurrent callers wait for the same probe).
+    /// The detection of `install`, running it once (concurrent callers wait for the same probe). A program that
+    /// did not start ([`DetectError::Launch`]) is not remembered: the next call probes again.
     pub async fn detect(&self, ctx: &WorkerContext, install: &Install) -> Result<Detected, DetectError> {
         if let Some(reason) = self.quarantine_reason(install) {
             return Err(DetectError::Quarantined(reason));
@@ -196,8 +197,16 @@ impl Registry {
                 d
             })
             .await
-            .clone()?;
-        Ok(detected)
+            .clone();
+        if let Err(DetectError::Launch { .. }) = &detected {
+            // Not remembered: the operator may fix what stopped the program (a permission, a missing file), and
+            // the next use probes again.
+            let mut cells = lock(&self.inner.cells);
+            if cells.get(&key(install)).is_some_and(|c| Arc::ptr_eq(c, &cell)) {
+                cells.remove(&key(install));
+            }
+        }
+        detected
     }
 
     /// The recorded detection of `install`, if it already ran.
