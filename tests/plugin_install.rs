@@ -1150,6 +1150,29 @@ async fn sdk_layout_plugins_start_from_the_catalogue_and_from_an_install_without
             assert_eq!(out["argv0"], "example-text-tool", "{out}");
         }
     }
+    // The script's module is part of the launch's fingerprint: changed under the worker, it is quarantined.
+    let module = w.config.catalogue_dir.join("sdk-python/example_plugin.py");
+    let mut code = std::fs::read_to_string(&module).expect("module");
+    code.push_str("\n# changed\n");
+    std::fs::write(&module, code).expect("change the module");
+    let err = tokio::time::timeout(
+        GUARD,
+        w.pool.invoke(
+            "erin",
+            PY_ID,
+            fleet_e2e::worker::req("word_count", json!({ "text": "x" })),
+        ),
+    )
+    .await
+    .expect("ends")
+    .expect_err("quarantined");
+    assert!(
+        matches!(
+            &err,
+            fleet_worker::pool::PoolError::Refused(fleet_worker::animus::DetectError::Quarantined(_))
+        ),
+        "{err}"
+    );
     w.pool.shutdown().await;
 }
 

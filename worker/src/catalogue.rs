@@ -189,6 +189,10 @@ pub struct Install {
     pub packaged: bool,
     /// What must be done once before the first spawn ([`crate::prepare`]); `None`: nothing.
     pub prepare: Option<Prepare>,
+    /// Files of the plugin's own code that the launch runs but its argv does not name (the module of a
+    /// `[project.scripts]` entry): fingerprinted with the argv's ([`crate::animus::detect`]), so a changed
+    /// module quarantines the install as a changed program does.
+    pub code: Vec<PathBuf>,
 }
 
 /// A one-time preparation an install needs before its first spawn, run by the worker ([`crate::prepare`]).
@@ -851,7 +855,7 @@ fn load_install(sub: &Path, manifest: &Path, opts: &LoadOptions) -> Result<Insta
             blockers,
         });
     }
-    let Launch { argv, prepare } = if entry.enabled {
+    let Launch { argv, prepare, code } = if entry.enabled {
         resolve_argv(&entry, &dir, opts)?
     } else {
         Vec::new().into()
@@ -875,6 +879,7 @@ fn load_install(sub: &Path, manifest: &Path, opts: &LoadOptions) -> Result<Insta
         allow_methods: entry.allow_methods,
         packaged,
         prepare,
+        code,
     })
 }
 
@@ -1101,15 +1106,21 @@ fn is_env_name(s: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
-/// A resolved launch: the argv, and what must be done once before it can run.
+/// A resolved launch: the argv, what must be done once before it can run, and the files of its code the argv
+/// does not name.
 struct Launch {
     argv: Vec<String>,
     prepare: Option<Prepare>,
+    code: Vec<PathBuf>,
 }
 
 impl From<Vec<String>> for Launch {
     fn from(argv: Vec<String>) -> Launch {
-        Launch { argv, prepare: None }
+        Launch {
+            argv,
+            prepare: None,
+            code: Vec::new(),
+        }
     }
 }
 
@@ -1279,9 +1290,9 @@ fn python_launch(entry: &Entry, dir: &Path, opts: &LoadOptions) -> Result<Launch
     if let Some(scripts) = &scripts {
         if let Some(script) = choose_script(scripts, entry, &mut tried) {
             let script = parse_script(&pyproject, script)?;
-            let root = match module_root(dir, &script, opts) {
+            let (root, module_file) = match module_root(dir, &script, opts) {
                 // With `uv`, a module the project does not hold itself comes from its environment (a dependency).
-                Err(CatalogueError::NothingToLaunch { .. }) if uv_sync.is_some() => dir.to_path_buf(),
+                Err(CatalogueError::NothingToLaunch { .. }) if uv_sync.is_some() => (dir.to_path_buf(), None),
                 other => other?,
             };
             let python = match &uv_sync {
@@ -1299,6 +1310,7 @@ fn python_launch(entry: &Entry, dir: &Path, opts: &LoadOptions) -> Result<Launch
                     script.name,
                 ],
                 prepare: uv_sync,
+                code: module_file.into_iter().collect(),
             });
         }
         if scripts.is_empty() {
@@ -1307,6 +1319,7 @@ fn python_launch(entry: &Entry, dir: &Path, opts: &LoadOptions) -> Result<Launch
                     return Ok(Launch {
                         argv: vec![path_string(venv_bin(&entry.tool_id))?],
                         prepare: Some(prepare),
+                        code: Vec::new(),
                     });
                 }
                 None => tried.push(format!(
@@ -1461,8 +1474,13 @@ fn parse_script(pyproject: &Path, (name, target): &(String, String)) -> Result<S
 }
 
 /// The directory under [`PYTHON_MODULE_ROOTS`] holding the script's top-level module (`<m>.py`, `<m>/`), checked
-/// readable by the runner (Python lists the directory and reads the file).
-fn module_root(dir: &Path, script: &Script, opts: &LoadOptions) -> Result<PathBuf, CatalogueError> {
+/// readable by the runner (Python lists the directory and reads the file), and the file of the module itself
+/// when there is one (a namespace package has none).
+fn module_root(
+    dir: &Path,
+    script: &Script,
+    opts: &LoadOptions,
+) -> Result<(PathBuf, Option<PathBuf>), CatalogueError> {
     let top = script.module.split('.').next().unwrap_or_default();
     let mut tried = Vec::new();
     for root in PYTHON_MODULE_ROOTS {
@@ -1481,7 +1499,12 @@ fn module_root(dir: &Path, script: &Script, opts: &LoadOptions) -> Result<PathBu
                     });
                 }
             }
-            return Ok(base);
+            // The file holding the function: `a/b.py` or `a/b/__init__.py` for module `a.b`.
+            let module = base.join(script.module.replace('.', "/"));
+            let file = [module.with_extension("py"), module.join("__init__.py")]
+                .into_iter()
+                .find(|f| f.is_file());
+            return Ok((base, file));
         }
     }
     Err(CatalogueError::NothingToLaunch {

@@ -1231,6 +1231,7 @@ fn python_without_uv_imports_the_module_from_the_flat_or_src_layout() {
     let (cat, problems) = f.load();
     assert_eq!(problems.len(), 1, "{}", show(&problems));
     let dir = canon(&f.cat.path().join("src"));
+    assert_eq!(cat.get("t-src").unwrap().code, vec![dir.join("src/pkg/cli.py")]);
     assert_eq!(
         cat.get("t-src").unwrap().argv,
         launcher(
@@ -1365,6 +1366,8 @@ fn the_sdk_python_example_runs_its_script_with_or_without_uv() {
             "uv: {with_uv}"
         );
         assert_eq!(install.prepare.is_some(), with_uv);
+        // The module is fingerprinted with the interpreter: a changed plugin is quarantined.
+        assert_eq!(install.code, vec![dir.join("example_plugin.py")]);
     }
 }
 

@@ -10,8 +10,8 @@
 //!    Animus `initialize` is never sent to a plugin detected as Executa, nor the reverse.
 //!
 //! The record holds the dialect, the probed manifest (kind, protocol version) and a **fingerprint** of the
-//! launch: the SHA-256 of every file the argv names (`argv[0]` and any argument that is a file of the install).
-//! Every later spawn recomputes it (cached by path, size, mtime and inode, so an unchanged file is hashed once)
+//! launch: the SHA-256 of every file the argv names (`argv[0]` and any argument that is a file of the install)
+//! and of the install's code the argv does not name (a `[project.scripts]` module). Every later spawn recomputes it (cached by path, size, mtime and inode, so an unchanged file is hashed once)
 //! and a mismatch quarantines the install: it is refused until the worker reloads its catalogue. The Animus
 //! handshake also cross-checks its `plugin_kind` and major version against the record.
 
@@ -281,7 +281,8 @@ fn key(install: &Install) -> String {
     format!("{}\0{}", install.tool_id, install.dir.display())
 }
 
-/// The files a launch runs: `argv[0]` and every argument naming a regular file (relative to the install dir).
+/// The files a launch runs: `argv[0]`, every argument naming a regular file (relative to the install dir), and
+/// the install's [`code`](Install::code) its argv does not name.
 fn launch_files(install: &Install) -> Vec<PathBuf> {
     let mut files = Vec::new();
     for (i, arg) in install.argv.iter().enumerate() {
@@ -295,6 +296,7 @@ fn launch_files(install: &Install) -> Vec<PathBuf> {
             files.push(p);
         }
     }
+    files.extend(install.code.iter().cloned());
     files
 }
 
