@@ -671,6 +671,44 @@ fn fleet_up_with_an_unreachable_nats_url_exits_non_zero() {
     assert!(stderr.contains(&format!("cannot connect to {url}")), "{stderr}");
 }
 
+/// A data directory under a 0700 parent (any `mktemp -d`), as root: `fleet up` refuses to start, naming the
+/// parent and the exact `chmod` that fixes it — not "run as root, or pass --isolation none", which fits no root
+/// user.
+#[test]
+fn fleet_up_under_a_closed_directory_names_the_chmod_that_fixes_it() {
+    // `/proc/self` belongs to the process's effective uid.
+    let euid = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self").unwrap());
+    if euid != 0 {
+        println!("skipping: only a root fleet up runs plugins under per-user uids");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    // As `mktemp -d` makes it (a `tempfile` directory follows the umask).
+    std::fs::set_permissions(tmp.path(), std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    let mut cmd = up_command(&tmp.path().join("data"), &free_addr());
+    cmd.current_dir(tmp.path());
+    for var in SCRUBBED_ENV {
+        cmd.env_remove(var);
+    }
+    let out = run_bounded(cmd);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    let closed = std::fs::canonicalize(tmp.path()).unwrap();
+    assert!(
+        stderr.contains(&format!(
+            "{} (mode 700) is not searchable by other users; fix: `chmod o+x {}`",
+            closed.display(),
+            closed.display()
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("(the state directory is <--data-dir>/state)"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("run as root"), "{stderr}");
+}
+
 /// Without any usable nats-server, `fleet up` must exit non-zero and say how to install one.
 ///
 /// This cannot be forced in this workspace: `nats_server::find` also looks at

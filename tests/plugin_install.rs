@@ -1012,3 +1012,466 @@ async fn launchers_run_installed_python_node_and_binary_packages_and_name_what_i
     );
     w.pool.shutdown().await;
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// Plugins laid out exactly as the public SDK's examples ship them (`tests/plugins/sdk-*`), run under per-user uids.
+
+/// The SDK-layout fixture directory `name` (`sdk-python`, `sdk-node`).
+fn sdk_fixture(name: &str) -> std::path::PathBuf {
+    fleet_e2e::workspace_root().join("tests/plugins").join(name)
+}
+
+/// The regular files of `dir`, with their modes and contents.
+fn fixture_files(dir: &std::path::Path) -> Vec<(String, u32, Vec<u8>)> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).expect("fixture dir") {
+        let entry = entry.expect("entry");
+        let meta = entry.metadata().expect("metadata");
+        if meta.is_file() {
+            let name = entry.file_name().into_string().expect("utf-8 name");
+            let bytes = std::fs::read(entry.path()).expect("fixture file");
+            files.push((name, meta.permissions().mode() & 0o777, bytes));
+        }
+    }
+    files.sort();
+    files
+}
+
+/// The worker's own search path without any directory holding `uv` (the launch without `uv`), for the plugins
+/// of a worker with `config`.
+fn search_without_uv(config: &fleet_worker::config::WorkerConfig) -> fleet_worker::catalogue::LoadOptions {
+    let mut opts = fleet_worker::catalogue::LoadOptions::for_worker(config);
+    opts.search_path.retain(|dir| !dir.join("uv").exists());
+    opts
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sdk_layout_plugins_start_from_the_catalogue_and_from_an_install_without_uv() {
+    use fleet_e2e::worker::{TestWorker, data, test_config};
+    use fleet_worker::catalogue::{Catalogue, Install, load_dir};
+    use fleet_worker::install::{InstallOptions, InstallRequest, install};
+    use fleet_worker::sandbox::reach::{self, Access};
+
+    const PY_ID: &str = "tool-dev-example-text-tool";
+    const NODE_ID: &str = "tool-dev-example-node-tool";
+    let w = TestWorker::start(test_config("sdk-layout"), &[]);
+    let opts = search_without_uv(&w.config);
+    let has_node = opts.lookup("node").is_some();
+    if !has_node {
+        println!("skipping the Node half: no `node` on PATH that the plugins' uids can execute");
+    }
+
+    // From the catalogue: the directories copied as they are.
+    for name in ["sdk-python", "sdk-node"] {
+        let dir = w.config.catalogue_dir.join(name);
+        std::fs::create_dir(&dir).expect("install dir");
+        for (file, mode, bytes) in fixture_files(&sdk_fixture(name)) {
+            let path = dir.join(file);
+            std::fs::write(&path, bytes).expect("copy");
+            std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(mode))
+                .expect("chmod");
+        }
+    }
+    let (catalogue, problems) = Catalogue::load(&w.config.catalogue_dir, &opts).expect("catalogue");
+    let problems: Vec<String> = problems.iter().map(ToString::to_string).collect();
+    if has_node {
+        assert!(problems.is_empty(), "{problems:?}");
+    } else {
+        assert_eq!(problems.len(), 1, "{problems:?}");
+    }
+    let py = catalogue
+        .get(PY_ID)
+        .expect("the SDK Python example loads")
+        .clone();
+    // Without uv: python3 imports the script's module:function; an interpreter the plugins' uid can execute
+    // (on a machine with pyenv, the first `python3` on PATH is a shim under root's 0700 home: skipped).
+    assert_eq!(py.argv[1], "-c", "{:?}", py.argv);
+    assert_eq!(py.argv[4..], ["example_plugin", "main", "example-text-tool"]);
+    let blocked = reach::blockers(std::path::Path::new(&py.argv[0]), Access::Execute).expect("stat");
+    assert!(blocked.is_empty(), "{} is out of reach: {blocked:?}", py.argv[0]);
+
+    // From an install: the same files as a package.
+    let files = fixture_files(&sdk_fixture("sdk-python"));
+    let members: Vec<(&str, u32, &[u8])> = files
+        .iter()
+        .map(|(n, m, b)| (n.as_str(), *m, b.as_slice()))
+        .collect();
+    let package = w.root.path().join("sdk-python.tar.gz");
+    std::fs::write(&package, tar_gz(&members, |_| {})).expect("package");
+    let installed = install(
+        &InstallOptions::new(w.root.path().join("executa")),
+        &InstallRequest {
+            package,
+            tool_id: Some("tool-dev-installed-text-tool".into()),
+            version: Some("1.0.0".into()),
+            ..InstallRequest::default()
+        },
+    )
+    .expect("install");
+    let from_package: Install = load_dir(&installed.dir, &opts).expect("the installed example loads");
+    assert_eq!(
+        from_package.argv[4..],
+        ["example_plugin", "main", "example-text-tool"]
+    );
+
+    let mut runs = vec![(PY_ID, py), ("tool-dev-installed-text-tool", from_package)];
+    if has_node {
+        runs.push((
+            NODE_ID,
+            catalogue
+                .get(NODE_ID)
+                .expect("the SDK Node example loads")
+                .clone(),
+        ));
+    }
+    for (tool_id, install) in runs {
+        drop(w.pool.set_install(install));
+        let manifest = w
+            .pool
+            .describe("erin", tool_id, GUARD)
+            .await
+            .unwrap_or_else(|e| panic!("{tool_id}: describe: {e}"));
+        assert!(
+            manifest.tools.iter().any(|t| t.name == "word_count"),
+            "{tool_id}: {manifest:?}"
+        );
+        let out = data(
+            &w,
+            "erin",
+            tool_id,
+            "word_count",
+            json!({ "text": "one two three" }),
+        )
+        .await;
+        assert_eq!(out["words"], 3, "{tool_id}: {out}");
+        if tool_id != NODE_ID {
+            // The launcher names the process after the script, as its console-script wrapper would.
+            assert_eq!(out["argv0"], "example-text-tool", "{out}");
+        }
+    }
+    // The script's module is part of the launch's fingerprint: changed under the worker, it is quarantined.
+    let module = w.config.catalogue_dir.join("sdk-python/example_plugin.py");
+    let mut code = std::fs::read_to_string(&module).expect("module");
+    code.push_str("\n# changed\n");
+    std::fs::write(&module, code).expect("change the module");
+    let err = tokio::time::timeout(
+        GUARD,
+        w.pool.invoke(
+            "erin",
+            PY_ID,
+            fleet_e2e::worker::req("word_count", json!({ "text": "x" })),
+        ),
+    )
+    .await
+    .expect("ends")
+    .expect_err("quarantined");
+    assert!(
+        matches!(
+            &err,
+            fleet_worker::pool::PoolError::Refused(fleet_worker::animus::DetectError::Quarantined(_))
+        ),
+        "{err}"
+    );
+    w.pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_interpreter_the_plugins_cannot_execute_is_reported_at_load_and_its_spawn_failure_is_a_launch_failure()
+ {
+    use fleet_e2e::worker::{TestWorker, req, test_config};
+    use fleet_worker::animus::{DetectError, RefusalStage};
+    use fleet_worker::catalogue::{Catalogue, CatalogueError, LoadOptions, Runner};
+    use fleet_worker::config::RunAs;
+    use fleet_worker::pool::PoolError;
+    use std::os::unix::fs::PermissionsExt as _;
+
+    let w = TestWorker::start(test_config("pyenv-trap"), &[]);
+    if w.config.run_as == RunAs::Inherit {
+        println!("skipping: the plugins run as the worker's own uid (per-user uids need root)");
+        return;
+    }
+    // A pyenv-style home: 0700, a `python3` shim inside that runs the system's interpreter. Not under /tmp:
+    // the sandbox's private /tmp re-creates the directories leading to what it mounts back, as root's home
+    // never is.
+    let homes = tempfile::tempdir_in(fleet_e2e::profile_dir()).expect("tempdir outside /tmp");
+    std::fs::set_permissions(homes.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let home = homes.path().join("home");
+    let shims = home.join(".pyenv/shims");
+    std::fs::create_dir_all(&shims).expect("shims");
+    let shim = shims.join("python3");
+    let python = LoadOptions::with_search_path(["/usr/bin", "/bin"])
+        .lookup("python3")
+        .expect("a system python3");
+    std::fs::write(&shim, format!("#!/bin/sh\nexec {} \"$@\"\n", python.display())).expect("shim");
+    std::fs::set_permissions(&shim, std::fs::Permissions::from_mode(0o755)).expect("chmod shim");
+    std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o700)).expect("chmod home");
+    copy_into_catalogue(&w.config.catalogue_dir, "sdk-python");
+
+    // Loaded for the plugins' uids: reported now, with the fix.
+    let for_plugins = LoadOptions::with_search_path([&shims]).with_runner(Runner::of(&w.config));
+    let (catalogue, problems) = Catalogue::load(&w.config.catalogue_dir, &for_plugins).expect("catalogue");
+    assert!(catalogue.is_empty());
+    assert_eq!(problems.len(), 1);
+    assert!(
+        matches!(&problems[0].error, CatalogueError::RuntimeUnreachable { program, .. } if program == "python3"),
+        "{}",
+        problems[0]
+    );
+    let shown = problems[0].to_string();
+    let home_c = std::fs::canonicalize(&home).expect("home");
+    assert!(
+        shown.contains("install `python3` system-wide")
+            && shown.contains(&format!("`chmod o+x {}`", home_c.display())),
+        "{shown}"
+    );
+
+    // Loaded as the worker sees its own PATH (what happened before): the first call fails to start the program,
+    // and that is a launch failure, not a refusal of the plugin's dialect.
+    let (catalogue, problems) =
+        Catalogue::load(&w.config.catalogue_dir, &LoadOptions::with_search_path([&shims]))
+            .expect("catalogue");
+    assert!(problems.is_empty(), "{problems:?}");
+    let install = catalogue
+        .get("tool-dev-example-text-tool")
+        .expect("install")
+        .clone();
+    assert_eq!(install.argv[0], shim.display().to_string());
+    drop(w.pool.set_install(install));
+    let err = tokio::time::timeout(
+        GUARD,
+        w.pool.invoke(
+            "frank",
+            "tool-dev-example-text-tool",
+            req("word_count", json!({ "text": "a" })),
+        ),
+    )
+    .await
+    .expect("the invoke ends")
+    .expect_err("the sandbox uid cannot execute the shim");
+    let PoolError::Refused(refusal) = &err else {
+        panic!("expected a refusal at launch, got {err}");
+    };
+    assert!(matches!(refusal, DetectError::Launch { .. }), "{refusal}");
+    assert_eq!(refusal.stage(), RefusalStage::Launch);
+    assert!(err.to_string().contains("Permission denied"), "{err}");
+
+    // Not remembered: once the operator follows the fix, the next call starts the plugin.
+    std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o711)).expect("chmod o+x home");
+    let out = fleet_e2e::worker::data(
+        &w,
+        "frank",
+        "tool-dev-example-text-tool",
+        "word_count",
+        json!({ "text": "a b" }),
+    )
+    .await;
+    assert_eq!(out["words"], 2, "{out}");
+    w.pool.shutdown().await;
+}
+
+/// Stands in for `uv sync` (`uv` is not installed on the test machines): appends its arguments to `count`, fails
+/// while `fail` exists, waits for a line on the FIFO `<count>.gate` when there is one, and otherwise makes the
+/// environment with the system's `python3` (the SDK example is stdlib-only, so an environment without packages is
+/// what `uv sync` would make of it).
+fn fake_uv(
+    path: &std::path::Path,
+    count: &std::path::Path,
+    fail: &std::path::Path,
+    python: &std::path::Path,
+) {
+    use std::os::unix::fs::PermissionsExt as _;
+    let gate = count.with_extension("gate");
+    let script = format!(
+        "#!/bin/sh\necho \"$*\" >> '{count}'\n\
+         if [ -e '{fail}' ]; then echo 'error: no solution found (test)' >&2; exit 1; fi\n\
+         if [ -p '{gate}' ]; then read line < '{gate}'; fi\n\
+         exec '{python}' -m venv --without-pip \"$UV_PROJECT_ENVIRONMENT\"\n",
+        count = count.display(),
+        fail = fail.display(),
+        gate = gate.display(),
+        python = python.display()
+    );
+    std::fs::write(path, script).expect("fake uv");
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+}
+
+/// Copies the SDK-layout fixture `name` into `catalogue` as `<catalogue>/<name>/` (modes as the umask makes them).
+fn copy_into_catalogue(catalogue: &std::path::Path, name: &str) {
+    let dir = catalogue.join(name);
+    std::fs::create_dir(&dir).expect("install dir");
+    for (file, _, bytes) in fixture_files(&sdk_fixture(name)) {
+        std::fs::write(dir.join(file), bytes).expect("copy");
+    }
+}
+
+/// A worker, a [`fake_uv`] in a directory of its own (its runs counted in `count`, failing while `fail`
+/// exists), and the SDK Python example in the catalogue, loaded with that `uv` on the search path.
+struct UvSetup {
+    w: fleet_e2e::worker::TestWorker,
+    python: std::path::PathBuf,
+    tools: std::path::PathBuf,
+    count: std::path::PathBuf,
+    fail: std::path::PathBuf,
+    install: fleet_worker::catalogue::Install,
+}
+
+impl UvSetup {
+    const ID: &str = "tool-dev-example-text-tool";
+
+    /// `before_load` runs once the fake `uv` is in place (to set its switches).
+    fn start(name: &str, before_load: impl FnOnce(&UvPaths<'_>)) -> UvSetup {
+        use fleet_worker::catalogue::{Catalogue, LoadOptions, Runner};
+        let w = fleet_e2e::worker::TestWorker::start(fleet_e2e::worker::test_config(name), &[]);
+        let python = LoadOptions::with_search_path(["/usr/bin", "/bin"])
+            .lookup("python3")
+            .expect("a system python3");
+        let tools = w.root.path().join("uv-bin");
+        std::fs::create_dir(&tools).expect("uv dir");
+        let (count, fail) = (w.root.path().join("uv-runs"), w.root.path().join("uv-fail"));
+        fake_uv(&tools.join("uv"), &count, &fail, &python);
+        before_load(&UvPaths {
+            count: &count,
+            fail: &fail,
+        });
+        copy_into_catalogue(&w.config.catalogue_dir, "sdk-python");
+        let opts = LoadOptions::with_search_path([tools.as_path(), python.parent().expect("bin dir")])
+            .with_runner(Runner::of(&w.config));
+        let (catalogue, problems) = Catalogue::load(&w.config.catalogue_dir, &opts).expect("catalogue");
+        assert!(problems.is_empty(), "{problems:?}");
+        let install = catalogue.get(Self::ID).expect("install").clone();
+        drop(w.pool.set_install(install.clone()));
+        UvSetup {
+            w,
+            python,
+            tools,
+            count,
+            fail,
+            install,
+        }
+    }
+
+    /// How many times `uv` ran.
+    fn runs(&self) -> usize {
+        std::fs::read_to_string(&self.count)
+            .map(|s| s.lines().count())
+            .unwrap_or(0)
+    }
+}
+
+/// The switches of a [`fake_uv`].
+struct UvPaths<'a> {
+    count: &'a std::path::Path,
+    fail: &'a std::path::Path,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_uv_the_install_is_prepared_once_before_its_first_spawn_and_a_failed_preparation_is_retried() {
+    use fleet_e2e::worker::{TestWorker, data, req, test_config};
+    use fleet_worker::animus::{DetectError, RefusalStage};
+    use fleet_worker::catalogue::{Prepare, UV_VENV_DIR};
+    use fleet_worker::pool::PoolError;
+    use fleet_worker::prepare::PREPARED_MARKER;
+
+    const ID: &str = UvSetup::ID;
+    let setup = UvSetup::start("uv-prepare", |uv| {
+        std::fs::write(uv.fail, b"").expect("fail switch");
+    });
+    let (w, python, install) = (&setup.w, &setup.python, setup.install.clone());
+    let venv = install.dir.join(UV_VENV_DIR);
+    assert_eq!(
+        install.prepare,
+        Some(Prepare::UvSync {
+            uv: setup.tools.join("uv"),
+            python: Some(python.clone()),
+            venv: venv.clone(),
+        })
+    );
+    assert_eq!(install.argv[0], venv.join("bin/python").display().to_string());
+    assert_eq!(setup.runs(), 0, "nothing runs at load");
+
+    // The first use prepares; the failure is reported as such, with uv's own words, and is not remembered.
+    let call = |text: &'static str| {
+        tokio::time::timeout(
+            GUARD,
+            w.pool
+                .invoke("gina", ID, req("word_count", json!({ "text": text }))),
+        )
+    };
+    let err = call("a b").await.expect("ends").expect_err("uv sync fails");
+    let PoolError::Refused(refusal) = &err else {
+        panic!("expected a refused preparation, got {err}");
+    };
+    assert!(matches!(refusal, DetectError::Prepare(_)), "{refusal}");
+    assert_eq!(refusal.stage(), RefusalStage::Prepare);
+    assert!(err.to_string().contains("no solution found (test)"), "{err}");
+    assert_eq!(setup.runs(), 1);
+
+    std::fs::remove_file(&setup.fail).expect("fail switch off");
+    let out = data(w, "gina", ID, "word_count", json!({ "text": "one two three" })).await;
+    assert_eq!(out["words"], 3, "{out}");
+    assert_eq!(setup.runs(), 2, "prepared on the retry");
+    let args = std::fs::read_to_string(&setup.count).expect("runs");
+    assert_eq!(
+        args.lines().last(),
+        Some(
+            format!(
+                "sync --project {} --no-dev --python {}",
+                install.dir.display(),
+                python.display()
+            )
+            .as_str()
+        )
+    );
+    assert!(venv.join(PREPARED_MARKER).is_file());
+    // Another user's session of the same install: prepared already.
+    let out = data(w, "hank", ID, "word_count", json!({ "text": "x" })).await;
+    assert_eq!(out["words"], 1, "{out}");
+    assert_eq!(setup.runs(), 2);
+    w.pool.shutdown().await;
+
+    // A restarted worker finds the environment made from the same project files: no second sync.
+    let w2 = TestWorker::start(test_config("uv-prepare-2"), &[]);
+    drop(w2.pool.set_install(install));
+    let out = data(&w2, "gina", ID, "word_count", json!({ "text": "a b c d" })).await;
+    assert_eq!(out["words"], 4, "{out}");
+    assert_eq!(setup.runs(), 2, "the marker matched");
+    w2.pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_caller_that_gives_up_does_not_stop_the_preparation() {
+    use fleet_e2e::worker::{data, eventually, req};
+
+    const ID: &str = UvSetup::ID;
+    let mut gate = std::path::PathBuf::new();
+    let setup = UvSetup::start("uv-prepare-abandoned", |uv| {
+        gate = uv.count.with_extension("gate");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&gate)
+            .status()
+            .expect("mkfifo");
+        assert!(made.success());
+    });
+    let w = &setup.w;
+    let runs = || setup.runs();
+
+    // The first caller starts the preparation, which waits at the gate; then the caller gives up.
+    let pool = w.pool.clone();
+    let first = tokio::spawn(async move {
+        pool.invoke("ivan", ID, req("word_count", json!({ "text": "a" })))
+            .await
+    });
+    assert!(eventually(GUARD, || runs() == 1).await, "the preparation started");
+    first.abort();
+    assert!(first.await.expect_err("aborted").is_cancelled());
+
+    // The preparation goes on: once the gate opens, the next caller gets the environment it made.
+    tokio::task::spawn_blocking(move || std::fs::write(gate, b"go\n").expect("open the gate"))
+        .await
+        .expect("gate");
+    let out = data(w, "ivan", ID, "word_count", json!({ "text": "one two" })).await;
+    assert_eq!(out["words"], 2, "{out}");
+    assert_eq!(runs(), 1, "one `uv sync`, not restarted by the second caller");
+    w.pool.shutdown().await;
+}

@@ -702,8 +702,19 @@ fn failure(e: &PoolError, timeout_ms: u64, requested_ms: Option<u64>) -> ApiErro
         | PoolError::Invoke(InvokeError::TooManyInFlight { .. })
         | PoolError::Closed => ApiError::new(ApiErrorCode::AgentUnavailable, message),
         PoolError::UnknownPlugin(_) => ApiError::new(ApiErrorCode::PermissionDenied, message),
-        // Refused at detection or quarantined: retrying the same install cannot help.
-        PoolError::Refused(_) | PoolError::NotExecuta(_) => ApiError::with_details(
+        // Refused at detection or quarantined: retrying the same install cannot help. Only a refusal of the
+        // plugin's answer is about its dialect; a program that does not start is a launch failure.
+        PoolError::Refused(err) => {
+            let stage = err.stage();
+            // A failed preparation (a `uv sync` timeout…) is tried again by the next call.
+            let retriable = stage == fleet_worker::animus::RefusalStage::Prepare;
+            let mut details = json!({ "retriable": retriable, "stage": stage.as_str() });
+            if stage == fleet_worker::animus::RefusalStage::Dialect {
+                details["dialect"] = json!("animus");
+            }
+            ApiError::with_details(ApiErrorCode::ExecutaUnavailable, message, details)
+        }
+        PoolError::NotExecuta(_) => ApiError::with_details(
             ApiErrorCode::ExecutaUnavailable,
             message,
             json!({ "retriable": false, "dialect": "animus" }),
@@ -910,4 +921,42 @@ fn trace_context() -> serde_json::Map<String, Value> {
 /// The id a sync invoke gets: `tjob_`-shaped like jobs, so one format serves both (spec §16 A-13).
 pub fn new_invoke_id() -> JobId {
     JobId::from_bytes(rand::random())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use fleet_worker::animus::DetectError;
+
+    use super::*;
+
+    /// A program that does not start is a launch failure; only a refusal of the plugin's answer names a dialect.
+    #[test]
+    fn a_launch_failure_is_not_reported_as_a_dialect() {
+        let launch = failure(
+            &PoolError::Refused(DetectError::Launch {
+                program: "/root/.pyenv/shims/python3".into(),
+                reason: "Permission denied (os error 13)".into(),
+            }),
+            1000,
+            None,
+        );
+        assert_eq!(launch.code, ApiErrorCode::ExecutaUnavailable);
+        assert_eq!(
+            launch.details,
+            Some(json!({ "retriable": false, "stage": "launch" }))
+        );
+        assert!(launch.message.contains("Permission denied"), "{}", launch.message);
+
+        let kind = failure(
+            &PoolError::Refused(DetectError::KindNotHosted { kind: "tool".into() }),
+            1000,
+            None,
+        );
+        assert_eq!(
+            kind.details,
+            Some(json!({ "retriable": false, "stage": "dialect", "dialect": "animus" }))
+        );
+    }
 }

@@ -11,7 +11,7 @@ use fleet_worker::catalogue::{Catalogue, LoadOptions};
 use fleet_worker::config::{IsolationMode, RunAs, WorkerConfig};
 use fleet_worker::metrics::WorkerMetrics;
 use fleet_worker::pool::Pool;
-use fleet_worker::sandbox::Sandbox;
+use fleet_worker::sandbox::{Sandbox, SandboxError};
 use fleet_worker::session::WorkerContext;
 
 use crate::front::{Front, FrontConfig};
@@ -128,6 +128,21 @@ fn parse_cluster_size(text: &str) -> Result<usize, String> {
 }
 
 /// The verifier: the configured keys, or the dev key of the data dir when none is configured.
+/// A sandbox that cannot start, with what the operator of `fleet up` can do about it (the error itself names
+/// the directory and the `chmod` when the plugins' uids cannot reach the data directory).
+fn sandbox_hint(e: &SandboxError, root: bool) -> String {
+    match e {
+        SandboxError::Unavailable { .. } | SandboxError::CgroupMount(_) if root => {
+            format!("{e} (pass --isolation none to run plugins without cgroups: development only)")
+        }
+        SandboxError::Unavailable { .. } | SandboxError::CgroupMount(_) => {
+            format!("{e} (run as root for cgroup isolation, or pass --isolation none)")
+        }
+        SandboxError::Config { .. } => format!("{e} (the state directory is <--data-dir>/state)"),
+        _ => e.to_string(),
+    }
+}
+
 fn verifier(args: &UpArgs, data_dir: &Path) -> Result<Verifier, UpError> {
     let mut keys = load_keys(&args.jwt_hs256_secret_files, &args.jwt_ed25519_public_keys)?;
     if keys.is_empty() {
@@ -349,7 +364,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             sandbox_stub: Some(crate::worker_cmd::STUB_PROGRAM.into()),
             ..WorkerConfig::default()
         };
-        let (catalogue, problems) = Catalogue::load(&config.catalogue_dir, &LoadOptions::from_env())
+        let (catalogue, problems) = Catalogue::load(&config.catalogue_dir, &LoadOptions::for_worker(&config))
             .map_err(|e| other("catalogue")(&e))?;
         if i == 0 {
             for p in &problems {
@@ -366,11 +381,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
                     .join(", ")
             ));
         }
-        let sandbox = Sandbox::new(&config).map_err(|e| {
-            UpError::Other(format!(
-                "{e} (run as root for cgroup isolation, or pass --isolation none)"
-            ))
-        })?;
+        let sandbox = Sandbox::new(&config).map_err(|e| UpError::Other(sandbox_hint(&e, root)))?;
         let _ = sandbox.sweep_stale();
         sandbox.start_stubs();
         let ctx = WorkerContext {

@@ -181,7 +181,7 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
         // Egress-granted plugins must never reach the bus, whatever range the operator opens.
         config.egress.deny_cidrs.extend(nats_addresses(urls).await);
     }
-    let (catalogue, problems) = Catalogue::load(&config.catalogue_dir, &LoadOptions::from_env())?;
+    let (catalogue, problems) = Catalogue::load(&config.catalogue_dir, &LoadOptions::for_worker(&config))?;
     for p in &problems {
         tracing::warn!(problem = %p, "catalogue entry skipped");
     }

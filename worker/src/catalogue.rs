@@ -3,24 +3,26 @@
 //!
 //! ```text
 //! <catalogue_dir>/
-//!   weather/executa.json        {"tool_id": "tool-acme-weather-1a2b", "type": "python"}
-//!   weather/pyproject.toml
+//!   basic-tool/executa.json     {"tool_id": "tool-dev-example-text-tool", "type": "python", "name": "example-text-tool"}
+//!   basic-tool/pyproject.toml   [project.scripts] example-text-tool = "example_plugin:main"
+//!   basic-tool/example_plugin.py
 //!   notes/executa.json          {"tool_id": "tool-acme-notes-3c4d", "type": "binary", "limits": {"memory_bytes": 268435456}}
 //!   notes/bin/tool-acme-notes-3c4d
 //!   .staging-x/                 hidden: skipped
 //!   scratch/                    no executa.json: skipped
 //! ```
 //!
-//! The `executa.json` format is the public SDK's (`tool_id`, `type`, `command`, `enabled`, `_comment`; unknown
-//! fields are ignored) plus our extensions `limits`, `env`, `idle_timeout_secs`, `protocol` (`executa` | `animus`;
-//! absent: probed once), and for Animus plugins `ping_interval_secs` and `allow_methods`. Every launch is
-//! resolved into an **absolute** argv at load time, so a missing runtime or entry point is reported when the
-//! catalogue loads, with the file and the reason, rather than as a spawn failure in a user's invoke:
+//! The `executa.json` format is the public SDK's (`tool_id`, `type`, `command`, `enabled`, `_comment`, and the
+//! labels `name` and `slug`, which only name the script to run; unknown fields are ignored) plus our extensions
+//! `limits`, `env`, `idle_timeout_secs`, `protocol` (`executa` | `animus`; absent: probed once), and for Animus
+//! plugins `ping_interval_secs` and `allow_methods`. Every launch is resolved into an **absolute** argv at load
+//! time, so a missing runtime or entry point is reported when the catalogue loads, with the file, the reason and
+//! what was tried, rather than as a spawn failure in a user's invoke:
 //!
 //! | `type` | Default argv | Requires |
 //! |---|---|---|
-//! | `python` | `[<uv>, "run", "--project", <dir>, <tool_id>]` | `uv` on PATH, `<dir>/pyproject.toml` |
-//! | `node` | `[<node>, <entry>]`, entry = `package.json` `bin[tool_id]` → `bin` (string) → `main` → `module` | `node` on PATH, `<dir>/package.json` with an existing entry |
+//! | `python` | the `pyproject.toml` `[project.scripts]` key equal to `tool_id`, else to `name`, else to `slug`, else the only script: `[<python>, "-c", PYTHON_SCRIPT_LAUNCHER, <root>, <module>, <attr>, <script>]` (the module from `<dir>` or `<dir>/src`), `<python>` the `uv`-prepared environment's (below) or, without `uv`, `python3`. No script: `[<dir>/.fleet-venv/bin/<tool_id>]` if `uv` is there and `pyproject.toml` declares none, else `[<python3>, <dir>/<f>]` with `f` the first of `{tool_id}.py`, `main.py`, `__main__.py` | `uv`, or `python3` and a stdlib-only project; the module or fallback script present |
+//! | `node` | `[<node>, <entry>]`, entry = `package.json` `bin[tool_id]` → `bin[name]` (`name`, `slug`, then the package's `name`) → `bin` (string) → `main` → `module` | `node` on PATH, `<dir>/package.json` with an existing entry |
 //! | `go` | `[<go>, "run", "."]` (development only: production installs ship a prebuilt `binary`) | `go` on PATH, `<dir>/go.mod` |
 //! | `binary` | `[<dir>/bin/<tool_id>]` | that file, executable; otherwise `command` must be set |
 //!
@@ -28,8 +30,24 @@
 //! when it contains a `/` (and must be an executable file), otherwise looked up on the search path. Other
 //! arguments are passed verbatim. The working directory is always the install directory.
 //!
+//! **Who runs it.** Programs are resolved for the plugins' uids, not the worker's ([`Runner`],
+//! [`LoadOptions::for_worker`]). Under per-user uids only the "other" permission bits count: a program on the
+//! search path that they cannot execute (a pyenv shim in root's 0700 home) is skipped for the next entry, and
+//! reported with its fix ([`CatalogueError::RuntimeUnreachable`]) when no entry works; an install directory, a
+//! program or a script's module they cannot reach is [`CatalogueError::Unreachable`], naming the blocking
+//! directory and the `chmod` that opens it ([`crate::sandbox::reach`]). With a private `/tmp` the directories
+//! leading to what the sandbox mounts back into it do not count (they are re-created there).
+//!
+//! **`uv` installs are prepared once.** With `uv` on the worker's search path, a `python` install carries
+//! [`Prepare::UvSync`]: at its first use, before the dialect probe, the worker runs `uv sync` into
+//! `<dir>/`[`UV_VENV_DIR`] with its own timeout ([`crate::prepare`]), and the plugin runs that environment's
+//! interpreter (with the script launcher) or its `bin/<tool_id>` — never `uv` itself, so its first `initialize`
+//! cannot race a dependency download and its uid needs neither `uv`'s cache nor a writable project directory.
+//! Without `uv`, stdlib-only projects run on `python3`.
+//!
 //! [`Catalogue::load`] never stops at a bad entry: each one becomes a [`CatalogueProblem`] naming the file and the
-//! reason, and the rest loads. Only an unreadable catalogue directory is an error.
+//! reason, and the rest loads. Only an unreadable catalogue directory is an error (a catalogue the plugins
+//! cannot reach is one problem, and nothing loads).
 
 use std::collections::HashMap;
 use std::collections::btree_map::{self, BTreeMap};
@@ -44,7 +62,8 @@ use fleet_proto::limits;
 use rustix::fs::{Mode, OFlags};
 use serde_json::{Map, Value};
 
-use crate::config::LimitOverrides;
+use crate::config::{IsolationMode, LimitOverrides, RunAs, WorkerConfig};
+use crate::sandbox::reach::{self, Access, Blocker};
 
 /// The file that describes an install.
 pub const MANIFEST_FILE: &str = "executa.json";
@@ -96,7 +115,7 @@ impl fmt::Display for Dialect {
 /// The runtime of an install (`executa.json` `type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum InstallType {
-    /// A Python project run with `uv`.
+    /// A Python project: its `[project.scripts]` entry, in a `uv`-prepared environment or on `python3`.
     Python,
     /// A Node.js package run with `node`.
     Node,
@@ -168,7 +187,33 @@ pub struct Install {
     /// Installed from a package ([`PACKAGE_RECORD_FILE`] present): its `executa.json` is the package author's,
     /// so it names no worker environment variable (`env` is ignored) and its `limits` only lower the worker's.
     pub packaged: bool,
+    /// What must be done once before the first spawn ([`crate::prepare`]); `None`: nothing.
+    pub prepare: Option<Prepare>,
+    /// Files of the plugin's own code that the launch runs but its argv does not name (the module of a
+    /// `[project.scripts]` entry): fingerprinted with the argv's ([`crate::animus::detect`]), so a changed
+    /// module quarantines the install as a changed program does.
+    pub code: Vec<PathBuf>,
 }
+
+/// A one-time preparation an install needs before its first spawn, run by the worker ([`crate::prepare`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prepare {
+    /// `uv sync` of the project into `venv` ([`UV_VENV_DIR`]): the plugin then runs the environment's own
+    /// interpreter or script, never `uv`, so its first `initialize` cannot race a dependency download and its
+    /// uid needs neither `uv`, nor its cache, nor a writable project directory.
+    UvSync {
+        /// `uv`.
+        uv: PathBuf,
+        /// The interpreter the environment is made with (`--python`): the first `python3` the plugins' uids can
+        /// execute; `None`: `uv`'s choice.
+        python: Option<PathBuf>,
+        /// The environment (`UV_PROJECT_ENVIRONMENT`).
+        venv: PathBuf,
+    },
+}
+
+/// The environment `uv sync` prepares for a `python` install, in its directory.
+pub const UV_VENV_DIR: &str = ".fleet-venv";
 
 impl Install {
     /// The limits a session of this install runs with: `base` (the worker's) with this install's `limits`
@@ -232,21 +277,62 @@ impl Install {
     }
 }
 
+/// Who runs the plugins, which decides what counts as a usable program or directory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Runner {
+    /// The worker's own uid (`run_as: inherit`): any execute bit will do.
+    #[default]
+    Worker,
+    /// Unprivileged per-user uids (a root worker with `run_as: per_user`): only the "other" permission bits
+    /// apply, so a program, the install directory and every directory on their way must grant them (see
+    /// [`crate::sandbox::reach`]). A program found only where they cannot reach it (a pyenv shim in root's 0700
+    /// home) is skipped for the next `PATH` entry, and reported with its fix when no entry works.
+    OtherUsers {
+        /// The plugins get a private `/tmp` (namespaces on): what they need under `/tmp` is mounted back into
+        /// it and the directories leading there are created afresh, so only the mounted directory and what is
+        /// beneath it keep their modes (a catalogue in a 0700 `mktemp -d` works then).
+        private_tmp: bool,
+    },
+}
+
+impl Runner {
+    /// The runner of a worker's plugins: its `run_as`, and whether its confinement gives them a private `/tmp`.
+    pub fn of(config: &WorkerConfig) -> Runner {
+        match config.run_as {
+            RunAs::Inherit => Runner::Worker,
+            RunAs::PerUser { .. } => Runner::OtherUsers {
+                private_tmp: config.isolation == IsolationMode::Cgroup && config.confinement.namespaces,
+            },
+        }
+    }
+}
+
 /// How [`Catalogue::load`] resolves programs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoadOptions {
-    /// Directories searched, in order, for bare program names (`uv`, `node`, `go`, and a `command`'s `argv[0]`
-    /// without a `/`): normally the worker's `PATH`. Relative entries are ignored.
+    /// Directories searched, in order, for bare program names (`uv`, `python3`, `node`, `go`, and a `command`'s
+    /// `argv[0]` without a `/`): normally the worker's `PATH`. Relative entries are ignored.
     pub search_path: Vec<PathBuf>,
+    /// Who must be able to run what is resolved.
+    pub runner: Runner,
 }
 
 impl LoadOptions {
-    /// Options searching the worker's own `PATH`.
+    /// Options searching the worker's own `PATH`, for plugins run as the worker's own uid.
     pub fn from_env() -> LoadOptions {
         let search_path = std::env::var_os("PATH")
             .map(|p| std::env::split_paths(&p).collect())
             .unwrap_or_default();
-        LoadOptions { search_path }
+        LoadOptions {
+            search_path,
+            runner: Runner::Worker,
+        }
+    }
+
+    /// Options searching the worker's own `PATH` for what the plugins of a worker with `config` can run (its
+    /// `run_as` and confinement: [`Runner::of`]).
+    pub fn for_worker(config: &WorkerConfig) -> LoadOptions {
+        LoadOptions::from_env().with_runner(Runner::of(config))
     }
 
     /// Options searching exactly `dirs`.
@@ -257,20 +343,126 @@ impl LoadOptions {
     {
         LoadOptions {
             search_path: dirs.into_iter().map(Into::into).collect(),
+            runner: Runner::Worker,
         }
     }
 
-    /// The absolute path of the first executable regular file named `program` on the search path.
+    /// These options with `runner`.
+    #[must_use]
+    pub fn with_runner(mut self, runner: Runner) -> LoadOptions {
+        self.runner = runner;
+        self
+    }
+
+    /// The absolute path of the first executable regular file named `program` on the search path that the
+    /// [`Runner`] can execute.
     pub fn lookup(&self, program: &str) -> Option<PathBuf> {
-        if program.is_empty() || program.contains('/') || program.contains('\0') {
-            return None;
+        self.search(program).ok()
+    }
+
+    /// [`lookup`](Self::lookup) of a program the worker itself runs (`uv` for [`Prepare::UvSync`]): its own
+    /// permissions apply, not the plugins'.
+    pub fn lookup_for_worker(&self, program: &str) -> Option<PathBuf> {
+        LoadOptions {
+            search_path: self.search_path.clone(),
+            runner: Runner::Worker,
         }
-        self.search_path
+        .lookup(program)
+    }
+
+    /// [`lookup`](Self::lookup), or every candidate found and what stops the runner from executing it (empty:
+    /// `program` is nowhere on the search path).
+    fn search(&self, program: &str) -> Result<PathBuf, Vec<BlockedProgram>> {
+        if program.is_empty() || program.contains('/') || program.contains('\0') {
+            return Err(Vec::new());
+        }
+        let mut blocked = Vec::new();
+        for candidate in self
+            .search_path
             .iter()
             .filter(|dir| dir.is_absolute())
             .map(|dir| dir.join(program))
-            .find(|candidate| executable_file(candidate) == FileCheck::Ok)
+            .filter(|candidate| executable_file(candidate) == FileCheck::Ok)
+        {
+            let kept = candidate.parent().unwrap_or(&candidate).to_path_buf();
+            match self.blockers(&candidate, Access::Execute, &kept) {
+                None => return Ok(candidate),
+                Some(blockers) => blocked.push(BlockedProgram {
+                    path: candidate,
+                    blockers,
+                }),
+            }
+        }
+        Err(blocked)
     }
+
+    /// What stops the runner from reaching `path` with `access`; `None`: nothing (always for
+    /// [`Runner::Worker`]). `kept` is the directory the sandbox mounts back into a private `/tmp` for this path
+    /// (the install directory, a program's directory): the directories strictly between `/tmp` and it are
+    /// created afresh there, so they cannot block. A path that cannot be inspected is left to fail at spawn.
+    fn blockers(&self, path: &Path, access: Access, kept: &Path) -> Option<Vec<Blocker>> {
+        let Runner::OtherUsers { private_tmp } = self.runner else {
+            return None;
+        };
+        let mut blockers = reach::blockers(path, access).ok()?;
+        if private_tmp {
+            blockers = reach::beyond_private_tmp(blockers, kept);
+        }
+        Some(blockers).filter(|b| !b.is_empty())
+    }
+
+    /// `program` on the search path, or why not: [`CatalogueError::MissingRuntime`] (for `kind`'s default
+    /// launch) or [`CatalogueError::CommandNotFound`] (for a `command`) when it is nowhere,
+    /// [`CatalogueError::RuntimeUnreachable`] when it is only where the plugins cannot run it.
+    fn require(
+        &self,
+        program: &str,
+        missing: impl FnOnce() -> CatalogueError,
+    ) -> Result<PathBuf, CatalogueError> {
+        self.search(program).map_err(|blocked| {
+            if blocked.is_empty() {
+                missing()
+            } else {
+                CatalogueError::RuntimeUnreachable {
+                    program: program.to_string(),
+                    blocked,
+                }
+            }
+        })
+    }
+}
+
+/// What of an install the plugins' uids must reach ([`CatalogueError::Unreachable`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Needed {
+    /// The catalogue directory (every install is below it).
+    CatalogueDir,
+    /// The install directory (the plugin's working directory).
+    InstallDir,
+    /// The program the launch runs (`argv[0]`).
+    Program,
+    /// The module a `[project.scripts]` entry imports (and the directory Python lists to find it).
+    Module,
+}
+
+impl fmt::Display for Needed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Needed::CatalogueDir => "the catalogue directory",
+            Needed::InstallDir => "the install directory",
+            Needed::Program => "the program",
+            Needed::Module => "the script's module",
+        })
+    }
+}
+
+/// A program found on the search path that the plugins' uids cannot execute.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockedProgram {
+    /// Where it was found.
+    pub path: PathBuf,
+    /// What is in the way (outermost first).
+    pub blockers: Vec<Blocker>,
 }
 
 /// Why an install could not be loaded (or, for [`Catalogue::load`]'s `Err`, why the catalogue could not be read).
@@ -374,6 +566,55 @@ pub enum CatalogueError {
         /// The `executa.json` of the install that kept it.
         first: PathBuf,
     },
+    /// A program the launch needs is on the search path only where the plugins' uids cannot execute it (a
+    /// pyenv shim under root's 0700 home…).
+    #[error(
+        "`{program}` is on PATH only where the plugins' uids cannot execute it: {}; install `{program}` \
+         system-wide (e.g. /usr/bin/{program}), or run `{}`",
+        blocked.iter().map(|b| format!("{} ({})", b.path.display(), join_blockers(&b.blockers))).collect::<Vec<_>>().join("; "),
+        blocked.first().map(|b| reach::fix(&b.blockers)).unwrap_or_default()
+    )]
+    RuntimeUnreachable {
+        /// The program name.
+        program: String,
+        /// Every candidate found, with what stops the plugins from executing it.
+        blocked: Vec<BlockedProgram>,
+    },
+    /// A directory or file the plugin needs is out of its uid's reach (a catalogue under a 0700 `mktemp -d`…).
+    #[error("{what} {} is out of the plugins' reach: {}", path.display(), reach::describe(blockers))]
+    Unreachable {
+        /// What it is.
+        what: Needed,
+        /// The path.
+        path: PathBuf,
+        /// What is in the way, and (in the message) the `chmod` that fixes it.
+        blockers: Vec<Blocker>,
+    },
+    /// The type's default launch found nothing to run; every place looked at is listed.
+    #[error("type {kind}: nothing to launch; tried {} (or set `command`)", tried.join("; "))]
+    NothingToLaunch {
+        /// The install's type.
+        kind: InstallType,
+        /// What was looked for, in order, and why each did not apply.
+        tried: Vec<String>,
+    },
+    /// A `pyproject.toml` is not valid TOML.
+    #[error("{}: invalid TOML: {source}", path.display())]
+    Toml {
+        /// The file.
+        path: PathBuf,
+        /// The parser's error (line and column).
+        #[source]
+        source: toml::de::Error,
+    },
+    /// A `pyproject.toml` is well-formed but a field the launch uses is not usable.
+    #[error("{}: {reason}", path.display())]
+    BadFile {
+        /// The file.
+        path: PathBuf,
+        /// The field and what is wrong with it.
+        reason: String,
+    },
     /// A path that must appear in the argv is not valid UTF-8.
     #[error("{}: path is not valid UTF-8", path.display())]
     NonUtf8Path {
@@ -390,6 +631,9 @@ impl CatalogueError {
             | CatalogueError::NotAFile { path }
             | CatalogueError::TooLarge { path, .. }
             | CatalogueError::Json { path, .. }
+            | CatalogueError::Toml { path, .. }
+            | CatalogueError::BadFile { path, .. }
+            | CatalogueError::Unreachable { path, .. }
             | CatalogueError::NonUtf8Path { path } => Some(path),
             _ => None,
         }
@@ -464,6 +708,25 @@ impl Catalogue {
             dir: dir.to_path_buf(),
             installs: BTreeMap::new(),
         };
+        // A catalogue the plugins cannot reach is one problem, not one per install.
+        // (Under a private `/tmp` the catalogue directory itself is re-created: only its installs are mounted.)
+        let any_install = fs::canonicalize(dir)
+            .unwrap_or_else(|_| dir.to_path_buf())
+            .join(MANIFEST_FILE);
+        if let Some(blockers) = opts.blockers(dir, Access::Search, &any_install) {
+            let error = CatalogueError::Unreachable {
+                what: Needed::CatalogueDir,
+                path: dir.to_path_buf(),
+                blockers,
+            };
+            return Ok((
+                catalogue,
+                vec![CatalogueProblem {
+                    path: dir.to_path_buf(),
+                    error,
+                }],
+            ));
+        }
         let mut first_paths: HashMap<String, PathBuf> = HashMap::new();
         let mut problems = Vec::new();
         for name in names {
@@ -546,6 +809,10 @@ impl<'a> IntoIterator for &'a Catalogue {
 struct Entry {
     tool_id: String,
     kind: InstallType,
+    /// The SDK's `name` (a label, not the identity): a script / `bin` key the launch looks for.
+    name: Option<String>,
+    /// The SDK's `slug`: likewise.
+    slug: Option<String>,
     command: Option<Vec<String>>,
     enabled: bool,
     limits: LimitOverrides,
@@ -577,11 +844,21 @@ fn load_install(sub: &Path, manifest: &Path, opts: &LoadOptions) -> Result<Insta
         path: sub.to_path_buf(),
         source,
     })?;
-    let dir_str = path_string(dir.clone())?;
-    let argv = if entry.enabled {
-        resolve_argv(&entry, &dir, &dir_str, opts)?
+    // The directory appears in argvs (and is the working directory): it must be valid UTF-8.
+    path_string(dir.clone())?;
+    if entry.enabled
+        && let Some(blockers) = opts.blockers(&dir, Access::Search, &dir)
+    {
+        return Err(CatalogueError::Unreachable {
+            what: Needed::InstallDir,
+            path: dir,
+            blockers,
+        });
+    }
+    let Launch { argv, prepare, code } = if entry.enabled {
+        resolve_argv(&entry, &dir, opts)?
     } else {
-        Vec::new()
+        Vec::new().into()
     };
     let first_launch = !fs::symlink_metadata(dir.join(DESCRIBED_MARKER)).is_ok_and(|m| m.is_file());
     let packaged = fs::symlink_metadata(dir.join(PACKAGE_RECORD_FILE)).is_ok();
@@ -601,6 +878,8 @@ fn load_install(sub: &Path, manifest: &Path, opts: &LoadOptions) -> Result<Insta
         ping_interval: entry.ping_interval,
         allow_methods: entry.allow_methods,
         packaged,
+        prepare,
+        code,
     })
 }
 
@@ -625,6 +904,14 @@ fn parse_entry(value: &Value) -> Result<Entry, CatalogueError> {
         }
         Some(other) => return Err(expected("type", "a string", other)),
     };
+
+    let [name, slug] = ["name", "slug"].map(|field| match optional(obj, field) {
+        None => Ok(None),
+        Some(Value::String(s)) if s.is_empty() => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(other) => Err(expected(field, "a string", other)),
+    });
+    let (name, slug) = (name?, slug?);
 
     let command = optional(obj, "command").map(parse_command).transpose()?;
 
@@ -708,6 +995,8 @@ fn parse_entry(value: &Value) -> Result<Entry, CatalogueError> {
     Ok(Entry {
         tool_id,
         kind,
+        name,
+        slug,
         command,
         enabled,
         limits,
@@ -817,42 +1106,61 @@ fn is_env_name(s: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
-fn resolve_argv(
-    entry: &Entry,
-    dir: &Path,
-    dir_str: &str,
-    opts: &LoadOptions,
-) -> Result<Vec<String>, CatalogueError> {
-    if let Some(command) = &entry.command {
-        return resolve_command(command, dir, opts);
+/// A resolved launch: the argv, what must be done once before it can run, and the files of its code the argv
+/// does not name.
+struct Launch {
+    argv: Vec<String>,
+    prepare: Option<Prepare>,
+    code: Vec<PathBuf>,
+}
+
+impl From<Vec<String>> for Launch {
+    fn from(argv: Vec<String>) -> Launch {
+        Launch {
+            argv,
+            prepare: None,
+            code: Vec::new(),
+        }
     }
+}
+
+fn resolve_argv(entry: &Entry, dir: &Path, opts: &LoadOptions) -> Result<Launch, CatalogueError> {
+    let launch = match (&entry.command, entry.kind) {
+        (Some(command), _) => resolve_command(command, dir, opts)?.into(),
+        (None, InstallType::Python) => python_launch(entry, dir, opts)?,
+        (None, _) => default_argv(entry, dir, opts)?.into(),
+    };
+    let argv = &launch.argv;
+    // Bare names were looked up for the runner already; a path (an install's own binary, a `command` with a
+    // `/`) is checked here.
+    if let Some(program) = argv.first()
+        && let Some(blockers) = opts.blockers(
+            Path::new(program),
+            Access::Execute,
+            Path::new(program).parent().unwrap_or(dir),
+        )
+    {
+        return Err(CatalogueError::Unreachable {
+            what: Needed::Program,
+            path: PathBuf::from(program),
+            blockers,
+        });
+    }
+    Ok(launch)
+}
+
+fn default_argv(entry: &Entry, dir: &Path, opts: &LoadOptions) -> Result<Vec<String>, CatalogueError> {
     let runtime = |program: &'static str| {
-        opts.lookup(program)
-            .ok_or(CatalogueError::MissingRuntime {
-                kind: entry.kind,
-                program,
-            })
-            .and_then(path_string)
+        opts.require(program, || CatalogueError::MissingRuntime {
+            kind: entry.kind,
+            program,
+        })
+        .and_then(path_string)
     };
     match entry.kind {
-        InstallType::Python => {
-            if opts.lookup("uv").is_none()
-                && let Some(argv) = python_fallback(dir, &entry.tool_id, opts)?
-            {
-                return Ok(argv);
-            }
-            require_file(dir, "pyproject.toml", entry.kind)?;
-            let uv = runtime("uv")?;
-            Ok(vec![
-                uv,
-                "run".into(),
-                "--project".into(),
-                dir_str.to_string(),
-                entry.tool_id.clone(),
-            ])
-        }
+        InstallType::Python => Ok(python_launch(entry, dir, opts)?.argv),
         InstallType::Node => {
-            let main = node_entry(dir, &entry.tool_id)?;
+            let main = node_entry(dir, entry)?;
             let node = runtime("node")?;
             Ok(vec![node, path_string(main)?])
         }
@@ -903,10 +1211,9 @@ fn resolve_command(
             }
         }
     } else {
-        opts.lookup(program)
-            .ok_or_else(|| CatalogueError::CommandNotFound {
-                program: program.clone(),
-            })?
+        opts.require(program, || CatalogueError::CommandNotFound {
+            program: program.clone(),
+        })?
     };
     let mut argv = Vec::with_capacity(command.len());
     argv.push(path_string(resolved)?);
@@ -914,30 +1221,306 @@ fn resolve_command(
     Ok(argv)
 }
 
-/// The scripts the `python` fallback runs, in order (`{tool_id}` is replaced).
+/// The scripts the `python` fallback runs, in order (`{tool_id}` is replaced), when `pyproject.toml` names no
+/// script to run.
 pub const PYTHON_FALLBACK_SCRIPTS: [&str; 3] = ["{tool_id}.py", "main.py", "__main__.py"];
 
-/// Without `uv` on the search path, a `python` install with a stdlib-only script is run as
-/// `[<python3>, <dir>/<script>]`, the script being the first of [`PYTHON_FALLBACK_SCRIPTS`] present. `None`: no such
-/// script (the caller then reports the missing `uv`); an error: the script exists but `python3` is not on PATH.
-/// No dependency is installed by the fallback: production Python plugins should ship with `uv` present.
-fn python_fallback(
-    dir: &Path,
-    tool_id: &str,
-    opts: &LoadOptions,
-) -> Result<Option<Vec<String>>, CatalogueError> {
-    let Some(script) = PYTHON_FALLBACK_SCRIPTS
-        .iter()
-        .map(|s| dir.join(s.replace("{tool_id}", tool_id)))
-        .find(|p| fs::symlink_metadata(p).is_ok_and(|m| m.is_file()))
-    else {
-        return Ok(None);
+/// The project file of a `python` install.
+pub const PYPROJECT_FILE: &str = "pyproject.toml";
+
+/// Where a project's top-level modules are looked for, in order: the flat layout, then the `src/` layout.
+pub const PYTHON_MODULE_ROOTS: [&str; 2] = [".", "src"];
+
+/// The program `python3 -c` runs for a console script: what pip's generated wrapper does
+/// (`sys.exit(<module>:<attr>())`). Its four arguments — the directory put first on `sys.path`, the module, the
+/// attribute path and the script's name — follow the program and are removed from `sys.argv` before the
+/// plugin's code runs, so the plugin sees `sys.argv == [<script name>, <arguments the host adds>…]`. Nothing
+/// of the install is spliced into the code itself.
+pub const PYTHON_SCRIPT_LAUNCHER: &str = "import importlib, sys
+root, module, attr, name = sys.argv[1:5]
+del sys.argv[1:5]
+sys.argv[0] = name
+sys.path.insert(0, root)
+target = importlib.import_module(module)
+for part in attr.split('.'):
+    target = getattr(target, part)
+sys.exit(target())
+";
+
+/// A `[project.scripts]` entry: `name = "module.path:attr.path [extras]"`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Script {
+    name: String,
+    module: String,
+    attr: String,
+}
+
+/// The launch of a `python` install (spec §14.5, extended to what the SDK's examples ship):
+///
+/// 1. The script: the `pyproject.toml` `[project.scripts]` key equal to the `tool_id`, else to the manifest's
+///    `name`, else to its `slug`, else the only script. It runs as `<python> -c <PYTHON_SCRIPT_LAUNCHER> <root>
+///    <module> <attr> <script>` (the module looked for under [`PYTHON_MODULE_ROOTS`]; with `uv`, one the project
+///    does not hold is left to its environment), `<python>` being, with
+///    `uv`, the interpreter of the environment `uv sync` prepares once ([`Prepare::UvSync`]), and without it
+///    `python3` (stdlib-only projects).
+/// 2. No such script: with `uv` and a `pyproject.toml` that declares no script at all, the environment's
+///    `bin/<tool_id>` (for build back-ends that declare scripts elsewhere); else the first of
+///    [`PYTHON_FALLBACK_SCRIPTS`] present, run by `python3`.
+/// 3. Otherwise [`CatalogueError::NothingToLaunch`], listing each step tried.
+fn python_launch(entry: &Entry, dir: &Path, opts: &LoadOptions) -> Result<Launch, CatalogueError> {
+    let pyproject = dir.join(PYPROJECT_FILE);
+    let scripts = read_scripts(&pyproject)?;
+    let mut tried = Vec::new();
+    let python3 = || {
+        opts.require("python3", || CatalogueError::MissingRuntime {
+            kind: InstallType::Python,
+            program: "python3",
+        })
+        .and_then(path_string)
     };
-    let python = opts.lookup("python3").ok_or(CatalogueError::MissingRuntime {
+    let uv_sync = opts.lookup_for_worker("uv").map(|uv| {
+        let venv = dir.join(UV_VENV_DIR);
+        Prepare::UvSync {
+            uv,
+            python: opts.lookup("python3"),
+            venv,
+        }
+    });
+    let venv_bin = |name: &str| dir.join(UV_VENV_DIR).join("bin").join(name);
+    if let Some(scripts) = &scripts {
+        if let Some(script) = choose_script(scripts, entry, &mut tried) {
+            let script = parse_script(&pyproject, script)?;
+            let (root, module_file) = match module_root(dir, &script, opts) {
+                // With `uv`, a module the project does not hold itself comes from its environment (a dependency).
+                Err(CatalogueError::NothingToLaunch { .. }) if uv_sync.is_some() => (dir.to_path_buf(), None),
+                other => other?,
+            };
+            let python = match &uv_sync {
+                Some(_) => path_string(venv_bin("python"))?,
+                None => python3()?,
+            };
+            return Ok(Launch {
+                argv: vec![
+                    python,
+                    "-c".into(),
+                    PYTHON_SCRIPT_LAUNCHER.into(),
+                    path_string(root)?,
+                    script.module,
+                    script.attr,
+                    script.name,
+                ],
+                prepare: uv_sync,
+                code: module_file.into_iter().collect(),
+            });
+        }
+        if scripts.is_empty() {
+            match uv_sync {
+                Some(prepare) => {
+                    return Ok(Launch {
+                        argv: vec![path_string(venv_bin(&entry.tool_id))?],
+                        prepare: Some(prepare),
+                        code: Vec::new(),
+                    });
+                }
+                None => tried.push(format!(
+                    "`{UV_VENV_DIR}/bin/{}` after `uv sync` (`uv` is not on PATH)",
+                    entry.tool_id
+                )),
+            }
+        }
+    } else {
+        tried.push(format!(
+            "`{PYPROJECT_FILE}` `[project.scripts]` (no {PYPROJECT_FILE})"
+        ));
+    }
+    let fallbacks: Vec<String> = PYTHON_FALLBACK_SCRIPTS
+        .iter()
+        .map(|s| s.replace("{tool_id}", &entry.tool_id))
+        .collect();
+    if let Some(script) = fallbacks
+        .iter()
+        .map(|s| dir.join(s))
+        .find(|p| fs::symlink_metadata(p).is_ok_and(|m| m.is_file()))
+    {
+        return Ok(vec![python3()?, path_string(script)?].into());
+    }
+    tried.push(format!("the scripts {} (none exists)", fallbacks.join(", ")));
+    Err(CatalogueError::NothingToLaunch {
         kind: InstallType::Python,
-        program: "python3",
+        tried,
+    })
+}
+
+/// The `[project.scripts]` of `path`, in key order; `None` when there is no such file, empty when it declares
+/// no script.
+fn read_scripts(path: &Path) -> Result<Option<Vec<(String, String)>>, CatalogueError> {
+    let bytes = match read_small_file(path) {
+        Err(CatalogueError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
+            return Ok(None);
+        }
+        other => other?,
+    };
+    let bad = |reason: String| CatalogueError::BadFile {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let text = String::from_utf8(bytes).map_err(|e| bad(format!("not UTF-8: {e}")))?;
+    let doc: toml::Table = text.parse().map_err(|source| CatalogueError::Toml {
+        path: path.to_path_buf(),
+        source,
     })?;
-    Ok(Some(vec![path_string(python)?, path_string(script)?]))
+    let scripts = match doc.get("project") {
+        None => return Ok(Some(Vec::new())),
+        Some(toml::Value::Table(project)) => match project.get("scripts") {
+            None => return Ok(Some(Vec::new())),
+            Some(toml::Value::Table(scripts)) => scripts,
+            Some(other) => {
+                return Err(bad(format!(
+                    "`[project.scripts]` must be a table, found {}",
+                    other.type_str()
+                )));
+            }
+        },
+        Some(other) => {
+            return Err(bad(format!(
+                "`project` must be a table, found {}",
+                other.type_str()
+            )));
+        }
+    };
+    let mut out = Vec::with_capacity(scripts.len());
+    for (name, target) in scripts {
+        let toml::Value::String(target) = target else {
+            return Err(bad(format!(
+                "`[project.scripts]` `{name}` must be a string (\"module:function\"), found {}",
+                target.type_str()
+            )));
+        };
+        out.push((name.clone(), target.clone()));
+    }
+    Ok(Some(out))
+}
+
+/// The script to run: the key equal to the `tool_id`, the manifest's `name`, its `slug`, else the only one.
+/// Each step that did not match is added to `tried`.
+fn choose_script<'a>(
+    scripts: &'a [(String, String)],
+    entry: &Entry,
+    tried: &mut Vec<String>,
+) -> Option<&'a (String, String)> {
+    if scripts.is_empty() {
+        tried.push(format!(
+            "`[project.scripts]` ({PYPROJECT_FILE} declares no script)"
+        ));
+        return None;
+    }
+    let keys = [
+        ("tool_id", Some(entry.tool_id.as_str())),
+        ("name", entry.name.as_deref()),
+        ("slug", entry.slug.as_deref()),
+    ];
+    for (field, key) in keys {
+        let Some(key) = key else { continue };
+        if let Some(found) = scripts.iter().find(|(name, _)| name == key) {
+            return Some(found);
+        }
+        tried.push(format!(
+            "`[project.scripts]` key `{key}` (the manifest's `{field}`)"
+        ));
+    }
+    if let [only] = scripts {
+        return Some(only);
+    }
+    let names: Vec<&str> = scripts.iter().map(|(n, _)| n.as_str()).collect();
+    tried.push(format!(
+        "the only `[project.scripts]` entry (it declares {}: {})",
+        names.len(),
+        names.join(", ")
+    ));
+    None
+}
+
+/// Parses a `[project.scripts]` target (`module.path:attr.path`, an optional `[extras]` suffix ignored). Both
+/// sides must be dotted identifiers: they are passed to Python as data, never as code, but a typo is better
+/// reported at load.
+fn parse_script(pyproject: &Path, (name, target): &(String, String)) -> Result<Script, CatalogueError> {
+    let bad = |why: &str| CatalogueError::BadFile {
+        path: pyproject.to_path_buf(),
+        reason: format!("`[project.scripts]` `{name}` = {target:?}: {why}"),
+    };
+    let spec = target.split('[').next().unwrap_or_default().trim();
+    let Some((module, attr)) = spec.split_once(':') else {
+        return Err(bad("expected \"module:function\""));
+    };
+    let (module, attr) = (module.trim(), attr.trim());
+    let dotted = |s: &str| {
+        !s.is_empty()
+            && s.split('.').all(|part| {
+                part.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+                    && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+            })
+    };
+    if !dotted(module) {
+        return Err(bad("the module is not a dotted Python name"));
+    }
+    if !dotted(attr) {
+        return Err(bad("the function is not a dotted Python name"));
+    }
+    Ok(Script {
+        name: name.clone(),
+        module: module.to_string(),
+        attr: attr.to_string(),
+    })
+}
+
+/// The directory under [`PYTHON_MODULE_ROOTS`] holding the script's top-level module (`<m>.py`, `<m>/`), checked
+/// readable by the runner (Python lists the directory and reads the file), and the file of the module itself
+/// when there is one (a namespace package has none).
+fn module_root(
+    dir: &Path,
+    script: &Script,
+    opts: &LoadOptions,
+) -> Result<(PathBuf, Option<PathBuf>), CatalogueError> {
+    let top = script.module.split('.').next().unwrap_or_default();
+    let mut tried = Vec::new();
+    for root in PYTHON_MODULE_ROOTS {
+        let base = normalize(&dir.join(root));
+        for candidate in [base.join(format!("{top}.py")), base.join(top)] {
+            if !candidate.exists() {
+                tried.push(path_display(dir, &candidate));
+                continue;
+            }
+            for (path, access) in [(&base, Access::Read), (&candidate, Access::Read)] {
+                if let Some(blockers) = opts.blockers(path, access, dir) {
+                    return Err(CatalogueError::Unreachable {
+                        what: Needed::Module,
+                        path: path.clone(),
+                        blockers,
+                    });
+                }
+            }
+            // The file holding the function: `a/b.py` or `a/b/__init__.py` for module `a.b`.
+            let module = base.join(script.module.replace('.', "/"));
+            let file = [module.with_extension("py"), module.join("__init__.py")]
+                .into_iter()
+                .find(|f| f.is_file());
+            return Ok((base, file));
+        }
+    }
+    Err(CatalogueError::NothingToLaunch {
+        kind: InstallType::Python,
+        tried: vec![format!(
+            "`[project.scripts]` `{}` = module `{}`: none of {} exists",
+            script.name,
+            script.module,
+            tried.join(", ")
+        )],
+    })
+}
+
+/// `path` relative to `dir` when it is under it (for messages).
+fn path_display(dir: &Path, path: &Path) -> String {
+    path.strip_prefix(dir).unwrap_or(path).display().to_string()
 }
 
 fn require_file(dir: &Path, name: &str, kind: InstallType) -> Result<(), CatalogueError> {
@@ -950,8 +1533,10 @@ fn require_file(dir: &Path, name: &str, kind: InstallType) -> Result<(), Catalog
     }
 }
 
-/// The file `node` should run: `package.json` `bin[tool_id]` → `bin` (a string) → `main` → `module`.
-fn node_entry(dir: &Path, tool_id: &str) -> Result<PathBuf, CatalogueError> {
+/// The file `node` should run: `package.json` `bin[tool_id]` → `bin[name]` (the manifest's `name`, then its
+/// `slug`, then `package.json`'s own `name`) → `bin` (a string) → `main` → `module`.
+fn node_entry(dir: &Path, entry: &Entry) -> Result<PathBuf, CatalogueError> {
+    let tool_id = entry.tool_id.as_str();
     let pkg_path = dir.join("package.json");
     let bytes = match read_small_file(&pkg_path) {
         Err(CatalogueError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
@@ -966,23 +1551,38 @@ fn node_entry(dir: &Path, tool_id: &str) -> Result<PathBuf, CatalogueError> {
         source,
     })?;
     let bin = pkg.get("bin");
-    let candidates = [
-        (
-            "bin",
-            bin.and_then(|b| b.as_object())
-                .and_then(|m| non_empty(m.get(tool_id))),
-        ),
-        ("bin", non_empty(bin)),
-        ("main", non_empty(pkg.get("main"))),
-        ("module", non_empty(pkg.get("module"))),
-    ];
+    let bin_map = bin.and_then(|b| b.as_object());
+    let mut keys: Vec<&str> = vec![tool_id];
+    for key in [
+        entry.name.as_deref(),
+        entry.slug.as_deref(),
+        non_empty(pkg.get("name")),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        if !keys.contains(&key) {
+            keys.push(key);
+        }
+    }
+    let mut candidates: Vec<(String, Option<&str>)> = keys
+        .iter()
+        .map(|k| (format!("bin.{k}"), bin_map.and_then(|m| non_empty(m.get(*k)))))
+        .collect();
+    candidates.extend([
+        ("bin".to_string(), non_empty(bin)),
+        ("main".to_string(), non_empty(pkg.get("main"))),
+        ("module".to_string(), non_empty(pkg.get("module"))),
+    ]);
     let Some((field, entry)) = candidates
-        .into_iter()
+        .iter()
         .find_map(|(field, entry)| entry.map(|e| (field, e)))
     else {
+        let tried: Vec<String> = candidates.iter().map(|(f, _)| format!("`{f}`")).collect();
         return Err(CatalogueError::NoEntrypoint {
             reason: format!(
-                "`package.json` has no entry point: none of `bin.{tool_id}`, `bin` (a string), `main`, `module` (or set `command`)"
+                "`package.json` has no entry point: none of {} (`bin` a string) (or set `command`)",
+                tried.join(", ")
             ),
         });
     };
@@ -1003,6 +1603,14 @@ fn node_entry(dir: &Path, tool_id: &str) -> Result<PathBuf, CatalogueError> {
                 "`package.json` `{field}` is {entry:?}, which does not exist in the install directory"
             ),
         })
+}
+
+fn join_blockers(blockers: &[Blocker]) -> String {
+    blockers
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn non_empty(value: Option<&Value>) -> Option<&str> {

@@ -17,6 +17,7 @@
 //! - [`types`]: what the dialects and their callers share (worker context, invokes, health states);
 //!   [`progress`]: the progress sink and its gate.
 //! - [`pool`]: the warm pool of sessions with caps, LRU and idle eviction; routes each install to its dialect.
+//! - [`prepare`]: the one-time preparation of an install before its first spawn (`uv sync` of a Python project).
 //! - [`install`]: plugin installs from archives (spec §14): verify, extract (zip-slip refused), entrypoint,
 //!   atomic versioned commit, `current` pointer, `INSTALL.json`, garbage collection.
 //! - [`services`]: the traits the fleet implements (`HostServices`, `TokenSource`); [`metrics`]: the counters.
@@ -30,6 +31,7 @@ pub mod egress;
 pub mod install;
 pub mod metrics;
 pub mod pool;
+pub mod prepare;
 pub mod progress;
 pub mod sandbox;
 pub mod services;

@@ -134,15 +134,18 @@ fn python_default_command() {
     let dir = canon(&dir);
     assert_eq!(install.tool_id, "tool-acme-weather-1a2b");
     assert_eq!(install.kind, InstallType::Python);
+    // No script declared: the environment `uv sync` prepares before the first spawn holds it, if anything does.
     assert_eq!(
         install.argv,
-        vec![
-            f.runtime("uv"),
-            "run".into(),
-            "--project".into(),
-            s(&dir),
-            install.tool_id.clone()
-        ]
+        vec![s(&dir.join(".fleet-venv/bin/tool-acme-weather-1a2b"))]
+    );
+    assert_eq!(
+        install.prepare,
+        Some(Prepare::UvSync {
+            uv: f.bin.path().join("uv"),
+            python: None,
+            venv: dir.join(".fleet-venv"),
+        })
     );
     assert_eq!(install.dir, dir);
     assert!(install.enabled);
@@ -156,7 +159,7 @@ fn python_default_command() {
 }
 
 #[test]
-fn python_without_uv_names_uv() {
+fn python_without_uv_or_script_names_what_was_tried() {
     let f = Fixture::new(&["node", "go"]);
     f.install("py", r#"{"tool_id": "py", "type": "python"}"#);
     f.file("py/pyproject.toml", "");
@@ -164,30 +167,37 @@ fn python_without_uv_names_uv() {
     assert!(cat.is_empty());
     assert_eq!(problems.len(), 1);
     assert_eq!(problems[0].path, f.manifest("py"));
-    assert!(matches!(
-        problems[0].error,
-        CatalogueError::MissingRuntime {
-            kind: InstallType::Python,
-            program: "uv"
-        }
-    ));
-    let shown = problems[0].to_string();
+    let CatalogueError::NothingToLaunch { kind, tried } = &problems[0].error else {
+        panic!("{}", problems[0]);
+    };
+    assert_eq!(*kind, InstallType::Python);
     assert_eq!(
-        shown,
+        tried,
+        &strings(&[
+            "`[project.scripts]` (pyproject.toml declares no script)",
+            "`.fleet-venv/bin/py` after `uv sync` (`uv` is not on PATH)",
+            "the scripts py.py, main.py, __main__.py (none exists)",
+        ])
+    );
+    assert_eq!(
+        problems[0].to_string(),
         format!(
-            "{}: type python needs `uv` on PATH (or set `command`)",
+            "{}: type python: nothing to launch; tried `[project.scripts]` (pyproject.toml declares no script); \
+             `.fleet-venv/bin/py` after `uv sync` (`uv` is not on PATH); the scripts py.py, main.py, __main__.py (none \
+             exists) (or set `command`)",
             f.manifest("py").display()
         )
     );
 }
 
 #[test]
-fn python_without_pyproject_is_an_error() {
+fn python_without_pyproject_or_script_is_an_error() {
     let f = Fixture::new(&["uv"]);
     f.install("py", r#"{"tool_id": "py", "type": "python"}"#);
     let err = f.load_err();
     assert!(
-        matches!(&err, CatalogueError::NoEntrypoint { reason } if reason.contains("pyproject.toml")),
+        matches!(&err, CatalogueError::NothingToLaunch { tried, .. }
+            if tried[0].contains("no pyproject.toml") && tried[1].contains("main.py")),
         "{err}"
     );
 }
@@ -206,6 +216,8 @@ fn node_default_command() {
     );
 }
 
+/// `package.json` `bin[tool_id]` → `bin[name]` (the manifest's `name`, `slug`, then the package's `name`) →
+/// `bin` (a string) → `main` → `module`.
 #[test]
 fn node_entry_resolution_order() {
     let f = Fixture::new(&["node"]);
@@ -215,35 +227,72 @@ fn node_entry_resolution_order() {
         "from-main.js",
         "from-module.mjs",
         "other.js",
+        "by-name.js",
+        "by-slug.js",
+        "by-pkg.js",
     ];
-    let cases: [(&str, &str, &str); 6] = [
+    // (sub, executa.json extra fields, package.json, the entry expected)
+    let cases: [(&str, &str, &str, &str); 10] = [
         (
             "a-bin-map",
-            r#"{"bin": {"other": "other.js", "ID": "./from-bin-map.js"}, "main": "from-main.js", "module": "from-module.mjs"}"#,
+            r#", "name": "nm""#,
+            r#"{"bin": {"other": "other.js", "nm": "by-name.js", "ID": "./from-bin-map.js"}, "main": "from-main.js", "module": "from-module.mjs"}"#,
             "from-bin-map.js",
         ),
         (
             "b-bin-string",
+            "",
             r#"{"bin": "from-bin-string.js", "main": "from-main.js", "module": "from-module.mjs"}"#,
             "from-bin-string.js",
         ),
         (
             "c-bin-map-without-id",
+            "",
             r#"{"bin": {"other": "other.js"}, "main": "from-main.js"}"#,
             "from-main.js",
         ),
         (
             "d-main",
+            "",
             r#"{"main": "from-main.js", "module": "from-module.mjs"}"#,
             "from-main.js",
         ),
-        ("e-module", r#"{"module": "from-module.mjs"}"#, "from-module.mjs"),
+        (
+            "e-module",
+            "",
+            r#"{"module": "from-module.mjs"}"#,
+            "from-module.mjs",
+        ),
         // Node resolves `main` without its extension; so do we.
-        ("f-main-no-ext", r#"{"main": "from-main"}"#, "from-main.js"),
+        ("f-main-no-ext", "", r#"{"main": "from-main"}"#, "from-main.js"),
+        (
+            "g-bin-name",
+            r#", "name": "nm", "slug": "sl""#,
+            r#"{"name": "pk", "bin": {"sl": "by-slug.js", "nm": "by-name.js", "pk": "by-pkg.js"}, "main": "from-main.js"}"#,
+            "by-name.js",
+        ),
+        (
+            "h-bin-slug",
+            r#", "slug": "sl""#,
+            r#"{"name": "pk", "bin": {"sl": "by-slug.js", "pk": "by-pkg.js"}, "main": "from-main.js"}"#,
+            "by-slug.js",
+        ),
+        (
+            "i-bin-package-name",
+            "",
+            r#"{"name": "pk", "bin": {"pk": "./by-pkg.js"}, "main": "from-main.js"}"#,
+            "by-pkg.js",
+        ),
+        (
+            "j-bin-map-before-string-forms",
+            r#", "name": "nm""#,
+            r#"{"name": "pk", "bin": {"pk": "by-pkg.js"}, "main": "from-main.js"}"#,
+            "by-pkg.js",
+        ),
     ];
-    for (sub, pkg, _) in &cases {
+    for (sub, extra, pkg, _) in &cases {
         let id = format!("tool-{sub}");
-        f.install(sub, &format!(r#"{{"tool_id": "{id}", "type": "node"}}"#));
+        f.install(sub, &format!(r#"{{"tool_id": "{id}", "type": "node"{extra}}}"#));
         f.file(
             &format!("{sub}/package.json"),
             &pkg.replace("\"ID\"", &format!("\"{id}\"")),
@@ -255,7 +304,7 @@ fn node_entry_resolution_order() {
     let (cat, problems) = f.load();
     assert!(problems.is_empty(), "{}", show(&problems));
     assert_eq!(cat.len(), cases.len());
-    for (sub, _, want) in cases {
+    for (sub, _, _, want) in cases {
         let install = cat.get(&format!("tool-{sub}")).unwrap();
         let want = canon(&f.cat.path().join(sub)).join(want);
         assert_eq!(install.argv, vec![f.runtime("node"), s(&want)], "{sub}");
@@ -1029,4 +1078,518 @@ fn animus_fields() {
     let install = f.load_one();
     assert_eq!(install.protocol, None, "absent: probed");
     assert_eq!(install.allow_methods, None);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// What authors ship: `[project.scripts]` and `package.json` `bin` named after the plugin's `name`/`slug`.
+
+use fleet_worker::catalogue::{Needed, PYTHON_SCRIPT_LAUNCHER, Prepare, Runner};
+
+/// The fixture plugin directories laid out like the public SDK's examples.
+fn sdk_fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/plugins")
+        .join(name)
+}
+
+/// Copies the files of `from` into `<cat>/<sub>/`.
+fn copy_fixture(f: &Fixture, from: &Path, sub: &str) -> PathBuf {
+    let dir = f.cat.path().join(sub);
+    fs::create_dir_all(&dir).unwrap();
+    for entry in fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
+        }
+    }
+    dir
+}
+
+/// The launch of a console script without `uv`.
+fn launcher(python: String, root: &Path, module: &str, attr: &str, script: &str) -> Vec<String> {
+    vec![
+        python,
+        "-c".into(),
+        PYTHON_SCRIPT_LAUNCHER.into(),
+        s(root),
+        module.into(),
+        attr.into(),
+        script.into(),
+    ]
+}
+
+const TWO_SCRIPTS: &str = "[project.scripts]\nother = \"other_mod:run\"\n";
+
+#[test]
+fn python_script_is_the_tool_id_then_name_then_slug_then_the_only_one() {
+    // (sub, executa.json extra fields, [project.scripts] body, the script expected)
+    let cases: [(&str, &str, &str, &str); 4] = [
+        (
+            "a-tool-id",
+            r#", "name": "n", "slug": "sl""#,
+            "n = \"mod:main\"\nsl = \"mod:main\"\nID = \"mod:main\"\n",
+            "ID",
+        ),
+        (
+            "b-name",
+            r#", "name": "nm", "slug": "sl""#,
+            "sl = \"mod:main\"\nnm = \"mod:main\"\n",
+            "nm",
+        ),
+        (
+            "c-slug",
+            r#", "name": "nm", "slug": "sl""#,
+            "sl = \"mod:main\"\n",
+            "sl",
+        ),
+        ("d-only", "", "whatever = \"mod:main\"\n", "whatever"),
+    ];
+    for with_uv in [true, false] {
+        let f = Fixture::new(if with_uv { &["uv", "python3"] } else { &["python3"] });
+        for (sub, extra, scripts, _) in &cases {
+            let id = format!("tool-{sub}");
+            f.install(sub, &format!(r#"{{"tool_id": "{id}", "type": "python"{extra}}}"#));
+            // A second script that never matches, except in the only-script case.
+            let body = scripts.replace("ID", &id);
+            let body = if *sub == "d-only" {
+                body
+            } else {
+                format!("{body}other = \"other_mod:run\"\n")
+            };
+            f.file(
+                &format!("{sub}/pyproject.toml"),
+                &format!("[project]\nname = \"x\"\n\n[project.scripts]\n{body}"),
+            );
+            f.file(&format!("{sub}/mod.py"), "def main(): return 0\n");
+        }
+        let (cat, problems) = f.load();
+        assert!(problems.is_empty(), "{}", show(&problems));
+        for (sub, _, _, want) in cases {
+            let id = format!("tool-{sub}");
+            let want = want.replace("ID", &id);
+            let dir = canon(&f.cat.path().join(sub));
+            let install = cat.get(&id).unwrap();
+            let (python, prepare) = if with_uv {
+                let venv = dir.join(".fleet-venv");
+                let prepare = Prepare::UvSync {
+                    uv: f.bin.path().join("uv"),
+                    python: Some(f.bin.path().join("python3")),
+                    venv: venv.clone(),
+                };
+                (s(&venv.join("bin/python")), Some(prepare))
+            } else {
+                (f.runtime("python3"), None)
+            };
+            assert_eq!(
+                install.argv,
+                launcher(python, &dir, "mod", "main", &want),
+                "{sub}, uv: {with_uv}"
+            );
+            assert_eq!(install.prepare, prepare, "{sub}, uv: {with_uv}");
+        }
+    }
+}
+
+#[test]
+fn python_scripts_none_of_which_matches_are_named() {
+    let f = Fixture::new(&["uv", "python3"]);
+    f.install(
+        "py",
+        r#"{"tool_id": "tool-x", "type": "python", "name": "nm", "slug": "sl"}"#,
+    );
+    f.file("py/pyproject.toml", &format!("{TWO_SCRIPTS}another = \"m:f\"\n"));
+    let CatalogueError::NothingToLaunch { kind, tried } = f.load_err() else {
+        panic!("expected NothingToLaunch");
+    };
+    assert_eq!(kind, InstallType::Python);
+    assert_eq!(
+        tried,
+        strings(&[
+            "`[project.scripts]` key `tool-x` (the manifest's `tool_id`)",
+            "`[project.scripts]` key `nm` (the manifest's `name`)",
+            "`[project.scripts]` key `sl` (the manifest's `slug`)",
+            "the only `[project.scripts]` entry (it declares 2: another, other)",
+            "the scripts tool-x.py, main.py, __main__.py (none exists)",
+        ])
+    );
+}
+
+#[test]
+fn python_without_uv_imports_the_module_from_the_flat_or_src_layout() {
+    let f = Fixture::new(&["python3"]);
+    // src layout, a package, a dotted attribute, extras ignored.
+    f.install("src", r#"{"tool_id": "t-src", "type": "python"}"#);
+    f.file(
+        "src/pyproject.toml",
+        "[project.scripts]\nrun-it = \"pkg.cli:app.main [fast]\"\n",
+    );
+    f.file("src/src/pkg/__init__.py", "");
+    f.file("src/src/pkg/cli.py", "");
+    // The module is nowhere: every place looked at is named.
+    f.install("missing", r#"{"tool_id": "t-missing", "type": "python"}"#);
+    f.file("missing/pyproject.toml", "[project.scripts]\nx = \"gone:main\"\n");
+    let (cat, problems) = f.load();
+    assert_eq!(problems.len(), 1, "{}", show(&problems));
+    let dir = canon(&f.cat.path().join("src"));
+    assert_eq!(cat.get("t-src").unwrap().code, vec![dir.join("src/pkg/cli.py")]);
+    assert_eq!(
+        cat.get("t-src").unwrap().argv,
+        launcher(
+            f.runtime("python3"),
+            &dir.join("src"),
+            "pkg.cli",
+            "app.main",
+            "run-it"
+        )
+    );
+    let CatalogueError::NothingToLaunch { tried, .. } = &problems[0].error else {
+        panic!("{}", problems[0]);
+    };
+    assert_eq!(
+        tried,
+        &strings(&[
+            "`[project.scripts]` `x` = module `gone`: none of gone.py, gone, src/gone.py, src/gone exists"
+        ])
+    );
+}
+
+#[test]
+fn python_fallback_scripts_still_run_without_uv() {
+    let f = Fixture::new(&["python3"]);
+    // No pyproject at all, a pyproject without scripts, a fallback named after the tool id.
+    f.install("a", r#"{"tool_id": "a", "type": "python"}"#);
+    f.file("a/main.py", "");
+    f.install("b", r#"{"tool_id": "b", "type": "python"}"#);
+    f.file("b/pyproject.toml", "[project]\nname = \"b\"\n");
+    f.file("b/__main__.py", "");
+    f.install("c", r#"{"tool_id": "c", "type": "python"}"#);
+    f.file("c/c.py", "");
+    f.file("c/main.py", "");
+    let (cat, problems) = f.load();
+    assert!(problems.is_empty(), "{}", show(&problems));
+    for (id, script) in [("a", "main.py"), ("b", "__main__.py"), ("c", "c.py")] {
+        let want = canon(&f.cat.path().join(id)).join(script);
+        assert_eq!(
+            cat.get(id).unwrap().argv,
+            vec![f.runtime("python3"), s(&want)],
+            "{id}"
+        );
+    }
+    // A script found but no python3 at all: the missing interpreter is named.
+    let g = Fixture::new(&[]);
+    g.install("a", r#"{"tool_id": "a", "type": "python"}"#);
+    g.file("a/pyproject.toml", "[project.scripts]\na = \"a:main\"\n");
+    g.file("a/a.py", "");
+    let err = g.load_err();
+    assert!(
+        matches!(
+            err,
+            CatalogueError::MissingRuntime {
+                kind: InstallType::Python,
+                program: "python3"
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn bad_pyproject_names_the_file_and_the_field() {
+    let cases = [
+        ("[project\n", "invalid TOML"),
+        ("project = 1\n", "`project` must be a table, found integer"),
+        (
+            "[project]\nscripts = [1]\n",
+            "`[project.scripts]` must be a table, found array",
+        ),
+        (
+            "[project.scripts]\nx = 1\n",
+            "`[project.scripts]` `x` must be a string (\"module:function\"), found integer",
+        ),
+        (
+            "[project.scripts]\nx = \"nocolon\"\n",
+            "`[project.scripts]` `x` = \"nocolon\": expected \"module:function\"",
+        ),
+        (
+            "[project.scripts]\nx = \"os; import evil:main\"\n",
+            "the module is not a dotted Python name",
+        ),
+        (
+            "[project.scripts]\nx = \"m:main()\"\n",
+            "the function is not a dotted Python name",
+        ),
+    ];
+    for (toml, want) in cases {
+        let f = Fixture::new(&["python3"]);
+        let pyproject = f.file("p/pyproject.toml", toml);
+        f.install("p", r#"{"tool_id": "p", "type": "python"}"#);
+        let err = f.load_err();
+        assert!(
+            matches!(&err, CatalogueError::Toml { path, .. } | CatalogueError::BadFile { path, .. }
+                if *path == canon(&pyproject)),
+            "{toml:?}: {err}"
+        );
+        let shown = err.to_string();
+        assert!(shown.contains(want), "{toml:?}: {shown}");
+    }
+}
+
+#[test]
+fn name_and_slug_must_be_strings() {
+    assert_invalid(
+        r#"{"tool_id": "t", "type": "binary", "name": 3}"#,
+        "name",
+        "expected a string, found a number",
+    );
+    assert_invalid(
+        r#"{"tool_id": "t", "type": "binary", "slug": []}"#,
+        "slug",
+        "expected a string, found an array",
+    );
+}
+
+#[test]
+fn the_sdk_python_example_runs_its_script_with_or_without_uv() {
+    for with_uv in [true, false] {
+        let f = Fixture::new(if with_uv { &["uv", "python3"] } else { &["python3"] });
+        let dir = canon(&copy_fixture(&f, &sdk_fixture("sdk-python"), "basic-tool"));
+        let install = f.load_one();
+        assert_eq!(install.tool_id, "tool-dev-example-text-tool");
+        let python = if with_uv {
+            s(&dir.join(".fleet-venv/bin/python"))
+        } else {
+            f.runtime("python3")
+        };
+        assert_eq!(
+            install.argv,
+            launcher(python, &dir, "example_plugin", "main", "example-text-tool"),
+            "uv: {with_uv}"
+        );
+        assert_eq!(install.prepare.is_some(), with_uv);
+        // The module is fingerprinted with the interpreter: a changed plugin is quarantined.
+        assert_eq!(install.code, vec![dir.join("example_plugin.py")]);
+    }
+}
+
+#[test]
+fn node_without_an_entry_names_every_key_tried() {
+    let f = Fixture::new(&["node"]);
+    f.install(
+        "n",
+        r#"{"tool_id": "t", "type": "node", "name": "nm", "slug": "sl"}"#,
+    );
+    f.file("n/package.json", r#"{"name": "pk", "bin": {"other": "x.js"}}"#);
+    let err = f.load_err();
+    assert_eq!(
+        err.to_string(),
+        "`package.json` has no entry point: none of `bin.t`, `bin.nm`, `bin.sl`, `bin.pk`, `bin`, `main`, \
+         `module` (`bin` a string) (or set `command`)"
+    );
+}
+
+#[test]
+fn the_sdk_node_example_runs_its_bin() {
+    let f = Fixture::new(&["node"]);
+    let dir = canon(&copy_fixture(&f, &sdk_fixture("sdk-node"), "node-tool"));
+    let install = f.load_one();
+    assert_eq!(install.tool_id, "tool-dev-example-node-tool");
+    assert_eq!(
+        install.argv,
+        vec![f.runtime("node"), s(&dir.join("example_plugin.js"))]
+    );
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Plugins under per-user uids: what "other" users cannot reach is reported at load, with its fix.
+
+fn chmod(path: &Path, mode: u32) {
+    fs::set_permissions(path, fs::Permissions::from_mode(mode)).unwrap();
+}
+
+/// A fixture whose catalogue and fake PATH other users can traverse (whatever the umask made them).
+fn open_fixture(runtimes: &[&str]) -> Fixture {
+    let f = Fixture::new(runtimes);
+    chmod(f.cat.path(), 0o755);
+    chmod(f.bin.path(), 0o755);
+    f
+}
+
+#[test]
+fn an_interpreter_under_a_closed_home_is_skipped_then_reported_with_its_fix() {
+    let f = open_fixture(&[]);
+    // A pyenv-style shim in a 0700 home, as root's `/root/.pyenv/shims/python3`.
+    let home = TempDir::new().unwrap();
+    chmod(home.path(), 0o700);
+    let shims = home.path().join(".pyenv/shims");
+    fs::create_dir_all(&shims).unwrap();
+    write_exec(&shims.join("python3"), "#!/bin/sh\nexit 0\n");
+    f.install("py", r#"{"tool_id": "py", "type": "python"}"#);
+    f.file("py/main.py", "");
+    chmod(&f.cat.path().join("py"), 0o755);
+
+    // Only the shim: reported at load, with both fixes.
+    let opts =
+        LoadOptions::with_search_path([shims.clone()]).with_runner(Runner::OtherUsers { private_tmp: false });
+    let (cat, problems) = Catalogue::load(f.cat.path(), &opts).unwrap();
+    assert!(cat.is_empty());
+    assert_eq!(problems.len(), 1, "{}", show(&problems));
+    let CatalogueError::RuntimeUnreachable { program, blocked } = &problems[0].error else {
+        panic!("{}", problems[0]);
+    };
+    assert_eq!(program, "python3");
+    assert_eq!(blocked.len(), 1);
+    assert_eq!(blocked[0].path, shims.join("python3"));
+    let home_c = canon(home.path());
+    assert_eq!(blocked[0].blockers[0].path, home_c);
+    assert_eq!(
+        problems[0].error.to_string(),
+        format!(
+            "`python3` is on PATH only where the plugins' uids cannot execute it: {} ({} (mode 700) is not \
+             searchable by other users); install `python3` system-wide (e.g. /usr/bin/python3), or run `chmod \
+             o+x {}`",
+            shims.join("python3").display(),
+            home_c.display(),
+            home_c.display()
+        )
+    );
+    // The worker itself could run it: `run_as: inherit` is not affected.
+    let own = LoadOptions::with_search_path([shims.clone()]);
+    let (cat, problems) = Catalogue::load(f.cat.path(), &own).unwrap();
+    assert!(problems.is_empty(), "{}", show(&problems));
+    assert_eq!(cat.get("py").unwrap().argv[0], s(&shims.join("python3")));
+
+    // The shim first, a reachable python3 after it: the next entry is used.
+    let sys = TempDir::new().unwrap();
+    chmod(sys.path(), 0o755);
+    write_exec(&sys.path().join("python3"), "#!/bin/sh\nexit 0\n");
+    let opts = LoadOptions::with_search_path([shims.clone(), sys.path().to_path_buf()])
+        .with_runner(Runner::OtherUsers { private_tmp: false });
+    let (cat, problems) = Catalogue::load(f.cat.path(), &opts).unwrap();
+    assert!(problems.is_empty(), "{}", show(&problems));
+    assert_eq!(cat.get("py").unwrap().argv[0], s(&sys.path().join("python3")));
+    assert_eq!(opts.lookup("python3"), Some(sys.path().join("python3")));
+
+    // Once the home is opened, the shim is usable again.
+    chmod(home.path(), 0o711);
+    let opts =
+        LoadOptions::with_search_path([shims.clone()]).with_runner(Runner::OtherUsers { private_tmp: false });
+    assert_eq!(opts.lookup("python3"), Some(shims.join("python3")));
+}
+
+#[test]
+fn a_catalogue_under_a_closed_directory_is_one_problem_naming_the_chmod() {
+    let f = open_fixture(&["python3"]);
+    f.install("py", r#"{"tool_id": "py", "type": "python"}"#);
+    f.file("py/main.py", "");
+    chmod(f.cat.path(), 0o700); // as `mktemp -d` makes it
+    let opts = f.opts().with_runner(Runner::OtherUsers { private_tmp: false });
+    let (cat, problems) = Catalogue::load(f.cat.path(), &opts).unwrap();
+    assert!(cat.is_empty());
+    assert_eq!(problems.len(), 1, "{}", show(&problems));
+    let cat_c = canon(f.cat.path());
+    assert_eq!(problems[0].path, f.cat.path());
+    assert_eq!(
+        problems[0].to_string(),
+        format!(
+            "the catalogue directory {} is out of the plugins' reach: {} (mode 700) is not searchable by other \
+             users; fix: `chmod o+x {}`",
+            f.cat.path().display(),
+            cat_c.display(),
+            cat_c.display()
+        )
+    );
+    // Plugins with a private /tmp see their install mounted back, the directories leading there re-created.
+    if cat_c.starts_with("/tmp") {
+        let private = f.opts().with_runner(Runner::OtherUsers { private_tmp: true });
+        let (cat, problems) = Catalogue::load(f.cat.path(), &private).unwrap();
+        assert!(problems.is_empty(), "{}", show(&problems));
+        assert_eq!(cat.len(), 1);
+    } else {
+        println!("skipping the private /tmp half: the fixture is not under /tmp");
+    }
+}
+
+#[test]
+fn an_install_dir_program_or_module_out_of_reach_is_reported_per_install() {
+    let f = open_fixture(&["python3"]);
+    // A closed install directory.
+    let closed = f.install("a-closed", r#"{"tool_id": "a", "type": "python"}"#);
+    f.file("a-closed/main.py", "");
+    chmod(&closed, 0o750);
+    // A binary only its owner and group may run.
+    let bin = f.install("b-bin", r#"{"tool_id": "b", "type": "binary"}"#);
+    chmod(&bin, 0o755);
+    let exe = f.exec("b-bin/bin/b");
+    chmod(&exe, 0o750);
+    // A script's module other users cannot read.
+    let module = f.install("c-module", r#"{"tool_id": "c", "type": "python"}"#);
+    chmod(&module, 0o755);
+    f.file(
+        "c-module/pyproject.toml",
+        "[project.scripts]\nc = \"secret:main\"\n",
+    );
+    let secret = f.file("c-module/secret.py", "");
+    chmod(&secret, 0o600);
+
+    let opts = f.opts().with_runner(Runner::OtherUsers { private_tmp: false });
+    let (cat, problems) = Catalogue::load(f.cat.path(), &opts).unwrap();
+    assert!(
+        cat.is_empty(),
+        "{:?}",
+        cat.iter().map(|i| &i.tool_id).collect::<Vec<_>>()
+    );
+    assert_eq!(problems.len(), 3, "{}", show(&problems));
+    let unreachable = |i: usize| match &problems[i].error {
+        CatalogueError::Unreachable { what, path, blockers } => (*what, path.clone(), blockers.clone()),
+        other => panic!("problem {i}: {other}"),
+    };
+    let (what, path, blockers) = unreachable(0);
+    assert_eq!((what, path), (Needed::InstallDir, canon(&closed)));
+    assert!(
+        problems[0]
+            .to_string()
+            .ends_with(&format!("fix: `chmod o+x {}`", canon(&closed).display()))
+    );
+    assert_eq!(blockers.len(), 1);
+    let (what, path, _) = unreachable(1);
+    assert_eq!((what, path), (Needed::Program, canon(&exe)));
+    assert!(
+        problems[1]
+            .to_string()
+            .ends_with(&format!("fix: `chmod o+x {}`", canon(&exe).display()))
+    );
+    let (what, path, _) = unreachable(2);
+    assert_eq!((what, path), (Needed::Module, canon(&secret)));
+    assert!(
+        problems[2]
+            .to_string()
+            .ends_with(&format!("fix: `chmod o+r {}`", canon(&secret).display()))
+    );
+
+    // The worker's own uid is not held to other users' bits.
+    let (cat, problems) = Catalogue::load(f.cat.path(), &f.opts()).unwrap();
+    assert!(problems.is_empty(), "{}", show(&problems));
+    assert_eq!(cat.len(), 3);
+}
+
+#[test]
+fn with_uv_a_module_the_project_does_not_hold_comes_from_its_environment() {
+    let f = Fixture::new(&["uv"]);
+    let dir = f.install("wrap", r#"{"tool_id": "wrap", "type": "python"}"#);
+    f.file(
+        "wrap/pyproject.toml",
+        "[project]\ndependencies = [\"someone-elses-plugin\"]\n\n[project.scripts]\nwrap = \"their_plugin.cli:main\"\n",
+    );
+    let install = f.load_one();
+    let dir = canon(&dir);
+    assert_eq!(
+        install.argv,
+        launcher(
+            s(&dir.join(".fleet-venv/bin/python")),
+            &dir,
+            "their_plugin.cli",
+            "main",
+            "wrap"
+        )
+    );
 }

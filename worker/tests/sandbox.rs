@@ -840,3 +840,32 @@ async fn a_failing_plan_fails_the_spawn_and_nothing_runs_unconfined() {
         std::io::ErrorKind::InvalidInput
     );
 }
+
+/// A data directory under a 0700 parent (any `mktemp -d`) is refused at start, naming the parent and the exact
+/// `chmod` (the hint `fleet up` used to give — run as root, or pass `--isolation none` — fits no root user).
+#[tokio::test]
+async fn a_state_dir_under_a_closed_parent_names_the_chmod_that_fixes_it() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let closed = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(closed.path(), std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let state = closed.path().join("data/state");
+    let err = Sandbox::new(&users_only_config(&state, 2)).expect_err("unreachable state dir");
+    let parent = std::fs::canonicalize(closed.path()).expect("canonical");
+    let data = parent.join("data");
+    assert!(matches!(err, sandbox::SandboxError::Config { .. }), "{err}");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "invalid sandbox configuration: the plugins' per-user uids cannot reach their directories under the \
+             state (data) directory {}: {} (mode 700) is not searchable by other users; fix: `chmod o+x {}`; or \
+             choose a data directory other users can traverse",
+            state.display(),
+            parent.display(),
+            parent.display()
+        )
+    );
+    // Following the fix works (`data/` was made with the usual umask, `state` is opened by the worker itself).
+    std::fs::set_permissions(closed.path(), std::fs::Permissions::from_mode(0o711)).expect("chmod");
+    assert!(data.is_dir());
+    Sandbox::new(&users_only_config(&state, 2)).expect("sandbox after the fix");
+}

@@ -65,7 +65,8 @@ use fleet_proto::util::lock;
 
 impl Installer {
     /// An installer with the worker's defaults: home `$ANNA_EXECUTA_HOME`, else `<state_dir>/executa`; keeps
-    /// `$EXECUTA_KEEP_VERSIONS` old versions (default 1); programs looked up on `PATH`.
+    /// `$EXECUTA_KEEP_VERSIONS` old versions (default 1); programs looked up on `PATH`, usable by the uids the
+    /// pool runs plugins as.
     pub async fn for_pool(
         client: &async_nats::Client,
         store: &Store,
@@ -81,7 +82,13 @@ impl Installer {
         {
             opts.keep_versions = keep;
         }
-        Installer::new(client, store, opts, LoadOptions::from_env()).await
+        Installer::new(
+            client,
+            store,
+            opts,
+            LoadOptions::for_worker(&pool.context().config),
+        )
+        .await
     }
 
     /// An installer with explicit options.

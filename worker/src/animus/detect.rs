@@ -10,8 +10,8 @@
 //!    Animus `initialize` is never sent to a plugin detected as Executa, nor the reverse.
 //!
 //! The record holds the dialect, the probed manifest (kind, protocol version) and a **fingerprint** of the
-//! launch: the SHA-256 of every file the argv names (`argv[0]` and any argument that is a file of the install).
-//! Every later spawn recomputes it (cached by path, size, mtime and inode, so an unchanged file is hashed once)
+//! launch: the SHA-256 of every file the argv names (`argv[0]` and any argument that is a file of the install)
+//! and of the install's code the argv does not name (a `[project.scripts]` module). Every later spawn recomputes it (cached by path, size, mtime and inode, so an unchanged file is hashed once)
 //! and a mismatch quarantines the install: it is refused until the worker reloads its catalogue. The Animus
 //! handshake also cross-checks its `plugin_kind` and major version against the record.
 
@@ -78,10 +78,71 @@ pub enum DetectError {
     /// The probe could not run at all (sandbox).
     #[error("cannot run the detection probe: {0}")]
     Probe(String),
+    /// The install could not be prepared for its first spawn ([`crate::prepare`]: `uv sync`…); the next use
+    /// tries again.
+    #[error("cannot prepare the install: {0}")]
+    Prepare(String),
+    /// The plugin's program could not be started (a launch failure, whatever the dialect: `argv[0]` missing or
+    /// not executable by the plugin's uid).
+    #[error("cannot start {program:?}: {reason}")]
+    Launch {
+        /// `argv[0]`.
+        program: String,
+        /// The OS's answer.
+        reason: String,
+    },
     /// The install changed since detection (binary, kind or major version): refused until the catalogue is
     /// reloaded.
     #[error("plugin quarantined: {0}")]
     Quarantined(String),
+}
+
+/// Which step refused an install ([`DetectError::stage`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RefusalStage {
+    /// The one-time preparation (`uv sync`) failed.
+    Prepare,
+    /// The program did not start.
+    Launch,
+    /// The probe's sandbox could not be prepared.
+    Sandbox,
+    /// The launch's files could not be read.
+    Files,
+    /// The plugin's answer: a mismatch with the declared protocol, an Animus kind or version not hosted.
+    Dialect,
+    /// The install changed since detection.
+    Quarantine,
+}
+
+impl RefusalStage {
+    /// The stage's name (`launch`, `sandbox`, `files`, `dialect`, `quarantine`), as error details carry it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RefusalStage::Prepare => "prepare",
+            RefusalStage::Launch => "launch",
+            RefusalStage::Sandbox => "sandbox",
+            RefusalStage::Files => "files",
+            RefusalStage::Dialect => "dialect",
+            RefusalStage::Quarantine => "quarantine",
+        }
+    }
+}
+
+impl DetectError {
+    /// Which step refused the install: only [`RefusalStage::Dialect`] is about what the plugin speaks.
+    /// (`launch`/`prepare`/`sandbox`/`files`/`dialect`/`quarantine`.)
+    pub fn stage(&self) -> RefusalStage {
+        match self {
+            DetectError::Prepare(_) => RefusalStage::Prepare,
+            DetectError::Launch { .. } => RefusalStage::Launch,
+            DetectError::Probe(_) => RefusalStage::Sandbox,
+            DetectError::Fingerprint(_) => RefusalStage::Files,
+            DetectError::Mismatch { .. } | DetectError::KindNotHosted { .. } | DetectError::Version(_) => {
+                RefusalStage::Dialect
+            }
+            DetectError::Quarantined(_) => RefusalStage::Quarantine,
+        }
+    }
 }
 
 type DetectCell = OnceCell<Result<Detected, DetectError>>;
@@ -97,6 +158,7 @@ struct RegistryInner {
     cells: Mutex<HashMap<String, Arc<DetectCell>>>,
     quarantined: Mutex<HashMap<String, String>>,
     hashes: Mutex<HashMap<PathBuf, (FileStamp, String)>>,
+    preparations: Arc<crate::prepare::Preparations>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,11 +172,19 @@ struct FileStamp {
 use fleet_proto::util::lock;
 
 impl Registry {
-    /// The detection of `install`, running it once (concurrent callers wait for the same probe).
+    /// The detection of `install`, running it once (concurrent callers wait for the same probe). A program that
+    /// did not start ([`DetectError::Launch`]) is not remembered: the next call probes again.
     pub async fn detect(&self, ctx: &WorkerContext, install: &Install) -> Result<Detected, DetectError> {
         if let Some(reason) = self.quarantine_reason(install) {
             return Err(DetectError::Quarantined(reason));
         }
+        // Prepared first (once; a failure is not cached, unlike the detection below): neither the probe nor the
+        // first `initialize` waits on a dependency download.
+        self.inner
+            .preparations
+            .ensure(install, crate::catalogue::Runner::of(&ctx.config))
+            .await
+            .map_err(|e| DetectError::Prepare(e.to_string()))?;
         let cell = lock(&self.inner.cells).entry(key(install)).or_default().clone();
         let detected = cell
             .get_or_init(|| async {
@@ -127,8 +197,16 @@ impl Registry {
                 d
             })
             .await
-            .clone()?;
-        Ok(detected)
+            .clone();
+        if let Err(DetectError::Launch { .. }) = &detected {
+            // Not remembered: the operator may fix what stopped the program (a permission, a missing file), and
+            // the next use probes again.
+            let mut cells = lock(&self.inner.cells);
+            if cells.get(&key(install)).is_some_and(|c| Arc::ptr_eq(c, &cell)) {
+                cells.remove(&key(install));
+            }
+        }
+        detected
     }
 
     /// The recorded detection of `install`, if it already ran.
@@ -203,7 +281,8 @@ fn key(install: &Install) -> String {
     format!("{}\0{}", install.tool_id, install.dir.display())
 }
 
-/// The files a launch runs: `argv[0]` and every argument naming a regular file (relative to the install dir).
+/// The files a launch runs: `argv[0]`, every argument naming a regular file (relative to the install dir), and
+/// the install's [`code`](Install::code) its argv does not name.
 fn launch_files(install: &Install) -> Vec<PathBuf> {
     let mut files = Vec::new();
     for (i, arg) in install.argv.iter().enumerate() {
@@ -217,6 +296,7 @@ fn launch_files(install: &Install) -> Vec<PathBuf> {
             files.push(p);
         }
     }
+    files.extend(install.code.iter().cloned());
     files
 }
 
@@ -310,7 +390,10 @@ async fn probe_manifest(
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
     let result = match cmd.spawn() {
-        Err(e) => Err(DetectError::Probe(format!("cannot start {program:?}: {e}"))),
+        Err(e) => Err(DetectError::Launch {
+            program: program.clone(),
+            reason: e.to_string(),
+        }),
         Ok(mut child) => {
             let mut out = Vec::new();
             let read = async {

@@ -43,7 +43,7 @@ use fleet_proto::limits;
 use serde_json::{Map, Value, json};
 use tokio::sync::{Notify, oneshot};
 
-pub use detect::{DetectError, Detected, Registry};
+pub use detect::{DetectError, Detected, RefusalStage, Registry};
 
 pub use crate::metrics::AnimusMetrics;
 pub use crate::types::HealthState;

@@ -51,6 +51,7 @@ mod detect;
 mod error;
 mod names;
 mod netns;
+pub mod reach;
 mod seat;
 pub mod seccomp;
 mod spawn;

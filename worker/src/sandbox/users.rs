@@ -159,23 +159,17 @@ impl Users {
                 fs::set_permissions(state_dir, fs::Permissions::from_mode((mode | 0o001) & 0o7777))
                     .map_err(|e| dir_err(state_dir, "chmod", e))?;
             }
-            let canonical = fs::canonicalize(state_dir).map_err(|e| dir_err(state_dir, "canonicalize", e))?;
-            for ancestor in canonical.ancestors().skip(1) {
-                let mode = fs::metadata(ancestor)
-                    .map_err(|e| dir_err(ancestor, "stat", e))?
-                    .permissions()
-                    .mode();
-                if mode & 0o001 == 0 {
-                    return Err(SandboxError::Config {
-                        reason: format!(
-                            "{} (mode {:o}) is not searchable by other users, so per-user uids could not reach \
-                             their directories under state_dir {}",
-                            ancestor.display(),
-                            mode & 0o7777,
-                            state_dir.display()
-                        ),
-                    });
-                }
+            let blocked = super::reach::blockers(state_dir, super::reach::Access::Search)
+                .map_err(|e| dir_err(state_dir, "stat", e))?;
+            if !blocked.is_empty() {
+                return Err(SandboxError::Config {
+                    reason: format!(
+                        "the plugins' per-user uids cannot reach their directories under the state (data) \
+                         directory {}: {}; or choose a data directory other users can traverse",
+                        state_dir.display(),
+                        super::reach::describe(&blocked)
+                    ),
+                });
             }
         }
         Ok(Users {
