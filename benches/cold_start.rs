@@ -72,6 +72,9 @@ const ROUNDS: usize = 15;
 /// The user every session runs for.
 const USER: &str = "bench-user";
 
+/// The user of the `native_noop_fork_plan` spawns' cgroup.
+const NOOP_USER: &str = "bench-noop-user";
+
 /// The user of the `*_live_user` variants, who keeps a Python session open for the whole bench.
 const LIVE_USER: &str = "bench-live-user";
 
@@ -360,7 +363,9 @@ impl Bench {
         );
 
         let sandbox = Sandbox::new(&config).expect("sandbox (cgroups, as root)");
-        let space = sandbox.user_space(USER, "noop").unwrap();
+        // A user of its own: its cgroup keeps that user's ceiling live for the whole bench, and `USER` must have
+        // none between its cold starts (each is then a user's first session, which adopts a seat).
+        let space = sandbox.user_space(NOOP_USER, "noop").unwrap();
         let noop_cgroup = sandbox
             .create_session(&space.user_key, "bench-noop", ResourceLimits::default())
             .unwrap();
@@ -461,6 +466,14 @@ impl Bench {
         let t = Instant::now();
         let ready = session.prewarm(READY_WAIT).await;
         let spawn_to_ready = t.elapsed();
+        // What the variant claims to measure: a user's first session on the worker with stubs adopts a seat.
+        let cgroup = session.with_cgroup(|c| c.map(|c| c.name().to_owned()));
+        let first_session = user == USER && ctx.sandbox.stubs_enabled();
+        assert_eq!(
+            cgroup.as_deref() == Some("seat"),
+            first_session,
+            "{user}: cgroup {cgroup:?}"
+        );
         let state = session.state();
         let t = Instant::now();
         session.shutdown().await;

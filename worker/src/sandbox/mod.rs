@@ -152,7 +152,7 @@ struct Inner {
     user_limits: UserLimits,
     /// The live user ceiling cgroups, by user key; the lock also orders creating a session in one against
     /// removing it.
-    user_cgroups: Arc<Mutex<HashMap<String, Weak<UserCgroup>>>>,
+    user_cgroups: Registry,
     /// The egress policy (with namespaces only: without them plugins share the worker's network anyway).
     egress: Option<Arc<Policy>>,
     /// What the egress proxies did.
@@ -177,18 +177,36 @@ struct ConfineBase {
 pub(crate) struct UserCgroup {
     key: String,
     dirs: Dirs,
-    registry: Arc<Mutex<HashMap<String, Weak<UserCgroup>>>>,
+    /// Whether `dirs` is the user's own `user-<key>` (made for them), not an adopted seat's (`seat.rs`): two
+    /// handles of one user share their directories only when both are.
+    own: bool,
+    registry: Registry,
+}
+
+/// The live user ceilings by user key.
+type Registry = Arc<Mutex<HashMap<String, Registered>>>;
+
+/// A registered user ceiling. Nothing upgrades `handle` under the registry's lock unless it keeps the result: a
+/// temporary `Arc` that turned out to be the last one would run [`UserCgroup`]'s drop, which takes that lock.
+#[derive(Debug)]
+struct Registered {
+    handle: Weak<UserCgroup>,
+    /// [`UserCgroup::own`].
+    own: bool,
 }
 
 impl Drop for UserCgroup {
     fn drop(&mut self) {
         let mut live = self.registry.lock().unwrap_or_else(PoisonError::into_inner);
-        // A newer handle for the same user may already be registered (this one's count reached zero while it
-        // was being replaced): only the registered one, or none, may remove the directory.
-        if live.get(&self.key).is_some_and(|w| w.strong_count() > 0) {
-            return;
+        match live.get(&self.key) {
+            Some(r) if std::ptr::eq(r.handle.as_ptr(), self) => {
+                live.remove(&self.key);
+            }
+            // A newer handle for the same user was registered while this one's count reached zero. If it owns
+            // the same directory (both the user's own), only it may remove it; an adopted seat has others.
+            Some(r) if self.own && r.own && r.handle.strong_count() > 0 => return,
+            _ => {}
         }
-        live.remove(&self.key);
         for dir in self.dirs.unique() {
             // Busy (a session cgroup left in place by a drop without remove): the sweep at start takes it.
             let _ = fs::remove_dir(dir);
@@ -434,7 +452,7 @@ impl Sandbox {
             .user_cgroups
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if live.get(user_key).and_then(Weak::upgrade).is_some() {
+        if live.get(user_key).is_some_and(|r| r.handle.strong_count() > 0) {
             return None;
         }
         let mut stub = pool.take_seated()?;
@@ -447,9 +465,11 @@ impl Sandbox {
         let user = Arc::new(UserCgroup {
             key: user_key.to_owned(),
             dirs: seat.user,
+            own: false,
             registry: self.inner.user_cgroups.clone(),
         });
-        live.insert(user_key.to_owned(), Arc::downgrade(&user));
+        let handle = Arc::downgrade(&user);
+        live.insert(user_key.to_owned(), Registered { handle, own: false });
         Some((seat.session.in_user(user), stub))
     }
 
@@ -535,7 +555,7 @@ impl Sandbox {
             .user_cgroups
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let user = match live.get(user_key).and_then(Weak::upgrade) {
+        let user = match live.get(user_key).and_then(|r| r.handle.upgrade()) {
             Some(user) => user,
             None => {
                 let dirs = root.join(&format!("{USER_CGROUP_PREFIX}{}", names::readable_name(user_key)));
@@ -543,9 +563,11 @@ impl Sandbox {
                 let user = Arc::new(UserCgroup {
                     key: user_key.to_owned(),
                     dirs,
+                    own: true,
                     registry: self.inner.user_cgroups.clone(),
                 });
-                live.insert(user_key.to_owned(), Arc::downgrade(&user));
+                let handle = Arc::downgrade(&user);
+                live.insert(user_key.to_owned(), Registered { handle, own: true });
                 user
             }
         };
