@@ -1193,8 +1193,8 @@ async fn an_interpreter_the_plugins_cannot_execute_is_reported_at_load_and_its_s
     }
     // A pyenv-style home: 0700, a `python3` shim inside that runs the system's interpreter. Not under /tmp:
     // the sandbox's private /tmp re-creates the directories leading to what it mounts back, as root's home
-    // never is.
-    let homes = tempfile::tempdir_in(fleet_e2e::profile_dir()).expect("tempdir outside /tmp");
+    // never is — and not under the checkout either, which may itself be under /tmp (a `mktemp -d` clone).
+    let homes = tempfile::tempdir_in("/var/tmp").expect("tempdir outside /tmp");
     std::fs::set_permissions(homes.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
     let home = homes.path().join("home");
     let shims = home.join(".pyenv/shims");
