@@ -17,6 +17,7 @@ use fleet_e2e::worker::{eventually, req, test_config};
 use fleet_e2e::{echo_plugin_bin, workspace_root};
 use fleet_proto::animus::RunErrorClass;
 use fleet_proto::api::{ApiErrorCode, JobState, methods, subjects};
+use fleet_proto::codec::io::WRITE_QUEUE;
 use fleet_proto::executa::invoke::ProgressType;
 use fleet_worker::animus::{CancelPath, CancelReason, DetectError, HealthState};
 use fleet_worker::catalogue::{Catalogue, Dialect, LoadOptions};
@@ -1158,6 +1159,52 @@ async fn shutdown_cancels_runs_and_tolerates_a_plugin_exiting_before_it_answers(
         matches!(e, PoolError::Closed | PoolError::Invoke(InvokeError::Closed)),
         "{e}"
     );
+}
+
+/// An idle Animus process that stopped reading its stdin after flooding requests the host must answer: each
+/// answer is larger than the pipe, so the writer holds one and its queue ([`WRITE_QUEUE`]) fills. The shutdown
+/// still ends the process — its `shutdown` call times out instead of waiting for queue room forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_plugin_that_stopped_reading_cannot_hold_up_shutdown() {
+    /// More than Linux's default pipe capacity (64 KiB): one answer fills the pipe.
+    const ID_BYTES: usize = 80 * 1024;
+    let w = worker(
+        "deaf",
+        &[animus(
+            "deaf",
+            "custom",
+            None,
+            json!({"allow_methods": ["fixture/deaf"]}),
+        )],
+    );
+    let read = || WorkerMetrics::get(&w.metrics.frames_read);
+    let before = read();
+    let requests = 4 * WRITE_QUEUE;
+    let out = invoke(
+        &w,
+        "deaf",
+        req(
+            "fixture/deaf",
+            json!({"requests": requests, "id_bytes": ID_BYTES}),
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out.data().unwrap()["deaf"], true);
+    // The call's answer, then one flood request per answer queued: the one being written, WRITE_QUEUE queued,
+    // and the request whose answer waits for room — read only once the queue is full.
+    let full = (1 + 1 + WRITE_QUEUE + 1) as u64;
+    assert!(
+        eventually(GUARD, || read() - before >= full).await,
+        "the host read {} frames",
+        read() - before
+    );
+    assert_eq!(w.pool.animus().live(), 1);
+    tokio::time::timeout(GUARD, w.pool.shutdown())
+        .await
+        .expect("failure guard: the shutdown waited on a plugin that does not read");
+    let animus = w.pool.animus().clone();
+    assert!(eventually(GUARD, || animus.live() == 0).await, "no process left");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,7 +14,8 @@ Modes:
   wrong-major     protocol_version 2.0.0
   eager           writes a response and a notification before reading anything (answers before initialize)
   custom          plugin_kind custom with the methods notes/add, notes/count (and notes/secret, not allow-listed)
-                  and the MCP tool notes.search (through mcp/tool_call)
+                  and the MCP tool notes.search (through mcp/tool_call); fixture/deaf {requests, id_bytes} answers,
+                  then writes that many requests (ids padded) the host must answer and never reads stdin again
   subject         plugin_kind subject_backend (a kind the fleet refuses)
   rude-exit       exits as soon as `shutdown` arrives, without answering it
 
@@ -53,7 +54,8 @@ if KIND == "provider":
     if MODE in ("provider", "agent-cancel", "ignore-cancel", "no-ping", "eager", "wrong-major"):
         METHODS.append("agent/cancel")
 elif KIND == "custom":
-    METHODS = ["notes/add", "notes/count", "notes/secret", "health/check", "$harness/flag", "mcp/tool_call"]
+    METHODS = ["notes/add", "notes/count", "notes/secret", "health/check", "$harness/flag", "mcp/tool_call",
+               "fixture/deaf"]
     if arg("--probe-lib"):
         sys.path.insert(0, arg("--probe-lib"))
         METHODS.append("confine/probe")
@@ -233,6 +235,14 @@ def handle(msg):
         answer(id_, {"tool": params.get("name"), "hits": [n for n in NOTES if q in (n or "")]})
     elif method in ("notes/count", "notes/secret") and KIND == "custom":
         answer(id_, {"count": len(NOTES), "secret": method == "notes/secret"})
+    elif method == "fixture/deaf" and KIND == "custom":
+        # Answers, then floods requests the host must answer and never reads its stdin again.
+        answer(id_, {"deaf": True})
+        pad = "p" * int(params.get("id_bytes", 0))
+        for i in range(int(params.get("requests", 0))):
+            send({"jsonrpc": "2.0", "id": "flood-%d-%s" % (i, pad), "method": "fixture/flood"})
+        while True:
+            time.sleep(3600)
     elif method == "confine/probe" and "confine/probe" in METHODS:
         import confine_probe
 

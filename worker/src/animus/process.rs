@@ -267,8 +267,14 @@ impl AnimusProcess {
         params: Option<P>,
         timeout: Duration,
     ) -> Result<Frame, CallError> {
-        let (id, rx) = self.request(method, params).await?;
-        match tokio::time::timeout(timeout, rx).await {
+        let deadline = tokio::time::Instant::now() + timeout;
+        // The send is inside the time too: a plugin that stopped reading its stdin fills the writer's queue, and a
+        // send would wait for room forever (a shutdown's `shutdown` call, a health check's `$/ping`).
+        let (id, rx) = match tokio::time::timeout_at(deadline, self.request(method, params)).await {
+            Ok(sent) => sent?,
+            Err(_) => return Err(CallError::Timeout),
+        };
+        match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(Ok(frame))) => Ok(frame),
             Ok(Ok(Err(failure))) => Err(failure.into()),
             Ok(Err(_)) => Err(CallError::Exited(
