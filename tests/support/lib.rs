@@ -406,6 +406,9 @@ pub mod cluster {
             cluster
         }
 
+        /// Failure guard of the waits for a front's membership watch to see a worker.
+        const MEMBERSHIP_GUARD: Duration = Duration::from_secs(60);
+
         /// Adds a front replica with its own connection.
         pub async fn add_front(&mut self) -> usize {
             self.add_front_with(FrontConfig::default()).await
@@ -432,6 +435,25 @@ pub mod cluster {
             let seals = Arc::new(self.nats.exec_signer().expect("exec signing key"));
             let front = Front::new(client, store, verifier, config, seals).with_metrics(self.metrics.clone());
             let service = front.serve().await.expect("serve");
+            // Started means knowing the running workers (as `add_worker` waits for every front to know it).
+            let ids: Vec<String> = self
+                .workers
+                .iter()
+                .filter_map(|w| w.node.as_ref().map(|n| n.id().to_string()))
+                .collect();
+            let deadline = std::time::Instant::now() + Self::MEMBERSHIP_GUARD;
+            loop {
+                let live = front.dispatcher().live().await;
+                if ids.iter().all(|id| live.iter().any(|w| &w.id == id)) {
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "failure guard: a new front did not see the workers {ids:?} within {:?}",
+                    Self::MEMBERSHIP_GUARD
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
             self.fronts.push((front, service));
             self.fronts.len() - 1
         }
@@ -482,11 +504,25 @@ pub mod cluster {
             )
             .await
             .expect("worker node");
+            let id = node.id().to_string();
             self.workers.push(Worker {
                 node: Some(node),
                 sandbox,
                 metrics,
             });
+            // Started means known: every front's membership watch has seen the new worker (a test that expects a
+            // call on a given worker must not race the watch).
+            for (front, _) in &self.fronts {
+                let deadline = std::time::Instant::now() + Self::MEMBERSHIP_GUARD;
+                while !front.dispatcher().live().await.iter().any(|w| w.id == id) {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "failure guard: a front did not see worker {id} within {:?}",
+                        Self::MEMBERSHIP_GUARD
+                    );
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
             i
         }
 
