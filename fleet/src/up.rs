@@ -511,14 +511,17 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     say("stopping      …");
     // The HTTP gateway drains like the NATS front: no new connection, /readyz 503, SSE streams ended, every
     // request in flight answered (bounded by the longest sync call's grace).
+    // Each step of the stop is logged: a stop that does not end names the step it is in.
     http_drain.start_draining();
     let http_abort = http_task.abort_handle();
     if tokio::time::timeout(crate::front::FRONT_DRAIN_GRACE, http_task)
         .await
         .is_err()
     {
+        tracing::warn!("the HTTP gateway's requests did not end within the drain grace: aborted");
         http_abort.abort();
     }
+    tracing::info!(step = "http", "stopping: the HTTP gateway has stopped");
     admin.abort();
     plugins_api.abort();
     if let Some(task) = creds_api {
@@ -526,14 +529,18 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     }
     sweeper.abort();
     service.stop().await;
+    tracing::info!(step = "front", "stopping: the front has drained");
     for node in nodes {
         node.drain(Duration::from_secs(args.drain_grace_secs)).await;
     }
+    tracing::info!(step = "workers", "stopping: the workers have drained");
     for sandbox in sandboxes {
         let _ = tokio::task::spawn_blocking(move || sandbox.remove_subtree()).await;
     }
+    tracing::info!(step = "cgroups", "stopping: the workers' cgroups are removed");
     let _ = fleet_client::nats_conn::drain(&worker_client).await;
     let _ = fleet_client::nats_conn::drain(&client).await;
+    tracing::info!(step = "nats", "stopping: the NATS connections are drained");
     if let Some(mut s) = server {
         tokio::task::spawn_blocking(move || s.stop())
             .await
