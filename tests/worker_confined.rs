@@ -13,6 +13,7 @@ use std::time::Duration;
 use fleet::nats_server::NatsServer;
 use fleet_e2e::worker::{Plugin, TestWorker, alive, call, eventually, req, test_config};
 use fleet_e2e::{echo_plugin_bin, workspace_root};
+use fleet_e2e_client::cgroup_dir;
 use fleet_worker::catalogue::{Catalogue, LoadOptions};
 use fleet_worker::config::{ResourceLimits, UserLimits, WorkerConfig};
 use fleet_worker::metrics::WorkerMetrics;
@@ -859,24 +860,6 @@ fn waiting_stubs() -> Vec<u32> {
 
 /// The `big-probe` install's memory limit: above the test worker's default.
 const BIG_MEMORY: u64 = 1 << 30;
-
-/// The memory cgroup (v1) or the unified one (v2) of `pid`, as a path under its hierarchy's mount.
-fn cgroup_dir(pid: u32) -> PathBuf {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
-    text.lines()
-        .find_map(|l| {
-            let mut f = l.splitn(3, ':');
-            let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
-            match controllers {
-                "" => Some(PathBuf::from(format!("/sys/fs/cgroup{path}"))),
-                c if c.split(',').any(|c| c == "memory") => {
-                    Some(PathBuf::from(format!("/sys/fs/cgroup/memory{path}")))
-                }
-                _ => None,
-            }
-        })
-        .unwrap()
-}
 
 /// A user's first session adopts a seated stub (`sandbox/seat.rs`): its plugin runs in the seat's session cgroup,
 /// inside the seat's ceiling, which is now that user's — nothing was migrated. The same user's next session

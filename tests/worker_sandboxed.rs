@@ -333,21 +333,8 @@ async fn sigterm_stops_the_worker_with_no_orphans_and_kill_9_leftovers_are_swept
 /// How many session-level cgroups the worker subtree holding `pid` has: each `user-*` ceiling's children, and
 /// any other cgroup directly in the subtree (read in the memory hierarchy, or the unified one).
 fn session_cgroups_beside(pid: u32) -> usize {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
-    let (mount, path) = text
-        .lines()
-        .find_map(|l| {
-            let mut f = l.splitn(3, ':');
-            let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
-            match controllers {
-                "" => Some(("/sys/fs/cgroup".to_owned(), path)),
-                c if c.split(',').any(|c| c == "memory") => Some(("/sys/fs/cgroup/memory".to_owned(), path)),
-                _ => None,
-            }
-        })
-        .unwrap();
     // `<subtree>/user-<key>/<session>`
-    let session = std::path::PathBuf::from(format!("{mount}{path}"));
+    let session = fleet_e2e_client::cgroup_dir(pid);
     let subtree = session.parent().and_then(std::path::Path::parent).unwrap();
     let dirs = |p: &std::path::Path| -> Vec<std::path::PathBuf> {
         std::fs::read_dir(p)

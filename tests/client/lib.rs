@@ -173,6 +173,23 @@ pub fn fleet_bin() -> PathBuf {
 
 pub mod fake_llm;
 
+/// The directory of `pid`'s cgroup: in the memory hierarchy (v1), or the unified one (v2).
+pub fn cgroup_dir(pid: u32) -> std::path::PathBuf {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("/proc/<pid>/cgroup");
+    text.lines()
+        .find_map(|l| {
+            let mut f = l.splitn(3, ':');
+            let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
+            match controllers {
+                "" => Some(format!("/sys/fs/cgroup{path}")),
+                c if c.split(',').any(|c| c == "memory") => Some(format!("/sys/fs/cgroup/memory{path}")),
+                _ => None,
+            }
+        })
+        .expect("a memory or unified cgroup line")
+        .into()
+}
+
 /// Whether a process exists (and is not a zombie).
 pub fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
