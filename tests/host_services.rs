@@ -64,6 +64,7 @@ fn call(invoke: &str, method: &str, params: Value, tokens: InvokeTokens) -> Reve
         user: USER.into(),
         tool_id: TOOL.into(),
         invoke_id: invoke.into(),
+        tool: "run".into(),
         method: method.into(),
         family: family_of(method).expect("known family"),
         params,

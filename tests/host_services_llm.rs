@@ -166,6 +166,7 @@ impl Invoke {
                 user: USER.into(),
                 tool_id: self.tool.clone(),
                 invoke_id: self.invoke_id.clone(),
+                tool: "run".into(),
                 method: method.into(),
                 family: family_of(method).expect("a reverse-RPC method"),
                 params,
