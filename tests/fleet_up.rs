@@ -1521,7 +1521,7 @@ fn dev_catalogue(dir: &std::path::Path, own: &str, mocks: &str) -> (PathBuf, Pat
 }
 
 /// One reverse RPC of `dev-py` for `user` through `fleet invoke`: the plugin's `{"result": …}` or `{"error": …}`.
-fn dev_reverse(up: &Up, user: &str, method: &str, params: Value) -> Value {
+fn dev_reverse(up: &Up, user: &str, method: &str, params: &Value) -> Value {
     let args = json!({"method": method, "params": params}).to_string();
     up.cli(&[
         "invoke",
@@ -1569,7 +1569,7 @@ fn fleet_up_mocks_serve_sampling_images_and_agent_runs_without_an_upstream() {
     );
 
     // The policy still applies: no grant, no sampling (mocked or not).
-    let denied = dev_reverse(&up, "alice", "sampling/createMessage", sample("the weather?"));
+    let denied = dev_reverse(&up, "alice", "sampling/createMessage", &sample("the weather?"));
     assert_eq!(denied["error"]["code"], -32001, "{denied}");
     up.cli(&[
         "grant",
@@ -1606,26 +1606,26 @@ fn fleet_up_mocks_serve_sampling_images_and_agent_runs_without_an_upstream() {
         &up,
         "alice",
         "sampling/createMessage",
-        sample("what is the weather like?"),
+        &sample("what is the weather like?"),
     );
     assert_eq!(sunny["result"]["content"]["text"], "sunny", "{sunny}");
-    let echo = dev_reverse(&up, "alice", "sampling/createMessage", sample("hello there"));
+    let echo = dev_reverse(&up, "alice", "sampling/createMessage", &sample("hello there"));
     assert_eq!(echo["result"]["content"]["text"], "echo: hello there", "{echo}");
     assert_eq!(echo["result"]["model"], "mock");
     // Validation is the real one: maxTokens over the cap is -32004 before any mock answers.
     let mut too_many = sample("the weather");
     too_many["maxTokens"] = json!(8193);
-    let invalid = dev_reverse(&up, "alice", "sampling/createMessage", too_many);
+    let invalid = dev_reverse(&up, "alice", "sampling/createMessage", &too_many);
     assert_eq!(invalid["error"]["code"], -32004, "{invalid}");
 
     // Embeddings through the `llm`/`embed` alias, else a deterministic hash-derived vector.
-    let fixed = dev_reverse(&up, "alice", "embeddings/create", json!({"input": "fixed"}));
+    let fixed = dev_reverse(&up, "alice", "embeddings/create", &json!({"input": "fixed"}));
     assert_eq!(
         fixed["result"]["data"][0]["embedding"],
         json!([0.5, 0.25]),
         "{fixed}"
     );
-    let hashed = dev_reverse(&up, "alice", "embeddings/create", json!({"input": "other"}));
+    let hashed = dev_reverse(&up, "alice", "embeddings/create", &json!({"input": "other"}));
     assert_eq!(
         hashed["result"]["data"][0]["embedding"].as_array().map(Vec::len),
         Some(8),
@@ -1633,7 +1633,7 @@ fn fleet_up_mocks_serve_sampling_images_and_agent_runs_without_an_upstream() {
     );
     assert_eq!(
         hashed,
-        dev_reverse(&up, "alice", "embeddings/create", json!({"input": "other"}))
+        dev_reverse(&up, "alice", "embeddings/create", &json!({"input": "other"}))
     );
 
     // Images: the plugin's own dev.fixtures entry (promptIncludes), else a generated PNG; the host's cap holds.
@@ -1641,7 +1641,7 @@ fn fleet_up_mocks_serve_sampling_images_and_agent_runs_without_an_upstream() {
         &up,
         "alice",
         "image/generate",
-        json!({"prompt": "A poster of Mars"}),
+        &json!({"prompt": "A poster of Mars"}),
     );
     assert_eq!(
         mars["result"]["images"][0]["url"], "https://example.invalid/mars.png",
@@ -1651,7 +1651,7 @@ fn fleet_up_mocks_serve_sampling_images_and_agent_runs_without_an_upstream() {
         &up,
         "alice",
         "image/generate",
-        json!({"prompt": "Venus", "n": 2, "size": "512x256"}),
+        &json!({"prompt": "Venus", "n": 2, "size": "512x256"}),
     );
     let images = venus["result"]["images"].as_array().unwrap();
     assert_eq!(images.len(), 2, "{venus}");
@@ -1666,7 +1666,12 @@ fn fleet_up_mocks_serve_sampling_images_and_agent_runs_without_an_upstream() {
         (images[0]["width"].clone(), images[0]["height"].clone()),
         (json!(512), json!(256))
     );
-    let nine = dev_reverse(&up, "alice", "image/generate", json!({"prompt": "Venus", "n": 9}));
+    let nine = dev_reverse(
+        &up,
+        "alice",
+        "image/generate",
+        &json!({"prompt": "Venus", "n": 9}),
+    );
     assert_eq!(nine["error"]["code"], -32106, "{nine}");
     assert_eq!(nine["error"]["data"]["hostCap"], 8, "{nine}");
 
@@ -1675,7 +1680,7 @@ fn fleet_up_mocks_serve_sampling_images_and_agent_runs_without_an_upstream() {
         &up,
         "alice",
         "agent/session.run",
-        json!({"app_session_uuid": "aps_dev", "content": "hi"}),
+        &json!({"app_session_uuid": "aps_dev", "content": "hi"}),
     );
     let frames = run["result"]["frames"]
         .as_array()
@@ -1691,7 +1696,7 @@ fn fleet_up_mocks_serve_sampling_images_and_agent_runs_without_an_upstream() {
         &up,
         "alice",
         "host/uploadFile",
-        json!({"mode": "inline", "filename": "a.txt", "mime_type": "text/plain", "content_b64": "aGk="}),
+        &json!({"mode": "inline", "filename": "a.txt", "mime_type": "text/plain", "content_b64": "aGk="}),
     );
     assert_eq!(upload["error"]["code"], -32201, "{upload}");
     let status = up.interrupt();

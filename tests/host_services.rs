@@ -211,17 +211,20 @@ async fn every_reverse_call_is_checked_against_its_token() {
     drop(env.nats);
 }
 
+/// Families that are off (no upstream, no `--dev-mode …=mock`) answer the codes of spec §15.2's mode matrix
+/// ("Host-visible error when off"; embeddings its not-negotiated code); web and credentials, outside the matrix,
+/// their not-granted codes.
 #[tokio::test]
-async fn families_not_offered_answer_their_not_granted_codes() {
+async fn families_not_offered_answer_their_off_codes() {
     let env = env().await;
     for (method, expected) in [
         ("image/generate", Family::Image.not_granted().code),
         ("agent/session.create", Family::Agent.not_granted().code),
         ("web/search", Family::Web.not_granted().code),
         ("credentials/listAccounts", Family::Credentials.not_granted().code),
-        // No LLM upstream: sampling and embeddings are not granted (no token could be minted).
-        ("sampling/createMessage", -32001),
-        ("embeddings/create", -32501),
+        // No LLM upstream: sampling is off (`sampling_disabled`), embeddings not negotiated.
+        ("sampling/createMessage", -32008),
+        ("embeddings/create", -32507),
     ] {
         let r = env
             .services

@@ -178,7 +178,7 @@ pub struct DevArgs {
     pub mocks: Vec<PathBuf>,
     /// The mode of a reverse-RPC family: FAMILY=MODE, FAMILY one of sampling, embeddings, llm (= sampling and
     /// embeddings), agent, storage, image, upload; MODE one of off (not offered), mock, real (the configured
-    /// upstream; an error at start-up when there is none). Repeatable. `mock` turns the harness on.
+    /// upstream; an error at start-up when there is none). `mock` turns the harness on.
     #[arg(long = "dev-mode", value_name = "FAMILY=MODE", value_parser = parse_dev_mode)]
     pub dev_modes: Vec<DevModeArg>,
 }

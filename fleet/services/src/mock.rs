@@ -441,19 +441,16 @@ fn image(ctx: &CallContext, site: &CallSite<'_>, entry: Option<&MockEntry>) -> R
         return Err(image::IMAGE_NOT_GRANTED.error("the user has not granted llm.image.edit to this plugin"));
     }
     let invalid = |m: &str| image::IMAGE_INVALID_REQUEST.error(m);
-    if !p
-        .get("prompt")
-        .and_then(Value::as_str)
-        .is_some_and(|s| !s.trim().is_empty())
-    {
+    let filled = |key: &str| {
+        p.get(key)
+            .and_then(Value::as_str)
+            .map(str::trim)
+            .unwrap_or_default()
+    };
+    if filled("prompt").is_empty() {
         return Err(invalid("prompt must be a non-empty string"));
     }
-    if edit
-        && !p
-            .get("image_url")
-            .and_then(Value::as_str)
-            .is_some_and(|s| !s.is_empty())
-    {
+    if edit && filled("image_url").is_empty() {
         return Err(invalid("image_url is required"));
     }
     if let Some(refs) = p.get("reference_image_urls").filter(|v| !v.is_null()) {
