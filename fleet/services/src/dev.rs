@@ -420,6 +420,51 @@ mod tests {
     }
 
     #[test]
+    fn plugins_dev_fixtures_are_read_only_with_the_harness_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let plugin = dir.path().join("p");
+        std::fs::create_dir_all(plugin.join("fixtures")).unwrap();
+        std::fs::write(
+            plugin.join("executa.json"),
+            r#"{"tool_id":"p","type":"binary","dev":{"fixtures":["fixtures/*.jsonl"]}}"#,
+        )
+        .unwrap();
+        std::fs::write(plugin.join("fixtures/a.jsonl"), "{broken\n").unwrap();
+        let args = |flags: &[&str]| DevArgs {
+            mocks: Vec::new(),
+            dev_modes: flags.iter().map(|f| parse_dev_mode(f).unwrap()).collect(),
+        };
+        // Off (as production): the block is not even read.
+        let off = args(&["image=off"]).settings(dir.path()).unwrap();
+        assert!(!off.is_active());
+        assert!(off.mocks().is_empty());
+        // On: read, and the broken line is named.
+        let e = args(&["image=mock"])
+            .settings(dir.path())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("fixtures/a.jsonl: line 1: "), "{e}");
+        std::fs::write(
+            plugin.join("fixtures/a.jsonl"),
+            r#"{"ns":"image","method":"generate","result":{}}"#,
+        )
+        .unwrap();
+        let on = args(&["image=mock"]).settings(dir.path()).unwrap();
+        assert_eq!(on.mocks().len(), 1);
+        // A dev block that is not a list of patterns is an error naming the manifest.
+        std::fs::write(
+            plugin.join("executa.json"),
+            r#"{"tool_id":"p","type":"binary","dev":{"fixtures":"x"}}"#,
+        )
+        .unwrap();
+        let e = args(&["image=mock"])
+            .settings(dir.path())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("executa.json: dev.fixtures: must be an array"), "{e}");
+    }
+
+    #[test]
     fn bad_flags_name_what_is_accepted() {
         assert!(parse_dev_mode("image").unwrap_err().contains("FAMILY=MODE"));
         assert!(
