@@ -88,9 +88,10 @@ pub struct MockEvent {
 /// Why a line is not a valid [`MockEntry`].
 #[derive(Debug, thiserror::Error)]
 pub enum MockEntryError {
-    /// Not JSON, not an object, a missing or mistyped field, an unknown `match` key.
+    /// Not JSON, not an object, a missing or mistyped field, an unknown `match` key (serde's message, its
+    /// position given as the column within the line).
     #[error("{0}")]
-    Json(#[from] serde_json::Error),
+    Json(String),
     /// `ns` or `method` is empty.
     #[error("`ns` and `method` must not be empty")]
     EmptyAddress,
@@ -122,7 +123,14 @@ impl MockEntry {
     /// # Errors
     /// [`MockEntryError`] for anything but one well-formed entry.
     pub fn parse(line: &str) -> Result<MockEntry, MockEntryError> {
-        let entry: MockEntry = serde_json::from_str(line)?;
+        let entry: MockEntry = serde_json::from_str(line).map_err(|e| {
+            let shown = e.to_string();
+            let position = format!(" at line {} column {}", e.line(), e.column());
+            MockEntryError::Json(match shown.strip_suffix(&position) {
+                Some(message) => format!("{message} (column {})", e.column()),
+                None => shown,
+            })
+        })?;
         entry.validate()?;
         Ok(entry)
     }
@@ -203,7 +211,7 @@ mod tests {
         let cases = [
             ("{not json", "line 3"),
             (r#"["an","array"]"#, "line 3"),
-            (r#"{"ns":"llm","result":{}}"#, "method"),
+            (r#"{"ns":"llm","result":{}}"#, "missing field `method` (column "),
             (r#"{"ns":"llm","method":"complete"}"#, "no answer"),
             (
                 r#"{"ns":"llm","method":"complete","result":{},"events":[]}"#,
