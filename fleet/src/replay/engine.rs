@@ -72,6 +72,9 @@ pub struct Row {
     pub tool_id: Option<String>,
     /// The verdict.
     pub verdict: Verdict,
+    /// The line of the recorded outcome `path` refers to, when it is not `line` (F2: the `res`; F4: the result).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub outcome_line: Option<usize>,
     /// The first differing JSON path (mismatch only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
@@ -100,6 +103,7 @@ impl Row {
             call,
             tool_id: None,
             verdict,
+            outcome_line: None,
             path: None,
             recorded: None,
             replayed: None,
@@ -177,6 +181,7 @@ async fn replay_call(
 ) -> Row {
     let name = call.name();
     let mut row = Row::new(call.line, call.id.clone(), name.clone(), Verdict::Skipped);
+    row.outcome_line = call.recorded.as_ref().map(|r| r.line).filter(|l| *l != call.line);
     let mut args = call.args.clone();
     if let Some(old) = call.tool_id()
         && let Some(new) = opts.map_tool.get(old)
