@@ -40,7 +40,7 @@ pub struct ReplayArgs {
     #[command(flatten)]
     pub client: ClientArgs,
     /// Start a fleet of its own for the replay (`fleet up` over --plugins-dir, temporary data dir, free ports),
-    /// stopped after it.
+    /// stopped after it; calls carry a dev token of --user (default `replay`) minted with its key.
     #[arg(long)]
     pub spawn: bool,
     /// The plugin catalogue of the --spawn'ed fleet (default: the demo plugins).
@@ -197,6 +197,9 @@ pub async fn run(args: &ReplayArgs) -> Result<bool, ReplayError> {
             .unwrap_or_else(fleet_client::api::default_plugins_dir);
         let s = spawn::Spawned::start(&plugins, args.isolation.as_deref()).await?;
         client_args.data_dir = s.data_dir().to_path_buf();
+        // Only the spawned fleet's own dev key is accepted there (a `FLEET_TOKEN` of another fleet would not be).
+        client_args.token = None;
+        client_args.user.get_or_insert_with(|| DEFAULT_USER.to_owned());
         spawned = Some(s);
     }
     let rows = match connect(&client_args).await {
