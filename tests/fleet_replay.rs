@@ -114,6 +114,22 @@ fn table_line(stdout: &str, line: u64) -> &str {
         .unwrap_or_else(|| panic!("no table line for line {line}:\n{stdout}"))
 }
 
+/// The processes whose command line mentions `needle` (`--spawn`'s `fleet up` names its `--plugins-dir`).
+fn processes_mentioning(needle: &str) -> Vec<String> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| n.chars().all(|c| c.is_ascii_digit()))
+        })
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+        .filter(|cmd| cmd.contains(needle))
+        .collect()
+}
+
 #[test]
 fn a_recorded_f2_session_replays_green_then_red_against_a_changed_plugin() {
     let f2 = fixture("echo-session.f2.jsonl");
@@ -143,6 +159,12 @@ fn a_recorded_f2_session_replays_green_then_red_against_a_changed_plugin() {
     assert!(
         stdout.contains("✓ 7 call(s): 7 pass, 0 mismatch, 0 without a recorded outcome; 3 skipped"),
         "{stdout}"
+    );
+    // The spawned fleet was stopped (and waited for) before the replay exited.
+    let catalogue = std::fs::canonicalize(original.path()).unwrap();
+    assert_eq!(
+        processes_mentioning(catalogue.to_str().unwrap()),
+        Vec::<String>::new()
     );
 
     let changed = open_tempdir();
