@@ -7,7 +7,7 @@
 //!   "res", "id", "ok", "result" | "error"}` paired by `id`, plus `kind: "meta"` and other kinds (events such as
 //!   `auth.refresh`). A `tools.invoke` result is the plugin's whole `InvokeResult` (`{"success", "data"}`).
 //! - **F3**, mock fixtures (`MockEntry`): `{"ns", "method", "match"?, "result" | "error" | "events"}`. Not a
-//!   recording: only recognised here.
+//!   recording: recognised here, validated as [`crate::mocks::MockEntry`].
 //! - **F4**, event/RPC transcripts: `{"type": "event" | "rpc", "ts", "direction": "app→host" | "host→app",
 //!   "method"?, "params"?, "result" | "error"}`, requests and results paired by adjacency.
 //!
@@ -226,6 +226,9 @@ pub enum LineError {
         "unknown format: none of F1 (`dir`), F2 (`kind`), F3 (`ns` + `method` + `match`/`result`/`error`/`events`), F4 (`type` + `direction`)"
     )]
     UnknownFormat,
+    /// An F3 line that is not a valid mock entry (`crate::mocks::MockEntryError`'s message).
+    #[error("F3: {0}")]
+    Mock(String),
     /// A field the line's format requires is absent.
     #[error("{format}: missing required field `{field}`")]
     Missing {
@@ -278,10 +281,12 @@ pub fn parse_line(text: &str) -> Result<Record, LineError> {
     match format {
         Format::F1 => f1(&f).map(Record::F1),
         Format::F2 => f2(&f).map(Record::F2),
-        Format::F3 => Ok(Record::F3 {
-            ns: f.string("ns")?,
-            method: f.string("method")?,
-        }),
+        Format::F3 => crate::mocks::MockEntry::parse(text)
+            .map(|e| Record::F3 {
+                ns: e.ns,
+                method: e.method,
+            })
+            .map_err(|e| LineError::Mock(e.to_string())),
         Format::F4 => f4(&f).map(Record::F4),
     }
 }
@@ -486,6 +491,14 @@ mod tests {
         assert!(matches!(parse_line("{\"t\": 1,"), Err(LineError::BadJson(_))));
         assert_eq!(parse_line("[1]"), Err(LineError::NotAnObject));
         assert_eq!(parse_line(r#"{"hello": 1}"#), Err(LineError::UnknownFormat));
+        assert_eq!(
+            parse_line(
+                r#"{"ns":"llm","method":"complete","result":{},"error":{"code":-32000,"message":"y"}}"#
+            ),
+            Err(LineError::Mock(
+                "the entry has more than one answer: give only one of `result`, `error` and `events`".into()
+            ))
+        );
         assert_eq!(
             parse_line(r#"{"t":1,"kind":"req","id":1,"method":"invoke"}"#),
             Err(LineError::Missing {
