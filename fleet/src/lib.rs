@@ -10,7 +10,8 @@
 //! - operators: [`operator`] (serving plumbing of `fleet.v1.admin.*`), [`grants`], [`creds`] (app NATS
 //!   credentials), [`plugins`] (distribution: packages, records, install on workers);
 //! - NATS trust: [`nats_auth`] (operator-mode material, the role table, exec seals), [`nats_server`];
-//! - the binary's commands: [`up`], [`worker_cmd`], [`client_cmd`], [`probe`]; [`metrics`], [`telemetry`].
+//! - the binary's commands: [`up`], [`worker_cmd`], [`client_cmd`], [`probe`], [`replay`] (the plugin developer's
+//!   harness: `fleet replay`, `fleet fixture verify|summarize`); [`metrics`], [`telemetry`].
 //!
 //! What is not here: the job store (`fleet-store`), the host services and the grants bucket (`fleet-services`),
 //! connections, credentials, tokens and the API client (`fleet-client`), wire types (`fleet-proto`, including
@@ -37,6 +38,7 @@ pub mod operator;
 pub mod plugins;
 pub mod policy;
 pub mod probe;
+pub mod replay;
 pub mod sweeper;
 pub mod telemetry;
 pub mod up;

@@ -2,7 +2,8 @@
 //!
 //! `fleet up` (a nats-server unless `--nats-url`, the fronts, N workers, HTTP), `fleet worker` (the plugin host
 //! on its own); the clients `token`, `invoke`, `invoke-async`, `job get|cancel|list`; the operator commands
-//! `grant`, `creds`, `plugins`, `nats-auth init`; and `probe` (one plugin through the Executa handshake with the
+//! `grant`, `creds`, `plugins`, `nats-auth init`; the plugin developer's harness `replay` and `fixture
+//! verify|summarize`; and `probe` (one plugin through the Executa handshake with the
 //! production codec, confined as a worker runs it).
 #![forbid(unsafe_code)]
 
@@ -143,6 +144,14 @@ enum Cmd {
     Job {
         #[command(subcommand)]
         command: JobCmd,
+    },
+    /// Replay a recorded session (JSONL, spec §15.4 F1/F2/F4): drive its tools.* calls through a fleet (or
+    /// --spawn one), compare each outcome with the recorded one, print a per-call table; exit 1 on a mismatch.
+    Replay(Box<fleet::replay::ReplayArgs>),
+    /// Recording and fixture files (spec §15.4): verify, summarize.
+    Fixture {
+        #[command(subcommand)]
+        command: fleet::replay::FixtureCmd,
     },
 }
 
@@ -366,6 +375,8 @@ async fn run() -> ExitCode {
             };
             print_outcome(outcome)
         }
+        Cmd::Replay(args) => harness_outcome(Box::pin(fleet::replay::run(&args)).await),
+        Cmd::Fixture { command } => harness_outcome(fleet::replay::fixture(&command)),
         Cmd::Job { command } => {
             let (client, method, body) = match command {
                 JobCmd::Get {
@@ -445,6 +456,18 @@ fn print_outcome(outcome: Result<Value, fleet_proto::api::ApiError>) -> ExitCode
             );
             eprintln_error(&format!("{}: {}", e.code, e.message));
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// `fleet replay` / `fleet fixture`: 0 when green, 1 on a mismatch or a problem, 2 when it could not run.
+fn harness_outcome(outcome: Result<bool, fleet::replay::ReplayError>) -> ExitCode {
+    match outcome {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(fleet::replay::EXIT_MISMATCH),
+        Err(e) => {
+            eprintln_error(&e.to_string());
+            ExitCode::from(fleet::replay::EXIT_ERROR)
         }
     }
 }
