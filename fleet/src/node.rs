@@ -73,6 +73,8 @@ struct Ctx {
     /// Its size.
     capacity: usize,
     running_long: AtomicU64,
+    /// Whether it answers apps' sync calls on their reply subjects itself ([`direct_replies_allowed`]).
+    direct_replies: bool,
     /// Set when the node starts draining: it has left the registry and refuses new exec requests.
     draining: AtomicBool,
     /// Exec requests being served (sync invokes and jobs until their outcome is recorded).
@@ -102,6 +104,7 @@ impl WorkerNode {
         id: &str,
         metrics: Arc<FleetMetrics>,
         seals: Arc<ExecVerifier>,
+        direct_replies: bool,
     ) -> Result<WorkerNode, async_nats::Error> {
         metrics.register_pool(&pool);
         let exec = client.subscribe(subjects::worker_exec(id)).await?;
@@ -129,6 +132,7 @@ impl WorkerNode {
             metrics,
             installer,
             seals,
+            direct_replies,
         });
         heartbeat(&ctx).await;
         let mut tasks = JoinSet::new();
@@ -392,6 +396,24 @@ async fn respond(ctx: &Ctx, msg: &async_nats::Message, reply: &ExecReply) {
     }
 }
 
+/// Whether a worker connected with `creds` (none: a server without authorization) may answer apps' sync calls
+/// on their reply subjects itself: its NATS user must be allowed to publish on them
+/// ([`IMPORTED_REPLIES`](crate::nats_auth::permissions::IMPORTED_REPLIES)). A credential issued before that grant
+/// is said once; the answers then go through the front, as before.
+pub fn direct_replies_allowed(creds: Option<&std::path::Path>) -> bool {
+    let Some(path) = creds else { return true };
+    let allowed = std::fs::read_to_string(path).is_ok_and(|text| {
+        fleet_client::creds::creds_publish_allows(&text, crate::nats_auth::permissions::IMPORTED_REPLIES)
+    });
+    if !allowed {
+        tracing::info!(
+            creds = %path.display(),
+            "the worker's NATS user may not publish on apps' reply subjects (_R_.>): answers go through the front; re-issue the credentials (fleet nats-auth init) to save that hop"
+        );
+    }
+    allowed
+}
+
 /// Publishes the API answer of a finished sync call on the caller's own reply subject `to` (the front chose it and
 /// sealed it with the request; only an imported request's reply subject is ever answered), then tells the front
 /// it did, with the outcome but not the data. If it cannot, the front gets the whole reply and answers itself.
@@ -505,7 +527,9 @@ async fn serve_exec_traced(ctx: Arc<Ctx>, msg: async_nats::Message) {
         ExecKind::Sync => {
             let reply = fleet_client::nats_conn::keeping_alive(&ctx.client, &msg, run_sync(&ctx, &req)).await;
             match req.reply_to.as_deref() {
-                Some(to) if !reply.passes_to_next_worker() => deliver(&ctx, &msg, to, reply).await,
+                Some(to) if ctx.direct_replies && !reply.passes_to_next_worker() => {
+                    deliver(&ctx, &msg, to, reply).await;
+                }
                 _ => respond(&ctx, &msg, &reply).await,
             }
         }

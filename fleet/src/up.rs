@@ -288,6 +288,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         }
         _ => front_conn.clone(),
     };
+    let direct_replies = crate::node::direct_replies_allowed(worker_conn.creds.as_deref());
     let client = front_conn
         .connect_with("front", metrics.nats_options(async_nats::ConnectOptions::new()))
         .await?;
@@ -424,6 +425,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             &config.worker_id,
             metrics.clone(),
             seal_verifier.clone(),
+            direct_replies,
         )
         .await
         .map_err(|e| other("worker")(&e))?;

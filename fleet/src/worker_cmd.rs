@@ -271,6 +271,7 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
                     &worker_id,
                     metrics.clone(),
                     seals,
+                    crate::node::direct_replies_allowed(args.nats.nats_creds.as_deref()),
                 )
                 .await
                 .map_err(|e| WorkerCmdError::Usage(format!("serving on {url}: {e}")))?,

@@ -541,3 +541,54 @@ async fn a_revoked_app_user_is_disconnected_and_refused_even_after_a_restart() {
         .unwrap();
     assert_eq!(fs::read_to_string(&stored).unwrap().trim(), update);
 }
+
+/// Whether a worker may answer apps directly is read from its own credentials: the table's worker user may
+/// publish on the imported requests' reply subjects (`_R_.>`), an app may not, a worker credential issued before
+/// that grant (or with it denied) may not — such a worker answers through the front — and `>` allows it.
+#[test]
+fn a_workers_credentials_say_whether_it_may_answer_apps_directly() {
+    use fleet::nats_auth::permissions::{DEFAULT_PREFIX, IMPORTED_REPLIES, for_role};
+    use fleet_client::creds::creds_publish_allows;
+    let tmp = TempDir::new().unwrap();
+    let read = |m: &AuthMaterial, role: Role| fs::read_to_string(m.creds_path(role)).unwrap();
+    let table =
+        AuthMaterial::load_or_create(&tmp.path().join("table"), |r| for_role(r, DEFAULT_PREFIX)).unwrap();
+    assert!(creds_publish_allows(
+        &read(&table, Role::Worker),
+        IMPORTED_REPLIES
+    ));
+    assert!(!creds_publish_allows(&read(&table, Role::App), IMPORTED_REPLIES));
+    let older = |deny: Vec<String>| {
+        move |role: Role| match role {
+            Role::Worker => {
+                let mut p = for_role(role, DEFAULT_PREFIX);
+                p.publish_allow.retain(|s| s != IMPORTED_REPLIES);
+                p.publish_deny.extend(deny.clone());
+                p
+            }
+            other => for_role(other, DEFAULT_PREFIX),
+        }
+    };
+    let before = AuthMaterial::load_or_create(&tmp.path().join("before"), older(Vec::new())).unwrap();
+    assert!(!creds_publish_allows(
+        &read(&before, Role::Worker),
+        IMPORTED_REPLIES
+    ));
+    let denied = AuthMaterial::load_or_create(&tmp.path().join("denied"), |role| {
+        let mut p = Permissions::all();
+        if role == Role::Worker {
+            p.publish_deny.push(IMPORTED_REPLIES.to_owned());
+        }
+        p
+    })
+    .unwrap();
+    assert!(!creds_publish_allows(
+        &read(&denied, Role::Worker),
+        IMPORTED_REPLIES
+    ));
+    assert!(creds_publish_allows(
+        &read(&denied, Role::Front),
+        IMPORTED_REPLIES
+    ));
+    assert!(!creds_publish_allows("not a creds file", IMPORTED_REPLIES));
+}

@@ -501,6 +501,7 @@ pub mod cluster {
                 &config.worker_id,
                 self.metrics.clone(),
                 Arc::new(self.nats.exec_verifier().expect("exec verifying key")),
+                fleet::node::direct_replies_allowed(Some(&self.nats.creds(Role::Worker))),
             )
             .await
             .expect("worker node");

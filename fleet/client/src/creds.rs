@@ -87,6 +87,26 @@ pub fn creds_seed(creds: &str) -> Option<&str> {
     block(creds, SEED_BEGIN, SEED_END)
 }
 
+/// Whether the user JWT of a `.creds` text lets its holder publish on every subject of `pattern`, a pattern as
+/// the permission table grants it (e.g. `_R_.>`): its publish allow list is empty (NATS: everything) or names
+/// `pattern` or `>`, and its deny list names neither. `false` when the text holds no JWT whose claims read.
+/// (Read from the holder's own file: the server enforces the permissions; this only tells a process whether to
+/// try.)
+pub fn creds_publish_allows(creds: &str, pattern: &str) -> bool {
+    let Some(claims) = creds_jwt(creds).and_then(|jwt| decode_jwt(jwt).ok()) else {
+        return false;
+    };
+    let list = |kind: &str| -> Vec<String> {
+        claims["nats"]["pub"][kind]
+            .as_array()
+            .map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect())
+            .unwrap_or_default()
+    };
+    let names = |l: &[String]| l.iter().any(|p| p == pattern || p == ">");
+    let allow = list("allow");
+    (allow.is_empty() || names(&allow)) && !names(&list("deny"))
+}
+
 /// The single non-empty line between `begin` and `end`.
 fn block<'a>(text: &'a str, begin: &str, end: &str) -> Option<&'a str> {
     let mut lines = text.lines().map(str::trim);
