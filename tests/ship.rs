@@ -151,7 +151,7 @@ impl Mounted<'_> {
                 .arg(&self.dir)
                 .args(["/bin/sh", "-c", script])
                 .env_clear()
-                .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+                .env("PATH", "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin")
                 .env("HOME", "/var/lib/cloud-agents"),
         )
     }
