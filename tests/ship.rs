@@ -18,6 +18,8 @@
 
 // Test code: helpers panic on purpose when the system under test misbehaves.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
+// The image test prints what the issue asks to see: why it was skipped, the image's size, how long it took.
+#![allow(clippy::print_stderr)]
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
