@@ -33,6 +33,8 @@ use serde_json::Value;
 const BASE_SUITE: &str = "bookworm";
 /// What the local base holds beyond `minbase`: the plugin runtimes the Containerfile would otherwise install.
 const BASE_PACKAGES: &str = "python3,python3-venv,nodejs,ca-certificates";
+/// The revision of the local base's recipe (part of its cache key).
+const BASE_REV: u32 = 2;
 /// The front's user in the image and the chart (`runAsUser`/`runAsGroup`).
 const FRONT_UID: u32 = 65532;
 /// The worker's capabilities in the chart's default `capabilities` mode (deploy/helm/README.md "Worker
@@ -164,8 +166,10 @@ impl Mounted<'_> {
 /// what the machine trusts (as an organisation's base image carries its CAs).
 fn base_image(cache: &Path, store: &Store) -> String {
     let name = format!("localhost/cloud-agents-suite-base:{BASE_SUITE}");
-    let tar = cache.join(format!("base-{BASE_SUITE}.tar"));
-    if !tar.is_file() {
+    // The cache key: the suite, the packages and how the rootfs is trimmed (bump BASE_REV when that changes).
+    let tar = cache.join(format!("base-{BASE_SUITE}-r{BASE_REV}.tar"));
+    let made = !tar.is_file();
+    if made {
         let rootfs = cache.join("rootfs.tmp");
         let _ = std::fs::remove_dir_all(&rootfs);
         let started = Instant::now();
@@ -177,11 +181,15 @@ fn base_image(cache: &Path, store: &Store) -> String {
             ])
             .arg(&rootfs)
             .arg("http://deb.debian.org/debian"));
+        // As slim as Debian's `-slim` images: no downloaded packages, no package lists.
+        run(Command::new("sh").arg("-c").arg(
+            "rm -rf \"$0\"/var/cache/apt/archives/*.deb \"$0\"/var/cache/apt/*.bin \"$0\"/var/lib/apt/lists/*",
+        ).arg(&rootfs));
         let host_ca = Path::new("/etc/ssl/certs/ca-certificates.crt");
         if host_ca.is_file() {
             std::fs::copy(host_ca, rootfs.join("etc/ssl/certs/ca-certificates.crt")).unwrap();
         }
-        let partial = cache.join(format!("base-{BASE_SUITE}.tar.partial"));
+        let partial = tar.with_extension("partial");
         run(Command::new("tar")
             .arg("-C")
             .arg(&rootfs)
@@ -201,7 +209,7 @@ fn base_image(cache: &Path, store: &Store) -> String {
         .args(["image", "exists", &name])
         .status()
         .is_ok_and(|s| s.success());
-    if !exists {
+    if made || !exists {
         run(store.podman().arg("import").arg(&tar).arg(&name));
     }
     name
