@@ -7,8 +7,9 @@
 //!   (`--build-arg BINARIES=prebuilt`: this suite's `fleet`, `loadtest` and `fleet-echo-plugin`, stripped, so the
 //!   workspace is not compiled twice; the release workflow compiles inside). Running containers is not permitted
 //!   on the suite's machines (crun cannot set rlimits), so the smoke test runs the image's filesystem with
-//!   `buildah mount` + `chroot`: `fleet --version` as the front's user, `fleet up --help`, the runtimes, and
-//!   `fleet probe` of two demo plugins through their manifests' commands. It prints the image's size and how long
+//!   `buildah mount` + `chroot`: `fleet --version` as the front's user, `fleet up --help`, the runtimes,
+//!   `fleet probe` of two demo plugins through their manifests' commands, and as root with the host's `/proc`,
+//!   `/sys` and `/dev` bound in, a probe confined as the worker confines plugins. It prints the image's size and how long
 //!   it took. Skipped, saying why, where `buildah`/`podman`/`debootstrap` are missing or the suite is not root
 //!   (`scripts/test.sh` installs them as root).
 //! - **Compose**: `docker-compose config` (Debian's `docker-compose`, which validates against the compose schema
@@ -158,6 +159,35 @@ impl Mounted<'_> {
                 .env("PATH", "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin")
                 .env("HOME", "/var/lib/cloud-agents"),
         )
+    }
+}
+
+/// The host's `/proc`, `/sys` and `/dev` bound into a mounted image (what a container runtime gives the worker:
+/// its cgroup hierarchy, namespaces), unbound on drop.
+struct HostMounts {
+    dirs: Vec<PathBuf>,
+}
+
+impl HostMounts {
+    fn bind(root: &Path) -> Self {
+        let mut mounts = Self { dirs: Vec::new() };
+        for d in ["proc", "sys", "dev"] {
+            let target = root.join(d);
+            run(Command::new("mount")
+                .arg("--rbind")
+                .arg(format!("/{d}"))
+                .arg(&target));
+            mounts.dirs.push(target);
+        }
+        mounts
+    }
+}
+
+impl Drop for HostMounts {
+    fn drop(&mut self) {
+        for d in self.dirs.iter().rev() {
+            let _ = Command::new("umount").arg("-R").arg(d).status();
+        }
     }
 }
 
@@ -367,6 +397,24 @@ fn container_image_builds_from_a_debootstrap_base_and_runs_fleet_and_demo_plugin
         assert!(
             report["tools"].as_array().unwrap().iter().any(|t| t == tool),
             "{dir}: {report}"
+        );
+    }
+
+    // The worker role: as root, the same probe confined as a worker runs plugins (a uid of its own, a cgroup,
+    // namespaces, seccomp), with the host's /proc, /sys and /dev as a container runtime would give them.
+    {
+        let _host = HostMounts::bind(&m.dir);
+        let report: Value = serde_json::from_str(&m.sh(
+            "0:0",
+            "cd /opt/cloud-agents/plugins/echo-py && fleet probe --tool echo \
+             --args '{\"text\":\"confined\"}' -- /usr/bin/python3 echo_plugin.py",
+        ))
+        .expect("confined probe: a JSON report");
+        assert_eq!(report["confined"], true, "{report}");
+        assert_eq!(report["invoke"]["success"], true, "{report}");
+        assert_eq!(
+            report["invoke"]["data"]["arguments"]["text"], "confined",
+            "{report}"
         );
     }
     drop(m);
