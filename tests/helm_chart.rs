@@ -724,3 +724,73 @@ fn nats_credentials_tls_and_network_policies() {
             .contains("set its public key (`fleet nats-auth init` prints it as accounts.FLEET)")
     );
 }
+
+/// Every `image` of every rendered object (containers, init containers, any depth).
+fn images<'a>(v: &'a Value, out: &mut Vec<&'a str>) {
+    match v {
+        Value::Object(map) => {
+            for (k, val) in map {
+                if k == "image" {
+                    if let Some(s) = val.as_str() {
+                        out.push(s);
+                    }
+                } else {
+                    images(val, out);
+                }
+            }
+        }
+        Value::Array(items) => items.iter().for_each(|i| images(i, out)),
+        _ => {}
+    }
+}
+
+#[test]
+fn every_image_reference_resolves_to_the_published_image() {
+    // The release workflow publishes `$IMAGE:<version>` (.github/workflows/release.yml); the chart's appVersion is
+    // that version. Every value set that keeps the default repository must reference exactly that image; the one
+    // that sets a private registry keeps the published name's path and tag.
+    let root = workspace_root();
+    let workflow = std::fs::read_to_string(root.join(".github/workflows/release.yml")).unwrap();
+    let published = workflow
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("IMAGE: "))
+        .expect("release.yml sets env IMAGE")
+        .trim()
+        .to_string();
+    let chart = std::fs::read_to_string(root.join("deploy/helm/cloud-agents/Chart.yaml")).unwrap();
+    let app_version = chart
+        .lines()
+        .find_map(|l| l.strip_prefix("appVersion: "))
+        .unwrap()
+        .trim_matches('"')
+        .to_string();
+    assert_eq!(
+        app_version,
+        env!("CARGO_PKG_VERSION"),
+        "appVersion is the workspace version"
+    );
+    let expected = format!("{published}:{app_version}");
+
+    let (out, summary) = validate();
+    let mut checked = 0;
+    for variant in summary["variants"].as_object().unwrap().keys() {
+        let objs = objects(out.path(), variant);
+        let mut found = Vec::new();
+        for o in &objs {
+            images(o, &mut found);
+        }
+        assert!(!found.is_empty(), "{variant}: no image rendered");
+        for image in found {
+            if variant == "production-hpa" {
+                assert_eq!(
+                    image, "registry.example.com/cloud-agents/fleet:0.1.0",
+                    "{variant}"
+                );
+            } else {
+                assert_eq!(image, expected, "{variant}");
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 10, "only {checked} image references");
+}

@@ -171,6 +171,19 @@ pub fn fleet_bin() -> PathBuf {
     .clone()
 }
 
+/// The `loadtest` binary (package `fleet-loadtest`), (re)built like [`fleet_bin`].
+pub fn loadtest_bin() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        built_bin(
+            "loadtest",
+            &["-p", "fleet-loadtest", "--bin", "loadtest"],
+            &["loadtest", "fleet/client", "proto/src", "Cargo.lock"],
+        )
+    })
+    .clone()
+}
+
 pub mod fake_llm;
 
 /// The directory of `pid`'s cgroup: in the memory hierarchy (v1), or the unified one (v2).
