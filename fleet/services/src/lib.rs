@@ -18,6 +18,7 @@
 
 pub mod args;
 pub mod budget;
+pub mod credentials;
 pub mod files;
 pub mod grants;
 pub mod kv;
