@@ -49,7 +49,7 @@ use crate::metrics::WorkerMetrics;
 pub use crate::progress;
 use crate::progress::ProgressGate;
 use crate::sandbox::{SandboxError, SessionCgroup};
-use crate::services::{HostServices, InvokeTokens, TokenRequest, TokenSource};
+use crate::services::{CredentialValues, HostServices, InvokeTokens, TokenRequest, TokenSource};
 use crate::types::output;
 pub use crate::types::{InvokeError, InvokeOutput, InvokeRequest, WorkerContext};
 
@@ -512,14 +512,28 @@ impl Session {
             declared: hs.manifest.host_capabilities.clone(),
             deadline_ms,
         };
-        let minted = shared.tokens.tokens(token_request.clone()).await;
+        // Tokens and the user's stored credentials in one round trip (no lookup when none is declared).
+        let names: Vec<String> = hs.manifest.credentials.iter().map(|c| c.name.clone()).collect();
+        let lookup = async {
+            if names.is_empty() {
+                Ok(CredentialValues::default())
+            } else {
+                shared
+                    .tokens
+                    .credentials(&shared.user, &shared.tool_id, &names)
+                    .await
+            }
+        };
+        let (minted, stored) = tokio::join!(shared.tokens.tokens(token_request.clone()), lookup);
+        let stored = stored.map_err(|e| InvokeError::CredentialsUnavailable(e.0))?;
+        let credentials = declared_credentials(&hs.manifest, &req.credentials, stored.0)?;
         let tokens = withhold(minted, hs);
         let mut arguments = req.arguments;
         tool.apply_defaults(&mut arguments);
         let context = InvokeContext {
             invoke_id: Some(req.invoke_id.clone()),
             deadline_ms: Some(deadline_ms),
-            credentials: declared_credentials(&hs.manifest, &req.credentials),
+            credentials,
             sampling_token: tokens.sampling.clone(),
             storage_token: tokens.storage.clone(),
             upload_token: tokens.upload.clone(),
@@ -740,17 +754,31 @@ impl Drop for Unregister {
     }
 }
 
-/// Only the credentials the manifest declares; a declared default fills in for an unset one (spec §4.2).
-fn declared_credentials(manifest: &Manifest, configured: &Map<String, Value>) -> Option<Map<String, Value>> {
+/// Only the credentials the manifest declares (spec §4.2), each from the first that has it: the request's own
+/// `credentials`, the user's stored values (`stored`: the plugin's, else the user-wide one), the manifest's
+/// `default`; a name with none of them is absent, and refused when `required`.
+fn declared_credentials(
+    manifest: &Manifest,
+    configured: &Map<String, Value>,
+    mut stored: Map<String, Value>,
+) -> Result<Option<Map<String, Value>>, InvokeError> {
     let mut out = Map::new();
+    let mut missing = Vec::new();
     for c in &manifest.credentials {
         if let Some(v) = configured.get(&c.name) {
             out.insert(c.name.clone(), v.clone());
+        } else if let Some(v) = stored.remove(&c.name) {
+            out.insert(c.name.clone(), v);
         } else if let Some(d) = &c.default {
             out.insert(c.name.clone(), Value::String(d.clone()));
+        } else if c.required {
+            missing.push(c.name.clone());
         }
     }
-    (!out.is_empty()).then_some(out)
+    if !missing.is_empty() {
+        return Err(InvokeError::CredentialsRequired { missing });
+    }
+    Ok((!out.is_empty()).then_some(out))
 }
 
 /// Withholds every token whose capability the plugin did not negotiate (v1: all of them).
