@@ -185,7 +185,7 @@ impl SealKey {
         let mut buf = Zeroizing::new(rest.to_vec());
         let len = self
             .0
-            .open_in_place(nonce, Aad::from(aad), &mut *buf)
+            .open_in_place(nonce, Aad::from(aad), &mut buf)
             .map_err(|_| OpenError)?
             .len();
         buf.truncate(len);
