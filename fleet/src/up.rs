@@ -435,7 +435,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     .map_err(|e| other("operator API")(&e))?;
     let credentials_api = crate::credentials::serve_admin(
         client.clone(),
-        services.credentials().clone(),
+        services.credential_store().clone(),
         operator_verifier.clone(),
     )
     .await

@@ -201,7 +201,7 @@ impl FleetServices {
     }
 
     /// The users' credentials.
-    pub fn credentials(&self) -> &CredentialStore {
+    pub fn credential_store(&self) -> &CredentialStore {
         &self.inner.credentials
     }
 
