@@ -1166,6 +1166,20 @@ fn per_user_credentials_reach_only_the_declaring_plugin_through_fleet_up() {
         hashes(&[("API_KEY", user_key), ("REGION", "eu-west")])
     );
 
+    // A user-wide value wins over the manifest default too (creds-b has no value of its own).
+    up.cli(&[
+        "credentials",
+        "set",
+        "--user",
+        "alice",
+        &format!("REGION={region}"),
+    ])
+    .ok();
+    assert_eq!(
+        received(&up, "alice", "creds-b")["received"],
+        hashes(&[("API_KEY", user_key), ("REGION", region)])
+    );
+
     // No value in fleet up's logs (debug level) or anywhere on disk in plaintext (JetStream's files included).
     let logs = format!("{}\n{}", up.stderr(), up.lines().join("\n"));
     assert!(logs.contains("\"level\":\"INFO\""), "the logs were captured");
