@@ -1068,3 +1068,62 @@ fn object(v: Value) -> Map<String, Value> {
         _ => Map::new(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use serde_json::json;
+
+    use super::*;
+
+    fn manifest() -> Manifest {
+        let m = json!({
+            "name": "m", "version": "1.0.0", "description": "d",
+            "tools": [{"name": "t", "description": "d", "parameters": []}],
+            "credentials": [
+                {"name": "API_KEY"},
+                {"name": "REGION", "required": false, "default": "eu-west"},
+                {"name": "OPTIONAL_TOKEN", "required": false},
+            ],
+        });
+        Manifest::from_value(&m).unwrap().manifest
+    }
+
+    fn map(v: Value) -> Map<String, Value> {
+        serde_json::from_value(v).unwrap()
+    }
+
+    /// Spec §4.2: only declared names; the request's value, then the stored one, then the default; a required
+    /// name with none refuses the invoke and names only the missing names.
+    #[test]
+    fn declared_credentials_resolve_in_order_and_enforce_required() {
+        let m = manifest();
+        let stored = map(json!({"API_KEY": "stored", "REGION": "stored-region", "UNDECLARED": "x"}));
+        let out = declared_credentials(&m, &Map::new(), stored.clone())
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            Value::Object(out),
+            json!({"API_KEY": "stored", "REGION": "stored-region"})
+        );
+
+        let given = map(json!({"API_KEY": "given"}));
+        let out = declared_credentials(&m, &given, stored).unwrap().unwrap();
+        assert_eq!(out["API_KEY"], "given");
+
+        let out = declared_credentials(&m, &Map::new(), map(json!({"API_KEY": "k"})))
+            .unwrap()
+            .unwrap();
+        assert_eq!(Value::Object(out), json!({"API_KEY": "k", "REGION": "eu-west"}));
+
+        let err = declared_credentials(&m, &Map::new(), map(json!({"REGION": "secret-r"}))).unwrap_err();
+        assert_eq!(
+            err,
+            InvokeError::CredentialsRequired {
+                missing: vec!["API_KEY".into()]
+            }
+        );
+        assert!(!err.to_string().contains("secret-r"));
+    }
+}
