@@ -163,11 +163,15 @@ impl SealKey {
     pub fn seal(&self, aad: &[u8], plain: &[u8]) -> String {
         let nonce = random_bytes::<NONCE_LEN>();
         let mut buf = Zeroizing::new(plain.to_vec());
-        // Sealing fails only for inputs beyond GCM's 64 GiB limit; every input here is capped far below.
-        let sealed =
-            self.0
-                .seal_in_place_append_tag(Nonce::assume_unique_for_key(nonce), Aad::from(aad), &mut *buf);
-        debug_assert!(sealed.is_ok());
+        // Sealing fails only for inputs beyond GCM's 64 GiB limit (every input here is capped far below); should
+        // it ever fail, the plaintext is dropped and the result is a nonce alone, which never opens.
+        if self
+            .0
+            .seal_in_place_append_tag(Nonce::assume_unique_for_key(nonce), Aad::from(aad), &mut *buf)
+            .is_err()
+        {
+            buf.clear();
+        }
         let mut out = Vec::with_capacity(NONCE_LEN + buf.len());
         out.extend_from_slice(&nonce);
         out.extend_from_slice(&buf);
@@ -345,7 +349,7 @@ impl Keyring {
         Self::load(path)
     }
 
-    /// A keyring of these keys, never re-read (tests).
+    /// A keyring of these keys (at least one: the first wraps), never re-read (tests).
     pub fn fixed(keys: &[(&str, [u8; KEY_BYTES])]) -> Keyring {
         Keyring {
             path: None,
