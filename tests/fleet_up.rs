@@ -1180,6 +1180,25 @@ fn per_user_credentials_reach_only_the_declaring_plugin_through_fleet_up() {
         hashes(&[("API_KEY", user_key), ("REGION", region)])
     );
 
+    // A keyring that lost the record's key (rotated again, the old lines dropped before a rewrap): the invoke is
+    // refused as retriable, naming no value.
+    up.cli(&["credentials", "rotate-key"]).ok();
+    let text = std::fs::read_to_string(&keyring).unwrap();
+    let newest = text.lines().find(|l| !l.starts_with('#')).unwrap().to_owned();
+    std::fs::write(&keyring, format!("{newest}\n")).unwrap();
+    let lost = invoke_err(&up, "alice");
+    assert_eq!(lost.err_code(), "executa_unavailable", "{lost:?}");
+    assert!(
+        lost.stdout.contains(&new_kid),
+        "the error names the missing key id: {lost:?}"
+    );
+    for secret in secrets {
+        assert!(
+            !lost.stdout.contains(secret) && !lost.stderr.contains(secret),
+            "{lost:?}"
+        );
+    }
+
     // No value in fleet up's logs (debug level) or anywhere on disk in plaintext (JetStream's files included).
     let logs = format!("{}\n{}", up.stderr(), up.lines().join("\n"));
     assert!(logs.contains("\"level\":\"INFO\""), "the logs were captured");

@@ -10,8 +10,8 @@
 //!
 //! **Rotation.** The keyring is a file of `<kid> <64 hex digits>` lines: the first key wraps new and changed
 //! records, every key opens. Rotating is prepending a key ([`rotate_key_file`], `fleet credentials
-//! rotate-key`): processes notice the file changed (modification time and size) at their next write, or when
-//! they meet a kid they do not know. [`CredentialStore::rewrap`] (`fleet credentials rewrap`) then wraps every
+//! rotate-key`): every use of the keyring checks whether the file changed (its modification time and size, one
+//! `stat`) and re-reads it, so a key added or removed takes effect at the next wrap or open of every process. [`CredentialStore::rewrap`] (`fleet credentials rewrap`) then wraps every
 //! record's data key under the first key; values are not re-encrypted (the data keys do not change). Once it
 //! reports nothing left under an old key, that key's line can be removed.
 //!
@@ -210,7 +210,7 @@ fn value_aad(user: &str, tool_id: Option<&str>, name: &str) -> Vec<u8> {
 // The keyring
 
 /// The operator's key-encryption keys: the first wraps, every one unwraps. Loaded from a file and re-read when
-/// it changes (see the module docs), or fixed ([`Keyring::fixed`], tests).
+/// it changed at any use (see the module docs), or fixed ([`Keyring::fixed`], tests).
 #[derive(Debug, Clone)]
 pub struct Keyring {
     path: Option<PathBuf>,
@@ -398,19 +398,14 @@ impl Keyring {
         loaded.keys[0].clone()
     }
 
-    /// The key `kid` (the file is re-read once when it does not hold it).
+    /// The key `kid`, as the file holds it now (a key removed from the file no longer opens anything).
     pub fn key(&self, kid: &str) -> Option<SealKey> {
-        let find = |this: &Keyring| {
-            lock(&this.loaded)
-                .keys
-                .iter()
-                .find(|(k, _)| k == kid)
-                .map(|(_, key)| key.clone())
-        };
-        find(self).or_else(|| {
-            self.refresh();
-            find(self)
-        })
+        self.refresh();
+        lock(&self.loaded)
+            .keys
+            .iter()
+            .find(|(k, _)| k == kid)
+            .map(|(_, key)| key.clone())
     }
 
     /// The key ids, the wrapping one first.
@@ -975,6 +970,14 @@ mod tests {
         );
         // A fresh load agrees.
         assert_eq!(Keyring::load(&path).unwrap().key_ids(), vec![new, first]);
+        // The old line dropped: the running keyring no longer opens the record wrapped with it.
+        let text = std::fs::read_to_string(&path).unwrap();
+        let newest = text.lines().find(|l| !l.starts_with('#')).unwrap().to_owned();
+        std::fs::write(&path, format!("{newest}\n")).unwrap();
+        assert!(matches!(
+            open_value(&r, &ring, "API_KEY"),
+            Err(CredentialError::UnknownKey { .. })
+        ));
     }
 
     #[test]
