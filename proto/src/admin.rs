@@ -30,7 +30,7 @@ use crate::api::{ApiError, ApiErrorCode};
 /// Subject prefix of the operator API.
 pub const ADMIN_PREFIX: &str = "fleet.v1.admin";
 
-/// The queue group of the grants and creds areas (any front answers).
+/// The queue group of the grants, credentials and creds areas (any front answers).
 pub const ADMIN_QUEUE_GROUP: &str = "fleet-api-admin";
 
 /// The subject of `area`'s `method`, e.g. `fleet.v1.admin.grants.set`.
