@@ -1808,3 +1808,61 @@ async fn one_user_flooding_is_rate_limited_without_starving_another() {
     }
     c.shutdown().await;
 }
+
+/// A worker answers an app's sync call on the app's own reply subject (one hop fewer than through the front),
+/// with exactly the envelope the front gives: the same call answered directly over NATS and by the front
+/// in-process (`Front::handle`, the HTTP gateway's path, never direct) gives byte-identical JSON for a result, a
+/// tool failure, a plugin's JSON-RPC error and an invalid tool; each NATS call counts one direct reply; the
+/// front still counts every call's outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_answers_an_apps_sync_call_directly_with_the_fronts_envelope() {
+    let c = start("api-direct", 1, 1, &[echo()]).await;
+    let direct = |text: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix("cloud_agents_direct_replies_total "))
+            .map_or(0, |v| v.trim().parse().unwrap())
+    };
+    let token = format!("Bearer {}", c.token("direct"));
+    let calls = [
+        json!({"tool_id": "echo.echo", "args": {"n": 1, "s": "x"}}),
+        json!({"tool_id": "echo.fail", "args": {"message": "the disk is on fire"}}),
+        json!({"tool_id": "echo.rpc_error", "args": {"code": -32042, "message": "nope"}}),
+        json!({"tool_id": "echo.no_such_tool"}),
+    ];
+    let front = &c.fronts[0].0;
+    for (i, args) in calls.iter().enumerate() {
+        let before = direct(&c.metrics.encode());
+        let over_nats = c
+            .call_with_token(&token, methods::TOOLS_INVOKE, args.clone())
+            .await;
+        assert_eq!(
+            direct(&c.metrics.encode()),
+            before + 1,
+            "call {i} ({args}) was answered by its worker"
+        );
+        let by_front = front
+            .handle(methods::TOOLS_INVOKE, Some(&token), args.to_string().as_bytes())
+            .await;
+        assert_eq!(
+            direct(&c.metrics.encode()),
+            before + 1,
+            "the front's own path is not direct"
+        );
+        assert_eq!(
+            serde_json::to_string(&over_nats).unwrap(),
+            serde_json::to_string(&by_front).unwrap(),
+            "call {i} ({args})"
+        );
+    }
+    let text = c.metrics.encode();
+    for code in ["ok", "tool_failed", "executa_error", "invalid_arg"] {
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("cloud_agents_api_requests_total{")
+                    && l.contains("tools.invoke")
+                    && l.contains(&format!("\"{code}\""))),
+            "the front counted the {code} outcome:\n{text}"
+        );
+    }
+    c.shutdown().await;
+}

@@ -42,11 +42,11 @@ fn wait_until(what: &str, cond: impl FnMut() -> bool) {
 
 /// `fleet up --data-dir <data_dir> --plugins-dir <repo>/plugins --http <http>`, the environment not yet scrubbed.
 fn up_command(data_dir: &std::path::Path, http: &str) -> Command {
-    up_command_in(data_dir, http, &workspace_root().join("plugins"))
+    up_command_over(data_dir, http, &workspace_root().join("plugins"))
 }
 
-/// [`up_command`] over the catalogue `plugins`.
-fn up_command_in(data_dir: &std::path::Path, http: &str, plugins: &std::path::Path) -> Command {
+/// [`up_command`] over another catalogue.
+fn up_command_over(data_dir: &std::path::Path, http: &str, plugins: &std::path::Path) -> Command {
     let mut cmd = Command::new(fleet_bin());
     cmd.arg("up")
         .arg("--data-dir")
@@ -146,27 +146,27 @@ impl Up {
 
     /// [`Up::start`] plus the flags `extra` returns for the temporary directory it runs in.
     fn start_with(extra: impl FnOnce(&std::path::Path) -> Vec<String>) -> Up {
-        Up::start_in(
-            tempfile::tempdir().unwrap(),
-            &workspace_root().join("plugins"),
-            &[],
-            extra,
-        )
+        Up::start_over(|dir| (workspace_root().join("plugins"), extra(dir)))
     }
 
-    /// [`Up::start_with`] in `tmp`, over the catalogue `plugins`, with `env` added to its environment.
-    fn start_in(
-        tmp: tempfile::TempDir,
-        plugins: &std::path::Path,
+    /// [`Up::start_with`], the catalogue too chosen by `setup` (which may write it into the temporary directory).
+    fn start_over(setup: impl FnOnce(&std::path::Path) -> (PathBuf, Vec<String>)) -> Up {
+        Up::start_over_with_env(&[], setup)
+    }
+
+    /// [`Up::start_over`] with `env` added to `fleet up`'s environment.
+    fn start_over_with_env(
         env: &[(&str, &str)],
-        extra: impl FnOnce(&std::path::Path) -> Vec<String>,
+        setup: impl FnOnce(&std::path::Path) -> (PathBuf, Vec<String>),
     ) -> Up {
+        let tmp = tempfile::tempdir().unwrap();
         let data_dir = tmp.path().join("data");
         let http = free_addr();
         let stderr_file = tmp.path().join("up.stderr");
-        let mut cmd = up_command_in(&data_dir, &http, plugins);
+        let (plugins, extra) = setup(tmp.path());
+        let mut cmd = up_command_over(&data_dir, &http, &plugins);
         cmd.envs(env.iter().copied());
-        cmd.args(extra(tmp.path()))
+        cmd.args(extra)
             .current_dir(tmp.path())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -961,20 +961,19 @@ fn files_under(dir: &std::path::Path) -> Vec<PathBuf> {
 /// keyring rotates and every record is rewrapped under the new key.
 #[test]
 fn per_user_credentials_reach_only_the_declaring_plugin_through_fleet_up() {
-    let tmp = tempfile::tempdir().unwrap();
-    let plugins = tmp.path().join("plugins");
-    for tool_id in ["creds-a", "creds-b"] {
-        let dir = plugins.join(tool_id);
-        std::fs::create_dir_all(&dir).unwrap();
-        let manifest = json!({
-            "tool_id": tool_id,
-            "type": "binary",
-            "command": ["/usr/bin/python3", fleet_e2e_client::python_plugin_path(), "--credentials"],
-        });
-        std::fs::write(dir.join("executa.json"), manifest.to_string()).unwrap();
-    }
-    let mut up = Up::start_in(tmp, &plugins, &[("FLEET_LOG", "debug,async_nats=info")], |_| {
-        Vec::new()
+    let mut up = Up::start_over_with_env(&[("FLEET_LOG", "debug,async_nats=info")], |dir| {
+        let plugins = dir.join("plugins");
+        for tool_id in ["creds-a", "creds-b"] {
+            let dir = plugins.join(tool_id);
+            std::fs::create_dir_all(&dir).unwrap();
+            let manifest = json!({
+                "tool_id": tool_id,
+                "type": "binary",
+                "command": ["/usr/bin/python3", fleet_e2e_client::python_plugin_path(), "--credentials"],
+            });
+            std::fs::write(dir.join("executa.json"), manifest.to_string()).unwrap();
+        }
+        (plugins, Vec::new())
     });
     up.wait_ready();
     let (user_key, tool_key, region, undeclared) = (
@@ -1802,4 +1801,302 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
         pending.is_empty(),
         "accepted jobs not terminal (lost): {pending:?}; their last `job get`: {seen:?}"
     );
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// The developer harness (issue 18): `--mocks`, the plugin's `dev.fixtures`, `--dev-mode`
+// -------------------------------------------------------------------------------------------------------------
+
+/// The F3 entries of the harness tests' `--mocks` file: sampling about the weather, a fixed embedding (through
+/// the `embeddings/create` → `llm`/`embed` alias) and an agent run from `events`.
+const MOCKS: &str = concat!(
+    r#"{"ns":"llm","method":"complete","match":{"contentIncludes":"weather"},"result":{"role":"assistant","content":{"type":"text","text":"sunny"},"model":"mock","stopReason":"endTurn","usage":{"inputTokens":3,"outputTokens":1,"totalTokens":4}}}"#,
+    "\n",
+    r#"{"ns":"llm","method":"embed","match":{"contentIncludes":"fixed"},"result":{"object":"list","model":"anna-managed-v1","data":[{"object":"embedding","index":0,"embedding":[0.5,0.25]}]}}"#,
+    "\n",
+    r#"{"ns":"agent","method":"session.run","events":[{"payload":{"event":"token","text":"hello"}},{"payload":{"event":"token","text":" world"}}]}"#,
+    "\n",
+);
+
+/// The plugin's own `dev.fixtures` entry: an image for prompts about Mars.
+const OWN_FIXTURE: &str = r#"{"ns":"image","method":"generate","match":{"promptIncludes":"Mars"},"result":{"images":[{"url":"https://example.invalid/mars.png","mimeType":"image/png","width":1024,"height":1024}],"model":"mock-dalle"}}"#;
+
+/// A catalogue of one plugin, `dev-py` (the Python fixture with `--services --media`), whose `executa.json`
+/// ships a `dev` block (`"fixtures": ["fixtures/*.jsonl"]`) with `own` as `fixtures/own.jsonl`; and `mocks` as
+/// `<dir>/mocks.jsonl`. Returns (catalogue, mocks file).
+fn dev_catalogue(dir: &std::path::Path, own: &str, mocks: &str) -> (PathBuf, PathBuf) {
+    let plugin = dir.join("catalogue").join("dev-py");
+    std::fs::create_dir_all(plugin.join("fixtures")).unwrap();
+    let script = workspace_root().join("tests/plugins/python/echo_plugin.py");
+    let manifest = json!({
+        "tool_id": "dev-py",
+        "type": "binary",
+        "command": ["/usr/bin/python3", script, "--services", "--media"],
+        "dev": {"fixtures": ["fixtures/*.jsonl"]},
+    });
+    std::fs::write(plugin.join("executa.json"), manifest.to_string()).unwrap();
+    std::fs::write(plugin.join("fixtures").join("own.jsonl"), own).unwrap();
+    let mocks_file = dir.join("mocks.jsonl");
+    std::fs::write(&mocks_file, mocks).unwrap();
+    (dir.join("catalogue"), mocks_file)
+}
+
+/// One reverse RPC of `dev-py` for `user` through `fleet invoke`: the plugin's `{"result": …}` or `{"error": …}`.
+fn dev_reverse(up: &Up, user: &str, method: &str, params: &Value) -> Value {
+    let args = json!({"method": method, "params": params}).to_string();
+    up.cli(&[
+        "invoke",
+        "--user",
+        user,
+        "--tool-id",
+        "dev-py",
+        "--tool",
+        "reverse",
+        "--args",
+        &args,
+    ])
+    .ok()
+}
+
+fn sample(text: &str) -> Value {
+    json!({"messages": [{"role": "user", "content": {"type": "text", "text": text}}], "maxTokens": 50})
+}
+
+/// Issue 18: `fleet up --mocks FILE` and the plugin's `dev.fixtures` serve sampling, embeddings, images and agent
+/// runs with no upstream at all, through the real worker, the real Python plugin and its reverse RPCs: the first
+/// matching entry answers, else a deterministic echo; the mocked families are offered in `initialize`, and
+/// `--dev-mode upload=off` withdraws uploads from the offer and answers them with upload's "off" code. Mocks
+/// replace the upstream, not the policy: before `fleet grant`, sampling is refused with its not-granted code.
+#[test]
+fn fleet_up_mocks_serve_sampling_images_and_agent_runs_without_an_upstream() {
+    let mut up = Up::start_over(|dir| {
+        let (catalogue, mocks) = dev_catalogue(dir, OWN_FIXTURE, MOCKS);
+        (
+            catalogue,
+            vec![
+                "--mocks".into(),
+                mocks.display().to_string(),
+                "--dev-mode".into(),
+                "upload=off".into(),
+            ],
+        )
+    });
+    up.wait_ready();
+    assert!(
+        up.lines().iter().any(|l| l
+            == "dev harness   sampling=mock embeddings=mock agent=mock storage=real image=mock upload=off (4 mock entries)"),
+        "{:?}",
+        up.lines()
+    );
+
+    // The policy still applies: no grant, no sampling (mocked or not).
+    let denied = dev_reverse(&up, "alice", "sampling/createMessage", &sample("the weather?"));
+    assert_eq!(denied["error"]["code"], -32001, "{denied}");
+    up.cli(&[
+        "grant",
+        "--user",
+        "alice",
+        "--tool-id",
+        "dev-py",
+        "--allow",
+        "llm.sample,llm.embed,llm.image,host.upload",
+    ])
+    .ok();
+
+    // Offered in initialize: every mocked family (and storage, real); uploads are off.
+    let offer = up
+        .cli(&[
+            "invoke",
+            "--user",
+            "alice",
+            "--tool-id",
+            "dev-py",
+            "--tool",
+            "host_offer",
+            "--args",
+            "{}",
+        ])
+        .ok();
+    for key in ["sampling", "embed", "agent", "image", "image.edit", "storage"] {
+        assert!(offer.get(key).is_some(), "{key} not offered: {offer}");
+    }
+    assert!(offer.get("upload").is_none(), "upload offered while off: {offer}");
+
+    // Sampling: the matching entry (contentIncludes), else the echo.
+    let sunny = dev_reverse(
+        &up,
+        "alice",
+        "sampling/createMessage",
+        &sample("what is the weather like?"),
+    );
+    assert_eq!(sunny["result"]["content"]["text"], "sunny", "{sunny}");
+    let echo = dev_reverse(&up, "alice", "sampling/createMessage", &sample("hello there"));
+    assert_eq!(echo["result"]["content"]["text"], "echo: hello there", "{echo}");
+    assert_eq!(echo["result"]["model"], "mock");
+    // Validation is the real one: maxTokens over the cap is -32004 before any mock answers.
+    let mut too_many = sample("the weather");
+    too_many["maxTokens"] = json!(8193);
+    let invalid = dev_reverse(&up, "alice", "sampling/createMessage", &too_many);
+    assert_eq!(invalid["error"]["code"], -32004, "{invalid}");
+
+    // Embeddings through the `llm`/`embed` alias, else a deterministic hash-derived vector.
+    let fixed = dev_reverse(&up, "alice", "embeddings/create", &json!({"input": "fixed"}));
+    assert_eq!(
+        fixed["result"]["data"][0]["embedding"],
+        json!([0.5, 0.25]),
+        "{fixed}"
+    );
+    let hashed = dev_reverse(&up, "alice", "embeddings/create", &json!({"input": "other"}));
+    assert_eq!(
+        hashed["result"]["data"][0]["embedding"].as_array().map(Vec::len),
+        Some(8),
+        "{hashed}"
+    );
+    assert_eq!(
+        hashed,
+        dev_reverse(&up, "alice", "embeddings/create", &json!({"input": "other"}))
+    );
+
+    // Images: the plugin's own dev.fixtures entry (promptIncludes), else a generated PNG; the host's cap holds.
+    let mars = dev_reverse(
+        &up,
+        "alice",
+        "image/generate",
+        &json!({"prompt": "A poster of Mars"}),
+    );
+    assert_eq!(
+        mars["result"]["images"][0]["url"], "https://example.invalid/mars.png",
+        "{mars}"
+    );
+    let venus = dev_reverse(
+        &up,
+        "alice",
+        "image/generate",
+        &json!({"prompt": "Venus", "n": 2, "size": "512x256"}),
+    );
+    let images = venus["result"]["images"].as_array().unwrap();
+    assert_eq!(images.len(), 2, "{venus}");
+    assert!(
+        images[0]["url"]
+            .as_str()
+            .unwrap()
+            .starts_with("data:image/png;base64,"),
+        "{venus}"
+    );
+    assert_eq!(
+        (images[0]["width"].clone(), images[0]["height"].clone()),
+        (json!(512), json!(256))
+    );
+    let nine = dev_reverse(
+        &up,
+        "alice",
+        "image/generate",
+        &json!({"prompt": "Venus", "n": 9}),
+    );
+    assert_eq!(nine["error"]["code"], -32106, "{nine}");
+    assert_eq!(nine["error"]["data"]["hostCap"], 8, "{nine}");
+
+    // An agent run from `events`, with the host's `done` terminator.
+    let run = dev_reverse(
+        &up,
+        "alice",
+        "agent/session.run",
+        &json!({"app_session_uuid": "aps_dev", "content": "hi"}),
+    );
+    let frames = run["result"]["frames"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{run}"));
+    assert_eq!(frames.len(), 3, "{run}");
+    assert_eq!(frames[0]["text"], "hello");
+    assert_eq!(frames[0]["seq"], 0);
+    assert_eq!(frames[2]["done"], true, "{run}");
+    assert_eq!(run["result"]["final"]["text"], "hello world", "{run}");
+
+    // Uploads are off: upload's code, although granted.
+    let upload = dev_reverse(
+        &up,
+        "alice",
+        "host/uploadFile",
+        &json!({"mode": "inline", "filename": "a.txt", "mime_type": "text/plain", "content_b64": "aGk="}),
+    );
+    assert_eq!(upload["error"]["code"], -32201, "{upload}");
+    let status = up.interrupt();
+    assert!(status.success(), "{status}");
+}
+
+/// `fleet up` with `args` over the `dev-py` catalogue (`own` as its `dev.fixtures`, `mocks` at
+/// `<tmp>/mocks.jsonl`), expected to refuse to start: (stdout, stderr, the two files).
+fn up_refusing(own: &str, mocks: &str, args: &[&str]) -> (String, String, PathBuf, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let (catalogue, mocks_file) = dev_catalogue(tmp.path(), own, mocks);
+    let mut cmd = up_command_over(&tmp.path().join("data"), &free_addr(), &catalogue);
+    cmd.args(
+        args.iter()
+            .map(|a| a.replace("{mocks}", &mocks_file.display().to_string())),
+    )
+    .current_dir(tmp.path());
+    for var in SCRUBBED_ENV {
+        cmd.env_remove(var);
+    }
+    let out = run_bounded(cmd);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "fleet up {args:?} started: {stderr}");
+    let own_file = std::fs::canonicalize(catalogue.join("dev-py/fixtures/own.jsonl"))
+        .unwrap_or_else(|_| catalogue.join("dev-py/fixtures/own.jsonl"));
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr,
+        mocks_file,
+        own_file,
+    )
+}
+
+/// Issue 18: a broken mock entry (in a `--mocks` file or in a plugin's `dev.fixtures`) and `real` for a family
+/// without an upstream stop `fleet up` before anything starts (no nats-server), naming the file and line, or the
+/// family and what it lacks.
+#[test]
+fn fleet_up_refuses_broken_mocks_and_real_without_an_upstream_at_start_up() {
+    let broken = format!(
+        "{}\n{{\"ns\":\"llm\",\"method\":\"complete\"}}\n",
+        MOCKS.lines().next().unwrap()
+    );
+    let (stdout, stderr, mocks_file, _) = up_refusing(OWN_FIXTURE, &broken, &["--mocks", "{mocks}"]);
+    assert!(
+        stderr.contains(&format!(
+            "mock file {}: line 2: the entry has no answer",
+            mocks_file.display()
+        )),
+        "{stderr}"
+    );
+    assert!(!stdout.contains("nats-server"), "something started: {stdout}");
+
+    let bad_own = format!(
+        "{OWN_FIXTURE}\n{{\"ns\":\"image\",\"method\":\"generate\",\"match\":{{\"promptInclude\":\"x\"}},\"result\":{{}}}}\n"
+    );
+    let (_, stderr, _, own_file) = up_refusing(&bad_own, MOCKS, &["--dev-mode", "image=mock"]);
+    let named = stderr.contains(&format!(
+        "mock file {}: line 2: unknown field `promptInclude`",
+        own_file.display()
+    ));
+    assert!(named, "{stderr}");
+
+    let (stdout, stderr, _, _) = up_refusing(OWN_FIXTURE, MOCKS, &["--dev-mode", "image=real"]);
+    assert!(
+        stderr.contains("--dev-mode image=real: this host has no image upstream (use mock or off)"),
+        "{stderr}"
+    );
+    assert!(!stdout.contains("nats-server"), "something started: {stdout}");
+    let (_, stderr, _, _) = up_refusing(
+        OWN_FIXTURE,
+        MOCKS,
+        &["--mocks", "{mocks}", "--dev-mode", "llm=real"],
+    );
+    assert!(
+        stderr.contains(
+            "--dev-mode sampling=real: no LLM upstream is configured (add [llm] to --services-config)"
+        ),
+        "{stderr}"
+    );
+    let (_, stderr, _, _) = up_refusing(OWN_FIXTURE, MOCKS, &["--dev-mode", "video=mock"]);
+    assert!(stderr.contains("not a family"), "{stderr}");
 }

@@ -13,6 +13,7 @@ use fleet_e2e::fleet_bin;
 use fleet_proto::executa::reverse::{Family, family_of};
 use fleet_proto::util::now_ms;
 use fleet_services::args::ServicesArgs;
+use fleet_services::dev::{DevArgs, parse_dev_mode};
 use fleet_services::grants::GrantStore;
 use fleet_services::tokens::{AUD_SAMPLING, AUD_STORAGE};
 use fleet_services::{Binding, FleetServices, TokenMinter};
@@ -30,12 +31,20 @@ struct Env {
 }
 
 async fn env() -> Env {
+    env_with(DevArgs::default()).await
+}
+
+/// [`env`] with the developer harness of `dev` (its mock files written by the caller).
+async fn env_with(dev: DevArgs) -> Env {
     let dir = tempfile::tempdir().unwrap();
     let nats = NatsServer::start(&dir.path().join("nats")).expect("nats-server (run scripts/test.sh once)");
     let client = nats.connect(fleet_client::creds::Role::Front).await.unwrap();
     let js = async_nats::jetstream::new(client);
+    let dev = dev
+        .settings(&dir.path().join("no-catalogue"))
+        .expect("mock files");
     let services = ServicesArgs::default()
-        .open(&js, &StoreSettings::default(), dir.path(), None)
+        .open_with_dev(&js, &StoreSettings::default(), dir.path(), None, dev)
         .await
         .expect("services");
     Env {
@@ -64,6 +73,7 @@ fn call(invoke: &str, method: &str, params: Value, tokens: InvokeTokens) -> Reve
         user: USER.into(),
         tool_id: TOOL.into(),
         invoke_id: invoke.into(),
+        tool: "run".into(),
         method: method.into(),
         family: family_of(method).expect("known family"),
         params,
@@ -210,17 +220,20 @@ async fn every_reverse_call_is_checked_against_its_token() {
     drop(env.nats);
 }
 
+/// Families that are off (no upstream, no `--dev-mode …=mock`) answer the codes of spec §15.2's mode matrix
+/// ("Host-visible error when off"; embeddings its not-negotiated code); web and credentials, outside the matrix,
+/// their not-granted codes.
 #[tokio::test]
-async fn families_not_offered_answer_their_not_granted_codes() {
+async fn families_not_offered_answer_their_off_codes() {
     let env = env().await;
     for (method, expected) in [
         ("image/generate", Family::Image.not_granted().code),
         ("agent/session.create", Family::Agent.not_granted().code),
         ("web/search", Family::Web.not_granted().code),
         ("credentials/listAccounts", Family::Credentials.not_granted().code),
-        // No LLM upstream: sampling and embeddings are not granted (no token could be minted).
-        ("sampling/createMessage", -32001),
-        ("embeddings/create", -32501),
+        // No LLM upstream: sampling is off (`sampling_disabled`), embeddings not negotiated.
+        ("sampling/createMessage", -32008),
+        ("embeddings/create", -32507),
     ] {
         let r = env
             .services
@@ -415,4 +428,161 @@ async fn fleet_grant_is_an_operator_action_over_nats() {
     assert!(ok, "{err}");
     assert_eq!(g["allow"], json!([]));
     admin.abort();
+}
+
+/// Issue 18: a mock replaces the upstream, not the policy. Mocked sampling, images and uploads (no upstream
+/// configured, `--mocks` given) are offered and minted like real ones, but only when negotiated, declared and
+/// granted; the family's validation runs first; and the per-invoke budgets hold at their boundaries — 8 sampling
+/// calls, 32 000 tokens of the mock's reported usage, 16 uploaded files —; `image/edit` needs its own grant.
+#[tokio::test]
+async fn mocked_families_keep_the_grants_validation_and_budgets_of_real_ones() {
+    let mocks = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(
+        mocks.path(),
+        concat!(
+            r#"{"ns":"llm","method":"complete","match":{"contentIncludes":"big"},"result":{"role":"assistant","content":{"type":"text","text":"big"},"model":"mock","stopReason":"endTurn","usage":{"totalTokens":16000}}}"#,
+            "\n",
+            r#"{"ns":"llm","method":"complete","result":{"role":"assistant","content":{"type":"text","text":"small"},"model":"mock","stopReason":"endTurn","usage":{"totalTokens":1}}}"#,
+            "\n",
+        ),
+    )
+    .unwrap();
+    let env = env_with(DevArgs {
+        mocks: vec![mocks.path().to_path_buf()],
+        dev_modes: vec![parse_dev_mode("upload=mock").unwrap()],
+    })
+    .await;
+    let offer = env.services.offer();
+    for key in [
+        "sampling",
+        "embed",
+        "agent",
+        "image",
+        "image.edit",
+        "upload",
+        "storage",
+    ] {
+        assert!(offer.contains_key(key), "{key}: {offer:?}");
+    }
+    let keys = ["sampling", "image", "image.edit", "upload"];
+    let caps = ["llm.sample", "llm.image", "llm.image.edit", "host.upload"];
+    let sample = |text: &str| json!({"messages": [{"role": "user", "content": {"type": "text", "text": text}}], "maxTokens": 100});
+
+    // No grant: mocked or not, nothing is minted and the call is refused.
+    let t = env.services.tokens(request("m-0", &keys, &caps)).await;
+    assert_eq!(t, InvokeTokens::default());
+    let r = env
+        .services
+        .serve(call("m-0", "sampling/createMessage", sample("x"), t))
+        .await;
+    assert_eq!(code(&r).0, -32001);
+
+    env.services
+        .grants()
+        .edit(
+            USER,
+            TOOL,
+            &["llm.sample".into(), "llm.image".into(), "host.upload".into()],
+            &[],
+        )
+        .await
+        .unwrap();
+
+    // The sampling calls cap: 8 answered, the 9th refused (terminal); a malformed request is -32004 first.
+    let t = env.services.tokens(request("m-1", &keys, &caps)).await;
+    assert!(
+        t.sampling.is_some() && t.image.is_some() && t.upload.is_some(),
+        "{t:?}"
+    );
+    let bad = env
+        .services
+        .serve(call(
+            "m-1",
+            "sampling/createMessage",
+            json!({"messages": []}),
+            t.clone(),
+        ))
+        .await;
+    assert_eq!(code(&bad).0, -32004);
+    for i in 0..8 {
+        let r = env
+            .services
+            .serve(call("m-1", "sampling/createMessage", sample("hi"), t.clone()))
+            .await;
+        assert_eq!(r.expect("within the cap")["content"]["text"], "small", "call {i}");
+    }
+    let r = env
+        .services
+        .serve(call("m-1", "sampling/createMessage", sample("hi"), t.clone()))
+        .await;
+    assert_eq!(code(&r), (-32006, "SAMPLING_MAX_CALLS_EXCEEDED".into()));
+
+    // The token cap, from the mock's reported usage: 2 × 16 000 reach 32 000, the 3rd call is refused.
+    let t = env.services.tokens(request("m-2", &keys, &caps)).await;
+    for _ in 0..2 {
+        let r = env
+            .services
+            .serve(call("m-2", "sampling/createMessage", sample("big"), t.clone()))
+            .await;
+        assert_eq!(r.expect("within the cap")["content"]["text"], "big");
+    }
+    let r = env
+        .services
+        .serve(call("m-2", "sampling/createMessage", sample("big"), t.clone()))
+        .await;
+    assert_eq!(code(&r), (-32007, "SAMPLING_MAX_TOKENS_EXCEEDED".into()));
+
+    // Images: generate is granted, edit is not.
+    let generated = env
+        .services
+        .serve(call(
+            "m-2",
+            "image/generate",
+            json!({"prompt": "a cat"}),
+            t.clone(),
+        ))
+        .await
+        .expect("granted");
+    assert_eq!(generated["images"].as_array().map(Vec::len), Some(1));
+    let edit = env
+        .services
+        .serve(call(
+            "m-2",
+            "image/edit",
+            json!({"prompt": "a cat", "image_url": "https://x/y.png"}),
+            t.clone(),
+        ))
+        .await;
+    assert_eq!(code(&edit).0, -32101);
+    let empty = env
+        .services
+        .serve(call("m-2", "image/generate", json!({"prompt": " "}), t.clone()))
+        .await;
+    assert_eq!(code(&empty).0, -32104);
+
+    // Uploads: the upload checks, then 16 files per invoke, the 17th refused.
+    let inline =
+        json!({"mode": "inline", "filename": "a.txt", "mime_type": "text/plain", "content_b64": "aGk="});
+    let svg =
+        json!({"mode": "inline", "filename": "a.svg", "mime_type": "image/svg+xml", "content_b64": "aGk="});
+    let r = env
+        .services
+        .serve(call("m-2", "host/uploadFile", svg, t.clone()))
+        .await;
+    assert_eq!(code(&r).0, -32205);
+    for i in 0..16 {
+        let r = env
+            .services
+            .serve(call("m-2", "host/uploadFile", inline.clone(), t.clone()))
+            .await;
+        let envelope = r.unwrap_or_else(|e| panic!("file {i}: {e:?}"));
+        assert_eq!(envelope["size_bytes"], 2);
+        assert_eq!(envelope["download_url"], "data:text/plain;base64,aGk=");
+    }
+    let r = env
+        .services
+        .serve(call("m-2", "host/uploadFile", inline, t))
+        .await;
+    assert_eq!(code(&r).0, -32211);
+    drop(env.nats);
 }

@@ -171,6 +171,7 @@ impl Env {
                 user: inv.user.clone(),
                 tool_id: inv.tool_id.clone(),
                 invoke_id: inv.invoke_id.clone(),
+                tool: "run".into(),
                 method: method.to_owned(),
                 family: family_of(method).expect("a known family"),
                 params,

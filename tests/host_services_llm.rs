@@ -168,6 +168,7 @@ impl Invoke {
                 user: USER.into(),
                 tool_id: self.tool.clone(),
                 invoke_id: self.invoke_id.clone(),
+                tool: "run".into(),
                 method: method.into(),
                 family: family_of(method).expect("a reverse-RPC method"),
                 params,
@@ -545,7 +546,8 @@ async fn without_an_upstream_sampling_is_neither_offered_nor_minted() {
         deadline_ms: deadline,
         tokens,
     };
-    assert_eq!(code(&inv.sample(simple()).await), -32001);
+    // Sampling is off without an upstream: spec §15.2's `sampling_disabled`.
+    assert_eq!(code(&inv.sample(simple()).await), -32008);
     assert!(env.llm.requests().is_empty());
 
     // With an upstream but no embedding model: sampling offered, embeddings not.

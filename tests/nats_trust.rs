@@ -193,6 +193,8 @@ async fn worker_credentials_cannot_write_grants_plugins_or_admin_subjects() {
     }
     subscribe_refused(&worker, &mut rx, "fleet.v1.api.>").await;
     subscribe_refused(&worker, &mut rx, "_INBOX.front.>").await;
+    // It answers apps' sync calls on their reply subjects, but cannot hear any.
+    subscribe_refused(&worker, &mut rx, "_R_.>").await;
     // What a worker needs works: a job record write and read, a grant read.
     let js = async_nats::jetstream::new(worker.clone());
     let jobs = js.get_key_value("fleet_jobs").await.expect("jobs bucket");

@@ -217,7 +217,7 @@ impl Dispatcher {
                 }
                 match self.request(&worker, req, remaining).await {
                     Ok(reply) if reply.draining => churn = true,
-                    Ok(reply) if skippable(&reply) => {}
+                    Ok(reply) if reply.passes_to_next_worker() => {}
                     Ok(reply) => return Ok((worker, reply)),
                     Err(RequestFailure::NoResponders) => {
                         churn = true;
@@ -344,6 +344,7 @@ pub fn job_request(record: &fleet_store::JobRecord) -> ExecRequest {
         deadline_ms: Some(record.deadline_ms),
         job_id: Some(record.job_id.clone()),
         requested_timeout_ms: None,
+        reply_to: None,
     }
 }
 
@@ -394,15 +395,6 @@ fn lost() -> ApiError {
         ),
         serde_json::json!({ "retriable": true }),
     )
-}
-
-/// A worker that refused only because it cannot take the call now.
-fn skippable(reply: &ExecReply) -> bool {
-    !reply.success
-        && reply
-            .error
-            .as_ref()
-            .is_some_and(|e| e.code == ApiErrorCode::AgentUnavailable)
 }
 
 enum RequestFailure {

@@ -20,8 +20,6 @@ use fleet_proto::limits::{
 };
 use futures::StreamExt as _;
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
-use serde::Deserialize;
-use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tracing::Instrument as _;
 
@@ -241,19 +239,33 @@ impl Front {
                             .map(|v| v.as_str().to_string());
                         let span = api_span(method, "nats");
                         crate::telemetry::extract_into(&span, request.message.headers.as_ref());
+                        // An app's request (through the account import) may be answered by the worker itself.
+                        let direct = request
+                            .message
+                            .reply
+                            .as_ref()
+                            .filter(|r| r.starts_with(subjects::IMPORTED_REPLY_PREFIX))
+                            .map(|r| r.to_string());
                         let handled = Box::pin(
                             front
-                                .handle(method, auth.as_deref(), &request.message.payload)
+                                .answer(
+                                    method,
+                                    auth.as_deref(),
+                                    &request.message.payload,
+                                    direct.as_deref(),
+                                )
                                 .instrument(span),
                         );
-                        let response = fleet_client::nats_conn::keeping_alive(
+                        let answer = fleet_client::nats_conn::keeping_alive(
                             &front.inner.client,
                             &request.message,
                             handled,
                         )
                         .await;
-                        let payload = serde_json::to_vec(&response).unwrap_or_default();
-                        let _ = request.respond(Ok(Bytes::from(payload))).await;
+                        if let Answer::Respond(response) = answer {
+                            let payload = serde_json::to_vec(&response).unwrap_or_default();
+                            let _ = request.respond(Ok(Bytes::from(payload))).await;
+                        }
                     });
                 }
             });
@@ -279,31 +291,31 @@ impl Front {
     /// Handles one API call (also the HTTP gateway's entry point, later). Traced in the caller's span (the
     /// NATS service opens `api.request` for it).
     pub async fn handle(&self, method: &str, auth: Option<&str>, payload: &[u8]) -> ApiResponse<Value> {
-        let started = std::time::Instant::now();
-        let response = self.handle_inner(method, auth, payload).await;
-        let code = match &response {
-            ApiResponse::Ok(_) => None,
-            ApiResponse::Err(e) => Some(e.code),
-        };
-        record_outcome(&tracing::Span::current(), code);
-        self.metrics.api_request(method, code, started.elapsed());
-        response
+        match self.answer(method, auth, payload, None).await {
+            Answer::Respond(response) => response,
+            // Only a call given a reply subject is answered by its worker.
+            Answer::Delivered(_) => ApiResponse::Err(internal("answered elsewhere")),
+        }
     }
 
-    async fn handle_inner(&self, method: &str, auth: Option<&str>, payload: &[u8]) -> ApiResponse<Value> {
-        let principal = match auth {
-            None => {
-                return ApiResponse::Err(ApiError::new(
-                    ApiErrorCode::InvalidToken,
-                    "missing Authorization header",
-                ));
-            }
+    /// [`Front::handle`] for a request whose caller waits on `direct` (an imported request's reply subject): a
+    /// sync call's worker may publish the answer there itself ([`Answer::Delivered`]).
+    async fn answer(&self, method: &str, auth: Option<&str>, payload: &[u8], direct: Option<&str>) -> Answer {
+        let started = std::time::Instant::now();
+        let answer = match auth {
+            None => Answer::Respond(ApiResponse::Err(ApiError::new(
+                ApiErrorCode::InvalidToken,
+                "missing Authorization header",
+            ))),
             Some(h) => match self.inner.verifier.verify(h) {
-                Ok(p) => p,
-                Err(e) => return ApiResponse::Err(e.to_api_error()),
+                Ok(p) => self.handle_user(&p.user, method, payload, direct).await,
+                Err(e) => Answer::Respond(ApiResponse::Err(e.to_api_error())),
             },
         };
-        self.handle_user(&principal.user, method, payload).await
+        let code = answer.code();
+        record_outcome(&tracing::Span::current(), code);
+        self.metrics.api_request(method, code, started.elapsed());
+        answer
     }
 
     /// Handles one API call for an already authenticated `user` (the HTTP gateway verifies window tokens
@@ -311,10 +323,14 @@ impl Front {
     pub async fn handle_as(&self, user: &str, method: &str, payload: &[u8]) -> ApiResponse<Value> {
         let started = std::time::Instant::now();
         let span = api_span(method, "http");
-        let response = self
-            .handle_user(user, method, payload)
+        let response = match self
+            .handle_user(user, method, payload, None)
             .instrument(span.clone())
-            .await;
+            .await
+        {
+            Answer::Respond(response) => response,
+            Answer::Delivered(_) => ApiResponse::Err(internal("answered elsewhere")),
+        };
         let code = match &response {
             ApiResponse::Ok(_) => None,
             ApiResponse::Err(e) => Some(e.code),
@@ -324,7 +340,7 @@ impl Front {
         response
     }
 
-    async fn handle_user(&self, user: &str, method: &str, payload: &[u8]) -> ApiResponse<Value> {
+    async fn handle_user(&self, user: &str, method: &str, payload: &[u8], direct: Option<&str>) -> Answer {
         tracing::Span::current().record("fleet.user_hash", crate::telemetry::user_hash(user));
         let admitted = {
             let span = tracing::info_span!(
@@ -340,10 +356,10 @@ impl Front {
             ok
         };
         if !admitted {
-            return ApiResponse::Err(ApiError::new(
+            return Answer::Respond(ApiResponse::Err(ApiError::new(
                 ApiErrorCode::RateLimited,
                 "too many requests; retry shortly",
-            ));
+            )));
         }
         let args: Value = if payload.is_empty() {
             Value::Null
@@ -351,16 +367,20 @@ impl Front {
             match serde_json::from_slice(payload) {
                 Ok(v) => v,
                 Err(e) => {
-                    return ApiResponse::Err(ApiError::new(
+                    return Answer::Respond(ApiResponse::Err(ApiError::new(
                         ApiErrorCode::InvalidArg,
                         format!("arguments are not JSON: {e}"),
-                    ));
+                    )));
                 }
             }
         };
         let result = match method {
             methods::TOOLS_LIST => self.list_tools().await,
-            methods::TOOLS_INVOKE => self.invoke(user, &args).await,
+            methods::TOOLS_INVOKE => match self.invoke(user, &args, direct).await {
+                Ok(Invoked::Delivered(code)) => return Answer::Delivered(code),
+                Ok(Invoked::Answer(v)) => Ok(v),
+                Err(e) => Err(e),
+            },
             methods::TOOLS_INVOKE_ASYNC => self.invoke_async(user, &args).await,
             methods::TOOLS_GET_JOB => self.get_job(user, &args).await,
             methods::TOOLS_CANCEL_JOB => self.cancel_job(user, &args).await,
@@ -370,7 +390,7 @@ impl Front {
                 format!("unknown method {other:?}"),
             )),
         };
-        result.into()
+        Answer::Respond(result.into())
     }
 
     fn js_error(&self, op: &'static str, e: impl std::fmt::Display) -> ApiError {
@@ -428,7 +448,7 @@ impl Front {
         to_value(&ListToolsResult { tools })
     }
 
-    async fn invoke(&self, user: &str, args: &Value) -> Result<Value, ApiError> {
+    async fn invoke(&self, user: &str, args: &Value, direct: Option<&str>) -> Result<Invoked, ApiError> {
         let args: InvokeArgs = parse_args(args)?;
         let target = args.validate()?;
         let timeout = SyncTimeout::resolve(args.timeout_ms)?;
@@ -447,6 +467,7 @@ impl Front {
             deadline_ms: None,
             job_id: None,
             requested_timeout_ms: timeout.requested_ms,
+            reply_to: direct.map(str::to_owned),
         };
         let wait = Duration::from_millis(timeout.front_wait_ms());
         let (_, reply) = match self.inner.dispatcher.sync(&req, wait).await {
@@ -463,12 +484,10 @@ impl Front {
                 return Err(e);
             }
         };
-        if !reply.success {
-            return Err(reply
-                .error
-                .unwrap_or_else(|| ApiError::new(ApiErrorCode::ExecutaUnavailable, "the worker failed")));
+        if reply.delivered {
+            return Ok(Invoked::Delivered(reply.error.map(|e| e.code)));
         }
-        unwrap_result(reply.data.as_deref())
+        crate::exec_answer::api_answer(&reply).map(Invoked::Answer)
     }
 
     async fn invoke_async(&self, user: &str, args: &Value) -> Result<Value, ApiError> {
@@ -702,6 +721,33 @@ impl Front {
     }
 }
 
+/// How the answer of one API request reaches its caller.
+enum Answer {
+    /// The front answers with this.
+    Respond(ApiResponse<Value>),
+    /// The worker published the answer on the caller's reply subject itself; its outcome (`None`: ok).
+    Delivered(Option<ApiErrorCode>),
+}
+
+impl Answer {
+    /// The outcome code, for metrics and traces (`None`: ok).
+    fn code(&self) -> Option<ApiErrorCode> {
+        match self {
+            Answer::Respond(ApiResponse::Ok(_)) => None,
+            Answer::Respond(ApiResponse::Err(e)) => Some(e.code),
+            Answer::Delivered(code) => *code,
+        }
+    }
+}
+
+/// A sync call's result at the front.
+enum Invoked {
+    /// The front answers with this.
+    Answer(Value),
+    /// Its worker answered the caller ([`Answer::Delivered`]).
+    Delivered(Option<ApiErrorCode>),
+}
+
 fn to_value<T: serde::Serialize>(v: &T) -> Result<Value, ApiError> {
     serde_json::to_value(v).map_err(|e| ApiError::new(ApiErrorCode::InternalError, e.to_string()))
 }
@@ -712,42 +758,6 @@ fn internal(e: impl std::fmt::Display) -> ApiError {
 
 fn not_found(id: &JobId) -> ApiError {
     ApiError::new(ApiErrorCode::JobNotFound, format!("no job {id}"))
-}
-
-/// Unwraps the plugin's `InvokeResult`: `success: false` → `tool_failed`; otherwise the payload, forced to an
-/// object (spec §4.4 HR-RD-05).
-fn unwrap_result(data: Option<&RawValue>) -> Result<Value, ApiError> {
-    #[derive(Deserialize)]
-    struct Inner {
-        #[serde(default)]
-        success: bool,
-        #[serde(default)]
-        data: Option<Value>,
-        #[serde(default)]
-        error: Option<Value>,
-    }
-    let inner: Inner = data
-        .map(|d| serde_json::from_str(d.get()))
-        .transpose()
-        .map_err(|e| ApiError::new(ApiErrorCode::ExecutaError, format!("unreadable result: {e}")))?
-        .ok_or_else(|| ApiError::new(ApiErrorCode::ExecutaError, "empty result"))?;
-    if !inner.success {
-        let message = match &inner.error {
-            Some(Value::String(s)) => s.clone(),
-            Some(v) => v.to_string(),
-            None => "the tool failed".into(),
-        };
-        return Err(ApiError::with_details(
-            ApiErrorCode::ToolFailed,
-            message,
-            json!({ "error": inner.error }),
-        ));
-    }
-    Ok(match inner.data {
-        Some(v @ Value::Object(_)) => v,
-        Some(Value::Null) | None => json!({}),
-        Some(other) => json!({ "value": other }),
-    })
 }
 
 /// The `api.request` span of one API call (server side; never the token or the user id: `fleet.user_hash`).

@@ -77,6 +77,7 @@ pub struct FleetMetrics {
     jobs_worker_lost: Counter,
     jetstream_errors: Family<L1, Counter>,
     exec_seal_refusals: Family<L1, Counter>,
+    direct_replies: Counter,
     workers: Arc<WorkerCollector>,
 }
 
@@ -114,6 +115,7 @@ impl FleetMetrics {
             jobs_worker_lost: Counter::default(),
             jetstream_errors: Family::default(),
             exec_seal_refusals: Family::default(),
+            direct_replies: Counter::default(),
             workers: Arc::new(WorkerCollector::default()),
         };
         r.register(
@@ -180,6 +182,11 @@ impl FleetMetrics {
             "exec_seal_refusals",
             "Exec requests and cancel commands a worker refused for their seal, by reason (unsigned, malformed, bad_signature, stale, replayed)",
             m.exec_seal_refusals.clone(),
+        );
+        r.register(
+            "direct_replies",
+            "Sync calls whose answer a worker published on the app's reply subject itself (not through the front)",
+            m.direct_replies.clone(),
         );
         r.register_collector(Box::new(m.workers.clone()));
         *m.registry
@@ -271,6 +278,11 @@ impl FleetMetrics {
     /// A worker refused an exec request or a cancel command for its seal (`SealError::as_str`).
     pub fn exec_seal_refused(&self, reason: &'static str) {
         self.exec_seal_refusals.get_or_create(&[("reason", reason)]).inc();
+    }
+
+    /// A worker answered a sync call's caller directly.
+    pub fn direct_reply(&self) {
+        self.direct_replies.inc();
     }
 
     /// A JetStream operation failed.

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use fleet_proto::api::worker::{CancelCommand, ExecKind, ExecReply, ExecRequest};
-use fleet_proto::api::{ApiError, ApiErrorCode, JobId, JobState, ProgressEvent, subjects};
+use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, JobId, JobState, ProgressEvent, subjects};
 use fleet_proto::limits::{MAX_JOB_RESULT_BYTES, MAX_SYNC_RESULT_BYTES};
 use fleet_worker::pool::{Pool, PoolError};
 use fleet_worker::session::progress::ProgressUpdate;
@@ -392,12 +392,44 @@ async fn respond(ctx: &Ctx, msg: &async_nats::Message, reply: &ExecReply) {
     }
 }
 
+/// Publishes the API answer of a finished sync call on the caller's own reply subject `to` (the front chose it and
+/// sealed it with the request; only an imported request's reply subject is ever answered), then tells the front
+/// it did, with the outcome but not the data. If it cannot, the front gets the whole reply and answers itself.
+async fn deliver(ctx: &Ctx, msg: &async_nats::Message, to: &str, reply: ExecReply) {
+    if to.starts_with(subjects::IMPORTED_REPLY_PREFIX) {
+        let answer: ApiResponse<Value> = crate::exec_answer::api_answer(&reply).into();
+        if let Ok(payload) = serde_json::to_vec(&answer)
+            && ctx
+                .client
+                .publish(to.to_owned(), Bytes::from(payload))
+                .await
+                .is_ok()
+        {
+            ctx.metrics.direct_reply();
+            let error = match answer {
+                ApiResponse::Ok(_) => None,
+                ApiResponse::Err(e) => Some(e),
+            };
+            let delivered = ExecReply {
+                success: error.is_none(),
+                data: None,
+                error,
+                draining: false,
+                delivered: true,
+            };
+            return respond(ctx, msg, &delivered).await;
+        }
+    }
+    respond(ctx, msg, &reply).await;
+}
+
 fn refuse(error: ApiError) -> ExecReply {
     ExecReply {
         success: false,
         data: None,
         error: Some(error),
         draining: false,
+        delivered: false,
     }
 }
 
@@ -472,7 +504,10 @@ async fn serve_exec_traced(ctx: Arc<Ctx>, msg: async_nats::Message) {
     match req.kind {
         ExecKind::Sync => {
             let reply = fleet_client::nats_conn::keeping_alive(&ctx.client, &msg, run_sync(&ctx, &req)).await;
-            respond(&ctx, &msg, &reply).await;
+            match req.reply_to.as_deref() {
+                Some(to) if !reply.passes_to_next_worker() => deliver(&ctx, &msg, to, reply).await,
+                _ => respond(&ctx, &msg, &reply).await,
+            }
         }
         ExecKind::Job => {
             let Ok(permit) = ctx.long_jobs.clone().try_acquire_owned() else {
@@ -492,6 +527,7 @@ async fn serve_exec_traced(ctx: Arc<Ctx>, msg: async_nats::Message) {
                     data: None,
                     error: None,
                     draining: false,
+                    delivered: false,
                 },
             )
             .await;
@@ -660,6 +696,7 @@ async fn run_sync(ctx: &Ctx, req: &ExecRequest) -> ExecReply {
                     data: Some(raw),
                     error: None,
                     draining: false,
+                    delivered: false,
                 },
                 Err(e) => refuse(ApiError::new(ApiErrorCode::InternalError, e.to_string())),
             }

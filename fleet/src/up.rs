@@ -117,6 +117,9 @@ pub struct UpArgs {
     /// Host services (sampling, embeddings, APS storage and files, uploads).
     #[command(flatten)]
     pub services: fleet_services::args::ServicesArgs,
+    /// The developer harness: mock upstreams and the per-family mode matrix (`--mocks`, `--dev-mode`).
+    #[command(flatten)]
+    pub dev: fleet_services::dev::DevArgs,
 }
 
 /// `--nats-cluster`: one of [`CLUSTER_SIZES`](crate::nats_server::CLUSTER_SIZES).
@@ -213,6 +216,21 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     let mut int = signal(SignalKind::interrupt()).map_err(|e| other("signals")(&e))?;
     std::fs::create_dir_all(&args.data_dir).map_err(|e| other("data dir")(&e))?;
     let data_dir = std::fs::canonicalize(&args.data_dir).map_err(|e| other("data dir")(&e))?;
+    let plugins_dir = args.plugins_dir.clone().unwrap_or_else(default_plugins_dir);
+
+    // The developer harness before anything starts: a broken mock file or `real` without an upstream is an
+    // error now, naming the file and line or the family.
+    let dev = args
+        .dev
+        .settings(&plugins_dir)
+        .map_err(|e| UpError::Other(e.to_string()))?;
+    let services_config = args
+        .services
+        .config()
+        .map_err(|e| UpError::Other(e.to_string()))?;
+    let modes = dev
+        .resolve(fleet_services::dev::Upstreams::of(&services_config))
+        .map_err(|e| UpError::Other(e.to_string()))?;
 
     // The HTTP listener first, held until it serves: the ports picked free below for the NATS servers (client,
     // routes, monitoring) cannot take it meanwhile, and a taken `--http` fails before anything starts.
@@ -305,7 +323,11 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         .map_err(|e| other("JetStream resources")(&e))?;
     // Host services of the front: grants (operator API) and the HTTP listener's download and upload links.
     let public_url = Some(format!("http://{}", args.http));
-    let services = Box::pin(args.services.open(&js, &settings, &data_dir, public_url.clone()))
+    let services =
+        Box::pin(
+            args.services
+                .open_with_dev(&js, &settings, &data_dir, public_url.clone(), dev.clone()),
+        )
         .await
         .map_err(|e| other("host services")(&e))?;
     // Plugin distribution: the operator API `fleet.v1.admin.plugins.*` (packages in the object store). Created
@@ -328,7 +350,11 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         let ws = Store::open(wjs.clone(), worker_settings.clone())
             .await
             .map_err(|e| other("JetStream resources (worker)")(&e))?;
-        let wsv = Box::pin(args.services.open(&wjs, &worker_settings, &data_dir, public_url))
+        let wsv =
+            Box::pin(
+                args.services
+                    .open_with_dev(&wjs, &worker_settings, &data_dir, public_url, dev.clone()),
+            )
             .await
             .map_err(|e| other("host services (worker)")(&e))?;
         (wc, ws, wsv)
@@ -339,7 +365,6 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     let operator_verifier = operator_verifier(args, &data_dir)?;
 
     // Workers.
-    let plugins_dir = args.plugins_dir.clone().unwrap_or_else(default_plugins_dir);
     let root = rustix::process::geteuid().is_root();
     let isolation = match args.isolation.as_deref() {
         Some("cgroup") => IsolationMode::Cgroup,
@@ -500,6 +525,17 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     say(
         "credentials   fleet.v1.admin.credentials.* (operator): fleet credentials set --user U [--tool-id T] NAME=VALUE | list | delete",
     );
+    if dev.is_active() || !args.dev.dev_modes.is_empty() {
+        let families: Vec<String> = fleet_services::dev::DevFamily::ALL
+            .iter()
+            .map(|f| format!("{}={}", f.as_str(), modes.get(*f).as_str()))
+            .collect();
+        say(&format!(
+            "dev harness   {} ({} mock entries)",
+            families.join(" "),
+            dev.mocks().len()
+        ));
+    }
     if let Some(dir) = &auth_dir {
         say(&format!(
             "nats auth     credentials per role in {} (app.creds for app backends; fleet creds issue --name N for more)",

@@ -71,6 +71,9 @@ pub mod subjects {
     /// subject passes one message, the answer): `fleet.v1.events.keepalive.<token>`, the token being the
     /// [`KEEPALIVE_HEADER`]'s value ([`keepalive_token_ok`]). Apps hear the events export already.
     pub const KEEPALIVE_EVENTS_PREFIX: &str = "fleet.v1.events.keepalive";
+    /// The reply subjects NATS gives a request that came through a service import (an app's API request, seen
+    /// from the fleet's account): `_R_.<token>…`. Only these are answered by a worker directly.
+    pub const IMPORTED_REPLY_PREFIX: &str = "_R_.";
     /// The longest [`KEEPALIVE_HEADER`] token a front accepts.
     pub const KEEPALIVE_TOKEN_MAX: usize = 64;
 
@@ -1034,6 +1037,12 @@ pub mod worker {
         /// What the caller asked for, when it was clamped (for `tool_timeout` details).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub requested_timeout_ms: Option<u64>,
+        /// Sync only: the app's own reply subject (an imported request's, [`crate::api::subjects::IMPORTED_REPLY_PREFIX`]).
+        /// The worker publishes the API answer there itself and tells the front it did ([`ExecReply::delivered`]),
+        /// saving the answer's hop through the front. Sealed with the rest of the request, so only a front
+        /// chooses it. Absent: the worker answers the front, which answers the caller.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub reply_to: Option<String>,
     }
 
     /// The two-layer reply: outer `success` = the worker could run it; `data` = the plugin's `InvokeResult`
@@ -1052,9 +1061,26 @@ pub mod worker {
         /// next ranked worker. Absent (false) from workers that predate it.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         pub draining: bool,
+        /// The worker published the API answer on the request's [`ExecRequest::reply_to`] itself: the front
+        /// answers nobody. `success` and `error` still say what the answer was (for the front's metrics and
+        /// traces); `data` is absent.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        pub delivered: bool,
     }
 
     impl ExecReply {
+        /// Whether the front passes the call to the next ranked worker: this one is draining or refused it
+        /// for capacity (`agent_unavailable`), and nothing ran. Such a reply is never delivered to the caller
+        /// directly.
+        pub fn passes_to_next_worker(&self) -> bool {
+            self.draining
+                || (!self.success
+                    && self
+                        .error
+                        .as_ref()
+                        .is_some_and(|e| e.code == super::ApiErrorCode::AgentUnavailable))
+        }
+
         /// The refusal of a draining worker: nothing ran, another worker may take it.
         pub fn draining() -> ExecReply {
             ExecReply {
@@ -1065,6 +1091,7 @@ pub mod worker {
                     "the worker is draining",
                 )),
                 draining: true,
+                delivered: false,
             }
         }
     }

@@ -4,7 +4,7 @@
 //! protocol — manifest, `initialize`, `invoke`, `health`, progress, reverse-RPC method names and error codes,
 //! file transport ([`executa`]) —, the second plugin dialect, Animus ([`animus`]: lifecycle, `agent/*`, `$/ping`,
 //! `health/check`, error codes and their meaning by direction), the fleet's own API used over NATS and HTTP
-//! ([`api`]), the spec's numeric limits ([`limits`]) and the LF-delimited frame codec ([`codec`]). It performs no I/O of its own except in the
+//! ([`api`]), the spec's numeric limits ([`limits`]), the F3 mock-fixture format ([`mocks`]) and the LF-delimited frame codec ([`codec`]). It performs no I/O of its own except in the
 //! optional tokio adapter (`codec::io`, feature `tokio`). Types here are serde types with validation; behaviour
 //! (sessions, jobs, quotas) lives in `fleet-worker` and `fleet`.
 #![forbid(unsafe_code)]
@@ -16,4 +16,5 @@ pub mod codec;
 pub mod executa;
 pub mod jsonrpc;
 pub mod limits;
+pub mod mocks;
 pub mod util;

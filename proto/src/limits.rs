@@ -139,6 +139,10 @@ pub const UPLOAD_MAX_FILES_PER_INVOKE: u32 = 16;
 pub const EMBED_MAX_INPUTS: usize = 64;
 /// Embeddings: characters per input (spec §7.4, Nexus's authoritative cap).
 pub const EMBED_MAX_INPUT_CHARS: usize = 32_000;
+/// Images per `image/generate` or `image/edit` call, the host's cap (spec §8.6: `-32106` with `data.hostCap = 8`).
+pub const IMAGE_MAX_PER_CALL: u64 = 8;
+/// Frames of one buffered agent run (spec §8.2 HR-AG-01: 4 096).
+pub const AGENT_MAX_FRAMES: usize = 4_096;
 /// Sampling: the model budget derived from `_clientTimeoutS` is clamped to at least this (spec §7.3 HR-DL-01).
 pub const SAMPLING_MODEL_BUDGET_MIN: Duration = Duration::from_secs(30);
 /// Sampling: the model budget derived from `_clientTimeoutS` is clamped to at most this (spec §7.3 HR-DL-01).

@@ -124,6 +124,8 @@ pub struct ReverseCall {
     pub tool_id: String,
     /// The parent invoke.
     pub invoke_id: String,
+    /// The tool (method) of the parent invoke.
+    pub tool: String,
     /// The method, e.g. `storage/get`.
     pub method: String,
     /// Its family.

@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use super::credentials::{KEYRING_FILE, Keyring};
+use super::dev::DevSettings;
 use super::files::LinkSigner;
 use super::{FleetServices, ServicesConfig, ServicesError};
 use fleet_store::StoreSettings;
@@ -78,7 +79,20 @@ impl ServicesArgs {
         data_dir: &Path,
         default_public_url: Option<String>,
     ) -> Result<FleetServices, ServicesError> {
+        Box::pin(self.open_with_dev(js, settings, data_dir, default_public_url, DevSettings::default())).await
+    }
+
+    /// [`Self::open`] with the developer harness of `fleet up` (`--mocks`, `--dev-mode`).
+    pub async fn open_with_dev(
+        &self,
+        js: &async_nats::jetstream::Context,
+        settings: &StoreSettings,
+        data_dir: &Path,
+        default_public_url: Option<String>,
+        dev: DevSettings,
+    ) -> Result<FleetServices, ServicesError> {
         let mut config = self.config()?;
+        config.dev = dev;
         if config.public_url.is_none() {
             config.public_url = default_public_url;
         }

@@ -16,16 +16,21 @@
 //! [`credentials`] keeps the users' plugin credentials, sealed; as the token source, the services resolve them
 //! at each invoke of a plugin that declares some (spec §4.2).
 //!
-//! Families not offered here (`image/*`, `agent/*`, `web/*`, `credentials/*`) answer their not-granted code
-//! (docs/plugins.md "Host services": not offered).
+//! Each family of the developer mode matrix ([`dev`]: sampling, embeddings, agent, storage, image, upload) is
+//! `off` (not offered, its "off" code), `mock` (answered by [`mock`] from F3 entries — after the same token,
+//! grant, validation and budget checks as a real upstream) or `real`. `image/*` and `agent/*` have no real
+//! upstream here; `web/*` and `credentials/*` are never offered and answer their not-granted code
+//! (docs/plugins.md "Host services").
 
 pub mod args;
 pub mod budget;
 pub mod credentials;
+pub mod dev;
 pub mod files;
 pub mod grants;
 pub mod kv;
 pub mod llm;
+pub mod mock;
 pub mod tokens;
 pub mod upload;
 
@@ -35,7 +40,8 @@ use std::time::Duration;
 use dashmap::DashMap;
 use fleet_proto::executa::capabilities::{self, keys};
 use fleet_proto::executa::reverse::{
-    Family, family_of, method_not_found, storage as storage_codes, upload as upload_codes,
+    Family, family_of, image as image_codes, method_not_found, storage as storage_codes,
+    upload as upload_codes,
 };
 use fleet_proto::jsonrpc::ErrorObject;
 use fleet_worker::services::{
@@ -45,6 +51,7 @@ use fleet_worker::services::{
 use serde_json::{Map, Value};
 
 use crate::credentials::{CredentialStore, Keyring};
+use crate::dev::{DevFamily, DevMode};
 use crate::grants::GrantStore;
 use fleet_proto::admin::grants::Grant;
 use fleet_proto::util::now_ms;
@@ -56,9 +63,11 @@ pub use tokens::{Binding, ServiceClaims, TokenError, TokenMinter};
 const BUDGET_MAX_AGE: Duration = fleet_proto::limits::LONG_JOB_TOKEN_TTL_CAP;
 
 /// The host capabilities these services mint tokens for.
-pub const SERVICE_CAPABILITIES: [&str; 5] = [
+pub const SERVICE_CAPABILITIES: [&str; 7] = [
     capabilities::LLM_SAMPLE,
     capabilities::LLM_EMBED,
+    capabilities::LLM_IMAGE,
+    capabilities::LLM_IMAGE_EDIT,
     capabilities::APS_KV,
     capabilities::APS_FILES,
     capabilities::HOST_UPLOAD,
@@ -121,6 +130,9 @@ pub struct ServicesConfig {
     /// APS storage settings.
     #[serde(default)]
     pub storage: kv::StorageConfig,
+    /// The developer harness (`fleet up --mocks`, `--dev-mode`); not part of the TOML file.
+    #[serde(skip)]
+    pub dev: dev::DevSettings,
 }
 
 /// Why the services could not start.
@@ -150,6 +162,10 @@ struct Inner {
     kv: kv::KvService,
     files: files::FilesService,
     upload: upload::UploadService,
+    /// Every family's mode.
+    modes: dev::Modes,
+    /// What families in `mock` mode answer from.
+    mocks: Arc<mock::MockSet>,
 }
 
 impl FleetServices {
@@ -161,6 +177,10 @@ impl FleetServices {
         links: files::LinkSigner,
         keyring: Keyring,
     ) -> Result<FleetServices, ServicesError> {
+        let modes = config
+            .dev
+            .resolve(dev::Upstreams::of(config))
+            .map_err(|e| ServicesError::Config(e.to_string()))?;
         let grants = GrantStore::open(js, settings)
             .await
             .map_err(|e| ServicesError::Store(e.to_string()))?;
@@ -186,6 +206,8 @@ impl FleetServices {
                 kv,
                 files,
                 upload,
+                modes,
+                mocks: config.dev.mocks().clone(),
             }),
         })
     }
@@ -243,15 +265,16 @@ impl FleetServices {
         let ok = |cap: &str, keys_: &[&str]| {
             declared(cap) && grant.allows(cap) && keys_.iter().any(|k| offered(k))
         };
-        let llm = self.inner.llm.is_some();
+        let on = |f: DevFamily| self.inner.modes.on(f);
         let sampling_caps: Vec<String> = [
             (
                 capabilities::LLM_SAMPLE,
-                llm && ok(capabilities::LLM_SAMPLE, &[keys::SAMPLING]),
+                (on(DevFamily::Sampling) || on(DevFamily::Agent))
+                    && ok(capabilities::LLM_SAMPLE, &[keys::SAMPLING, keys::AGENT]),
             ),
             (
                 capabilities::LLM_EMBED,
-                llm && ok(capabilities::LLM_EMBED, &[keys::EMBED, keys::SAMPLING]),
+                on(DevFamily::Embeddings) && ok(capabilities::LLM_EMBED, &[keys::EMBED, keys::SAMPLING]),
             ),
         ]
         .into_iter()
@@ -260,10 +283,15 @@ impl FleetServices {
         .collect();
         let storage_caps: Vec<String> = [capabilities::APS_KV, capabilities::APS_FILES]
             .into_iter()
-            .filter(|c| ok(c, &[keys::STORAGE]))
+            .filter(|c| on(DevFamily::Storage) && ok(c, &[keys::STORAGE]))
             .map(str::to_owned)
             .collect();
-        let upload_ok = ok(capabilities::HOST_UPLOAD, &[keys::UPLOAD]);
+        let upload_ok = on(DevFamily::Upload) && ok(capabilities::HOST_UPLOAD, &[keys::UPLOAD]);
+        let image_caps: Vec<String> = [capabilities::LLM_IMAGE, capabilities::LLM_IMAGE_EDIT]
+            .into_iter()
+            .filter(|c| on(DevFamily::Image) && ok(c, &[keys::IMAGE, keys::IMAGE_EDIT]))
+            .map(str::to_owned)
+            .collect();
 
         let binding = Binding {
             user: &req.user,
@@ -318,7 +346,16 @@ impl FleetServices {
             );
             tokens.upload = sign(&c);
         }
-        if tokens.sampling.is_some() || tokens.storage.is_some() || tokens.upload.is_some() {
+        if !image_caps.is_empty() {
+            let mut c = TokenMinter::claims(binding, tokens::AUD_IMAGE, ttl);
+            c.caps = image_caps;
+            tokens.image = sign(&c);
+        }
+        if tokens.sampling.is_some()
+            || tokens.storage.is_some()
+            || tokens.upload.is_some()
+            || tokens.image.is_some()
+        {
             self.sweep_budgets();
             // A renewal (the same invoke, minted again) keeps the budget it has.
             self.inner
@@ -332,8 +369,16 @@ impl FleetServices {
 
     /// Serves one reverse call (the [`HostServices`] entry point, callable directly by tests).
     pub async fn serve(&self, call: ReverseCall) -> Result<Value, ErrorObject> {
+        let mode = self.inner.modes.of(call.family);
+        if mode == Some(DevMode::Off)
+            && let Some(family) = DevFamily::of(call.family)
+        {
+            return Err(family
+                .off_code()
+                .error(format!("{} is off on this host", call.method)));
+        }
         let (aud, token, missing) = match call.family {
-            Family::Sampling | Family::Embeddings => (
+            Family::Sampling | Family::Embeddings | Family::Agent => (
                 tokens::AUD_SAMPLING,
                 call.tokens.sampling.as_deref(),
                 call.family.not_granted().error(format!(
@@ -352,6 +397,12 @@ impl FleetServices {
                 call.tokens.upload.as_deref(),
                 upload_codes::UPLOAD_NOT_GRANTED
                     .error("Upload token missing — host did not authorize host/uploadFile"),
+            ),
+            Family::Image => (
+                tokens::AUD_IMAGE,
+                call.tokens.image.as_deref(),
+                image_codes::IMAGE_NOT_GRANTED
+                    .error("image_token missing — the user has not granted llm.image to this plugin"),
             ),
             other => {
                 return Err(other
@@ -406,6 +457,15 @@ impl FleetServices {
                 e.to_string(),
                 Map::from_iter([("reason".to_owned(), Value::from("invoke_budget"))]),
             ));
+        }
+        if mode == Some(DevMode::Mock) {
+            let site = mock::CallSite {
+                method: &call.method,
+                params: &call.params,
+                tool_id: &call.tool_id,
+                tool: &call.tool,
+            };
+            return mock::serve(&self.inner.mocks, &ctx, call.family, &site);
         }
         match call.family {
             Family::Sampling | Family::Embeddings => match &self.inner.llm {
@@ -465,14 +525,23 @@ impl HostServices for FleetServices {
 
     fn offer(&self) -> Map<String, Value> {
         let mut offer = Map::new();
-        if let Some(llm) = &self.inner.llm {
+        let on = |f: DevFamily| self.inner.modes.on(f);
+        if on(DevFamily::Sampling) {
             offer.insert(keys::SAMPLING.into(), sampling_offer());
-            if llm.embeddings_enabled() {
-                offer.insert(keys::EMBED.into(), Value::Object(Map::new()));
+        }
+        for (family, keys_) in [
+            (DevFamily::Embeddings, &[keys::EMBED][..]),
+            (DevFamily::Agent, &[keys::AGENT][..]),
+            (DevFamily::Storage, &[keys::STORAGE][..]),
+            (DevFamily::Upload, &[keys::UPLOAD][..]),
+            (DevFamily::Image, &[keys::IMAGE, keys::IMAGE_EDIT][..]),
+        ] {
+            if on(family) {
+                for k in keys_ {
+                    offer.insert((*k).into(), Value::Object(Map::new()));
+                }
             }
         }
-        offer.insert(keys::STORAGE.into(), Value::Object(Map::new()));
-        offer.insert(keys::UPLOAD.into(), Value::Object(Map::new()));
         offer.insert(keys::FILE_TRANSPORT.into(), Value::Bool(true));
         offer
     }

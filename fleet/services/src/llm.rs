@@ -430,6 +430,31 @@ impl LlmService {
     }
 }
 
+/// The checks a `sampling/createMessage` passes before any upstream sees it (validation, step 1 above), for
+/// the mock upstream ([`crate::mock`]): its `maxTokens` and the text of its last `user` message.
+pub(crate) fn validate_sampling(params: &Value) -> Result<(u32, String), ErrorObject> {
+    let req = SamplingRequest::parse(params)?;
+    let last = req
+        .messages
+        .iter()
+        .rev()
+        .find(|(role, _)| role == "user")
+        .map(|(_, text)| text.clone())
+        .unwrap_or_default();
+    Ok((req.max_tokens, last))
+}
+
+/// The checks an `embeddings/create` passes before any upstream sees it, for the mock upstream, which serves
+/// the one alias [`DEFAULT_EMBED_ALIAS`]: the alias and the inputs.
+pub(crate) fn validate_embed(
+    params: &Value,
+    ctx: &CallContext,
+) -> Result<(String, Vec<String>), ErrorObject> {
+    let aliases = BTreeMap::from([(DEFAULT_EMBED_ALIAS.to_owned(), String::new())]);
+    let req = EmbedRequest::parse(params, ctx, &aliases)?;
+    Ok((req.alias, req.inputs))
+}
+
 /// The model budget of a sampling call: `_clientTimeoutS` clamped to [30 s, 300 s], default 90 s (spec §7.3).
 pub fn model_budget(client_timeout_s: Option<f64>) -> Duration {
     match client_timeout_s.filter(|s| s.is_finite() && *s > 0.0) {
@@ -447,7 +472,8 @@ fn sampling_timeout(ctx: &CallContext) -> Duration {
     ctx.remaining().min(model_budget(ctx.client_timeout_s))
 }
 
-fn exhausted(e: Exhausted) -> ErrorObject {
+/// The sampling error of an exhausted budget (`-32006`, `-32007`).
+pub(crate) fn exhausted(e: Exhausted) -> ErrorObject {
     match e {
         Exhausted::SamplingCalls(_) => codes::SAMPLING_MAX_CALLS_EXCEEDED.error(e.to_string()),
         Exhausted::SamplingTokens { .. } => codes::SAMPLING_MAX_TOKENS_EXCEEDED.error(e.to_string()),

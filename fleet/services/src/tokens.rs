@@ -31,6 +31,8 @@ pub const AUD_SAMPLING: &str = "executa-sampling";
 pub const AUD_STORAGE: &str = "aps-storage";
 /// `aud` of the upload token.
 pub const AUD_UPLOAD: &str = "executa-upload";
+/// `aud` of the image token (`image/generate`, `image/edit`; spec §8.6).
+pub const AUD_IMAGE: &str = "executa-image";
 
 /// How long before its tokens expire a still-running invoke gets new ones (spec §11 HR-JW-02).
 pub const RENEW_BEFORE_EXPIRY: Duration = Duration::from_secs(300);

@@ -129,7 +129,7 @@ fn mime_essence(mime: &str) -> Option<String> {
     (token(t) && token(s) && mime.len() <= 255).then_some(essence)
 }
 
-fn exhausted(e: Exhausted) -> ErrorObject {
+pub(crate) fn exhausted(e: Exhausted) -> ErrorObject {
     match e {
         Exhausted::UploadFiles(_) => codes::MAX_FILES_EXCEEDED.error(e.to_string()),
         Exhausted::UploadFileTooLarge { bytes, cap } => codes::TOO_LARGE.error_with(
@@ -163,10 +163,137 @@ fn storage_error(e: impl std::fmt::Display) -> ErrorObject {
 }
 
 /// The checked common fields of `inline` and `negotiate`.
-struct Described {
-    filename: String,
-    mime: String,
-    purpose: String,
+pub(crate) struct Described {
+    pub(crate) filename: String,
+    pub(crate) mime: String,
+    pub(crate) purpose: String,
+}
+
+/// The checked `filename`, `mime_type` and `purpose` of `inline` and `negotiate` (`-32203`, `-32205`, `-32206`).
+pub(crate) fn describe(ctx: &CallContext, p: &Map<String, Value>) -> Result<Described, ErrorObject> {
+    let field = |name: &str| match p.get(name) {
+        Some(Value::String(s)) if !s.trim().is_empty() => Ok(s.trim().to_owned()),
+        _ => Err(codes::INVALID_REQUEST.error(format!("missing or empty '{name}'"))),
+    };
+    let filename = field("filename")?;
+    let raw_mime = field("mime_type")?;
+    let Some(mime) = mime_essence(&raw_mime) else {
+        return Err(codes::MIME_REJECTED.error(format!("malformed MIME type {raw_mime:?}")));
+    };
+    if MIME_DENYLIST.contains(&mime.as_str()) {
+        return Err(codes::MIME_REJECTED.error(format!("MIME type {mime} is not accepted for uploads")));
+    }
+    let purpose = match p.get("purpose") {
+        None | Some(Value::Null) => DEFAULT_PURPOSE.to_owned(),
+        Some(Value::String(s)) => s.clone(),
+        Some(_) => return Err(codes::PURPOSE_REJECTED.error("'purpose' must be a string")),
+    };
+    if !PURPOSES.contains(&purpose.as_str()) {
+        return Err(codes::PURPOSE_REJECTED.error(format!(
+            "purpose {purpose:?} is not one of {}",
+            PURPOSES.join(", ")
+        )));
+    }
+    if let Some(allowed) = &ctx.claims.allowed_purposes
+        && !allowed.contains(&purpose)
+    {
+        return Err(codes::PURPOSE_REJECTED.error(format!(
+            "purpose {purpose:?} is not allowed by the user's grant (allowed: {})",
+            allowed.join(", ")
+        )));
+    }
+    Ok(Described {
+        filename,
+        mime,
+        purpose,
+    })
+}
+
+/// The largest file the invoke may upload: its budget's cap, lowered by the token's.
+pub(crate) fn max_file_bytes(ctx: &CallContext) -> u64 {
+    let budget = ctx.budget.limits().upload_file_bytes;
+    ctx.claims.max_file_bytes.map_or(budget, |m| m.min(budget))
+}
+
+/// The checks of an `inline` upload before anything is reserved or stored: the described fields, then the
+/// decoded bytes within the inline and per-file caps.
+pub(crate) fn check_inline(
+    ctx: &CallContext,
+    p: &Map<String, Value>,
+) -> Result<(Described, Vec<u8>), ErrorObject> {
+    let d = describe(ctx, p)?;
+    let b64 = match p.get("content_b64") {
+        Some(Value::String(s)) => s.as_str(),
+        _ => return Err(codes::INVALID_REQUEST.error("missing 'content_b64'")),
+    };
+    let b64: String = b64.chars().filter(|c| !c.is_ascii_whitespace()).collect();
+    let inline_max = limits::UPLOAD_INLINE_MAX_BYTES as u64;
+    // Refuse before decoding what cannot fit (4 characters carry 3 bytes).
+    let at_least = (b64.len() as u64 / 4) * 3;
+    let too_large = |bytes: u64| {
+        codes::TOO_LARGE.error_with(
+            format!("{bytes} decoded bytes exceed the {inline_max}-byte inline limit; use mode=negotiate"),
+            Map::from_iter([
+                ("size_bytes".to_owned(), json!(bytes)),
+                ("max_inline_bytes".to_owned(), json!(inline_max)),
+            ]),
+        )
+    };
+    if at_least.saturating_sub(2) > inline_max {
+        return Err(too_large(at_least.saturating_sub(2)));
+    }
+    let bytes = STANDARD
+        .decode(&b64)
+        .or_else(|_| STANDARD_NO_PAD.decode(&b64))
+        .map_err(|e| codes::INVALID_REQUEST.error(format!("malformed content_b64: {e}")))?;
+    let size = bytes.len() as u64;
+    if size > inline_max {
+        return Err(too_large(size));
+    }
+    let max_file = max_file_bytes(ctx);
+    if size > max_file {
+        return Err(exhausted(Exhausted::UploadFileTooLarge {
+            bytes: size,
+            cap: max_file,
+        }));
+    }
+    Ok((d, bytes))
+}
+
+/// The checks of a `negotiate`: the described fields and the announced size within the per-file cap.
+pub(crate) fn check_negotiate(
+    ctx: &CallContext,
+    p: &Map<String, Value>,
+) -> Result<(Described, u64), ErrorObject> {
+    let d = describe(ctx, p)?;
+    let size = match p.get("expected_bytes").or_else(|| p.get("size_bytes")) {
+        Some(v) => match v.as_u64() {
+            Some(n) if n > 0 => n,
+            _ => {
+                return Err(
+                    codes::INVALID_REQUEST.error("'expected_bytes' / 'size_bytes' must be an integer > 0")
+                );
+            }
+        },
+        None => return Err(codes::INVALID_REQUEST.error("missing 'expected_bytes' (or 'size_bytes')")),
+    };
+    let max_file = max_file_bytes(ctx);
+    if size > max_file {
+        return Err(exhausted(Exhausted::UploadFileTooLarge {
+            bytes: size,
+            cap: max_file,
+        }));
+    }
+    Ok((d, size))
+}
+
+/// The `mode` of an upload call (`inline` when absent but `content_b64` is given).
+pub(crate) fn mode_of(p: &Map<String, Value>) -> Result<&str, ErrorObject> {
+    match p.get("mode") {
+        None | Some(Value::Null) if p.contains_key("content_b64") => Ok("inline"),
+        Some(Value::String(m)) => Ok(m.as_str()),
+        _ => Err(codes::INVALID_REQUEST.error("'mode' must be one of inline, negotiate, confirm")),
+    }
 }
 
 impl UploadService {
@@ -205,11 +332,7 @@ impl UploadService {
             Value::Object(m) => m,
             _ => return Err(codes::INVALID_REQUEST.error("params must be an object")),
         };
-        let mode = match p.get("mode") {
-            None | Some(Value::Null) if p.contains_key("content_b64") => "inline",
-            Some(Value::String(m)) => m.as_str(),
-            _ => return Err(codes::INVALID_REQUEST.error("'mode' must be one of inline, negotiate, confirm")),
-        };
+        let mode = mode_of(&p)?;
         let timeout = ctx.subcall_timeout(limits::UPLOAD_REQUEST_TIMEOUT);
         let work = async {
             match mode {
@@ -231,50 +354,6 @@ impl UploadService {
                 ]),
             )),
         }
-    }
-
-    fn describe(&self, ctx: &CallContext, p: &Map<String, Value>) -> Result<Described, ErrorObject> {
-        let field = |name: &str| match p.get(name) {
-            Some(Value::String(s)) if !s.trim().is_empty() => Ok(s.trim().to_owned()),
-            _ => Err(codes::INVALID_REQUEST.error(format!("missing or empty '{name}'"))),
-        };
-        let filename = field("filename")?;
-        let raw_mime = field("mime_type")?;
-        let Some(mime) = mime_essence(&raw_mime) else {
-            return Err(codes::MIME_REJECTED.error(format!("malformed MIME type {raw_mime:?}")));
-        };
-        if MIME_DENYLIST.contains(&mime.as_str()) {
-            return Err(codes::MIME_REJECTED.error(format!("MIME type {mime} is not accepted for uploads")));
-        }
-        let purpose = match p.get("purpose") {
-            None | Some(Value::Null) => DEFAULT_PURPOSE.to_owned(),
-            Some(Value::String(s)) => s.clone(),
-            Some(_) => return Err(codes::PURPOSE_REJECTED.error("'purpose' must be a string")),
-        };
-        if !PURPOSES.contains(&purpose.as_str()) {
-            return Err(codes::PURPOSE_REJECTED.error(format!(
-                "purpose {purpose:?} is not one of {}",
-                PURPOSES.join(", ")
-            )));
-        }
-        if let Some(allowed) = &ctx.claims.allowed_purposes
-            && !allowed.contains(&purpose)
-        {
-            return Err(codes::PURPOSE_REJECTED.error(format!(
-                "purpose {purpose:?} is not allowed by the user's grant (allowed: {})",
-                allowed.join(", ")
-            )));
-        }
-        Ok(Described {
-            filename,
-            mime,
-            purpose,
-        })
-    }
-
-    fn max_file_bytes(ctx: &CallContext) -> u64 {
-        let budget = ctx.budget.limits().upload_file_bytes;
-        ctx.claims.max_file_bytes.map_or(budget, |m| m.min(budget))
     }
 
     fn new_key(&self, ctx: &CallContext, d: &Described) -> String {
@@ -310,44 +389,8 @@ impl UploadService {
     }
 
     async fn inline(&self, ctx: &CallContext, p: &Map<String, Value>) -> Result<Value, ErrorObject> {
-        let d = self.describe(ctx, p)?;
-        let b64 = match p.get("content_b64") {
-            Some(Value::String(s)) => s.as_str(),
-            _ => return Err(codes::INVALID_REQUEST.error("missing 'content_b64'")),
-        };
-        let b64: String = b64.chars().filter(|c| !c.is_ascii_whitespace()).collect();
-        let inline_max = limits::UPLOAD_INLINE_MAX_BYTES as u64;
-        // Refuse before decoding what cannot fit (4 characters carry 3 bytes).
-        let at_least = (b64.len() as u64 / 4) * 3;
-        let too_large = |bytes: u64| {
-            codes::TOO_LARGE.error_with(
-                format!(
-                    "{bytes} decoded bytes exceed the {inline_max}-byte inline limit; use mode=negotiate"
-                ),
-                Map::from_iter([
-                    ("size_bytes".to_owned(), json!(bytes)),
-                    ("max_inline_bytes".to_owned(), json!(inline_max)),
-                ]),
-            )
-        };
-        if at_least.saturating_sub(2) > inline_max {
-            return Err(too_large(at_least.saturating_sub(2)));
-        }
-        let bytes = STANDARD
-            .decode(&b64)
-            .or_else(|_| STANDARD_NO_PAD.decode(&b64))
-            .map_err(|e| codes::INVALID_REQUEST.error(format!("malformed content_b64: {e}")))?;
+        let (d, bytes) = check_inline(ctx, p)?;
         let size = bytes.len() as u64;
-        if size > inline_max {
-            return Err(too_large(size));
-        }
-        let max_file = Self::max_file_bytes(ctx);
-        if size > max_file {
-            return Err(exhausted(Exhausted::UploadFileTooLarge {
-                bytes: size,
-                cap: max_file,
-            }));
-        }
         let reservation = ctx.budget.reserve_upload(size).map_err(exhausted)?;
         let key = self.new_key(ctx, &d);
         let meta = object_store::ObjectMetadata {
@@ -370,24 +413,7 @@ impl UploadService {
     }
 
     fn negotiate(&self, ctx: &CallContext, p: &Map<String, Value>) -> Result<Value, ErrorObject> {
-        let d = self.describe(ctx, p)?;
-        let size = match p.get("expected_bytes").or_else(|| p.get("size_bytes")) {
-            Some(v) => match v.as_u64() {
-                Some(n) if n > 0 => n,
-                _ => {
-                    return Err(codes::INVALID_REQUEST
-                        .error("'expected_bytes' / 'size_bytes' must be an integer > 0"));
-                }
-            },
-            None => return Err(codes::INVALID_REQUEST.error("missing 'expected_bytes' (or 'size_bytes')")),
-        };
-        let max_file = Self::max_file_bytes(ctx);
-        if size > max_file {
-            return Err(exhausted(Exhausted::UploadFileTooLarge {
-                bytes: size,
-                cap: max_file,
-            }));
-        }
+        let (d, size) = check_negotiate(ctx, p)?;
         let key = self.new_key(ctx, &d);
         let (url, exp) =
             self.files

@@ -33,7 +33,10 @@ pub const SERVICE_DISCOVERY: &str = "$SRV.>";
 /// FLEET account). A front answers on them explicitly, not only through the response permission NATS grants per
 /// delivered request, because that grant lives on the server that delivered the request: a front whose
 /// connection fails over to another server of the cluster could not answer the requests it took before.
-pub const ANY_REPLY: [&str; 2] = ["_INBOX.>", "_R_.>"];
+pub const ANY_REPLY: [&str; 2] = ["_INBOX.>", IMPORTED_REPLIES];
+
+/// The subjects NATS maps the replies of imported requests to (`fleet_proto::api::subjects::IMPORTED_REPLY_PREFIX`).
+pub const IMPORTED_REPLIES: &str = "_R_.>";
 
 /// What a role may do with one JetStream resource.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -304,6 +307,10 @@ pub fn for_role(role: Role, prefix: &str) -> Permissions {
             // exec request (one credential serves every worker), and the fronts' other reply subjects (their
             // JetStream API answers) are random per request and never seen by a worker.
             publish_allow.push(inbox(Role::Front.as_str()));
+            // The reply subjects of apps' imported requests: a worker publishes the answer of a sync call there
+            // itself, on the one subject the front named in the sealed request (`ExecRequest::reply_to`). It
+            // never subscribes there, so it learns no other app's reply subject (they are random per request).
+            publish_allow.push(IMPORTED_REPLIES.to_owned());
             subscribe_allow.extend(strings(&[WORKER_EXEC, WORKER_CANCEL, MATRIX_CANCEL]));
             // Spelled out although outside the allow list: a worker never acts as a front or an operator.
             publish_deny.extend(strings(&[ADMIN_SUBJECTS, WORKER_SUBJECTS, API_SUBJECTS]));

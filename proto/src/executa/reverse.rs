@@ -313,7 +313,9 @@ impl Family {
     /// The `initialize` capability keys any of which negotiates this family (spec §3.3 HR-LC-15).
     pub fn negotiation_keys(self) -> &'static [&'static str] {
         match self {
-            Family::Sampling | Family::Agent => &[keys::SAMPLING],
+            Family::Sampling => &[keys::SAMPLING],
+            // Agent sessions ride on the sampling token (spec §8.2); `agent` is their own key.
+            Family::Agent => &[keys::AGENT, keys::SAMPLING],
             Family::Storage | Family::Files => &[keys::STORAGE],
             Family::Embeddings => &[keys::EMBED, keys::SAMPLING],
             Family::Image => &[keys::IMAGE, keys::IMAGE_EDIT],

@@ -13,6 +13,10 @@ answering ``{"result": …}`` or ``{"error": …}``) and ``summarize_and_save {t
 → ``storage/get`` → ``host/uploadFile`` inline, as a real plugin would). Reverse requests carry
 ``params.context.invoke_id`` and ``_clientTimeoutS``; their answers are matched by id on the main loop.
 
+``--media`` (with ``--services``) also claims ``embed``, ``image``, ``image.edit`` and ``agent``, declares
+``llm.embed``, ``llm.image`` and ``llm.image.edit``, and adds the tool ``host_offer`` (the ``capabilities`` the host
+offered in ``initialize``): the plugin of the developer-harness tests (``fleet up --mocks``).
+
 ``--hostile`` adds the tool ``nats_probe {port, paths}`` a hostile tenant would run (the NATS trust tests): it
 opens its own TCP connection to the NATS port on 127.0.0.1, sends ``CONNECT`` without credentials, subscribes to
 ``>`` and reports the server's first answer, and tries to read each of ``paths`` (the fleet's credentials); and
@@ -25,7 +29,7 @@ the sandbox, shared with the Animus fixture).
 ``context.credentials`` with the SHA-256 of each value (never a value: the test compares digests of what it
 set), its pid, and whether any value it received is in its own environment.
 
-Run: ``python3 echo_plugin.py [--noop] [--services] [--hostile] [--credentials]``.
+Run: ``python3 echo_plugin.py [--noop] [--services [--media]] [--hostile] [--credentials]``.
 """
 
 from __future__ import annotations
@@ -218,6 +222,21 @@ if SERVICES:
     MANIFEST["tools"] = MANIFEST["tools"] + SERVICE_TOOLS
     MANIFEST["host_capabilities"] = ["llm.sample", "aps.kv", "aps.files", "host.upload"]
 
+MEDIA = SERVICES and "--media" in sys.argv[1:]
+
+if MEDIA:
+    MANIFEST["tools"] = MANIFEST["tools"] + [
+        {
+            "name": "host_offer",
+            "description": "The capabilities the host offered in initialize.",
+            "parameters": [],
+        },
+    ]
+    MANIFEST["host_capabilities"] = MANIFEST["host_capabilities"] + ["llm.embed", "llm.image", "llm.image.edit"]
+
+# The `capabilities` of the host's `initialize`.
+_host_offer: dict = {}
+
 _ids = itertools.count(1)
 _waiting: dict = {}
 _waiting_lock = threading.Lock()
@@ -356,6 +375,8 @@ def _run_tool(tool: str, args: dict, context: dict):
         return _summarize_and_save(args, context)
     if CREDENTIALS and tool == "credentials":
         return "ok", _credentials_report(context)
+    if MEDIA and tool == "host_offer":
+        return "ok", _host_offer
     raise LookupError(tool)
 
 
@@ -414,12 +435,17 @@ def _handle(line: bytes) -> None:
         return  # notification
     params = msg.get("params")
     if method == "initialize":
+        if isinstance(params, dict) and isinstance(params.get("capabilities"), dict):
+            _host_offer.update(params["capabilities"])
+        claimed = {"sampling": {}, "storage": {}, "upload": {}} if SERVICES else {}
+        if MEDIA:
+            claimed.update({"embed": {}, "image": {}, "image.edit": {}, "agent": {}})
         _result(
             req_id,
             {
                 "protocolVersion": "2.0",
                 "serverInfo": {"name": "fleet-echo-plugin-py", "version": "0.1.0"},
-                "capabilities": {"sampling": {}, "storage": {}, "upload": {}} if SERVICES else {},
+                "capabilities": claimed,
                 "client_capabilities": {},
             },
         )

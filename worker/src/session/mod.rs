@@ -556,6 +556,7 @@ impl Session {
         let (done, _) = watch::channel(false);
         let active = Arc::new(ActiveInvoke {
             invoke_id: req.invoke_id.clone(),
+            tool: params.tool.clone(),
             sink: req.progress,
             gate: ProgressGate::new(),
             tokens: std::sync::Mutex::new(tokens),

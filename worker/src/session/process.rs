@@ -30,6 +30,8 @@ use crate::services::{InvokeTokens, ReverseCall, TokenRequest};
 /// One invoke in flight on the process (for reverse-RPC routing, progress and cancel).
 pub(crate) struct ActiveInvoke {
     pub(crate) invoke_id: String,
+    /// The tool (method) invoked.
+    pub(crate) tool: String,
     pub(crate) sink: Option<ProgressSink>,
     pub(crate) gate: ProgressGate,
     /// The invoke's current tokens (replaced when they are due for renewal).
@@ -347,6 +349,7 @@ impl Process {
             user: self.shared.user.clone(),
             tool_id: self.shared.tool_id.clone(),
             invoke_id: invoke.invoke_id.clone(),
+            tool: invoke.tool.clone(),
             method,
             family,
             params: Value::Object(params),
