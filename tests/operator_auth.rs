@@ -73,6 +73,12 @@ async fn a_user_token_claiming_operator_is_refused_by_every_admin_api() {
         fleet::credentials::serve_admin(c.client.clone(), credentials.clone(), c.operator_verifier())
             .await
             .unwrap();
+    // A JetStream round trip on the services' connection: the server has processed their subscriptions (a flush
+    // only writes them out; the operator's request comes on another connection).
+    async_nats::jetstream::new(c.client.clone())
+        .query_account()
+        .await
+        .expect("a JetStream API round trip");
     use fleet_proto::admin::credentials as user_creds;
 
     let calls: Vec<(&str, &str, Value)> = vec![
