@@ -15,8 +15,12 @@
 //!   claims: `Verifier::verify_with_claims`), against G `api_verify_cached` — the same token again through
 //!   `Verifier::verify`, answered from the verified-token cache (SHA-256 of the token, expiry check).
 //!
-//! Criterion measures each; then an interleaved pass (A to G in turn, 2 000 rounds) prints medians and
-//! the ratios B/A, D/E and G/F, so a noisy machine's slow phases hit every measure alike.
+//! - H `credentials` — `TokenSource::credentials` for an invoke of a plugin that declares three credential names,
+//!   two of them stored (one user-wide, one for the plugin): one KV read of the user's sealed record, the data
+//!   key unwrapped, two values opened (AES-256-GCM), against A (the same kind of read).
+//!
+//! Criterion measures each; then an interleaved pass (A to H in turn, 2 000 rounds) prints medians and
+//! the ratios B/A, D/E, G/F and H/A, so a noisy machine's slow phases hit every measure alike.
 #![allow(clippy::unwrap_used, clippy::print_stdout, clippy::cast_precision_loss)]
 
 use std::collections::BTreeSet;
@@ -30,7 +34,7 @@ use fleet_services::args::ServicesArgs;
 use fleet_services::tokens::AUD_STORAGE;
 use fleet_services::{Binding, FleetServices};
 use fleet_store::StoreSettings;
-use fleet_worker::services::{HostServices as _, TokenRequest, TokenSource as _};
+use fleet_worker::services::{HostServices as _, TokenRequest, TokenSource};
 use sha2::Digest as _;
 
 const USER: &str = "bench-user";
@@ -83,6 +87,11 @@ fn setup() -> Env {
             .unwrap();
         let all = ["aps.kv", "aps.files", "host.upload"].map(str::to_owned);
         services.grants().edit(USER, TOOL, &all, &[]).await.unwrap();
+        let user_wide = [("API_KEY".to_owned(), "sk-bench-user".to_owned())].into();
+        let tool_only = [("REGION".to_owned(), "bench-region".to_owned())].into();
+        let creds = services.credential_store();
+        creds.set(USER, None, &user_wide).await.unwrap();
+        creds.set(USER, Some(TOOL), &tool_only).await.unwrap();
         let kv = js.get_key_value("fleet_grants").await.unwrap();
         (services, kv)
     });
@@ -118,7 +127,18 @@ fn mint_nothing(env: &Env, i: u64) {
     assert!(t.storage.is_none());
 }
 
+fn credentials(env: &Env, names: &[String]) {
+    let found = env
+        .rt
+        .block_on(TokenSource::credentials(&env.services, USER, TOOL, names))
+        .unwrap();
+    assert_eq!(found.0.len(), 2);
+}
+
 fn bench(c: &mut Criterion) {
+    let names: Vec<String> = ["API_KEY", "REGION", "OPTIONAL_TOKEN"]
+        .map(str::to_owned)
+        .to_vec();
     let env = setup();
     let token = env
         .rt
@@ -182,10 +202,11 @@ fn bench(c: &mut Criterion) {
     g.bench_function("sha256", |b| b.iter(digest));
     g.bench_function("api_verify", |b| b.iter(api_verify));
     g.bench_function("api_verify_cached", |b| b.iter(api_cached));
+    g.bench_function("credentials", |b| b.iter(|| credentials(&env, &names)));
     g.finish();
 
     // Interleaved pass.
-    let mut samples: [Vec<f64>; 7] = Default::default();
+    let mut samples: [Vec<f64>; 8] = Default::default();
     for round in 0..2_000_u64 {
         let time = |f: &mut dyn FnMut()| {
             let t = Instant::now();
@@ -199,6 +220,7 @@ fn bench(c: &mut Criterion) {
         samples[4].push(time(&mut || digest()));
         samples[5].push(time(&mut || api_verify()));
         samples[6].push(time(&mut || api_cached()));
+        samples[7].push(time(&mut || credentials(&env, &names)));
     }
     let med: Vec<f64> = samples
         .iter_mut()
@@ -208,14 +230,15 @@ fn bench(c: &mut Criterion) {
         })
         .collect();
     println!(
-        "service_tokens interleaved medians (µs): kv_read {:.1}, mint {:.1}, mint_nothing {:.2}, verify {:.2}, sha256 {:.3}, api_verify {:.2}, api_verify_cached {:.2}",
-        med[0], med[1], med[2], med[3], med[4], med[5], med[6]
+        "service_tokens interleaved medians (µs): kv_read {:.1}, mint {:.1}, mint_nothing {:.2}, verify {:.2}, sha256 {:.3}, api_verify {:.2}, api_verify_cached {:.2}, credentials {:.1}",
+        med[0], med[1], med[2], med[3], med[4], med[5], med[6], med[7]
     );
     println!(
-        "service_tokens ratios: mint / kv_read = {:.2}x, verify / sha256 = {:.1}x, api_verify_cached / api_verify = {:.3}x",
+        "service_tokens ratios: mint / kv_read = {:.2}x, verify / sha256 = {:.1}x, api_verify_cached / api_verify = {:.3}x, credentials / kv_read = {:.2}x",
         med[1] / med[0],
         med[3] / med[4],
-        med[6] / med[5]
+        med[6] / med[5],
+        med[7] / med[0]
     );
 }
 

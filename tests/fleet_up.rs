@@ -151,12 +151,21 @@ impl Up {
 
     /// [`Up::start_with`], the catalogue too chosen by `setup` (which may write it into the temporary directory).
     fn start_over(setup: impl FnOnce(&std::path::Path) -> (PathBuf, Vec<String>)) -> Up {
+        Up::start_over_with_env(&[], setup)
+    }
+
+    /// [`Up::start_over`] with `env` added to `fleet up`'s environment.
+    fn start_over_with_env(
+        env: &[(&str, &str)],
+        setup: impl FnOnce(&std::path::Path) -> (PathBuf, Vec<String>),
+    ) -> Up {
         let tmp = tempfile::tempdir().unwrap();
         let data_dir = tmp.path().join("data");
         let http = free_addr();
         let stderr_file = tmp.path().join("up.stderr");
         let (plugins, extra) = setup(tmp.path());
         let mut cmd = up_command_over(&data_dir, &http, &plugins);
+        cmd.envs(env.iter().copied());
         cmd.args(extra)
             .current_dir(tmp.path())
             .stdin(Stdio::null())
@@ -269,16 +278,32 @@ impl Up {
 
     /// Runs a client subcommand against this fleet (no `--nats-url`: the data dir tells it where NATS is).
     fn cli(&self, args: &[&str]) -> Cli {
+        let mut cmd = self.cli_command(args);
+        cmd.stdin(Stdio::null());
+        Cli::from(&cmd.output().unwrap(), args)
+    }
+
+    /// [`Up::cli`] with `input` on its stdin.
+    fn cli_with_stdin(&self, args: &[&str], input: &str) -> Cli {
+        let mut cmd = self.cli_command(args);
+        cmd.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+        Cli::from(&child.wait_with_output().unwrap(), args)
+    }
+
+    fn cli_command(&self, args: &[&str]) -> Command {
         let mut cmd = Command::new(fleet_bin());
         cmd.args(args)
             .arg("--data-dir")
             .arg(&self.data_dir)
-            .current_dir(self._tmp.path())
-            .stdin(Stdio::null());
+            .current_dir(self._tmp.path());
         for var in SCRUBBED_ENV {
             cmd.env_remove(var);
         }
-        Cli::from(&cmd.output().unwrap(), args)
+        cmd
     }
 }
 
@@ -901,6 +926,302 @@ fn a_python_plugin_samples_stores_and_uploads_through_fleet_up() {
     let status = up.interrupt();
     assert!(status.success(), "{status}");
     drop(llm);
+}
+
+/// SHA-256 of `value`, lower hex: what the credentials fixture reports for each value it received.
+fn sha256_hex(value: &str) -> String {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(value.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Every file under `dir`, recursively.
+fn files_under(dir: &std::path::Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let path = entry.path();
+            match entry.file_type() {
+                Ok(t) if t.is_dir() => stack.push(path),
+                Ok(t) if t.is_file() => out.push(path),
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
+/// Issue 17 (spec §4.2): per-user credentials set with `fleet credentials` reach a plugin in
+/// `params.context.credentials` — exactly the names its manifest declares, the plugin's value over the user-wide
+/// one over the manifest default, a required one without a value refused before the plugin is invoked — and
+/// never its environment, `fleet up`'s logs (at debug level), the CLI's output or the disk in plaintext; the
+/// keyring rotates and every record is rewrapped under the new key.
+#[test]
+fn per_user_credentials_reach_only_the_declaring_plugin_through_fleet_up() {
+    let mut up = Up::start_over_with_env(&[("FLEET_LOG", "debug,async_nats=info")], |dir| {
+        let plugins = dir.join("plugins");
+        for tool_id in ["creds-a", "creds-b"] {
+            let dir = plugins.join(tool_id);
+            std::fs::create_dir_all(&dir).unwrap();
+            let manifest = json!({
+                "tool_id": tool_id,
+                "type": "binary",
+                "command": ["/usr/bin/python3", fleet_e2e_client::python_plugin_path(), "--credentials"],
+            });
+            std::fs::write(dir.join("executa.json"), manifest.to_string()).unwrap();
+        }
+        (plugins, Vec::new())
+    });
+    up.wait_ready();
+    let (user_key, tool_key, region, undeclared) = (
+        "sk-user-wide-8f2e41",
+        "sk-creds-a-only-77c0d3",
+        "us-east-secret-region",
+        "undeclared-secret-5a5a",
+    );
+    let secrets = [user_key, tool_key, region, undeclared];
+    let received = |up: &Up, user: &str, tool_id: &str| -> Value {
+        up.cli(&[
+            "invoke",
+            "--user",
+            user,
+            "--tool-id",
+            tool_id,
+            "--tool",
+            "credentials",
+            "--args",
+            "{}",
+        ])
+        .ok()
+    };
+    let hashes = |pairs: &[(&str, &str)]| -> Value {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), Value::String(sha256_hex(v))))
+            .collect::<serde_json::Map<_, _>>()
+            .into()
+    };
+    let invoke_err = |up: &Up, user: &str| {
+        up.cli(&[
+            "invoke",
+            "--user",
+            user,
+            "--tool-id",
+            "creds-a",
+            "--tool",
+            "credentials",
+            "--args",
+            "{}",
+        ])
+    };
+
+    // Nothing set: API_KEY is required and has no default, so the plugin is not invoked.
+    let refused = invoke_err(&up, "alice");
+    assert_eq!(refused.err_code(), "permission_denied", "{refused:?}");
+    let error: Value = serde_json::from_str(&refused.stdout).unwrap();
+    assert_eq!(error["error"]["details"]["reason"], "credentials_required");
+    assert_eq!(error["error"]["details"]["missing"], json!(["API_KEY"]));
+
+    // User-wide values, one of them a name no manifest declares.
+    let set = up.cli(&[
+        "credentials",
+        "set",
+        "--user",
+        "alice",
+        &format!("API_KEY={user_key}"),
+        &format!("UNDECLARED_X={undeclared}"),
+    ]);
+    let listed = set.ok();
+    assert_eq!(
+        listed["credentials"],
+        json!([
+            {"name": "API_KEY", "scope": "user", "updated_at_ms": listed["credentials"][0]["updated_at_ms"]},
+            {"name": "UNDECLARED_X", "scope": "user", "updated_at_ms": listed["credentials"][1]["updated_at_ms"]},
+        ])
+    );
+    let out = received(&up, "alice", "creds-a");
+    // The user value; REGION from the manifest default; OPTIONAL_TOKEN (no value, no default) and the undeclared
+    // name absent.
+    assert_eq!(
+        out["received"],
+        hashes(&[("API_KEY", user_key), ("REGION", "eu-west")]),
+        "{out}"
+    );
+    assert_eq!(out["in_environment"], json!([]), "{out}");
+    let pid = out["pid"].as_u64().unwrap();
+    let environ =
+        String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/environ")).unwrap()).into_owned();
+    for secret in secrets {
+        assert!(
+            !environ.contains(secret),
+            "a credential in the plugin's environment"
+        );
+    }
+
+    // Per-plugin values win over user-wide ones and defaults, for that plugin only; values from a file and from
+    // stdin (not on the command line).
+    let key_file = up.data_dir.parent().unwrap().join("tool-key");
+    std::fs::write(&key_file, format!("{tool_key}\n")).unwrap();
+    let set = up.cli_with_stdin(
+        &[
+            "credentials",
+            "set",
+            "--user",
+            "alice",
+            "--tool-id",
+            "creds-a",
+            &format!("API_KEY=@{}", key_file.display()),
+            "REGION=@-",
+        ],
+        &format!("{region}\n"),
+    );
+    let listed = set.ok();
+    let names: Vec<(&str, &str)> = listed["credentials"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (e["name"].as_str().unwrap(), e["tool_id"].as_str().unwrap()))
+        .collect();
+    assert_eq!(names, [("API_KEY", "creds-a"), ("REGION", "creds-a")]);
+    assert_eq!(
+        received(&up, "alice", "creds-a")["received"],
+        hashes(&[("API_KEY", tool_key), ("REGION", region)])
+    );
+    assert_eq!(
+        received(&up, "alice", "creds-b")["received"],
+        hashes(&[("API_KEY", user_key), ("REGION", "eu-west")])
+    );
+    // Another user has none of alice's.
+    assert_eq!(invoke_err(&up, "bob").err_code(), "permission_denied");
+
+    // `list` names and scopes, never values.
+    let all = up.cli(&["credentials", "list", "--user", "alice"]);
+    let all_json = all.ok();
+    assert_eq!(all_json["credentials"].as_array().unwrap().len(), 4, "{all_json}");
+    let for_b = up.cli(&["credentials", "list", "--user", "alice", "--tool-id", "creds-b"]);
+    let scopes: Vec<Value> = for_b.ok()["credentials"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["scope"].clone())
+        .collect();
+    assert_eq!(scopes, [json!("user"), json!("user")]);
+    for cli in [&all, &for_b, &set] {
+        for secret in secrets {
+            assert!(
+                !cli.stdout.contains(secret) && !cli.stderr.contains(secret),
+                "{cli:?}"
+            );
+        }
+    }
+
+    // Deleted: the plugin's REGION falls back to the default, its API_KEY to the user-wide one.
+    let deleted = up
+        .cli(&[
+            "credentials",
+            "delete",
+            "--user",
+            "alice",
+            "--tool-id",
+            "creds-a",
+            "REGION",
+            "API_KEY",
+            "NEVER_SET",
+        ])
+        .ok();
+    assert_eq!(deleted["deleted"], json!(["REGION", "API_KEY"]));
+    assert_eq!(
+        received(&up, "alice", "creds-a")["received"],
+        hashes(&[("API_KEY", user_key), ("REGION", "eu-west")])
+    );
+    up.cli(&["credentials", "delete", "--user", "alice", "API_KEY"])
+        .ok();
+    assert_eq!(invoke_err(&up, "alice").err_code(), "permission_denied");
+    up.cli(&[
+        "credentials",
+        "set",
+        "--user",
+        "alice",
+        &format!("API_KEY={user_key}"),
+    ])
+    .ok();
+
+    // Rotation: a new first key in the keyring (mode 0600), every record rewrapped under it, values unchanged.
+    let keyring = up.data_dir.join("credentials.keys");
+    let rotated = up.cli(&["credentials", "rotate-key"]).ok();
+    let new_kid = rotated["key_id"].as_str().unwrap().to_owned();
+    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&keyring).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600);
+    let rewrapped = up.cli(&["credentials", "rewrap"]).ok();
+    assert_eq!(rewrapped["key_id"], new_kid.as_str());
+    assert_eq!(rewrapped["records"], 1, "{rewrapped}");
+    assert_eq!(rewrapped["rewrapped"], 1, "{rewrapped}");
+    assert_eq!(up.cli(&["credentials", "rewrap"]).ok()["rewrapped"], 0);
+    assert_eq!(
+        received(&up, "alice", "creds-a")["received"],
+        hashes(&[("API_KEY", user_key), ("REGION", "eu-west")])
+    );
+
+    // A user-wide value wins over the manifest default too (creds-b has no value of its own).
+    up.cli(&[
+        "credentials",
+        "set",
+        "--user",
+        "alice",
+        &format!("REGION={region}"),
+    ])
+    .ok();
+    assert_eq!(
+        received(&up, "alice", "creds-b")["received"],
+        hashes(&[("API_KEY", user_key), ("REGION", region)])
+    );
+
+    // A keyring that lost the record's key (rotated again, the old lines dropped before a rewrap): the invoke is
+    // refused as retriable, naming no value.
+    up.cli(&["credentials", "rotate-key"]).ok();
+    let text = std::fs::read_to_string(&keyring).unwrap();
+    let newest = text.lines().find(|l| !l.starts_with('#')).unwrap().to_owned();
+    std::fs::write(&keyring, format!("{newest}\n")).unwrap();
+    let lost = invoke_err(&up, "alice");
+    assert_eq!(lost.err_code(), "executa_unavailable", "{lost:?}");
+    assert!(
+        lost.stdout.contains(&new_kid),
+        "the error names the missing key id: {lost:?}"
+    );
+    for secret in secrets {
+        assert!(
+            !lost.stdout.contains(secret) && !lost.stderr.contains(secret),
+            "{lost:?}"
+        );
+    }
+
+    // No value in fleet up's logs (debug level) or anywhere on disk in plaintext (JetStream's files included).
+    let logs = format!("{}\n{}", up.stderr(), up.lines().join("\n"));
+    assert!(logs.contains("\"level\":\"INFO\""), "the logs were captured");
+    for secret in secrets {
+        assert!(!logs.contains(secret), "a credential value in fleet up's logs");
+    }
+    let key_file_text = std::fs::read_to_string(&key_file).unwrap();
+    for file in files_under(&up.data_dir) {
+        let bytes = std::fs::read(&file).unwrap_or_default();
+        let text = String::from_utf8_lossy(&bytes);
+        for secret in secrets {
+            assert!(
+                !text.contains(secret),
+                "{} holds a credential in plaintext",
+                file.display()
+            );
+        }
+    }
+    assert!(
+        key_file_text.contains(tool_key),
+        "the test's own value file is outside the data dir"
+    );
+    let status = up.interrupt();
+    assert!(status.success(), "{status}");
 }
 
 /// The churn issue: `fleet up` owns its children. Killed with SIGKILL (no chance to clean up), it takes its

@@ -379,13 +379,30 @@ fn chart_lints_renders_validates_and_has_the_key_fields() {
 /// fronts): a generated, kept Secret by default, the operator's Secret when named; the services TOML and the LLM
 /// key are mounted only when configured.
 #[test]
-fn front_and_worker_share_the_link_signing_key_and_the_services_config() {
+fn front_and_worker_share_the_link_signing_key_the_credentials_keyring_and_the_services_config() {
+    use base64::Engine as _;
     let (out, _) = validate();
     let objs = objects(out.path(), "default");
     let secret = find(&objs, "Secret", "-links");
     assert_eq!(
         secret["metadata"]["annotations"]["helm.sh/resource-policy"],
         "keep"
+    );
+    // The credentials keyring: generated once with one key `<kid> <64 hex digits>`, kept on uninstall.
+    let keyring = find(&objs, "Secret", "-credentials-keyring");
+    assert_eq!(
+        keyring["metadata"]["annotations"]["helm.sh/resource-policy"],
+        "keep"
+    );
+    let text = base64::engine::general_purpose::STANDARD
+        .decode(keyring["data"]["keyring"].as_str().unwrap())
+        .unwrap();
+    let text = String::from_utf8(text).unwrap();
+    let fields: Vec<&str> = text.split_whitespace().collect();
+    assert_eq!(fields.len(), 2, "one key line");
+    assert!(
+        fields[1].len() == 64 && fields[1].chars().all(|c| c.is_ascii_hexdigit()),
+        "a 256-bit key in hex"
     );
     for deployment in ["-front", "-worker"] {
         let d = find(&objs, "Deployment", deployment);
@@ -398,9 +415,21 @@ fn front_and_worker_share_the_link_signing_key_and_the_services_config() {
             !args(c).iter().any(|a| a.starts_with("--services-config")),
             "{deployment}"
         );
+        assert!(
+            args(c).contains(&"--credentials-key-file=/var/run/cloud-agents/credentials/credentials.keys"),
+            "{deployment}"
+        );
         let volumes = d["spec"]["template"]["spec"]["volumes"].as_array().unwrap();
         let link = volumes.iter().find(|v| v["name"] == "link-key").unwrap();
         assert_eq!(link["secret"]["secretName"], secret["metadata"]["name"]);
+        assert_eq!(
+            volume(d, "credentials-keyring")["secret"]["secretName"],
+            keyring["metadata"]["name"]
+        );
+        assert_eq!(
+            mount(c, "credentials-keyring")["mountPath"],
+            "/var/run/cloud-agents/credentials"
+        );
     }
     let objs = objects(out.path(), "production-hpa");
     for deployment in ["-front", "-worker"] {
@@ -415,6 +444,11 @@ fn front_and_worker_share_the_link_signing_key_and_the_services_config() {
             "the operator's Secret"
         );
         assert!(volumes.iter().any(|v| v["name"] == "llm-api-key"));
+        assert_eq!(
+            volume(d, "credentials-keyring")["secret"]["secretName"],
+            "cloud-agents-credentials-keyring",
+            "the operator's Secret"
+        );
     }
     let config = find(&objs, "ConfigMap", "-services");
     assert!(

@@ -12,6 +12,7 @@ use fleet::nats_server::NatsServer;
 use fleet_proto::executa::reverse::family_of;
 use fleet_proto::jsonrpc::ErrorObject;
 use fleet_proto::util::now_ms;
+use fleet_services::credentials::Keyring;
 use fleet_services::files::{HostObjects, LinkSigner};
 use fleet_services::kv::StorageConfig;
 use fleet_services::{FleetServices, ServicesConfig};
@@ -85,6 +86,7 @@ async fn env_with(quota_bytes: Option<u64>, absolute: bool) -> Env {
         &settings,
         &config,
         LinkSigner::new(SECRET),
+        Keyring::fixed(&[("k1", [7; 32])]),
     ))
     .await
     .expect("services (front)");
@@ -97,6 +99,7 @@ async fn env_with(quota_bytes: Option<u64>, absolute: bool) -> Env {
         &worker_settings,
         &config,
         LinkSigner::new(SECRET),
+        Keyring::fixed(&[("k1", [7; 32])]),
     ))
     .await
     .expect("services (worker)");

@@ -9,6 +9,7 @@ use fleet_e2e::fake_llm::{CHAT, EMBEDDINGS, FakeLlm};
 use fleet_proto::executa::reverse::family_of;
 use fleet_proto::jsonrpc::ErrorObject;
 use fleet_proto::util::now_ms;
+use fleet_services::credentials::Keyring;
 use fleet_services::files::LinkSigner;
 use fleet_services::llm::{LlmConfig, ModelConfig};
 use fleet_services::{FleetServices, ServicesConfig};
@@ -69,6 +70,7 @@ async fn env_with(configure: impl FnOnce(LlmConfig) -> Option<LlmConfig>) -> Env
         &StoreSettings::default(),
         &config,
         LinkSigner::new(b"host-services-llm-test-link-secret"),
+        Keyring::fixed(&[("k1", [7; 32])]),
     ))
     .await
     .expect("services");

@@ -165,6 +165,14 @@ async fn worker_credentials_cannot_write_grants_plugins_or_admin_subjects() {
     )
     .await
     .unwrap();
+    // The credentials bucket, as a front creates it.
+    fleet_services::credentials::CredentialStore::open(
+        &async_nats::jetstream::new(c.client.clone()),
+        c.store.settings(),
+        fleet_services::credentials::Keyring::fixed(&[("k1", [1; 32])]),
+    )
+    .await
+    .unwrap();
     let (worker, mut rx) = watched(&c.nats.connector(Role::Worker), "worker-probe").await;
     for subject in [
         "fleet.v1.admin.grants.set",
@@ -173,6 +181,8 @@ async fn worker_credentials_cannot_write_grants_plugins_or_admin_subjects() {
         "$KV.fleet_plugins.x",
         "$O.fleet_plugin_packages.C.x",
         "$KV.fleet_app_creds.x",
+        "$KV.fleet_credentials.x",
+        "fleet.v1.admin.credentials.set",
         "$JS.API.STREAM.CREATE.KV_fleet_evil",
         "$JS.API.STREAM.UPDATE.KV_fleet_jobs",
         "$JS.API.STREAM.DELETE.KV_fleet_jobs",
@@ -194,6 +204,12 @@ async fn worker_credentials_cannot_write_grants_plugins_or_admin_subjects() {
     assert_eq!(jobs.get("trust.probe").await.unwrap().unwrap(), "v");
     let grants = js.get_key_value("fleet_grants").await.expect("grants bucket");
     assert!(grants.get("nobody").await.unwrap().is_none());
+    // A worker reads the users' sealed credentials (at each invoke) and cannot change them.
+    let credentials = js
+        .get_key_value("fleet_credentials")
+        .await
+        .expect("credentials bucket");
+    assert!(credentials.get("nobody").await.unwrap().is_none());
     c.shutdown().await;
 }
 

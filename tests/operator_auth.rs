@@ -62,8 +62,38 @@ async fn a_user_token_claiming_operator_is_refused_by_every_admin_api() {
     let creds_api = fleet::creds::serve_admin(c.client.clone(), issuer.clone(), c.operator_verifier())
         .await
         .unwrap();
+    let credentials = fleet_services::credentials::CredentialStore::open(
+        &js,
+        c.store.settings(),
+        fleet_services::credentials::Keyring::fixed(&[("k1", [3; 32])]),
+    )
+    .await
+    .unwrap();
+    let credentials_api =
+        fleet::credentials::serve_admin(c.client.clone(), credentials.clone(), c.operator_verifier())
+            .await
+            .unwrap();
+    // A JetStream round trip on the services' connection: the server has processed their subscriptions (a flush
+    // only writes them out; the operator's request comes on another connection).
+    async_nats::jetstream::new(c.client.clone())
+        .query_account()
+        .await
+        .expect("a JetStream API round trip");
+    use fleet_proto::admin::credentials as user_creds;
 
     let calls: Vec<(&str, &str, Value)> = vec![
+        (
+            user_creds::AREA,
+            user_creds::SET,
+            json!({ "user": "victim", "values": { "API_KEY": "planted" } }),
+        ),
+        (user_creds::AREA, user_creds::LIST, json!({ "user": "victim" })),
+        (
+            user_creds::AREA,
+            user_creds::DELETE,
+            json!({ "user": "victim", "names": ["API_KEY"] }),
+        ),
+        (user_creds::AREA, user_creds::REWRAP, json!({})),
         (
             fleet_proto::admin::creds::AREA,
             fleet_proto::admin::creds::ISSUE,
@@ -140,6 +170,15 @@ async fn a_user_token_claiming_operator_is_refused_by_every_admin_api() {
         issuer.list().await.unwrap().is_empty(),
         "no credential was issued"
     );
+    assert!(
+        credentials
+            .list("victim", None)
+            .await
+            .unwrap()
+            .credentials
+            .is_empty(),
+        "no user credential was set"
+    );
 
     // The operator's own token passes (a read is enough to show it), and is no user token.
     let ops = c.operator_token();
@@ -158,5 +197,6 @@ async fn a_user_token_claiming_operator_is_refused_by_every_admin_api() {
     grants_api.abort();
     plugins_api.abort();
     creds_api.abort();
+    credentials_api.abort();
     c.shutdown().await;
 }

@@ -7,8 +7,8 @@
 //! - jobs: [`dispatch`] (rendezvous ranking, front ↔ worker requests, retries, cancel), [`membership`] (the live
 //!   workers, pushed by a KV watch), [`node`] (a worker's NATS side), [`sweeper`] (expiry, lost workers, waiting
 //!   jobs);
-//! - operators: [`operator`] (serving plumbing of `fleet.v1.admin.*`), [`grants`], [`creds`] (app NATS
-//!   credentials), [`plugins`] (distribution: packages, records, install on workers);
+//! - operators: [`operator`] (serving plumbing of `fleet.v1.admin.*`), [`grants`], [`credentials`] (users'
+//!   plugin credentials), [`creds`] (app NATS credentials), [`plugins`] (distribution: packages, records, install on workers);
 //! - NATS trust: [`nats_auth`] (operator-mode material, the role table, exec seals), [`nats_server`];
 //! - the binary's commands: [`up`], [`worker_cmd`], [`client_cmd`], [`probe`], [`replay`] (the plugin developer's
 //!   harness: `fleet replay`, `fleet fixture verify|summarize`); [`metrics`], [`telemetry`].
@@ -19,6 +19,7 @@
 #![forbid(unsafe_code)]
 
 pub mod client_cmd;
+pub mod credentials;
 pub mod creds;
 pub mod dispatch;
 pub mod exec_answer;

@@ -59,6 +59,12 @@ enum Cmd {
     /// user and plugin; with neither --allow nor --revoke, print the grant. An operator action (the dev key
     /// of --data-dir mints an operator token when --token is absent).
     Grant(fleet::grants::GrantArgs),
+    /// Users' plugin credentials (operator): set, list (names only), delete; rotate-key and rewrap the keyring
+    /// that encrypts them at rest. Values reach plugins only in `params.context.credentials`.
+    Credentials {
+        #[command(subcommand)]
+        command: fleet::credentials::CredentialsCmd,
+    },
     /// App NATS credentials (operator): issue, list, revoke — without restarting NATS.
     Creds {
         #[command(subcommand)]
@@ -292,6 +298,7 @@ async fn run() -> ExitCode {
         Cmd::Grant(args) => print_outcome(fleet::grants::run_grant(&args).await),
         Cmd::Plugins { command } => print_outcome(fleet::plugins::cli::run(&command).await),
         Cmd::Creds { command } => print_outcome(fleet::creds::run(&command).await),
+        Cmd::Credentials { command } => print_outcome(fleet::credentials::run(&command).await),
         Cmd::NatsAuth { command } => match fleet::nats_auth::cli::run(&command) {
             Ok(v) => print_outcome(Ok(v)),
             Err(e) => {

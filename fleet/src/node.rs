@@ -752,6 +752,13 @@ fn failure(e: &PoolError, timeout_ms: u64, requested_ms: Option<u64>) -> ApiErro
         PoolError::Invoke(InvokeError::UnknownTool { tool, .. }) => {
             ApiError::invalid_arg("method", format!("the plugin has no tool {tool:?}"))
         }
+        // Spec §4.2: "the plugin won't be enabled until required keys are set". The spec names no code; the
+        // plugin is not available to this user until an operator sets them (docs/api.md).
+        PoolError::Invoke(InvokeError::CredentialsRequired { missing }) => ApiError::with_details(
+            ApiErrorCode::PermissionDenied,
+            message,
+            json!({ "reason": "credentials_required", "missing": missing, "retriable": false }),
+        ),
         PoolError::Invoke(InvokeError::FrameTooLarge {
             frame_bytes,
             max_frame_bytes,

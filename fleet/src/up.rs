@@ -460,6 +460,13 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     )
     .await
     .map_err(|e| other("operator API")(&e))?;
+    let credentials_api = crate::credentials::serve_admin(
+        client.clone(),
+        services.credential_store().clone(),
+        operator_verifier.clone(),
+    )
+    .await
+    .map_err(|e| other("credentials API")(&e))?;
     let plugins_api = crate::plugins::service::serve(
         client.clone(),
         plugin_store,
@@ -517,6 +524,9 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     say(
         "plugins       fleet.v1.admin.plugins.* (operator): fleet plugins install SOURCE | list | remove | describe",
     );
+    say(
+        "credentials   fleet.v1.admin.credentials.* (operator): fleet credentials set --user U [--tool-id T] NAME=VALUE | list | delete",
+    );
     if dev.is_active() || !args.dev.dev_modes.is_empty() {
         let families: Vec<String> = fleet_services::dev::DevFamily::ALL
             .iter()
@@ -561,6 +571,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     }
     tracing::info!(step = "http", "stopping: the HTTP gateway has stopped");
     admin.abort();
+    credentials_api.abort();
     plugins_api.abort();
     if let Some(task) = creds_api {
         task.abort();

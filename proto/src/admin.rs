@@ -10,6 +10,10 @@
 //! | `fleet.v1.admin.plugins.list` | `{}` | `{plugins: [`[`plugins::PluginRecord`]`]}` | `agent_unavailable` |
 //! | `fleet.v1.admin.plugins.remove` | [`plugins::RemoveArgs`] | [`plugins::Removed`] | `not_found`, `invalid_arg`, `agent_unavailable` |
 //! | `fleet.v1.admin.plugins.describe` | [`plugins::DescribeArgs`] | `{plugin: `[`plugins::PluginRecord`]`, manifest: <described manifest or null>}` | `not_found`, `agent_unavailable` |
+//! | `fleet.v1.admin.credentials.set` | [`credentials::SetArgs`] | [`credentials::Listed`] (the names now stored in that scope; never values) | `invalid_arg` (bad user, tool id, name or value, a record over its cap), `internal_error` (the bucket, the keyring) |
+//! | `fleet.v1.admin.credentials.list` | [`credentials::ListArgs`] | [`credentials::Listed`] | as `set` |
+//! | `fleet.v1.admin.credentials.delete` | [`credentials::DeleteArgs`] | [`credentials::Deleted`] | as `set` |
+//! | `fleet.v1.admin.credentials.rewrap` | `{}` | [`credentials::Rewrapped`] | `internal_error` (a record no key of the keyring opens, the bucket) |
 //! | `fleet.v1.admin.creds.issue` | [`creds::NameArgs`] | [`creds::Issued`] | `invalid_arg` (bad name, an active credential of that name), `internal_error` |
 //! | `fleet.v1.admin.creds.list` | `{}` | [`creds::Listed`] | `internal_error` |
 //! | `fleet.v1.admin.creds.revoke` | [`creds::NameArgs`] | [`creds::Revoked`] | `not_found`, `internal_error` |
@@ -26,7 +30,7 @@ use crate::api::{ApiError, ApiErrorCode};
 /// Subject prefix of the operator API.
 pub const ADMIN_PREFIX: &str = "fleet.v1.admin";
 
-/// The queue group of the grants and creds areas (any front answers).
+/// The queue group of the grants, credentials and creds areas (any front answers).
 pub const ADMIN_QUEUE_GROUP: &str = "fleet-api-admin";
 
 /// The subject of `area`'s `method`, e.g. `fleet.v1.admin.grants.set`.
@@ -369,6 +373,134 @@ pub mod plugins {
     }
 }
 
+/// `fleet.v1.admin.credentials.*`: per-user plugin credentials (spec §4.2), which the fleet injects into
+/// `params.context.credentials`. Values go in (`set`) and never come back out: every answer names credentials
+/// and their scope only.
+pub mod credentials {
+    use std::collections::BTreeMap;
+    use std::fmt;
+
+    use serde::{Deserialize, Serialize};
+
+    /// The area (`fleet.v1.admin.credentials.*`).
+    pub const AREA: &str = "credentials";
+    /// `set`: [`SetArgs`] → [`Listed`].
+    pub const SET: &str = "set";
+    /// `list`: [`ListArgs`] → [`Listed`].
+    pub const LIST: &str = "list";
+    /// `delete`: [`DeleteArgs`] → [`Deleted`].
+    pub const DELETE: &str = "delete";
+    /// `rewrap`: `{}` → [`Rewrapped`].
+    pub const REWRAP: &str = "rewrap";
+
+    /// Longest credential name (`[A-Za-z_][A-Za-z0-9_]*`; the spec asks for `UPPER_SNAKE_CASE`).
+    pub const NAME_MAX_CHARS: usize = 128;
+    /// Largest credential value, in bytes (UTF-8).
+    pub const VALUE_MAX_BYTES: usize = 16 * 1024;
+    /// Most names in one `set` or `delete`.
+    pub const NAMES_PER_CALL_MAX: usize = 64;
+
+    /// The scope of a credential: user-wide (every plugin of the user that declares the name) or one plugin's.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+    #[serde(rename_all = "snake_case")]
+    pub enum Scope {
+        /// Every plugin of the user.
+        User,
+        /// One plugin (`tool_id`): wins over a user-wide value of the same name.
+        Tool,
+    }
+
+    /// `credentials.set`: stores `values` for `user`, for one plugin when `tool_id` is given, else user-wide.
+    /// `Debug` never prints the values.
+    #[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct SetArgs {
+        /// The user.
+        pub user: String,
+        /// The plugin (absent: user-wide).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub tool_id: Option<String>,
+        /// Name → value. Secrets.
+        pub values: BTreeMap<String, String>,
+    }
+
+    impl fmt::Debug for SetArgs {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.debug_struct("SetArgs")
+                .field("user", &self.user)
+                .field("tool_id", &self.tool_id)
+                .field("values", &self.values.keys().collect::<Vec<_>>())
+                .finish()
+        }
+    }
+
+    /// `credentials.list`: the user's credentials; with `tool_id`, those an invoke of that plugin could receive
+    /// (its own and the user-wide ones).
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct ListArgs {
+        /// The user.
+        pub user: String,
+        /// The plugin (absent: every scope).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub tool_id: Option<String>,
+    }
+
+    /// `credentials.delete`: removes `names` from one scope (the plugin's when `tool_id` is given, else the
+    /// user-wide one). A name not stored is not an error: [`Deleted::deleted`] lists those that were.
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct DeleteArgs {
+        /// The user.
+        pub user: String,
+        /// The plugin (absent: user-wide).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub tool_id: Option<String>,
+        /// The names.
+        pub names: Vec<String>,
+    }
+
+    /// One stored credential, as listed: never its value.
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct Entry {
+        /// The name.
+        pub name: String,
+        /// User-wide or one plugin's.
+        pub scope: Scope,
+        /// The plugin, for [`Scope::Tool`].
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub tool_id: Option<String>,
+        /// Last set, Unix ms.
+        pub updated_at_ms: u64,
+    }
+
+    /// What `set` and `list` answer.
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct Listed {
+        /// The user.
+        pub user: String,
+        /// The credentials, by scope (user-wide first), tool id and name.
+        pub credentials: Vec<Entry>,
+    }
+
+    /// What `delete` answers.
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct Deleted {
+        /// The user.
+        pub user: String,
+        /// The names that were stored in that scope and are gone.
+        pub deleted: Vec<String>,
+    }
+
+    /// What `rewrap` answers.
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct Rewrapped {
+        /// The key id every record is now wrapped with (the keyring's first key).
+        pub key_id: String,
+        /// Users' records seen.
+        pub records: u64,
+        /// Records whose data key was wrapped again (they were under an older key).
+        pub rewrapped: u64,
+    }
+}
+
 /// `fleet.v1.admin.creds.*`: app NATS credentials, issued and revoked while the fleet runs.
 pub mod creds {
     use std::collections::BTreeMap;
@@ -477,6 +609,24 @@ mod tests {
         assert!(set.allow.is_empty() && set.revoke.is_empty());
         let name: creds::NameArgs = parse_args(br#"{"name":"billing","x":true}"#).expect("name");
         assert_eq!(name.name, "billing");
+    }
+
+    #[test]
+    fn credentials_set_debug_redacts_the_values() {
+        let set = credentials::SetArgs {
+            user: "u".into(),
+            tool_id: None,
+            values: [("API_KEY".to_owned(), "sk-SECRET".to_owned())].into(),
+        };
+        let shown = format!("{set:?}");
+        assert!(
+            shown.contains("API_KEY") && !shown.contains("sk-SECRET"),
+            "{shown}"
+        );
+        assert_eq!(
+            subject(credentials::AREA, credentials::REWRAP),
+            "fleet.v1.admin.credentials.rewrap"
+        );
     }
 
     #[test]

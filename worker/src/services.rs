@@ -69,11 +69,40 @@ pub struct TokenRequest {
 /// The boxed future a token source returns.
 pub type TokenFuture = Pin<Box<dyn Future<Output = InvokeTokens> + Send>>;
 
-/// Mints the per-invoke tokens. Implemented by the fleet (it looks the user's grant up, which is I/O); the
-/// worker withholds, in any case, every token whose capability the plugin did not negotiate.
+/// The user's stored credentials could not be read (the store, the keyring): the invoke does not run. The
+/// message names no value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct CredentialsUnavailable(pub String);
+
+/// The values a credential source found, by name. Secrets: `Debug` prints the names only.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct CredentialValues(pub Map<String, Value>);
+
+impl fmt::Debug for CredentialValues {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_set().entries(self.0.keys()).finish()
+    }
+}
+
+/// The boxed future a credential lookup returns.
+pub type CredentialFuture =
+    Pin<Box<dyn Future<Output = Result<CredentialValues, CredentialsUnavailable>> + Send>>;
+
+/// Mints the per-invoke tokens and looks up the user's credentials. Implemented by the fleet (it looks the
+/// user's grant and credentials up, which is I/O); the worker withholds, in any case, every token whose
+/// capability the plugin did not negotiate, and passes only the credentials the manifest declares.
 pub trait TokenSource: Send + Sync + fmt::Debug {
     /// The tokens for one invoke.
     fn tokens(&self, request: TokenRequest) -> TokenFuture;
+
+    /// The stored values of `names` (the manifest's `credentials[].name`) for an invoke of `tool_id` by `user`
+    /// (spec §4.2): a name with no stored value is absent (the worker applies the manifest's default and
+    /// `required`). Called only for plugins that declare credentials. The default stores nothing.
+    fn credentials(&self, user: &str, tool_id: &str, names: &[String]) -> CredentialFuture {
+        let _ = (user, tool_id, names);
+        Box::pin(async { Ok(CredentialValues::default()) })
+    }
 }
 
 /// No tokens, ever.

@@ -93,6 +93,16 @@ pub enum InvokeError {
     /// The answer was not an `InvokeResult`.
     #[error("the plugin's result is unreadable: {0}")]
     Unreadable(String),
+    /// The manifest declares `required` credentials that have no value for this user and no default (spec
+    /// §4.2: "the plugin won't be enabled until required keys are set"); the invoke was not sent.
+    #[error("the plugin requires credentials the user has not set: {}", missing.join(", "))]
+    CredentialsRequired {
+        /// The names without a value.
+        missing: Vec<String>,
+    },
+    /// The user's stored credentials could not be read; the invoke was not sent.
+    #[error("the user's credentials cannot be read: {0}")]
+    CredentialsUnavailable(String),
     /// An Animus plugin answered a JSON-RPC error, classified by the Animus table (host → plugin direction,
     /// `fleet_proto::animus::classify_run_error`); never a sign of a dead process.
     #[error("the Animus plugin answered {error} ({})", class.as_str())]
@@ -122,6 +132,8 @@ impl InvokeError {
             InvokeError::FileTransport(_) => "file_transport",
             InvokeError::Unreadable(_) => "unreadable",
             InvokeError::Animus { .. } => "animus_error",
+            InvokeError::CredentialsRequired { .. } => "credentials_required",
+            InvokeError::CredentialsUnavailable(_) => "credentials_unavailable",
         }
     }
 }

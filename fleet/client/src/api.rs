@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use fleet_proto::admin::{self, creds, grants, plugins};
+use fleet_proto::admin::{self, credentials, creds, grants, plugins};
 use fleet_proto::api::{
     ApiError, ApiErrorCode, ApiResponse, CancelJobArgs, CancelJobResult, GetJobArgs, InvokeArgs,
     InvokeAsyncArgs, InvokeAsyncResult, InvokePayload, JobQuotaDetails, JobSnapshot, ListJobsArgs,
@@ -549,6 +549,42 @@ impl ApiClient {
         wait: Duration,
     ) -> Result<grants::Grant, CallError> {
         self.operator(grants::AREA, grants::GET, args, wait).await
+    }
+
+    /// `admin.credentials.set`: the names now stored in that scope (never values).
+    pub async fn credentials_set(
+        &self,
+        args: &credentials::SetArgs,
+        wait: Duration,
+    ) -> Result<credentials::Listed, CallError> {
+        self.operator(credentials::AREA, credentials::SET, args, wait)
+            .await
+    }
+
+    /// `admin.credentials.list`: the user's credentials, names and scopes only.
+    pub async fn credentials_list(
+        &self,
+        args: &credentials::ListArgs,
+        wait: Duration,
+    ) -> Result<credentials::Listed, CallError> {
+        self.operator(credentials::AREA, credentials::LIST, args, wait)
+            .await
+    }
+
+    /// `admin.credentials.delete`: the names that were removed.
+    pub async fn credentials_delete(
+        &self,
+        args: &credentials::DeleteArgs,
+        wait: Duration,
+    ) -> Result<credentials::Deleted, CallError> {
+        self.operator(credentials::AREA, credentials::DELETE, args, wait)
+            .await
+    }
+
+    /// `admin.credentials.rewrap`: every record wrapped under the keyring's first key.
+    pub async fn credentials_rewrap(&self, wait: Duration) -> Result<credentials::Rewrapped, CallError> {
+        self.operator(credentials::AREA, credentials::REWRAP, &json!({}), wait)
+            .await
     }
 
     /// `admin.creds.issue`: a new app credential (its `.creds` text is a secret).

@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
+use super::credentials::{KEYRING_FILE, Keyring};
 use super::dev::DevSettings;
 use super::files::LinkSigner;
 use super::{FleetServices, ServicesConfig, ServicesError};
@@ -25,6 +26,11 @@ pub struct ServicesArgs {
     /// process must share it. Default: `<data-dir>/link-signing-key`, created on first use.
     #[arg(long, env = "FLEET_LINK_SIGNING_KEY_FILE")]
     pub link_signing_key_file: Option<PathBuf>,
+    /// The keyring that encrypts the users' plugin credentials at rest: `<key id> <64 hex digits>` per line, the
+    /// first key wraps, every key unwraps (`fleet credentials rotate-key` prepends one). Fronts and workers must
+    /// share it. Default: `<data-dir>/credentials.keys`, created (mode 0600) on first use.
+    #[arg(long, env = "FLEET_CREDENTIALS_KEY_FILE")]
+    pub credentials_key_file: Option<PathBuf>,
 }
 
 impl ServicesArgs {
@@ -55,6 +61,16 @@ impl ServicesArgs {
         Ok(LinkSigner::new(&secret))
     }
 
+    /// The credentials keyring: `--credentials-key-file` (which must exist), else `<data_dir>/credentials.keys`
+    /// (created).
+    pub fn keyring(&self, data_dir: &Path) -> Result<Keyring, ServicesError> {
+        match &self.credentials_key_file {
+            Some(path) => Keyring::load(path),
+            None => Keyring::load_or_create(&data_dir.join(KEYRING_FILE)),
+        }
+        .map_err(|e| ServicesError::Config(e.to_string()))
+    }
+
     /// Opens the services on `js`, with `default_public_url` when neither the file nor the flag sets one.
     pub async fn open(
         &self,
@@ -81,6 +97,7 @@ impl ServicesArgs {
             config.public_url = default_public_url;
         }
         let links = self.link_signer(data_dir)?;
-        Box::pin(FleetServices::open(js, settings, &config, links)).await
+        let keyring = self.keyring(data_dir)?;
+        Box::pin(FleetServices::open(js, settings, &config, links, keyring)).await
     }
 }

@@ -13,6 +13,9 @@
 //!   a missing or bad token is the family's not-granted error; then the family's service answers;
 //! * **forgetting** (invoke end): the budget and every trace of the tokens are dropped (spec §11 HR-JW-01).
 //!
+//! [`credentials`] keeps the users' plugin credentials, sealed; as the token source, the services resolve them
+//! at each invoke of a plugin that declares some (spec §4.2).
+//!
 //! Each family of the developer mode matrix ([`dev`]: sampling, embeddings, agent, storage, image, upload) is
 //! `off` (not offered, its "off" code), `mock` (answered by [`mock`] from F3 entries — after the same token,
 //! grant, validation and budget checks as a real upstream) or `real`. `image/*` and `agent/*` have no real
@@ -21,6 +24,7 @@
 
 pub mod args;
 pub mod budget;
+pub mod credentials;
 pub mod dev;
 pub mod files;
 pub mod grants;
@@ -41,11 +45,12 @@ use fleet_proto::executa::reverse::{
 };
 use fleet_proto::jsonrpc::ErrorObject;
 use fleet_worker::services::{
-    HostServices, InvokeTokens, ReverseCall, ServiceFuture, TokenFuture, TokenRequest, TokenSource,
-    sampling_offer,
+    CredentialFuture, CredentialValues, CredentialsUnavailable, HostServices, InvokeTokens, ReverseCall,
+    ServiceFuture, TokenFuture, TokenRequest, TokenSource, sampling_offer,
 };
 use serde_json::{Map, Value};
 
+use crate::credentials::{CredentialStore, Keyring};
 use crate::dev::{DevFamily, DevMode};
 use crate::grants::GrantStore;
 use fleet_proto::admin::grants::Grant;
@@ -151,6 +156,7 @@ pub struct FleetServices {
 struct Inner {
     minter: TokenMinter,
     grants: GrantStore,
+    credentials: CredentialStore,
     budgets: DashMap<String, Arc<InvokeBudget>>,
     llm: Option<llm::LlmService>,
     kv: kv::KvService,
@@ -163,18 +169,22 @@ struct Inner {
 }
 
 impl FleetServices {
-    /// Opens every resource the services need.
+    /// Opens every resource the services need; `keyring` seals and opens the users' credentials.
     pub async fn open(
         js: &async_nats::jetstream::Context,
         settings: &fleet_store::StoreSettings,
         config: &ServicesConfig,
         links: files::LinkSigner,
+        keyring: Keyring,
     ) -> Result<FleetServices, ServicesError> {
         let modes = config
             .dev
             .resolve(dev::Upstreams::of(config))
             .map_err(|e| ServicesError::Config(e.to_string()))?;
         let grants = GrantStore::open(js, settings)
+            .await
+            .map_err(|e| ServicesError::Store(e.to_string()))?;
+        let credentials = CredentialStore::open(js, settings, keyring)
             .await
             .map_err(|e| ServicesError::Store(e.to_string()))?;
         let llm = match &config.llm {
@@ -190,6 +200,7 @@ impl FleetServices {
             inner: Arc::new(Inner {
                 minter: TokenMinter::new().map_err(|e| ServicesError::Config(e.to_string()))?,
                 grants,
+                credentials,
                 budgets: DashMap::new(),
                 llm,
                 kv,
@@ -209,6 +220,11 @@ impl FleetServices {
     /// The grants store.
     pub fn grants(&self) -> &GrantStore {
         &self.inner.grants
+    }
+
+    /// The users' credentials.
+    pub fn credential_store(&self) -> &CredentialStore {
+        &self.inner.credentials
     }
 
     /// The token minter (tests mint tampered tokens with it).
@@ -471,6 +487,29 @@ impl TokenSource for FleetServices {
     fn tokens(&self, request: TokenRequest) -> TokenFuture {
         let this = self.clone();
         Box::pin(async move { this.mint(request).await })
+    }
+
+    fn credentials(&self, user: &str, tool_id: &str, names: &[String]) -> CredentialFuture {
+        let this = self.clone();
+        let (user, tool_id, names) = (user.to_owned(), tool_id.to_owned(), names.to_vec());
+        Box::pin(async move {
+            let found = this
+                .inner
+                .credentials
+                .resolve(&user, &tool_id, &names)
+                .await
+                .map_err(|e| {
+                    // The error names the user and key id, never a value.
+                    tracing::warn!(tool_id = %tool_id, error = %e, "credentials lookup failed");
+                    CredentialsUnavailable(e.to_string())
+                })?;
+            Ok(CredentialValues(
+                found
+                    .into_iter()
+                    .map(|(name, value)| (name, Value::String(value.as_str().to_owned())))
+                    .collect(),
+            ))
+        })
     }
 }
 

@@ -123,6 +123,8 @@ pub const PLUGINS: Resource = kv("plugins");
 pub const PLUGIN_PACKAGES: Resource = objects("plugin_packages");
 /// Issued app credentials and revocations (the front's operator API only).
 pub const APP_CREDS: Resource = kv("app_creds");
+/// Per-user credentials, sealed (written by the operator API only; workers read them at each invoke).
+pub const CREDENTIALS: Resource = kv("credentials");
 /// APS storage KV.
 pub const APS_KV: Resource = kv("aps_kv");
 /// APS bytes per user.
@@ -139,7 +141,7 @@ pub const APS_STAGING: Resource = objects("aps_staging");
 pub const UPLOADS: Resource = objects("uploads");
 
 /// Every JetStream resource of the fleet.
-pub const RESOURCES: [Resource; 18] = [
+pub const RESOURCES: [Resource; 19] = [
     JOBS,
     ACTIVE,
     WORKERS,
@@ -151,6 +153,7 @@ pub const RESOURCES: [Resource; 18] = [
     PLUGINS,
     PLUGIN_PACKAGES,
     APP_CREDS,
+    CREDENTIALS,
     APS_KV,
     APS_USAGE,
     APS_FILES,
@@ -237,7 +240,7 @@ pub fn jetstream_access(role: Role) -> Vec<(Resource, Access)> {
             .map(|r| (*r, Access::Write))
             .collect();
             out.extend(
-                [GRANTS, PLUGINS, PLUGIN_PACKAGES, JOB_INDEX]
+                [GRANTS, PLUGINS, PLUGIN_PACKAGES, JOB_INDEX, CREDENTIALS]
                     .iter()
                     .map(|r| (*r, Access::Read)),
             );
@@ -311,8 +314,9 @@ pub fn for_role(role: Role, prefix: &str) -> Permissions {
             subscribe_allow.extend(strings(&[WORKER_EXEC, WORKER_CANCEL, MATRIX_CANCEL]));
             // Spelled out although outside the allow list: a worker never acts as a front or an operator.
             publish_deny.extend(strings(&[ADMIN_SUBJECTS, WORKER_SUBJECTS, API_SUBJECTS]));
-            publish_deny
-                .extend([GRANTS, PLUGINS, PLUGIN_PACKAGES, APP_CREDS].map(|r| r.data_subject(prefix)));
+            publish_deny.extend(
+                [GRANTS, PLUGINS, PLUGIN_PACKAGES, APP_CREDS, CREDENTIALS].map(|r| r.data_subject(prefix)),
+            );
             publish_deny.push("$JS.API.STREAM.CREATE.>".to_owned());
             publish_deny.push("$JS.API.STREAM.UPDATE.>".to_owned());
             publish_deny.push("$JS.API.STREAM.DELETE.>".to_owned());
@@ -488,6 +492,7 @@ mod tests {
                 (PLUGINS, kv(s.plugins_kv_config())),
                 (PLUGIN_PACKAGES, objects(s.plugin_packages_config())),
                 (APP_CREDS, kv(s.app_creds_kv_config())),
+                (CREDENTIALS, kv(s.credentials_kv_config())),
                 (APS_KV, kv(s.aps_kv_config(1024))),
                 (APS_USAGE, kv(s.aps_usage_kv_config())),
                 (APS_FILES, kv(s.aps_files_kv_config(1024))),

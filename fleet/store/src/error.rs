@@ -60,6 +60,10 @@ pub enum Op {
     ReadGrant,
     /// `GrantStore::edit` (fleet-services).
     EditGrant,
+    /// `CredentialStore`'s read of a user's record (fleet-services).
+    ReadCredentials,
+    /// `CredentialStore`'s edits (fleet-services).
+    EditCredentials,
     /// The storage service's per-user byte counter (fleet-services).
     StorageQuota,
     /// `PluginStore::edit` (fleet).
@@ -97,6 +101,8 @@ impl Op {
             Op::JobQueue => "job_queue",
             Op::ReadGrant => "read_grant",
             Op::EditGrant => "edit_grant",
+            Op::ReadCredentials => "read_credentials",
+            Op::EditCredentials => "edit_credentials",
             Op::StorageQuota => "storage_quota",
             Op::EditPlugin => "edit_plugin",
             Op::EditCredential => "edit_credential",

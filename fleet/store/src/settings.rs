@@ -17,6 +17,7 @@
 //! | `<prefix>_plugin_packages` | object store (fleet: plugin store) | `sha256-<hex>` → a plugin package | no `max_age`, file storage |
 //! | `<prefix>_app_creds` | KV (fleet: app credentials) | `<name>` → the issued credential's record (no secrets) | history 1, no `max_age`, `max_value_size` = 64 KiB |
 //! | `<prefix>_grants` | KV (fleet-services: grants) | `<user_key>.<hash of tool_id>` → the user's grant to a plugin | history 1, no `max_age`, `max_value_size` = 16 KiB, file storage |
+//! | `<prefix>_credentials` | KV (fleet-services: per-user credentials) | `<user_key>` → the user's credentials, sealed (a wrapped data key and AES-256-GCM ciphertexts) | history 1, no `max_age`, `max_value_size` = 256 KiB, file storage |
 //! | `<prefix>_aps_kv` | KV (fleet-services: `storage/*`) | `<user_key>.<scope>.<sha256(key)>` → a value's envelope | history 1, no `max_age`, `max_value_size` = 256 KiB + 64 KiB |
 //! | `<prefix>_aps_usage` | KV (fleet-services: storage quota) | `<user_key>` → the user's stored bytes | history 1, no `max_age`, `max_value_size` = 64 B |
 //! | `<prefix>_aps_files` | KV (fleet-services: `files/*`) | `f.<user_key>.<scope>.<sha256(path)>` → a file's index entry | history 1, no `max_age`, `max_value_size` = 16 KiB |
@@ -28,7 +29,7 @@
 //! Each is created (or a KV bucket or stream updated to these settings; an existing object store is kept as it
 //! is) by the process that opens it with [`Provision::Create`](super::Provision::Create), and attached to
 //! otherwise. `replicas` applies to every one; `storage` to every one but `<prefix>_plugins`,
-//! `<prefix>_plugin_packages` and `<prefix>_grants`, which keep JetStream's default, file storage. The job
+//! `<prefix>_plugin_packages`, `<prefix>_grants` and `<prefix>_credentials`, which keep JetStream's default, file storage. The job
 //! layer's KV buckets and the progress stream allow direct gets: reads are answered by any replica without a
 //! consumer, and batched direct gets (the job index, `listJobs`' records, the progress ring's slices) need
 //! nats-server ≥ 2.11.
@@ -95,6 +96,9 @@ pub const CRED_RECORD_MAX_BYTES: usize = 64 * KIB;
 
 /// Largest grant record of `<prefix>_grants`.
 pub const GRANT_MAX_BYTES: usize = 16 * KIB;
+
+/// Largest record of `<prefix>_credentials`: one user's sealed credentials, every scope.
+pub const CREDENTIALS_RECORD_MAX_BYTES: usize = 256 * KIB;
 
 /// Largest value of `<prefix>_aps_usage`: one user's stored bytes, in decimal digits.
 pub const APS_USAGE_MAX_BYTES: usize = 64;
@@ -316,6 +320,11 @@ impl StoreSettings {
         format!("{}_grants", self.prefix)
     }
 
+    /// `<prefix>_credentials`.
+    pub fn credentials_bucket(&self) -> String {
+        format!("{}_credentials", self.prefix)
+    }
+
     /// `<prefix>_aps_kv`.
     pub fn aps_kv_bucket(&self) -> String {
         format!("{}_aps_kv", self.prefix)
@@ -521,6 +530,19 @@ impl StoreSettings {
         }
     }
 
+    /// Per-user credentials (fleet-services' `credentials`), sealed. `storage` is not applied (file storage: they
+    /// are configuration, not cache).
+    pub fn credentials_kv_config(&self) -> kv::Config {
+        kv::Config {
+            bucket: self.credentials_bucket(),
+            description: "Cloud Agents: per-user plugin credentials (encrypted)".to_string(),
+            history: 1,
+            max_value_size: i32::try_from(CREDENTIALS_RECORD_MAX_BYTES).unwrap_or(i32::MAX),
+            num_replicas: self.replicas,
+            ..Default::default()
+        }
+    }
+
     /// The APS storage KV (`storage/*`), whose values are envelopes of at most `max_value` bytes (the services'
     /// value cap plus the envelope).
     pub fn aps_kv_config(&self, max_value: usize) -> kv::Config {
@@ -634,6 +656,14 @@ mod tests {
                     "Cloud Agents: user grants of host capabilities per plugin",
                 ),
                 (1, 16 * 1024, Duration::ZERO, 0, file),
+            ),
+            (
+                s.credentials_kv_config(),
+                (
+                    "p_credentials",
+                    "Cloud Agents: per-user plugin credentials (encrypted)",
+                ),
+                (1, 256 * 1024, Duration::ZERO, 0, file),
             ),
             (
                 s.aps_usage_kv_config(),

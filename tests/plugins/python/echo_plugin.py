@@ -23,13 +23,21 @@ opens its own TCP connection to the NATS port on 127.0.0.1, sends ``CONNECT`` wi
 the tool ``confine_probe {connect, pids, read, write}`` (``confine_probe.py`` beside this file: the attacks on
 the sandbox, shared with the Animus fixture).
 
-Run: ``python3 echo_plugin.py [--noop] [--services [--media]] [--hostile]``.
+``--credentials`` declares the credentials of the credentials tests instead of ``ECHO_API_KEY`` (spec §4.2):
+``API_KEY`` (required, no default), ``REGION`` (optional, default ``eu-west``) and ``OPTIONAL_TOKEN``
+(optional, no default), and adds the tool ``credentials``, which reports the names it received in
+``context.credentials`` with the SHA-256 of each value (never a value: the test compares digests of what it
+set), its pid, and whether any value it received is in its own environment.
+
+Run: ``python3 echo_plugin.py [--noop] [--services [--media]] [--hostile] [--credentials]``.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import itertools
+import os
 import json
 import socket
 import sys
@@ -180,6 +188,34 @@ def _nats_probe(port: int, paths: list) -> dict:
             files[p] = e.__class__.__name__
     out["files"] = files
     return out
+
+
+CREDENTIALS = "--credentials" in sys.argv[1:]
+
+if CREDENTIALS:
+    MANIFEST["credentials"] = [
+        {"name": "API_KEY", "display_name": "API key", "required": True, "sensitive": True},
+        {"name": "REGION", "required": False, "sensitive": False, "default": "eu-west"},
+        {"name": "OPTIONAL_TOKEN", "required": False, "sensitive": True},
+    ]
+    MANIFEST["tools"] = MANIFEST["tools"] + [
+        {
+            "name": "credentials",
+            "description": "Report the names of context.credentials with the SHA-256 of each value.",
+            "parameters": [],
+        }
+    ]
+
+
+def _credentials_report(context: dict) -> dict:
+    creds = context.get("credentials") if isinstance(context, dict) else None
+    creds = creds if isinstance(creds, dict) else {}
+    environ = "\0".join(f"{k}={v}" for k, v in os.environ.items())
+    return {
+        "received": {k: hashlib.sha256(str(v).encode()).hexdigest() for k, v in creds.items()},
+        "in_environment": [k for k, v in creds.items() if str(v) and str(v) in environ],
+        "pid": os.getpid(),
+    }
 
 
 if SERVICES:
@@ -337,6 +373,8 @@ def _run_tool(tool: str, args: dict, context: dict):
         return "ok", _reverse(method, params, context)
     if SERVICES and tool == "summarize_and_save":
         return _summarize_and_save(args, context)
+    if CREDENTIALS and tool == "credentials":
+        return "ok", _credentials_report(context)
     if MEDIA and tool == "host_offer":
         return "ok", _host_offer
     raise LookupError(tool)

@@ -746,6 +746,28 @@ impl AnimusHost {
                 available: mapping.tools.iter().map(|(d, _)| d.name.clone()).collect(),
             });
         };
+        // The user's stored credentials fill the names of `env_required` the caller did not give (spec §4.2).
+        let mut req = req;
+        let names = env_required(detected);
+        if !names.is_empty() {
+            match self
+                .inner
+                .ctx
+                .tokens
+                .credentials(&process.user, &process.tool_id, &names)
+                .await
+            {
+                Ok(found) => {
+                    for (name, value) in found.0 {
+                        req.credentials.entry(name).or_insert(value);
+                    }
+                }
+                Err(e) => {
+                    self.release(process);
+                    return Err(InvokeError::CredentialsUnavailable(e.0));
+                }
+            }
+        }
         let timeout = req.timeout.unwrap_or(limits::DEFAULT_INVOKE_TIMEOUT);
         let (method, params) = match self.params(process, detected, &route, &req, timeout) {
             Ok(x) => x,
@@ -841,17 +863,7 @@ impl AnimusHost {
                     return Err(invalid("`session_id` is for agent.resume".into()));
                 }
                 let workspace = process.workspace.display().to_string();
-                let env_required: Vec<String> = detected
-                    .manifest
-                    .as_ref()
-                    .and_then(|m| m.extra.get("env_required"))
-                    .and_then(Value::as_array)
-                    .map(|a| {
-                        a.iter()
-                            .filter_map(|e| e.get("name").and_then(Value::as_str).map(String::from))
-                            .collect()
-                    })
-                    .unwrap_or_default();
+                let env_required = env_required(detected);
                 let env: Map<String, Value> = req
                     .credentials
                     .iter()
@@ -1123,4 +1135,19 @@ impl Drop for Deregister {
     fn drop(&mut self) {
         lock(&self.host.inner.runs).remove(&self.invoke_id);
     }
+}
+
+/// The names of the Animus manifest's `env_required` (the credentials a provider receives in `env`).
+fn env_required(detected: &Detected) -> Vec<String> {
+    detected
+        .manifest
+        .as_ref()
+        .and_then(|m| m.extra.get("env_required"))
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(|e| e.get("name").and_then(Value::as_str).map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
 }

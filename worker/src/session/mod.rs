@@ -49,7 +49,7 @@ use crate::metrics::WorkerMetrics;
 pub use crate::progress;
 use crate::progress::ProgressGate;
 use crate::sandbox::{SandboxError, SessionCgroup};
-use crate::services::{HostServices, InvokeTokens, TokenRequest, TokenSource};
+use crate::services::{CredentialValues, HostServices, InvokeTokens, TokenRequest, TokenSource};
 use crate::types::output;
 pub use crate::types::{InvokeError, InvokeOutput, InvokeRequest, WorkerContext};
 
@@ -512,14 +512,28 @@ impl Session {
             declared: hs.manifest.host_capabilities.clone(),
             deadline_ms,
         };
-        let minted = shared.tokens.tokens(token_request.clone()).await;
+        // Tokens and the user's stored credentials in one round trip (no lookup when none is declared).
+        let names: Vec<String> = hs.manifest.credentials.iter().map(|c| c.name.clone()).collect();
+        let lookup = async {
+            if names.is_empty() {
+                Ok(CredentialValues::default())
+            } else {
+                shared
+                    .tokens
+                    .credentials(&shared.user, &shared.tool_id, &names)
+                    .await
+            }
+        };
+        let (minted, stored) = tokio::join!(shared.tokens.tokens(token_request.clone()), lookup);
+        let stored = stored.map_err(|e| InvokeError::CredentialsUnavailable(e.0))?;
+        let credentials = declared_credentials(&hs.manifest, &req.credentials, stored.0)?;
         let tokens = withhold(minted, hs);
         let mut arguments = req.arguments;
         tool.apply_defaults(&mut arguments);
         let context = InvokeContext {
             invoke_id: Some(req.invoke_id.clone()),
             deadline_ms: Some(deadline_ms),
-            credentials: declared_credentials(&hs.manifest, &req.credentials),
+            credentials,
             sampling_token: tokens.sampling.clone(),
             storage_token: tokens.storage.clone(),
             upload_token: tokens.upload.clone(),
@@ -741,17 +755,31 @@ impl Drop for Unregister {
     }
 }
 
-/// Only the credentials the manifest declares; a declared default fills in for an unset one (spec §4.2).
-fn declared_credentials(manifest: &Manifest, configured: &Map<String, Value>) -> Option<Map<String, Value>> {
+/// Only the credentials the manifest declares (spec §4.2), each from the first that has it: the request's own
+/// `credentials`, the user's stored values (`stored`: the plugin's, else the user-wide one), the manifest's
+/// `default`; a name with none of them is absent, and refused when `required`.
+fn declared_credentials(
+    manifest: &Manifest,
+    configured: &Map<String, Value>,
+    mut stored: Map<String, Value>,
+) -> Result<Option<Map<String, Value>>, InvokeError> {
     let mut out = Map::new();
+    let mut missing = Vec::new();
     for c in &manifest.credentials {
         if let Some(v) = configured.get(&c.name) {
             out.insert(c.name.clone(), v.clone());
+        } else if let Some(v) = stored.remove(&c.name) {
+            out.insert(c.name.clone(), v);
         } else if let Some(d) = &c.default {
             out.insert(c.name.clone(), Value::String(d.clone()));
+        } else if c.required {
+            missing.push(c.name.clone());
         }
     }
-    (!out.is_empty()).then_some(out)
+    if !missing.is_empty() {
+        return Err(InvokeError::CredentialsRequired { missing });
+    }
+    Ok((!out.is_empty()).then_some(out))
 }
 
 /// Withholds every token whose capability the plugin did not negotiate (v1: all of them).
@@ -1039,5 +1067,64 @@ fn object(v: Value) -> Map<String, Value> {
     match v {
         Value::Object(m) => m,
         _ => Map::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use serde_json::json;
+
+    use super::*;
+
+    fn manifest() -> Manifest {
+        let m = json!({
+            "name": "m", "version": "1.0.0", "description": "d",
+            "tools": [{"name": "t", "description": "d", "parameters": []}],
+            "credentials": [
+                {"name": "API_KEY"},
+                {"name": "REGION", "required": false, "default": "eu-west"},
+                {"name": "OPTIONAL_TOKEN", "required": false},
+            ],
+        });
+        Manifest::from_value(&m).unwrap().manifest
+    }
+
+    fn map(v: Value) -> Map<String, Value> {
+        serde_json::from_value(v).unwrap()
+    }
+
+    /// Spec §4.2: only declared names; the request's value, then the stored one, then the default; a required
+    /// name with none refuses the invoke and names only the missing names.
+    #[test]
+    fn declared_credentials_resolve_in_order_and_enforce_required() {
+        let m = manifest();
+        let stored = map(json!({"API_KEY": "stored", "REGION": "stored-region", "UNDECLARED": "x"}));
+        let out = declared_credentials(&m, &Map::new(), stored.clone())
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            Value::Object(out),
+            json!({"API_KEY": "stored", "REGION": "stored-region"})
+        );
+
+        let given = map(json!({"API_KEY": "given"}));
+        let out = declared_credentials(&m, &given, stored).unwrap().unwrap();
+        assert_eq!(out["API_KEY"], "given");
+
+        let out = declared_credentials(&m, &Map::new(), map(json!({"API_KEY": "k"})))
+            .unwrap()
+            .unwrap();
+        assert_eq!(Value::Object(out), json!({"API_KEY": "k", "REGION": "eu-west"}));
+
+        let err = declared_credentials(&m, &Map::new(), map(json!({"REGION": "secret-r"}))).unwrap_err();
+        assert_eq!(
+            err,
+            InvokeError::CredentialsRequired {
+                missing: vec!["API_KEY".into()]
+            }
+        );
+        assert!(!err.to_string().contains("secret-r"));
     }
 }

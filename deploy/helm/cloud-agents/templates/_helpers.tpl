@@ -127,9 +127,15 @@ seccompProfile:
 {{- default (printf "%s-links" (include "cloud-agents.fullname" .)) .Values.services.linkSigningKey.secretName }}
 {{- end }}
 
+{{/* The Secret holding the credentials keyring (given or generated). */}}
+{{- define "cloud-agents.credentialsSecretName" -}}
+{{- default (printf "%s-credentials-keyring" (include "cloud-agents.fullname" .)) .Values.services.credentialsKeyring.secretName }}
+{{- end }}
+
 {{/* Host-services flags shared by front and worker. */}}
 {{- define "cloud-agents.servicesArgs" -}}
 - --link-signing-key-file=/var/run/cloud-agents/links/link-signing-key
+- --credentials-key-file=/var/run/cloud-agents/credentials/credentials.keys
 {{- if .Values.services.publicUrl }}
 - --public-url={{ .Values.services.publicUrl }}
 {{- end }}
@@ -142,6 +148,9 @@ seccompProfile:
 {{- define "cloud-agents.servicesMounts" -}}
 - name: link-key
   mountPath: /var/run/cloud-agents/links
+  readOnly: true
+- name: credentials-keyring
+  mountPath: /var/run/cloud-agents/credentials
   readOnly: true
 {{- if .Values.services.config }}
 - name: services-config
@@ -164,6 +173,13 @@ seccompProfile:
     items:
       - key: {{ .Values.services.linkSigningKey.key }}
         path: link-signing-key
+- name: credentials-keyring
+  secret:
+    secretName: {{ include "cloud-agents.credentialsSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.services.credentialsKeyring.key }}
+        path: credentials.keys
 {{- if .Values.services.config }}
 - name: services-config
   configMap:
