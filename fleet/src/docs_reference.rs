@@ -255,6 +255,11 @@ const OTHER_ENV: &[(&str, &str)] = &[
         "Test suite: the `docs_reference` tests of the `fleet` binary rewrite `docs/configuration.md`.",
     ),
     (
+        "FLEET_IMAGE",
+        "Compose: the image `deploy/compose/compose.yaml` runs for every fleet service (default the release's \
+         `ghcr.io/cloud-agents/fleet:<version>`).",
+    ),
+    (
         "FLEET_BENCH_USERS",
         "Benches: users of `cargo bench --bench job_concurrency`, each submitting one 2 s job at once (default 100).",
     ),
