@@ -133,6 +133,25 @@ impl Store {
     }
 }
 
+impl Drop for Store {
+    /// containers/storage leaves its overlay root bind-mounted on itself and the layers it used mounted: unmount
+    /// everything under the store's root (deepest first), so the test leaves no mount behind and a checkout can
+    /// be removed. The next run mounts again what it needs; the layers stay cached on disk.
+    fn drop(&mut self) {
+        let _ = self.buildah().args(["umount", "--all"]).output();
+        let table = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let mut under: Vec<&str> = table
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .filter(|m| Path::new(m).starts_with(&self.root) || Path::new(m).starts_with(&self.runroot))
+            .collect();
+        under.sort_by_key(|m| std::cmp::Reverse(m.len()));
+        for m in under {
+            let _ = Command::new("umount").arg(m).status();
+        }
+    }
+}
+
 /// A working container of the image, mounted; unmounted and removed on drop.
 struct Mounted<'a> {
     store: &'a Store,
