@@ -571,20 +571,17 @@ fn mock_key(ctx: &CallContext, filename: &str) -> String {
     )
 }
 
-/// The upload result envelope, both field sets (spec §8.7 HR-UP-02).
+/// The upload result envelope of a mocked upload ([`crate::upload::result_envelope`]).
 fn upload_envelope(key: &str, url: &str, mime: &str, size: u64, mode: &str) -> Value {
-    let ttl = limits::UPLOAD_GET_URL_TTL.as_secs();
-    json!({
-        "r2_key": key,
-        "download_url": url,
-        "url": url,
-        "mime_type": mime,
-        "size_bytes": size,
-        "bytes": size,
-        "expires_at": rfc3339_ms(now_ms() + ttl * 1000),
-        "expires_in": ttl,
-        "_meta": {"mode": mode, "provider": MOCK_MODEL},
-    })
+    let expires_at_ms = now_ms() + limits::UPLOAD_GET_URL_TTL.as_secs() * 1000;
+    crate::upload::result_envelope(
+        key,
+        url,
+        mime,
+        size,
+        expires_at_ms,
+        &json!({"mode": mode, "provider": MOCK_MODEL}),
+    )
 }
 
 /// 16 hex digits of SHA-256 over `parts` (deterministic ids).

@@ -374,18 +374,7 @@ impl UploadService {
             self.files
                 .objects()
                 .get_link(Bucket::Uploads, key, filename, mime, limits::UPLOAD_GET_URL_TTL);
-        let ttl = limits::UPLOAD_GET_URL_TTL.as_secs();
-        json!({
-            "r2_key": key,
-            "download_url": url,
-            "url": url,
-            "mime_type": mime,
-            "size_bytes": size,
-            "bytes": size,
-            "expires_at": rfc3339_ms(exp * 1000),
-            "expires_in": ttl,
-            "_meta": { "mode": mode },
-        })
+        result_envelope(key, &url, mime, size, exp * 1000, &json!({ "mode": mode }))
     }
 
     async fn inline(&self, ctx: &CallContext, p: &Map<String, Value>) -> Result<Value, ErrorObject> {
@@ -485,6 +474,29 @@ impl UploadService {
         reservation.commit();
         Ok(self.envelope(key, &mime, size, "confirm"))
     }
+}
+
+/// The upload result envelope with both field sets (spec §8.7 HR-UP-02), for a link expiring at `expires_at_ms`
+/// (Unix ms); `meta` becomes `_meta`. Real and mocked uploads answer with it.
+pub(crate) fn result_envelope(
+    key: &str,
+    url: &str,
+    mime: &str,
+    size: u64,
+    expires_at_ms: u64,
+    meta: &Value,
+) -> Value {
+    json!({
+        "r2_key": key,
+        "download_url": url,
+        "url": url,
+        "mime_type": mime,
+        "size_bytes": size,
+        "bytes": size,
+        "expires_at": rfc3339_ms(expires_at_ms),
+        "expires_in": limits::UPLOAD_GET_URL_TTL.as_secs(),
+        "_meta": meta,
+    })
 }
 
 #[cfg(test)]
