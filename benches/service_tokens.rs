@@ -130,7 +130,13 @@ fn mint_nothing(env: &Env, i: u64) {
 fn credentials(env: &Env, names: &[String]) {
     let found = env
         .rt
-        .block_on(TokenSource::credentials(&env.services, USER, TOOL, names))
+        .block_on(TokenSource::credentials(
+            &env.services,
+            USER,
+            TOOL,
+            names,
+            u64::MAX,
+        ))
         .unwrap();
     assert_eq!(found.0.len(), 2);
 }

@@ -1796,6 +1796,13 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
             first_after(&outcomes, *killed_at, false),
         );
     }
+    // A NATS node lost is the store's trouble, never the plugin's: the reads an invoke needs (the user's
+    // credentials, grants) wait out the election (`fleet_store::failover`), so no call may blame the plugin.
+    assert!(
+        !failed.keys().any(|(_, code)| code == "executa_unavailable"),
+        "a call failed executa_unavailable while a NATS node was lost: {failed:?}\n{}",
+        failures.lock().unwrap().join("\n")
+    );
     let seen: Vec<&String> = pending.iter().filter_map(|(_, id)| last_seen.get(id)).collect();
     assert!(
         pending.is_empty(),

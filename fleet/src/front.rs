@@ -515,25 +515,19 @@ impl Front {
         );
         // Admission is idempotent by job id (the slot is found again, the record is never created twice): while
         // the store does not answer (a NATS node lost, its streams electing new leaders) it is tried again, up
-        // to STORE_FAILOVER_WAIT.
-        let give_up = tokio::time::Instant::now() + policy::STORE_FAILOVER_WAIT;
-        let mut pause = policy::STORE_RETRY_FIRST_PAUSE;
-        let created = loop {
-            let attempt = self
-                .inner
-                .store
-                .admit_job(record.clone(), self.inner.config.max_active_jobs)
-                .instrument(admission.clone())
-                .await;
-            match attempt {
-                Err(StoreError::Nats { .. }) if tokio::time::Instant::now() + pause < give_up => {
-                    self.metrics.jetstream_error("create_job");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(policy::STORE_RETRY_MAX_PAUSE);
-                }
-                other => break other,
-            }
-        };
+        // to STORE_FAILOVER_WAIT (`fleet_store::failover`).
+        let created = fleet_store::failover::ride_out(
+            fleet_store::Op::CreateJob,
+            fleet_store::failover::give_up_at(None),
+            || {
+                self.inner
+                    .store
+                    .admit_job(record.clone(), self.inner.config.max_active_jobs)
+                    .instrument(admission.clone())
+            },
+            |_| self.metrics.jetstream_error("create_job"),
+        )
+        .await;
         admission.record(
             "fleet.admission.outcome",
             match &created {
@@ -555,7 +549,7 @@ impl Front {
                     ApiErrorCode::AgentUnavailable,
                     format!(
                         "the job store did not answer for {} s; retry",
-                        policy::STORE_FAILOVER_WAIT.as_secs()
+                        fleet_store::failover::STORE_FAILOVER_WAIT.as_secs()
                     ),
                     json!({ "retriable": true }),
                 ));

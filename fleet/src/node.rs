@@ -955,15 +955,23 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
     heartbeat.abort();
     let last_seq = progress_task.await.unwrap_or(record.last_seq);
     let (state, result_value, error) = job_outcome(&result, timeout_ms);
-    let done = ctx
-        .steps()
-        .step(&user, &job_id, state, Decider::Worker, |r| {
-            r.finished_at_ms = Some(now_ms());
-            r.result.clone_from(&result_value);
-            r.error.clone_from(&error);
-            r.last_seq = last_seq;
-        })
-        .await;
+    // The outcome is the job's one product: a store that does not answer for a while (a NATS node lost) is
+    // waited out. Safe to repeat: once written, the job is terminal and a second attempt is refused.
+    let steps = ctx.steps();
+    let done = fleet_store::failover::ride_out(
+        fleet_store::Op::Transition,
+        fleet_store::failover::give_up_at(None),
+        || {
+            steps.step(&user, &job_id, state, Decider::Worker, |r| {
+                r.finished_at_ms = Some(now_ms());
+                r.result.clone_from(&result_value);
+                r.error.clone_from(&error);
+                r.last_seq = last_seq;
+            })
+        },
+        |_| {},
+    )
+    .await;
     match done {
         Ok(Transition::Done(r)) => {
             let finished = r.value.finished_at_ms.unwrap_or_else(now_ms);

@@ -88,18 +88,6 @@ pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(2);
 /// one "no responders" round trip.
 pub const REGISTRY_QUIET: Duration = HEARTBEAT_EVERY.saturating_mul(2);
 
-/// How long `tools.invokeAsync` keeps trying to admit a job while the job store does not answer (a NATS server
-/// of a cluster died and its streams elect new leaders: measured 5.0 s for nats-server 2.15 on 3 nodes, see
-/// docs/operations.md) before it answers `agent_unavailable`. Well under the 30 s clients wait for an answer.
-pub const STORE_FAILOVER_WAIT: Duration = Duration::from_secs(10);
-
-/// The first pause between two admission attempts while the store does not answer; it doubles up to
-/// [`STORE_RETRY_MAX_PAUSE`].
-pub const STORE_RETRY_FIRST_PAUSE: Duration = Duration::from_millis(50);
-
-/// The longest pause between two admission attempts.
-pub const STORE_RETRY_MAX_PAUSE: Duration = Duration::from_millis(500);
-
 #[cfg(test)]
 mod tests {
     use fleet_proto::api::ApiErrorCode;

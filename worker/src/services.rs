@@ -98,9 +98,11 @@ pub trait TokenSource: Send + Sync + fmt::Debug {
 
     /// The stored values of `names` (the manifest's `credentials[].name`) for an invoke of `tool_id` by `user`
     /// (spec §4.2): a name with no stored value is absent (the worker applies the manifest's default and
-    /// `required`). Called only for plugins that declare credentials. The default stores nothing.
-    fn credentials(&self, user: &str, tool_id: &str, names: &[String]) -> CredentialFuture {
-        let _ = (user, tool_id, names);
+    /// `required`). Called only for plugins that declare credentials. A store that does not answer for a while (a
+    /// NATS node lost) is waited for until `deadline_ms`, the invoke's deadline (ms since the epoch), not past
+    /// it. The default stores nothing.
+    fn credentials(&self, user: &str, tool_id: &str, names: &[String], deadline_ms: u64) -> CredentialFuture {
+        let _ = (user, tool_id, names, deadline_ms);
         Box::pin(async { Ok(CredentialValues::default()) })
     }
 }

@@ -615,8 +615,27 @@ impl CredentialStore {
         &self.keyring
     }
 
+    /// The user's record; a store that does not answer (a NATS node lost, the bucket electing a leader) is asked
+    /// again for up to `STORE_FAILOVER_WAIT` ([`fleet_store::failover`]).
     async fn read(&self, user: &str) -> Result<Option<Revisioned<Record>>, CredentialError> {
-        Ok(store::read(&self.kv, &user_key(user), Op::ReadCredentials).await?)
+        self.read_until(user, fleet_store::failover::give_up_at(None))
+            .await
+    }
+
+    /// [`Self::read`], asked again until `give_up`.
+    async fn read_until(
+        &self,
+        user: &str,
+        give_up: tokio::time::Instant,
+    ) -> Result<Option<Revisioned<Record>>, CredentialError> {
+        let key = user_key(user);
+        Ok(fleet_store::failover::ride_out(
+            Op::ReadCredentials,
+            give_up,
+            || store::read(&self.kv, &key, Op::ReadCredentials),
+            |_| {},
+        )
+        .await?)
     }
 
     async fn edit<R>(
@@ -744,17 +763,19 @@ impl CredentialStore {
 
     /// The values of `names` for an invoke of `tool_id` by `user`: the plugin's value, else the user-wide one;
     /// a name with neither is absent. One KV read; nothing is cached.
+    /// A store that does not answer (a NATS node lost) is asked again until `give_up` (the invoke's deadline).
     pub async fn resolve(
         &self,
         user: &str,
         tool_id: &str,
         names: &[String],
+        give_up: tokio::time::Instant,
     ) -> Result<BTreeMap<String, Zeroizing<String>>, CredentialError> {
         let mut out = BTreeMap::new();
         if names.is_empty() {
             return Ok(out);
         }
-        let Some(record) = self.read(user).await?.map(|r| r.value) else {
+        let Some(record) = self.read_until(user, give_up).await?.map(|r| r.value) else {
             return Ok(out);
         };
         if record.user != user {

@@ -84,9 +84,21 @@ impl GrantStore {
 
     /// The grant of `user` to `tool_id` (an empty one when none was ever set).
     pub async fn get(&self, user: &str, tool_id: &str) -> Result<Grant, GrantError> {
+        self.get_until(user, tool_id, fleet_store::failover::give_up_at(None))
+            .await
+    }
+
+    /// [`Self::get`], asking a store that does not answer (a NATS node lost) again until `give_up` (an invoke's
+    /// deadline).
+    pub async fn get_until(
+        &self,
+        user: &str,
+        tool_id: &str,
+        give_up: tokio::time::Instant,
+    ) -> Result<Grant, GrantError> {
         Self::check(user, tool_id)?;
         Ok(self
-            .read(user, tool_id)
+            .read(user, tool_id, give_up)
             .await?
             .map(|r| r.value)
             .unwrap_or_else(|| Grant {
@@ -96,10 +108,23 @@ impl GrantStore {
             }))
     }
 
-    async fn read(&self, user: &str, tool_id: &str) -> Result<Option<Revisioned<Grant>>, GrantError> {
-        store::read(&self.kv, &Self::key(user, tool_id), Op::ReadGrant)
-            .await
-            .map_err(store_err)
+    /// The grant record; a store that does not answer (a NATS node lost, the bucket electing a leader) is asked
+    /// again until `give_up` ([`fleet_store::failover`]).
+    async fn read(
+        &self,
+        user: &str,
+        tool_id: &str,
+        give_up: tokio::time::Instant,
+    ) -> Result<Option<Revisioned<Grant>>, GrantError> {
+        let key = Self::key(user, tool_id);
+        fleet_store::failover::ride_out(
+            Op::ReadGrant,
+            give_up,
+            || store::read(&self.kv, &key, Op::ReadGrant),
+            |_| {},
+        )
+        .await
+        .map_err(store_err)
     }
 
     /// Adds `allow` and removes `revoke` (`*` = everything), atomically (compare-and-set).

@@ -255,7 +255,15 @@ impl FleetServices {
         if !SERVICE_CAPABILITIES.iter().any(|c| declared(c)) {
             return InvokeTokens::default();
         }
-        let grant = match self.inner.grants.get(&req.user, &req.tool_id).await {
+        // Waited for while the store does not answer (a NATS node lost), up to the invoke's deadline: a grant
+        // that cannot be read yet must not cost the invoke its services.
+        let give_up = fleet_store::failover::instant_of_epoch_ms(req.deadline_ms);
+        let grant = match self
+            .inner
+            .grants
+            .get_until(&req.user, &req.tool_id, give_up)
+            .await
+        {
             Ok(g) => g,
             Err(e) => {
                 tracing::warn!(tool_id = %req.tool_id, error = %e, "grant lookup failed: no service tokens for this invoke");
@@ -489,14 +497,19 @@ impl TokenSource for FleetServices {
         Box::pin(async move { this.mint(request).await })
     }
 
-    fn credentials(&self, user: &str, tool_id: &str, names: &[String]) -> CredentialFuture {
+    fn credentials(&self, user: &str, tool_id: &str, names: &[String], deadline_ms: u64) -> CredentialFuture {
         let this = self.clone();
         let (user, tool_id, names) = (user.to_owned(), tool_id.to_owned(), names.to_vec());
         Box::pin(async move {
             let found = this
                 .inner
                 .credentials
-                .resolve(&user, &tool_id, &names)
+                .resolve(
+                    &user,
+                    &tool_id,
+                    &names,
+                    fleet_store::failover::instant_of_epoch_ms(deadline_ms),
+                )
                 .await
                 .map_err(|e| {
                     // The error names the user and key id, never a value.

@@ -33,6 +33,7 @@ mod active;
 pub mod cas;
 mod direct;
 mod error;
+pub mod failover;
 pub mod index;
 mod jobs;
 mod manifests;

@@ -749,14 +749,23 @@ impl AnimusHost {
         // The user's stored credentials fill the names of `env_required` the caller did not give (spec §4.2).
         let mut req = req;
         let names = env_required(detected);
+        let timeout = req.timeout.unwrap_or(limits::DEFAULT_INVOKE_TIMEOUT);
         if !names.is_empty() {
-            match self
-                .inner
-                .ctx
-                .tokens
-                .credentials(&process.user, &process.tool_id, &names)
-                .await
-            {
+            // The lookup rides out a store that does not answer for a while, never past the invoke's own time.
+            let deadline_ms = req.deadline_ms.unwrap_or_else(|| {
+                fleet_proto::util::now_ms()
+                    .saturating_add(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX))
+            });
+            let lookup =
+                self.inner
+                    .ctx
+                    .tokens
+                    .credentials(&process.user, &process.tool_id, &names, deadline_ms);
+            let Ok(found) = tokio::time::timeout(timeout, lookup).await else {
+                self.release(process);
+                return Err(InvokeError::Timeout(timeout));
+            };
+            match found {
                 Ok(found) => {
                     for (name, value) in found.0 {
                         req.credentials.entry(name).or_insert(value);
@@ -768,7 +777,6 @@ impl AnimusHost {
                 }
             }
         }
-        let timeout = req.timeout.unwrap_or(limits::DEFAULT_INVOKE_TIMEOUT);
         let (method, params) = match self.params(process, detected, &route, &req, timeout) {
             Ok(x) => x,
             Err(e) => {

@@ -520,11 +520,18 @@ impl Session {
             } else {
                 shared
                     .tokens
-                    .credentials(&shared.user, &shared.tool_id, &names)
+                    .credentials(&shared.user, &shared.tool_id, &names, deadline_ms)
                     .await
             }
         };
-        let (minted, stored) = tokio::join!(shared.tokens.tokens(token_request.clone()), lookup);
+        // Both ride out a store that does not answer for a while (a NATS node lost), never past the invoke's
+        // own deadline: the plugin is not asked once its time is up.
+        let until = tokio::time::Instant::now() + Duration::from_millis(deadline_ms.saturating_sub(now_ms()));
+        let (minted, stored) = tokio::time::timeout_at(until, async {
+            tokio::join!(shared.tokens.tokens(token_request.clone()), lookup)
+        })
+        .await
+        .map_err(|_| InvokeError::Timeout(timeout))?;
         let stored = stored.map_err(|e| InvokeError::CredentialsUnavailable(e.0))?;
         let credentials = declared_credentials(&hs.manifest, &req.credentials, stored.0)?;
         let tokens = withhold(minted, hs);
