@@ -12,7 +12,7 @@ use fleet_proto::api::worker::{ExecKind, ExecRequest};
 use fleet_proto::api::{
     ApiError, ApiErrorCode, ApiResponse, CancelJobArgs, CancelJobResult, GetJobArgs, InvokeArgs,
     InvokeAsyncArgs, InvokeAsyncResult, JobId, JobState, ListJobsArgs, ListJobsResult, ListToolsResult,
-    ToolInfo, methods, parse_args, subjects,
+    ToolInfo, methods, parse_body, subjects,
 };
 use fleet_proto::limits::{
     GET_JOB_LIMIT_MAX, INVOKE_TIMEOUT_MAX_MS, JOB_RETENTION, LIST_JOBS_LIMIT_DEFAULT,
@@ -361,34 +361,28 @@ impl Front {
                 "too many requests; retry shortly",
             )));
         }
-        let args: Value = if payload.is_empty() {
-            Value::Null
-        } else {
-            match serde_json::from_slice(payload) {
-                Ok(v) => v,
-                Err(e) => {
-                    return Answer::Respond(ApiResponse::Err(ApiError::new(
-                        ApiErrorCode::InvalidArg,
-                        format!("arguments are not JSON: {e}"),
-                    )));
-                }
-            }
-        };
+        // Each method parses the body once, into its own arguments (no JSON tree in between).
+        let args = payload;
         let result = match method {
-            methods::TOOLS_LIST => self.list_tools().await,
-            methods::TOOLS_INVOKE => match self.invoke(user, &args, direct).await {
+            methods::TOOLS_LIST => match parse_body::<serde::de::IgnoredAny>(args) {
+                Ok(_) => self.list_tools().await,
+                Err(e) => Err(e),
+            },
+            methods::TOOLS_INVOKE => match self.invoke(user, args, direct).await {
                 Ok(Invoked::Delivered(code)) => return Answer::Delivered(code),
                 Ok(Invoked::Answer(v)) => Ok(v),
                 Err(e) => Err(e),
             },
-            methods::TOOLS_INVOKE_ASYNC => self.invoke_async(user, &args).await,
-            methods::TOOLS_GET_JOB => self.get_job(user, &args).await,
-            methods::TOOLS_CANCEL_JOB => self.cancel_job(user, &args).await,
-            methods::TOOLS_LIST_JOBS => self.list_jobs(user, &args).await,
-            other => Err(ApiError::new(
-                ApiErrorCode::NotImplemented,
-                format!("unknown method {other:?}"),
-            )),
+            methods::TOOLS_INVOKE_ASYNC => self.invoke_async(user, args).await,
+            methods::TOOLS_GET_JOB => self.get_job(user, args).await,
+            methods::TOOLS_CANCEL_JOB => self.cancel_job(user, args).await,
+            methods::TOOLS_LIST_JOBS => self.list_jobs(user, args).await,
+            other => parse_body::<serde::de::IgnoredAny>(args).and_then(|_| {
+                Err(ApiError::new(
+                    ApiErrorCode::NotImplemented,
+                    format!("unknown method {other:?}"),
+                ))
+            }),
         };
         Answer::Respond(result.into())
     }
@@ -448,8 +442,8 @@ impl Front {
         to_value(&ListToolsResult { tools })
     }
 
-    async fn invoke(&self, user: &str, args: &Value, direct: Option<&str>) -> Result<Invoked, ApiError> {
-        let args: InvokeArgs = parse_args(args)?;
+    async fn invoke(&self, user: &str, args: &[u8], direct: Option<&str>) -> Result<Invoked, ApiError> {
+        let args: InvokeArgs = parse_body(args)?;
         let target = args.validate()?;
         let timeout = SyncTimeout::resolve(args.timeout_ms)?;
         let invoke_id = new_invoke_id();
@@ -490,8 +484,8 @@ impl Front {
         crate::exec_answer::api_answer(&reply).map(Invoked::Answer)
     }
 
-    async fn invoke_async(&self, user: &str, args: &Value) -> Result<Value, ApiError> {
-        let args: InvokeAsyncArgs = parse_args(args)?;
+    async fn invoke_async(&self, user: &str, args: &[u8]) -> Result<Value, ApiError> {
+        let args: InvokeAsyncArgs = parse_body(args)?;
         let target = args.validate()?;
         let timeout_ms = policy::job_timeout_ms(args.timeout_ms);
         let now = now_ms();
@@ -594,8 +588,8 @@ impl Front {
         Ok(())
     }
 
-    async fn get_job(&self, user: &str, args: &Value) -> Result<Value, ApiError> {
-        let args: GetJobArgs = parse_args(args)?;
+    async fn get_job(&self, user: &str, args: &[u8]) -> Result<Value, ApiError> {
+        let args: GetJobArgs = parse_body(args)?;
         args.validate()?;
         let limit = args.limit.unwrap_or(GET_JOB_LIMIT_MAX) as usize;
         let now = now_ms();
@@ -620,8 +614,8 @@ impl Front {
         to_value(&view.into_snapshot())
     }
 
-    async fn cancel_job(&self, user: &str, args: &Value) -> Result<Value, ApiError> {
-        let args: CancelJobArgs = parse_args(args)?;
+    async fn cancel_job(&self, user: &str, args: &[u8]) -> Result<Value, ApiError> {
+        let args: CancelJobArgs = parse_body(args)?;
         args.validate()?;
         let span = tracing::info_span!(
             "job.cancel",
@@ -670,8 +664,8 @@ impl Front {
         }
     }
 
-    async fn list_jobs(&self, user: &str, args: &Value) -> Result<Value, ApiError> {
-        let args: ListJobsArgs = parse_args(args)?;
+    async fn list_jobs(&self, user: &str, args: &[u8]) -> Result<Value, ApiError> {
+        let args: ListJobsArgs = parse_body(args)?;
         args.validate()?;
         let floor = now_ms().saturating_sub(u64::try_from(JOB_RETENTION.as_millis()).unwrap_or(u64::MAX));
         let since_ms = match &args.since {

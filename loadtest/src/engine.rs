@@ -162,14 +162,16 @@ impl Default for Recorder {
 /// A failed call: the API's error code, or a client-side one.
 #[derive(Debug, Clone)]
 pub(crate) struct CallError {
-    /// `job_quota_exceeded`, `rate_limited`, ..., or `timeout`, `no_responders`, `request_failed`, `bad_reply`.
+    /// `job_quota_exceeded`, `rate_limited`, ..., or `timeout`, `lost` (nothing heard from the fleet for
+    /// `KEEPALIVE_SILENCE`: the request or its answer was lost with a NATS server), `no_responders`,
+    /// `request_failed`, `bad_reply`.
     pub(crate) code: String,
     /// The message.
     pub(crate) message: String,
 }
 
 impl From<fleet_client::api::CallError> for CallError {
-    /// The API's code, or the client-side code of a request without an answer (`timeout`, `no_responders`,
+    /// The API's code, or the client-side code of a request without an answer (`timeout`, `lost`, `no_responders`,
     /// `max_payload_exceeded`, `request_failed`) or with an unreadable one (`bad_reply`).
     fn from(e: fleet_client::api::CallError) -> CallError {
         use fleet_client::api::CallError as E;
@@ -180,7 +182,8 @@ impl From<fleet_client::api::CallError> for CallError {
                     NoAnswer::TimedOut => "timeout",
                     NoAnswer::NoResponders => "no_responders",
                     NoAnswer::MaxPayloadExceeded => "max_payload_exceeded",
-                    NoAnswer::ConnectionLost | NoAnswer::Silent | NoAnswer::Failed => "request_failed",
+                    NoAnswer::Silent => "lost",
+                    NoAnswer::ConnectionLost | NoAnswer::Failed => "request_failed",
                 },
                 detail,
             ),
@@ -266,7 +269,9 @@ impl Ctx {
                 code: "mint_failed".into(),
                 message: e.to_string(),
             })?;
-        let client = ApiClient::new(self.nats.clone(), token).waiting_through_reconnects();
+        // As the fleet's own CLI does for app calls: keepalives asked for, so a request or answer lost with a NATS
+        // server costs `KEEPALIVE_SILENCE` (`lost`), not the call's whole wait.
+        let client = ApiClient::new(self.nats.clone(), token).keeping_alive_as_app();
         lock(&self.clients).insert(user.to_string(), client.clone());
         Ok(client)
     }

@@ -556,7 +556,7 @@ async fn nats_node_kill(ctx: &Arc<Ctx>, p: &Params, rate: f64, d: Duration) -> a
             anyhow::Ok(child)
         }
     };
-    let probe = probe(ctx, d);
+    let probe = probe(ctx, d, &killed_at);
     let load = churn_load(ctx, p, (rate, d), "nnk", CHURN_MIX);
     let (restarted, oks, ()) = tokio::join!(killer, probe, load);
     let mut restarted = restarted?;
@@ -574,12 +574,32 @@ async fn nats_node_kill(ctx: &Arc<Ctx>, p: &Params, rate: f64, d: Duration) -> a
     Ok(())
 }
 
-/// A probe: one sync echo every 50 ms for `d`; (sent, answered) of each success.
-async fn probe(ctx: &Arc<Ctx>, d: Duration) -> Vec<(Instant, Instant)> {
-    let mut oks = Vec::new();
+/// How long the probe goes on past the scenario's duration while no call sent after the disruption has succeeded
+/// yet: `recovery_ms` is measured even when the outage (or one call lost in it, `KEEPALIVE_SILENCE`) outlasts a
+/// short run.
+const PROBE_RECOVERY_CAP: Duration = Duration::from_secs(30);
+
+/// When a scenario's disruption (a kill, the first replacement) happened, once it has.
+type Disruption = std::sync::Mutex<Option<Instant>>;
+
+fn disrupted_at(d: &Disruption) -> Option<Instant> {
+    *d.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A probe: one sync echo every 50 ms for `d` — and past it, up to [`PROBE_RECOVERY_CAP`], until a call sent after
+/// the `disruption` succeeded; (sent, answered) of each success.
+async fn probe(ctx: &Arc<Ctx>, d: Duration, disruption: &Disruption) -> Vec<(Instant, Instant)> {
+    let mut oks: Vec<(Instant, Instant)> = Vec::new();
     let end = Instant::now() + d;
     let user = format!("probe-{}", ctx.run_tag);
-    while Instant::now() < end {
+    loop {
+        let now = Instant::now();
+        if now >= end {
+            let recovered = disrupted_at(disruption).is_none_or(|at| oks.iter().any(|(sent, _)| *sent > at));
+            if recovered || now >= end + PROBE_RECOVERY_CAP {
+                break;
+            }
+        }
         let sent = Instant::now();
         let body = invoke_body(PY, "echo", &json!({ "probe": true }));
         if ctx
@@ -675,14 +695,18 @@ async fn rolling(
     what: &'static str,
 ) -> anyhow::Result<()> {
     let started = Instant::now();
+    let first: Disruption = std::sync::Mutex::new(None);
     let roll = {
         let c = Arc::clone(ctx);
+        let first = &first;
         async move {
-            let mut first = None;
             for k in 1..=2u32 {
                 tokio::time::sleep_until((started + d * k / 3).into()).await;
                 replicas.add().await?;
-                first.get_or_insert_with(Instant::now);
+                first
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .get_or_insert_with(Instant::now);
                 if replicas.retire_oldest().await {
                     c.rec.count(&format!("{what}_rolled"), 1);
                 } else {
@@ -690,15 +714,16 @@ async fn rolling(
                 }
             }
             while replicas.retire_oldest().await {}
-            anyhow::Ok(first)
+            anyhow::Ok(())
         }
     };
-    let (first, oks, ()) = tokio::join!(
+    let (rolled, oks, ()) = tokio::join!(
         roll,
-        probe(ctx, d),
+        probe(ctx, d, &first),
         churn_load(ctx, p, (rate, d), what, CHURN_MIX)
     );
-    if let Some(from) = first? {
+    rolled?;
+    if let Some(from) = disrupted_at(&first) {
         outage_counters(ctx, &oks, from);
     }
     Ok(())

@@ -838,6 +838,26 @@ pub fn parse_args<T: serde::de::DeserializeOwned>(args: &Value) -> Result<T, Api
         .map_err(|e| ApiError::new(ApiErrorCode::InvalidArg, format!("invalid arguments: {e}")))
 }
 
+/// [`parse_args`] straight from the request body, without building a JSON tree first (the API's requests are
+/// parsed once): an empty body or `null` is `{}`; a body that is not JSON is `invalid_arg` "arguments are not
+/// JSON", a JSON body of the wrong shape `invalid_arg` "invalid arguments", as [`parse_args`] says.
+pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let trimmed = body.trim_ascii();
+    if trimmed.is_empty() || trimmed == b"null" {
+        return parse_args(&Value::Null);
+    }
+    serde_json::from_slice(body).map_err(|e| {
+        // A shape error may come before the syntax error further on: only a body that is JSON is "invalid".
+        match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+            Err(syntax) => ApiError::new(
+                ApiErrorCode::InvalidArg,
+                format!("arguments are not JSON: {syntax}"),
+            ),
+            Ok(_) => ApiError::new(ApiErrorCode::InvalidArg, format!("invalid arguments: {e}")),
+        }
+    })
+}
+
 /// The (plugin, tool) a call names (spec §10.3 "Resolution of (plugin_name, tool_name)").
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Target {

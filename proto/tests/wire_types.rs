@@ -9,7 +9,7 @@ use std::str::FromStr;
 use fleet_proto::api::{
     ApiError, ApiErrorCode, ApiResponse, CancelJobArgs, GetJobArgs, InvokeArgs, InvokeAsyncArgs, JobId,
     JobQuotaDetails, JobSnapshot, JobState, ListJobsArgs, ListJobsResult, OneOrMany, ProgressEvent, Target,
-    ToolJobEvent, parse_args,
+    ToolJobEvent, parse_args, parse_body,
 };
 use fleet_proto::executa::invoke::{InvokeContext, InvokeResult, ProgressParams, ProgressType};
 use fleet_proto::executa::lifecycle::{Health, HealthResult, InitializeResult, PeerInfo, ProtocolVersion};
@@ -929,6 +929,40 @@ fn parse_args_maps_shape_errors_to_invalid_arg() {
 
     let l: ListJobsArgs = parse_args(&Value::Null).unwrap();
     assert_eq!(l, ListJobsArgs::default());
+}
+
+#[test]
+fn parse_body_parses_once_and_agrees_with_parse_args() {
+    let body = br#"{"tool_id": "p", "method": "m", "args": {"q": [1, {"r": "s"}]}, "timeoutMs": 5000}"#;
+    let once: InvokeArgs = parse_body(body).unwrap();
+    let tree: InvokeArgs = parse_args(&serde_json::from_slice(body).unwrap()).unwrap();
+    assert_eq!(once.args, tree.args);
+    assert_eq!(once.timeout_ms, Some(5000));
+    assert_eq!(once.validate().unwrap(), target("p", "m"));
+    // Nothing, `null` (with blanks) and `{}` are the empty arguments.
+    for empty in [&b""[..], b"null", b" null\n", b"{}"] {
+        assert_eq!(
+            parse_body::<ListJobsArgs>(empty).unwrap(),
+            ListJobsArgs::default()
+        );
+    }
+    // Not JSON, and JSON of the wrong shape: both invalid_arg, told apart by their message.
+    for (body, says) in [
+        (&b"{\"tool_id\": "[..], "arguments are not JSON"),
+        (b"{} trailing", "arguments are not JSON"),
+        (br#"{"tool_id": "a.b", "timeoutMs": true}"#, "invalid arguments"),
+        (br#"{"tool_id": "a.b", "args": [1]}"#, "invalid arguments"),
+        (b"[1]", "invalid arguments"),
+    ] {
+        let e = parse_body::<InvokeArgs>(body).unwrap_err();
+        assert_eq!(e.code, ApiErrorCode::InvalidArg, "{e:?}");
+        assert!(
+            e.message.starts_with(says),
+            "{:?}: {}",
+            String::from_utf8_lossy(body),
+            e.message
+        );
+    }
 }
 
 #[test]
