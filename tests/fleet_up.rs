@@ -2082,7 +2082,9 @@ fn fleet_up_refuses_broken_mocks_and_real_without_an_upstream_at_start_up() {
 
     let (stdout, stderr, _, _) = up_refusing(OWN_FIXTURE, MOCKS, &["--dev-mode", "image=real"]);
     assert!(
-        stderr.contains("--dev-mode image=real: this host has no image upstream (use mock or off)"),
+        stderr.contains(
+            "--dev-mode image=real: no image upstream is configured (add [image] to --services-config)"
+        ),
         "{stderr}"
     );
     assert!(!stdout.contains("nats-server"), "something started: {stdout}");
