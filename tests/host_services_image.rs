@@ -18,7 +18,7 @@ use fleet_services::files::{HostObjects, LinkSigner};
 use fleet_services::image::{ImageConfig, ImageModelConfig};
 use fleet_services::{FleetServices, ServicesConfig};
 use fleet_store::StoreSettings;
-use fleet_worker::services::{HostServices, ReverseCall, TokenRequest, TokenSource};
+use fleet_worker::services::{HostServices, InvokeTokens, ReverseCall, TokenRequest, TokenSource};
 use serde_json::{Value, json};
 
 const SECRET: &[u8] = b"image-test-link-signing-secret";
@@ -198,6 +198,10 @@ impl Env {
         self.rpc(user, TOOL, "image/generate", params).await
     }
 
+    async fn edit(&self, user: &str, params: Value) -> Value {
+        self.rpc(user, TOOL, "image/edit", params).await
+    }
+
     /// GET of a link the services returned: the status, `Content-Type` and body.
     async fn download(&self, url: &str) -> (u16, String, Vec<u8>) {
         assert!(
@@ -338,11 +342,7 @@ async fn edit_takes_fleet_issued_links_of_the_caller_only() {
     let original = env.fake.returned()[0].clone();
 
     let edited = env
-        .rpc(
-            "alice",
-            TOOL,
-            "image/edit",
-            json!({"image_url": link, "mask_url": link, "prompt": "Restyle in cyberpunk. Preserve composition.",
+        .edit("alice", json!({"image_url": link, "mask_url": link, "prompt": "Restyle in cyberpunk. Preserve composition.",
                 "n": 1}),
         )
         .await;
@@ -370,24 +370,10 @@ async fn edit_takes_fleet_issued_links_of_the_caller_only() {
     assert_eq!(result["quota_used"]["images_today"], 2);
 
     // Bob may not edit (no llm.image.edit), and Alice's link is not his anyway.
-    let (code, name, _) = err(&env
-        .rpc(
-            "bob",
-            TOOL,
-            "image/edit",
-            json!({"image_url": link, "prompt": "x"}),
-        )
-        .await);
+    let (code, name, _) = err(&env.edit("bob", json!({"image_url": link, "prompt": "x"})).await);
     assert_eq!((code, name.as_str()), (-32101, "IMAGE_NOT_GRANTED"));
     env.grant("bob", TOOL, BOTH, None).await;
-    let r = env
-        .rpc(
-            "bob",
-            TOOL,
-            "image/edit",
-            json!({"image_url": link, "prompt": "x"}),
-        )
-        .await;
+    let r = env.edit("bob", json!({"image_url": link, "prompt": "x"})).await;
     let (code, name, data) = err(&r);
     assert_eq!(
         (code, name.as_str(), data["field"].as_str()),
@@ -396,12 +382,7 @@ async fn edit_takes_fleet_issued_links_of_the_caller_only() {
     // A tampered signature.
     let tampered = format!("{}0", link.trim_end_matches(|c: char| c.is_ascii_hexdigit()));
     let r = env
-        .rpc(
-            "alice",
-            TOOL,
-            "image/edit",
-            json!({"image_url": tampered, "prompt": "x"}),
-        )
+        .edit("alice", json!({"image_url": tampered, "prompt": "x"}))
         .await;
     assert_eq!(err(&r).0, -32314);
     assert_eq!(
@@ -462,20 +443,10 @@ async fn n_caps_hold_at_their_boundaries() {
 
     let link = ok(&eight)["images"][0]["url"].as_str().expect("url").to_owned();
     ok(&env
-        .rpc(
-            "alice",
-            TOOL,
-            "image/edit",
-            json!({"image_url": link, "prompt": "x", "n": 2}),
-        )
+        .edit("alice", json!({"image_url": link, "prompt": "x", "n": 2}))
         .await);
     let (code, name, _) = err(&env
-        .rpc(
-            "alice",
-            TOOL,
-            "image/edit",
-            json!({"image_url": link, "prompt": "x", "n": 3}),
-        )
+        .edit("alice", json!({"image_url": link, "prompt": "x", "n": 3}))
         .await);
     assert_eq!((code, name.as_str()), (-32313, "N_UNSUPPORTED"));
 }
@@ -544,18 +515,7 @@ async fn concurrent_calls_never_exceed_the_daily_quota() {
         let services = env.services.clone();
         async move {
             let invoke_id = format!("race-{i}");
-            let tokens = <FleetServices as TokenSource>::tokens(
-                &services,
-                TokenRequest {
-                    user: "carol".into(),
-                    tool_id: TOOL.into(),
-                    invoke_id: invoke_id.clone(),
-                    negotiated: ["image".to_owned()].into(),
-                    declared: vec!["llm.image".into()],
-                    deadline_ms: now_ms() + 60_000,
-                },
-            )
-            .await;
+            let tokens = image_tokens(&services, "carol", &invoke_id).await;
             services
                 .serve(reverse_call(
                     "carol",
@@ -577,12 +537,28 @@ async fn concurrent_calls_never_exceed_the_daily_quota() {
     assert_eq!(refused, vec![-32102; 3]);
 }
 
+/// The tokens of an invoke of [`TOOL`] that negotiated `image` and declares `llm.image` (calls served directly).
+async fn image_tokens(services: &FleetServices, user: &str, invoke_id: &str) -> InvokeTokens {
+    <FleetServices as TokenSource>::tokens(
+        services,
+        TokenRequest {
+            user: user.into(),
+            tool_id: TOOL.into(),
+            invoke_id: invoke_id.into(),
+            negotiated: ["image".to_owned()].into(),
+            declared: vec!["llm.image".into()],
+            deadline_ms: now_ms() + 60_000,
+        },
+    )
+    .await
+}
+
 fn reverse_call(
     user: &str,
     invoke_id: &str,
     method: &str,
     params: Value,
-    tokens: fleet_worker::services::InvokeTokens,
+    tokens: InvokeTokens,
 ) -> ReverseCall {
     ReverseCall {
         user: user.into(),
@@ -690,16 +666,14 @@ async fn validation_references_and_model_support() {
         }
         p
     };
-    let (code, name, _) = err(&env
-        .rpc("alice", TOOL, "image/edit", hinted("gen-only", json!({})))
-        .await);
+    let (code, name, _) = err(&env.edit("alice", hinted("gen-only", json!({}))).await);
     assert_eq!((code, name.as_str()), (-32311, "EDIT_NOT_SUPPORTED"));
     let r = env
         .generate("alice", json!({"prompt": "x", "reference_image_urls": [links[0]], "modelPreferences": {"hints": [{"name": "gen-only"}]}}))
         .await;
     assert_eq!(err(&r).0, -32311);
     let masked = hinted("no-mask", json!({"mask_url": links[1]}));
-    let (code, name, _) = err(&env.rpc("alice", TOOL, "image/edit", masked).await);
+    let (code, name, _) = err(&env.edit("alice", masked).await);
     assert_eq!((code, name.as_str()), (-32312, "MASK_UNSUPPORTED"));
 }
 
@@ -755,18 +729,7 @@ async fn provider_failures_and_timeouts() {
     );
 
     // The invoke's deadline cuts the call: -32105 (served directly, with a deadline a second away).
-    let tokens = <FleetServices as TokenSource>::tokens(
-        &env.services,
-        TokenRequest {
-            user: "alice".into(),
-            tool_id: TOOL.into(),
-            invoke_id: "deadline".into(),
-            negotiated: ["image".to_owned()].into(),
-            declared: vec!["llm.image".into()],
-            deadline_ms: now_ms() + 60_000,
-        },
-    )
-    .await;
+    let tokens = image_tokens(&env.services, "alice", "deadline").await;
     let mut call = reverse_call(
         "alice",
         "deadline",

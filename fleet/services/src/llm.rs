@@ -339,12 +339,7 @@ impl LlmService {
 
     /// The model a request's hints select (spec §8.1 `modelPreferences`).
     fn select_model(&self, hints: &[String]) -> &ModelConfig {
-        hints
-            .iter()
-            .map(|h| h.to_lowercase())
-            .filter(|h| !h.is_empty())
-            .find_map(|h| self.models.iter().find(|m| m.name.to_lowercase().contains(&h)))
-            .unwrap_or(&self.default_model)
+        select_by_hints(hints, &self.models, |m| &m.name).unwrap_or(&self.default_model)
     }
 
     async fn sample(&self, ctx: &CallContext, params: &Value) -> Result<Value, ErrorObject> {
@@ -467,6 +462,20 @@ impl LlmService {
             Err(_) => Err(UpstreamError::Timeout(timeout)),
         }
     }
+}
+
+/// The first of `models` (in order) whose name contains the first hint that any contains, case-insensitively
+/// (spec §8.1 `modelPreferences.hints`; `image/*` picks its models the same way).
+pub(crate) fn select_by_hints<'a, T>(
+    hints: &[String],
+    models: &'a [T],
+    name: impl Fn(&T) -> &str,
+) -> Option<&'a T> {
+    hints
+        .iter()
+        .map(|h| h.to_lowercase())
+        .filter(|h| !h.is_empty())
+        .find_map(|h| models.iter().find(|m| name(m).to_lowercase().contains(&h)))
 }
 
 /// A configured upstream's base URL, without its trailing `/`: absolute http(s), no credentials, query or

@@ -61,15 +61,12 @@ use self::fetch::FetchError;
 use self::quota::{DailyQuota, QuotaError, Reserved};
 use self::request::{ImageRequest, Kind};
 use super::files::{Bucket, HostObjects, META_CONTENT_TYPE, nonce};
-use super::llm::{ApiKey, KeySourceError, check_base_url, upstream_code};
+use super::llm::{ApiKey, DEFAULT_PROVIDER, KeySourceError, check_base_url, select_by_hints, upstream_code};
 use super::upload::safe_segment;
 use super::{CallContext, ServicesError};
 
 /// Environment variable read for the API key when neither `api_key_file` nor `api_key_env` is configured.
 pub const DEFAULT_API_KEY_ENV: &str = "FLEET_IMAGE_API_KEY";
-
-/// `_meta.provider` when the configuration names none.
-pub const DEFAULT_PROVIDER: &str = "openai-compatible";
 
 /// The key prefix of stored images.
 pub const KEY_ROOT: &str = "exec-images";
@@ -94,7 +91,7 @@ pub struct ImageConfig {
     /// [`DEFAULT_API_KEY_ENV`] is read if present; with no key at all, no `Authorization` header is sent.
     #[serde(default)]
     pub api_key_env: Option<String>,
-    /// `_meta.provider` of every result (default [`DEFAULT_PROVIDER`]).
+    /// `_meta.provider` of every result (default `openai-compatible`, [`DEFAULT_PROVIDER`]).
     #[serde(default)]
     pub provider: Option<String>,
     /// The image models, in preference order (`modelPreferences.hints` pick the first containing the hint).
@@ -304,12 +301,7 @@ impl ImageService {
 
     /// The model a request's hints select.
     fn select_model(&self, hints: &[String]) -> &ImageModelConfig {
-        hints
-            .iter()
-            .map(|h| h.to_lowercase())
-            .filter(|h| !h.is_empty())
-            .find_map(|h| self.models.iter().find(|m| m.name.to_lowercase().contains(&h)))
-            .unwrap_or(&self.default_model)
+        select_by_hints(hints, &self.models, |m| &m.name).unwrap_or(&self.default_model)
     }
 
     /// The subcall timeout and whether the parent invoke's deadline is what bounds it (spec §7.3 HR-DL-01).
