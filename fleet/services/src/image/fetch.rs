@@ -219,6 +219,8 @@ pub(crate) async fn fetch_public(url: &str, timeout: Duration) -> Result<(Vec<u8
             return Err(FetchError::Private);
         }
         let mut builder = reqwest::Client::builder()
+            // A proxy would resolve the host itself, after the check.
+            .no_proxy()
             .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(crate::llm::CONNECT_TIMEOUT);
         if let Some(name) = name {

@@ -306,17 +306,7 @@ impl ImageService {
 
     /// The subcall timeout and whether the parent invoke's deadline is what bounds it (spec §7.3 HR-DL-01).
     fn timeout(&self, ctx: &CallContext) -> (Duration, bool) {
-        let cap = limits::IMAGE_MAX_REQUEST_TIMEOUT;
-        let budget = match ctx.client_timeout_s.filter(|s| s.is_finite() && *s > 0.0) {
-            Some(s) => Duration::from_secs_f64(s.min(cap.as_secs_f64())),
-            None => self.default_timeout.min(cap),
-        };
-        let remaining = ctx.remaining();
-        if remaining < budget {
-            (remaining, true)
-        } else {
-            (budget, false)
-        }
+        subcall_timeout(ctx.client_timeout_s, self.default_timeout, ctx.remaining())
     }
 
     /// Serves `image/generate` or `image/edit`.
@@ -741,6 +731,25 @@ fn check_model(req: &ImageRequest, model: &ImageModelConfig) -> Result<(), Error
     Ok(())
 }
 
+/// `min(_clientTimeoutS or the default, 240 s)`, cut to `remaining` (the parent invoke's time left), and whether
+/// `remaining` is what bounds it.
+fn subcall_timeout(
+    client_timeout_s: Option<f64>,
+    default: Duration,
+    remaining: Duration,
+) -> (Duration, bool) {
+    let cap = limits::IMAGE_MAX_REQUEST_TIMEOUT;
+    let budget = match client_timeout_s.filter(|s| s.is_finite() && *s > 0.0) {
+        Some(s) => Duration::from_secs_f64(s.min(cap.as_secs_f64())),
+        None => default.min(cap),
+    };
+    if remaining < budget {
+        (remaining, true)
+    } else {
+        (budget, false)
+    }
+}
+
 /// The timeout error: `-32105` when the parent invoke's deadline cut the call, else `-32103`; both with
 /// `data.subcall = "image"` and `data.timeout_s` (spec §7.3 HR-DL-02).
 fn timeout_error(timeout: Duration, by_deadline: bool) -> ErrorObject {
@@ -809,5 +818,73 @@ impl Multipart {
             format!("multipart/form-data; boundary={}", self.boundary),
             self.body,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_subcall_timeout_is_capped_and_bounded_by_the_deadline() {
+        let (default, hour) = (limits::IMAGE_DEFAULT_REQUEST_TIMEOUT, Duration::from_secs(3600));
+        assert_eq!(
+            subcall_timeout(None, default, hour),
+            (Duration::from_secs(180), false)
+        );
+        assert_eq!(
+            subcall_timeout(Some(240.0), default, hour),
+            (Duration::from_secs(240), false)
+        );
+        assert_eq!(
+            subcall_timeout(Some(241.0), default, hour),
+            (Duration::from_secs(240), false)
+        );
+        assert_eq!(
+            subcall_timeout(Some(2.5), default, hour),
+            (Duration::from_millis(2500), false)
+        );
+        for ignored in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert_eq!(
+                subcall_timeout(Some(ignored), default, hour).0,
+                Duration::from_secs(180)
+            );
+        }
+        let left = Duration::from_secs(30);
+        assert_eq!(subcall_timeout(None, default, left), (left, true));
+        assert_eq!(
+            subcall_timeout(Some(30.0), default, left),
+            (left, false),
+            "equal: the client's budget"
+        );
+    }
+
+    #[test]
+    fn timeouts_say_which_limit_passed() {
+        let t = Duration::from_secs(2);
+        let provider = timeout_error(t, false);
+        assert_eq!(provider.code, -32103);
+        let data = provider.data.expect("data");
+        assert_eq!(
+            (data["subcall"].clone(), data["timeout_s"].clone()),
+            (json!("image"), json!(2.0))
+        );
+        assert_eq!(timeout_error(t, true).code, -32105);
+    }
+
+    #[test]
+    fn multipart_bodies_are_well_formed() {
+        let mut form = Multipart::new();
+        form.field("prompt", "a \"cat\"");
+        form.file("image", "image-0.png", "image/png", b"\x89PNG");
+        let boundary = form.boundary.clone();
+        let (ct, body) = form.finish();
+        assert_eq!(ct, format!("multipart/form-data; boundary={boundary}"));
+        let expected = format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\na \"cat\"\r\n\
+             --{boundary}\r\nContent-Disposition: form-data; name=\"image\"; filename=\"image-0.png\"\r\n\
+             Content-Type: image/png\r\n\r\n\u{fffd}PNG\r\n--{boundary}--\r\n"
+        );
+        assert_eq!(String::from_utf8_lossy(&body), expected);
     }
 }
