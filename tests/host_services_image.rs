@@ -702,6 +702,10 @@ async fn provider_failures_and_timeouts() {
         let (c, name, data) = err(&r);
         assert_eq!((c, name.as_str()), (-32103, "IMAGE_PROVIDER_ERROR"));
         assert_eq!(data["subcall"], "image");
+        assert!(
+            data["timeout_s"].as_f64().is_some_and(|t| t > 0.0 && t <= 180.0),
+            "the subcall's timeout (the default, cut by the invoke's deadline): {data}"
+        );
         assert_eq!(
             (data["status"].clone(), data["upstreamCode"].clone()),
             (json!(status), json!(code))

@@ -111,7 +111,7 @@ fn is_public_v4(ip: Ipv4Addr) -> bool {
 }
 
 /// Reads a fleet-signed link of `user` from the object store; `None` when `url` is not shaped like a fleet
-/// link (`/v1/files/…` with a signature).
+/// link (`/v1/files/{bucket}/{object}` with `exp`, `d`, `fn` and `sig`).
 pub(crate) async fn fleet_link(
     objects: &HostObjects,
     user: &str,
@@ -132,9 +132,10 @@ pub(crate) async fn fleet_link(
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         q.insert(k, v);
     }
+    // Without every part of a signed GET link, it is some other site's URL.
     let (Some(exp), Some(d), Some(f), Some(sig)) = (q.get("exp"), q.get("d"), q.get("fn"), q.get("sig"))
     else {
-        return Some(Err(FetchError::Link("not a signed GET link")));
+        return None;
     };
     let Ok(exp) = exp.parse::<u64>() else {
         return Some(Err(FetchError::Link("bad expiry")));

@@ -20,8 +20,8 @@
 //! 6. **inputs** ([`fetch`]): `image_url`, `mask_url` and references are fleet links of the caller (read from
 //!    the object store) or public URLs fetched under the SSRF policy; a failure is `-32314` naming the field;
 //! 7. **the upstream**, bounded by `min(_clientTimeoutS or request_timeout_s (180 s), 240 s)` and by the
-//!    parent invoke's deadline: past the former `-32103` with `data.subcall = "image"` and `data.timeout_s`;
-//!    cut by the deadline `-32105` (same data). A generate asking for more images than the model's `max_n`
+//!    parent invoke's deadline: past the former `-32103`, cut by the deadline `-32105`; both, and every other
+//!    `-32103`, carry `data.subcall = "image"` and `data.timeout_s` (the subcall's timeout). A generate asking for more images than the model's `max_n`
 //!    is split into several upstream requests. Provider failures (statuses, safety refusals, malformed
 //!    answers, anything that is not a PNG/JPEG/WebP/GIF) are `-32103` with `data.status` and the upstream's
 //!    short error code, never its body;
@@ -366,8 +366,14 @@ impl ImageService {
         let latency_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
         let links = match outcome {
             Ok(Ok(links)) => links,
-            Ok(Err(e)) => {
+            Ok(Err(mut e)) => {
                 self.quota.refund(&ctx.user, reserved, 0).await;
+                // Every provider error names the subcall and its timeout (spec §8.6 `-32103`).
+                if e.code == codes::IMAGE_PROVIDER_ERROR.code
+                    && let Some(Value::Object(data)) = e.data.as_mut()
+                {
+                    data.entry("timeout_s").or_insert(json!(timeout.as_secs_f64()));
+                }
                 return Err(e);
             }
             Err(_) => {
