@@ -77,9 +77,9 @@ impl Drop for Env {
     }
 }
 
-/// A nats-server, the fake images API, a front's and a worker's services (`configured`: with `[image]`), the
-/// file routes and a worker running the fixture plugins.
-async fn env_with(name: &str, configured: bool) -> Env {
+/// A nats-server, the fake images API, a front's and a worker's services (`configured`: the worker's with
+/// `[image]`; `front_configured`: the front's too), the file routes and a worker running the fixture plugins.
+async fn env_with(name: &str, configured: bool, front_configured: bool) -> Env {
     let dir = tempfile::tempdir().expect("tempdir");
     let nats = NatsServer::start(&dir.path().join("nats")).expect("nats-server (run scripts/test.sh once)");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -111,10 +111,14 @@ async fn env_with(name: &str, configured: bool) -> Env {
         .expect("connect");
     let front_js = async_nats::jetstream::new(front);
     let settings = StoreSettings::default();
+    let front_config = ServicesConfig {
+        image: config.image.clone().filter(|_| front_configured),
+        ..config.clone()
+    };
     let admin = Box::pin(FleetServices::open(
         &front_js,
         &settings,
-        &config,
+        &front_config,
         LinkSigner::new(SECRET),
         Keyring::fixed(&[("k1", [7; 32])]),
     ))
@@ -168,7 +172,7 @@ async fn env_with(name: &str, configured: bool) -> Env {
 }
 
 async fn env(name: &str) -> Env {
-    env_with(name, true).await
+    env_with(name, true, true).await
 }
 
 impl Env {
@@ -781,7 +785,7 @@ async fn not_negotiated_and_not_granted() {
 /// Without `[image]`, `image/*` is not offered in `initialize` and answers `-32109` (granted or not).
 #[tokio::test]
 async fn without_a_provider_the_family_is_not_offered_and_answers_32109() {
-    let env = env_with("img-none", false).await;
+    let env = env_with("img-none", false, false).await;
     let offer = HostServices::offer(&env.services);
     assert!(
         !offer.contains_key("image") && !offer.contains_key("image.edit"),
@@ -799,4 +803,14 @@ async fn without_a_provider_the_family_is_not_offered_and_answers_32109() {
             "{method}"
         );
     }
+}
+
+/// A front without `[image]` still creates the quota bucket, so a worker that has `[image]` serves images.
+#[tokio::test]
+async fn a_worker_with_images_works_behind_a_front_without() {
+    let env = env_with("img-front", true, false).await;
+    assert!(env.admin.image().is_none());
+    env.grant("alice", TOOL, IMAGE, None).await;
+    let r = env.generate("alice", json!({"prompt": "x"})).await;
+    assert_eq!(ok(&r)["quota_used"]["images_today"], 1);
 }

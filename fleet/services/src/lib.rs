@@ -208,7 +208,13 @@ impl FleetServices {
             (Some(c), DevMode::Real) => {
                 Some(image::ImageService::open(js, settings, c, files.objects().clone()).await?)
             }
-            _ => None,
+            _ => {
+                // A front creates the quota bucket whatever its own configuration, for workers that have `[image]`.
+                if settings.provision == fleet_store::Provision::Create {
+                    image::quota::DailyQuota::open(js, settings).await?;
+                }
+                None
+            }
         };
         let image_unconfigured = config.image.is_none() && !config.dev.is_explicit(DevFamily::Image);
         Ok(FleetServices {
