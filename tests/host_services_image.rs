@@ -172,7 +172,7 @@ async fn env_with(name: &str, configured: bool, front_configured: bool) -> Env {
 }
 
 async fn env(name: &str) -> Env {
-    env_with(name, true, true).await
+    Box::pin(env_with(name, true, true)).await
 }
 
 impl Env {
@@ -785,7 +785,7 @@ async fn not_negotiated_and_not_granted() {
 /// Without `[image]`, `image/*` is not offered in `initialize` and answers `-32109` (granted or not).
 #[tokio::test]
 async fn without_a_provider_the_family_is_not_offered_and_answers_32109() {
-    let env = env_with("img-none", false, false).await;
+    let env = Box::pin(env_with("img-none", false, false)).await;
     let offer = HostServices::offer(&env.services);
     assert!(
         !offer.contains_key("image") && !offer.contains_key("image.edit"),
@@ -808,7 +808,7 @@ async fn without_a_provider_the_family_is_not_offered_and_answers_32109() {
 /// A front without `[image]` still creates the quota bucket, so a worker that has `[image]` serves images.
 #[tokio::test]
 async fn a_worker_with_images_works_behind_a_front_without() {
-    let env = env_with("img-front", true, false).await;
+    let env = Box::pin(env_with("img-front", true, false)).await;
     assert!(env.admin.image().is_none());
     env.grant("alice", TOOL, IMAGE, None).await;
     let r = env.generate("alice", json!({"prompt": "x"})).await;
