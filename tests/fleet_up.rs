@@ -383,14 +383,25 @@ impl Cli {
 /// on loopback): `fleet up`'s listener answers after a single `read` (see the ignored test
 /// `healthz_answers_a_request_that_arrives_in_pieces`).
 fn http_get(addr: &str, path: &str) -> (String, String) {
+    let (status, body) = http_get_bytes(addr, path);
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// [`http_get`] with the body as bytes.
+fn http_get_bytes(addr: &str, path: &str) -> (String, Vec<u8>) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(GUARD)).unwrap();
     let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
     s.write_all(request.as_bytes()).unwrap();
-    let mut response = String::new();
-    s.read_to_string(&mut response).unwrap();
-    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
-    (head.lines().next().unwrap_or("").to_string(), body.to_string())
+    let mut response = Vec::new();
+    s.read_to_end(&mut response).unwrap();
+    let split = response
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or(response.len());
+    let head = String::from_utf8_lossy(&response[..split]).into_owned();
+    let body = response.get(split + 4..).unwrap_or_default().to_vec();
+    (head.lines().next().unwrap_or("").to_string(), body)
 }
 
 /// The cgroup directories of `fleet up`'s worker, from its "cgroup isolation ready" log line (none when it runs
@@ -1865,6 +1876,135 @@ fn dev_reverse(up: &Up, user: &str, method: &str, params: &Value) -> Value {
     .ok()
 }
 
+/// Issue 17 (spec §8.6): `fleet up --services-config` with `[image]` serves `image/generate` and `image/edit` to
+/// the Python fixture (written only against the documented wire shapes) through the real worker, against an
+/// OpenAI-compatible images API (a fake: no real provider can exist here). The family is offered in
+/// `initialize`; before `fleet grant` it is refused with `-32101`; after `fleet grant … --image-max-per-day 3`, the
+/// generated images are links fleet up's HTTP listener serves with the provider's bytes, an edit of such a link
+/// sends those bytes to the provider, and the fourth image of the day is `-32102`. The API key reaches the
+/// provider and never the logs; neither does the prompt.
+#[test]
+fn a_python_plugin_generates_and_edits_images_through_fleet_up() {
+    const KEY: &str = "sk-fleet-up-image-key";
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let fake = runtime.block_on(fleet_e2e_client::fake_images::FakeImages::start());
+    let base_url = fake.base_url();
+    let mut up = Up::start_over_with_env(&[("FLEET_IMAGE_API_KEY", KEY)], |dir| {
+        let (catalogue, _) = dev_catalogue(dir, "", "");
+        let config = dir.join("services.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[image]\nbase_url = \"{base_url}\"\n\n[[image.models]]\nname = \"fake-image-1\"\n\
+                 supports_edit = true\nmax_n = 4\n"
+            ),
+        )
+        .unwrap();
+        (
+            catalogue,
+            vec!["--services-config".into(), config.display().to_string()],
+        )
+    });
+    up.wait_ready();
+    let offer = up
+        .cli(&[
+            "invoke",
+            "--user",
+            "alice",
+            "--tool-id",
+            "dev-py",
+            "--tool",
+            "host_offer",
+            "--args",
+            "{}",
+        ])
+        .ok();
+    assert!(
+        offer.get("image").is_some() && offer.get("image.edit").is_some(),
+        "{offer}"
+    );
+
+    let prompt = "A bold art-deco poster of the planet Mars.";
+    let denied = dev_reverse(&up, "alice", "image/generate", &json!({"prompt": prompt}));
+    assert_eq!(denied["error"]["code"], -32101, "{denied}");
+    let grant = up
+        .cli(&[
+            "grant",
+            "--user",
+            "alice",
+            "--tool-id",
+            "dev-py",
+            "--allow",
+            "llm.image,llm.image.edit",
+            "--image-max-per-day",
+            "3",
+            "--image-max-per-call",
+            "2",
+        ])
+        .ok();
+    assert_eq!(
+        grant["image"],
+        json!({"max_images_per_day": 3, "max_per_call": 2}),
+        "{grant}"
+    );
+
+    let generated = dev_reverse(
+        &up,
+        "alice",
+        "image/generate",
+        &json!({"prompt": prompt, "n": 2, "size": "256x128"}),
+    );
+    let result = &generated["result"];
+    assert_eq!(
+        result["quota_used"],
+        json!({"images_today": 2, "images_quota": 3}),
+        "{generated}"
+    );
+    let images = result["images"].as_array().expect("images");
+    assert_eq!(images.len(), 2, "{generated}");
+    let returned = fake.returned();
+    let prefix = format!("http://{}", up.http);
+    for (image, bytes) in images.iter().zip(&returned) {
+        assert_eq!(
+            (image["width"].clone(), image["height"].clone()),
+            (json!(256), json!(128))
+        );
+        let url = image["url"].as_str().expect("url");
+        let (status, body) = http_get_bytes(&up.http, url.strip_prefix(&prefix).unwrap_or(url));
+        assert!(status.contains("200"), "{status}");
+        assert_eq!(&body, bytes, "the link serves the provider's bytes");
+    }
+    let sent = fake.requests();
+    assert_eq!(
+        sent[0].authorization.as_deref(),
+        Some(format!("Bearer {KEY}").as_str())
+    );
+    assert_eq!(sent[0].body["prompt"], prompt);
+
+    let edited = dev_reverse(
+        &up,
+        "alice",
+        "image/edit",
+        &json!({"image_url": images[0]["url"], "prompt": "Restyle in cyberpunk."}),
+    );
+    assert_eq!(edited["result"]["quota_used"]["images_today"], 3, "{edited}");
+    let edit = fake.requests().pop().expect("the edit");
+    let image_part = edit.parts.iter().find(|p| p.name == "image").expect("image part");
+    assert_eq!(image_part.bytes, returned[0], "the fleet link's bytes were sent");
+
+    let over = dev_reverse(&up, "alice", "image/generate", &json!({"prompt": prompt}));
+    assert_eq!(over["error"]["code"], -32102, "{over}");
+    assert_eq!(over["error"]["data"]["images_today"], 3);
+    let logs = up.stderr();
+    assert!(
+        !logs.contains(KEY) && !logs.contains("art-deco"),
+        "the key or the prompt in fleet up's logs"
+    );
+    let status = up.interrupt();
+    assert!(status.success(), "{status}");
+    drop(fake);
+}
+
 fn sample(text: &str) -> Value {
     json!({"messages": [{"role": "user", "content": {"type": "text", "text": text}}], "maxTokens": 50})
 }
@@ -2089,7 +2229,9 @@ fn fleet_up_refuses_broken_mocks_and_real_without_an_upstream_at_start_up() {
 
     let (stdout, stderr, _, _) = up_refusing(OWN_FIXTURE, MOCKS, &["--dev-mode", "image=real"]);
     assert!(
-        stderr.contains("--dev-mode image=real: this host has no image upstream (use mock or off)"),
+        stderr.contains(
+            "--dev-mode image=real: no image upstream is configured (add [image] to --services-config)"
+        ),
         "{stderr}"
     );
     assert!(!stdout.contains("nats-server"), "something started: {stdout}");

@@ -445,6 +445,14 @@ fn front_and_worker_share_the_link_signing_key_the_credentials_keyring_and_the_s
         );
         assert!(volumes.iter().any(|v| v["name"] == "llm-api-key"));
         assert_eq!(
+            volume(d, "image-api-key")["secret"]["secretName"],
+            "cloud-agents-image"
+        );
+        assert_eq!(
+            mount(c, "image-api-key")["mountPath"],
+            "/var/run/cloud-agents/image"
+        );
+        assert_eq!(
             volume(d, "credentials-keyring")["secret"]["secretName"],
             "cloud-agents-credentials-keyring",
             "the operator's Secret"

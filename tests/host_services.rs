@@ -221,13 +221,13 @@ async fn every_reverse_call_is_checked_against_its_token() {
 }
 
 /// Families that are off (no upstream, no `--dev-mode …=mock`) answer the codes of spec §15.2's mode matrix
-/// ("Host-visible error when off"; embeddings its not-negotiated code); web and credentials, outside the matrix,
-/// their not-granted codes.
+/// ("Host-visible error when off"; embeddings its not-negotiated code; images, without `[image]`, spec §8.6's
+/// `-32109 IMAGE_NO_MODEL_AVAILABLE`); web and credentials, outside the matrix, their not-granted codes.
 #[tokio::test]
 async fn families_not_offered_answer_their_off_codes() {
     let env = env().await;
     for (method, expected) in [
-        ("image/generate", Family::Image.not_granted().code),
+        ("image/generate", -32109),
         ("agent/session.create", Family::Agent.not_granted().code),
         ("web/search", Family::Web.not_granted().code),
         ("credentials/listAccounts", Family::Credentials.not_granted().code),
@@ -251,6 +251,23 @@ async fn families_not_offered_answer_their_off_codes() {
     .await;
     assert_eq!(code(&unknown).0, -32601);
     drop(env.nats);
+
+    // `--dev-mode image=off` is the harness's "off" code (spec §15.2), not "no provider".
+    let off = env_with(DevArgs {
+        mocks: Vec::new(),
+        dev_modes: vec![parse_dev_mode("image=off").unwrap()],
+    })
+    .await;
+    let r = off
+        .services
+        .serve(call(
+            "inv-y",
+            "image/generate",
+            json!({}),
+            InvokeTokens::default(),
+        ))
+        .await;
+    assert_eq!(code(&r).0, Family::Image.not_granted().code);
 }
 
 #[tokio::test]

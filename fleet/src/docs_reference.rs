@@ -221,6 +221,11 @@ const OTHER_ENV: &[(&str, &str)] = &[
          (host services).",
     ),
     (
+        "FLEET_IMAGE_API_KEY",
+        "The images upstream's API key when the services TOML sets neither `image.api_key_file` nor \
+         `image.api_key_env` (host services).",
+    ),
+    (
         "FLEET_PLUGINS_DIR",
         "Also read by `loadtest`'s `chaos-worker-kill` scenario: the catalogue of the extra workers it starts.",
     ),
@@ -500,6 +505,82 @@ const SERVICES_KEYS: &[(&str, &str, &str)] = &[
         "`5368709120` (5 GiB)",
         "Per-user byte quota across APS KV values and files (`-32024` at the first byte over).",
     ),
+    (
+        "image",
+        "absent",
+        "`[image]`: the OpenAI-compatible images API of `image/generate` and `image/edit`; absent: neither is \
+         offered and both answer `-32109`.",
+    ),
+    (
+        "image.base_url",
+        "**required**",
+        "Base URL including the version prefix, e.g. `https://api.openai.com/v1` (`POST {base}/images/generations`, \
+         `POST {base}/images/edits`); absolute http(s), no credentials in it.",
+    ),
+    (
+        "image.api_key_file",
+        "none",
+        "File holding the API key (surrounding whitespace ignored). Not together with `api_key_env`.",
+    ),
+    (
+        "image.api_key_env",
+        "none",
+        "Environment variable holding the API key; with neither, `FLEET_IMAGE_API_KEY` is read if set; no key: no \
+         `Authorization` header.",
+    ),
+    (
+        "image.provider",
+        "`openai-compatible`",
+        "Reported as `_meta.provider` of every result.",
+    ),
+    (
+        "image.models",
+        "`[]`",
+        "The image models in preference order (`[[image.models]]`); `modelPreferences.hints` pick the first whose \
+         name contains the hint (case-insensitive). May be empty when `default_model` is set (one model that \
+         generates one image per request and does not edit).",
+    ),
+    (
+        "image.default_model",
+        "the first of `models`",
+        "The model used when no hint matches.",
+    ),
+    (
+        "image.request_timeout_s",
+        "`180`",
+        "Subcall timeout when the plugin sends no `_clientTimeoutS`, seconds (1–240; `_clientTimeoutS` is capped at \
+         240 and the invoke's deadline bounds both).",
+    ),
+    (
+        "image.models.name",
+        "**required**",
+        "The upstream model id, e.g. `gpt-image-1`.",
+    ),
+    (
+        "image.models.supports_edit",
+        "`false`",
+        "Serves `/images/edits`: `image/edit` and `reference_image_urls` (otherwise `-32311`).",
+    ),
+    (
+        "image.models.supports_mask",
+        "`false`",
+        "Its edits take `mask_url` (otherwise `-32312`).",
+    ),
+    (
+        "image.models.max_n",
+        "`1`",
+        "Images one generation request may ask for (1–8); a larger `n` is asked in several requests.",
+    ),
+    (
+        "image.models.max_edit_n",
+        "`1`",
+        "Images one edit request may ask for (1–8); a larger `n` is `-32313`.",
+    ),
+    (
+        "image.models.sizes",
+        "`[]`",
+        "The sizes the model accepts (`1024x1024`, …); another `size` is `-32104`. Empty: any `WxH` is forwarded.",
+    ),
 ];
 
 /// The worker TOML's keys with their default values, flattened to dotted paths.
@@ -549,6 +630,16 @@ fn services_keys() -> BTreeSet<String> {
             .into_iter()
             .map(|k| format!("storage.{k}")),
     );
+    keys.extend(
+        serde_names::<fleet_services::image::ImageConfig>()
+            .into_iter()
+            .map(|k| format!("image.{k}")),
+    );
+    keys.extend(
+        serde_names::<fleet_services::image::ImageModelConfig>()
+            .into_iter()
+            .map(|k| format!("image.models.{k}")),
+    );
     keys
 }
 
@@ -593,8 +684,8 @@ fn render_configuration() -> String {
     );
     for (key, default, meaning) in SERVICES_KEYS {
         let shown = match key.split_once('.') {
-            Some(("llm", rest)) if rest.starts_with("models.") => {
-                format!("`[[llm.models]]` `{}`", &rest["models.".len()..])
+            Some((table @ ("llm" | "image"), rest)) if rest.starts_with("models.") => {
+                format!("`[[{table}.models]]` `{}`", &rest["models.".len()..])
             }
             Some((table, rest)) => format!("`[{table}]` `{rest}`"),
             None => format!("`{key}`"),

@@ -37,7 +37,9 @@ async fn admin_call(store: &GrantStore, method: &str, payload: &[u8]) -> Result<
     let grant = match method {
         grants::SET => {
             let a: grants::SetArgs = admin::parse_args(payload)?;
-            store.edit(&a.user, &a.tool_id, &a.allow, &a.revoke).await
+            store
+                .edit_with(&a.user, &a.tool_id, &a.allow, &a.revoke, a.image)
+                .await
         }
         grants::GET => {
             let a: grants::GetArgs = admin::parse_args(payload)?;
@@ -70,6 +72,14 @@ pub struct GrantArgs {
     /// Capabilities to revoke, comma-separated (`*`: all).
     #[arg(long, value_delimiter = ',')]
     pub revoke: Vec<String>,
+    /// Images the user may get in any rolling 24 h, all plugins together (spec §8.6 `max_images_per_day`;
+    /// default 50).
+    #[arg(long, value_name = "N")]
+    pub image_max_per_day: Option<u32>,
+    /// Images one `image/generate` or `image/edit` call may ask for, 1–8 (spec §8.6 `max_per_call`; default 4
+    /// for generate, 1 for edit).
+    #[arg(long, value_name = "N")]
+    pub image_max_per_call: Option<u32>,
     /// `--nats-url`, `--data-dir`, `--token`.
     #[command(flatten)]
     pub conn: OperatorConn,
@@ -79,7 +89,13 @@ pub struct GrantArgs {
 pub async fn run_grant(args: &GrantArgs) -> Result<Value, ApiError> {
     let client = args.conn.client().await?;
     let wait = Duration::from_secs(10);
-    let grant = if args.allow.is_empty() && args.revoke.is_empty() {
+    let image = (args.image_max_per_day.is_some() || args.image_max_per_call.is_some()).then_some(
+        grants::ImageGrant {
+            max_images_per_day: args.image_max_per_day,
+            max_per_call: args.image_max_per_call,
+        },
+    );
+    let grant = if args.allow.is_empty() && args.revoke.is_empty() && image.is_none() {
         let get = grants::GetArgs {
             user: args.user.clone(),
             tool_id: args.tool_id.clone(),
@@ -91,6 +107,7 @@ pub async fn run_grant(args: &GrantArgs) -> Result<Value, ApiError> {
             tool_id: args.tool_id.clone(),
             allow: args.allow.clone(),
             revoke: args.revoke.clone(),
+            image,
         };
         client.grants_set(&set, wait).await?
     };

@@ -78,6 +78,9 @@ pub mod grants {
         /// Capabilities to revoke ([`REVOKE_ALL`]: all).
         #[serde(default)]
         pub revoke: Vec<String>,
+        /// Image limits to set (each field given replaces the grant's; absent fields are kept).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub image: Option<ImageGrant>,
     }
 
     /// `grants.get`.
@@ -106,6 +109,28 @@ pub mod grants {
         pub allowed_purposes: Option<Vec<String>>,
     }
 
+    /// Image limits of a grant (spec §8.6 `image_grant {max_images_per_day, max_per_call}`); unset fields are
+    /// the defaults of `limits` (`IMAGE_DEFAULT_MAX_PER_DAY`, `IMAGE_DEFAULT_MAX_PER_CALL_GENERATE` / `_EDIT`).
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct ImageGrant {
+        /// Images the user may have generated or edited in any rolling 24 h (all plugins together).
+        #[serde(default, alias = "maxImagesPerDay", skip_serializing_if = "Option::is_none")]
+        pub max_images_per_day: Option<u32>,
+        /// Images one `image/generate` or `image/edit` call may ask for (never above the host's cap of 8).
+        #[serde(default, alias = "maxPerCall", skip_serializing_if = "Option::is_none")]
+        pub max_per_call: Option<u32>,
+    }
+
+    impl ImageGrant {
+        /// `self` with every field `other` sets replaced.
+        pub fn merged(self, other: ImageGrant) -> ImageGrant {
+            ImageGrant {
+                max_images_per_day: other.max_images_per_day.or(self.max_images_per_day),
+                max_per_call: other.max_per_call.or(self.max_per_call),
+            }
+        }
+    }
+
     /// One user's grant to one plugin: the result of `set` and `get`, and the record kept in the grants bucket.
     #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
     pub struct Grant {
@@ -119,6 +144,9 @@ pub mod grants {
         /// Upload caps narrower than the spec's defaults.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub upload: Option<UploadGrant>,
+        /// Image limits other than the defaults.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub image: Option<ImageGrant>,
         /// Last change, Unix ms (0: never set).
         #[serde(default)]
         pub updated_at_ms: u64,

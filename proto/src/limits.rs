@@ -141,6 +141,24 @@ pub const EMBED_MAX_INPUTS: usize = 64;
 pub const EMBED_MAX_INPUT_CHARS: usize = 32_000;
 /// Images per `image/generate` or `image/edit` call, the host's cap (spec §8.6: `-32106` with `data.hostCap = 8`).
 pub const IMAGE_MAX_PER_CALL: u64 = 8;
+/// Images per `image/generate` call a grant allows when it sets no `max_per_call` (spec §7.4
+/// `max_per_call_generate`: 4).
+pub const IMAGE_DEFAULT_MAX_PER_CALL_GENERATE: u32 = 4;
+/// Images per `image/edit` call a grant allows when it sets no `max_per_call` (spec §7.4 `max_per_call_edit`: 1).
+pub const IMAGE_DEFAULT_MAX_PER_CALL_EDIT: u32 = 1;
+/// Images per user in any rolling 24 h a grant allows when it sets no `max_images_per_day` (spec §8.6: the
+/// example's `images_quota: 50`).
+pub const IMAGE_DEFAULT_MAX_PER_DAY: u32 = 50;
+/// The window of the daily image quota (spec §8.6: "rolling 24 h, shared across grants").
+pub const IMAGE_QUOTA_WINDOW: Duration = Duration::from_secs(24 * 3600);
+/// `reference_image_urls` per call at most (spec §7.4 `_MAX_REFERENCE_IMAGES`).
+pub const IMAGE_MAX_REFERENCE_URLS: usize = 4;
+/// Image subcall timeout without `_clientTimeoutS` (spec §7.3 `IMAGE_DEFAULT_REQUEST_TIMEOUT_S`: 180 s).
+pub const IMAGE_DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(180);
+/// Image subcall timeout cap, whatever `_clientTimeoutS` asks (spec §7.3 `IMAGE_MAX_REQUEST_TIMEOUT_S`: 240 s).
+pub const IMAGE_MAX_REQUEST_TIMEOUT: Duration = Duration::from_secs(240);
+/// Lifetime of the links `image/*` returns (spec §8.6, §16 A-33 `R2_TRANSIENT_PRESIGN_EXPIRY`: 1800 s).
+pub const R2_TRANSIENT_PRESIGN_EXPIRY: Duration = Duration::from_secs(1800);
 /// Frames of one buffered agent run (spec §8.2 HR-AG-01: 4 096).
 pub const AGENT_MAX_FRAMES: usize = 4_096;
 /// Sampling: the model budget derived from `_clientTimeoutS` is clamped to at least this (spec §7.3 HR-DL-01).

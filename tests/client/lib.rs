@@ -184,6 +184,7 @@ pub fn loadtest_bin() -> PathBuf {
     .clone()
 }
 
+pub mod fake_images;
 pub mod fake_llm;
 
 /// The directory of `pid`'s cgroup: in the memory hierarchy (v1), or the unified one (v2).

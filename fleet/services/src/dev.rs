@@ -11,7 +11,8 @@
 //! * Defaults: `real` where an upstream exists (sampling with `[llm]`, embeddings with an `[llm]` embedding model,
 //!   storage and uploads always: JetStream); else `mock` when the harness is on; else `off`. So a plain
 //!   `fleet up` behaves as before, and `fleet up --mocks f.jsonl` mocks exactly the families nothing else serves.
-//! * `real` for a family without an upstream (agent and image never have one here) is a start-up error.
+//! * `real` for a family without an upstream (agent never has one here; image needs `[image]`) is a start-up
+//!   error.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -96,7 +97,7 @@ impl DevFamily {
                 "no embedding upstream is configured (set embedding_model in [llm] of --services-config)"
             }
             DevFamily::Agent => "this host has no agent upstream (use mock or off)",
-            DevFamily::Image => "this host has no image upstream (use mock or off)",
+            DevFamily::Image => "no image upstream is configured (add [image] to --services-config)",
             DevFamily::Storage | DevFamily::Upload => "its JetStream store is unavailable",
         }
     }
@@ -243,6 +244,8 @@ pub struct Upstreams {
     pub sampling: bool,
     /// `[llm]` names an embedding model.
     pub embeddings: bool,
+    /// `[image]` is configured.
+    pub image: bool,
 }
 
 impl Upstreams {
@@ -254,6 +257,7 @@ impl Upstreams {
                 .llm
                 .as_ref()
                 .is_some_and(|l| l.embedding_model.is_some() || !l.embedding_aliases.is_empty()),
+            image: config.image.is_some(),
         }
     }
 
@@ -262,7 +266,8 @@ impl Upstreams {
             DevFamily::Sampling => self.sampling,
             DevFamily::Embeddings => self.embeddings,
             DevFamily::Storage | DevFamily::Upload => true,
-            DevFamily::Agent | DevFamily::Image => false,
+            DevFamily::Image => self.image,
+            DevFamily::Agent => false,
         }
     }
 }
@@ -318,6 +323,11 @@ impl DevSettings {
         &self.mocks
     }
 
+    /// Whether `--dev-mode` names a mode for `family`.
+    pub fn is_explicit(&self, family: DevFamily) -> bool {
+        self.explicit.contains_key(&family)
+    }
+
     /// Whether the harness is on (`--mocks` or a `mock` mode).
     pub fn is_active(&self) -> bool {
         self.active
@@ -339,10 +349,12 @@ mod tests {
     const NO_LLM: Upstreams = Upstreams {
         sampling: false,
         embeddings: false,
+        image: false,
     };
     const LLM: Upstreams = Upstreams {
         sampling: true,
         embeddings: true,
+        image: false,
     };
 
     #[test]
@@ -408,6 +420,7 @@ mod tests {
                 Upstreams {
                     sampling: true,
                     embeddings: false,
+                    image: false,
                 },
             ),
         ] {

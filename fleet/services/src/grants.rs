@@ -6,12 +6,14 @@
 //! Default: nothing is granted. A token is minted for an invoke only when the capability was negotiated in
 //! `initialize`, declared in the manifest's `host_capabilities`, **and** granted here (spec §3.3 HR-LC-15).
 //! The caps that come with a grant (calls, tokens, bytes) are the spec's defaults; the record has room for
-//! per-grant overrides (`sampling`, `storage`, `upload`), accepting both field spellings of spec §16 A-29.
+//! per-grant overrides (`sampling`, `storage`, `upload`), accepting both field spellings of spec §16 A-29. The
+//! image limits (`image`: images per rolling day, images per call) are set by operators with the grant.
 
 use async_nats::jetstream::{self, kv};
-use fleet_proto::admin::grants::{Grant, REVOKE_ALL};
+use fleet_proto::admin::grants::{Grant, ImageGrant, REVOKE_ALL};
 use fleet_proto::api::{ApiError, ApiErrorCode, user_key};
 use fleet_proto::executa::capabilities::is_known_host_capability;
+use fleet_proto::limits;
 use fleet_proto::util::now_ms;
 use fleet_store::cas::{Edit, Target, compare_and_set};
 use fleet_store::settings::GRANT_MAX_BYTES;
@@ -135,7 +137,27 @@ impl GrantStore {
         allow: &[String],
         revoke: &[String],
     ) -> Result<Grant, GrantError> {
+        self.edit_with(user, tool_id, allow, revoke, None).await
+    }
+
+    /// [`GrantStore::edit`], and sets the image limits `image` gives (spec §8.6 `image_grant`).
+    pub async fn edit_with(
+        &self,
+        user: &str,
+        tool_id: &str,
+        allow: &[String],
+        revoke: &[String],
+        image: Option<ImageGrant>,
+    ) -> Result<Grant, GrantError> {
         Self::check(user, tool_id)?;
+        if let Some(per_call) = image.and_then(|i| i.max_per_call)
+            && !(1..=limits::IMAGE_MAX_PER_CALL).contains(&u64::from(per_call))
+        {
+            return Err(GrantError::Invalid(format!(
+                "image max_per_call must be 1–{} (the host's cap)",
+                limits::IMAGE_MAX_PER_CALL
+            )));
+        }
         let unknown: Vec<String> = allow
             .iter()
             .chain(revoke.iter().filter(|r| r.as_str() != REVOKE_ALL))
@@ -163,6 +185,9 @@ impl GrantStore {
                 grant.allow.remove(r);
             }
             grant.allow.extend(allow.iter().cloned());
+            if let Some(image) = image {
+                grant.image = Some(grant.image.unwrap_or_default().merged(image));
+            }
             grant.updated_at_ms = now_ms();
             Ok::<_, StoreError>(Edit::Write(grant, ()))
         })

@@ -18,9 +18,10 @@
 //!
 //! Each family of the developer mode matrix ([`dev`]: sampling, embeddings, agent, storage, image, upload) is
 //! `off` (not offered, its "off" code), `mock` (answered by [`mock`] from F3 entries — after the same token,
-//! grant, validation and budget checks as a real upstream) or `real`. `image/*` and `agent/*` have no real
-//! upstream here; `web/*` and `credentials/*` are never offered and answer their not-granted code
-//! (docs/plugins.md "Host services").
+//! grant, validation and budget checks as a real upstream) or `real`. `image/*` is real against the `[image]`
+//! upstream ([`image`]; without one it is not offered and answers `-32109`); `agent/*` has no real upstream
+//! here; `web/*` and `credentials/*` are never offered and answer their not-granted code (docs/plugins.md
+//! "Host services").
 
 pub mod args;
 pub mod budget;
@@ -28,6 +29,7 @@ pub mod credentials;
 pub mod dev;
 pub mod files;
 pub mod grants;
+pub mod image;
 pub mod kv;
 pub mod llm;
 pub mod mock;
@@ -130,6 +132,9 @@ pub struct ServicesConfig {
     /// APS storage settings.
     #[serde(default)]
     pub storage: kv::StorageConfig,
+    /// The OpenAI-compatible images upstream; absent: `image/*` is not offered (`-32109`).
+    #[serde(default)]
+    pub image: Option<image::ImageConfig>,
     /// The developer harness (`fleet up --mocks`, `--dev-mode`); not part of the TOML file.
     #[serde(skip)]
     pub dev: dev::DevSettings,
@@ -162,6 +167,9 @@ struct Inner {
     kv: kv::KvService,
     files: files::FilesService,
     upload: upload::UploadService,
+    image: Option<image::ImageService>,
+    /// `image/*` is off because no upstream is configured (not because `--dev-mode image=off` said so).
+    image_unconfigured: bool,
     /// Every family's mode.
     modes: dev::Modes,
     /// What families in `mock` mode answer from.
@@ -196,6 +204,19 @@ impl FleetServices {
         let kv = kv::KvService::open(js, settings, quota.clone()).await?;
         let files = files::FilesService::open(js, settings, quota, links, config.public_url.clone()).await?;
         let upload = upload::UploadService::new(files.clone()).with_env(&settings.prefix);
+        let image = match (&config.image, modes.get(DevFamily::Image)) {
+            (Some(c), DevMode::Real) => {
+                Some(image::ImageService::open(js, settings, c, files.objects().clone()).await?)
+            }
+            _ => {
+                // A front creates the quota bucket whatever its own configuration, for workers that have `[image]`.
+                if settings.provision == fleet_store::Provision::Create {
+                    image::quota::DailyQuota::open(js, settings).await?;
+                }
+                None
+            }
+        };
+        let image_unconfigured = config.image.is_none() && !config.dev.is_explicit(DevFamily::Image);
         Ok(FleetServices {
             inner: Arc::new(Inner {
                 minter: TokenMinter::new().map_err(|e| ServicesError::Config(e.to_string()))?,
@@ -206,6 +227,8 @@ impl FleetServices {
                 kv,
                 files,
                 upload,
+                image,
+                image_unconfigured,
                 modes,
                 mocks: config.dev.mocks().clone(),
             }),
@@ -220,6 +243,11 @@ impl FleetServices {
     /// The grants store.
     pub fn grants(&self) -> &GrantStore {
         &self.inner.grants
+    }
+
+    /// The image service, when `[image]` is configured and real.
+    pub fn image(&self) -> Option<&image::ImageService> {
+        self.inner.image.as_ref()
     }
 
     /// The users' credentials.
@@ -357,6 +385,16 @@ impl FleetServices {
         if !image_caps.is_empty() {
             let mut c = TokenMinter::claims(binding, tokens::AUD_IMAGE, ttl);
             c.caps = image_caps;
+            let limits_ = grant.image.unwrap_or_default();
+            let per_call = |default: u32| limits_.max_per_call.unwrap_or(default);
+            c.max_per_call_generate =
+                Some(per_call(fleet_proto::limits::IMAGE_DEFAULT_MAX_PER_CALL_GENERATE));
+            c.max_per_call_edit = Some(per_call(fleet_proto::limits::IMAGE_DEFAULT_MAX_PER_CALL_EDIT));
+            c.max_images_per_day = Some(
+                limits_
+                    .max_images_per_day
+                    .unwrap_or(fleet_proto::limits::IMAGE_DEFAULT_MAX_PER_DAY),
+            );
             tokens.image = sign(&c);
         }
         if tokens.sampling.is_some()
@@ -378,6 +416,10 @@ impl FleetServices {
     /// Serves one reverse call (the [`HostServices`] entry point, callable directly by tests).
     pub async fn serve(&self, call: ReverseCall) -> Result<Value, ErrorObject> {
         let mode = self.inner.modes.of(call.family);
+        if mode == Some(DevMode::Off) && call.family == Family::Image && self.inner.image_unconfigured {
+            return Err(image_codes::IMAGE_NO_MODEL_AVAILABLE
+                .error("no image provider is configured on this host ([image] of --services-config)"));
+        }
         if mode == Some(DevMode::Off)
             && let Some(family) = DevFamily::of(call.family)
         {
@@ -486,6 +528,11 @@ impl FleetServices {
             Family::Storage => self.inner.kv.call(&ctx, &call.method, call.params).await,
             Family::Files => self.inner.files.call(&ctx, &call.method, call.params).await,
             Family::Upload => self.inner.upload.call(&ctx, &call.method, call.params).await,
+            Family::Image => match &self.inner.image {
+                Some(image) => image.call(&ctx, &call.method, call.params).await,
+                None => Err(image_codes::IMAGE_NO_MODEL_AVAILABLE
+                    .error("no image provider is configured on this host")),
+            },
             _ => Err(method_not_found(&call.method)),
         }
     }

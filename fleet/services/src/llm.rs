@@ -58,7 +58,7 @@ pub const DEFAULT_API_KEY_ENV: &str = "FLEET_LLM_API_KEY";
 const MAX_UPSTREAM_BODY_BYTES: usize = limits::MAX_FRAME_BYTES;
 
 /// Time allowed to establish the upstream connection (within the call's own timeout).
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Highest `temperature` accepted (the OpenAI range).
 const MAX_TEMPERATURE: f64 = 2.0;
@@ -158,7 +158,7 @@ impl From<LlmConfigError> for ServicesError {
 
 /// The `Authorization` header value, marked sensitive; `Debug` never shows it.
 #[derive(Clone)]
-struct ApiKey(HeaderValue);
+pub(crate) struct ApiKey(HeaderValue);
 
 impl fmt::Debug for ApiKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -166,30 +166,80 @@ impl fmt::Debug for ApiKey {
     }
 }
 
+/// Why an upstream's API key could not be read (the key itself is never in it).
+#[derive(Debug, thiserror::Error)]
+pub enum KeySourceError {
+    /// Both `api_key_file` and `api_key_env`.
+    #[error("set api_key_file or api_key_env, not both")]
+    TwoSources,
+    /// The key file could not be read.
+    #[error("api_key_file {path}: {source}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The configured environment variable is not set.
+    #[error("api_key_env: environment variable {0} is not set")]
+    Env(String),
+    /// Empty, or not sendable in a header.
+    #[error("the API key is empty or contains characters not allowed in an HTTP header")]
+    Bad,
+}
+
+impl From<KeySourceError> for LlmConfigError {
+    fn from(e: KeySourceError) -> Self {
+        match e {
+            KeySourceError::TwoSources => LlmConfigError::TwoKeySources,
+            KeySourceError::File { path, source } => LlmConfigError::KeyFile { path, source },
+            KeySourceError::Env(var) => LlmConfigError::KeyEnv(var),
+            KeySourceError::Bad => LlmConfigError::BadKey,
+        }
+    }
+}
+
 impl ApiKey {
-    fn load(config: &LlmConfig) -> Result<Option<ApiKey>, LlmConfigError> {
-        let raw = match (&config.api_key_file, &config.api_key_env) {
-            (Some(_), Some(_)) => return Err(LlmConfigError::TwoKeySources),
+    /// Reads the key from `file` or the environment variable `env`, else `default_env` if set; `None`: no key.
+    pub(crate) fn read(
+        file: Option<&PathBuf>,
+        env: Option<&String>,
+        default_env: &str,
+    ) -> Result<Option<ApiKey>, KeySourceError> {
+        let raw = match (file, env) {
+            (Some(_), Some(_)) => return Err(KeySourceError::TwoSources),
             (Some(path), None) => {
                 Some(
-                    std::fs::read_to_string(path).map_err(|source| LlmConfigError::KeyFile {
+                    std::fs::read_to_string(path).map_err(|source| KeySourceError::File {
                         path: path.clone(),
                         source,
                     })?,
                 )
             }
-            (None, Some(var)) => Some(std::env::var(var).map_err(|_| LlmConfigError::KeyEnv(var.clone()))?),
-            (None, None) => std::env::var(DEFAULT_API_KEY_ENV).ok(),
+            (None, Some(var)) => Some(std::env::var(var).map_err(|_| KeySourceError::Env(var.clone()))?),
+            (None, None) => std::env::var(default_env).ok(),
         };
         let Some(raw) = raw else { return Ok(None) };
         let key = raw.trim();
         if key.is_empty() {
-            return Err(LlmConfigError::BadKey);
+            return Err(KeySourceError::Bad);
         }
-        let mut value =
-            HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| LlmConfigError::BadKey)?;
+        let mut value = HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| KeySourceError::Bad)?;
         value.set_sensitive(true);
         Ok(Some(ApiKey(value)))
+    }
+
+    fn load(config: &LlmConfig) -> Result<Option<ApiKey>, LlmConfigError> {
+        Ok(Self::read(
+            config.api_key_file.as_ref(),
+            config.api_key_env.as_ref(),
+            DEFAULT_API_KEY_ENV,
+        )?)
+    }
+
+    /// The `Authorization` header value (sensitive).
+    pub(crate) fn header(&self) -> HeaderValue {
+        self.0.clone()
     }
 }
 
@@ -214,19 +264,8 @@ impl LlmService {
     }
 
     fn build(config: &LlmConfig) -> Result<LlmService, LlmConfigError> {
-        let base = config.base_url.trim().trim_end_matches('/');
-        let url = reqwest::Url::parse(base).map_err(|e| LlmConfigError::BaseUrl(e.to_string()))?;
-        if !matches!(url.scheme(), "http" | "https") {
-            return Err(LlmConfigError::BaseUrl(format!("scheme {:?}", url.scheme())));
-        }
-        if !url.username().is_empty() || url.password().is_some() {
-            return Err(LlmConfigError::BaseUrl(
-                "credentials belong in api_key_file".into(),
-            ));
-        }
-        if url.query().is_some() || url.fragment().is_some() {
-            return Err(LlmConfigError::BaseUrl("no query or fragment".into()));
-        }
+        let base = check_base_url(&config.base_url).map_err(LlmConfigError::BaseUrl)?;
+        let base = base.as_str();
         // `default_model` alone is a one-model configuration (without structured output).
         let models = match (&config.default_model, config.models.is_empty()) {
             (Some(name), true) => vec![ModelConfig {
@@ -300,12 +339,7 @@ impl LlmService {
 
     /// The model a request's hints select (spec §8.1 `modelPreferences`).
     fn select_model(&self, hints: &[String]) -> &ModelConfig {
-        hints
-            .iter()
-            .map(|h| h.to_lowercase())
-            .filter(|h| !h.is_empty())
-            .find_map(|h| self.models.iter().find(|m| m.name.to_lowercase().contains(&h)))
-            .unwrap_or(&self.default_model)
+        select_by_hints(hints, &self.models, |m| &m.name).unwrap_or(&self.default_model)
     }
 
     async fn sample(&self, ctx: &CallContext, params: &Value) -> Result<Value, ErrorObject> {
@@ -428,6 +462,37 @@ impl LlmService {
             Err(_) => Err(UpstreamError::Timeout(timeout)),
         }
     }
+}
+
+/// The first of `models` (in order) whose name contains the first hint that any contains, case-insensitively
+/// (spec §8.1 `modelPreferences.hints`; `image/*` picks its models the same way).
+pub(crate) fn select_by_hints<'a, T>(
+    hints: &[String],
+    models: &'a [T],
+    name: impl Fn(&T) -> &str,
+) -> Option<&'a T> {
+    hints
+        .iter()
+        .map(|h| h.to_lowercase())
+        .filter(|h| !h.is_empty())
+        .find_map(|h| models.iter().find(|m| name(m).to_lowercase().contains(&h)))
+}
+
+/// A configured upstream's base URL, without its trailing `/`: absolute http(s), no credentials, query or
+/// fragment (the reason otherwise).
+pub(crate) fn check_base_url(base_url: &str) -> Result<String, String> {
+    let base = base_url.trim().trim_end_matches('/');
+    let url = reqwest::Url::parse(base).map_err(|e| e.to_string())?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(format!("scheme {:?}", url.scheme()));
+    }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err("credentials belong in api_key_file".into());
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err("no query or fragment".into());
+    }
+    Ok(base.to_owned())
 }
 
 /// The checks a `sampling/createMessage` passes before any upstream sees it (validation, step 1 above), for
@@ -565,7 +630,7 @@ impl UpstreamError {
 }
 
 /// The symbolic `error.code` (or `error.type`) of an OpenAI-style error body, when it is short and plain.
-fn upstream_code(body: &[u8]) -> Option<String> {
+pub(crate) fn upstream_code(body: &[u8]) -> Option<String> {
     let v: Value = serde_json::from_slice(body).ok()?;
     let err = v.get("error")?;
     ["code", "type"]
@@ -1182,7 +1247,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::tokens::ServiceClaims;
+    use crate::TokenMinter;
     use crate::{BudgetLimits, InvokeBudget};
 
     fn msgs(n: usize) -> Value {
@@ -1224,23 +1289,15 @@ mod tests {
             invoke_id: "i".into(),
             deadline_ms: u64::MAX,
             client_timeout_s: None,
-            claims: ServiceClaims {
-                sub: "u".into(),
-                iss: String::new(),
-                aud: String::new(),
-                iat: 0,
-                exp: 0,
-                executa_tool_id: "t".into(),
-                tool_invoke_id: "i".into(),
-                caps: Vec::new(),
-                allowed_scopes: None,
-                max_calls: None,
-                max_tokens_total: None,
-                max_file_bytes: None,
-                max_total_bytes: None,
-                max_files: None,
-                allowed_purposes: None,
-            },
+            claims: TokenMinter::claims(
+                crate::Binding {
+                    user: "u",
+                    tool_id: "t",
+                    invoke_id: "i",
+                },
+                "",
+                Duration::ZERO,
+            ),
             budget: Arc::new(InvokeBudget::new(BudgetLimits::default())),
         }
     }

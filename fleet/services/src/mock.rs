@@ -37,6 +37,7 @@ use fleet_store::rfc3339_ms;
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
+use crate::image::request::{ImageRequest, Kind};
 use crate::{CallContext, llm, upload};
 
 /// `model` (and `_meta.provider`) of every echo.
@@ -440,44 +441,9 @@ fn image(ctx: &CallContext, site: &CallSite<'_>, entry: Option<&MockEntry>) -> R
     if edit && !ctx.granted(fleet_proto::executa::capabilities::LLM_IMAGE_EDIT) {
         return Err(image::IMAGE_NOT_GRANTED.error("the user has not granted llm.image.edit to this plugin"));
     }
-    let invalid = |m: &str| image::IMAGE_INVALID_REQUEST.error(m);
-    let filled = |key: &str| {
-        p.get(key)
-            .and_then(Value::as_str)
-            .map(str::trim)
-            .unwrap_or_default()
-    };
-    if filled("prompt").is_empty() {
-        return Err(invalid("prompt must be a non-empty string"));
-    }
-    if edit && filled("image_url").is_empty() {
-        return Err(invalid("image_url is required"));
-    }
-    if let Some(refs) = p.get("reference_image_urls").filter(|v| !v.is_null()) {
-        let ok = refs
-            .as_array()
-            .is_some_and(|a| a.len() <= 4 && a.iter().all(Value::is_string));
-        if !ok {
-            return Err(invalid("reference_image_urls must be at most 4 strings"));
-        }
-    }
-    let n = match p.get("n").filter(|v| !v.is_null()) {
-        None => 1,
-        Some(v) => v
-            .as_u64()
-            .filter(|n| *n >= 1)
-            .ok_or_else(|| invalid("n must be an integer ≥ 1"))?,
-    };
-    if n > limits::IMAGE_MAX_PER_CALL {
-        return Err(image::IMAGE_MAX_IMAGES_EXCEEDED.error_with(
-            format!("n = {n} is over the host's cap of {}", limits::IMAGE_MAX_PER_CALL),
-            Map::from_iter([
-                ("hostCap".to_owned(), json!(limits::IMAGE_MAX_PER_CALL)),
-                ("images".to_owned(), json!(n)),
-                ("maxImages".to_owned(), json!(limits::IMAGE_MAX_PER_CALL)),
-            ]),
-        ));
-    }
+    // The real service's validation (`-32104`, `-32106` over the host's cap).
+    let kind = if edit { Kind::Edit } else { Kind::Generate };
+    let n = ImageRequest::parse(kind, p)?.n;
     answer(entry, site, ctx).unwrap_or_else(|| {
         let (w, h) = p
             .get("size")

@@ -94,6 +94,15 @@ pub struct ServiceClaims {
     /// Upload: purposes allowed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allowed_purposes: Option<Vec<String>>,
+    /// Image: images one `image/generate` call may ask for (spec §7.4 `max_per_call_generate`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_per_call_generate: Option<u32>,
+    /// Image: images one `image/edit` call may ask for (spec §7.4 `max_per_call_edit`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_per_call_edit: Option<u32>,
+    /// Image: the user's images per rolling 24 h (spec §8.6 `max_images_per_day`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_images_per_day: Option<u32>,
 }
 
 impl fmt::Debug for ServiceClaims {
@@ -196,6 +205,9 @@ impl TokenMinter {
             max_total_bytes: None,
             max_files: None,
             allowed_purposes: None,
+            max_per_call_generate: None,
+            max_per_call_edit: None,
+            max_images_per_day: None,
         }
     }
 

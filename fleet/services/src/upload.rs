@@ -78,7 +78,7 @@ pub struct UploadService {
 /// Lock shards for confirms.
 const CONFIRM_SHARDS: usize = 16;
 
-fn safe_segment(s: &str) -> String {
+pub(crate) fn safe_segment(s: &str) -> String {
     let ok = !s.is_empty()
         && s.len() <= 128
         && s != "."

@@ -129,6 +129,8 @@ pub const CREDENTIALS: Resource = kv("credentials");
 pub const APS_KV: Resource = kv("aps_kv");
 /// APS bytes per user.
 pub const APS_USAGE: Resource = kv("aps_usage");
+/// Images per user of the last 24 h (`image/*`).
+pub const IMAGE_USAGE: Resource = kv("image_usage");
 /// APS file index.
 pub const APS_FILES: Resource = kv("aps_files");
 /// APS files begun, not completed.
@@ -141,7 +143,7 @@ pub const APS_STAGING: Resource = objects("aps_staging");
 pub const UPLOADS: Resource = objects("uploads");
 
 /// Every JetStream resource of the fleet.
-pub const RESOURCES: [Resource; 19] = [
+pub const RESOURCES: [Resource; 20] = [
     JOBS,
     ACTIVE,
     WORKERS,
@@ -161,6 +163,7 @@ pub const RESOURCES: [Resource; 19] = [
     APS_OBJECTS,
     APS_STAGING,
     UPLOADS,
+    IMAGE_USAGE,
 ];
 
 impl Resource {
@@ -235,6 +238,7 @@ pub fn jetstream_access(role: Role) -> Vec<(Resource, Access)> {
                 APS_OBJECTS,
                 APS_STAGING,
                 UPLOADS,
+                IMAGE_USAGE,
             ]
             .iter()
             .map(|r| (*r, Access::Write))
@@ -500,6 +504,7 @@ mod tests {
                 (APS_OBJECTS, objects(s.aps_objects_config())),
                 (APS_STAGING, objects(s.aps_staging_config())),
                 (UPLOADS, objects(s.uploads_config())),
+                (IMAGE_USAGE, kv(s.image_usage_kv_config())),
             ];
             assert_eq!(configured.len(), RESOURCES.len(), "one config per resource");
             for resource in RESOURCES {

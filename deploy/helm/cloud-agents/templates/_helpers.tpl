@@ -162,6 +162,11 @@ seccompProfile:
   mountPath: /var/run/cloud-agents/llm
   readOnly: true
 {{- end }}
+{{- if .Values.services.imageApiKey.secretName }}
+- name: image-api-key
+  mountPath: /var/run/cloud-agents/image
+  readOnly: true
+{{- end }}
 {{- end }}
 
 {{/* Host-services volumes shared by front and worker. */}}
@@ -192,6 +197,15 @@ seccompProfile:
     defaultMode: 0440
     items:
       - key: {{ .Values.services.llmApiKey.key }}
+        path: api-key
+{{- end }}
+{{- if .Values.services.imageApiKey.secretName }}
+- name: image-api-key
+  secret:
+    secretName: {{ .Values.services.imageApiKey.secretName }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.services.imageApiKey.key }}
         path: api-key
 {{- end }}
 {{- end }}
