@@ -37,7 +37,9 @@ async fn admin_call(store: &GrantStore, method: &str, payload: &[u8]) -> Result<
     let grant = match method {
         grants::SET => {
             let a: grants::SetArgs = admin::parse_args(payload)?;
-            store.edit(&a.user, &a.tool_id, &a.allow, &a.revoke).await
+            store
+                .edit_with(&a.user, &a.tool_id, &a.allow, &a.revoke, a.web_grant.as_ref())
+                .await
         }
         grants::GET => {
             let a: grants::GetArgs = admin::parse_args(payload)?;
@@ -70,6 +72,11 @@ pub struct GrantArgs {
     /// Capabilities to revoke, comma-separated (`*`: all).
     #[arg(long, value_delimiter = ',')]
     pub revoke: Vec<String>,
+    /// The spec's `web_grant` as JSON (`{"enabled":true,"allowSearch":true,"allowFetch":true,"allowAdvanced":false,
+    /// "allowImageSearch":false,"allowImageFetch":false,"maxResultsPerCall":10}`): sets every `web.*` capability
+    /// and the web settings; `{"enabled":false}` revokes web.
+    #[arg(long, value_parser = parse_web_grant)]
+    pub web_grant: Option<grants::WebGrantShape>,
     /// `--nats-url`, `--data-dir`, `--token`.
     #[command(flatten)]
     pub conn: OperatorConn,
@@ -79,7 +86,7 @@ pub struct GrantArgs {
 pub async fn run_grant(args: &GrantArgs) -> Result<Value, ApiError> {
     let client = args.conn.client().await?;
     let wait = Duration::from_secs(10);
-    let grant = if args.allow.is_empty() && args.revoke.is_empty() {
+    let grant = if args.allow.is_empty() && args.revoke.is_empty() && args.web_grant.is_none() {
         let get = grants::GetArgs {
             user: args.user.clone(),
             tool_id: args.tool_id.clone(),
@@ -91,8 +98,19 @@ pub async fn run_grant(args: &GrantArgs) -> Result<Value, ApiError> {
             tool_id: args.tool_id.clone(),
             allow: args.allow.clone(),
             revoke: args.revoke.clone(),
+            web_grant: args.web_grant.clone(),
         };
         client.grants_set(&set, wait).await?
     };
     printable(grant)
+}
+
+/// Parses `--web-grant` (the message names the shape, never echoes the text).
+fn parse_web_grant(text: &str) -> Result<grants::WebGrantShape, String> {
+    serde_json::from_str(text).map_err(|e| {
+        format!(
+            "not a web_grant object ({e}); expected {{\"enabled\":bool, \"allowSearch\"?, \"allowFetch\"?, \
+             \"allowAdvanced\"?, \"allowImageSearch\"?, \"allowImageFetch\"?, \"maxResultsPerCall\"?}}"
+        )
+    })
 }

@@ -9,9 +9,10 @@
 //! per-grant overrides (`sampling`, `storage`, `upload`), accepting both field spellings of spec §16 A-29.
 
 use async_nats::jetstream::{self, kv};
-use fleet_proto::admin::grants::{Grant, REVOKE_ALL};
+use fleet_proto::admin::grants::{Grant, REVOKE_ALL, WebGrantShape};
 use fleet_proto::api::{ApiError, ApiErrorCode, user_key};
 use fleet_proto::executa::capabilities::is_known_host_capability;
+use fleet_proto::limits::WEB_MAX_RESULTS_PER_CALL;
 use fleet_proto::util::now_ms;
 use fleet_store::cas::{Edit, Target, compare_and_set};
 use fleet_store::settings::GRANT_MAX_BYTES;
@@ -110,7 +111,27 @@ impl GrantStore {
         allow: &[String],
         revoke: &[String],
     ) -> Result<Grant, GrantError> {
+        self.edit_with(user, tool_id, allow, revoke, None).await
+    }
+
+    /// [`Self::edit`], then the spec's `web_grant` when given: every `web.*` capability allowed or revoked as it
+    /// says, and its settings (`allowAdvanced`, `maxResultsPerCall`) kept in the grant's `web`.
+    pub async fn edit_with(
+        &self,
+        user: &str,
+        tool_id: &str,
+        allow: &[String],
+        revoke: &[String],
+        web_grant: Option<&WebGrantShape>,
+    ) -> Result<Grant, GrantError> {
         Self::check(user, tool_id)?;
+        if let Some(max) = web_grant.and_then(|w| w.max_results_per_call)
+            && (max == 0 || max as usize > WEB_MAX_RESULTS_PER_CALL)
+        {
+            return Err(GrantError::Invalid(format!(
+                "web_grant.maxResultsPerCall must be 1–{WEB_MAX_RESULTS_PER_CALL}"
+            )));
+        }
         let unknown: Vec<String> = allow
             .iter()
             .chain(revoke.iter().filter(|r| r.as_str() != REVOKE_ALL))
@@ -138,6 +159,14 @@ impl GrantStore {
                 grant.allow.remove(r);
             }
             grant.allow.extend(allow.iter().cloned());
+            if let Some(web) = web_grant {
+                let (on, off) = web.capabilities();
+                for c in off {
+                    grant.allow.remove(&c);
+                }
+                grant.allow.extend(on);
+                grant.web = Some(web.settings());
+            }
             grant.updated_at_ms = now_ms();
             Ok::<_, StoreError>(Edit::Write(grant, ()))
         })

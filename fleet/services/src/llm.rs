@@ -182,15 +182,39 @@ impl ApiKey {
             (None, None) => std::env::var(DEFAULT_API_KEY_ENV).ok(),
         };
         let Some(raw) = raw else { return Ok(None) };
-        let key = raw.trim();
-        if key.is_empty() {
-            return Err(LlmConfigError::BadKey);
-        }
-        let mut value =
-            HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| LlmConfigError::BadKey)?;
-        value.set_sensitive(true);
-        Ok(Some(ApiKey(value)))
+        bearer(&raw)
+            .map(|v| Some(ApiKey(v)))
+            .ok_or(LlmConfigError::BadKey)
     }
+}
+
+/// `Bearer <key>` (surrounding whitespace trimmed) as a sensitive header value; `None` for an empty key or one
+/// that is not a header value. Every upstream key of the services goes through here.
+pub(crate) fn bearer(raw: &str) -> Option<HeaderValue> {
+    let key = raw.trim();
+    if key.is_empty() {
+        return None;
+    }
+    let mut value = HeaderValue::from_str(&format!("Bearer {key}")).ok()?;
+    value.set_sensitive(true);
+    Some(value)
+}
+
+/// An upstream's configured base URL, checked: `http`/`https`, no credentials (they belong in a key file), no
+/// query or fragment; the trailing `/` removed. The error says which rule, never the URL.
+pub(crate) fn upstream_base_url(text: &str) -> Result<reqwest::Url, String> {
+    let base = text.trim().trim_end_matches('/');
+    let url = reqwest::Url::parse(base).map_err(|e| e.to_string())?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(format!("scheme {:?}", url.scheme()));
+    }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err("credentials belong in api_key_file".into());
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err("no query or fragment".into());
+    }
+    Ok(url)
 }
 
 /// The sampling and embeddings service.
@@ -215,18 +239,7 @@ impl LlmService {
 
     fn build(config: &LlmConfig) -> Result<LlmService, LlmConfigError> {
         let base = config.base_url.trim().trim_end_matches('/');
-        let url = reqwest::Url::parse(base).map_err(|e| LlmConfigError::BaseUrl(e.to_string()))?;
-        if !matches!(url.scheme(), "http" | "https") {
-            return Err(LlmConfigError::BaseUrl(format!("scheme {:?}", url.scheme())));
-        }
-        if !url.username().is_empty() || url.password().is_some() {
-            return Err(LlmConfigError::BaseUrl(
-                "credentials belong in api_key_file".into(),
-            ));
-        }
-        if url.query().is_some() || url.fragment().is_some() {
-            return Err(LlmConfigError::BaseUrl("no query or fragment".into()));
-        }
+        upstream_base_url(base).map_err(LlmConfigError::BaseUrl)?;
         // `default_model` alone is a one-model configuration (without structured output).
         let models = match (&config.default_model, config.models.is_empty()) {
             (Some(name), true) => vec![ModelConfig {
@@ -1240,6 +1253,9 @@ mod tests {
                 max_total_bytes: None,
                 max_files: None,
                 allowed_purposes: None,
+                web_advanced: None,
+                max_results: None,
+                web_denied: None,
             },
             budget: Arc::new(InvokeBudget::new(BudgetLimits::default())),
         }

@@ -33,6 +33,8 @@ pub const AUD_STORAGE: &str = "aps-storage";
 pub const AUD_UPLOAD: &str = "executa-upload";
 /// `aud` of the image token (`image/generate`, `image/edit`; spec §8.6).
 pub const AUD_IMAGE: &str = "executa-image";
+/// `aud` of the web token (`web/*`; spec §8.9 names none: this one never leaves the host).
+pub const AUD_WEB: &str = "executa-web";
 
 /// How long before its tokens expire a still-running invoke gets new ones (spec §11 HR-JW-02).
 pub const RENEW_BEFORE_EXPIRY: Duration = Duration::from_secs(300);
@@ -94,6 +96,15 @@ pub struct ServiceClaims {
     /// Upload: purposes allowed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allowed_purposes: Option<Vec<String>>,
+    /// Web: `search_depth: "advanced"` allowed (`web_grant.allowAdvanced`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub web_advanced: Option<bool>,
+    /// Web: results per search call (`web_grant.maxResultsPerCall`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_results: Option<u32>,
+    /// Web: the user turned web off for this plugin (`web_grant.enabled: false`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub web_denied: Option<bool>,
 }
 
 impl fmt::Debug for ServiceClaims {
@@ -196,6 +207,9 @@ impl TokenMinter {
             max_total_bytes: None,
             max_files: None,
             allowed_purposes: None,
+            web_advanced: None,
+            max_results: None,
+            web_denied: None,
         }
     }
 
