@@ -333,7 +333,238 @@ pub(crate) fn cut(text: &str, max_chars: usize) -> (String, bool) {
 
 #[cfg(test)]
 mod tests {
+    use std::net::SocketAddr;
+
+    use axum::extract::Path;
+    use axum::http::{HeaderMap, StatusCode, header};
+    use axum::response::IntoResponse;
+    use axum::routing::get;
+    use fleet_proto::limits::WEB_FETCH_MAX_CHARS_PER_PAGE;
+
+    use super::super::ssrf::SystemResolver;
     use super::*;
+
+    /// A page server on 127.0.0.1 (reachable only through the test-only exception) and a fetcher allowed to
+    /// reach exactly it.
+    async fn server() -> (Fetcher, String, tokio::task::JoinHandle<()>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr: SocketAddr = listener.local_addr().expect("addr");
+        let html = |body: String| ([(header::CONTENT_TYPE, "text/html; charset=utf-8")], body);
+        let redirect = |to: String| (StatusCode::FOUND, [(header::LOCATION, to)]).into_response();
+        let app =
+            axum::Router::new()
+                .route(
+                    "/page",
+                    get(move || async move { html("<title>Cats</title><p>Cats sleep.</p>".to_owned()) }),
+                )
+                .route(
+                    "/hop/{n}",
+                    get(move |Path(n): Path<u32>| async move {
+                        if n == 0 {
+                            html("<p>landed</p>".to_owned()).into_response()
+                        } else {
+                            redirect(format!("/hop/{}", n - 1))
+                        }
+                    }),
+                )
+                .route(
+                    "/to/{target}",
+                    get(move |Path(target): Path<String>| async move {
+                        redirect(match target.as_str() {
+                            "private" => "http://10.0.0.1/".to_owned(),
+                            "metadata" => "http://169.254.169.254/latest/meta-data/".to_owned(),
+                            "loopback" => "http://127.0.0.1:1/".to_owned(),
+                            "v6-loopback" => format!("http://[::1]:{}/page", addr.port()),
+                            "file" => "file:///etc/passwd".to_owned(),
+                            _ => "/page".to_owned(),
+                        })
+                    }),
+                )
+                .route(
+                    "/size/{n}",
+                    get(|Path(n): Path<usize>| async move {
+                        ([(header::CONTENT_TYPE, "text/plain")], "a".repeat(n))
+                    }),
+                )
+                .route(
+                    "/stream/{n}",
+                    get(|Path(n): Path<usize>| async move {
+                        // No Content-Length: the cap is found while reading.
+                        let chunks = (0..n.div_ceil(1024)).map(move |i| {
+                            Ok::<_, std::io::Error>(bytes::Bytes::from("b".repeat(1024.min(n - i * 1024))))
+                        });
+                        let mut headers = HeaderMap::new();
+                        headers.insert(header::CONTENT_TYPE, "text/plain".parse().expect("value"));
+                        (
+                            headers,
+                            axum::body::Body::from_stream(futures::stream::iter(chunks)),
+                        )
+                    }),
+                )
+                .route(
+                    "/status/{code}",
+                    get(|Path(code): Path<u16>| async move {
+                        StatusCode::from_u16(code).unwrap_or(StatusCode::IM_A_TEAPOT)
+                    }),
+                )
+                .route(
+                    "/png",
+                    get(|| async {
+                        (
+                            [(header::CONTENT_TYPE, "image/png")],
+                            b"\x89PNG\r\n\x1a\n".to_vec(),
+                        )
+                    }),
+                )
+                .route("/never", get(|| std::future::pending::<String>()));
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        let fetcher = Fetcher::new(SsrfPolicy::new(vec![addr]), Arc::new(SystemResolver));
+        (fetcher, format!("http://{addr}"), task)
+    }
+
+    /// Resolves every name to `first` on its first lookup and to `then` on every later one, counting lookups.
+    #[derive(Debug)]
+    struct Rebinding {
+        first: SocketAddr,
+        then: SocketAddr,
+        lookups: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Resolve for Rebinding {
+        fn resolve<'a>(&'a self, _host: &'a str, _port: u16) -> super::super::ssrf::ResolveFuture<'a> {
+            let n = self.lookups.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let addr = if n == 0 { self.first } else { self.then };
+            Box::pin(async move { Ok(vec![addr]) })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_name_is_fetched_from_the_address_that_was_checked_and_never_looked_up_again() {
+        let (plain, base, task) = server().await;
+        drop(plain);
+        let allowed: SocketAddr = base.trim_start_matches("http://").parse().expect("addr");
+        // Between the check and the connect the name "moves" to the metadata address: the client must not
+        // look it up again (the pinned, checked address is used).
+        let resolver = Arc::new(Rebinding {
+            first: allowed,
+            then: "169.254.169.254:80".parse().expect("addr"),
+            lookups: std::sync::atomic::AtomicUsize::new(0),
+        });
+        let f = Fetcher::new(SsrfPolicy::new(vec![allowed]), resolver.clone());
+        let url = format!("http://pages.test:{}/page", allowed.port());
+        let page = f.page(&url, options()).await;
+        assert!(page.ok, "{page:?}");
+        assert_eq!(page.title.as_deref(), Some("Cats"));
+        assert_eq!(resolver.lookups.load(std::sync::atomic::Ordering::SeqCst), 1);
+        // The next vet of the same name sees the new answer and refuses it.
+        assert_eq!(
+            f.page(&url, options()).await.error.as_deref(),
+            Some("SSRF_BLOCKED")
+        );
+        task.abort();
+    }
+
+    fn options() -> PageOptions {
+        PageOptions {
+            format: Format::Markdown,
+            max_chars: WEB_FETCH_MAX_CHARS_PER_PAGE,
+            timeout: Duration::from_secs(30),
+        }
+    }
+
+    async fn error_of(f: &Fetcher, url: &str) -> Option<String> {
+        f.page(url, options()).await.error
+    }
+
+    #[tokio::test]
+    async fn five_redirects_are_followed_and_the_sixth_is_refused() {
+        let (f, base, task) = server().await;
+        let five = f.page(&format!("{base}/hop/5"), options()).await;
+        assert!(five.ok, "{five:?}");
+        assert_eq!(five.final_url, Some(format!("{base}/hop/0")));
+        assert_eq!(five.content.as_deref(), Some("landed"));
+        assert_eq!(
+            error_of(&f, &format!("{base}/hop/6")).await.as_deref(),
+            Some("SSRF_BLOCKED")
+        );
+        task.abort();
+    }
+
+    #[tokio::test]
+    async fn a_redirect_out_of_the_policy_is_refused() {
+        let (f, base, task) = server().await;
+        for target in ["private", "metadata", "loopback", "v6-loopback", "file"] {
+            assert_eq!(
+                error_of(&f, &format!("{base}/to/{target}")).await.as_deref(),
+                Some("SSRF_BLOCKED"),
+                "{target}"
+            );
+        }
+        let ok = f.page(&format!("{base}/to/page"), options()).await;
+        assert_eq!(ok.title.as_deref(), Some("Cats"));
+        task.abort();
+    }
+
+    #[tokio::test]
+    async fn a_body_of_256_kib_is_read_and_one_byte_more_is_too_large() {
+        let (f, base, task) = server().await;
+        let cap = WEB_FETCH_MAX_BODY_BYTES;
+        for route in ["size", "stream"] {
+            let exact = f.page(&format!("{base}/{route}/{cap}"), options()).await;
+            assert!(exact.ok, "{route}: {:?}", exact.error);
+            assert_eq!(
+                exact.truncated,
+                Some(true),
+                "256 KiB of text is more than 8 000 characters"
+            );
+            assert_eq!(
+                exact.content.map(|c| c.chars().count()),
+                Some(WEB_FETCH_MAX_CHARS_PER_PAGE)
+            );
+            assert_eq!(
+                error_of(&f, &format!("{base}/{route}/{}", cap + 1))
+                    .await
+                    .as_deref(),
+                Some("TOO_LARGE"),
+                "{route}"
+            );
+        }
+        let short = f.page(&format!("{base}/size/8000"), options()).await;
+        assert_eq!(
+            short.truncated,
+            Some(false),
+            "exactly 8 000 characters are not cut"
+        );
+        task.abort();
+    }
+
+    #[tokio::test]
+    async fn statuses_types_and_timeouts_are_per_page_errors() {
+        let (f, base, task) = server().await;
+        assert_eq!(
+            error_of(&f, &format!("{base}/status/404")).await.as_deref(),
+            Some("HTTP_404")
+        );
+        assert_eq!(
+            error_of(&f, &format!("{base}/status/503")).await.as_deref(),
+            Some("HTTP_503")
+        );
+        assert_eq!(
+            error_of(&f, &format!("{base}/png")).await.as_deref(),
+            Some("PARSE_FAILED")
+        );
+        assert_eq!(error_of(&f, "not a url").await.as_deref(), Some("PARSE_FAILED"));
+        let quick = PageOptions {
+            timeout: Duration::from_millis(200),
+            ..options()
+        };
+        // The server never answers: the page times out, whatever the machine's speed.
+        let slow = f.page(&format!("{base}/never"), quick).await;
+        assert_eq!(slow.error.as_deref(), Some("TIMEOUT"));
+        task.abort();
+    }
 
     #[test]
     fn content_is_cut_at_max_chars_on_a_character_boundary() {
