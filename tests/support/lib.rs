@@ -3,8 +3,8 @@
 //! plugins and their binaries are, and the fake LLM upstream, are `fleet-e2e-client`'s (re-exported here).
 
 pub use fleet_e2e_client::{
-    cargo_build, echo_plugin_bin, fake_llm, fleet_bin, profile_dir, python_plugin_path, sandbox_stub_bin,
-    workspace_root,
+    cargo_build, echo_plugin_bin, fake_llm, fake_web, fleet_bin, profile_dir, python_plugin_path,
+    sandbox_stub_bin, workspace_root,
 };
 
 /// A worker over a temporary catalogue of echo-plugin installs, for the worker tests.

@@ -245,6 +245,11 @@ impl FleetServices {
         &self.inner.credentials
     }
 
+    /// The `web/*` service (its daily pool).
+    pub fn web(&self) -> &web::WebService {
+        &self.inner.web
+    }
+
     /// The token minter (tests mint tampered tokens with it).
     pub fn minter(&self) -> &TokenMinter {
         &self.inner.minter
