@@ -1858,6 +1858,23 @@ fn dev_reverse(up: &Up, user: &str, method: &str, params: &Value) -> Value {
     .ok()
 }
 
+/// The `capabilities` the host offered `tool_id` (a fixture with `--media` or `--web`) in `initialize`, as alice's
+/// session of it saw them.
+fn host_offer(up: &Up, tool_id: &str) -> Value {
+    up.cli(&[
+        "invoke",
+        "--user",
+        "alice",
+        "--tool-id",
+        tool_id,
+        "--tool",
+        "host_offer",
+        "--args",
+        "{}",
+    ])
+    .ok()
+}
+
 fn sample(text: &str) -> Value {
     json!({"messages": [{"role": "user", "content": {"type": "text", "text": text}}], "maxTokens": 50})
 }
@@ -1904,19 +1921,7 @@ fn fleet_up_mocks_serve_sampling_images_and_agent_runs_without_an_upstream() {
     .ok();
 
     // Offered in initialize: every mocked family (and storage, real); uploads are off.
-    let offer = up
-        .cli(&[
-            "invoke",
-            "--user",
-            "alice",
-            "--tool-id",
-            "dev-py",
-            "--tool",
-            "host_offer",
-            "--args",
-            "{}",
-        ])
-        .ok();
+    let offer = host_offer(&up, "dev-py");
     for key in ["sampling", "embed", "agent", "image", "image.edit", "storage"] {
         assert!(offer.get(key).is_some(), "{key} not offered: {offer}");
     }
@@ -2166,19 +2171,7 @@ fn a_python_plugin_searches_and_fetches_the_web_through_fleet_up() {
     );
 
     // Offered in initialize, as configured.
-    let offer = up
-        .cli(&[
-            "invoke",
-            "--user",
-            "alice",
-            "--tool-id",
-            "web-py",
-            "--tool",
-            "host_offer",
-            "--args",
-            "{}",
-        ])
-        .ok();
+    let offer = host_offer(&up, "web-py");
     assert_eq!(
         offer["web"],
         json!({"search": true, "fetch": true, "image_search": true, "image_fetch": false}),

@@ -13,12 +13,9 @@ use fleet_proto::admin::grants::WebGrantShape;
 use fleet_proto::executa::reverse::family_of;
 use fleet_proto::jsonrpc::ErrorObject;
 use fleet_proto::util::now_ms;
-use fleet_services::credentials::Keyring;
-use fleet_services::files::LinkSigner;
 use fleet_services::tokens::{AUD_WEB, Binding, TokenMinter};
 use fleet_services::web::WebConfig;
 use fleet_services::{FleetServices, ServicesConfig};
-use fleet_store::StoreSettings;
 use fleet_worker::services::{HostServices, InvokeTokens, ReverseCall, TokenRequest, TokenSource};
 use serde_json::{Value, json};
 
@@ -38,12 +35,6 @@ struct Env {
 /// the fake's address allowed for tests, a key file, a daily pool of 1 000 CU).
 async fn env_with(configure: impl FnOnce(&mut WebConfig)) -> Env {
     let dir = tempfile::tempdir().expect("tempdir");
-    let nats = NatsServer::start(&dir.path().join("nats")).expect("nats-server (run scripts/test.sh once)");
-    let client = nats
-        .connect(fleet_client::creds::Role::Front)
-        .await
-        .expect("connect");
-    let js = async_nats::jetstream::new(client);
     let web = FakeWeb::start().await;
     let key_file = dir.path().join("searx.key");
     std::fs::write(&key_file, format!("{KEY}\n")).expect("key file");
@@ -59,15 +50,8 @@ async fn env_with(configure: impl FnOnce(&mut WebConfig)) -> Env {
         web: config,
         ..ServicesConfig::default()
     };
-    let services = Box::pin(FleetServices::open(
-        &js,
-        &StoreSettings::default(),
-        &config,
-        LinkSigner::new(b"host-services-web-test-link-secret"),
-        Keyring::fixed(&[("k1", [7; 32])]),
-    ))
-    .await
-    .expect("services");
+    let (nats, services) =
+        fleet_e2e::host_services(dir.path(), &config, b"host-services-web-test-link-secret").await;
     Env {
         services,
         web,

@@ -252,6 +252,35 @@ pub mod worker {
     }
 }
 
+/// The host services of one process over a real nats-server started under `dir` (as a front opens them: it
+/// creates the resources), for the tests that drive `FleetServices::serve` directly. A fixed credentials keyring.
+///
+/// # Panics
+/// If nats-server cannot start or the services cannot open.
+pub async fn host_services(
+    dir: &std::path::Path,
+    config: &fleet_services::ServicesConfig,
+    link_secret: &[u8],
+) -> (fleet::nats_server::NatsServer, fleet_services::FleetServices) {
+    let nats = fleet::nats_server::NatsServer::start(&dir.join("nats"))
+        .expect("nats-server (run scripts/test.sh once)");
+    let client = nats
+        .connect(fleet_client::creds::Role::Front)
+        .await
+        .expect("connect");
+    let js = async_nats::jetstream::new(client);
+    let services = Box::pin(fleet_services::FleetServices::open(
+        &js,
+        &fleet_store::StoreSettings::default(),
+        config,
+        fleet_services::files::LinkSigner::new(link_secret),
+        fleet_services::credentials::Keyring::fixed(&[("k1", [7; 32])]),
+    ))
+    .await
+    .expect("services");
+    (nats, services)
+}
+
 /// A whole fleet in one test process: a real nats-server, the JetStream store, N front replicas (each with its
 /// own NATS connection) and M worker nodes over echo-plugin catalogues, with real JWTs.
 pub mod cluster {

@@ -263,6 +263,15 @@ fn reference(name: &str) -> Option<char> {
     })
 }
 
+/// One level deeper at an opening tag, one less at a closing one.
+fn nest(depth: &mut usize, closing: bool) {
+    *depth = if closing {
+        depth.saturating_sub(1)
+    } else {
+        *depth + 1
+    };
+}
+
 /// The state of one extraction.
 struct Walker {
     format: Format,
@@ -369,19 +378,11 @@ impl Walker {
             "br" => self.flush(),
             "pre" => {
                 self.block();
-                if closing {
-                    self.pre = self.pre.saturating_sub(1);
-                } else {
-                    self.pre += 1;
-                }
+                nest(&mut self.pre, closing);
             }
             "blockquote" => {
                 self.block();
-                if closing {
-                    self.quote = self.quote.saturating_sub(1);
-                } else {
-                    self.quote += 1;
-                }
+                nest(&mut self.quote, closing);
             }
             "li" if !closing => {
                 self.flush();

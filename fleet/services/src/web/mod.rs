@@ -357,6 +357,22 @@ impl WebService {
         })
     }
 
+    /// One provider call, charged [`SEARCH_CU`] only when it answers: its results and the CU charged.
+    async fn ask(
+        &self,
+        ctx: &CallContext,
+        provider: &search::Provider,
+        query: &search::Query,
+        timeout: Duration,
+    ) -> Result<(Vec<search::RawResult>, u64), ErrorObject> {
+        let hold = self.reserve(ctx, SEARCH_CU)?;
+        let raw = provider
+            .search(query, timeout.min(provider.timeout()))
+            .await
+            .map_err(provider_error)?;
+        Ok((raw, hold.keep(SEARCH_CU)))
+    }
+
     async fn search(
         &self,
         ctx: &CallContext,
@@ -370,13 +386,8 @@ impl WebService {
                 "search_depth \"advanced\" needs web_grant.allowAdvanced, which this user has not granted",
             ));
         }
-        let hold = self.reserve(ctx, SEARCH_CU)?;
-        let raw = provider
-            .search(&req.query, timeout.min(provider.timeout()))
-            .await
-            .map_err(provider_error)?;
+        let (raw, quota_consumed) = self.ask(ctx, provider, &req.query, timeout).await?;
         let results = search::web_hits(raw, &req.include, &req.exclude, req.max_results);
-        let quota_consumed = hold.keep(SEARCH_CU);
         // SearXNG has one tier: an advanced request is served (and billed) as basic, and says so.
         to_value(&SearchResult {
             results,
@@ -393,13 +404,8 @@ impl WebService {
     ) -> Result<Value, ErrorObject> {
         let provider = self.provider(methods::WEB_IMAGE_SEARCH)?;
         let (query, filter, max) = parse_image_search(params, max_results(ctx))?;
-        let hold = self.reserve(ctx, SEARCH_CU)?;
-        let raw = provider
-            .search(&query, timeout.min(provider.timeout()))
-            .await
-            .map_err(provider_error)?;
+        let (raw, quota_consumed) = self.ask(ctx, provider, &query, timeout).await?;
         let results = search::image_hits(raw, filter, max);
-        let quota_consumed = hold.keep(SEARCH_CU);
         to_value(&ImageSearchResult {
             results,
             quota_consumed,
