@@ -1844,16 +1844,21 @@ fn dev_catalogue(dir: &std::path::Path, own: &str, mocks: &str) -> (PathBuf, Pat
 /// One reverse RPC of `dev-py` for `user` through `fleet invoke`: the plugin's `{"result": …}` or `{"error": …}`.
 fn dev_reverse(up: &Up, user: &str, method: &str, params: &Value) -> Value {
     let args = json!({"method": method, "params": params}).to_string();
+    invoke_tool(up, user, "dev-py", "reverse", &args)
+}
+
+/// `fleet invoke` of `tool` of `tool_id` for `user` with `args`: the tool's result.
+fn invoke_tool(up: &Up, user: &str, tool_id: &str, tool: &str, args: &str) -> Value {
     up.cli(&[
         "invoke",
         "--user",
         user,
         "--tool-id",
-        "dev-py",
+        tool_id,
         "--tool",
-        "reverse",
+        tool,
         "--args",
-        &args,
+        args,
     ])
     .ok()
 }
@@ -1861,18 +1866,7 @@ fn dev_reverse(up: &Up, user: &str, method: &str, params: &Value) -> Value {
 /// The `capabilities` the host offered `tool_id` (a fixture with `--media` or `--web`) in `initialize`, as alice's
 /// session of it saw them.
 fn host_offer(up: &Up, tool_id: &str) -> Value {
-    up.cli(&[
-        "invoke",
-        "--user",
-        "alice",
-        "--tool-id",
-        tool_id,
-        "--tool",
-        "host_offer",
-        "--args",
-        "{}",
-    ])
-    .ok()
+    invoke_tool(up, "alice", tool_id, "host_offer", "{}")
 }
 
 fn sample(text: &str) -> Value {
@@ -2121,21 +2115,24 @@ fn web_catalogue(dir: &std::path::Path) -> PathBuf {
     dir.join("catalogue")
 }
 
-/// One reverse RPC of `tool_id` for alice through `fleet invoke`: the plugin's `{"result": …}` or `{"error": …}`.
-fn web_reverse(up: &Up, tool_id: &str, method: &str, params: &Value) -> Value {
-    let args = json!({"method": method, "params": params}).to_string();
+/// `fleet grant --web-grant SHAPE` of alice to `tool_id`: the grant as it is now.
+fn alice_web_grant(up: &Up, tool_id: &str, shape: &str) -> Value {
     up.cli(&[
-        "invoke",
+        "grant",
         "--user",
         "alice",
         "--tool-id",
         tool_id,
-        "--tool",
-        "reverse",
-        "--args",
-        &args,
+        "--web-grant",
+        shape,
     ])
     .ok()
+}
+
+/// One reverse RPC of `tool_id` for alice through `fleet invoke`: the plugin's `{"result": …}` or `{"error": …}`.
+fn web_reverse(up: &Up, tool_id: &str, method: &str, params: &Value) -> Value {
+    let args = json!({"method": method, "params": params}).to_string();
+    invoke_tool(up, "alice", tool_id, "reverse", &args)
 }
 
 /// Issue 17 `web/*` end to end: `fleet up --services-config` with `[web]` (a fake SearXNG: no real provider
@@ -2174,7 +2171,7 @@ fn a_python_plugin_searches_and_fetches_the_web_through_fleet_up() {
     let offer = host_offer(&up, "web-py");
     assert_eq!(
         offer["web"],
-        json!({"search": true, "fetch": true, "image_search": true, "image_fetch": false}),
+        json!({"search": true, "fetch": true, "image_search": true, "image_fetch": true}),
         "{offer}"
     );
 
@@ -2182,17 +2179,11 @@ fn a_python_plugin_searches_and_fetches_the_web_through_fleet_up() {
     let denied = web_reverse(&up, "web-py", "web/search", &json!({"query": "cats"}));
     assert_eq!(denied["error"]["code"], -32521, "{denied}");
 
-    let grant = up
-        .cli(&[
-            "grant",
-            "--user",
-            "alice",
-            "--tool-id",
-            "web-py",
-            "--web-grant",
-            r#"{"enabled": true, "allowImageSearch": true, "maxResultsPerCall": 4}"#,
-        ])
-        .ok();
+    let grant = alice_web_grant(
+        &up,
+        "web-py",
+        r#"{"enabled": true, "allowImageSearch": true, "maxResultsPerCall": 4}"#,
+    );
     assert_eq!(
         grant["allow"],
         json!(["web.fetch", "web.image_search", "web.search"]),
@@ -2246,16 +2237,7 @@ fn a_python_plugin_searches_and_fetches_the_web_through_fleet_up() {
     assert_eq!(fetched["result"]["quota_consumed"], 1);
 
     // A plugin whose manifest does not declare web: not negotiated, whatever the grant.
-    up.cli(&[
-        "grant",
-        "--user",
-        "alice",
-        "--tool-id",
-        "plain-py",
-        "--web-grant",
-        r#"{"enabled": true}"#,
-    ])
-    .ok();
+    alice_web_grant(&up, "plain-py", r#"{"enabled": true}"#);
     let undeclared = web_reverse(
         &up,
         "plain-py",
@@ -2265,16 +2247,7 @@ fn a_python_plugin_searches_and_fetches_the_web_through_fleet_up() {
     assert_eq!(undeclared["error"]["code"], -32526, "{undeclared}");
 
     // The user turns web off.
-    up.cli(&[
-        "grant",
-        "--user",
-        "alice",
-        "--tool-id",
-        "web-py",
-        "--web-grant",
-        r#"{"enabled": false}"#,
-    ])
-    .ok();
+    alice_web_grant(&up, "web-py", r#"{"enabled": false}"#);
     let off = web_reverse(&up, "web-py", "web/search", &json!({"query": "cats"}));
     assert_eq!(off["error"]["code"], -32527, "{off}");
 

@@ -453,7 +453,7 @@ async fn web_is_offered_only_as_configured() {
     let env = env().await;
     assert_eq!(
         env.services.offer()["web"],
-        json!({"search": true, "fetch": true, "image_search": true, "image_fetch": false})
+        json!({"search": true, "fetch": true, "image_search": true, "image_fetch": true})
     );
     let fetch_only = env_with(|c| {
         c.search_url = None;
@@ -462,7 +462,7 @@ async fn web_is_offered_only_as_configured() {
     .await;
     assert_eq!(
         fetch_only.services.offer()["web"],
-        json!({"search": false, "fetch": true, "image_search": false, "image_fetch": false})
+        json!({"search": false, "fetch": true, "image_search": false, "image_fetch": true})
     );
     fetch_only.grant(Some(enabled())).await;
     let inv = fetch_only.invoke().await;
@@ -475,7 +475,7 @@ async fn web_is_offered_only_as_configured() {
         inv.err("web/image_fetch", json!({"url": "https://example.com/a.png"}))
             .await,
         (-32521, "WEB_NOT_GRANTED".into()),
-        "image_fetch is not built"
+        "allowImageFetch defaults off"
     );
     let nothing = env_with(|c| {
         c.search_url = None;
@@ -575,4 +575,92 @@ async fn the_daily_pool_is_exact_under_concurrent_calls() {
         (-32522, "WEB_QUOTA_EXCEEDED".into())
     );
     assert_eq!(env.web.hits("article"), 0, "refused before any page was fetched");
+}
+
+/// `web/image_fetch`: the image is downloaded under the fetch policy, known by its magic bytes (an SVG served as
+/// `image/png` is refused), stored as an upload of the invoke and answered with a reference and a signed link;
+/// `max_bytes` is checked at its boundary; failures carry the page error's name and are not charged.
+#[tokio::test]
+async fn image_fetch_stores_a_checked_image_and_refuses_the_rest() {
+    use fleet_e2e::fake_web::CAT_PNG;
+    use tokio::io::AsyncReadExt as _;
+    let env = env().await;
+    env.grant(Some(WebGrantShape {
+        allow_image_fetch: Some(true),
+        ..enabled()
+    }))
+    .await;
+    let inv = env.invoke().await;
+    let source = env.web.page("to-cat");
+    let r = inv
+        .call(
+            "web/image_fetch",
+            json!({"url": source, "purpose": "poster", "max_bytes": CAT_PNG.len()}),
+        )
+        .await
+        .expect("image fetched");
+    assert_eq!(r["mime_type"], "image/png");
+    assert_eq!(r["bytes_size"], CAT_PNG.len());
+    assert_eq!(r["source_url"], json!(source));
+    assert_eq!(r["final_url"], json!(env.web.page("cat.png")));
+    assert_eq!(r["quota_consumed"], 1);
+    use sha2::Digest as _;
+    assert_eq!(r["sha256"], hex::encode(sha2::Sha256::digest(CAT_PNG)));
+    assert!(r["get_url"].as_str().is_some_and(|u| u.contains("sig=")), "{r}");
+    let path = r["path"].as_str().expect("path");
+    let mut stored = Vec::new();
+    env.services
+        .objects()
+        .store(fleet_services::files::Bucket::Uploads)
+        .get(path)
+        .await
+        .expect("stored object")
+        .read_to_end(&mut stored)
+        .await
+        .expect("read");
+    assert_eq!(stored, CAT_PNG);
+
+    let error_name = |e: &ErrorObject| e.data.as_ref().map(|d| d["error"].clone());
+    for (url, max, code, name) in [
+        (env.web.page("cat.svg"), None, -32524, "UNSUPPORTED_MEDIA"),
+        (
+            env.web.page("cat.png"),
+            Some(CAT_PNG.len() - 1),
+            -32524,
+            "TOO_LARGE",
+        ),
+        (
+            "http://169.254.169.254/latest/meta-data/".to_owned(),
+            None,
+            -32524,
+            "SSRF_BLOCKED",
+        ),
+        (env.web.page("to-loopback"), None, -32524, "SSRF_BLOCKED"),
+        (env.web.page("missing"), None, -32523, "HTTP_404"),
+    ] {
+        let mut params = json!({ "url": url });
+        if let Some(max) = max {
+            params["max_bytes"] = json!(max);
+        }
+        let e = inv.call("web/image_fetch", params).await.expect_err(&url);
+        assert_eq!((e.code, error_name(&e)), (code, Some(json!(name))), "{url}");
+    }
+    for bad in [
+        json!({}),
+        json!({"url": 7}),
+        json!({"url": source, "max_bytes": 20 * 1024 * 1024 + 1}),
+        json!({"url": source, "max_bytes": 0}),
+        json!({"url": source, "purpose": "x".repeat(65)}),
+    ] {
+        assert_eq!(
+            inv.err("web/image_fetch", bad.clone()).await,
+            (-32524, "WEB_INVALID_REQUEST".into()),
+            "{bad}"
+        );
+    }
+    assert_eq!(
+        env.services.web().quota().used(USER),
+        1,
+        "failed downloads are not charged"
+    );
 }

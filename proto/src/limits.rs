@@ -222,6 +222,10 @@ pub const WEB_MAX_RESULTS_PER_CALL: usize = 10;
 /// `web/image_search` `max_results` default (spec §8.9, the app-side twin: 8, cap 50; capped here by
 /// [`WEB_MAX_RESULTS_PER_CALL`] as well).
 pub const WEB_IMAGE_SEARCH_DEFAULT_RESULTS: usize = 8;
+/// `web/image_fetch` `max_bytes` default (spec §8.9, the app-side twin: 5 MiB).
+pub const WEB_IMAGE_FETCH_DEFAULT_BYTES: usize = 5 * MIB;
+/// `web/image_fetch` `max_bytes` cap (spec §8.9, the app-side twin: 20 MiB).
+pub const WEB_IMAGE_FETCH_MAX_BYTES: usize = 20 * MIB;
 /// Longest a `web/*` call may take when neither `_clientTimeoutS` nor the invoke's deadline is shorter (derived:
 /// the SDK web namespace's default, spec §8.9 "SDK web-namespace default is 60s").
 pub const WEB_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);

@@ -7,7 +7,8 @@
 //!   must never reach a plugin), with a body that is not JSON, or never.
 //! * `GET /pages/…` — pages to fetch: `article` (HTML, title [`ARTICLE_TITLE`]), `emoji` (8 001 four-byte
 //!   characters of text), `big` (a body over 256 KiB), `missing` (404), `to-loopback` (a redirect to
-//!   `http://127.0.0.1:8080/`), `to-metadata` (a redirect to `http://169.254.169.254/`).
+//!   `http://127.0.0.1:8080/`), `to-metadata` (a redirect to `http://169.254.169.254/`); images: `cat.png`
+//!   ([`CAT_PNG`]), `cat.svg` (an SVG served as `image/png`), `to-cat` (a redirect to `cat.png`).
 //!
 //! Loopback is outside the fetch policy: the services reach this server only through `[web]
 //! test_allow_addrs = ["<its address>"]`.
@@ -28,6 +29,8 @@ use serde_json::json;
 pub const UPSTREAM_SECRET: &str = "upstream-secret-body-7f3a";
 /// `<title>` of `/pages/article`.
 pub const ARTICLE_TITLE: &str = "All about cats";
+/// The bytes of `/pages/cat.png` (a PNG signature and header; served as `image/png`).
+pub const CAT_PNG: &[u8] = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\0\0\0\x01\0\0\0\x01\x08\x06\0\0\0\x1f\x15\xc4\x89";
 /// A sentence of `/pages/article`.
 pub const ARTICLE_TEXT: &str = "Cats sleep up to sixteen hours a day.";
 
@@ -185,6 +188,14 @@ async fn page(State(shared): State<Arc<Shared>>, Path(name): Path<String>) -> Re
         )
             .into_response(),
         "big" => ([(header::CONTENT_TYPE, "text/plain")], "x".repeat(300 * 1024)).into_response(),
+        "cat.png" => ([(header::CONTENT_TYPE, "image/png")], CAT_PNG.to_vec()).into_response(),
+        // An SVG can carry script: refused whatever its Content-Type says.
+        "cat.svg" => (
+            [(header::CONTENT_TYPE, "image/png")],
+            "<svg xmlns=\"http://www.w3.org/2000/svg\"><script>alert(1)</script></svg>",
+        )
+            .into_response(),
+        "to-cat" => redirect("/pages/cat.png"),
         "to-loopback" => redirect("http://127.0.0.1:8080/"),
         "to-metadata" => redirect("http://169.254.169.254/latest/meta-data/"),
         _ => StatusCode::NOT_FOUND.into_response(),

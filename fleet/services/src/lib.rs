@@ -65,7 +65,7 @@ pub use tokens::{Binding, ServiceClaims, TokenError, TokenMinter};
 const BUDGET_MAX_AGE: Duration = fleet_proto::limits::LONG_JOB_TOKEN_TTL_CAP;
 
 /// The host capabilities these services mint tokens for.
-pub const SERVICE_CAPABILITIES: [&str; 10] = [
+pub const SERVICE_CAPABILITIES: [&str; 11] = [
     capabilities::LLM_SAMPLE,
     capabilities::LLM_EMBED,
     capabilities::LLM_IMAGE,
@@ -76,13 +76,15 @@ pub const SERVICE_CAPABILITIES: [&str; 10] = [
     capabilities::WEB_SEARCH,
     capabilities::WEB_FETCH,
     capabilities::WEB_IMAGE_SEARCH,
+    capabilities::WEB_IMAGE_FETCH,
 ];
 
-/// The `web.*` capabilities a web token may carry (`web.image_fetch` is not served).
-const WEB_TOKEN_CAPABILITIES: [&str; 3] = [
+/// The `web.*` capabilities a web token may carry.
+const WEB_TOKEN_CAPABILITIES: [&str; 4] = [
     capabilities::WEB_SEARCH,
     capabilities::WEB_FETCH,
     capabilities::WEB_IMAGE_SEARCH,
+    capabilities::WEB_IMAGE_FETCH,
 ];
 
 /// The scopes a plugin's storage token permits (spec §8.3 HR-ST-02).
@@ -536,7 +538,12 @@ impl FleetServices {
             Family::Storage => self.inner.kv.call(&ctx, &call.method, call.params).await,
             Family::Files => self.inner.files.call(&ctx, &call.method, call.params).await,
             Family::Upload => self.inner.upload.call(&ctx, &call.method, call.params).await,
-            Family::Web => self.inner.web.call(&ctx, &call.method, call.params).await,
+            Family::Web => {
+                self.inner
+                    .web
+                    .call(&ctx, &call.method, call.params, &self.inner.upload)
+                    .await
+            }
             _ => Err(method_not_found(&call.method)),
         }
     }

@@ -186,6 +186,41 @@ pub struct FetchResult {
     pub quota_consumed: u64,
 }
 
+/// `web/image_fetch` params.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct ImageFetchParams {
+    /// One absolute `http`/`https` URL of an image.
+    #[serde(default)]
+    pub url: Value,
+    /// The largest image accepted, bytes (default 5 MiB, at most 20 MiB).
+    #[serde(default, alias = "maxBytes")]
+    pub max_bytes: Option<Value>,
+    /// What the image is for (free text, at most 64 characters; not interpreted).
+    #[serde(default)]
+    pub purpose: Option<Value>,
+}
+
+/// The `web/image_fetch` result: a reference to the stored image, never its bytes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ImageFetchResult {
+    /// Where it is stored (the upload key).
+    pub path: String,
+    /// A signed download link, valid 30 minutes.
+    pub get_url: String,
+    /// From the image's magic bytes: `image/jpeg`, `image/png`, `image/webp` or `image/gif`.
+    pub mime_type: String,
+    /// Its size.
+    pub bytes_size: u64,
+    /// SHA-256 of its bytes, lower-case hex.
+    pub sha256: String,
+    /// The URL as asked.
+    pub source_url: String,
+    /// Where it was found after redirects.
+    pub final_url: String,
+    /// Compute units charged.
+    pub quota_consumed: u64,
+}
+
 /// The `error` of a page that failed (spec §8.9).
 pub mod fetch_errors {
     /// The URL, an address it resolved to, or a redirect is outside the SSRF policy.

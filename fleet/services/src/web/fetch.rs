@@ -134,6 +134,50 @@ impl Fetcher {
     }
 
     async fn fetch(&self, raw: &str, options: PageOptions) -> Result<Page, PageError> {
+        let (url, response) = self.get(raw).await?;
+        let content_type = response
+            .headers()
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_ascii_lowercase);
+        let body = read_capped(response, WEB_FETCH_MAX_BODY_BYTES).await?;
+        let (title, text) = to_text(content_type.as_deref(), &body, options.format)?;
+        let (content, truncated) = cut(&text, options.max_chars);
+        Ok(Page {
+            final_url: url.to_string(),
+            title,
+            content,
+            truncated,
+        })
+    }
+
+    /// The body of `raw` (at most `cap` bytes, else `TOO_LARGE`) and where it was found, within `timeout`: the
+    /// download of `web/image_fetch`, under the same policy.
+    pub async fn bytes(
+        &self,
+        raw: &str,
+        cap: usize,
+        timeout: Duration,
+    ) -> Result<(String, Vec<u8>), PageError> {
+        let work = async {
+            let (url, response) = self.get(raw).await?;
+            Ok((url.to_string(), read_capped(response, cap).await?))
+        };
+        tokio::time::timeout(timeout, work)
+            .await
+            .unwrap_or(Err(PageError::Timeout))
+            .inspect_err(|e| {
+                if let PageError::Blocked(why) = e {
+                    tracing::info!(
+                        rule = why.as_str(),
+                        "web/image_fetch: a URL was refused by the fetch policy"
+                    );
+                }
+            })
+    }
+
+    /// The successful response to `raw` after at most [`WEB_MAX_REDIRECTS`] redirects, each hop vetted.
+    async fn get(&self, raw: &str) -> Result<(Url, reqwest::Response), PageError> {
         if raw.chars().count() > MAX_URL_CHARS {
             return Err(PageError::Parse);
         }
@@ -164,20 +208,7 @@ impl Fetcher {
             if !status.is_success() {
                 return Err(PageError::Status(status.as_u16()));
             }
-            let content_type = response
-                .headers()
-                .get(CONTENT_TYPE)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_ascii_lowercase);
-            let body = read_capped(response, WEB_FETCH_MAX_BODY_BYTES).await?;
-            let (title, text) = to_text(content_type.as_deref(), &body, options.format)?;
-            let (content, truncated) = cut(&text, options.max_chars);
-            return Ok(Page {
-                final_url: url.to_string(),
-                title,
-                content,
-                truncated,
-            });
+            return Ok((url, response));
         }
     }
 
@@ -416,7 +447,7 @@ mod tests {
                         )
                     }),
                 )
-                .route("/never", get(|| std::future::pending::<String>()));
+                .route("/never", get(std::future::pending::<String>));
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });

@@ -1,6 +1,8 @@
 //! `web/*` (spec §8.9): `web/fetch` served natively under an SSRF policy that cannot be disabled ([`ssrf`],
 //! [`fetch`], [`html`]); `web/search` and `web/image_search` against a SearXNG-compatible provider configured
-//! in `[web]` of the services TOML ([`search`]). `web/image_fetch` is not built (never offered, never minted).
+//! in `[web]` of the services TOML ([`search`]); `web/image_fetch` downloads under the same policy, keeps only
+//! JPEG, PNG, WebP and GIF (by their magic bytes) and stores the image as an upload of the invoke (the object
+//! store of `host/uploadFile`, kept 24 h), answering with a 30-minute signed link.
 //!
 //! Accounting: a daily pool of compute units (CU) per user, `daily_quota_cu` of `[web]` (default
 //! [`DEFAULT_DAILY_QUOTA_CU`]): a search or an image search costs [`SEARCH_CU`], a fetched page [`PAGE_CU`]. A
@@ -25,24 +27,29 @@ use std::time::Duration;
 use fleet_proto::executa::capabilities;
 use fleet_proto::executa::reverse::{methods, web as codes};
 use fleet_proto::executa::web::{
-    self as wire, FetchParams, FetchResult, ImageSearchParams, ImageSearchResult, SearchParams, SearchResult,
-    fetch_errors,
+    self as wire, FetchParams, FetchResult, ImageFetchParams, ImageFetchResult, ImageSearchParams,
+    ImageSearchResult, SearchParams, SearchResult, fetch_errors,
 };
 use fleet_proto::jsonrpc::ErrorObject;
 use fleet_proto::limits::{
     WEB_FETCH_DEFAULT_PAGE_TIMEOUT, WEB_FETCH_MAX_CHARS_PER_PAGE, WEB_FETCH_MAX_URLS,
-    WEB_FETCH_RESPONSE_BUDGET_BYTES, WEB_IMAGE_SEARCH_DEFAULT_RESULTS, WEB_MAX_RESULTS_PER_CALL,
-    WEB_REQUEST_TIMEOUT,
+    WEB_FETCH_RESPONSE_BUDGET_BYTES, WEB_IMAGE_FETCH_DEFAULT_BYTES, WEB_IMAGE_FETCH_MAX_BYTES,
+    WEB_IMAGE_SEARCH_DEFAULT_RESULTS, WEB_MAX_RESULTS_PER_CALL, WEB_REQUEST_TIMEOUT,
 };
 use fleet_proto::util::{lock, now_ms};
 use serde_json::{Map, Value};
 
+use crate::upload::{Described, UploadService};
 use crate::{CallContext, ServicesError};
 
 /// CU of one search or image search.
 pub const SEARCH_CU: u64 = 1;
 /// CU of one fetched page.
 pub const PAGE_CU: u64 = 1;
+/// CU of one fetched image.
+pub const IMAGE_CU: u64 = 1;
+/// Longest `purpose` of `web/image_fetch`, characters.
+pub const MAX_PURPOSE_CHARS: usize = 64;
 /// The daily pool per user when `[web]` sets none.
 pub const DEFAULT_DAILY_QUOTA_CU: u64 = 500;
 /// The provider's timeout when `[web]` sets none.
@@ -260,7 +267,7 @@ impl WebService {
     /// Whether `capability` (`web.search`, …) is served here.
     pub fn serves(&self, capability: &str) -> bool {
         match capability {
-            capabilities::WEB_FETCH => self.fetcher.is_some(),
+            capabilities::WEB_FETCH | capabilities::WEB_IMAGE_FETCH => self.fetcher.is_some(),
             capabilities::WEB_SEARCH | capabilities::WEB_IMAGE_SEARCH => self.provider.is_some(),
             _ => false,
         }
@@ -290,8 +297,15 @@ impl WebService {
         &self.quota
     }
 
-    /// Serves one `web/*` call whose token verified and carries the method's capability.
-    pub async fn call(&self, ctx: &CallContext, method: &str, params: Value) -> Result<Value, ErrorObject> {
+    /// Serves one `web/*` call whose token verified and carries the method's capability; `web/image_fetch`
+    /// stores its image through `uploads`.
+    pub async fn call(
+        &self,
+        ctx: &CallContext,
+        method: &str,
+        params: Value,
+        uploads: &UploadService,
+    ) -> Result<Value, ErrorObject> {
         let timeout = ctx.subcall_timeout(WEB_REQUEST_TIMEOUT);
         if timeout.is_zero() {
             return Err(codes::WEB_TIMEOUT.error("the invoke has no time left for this call"));
@@ -300,6 +314,7 @@ impl WebService {
             methods::WEB_FETCH => self.fetch(ctx, params, timeout).await,
             methods::WEB_SEARCH => self.search(ctx, params, timeout).await,
             methods::WEB_IMAGE_SEARCH => self.image_search(ctx, params, timeout).await,
+            methods::WEB_IMAGE_FETCH => self.image_fetch(ctx, params, timeout, uploads).await,
             _ => Err(codes::WEB_NOT_GRANTED.error(format!("{method} is not offered on this host"))),
         }
     }
@@ -348,6 +363,74 @@ impl WebService {
         to_value(&FetchResult {
             pages,
             quota_consumed,
+        })
+    }
+
+    async fn image_fetch(
+        &self,
+        ctx: &CallContext,
+        params: Value,
+        timeout: Duration,
+        uploads: &UploadService,
+    ) -> Result<Value, ErrorObject> {
+        let Some(fetcher) = &self.fetcher else {
+            return Err(codes::WEB_NOT_GRANTED.error("web/image_fetch is not offered on this host"));
+        };
+        let p: ImageFetchParams = parse(params, "{url, max_bytes?, purpose?}")?;
+        let source = p
+            .url
+            .as_str()
+            .filter(|u| !u.trim().is_empty())
+            .ok_or_else(|| invalid("url must be a URL string"))?;
+        let cap = match positive(p.max_bytes.as_ref(), "max_bytes")? {
+            None => WEB_IMAGE_FETCH_DEFAULT_BYTES,
+            Some(n) if n <= WEB_IMAGE_FETCH_MAX_BYTES as u64 => usize::try_from(n).unwrap_or(usize::MAX),
+            Some(_) => {
+                return Err(invalid(format!(
+                    "max_bytes must be 1–{WEB_IMAGE_FETCH_MAX_BYTES}"
+                )));
+            }
+        };
+        match &p.purpose {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) if s.chars().count() <= MAX_PURPOSE_CHARS => {}
+            Some(_) => {
+                return Err(invalid(format!(
+                    "purpose must be a string of at most {MAX_PURPOSE_CHARS} characters"
+                )));
+            }
+        }
+        let hold = self.reserve(ctx, IMAGE_CU)?;
+        let (final_url, bytes) = fetcher
+            .bytes(source, cap, timeout)
+            .await
+            .map_err(|e| image_error(&e))?;
+        let (mime, ext) = sniff_image(&bytes).ok_or_else(|| {
+            codes::WEB_INVALID_REQUEST.error_with(
+                "the URL is not a JPEG, PNG, WebP or GIF image (judged by its bytes)",
+                Map::from_iter([("error".to_owned(), Value::from("UNSUPPORTED_MEDIA"))]),
+            )
+        })?;
+        let described = Described {
+            filename: format!("image.{ext}"),
+            mime: mime.to_owned(),
+            purpose: "user_artifact".to_owned(),
+        };
+        let path = uploads
+            .store(ctx, &described, &bytes)
+            .await
+            .map_err(|_| codes::WEB_PROVIDER_ERROR.error("the image could not be stored"))?;
+        let (get_url, _) = uploads.link(&path, &described.filename, mime);
+        use sha2::Digest as _;
+        to_value(&ImageFetchResult {
+            path,
+            get_url,
+            mime_type: mime.to_owned(),
+            bytes_size: bytes.len() as u64,
+            sha256: hex::encode(sha2::Sha256::digest(&bytes)),
+            source_url: source.to_owned(),
+            final_url,
+            quota_consumed: hold.keep(IMAGE_CU),
         })
     }
 
@@ -415,6 +498,37 @@ impl WebService {
 
 fn to_value<T: serde::Serialize>(v: &T) -> Result<Value, ErrorObject> {
     serde_json::to_value(v).map_err(|_| codes::WEB_PROVIDER_ERROR.error("the answer could not be encoded"))
+}
+
+/// A failed image download as the call's error, with the page error's name in `data.error`.
+fn image_error(e: &fetch::PageError) -> ErrorObject {
+    let code = match e {
+        fetch::PageError::Timeout => codes::WEB_TIMEOUT,
+        fetch::PageError::Status(_) | fetch::PageError::Unreachable => codes::WEB_PROVIDER_ERROR,
+        fetch::PageError::Blocked(_) | fetch::PageError::Parse | fetch::PageError::TooLarge => {
+            codes::WEB_INVALID_REQUEST
+        }
+    };
+    let name = e.name();
+    code.error_with(
+        format!("the image could not be fetched: {name}"),
+        Map::from_iter([("error".to_owned(), Value::from(name))]),
+    )
+}
+
+/// The image type of `bytes` by its magic bytes: (MIME type, extension).
+fn sniff_image(bytes: &[u8]) -> Option<(&'static str, &'static str)> {
+    if bytes.starts_with(&[0xff, 0xd8, 0xff]) {
+        Some(("image/jpeg", "jpg"))
+    } else if bytes.starts_with(b"\x89PNG\r\n\x1a\n") {
+        Some(("image/png", "png"))
+    } else if bytes.starts_with(b"GIF87a") || bytes.starts_with(b"GIF89a") {
+        Some(("image/gif", "gif"))
+    } else if bytes.len() >= 12 && bytes.starts_with(b"RIFF") && &bytes[8..12] == b"WEBP" {
+        Some(("image/webp", "webp"))
+    } else {
+        None
+    }
 }
 
 fn provider_error(e: search::ProviderError) -> ErrorObject {
@@ -486,7 +600,7 @@ fn query_text(v: &Value) -> Result<String, ErrorObject> {
 fn result_count(v: Option<&Value>, default: usize, cap: usize) -> Result<usize, ErrorObject> {
     match positive(v, "max_results")? {
         None => Ok(default.min(cap)),
-        Some(n) if n as usize <= cap => Ok(n as usize),
+        Some(n) if usize::try_from(n).is_ok_and(|n| n <= cap) => Ok(usize::try_from(n).unwrap_or(cap)),
         Some(_) => Err(invalid(format!("max_results must be 1–{cap}"))),
     }
 }
@@ -792,6 +906,22 @@ mod tests {
                 .code,
             -32524
         );
+    }
+
+    #[test]
+    fn images_are_known_by_their_magic_bytes() {
+        assert_eq!(sniff_image(b"\xff\xd8\xff\xe0rest"), Some(("image/jpeg", "jpg")));
+        assert_eq!(sniff_image(b"\x89PNG\r\n\x1a\nIHDR"), Some(("image/png", "png")));
+        assert_eq!(sniff_image(b"GIF89a..."), Some(("image/gif", "gif")));
+        assert_eq!(sniff_image(b"RIFF\0\0\0\0WEBPVP8 "), Some(("image/webp", "webp")));
+        for other in [
+            &b"<svg xmlns='http://www.w3.org/2000/svg'/>"[..],
+            b"RIFF\0\0\0\0WAVE",
+            b"\x89PN",
+            b"",
+        ] {
+            assert_eq!(sniff_image(other), None);
+        }
     }
 
     #[test]

@@ -276,14 +276,14 @@ fn resolution(text: &str) -> Option<(u64, u64)> {
 fn mime_of(format: Option<&str>) -> Option<String> {
     let f = format?.trim().to_ascii_lowercase();
     let word = f.split_whitespace().next()?;
-    Some(match word {
+    let mime = match word {
         "jpeg" | "jpg" | "image/jpeg" => "image/jpeg",
         "png" | "image/png" => "image/png",
         "webp" | "image/webp" => "image/webp",
         "gif" | "image/gif" => "image/gif",
         _ => return None,
-    })
-    .map(str::to_owned)
+    };
+    Some(mime.to_owned())
 }
 
 /// Image results: mapped, filtered by size and aspect, at most `max`.
