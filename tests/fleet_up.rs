@@ -2137,10 +2137,11 @@ fn web_reverse(up: &Up, tool_id: &str, method: &str, params: &Value) -> Value {
 
 /// Issue 17 `web/*` end to end: `fleet up --services-config` with `[web]` (a fake SearXNG: no real provider
 /// can exist here; its pages reachable only through the test-only `test_allow_addrs`, which start-up logs as
-/// such), the real worker and the real Python fixture calling `web/search`, `web/image_search` and `web/fetch`
-/// over reverse RPC after `fleet grant --web-grant`. Before the grant: `-32521`; a plugin whose manifest does
-/// not declare web: `-32526`; the SSRF catalogue is refused per page while the good page is fetched; web turned
-/// off by the user: `-32527`. No query, page text or private URL reaches the logs.
+/// such), the real worker and the real Python fixture calling `web/search`, `web/image_search`, `web/fetch` and
+/// `web/image_fetch` (its link served by fleet up's listener) over reverse RPC after `fleet grant --web-grant`.
+/// Before the grant: `-32521`; a plugin whose manifest does not declare web: `-32526`; the SSRF catalogue is
+/// refused per page while the good page is fetched; web turned off by the user: `-32527`. No query, page text
+/// or private URL reaches the logs.
 #[test]
 fn a_python_plugin_searches_and_fetches_the_web_through_fleet_up() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
@@ -2182,11 +2183,11 @@ fn a_python_plugin_searches_and_fetches_the_web_through_fleet_up() {
     let grant = alice_web_grant(
         &up,
         "web-py",
-        r#"{"enabled": true, "allowImageSearch": true, "maxResultsPerCall": 4}"#,
+        r#"{"enabled": true, "allowImageSearch": true, "allowImageFetch": true, "maxResultsPerCall": 4}"#,
     );
     assert_eq!(
         grant["allow"],
-        json!(["web.fetch", "web.image_search", "web.search"]),
+        json!(["web.fetch", "web.image_fetch", "web.image_search", "web.search"]),
         "{grant}"
     );
     assert_eq!(grant["web"]["max_results_per_call"], 4, "{grant}");
@@ -2235,6 +2236,33 @@ fn a_python_plugin_searches_and_fetches_the_web_through_fleet_up() {
         assert_eq!(page["error"], "SSRF_BLOCKED", "{page}");
     }
     assert_eq!(fetched["result"]["quota_consumed"], 1);
+
+    // An image, stored by the host and served by fleet up's HTTP listener through the signed link.
+    let image = web_reverse(
+        &up,
+        "web-py",
+        "web/image_fetch",
+        &json!({"url": web.page("cat.png")}),
+    );
+    assert_eq!(image["result"]["mime_type"], "image/png", "{image}");
+    let link = image["result"]["get_url"].as_str().unwrap();
+    let path = link.strip_prefix(&format!("http://{}", up.http)).unwrap_or(link);
+    let mut s = TcpStream::connect(&up.http).unwrap();
+    s.set_read_timeout(Some(GUARD)).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+        up.http
+    )
+    .unwrap();
+    let mut response = Vec::new();
+    s.read_to_end(&mut response).unwrap();
+    assert!(
+        response.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&response)
+    );
+    assert!(response.ends_with(fleet_e2e_client::fake_web::CAT_PNG));
 
     // A plugin whose manifest does not declare web: not negotiated, whatever the grant.
     alice_web_grant(&up, "plain-py", r#"{"enabled": true}"#);
