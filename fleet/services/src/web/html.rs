@@ -27,6 +27,9 @@ pub struct Extracted {
     pub text: String,
 }
 
+/// Longest title kept, characters.
+const MAX_TITLE_CHARS: usize = 300;
+
 /// Elements skipped with their content.
 const SKIPPED: &[&str] = &[
     "script", "style", "noscript", "template", "svg", "head", "nav", "header", "footer", "aside", "form",
@@ -143,38 +146,50 @@ fn find_ci(haystack: &str, needle: &str) -> Option<usize> {
 }
 
 /// What follows the end of the element `name` whose start tag was just read (nested same-name elements
-/// counted); the rest of the document is dropped when it never ends.
+/// counted); the rest of the document is dropped when it never ends. Linear: each search resumes where the
+/// last match of its kind was consumed, so a page of thousands of unclosed `<nav>`s costs one pass.
 fn skip_element<'a>(rest: &'a str, name: &str) -> &'a str {
     let open = format!("<{name}");
     let close = format!("</{name}");
+    // Raw-text elements cannot nest.
+    let nests = !matches!(name, "script" | "style" | "template");
+    let next_open = |from: usize| -> Option<usize> {
+        let mut at = from;
+        while let Some(o) = find_ci(&rest[at..], &open) {
+            let start = at + o;
+            let after = start + open.len();
+            if rest[after..]
+                .chars()
+                .next()
+                .is_some_and(|c| !c.is_ascii_alphanumeric())
+            {
+                return Some(start);
+            }
+            at = after;
+        }
+        None
+    };
+    let next_close = |from: usize| find_ci(&rest[from..], &close).map(|c| from + c);
     let mut depth = 1_usize;
-    let mut at = 0;
-    while depth > 0 {
-        let next_close = find_ci(&rest[at..], &close);
-        // Raw-text elements cannot nest.
-        let next_open = if matches!(name, "script" | "style" | "template") {
-            None
-        } else {
-            find_ci(&rest[at..], &open).filter(|o| {
-                rest[at + o + open.len()..]
-                    .chars()
-                    .next()
-                    .is_some_and(|c| !c.is_ascii_alphanumeric())
-            })
-        };
-        match (next_open, next_close) {
-            (Some(o), Some(c)) if o < c => {
+    let mut open_at = if nests { next_open(0) } else { None };
+    let mut close_at = next_close(0);
+    loop {
+        let Some(c) = close_at else { return "" };
+        match open_at {
+            Some(o) if o < c => {
                 depth += 1;
-                at += o + open.len();
+                open_at = next_open(o + open.len());
             }
-            (_, Some(c)) => {
+            _ => {
                 depth -= 1;
-                at += c + close.len();
+                let after = c + close.len();
+                if depth == 0 {
+                    return rest[after..].find('>').map_or("", |gt| &rest[after + gt + 1..]);
+                }
+                close_at = next_close(after);
             }
-            (_, None) => return "",
         }
     }
-    rest[at..].find('>').map_or("", |gt| &rest[at + gt + 1..])
 }
 
 /// The `<title>` within a `<head>` that starts at `rest`.
@@ -422,7 +437,10 @@ impl Walker {
         self.flush();
         let text = self.out.trim().to_owned();
         Extracted {
-            title: self.title.or(self.first_h1),
+            title: self
+                .title
+                .or(self.first_h1)
+                .map(|t| crate::web::fetch::cut(&t, MAX_TITLE_CHARS).0),
             text,
         }
     }
@@ -471,6 +489,23 @@ mod tests {
     fn without_a_title_the_first_h1_is_the_title() {
         let e = extract("<h1>First <i>one</i></h1><h1>Second</h1><p>x</p>", Format::Text);
         assert_eq!(e.title.as_deref(), Some("First one"));
+    }
+
+    #[test]
+    fn pathological_nesting_is_one_pass() {
+        // 256 KiB of unclosed skipped elements, then of closed ones: both finish (quadratic scanning would not,
+        // in any reasonable time).
+        let unclosed = "<nav>".repeat(52_000);
+        assert_eq!(extract(&unclosed, Format::Text).text, "");
+        let nested = format!("{}{}after", "<div><nav>".repeat(13_000), "</nav>".repeat(13_000));
+        assert_eq!(extract(&nested, Format::Text).text, "after");
+        let titles = "<title>".repeat(40_000);
+        let title = extract(&titles, Format::Text).title.unwrap_or_default();
+        assert_eq!(
+            title.chars().count(),
+            MAX_TITLE_CHARS,
+            "an unclosed title is kept, cut"
+        );
     }
 
     #[test]
