@@ -1862,16 +1862,21 @@ fn dev_catalogue(dir: &std::path::Path, own: &str, mocks: &str) -> (PathBuf, Pat
 /// One reverse RPC of `dev-py` for `user` through `fleet invoke`: the plugin's `{"result": …}` or `{"error": …}`.
 fn dev_reverse(up: &Up, user: &str, method: &str, params: &Value) -> Value {
     let args = json!({"method": method, "params": params}).to_string();
+    invoke_tool(up, user, "dev-py", "reverse", &args)
+}
+
+/// `fleet invoke` of `tool` of `tool_id` for `user` with `args`: the tool's result.
+fn invoke_tool(up: &Up, user: &str, tool_id: &str, tool: &str, args: &str) -> Value {
     up.cli(&[
         "invoke",
         "--user",
         user,
         "--tool-id",
-        "dev-py",
+        tool_id,
         "--tool",
-        "reverse",
+        tool,
         "--args",
-        &args,
+        args,
     ])
     .ok()
 }
@@ -2005,6 +2010,12 @@ fn a_python_plugin_generates_and_edits_images_through_fleet_up() {
     drop(fake);
 }
 
+/// The `capabilities` the host offered `tool_id` (a fixture with `--media` or `--web`) in `initialize`, as alice's
+/// session of it saw them.
+fn host_offer(up: &Up, tool_id: &str) -> Value {
+    invoke_tool(up, "alice", tool_id, "host_offer", "{}")
+}
+
 fn sample(text: &str) -> Value {
     json!({"messages": [{"role": "user", "content": {"type": "text", "text": text}}], "maxTokens": 50})
 }
@@ -2051,19 +2062,7 @@ fn fleet_up_mocks_serve_sampling_images_and_agent_runs_without_an_upstream() {
     .ok();
 
     // Offered in initialize: every mocked family (and storage, real); uploads are off.
-    let offer = up
-        .cli(&[
-            "invoke",
-            "--user",
-            "alice",
-            "--tool-id",
-            "dev-py",
-            "--tool",
-            "host_offer",
-            "--args",
-            "{}",
-        ])
-        .ok();
+    let offer = host_offer(&up, "dev-py");
     for key in ["sampling", "embed", "agent", "image", "image.edit", "storage"] {
         assert!(offer.get(key).is_some(), "{key} not offered: {offer}");
     }
@@ -2248,4 +2247,199 @@ fn fleet_up_refuses_broken_mocks_and_real_without_an_upstream_at_start_up() {
     );
     let (_, stderr, _, _) = up_refusing(OWN_FIXTURE, MOCKS, &["--dev-mode", "video=mock"]);
     assert!(stderr.contains("not a family"), "{stderr}");
+}
+
+/// A catalogue of `web-py` (the Python fixture with `--services --web`: declares every `web.*` capability) and
+/// `plain-py` (`--services` only: declares none).
+fn web_catalogue(dir: &std::path::Path) -> PathBuf {
+    let script = workspace_root().join("tests/plugins/python/echo_plugin.py");
+    for (tool_id, extra) in [("web-py", Some("--web")), ("plain-py", None)] {
+        let plugin = dir.join("catalogue").join(tool_id);
+        std::fs::create_dir_all(&plugin).unwrap();
+        let mut command = vec![json!("/usr/bin/python3"), json!(script), json!("--services")];
+        command.extend(extra.map(|e| json!(e)));
+        let manifest = json!({"tool_id": tool_id, "type": "binary", "command": command});
+        std::fs::write(plugin.join("executa.json"), manifest.to_string()).unwrap();
+    }
+    dir.join("catalogue")
+}
+
+/// `fleet grant --web-grant SHAPE` of alice to `tool_id`: the grant as it is now.
+fn alice_web_grant(up: &Up, tool_id: &str, shape: &str) -> Value {
+    up.cli(&[
+        "grant",
+        "--user",
+        "alice",
+        "--tool-id",
+        tool_id,
+        "--web-grant",
+        shape,
+    ])
+    .ok()
+}
+
+/// One reverse RPC of `tool_id` for alice through `fleet invoke`: the plugin's `{"result": …}` or `{"error": …}`.
+fn web_reverse(up: &Up, tool_id: &str, method: &str, params: &Value) -> Value {
+    let args = json!({"method": method, "params": params}).to_string();
+    invoke_tool(up, "alice", tool_id, "reverse", &args)
+}
+
+/// Issue 17 `web/*` end to end: `fleet up --services-config` with `[web]` (a fake SearXNG: no real provider
+/// can exist here; its pages reachable only through the test-only `test_allow_addrs`, which start-up logs as
+/// such), the real worker and the real Python fixture calling `web/search`, `web/image_search`, `web/fetch` and
+/// `web/image_fetch` (its link served by fleet up's listener) over reverse RPC after `fleet grant --web-grant`.
+/// Before the grant: `-32521`; a plugin whose manifest does not declare web: `-32526`; the SSRF catalogue is
+/// refused per page while the good page is fetched; web turned off by the user: `-32527`. No query, page text
+/// or private URL reaches the logs.
+#[test]
+fn a_python_plugin_searches_and_fetches_the_web_through_fleet_up() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let web = runtime.block_on(fleet_e2e_client::fake_web::FakeWeb::start());
+    let (base, addr) = (web.base_url(), web.addr());
+    let mut up = Up::start_over(|dir| {
+        let config = dir.join("services.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[web]\nsearch_url = \"{base}\"\ndaily_quota_cu = 100\ntest_allow_addrs = [\"{addr}\"]\n"
+            ),
+        )
+        .unwrap();
+        (
+            web_catalogue(dir),
+            vec!["--services-config".into(), config.display().to_string()],
+        )
+    });
+    up.wait_ready();
+    let logs = up.stderr();
+    assert!(
+        logs.contains("test_allow_addrs") && logs.contains("FOR TESTS ONLY"),
+        "the test-only exception is logged loudly: {logs}"
+    );
+
+    // Offered in initialize, as configured.
+    let offer = host_offer(&up, "web-py");
+    assert_eq!(
+        offer["web"],
+        json!({"search": true, "fetch": true, "image_search": true, "image_fetch": true}),
+        "{offer}"
+    );
+
+    // Disabled by default.
+    let denied = web_reverse(&up, "web-py", "web/search", &json!({"query": "cats"}));
+    assert_eq!(denied["error"]["code"], -32521, "{denied}");
+
+    let grant = alice_web_grant(
+        &up,
+        "web-py",
+        r#"{"enabled": true, "allowImageSearch": true, "allowImageFetch": true, "maxResultsPerCall": 4}"#,
+    );
+    assert_eq!(
+        grant["allow"],
+        json!(["web.fetch", "web.image_fetch", "web.image_search", "web.search"]),
+        "{grant}"
+    );
+    assert_eq!(grant["web"]["max_results_per_call"], 4, "{grant}");
+
+    let found = web_reverse(&up, "web-py", "web/search", &json!({"query": "purring cats"}));
+    let results = found["result"]["results"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{found}"));
+    assert_eq!(results.len(), 4, "maxResultsPerCall: {found}");
+    assert_eq!(results[0]["title"], "purring cats result 1");
+    assert_eq!(found["result"]["provider_tier"], "basic");
+    assert_eq!(found["result"]["quota_consumed"], 1);
+    let images = web_reverse(&up, "web-py", "web/image_search", &json!({"query": "cats"}));
+    assert_eq!(
+        images["result"]["results"].as_array().map(Vec::len),
+        Some(3),
+        "{images}"
+    );
+    let sent = web.searches();
+    assert_eq!(sent.len(), 2);
+    assert_eq!(sent[1].params["safesearch"], "2", "safe search forced for images");
+
+    let urls = json!([
+        web.page("article"),
+        "http://127.0.0.1/",
+        "http://169.254.169.254/latest/meta-data/",
+        "http://10.1.2.3/",
+        format!("http://[::1]:{}/pages/article", addr.port()),
+        "http://2130706433/",
+        web.page("to-loopback"),
+    ]);
+    let fetched = web_reverse(&up, "web-py", "web/fetch", &json!({"urls": urls}));
+    let pages = fetched["result"]["pages"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{fetched}"));
+    assert_eq!(pages.len(), 7);
+    assert_eq!(pages[0]["ok"], true, "{fetched}");
+    assert_eq!(pages[0]["title"], fleet_e2e_client::fake_web::ARTICLE_TITLE);
+    assert!(
+        pages[0]["content"]
+            .as_str()
+            .unwrap()
+            .contains(fleet_e2e_client::fake_web::ARTICLE_TEXT)
+    );
+    for page in &pages[1..] {
+        assert_eq!(page["error"], "SSRF_BLOCKED", "{page}");
+    }
+    assert_eq!(fetched["result"]["quota_consumed"], 1);
+
+    // An image, stored by the host and served by fleet up's HTTP listener through the signed link.
+    let image = web_reverse(
+        &up,
+        "web-py",
+        "web/image_fetch",
+        &json!({"url": web.page("cat.png")}),
+    );
+    assert_eq!(image["result"]["mime_type"], "image/png", "{image}");
+    let link = image["result"]["get_url"].as_str().unwrap();
+    let path = link.strip_prefix(&format!("http://{}", up.http)).unwrap_or(link);
+    let mut s = TcpStream::connect(&up.http).unwrap();
+    s.set_read_timeout(Some(GUARD)).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+        up.http
+    )
+    .unwrap();
+    let mut response = Vec::new();
+    s.read_to_end(&mut response).unwrap();
+    assert!(
+        response.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&response)
+    );
+    assert!(response.ends_with(fleet_e2e_client::fake_web::CAT_PNG));
+
+    // A plugin whose manifest does not declare web: not negotiated, whatever the grant.
+    alice_web_grant(&up, "plain-py", r#"{"enabled": true}"#);
+    let undeclared = web_reverse(
+        &up,
+        "plain-py",
+        "web/fetch",
+        &json!({"urls": [web.page("article")]}),
+    );
+    assert_eq!(undeclared["error"]["code"], -32526, "{undeclared}");
+
+    // The user turns web off.
+    alice_web_grant(&up, "web-py", r#"{"enabled": false}"#);
+    let off = web_reverse(&up, "web-py", "web/search", &json!({"query": "cats"}));
+    assert_eq!(off["error"]["code"], -32527, "{off}");
+
+    let logs = up.stderr();
+    for leak in [
+        "purring",
+        fleet_e2e_client::fake_web::ARTICLE_TEXT,
+        "169.254.169.254",
+        "10.1.2.3",
+        "2130706433",
+        "eyJ",
+    ] {
+        assert!(!logs.contains(leak), "{leak} in fleet up's logs");
+    }
+    let status = up.interrupt();
+    assert!(status.success(), "{status}");
+    drop(web);
 }

@@ -180,7 +180,7 @@ impl Env {
         let allow: Vec<String> = caps.iter().map(|c| (*c).to_owned()).collect();
         self.admin
             .grants()
-            .edit_with(user, tool_id, &allow, &[], image)
+            .edit_with(user, tool_id, &allow, &[], image, None)
             .await
             .expect("grant");
     }

@@ -9,11 +9,8 @@ use fleet_e2e::fake_llm::{CHAT, EMBEDDINGS, FakeLlm};
 use fleet_proto::executa::reverse::family_of;
 use fleet_proto::jsonrpc::ErrorObject;
 use fleet_proto::util::now_ms;
-use fleet_services::credentials::Keyring;
-use fleet_services::files::LinkSigner;
 use fleet_services::llm::{LlmConfig, ModelConfig};
 use fleet_services::{FleetServices, ServicesConfig};
-use fleet_store::StoreSettings;
 use fleet_worker::services::{HostServices, InvokeTokens, ReverseCall, TokenRequest, TokenSource};
 use serde_json::{Value, json};
 
@@ -54,26 +51,13 @@ fn llm_config(llm: &FakeLlm, dir: &std::path::Path) -> LlmConfig {
 /// upstream configured at all). The user is granted `llm.sample` and `llm.embed` on [`TOOL`].
 async fn env_with(configure: impl FnOnce(LlmConfig) -> Option<LlmConfig>) -> Env {
     let dir = tempfile::tempdir().expect("tempdir");
-    let nats = NatsServer::start(&dir.path().join("nats")).expect("nats-server (run scripts/test.sh once)");
-    let client = nats
-        .connect(fleet_client::creds::Role::Front)
-        .await
-        .expect("connect");
-    let js = async_nats::jetstream::new(client);
     let llm = FakeLlm::start().await;
     let config = ServicesConfig {
         llm: configure(llm_config(&llm, dir.path())),
         ..ServicesConfig::default()
     };
-    let services = Box::pin(FleetServices::open(
-        &js,
-        &StoreSettings::default(),
-        &config,
-        LinkSigner::new(b"host-services-llm-test-link-secret"),
-        Keyring::fixed(&[("k1", [7; 32])]),
-    ))
-    .await
-    .expect("services");
+    let (nats, services) =
+        fleet_e2e::host_services(dir.path(), &config, b"host-services-llm-test-link-secret").await;
     services
         .grants()
         .edit(USER, TOOL, &["llm.sample".into(), "llm.embed".into()], &[])

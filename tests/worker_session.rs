@@ -627,6 +627,7 @@ impl TokenSource for AllTokens {
             upload: t("upload"),
             image: t("image"),
             credentials: None,
+            web: None,
             renew_at_ms: None,
         };
         Box::pin(async move { tokens })

@@ -447,6 +447,12 @@ const SERVICES_KEYS: &[(&str, &str, &str)] = &[
     ),
     ("storage", "—", "APS storage settings (`[storage]`)."),
     (
+        "web",
+        "fetch on, no search",
+        "`[web]`: `web/fetch` (native) and the search provider of `web/search` and `web/image_search` \
+         ([plugin guide](plugins.md#web-search-and-fetch)).",
+    ),
+    (
         "llm.base_url",
         "**required**",
         "Base URL including the version prefix, e.g. `https://api.openai.com/v1`; absolute http(s), no \
@@ -499,6 +505,39 @@ const SERVICES_KEYS: &[(&str, &str, &str)] = &[
         "`false`",
         "Whether the model honours `response_format: json_schema`; otherwise `-32010` or a downgrade per \
          `onUnsupported`.",
+    ),
+    (
+        "web.search_url",
+        "none",
+        "Base URL of a SearXNG-compatible search API (`GET {search_url}/search?q=…&format=json`); absent: \
+         `web/search` and `web/image_search` are not offered.",
+    ),
+    (
+        "web.api_key_file",
+        "none",
+        "File holding the provider's key, sent as `Authorization: Bearer …` (surrounding whitespace ignored).",
+    ),
+    (
+        "web.search_timeout_s",
+        "`15`",
+        "The provider's timeout, seconds (never beyond the call's own deadline; a slow provider is `-32525`).",
+    ),
+    (
+        "web.fetch",
+        "`true`",
+        "Serve `web/fetch` (it needs no upstream; its SSRF policy cannot be relaxed).",
+    ),
+    (
+        "web.daily_quota_cu",
+        "`500`",
+        "Each user's daily pool of compute units (a search 1, a fetched page 1; `-32522` when spent), counted per \
+         worker process.",
+    ),
+    (
+        "web.test_allow_addrs",
+        "`[]`",
+        "FOR TESTS ONLY: exact `ip:port` pairs `web/fetch` may reach despite the SSRF policy (a test server on this \
+         host); each is logged at warning level at start-up. Leave empty in production.",
     ),
     (
         "storage.quota_bytes",
@@ -610,7 +649,7 @@ fn flatten(prefix: &str, value: &toml::Value, rows: &mut Vec<(String, String)>) 
 
 /// The services TOML's keys as serde reads them, as dotted paths.
 fn services_keys() -> BTreeSet<String> {
-    use fleet_services::{ServicesConfig, kv::StorageConfig, llm};
+    use fleet_services::{ServicesConfig, kv::StorageConfig, llm, web::WebConfig};
     let mut keys: BTreeSet<String> = serde_names::<ServicesConfig>()
         .into_iter()
         .map(str::to_owned)
@@ -640,6 +679,7 @@ fn services_keys() -> BTreeSet<String> {
             .into_iter()
             .map(|k| format!("image.models.{k}")),
     );
+    keys.extend(serde_names::<WebConfig>().into_iter().map(|k| format!("web.{k}")));
     keys
 }
 

@@ -38,7 +38,14 @@ async fn admin_call(store: &GrantStore, method: &str, payload: &[u8]) -> Result<
         grants::SET => {
             let a: grants::SetArgs = admin::parse_args(payload)?;
             store
-                .edit_with(&a.user, &a.tool_id, &a.allow, &a.revoke, a.image)
+                .edit_with(
+                    &a.user,
+                    &a.tool_id,
+                    &a.allow,
+                    &a.revoke,
+                    a.image,
+                    a.web_grant.as_ref(),
+                )
                 .await
         }
         grants::GET => {
@@ -80,6 +87,11 @@ pub struct GrantArgs {
     /// for generate, 1 for edit).
     #[arg(long, value_name = "N")]
     pub image_max_per_call: Option<u32>,
+    /// The spec's `web_grant` as JSON (`{"enabled":true,"allowSearch":true,"allowFetch":true,"allowAdvanced":false,
+    /// "allowImageSearch":false,"allowImageFetch":false,"maxResultsPerCall":10}`): sets every `web.*` capability
+    /// and the web settings; `{"enabled":false}` revokes web.
+    #[arg(long, value_parser = parse_web_grant)]
+    pub web_grant: Option<grants::WebGrantShape>,
     /// `--nats-url`, `--data-dir`, `--token`.
     #[command(flatten)]
     pub conn: OperatorConn,
@@ -95,21 +107,33 @@ pub async fn run_grant(args: &GrantArgs) -> Result<Value, ApiError> {
             max_per_call: args.image_max_per_call,
         },
     );
-    let grant = if args.allow.is_empty() && args.revoke.is_empty() && image.is_none() {
-        let get = grants::GetArgs {
-            user: args.user.clone(),
-            tool_id: args.tool_id.clone(),
+    let grant =
+        if args.allow.is_empty() && args.revoke.is_empty() && image.is_none() && args.web_grant.is_none() {
+            let get = grants::GetArgs {
+                user: args.user.clone(),
+                tool_id: args.tool_id.clone(),
+            };
+            client.grants_get(&get, wait).await?
+        } else {
+            let set = grants::SetArgs {
+                user: args.user.clone(),
+                tool_id: args.tool_id.clone(),
+                allow: args.allow.clone(),
+                revoke: args.revoke.clone(),
+                image,
+                web_grant: args.web_grant.clone(),
+            };
+            client.grants_set(&set, wait).await?
         };
-        client.grants_get(&get, wait).await?
-    } else {
-        let set = grants::SetArgs {
-            user: args.user.clone(),
-            tool_id: args.tool_id.clone(),
-            allow: args.allow.clone(),
-            revoke: args.revoke.clone(),
-            image,
-        };
-        client.grants_set(&set, wait).await?
-    };
     printable(grant)
+}
+
+/// Parses `--web-grant` (the message names the shape, never echoes the text).
+fn parse_web_grant(text: &str) -> Result<grants::WebGrantShape, String> {
+    serde_json::from_str(text).map_err(|e| {
+        format!(
+            "not a web_grant object ({e}); expected {{\"enabled\":bool, \"allowSearch\"?, \"allowFetch\"?, \
+             \"allowAdvanced\"?, \"allowImageSearch\"?, \"allowImageFetch\"?, \"maxResultsPerCall\"?}}"
+        )
+    })
 }

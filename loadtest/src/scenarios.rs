@@ -448,6 +448,7 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
                     allow: vec!["aps.kv".to_owned()],
                     revoke: Vec::new(),
                     image: None,
+                    web_grant: None,
                 };
                 let operator = ctx
                     .operator()

@@ -81,6 +81,10 @@ pub mod grants {
         /// Image limits to set (each field given replaces the grant's; absent fields are kept).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub image: Option<ImageGrant>,
+        /// The spec's `web_grant`: sets every `web.*` capability and the web settings (applied after
+        /// `revoke` and `allow`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub web_grant: Option<WebGrantShape>,
     }
 
     /// `grants.get`.
@@ -131,6 +135,97 @@ pub mod grants {
         }
     }
 
+    /// The spec's `web_grant` (§8.9: `{enabled, allowSearch, allowFetch, allowAdvanced, allowImageSearch,
+    /// allowImageFetch, maxResultsPerCall}`, default disabled), as `grants.set` accepts it: it becomes the
+    /// capabilities `web.search`, `web.fetch`, `web.image_search`, `web.image_fetch` of the grant's `allow` set
+    /// ([`WebGrantShape::capabilities`]) and its [`WebGrant`] (the two settings that are not capabilities).
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    pub struct WebGrantShape {
+        /// Web at all; `false` revokes every `web.*` capability.
+        #[serde(default)]
+        pub enabled: bool,
+        /// `web/search` (default true once enabled).
+        #[serde(default, alias = "allow_search", skip_serializing_if = "Option::is_none")]
+        pub allow_search: Option<bool>,
+        /// `web/fetch` (default true once enabled).
+        #[serde(default, alias = "allow_fetch", skip_serializing_if = "Option::is_none")]
+        pub allow_fetch: Option<bool>,
+        /// `search_depth: "advanced"` (default false).
+        #[serde(default, alias = "allow_advanced", skip_serializing_if = "Option::is_none")]
+        pub allow_advanced: Option<bool>,
+        /// `web/image_search` (default false).
+        #[serde(
+            default,
+            alias = "allow_image_search",
+            skip_serializing_if = "Option::is_none"
+        )]
+        pub allow_image_search: Option<bool>,
+        /// `web/image_fetch` (default false).
+        #[serde(default, alias = "allow_image_fetch", skip_serializing_if = "Option::is_none")]
+        pub allow_image_fetch: Option<bool>,
+        /// Results per search call (default and cap 10).
+        #[serde(
+            default,
+            alias = "max_results_per_call",
+            skip_serializing_if = "Option::is_none"
+        )]
+        pub max_results_per_call: Option<u32>,
+    }
+
+    /// The `web.*` capabilities, in the order of [`WebGrantShape`]'s flags.
+    pub const WEB_CAPABILITIES: [&str; 4] = [
+        crate::executa::capabilities::WEB_SEARCH,
+        crate::executa::capabilities::WEB_FETCH,
+        crate::executa::capabilities::WEB_IMAGE_SEARCH,
+        crate::executa::capabilities::WEB_IMAGE_FETCH,
+    ];
+
+    impl WebGrantShape {
+        /// The capabilities it allows and those it revokes (every `web.*` capability is in one of the two).
+        pub fn capabilities(&self) -> (Vec<String>, Vec<String>) {
+            let on = [
+                self.allow_search.unwrap_or(true),
+                self.allow_fetch.unwrap_or(true),
+                self.allow_image_search.unwrap_or(false),
+                self.allow_image_fetch.unwrap_or(false),
+            ];
+            let (mut allow, mut revoke) = (Vec::new(), Vec::new());
+            for (cap, on) in WEB_CAPABILITIES.iter().zip(on) {
+                if self.enabled && on {
+                    allow.push((*cap).to_owned());
+                } else {
+                    revoke.push((*cap).to_owned());
+                }
+            }
+            (allow, revoke)
+        }
+
+        /// The settings that are not capabilities.
+        pub fn settings(&self) -> WebGrant {
+            WebGrant {
+                enabled: self.enabled,
+                allow_advanced: self.enabled && self.allow_advanced.unwrap_or(false),
+                max_results_per_call: self.max_results_per_call,
+            }
+        }
+    }
+
+    /// The web settings of a grant that are not capabilities (spec §8.9 `web_grant`).
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct WebGrant {
+        /// `false`: the user turned web off for this plugin (its calls are `-32527 USER_DENIED`, not
+        /// `-32521 NOT_GRANTED`).
+        #[serde(default)]
+        pub enabled: bool,
+        /// `search_depth: "advanced"` allowed.
+        #[serde(default, alias = "allowAdvanced")]
+        pub allow_advanced: bool,
+        /// Results per search call, below the host's cap of 10.
+        #[serde(default, alias = "maxResultsPerCall", skip_serializing_if = "Option::is_none")]
+        pub max_results_per_call: Option<u32>,
+    }
+
     /// One user's grant to one plugin: the result of `set` and `get`, and the record kept in the grants bucket.
     #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
     pub struct Grant {
@@ -147,6 +242,9 @@ pub mod grants {
         /// Image limits other than the defaults.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub image: Option<ImageGrant>,
+        /// Web settings beyond the `web.*` capabilities.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub web: Option<WebGrant>,
         /// Last change, Unix ms (0: never set).
         #[serde(default)]
         pub updated_at_ms: u64,

@@ -218,6 +218,39 @@ pub const UPLOAD_GET_URL_TTL: Duration = Duration::from_secs(1800);
 pub const UPLOAD_REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
 
 // ---------------------------------------------------------------------------------------------------------------
+// Web (spec §8.9, §7.4, §17.1)
+// ---------------------------------------------------------------------------------------------------------------
+
+/// `web/fetch`: characters of extracted content per page; `max_chars` is clamped to it (spec §8.9, §7.4).
+pub const WEB_FETCH_MAX_CHARS_PER_PAGE: usize = 8_000;
+/// `web/fetch`: bytes read of one page's body; a longer body stops being read and the page is `TOO_LARGE`
+/// (spec §8.9 "256 KB/response").
+pub const WEB_FETCH_MAX_BODY_BYTES: usize = 256 * KIB;
+/// `web/fetch`: bytes of content in one answer, summed over its pages in order; pages past it are
+/// `RESPONSE_BUDGET_EXCEEDED` (spec §7.4 "256 KB/response … `RESPONSE_BUDGET_EXCEEDED`").
+pub const WEB_FETCH_RESPONSE_BUDGET_BYTES: usize = 256 * KIB;
+/// `web/fetch`: URLs per call, at least 1 (spec §8.9, §17.1).
+pub const WEB_FETCH_MAX_URLS: usize = 10;
+/// `web/fetch`, `web/image_fetch`: redirects followed, each re-checked (spec §8.9, §17.1).
+pub const WEB_MAX_REDIRECTS: usize = 5;
+/// The only ports a fetch may connect to (spec §8.9 SSRF policy).
+pub const WEB_FETCH_PORTS: [u16; 4] = [80, 443, 8080, 8443];
+/// `web_grant.maxResultsPerCall` default and cap of `web/search` (spec §8.9).
+pub const WEB_MAX_RESULTS_PER_CALL: usize = 10;
+/// `web/image_search` `max_results` default (spec §8.9, the app-side twin: 8, cap 50; capped here by
+/// [`WEB_MAX_RESULTS_PER_CALL`] as well).
+pub const WEB_IMAGE_SEARCH_DEFAULT_RESULTS: usize = 8;
+/// `web/image_fetch` `max_bytes` default (spec §8.9, the app-side twin: 5 MiB).
+pub const WEB_IMAGE_FETCH_DEFAULT_BYTES: usize = 5 * MIB;
+/// `web/image_fetch` `max_bytes` cap (spec §8.9, the app-side twin: 20 MiB).
+pub const WEB_IMAGE_FETCH_MAX_BYTES: usize = 20 * MIB;
+/// Longest a `web/*` call may take when neither `_clientTimeoutS` nor the invoke's deadline is shorter (derived:
+/// the SDK web namespace's default, spec §8.9 "SDK web-namespace default is 60s").
+pub const WEB_REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// Per-page timeout of `web/fetch` when `timeout_ms` is absent (derived; bounded by [`WEB_REQUEST_TIMEOUT`]).
+pub const WEB_FETCH_DEFAULT_PAGE_TIMEOUT: Duration = Duration::from_secs(15);
+
+// ---------------------------------------------------------------------------------------------------------------
 // Tokens (spec §11)
 // ---------------------------------------------------------------------------------------------------------------
 

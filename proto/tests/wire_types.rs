@@ -618,6 +618,26 @@ fn family_error_codes() {
     assert_eq!(Family::Sampling.manifest_capability(), Some("llm.sample"));
 }
 
+#[test]
+fn each_web_method_needs_its_own_capability() {
+    assert_eq!(Family::Web.not_negotiated().code, -32526);
+    assert_eq!(Family::Web.manifest_capability(), None);
+    for (method, cap) in [
+        ("web/search", "web.search"),
+        ("web/fetch", "web.fetch"),
+        ("web/image_search", "web.image_search"),
+        ("web/image_fetch", "web.image_fetch"),
+        ("web/unknown", "web.search"),
+    ] {
+        assert_eq!(Family::Web.method_capability(method), Some(cap), "{method}");
+    }
+    assert_eq!(
+        Family::Image.method_capability("image/edit"),
+        Some("llm.image"),
+        "other families keep the family's capability"
+    );
+}
+
 // =============================================================================================================
 // api: JobId, JobState
 // =============================================================================================================

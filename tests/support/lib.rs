@@ -3,8 +3,8 @@
 //! plugins and their binaries are, and the fake LLM upstream, are `fleet-e2e-client`'s (re-exported here).
 
 pub use fleet_e2e_client::{
-    cargo_build, echo_plugin_bin, fake_images, fake_llm, fleet_bin, profile_dir, python_plugin_path,
-    sandbox_stub_bin, workspace_root,
+    cargo_build, echo_plugin_bin, fake_images, fake_llm, fake_web, fleet_bin, profile_dir,
+    python_plugin_path, sandbox_stub_bin, workspace_root,
 };
 
 /// A worker over a temporary catalogue of echo-plugin installs, for the worker tests.
@@ -250,6 +250,35 @@ pub mod worker {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
+}
+
+/// The host services of one process over a real nats-server started under `dir` (as a front opens them: it
+/// creates the resources), for the tests that drive `FleetServices::serve` directly. A fixed credentials keyring.
+///
+/// # Panics
+/// If nats-server cannot start or the services cannot open.
+pub async fn host_services(
+    dir: &std::path::Path,
+    config: &fleet_services::ServicesConfig,
+    link_secret: &[u8],
+) -> (fleet::nats_server::NatsServer, fleet_services::FleetServices) {
+    let nats = fleet::nats_server::NatsServer::start(&dir.join("nats"))
+        .expect("nats-server (run scripts/test.sh once)");
+    let client = nats
+        .connect(fleet_client::creds::Role::Front)
+        .await
+        .expect("connect");
+    let js = async_nats::jetstream::new(client);
+    let services = Box::pin(fleet_services::FleetServices::open(
+        &js,
+        &fleet_store::StoreSettings::default(),
+        config,
+        fleet_services::files::LinkSigner::new(link_secret),
+        fleet_services::credentials::Keyring::fixed(&[("k1", [7; 32])]),
+    ))
+    .await
+    .expect("services");
+    (nats, services)
 }
 
 /// A whole fleet in one test process: a real nats-server, the JetStream store, N front replicas (each with its

@@ -72,8 +72,24 @@ const SPECIAL_RANGES: &[&str] = &[
 ];
 
 /// [`SPECIAL_RANGES`], parsed (each is a literal a unit test parses).
-fn special_ranges() -> Vec<IpNet> {
+pub fn special_ranges() -> Vec<IpNet> {
     SPECIAL_RANGES.iter().filter_map(|r| r.parse().ok()).collect()
+}
+
+/// The rules no configuration relaxes, in [`Policy::check`]'s order: loopback or unspecified, link-local,
+/// multicast or broadcast (`ip` as [`canonical`] makes it). The host's own `web/fetch` applies them too.
+pub fn fixed_refusal(ip: IpAddr) -> Option<Refusal> {
+    let ip = canonical(ip);
+    if ip.is_loopback() || ip.is_unspecified() {
+        return Some(Refusal::Loopback);
+    }
+    if link_local(ip) {
+        return Some(Refusal::LinkLocal);
+    }
+    if ip.is_multicast() || ip == IpAddr::V4(Ipv4Addr::BROADCAST) {
+        return Some(Refusal::Multicast);
+    }
+    None
 }
 
 /// Why a destination is refused (the `403` body and the metric label: fixed strings, never the destination).
@@ -171,14 +187,8 @@ impl Policy {
     /// Whether a plugin may connect to `addr` (see the module documentation for the order of the rules).
     pub fn check(&self, addr: SocketAddr) -> Result<(), Refusal> {
         let ip = canonical(addr.ip());
-        if ip.is_loopback() || ip.is_unspecified() {
-            return Err(Refusal::Loopback);
-        }
-        if link_local(ip) {
-            return Err(Refusal::LinkLocal);
-        }
-        if ip.is_multicast() || ip == IpAddr::V4(Ipv4Addr::BROADCAST) {
-            return Err(Refusal::Multicast);
+        if let Some(refusal) = fixed_refusal(ip) {
+            return Err(refusal);
         }
         if self.deny.iter().any(|n| n.contains(&ip)) {
             return Err(Refusal::Denied);
@@ -197,7 +207,7 @@ impl Policy {
 }
 
 /// An IPv4-mapped IPv6 address as the IPv4 address it is.
-fn canonical(ip: IpAddr) -> IpAddr {
+pub fn canonical(ip: IpAddr) -> IpAddr {
     match ip {
         IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
         v4 => v4,
@@ -213,7 +223,7 @@ fn link_local(ip: IpAddr) -> bool {
 
 /// Whether `ip` is one of this host's own addresses: the kernel lets a socket bind only those (no
 /// `IP_FREEBIND` here), so one bind answers for every interface, including ones added after start.
-fn is_local(ip: IpAddr) -> bool {
+pub fn is_local(ip: IpAddr) -> bool {
     match std::net::UdpSocket::bind(SocketAddr::new(ip, 0)) {
         Ok(_) => true,
         // Not an address of this host (EADDRNOTAVAIL); anything else (out of fds, …): refuse to be safe.

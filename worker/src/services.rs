@@ -28,6 +28,9 @@ pub struct InvokeTokens {
     pub image: Option<String>,
     /// aud `executa-credentials`.
     pub credentials: Option<String>,
+    /// aud `executa-web` (`web/*`; spec §8.9 names no token, so this one stays with the host: it is never put in
+    /// the plugin's `params.context`).
+    pub web: Option<String>,
     /// When the invoke is still running at this time (Unix ms), the worker asks the token source again and
     /// replaces these tokens (spec §11 HR-JW-02: tokens of long jobs are renewed automatically). `None`: they
     /// outlive the invoke's deadline.
@@ -43,6 +46,7 @@ impl fmt::Debug for InvokeTokens {
             .field("upload", &has(&self.upload))
             .field("image", &has(&self.image))
             .field("credentials", &has(&self.credentials))
+            .field("web", &has(&self.web))
             .field("renew_at_ms", &self.renew_at_ms)
             .finish()
     }

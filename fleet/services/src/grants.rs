@@ -10,7 +10,7 @@
 //! image limits (`image`: images per rolling day, images per call) are set by operators with the grant.
 
 use async_nats::jetstream::{self, kv};
-use fleet_proto::admin::grants::{Grant, ImageGrant, REVOKE_ALL};
+use fleet_proto::admin::grants::{Grant, ImageGrant, REVOKE_ALL, WebGrantShape};
 use fleet_proto::api::{ApiError, ApiErrorCode, user_key};
 use fleet_proto::executa::capabilities::is_known_host_capability;
 use fleet_proto::limits;
@@ -137,10 +137,12 @@ impl GrantStore {
         allow: &[String],
         revoke: &[String],
     ) -> Result<Grant, GrantError> {
-        self.edit_with(user, tool_id, allow, revoke, None).await
+        self.edit_with(user, tool_id, allow, revoke, None, None).await
     }
 
-    /// [`GrantStore::edit`], and sets the image limits `image` gives (spec §8.6 `image_grant`).
+    /// [`GrantStore::edit`], and sets the image limits `image` gives (spec §8.6 `image_grant`), then the spec's
+    /// `web_grant` when given: every `web.*` capability allowed or revoked as it says, and its settings
+    /// (`allowAdvanced`, `maxResultsPerCall`) kept in the grant's `web`.
     pub async fn edit_with(
         &self,
         user: &str,
@@ -148,6 +150,7 @@ impl GrantStore {
         allow: &[String],
         revoke: &[String],
         image: Option<ImageGrant>,
+        web_grant: Option<&WebGrantShape>,
     ) -> Result<Grant, GrantError> {
         Self::check(user, tool_id)?;
         if let Some(per_call) = image.and_then(|i| i.max_per_call)
@@ -156,6 +159,14 @@ impl GrantStore {
             return Err(GrantError::Invalid(format!(
                 "image max_per_call must be 1–{} (the host's cap)",
                 limits::IMAGE_MAX_PER_CALL
+            )));
+        }
+        if let Some(max) = web_grant.and_then(|w| w.max_results_per_call)
+            && (max == 0 || max as usize > limits::WEB_MAX_RESULTS_PER_CALL)
+        {
+            return Err(GrantError::Invalid(format!(
+                "web_grant.maxResultsPerCall must be 1–{}",
+                limits::WEB_MAX_RESULTS_PER_CALL
             )));
         }
         let unknown: Vec<String> = allow
@@ -187,6 +198,14 @@ impl GrantStore {
             grant.allow.extend(allow.iter().cloned());
             if let Some(image) = image {
                 grant.image = Some(grant.image.unwrap_or_default().merged(image));
+            }
+            if let Some(web) = web_grant {
+                let (on, off) = web.capabilities();
+                for c in off {
+                    grant.allow.remove(&c);
+                }
+                grant.allow.extend(on);
+                grant.web = Some(web.settings());
             }
             grant.updated_at_ms = now_ms();
             Ok::<_, StoreError>(Edit::Write(grant, ()))

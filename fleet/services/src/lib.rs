@@ -20,8 +20,9 @@
 //! `off` (not offered, its "off" code), `mock` (answered by [`mock`] from F3 entries — after the same token,
 //! grant, validation and budget checks as a real upstream) or `real`. `image/*` is real against the `[image]`
 //! upstream ([`image`]; without one it is not offered and answers `-32109`); `agent/*` has no real upstream
-//! here; `web/*` and `credentials/*` are never offered and answer their not-granted code (docs/plugins.md
-//! "Host services").
+//! here; `credentials/*` is never offered and answers its not-granted code. `web/*` ([`web`]) is outside the
+//! matrix: `web/fetch` is native (always served unless `[web] fetch = false`), `web/search` and
+//! `web/image_search` need a provider in `[web]` (docs/plugins.md "Host services").
 
 pub mod args;
 pub mod budget;
@@ -35,6 +36,7 @@ pub mod llm;
 pub mod mock;
 pub mod tokens;
 pub mod upload;
+pub mod web;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,7 +45,7 @@ use dashmap::DashMap;
 use fleet_proto::executa::capabilities::{self, keys};
 use fleet_proto::executa::reverse::{
     Family, family_of, image as image_codes, method_not_found, storage as storage_codes,
-    upload as upload_codes,
+    upload as upload_codes, web as web_codes,
 };
 use fleet_proto::jsonrpc::ErrorObject;
 use fleet_worker::services::{
@@ -65,7 +67,7 @@ pub use tokens::{Binding, ServiceClaims, TokenError, TokenMinter};
 const BUDGET_MAX_AGE: Duration = fleet_proto::limits::LONG_JOB_TOKEN_TTL_CAP;
 
 /// The host capabilities these services mint tokens for.
-pub const SERVICE_CAPABILITIES: [&str; 7] = [
+pub const SERVICE_CAPABILITIES: [&str; 11] = [
     capabilities::LLM_SAMPLE,
     capabilities::LLM_EMBED,
     capabilities::LLM_IMAGE,
@@ -73,6 +75,18 @@ pub const SERVICE_CAPABILITIES: [&str; 7] = [
     capabilities::APS_KV,
     capabilities::APS_FILES,
     capabilities::HOST_UPLOAD,
+    capabilities::WEB_SEARCH,
+    capabilities::WEB_FETCH,
+    capabilities::WEB_IMAGE_SEARCH,
+    capabilities::WEB_IMAGE_FETCH,
+];
+
+/// The `web.*` capabilities a web token may carry.
+const WEB_TOKEN_CAPABILITIES: [&str; 4] = [
+    capabilities::WEB_SEARCH,
+    capabilities::WEB_FETCH,
+    capabilities::WEB_IMAGE_SEARCH,
+    capabilities::WEB_IMAGE_FETCH,
 ];
 
 /// The scopes a plugin's storage token permits (spec §8.3 HR-ST-02).
@@ -135,6 +149,9 @@ pub struct ServicesConfig {
     /// The OpenAI-compatible images upstream; absent: `image/*` is not offered (`-32109`).
     #[serde(default)]
     pub image: Option<image::ImageConfig>,
+    /// `web/*`: the search provider, the daily pool, fetch on or off.
+    #[serde(default)]
+    pub web: web::WebConfig,
     /// The developer harness (`fleet up --mocks`, `--dev-mode`); not part of the TOML file.
     #[serde(skip)]
     pub dev: dev::DevSettings,
@@ -170,6 +187,7 @@ struct Inner {
     image: Option<image::ImageService>,
     /// `image/*` is off because no upstream is configured (not because `--dev-mode image=off` said so).
     image_unconfigured: bool,
+    web: web::WebService,
     /// Every family's mode.
     modes: dev::Modes,
     /// What families in `mock` mode answer from.
@@ -217,6 +235,7 @@ impl FleetServices {
             }
         };
         let image_unconfigured = config.image.is_none() && !config.dev.is_explicit(DevFamily::Image);
+        let web = web::WebService::new(&config.web)?;
         Ok(FleetServices {
             inner: Arc::new(Inner {
                 minter: TokenMinter::new().map_err(|e| ServicesError::Config(e.to_string()))?,
@@ -229,6 +248,7 @@ impl FleetServices {
                 upload,
                 image,
                 image_unconfigured,
+                web,
                 modes,
                 mocks: config.dev.mocks().clone(),
             }),
@@ -253,6 +273,11 @@ impl FleetServices {
     /// The users' credentials.
     pub fn credential_store(&self) -> &CredentialStore {
         &self.inner.credentials
+    }
+
+    /// The `web/*` service (its daily pool).
+    pub fn web(&self) -> &web::WebService {
+        &self.inner.web
     }
 
     /// The token minter (tests mint tampered tokens with it).
@@ -328,6 +353,17 @@ impl FleetServices {
             .filter(|c| on(DevFamily::Image) && ok(c, &[keys::IMAGE, keys::IMAGE_EDIT]))
             .map(str::to_owned)
             .collect();
+        // Web needs no `initialize` key (spec §3.3: "(v2)"; the worker withholds every token from v1 sessions).
+        let web_served: Vec<&str> = WEB_TOKEN_CAPABILITIES
+            .into_iter()
+            .filter(|c| declared(c) && self.inner.web.serves(c))
+            .collect();
+        let web_caps: Vec<String> = web_served
+            .iter()
+            .filter(|c| grant.allows(c))
+            .map(|c| (*c).to_owned())
+            .collect();
+        let web_denied = grant.web.as_ref().is_some_and(|w| !w.enabled);
 
         let binding = Binding {
             user: &req.user,
@@ -397,10 +433,20 @@ impl FleetServices {
             );
             tokens.image = sign(&c);
         }
+        if !web_caps.is_empty() || (web_denied && !web_served.is_empty()) {
+            let mut c = TokenMinter::claims(binding, tokens::AUD_WEB, ttl);
+            c.caps = web_caps;
+            let settings = grant.web.clone().unwrap_or_default();
+            c.web_advanced = Some(settings.allow_advanced);
+            c.max_results = settings.max_results_per_call;
+            c.web_denied = web_denied.then_some(true);
+            tokens.web = sign(&c);
+        }
         if tokens.sampling.is_some()
             || tokens.storage.is_some()
             || tokens.upload.is_some()
             || tokens.image.is_some()
+            || tokens.web.is_some()
         {
             self.sweep_budgets();
             // A renewal (the same invoke, minted again) keeps the budget it has.
@@ -454,6 +500,14 @@ impl FleetServices {
                 image_codes::IMAGE_NOT_GRANTED
                     .error("image_token missing — the user has not granted llm.image to this plugin"),
             ),
+            Family::Web => (
+                tokens::AUD_WEB,
+                call.tokens.web.as_deref(),
+                web_codes::WEB_NOT_GRANTED.error(format!(
+                    "{} is not granted to this plugin (web_grant is disabled by default)",
+                    call.method
+                )),
+            ),
             other => {
                 return Err(other
                     .not_granted()
@@ -468,6 +522,9 @@ impl FleetServices {
         let claims = match self.inner.minter.verify(token, aud, binding) {
             Ok(c) => c,
             Err(TokenError::Missing) => return Err(missing),
+            Err(TokenError::Expired) if call.family == Family::Web => {
+                return Err(web_codes::WEB_TOKEN_EXPIRED.error("the invoke's web token has expired"));
+            }
             Err(e) => {
                 return Err(call
                     .family
@@ -475,8 +532,11 @@ impl FleetServices {
                     .error(format!("the invoke's token was refused: {e}")));
             }
         };
+        if claims.web_denied == Some(true) {
+            return Err(web_codes::WEB_USER_DENIED.error("the user has turned web off for this plugin"));
+        }
         // The capability within the family's token (one storage token serves aps.kv and aps.files).
-        let needed = call.family.manifest_capability();
+        let needed = call.family.method_capability(&call.method);
         if let Some(cap) = needed
             && !claims.caps.iter().any(|c| c == cap)
         {
@@ -533,6 +593,12 @@ impl FleetServices {
                 None => Err(image_codes::IMAGE_NO_MODEL_AVAILABLE
                     .error("no image provider is configured on this host")),
             },
+            Family::Web => {
+                self.inner
+                    .web
+                    .call(&ctx, &call.method, call.params, &self.inner.upload)
+                    .await
+            }
             _ => Err(method_not_found(&call.method)),
         }
     }
@@ -601,6 +667,9 @@ impl HostServices for FleetServices {
                     offer.insert((*k).into(), Value::Object(Map::new()));
                 }
             }
+        }
+        if let Some(web) = self.inner.web.offer() {
+            offer.insert(keys::WEB.into(), web);
         }
         offer.insert(keys::FILE_TRANSPORT.into(), Value::Bool(true));
         offer

@@ -220,13 +220,7 @@ impl ApiKey {
             (None, None) => std::env::var(default_env).ok(),
         };
         let Some(raw) = raw else { return Ok(None) };
-        let key = raw.trim();
-        if key.is_empty() {
-            return Err(KeySourceError::Bad);
-        }
-        let mut value = HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| KeySourceError::Bad)?;
-        value.set_sensitive(true);
-        Ok(Some(ApiKey(value)))
+        bearer(&raw).map(|v| Some(ApiKey(v))).ok_or(KeySourceError::Bad)
     }
 
     fn load(config: &LlmConfig) -> Result<Option<ApiKey>, LlmConfigError> {
@@ -241,6 +235,35 @@ impl ApiKey {
     pub(crate) fn header(&self) -> HeaderValue {
         self.0.clone()
     }
+}
+
+/// `Bearer <key>` (surrounding whitespace trimmed) as a sensitive header value; `None` for an empty key or one
+/// that is not a header value. Every upstream key of the services goes through here.
+pub(crate) fn bearer(raw: &str) -> Option<HeaderValue> {
+    let key = raw.trim();
+    if key.is_empty() {
+        return None;
+    }
+    let mut value = HeaderValue::from_str(&format!("Bearer {key}")).ok()?;
+    value.set_sensitive(true);
+    Some(value)
+}
+
+/// An upstream's configured base URL, checked: `http`/`https`, no credentials (they belong in a key file), no
+/// query or fragment; the trailing `/` removed. The error says which rule, never the URL.
+pub(crate) fn upstream_base_url(text: &str) -> Result<reqwest::Url, String> {
+    let base = text.trim().trim_end_matches('/');
+    let url = reqwest::Url::parse(base).map_err(|e| e.to_string())?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(format!("scheme {:?}", url.scheme()));
+    }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err("credentials belong in api_key_file".into());
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err("no query or fragment".into());
+    }
+    Ok(url)
 }
 
 /// The sampling and embeddings service.
@@ -481,18 +504,7 @@ pub(crate) fn select_by_hints<'a, T>(
 /// A configured upstream's base URL, without its trailing `/`: absolute http(s), no credentials, query or
 /// fragment (the reason otherwise).
 pub(crate) fn check_base_url(base_url: &str) -> Result<String, String> {
-    let base = base_url.trim().trim_end_matches('/');
-    let url = reqwest::Url::parse(base).map_err(|e| e.to_string())?;
-    if !matches!(url.scheme(), "http" | "https") {
-        return Err(format!("scheme {:?}", url.scheme()));
-    }
-    if !url.username().is_empty() || url.password().is_some() {
-        return Err("credentials belong in api_key_file".into());
-    }
-    if url.query().is_some() || url.fragment().is_some() {
-        return Err("no query or fragment".into());
-    }
-    Ok(base.to_owned())
+    upstream_base_url(base_url).map(|_| base_url.trim().trim_end_matches('/').to_owned())
 }
 
 /// The checks a `sampling/createMessage` passes before any upstream sees it (validation, step 1 above), for

@@ -33,6 +33,8 @@ pub const AUD_STORAGE: &str = "aps-storage";
 pub const AUD_UPLOAD: &str = "executa-upload";
 /// `aud` of the image token (`image/generate`, `image/edit`; spec §8.6).
 pub const AUD_IMAGE: &str = "executa-image";
+/// `aud` of the web token (`web/*`; spec §8.9 names none: this one never leaves the host).
+pub const AUD_WEB: &str = "executa-web";
 
 /// How long before its tokens expire a still-running invoke gets new ones (spec §11 HR-JW-02).
 pub const RENEW_BEFORE_EXPIRY: Duration = Duration::from_secs(300);
@@ -103,6 +105,15 @@ pub struct ServiceClaims {
     /// Image: the user's images per rolling 24 h (spec §8.6 `max_images_per_day`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_images_per_day: Option<u32>,
+    /// Web: `search_depth: "advanced"` allowed (`web_grant.allowAdvanced`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub web_advanced: Option<bool>,
+    /// Web: results per search call (`web_grant.maxResultsPerCall`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_results: Option<u32>,
+    /// Web: the user turned web off for this plugin (`web_grant.enabled: false`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub web_denied: Option<bool>,
 }
 
 impl fmt::Debug for ServiceClaims {
@@ -208,6 +219,9 @@ impl TokenMinter {
             max_per_call_generate: None,
             max_per_call_edit: None,
             max_images_per_day: None,
+            web_advanced: None,
+            max_results: None,
+            web_denied: None,
         }
     }
 

@@ -370,10 +370,7 @@ impl UploadService {
     fn envelope(&self, key: &str, mime: &str, size: u64, mode: &str) -> Value {
         let filename = key.rsplit('/').next().unwrap_or(key);
         let filename = filename.splitn(3, '_').nth(2).unwrap_or(filename);
-        let (url, exp) =
-            self.files
-                .objects()
-                .get_link(Bucket::Uploads, key, filename, mime, limits::UPLOAD_GET_URL_TTL);
+        let (url, exp) = self.link(key, filename, mime);
         result_envelope(key, &url, mime, size, exp * 1000, &json!({ "mode": mode }))
     }
 
@@ -381,7 +378,20 @@ impl UploadService {
         let (d, bytes) = check_inline(ctx, p)?;
         let size = bytes.len() as u64;
         let reservation = ctx.budget.reserve_upload(size).map_err(exhausted)?;
-        let key = self.new_key(ctx, &d);
+        let key = self.store(ctx, &d, &bytes).await?;
+        reservation.commit();
+        Ok(self.envelope(&key, &d.mime, size, "inline"))
+    }
+
+    /// Stores `bytes` as a confirmed upload of this invoke (24 h, like `inline`): its key. The caller has
+    /// checked and counted it.
+    pub(crate) async fn store(
+        &self,
+        ctx: &CallContext,
+        d: &Described,
+        bytes: &[u8],
+    ) -> Result<String, ErrorObject> {
+        let key = self.new_key(ctx, d);
         let meta = object_store::ObjectMetadata {
             name: key.clone(),
             metadata: HashMap::from([
@@ -390,15 +400,21 @@ impl UploadService {
             ]),
             ..Default::default()
         };
-        let mut reader: &[u8] = &bytes;
+        let mut reader: &[u8] = bytes;
         self.files
             .objects()
             .store(Bucket::Uploads)
             .put(meta, &mut reader)
             .await
             .map_err(storage_error)?;
-        reservation.commit();
-        Ok(self.envelope(&key, &d.mime, size, "inline"))
+        Ok(key)
+    }
+
+    /// A signed download link of a stored upload, valid 30 min: (url, expiry in Unix seconds).
+    pub(crate) fn link(&self, key: &str, filename: &str, mime: &str) -> (String, u64) {
+        self.files
+            .objects()
+            .get_link(Bucket::Uploads, key, filename, mime, limits::UPLOAD_GET_URL_TTL)
     }
 
     fn negotiate(&self, ctx: &CallContext, p: &Map<String, Value>) -> Result<Value, ErrorObject> {

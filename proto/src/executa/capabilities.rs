@@ -11,10 +11,10 @@ pub const KNOWN_HOST_CAPABILITIES: &[&str] = &[
     "llm.agent.fixed",
     LLM_IMAGE,
     LLM_IMAGE_EDIT,
-    "web.search",
-    "web.fetch",
-    "web.image_search",
-    "web.image_fetch",
+    WEB_SEARCH,
+    WEB_FETCH,
+    WEB_IMAGE_SEARCH,
+    WEB_IMAGE_FETCH,
     HOST_UPLOAD,
     APS_KV,
     APS_FILES,
@@ -41,6 +41,14 @@ pub const HOST_UPLOAD: &str = "host.upload";
 pub const APS_KV: &str = "aps.kv";
 /// `aps.files`: `files/*`.
 pub const APS_FILES: &str = "aps.files";
+/// `web.search`: `web/search` (spec §8.9; the grant's `allowSearch`).
+pub const WEB_SEARCH: &str = "web.search";
+/// `web.fetch`: `web/fetch` (the grant's `allowFetch`).
+pub const WEB_FETCH: &str = "web.fetch";
+/// `web.image_search`: `web/image_search` (the grant's `allowImageSearch`).
+pub const WEB_IMAGE_SEARCH: &str = "web.image_search";
+/// `web.image_fetch`: `web/image_fetch` (the grant's `allowImageFetch`).
+pub const WEB_IMAGE_FETCH: &str = "web.image_fetch";
 
 /// Whether `s` is on the platform allow-list.
 pub fn is_known_host_capability(s: &str) -> bool {
@@ -64,6 +72,9 @@ pub mod keys {
     pub const EMBED: &str = "embed";
     /// Agent sessions.
     pub const AGENT: &str = "agent";
+    /// Web search and fetch: offered by the host (host → plugin) with the methods it serves; the spec names no
+    /// key a plugin must claim (§3.3 HR-LC-15: "(v2)"), so any v2 session may call `web/*`.
+    pub const WEB: &str = "web";
     /// File transport support (host → plugin advertisement).
     pub const FILE_TRANSPORT: &str = "fileTransport";
 }

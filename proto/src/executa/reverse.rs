@@ -333,8 +333,23 @@ impl Family {
             Family::Embeddings => Some(capabilities::LLM_EMBED),
             Family::Image => Some(capabilities::LLM_IMAGE),
             Family::Upload => Some(capabilities::HOST_UPLOAD),
-            Family::Credentials => None,
-            Family::Web => Some("web.search"),
+            // Each `web/*` method has its own capability: see [`Family::method_capability`].
+            Family::Credentials | Family::Web => None,
+        }
+    }
+
+    /// The manifest `host_capabilities` string a call of `method` (a method of this family) needs: the
+    /// family's, except `web/*`, where each method has its own (`web/fetch` needs `web.fetch`, …; an unknown
+    /// `web/…` method needs `web.search`, so it is refused at the gate rather than served).
+    pub fn method_capability(self, method: &str) -> Option<&'static str> {
+        match self {
+            Family::Web => Some(match method {
+                methods::WEB_FETCH => capabilities::WEB_FETCH,
+                methods::WEB_IMAGE_SEARCH => capabilities::WEB_IMAGE_SEARCH,
+                methods::WEB_IMAGE_FETCH => capabilities::WEB_IMAGE_FETCH,
+                _ => capabilities::WEB_SEARCH,
+            }),
+            other => other.manifest_capability(),
         }
     }
 

@@ -17,6 +17,10 @@ answering ``{"result": …}`` or ``{"error": …}``) and ``summarize_and_save {t
 ``llm.embed``, ``llm.image`` and ``llm.image.edit``, and adds the tool ``host_offer`` (the ``capabilities`` the host
 offered in ``initialize``): the plugin of the developer-harness tests (``fleet up --mocks``).
 
+``--web`` (with ``--services``) also declares ``web.search``, ``web.fetch``, ``web.image_search`` and
+``web.image_fetch`` (web needs no ``initialize`` claim: any v2 session may call it, spec §3.3) and adds the tool
+``host_offer``: the plugin of the ``web/*`` tests, whose calls go through ``reverse``.
+
 ``--hostile`` adds the tool ``nats_probe {port, paths}`` a hostile tenant would run (the NATS trust tests): it
 opens its own TCP connection to the NATS port on 127.0.0.1, sends ``CONNECT`` without credentials, subscribes to
 ``>`` and reports the server's first answer, and tries to read each of ``paths`` (the fleet's credentials); and
@@ -29,7 +33,7 @@ the sandbox, shared with the Animus fixture).
 ``context.credentials`` with the SHA-256 of each value (never a value: the test compares digests of what it
 set), its pid, and whether any value it received is in its own environment.
 
-Run: ``python3 echo_plugin.py [--noop] [--services [--media]] [--hostile] [--credentials]``.
+Run: ``python3 echo_plugin.py [--noop] [--services [--media] [--web]] [--hostile] [--credentials]``.
 """
 
 from __future__ import annotations
@@ -224,7 +228,9 @@ if SERVICES:
 
 MEDIA = SERVICES and "--media" in sys.argv[1:]
 
-if MEDIA:
+WEB = SERVICES and "--web" in sys.argv[1:]
+
+if MEDIA or WEB:
     MANIFEST["tools"] = MANIFEST["tools"] + [
         {
             "name": "host_offer",
@@ -232,7 +238,15 @@ if MEDIA:
             "parameters": [],
         },
     ]
+if MEDIA:
     MANIFEST["host_capabilities"] = MANIFEST["host_capabilities"] + ["llm.embed", "llm.image", "llm.image.edit"]
+if WEB:
+    MANIFEST["host_capabilities"] = MANIFEST["host_capabilities"] + [
+        "web.search",
+        "web.fetch",
+        "web.image_search",
+        "web.image_fetch",
+    ]
 
 # The `capabilities` of the host's `initialize`.
 _host_offer: dict = {}
@@ -375,7 +389,7 @@ def _run_tool(tool: str, args: dict, context: dict):
         return _summarize_and_save(args, context)
     if CREDENTIALS and tool == "credentials":
         return "ok", _credentials_report(context)
-    if MEDIA and tool == "host_offer":
+    if (MEDIA or WEB) and tool == "host_offer":
         return "ok", _host_offer
     raise LookupError(tool)
 

@@ -803,6 +803,8 @@ pub(crate) fn withhold(tokens: InvokeTokens, hs: &Handshake) -> InvokeTokens {
         upload: tokens.upload.filter(|_| has(keys::UPLOAD)),
         image: tokens.image.filter(|_| has(keys::IMAGE) || has(keys::IMAGE_EDIT)),
         credentials: tokens.credentials,
+        // Web needs no capability key (spec §3.3 HR-LC-15: "(v2)").
+        web: tokens.web,
         renew_at_ms: tokens.renew_at_ms,
     }
 }

@@ -438,7 +438,7 @@ fn gate(family: Family, handshake: &Handshake, method: &str) -> Result<(), Error
             keys.join(" or ")
         )));
     }
-    if let Some(cap) = family.manifest_capability()
+    if let Some(cap) = family.method_capability(method)
         && !handshake.manifest.declares(cap)
     {
         return Err(family.not_negotiated().error(format!(
