@@ -11,7 +11,7 @@
 //! * Defaults: `real` where an upstream exists (sampling with `[llm]`, embeddings with an `[llm]` embedding model,
 //!   storage and uploads always: JetStream); else `mock` when the harness is on; else `off`. So a plain
 //!   `fleet up` behaves as before, and `fleet up --mocks f.jsonl` mocks exactly the families nothing else serves.
-//! * `real` for a family without an upstream (agent and image never have one here) is a start-up error.
+//! * `real` for a family without an upstream (image never has one here; agent needs `[llm]`) is a start-up error.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -95,7 +95,9 @@ impl DevFamily {
             DevFamily::Embeddings => {
                 "no embedding upstream is configured (set embedding_model in [llm] of --services-config)"
             }
-            DevFamily::Agent => "this host has no agent upstream (use mock or off)",
+            DevFamily::Agent => {
+                "no LLM upstream is configured (agent sessions run over [llm] of --services-config)"
+            }
             DevFamily::Image => "this host has no image upstream (use mock or off)",
             DevFamily::Storage | DevFamily::Upload => "its JetStream store is unavailable",
         }
@@ -262,7 +264,9 @@ impl Upstreams {
             DevFamily::Sampling => self.sampling,
             DevFamily::Embeddings => self.embeddings,
             DevFamily::Storage | DevFamily::Upload => true,
-            DevFamily::Agent | DevFamily::Image => false,
+            // Agent sessions run over the sampling upstream.
+            DevFamily::Agent => self.sampling,
+            DevFamily::Image => false,
         }
     }
 }
@@ -368,6 +372,12 @@ mod tests {
     fn with_the_harness_on_families_without_an_upstream_are_mocked() {
         let modes = settings(&["image=mock"]).resolve(LLM).unwrap();
         assert_eq!(modes.get(DevFamily::Image), DevMode::Mock);
+        assert_eq!(
+            modes.get(DevFamily::Agent),
+            DevMode::Real,
+            "agent sessions run over the LLM upstream"
+        );
+        let modes = settings(&["image=mock"]).resolve(NO_LLM).unwrap();
         assert_eq!(modes.get(DevFamily::Agent), DevMode::Mock);
         assert_eq!(
             modes.get(DevFamily::Sampling),
@@ -401,7 +411,7 @@ mod tests {
         for (flag, upstreams) in [
             ("sampling=real", NO_LLM),
             ("llm=real", NO_LLM),
-            ("agent=real", LLM),
+            ("agent=real", NO_LLM),
             ("image=real", LLM),
             (
                 "embeddings=real",

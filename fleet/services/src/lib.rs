@@ -18,10 +18,11 @@
 //!
 //! Each family of the developer mode matrix ([`dev`]: sampling, embeddings, agent, storage, image, upload) is
 //! `off` (not offered, its "off" code), `mock` (answered by [`mock`] from F3 entries — after the same token,
-//! grant, validation and budget checks as a real upstream) or `real`. `image/*` and `agent/*` have no real
-//! upstream here; `web/*` and `credentials/*` are never offered and answer their not-granted code
+//! grant, validation and budget checks as a real upstream) or `real`. `agent/*` is real over `[llm]` ([`agent`]);
+//! `image/*` has no real upstream here; `web/*` and `credentials/*` are never offered and answer their not-granted code
 //! (docs/plugins.md "Host services").
 
+pub mod agent;
 pub mod args;
 pub mod budget;
 pub mod credentials;
@@ -130,6 +131,9 @@ pub struct ServicesConfig {
     /// APS storage settings.
     #[serde(default)]
     pub storage: kv::StorageConfig,
+    /// Agent sessions (served over `llm`).
+    #[serde(default)]
+    pub agent: agent::AgentConfig,
     /// The developer harness (`fleet up --mocks`, `--dev-mode`); not part of the TOML file.
     #[serde(skip)]
     pub dev: dev::DevSettings,
@@ -162,6 +166,10 @@ struct Inner {
     kv: kv::KvService,
     files: files::FilesService,
     upload: upload::UploadService,
+    /// Agent sessions (`agent/*` when `real`).
+    agent: agent::AgentService,
+    /// Each sync invoke's delegation for its sessions' tool calls (never given to the plugin).
+    delegations: DashMap<String, fleet_proto::api::delegation::DelegationToken>,
     /// Every family's mode.
     modes: dev::Modes,
     /// What families in `mock` mode answer from.
@@ -206,6 +214,8 @@ impl FleetServices {
                 kv,
                 files,
                 upload,
+                agent: agent::AgentService::new(&config.agent, Some(js.client())),
+                delegations: DashMap::new(),
                 modes,
                 mocks: config.dev.mocks().clone(),
             }),
@@ -271,6 +281,10 @@ impl FleetServices {
                 capabilities::LLM_SAMPLE,
                 (on(DevFamily::Sampling) || on(DevFamily::Agent))
                     && ok(capabilities::LLM_SAMPLE, &[keys::SAMPLING, keys::AGENT]),
+            ),
+            (
+                agent::LLM_AGENT_AUTO,
+                on(DevFamily::Agent) && ok(agent::LLM_AGENT_AUTO, &[keys::AGENT, keys::SAMPLING]),
             ),
             (
                 capabilities::LLM_EMBED,
@@ -478,12 +492,28 @@ impl FleetServices {
             Family::Storage => self.inner.kv.call(&ctx, &call.method, call.params).await,
             Family::Files => self.inner.files.call(&ctx, &call.method, call.params).await,
             Family::Upload => self.inner.upload.call(&ctx, &call.method, call.params).await,
+            Family::Agent => match &self.inner.llm {
+                Some(llm) => {
+                    let delegation = self.inner.delegations.get(&call.invoke_id).map(|d| d.clone());
+                    (self.inner.agent)
+                        .call(&ctx, llm, &call.method, &call.params, delegation.as_ref())
+                        .await
+                }
+                None => Err(call
+                    .family
+                    .not_granted()
+                    .error("no LLM upstream is configured on this host")),
+            },
             _ => Err(method_not_found(&call.method)),
         }
     }
 }
 
 impl TokenSource for FleetServices {
+    fn delegate(&self, invoke_id: &str, delegation: fleet_proto::api::delegation::DelegationToken) {
+        self.inner.delegations.insert(invoke_id.to_owned(), delegation);
+    }
+
     fn tokens(&self, request: TokenRequest) -> TokenFuture {
         let this = self.clone();
         Box::pin(async move { this.mint(request).await })
@@ -510,6 +540,18 @@ impl TokenSource for FleetServices {
                     .collect(),
             ))
         })
+    }
+}
+
+impl FleetServices {
+    /// The agent sessions' service.
+    pub fn agent(&self) -> &agent::AgentService {
+        &self.inner.agent
+    }
+
+    /// Delegations held (one per sync invoke whose exec request carried one, until it ends).
+    pub fn delegations_held(&self) -> usize {
+        self.inner.delegations.len()
     }
 }
 
@@ -548,5 +590,6 @@ impl HostServices for FleetServices {
 
     fn invoke_finished(&self, invoke_id: &str) {
         self.inner.budgets.remove(invoke_id);
+        self.inner.delegations.remove(invoke_id);
     }
 }

@@ -17,6 +17,9 @@ answering ``{"result": …}`` or ``{"error": …}``) and ``summarize_and_save {t
 ``llm.embed``, ``llm.image`` and ``llm.image.edit``, and adds the tool ``host_offer`` (the ``capabilities`` the host
 offered in ``initialize``): the plugin of the developer-harness tests (``fleet up --mocks``).
 
+``--agent`` (with ``--services``) also claims ``agent`` and declares ``llm.agent.auto``: agent sessions
+(``agent/session.*``, spec §8.2) through the ``reverse`` tool.
+
 ``--hostile`` adds the tool ``nats_probe {port, paths}`` a hostile tenant would run (the NATS trust tests): it
 opens its own TCP connection to the NATS port on 127.0.0.1, sends ``CONNECT`` without credentials, subscribes to
 ``>`` and reports the server's first answer, and tries to read each of ``paths`` (the fleet's credentials); and
@@ -29,7 +32,7 @@ the sandbox, shared with the Animus fixture).
 ``context.credentials`` with the SHA-256 of each value (never a value: the test compares digests of what it
 set), its pid, and whether any value it received is in its own environment.
 
-Run: ``python3 echo_plugin.py [--noop] [--services [--media]] [--hostile] [--credentials]``.
+Run: ``python3 echo_plugin.py [--noop] [--services [--media] [--agent]] [--hostile] [--credentials]``.
 """
 
 from __future__ import annotations
@@ -233,6 +236,11 @@ if MEDIA:
         },
     ]
     MANIFEST["host_capabilities"] = MANIFEST["host_capabilities"] + ["llm.embed", "llm.image", "llm.image.edit"]
+
+AGENT = SERVICES and "--agent" in sys.argv[1:]
+
+if AGENT:
+    MANIFEST["host_capabilities"] = MANIFEST["host_capabilities"] + ["llm.agent.auto"]
 
 # The `capabilities` of the host's `initialize`.
 _host_offer: dict = {}
@@ -440,6 +448,8 @@ def _handle(line: bytes) -> None:
         claimed = {"sampling": {}, "storage": {}, "upload": {}} if SERVICES else {}
         if MEDIA:
             claimed.update({"embed": {}, "image": {}, "image.edit": {}, "agent": {}})
+        if AGENT:
+            claimed["agent"] = {"submodes": ["auto"]}
         _result(
             req_id,
             {
