@@ -358,7 +358,8 @@ struct RunPlan {
     recursion_limit: u32,
     hints: Vec<String>,
     system: Option<String>,
-    allowed: Vec<String>,
+    /// `None`: the session's tools.
+    allowed: Option<Vec<String>>,
 }
 
 /// Clears a session's running mark when the run ends, however it ends.
@@ -639,8 +640,8 @@ impl AgentService {
             None => format!("run_{}", random_hex(8)),
         };
         let allowed = match p.get("allowed_tools") {
-            None | Some(Value::Null) => vec!["*".to_owned()],
-            Some(v) => string_list(v, "allowed_tools")?,
+            None | Some(Value::Null) => None,
+            Some(v) => Some(string_list(v, "allowed_tools")?),
         };
         let prefs = p.get("modelPreferences").or_else(|| p.get("model_preferences"));
         let hints = prefs
@@ -689,11 +690,12 @@ impl AgentService {
         let uuid = uuid_param(p)?.to_owned();
         let plan = Self::parse_run(p)?;
         let cancelled = Arc::new(AtomicBool::new(false));
-        let (history, system, granted) = self.with_session(ctx, &uuid, true, |s| {
+        let (history, system, granted, allowed) = self.with_session(ctx, &uuid, true, |s| {
             if s.running.is_some() {
                 return Err(codes::AGENT_RATE_LIMITED.error("a run of this session is already in progress"));
             }
-            if let Some(bad) = plan.allowed.iter().find(|t| !within(t, &s.granted_tools)) {
+            let allowed = plan.allowed.clone().unwrap_or_else(|| s.granted_tools.clone());
+            if let Some(bad) = allowed.iter().find(|t| !within(t, &s.granted_tools)) {
                 return Err(codes::AGENT_TOOL_NOT_GRANTED.error_with(
                     "allowed_tools names a tool the session was not granted",
                     Map::from_iter([("tool".to_owned(), json!(bad))]),
@@ -704,6 +706,7 @@ impl AgentService {
                 s.messages.clone(),
                 plan.system.clone().or_else(|| s.system_prompt.clone()),
                 s.granted_tools.clone(),
+                allowed,
             ))
         })?;
         let _running = Running {
@@ -715,9 +718,9 @@ impl AgentService {
             frames: Vec::new(),
         };
         // The tools: the session's grant ∩ the run's allowed set, from the user's fleet tools.
-        let want_tools = !plan.allowed.is_empty() && !granted.is_empty();
+        let want_tools = !allowed.is_empty() && !granted.is_empty();
         let (offered, tools_json) = if want_tools {
-            match self.list_tools(ctx, delegation, &granted, &plan.allowed).await {
+            match self.list_tools(ctx, delegation, &granted, &allowed).await {
                 Ok(t) => t,
                 Err(why) => {
                     frames.event(
