@@ -35,6 +35,8 @@ use crate::node::new_invoke_id;
 use crate::policy::{self, SyncTimeout};
 use fleet_client::auth::Verifier;
 use fleet_proto::util::now_ms;
+use fleet_services::agent::LLM_AGENT_AUTO;
+use fleet_services::grants::GrantStore;
 use fleet_store::{JobFilter, JobRecord, ListCursor, Store, StoreError, Transition};
 
 use crate::finished::FinishedJobs;
@@ -78,6 +80,8 @@ struct Inner {
     client: async_nats::Client,
     /// The delegations of the sync invokes this front dispatches ([`crate::delegation`]).
     delegations: Arc<Delegations>,
+    /// The grants, opened at the first delegated call (what the holder plugin's sessions may call).
+    grants: tokio::sync::OnceCell<GrantStore>,
 }
 
 /// The front. Cheap to clone.
@@ -181,6 +185,7 @@ impl Front {
                 config,
                 client,
                 delegations: Arc::new(Delegations::default()),
+                grants: tokio::sync::OnceCell::new(),
             }),
             metrics: Arc::new(FleetMetrics::new()),
         }
@@ -205,6 +210,22 @@ impl Front {
     /// The store.
     pub fn store(&self) -> &Store {
         &self.inner.store
+    }
+
+    /// The delegations of this front's sync invokes (what a delegated call is checked against; tests mint with it).
+    pub fn delegations(&self) -> &Arc<Delegations> {
+        &self.inner.delegations
+    }
+
+    async fn grants(&self) -> Result<&GrantStore, ApiError> {
+        self.inner
+            .grants
+            .get_or_try_init(|| async {
+                let js = async_nats::jetstream::new(self.inner.client.clone());
+                GrantStore::open(&js, self.inner.store.settings()).await
+            })
+            .await
+            .map_err(|e| self.js_error("grants", e))
     }
 
     /// The finished jobs this front answers `getJob` for from memory.
@@ -511,20 +532,43 @@ impl Front {
                 "too many requests; retry shortly",
             ));
         }
+        let denied = |m: String| ApiError::new(ApiErrorCode::PermissionDenied, m);
+        // The grant as it is now: revoking llm.agent.auto or narrowing granted_tools applies at once.
+        let grant = self
+            .grants()
+            .await?
+            .get(&by.user, &by.plugin)
+            .await
+            .map_err(|e| self.js_error("grants", e))?;
+        if !grant.allows(LLM_AGENT_AUTO) {
+            return Err(denied(format!(
+                "the user has not granted {LLM_AGENT_AUTO} to {}",
+                by.plugin
+            )));
+        }
         match method {
             methods::TOOLS_LIST => {
-                // The holder's own tools are not among those its sessions may call.
+                // The holder's own tools are not among those its sessions may call, nor tools outside its grant.
                 let mut listed = self.list_tools().await?;
                 if let Some(Value::Array(tools)) = listed.get_mut("tools") {
-                    tools.retain(|t| t.get("tool_id").and_then(Value::as_str) != Some(by.plugin.as_str()));
+                    tools.retain(|t| {
+                        let field = |k: &str| t.get(k).and_then(Value::as_str).unwrap_or_default();
+                        field("tool_id") != by.plugin
+                            && grant.allows_agent_tool(field("tool_id"), field("tool_name"))
+                    });
                 }
                 Ok(listed)
             }
             methods::TOOLS_INVOKE => {
                 let args: InvokeArgs = parse_args(&call.args)?;
                 let target = args.validate()?;
-                let depth = Delegations::admit(&by, &target.plugin)
-                    .map_err(|e| ApiError::new(ApiErrorCode::PermissionDenied, e.to_string()))?;
+                let depth = Delegations::admit(&by, &target.plugin).map_err(|e| denied(e.to_string()))?;
+                if !grant.allows_agent_tool(&target.plugin, &target.tool) {
+                    return Err(denied(format!(
+                        "the grant does not let {}'s agent sessions call {}.{}",
+                        by.plugin, target.plugin, target.tool
+                    )));
+                }
                 // Never past the parent's deadline.
                 let left = by.deadline_ms.saturating_sub(now_ms());
                 let wanted = args.timeout_ms.unwrap_or(policy::SYNC_DEFAULT_MS);

@@ -37,7 +37,15 @@ async fn admin_call(store: &GrantStore, method: &str, payload: &[u8]) -> Result<
     let grant = match method {
         grants::SET => {
             let a: grants::SetArgs = admin::parse_args(payload)?;
-            store.edit(&a.user, &a.tool_id, &a.allow, &a.revoke).await
+            store
+                .edit_with_tools(
+                    &a.user,
+                    &a.tool_id,
+                    &a.allow,
+                    &a.revoke,
+                    a.granted_tools.as_deref(),
+                )
+                .await
         }
         grants::GET => {
             let a: grants::GetArgs = admin::parse_args(payload)?;
@@ -70,6 +78,10 @@ pub struct GrantArgs {
     /// Capabilities to revoke, comma-separated (`*`: all).
     #[arg(long, value_delimiter = ',')]
     pub revoke: Vec<String>,
+    /// The tools the plugin's agent sessions may call as the user, comma-separated (`*`, a tool id, or
+    /// `tool_id.tool`; an empty value: none); replaces the list (unset: every tool).
+    #[arg(long, value_delimiter = ',')]
+    pub granted_tools: Option<Vec<String>>,
     /// `--nats-url`, `--data-dir`, `--token`.
     #[command(flatten)]
     pub conn: OperatorConn,
@@ -79,7 +91,7 @@ pub struct GrantArgs {
 pub async fn run_grant(args: &GrantArgs) -> Result<Value, ApiError> {
     let client = args.conn.client().await?;
     let wait = Duration::from_secs(10);
-    let grant = if args.allow.is_empty() && args.revoke.is_empty() {
+    let grant = if args.allow.is_empty() && args.revoke.is_empty() && args.granted_tools.is_none() {
         let get = grants::GetArgs {
             user: args.user.clone(),
             tool_id: args.tool_id.clone(),
@@ -91,6 +103,10 @@ pub async fn run_grant(args: &GrantArgs) -> Result<Value, ApiError> {
             tool_id: args.tool_id.clone(),
             allow: args.allow.clone(),
             revoke: args.revoke.clone(),
+            granted_tools: args
+                .granted_tools
+                .clone()
+                .map(|t| t.into_iter().filter(|s| !s.is_empty()).collect()),
         };
         client.grants_set(&set, wait).await?
     };

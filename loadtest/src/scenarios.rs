@@ -447,6 +447,7 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
                     tool_id: NOTES.to_owned(),
                     allow: vec!["aps.kv".to_owned()],
                     revoke: Vec::new(),
+                    granted_tools: None,
                 };
                 let operator = ctx
                     .operator()

@@ -78,6 +78,9 @@ pub mod grants {
         /// Capabilities to revoke ([`REVOKE_ALL`]: all).
         #[serde(default)]
         pub revoke: Vec<String>,
+        /// When present, replaces [`Grant::granted_tools`].
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub granted_tools: Option<Vec<String>>,
     }
 
     /// `grants.get`.
@@ -119,6 +122,10 @@ pub mod grants {
         /// Upload caps narrower than the spec's defaults.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub upload: Option<UploadGrant>,
+        /// The user's tools this plugin's agent sessions may call (spec §8.2 `granted_tools`): patterns of
+        /// [`tool_pattern_covers`]; absent: every tool (`["*"]`, the spec's default); empty: none.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub granted_tools: Option<BTreeSet<String>>,
         /// Last change, Unix ms (0: never set).
         #[serde(default)]
         pub updated_at_ms: u64,
@@ -129,6 +136,22 @@ pub mod grants {
         pub fn allows(&self, capability: &str) -> bool {
             self.allow.contains(capability)
         }
+
+        /// Whether this plugin's agent sessions may call `tool` of `tool_id` ([`Grant::granted_tools`]).
+        pub fn allows_agent_tool(&self, tool_id: &str, tool: &str) -> bool {
+            self.granted_tools
+                .as_ref()
+                .is_none_or(|set| set.iter().any(|p| tool_pattern_covers(p, tool_id, tool)))
+        }
+    }
+
+    /// Whether the tool pattern `pattern` — `*`, a tool id, or `tool_id.tool` — covers `tool` of `tool_id`.
+    pub fn tool_pattern_covers(pattern: &str, tool_id: &str, tool: &str) -> bool {
+        pattern == "*"
+            || pattern == tool_id
+            || pattern
+                .split_once('.')
+                .is_some_and(|(id, t)| id == tool_id && t == tool)
     }
 }
 

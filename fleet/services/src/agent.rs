@@ -280,14 +280,7 @@ fn random_hex(bytes: usize) -> String {
     hex::encode(b)
 }
 
-/// Whether the grant pattern `pattern` covers the tool `tool` of `tool_id`.
-fn covers(pattern: &str, tool_id: &str, tool: &str) -> bool {
-    pattern == "*"
-        || pattern == tool_id
-        || pattern
-            .split_once('.')
-            .is_some_and(|(id, t)| id == tool_id && t == tool)
-}
+use fleet_proto::admin::grants::tool_pattern_covers as covers;
 
 /// Whether every tool `narrow` covers is covered by `wide`: `*` only under `*`, a tool id under `*` or itself,
 /// a tool under `*`, its tool id or itself.

@@ -110,6 +110,27 @@ impl GrantStore {
         allow: &[String],
         revoke: &[String],
     ) -> Result<Grant, GrantError> {
+        self.edit_with_tools(user, tool_id, allow, revoke, None).await
+    }
+
+    /// [`GrantStore::edit`], also replacing the agent sessions' `granted_tools` when `granted_tools` is given.
+    pub async fn edit_with_tools(
+        &self,
+        user: &str,
+        tool_id: &str,
+        allow: &[String],
+        revoke: &[String],
+        granted_tools: Option<&[String]>,
+    ) -> Result<Grant, GrantError> {
+        if let Some(bad) = granted_tools
+            .unwrap_or_default()
+            .iter()
+            .find(|t| t.trim().is_empty() || t.len() > 256 || t.chars().any(char::is_control))
+        {
+            return Err(GrantError::Invalid(format!(
+                "granted tool {bad:?} must be 1–256 characters without control characters"
+            )));
+        }
         Self::check(user, tool_id)?;
         let unknown: Vec<String> = allow
             .iter()
@@ -138,6 +159,9 @@ impl GrantStore {
                 grant.allow.remove(r);
             }
             grant.allow.extend(allow.iter().cloned());
+            if let Some(tools) = granted_tools {
+                grant.granted_tools = Some(tools.iter().cloned().collect());
+            }
             grant.updated_at_ms = now_ms();
             Ok::<_, StoreError>(Edit::Write(grant, ()))
         })
