@@ -814,15 +814,7 @@ fn a_python_plugin_samples_stores_and_uploads_through_fleet_up() {
     let llm = runtime.block_on(fleet_e2e_client::fake_llm::FakeLlm::start());
     llm.set(|b| b.text = Some("Cats sleep a lot.".into()));
     let base_url = llm.base_url();
-    let mut up = Up::start_with(|dir| {
-        let config = dir.join("services.toml");
-        std::fs::write(
-            &config,
-            format!("[llm]\nbase_url = \"{base_url}\"\ndefault_model = \"fake-small\"\n"),
-        )
-        .unwrap();
-        vec!["--services-config".into(), config.display().to_string()]
-    });
+    let mut up = Up::start_with(|dir| llm_services(dir, &base_url, "fake-small"));
     up.wait_ready();
     let args = r#"{"text":"Cats are mammals that sleep up to 16 hours a day.","key":"notes/cats"}"#;
     let invoke = |up: &Up, user: &str| {
@@ -926,6 +918,17 @@ fn a_python_plugin_samples_stores_and_uploads_through_fleet_up() {
     let status = up.interrupt();
     assert!(status.success(), "{status}");
     drop(llm);
+}
+
+/// Writes `services.toml` into `dir` with an `[llm]` upstream at `base_url` serving `model`; the flags using it.
+fn llm_services(dir: &std::path::Path, base_url: &str, model: &str) -> Vec<String> {
+    let config = dir.join("services.toml");
+    std::fs::write(
+        &config,
+        format!("[llm]\nbase_url = \"{base_url}\"\ndefault_model = \"{model}\"\n"),
+    )
+    .unwrap();
+    vec!["--services-config".into(), config.display().to_string()]
 }
 
 /// SHA-256 of `value`, lower hex: what the credentials fixture reports for each value it received.
@@ -2130,7 +2133,7 @@ fn agent_catalogue(dir: &std::path::Path) -> PathBuf {
 }
 
 /// `cloud_agents_api_requests_total{method="tools.invoke",code="ok"}` on the HTTP listener.
-fn invokes_answered(up: &Up) -> u64 {
+fn invokes_answered(up: &Up) -> f64 {
     let (_, body) = http_get(&up.http, "/metrics");
     body.lines()
         .filter(|l| {
@@ -2139,7 +2142,6 @@ fn invokes_answered(up: &Up) -> u64 {
                 && l.contains("code=\"ok\"")
         })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .map(|v| v as u64)
         .sum()
 }
 
@@ -2159,18 +2161,7 @@ fn an_agent_session_calls_the_users_own_tool_as_that_user_through_fleet_up() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let llm = runtime.block_on(fleet_e2e_client::fake_llm::FakeLlm::start());
     let base_url = llm.base_url();
-    let mut up = Up::start_over(|dir| {
-        let config = dir.join("services.toml");
-        std::fs::write(
-            &config,
-            format!("[llm]\nbase_url = \"{base_url}\"\ndefault_model = \"fake-agent\"\n"),
-        )
-        .unwrap();
-        (
-            agent_catalogue(dir),
-            vec!["--services-config".into(), config.display().to_string()],
-        )
-    });
+    let mut up = Up::start_over(|dir| (agent_catalogue(dir), llm_services(dir, &base_url, "fake-agent")));
     up.wait_ready();
 
     // Not granted yet: -32041.
@@ -2317,7 +2308,7 @@ fn an_agent_session_calls_the_users_own_tool_as_that_user_through_fleet_up() {
 
     // The invoke has ended once the front counted its answer (it revokes the delegation before that).
     wait_until("the front counted the run and its tool call", || {
-        invokes_answered(&up) >= before + 2
+        invokes_answered(&up) >= before + 2.0
     });
     let delegated = |token: &str| -> Value {
         let front = DelegationToken(token.to_owned());

@@ -13,11 +13,8 @@ use fleet_proto::jsonrpc::ErrorObject;
 use fleet_proto::limits;
 use fleet_proto::util::now_ms;
 use fleet_services::agent::AgentConfig;
-use fleet_services::credentials::Keyring;
-use fleet_services::files::LinkSigner;
 use fleet_services::llm::LlmConfig;
 use fleet_services::{FleetServices, ServicesConfig};
-use fleet_store::StoreSettings;
 use fleet_worker::services::{HostServices, InvokeTokens, ReverseCall, TokenRequest, TokenSource};
 use serde_json::{Value, json};
 
@@ -48,15 +45,7 @@ async fn env_with(max_sessions: usize, auto: bool) -> Env {
         agent: AgentConfig { max_sessions },
         ..ServicesConfig::default()
     };
-    let services = Box::pin(FleetServices::open(
-        &js,
-        &StoreSettings::default(),
-        &config,
-        LinkSigner::new(b"host-services-agent-test-link-secret"),
-        Keyring::fixed(&[("k1", [7; 32])]),
-    ))
-    .await
-    .unwrap();
+    let services = fleet_e2e::open_services(&js, &config).await;
     let mut allow = vec!["llm.sample".to_owned()];
     if auto {
         allow.push("llm.agent.auto".into());
@@ -77,17 +66,18 @@ async fn env() -> Env {
 #[derive(Clone)]
 struct Invoke {
     services: FleetServices,
+    user: String,
     invoke_id: String,
     tokens: InvokeTokens,
 }
 
 impl Env {
-    /// An invoke of [`TOOL`] that negotiated `agent` and declared `declared`.
-    async fn invoke_declaring(&self, invoke_id: &str, declared: &[&str]) -> Invoke {
+    /// An invoke of [`TOOL`] by `user` that negotiated `agent` and declared `declared`.
+    async fn invoke_as(&self, user: &str, invoke_id: &str, declared: &[&str]) -> Invoke {
         let tokens = <FleetServices as TokenSource>::tokens(
             &self.services,
             TokenRequest {
-                user: USER.into(),
+                user: user.into(),
                 tool_id: TOOL.into(),
                 invoke_id: invoke_id.into(),
                 negotiated: ["agent", "sampling"]
@@ -101,9 +91,14 @@ impl Env {
         .await;
         Invoke {
             services: self.services.clone(),
+            user: user.into(),
             invoke_id: invoke_id.into(),
             tokens,
         }
+    }
+
+    async fn invoke_declaring(&self, invoke_id: &str, declared: &[&str]) -> Invoke {
+        self.invoke_as(USER, invoke_id, declared).await
     }
 
     async fn invoke(&self, invoke_id: &str) -> Invoke {
@@ -116,7 +111,7 @@ impl Invoke {
     async fn call(&self, method: &str, params: Value) -> Result<Value, ErrorObject> {
         self.services
             .serve(ReverseCall {
-                user: USER.into(),
+                user: self.user.clone(),
                 tool_id: TOOL.into(),
                 invoke_id: self.invoke_id.clone(),
                 tool: "reverse".into(),
@@ -692,37 +687,16 @@ async fn a_session_belongs_to_its_user_and_plugin() {
         )
         .await
         .unwrap();
-    let tokens = <FleetServices as TokenSource>::tokens(
-        &env.services,
-        TokenRequest {
-            user: "user-2".into(),
-            tool_id: TOOL.into(),
-            invoke_id: "inv-other-user".into(),
-            negotiated: ["agent", "sampling"].iter().map(|s| (*s).to_owned()).collect(),
-            declared: vec!["llm.sample".into(), "llm.agent.auto".into()],
-            deadline_ms: now_ms() + 60_000,
-        },
-    )
-    .await;
+    let other = env
+        .invoke_as("user-2", "inv-other-user", &["llm.sample", "llm.agent.auto"])
+        .await;
     for method in [
         "agent/session.run",
         "agent/session.history",
         "agent/session.refresh",
     ] {
-        let r = env
-            .services
-            .serve(ReverseCall {
-                user: "user-2".into(),
-                tool_id: TOOL.into(),
-                invoke_id: "inv-other-user".into(),
-                tool: "reverse".into(),
-                method: method.into(),
-                family: family_of(method).unwrap(),
-                params: json!({"app_session_uuid": uuid, "content": "steal"}),
-                client_timeout_s: None,
-                deadline_ms: now_ms() + 60_000,
-                tokens: tokens.clone(),
-            })
+        let r = other
+            .call(method, json!({"app_session_uuid": uuid, "content": "steal"}))
             .await;
         assert_eq!(code_of(&r).0, codes::AGENT_SESSION_NOT_FOUND.code, "{method}");
     }

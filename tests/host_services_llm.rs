@@ -9,11 +9,8 @@ use fleet_e2e::fake_llm::{CHAT, EMBEDDINGS, FakeLlm};
 use fleet_proto::executa::reverse::family_of;
 use fleet_proto::jsonrpc::ErrorObject;
 use fleet_proto::util::now_ms;
-use fleet_services::credentials::Keyring;
-use fleet_services::files::LinkSigner;
 use fleet_services::llm::{LlmConfig, ModelConfig};
 use fleet_services::{FleetServices, ServicesConfig};
-use fleet_store::StoreSettings;
 use fleet_worker::services::{HostServices, InvokeTokens, ReverseCall, TokenRequest, TokenSource};
 use serde_json::{Value, json};
 
@@ -65,15 +62,7 @@ async fn env_with(configure: impl FnOnce(LlmConfig) -> Option<LlmConfig>) -> Env
         llm: configure(llm_config(&llm, dir.path())),
         ..ServicesConfig::default()
     };
-    let services = Box::pin(FleetServices::open(
-        &js,
-        &StoreSettings::default(),
-        &config,
-        LinkSigner::new(b"host-services-llm-test-link-secret"),
-        Keyring::fixed(&[("k1", [7; 32])]),
-    ))
-    .await
-    .expect("services");
+    let services = fleet_e2e::open_services(&js, &config).await;
     services
         .grants()
         .edit(USER, TOOL, &["llm.sample".into(), "llm.embed".into()], &[])

@@ -182,13 +182,7 @@ fn upstream_error(u: &UpstreamError) -> ErrorObject {
 
 /// The agent code of a sampling error (`agent/complete` reuses sampling's validation and upstream call).
 fn from_sampling(e: ErrorObject) -> ErrorObject {
-    let name = e
-        .data
-        .as_ref()
-        .and_then(|d| d.get("errorCode"))
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_owned();
+    let name = e.error_code().unwrap_or_default().to_owned();
     let code: RpcCode = match name.as_str() {
         n if n == sampling_codes::SAMPLING_INVALID_REQUEST.name
             || n == sampling_codes::SAMPLING_UNSUPPORTED_RESPONSE_FORMAT.name =>
