@@ -377,14 +377,14 @@ mod tests {
             DevMode::Real,
             "agent sessions run over the LLM upstream"
         );
-        let modes = settings(&["image=mock"]).resolve(NO_LLM).unwrap();
-        assert_eq!(modes.get(DevFamily::Agent), DevMode::Mock);
         assert_eq!(
             modes.get(DevFamily::Sampling),
             DevMode::Real,
             "a configured upstream stays real"
         );
         assert_eq!(modes.get(DevFamily::Storage), DevMode::Real);
+        let without = settings(&["image=mock"]).resolve(NO_LLM).unwrap();
+        assert_eq!(without.get(DevFamily::Agent), DevMode::Mock);
         let modes = settings(&["llm=mock", "image=off", "storage=mock"])
             .resolve(LLM)
             .unwrap();
