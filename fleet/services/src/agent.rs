@@ -127,8 +127,9 @@ impl Session {
             "expires_at": self.expires_at(),
             "max_lifetime_at": self.max_lifetime_at(),
             "idle_ttl_seconds": self.ttl.as_secs(),
-            "expires_in": self.expires_at().saturating_sub(now) / 1000,
-            "session_expires_in": self.max_lifetime_at().saturating_sub(now) / 1000,
+            // Whole seconds, rounded up: a session just created or refreshed reports its full TTL.
+            "expires_in": self.expires_at().saturating_sub(now).div_ceil(1000),
+            "session_expires_in": self.max_lifetime_at().saturating_sub(now).div_ceil(1000),
         })
     }
 }
