@@ -764,3 +764,64 @@ async fn the_agent_family_is_offered_with_an_llm_upstream() {
     let offer = <FleetServices as HostServices>::offer(&env.services);
     assert!(offer.contains_key("agent"), "{offer:?}");
 }
+
+#[tokio::test]
+async fn a_second_run_while_one_runs_is_rate_limited_and_cancel_stops_the_first_at_its_next_step() {
+    let env = env().await;
+    let inv = env.invoke("inv-busy").await;
+    let uuid = inv.create(json!({})).await;
+    // The first step holds the upstream (the fake answers after its delay); then calls a tool, so the loop
+    // would go on.
+    env.llm.set(|b| {
+        b.delay = Some(std::time::Duration::from_secs(10));
+        b.script.push_back(calls(1, None));
+        b.script.push_back(final_text("never reached"));
+    });
+    let first = tokio::spawn({
+        let inv = inv.clone();
+        let uuid = uuid.clone();
+        async move {
+            inv.call(
+                "agent/session.run",
+                json!({"app_session_uuid": uuid, "content": "slow", "run_id": "run_slow", "allowed_tools": []}),
+            )
+            .await
+        }
+    });
+    env.llm.received(1).await;
+    let second = inv
+        .call(
+            "agent/session.run",
+            json!({"app_session_uuid": uuid, "content": "again"}),
+        )
+        .await;
+    assert_eq!(
+        code_of(&second),
+        (
+            codes::AGENT_RATE_LIMITED.code,
+            codes::AGENT_RATE_LIMITED.name.to_owned()
+        )
+    );
+    let cancel = inv
+        .call(
+            "agent/session.cancel",
+            json!({"app_session_uuid": uuid, "run_id": "run_slow"}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(cancel, json!({"cancelled": true, "run_id": "run_slow"}));
+    let run = first.await.unwrap().unwrap();
+    assert_eq!(run["final"]["stopReason"], "cancelled", "{run}");
+    assert_eq!(env.llm.bodies(CHAT).len(), 1, "no step after the cancel");
+    // The session is free again.
+    env.llm.set(|b| {
+        b.delay = None;
+        b.text = Some("ok".into());
+    });
+    inv.call(
+        "agent/session.run",
+        json!({"app_session_uuid": uuid, "content": "now", "allowed_tools": []}),
+    )
+    .await
+    .unwrap();
+}
