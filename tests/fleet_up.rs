@@ -825,15 +825,7 @@ fn a_python_plugin_samples_stores_and_uploads_through_fleet_up() {
     let llm = runtime.block_on(fleet_e2e_client::fake_llm::FakeLlm::start());
     llm.set(|b| b.text = Some("Cats sleep a lot.".into()));
     let base_url = llm.base_url();
-    let mut up = Up::start_with(|dir| {
-        let config = dir.join("services.toml");
-        std::fs::write(
-            &config,
-            format!("[llm]\nbase_url = \"{base_url}\"\ndefault_model = \"fake-small\"\n"),
-        )
-        .unwrap();
-        vec!["--services-config".into(), config.display().to_string()]
-    });
+    let mut up = Up::start_with(|dir| llm_services(dir, &base_url, "fake-small"));
     up.wait_ready();
     let args = r#"{"text":"Cats are mammals that sleep up to 16 hours a day.","key":"notes/cats"}"#;
     let invoke = |up: &Up, user: &str| {
@@ -937,6 +929,17 @@ fn a_python_plugin_samples_stores_and_uploads_through_fleet_up() {
     let status = up.interrupt();
     assert!(status.success(), "{status}");
     drop(llm);
+}
+
+/// Writes `services.toml` into `dir` with an `[llm]` upstream at `base_url` serving `model`; the flags using it.
+fn llm_services(dir: &std::path::Path, base_url: &str, model: &str) -> Vec<String> {
+    let config = dir.join("services.toml");
+    std::fs::write(
+        &config,
+        format!("[llm]\nbase_url = \"{base_url}\"\ndefault_model = \"{model}\"\n"),
+    )
+    .unwrap();
+    vec!["--services-config".into(), config.display().to_string()]
 }
 
 /// SHA-256 of `value`, lower hex: what the credentials fixture reports for each value it received.
@@ -1861,8 +1864,13 @@ fn dev_catalogue(dir: &std::path::Path, own: &str, mocks: &str) -> (PathBuf, Pat
 
 /// One reverse RPC of `dev-py` for `user` through `fleet invoke`: the plugin's `{"result": …}` or `{"error": …}`.
 fn dev_reverse(up: &Up, user: &str, method: &str, params: &Value) -> Value {
+    reverse_of(up, user, "dev-py", method, params)
+}
+
+/// One reverse RPC of the Python fixture `tool_id` (its `reverse` tool) for `user` through `fleet invoke`.
+fn reverse_of(up: &Up, user: &str, tool_id: &str, method: &str, params: &Value) -> Value {
     let args = json!({"method": method, "params": params}).to_string();
-    invoke_tool(up, user, "dev-py", "reverse", &args)
+    invoke_tool(up, user, tool_id, "reverse", &args)
 }
 
 /// `fleet invoke` of `tool` of `tool_id` for `user` with `args`: the tool's result.
@@ -2264,6 +2272,29 @@ fn web_catalogue(dir: &std::path::Path) -> PathBuf {
     dir.join("catalogue")
 }
 
+// -------------------------------------------------------------------------------------------------------------
+// Agent sessions (issue 17): a session's tool call is a real `tools.invoke` as the invoke's user
+// -------------------------------------------------------------------------------------------------------------
+
+/// A catalogue of the Python fixture as `agent-py` (`--services --agent`), `notes-py` (`--services`) and
+/// `echo-py` (plain), under `dir/catalogue`.
+fn agent_catalogue(dir: &std::path::Path) -> PathBuf {
+    let script = workspace_root().join("tests/plugins/python/echo_plugin.py");
+    for (tool_id, flags) in [
+        ("agent-py", &["--services", "--agent"][..]),
+        ("notes-py", &["--services"][..]),
+        ("echo-py", &[][..]),
+    ] {
+        let plugin = dir.join("catalogue").join(tool_id);
+        std::fs::create_dir_all(&plugin).unwrap();
+        let mut command = vec![json!("/usr/bin/python3"), json!(script)];
+        command.extend(flags.iter().map(|f| json!(f)));
+        let manifest = json!({"tool_id": tool_id, "type": "binary", "command": command});
+        std::fs::write(plugin.join("executa.json"), manifest.to_string()).unwrap();
+    }
+    dir.join("catalogue")
+}
+
 /// `fleet grant --web-grant SHAPE` of alice to `tool_id`: the grant as it is now.
 fn alice_web_grant(up: &Up, tool_id: &str, shape: &str) -> Value {
     up.cli(&[
@@ -2442,4 +2473,205 @@ fn a_python_plugin_searches_and_fetches_the_web_through_fleet_up() {
     let status = up.interrupt();
     assert!(status.success(), "{status}");
     drop(web);
+}
+
+/// `cloud_agents_api_requests_total{method="tools.invoke",code="ok"}` on the HTTP listener.
+fn invokes_answered(up: &Up) -> f64 {
+    let (_, body) = http_get(&up.http, "/metrics");
+    body.lines()
+        .filter(|l| {
+            l.starts_with("cloud_agents_api_requests_total{")
+                && l.contains("method=\"tools.invoke\"")
+                && l.contains("code=\"ok\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Issue 17 end to end: a plugin (`agent-py`, the Python fixture written against the documented wire shapes)
+/// creates an agent session and runs it through `fleet up`; the fake upstream's first answer calls two tools —
+/// `notes-py`'s `reverse` (a storage read) and the plugin's own `reverse` — and its second answers in text. The
+/// first tool call is a real `tools.invoke` of `notes-py` as alice: it reads alice's value, not bob's; the second
+/// was never offered (a session cannot call its own plugin) and fails in its frame. The frames come back in
+/// order with their `seq`. A worker credential watching the exec subjects sees the delegation the front sealed
+/// into the invoke, and the child invoke run as alice; once the invoke has ended, replaying that delegation — or
+/// forging one — is refused by the front (`permission_denied`), and no delegation ever reaches the logs.
+#[test]
+fn an_agent_session_calls_the_users_own_tool_as_that_user_through_fleet_up() {
+    use fleet_proto::api::delegation::{self, DelegatedCall, DelegationToken};
+    use futures::StreamExt as _;
+
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let llm = runtime.block_on(fleet_e2e_client::fake_llm::FakeLlm::start());
+    let base_url = llm.base_url();
+    let mut up = Up::start_over(|dir| (agent_catalogue(dir), llm_services(dir, &base_url, "fake-agent")));
+    up.wait_ready();
+
+    // Not granted yet: -32041.
+    let denied = reverse_of(&up, "alice", "agent-py", "agent/session.create", &json!({}));
+    assert_eq!(denied["error"]["code"], -32041, "{denied}");
+    for (user, tool_id, allow) in [("alice", "notes-py", "aps.kv"), ("bob", "notes-py", "aps.kv")] {
+        up.cli(&["grant", "--user", user, "--tool-id", tool_id, "--allow", allow])
+            .ok();
+    }
+    // agent-py's sessions may call alice's notes-py only (the grant's `granted_tools`, enforced by the front).
+    let grant = up
+        .cli(&[
+            "grant",
+            "--user",
+            "alice",
+            "--tool-id",
+            "agent-py",
+            "--allow",
+            "llm.sample,llm.agent.auto",
+            "--granted-tools",
+            "notes-py",
+        ])
+        .ok();
+    assert_eq!(grant["granted_tools"], json!(["notes-py"]), "{grant}");
+    for user in ["alice", "bob"] {
+        let set = reverse_of(
+            &up,
+            user,
+            "notes-py",
+            "storage/set",
+            &json!({"scope": "tool", "key": "who", "value": user}),
+        );
+        assert!(set.get("result").is_some(), "{set}");
+    }
+    // agent/complete over the same upstream.
+    llm.set(|b| b.text = Some("Paris.".into()));
+    let complete = reverse_of(
+        &up,
+        "alice",
+        "agent-py",
+        "agent/complete",
+        &json!({"messages": [{"role": "user", "content": "Capital of France?"}]}),
+    );
+    assert_eq!(complete["result"]["content"]["text"], "Paris.", "{complete}");
+
+    let created = reverse_of(
+        &up,
+        "alice",
+        "agent-py",
+        "agent/session.create",
+        &json!({"quota_caps": {"inherit_host_tools": false, "allowed_tools": ["notes-py", "echo-py.echo"]}}),
+    );
+    let uuid = created["result"]["app_session_uuid"].as_str().unwrap().to_owned();
+
+    // A worker credential (what a compromised worker holds) watching every exec request.
+    let creds = up.data_dir.join("nats").join("worker.creds");
+    let url = std::fs::read_to_string(fleet_client::api::nats_url_file(&up.data_dir)).unwrap();
+    let connector = fleet_client::nats_conn::Connector::new(url.trim(), Some(creds));
+    let spy = runtime.block_on(connector.connect("spy")).unwrap();
+    let seen: Arc<Mutex<Vec<Value>>> = Arc::default();
+    let mut exec = runtime.block_on(spy.subscribe("fleet.v1.worker.*.exec")).unwrap();
+    let sink = seen.clone();
+    runtime.spawn(async move {
+        while let Some(m) = exec.next().await {
+            if let Ok(v) = serde_json::from_slice::<Value>(&m.payload) {
+                sink.lock().unwrap().push(v);
+            }
+        }
+    });
+    runtime.block_on(fleet_client::nats_conn::flush(&spy)).unwrap();
+
+    let call = |id: &str, name: &str, args: Value| json!({"id": id, "type": "function", "function": {"name": name, "arguments": args.to_string()}});
+    llm.set(|b| {
+        b.script.push_back(json!({"role": "assistant", "content": null, "tool_calls": [
+            call("call_1", "notes-py__reverse", json!({"method": "storage/get", "params": {"scope": "tool", "key": "who"}})),
+            call("call_2", "agent-py__reverse", json!({"method": "agent/session.list", "params": {}})),
+        ]}));
+        b.script.push_back(json!({"role": "assistant", "content": "You are alice."}));
+    });
+    let before = invokes_answered(&up);
+    let run = reverse_of(
+        &up,
+        "alice",
+        "agent-py",
+        "agent/session.run",
+        &json!({"app_session_uuid": uuid, "content": "Who am I?"}),
+    );
+    let result = &run["result"];
+    let frames = result["frames"].as_array().unwrap_or_else(|| panic!("{run}"));
+    let events: Vec<&str> = frames.iter().map(|f| f["event"].as_str().unwrap()).collect();
+    assert_eq!(
+        events,
+        [
+            "tool_call",
+            "tool_result",
+            "tool_call",
+            "tool_result",
+            "delta",
+            "final"
+        ],
+        "{run}"
+    );
+    for (i, f) in frames.iter().enumerate() {
+        assert_eq!(f["seq"], i, "{run}");
+        assert_eq!(f["stream_id"], result["stream_id"]);
+    }
+    assert_eq!(frames[0]["name"], "notes-py__reverse");
+    assert_eq!(frames[0]["args"]["params"]["key"], "who");
+    assert_eq!(frames[1]["call_id"], "call_1");
+    assert_eq!(frames[1]["ok"], true, "{run}");
+    assert_eq!(frames[1]["data"]["result"]["value"], "alice", "{run}");
+    assert_eq!(frames[3]["call_id"], "call_2");
+    assert_eq!(frames[3]["ok"], false);
+    assert_eq!(frames[3]["error"]["code"], "tool_not_available");
+    assert_eq!(frames[5]["text"], "You are alice.");
+    assert_eq!(result["final"]["text"], "You are alice.");
+
+    // What the upstream was offered: the tools both the grant and the session allow, never the caller's own (the
+    // session also allows echo-py.echo, which the grant does not).
+    let chats = llm.bodies(fleet_e2e_client::fake_llm::CHAT);
+    let offered: Vec<String> = chats[chats.len() - 2]["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["function"]["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert!(offered.contains(&"notes-py__reverse".to_owned()), "{offered:?}");
+    assert!(offered.iter().all(|t| t.starts_with("notes-py__")), "{offered:?}");
+    let tool_message = &chats[chats.len() - 1]["messages"];
+    assert!(tool_message.to_string().contains("alice"), "{tool_message}");
+
+    // The delegation rode in the sealed exec request; the child invoke ran as alice.
+    let seen = seen.lock().unwrap().clone();
+    let parent = seen
+        .iter()
+        .find(|r| r["plugin"] == "agent-py" && r["arguments"]["method"] == "agent/session.run")
+        .unwrap_or_else(|| panic!("the run's exec request: {seen:?}"));
+    let token = parent["delegation"].as_str().expect("a delegation").to_owned();
+    let child = seen
+        .iter()
+        .find(|r| r["plugin"] == "notes-py" && r["arguments"]["method"] == "storage/get")
+        .unwrap_or_else(|| panic!("the tool call's exec request: {seen:?}"));
+    assert_eq!(child["user"], "alice");
+
+    // The invoke has ended once the front counted its answer (it revokes the delegation before that).
+    wait_until("the front counted the run and its tool call", || {
+        invokes_answered(&up) >= before + 2.0
+    });
+    let delegated = |token: &str| -> Value {
+        let front = DelegationToken(token.to_owned());
+        let subject = delegation::subject(front.front_id().unwrap(), "tools.invoke");
+        let call = DelegatedCall {
+            delegation: front,
+            args: json!({"tool_id": "notes-py", "method": "reverse",
+                "args": {"method": "storage/get", "params": {"scope": "tool", "key": "who"}}}),
+        };
+        let reply = runtime
+            .block_on(spy.request(subject, serde_json::to_vec(&call).unwrap().into()))
+            .unwrap();
+        serde_json::from_slice(&reply.payload).unwrap()
+    };
+    let replayed = delegated(&token);
+    assert_eq!(replayed["ok"], false, "{replayed}");
+    assert_eq!(replayed["error"]["code"], "permission_denied", "{replayed}");
+    let (front, secret) = token.split_once('.').unwrap();
+    let forged = delegated(&format!("{front}.{}", "ab".repeat(32)));
+    assert_eq!(forged["error"]["code"], "permission_denied", "{forged}");
+    assert!(!up.stderr().contains(secret), "a delegation in fleet up's logs");
+    assert!(up.interrupt().success());
 }

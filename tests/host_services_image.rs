@@ -180,7 +180,16 @@ impl Env {
         let allow: Vec<String> = caps.iter().map(|c| (*c).to_owned()).collect();
         self.admin
             .grants()
-            .edit_with(user, tool_id, &allow, &[], image, None)
+            .edit_with(
+                user,
+                tool_id,
+                &allow,
+                &[],
+                fleet_services::grants::GrantSettings {
+                    image,
+                    ..Default::default()
+                },
+            )
             .await
             .expect("grant");
     }

@@ -83,7 +83,16 @@ impl Env {
     async fn grant(&self, shape: Option<WebGrantShape>) {
         self.services
             .grants()
-            .edit_with(USER, TOOL, &[], &["*".to_owned()], None, shape.as_ref())
+            .edit_with(
+                USER,
+                TOOL,
+                &[],
+                &["*".to_owned()],
+                fleet_services::grants::GrantSettings {
+                    web_grant: shape.as_ref(),
+                    ..Default::default()
+                },
+            )
             .await
             .expect("grant");
     }

@@ -345,6 +345,7 @@ pub fn job_request(record: &fleet_store::JobRecord) -> ExecRequest {
         job_id: Some(record.job_id.clone()),
         requested_timeout_ms: None,
         reply_to: None,
+        delegation: None,
     }
 }
 

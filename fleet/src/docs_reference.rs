@@ -453,6 +453,16 @@ const SERVICES_KEYS: &[(&str, &str, &str)] = &[
          ([plugin guide](plugins.md#web-search-and-fetch)).",
     ),
     (
+        "agent",
+        "—",
+        "Agent sessions (`[agent]`), served over `[llm]`: `agent/complete` and `agent/session.*` are offered when `[llm]` is.",
+    ),
+    (
+        "agent.max_sessions",
+        "`4096`",
+        "Agent sessions one worker process keeps (least recently used evicted first; spec §8.2 \"LRU, ~4096\").",
+    ),
+    (
         "llm.base_url",
         "**required**",
         "Base URL including the version prefix, e.g. `https://api.openai.com/v1`; absolute http(s), no \
@@ -649,7 +659,7 @@ fn flatten(prefix: &str, value: &toml::Value, rows: &mut Vec<(String, String)>) 
 
 /// The services TOML's keys as serde reads them, as dotted paths.
 fn services_keys() -> BTreeSet<String> {
-    use fleet_services::{ServicesConfig, kv::StorageConfig, llm, web::WebConfig};
+    use fleet_services::{ServicesConfig, agent::AgentConfig, kv::StorageConfig, llm, web::WebConfig};
     let mut keys: BTreeSet<String> = serde_names::<ServicesConfig>()
         .into_iter()
         .map(str::to_owned)
@@ -680,6 +690,11 @@ fn services_keys() -> BTreeSet<String> {
             .map(|k| format!("image.models.{k}")),
     );
     keys.extend(serde_names::<WebConfig>().into_iter().map(|k| format!("web.{k}")));
+    keys.extend(
+        serde_names::<AgentConfig>()
+            .into_iter()
+            .map(|k| format!("agent.{k}")),
+    );
     keys
 }
 

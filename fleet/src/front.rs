@@ -8,11 +8,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use fleet_proto::api::delegation;
 use fleet_proto::api::worker::{ExecKind, ExecRequest};
 use fleet_proto::api::{
     ApiError, ApiErrorCode, ApiResponse, CancelJobArgs, CancelJobResult, GetJobArgs, InvokeArgs,
     InvokeAsyncArgs, InvokeAsyncResult, JobId, JobState, ListJobsArgs, ListJobsResult, ListToolsResult,
-    ToolInfo, methods, parse_body, subjects,
+    ToolInfo, methods, parse_args, parse_body, subjects,
 };
 use fleet_proto::limits::{
     GET_JOB_LIMIT_MAX, INVOKE_TIMEOUT_MAX_MS, JOB_RETENTION, LIST_JOBS_LIMIT_DEFAULT,
@@ -23,6 +24,7 @@ use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use serde_json::{Value, json};
 use tracing::Instrument as _;
 
+use crate::delegation::{Delegated, Delegations};
 use crate::dispatch::Dispatcher;
 use crate::in_flight::InFlight;
 use crate::job_steps::{Decider, JobSteps};
@@ -33,6 +35,8 @@ use crate::node::new_invoke_id;
 use crate::policy::{self, SyncTimeout};
 use fleet_client::auth::Verifier;
 use fleet_proto::util::now_ms;
+use fleet_services::agent::LLM_AGENT_AUTO;
+use fleet_services::grants::GrantStore;
 use fleet_store::{JobFilter, JobRecord, ListCursor, Store, StoreError, Transition};
 
 use crate::finished::FinishedJobs;
@@ -74,6 +78,10 @@ struct Inner {
     limiter: DefaultKeyedRateLimiter<String>,
     config: FrontConfig,
     client: async_nats::Client,
+    /// The delegations of the sync invokes this front dispatches ([`crate::delegation`]).
+    delegations: Arc<Delegations>,
+    /// The grants, opened at the first delegated call (what the holder plugin's sessions may call).
+    grants: tokio::sync::OnceCell<GrantStore>,
 }
 
 /// The front. Cheap to clone.
@@ -176,6 +184,8 @@ impl Front {
                 limiter: RateLimiter::keyed(quota),
                 config,
                 client,
+                delegations: Arc::new(Delegations::default()),
+                grants: tokio::sync::OnceCell::new(),
             }),
             metrics: Arc::new(FleetMetrics::new()),
         }
@@ -200,6 +210,22 @@ impl Front {
     /// The store.
     pub fn store(&self) -> &Store {
         &self.inner.store
+    }
+
+    /// The delegations of this front's sync invokes (what a delegated call is checked against; tests mint with it).
+    pub fn delegations(&self) -> &Arc<Delegations> {
+        &self.inner.delegations
+    }
+
+    async fn grants(&self) -> Result<&GrantStore, ApiError> {
+        self.inner
+            .grants
+            .get_or_try_init(|| async {
+                let js = async_nats::jetstream::new(self.inner.client.clone());
+                GrantStore::open(&js, self.inner.store.settings()).await
+            })
+            .await
+            .map_err(|e| self.js_error("grants", e))
     }
 
     /// The finished jobs this front answers `getJob` for from memory.
@@ -266,6 +292,31 @@ impl Front {
                             let payload = serde_json::to_vec(&response).unwrap_or_default();
                             let _ = request.respond(Ok(Bytes::from(payload))).await;
                         }
+                    });
+                }
+            });
+        }
+        // Delegated tool calls of the agent sessions of the invokes this front dispatched (its own subjects).
+        for method in delegation::METHODS {
+            let subject = delegation::subject(self.inner.delegations.front_id(), method);
+            let mut sub = self.inner.client.subscribe(subject).await?;
+            let front = self.clone();
+            let in_flight = in_flight.clone();
+            tasks.spawn(async move {
+                while let Some(message) = sub.next().await {
+                    let front = front.clone();
+                    let handling = in_flight.enter();
+                    tokio::spawn(async move {
+                        let _handling = handling;
+                        let Some(reply) = message.reply.clone() else {
+                            return;
+                        };
+                        let response = front
+                            .delegated(method, &message.payload)
+                            .instrument(api_span(method, "delegated"))
+                            .await;
+                        let payload = serde_json::to_vec(&response).unwrap_or_default();
+                        let _ = front.inner.client.publish(reply, Bytes::from(payload)).await;
                     });
                 }
             });
@@ -446,7 +497,110 @@ impl Front {
         let args: InvokeArgs = parse_body(args)?;
         let target = args.validate()?;
         let timeout = SyncTimeout::resolve(args.timeout_ms)?;
+        self.invoke_target(user, args, target, timeout, direct, 0).await
+    }
+
+    /// A delegated call (`fleet.v1.delegate.<this front>.<method>`): `tools.list` or `tools.invoke` as the user
+    /// the delegation names, within its invoke's life and deadline ([`crate::delegation`]).
+    pub async fn delegated(&self, method: &str, payload: &[u8]) -> ApiResponse<Value> {
+        let started = std::time::Instant::now();
+        let result = self.delegated_inner(method, payload).await;
+        let code = result.as_ref().err().map(|e| e.code);
+        record_outcome(&tracing::Span::current(), code);
+        self.metrics.api_request(method, code, started.elapsed());
+        result.into()
+    }
+
+    async fn delegated_inner(&self, method: &str, payload: &[u8]) -> Result<Value, ApiError> {
+        let call: delegation::DelegatedCall = serde_json::from_slice(payload)
+            .map_err(|_| ApiError::new(ApiErrorCode::InvalidArg, "not a delegated call"))?;
+        let by = self
+            .inner
+            .delegations
+            .resolve(&call.delegation)
+            .map_err(|e| ApiError::new(ApiErrorCode::PermissionDenied, e.to_string()))?;
+        tracing::Span::current().record("fleet.user_hash", crate::telemetry::user_hash(&by.user));
+        if self.inner.limiter.check_key(&by.user).is_err() {
+            return Err(ApiError::new(
+                ApiErrorCode::RateLimited,
+                "too many requests; retry shortly",
+            ));
+        }
+        let denied = |m: String| ApiError::new(ApiErrorCode::PermissionDenied, m);
+        // The grant as it is now: revoking llm.agent.auto or narrowing granted_tools applies at once.
+        let grant = self
+            .grants()
+            .await?
+            .get(&by.user, &by.plugin)
+            .await
+            .map_err(|e| self.js_error("grants", e))?;
+        if !grant.allows(LLM_AGENT_AUTO) {
+            return Err(denied(format!(
+                "the user has not granted {LLM_AGENT_AUTO} to {}",
+                by.plugin
+            )));
+        }
+        match method {
+            methods::TOOLS_LIST => {
+                // The holder's own tools are not among those its sessions may call, nor tools outside its grant.
+                let mut listed = self.list_tools().await?;
+                if let Some(Value::Array(tools)) = listed.get_mut("tools") {
+                    tools.retain(|t| {
+                        let field = |k: &str| t.get(k).and_then(Value::as_str).unwrap_or_default();
+                        field("tool_id") != by.plugin
+                            && grant.allows_agent_tool(field("tool_id"), field("tool_name"))
+                    });
+                }
+                Ok(listed)
+            }
+            methods::TOOLS_INVOKE => {
+                let args: InvokeArgs = parse_args(&call.args)?;
+                let target = args.validate()?;
+                let depth = Delegations::admit(&by, &target.plugin).map_err(|e| denied(e.to_string()))?;
+                if !grant.allows_agent_tool(&target.plugin, &target.tool) {
+                    return Err(denied(format!(
+                        "the grant does not let {}'s agent sessions call {}.{}",
+                        by.plugin, target.plugin, target.tool
+                    )));
+                }
+                // Never past the parent's deadline.
+                let left = by.deadline_ms.saturating_sub(now_ms());
+                let wanted = args.timeout_ms.unwrap_or(policy::SYNC_DEFAULT_MS);
+                let timeout = SyncTimeout::resolve(Some(wanted.min(left)))?;
+                match self
+                    .invoke_target(&by.user, args, target, timeout, None, depth)
+                    .await?
+                {
+                    Invoked::Answer(v) => Ok(v),
+                    Invoked::Delivered(_) => Err(internal("answered elsewhere")),
+                }
+            }
+            other => Err(ApiError::new(
+                ApiErrorCode::NotImplemented,
+                format!("{other:?} cannot be delegated"),
+            )),
+        }
+    }
+
+    async fn invoke_target(
+        &self,
+        user: &str,
+        args: InvokeArgs,
+        target: fleet_proto::api::Target,
+        timeout: SyncTimeout,
+        direct: Option<&str>,
+        depth: u32,
+    ) -> Result<Invoked, ApiError> {
         let invoke_id = new_invoke_id();
+        let wait = Duration::from_millis(timeout.front_wait_ms());
+        // Revoked when this function returns: the front has the invoke's answer (or gave up on it).
+        let live = self.inner.delegations.mint(Delegated {
+            user: user.to_owned(),
+            plugin: target.plugin.clone(),
+            invoke_id: invoke_id.to_string(),
+            deadline_ms: now_ms() + timeout.front_wait_ms(),
+            depth,
+        });
         let req = ExecRequest {
             kind: ExecKind::Sync,
             user: user.to_string(),
@@ -462,8 +616,8 @@ impl Front {
             job_id: None,
             requested_timeout_ms: timeout.requested_ms,
             reply_to: direct.map(str::to_owned),
+            delegation: live.as_ref().map(|l| l.token.clone()),
         };
-        let wait = Duration::from_millis(timeout.front_wait_ms());
         let (_, reply) = match self.inner.dispatcher.sync(&req, wait).await {
             Ok(r) => r,
             Err(mut e) => {

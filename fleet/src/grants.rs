@@ -43,8 +43,11 @@ async fn admin_call(store: &GrantStore, method: &str, payload: &[u8]) -> Result<
                     &a.tool_id,
                     &a.allow,
                     &a.revoke,
-                    a.image,
-                    a.web_grant.as_ref(),
+                    fleet_services::grants::GrantSettings {
+                        image: a.image,
+                        web_grant: a.web_grant.as_ref(),
+                        granted_tools: a.granted_tools.as_deref(),
+                    },
                 )
                 .await
         }
@@ -92,6 +95,10 @@ pub struct GrantArgs {
     /// and the web settings; `{"enabled":false}` revokes web.
     #[arg(long, value_parser = parse_web_grant)]
     pub web_grant: Option<grants::WebGrantShape>,
+    /// The tools the plugin's agent sessions may call as the user, comma-separated (`*`, a tool id, or
+    /// `tool_id.tool`; an empty value: none); replaces the list (unset: every tool).
+    #[arg(long, value_delimiter = ',')]
+    pub granted_tools: Option<Vec<String>>,
     /// `--nats-url`, `--data-dir`, `--token`.
     #[command(flatten)]
     pub conn: OperatorConn,
@@ -107,24 +114,32 @@ pub async fn run_grant(args: &GrantArgs) -> Result<Value, ApiError> {
             max_per_call: args.image_max_per_call,
         },
     );
-    let grant =
-        if args.allow.is_empty() && args.revoke.is_empty() && image.is_none() && args.web_grant.is_none() {
-            let get = grants::GetArgs {
-                user: args.user.clone(),
-                tool_id: args.tool_id.clone(),
-            };
-            client.grants_get(&get, wait).await?
-        } else {
-            let set = grants::SetArgs {
-                user: args.user.clone(),
-                tool_id: args.tool_id.clone(),
-                allow: args.allow.clone(),
-                revoke: args.revoke.clone(),
-                image,
-                web_grant: args.web_grant.clone(),
-            };
-            client.grants_set(&set, wait).await?
+    let unchanged = args.allow.is_empty()
+        && args.revoke.is_empty()
+        && image.is_none()
+        && args.web_grant.is_none()
+        && args.granted_tools.is_none();
+    let grant = if unchanged {
+        let get = grants::GetArgs {
+            user: args.user.clone(),
+            tool_id: args.tool_id.clone(),
         };
+        client.grants_get(&get, wait).await?
+    } else {
+        let set = grants::SetArgs {
+            user: args.user.clone(),
+            tool_id: args.tool_id.clone(),
+            allow: args.allow.clone(),
+            revoke: args.revoke.clone(),
+            image,
+            web_grant: args.web_grant.clone(),
+            granted_tools: args
+                .granted_tools
+                .clone()
+                .map(|t| t.into_iter().filter(|s| !s.is_empty()).collect()),
+        };
+        client.grants_set(&set, wait).await?
+    };
     printable(grant)
 }
 

@@ -21,6 +21,7 @@
 pub mod client_cmd;
 pub mod credentials;
 pub mod creds;
+pub mod delegation;
 pub mod dispatch;
 pub mod exec_answer;
 pub mod finished;

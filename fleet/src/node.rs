@@ -704,6 +704,7 @@ async fn run_sync(ctx: &Ctx, req: &ExecRequest) -> ExecReply {
         deadline_ms: Some(now_ms() + timeout_ms),
         app_timeout_ms: Some(timeout_ms),
         extra_context: trace_context(),
+        delegation: req.delegation.clone(),
         ..InvokeRequest::default()
     };
     match ctx.pool.invoke(&req.user, &req.plugin, invoke).await {

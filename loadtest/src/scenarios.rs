@@ -449,6 +449,7 @@ pub(crate) async fn run(name: &str, ctx: &Arc<Ctx>, p: &Params) -> anyhow::Resul
                     revoke: Vec::new(),
                     image: None,
                     web_grant: None,
+                    granted_tools: None,
                 };
                 let operator = ctx
                     .operator()

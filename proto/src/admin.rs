@@ -85,6 +85,9 @@ pub mod grants {
         /// `revoke` and `allow`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub web_grant: Option<WebGrantShape>,
+        /// When present, replaces [`Grant::granted_tools`].
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub granted_tools: Option<Vec<String>>,
     }
 
     /// `grants.get`.
@@ -245,6 +248,10 @@ pub mod grants {
         /// Web settings beyond the `web.*` capabilities.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub web: Option<WebGrant>,
+        /// The user's tools this plugin's agent sessions may call (spec §8.2 `granted_tools`): patterns of
+        /// [`tool_pattern_covers`]; absent: every tool (`["*"]`, the spec's default); empty: none.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub granted_tools: Option<BTreeSet<String>>,
         /// Last change, Unix ms (0: never set).
         #[serde(default)]
         pub updated_at_ms: u64,
@@ -255,6 +262,22 @@ pub mod grants {
         pub fn allows(&self, capability: &str) -> bool {
             self.allow.contains(capability)
         }
+
+        /// Whether this plugin's agent sessions may call `tool` of `tool_id` ([`Grant::granted_tools`]).
+        pub fn allows_agent_tool(&self, tool_id: &str, tool: &str) -> bool {
+            self.granted_tools
+                .as_ref()
+                .is_none_or(|set| set.iter().any(|p| tool_pattern_covers(p, tool_id, tool)))
+        }
+    }
+
+    /// Whether the tool pattern `pattern` — `*`, a tool id, or `tool_id.tool` — covers `tool` of `tool_id`.
+    pub fn tool_pattern_covers(pattern: &str, tool_id: &str, tool: &str) -> bool {
+        pattern == "*"
+            || pattern == tool_id
+            || pattern
+                .split_once('.')
+                .is_some_and(|(id, t)| id == tool_id && t == tool)
     }
 }
 

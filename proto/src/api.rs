@@ -1063,6 +1063,11 @@ pub mod worker {
         /// chooses it. Absent: the worker answers the front, which answers the caller.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub reply_to: Option<String>,
+        /// Sync only: the authority the invoke's agent sessions call the user's tools with
+        /// ([`super::delegation`]). Sealed with the rest of the request, so only a front grants it; the worker
+        /// keeps it from the plugin.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pub delegation: Option<super::delegation::DelegationToken>,
     }
 
     /// The two-layer reply: outer `success` = the worker could run it; `data` = the plugin's `InvokeResult`
@@ -1151,5 +1156,65 @@ pub mod worker {
                 invoke_id: invoke_id.into(),
             }
         }
+    }
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// Delegated tool calls (worker → front, internal)
+// -------------------------------------------------------------------------------------------------------------
+
+/// The tool calls of agent sessions the fleet runs (spec §8.2): a worker calls `tools.list` / `tools.invoke` as
+/// the invoke's user only with the delegation the front put in that invoke's sealed exec request. The token is a
+/// random handle: the minting front alone knows what it stands for (user, plugin, invoke, deadline, depth) and
+/// forgets it when the invoke ends, so it can neither name another user nor outlive its invoke.
+pub mod delegation {
+    use std::fmt;
+
+    use serde::{Deserialize, Serialize};
+    use serde_json::Value;
+
+    /// Subjects: `fleet.v1.delegate.<front id>.<method>`.
+    pub const PREFIX: &str = "fleet.v1.delegate";
+    /// Every delegated subject (fronts subscribe to their own, workers publish).
+    pub const ALL: &str = "fleet.v1.delegate.>";
+    /// The delegated methods.
+    pub const METHODS: [&str; 2] = [super::methods::TOOLS_LIST, super::methods::TOOLS_INVOKE];
+
+    /// The subject a delegated `method` goes to for the front `front_id`.
+    pub fn subject(front_id: &str, method: &str) -> String {
+        format!("{PREFIX}.{front_id}.{method}")
+    }
+
+    /// A delegation: `<front id>.<secret>`. `Debug` shows the front id only.
+    #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(transparent)]
+    pub struct DelegationToken(pub String);
+
+    impl DelegationToken {
+        /// The minting front's id (where a delegated call goes), if the token is well-formed.
+        pub fn front_id(&self) -> Option<&str> {
+            let (front, secret) = self.0.split_once('.')?;
+            let ok = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric());
+            (ok(front) && ok(secret)).then_some(front)
+        }
+    }
+
+    impl fmt::Debug for DelegationToken {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.debug_tuple("DelegationToken")
+                .field(&self.front_id().unwrap_or("?"))
+                .finish()
+        }
+    }
+
+    /// A delegated call: the delegation and the method's arguments (those of `tools.list` / `tools.invoke`).
+    /// The answer is the API's [`super::ApiResponse`].
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    pub struct DelegatedCall {
+        /// The invoke's delegation.
+        pub delegation: DelegationToken,
+        /// The method's arguments.
+        #[serde(default)]
+        pub args: Value,
     }
 }

@@ -161,6 +161,46 @@ pub const IMAGE_MAX_REQUEST_TIMEOUT: Duration = Duration::from_secs(240);
 pub const R2_TRANSIENT_PRESIGN_EXPIRY: Duration = Duration::from_secs(1800);
 /// Frames of one buffered agent run (spec §8.2 HR-AG-01: 4 096).
 pub const AGENT_MAX_FRAMES: usize = 4_096;
+/// `agent/session.create`: default `ttl_seconds` (spec §8.2).
+pub const AGENT_SESSION_DEFAULT_TTL: Duration = Duration::from_secs(600);
+/// `agent/session.create` / `.refresh`: largest `ttl_seconds` (spec §8.2 `MAX_APP_SESSION_TTL_SECONDS`).
+pub const AGENT_SESSION_MAX_TTL: Duration = Duration::from_secs(7_200);
+/// Hard lifetime of an agent session, whatever its refreshes (spec §8.2 HR-AG-04: agent 24 h).
+pub const AGENT_SESSION_MAX_LIFETIME: Duration = Duration::from_secs(24 * 3_600);
+/// Sessions the host keeps (LRU, spec §8.2 "bounded (LRU, ~4096 entries)").
+pub const AGENT_SESSION_CACHE_MAX: usize = 4_096;
+/// Longest session `label` (spec §8.2: ≤ 120 chars).
+pub const AGENT_LABEL_MAX_CHARS: usize = 120;
+/// Longest session `system_prompt` (spec §8.2: ≤ 4 000).
+pub const AGENT_SYSTEM_PROMPT_MAX_CHARS: usize = 4_000;
+/// `agent/session.run`: default `recursion_limit` (spec §8.2: default 8).
+pub const AGENT_DEFAULT_RECURSION_LIMIT: u32 = 8;
+/// `agent/session.run`: largest `recursion_limit` (spec §8.2: `1 ≤ n ≤ 32`).
+pub const AGENT_MAX_RECURSION_LIMIT: u32 = 32;
+/// `agent/session.run`: most image attachments (spec §8.2: images ≤ 6).
+pub const AGENT_MAX_ATTACHMENTS: usize = 6;
+/// `agent/session.history`: `limit` range (spec §8.2: 1..200).
+pub const AGENT_HISTORY_MAX_LIMIT: u64 = 200;
+/// `agent/session.list`: default `limit` (spec §8.2: 50).
+pub const AGENT_LIST_DEFAULT_LIMIT: u64 = 50;
+/// `agent/complete`: `maxTokens` when the plugin sends none (ours: the spec makes it optional, names no default).
+pub const AGENT_COMPLETE_DEFAULT_MAX_TOKENS: u32 = 1_024;
+/// `max_tokens` of each chat step of an agent run (ours), also what a step is charged when the upstream reports
+/// no usage.
+pub const AGENT_STEP_MAX_TOKENS: u32 = 2_048;
+/// Messages an agent session remembers (ours; the oldest are dropped).
+pub const AGENT_SESSION_MAX_MESSAGES: usize = 200;
+/// Tools offered to the upstream in one run (the OpenAI API's limit).
+pub const AGENT_MAX_TOOLS: usize = 128;
+/// Longest OpenAI function name (`^[a-zA-Z0-9_-]{1,64}$`).
+pub const AGENT_TOOL_NAME_MAX_CHARS: usize = 64;
+/// Longest wait of one delegated tool call: the sync invoke ceiling (spec §10.3: 90 s), cut to the parent's time.
+pub const AGENT_TOOL_CALL_MAX_MS: u64 = 90_000;
+/// Largest tool result handed back to the model (ours; the frame carries it whole).
+pub const AGENT_TOOL_RESULT_MAX_BYTES: usize = 64 * KIB;
+/// Depth of delegated tool calls: an agent session's tool call (depth 1) may itself run a session whose tool
+/// calls are depth 2; deeper is refused (ours: the spec names no cap).
+pub const AGENT_DELEGATION_MAX_DEPTH: u32 = 2;
 /// Sampling: the model budget derived from `_clientTimeoutS` is clamped to at least this (spec §7.3 HR-DL-01).
 pub const SAMPLING_MODEL_BUDGET_MIN: Duration = Duration::from_secs(30);
 /// Sampling: the model budget derived from `_clientTimeoutS` is clamped to at most this (spec §7.3 HR-DL-01).

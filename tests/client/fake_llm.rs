@@ -45,6 +45,10 @@ pub struct Behaviour {
     pub stop_reason: Option<String>,
     /// Dimensions of every embedding.
     pub dimensions: usize,
+    /// Scripted chat answers, used in order before the rest of this behaviour: each is the `message` of the
+    /// first choice (e.g. `{"role": "assistant", "content": null, "tool_calls": [...]}`), answered with
+    /// `finish_reason` `tool_calls` when it has tool calls.
+    pub script: std::collections::VecDeque<Value>,
 }
 
 impl Default for Behaviour {
@@ -58,6 +62,7 @@ impl Default for Behaviour {
             finish_reason: "stop".into(),
             stop_reason: None,
             dimensions: 4,
+            script: std::collections::VecDeque::new(),
         }
     }
 }
@@ -198,7 +203,14 @@ async fn record(
         body: body.clone(),
     });
     shared.received.send_modify(|n| *n += 1);
-    let b = lock(&shared.behaviour).clone();
+    let b = {
+        let mut current = lock(&shared.behaviour);
+        let b = current.clone();
+        if path == CHAT {
+            current.script.pop_front();
+        }
+        b
+    };
     if let Some(d) = b.delay {
         let pending = Pending {
             shared,
@@ -233,8 +245,18 @@ async fn chat(State(shared): State<Arc<Shared>>, headers: HeaderMap, Json(body):
             "hello from fake".into()
         }
     });
-    let mut choice = json!({"index": 0, "message": {"role": "assistant", "content": text},
-        "finish_reason": b.finish_reason});
+    let mut choice = match b.script.front() {
+        Some(message) => {
+            let reason = if message.get("tool_calls").is_some() {
+                "tool_calls"
+            } else {
+                "stop"
+            };
+            json!({"index": 0, "message": message, "finish_reason": reason})
+        }
+        None => json!({"index": 0, "message": {"role": "assistant", "content": text},
+            "finish_reason": b.finish_reason}),
+    };
     if let Some(s) = &b.stop_reason {
         choice["stop_reason"] = json!(s);
     }

@@ -7,6 +7,22 @@ pub use fleet_e2e_client::{
     python_plugin_path, sandbox_stub_bin, workspace_root,
 };
 
+/// The host services over `js` with `config`, a fixed link secret and credentials keyring (the services tests).
+pub async fn open_services(
+    js: &async_nats::jetstream::Context,
+    config: &fleet_services::ServicesConfig,
+) -> fleet_services::FleetServices {
+    Box::pin(fleet_services::FleetServices::open(
+        js,
+        &fleet_store::StoreSettings::default(),
+        config,
+        fleet_services::files::LinkSigner::new(b"host-services-test-link-secret-32b"),
+        fleet_services::credentials::Keyring::fixed(&[("k1", [7; 32])]),
+    ))
+    .await
+    .expect("host services")
+}
+
 /// A worker over a temporary catalogue of echo-plugin installs, for the worker tests.
 pub mod worker {
     use std::os::unix::fs::PermissionsExt as _;

@@ -109,6 +109,13 @@ pub trait TokenSource: Send + Sync + fmt::Debug {
         let _ = (user, tool_id, names, deadline_ms);
         Box::pin(async { Ok(CredentialValues::default()) })
     }
+
+    /// The front's delegation for the agent-session tool calls of `invoke_id` (sync invokes whose exec request
+    /// carried one), given before its tokens are minted; forgotten at
+    /// [`HostServices::invoke_finished`]. The plugin never sees it. The default ignores it.
+    fn delegate(&self, invoke_id: &str, delegation: fleet_proto::api::delegation::DelegationToken) {
+        let _ = (invoke_id, delegation);
+    }
 }
 
 /// No tokens, ever.

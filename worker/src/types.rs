@@ -159,6 +159,9 @@ pub struct InvokeRequest {
     pub progress: Option<ProgressSink>,
     /// More `context` keys (e.g. W3C `traceparent`).
     pub extra_context: Map<String, Value>,
+    /// The front's delegation for this invoke's agent-session tool calls: handed to the token source
+    /// ([`crate::services::TokenSource::delegate`]), never to the plugin.
+    pub delegation: Option<fleet_proto::api::delegation::DelegationToken>,
 }
 
 impl std::fmt::Debug for InvokeRequest {
@@ -169,6 +172,7 @@ impl std::fmt::Debug for InvokeRequest {
             .field("timeout", &self.timeout)
             .field("credentials", &self.credentials.keys().collect::<Vec<_>>())
             .field("progress", &self.progress.is_some())
+            .field("delegation", &self.delegation.is_some())
             .finish_non_exhaustive()
     }
 }

@@ -14,9 +14,9 @@ pub const LINK_KEY_FILE: &str = "link-signing-key";
 /// Flags of the host services (sampling, embeddings, APS storage and files, uploads).
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ServicesArgs {
-    /// TOML file configuring the host services (`public_url`, `[llm]`, `[storage]`, `[web]`; see
-    /// docs/configuration.md). Without it: storage, files and uploads on JetStream, no LLM upstream (sampling and
-    /// embeddings not offered), web/fetch native and no web search.
+    /// TOML file configuring the host services (`public_url`, `[llm]`, `[storage]`, `[image]`, `[web]`, `[agent]`;
+    /// see docs/configuration.md). Without it: storage, files and uploads on JetStream, no LLM upstream (sampling,
+    /// embeddings and agent sessions not offered), no images, web/fetch native and no web search.
     #[arg(long, env = "FLEET_SERVICES_CONFIG")]
     pub services_config: Option<PathBuf>,
     /// The base URL download links point at (overrides `public_url` of the services config).

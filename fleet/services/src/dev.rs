@@ -11,8 +11,7 @@
 //! * Defaults: `real` where an upstream exists (sampling with `[llm]`, embeddings with an `[llm]` embedding model,
 //!   storage and uploads always: JetStream); else `mock` when the harness is on; else `off`. So a plain
 //!   `fleet up` behaves as before, and `fleet up --mocks f.jsonl` mocks exactly the families nothing else serves.
-//! * `real` for a family without an upstream (agent never has one here; image needs `[image]`) is a start-up
-//!   error.
+//! * `real` for a family without an upstream (agent needs `[llm]`; image needs `[image]`) is a start-up error.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -96,7 +95,9 @@ impl DevFamily {
             DevFamily::Embeddings => {
                 "no embedding upstream is configured (set embedding_model in [llm] of --services-config)"
             }
-            DevFamily::Agent => "this host has no agent upstream (use mock or off)",
+            DevFamily::Agent => {
+                "no LLM upstream is configured (agent sessions run over [llm] of --services-config)"
+            }
             DevFamily::Image => "no image upstream is configured (add [image] to --services-config)",
             DevFamily::Storage | DevFamily::Upload => "its JetStream store is unavailable",
         }
@@ -267,7 +268,8 @@ impl Upstreams {
             DevFamily::Embeddings => self.embeddings,
             DevFamily::Storage | DevFamily::Upload => true,
             DevFamily::Image => self.image,
-            DevFamily::Agent => false,
+            // Agent sessions run over the sampling upstream.
+            DevFamily::Agent => self.sampling,
         }
     }
 }
@@ -380,13 +382,19 @@ mod tests {
     fn with_the_harness_on_families_without_an_upstream_are_mocked() {
         let modes = settings(&["image=mock"]).resolve(LLM).unwrap();
         assert_eq!(modes.get(DevFamily::Image), DevMode::Mock);
-        assert_eq!(modes.get(DevFamily::Agent), DevMode::Mock);
+        assert_eq!(
+            modes.get(DevFamily::Agent),
+            DevMode::Real,
+            "agent sessions run over the LLM upstream"
+        );
         assert_eq!(
             modes.get(DevFamily::Sampling),
             DevMode::Real,
             "a configured upstream stays real"
         );
         assert_eq!(modes.get(DevFamily::Storage), DevMode::Real);
+        let without = settings(&["image=mock"]).resolve(NO_LLM).unwrap();
+        assert_eq!(without.get(DevFamily::Agent), DevMode::Mock);
         let modes = settings(&["llm=mock", "image=off", "storage=mock"])
             .resolve(LLM)
             .unwrap();
@@ -413,7 +421,7 @@ mod tests {
         for (flag, upstreams) in [
             ("sampling=real", NO_LLM),
             ("llm=real", NO_LLM),
-            ("agent=real", LLM),
+            ("agent=real", NO_LLM),
             ("image=real", LLM),
             (
                 "embeddings=real",

@@ -57,6 +57,18 @@ pub struct GrantStore {
     kv: kv::Store,
 }
 
+/// What a grant edit sets besides its capabilities ([`GrantStore::edit_with`]); each part absent is kept as it is.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GrantSettings<'a> {
+    /// Image limits (spec §8.6 `image_grant`), merged field by field into the grant's.
+    pub image: Option<ImageGrant>,
+    /// The spec's `web_grant` (§8.9): every `web.*` capability allowed or revoked as it says, and its settings
+    /// (`allowAdvanced`, `maxResultsPerCall`) kept in the grant's `web`.
+    pub web_grant: Option<&'a WebGrantShape>,
+    /// The tools the plugin's agent sessions may call as the user (spec §8.2 `granted_tools`), replaced.
+    pub granted_tools: Option<&'a [String]>,
+}
+
 impl GrantStore {
     /// Creates (or updates to these settings) `<prefix>_grants`.
     pub async fn open(js: &jetstream::Context, settings: &StoreSettings) -> Result<GrantStore, GrantError> {
@@ -137,21 +149,33 @@ impl GrantStore {
         allow: &[String],
         revoke: &[String],
     ) -> Result<Grant, GrantError> {
-        self.edit_with(user, tool_id, allow, revoke, None, None).await
+        self.edit_with(user, tool_id, allow, revoke, GrantSettings::default())
+            .await
     }
 
-    /// [`GrantStore::edit`], and sets the image limits `image` gives (spec §8.6 `image_grant`), then the spec's
-    /// `web_grant` when given: every `web.*` capability allowed or revoked as it says, and its settings
-    /// (`allowAdvanced`, `maxResultsPerCall`) kept in the grant's `web`.
+    /// [`GrantStore::edit`], also setting what `settings` gives (each part absent: kept as it is).
     pub async fn edit_with(
         &self,
         user: &str,
         tool_id: &str,
         allow: &[String],
         revoke: &[String],
-        image: Option<ImageGrant>,
-        web_grant: Option<&WebGrantShape>,
+        settings: GrantSettings<'_>,
     ) -> Result<Grant, GrantError> {
+        let GrantSettings {
+            image,
+            web_grant,
+            granted_tools,
+        } = settings;
+        if let Some(bad) = granted_tools
+            .unwrap_or_default()
+            .iter()
+            .find(|t| t.trim().is_empty() || t.len() > 256 || t.chars().any(char::is_control))
+        {
+            return Err(GrantError::Invalid(format!(
+                "granted tool {bad:?} must be 1–256 characters without control characters"
+            )));
+        }
         Self::check(user, tool_id)?;
         if let Some(per_call) = image.and_then(|i| i.max_per_call)
             && !(1..=limits::IMAGE_MAX_PER_CALL).contains(&u64::from(per_call))
@@ -206,6 +230,9 @@ impl GrantStore {
                 }
                 grant.allow.extend(on);
                 grant.web = Some(web.settings());
+            }
+            if let Some(tools) = granted_tools {
+                grant.granted_tools = Some(tools.iter().cloned().collect());
             }
             grant.updated_at_ms = now_ms();
             Ok::<_, StoreError>(Edit::Write(grant, ()))

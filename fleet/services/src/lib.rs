@@ -18,12 +18,13 @@
 //!
 //! Each family of the developer mode matrix ([`dev`]: sampling, embeddings, agent, storage, image, upload) is
 //! `off` (not offered, its "off" code), `mock` (answered by [`mock`] from F3 entries — after the same token,
-//! grant, validation and budget checks as a real upstream) or `real`. `image/*` is real against the `[image]`
-//! upstream ([`image`]; without one it is not offered and answers `-32109`); `agent/*` has no real upstream
-//! here; `credentials/*` is never offered and answers its not-granted code. `web/*` ([`web`]) is outside the
+//! grant, validation and budget checks as a real upstream) or `real`. `agent/*` is real over `[llm]` ([`agent`]);
+//! `image/*` is real against the `[image]` upstream ([`image`]; without one it is not offered and answers
+//! `-32109`); `credentials/*` is never offered and answers its not-granted code. `web/*` ([`web`]) is outside the
 //! matrix: `web/fetch` is native (always served unless `[web] fetch = false`), `web/search` and
 //! `web/image_search` need a provider in `[web]` (docs/plugins.md "Host services").
 
+pub mod agent;
 pub mod args;
 pub mod budget;
 pub mod credentials;
@@ -152,6 +153,9 @@ pub struct ServicesConfig {
     /// `web/*`: the search provider, the daily pool, fetch on or off.
     #[serde(default)]
     pub web: web::WebConfig,
+    /// Agent sessions (served over `llm`).
+    #[serde(default)]
+    pub agent: agent::AgentConfig,
     /// The developer harness (`fleet up --mocks`, `--dev-mode`); not part of the TOML file.
     #[serde(skip)]
     pub dev: dev::DevSettings,
@@ -188,6 +192,10 @@ struct Inner {
     /// `image/*` is off because no upstream is configured (not because `--dev-mode image=off` said so).
     image_unconfigured: bool,
     web: web::WebService,
+    /// Agent sessions (`agent/*` when `real`).
+    agent: agent::AgentService,
+    /// Each sync invoke's delegation for its sessions' tool calls (never given to the plugin).
+    delegations: DashMap<String, fleet_proto::api::delegation::DelegationToken>,
     /// Every family's mode.
     modes: dev::Modes,
     /// What families in `mock` mode answer from.
@@ -249,6 +257,8 @@ impl FleetServices {
                 image,
                 image_unconfigured,
                 web,
+                agent: agent::AgentService::new(&config.agent, Some(js.client())),
+                delegations: DashMap::new(),
                 modes,
                 mocks: config.dev.mocks().clone(),
             }),
@@ -332,6 +342,10 @@ impl FleetServices {
                 capabilities::LLM_SAMPLE,
                 (on(DevFamily::Sampling) || on(DevFamily::Agent))
                     && ok(capabilities::LLM_SAMPLE, &[keys::SAMPLING, keys::AGENT]),
+            ),
+            (
+                agent::LLM_AGENT_AUTO,
+                on(DevFamily::Agent) && ok(agent::LLM_AGENT_AUTO, &[keys::AGENT, keys::SAMPLING]),
             ),
             (
                 capabilities::LLM_EMBED,
@@ -599,12 +613,28 @@ impl FleetServices {
                     .call(&ctx, &call.method, call.params, &self.inner.upload)
                     .await
             }
+            Family::Agent => match &self.inner.llm {
+                Some(llm) => {
+                    let delegation = self.inner.delegations.get(&call.invoke_id).map(|d| d.clone());
+                    (self.inner.agent)
+                        .call(&ctx, llm, &call.method, &call.params, delegation.as_ref())
+                        .await
+                }
+                None => Err(call
+                    .family
+                    .not_granted()
+                    .error("no LLM upstream is configured on this host")),
+            },
             _ => Err(method_not_found(&call.method)),
         }
     }
 }
 
 impl TokenSource for FleetServices {
+    fn delegate(&self, invoke_id: &str, delegation: fleet_proto::api::delegation::DelegationToken) {
+        self.inner.delegations.insert(invoke_id.to_owned(), delegation);
+    }
+
     fn tokens(&self, request: TokenRequest) -> TokenFuture {
         let this = self.clone();
         Box::pin(async move { this.mint(request).await })
@@ -636,6 +666,18 @@ impl TokenSource for FleetServices {
                     .collect(),
             ))
         })
+    }
+}
+
+impl FleetServices {
+    /// The agent sessions' service.
+    pub fn agent(&self) -> &agent::AgentService {
+        &self.inner.agent
+    }
+
+    /// Delegations held (one per sync invoke whose exec request carried one, until it ends).
+    pub fn delegations_held(&self) -> usize {
+        self.inner.delegations.len()
     }
 }
 
@@ -677,5 +719,6 @@ impl HostServices for FleetServices {
 
     fn invoke_finished(&self, invoke_id: &str) {
         self.inner.budgets.remove(invoke_id);
+        self.inner.delegations.remove(invoke_id);
     }
 }

@@ -365,7 +365,32 @@ impl LlmService {
         select_by_hints(hints, &self.models, |m| &m.name).unwrap_or(&self.default_model)
     }
 
-    async fn sample(&self, ctx: &CallContext, params: &Value) -> Result<Value, ErrorObject> {
+    /// One chat step of an agent session ([`crate::agent`]): `body` without its `model` (chosen from `hints`),
+    /// admitted on and settled against the invoke's sampling budget (a step is a sampling call, spec §8.2),
+    /// bounded like a sampling call. Returns the upstream's answer and the model.
+    pub(crate) async fn agent_step(
+        &self,
+        ctx: &CallContext,
+        hints: &[String],
+        mut body: Map<String, Value>,
+        max_tokens: u32,
+    ) -> Result<(Value, String), StepError> {
+        let model = self.select_model(hints).name.clone();
+        body.insert("model".into(), Value::from(model.clone()));
+        body.insert("max_tokens".into(), Value::from(max_tokens));
+        body.insert("stream".into(), Value::Bool(false));
+        ctx.budget.admit_sampling().map_err(StepError::Budget)?;
+        let reply = self
+            .post(&self.chat_url, &Value::Object(body), sampling_timeout(ctx))
+            .await
+            .map_err(StepError::Upstream)?;
+        ctx.budget
+            .settle_sampling(Usage::of_chat(&reply).charge(max_tokens));
+        Ok((reply, model))
+    }
+
+    /// `sampling/createMessage` (also `agent/complete`, [`crate::agent`]).
+    pub(crate) async fn sample(&self, ctx: &CallContext, params: &Value) -> Result<Value, ErrorObject> {
         let req = SamplingRequest::parse(params)?;
         let model = self.select_model(&req.hints);
         let format = resolve_format(req.response_format.as_ref(), req.on_unsupported, model)?;
@@ -562,9 +587,20 @@ pub(crate) fn exhausted(e: Exhausted) -> ErrorObject {
 // Upstream failures
 // -------------------------------------------------------------------------------------------------------------
 
+/// Why an agent step failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum StepError {
+    /// The invoke's sampling budget.
+    #[error("{0}")]
+    Budget(Exhausted),
+    /// The upstream.
+    #[error("the LLM provider failed: {0}")]
+    Upstream(UpstreamError),
+}
+
 /// How an upstream call failed. `Display` carries no URL, key or upstream body.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-enum UpstreamError {
+pub(crate) enum UpstreamError {
     #[error("no answer within {0:?}")]
     Timeout(Duration),
     #[error("HTTP status {status}{}", .code.as_ref().map(|c| format!(" ({c})")).unwrap_or_default())]
@@ -590,7 +626,12 @@ impl UpstreamError {
         })
     }
 
-    fn is_quota(&self) -> bool {
+    /// HTTP 429: throttled.
+    pub(crate) fn is_throttled(&self) -> bool {
+        matches!(self, UpstreamError::Status { status: 429, .. })
+    }
+
+    pub(crate) fn is_quota(&self) -> bool {
         match self {
             UpstreamError::Status { status, code } => {
                 *status == 429
@@ -603,7 +644,7 @@ impl UpstreamError {
         }
     }
 
-    fn data(&self) -> Map<String, Value> {
+    pub(crate) fn data(&self) -> Map<String, Value> {
         let mut data = Map::new();
         match self {
             UpstreamError::Timeout(t) => {

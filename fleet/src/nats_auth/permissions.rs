@@ -15,6 +15,8 @@ use super::{API_SUBJECTS, EVENT_SUBJECTS, Permissions};
 /// The default prefix of every bucket, stream and subject of the job layer (`StoreSettings::prefix`).
 pub const DEFAULT_PREFIX: &str = "fleet";
 
+/// The fronts' delegated tool-call subjects (`fleet.v1.delegate.<front id>.<method>`).
+pub const DELEGATED_SUBJECTS: &str = fleet_proto::api::delegation::ALL;
 /// Every worker's exec subjects (`fleet.v1.worker.<id>.exec`).
 pub const WORKER_EXEC: &str = "fleet.v1.worker.*.exec";
 /// Every worker's cancel subjects (`fleet.v1.worker.<id>.cancel`).
@@ -297,6 +299,7 @@ pub fn for_role(role: Role, prefix: &str) -> Permissions {
             publish_allow.extend(strings(&ANY_REPLY));
             subscribe_allow.extend(strings(&[
                 API_SUBJECTS,
+                DELEGATED_SUBJECTS,
                 ADMIN_SUBJECTS,
                 EVENT_SUBJECTS,
                 SERVICE_DISCOVERY,
@@ -315,6 +318,9 @@ pub fn for_role(role: Role, prefix: &str) -> Permissions {
             // itself, on the one subject the front named in the sealed request (`ExecRequest::reply_to`). It
             // never subscribes there, so it learns no other app's reply subject (they are random per request).
             publish_allow.push(IMPORTED_REPLIES.to_owned());
+            // The agent sessions' tool calls, with the delegation a front sealed into the invoke: the front
+            // answers them only as the user and within the invoke that delegation names (`crate::delegation`).
+            publish_allow.push(DELEGATED_SUBJECTS.to_owned());
             subscribe_allow.extend(strings(&[WORKER_EXEC, WORKER_CANCEL, MATRIX_CANCEL]));
             // Spelled out although outside the allow list: a worker never acts as a front or an operator.
             publish_deny.extend(strings(&[ADMIN_SUBJECTS, WORKER_SUBJECTS, API_SUBJECTS]));

@@ -20,6 +20,8 @@ offered in ``initialize``): the plugin of the developer-harness tests (``fleet u
 ``--web`` (with ``--services``) also declares ``web.search``, ``web.fetch``, ``web.image_search`` and
 ``web.image_fetch`` (web needs no ``initialize`` claim: any v2 session may call it, spec §3.3) and adds the tool
 ``host_offer``: the plugin of the ``web/*`` tests, whose calls go through ``reverse``.
+``--agent`` (with ``--services``) also claims ``agent`` and declares ``llm.agent.auto``: agent sessions
+(``agent/session.*``, spec §8.2) through the ``reverse`` tool.
 
 ``--hostile`` adds the tool ``nats_probe {port, paths}`` a hostile tenant would run (the NATS trust tests): it
 opens its own TCP connection to the NATS port on 127.0.0.1, sends ``CONNECT`` without credentials, subscribes to
@@ -33,7 +35,7 @@ the sandbox, shared with the Animus fixture).
 ``context.credentials`` with the SHA-256 of each value (never a value: the test compares digests of what it
 set), its pid, and whether any value it received is in its own environment.
 
-Run: ``python3 echo_plugin.py [--noop] [--services [--media] [--web]] [--hostile] [--credentials]``.
+Run: ``python3 echo_plugin.py [--noop] [--services [--media] [--web] [--agent]] [--hostile] [--credentials]``.
 """
 
 from __future__ import annotations
@@ -248,6 +250,11 @@ if WEB:
         "web.image_fetch",
     ]
 
+AGENT = SERVICES and "--agent" in sys.argv[1:]
+
+if AGENT:
+    MANIFEST["host_capabilities"] = MANIFEST["host_capabilities"] + ["llm.agent.auto"]
+
 # The `capabilities` of the host's `initialize`.
 _host_offer: dict = {}
 
@@ -454,6 +461,8 @@ def _handle(line: bytes) -> None:
         claimed = {"sampling": {}, "storage": {}, "upload": {}} if SERVICES else {}
         if MEDIA:
             claimed.update({"embed": {}, "image": {}, "image.edit": {}, "agent": {}})
+        if AGENT:
+            claimed["agent"] = {"submodes": ["auto"]}
         _result(
             req_id,
             {

@@ -512,6 +512,9 @@ impl Session {
             declared: hs.manifest.host_capabilities.clone(),
             deadline_ms,
         };
+        if let Some(d) = &req.delegation {
+            shared.tokens.delegate(&req.invoke_id, d.clone());
+        }
         // Tokens and the user's stored credentials in one round trip (no lookup when none is declared).
         let names: Vec<String> = hs.manifest.credentials.iter().map(|c| c.name.clone()).collect();
         let lookup = async {

@@ -1,0 +1,298 @@
+//! Delegated tool calls (issue 17; ARCHITECTURE.md "Delegated tool calls"): what a worker credential — the one a
+//! compromised worker holds — can and cannot do with the delegation a front minted for one invoke, against real
+//! fronts, a real worker and a real nats-server. The delegation names the user; the call cannot. It works only
+//! while its invoke runs, before its deadline, on the front that minted it, for tools the user's grant lets the
+//! holder plugin's agent sessions call (never the holder itself), and never deeper than the cap.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use fleet::delegation::Delegated;
+use fleet_e2e::cluster::{Cluster, Role, connect};
+use fleet_e2e::worker::Plugin;
+use fleet_proto::api::delegation::{self, DelegatedCall, DelegationToken};
+use fleet_proto::api::{ApiErrorCode, ApiResponse};
+use fleet_proto::limits::AGENT_DELEGATION_MAX_DEPTH;
+use fleet_proto::util::now_ms;
+use fleet_services::grants::{GrantSettings, GrantStore};
+use fleet_store::StoreSettings;
+use serde_json::{Value, json};
+
+const GUARD: Duration = Duration::from_secs(60);
+/// The plugin whose invoke holds the delegation.
+const HOLDER: &str = "agent-x";
+
+async fn delegated(
+    client: &async_nats::Client,
+    subject_of: &DelegationToken,
+    token: &DelegationToken,
+    method: &str,
+    args: Value,
+) -> ApiResponse<Value> {
+    let subject = delegation::subject(subject_of.front_id().unwrap(), method);
+    let call = DelegatedCall {
+        delegation: token.clone(),
+        args,
+    };
+    let reply = tokio::time::timeout(
+        GUARD,
+        client.request(subject, serde_json::to_vec(&call).unwrap().into()),
+    )
+    .await
+    .expect("failure guard")
+    .expect("an answer");
+    serde_json::from_slice(&reply.payload).unwrap()
+}
+
+#[track_caller]
+fn refused(r: &ApiResponse<Value>) -> String {
+    match r {
+        ApiResponse::Err(e) => {
+            assert_eq!(e.code, ApiErrorCode::PermissionDenied, "{e:?}");
+            e.message.clone()
+        }
+        ApiResponse::Ok(v) => panic!("expected permission_denied, got {v}"),
+    }
+}
+
+fn invoke(tool_id: &str) -> Value {
+    json!({"tool_id": tool_id, "method": "echo", "args": {"n": 1}})
+}
+
+/// Waits until `tools.list` shows `tool_ids` (the worker records each manifest after describing it at start-up).
+async fn wait_listed(c: &Cluster, tool_ids: &[&str]) {
+    let deadline = std::time::Instant::now() + GUARD;
+    loop {
+        let listed = c.ok("alice", "tools.list", json!({})).await;
+        let all = tool_ids.iter().all(|id| {
+            listed["tools"]
+                .as_array()
+                .is_some_and(|t| t.iter().any(|t| t["tool_id"] == *id))
+        });
+        if all {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "failure guard: {listed}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn what(depth: u32, deadline_ms: u64) -> Delegated {
+    Delegated {
+        user: "alice".into(),
+        plugin: HOLDER.into(),
+        invoke_id: format!("inv-parent-{depth}"),
+        deadline_ms,
+        depth,
+    }
+}
+
+#[tokio::test]
+async fn a_delegation_acts_only_as_its_user_within_its_grant_and_its_invoke() {
+    let c = Cluster::start(
+        "delegation",
+        2,
+        1,
+        &[Plugin::echo("echo-a", &[]), Plugin::echo("echo-b", &[])],
+    )
+    .await;
+    c.wait_for_api(GUARD).await;
+    wait_listed(&c, &["echo-a", "echo-b"]).await;
+    let grants = GrantStore::open(
+        &async_nats::jetstream::new(c.client.clone()),
+        &StoreSettings::default(),
+    )
+    .await
+    .unwrap();
+    // What a compromised worker holds.
+    let worker = connect(&c.nats, Role::Worker).await;
+    let front = &c.fronts[0].0;
+    let live = front.delegations().mint(what(0, now_ms() + 60_000)).unwrap();
+    let token = live.token.clone();
+    let call = |method: &'static str, args: Value| {
+        let (worker, token) = (worker.clone(), token.clone());
+        async move { delegated(&worker, &token, &token, method, args).await }
+    };
+
+    // Without llm.agent.auto granted to the holder, nothing.
+    refused(&call("tools.list", json!({})).await);
+    refused(&call("tools.invoke", invoke("echo-a")).await);
+
+    // Granted, with its sessions limited to echo-a.
+    grants
+        .edit_with(
+            "alice",
+            HOLDER,
+            &["llm.sample".into(), "llm.agent.auto".into()],
+            &[],
+            GrantSettings {
+                granted_tools: Some(&["echo-a".into()]),
+                ..GrantSettings::default()
+            },
+        )
+        .await
+        .unwrap();
+    let listed = match call("tools.list", json!({})).await {
+        ApiResponse::Ok(v) => v,
+        ApiResponse::Err(e) => panic!("{e:?}"),
+    };
+    let ids: Vec<&str> = listed["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["tool_id"].as_str().unwrap())
+        .collect();
+    assert!(!ids.is_empty() && ids.iter().all(|t| *t == "echo-a"), "{listed}");
+    match call("tools.invoke", invoke("echo-a")).await {
+        ApiResponse::Ok(v) => assert_eq!(v["arguments"], json!({"n": 1})),
+        ApiResponse::Err(e) => panic!("{e:?}"),
+    }
+    // Outside the grant's tools.
+    let why = refused(&call("tools.invoke", invoke("echo-b")).await);
+    assert!(why.contains("echo-b"), "{why}");
+    // The holder itself, even when the grant would cover it.
+    grants
+        .edit_with(
+            "alice",
+            HOLDER,
+            &[],
+            &[],
+            GrantSettings {
+                granted_tools: Some(&["*".into()]),
+                ..GrantSettings::default()
+            },
+        )
+        .await
+        .unwrap();
+    refused(&call("tools.invoke", invoke(HOLDER)).await);
+    match call("tools.invoke", invoke("echo-b")).await {
+        ApiResponse::Ok(_) => {}
+        ApiResponse::Err(e) => panic!("{e:?}"),
+    }
+    // The call cannot name another user: the only user is the delegation's.
+    let as_bob = json!({"tool_id": "echo-a", "method": "echo", "args": {}, "user": "bob"});
+    if let ApiResponse::Ok(v) = call("tools.invoke", as_bob).await {
+        assert_eq!(v["arguments"], json!({}), "{v}");
+    }
+
+    // Forged, and another front's delegation on this front's subject.
+    let forged = DelegationToken(format!("{}.{}", front.delegations().front_id(), "ab".repeat(32)));
+    refused(&delegated(&worker, &forged, &forged, "tools.invoke", invoke("echo-a")).await);
+    let other = c.fronts[1]
+        .0
+        .delegations()
+        .mint(what(0, now_ms() + 60_000))
+        .unwrap();
+    refused(&delegated(&worker, &token, &other.token, "tools.invoke", invoke("echo-a")).await);
+
+    // Depth: a delegation one level down still works (its child is at the cap and gets none); at the cap there
+    // is no delegation to mint.
+    let deep = front
+        .delegations()
+        .mint(what(AGENT_DELEGATION_MAX_DEPTH - 1, now_ms() + 60_000))
+        .unwrap();
+    match delegated(
+        &worker,
+        &deep.token,
+        &deep.token,
+        "tools.invoke",
+        invoke("echo-a"),
+    )
+    .await
+    {
+        ApiResponse::Ok(_) => {}
+        ApiResponse::Err(e) => panic!("{e:?}"),
+    }
+    assert!(
+        front
+            .delegations()
+            .mint(what(AGENT_DELEGATION_MAX_DEPTH, now_ms() + 60_000))
+            .is_none()
+    );
+
+    // Past its deadline.
+    let late = front.delegations().mint(what(0, now_ms())).unwrap();
+    let why = refused(
+        &delegated(
+            &worker,
+            &late.token,
+            &late.token,
+            "tools.invoke",
+            invoke("echo-a"),
+        )
+        .await,
+    );
+    assert!(why.contains("deadline"), "{why}");
+
+    // Revoking llm.agent.auto applies to a live delegation at once.
+    grants
+        .edit("alice", HOLDER, &[], &["llm.agent.auto".into()])
+        .await
+        .unwrap();
+    refused(&call("tools.invoke", invoke("echo-a")).await);
+    grants
+        .edit("alice", HOLDER, &["llm.agent.auto".into()], &[])
+        .await
+        .unwrap();
+
+    // The invoke ended: the same delegation is replayed in vain.
+    drop(live);
+    let why = refused(&call("tools.invoke", invoke("echo-a")).await);
+    assert!(why.contains("ended"), "{why}");
+    assert_eq!(front.delegations().live(), 2, "deep and late are still alive");
+
+    // An app credential cannot even publish on the delegated subjects.
+    let app = connect(&c.nats, Role::App).await;
+    let subject = delegation::subject(front.delegations().front_id(), "tools.list");
+    let attempt = tokio::time::timeout(
+        GUARD,
+        app.request(
+            subject,
+            serde_json::to_vec(&DelegatedCall {
+                delegation: deep.token.clone(),
+                args: json!({}),
+            })
+            .unwrap()
+            .into(),
+        ),
+    )
+    .await
+    .expect("failure guard");
+    assert!(
+        attempt.is_err(),
+        "an app reached a delegated subject: {attempt:?}"
+    );
+}
+
+#[tokio::test]
+async fn every_sync_invoke_carries_a_delegation_that_ends_with_it() {
+    use futures::StreamExt as _;
+
+    let c = Cluster::start("delegation-life", 1, 1, &[Plugin::echo("echo-a", &[])]).await;
+    c.wait_for_api(GUARD).await;
+    let front = &c.fronts[0].0;
+    let spy = connect(&c.nats, Role::Worker).await;
+    let mut exec = spy.subscribe("fleet.v1.worker.*.exec").await.unwrap();
+    fleet_client::nats_conn::flush(&spy).await.unwrap();
+    let out = c
+        .ok(
+            "alice",
+            "tools.invoke",
+            json!({"tool_id": "echo-a", "method": "echo", "args": {"x": 1}}),
+        )
+        .await;
+    assert_eq!(out["arguments"], json!({"x": 1}));
+    let sent = tokio::time::timeout(GUARD, exec.next())
+        .await
+        .expect("failure guard")
+        .unwrap();
+    let request: Value = serde_json::from_slice(&sent.payload).unwrap();
+    let token = DelegationToken(request["delegation"].as_str().expect("a delegation").to_owned());
+    assert_eq!(token.front_id(), Some(front.delegations().front_id()));
+    // Revoked once the front has the invoke's outcome (the worker may have answered the app a moment before).
+    assert!(
+        fleet_e2e::worker::eventually(GUARD, || front.delegations().live() == 0).await,
+        "the delegation outlived its invoke"
+    );
+    refused(&delegated(&spy, &token, &token, "tools.list", json!({})).await);
+}
