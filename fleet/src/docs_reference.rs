@@ -536,8 +536,9 @@ const SERVICES_KEYS: &[(&str, &str, &str)] = &[
     (
         "web.test_allow_addrs",
         "`[]`",
-        "FOR TESTS ONLY: exact `ip:port` pairs `web/fetch` may reach despite the SSRF policy (a test server on this \
-         host); each is logged at warning level at start-up. Leave empty in production.",
+        "FOR TESTS ONLY: exact `ip:port` pairs `web/*` fetches and `image/*` inputs may reach despite the SSRF \
+         policy (a test server on this host); each is logged at warning level at start-up. Leave empty in \
+         production.",
     ),
     (
         "storage.quota_bytes",

@@ -18,7 +18,7 @@
 //!    `data.images_today`/`data.images_quota`. Images not delivered (a failure, fewer images than asked) are
 //!    given back;
 //! 6. **inputs** ([`fetch`]): `image_url`, `mask_url` and references are fleet links of the caller (read from
-//!    the object store) or public URLs fetched under the SSRF policy; a failure is `-32314` naming the field;
+//!    the object store) or public URLs fetched by the `web/*` family's fetcher under its SSRF policy; a failure is `-32314` naming the field;
 //! 7. **the upstream**, bounded by `min(_clientTimeoutS or request_timeout_s (180 s), 240 s)` and by the
 //!    parent invoke's deadline: past the former `-32103`, cut by the deadline `-32105`; both, and every other
 //!    `-32103`, carry `data.subcall = "image"` and `data.timeout_s` (the subcall's timeout). A generate asking for more images than the model's `max_n`
@@ -26,7 +26,7 @@
 //!    answers, anything that is not a PNG/JPEG/WebP/GIF) are `-32103` with `data.status` and the upstream's
 //!    short error code, never its body;
 //! 8. **storage**: each image (`b64_json`, or a `url` the provider returned: fetched with the upstream's client
-//!    when on the upstream's own origin, else under the SSRF policy) is stored under
+//!    when on the upstream's own origin, else by the `web/*` fetcher under the SSRF policy) is stored under
 //!    `exec-images/<env>/<user_key>/<tool>/<invoke>/<ms>_<nonce>_<i>.<ext>`; a failure is `-32110`.
 //!
 //! Result: `{images: [{url, mimeType, width, height, expires_at}], model, quota_used: {images_today,
@@ -63,6 +63,7 @@ use self::request::{ImageRequest, Kind};
 use super::files::{Bucket, HostObjects, META_CONTENT_TYPE, nonce};
 use super::llm::{ApiKey, DEFAULT_PROVIDER, KeySourceError, check_base_url, select_by_hints, upstream_code};
 use super::upload::safe_segment;
+use super::web::fetch::Fetcher;
 use super::{CallContext, ServicesError};
 
 /// Environment variable read for the API key when neither `api_key_file` nor `api_key_env` is configured.
@@ -204,6 +205,8 @@ pub struct ImageService {
     default_timeout: Duration,
     quota: DailyQuota,
     objects: HostObjects,
+    /// The `web/*` family's fetcher: inputs and result URLs under the one SSRF policy.
+    fetcher: Fetcher,
     env: String,
 }
 
@@ -220,6 +223,7 @@ impl ImageService {
         settings: &StoreSettings,
         config: &ImageConfig,
         objects: HostObjects,
+        fetcher: Fetcher,
     ) -> Result<ImageService, ServicesError> {
         let base = check_base_url(&config.base_url).map_err(ImageConfigError::BaseUrl)?;
         let origin = reqwest::Url::parse(&base)
@@ -287,6 +291,7 @@ impl ImageService {
             default_timeout,
             quota,
             objects,
+            fetcher,
             env: safe_segment(&settings.prefix),
         })
     }
@@ -455,7 +460,7 @@ impl ImageService {
     async fn input(&self, ctx: &CallContext, field: &str, url: &str) -> Result<Produced, Failure> {
         let fetched = match fetch::fleet_link(&self.objects, &ctx.user, url).await {
             Some(r) => r,
-            None => fetch::fetch_public(url, limits::IMAGE_MAX_REQUEST_TIMEOUT).await,
+            None => fetch::public(&self.fetcher, url).await,
         };
         let refused = |why: String| {
             codes::REFERENCE_FETCH_FAILED.error_with(
@@ -463,7 +468,7 @@ impl ImageService {
                 Map::from_iter([("field".to_owned(), json!(field))]),
             )
         };
-        let (bytes, _) = fetched.map_err(|e| refused(e.to_string()))?;
+        let bytes = fetched.map_err(|e| refused(e.to_string()))?;
         let sniffed =
             pixels::sniff(&bytes).ok_or_else(|| refused("not a PNG, JPEG, WebP or GIF image".into()))?;
         Ok(Produced { bytes, sniffed })
@@ -681,12 +686,11 @@ impl ImageService {
     async fn fetch_result(&self, url: &str) -> Result<Vec<u8>, FetchError> {
         let same_origin =
             reqwest::Url::parse(url).is_ok_and(|u| u.origin().ascii_serialization() == self.origin);
-        let fetched = if same_origin {
-            fetch::read_capped(self.client.get(url).send().await).await
+        if same_origin {
+            fetch::own_origin(self.client.get(url).send().await).await
         } else {
-            fetch::fetch_public(url, limits::IMAGE_MAX_REQUEST_TIMEOUT).await
-        };
-        fetched.map(|(bytes, _)| bytes)
+            fetch::public(&self.fetcher, url).await
+        }
     }
 }
 

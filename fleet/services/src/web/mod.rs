@@ -79,8 +79,8 @@ pub struct WebConfig {
     /// Each user's daily pool of compute units (default 500): a search costs 1, a fetched page 1.
     #[serde(default)]
     pub daily_quota_cu: Option<u64>,
-    /// FOR TESTS ONLY: exact `ip:port` pairs `web/fetch` may reach despite the SSRF policy (a test server on
-    /// this host). Never ranges; each entry is logged at warning level at start-up. Leave empty in production.
+    /// FOR TESTS ONLY: exact `ip:port` pairs `web/*` fetches and `image/*` inputs may reach despite the SSRF
+    /// policy (a test server on this host). Never ranges; each entry is logged at warning level at start-up. Leave empty in production.
     #[serde(default)]
     pub test_allow_addrs: Vec<SocketAddr>,
 }
@@ -200,6 +200,19 @@ impl Drop for Hold<'_> {
     }
 }
 
+/// The one fetcher of the host services under the one SSRF policy (`[web] test_allow_addrs` its only
+/// exception, each entry logged at warning level here): `web/*` and the `image/*` family's URL inputs.
+pub fn fetcher(config: &WebConfig, resolver: Arc<dyn ssrf::Resolve>) -> fetch::Fetcher {
+    for addr in &config.test_allow_addrs {
+        tracing::warn!(
+            %addr,
+            "services.web.test_allow_addrs: web/fetch and image inputs may reach this address despite the SSRF \
+             policy — FOR TESTS ONLY, remove it in production"
+        );
+    }
+    fetch::Fetcher::new(ssrf::SsrfPolicy::new(config.test_allow_addrs.clone()), resolver)
+}
+
 /// The web service.
 #[derive(Debug)]
 pub struct WebService {
@@ -219,14 +232,13 @@ impl WebService {
         config: &WebConfig,
         resolver: Arc<dyn ssrf::Resolve>,
     ) -> Result<WebService, ServicesError> {
+        Self::with_fetcher(config, fetcher(config, resolver))
+    }
+
+    /// [`Self::new`] with the fetcher the services share (built by [`fetcher`]); `[web] fetch = false` only
+    /// turns `web/fetch` and `web/image_fetch` off, not the policy of the other families' fetches.
+    pub fn with_fetcher(config: &WebConfig, fetcher: fetch::Fetcher) -> Result<WebService, ServicesError> {
         let bad = |what: String| ServicesError::Config(format!("services.web: {what}"));
-        for addr in &config.test_allow_addrs {
-            tracing::warn!(
-                %addr,
-                "services.web.test_allow_addrs: web/fetch may reach this address despite the SSRF policy — \
-                 FOR TESTS ONLY, remove it in production"
-            );
-        }
         let provider = match &config.search_url {
             None => None,
             Some(url) => {
@@ -254,9 +266,7 @@ impl WebService {
         if config.api_key_file.is_some() && provider.is_none() {
             return Err(bad("api_key_file without search_url".to_owned()));
         }
-        let fetcher = config
-            .fetch
-            .then(|| fetch::Fetcher::new(ssrf::SsrfPolicy::new(config.test_allow_addrs.clone()), resolver));
+        let fetcher = config.fetch.then_some(fetcher);
         Ok(WebService {
             fetcher,
             provider,
