@@ -530,8 +530,8 @@ const SERVICES_KEYS: &[(&str, &str, &str)] = &[
     (
         "web.daily_quota_cu",
         "`500`",
-        "Each user's daily pool of compute units (a search 1, a fetched page 1; `-32522` when spent), counted per \
-         worker process.",
+        "Each user's daily pool of compute units (a search 1, a fetched page 1; `-32522` when spent), UTC days, \
+         counted fleet-wide in the `<prefix>_usage` KV bucket.",
     ),
     (
         "web.test_allow_addrs",

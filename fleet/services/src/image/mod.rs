@@ -13,7 +13,7 @@
 //!    `max_edit_n` `-32313`; a `size` outside the model's `sizes` (when listed) `-32104`;
 //! 4. **per-call cap** from the grant (`max_per_call`, default 4 for generate and 1 for edit): `-32106` with
 //!    `data.images` and `data.maxImages`;
-//! 5. **daily quota** ([`quota`]): `n` images are reserved in the user's rolling 24 h (`max_images_per_day`,
+//! 5. **daily quota** ([`crate::usage`], family `image`): `n` images are reserved in the user's rolling 24 h (`max_images_per_day`,
 //!    default 50, all plugins together, in JetStream KV); over it: `-32102` with
 //!    `data.images_today`/`data.images_quota`. Images not delivered (a failure, fewer images than asked) are
 //!    given back;
@@ -37,14 +37,13 @@
 
 pub mod fetch;
 pub mod pixels;
-pub mod quota;
 pub mod request;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::{self, object_store};
+use async_nats::jetstream::object_store;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
 use fleet_proto::api::user_key;
@@ -58,11 +57,11 @@ use reqwest::header::{AUTHORIZATION, CONTENT_TYPE};
 use serde_json::{Map, Value, json};
 
 use self::fetch::FetchError;
-use self::quota::{DailyQuota, QuotaError, Reserved};
 use self::request::{ImageRequest, Kind};
 use super::files::{Bucket, HostObjects, META_CONTENT_TYPE, nonce};
 use super::llm::{ApiKey, DEFAULT_PROVIDER, KeySourceError, check_base_url, select_by_hints, upstream_code};
 use super::upload::safe_segment;
+use super::usage::{self, Reserved, UsageCounter, UsageError};
 use super::web::fetch::Fetcher;
 use super::{CallContext, ServicesError};
 
@@ -203,7 +202,7 @@ pub struct ImageService {
     models: Vec<ImageModelConfig>,
     default_model: ImageModelConfig,
     default_timeout: Duration,
-    quota: DailyQuota,
+    quota: UsageCounter,
     objects: HostObjects,
     /// The `web/*` family's fetcher: inputs and result URLs under the one SSRF policy.
     fetcher: Fetcher,
@@ -217,13 +216,13 @@ struct Produced {
 }
 
 impl ImageService {
-    /// Checks the configuration, reads the API key, opens the quota bucket.
+    /// Checks the configuration and reads the API key; `quota` is the services' daily-usage counter.
     pub async fn open(
-        js: &jetstream::Context,
         settings: &StoreSettings,
         config: &ImageConfig,
         objects: HostObjects,
         fetcher: Fetcher,
+        quota: UsageCounter,
     ) -> Result<ImageService, ServicesError> {
         let base = check_base_url(&config.base_url).map_err(ImageConfigError::BaseUrl)?;
         let origin = reqwest::Url::parse(&base)
@@ -275,7 +274,6 @@ impl ImageService {
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| ImageConfigError::Client(e.to_string()))?;
-        let quota = DailyQuota::open(js, settings).await?;
         Ok(ImageService {
             client,
             origin,
@@ -299,7 +297,7 @@ impl ImageService {
     /// Images `user` got in the last 24 h (the quota's count).
     pub async fn images_today(&self, user: &str) -> Result<u64, ServicesError> {
         self.quota
-            .used(user)
+            .used(usage::IMAGE, user)
             .await
             .map_err(|e| ServicesError::Store(e.to_string()))
     }
@@ -347,9 +345,13 @@ impl ImageService {
                 .max_images_per_day
                 .unwrap_or(limits::IMAGE_DEFAULT_MAX_PER_DAY),
         );
-        let reserved = match self.quota.reserve(&ctx.user, u64::from(req.n), day_cap).await {
+        let reserved = match self
+            .quota
+            .reserve(usage::IMAGE, &ctx.user, u64::from(req.n), day_cap)
+            .await
+        {
             Ok(r) => r,
-            Err(QuotaError::Exhausted { used, cap, asked }) => {
+            Err(UsageError::Exhausted { used, cap, asked }) => {
                 return Err(codes::IMAGE_QUOTA_EXCEEDED.error_with(
                     format!(
                         "{used} of {cap} images used in the last 24 h: {asked} more would exceed max_images_per_day"
@@ -360,7 +362,7 @@ impl ImageService {
                     ]),
                 ));
             }
-            Err(e @ QuotaError::Store(_)) => {
+            Err(e @ UsageError::Store(_)) => {
                 tracing::warn!(invoke_id = %ctx.invoke_id, error = %e, "image quota unavailable");
                 return Err(codes::IMAGE_STORAGE_ERROR.error("the image quota could not be read or written"));
             }
@@ -704,7 +706,7 @@ enum Pending {
 fn images_today(reserved: Reserved, delivered: u64) -> u64 {
     reserved
         .used
-        .saturating_sub(reserved.images().saturating_sub(delivered))
+        .saturating_sub(reserved.units().saturating_sub(delivered))
 }
 
 /// Model support (`-32311`, `-32312`, `-32313`) and sizes (`-32104`).
