@@ -22,12 +22,14 @@ use serde_json::{Value, json};
 const USER: &str = "web-user";
 const TOOL: &str = "web-tool";
 const KEY: &str = "searx-key-never-shown";
+const LINK_SECRET: &[u8] = b"host-services-web-test-link-secret";
 const ALL_WEB: [&str; 4] = ["web.search", "web.fetch", "web.image_search", "web.image_fetch"];
 
 struct Env {
     services: FleetServices,
     web: FakeWeb,
-    _nats: NatsServer,
+    config: ServicesConfig,
+    nats: NatsServer,
     _dir: tempfile::TempDir,
 }
 
@@ -50,12 +52,12 @@ async fn env_with(configure: impl FnOnce(&mut WebConfig)) -> Env {
         web: config,
         ..ServicesConfig::default()
     };
-    let (nats, services) =
-        fleet_e2e::host_services(dir.path(), &config, b"host-services-web-test-link-secret").await;
+    let (nats, services) = fleet_e2e::host_services(dir.path(), &config, LINK_SECRET).await;
     Env {
         services,
         web,
-        _nats: nats,
+        config,
+        nats,
         _dir: dir,
     }
 }
@@ -80,6 +82,34 @@ struct Invoke {
 }
 
 impl Env {
+    /// CU the user used today, as the services count them (every worker's).
+    async fn used(&self) -> u64 {
+        self.services.web().used(USER).await.expect("usage")
+    }
+
+    /// A second worker process's services on the same NATS (worker credentials, attaching to what the first
+    /// created), with the same configuration.
+    async fn second_worker(&self) -> FleetServices {
+        let js = async_nats::jetstream::new(
+            self.nats
+                .connect(fleet_client::creds::Role::Worker)
+                .await
+                .expect("connect"),
+        );
+        Box::pin(FleetServices::open(
+            &js,
+            &fleet_store::StoreSettings {
+                provision: fleet_store::Provision::Attach,
+                ..fleet_store::StoreSettings::default()
+            },
+            &self.config,
+            fleet_services::files::LinkSigner::new(LINK_SECRET),
+            fleet_services::credentials::Keyring::fixed(&[("k1", [7; 32])]),
+        ))
+        .await
+        .expect("services (second worker)")
+    }
+
     async fn grant(&self, shape: Option<WebGrantShape>) {
         self.services
             .grants()
@@ -99,9 +129,20 @@ impl Env {
 
     /// An invoke of [`TOOL`] (a v2 plugin declaring `declared`) with the tokens the fleet mints for it.
     async fn invoke_declaring(&self, declared: &[&str]) -> Invoke {
+        invoke_on(&self.services, declared).await
+    }
+
+    async fn invoke(&self) -> Invoke {
+        self.invoke_declaring(&ALL_WEB).await
+    }
+}
+
+/// An invoke of [`TOOL`] on the worker whose services are `services` (they mint and verify its tokens).
+async fn invoke_on(services: &FleetServices, declared: &[&str]) -> Invoke {
+    {
         let invoke_id = format!("inv-{}-{}", now_ms(), rand_suffix());
         let tokens = <FleetServices as TokenSource>::tokens(
-            &self.services,
+            services,
             TokenRequest {
                 user: USER.into(),
                 tool_id: TOOL.into(),
@@ -113,15 +154,11 @@ impl Env {
         )
         .await;
         Invoke {
-            services: self.services.clone(),
+            services: services.clone(),
             invoke_id,
             tokens,
             client_timeout_s: None,
         }
-    }
-
-    async fn invoke(&self) -> Invoke {
-        self.invoke_declaring(&ALL_WEB).await
     }
 }
 
@@ -521,11 +558,7 @@ async fn provider_failures_timeouts_and_bad_params_have_their_codes_and_are_not_
         inv.err("web/search", json!({"query": "cats"})).await,
         (-32525, "WEB_TIMEOUT".into())
     );
-    assert_eq!(
-        env.services.web().quota().used(USER),
-        0,
-        "failures are not charged"
-    );
+    assert_eq!(env.used().await, 0, "failures are not charged");
     for bad in [
         json!({}),
         json!({"query": ""}),
@@ -576,7 +609,7 @@ async fn the_daily_pool_is_exact_under_concurrent_calls() {
             Some(json!("WEB_QUOTA_EXCEEDED"))
         );
     }
-    assert_eq!(env.services.web().quota().used(USER), 5);
+    assert_eq!(env.used().await, 5);
     assert_eq!(
         invokes[0]
             .err("web/fetch", json!({"urls": [env.web.page("article")]}))
@@ -584,6 +617,105 @@ async fn the_daily_pool_is_exact_under_concurrent_calls() {
         (-32522, "WEB_QUOTA_EXCEEDED".into())
     );
     assert_eq!(env.web.hits("article"), 0, "refused before any page was fetched");
+}
+
+/// The daily-usage counter itself (JetStream KV, compare-and-set): a reservation of exactly the pool passes, one
+/// more unit is refused with the counts; pools are per user and per family; a partial refund keeps what was
+/// kept; 32 racing reservations of a pool of 10 win exactly 10.
+#[tokio::test]
+async fn the_usage_counter_is_exact_per_user_and_family() {
+    use fleet_services::usage::{self, UsageCounter, UsageError};
+    let env = env().await;
+    let js = async_nats::jetstream::new(
+        env.nats
+            .connect(fleet_client::creds::Role::Worker)
+            .await
+            .expect("connect"),
+    );
+    let settings = fleet_store::StoreSettings {
+        provision: fleet_store::Provision::Attach,
+        ..fleet_store::StoreSettings::default()
+    };
+    let counter = UsageCounter::open(&js, &settings).await.expect("usage bucket");
+    let held = counter
+        .reserve(usage::WEB, "alice", 3, 3)
+        .await
+        .expect("exactly the pool");
+    match counter.reserve(usage::WEB, "alice", 1, 3).await {
+        Err(UsageError::Exhausted { used, cap, asked }) => assert_eq!((used, cap, asked), (3, 3, 1)),
+        other => panic!("over the pool: {other:?}"),
+    }
+    assert!(
+        counter.reserve(usage::WEB, "bob", 3, 3).await.is_ok(),
+        "pools are per user"
+    );
+    assert!(
+        counter.reserve(usage::IMAGE, "alice", 3, 3).await.is_ok(),
+        "pools are per family"
+    );
+    counter.refund("alice", held, 1).await;
+    assert_eq!(
+        counter.used(usage::WEB, "alice").await.expect("used"),
+        1,
+        "two of three went back"
+    );
+    assert_eq!(counter.used(usage::IMAGE, "alice").await.expect("used"), 3);
+
+    let racing = (0..32).map(|_| {
+        let counter = counter.clone();
+        async move { counter.reserve(usage::WEB, "carol", 1, 10).await.is_ok() }
+    });
+    let won = futures::future::join_all(racing)
+        .await
+        .into_iter()
+        .filter(|ok| *ok)
+        .count();
+    assert_eq!(won, 10);
+    assert_eq!(counter.used(usage::WEB, "carol").await.expect("used"), 10);
+}
+
+/// The pool is one for the whole fleet: two workers' services (two processes' `WebService`s) racing searches
+/// of one user serve exactly the pool between them, each sees the other's charges, and what one refunds the
+/// other can use.
+#[tokio::test]
+async fn two_workers_share_the_daily_pool_exactly() {
+    let env = env_with(|c| c.daily_quota_cu = Some(5)).await;
+    env.grant(Some(enabled())).await;
+    let other = env.second_worker().await;
+    let on_first = Arc::new(env.invoke().await);
+    let on_second = Arc::new(invoke_on(&other, &ALL_WEB).await);
+
+    // A failed search on the second worker is refunded there and counts nothing on the first.
+    env.web.set(SearchBehaviour::Status(500));
+    assert_eq!(
+        on_second.err("web/search", json!({"query": "cats"})).await.0,
+        -32523
+    );
+    assert_eq!(env.used().await, 0);
+    env.web.set(SearchBehaviour::Results);
+
+    let calls = (0..10).map(|i| {
+        let inv = if i % 2 == 0 {
+            on_first.clone()
+        } else {
+            on_second.clone()
+        };
+        async move { inv.call("web/search", json!({"query": "cats"})).await }
+    });
+    let outcomes = futures::future::join_all(calls).await;
+    let served = outcomes.iter().filter(|o| o.is_ok()).count();
+    assert_eq!(served, 5, "{outcomes:?}");
+    for e in outcomes.iter().filter_map(|o| o.as_ref().err()) {
+        assert_eq!(e.code, -32522, "{e:?}");
+    }
+    assert_eq!(env.used().await, 5);
+    assert_eq!(other.web().used(USER).await.expect("usage"), 5);
+    for inv in [&on_first, &on_second] {
+        assert_eq!(
+            inv.err("web/search", json!({"query": "cats"})).await,
+            (-32522, "WEB_QUOTA_EXCEEDED".into())
+        );
+    }
 }
 
 /// `web/image_fetch`: the image is downloaded under the fetch policy, known by its magic bytes (an SVG served as
@@ -667,9 +799,5 @@ async fn image_fetch_stores_a_checked_image_and_refuses_the_rest() {
             "{bad}"
         );
     }
-    assert_eq!(
-        env.services.web().quota().used(USER),
-        1,
-        "failed downloads are not charged"
-    );
+    assert_eq!(env.used().await, 1, "failed downloads are not charged");
 }

@@ -540,14 +540,15 @@ const SERVICES_KEYS: &[(&str, &str, &str)] = &[
     (
         "web.daily_quota_cu",
         "`500`",
-        "Each user's daily pool of compute units (a search 1, a fetched page 1; `-32522` when spent), counted per \
-         worker process.",
+        "Each user's daily pool of compute units (a search 1, a fetched page 1; `-32522` when spent), UTC days, \
+         counted fleet-wide in the `<prefix>_usage` KV bucket.",
     ),
     (
         "web.test_allow_addrs",
         "`[]`",
-        "FOR TESTS ONLY: exact `ip:port` pairs `web/fetch` may reach despite the SSRF policy (a test server on this \
-         host); each is logged at warning level at start-up. Leave empty in production.",
+        "FOR TESTS ONLY: exact `ip:port` pairs `web/*` fetches and `image/*` inputs may reach despite the SSRF \
+         policy (a test server on this host); each is logged at warning level at start-up. Leave empty in \
+         production.",
     ),
     (
         "storage.quota_bytes",

@@ -37,6 +37,7 @@ pub mod llm;
 pub mod mock;
 pub mod tokens;
 pub mod upload;
+pub mod usage;
 pub mod web;
 
 use std::sync::Arc;
@@ -230,20 +231,26 @@ impl FleetServices {
         let kv = kv::KvService::open(js, settings, quota.clone()).await?;
         let files = files::FilesService::open(js, settings, quota, links, config.public_url.clone()).await?;
         let upload = upload::UploadService::new(files.clone()).with_env(&settings.prefix);
+        // One fetcher, one SSRF policy, for every URL a plugin or a provider names.
+        let fetcher = web::fetcher(&config.web, Arc::new(web::ssrf::SystemResolver));
+        // One daily-usage counter for every metered family (`image/*`, `web/*`), shared by all workers; a front
+        // creates its bucket whatever its own configuration.
+        let usage = usage::UsageCounter::open(js, settings).await?;
         let image = match (&config.image, modes.get(DevFamily::Image)) {
-            (Some(c), DevMode::Real) => {
-                Some(image::ImageService::open(js, settings, c, files.objects().clone()).await?)
-            }
-            _ => {
-                // A front creates the quota bucket whatever its own configuration, for workers that have `[image]`.
-                if settings.provision == fleet_store::Provision::Create {
-                    image::quota::DailyQuota::open(js, settings).await?;
-                }
-                None
-            }
+            (Some(c), DevMode::Real) => Some(
+                image::ImageService::open(
+                    settings,
+                    c,
+                    files.objects().clone(),
+                    fetcher.clone(),
+                    usage.clone(),
+                )
+                .await?,
+            ),
+            _ => None,
         };
         let image_unconfigured = config.image.is_none() && !config.dev.is_explicit(DevFamily::Image);
-        let web = web::WebService::new(&config.web)?;
+        let web = web::WebService::with_fetcher(&config.web, fetcher, usage)?;
         Ok(FleetServices {
             inner: Arc::new(Inner {
                 minter: TokenMinter::new().map_err(|e| ServicesError::Config(e.to_string()))?,

@@ -131,8 +131,8 @@ pub const CREDENTIALS: Resource = kv("credentials");
 pub const APS_KV: Resource = kv("aps_kv");
 /// APS bytes per user.
 pub const APS_USAGE: Resource = kv("aps_usage");
-/// Images per user of the last 24 h (`image/*`).
-pub const IMAGE_USAGE: Resource = kv("image_usage");
+/// Daily usage per user and metered family (`image/*` images, `web/*` compute units).
+pub const USAGE: Resource = kv("usage");
 /// APS file index.
 pub const APS_FILES: Resource = kv("aps_files");
 /// APS files begun, not completed.
@@ -165,7 +165,7 @@ pub const RESOURCES: [Resource; 20] = [
     APS_OBJECTS,
     APS_STAGING,
     UPLOADS,
-    IMAGE_USAGE,
+    USAGE,
 ];
 
 impl Resource {
@@ -240,7 +240,7 @@ pub fn jetstream_access(role: Role) -> Vec<(Resource, Access)> {
                 APS_OBJECTS,
                 APS_STAGING,
                 UPLOADS,
-                IMAGE_USAGE,
+                USAGE,
             ]
             .iter()
             .map(|r| (*r, Access::Write))
@@ -510,7 +510,7 @@ mod tests {
                 (APS_OBJECTS, objects(s.aps_objects_config())),
                 (APS_STAGING, objects(s.aps_staging_config())),
                 (UPLOADS, objects(s.uploads_config())),
-                (IMAGE_USAGE, kv(s.image_usage_kv_config())),
+                (USAGE, kv(s.usage_kv_config())),
             ];
             assert_eq!(configured.len(), RESOURCES.len(), "one config per resource");
             for resource in RESOURCES {

@@ -66,8 +66,8 @@ pub enum Op {
     EditCredentials,
     /// The storage service's per-user byte counter (fleet-services).
     StorageQuota,
-    /// The daily image quota (`image/*`).
-    ImageQuota,
+    /// The daily usage counter of `image/*` and `web/*` (fleet-services `usage`).
+    Usage,
     /// `PluginStore::edit` (fleet).
     EditPlugin,
     /// Issuing or revoking an operator credential (fleet).
@@ -106,7 +106,7 @@ impl Op {
             Op::ReadCredentials => "read_credentials",
             Op::EditCredentials => "edit_credentials",
             Op::StorageQuota => "storage_quota",
-            Op::ImageQuota => "image_quota",
+            Op::Usage => "usage",
             Op::EditPlugin => "edit_plugin",
             Op::EditCredential => "edit_credential",
         }

@@ -20,7 +20,7 @@
 //! | `<prefix>_credentials` | KV (fleet-services: per-user credentials) | `<user_key>` → the user's credentials, sealed (a wrapped data key and AES-256-GCM ciphertexts) | history 1, no `max_age`, `max_value_size` = 256 KiB, file storage |
 //! | `<prefix>_aps_kv` | KV (fleet-services: `storage/*`) | `<user_key>.<scope>.<sha256(key)>` → a value's envelope | history 1, no `max_age`, `max_value_size` = 256 KiB + 64 KiB |
 //! | `<prefix>_aps_usage` | KV (fleet-services: storage quota) | `<user_key>` → the user's stored bytes | history 1, no `max_age`, `max_value_size` = 64 B |
-//! | `<prefix>_image_usage` | KV (fleet-services: `image/*` daily quota) | `<user_key>` → the images of the user's last 24 h, per minute | history 1, `max_age` = 25 h, `max_value_size` = 64 KiB |
+//! | `<prefix>_usage` | KV (fleet-services: the daily quotas of `image/*` and `web/*`) | `<family>.<user_key>` → the user's units of the family's window, per slot (`image.`: images per minute of the last 24 h; `web.`: compute units of the UTC day) | history 1, `max_age` = 25 h, `max_value_size` = 64 KiB |
 //! | `<prefix>_aps_files` | KV (fleet-services: `files/*`) | `f.<user_key>.<scope>.<sha256(path)>` → a file's index entry | history 1, no `max_age`, `max_value_size` = 16 KiB |
 //! | `<prefix>_aps_pending` | KV (fleet-services: `files/*`) | `<user_key>.<scope>.<sha256(path)>` → a begun upload | history 1, `max_age` = staging retention (1 h), `max_value_size` = 16 KiB |
 //! | `<prefix>_aps_objects` | object store (fleet-services: `files/*`) | the bytes of committed files | no `max_age` |
@@ -101,12 +101,13 @@ pub const GRANT_MAX_BYTES: usize = 16 * KIB;
 /// Largest record of `<prefix>_credentials`: one user's sealed credentials, every scope.
 pub const CREDENTIALS_RECORD_MAX_BYTES: usize = 256 * KIB;
 
-/// Largest value of `<prefix>_image_usage`: one user's images of the last 24 h, at most one entry per minute.
-pub const IMAGE_USAGE_MAX_BYTES: usize = 64 * KIB;
+/// Largest value of `<prefix>_usage`: one user's units of one family's window, at most one entry per slot (a
+/// minute for `image/*`).
+pub const USAGE_MAX_BYTES: usize = 64 * KIB;
 
-/// How long an untouched `<prefix>_image_usage` record is kept: the quota window and an hour (a record older
-/// than the window counts nothing).
-pub const IMAGE_USAGE_MAX_AGE: Duration = Duration::from_secs(25 * 3600);
+/// How long an untouched `<prefix>_usage` record is kept: the longest window (24 h) and an hour (a record older
+/// than its window counts nothing).
+pub const USAGE_MAX_AGE: Duration = Duration::from_secs(25 * 3600);
 
 /// Largest value of `<prefix>_aps_usage`: one user's stored bytes, in decimal digits.
 pub const APS_USAGE_MAX_BYTES: usize = 64;
@@ -338,9 +339,9 @@ impl StoreSettings {
         format!("{}_aps_kv", self.prefix)
     }
 
-    /// `<prefix>_image_usage`.
-    pub fn image_usage_bucket(&self) -> String {
-        format!("{}_image_usage", self.prefix)
+    /// `<prefix>_usage`.
+    pub fn usage_bucket(&self) -> String {
+        format!("{}_usage", self.prefix)
     }
 
     /// `<prefix>_aps_usage`.
@@ -567,13 +568,14 @@ impl StoreSettings {
         )
     }
 
-    /// The images each user got in the last 24 h (`image/*`'s daily quota, shared by every worker).
-    pub fn image_usage_kv_config(&self) -> kv::Config {
+    /// Each user's daily usage per metered family (`image/*` images, `web/*` compute units), shared by every
+    /// worker.
+    pub fn usage_kv_config(&self) -> kv::Config {
         self.kv(
-            self.image_usage_bucket(),
-            "image/* images per user, last 24 h",
-            IMAGE_USAGE_MAX_AGE,
-            IMAGE_USAGE_MAX_BYTES,
+            self.usage_bucket(),
+            "daily usage per user and family (image/*, web/*)",
+            USAGE_MAX_AGE,
+            USAGE_MAX_BYTES,
         )
     }
 

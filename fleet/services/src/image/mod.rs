@@ -13,12 +13,12 @@
 //!    `max_edit_n` `-32313`; a `size` outside the model's `sizes` (when listed) `-32104`;
 //! 4. **per-call cap** from the grant (`max_per_call`, default 4 for generate and 1 for edit): `-32106` with
 //!    `data.images` and `data.maxImages`;
-//! 5. **daily quota** ([`quota`]): `n` images are reserved in the user's rolling 24 h (`max_images_per_day`,
+//! 5. **daily quota** ([`crate::usage`], family `image`): `n` images are reserved in the user's rolling 24 h (`max_images_per_day`,
 //!    default 50, all plugins together, in JetStream KV); over it: `-32102` with
 //!    `data.images_today`/`data.images_quota`. Images not delivered (a failure, fewer images than asked) are
 //!    given back;
 //! 6. **inputs** ([`fetch`]): `image_url`, `mask_url` and references are fleet links of the caller (read from
-//!    the object store) or public URLs fetched under the SSRF policy; a failure is `-32314` naming the field;
+//!    the object store) or public URLs fetched by the `web/*` family's fetcher under its SSRF policy; a failure is `-32314` naming the field;
 //! 7. **the upstream**, bounded by `min(_clientTimeoutS or request_timeout_s (180 s), 240 s)` and by the
 //!    parent invoke's deadline: past the former `-32103`, cut by the deadline `-32105`; both, and every other
 //!    `-32103`, carry `data.subcall = "image"` and `data.timeout_s` (the subcall's timeout). A generate asking for more images than the model's `max_n`
@@ -26,7 +26,7 @@
 //!    answers, anything that is not a PNG/JPEG/WebP/GIF) are `-32103` with `data.status` and the upstream's
 //!    short error code, never its body;
 //! 8. **storage**: each image (`b64_json`, or a `url` the provider returned: fetched with the upstream's client
-//!    when on the upstream's own origin, else under the SSRF policy) is stored under
+//!    when on the upstream's own origin, else by the `web/*` fetcher under the SSRF policy) is stored under
 //!    `exec-images/<env>/<user_key>/<tool>/<invoke>/<ms>_<nonce>_<i>.<ext>`; a failure is `-32110`.
 //!
 //! Result: `{images: [{url, mimeType, width, height, expires_at}], model, quota_used: {images_today,
@@ -37,14 +37,13 @@
 
 pub mod fetch;
 pub mod pixels;
-pub mod quota;
 pub mod request;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::{self, object_store};
+use async_nats::jetstream::object_store;
 use base64::Engine as _;
 use base64::engine::general_purpose::STANDARD;
 use fleet_proto::api::user_key;
@@ -58,11 +57,12 @@ use reqwest::header::{AUTHORIZATION, CONTENT_TYPE};
 use serde_json::{Map, Value, json};
 
 use self::fetch::FetchError;
-use self::quota::{DailyQuota, QuotaError, Reserved};
 use self::request::{ImageRequest, Kind};
 use super::files::{Bucket, HostObjects, META_CONTENT_TYPE, nonce};
 use super::llm::{ApiKey, DEFAULT_PROVIDER, KeySourceError, check_base_url, select_by_hints, upstream_code};
 use super::upload::safe_segment;
+use super::usage::{self, Reserved, UsageCounter, UsageError};
+use super::web::fetch::Fetcher;
 use super::{CallContext, ServicesError};
 
 /// Environment variable read for the API key when neither `api_key_file` nor `api_key_env` is configured.
@@ -202,8 +202,10 @@ pub struct ImageService {
     models: Vec<ImageModelConfig>,
     default_model: ImageModelConfig,
     default_timeout: Duration,
-    quota: DailyQuota,
+    quota: UsageCounter,
     objects: HostObjects,
+    /// The `web/*` family's fetcher: inputs and result URLs under the one SSRF policy.
+    fetcher: Fetcher,
     env: String,
 }
 
@@ -214,12 +216,13 @@ struct Produced {
 }
 
 impl ImageService {
-    /// Checks the configuration, reads the API key, opens the quota bucket.
+    /// Checks the configuration and reads the API key; `quota` is the services' daily-usage counter.
     pub async fn open(
-        js: &jetstream::Context,
         settings: &StoreSettings,
         config: &ImageConfig,
         objects: HostObjects,
+        fetcher: Fetcher,
+        quota: UsageCounter,
     ) -> Result<ImageService, ServicesError> {
         let base = check_base_url(&config.base_url).map_err(ImageConfigError::BaseUrl)?;
         let origin = reqwest::Url::parse(&base)
@@ -271,7 +274,6 @@ impl ImageService {
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| ImageConfigError::Client(e.to_string()))?;
-        let quota = DailyQuota::open(js, settings).await?;
         Ok(ImageService {
             client,
             origin,
@@ -287,6 +289,7 @@ impl ImageService {
             default_timeout,
             quota,
             objects,
+            fetcher,
             env: safe_segment(&settings.prefix),
         })
     }
@@ -294,7 +297,7 @@ impl ImageService {
     /// Images `user` got in the last 24 h (the quota's count).
     pub async fn images_today(&self, user: &str) -> Result<u64, ServicesError> {
         self.quota
-            .used(user)
+            .used(usage::IMAGE, user)
             .await
             .map_err(|e| ServicesError::Store(e.to_string()))
     }
@@ -342,9 +345,13 @@ impl ImageService {
                 .max_images_per_day
                 .unwrap_or(limits::IMAGE_DEFAULT_MAX_PER_DAY),
         );
-        let reserved = match self.quota.reserve(&ctx.user, u64::from(req.n), day_cap).await {
+        let reserved = match self
+            .quota
+            .reserve(usage::IMAGE, &ctx.user, u64::from(req.n), day_cap)
+            .await
+        {
             Ok(r) => r,
-            Err(QuotaError::Exhausted { used, cap, asked }) => {
+            Err(UsageError::Exhausted { used, cap, asked }) => {
                 return Err(codes::IMAGE_QUOTA_EXCEEDED.error_with(
                     format!(
                         "{used} of {cap} images used in the last 24 h: {asked} more would exceed max_images_per_day"
@@ -355,7 +362,7 @@ impl ImageService {
                     ]),
                 ));
             }
-            Err(e @ QuotaError::Store(_)) => {
+            Err(e @ UsageError::Store(_)) => {
                 tracing::warn!(invoke_id = %ctx.invoke_id, error = %e, "image quota unavailable");
                 return Err(codes::IMAGE_STORAGE_ERROR.error("the image quota could not be read or written"));
             }
@@ -455,7 +462,7 @@ impl ImageService {
     async fn input(&self, ctx: &CallContext, field: &str, url: &str) -> Result<Produced, Failure> {
         let fetched = match fetch::fleet_link(&self.objects, &ctx.user, url).await {
             Some(r) => r,
-            None => fetch::fetch_public(url, limits::IMAGE_MAX_REQUEST_TIMEOUT).await,
+            None => fetch::public(&self.fetcher, url).await,
         };
         let refused = |why: String| {
             codes::REFERENCE_FETCH_FAILED.error_with(
@@ -463,7 +470,7 @@ impl ImageService {
                 Map::from_iter([("field".to_owned(), json!(field))]),
             )
         };
-        let (bytes, _) = fetched.map_err(|e| refused(e.to_string()))?;
+        let bytes = fetched.map_err(|e| refused(e.to_string()))?;
         let sniffed =
             pixels::sniff(&bytes).ok_or_else(|| refused("not a PNG, JPEG, WebP or GIF image".into()))?;
         Ok(Produced { bytes, sniffed })
@@ -681,12 +688,11 @@ impl ImageService {
     async fn fetch_result(&self, url: &str) -> Result<Vec<u8>, FetchError> {
         let same_origin =
             reqwest::Url::parse(url).is_ok_and(|u| u.origin().ascii_serialization() == self.origin);
-        let fetched = if same_origin {
-            fetch::read_capped(self.client.get(url).send().await).await
+        if same_origin {
+            fetch::own_origin(self.client.get(url).send().await).await
         } else {
-            fetch::fetch_public(url, limits::IMAGE_MAX_REQUEST_TIMEOUT).await
-        };
-        fetched.map(|(bytes, _)| bytes)
+            fetch::public(&self.fetcher, url).await
+        }
     }
 }
 
@@ -700,7 +706,7 @@ enum Pending {
 fn images_today(reserved: Reserved, delivered: u64) -> u64 {
     reserved
         .used
-        .saturating_sub(reserved.images().saturating_sub(delivered))
+        .saturating_sub(reserved.units().saturating_sub(delivered))
 }
 
 /// Model support (`-32311`, `-32312`, `-32313`) and sizes (`-32104`).

@@ -257,8 +257,9 @@ impl reqwest::dns::Resolve for NoLookup {
     }
 }
 
-/// The body, or `TOO_LARGE` as soon as it would pass `cap` (nothing more is read).
-async fn read_capped(mut response: reqwest::Response, cap: usize) -> Result<Vec<u8>, PageError> {
+/// The body, or `TOO_LARGE` as soon as it would pass `cap` (nothing more is read): the one body-cap reader of
+/// the host's fetches (`image/*` reads its upstream's own image URLs through it too).
+pub(crate) async fn read_capped(mut response: reqwest::Response, cap: usize) -> Result<Vec<u8>, PageError> {
     if response
         .content_length()
         .is_some_and(|n| n > u64::try_from(cap).unwrap_or(u64::MAX))

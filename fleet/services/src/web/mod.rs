@@ -7,8 +7,9 @@
 //! Accounting: a daily pool of compute units (CU) per user, `daily_quota_cu` of `[web]` (default
 //! [`DEFAULT_DAILY_QUOTA_CU`]): a search or an image search costs [`SEARCH_CU`], a fetched page [`PAGE_CU`]. A
 //! call reserves its worst case first (a fetch: one CU per URL) and is refused whole with `-32522` when the pool
-//! cannot cover it; what it did not use (failed pages, a failed provider call) goes back. The pool is kept by
-//! each worker process (see docs/plugins.md "Web").
+//! cannot cover it; what it did not use (failed pages, a failed provider call) goes back. The pool is the
+//! services' daily-usage counter ([`crate::usage`], family `web`, the UTC day) in JetStream KV: exact across
+//! every worker.
 //!
 //! Deadlines: a call gets `min(_clientTimeoutS, the invoke's remaining time, 60 s)`; each page of a fetch
 //! `min(timeout_ms or 15 s, that)`; the provider `min(search_timeout_s, that)`.
@@ -18,10 +19,9 @@ pub mod html;
 pub mod search;
 pub mod ssrf;
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use fleet_proto::executa::capabilities;
@@ -36,10 +36,10 @@ use fleet_proto::limits::{
     WEB_FETCH_RESPONSE_BUDGET_BYTES, WEB_IMAGE_FETCH_DEFAULT_BYTES, WEB_IMAGE_FETCH_MAX_BYTES,
     WEB_IMAGE_SEARCH_DEFAULT_RESULTS, WEB_MAX_RESULTS_PER_CALL, WEB_REQUEST_TIMEOUT,
 };
-use fleet_proto::util::{lock, now_ms};
 use serde_json::{Map, Value};
 
 use crate::upload::{Described, UploadService};
+use crate::usage::{self, Reserved, UsageCounter, UsageError};
 use crate::{CallContext, ServicesError};
 
 /// CU of one search or image search.
@@ -76,11 +76,12 @@ pub struct WebConfig {
     /// Serve `web/fetch` (default true: it needs no upstream).
     #[serde(default = "yes")]
     pub fetch: bool,
-    /// Each user's daily pool of compute units (default 500): a search costs 1, a fetched page 1.
+    /// Each user's daily pool of compute units (default 500): a search costs 1, a fetched page 1; UTC days,
+    /// counted fleet-wide (the services' daily-usage counter).
     #[serde(default)]
     pub daily_quota_cu: Option<u64>,
-    /// FOR TESTS ONLY: exact `ip:port` pairs `web/fetch` may reach despite the SSRF policy (a test server on
-    /// this host). Never ranges; each entry is logged at warning level at start-up. Leave empty in production.
+    /// FOR TESTS ONLY: exact `ip:port` pairs `web/*` fetches and `image/*` inputs may reach despite the SSRF
+    /// policy (a test server on this host). Never ranges; each entry is logged at warning level at start-up. Leave empty in production.
     #[serde(default)]
     pub test_allow_addrs: Vec<SocketAddr>,
 }
@@ -102,102 +103,50 @@ impl Default for WebConfig {
     }
 }
 
-/// Refused by the daily pool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("the user's daily web quota is spent: {used} of {limit} CU used, {wanted} more needed")]
-pub struct QuotaExceeded {
-    /// Used today.
-    pub used: u64,
-    /// The pool.
-    pub limit: u64,
-    /// What the call needed.
-    pub wanted: u64,
-}
-
-/// Each user's daily CU pool (UTC days), exact under concurrent calls.
+/// A call's reserved CU: [`Hold::keep`] settles it (what is not kept goes back to the pool). A hold dropped
+/// unsettled (the call was cancelled) gives everything back in the background.
 #[derive(Debug)]
-pub struct DailyQuota {
-    limit: u64,
-    /// user → (day, CU used that day).
-    used: Mutex<HashMap<String, (u64, u64)>>,
-}
-
-impl DailyQuota {
-    /// A pool of `limit` CU per user and day.
-    pub fn new(limit: u64) -> DailyQuota {
-        DailyQuota {
-            limit,
-            used: Mutex::new(HashMap::new()),
-        }
-    }
-
-    fn today() -> u64 {
-        now_ms() / 86_400_000
-    }
-
-    /// Reserves `n` CU of `user`'s pool; what is not [`Hold::keep`]t goes back when the hold is dropped.
-    pub fn reserve(&self, user: &str, n: u64) -> Result<Hold<'_>, QuotaExceeded> {
-        let today = Self::today();
-        let mut used = lock(&self.used);
-        // Yesterday's counts are of no use.
-        used.retain(|_, (day, _)| *day == today);
-        let entry = used.entry(user.to_owned()).or_insert((today, 0));
-        if entry.1.saturating_add(n) > self.limit {
-            return Err(QuotaExceeded {
-                used: entry.1,
-                limit: self.limit,
-                wanted: n,
-            });
-        }
-        entry.1 += n;
-        Ok(Hold {
-            quota: self,
-            user: user.to_owned(),
-            day: today,
-            held: n,
-        })
-    }
-
-    /// CU `user` used today.
-    pub fn used(&self, user: &str) -> u64 {
-        let today = Self::today();
-        lock(&self.used)
-            .get(user)
-            .filter(|(day, _)| *day == today)
-            .map_or(0, |(_, n)| *n)
-    }
-}
-
-/// Reserved CU; see [`DailyQuota::reserve`].
-#[derive(Debug)]
-pub struct Hold<'a> {
-    quota: &'a DailyQuota,
+struct Hold {
+    usage: UsageCounter,
     user: String,
-    day: u64,
-    held: u64,
+    reserved: Option<Reserved>,
 }
 
-impl Hold<'_> {
-    /// Keeps `n` of the held CU (the rest goes back); returns `n`.
-    pub fn keep(mut self, n: u64) -> u64 {
-        let kept = n.min(self.held);
-        self.held -= kept;
-        kept
+impl Hold {
+    /// Keeps `n` of the held CU and gives the rest back; returns what was kept.
+    async fn keep(mut self, n: u64) -> u64 {
+        let Some(reserved) = self.reserved.take() else {
+            return 0;
+        };
+        self.usage.refund(&self.user, reserved, n).await;
+        n.min(reserved.units())
     }
 }
 
-impl Drop for Hold<'_> {
+impl Drop for Hold {
     fn drop(&mut self) {
-        if self.held == 0 {
+        let Some(reserved) = self.reserved.take() else {
             return;
-        }
-        let mut used = lock(&self.quota.used);
-        if let Some((day, n)) = used.get_mut(&self.user)
-            && *day == self.day
-        {
-            *n = n.saturating_sub(self.held);
+        };
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let usage = self.usage.clone();
+            let user = std::mem::take(&mut self.user);
+            runtime.spawn(async move { usage.refund(&user, reserved, 0).await });
         }
     }
+}
+
+/// The one fetcher of the host services under the one SSRF policy (`[web] test_allow_addrs` its only
+/// exception, each entry logged at warning level here): `web/*` and the `image/*` family's URL inputs.
+pub fn fetcher(config: &WebConfig, resolver: Arc<dyn ssrf::Resolve>) -> fetch::Fetcher {
+    for addr in &config.test_allow_addrs {
+        tracing::warn!(
+            %addr,
+            "services.web.test_allow_addrs: web/fetch and image inputs may reach this address despite the SSRF \
+             policy — FOR TESTS ONLY, remove it in production"
+        );
+    }
+    fetch::Fetcher::new(ssrf::SsrfPolicy::new(config.test_allow_addrs.clone()), resolver)
 }
 
 /// The web service.
@@ -205,28 +154,20 @@ impl Drop for Hold<'_> {
 pub struct WebService {
     fetcher: Option<fetch::Fetcher>,
     provider: Option<search::Provider>,
-    quota: DailyQuota,
+    usage: UsageCounter,
+    daily_cu: u64,
 }
 
 impl WebService {
-    /// Checks `[web]`, reads the provider key, and warns about every test-only exception.
-    pub fn new(config: &WebConfig) -> Result<WebService, ServicesError> {
-        Self::with_resolver(config, Arc::new(ssrf::SystemResolver))
-    }
-
-    /// [`Self::new`] with another resolver (tests).
-    pub fn with_resolver(
+    /// Checks `[web]` and reads the provider key; `fetcher` is the one the services share (built by
+    /// [`fetcher`]: `[web] fetch = false` only turns `web/fetch` and `web/image_fetch` off, not the policy of the
+    /// other families' fetches), `usage` their daily-usage counter (the CU pool).
+    pub fn with_fetcher(
         config: &WebConfig,
-        resolver: Arc<dyn ssrf::Resolve>,
+        fetcher: fetch::Fetcher,
+        usage: UsageCounter,
     ) -> Result<WebService, ServicesError> {
         let bad = |what: String| ServicesError::Config(format!("services.web: {what}"));
-        for addr in &config.test_allow_addrs {
-            tracing::warn!(
-                %addr,
-                "services.web.test_allow_addrs: web/fetch may reach this address despite the SSRF policy — \
-                 FOR TESTS ONLY, remove it in production"
-            );
-        }
         let provider = match &config.search_url {
             None => None,
             Some(url) => {
@@ -254,13 +195,12 @@ impl WebService {
         if config.api_key_file.is_some() && provider.is_none() {
             return Err(bad("api_key_file without search_url".to_owned()));
         }
-        let fetcher = config
-            .fetch
-            .then(|| fetch::Fetcher::new(ssrf::SsrfPolicy::new(config.test_allow_addrs.clone()), resolver));
+        let fetcher = config.fetch.then_some(fetcher);
         Ok(WebService {
             fetcher,
             provider,
-            quota: DailyQuota::new(config.daily_quota_cu.unwrap_or(DEFAULT_DAILY_QUOTA_CU)),
+            usage,
+            daily_cu: config.daily_quota_cu.unwrap_or(DEFAULT_DAILY_QUOTA_CU),
         })
     }
 
@@ -292,9 +232,12 @@ impl WebService {
             .then_some(Value::Object(offer))
     }
 
-    /// The daily pool.
-    pub fn quota(&self) -> &DailyQuota {
-        &self.quota
+    /// CU `user` used today, all workers together.
+    pub async fn used(&self, user: &str) -> Result<u64, ServicesError> {
+        self.usage
+            .used(usage::WEB, user)
+            .await
+            .map_err(|e| ServicesError::Store(e.to_string()))
     }
 
     /// Serves one `web/*` call whose token verified and carries the method's capability; `web/image_fetch`
@@ -319,16 +262,26 @@ impl WebService {
         }
     }
 
-    fn reserve(&self, ctx: &CallContext, n: u64) -> Result<Hold<'_>, ErrorObject> {
-        self.quota.reserve(&ctx.user, n).map_err(|e| {
-            codes::WEB_QUOTA_EXCEEDED.error_with(
-                e.to_string(),
+    /// Reserves `n` CU of the caller's daily pool (`-32522` when it cannot cover them).
+    async fn reserve(&self, ctx: &CallContext, n: u64) -> Result<Hold, ErrorObject> {
+        match self.usage.reserve(usage::WEB, &ctx.user, n, self.daily_cu).await {
+            Ok(reserved) => Ok(Hold {
+                usage: self.usage.clone(),
+                user: ctx.user.clone(),
+                reserved: Some(reserved),
+            }),
+            Err(UsageError::Exhausted { used, cap, asked }) => Err(codes::WEB_QUOTA_EXCEEDED.error_with(
+                format!("the user's daily web quota is spent: {used} of {cap} CU used, {asked} more needed"),
                 Map::from_iter([
-                    ("used".to_owned(), Value::from(e.used)),
-                    ("limit".to_owned(), Value::from(e.limit)),
+                    ("used".to_owned(), Value::from(used)),
+                    ("limit".to_owned(), Value::from(cap)),
                 ]),
-            )
-        })
+            )),
+            Err(e @ UsageError::Store(_)) => {
+                tracing::warn!(invoke_id = %ctx.invoke_id, error = %e, "web quota unavailable");
+                Err(codes::WEB_PROVIDER_ERROR.error("the web quota could not be read or written"))
+            }
+        }
     }
 
     async fn fetch(&self, ctx: &CallContext, params: Value, timeout: Duration) -> Result<Value, ErrorObject> {
@@ -336,7 +289,9 @@ impl WebService {
             return Err(codes::WEB_NOT_GRANTED.error("web/fetch is not offered on this host"));
         };
         let req = FetchRequest::parse(params, timeout)?;
-        let hold = self.reserve(ctx, PAGE_CU.saturating_mul(req.urls.len() as u64))?;
+        let hold = self
+            .reserve(ctx, PAGE_CU.saturating_mul(req.urls.len() as u64))
+            .await?;
         let options = fetch::PageOptions {
             format: req.format,
             max_chars: req.max_chars,
@@ -359,7 +314,7 @@ impl WebService {
             }
         }
         let fetched = pages.iter().filter(|p| p.ok).count() as u64;
-        let quota_consumed = hold.keep(fetched.saturating_mul(PAGE_CU));
+        let quota_consumed = hold.keep(fetched.saturating_mul(PAGE_CU)).await;
         to_value(&FetchResult {
             pages,
             quota_consumed,
@@ -400,7 +355,29 @@ impl WebService {
                 )));
             }
         }
-        let hold = self.reserve(ctx, IMAGE_CU)?;
+        let hold = self.reserve(ctx, IMAGE_CU).await?;
+        match self.download(ctx, fetcher, source, cap, timeout, uploads).await {
+            Ok(mut result) => {
+                result.quota_consumed = hold.keep(IMAGE_CU).await;
+                to_value(&result)
+            }
+            Err(e) => {
+                hold.keep(0).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// The download, check and storage of `web/image_fetch` (its `quota_consumed` left 0).
+    async fn download(
+        &self,
+        ctx: &CallContext,
+        fetcher: &fetch::Fetcher,
+        source: &str,
+        cap: usize,
+        timeout: Duration,
+        uploads: &UploadService,
+    ) -> Result<ImageFetchResult, ErrorObject> {
         let (final_url, bytes) = fetcher
             .bytes(source, cap, timeout)
             .await
@@ -422,7 +399,7 @@ impl WebService {
             .map_err(|_| codes::WEB_PROVIDER_ERROR.error("the image could not be stored"))?;
         let (get_url, _) = uploads.link(&path, &described.filename, mime);
         use sha2::Digest as _;
-        to_value(&ImageFetchResult {
+        Ok(ImageFetchResult {
             path,
             get_url,
             mime_type: mime.to_owned(),
@@ -430,7 +407,7 @@ impl WebService {
             sha256: hex::encode(sha2::Sha256::digest(&bytes)),
             source_url: source.to_owned(),
             final_url,
-            quota_consumed: hold.keep(IMAGE_CU),
+            quota_consumed: 0,
         })
     }
 
@@ -448,12 +425,14 @@ impl WebService {
         query: &search::Query,
         timeout: Duration,
     ) -> Result<(Vec<search::RawResult>, u64), ErrorObject> {
-        let hold = self.reserve(ctx, SEARCH_CU)?;
-        let raw = provider
-            .search(query, timeout.min(provider.timeout()))
-            .await
-            .map_err(provider_error)?;
-        Ok((raw, hold.keep(SEARCH_CU)))
+        let hold = self.reserve(ctx, SEARCH_CU).await?;
+        match provider.search(query, timeout.min(provider.timeout())).await {
+            Ok(raw) => Ok((raw, hold.keep(SEARCH_CU).await)),
+            Err(e) => {
+                hold.keep(0).await;
+                Err(provider_error(e))
+            }
+        }
     }
 
     async fn search(
@@ -794,38 +773,6 @@ fn parse_image_search(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_daily_pool_refuses_at_its_boundary_and_takes_back_what_was_not_used() {
-        let q = DailyQuota::new(3);
-        let hold = q.reserve("alice", 3).expect("exactly the pool");
-        assert_eq!(
-            q.reserve("alice", 1).err(),
-            Some(QuotaExceeded {
-                used: 3,
-                limit: 3,
-                wanted: 1
-            })
-        );
-        assert!(q.reserve("bob", 3).is_ok(), "pools are per user");
-        assert_eq!(hold.keep(1), 1);
-        assert_eq!(q.used("alice"), 1, "two of three went back");
-        drop(q.reserve("alice", 2).expect("fits again"));
-        assert_eq!(q.used("alice"), 1, "a dropped hold gives everything back");
-    }
-
-    #[test]
-    fn racing_reservations_fill_the_pool_exactly() {
-        let q = DailyQuota::new(10);
-        let won: u64 = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..32)
-                .map(|_| s.spawn(|| q.reserve("alice", 1).map(|h| h.keep(1)).unwrap_or(0)))
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap_or(0)).sum()
-        });
-        assert_eq!(won, 10);
-        assert_eq!(q.used("alice"), 10);
-    }
 
     #[test]
     fn fetch_params_are_checked_and_max_chars_clamped() {

@@ -1,7 +1,9 @@
 //! The SSRF policy of `web/fetch` (spec §8.9: "cannot be disabled"): which URLs and addresses the host may
-//! fetch on a plugin's behalf.
+//! fetch on a plugin's behalf — the one policy of every fetch the host services make to a URL a plugin or a
+//! provider named (`web/fetch`, `web/image_fetch`, and `image/*` inputs and result URLs, through
+//! [`super::fetch::Fetcher`]).
 //!
-//! * Scheme `http` or `https`; a host; port 80, 443, 8080 or 8443 (explicit or the scheme's default).
+//! * Scheme `http` or `https`; a host; no user name or password; port 80, 443, 8080 or 8443 (explicit or the scheme's default).
 //! * The host is resolved once ([`Resolve`]); **every** address it resolves to must pass [`SsrfPolicy::check_addr`],
 //!   and the fetch then connects only to those checked addresses (the fetcher pins them: no second lookup, so
 //!   a name that answers differently the second time — DNS rebinding — gains nothing).
@@ -46,6 +48,9 @@ pub enum Blocked {
     /// No host.
     #[error("the URL has no host")]
     NoHost,
+    /// A user name or password in the URL.
+    #[error("URLs with credentials are not fetched")]
+    Credentials,
     /// A port other than 80, 443, 8080, 8443.
     #[error("only ports 80, 443, 8080 and 8443 may be fetched")]
     Port,
@@ -72,6 +77,7 @@ impl Blocked {
         match self {
             Blocked::Scheme => "scheme",
             Blocked::NoHost => "no_host",
+            Blocked::Credentials => "credentials",
             Blocked::Port => "port",
             Blocked::Address(r) => r.as_str(),
             Blocked::Private => "private",
@@ -149,6 +155,9 @@ impl SsrfPolicy {
             return Err(Blocked::Scheme);
         }
         let host = url.host().ok_or(Blocked::NoHost)?;
+        if !url.username().is_empty() || url.password().is_some() {
+            return Err(Blocked::Credentials);
+        }
         let port = url.port_or_known_default().ok_or(Blocked::Port)?;
         if !WEB_FETCH_PORTS.contains(&port) && !self.test_allow.iter().any(|a| a.port() == port) {
             return Err(Blocked::Port);
@@ -378,10 +387,15 @@ mod tests {
             "data:text/plain,hi",
             "ws://example.com/",
             "javascript:alert(1)",
+            "http://user:pw@example.com/",
+            "https://user@example.com/",
         ] {
             let url = Url::parse(url).unwrap();
             assert!(
-                matches!(p.check_url(&url), Err(Blocked::Scheme | Blocked::NoHost)),
+                matches!(
+                    p.check_url(&url),
+                    Err(Blocked::Scheme | Blocked::NoHost | Blocked::Credentials)
+                ),
                 "{url}"
             );
         }
