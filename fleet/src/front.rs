@@ -107,6 +107,9 @@ pub struct FrontService {
     service: Option<async_nats::service::Service>,
     /// One loop per endpoint; each ends when its subscription has delivered its last message.
     endpoints: tokio::task::JoinSet<()>,
+    /// The loops of this front's delegated-call subjects: they serve the agent sessions of the invokes in flight,
+    /// so they stay until those are answered, then end with `stop` (their subscriptions dropped).
+    delegates: tokio::task::JoinSet<()>,
     /// Requests being handled.
     in_flight: InFlight,
     /// `invokeAsync` hand-offs running after their reply.
@@ -149,6 +152,9 @@ impl FrontService {
         if drained.is_err() {
             tracing::warn!("front drain grace elapsed with requests in flight");
         }
+        // No invoke of this front runs any more: nothing can hold one of its delegations.
+        self.delegates.abort_all();
+        while self.delegates.join_next().await.is_some() {}
         // The last answers may still be queued in the client: write them out before the caller may drop it.
         if let Err(e) = fleet_client::nats_conn::flush(&self.client).await {
             tracing::warn!(error = %e, "cannot flush the last answers");
@@ -296,13 +302,15 @@ impl Front {
                 }
             });
         }
-        // Delegated tool calls of the agent sessions of the invokes this front dispatched (its own subjects).
+        // Delegated tool calls of the agent sessions of the invokes this front dispatched (its own subjects; not
+        // part of the service, so `stop` ends them itself once its requests in flight are answered).
+        let mut delegates = tokio::task::JoinSet::new();
         for method in delegation::METHODS {
             let subject = delegation::subject(self.inner.delegations.front_id(), method);
             let mut sub = self.inner.client.subscribe(subject).await?;
             let front = self.clone();
             let in_flight = in_flight.clone();
-            tasks.spawn(async move {
+            delegates.spawn(async move {
                 while let Some(message) = sub.next().await {
                     let front = front.clone();
                     let handling = in_flight.enter();
@@ -333,6 +341,7 @@ impl Front {
         Ok(FrontService {
             service: Some(service),
             endpoints: tasks,
+            delegates,
             in_flight,
             hand_offs: self.inner.hand_offs.clone(),
             client: self.inner.client.clone(),
