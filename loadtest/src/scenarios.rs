@@ -528,16 +528,14 @@ async fn nats_node_kill(ctx: &Arc<Ctx>, p: &Params, rate: f64, d: Duration) -> a
     use crate::nats_nodes;
     let nodes = nats_nodes::nodes(&p.data_dir)?;
     let streams = nats_nodes::stream_count(&nodes);
-    let killed_at = Arc::new(std::sync::Mutex::new(None::<Instant>));
+    let killed_at: Arc<Disruption> = Arc::default();
     let killer = {
         let (c, nodes, killed_at) = (Arc::clone(ctx), nodes.clone(), Arc::clone(&killed_at));
         async move {
             tokio::time::sleep(d / 3).await;
             let victim = nats_nodes::leader_of(&nodes, "KV_fleet_active").unwrap_or(0);
             let killed = nats_nodes::kill(&nodes, victim)?;
-            *killed_at
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
+            disrupt(&killed_at);
             c.rec.count("nats_nodes_killed", 1);
             tokio::time::sleep(d / 3).await;
             let child = killed.restart()?;
@@ -563,10 +561,7 @@ async fn nats_node_kill(ctx: &Arc<Ctx>, p: &Params, rate: f64, d: Duration) -> a
     let load = churn_load(ctx, p, (rate, d), "nnk", CHURN_MIX);
     let (restarted, oks, ()) = tokio::join!(killer, probe, load);
     let mut restarted = restarted?;
-    if let Some(killed_at) = *killed_at
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-    {
+    if let Some(killed_at) = disrupted_at(&killed_at) {
         outage_counters(ctx, &oks, killed_at);
     }
     if p.spawned {
@@ -587,6 +582,13 @@ type Disruption = std::sync::Mutex<Option<Instant>>;
 
 fn disrupted_at(d: &Disruption) -> Option<Instant> {
     *d.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Records the disruption as happening now, unless one already did (the first one counts).
+fn disrupt(d: &Disruption) {
+    d.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get_or_insert_with(Instant::now);
 }
 
 /// A probe: one sync echo every 50 ms for `d` — and past it, up to [`PROBE_RECOVERY_CAP`], until a call sent after
@@ -706,10 +708,7 @@ async fn rolling(
             for k in 1..=2u32 {
                 tokio::time::sleep_until((started + d * k / 3).into()).await;
                 replicas.add().await?;
-                first
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .get_or_insert_with(Instant::now);
+                disrupt(first);
                 if replicas.retire_oldest().await {
                     c.rec.count(&format!("{what}_rolled"), 1);
                 } else {
