@@ -255,6 +255,34 @@ async fn in_flight_bound_per_session() {
     w.pool.shutdown().await;
 }
 
+/// A call resolves its plugin once (`Pool::target`) and runs on what it resolved (`Pool::run`). A session closed
+/// between the two (evicted, or shut down) hands the request back untouched, and it runs on a fresh session: the
+/// caller never needed a copy of its arguments.
+#[tokio::test]
+async fn a_session_closed_between_lookup_and_use_hands_the_request_to_a_fresh_one() {
+    let w = TestWorker::start(test_config("reclaim"), &[Plugin::echo("echo", &[])]);
+    let first = pid_of(&w, "u", "echo").await;
+    let target = w.pool.target("u", "echo").await.unwrap();
+    let fleet_worker::pool::Target::Executa(session) = &target else {
+        panic!("the echo fixture speaks Executa");
+    };
+    session.shutdown().await;
+    assert_eq!(session.state(), SessionState::Closed);
+    assert!(eventually(GUARD, || !alive(first)).await);
+    let args = json!({"text": "ünïcode", "n": [1, 2, 3], "nested": {"deep": true}});
+    let out = tokio::time::timeout(GUARD, w.pool.run("u", "echo", target, req("echo", args.clone())))
+        .await
+        .expect("failure guard")
+        .unwrap();
+    assert!(out.success());
+    assert_eq!(out.data().unwrap()["arguments"], args);
+    // It ran on a new session of the pool (a new process), which later calls use.
+    let second = pid_of(&w, "u", "echo").await;
+    assert_ne!(second, first);
+    assert_eq!(w.pool.session("u", "echo").unwrap().state(), SessionState::Ready);
+    w.pool.shutdown().await;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Crashes and restarts
 // ---------------------------------------------------------------------------------------------------------------

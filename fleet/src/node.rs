@@ -16,7 +16,7 @@ use bytes::Bytes;
 use fleet_proto::api::worker::{CancelCommand, ExecKind, ExecReply, ExecRequest};
 use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, JobId, JobState, ProgressEvent, subjects};
 use fleet_proto::limits::{MAX_JOB_RESULT_BYTES, MAX_SYNC_RESULT_BYTES};
-use fleet_worker::pool::{Pool, PoolError};
+use fleet_worker::pool::{Pool, PoolError, Target};
 use fleet_worker::session::progress::ProgressUpdate;
 use fleet_worker::session::{InvokeError, InvokeOutput, InvokeRequest};
 use futures::StreamExt as _;
@@ -496,7 +496,7 @@ async fn serve_exec_traced(ctx: Arc<Ctx>, msg: async_nats::Message) {
     if ctx.draining.load(Ordering::SeqCst) {
         return respond(&ctx, &msg, &ExecReply::draining()).await;
     }
-    let req: ExecRequest = match serde_json::from_slice(&msg.payload) {
+    let mut req: ExecRequest = match serde_json::from_slice(&msg.payload) {
         Ok(r) => r,
         Err(e) => {
             return respond(
@@ -525,8 +525,9 @@ async fn serve_exec_traced(ctx: Arc<Ctx>, msg: async_nats::Message) {
     }
     match req.kind {
         ExecKind::Sync => {
-            let reply = fleet_client::nats_conn::keeping_alive(&ctx.client, &msg, run_sync(&ctx, &req)).await;
-            match req.reply_to.as_deref() {
+            let reply_to = req.reply_to.take();
+            let reply = fleet_client::nats_conn::keeping_alive(&ctx.client, &msg, run_sync(&ctx, req)).await;
+            match reply_to.as_deref() {
                 Some(to) if ctx.direct_replies && !reply.passes_to_next_worker() => {
                     deliver(&ctx, &msg, to, reply).await;
                 }
@@ -672,42 +673,49 @@ async fn pull_queued_jobs(ctx: Arc<Ctx>) {
     }
 }
 
-fn manifest_timeout_ms(ctx: &Ctx, req: &ExecRequest) -> Option<u64> {
-    ctx.pool
-        .session(&req.user, &req.plugin)
-        .ok()?
-        .manifest()?
-        .tool(&req.tool)?
-        .timeout
-        .and_then(|secs| Duration::try_from_secs_f64(secs).ok())
-        .and_then(|d| u64::try_from(d.as_millis()).ok())
-}
-
-async fn run_sync(ctx: &Ctx, req: &ExecRequest) -> ExecReply {
-    // Warm the session first so the manifest's per-tool timeout is known (spec §16 A-3).
-    // (Animus installs have no Executa session: `prewarm` refuses them and the default timeout applies.)
-    let _ = ctx
-        .pool
-        .prewarm(&req.user, &req.plugin, Duration::from_secs(60))
-        .await;
+async fn run_sync(ctx: &Ctx, req: ExecRequest) -> ExecReply {
+    // The plugin resolved once for the whole call (install, dialect, session), then its session warmed so the
+    // manifest's per-tool timeout is known (spec §16 A-3). (Animus installs have no Executa session: the
+    // default timeout applies.)
+    let target = match ctx.pool.target(&req.user, &req.plugin).await {
+        Ok(t) => t,
+        Err(e) => {
+            if matches!(e, PoolError::Capacity { .. }) {
+                ctx.metrics.rejection("worker_capacity");
+            }
+            let timeout_ms = policy::effective_timeout_ms(
+                req.timeout_ms,
+                None,
+                req.default_timeout_ms,
+                req.max_timeout_ms,
+            );
+            return refuse(failure(&e, timeout_ms, req.requested_timeout_ms));
+        }
+    };
+    if let Target::Executa(session) = &target {
+        let _ = session.prewarm(Duration::from_secs(60)).await;
+    }
+    let manifest_ms = target
+        .manifest_timeout(&req.tool)
+        .and_then(|d| u64::try_from(d.as_millis()).ok());
     let timeout_ms = policy::effective_timeout_ms(
         req.timeout_ms,
-        manifest_timeout_ms(ctx, req),
+        manifest_ms,
         req.default_timeout_ms,
         req.max_timeout_ms,
     );
     let invoke = InvokeRequest {
-        tool: req.tool.clone(),
-        arguments: req.arguments.clone(),
-        invoke_id: req.invoke_id.clone(),
+        tool: req.tool,
+        arguments: req.arguments,
+        invoke_id: req.invoke_id,
         timeout: Some(Duration::from_millis(timeout_ms)),
         deadline_ms: Some(now_ms() + timeout_ms),
         app_timeout_ms: Some(timeout_ms),
         extra_context: trace_context(),
-        delegation: req.delegation.clone(),
+        delegation: req.delegation,
         ..InvokeRequest::default()
     };
-    match ctx.pool.invoke(&req.user, &req.plugin, invoke).await {
+    match ctx.pool.run(&req.user, &req.plugin, target, invoke).await {
         Ok(out) => {
             if out.result_bytes() > MAX_SYNC_RESULT_BYTES {
                 return refuse(ApiError::result_too_large(
@@ -939,8 +947,8 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
 
     let timeout_ms = record.deadline_ms.saturating_sub(now_ms()).max(1);
     let invoke = InvokeRequest {
-        tool: req.tool.clone(),
-        arguments: req.arguments.clone(),
+        tool: req.tool,
+        arguments: req.arguments,
         invoke_id: job_id.to_string(),
         timeout: Some(Duration::from_millis(timeout_ms)),
         deadline_ms: Some(record.deadline_ms),

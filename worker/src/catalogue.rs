@@ -56,6 +56,7 @@ use std::fs::{self, File};
 use std::io::{self, Read};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use fleet_proto::limits;
@@ -672,7 +673,7 @@ impl fmt::Display for CatalogueProblem {
 #[derive(Debug, Clone, Default)]
 pub struct Catalogue {
     dir: PathBuf,
-    installs: BTreeMap<String, Install>,
+    installs: BTreeMap<String, Arc<Install>>,
 }
 
 impl Catalogue {
@@ -763,7 +764,7 @@ impl Catalogue {
                 }
                 btree_map::Entry::Vacant(slot) => {
                     first_paths.insert(install.tool_id.clone(), manifest);
-                    slot.insert(install);
+                    slot.insert(Arc::new(install));
                 }
             }
         }
@@ -777,12 +778,17 @@ impl Catalogue {
 
     /// The install with this `tool_id` (enabled or not).
     pub fn get(&self, tool_id: &str) -> Option<&Install> {
-        self.installs.get(tool_id)
+        self.installs.get(tool_id).map(|i| &**i)
+    }
+
+    /// The install with this `tool_id`, shared (no copy: what a call holds while it runs).
+    pub fn get_shared(&self, tool_id: &str) -> Option<Arc<Install>> {
+        self.installs.get(tool_id).cloned()
     }
 
     /// Every install, in `tool_id` order.
     pub fn iter(&self) -> impl Iterator<Item = &Install> {
-        self.installs.values()
+        self.installs.values().map(|i| &**i)
     }
 
     /// Number of installs (enabled or not).
@@ -798,10 +804,12 @@ impl Catalogue {
 
 impl<'a> IntoIterator for &'a Catalogue {
     type Item = &'a Install;
-    type IntoIter = btree_map::Values<'a, String, Install>;
+    type IntoIter =
+        std::iter::Map<btree_map::Values<'a, String, Arc<Install>>, fn(&'a Arc<Install>) -> &'a Install>;
 
     fn into_iter(self) -> Self::IntoIter {
-        self.installs.values()
+        let unshare: fn(&'a Arc<Install>) -> &'a Install = |i| i;
+        self.installs.values().map(unshare)
     }
 }
 

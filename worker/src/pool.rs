@@ -12,7 +12,7 @@ use tokio::task::{JoinHandle, JoinSet};
 
 use crate::catalogue::{Catalogue, Install};
 use crate::metrics::WorkerMetrics;
-use crate::session::{Session, SessionError};
+use crate::session::{Attempt, Session, SessionError};
 use crate::types::{InvokeError, InvokeOutput, InvokeRequest, WorkerContext};
 
 /// Why the pool could not serve a call.
@@ -44,6 +44,32 @@ pub enum PoolError {
     /// The install speaks Animus: it has no Executa [`Session`] (use [`Pool::invoke`]).
     #[error("plugin {0:?} speaks Animus: it is served by Pool::invoke, not by an Executa session")]
     NotExecuta(String),
+}
+
+/// What serves a call, resolved once per call ([`Pool::target`]).
+#[derive(Debug)]
+pub enum Target {
+    /// The user's Executa session of the plugin.
+    Executa(Session),
+    /// An Animus install, with its detection record.
+    Animus {
+        /// The install.
+        install: Arc<Install>,
+        /// Its detection (dialect, manifest, fingerprint).
+        detected: Box<crate::animus::Detected>,
+    },
+}
+
+impl Target {
+    /// The per-tool timeout `tool`'s manifest declares, once the session is ready (Executa only: an Animus
+    /// call takes the default, spec §16 A-3).
+    pub fn manifest_timeout(&self, tool: &str) -> Option<Duration> {
+        let Target::Executa(session) = self else {
+            return None;
+        };
+        let secs = session.manifest()?.tool(tool)?.timeout?;
+        Duration::try_from_secs_f64(secs).ok()
+    }
 }
 
 type Key = (String, String);
@@ -175,8 +201,8 @@ impl Pool {
     /// The install of `tool_id`: the catalogue's (the local catalogue always wins), else one added with
     /// [`Pool::set_install`].
     pub fn install(&self, tool_id: &str) -> Option<Arc<Install>> {
-        if let Some(i) = self.inner.catalogue.get(tool_id) {
-            return Some(Arc::new(i.clone()));
+        if let Some(i) = self.inner.catalogue.get_shared(tool_id) {
+            return Some(i);
         }
         self.inner
             .installed
@@ -376,6 +402,25 @@ impl Pool {
         Ok(session)
     }
 
+    /// What serves a call of `tool_id` for `user`, resolved once: the install, its dialect (the plugin's files
+    /// checked against its detection once) and, for Executa, the user's session (looked up or created once).
+    /// A call then warms it, reads its manifest and runs on it ([`Pool::run`]) without resolving anything again.
+    pub async fn target(&self, user: &str, tool_id: &str) -> Result<Target, PoolError> {
+        let install = self
+            .install(tool_id)
+            .ok_or_else(|| PoolError::UnknownPlugin(tool_id.to_string()))?;
+        if install.is_runnable() {
+            let detected = self.inner.animus.resolve(&install).await?;
+            if detected.dialect == crate::catalogue::Dialect::Animus {
+                return Ok(Target::Animus {
+                    install,
+                    detected: Box::new(detected),
+                });
+            }
+        }
+        Ok(Target::Executa(self.session(user, tool_id)?))
+    }
+
     /// Runs one invoke on (user, tool_id)'s session.
     pub async fn invoke(
         &self,
@@ -383,33 +428,49 @@ impl Pool {
         tool_id: &str,
         req: InvokeRequest,
     ) -> Result<InvokeOutput, PoolError> {
-        let invoke_id = req.invoke_id.clone();
-        if let Some(install) = self.install(tool_id)
-            && install.is_runnable()
-        {
-            let detected = self.inner.animus.resolve(&install).await?;
-            if detected.dialect == crate::catalogue::Dialect::Animus {
+        let target = self.target(user, tool_id).await?;
+        self.run(user, tool_id, target, req).await
+    }
+
+    /// Runs one invoke on the [`Target`] resolved for (user, tool_id). The request is never copied: a session
+    /// evicted between the lookup and the call hands it back, and it goes to a fresh session, once.
+    pub async fn run(
+        &self,
+        user: &str,
+        tool_id: &str,
+        target: Target,
+        req: InvokeRequest,
+    ) -> Result<InvokeOutput, PoolError> {
+        let mut session = match target {
+            Target::Animus { install, detected } => {
                 if self.inner.closed.load(Ordering::SeqCst) {
                     return Err(PoolError::Closed);
                 }
-                if self.inner.early_cancels.take(&invoke_id) {
+                if self.inner.early_cancels.take(&req.invoke_id) {
                     return Err(PoolError::Invoke(InvokeError::Cancelled));
                 }
                 return Ok(self.inner.animus.invoke(user, &install, &detected, req).await?);
             }
-        }
+            Target::Executa(session) => session,
+        };
+        let invoke_id = req.invoke_id.clone();
+        let mut req = req;
         for attempt in 0..2 {
-            let session = self.session(user, tool_id)?;
+            if attempt > 0 {
+                session = self.session(user, tool_id)?;
+            }
             self.inner.invokes.insert(invoke_id.clone(), session.clone());
             // A cancel that came before the invoke reached this pool.
             if self.inner.early_cancels.take(&invoke_id) {
                 session.cancel(&invoke_id);
             }
-            let result = session.invoke(req.clone()).await;
+            let result = session.attempt(req).await;
             self.inner.invokes.remove(&invoke_id);
             match result {
+                Attempt::Ran(result) => return result.map_err(PoolError::from),
                 // The session was evicted between lookup and use: take a fresh one, once.
-                Err(InvokeError::Closed) if attempt == 0 => {
+                Attempt::Closed(back) => {
+                    req = back;
                     let mut sessions = lock(&self.inner.sessions);
                     let key = (user.to_string(), tool_id.to_string());
                     if sessions
@@ -419,7 +480,6 @@ impl Pool {
                         sessions.remove(&key);
                     }
                 }
-                other => return other.map_err(PoolError::from),
             }
         }
         Err(PoolError::Invoke(InvokeError::Closed))

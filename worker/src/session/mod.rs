@@ -213,6 +213,15 @@ impl EarlyCancels {
     }
 }
 
+/// One attempt at an invoke on a session ([`Session::attempt`]).
+#[derive(Debug)]
+pub enum Attempt {
+    /// The invoke ran on this session: its output, or why it failed.
+    Ran(Result<InvokeOutput, InvokeError>),
+    /// The session was closed before the request reached its process: the request, untouched.
+    Closed(InvokeRequest),
+}
+
 /// A plugin session. Cheap to clone.
 #[derive(Clone)]
 pub struct Session {
@@ -420,6 +429,16 @@ impl Session {
     /// Runs one invoke. Many may run at once on one process; none delays another. Traced as the span
     /// `plugin.invoke` (gen-ai / MCP attribute names; never the user id, arguments or tokens).
     pub async fn invoke(&self, req: InvokeRequest) -> Result<InvokeOutput, InvokeError> {
+        match self.attempt(req).await {
+            Attempt::Ran(result) => result,
+            Attempt::Closed(_) => Err(InvokeError::Closed),
+        }
+    }
+
+    /// [`Session::invoke`], handing the request back untouched when this session was closed before it reached
+    /// the process (evicted between a lookup and this call): the caller can send it to a fresh session without
+    /// having kept a copy.
+    pub async fn attempt(&self, req: InvokeRequest) -> Attempt {
         use tracing::Instrument as _;
         let span = tracing::info_span!(
             "plugin.invoke",
@@ -436,40 +455,46 @@ impl Session {
             executa.outcome = tracing::field::Empty,
             error.type = tracing::field::Empty,
         );
-        let result = self.invoke_traced(req).instrument(span.clone()).await;
-        match &result {
-            Ok(out) => {
+        let attempt = self.invoke_traced(req).instrument(span.clone()).await;
+        match &attempt {
+            Attempt::Ran(Ok(out)) => {
                 span.record("executa.warm", out.warm);
                 span.record(
                     "executa.outcome",
                     if out.success() { "success" } else { "tool_failed" },
                 );
             }
-            Err(e) => {
+            Attempt::Ran(Err(e)) => {
                 span.record("executa.outcome", "error");
                 span.record("otel.status_code", "ERROR");
                 span.record("error.type", e.kind());
             }
+            Attempt::Closed(_) => {
+                span.record("executa.outcome", "error");
+                span.record("otel.status_code", "ERROR");
+                span.record("error.type", InvokeError::Closed.kind());
+            }
         }
-        result
+        attempt
     }
 
-    async fn invoke_traced(&self, req: InvokeRequest) -> Result<InvokeOutput, InvokeError> {
+    async fn invoke_traced(&self, req: InvokeRequest) -> Attempt {
         self.touch();
         let limit = self.inner.shared.config.max_in_flight_per_session;
-        let _permit = self
-            .inner
-            .in_flight
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| InvokeError::TooManyInFlight { limit })?;
+        let Ok(_permit) = self.inner.in_flight.clone().try_acquire_owned() else {
+            return Attempt::Ran(Err(InvokeError::TooManyInFlight { limit }));
+        };
         // The process must be ready within the invoke's own time (a first launch may need the 60 s describe).
         let wait = req
             .timeout
             .unwrap_or(limits::DEFAULT_INVOKE_TIMEOUT)
             .max(limits::DESCRIBE_TIMEOUT_FIRST_LAUNCH);
         let waited = Instant::now();
-        let (process, warm) = self.process(wait).await?;
+        let (process, warm) = match self.process(wait).await {
+            Ok(p) => p,
+            Err(InvokeError::Closed) => return Attempt::Closed(req),
+            Err(e) => return Attempt::Ran(Err(e)),
+        };
         let metrics = &self.inner.shared.metrics;
         if !warm {
             metrics.observe_cold_start(waited.elapsed());
@@ -481,7 +506,7 @@ impl Session {
         });
         let result = self.invoke_on(&process, req, warm).await;
         self.touch();
-        result
+        Attempt::Ran(result)
     }
 
     async fn invoke_on(
