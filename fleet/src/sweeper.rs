@@ -1,12 +1,15 @@
 //! The sweeper, run by every front replica (idempotent through compare-and-set, no leader): expires jobs past
 //! their deadline (and cancels their execution wherever it runs), fails running jobs whose heartbeat stopped for
-//! longer than the worker TTL (`executa_unavailable`, retriable, `details.reason = "worker_lost"`; a draining
-//! worker keeps its jobs' heartbeats, so a rolling restart fails none), and dispatches queued jobs
+//! longer than the worker TTL once the registry no longer lists the worker that started them
+//! (`executa_unavailable`, retriable, `details.reason = "worker_lost"`; a draining worker keeps its jobs'
+//! heartbeats, so a rolling restart fails none), and dispatches queued jobs
 //! nobody took — within each user's agent slots (`MAX_LONG_JOBS_PER_AGENT`), interleaving users (round robin by
 //! user, not FIFO over everyone). Normally the job queue starts a queued job first; this is the safety net.
 //!
 //! Bounds: a job is terminal at most one sweep period (1 s) after its deadline while any front runs; a job whose
-//! worker died is failed within the worker TTL (10 s) plus one sweep period.
+//! worker died is failed within the worker TTL (10 s) after the later of its last heartbeat and the worker's last
+//! registry refresh (each at most `HEARTBEAT_EVERY`, 2 s, before the death), plus the registry read's cache
+//! (500 ms) and one sweep period.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -93,13 +96,15 @@ pub async fn sweep(front: &Front) -> (usize, usize, usize) {
         match r.state {
             JobState::Running => {
                 // Lost: the job's own heartbeat (refreshed every HEARTBEAT_EVERY, 2 s, by the worker running it,
-                // also while that worker drains) is older than the registry TTL — the worker died, or restarted
-                // under the same id and no longer runs it. Not whether the worker is in the registry: a draining
-                // worker leaves it at once and still finishes its running jobs (a rolling restart must not fail
-                // them), and a dead worker's entry expires after the same TTL.
+                // also while that worker drains) is older than the registry TTL, and the registry no longer lists
+                // the worker that started it — it died (its entry expired: the worker TTL after its last
+                // refresh, which may be later than the job's last heartbeat), or restarted under the same id and
+                // no longer runs it. A draining worker leaves the registry at once but keeps its jobs' heartbeats,
+                // so a rolling restart fails none.
                 let ttl_ms = u64::try_from(store.settings().worker_ttl.as_millis()).unwrap_or(u64::MAX);
                 let last_sign_of_life = r.last_heartbeat_ms.unwrap_or(r.updated_at_ms);
-                let lost = now.saturating_sub(last_sign_of_life) > ttl_ms;
+                let lost = now.saturating_sub(last_sign_of_life) > ttl_ms
+                    && !started_by_a_listed_worker(front, &r).await;
                 if lost {
                     let outcome = front
                         .steps()
@@ -163,4 +168,20 @@ pub async fn run(front: Front) {
         tick.tick().await;
         sweep(&front).await;
     }
+}
+
+/// Whether the registry still lists the incarnation of the worker that started `job` (its id, started no later
+/// than the job): then the job's heartbeat is late, not lost. A registry that cannot be read says nothing, and the
+/// job's heartbeat alone decides.
+async fn started_by_a_listed_worker(front: &Front, job: &JobRecord) -> bool {
+    let Some(worker) = job.worker.as_deref() else {
+        return false;
+    };
+    let Some(listed) = front.dispatcher().registry().await else {
+        return false;
+    };
+    let started = job.started_at_ms.unwrap_or(u64::MAX);
+    listed
+        .iter()
+        .any(|w| w.id == worker && w.started_at_ms <= started)
 }
