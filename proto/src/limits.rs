@@ -146,6 +146,13 @@ pub const IMAGE_MAX_PER_CALL: u64 = 8;
 pub const IMAGE_DEFAULT_MAX_PER_CALL_GENERATE: u32 = 4;
 /// Images per `image/edit` call a grant allows when it sets no `max_per_call` (spec §7.4 `max_per_call_edit`: 1).
 pub const IMAGE_DEFAULT_MAX_PER_CALL_EDIT: u32 = 1;
+/// Images one invoke may get from `image/generate` and `image/edit` together when the grant sets no
+/// `max_per_invoke` (spec §7.4 `image_token.max_images`, `DEFAULT_IMAGE_MAX_IMAGES`: 4; over it `-32106` with
+/// `data.images`, `data.maxImages`).
+pub const IMAGE_DEFAULT_MAX_PER_INVOKE: u32 = 4;
+/// The window of the per-invoke image count (spec §7.4: Redis `img:invoke:{tool_invoke_id}`, 30-min TTL): an
+/// invoke's count starts again 30 min after its first image.
+pub const IMAGE_INVOKE_WINDOW: Duration = Duration::from_secs(30 * 60);
 /// Images per user in any rolling 24 h a grant allows when it sets no `max_images_per_day` (spec §8.6: the
 /// example's `images_quota: 50`).
 pub const IMAGE_DEFAULT_MAX_PER_DAY: u32 = 50;

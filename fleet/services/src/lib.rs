@@ -393,6 +393,9 @@ impl FleetServices {
         };
         let ttl = TokenMinter::ttl_for(req.deadline_ms);
         let mut limits = BudgetLimits::default();
+        if let Some(n) = grant.image.and_then(|i| i.max_per_invoke) {
+            limits.images_per_invoke = n;
+        }
         if let Some(u) = &grant.upload {
             limits.upload_files = u
                 .max_files
@@ -452,6 +455,7 @@ impl FleetServices {
                     .max_images_per_day
                     .unwrap_or(fleet_proto::limits::IMAGE_DEFAULT_MAX_PER_DAY),
             );
+            c.max_images = Some(limits.images_per_invoke);
             tokens.image = sign(&c);
         }
         if !web_caps.is_empty() || (web_denied && !web_served.is_empty()) {
