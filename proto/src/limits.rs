@@ -199,6 +199,9 @@ pub const AGENT_STEP_MAX_TOKENS: u32 = 2_048;
 pub const AGENT_SESSION_MAX_MESSAGES: usize = 200;
 /// Tools offered to the upstream in one run (the OpenAI API's limit).
 pub const AGENT_MAX_TOOLS: usize = 128;
+/// Longest entry of a session's `quota_caps.allowed_tools` (a tool id, `tool_id.tool` or `*`; not a spec number:
+/// the fleet keeps sessions in JetStream KV, whose records are bounded).
+pub const AGENT_TOOL_PATTERN_MAX_BYTES: usize = 256;
 /// Longest OpenAI function name (`^[a-zA-Z0-9_-]{1,64}$`).
 pub const AGENT_TOOL_NAME_MAX_CHARS: usize = 64;
 /// Longest wait of one delegated tool call: the sync invoke ceiling (spec §10.3: 90 s), cut to the parent's time.

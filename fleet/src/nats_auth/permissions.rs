@@ -133,6 +133,8 @@ pub const APS_KV: Resource = kv("aps_kv");
 pub const APS_USAGE: Resource = kv("aps_usage");
 /// Daily usage per user and metered family (`image/*` images, `web/*` compute units).
 pub const USAGE: Resource = kv("usage");
+/// Agent sessions, their run leases and the per-user session indexes (`agent/session.*`).
+pub const AGENT_SESSIONS: Resource = kv("agent_sessions");
 /// APS file index.
 pub const APS_FILES: Resource = kv("aps_files");
 /// APS files begun, not completed.
@@ -145,7 +147,7 @@ pub const APS_STAGING: Resource = objects("aps_staging");
 pub const UPLOADS: Resource = objects("uploads");
 
 /// Every JetStream resource of the fleet.
-pub const RESOURCES: [Resource; 20] = [
+pub const RESOURCES: [Resource; 21] = [
     JOBS,
     ACTIVE,
     WORKERS,
@@ -166,6 +168,7 @@ pub const RESOURCES: [Resource; 20] = [
     APS_STAGING,
     UPLOADS,
     USAGE,
+    AGENT_SESSIONS,
 ];
 
 impl Resource {
@@ -241,6 +244,7 @@ pub fn jetstream_access(role: Role) -> Vec<(Resource, Access)> {
                 APS_STAGING,
                 UPLOADS,
                 USAGE,
+                AGENT_SESSIONS,
             ]
             .iter()
             .map(|r| (*r, Access::Write))
@@ -511,6 +515,7 @@ mod tests {
                 (APS_STAGING, objects(s.aps_staging_config())),
                 (UPLOADS, objects(s.uploads_config())),
                 (USAGE, kv(s.usage_kv_config())),
+                (AGENT_SESSIONS, kv(s.agent_sessions_kv_config())),
             ];
             assert_eq!(configured.len(), RESOURCES.len(), "one config per resource");
             for resource in RESOURCES {

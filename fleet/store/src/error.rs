@@ -68,6 +68,8 @@ pub enum Op {
     StorageQuota,
     /// The daily usage counter of `image/*` and `web/*` (fleet-services `usage`).
     Usage,
+    /// The agent sessions of `agent/session.*` (fleet-services `agent::store`).
+    AgentSessions,
     /// `PluginStore::edit` (fleet).
     EditPlugin,
     /// Issuing or revoking an operator credential (fleet).
@@ -107,6 +109,7 @@ impl Op {
             Op::EditCredentials => "edit_credentials",
             Op::StorageQuota => "storage_quota",
             Op::Usage => "usage",
+            Op::AgentSessions => "agent_sessions",
             Op::EditPlugin => "edit_plugin",
             Op::EditCredential => "edit_credential",
         }
