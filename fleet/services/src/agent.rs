@@ -990,7 +990,7 @@ impl AgentService {
         args: Value,
     ) -> Result<Value, String> {
         let (Some(client), Some(token)) = (&self.client, delegation) else {
-            return Err("this invoke cannot call tools (only sync invokes dispatched by a front can)".into());
+            return Err("this invoke has no delegation for tool calls".into());
         };
         let Some(front) = token.front_id() else {
             return Err("this invoke's delegation is malformed".into());

@@ -70,6 +70,8 @@ pub enum Op {
     Usage,
     /// The agent sessions of `agent/session.*` (fleet-services `agent::store`).
     AgentSessions,
+    /// The delegations of jobs (fleet `delegation::JobDelegations`).
+    Delegation,
     /// `PluginStore::edit` (fleet).
     EditPlugin,
     /// Issuing or revoking an operator credential (fleet).
@@ -110,6 +112,7 @@ impl Op {
             Op::StorageQuota => "storage_quota",
             Op::Usage => "usage",
             Op::AgentSessions => "agent_sessions",
+            Op::Delegation => "delegation",
             Op::EditPlugin => "edit_plugin",
             Op::EditCredential => "edit_credential",
         }

@@ -22,6 +22,7 @@
 //! | `<prefix>_aps_usage` | KV (fleet-services: storage quota) | `<user_key>` → the user's stored bytes | history 1, no `max_age`, `max_value_size` = 64 B |
 //! | `<prefix>_usage` | KV (fleet-services: the daily quotas of `image/*` and `web/*`) | `<family>.<user_key>` → the user's units of the family's window, per slot (`image.`: images per minute of the last 24 h; `web.`: compute units of the UTC day) | history 1, `max_age` = 25 h, `max_value_size` = 64 KiB |
 //! | `<prefix>_agent_sessions` | KV (fleet-services: `agent/session.*`) | `s.<user_key>.<hash of tool_id>.<uuid>` → a session (settings, history); `r.<user_key>.<hash of tool_id>.<uuid>` → its run lease (run id, holder, expiry, cancel flag); `u.<user_key>` → the user's sessions in least-recently-used order | history 1, `max_age` = a session's lifetime (24 h) + 1 h, `max_value_size` = 512 KiB |
+//! | `<prefix>_delegations` | KV (fleet: the delegations of jobs) | hex SHA-256 of a job delegation's secret → `{user, plugin, job_id, deadline_ms, depth}` (never the secret) | history 1, `max_age` = the longest job deadline (24 h) + 1 h, `max_value_size` = 4 KiB; written by fronts only |
 //! | `<prefix>_aps_files` | KV (fleet-services: `files/*`) | `f.<user_key>.<scope>.<sha256(path)>` → a file's index entry | history 1, no `max_age`, `max_value_size` = 16 KiB |
 //! | `<prefix>_aps_pending` | KV (fleet-services: `files/*`) | `<user_key>.<scope>.<sha256(path)>` → a begun upload | history 1, `max_age` = staging retention (1 h), `max_value_size` = 16 KiB |
 //! | `<prefix>_aps_objects` | object store (fleet-services: `files/*`) | the bytes of committed files | no `max_age` |
@@ -118,6 +119,12 @@ pub const AGENT_SESSIONS_MAX_BYTES: usize = 512 * KIB;
 /// an hour (every session a record names has expired by then).
 pub const AGENT_SESSIONS_MAX_AGE: Duration =
     Duration::from_secs(limits::AGENT_SESSION_MAX_LIFETIME.as_secs() + 3600);
+
+/// Largest value of `<prefix>_delegations`: a job delegation (a user id, a tool id, a job id, two numbers).
+pub const DELEGATION_MAX_BYTES: usize = 4 * KIB;
+
+/// How long a job delegation is kept at most: the longest job deadline (24 h) and an hour.
+pub const DELEGATION_MAX_AGE: Duration = Duration::from_millis(limits::JOB_DEADLINE_MAX_MS + 3_600_000);
 
 /// Largest value of `<prefix>_aps_usage`: one user's stored bytes, in decimal digits.
 pub const APS_USAGE_MAX_BYTES: usize = 64;
@@ -357,6 +364,11 @@ impl StoreSettings {
     /// `<prefix>_agent_sessions`.
     pub fn agent_sessions_bucket(&self) -> String {
         format!("{}_agent_sessions", self.prefix)
+    }
+
+    /// `<prefix>_delegations`.
+    pub fn delegations_bucket(&self) -> String {
+        format!("{}_delegations", self.prefix)
     }
 
     /// `<prefix>_aps_usage`.
@@ -602,6 +614,16 @@ impl StoreSettings {
             "agent sessions, run leases and per-user indexes (agent/session.*)",
             AGENT_SESSIONS_MAX_AGE,
             AGENT_SESSIONS_MAX_BYTES,
+        )
+    }
+
+    /// The delegations of jobs (the fleet crate's `delegation::JobDelegations`), written by fronts only.
+    pub fn delegations_kv_config(&self) -> kv::Config {
+        self.kv(
+            self.delegations_bucket(),
+            "delegations of jobs' agent-session tool calls (by SHA-256 of the secret)",
+            DELEGATION_MAX_AGE,
+            DELEGATION_MAX_BYTES,
         )
     }
 
