@@ -304,6 +304,26 @@ mod tests {
     }
 
     #[test]
+    fn a_job_handle_is_keyed_by_the_hash_of_its_secret_only() {
+        let token = JobDelegations::mint();
+        assert_eq!(token.front_id(), Some(delegation::JOBS));
+        let secret = token.0.split_once('.').unwrap().1.to_owned();
+        assert_eq!(secret.len(), 64);
+        let key = job_key(&token).unwrap();
+        assert_eq!(key.len(), 64);
+        assert_ne!(key, secret, "the key is the secret's hash, not the secret");
+        assert!(!format!("{token:?}").contains(&secret));
+        assert_ne!(job_key(&JobDelegations::mint()), Some(key));
+        // A front's (sync) handle, and malformed ones, are not jobs' handles.
+        let d = Arc::new(Delegations::default());
+        let live = d.mint(what(0, now_ms() + 60_000)).unwrap();
+        assert_eq!(job_key(&live.token), None);
+        for bad in ["jobs.", "jobs", "jobs.a.b", "jobs.*"] {
+            assert_eq!(job_key(&DelegationToken(bad.into())), None, "{bad}");
+        }
+    }
+
+    #[test]
     fn depth_is_capped_and_a_plugin_cannot_call_itself() {
         let by = what(0, u64::MAX);
         assert_eq!(Delegations::admit(&by, "echo-py"), Ok(1));
