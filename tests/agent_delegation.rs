@@ -2,7 +2,8 @@
 //! compromised worker holds — can and cannot do with the delegation a front minted for one invoke, against real
 //! fronts, a real worker and a real nats-server. The delegation names the user; the call cannot. It works only
 //! while its invoke runs, before its deadline, on the front that minted it, for tools the user's grant lets the
-//! holder plugin's agent sessions call (never the holder itself), and never deeper than the cap.
+//! holder plugin's agent sessions call (never the holder itself), and never deeper than the cap. A job's
+//! delegation is served by any front, also after the one that accepted the job restarted, while the job runs.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::Duration;
@@ -295,4 +296,138 @@ async fn every_sync_invoke_carries_a_delegation_that_ends_with_it() {
         "the delegation outlived its invoke"
     );
     refused(&delegated(&spy, &token, &token, "tools.list", json!({})).await);
+}
+
+/// Waits until `job` of alice is in `state` (polling its record: a test's wait, bounded by the guard).
+async fn job_in(
+    c: &Cluster,
+    job: &fleet_proto::api::JobId,
+    state: fleet_proto::api::JobState,
+) -> fleet_store::JobRecord {
+    let deadline = std::time::Instant::now() + GUARD;
+    loop {
+        if let Some(r) = c.store.get_job("alice", job).await.unwrap()
+            && r.value.state == state
+        {
+            return r.value;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "failure guard: {job} never {state:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A job (`tools.invokeAsync`) carries a delegation too, which any front resolves (the job outlives the front
+/// that accepted it): recorded before the job is dispatched, in the job's record for the worker that starts it
+/// (never in its snapshot), refused like a sync one outside its grant, for the holder itself, forged, and once
+/// its job is terminal — whether a front ended it (cancel) or its worker did (its outcome).
+#[tokio::test]
+async fn a_jobs_delegation_is_served_by_any_front_until_the_job_ends() {
+    use fleet_proto::api::{JobId, JobState};
+    let mut c = Cluster::start(
+        "delegation-jobs",
+        1,
+        1,
+        &[
+            Plugin::echo(HOLDER, &[]),
+            Plugin::echo("echo-a", &[]),
+            Plugin::echo("echo-b", &[]),
+        ],
+    )
+    .await;
+    c.wait_for_api(GUARD).await;
+    wait_listed(&c, &[HOLDER, "echo-a", "echo-b"]).await;
+    let grants = GrantStore::open(
+        &async_nats::jetstream::new(c.client.clone()),
+        &StoreSettings::default(),
+    )
+    .await
+    .unwrap();
+    grants
+        .edit_with(
+            "alice",
+            HOLDER,
+            &["llm.sample".into(), "llm.agent.auto".into()],
+            &[],
+            GrantSettings {
+                granted_tools: Some(&["echo-a".into()]),
+                ..GrantSettings::default()
+            },
+        )
+        .await
+        .unwrap();
+    let worker = connect(&c.nats, Role::Worker).await;
+    let sleeping =
+        |ms: u64| json!({"tool_id": HOLDER, "method": "sleep", "args": {"ms": ms}, "timeoutMs": 120_000});
+    let accepted = c.ok("alice", "tools.invokeAsync", sleeping(60_000)).await;
+    let job: JobId = serde_json::from_value(accepted["jobId"].clone()).unwrap();
+    let record = job_in(&c, &job, JobState::Running).await;
+    let token = record
+        .delegation
+        .clone()
+        .expect("the job's delegation is in its record");
+    assert_eq!(token.front_id(), Some(delegation::JOBS));
+    // Never in what the API shows.
+    let snapshot = c.ok("alice", "tools.getJob", json!({"jobId": job})).await;
+    assert!(!snapshot.to_string().contains(&token.0), "{snapshot}");
+    let call = |method: &'static str, args: Value| {
+        let (worker, token) = (worker.clone(), token.clone());
+        async move { delegated(&worker, &token, &token, method, args).await }
+    };
+    match call("tools.invoke", invoke("echo-a")).await {
+        ApiResponse::Ok(v) => assert_eq!(v["arguments"], json!({"n": 1})),
+        ApiResponse::Err(e) => panic!("{e:?}"),
+    }
+    let listed = match call("tools.list", json!({})).await {
+        ApiResponse::Ok(v) => v,
+        ApiResponse::Err(e) => panic!("{e:?}"),
+    };
+    assert!(
+        listed["tools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|t| t["tool_id"] == "echo-a"),
+        "{listed}"
+    );
+    // The sync path's refusals hold for a job's delegation.
+    refused(&call("tools.invoke", invoke("echo-b")).await);
+    refused(&call("tools.invoke", invoke(HOLDER)).await);
+    let forged = DelegationToken(format!("{}.{}", delegation::JOBS, "ab".repeat(32)));
+    let why = refused(&delegated(&worker, &forged, &forged, "tools.invoke", invoke("echo-a")).await);
+    assert!(why.contains("ended"), "{why}");
+    grants
+        .edit("alice", HOLDER, &[], &["llm.agent.auto".into()])
+        .await
+        .unwrap();
+    refused(&call("tools.invoke", invoke("echo-a")).await);
+    grants
+        .edit("alice", HOLDER, &["llm.agent.auto".into()], &[])
+        .await
+        .unwrap();
+
+    // The front that accepted the job restarts: the next front serves the delegation.
+    let (front, service) = c.fronts.remove(0);
+    service.stop().await;
+    drop(front);
+    c.add_front().await;
+    match call("tools.invoke", invoke("echo-a")).await {
+        ApiResponse::Ok(v) => assert_eq!(v["arguments"], json!({"n": 1})),
+        ApiResponse::Err(e) => panic!("after a front restart: {e:?}"),
+    }
+
+    // Cancelled (a front's terminal step): refused at once, its record deleted.
+    c.ok("alice", "tools.cancelJob", json!({"jobId": job})).await;
+    let why = refused(&call("tools.invoke", invoke("echo-a")).await);
+    assert!(why.contains("ended"), "{why}");
+
+    // A job its worker ends (succeeded): refused too.
+    let accepted = c.ok("alice", "tools.invokeAsync", sleeping(1)).await;
+    let quick: JobId = serde_json::from_value(accepted["jobId"].clone()).unwrap();
+    let done = job_in(&c, &quick, JobState::Succeeded).await;
+    let ended = done.delegation.expect("a delegation");
+    let why = refused(&delegated(&worker, &ended, &ended, "tools.invoke", invoke("echo-a")).await);
+    assert!(why.contains("ended"), "{why}");
 }

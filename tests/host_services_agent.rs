@@ -24,7 +24,8 @@ const TOOL: &str = "tool-agent";
 struct Env {
     services: FleetServices,
     llm: FakeLlm,
-    _nats: NatsServer,
+    config: ServicesConfig,
+    nats: NatsServer,
     _dir: tempfile::TempDir,
 }
 
@@ -54,7 +55,8 @@ async fn env_with(max_sessions: usize, auto: bool) -> Env {
     Env {
         services,
         llm,
-        _nats: nats,
+        config,
+        nats,
         _dir: dir,
     }
 }
@@ -72,6 +74,54 @@ struct Invoke {
 }
 
 impl Env {
+    /// Another worker's services: its own process state (token key, budgets), the worker's NATS credential, the
+    /// same JetStream (a worker restarted, or the next worker an invoke lands on).
+    async fn worker(&self) -> FleetServices {
+        let js = async_nats::jetstream::new(
+            self.nats
+                .connect(fleet_client::creds::Role::Worker)
+                .await
+                .unwrap(),
+        );
+        Box::pin(FleetServices::open(
+            &js,
+            &fleet_store::StoreSettings {
+                provision: fleet_store::Provision::Attach,
+                ..fleet_store::StoreSettings::default()
+            },
+            &self.config,
+            fleet_services::files::LinkSigner::new(b"host-services-test-link-secret-32b"),
+            fleet_services::credentials::Keyring::fixed(&[("k1", [7; 32])]),
+        ))
+        .await
+        .expect("services (worker)")
+    }
+
+    /// An invoke of [`TOOL`] by `user` on `services` (tokens are minted and checked by the same process).
+    async fn invoke_on(&self, services: &FleetServices, user: &str, invoke_id: &str) -> Invoke {
+        let tokens = <FleetServices as TokenSource>::tokens(
+            services,
+            TokenRequest {
+                user: user.into(),
+                tool_id: TOOL.into(),
+                invoke_id: invoke_id.into(),
+                negotiated: ["agent", "sampling"]
+                    .iter()
+                    .map(|s| (*s).to_owned())
+                    .collect::<BTreeSet<_>>(),
+                declared: vec!["llm.sample".into(), "llm.agent.auto".into()],
+                deadline_ms: now_ms() + 60_000,
+            },
+        )
+        .await;
+        Invoke {
+            services: services.clone(),
+            user: user.into(),
+            invoke_id: invoke_id.into(),
+            tokens,
+        }
+    }
+
     /// An invoke of [`TOOL`] by `user` that negotiated `agent` and declared `declared`.
     async fn invoke_as(&self, user: &str, invoke_id: &str, declared: &[&str]) -> Invoke {
         let tokens = <FleetServices as TokenSource>::tokens(
@@ -370,7 +420,7 @@ async fn a_session_runs_remembers_and_is_listed_refreshed_and_deleted() {
         )
         .await;
     assert_eq!(code_of(&r).0, codes::AGENT_SESSION_NOT_FOUND.code);
-    assert_eq!(env.services.agent().sessions_held(), 0);
+    assert_eq!(env.services.agent().sessions_of(USER).await.unwrap(), 0);
 }
 
 #[tokio::test]
@@ -729,6 +779,17 @@ async fn a_session_expires_ttl_seconds_after_its_last_use() {
     assert_eq!(code_of(&r).0, codes::AGENT_SESSION_NOT_FOUND.code);
     let listed = inv.call("agent/session.list", json!({})).await.unwrap();
     assert_eq!(listed["sessions"], json!([]));
+    // Expired for every worker (the sessions are in JetStream KV).
+    let other = env.worker().await;
+    let on_other = env.invoke_on(&other, USER, "inv-ttl-2").await;
+    let r = on_other
+        .call(
+            "agent/session.run",
+            json!({"app_session_uuid": uuid, "content": "x"}),
+        )
+        .await;
+    assert_eq!(code_of(&r).0, codes::AGENT_SESSION_NOT_FOUND.code);
+    assert_eq!(other.agent().sessions_of(USER).await.unwrap(), 0);
 }
 
 #[tokio::test]
@@ -740,13 +801,13 @@ async fn the_session_cache_keeps_its_cap_and_evicts_the_least_recently_used() {
     for _ in 0..CAP {
         uuids.push(inv.create(json!({})).await);
     }
-    assert_eq!(env.services.agent().sessions_held(), CAP);
+    assert_eq!(env.services.agent().sessions_of(USER).await.unwrap(), CAP);
     // Touch the oldest: the second becomes the least recently used.
     inv.call("agent/session.refresh", json!({"app_session_uuid": uuids[0]}))
         .await
         .unwrap();
     let newest = inv.create(json!({})).await;
-    assert_eq!(env.services.agent().sessions_held(), CAP);
+    assert_eq!(env.services.agent().sessions_of(USER).await.unwrap(), CAP);
     let r = inv
         .call("agent/session.history", json!({"app_session_uuid": uuids[1]}))
         .await;
@@ -756,6 +817,28 @@ async fn the_session_cache_keeps_its_cap_and_evicts_the_least_recently_used() {
             .await
             .unwrap();
     }
+    // The cap is per user: another user's sessions neither count nor evict.
+    env.services
+        .grants()
+        .edit(
+            "user-2",
+            TOOL,
+            &["llm.sample".into(), "llm.agent.auto".into()],
+            &[],
+        )
+        .await
+        .unwrap();
+    let other = env
+        .invoke_as("user-2", "inv-cap-2", &["llm.sample", "llm.agent.auto"])
+        .await;
+    for _ in 0..CAP {
+        other.create(json!({})).await;
+    }
+    assert_eq!(env.services.agent().sessions_of("user-2").await.unwrap(), CAP);
+    assert_eq!(env.services.agent().sessions_of(USER).await.unwrap(), CAP);
+    inv.call("agent/session.history", json!({"app_session_uuid": newest}))
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
@@ -824,4 +907,270 @@ async fn a_second_run_while_one_runs_is_rate_limited_and_cancel_stops_the_first_
     )
     .await
     .unwrap();
+}
+
+// -------------------------------------------------------------------------------------------------------------
+// Sessions across workers (JetStream KV)
+// -------------------------------------------------------------------------------------------------------------
+
+/// The `content`s of the messages the upstream got in its last chat request.
+fn sent_contents(llm: &FakeLlm) -> Vec<String> {
+    llm.last_chat()["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["content"].as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+/// A session created on one worker runs, pages its history and is listed on another, and outlives the worker
+/// that created it: a worker started afterwards (a restart) continues the conversation.
+#[tokio::test]
+async fn a_session_continues_on_another_worker_and_after_a_restart() {
+    let env = env().await;
+    let first = env.worker().await;
+    let second = env.worker().await;
+    let on_first = env.invoke_on(&first, USER, "inv-w1").await;
+    let uuid = on_first
+        .create(json!({"label": "travels", "system_prompt": "Be brief.", "ttl_seconds": 600}))
+        .await;
+    env.llm.set(|b| b.text = Some("One.".into()));
+    on_first
+        .call(
+            "agent/session.run",
+            json!({"app_session_uuid": uuid, "content": "first", "allowed_tools": []}),
+        )
+        .await
+        .unwrap();
+
+    // The second worker continues the same conversation.
+    let on_second = env.invoke_on(&second, USER, "inv-w2").await;
+    env.llm.set(|b| b.text = Some("Two.".into()));
+    on_second
+        .call(
+            "agent/session.run",
+            json!({"app_session_uuid": uuid, "content": "second", "allowed_tools": []}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(sent_contents(&env.llm), ["Be brief.", "first", "One.", "second"]);
+    let history = on_second
+        .call("agent/session.history", json!({"app_session_uuid": uuid}))
+        .await
+        .unwrap();
+    let contents: Vec<&str> = history["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(contents, ["first", "One.", "second", "Two."]);
+    let listed = on_second.call("agent/session.list", json!({})).await.unwrap();
+    assert_eq!(listed["sessions"].as_array().unwrap().len(), 1);
+    assert_eq!(listed["sessions"][0]["app_session_uuid"], uuid);
+    assert_eq!(listed["sessions"][0]["label"], "travels");
+
+    // The first worker goes away; one started afterwards still has the session.
+    drop(on_first);
+    drop(first);
+    let restarted = env.worker().await;
+    let on_restarted = env.invoke_on(&restarted, USER, "inv-w3").await;
+    let listed = on_restarted.call("agent/session.list", json!({})).await.unwrap();
+    assert_eq!(listed["sessions"][0]["app_session_uuid"], uuid);
+    env.llm.set(|b| b.text = Some("Three.".into()));
+    on_restarted
+        .call(
+            "agent/session.run",
+            json!({"app_session_uuid": uuid, "content": "third", "allowed_tools": []}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        sent_contents(&env.llm),
+        ["Be brief.", "first", "One.", "second", "Two.", "third"]
+    );
+    // Deleted on one worker: unknown on every other.
+    let deleted = on_restarted
+        .call("agent/session.delete", json!({"app_session_uuid": uuid}))
+        .await
+        .unwrap();
+    assert_eq!(deleted["deleted"], true);
+    let r = on_second
+        .call("agent/session.history", json!({"app_session_uuid": uuid}))
+        .await;
+    assert_eq!(code_of(&r).0, codes::AGENT_SESSION_NOT_FOUND.code);
+    assert_eq!(restarted.agent().sessions_of(USER).await.unwrap(), 0);
+}
+
+/// A run holds its session on every worker: a second run from another worker is `-32047`, a cancel from that
+/// other worker stops the first run at its next step, and the session is free again afterwards.
+#[tokio::test]
+async fn one_run_at_a_time_across_workers_and_a_cancel_from_another_worker_stops_it() {
+    let env = env().await;
+    let first = env.worker().await;
+    let second = env.worker().await;
+    let on_first = env.invoke_on(&first, USER, "inv-run-1").await;
+    let on_second = env.invoke_on(&second, USER, "inv-run-2").await;
+    let uuid = on_first.create(json!({})).await;
+    env.llm.set(|b| {
+        b.delay = Some(std::time::Duration::from_secs(10));
+        b.script.push_back(calls(1, None));
+        b.script.push_back(final_text("never reached"));
+    });
+    let running = tokio::spawn({
+        let inv = on_first.clone();
+        let uuid = uuid.clone();
+        async move {
+            inv.call(
+                "agent/session.run",
+                json!({"app_session_uuid": uuid, "content": "slow", "run_id": "run_a", "allowed_tools": []}),
+            )
+            .await
+        }
+    });
+    env.llm.received(1).await;
+    let second_run = on_second
+        .call(
+            "agent/session.run",
+            json!({"app_session_uuid": uuid, "content": "again", "allowed_tools": []}),
+        )
+        .await;
+    assert_eq!(
+        code_of(&second_run),
+        (
+            codes::AGENT_RATE_LIMITED.code,
+            codes::AGENT_RATE_LIMITED.name.to_owned()
+        )
+    );
+    // Another run id is not that run.
+    let other = on_second
+        .call(
+            "agent/session.cancel",
+            json!({"app_session_uuid": uuid, "run_id": "run_b"}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(other, json!({"cancelled": false, "run_id": "run_b"}));
+    let cancel = on_second
+        .call(
+            "agent/session.cancel",
+            json!({"app_session_uuid": uuid, "run_id": "run_a"}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(cancel, json!({"cancelled": true, "run_id": "run_a"}));
+    let run = running.await.unwrap().unwrap();
+    assert_eq!(run["final"]["stopReason"], "cancelled", "{run}");
+    assert_eq!(env.llm.bodies(CHAT).len(), 1, "no step after the cancel");
+    // Free again, on the other worker.
+    env.llm.set(|b| {
+        b.delay = None;
+        b.text = Some("ok".into());
+    });
+    on_second
+        .call(
+            "agent/session.run",
+            json!({"app_session_uuid": uuid, "content": "now", "allowed_tools": []}),
+        )
+        .await
+        .unwrap();
+}
+
+/// The lease of a worker that died mid-run (never given back) holds the session until its expiry, and not after:
+/// written here as the dead worker left it.
+#[tokio::test]
+async fn a_dead_workers_run_lease_holds_until_its_expiry_only() {
+    use fleet_proto::api::user_key;
+    let env = env().await;
+    let inv = env.invoke("inv-lease").await;
+    let uuid = inv.create(json!({})).await;
+    let js = async_nats::jetstream::new(env.nats.connect(fleet_client::creds::Role::Front).await.unwrap());
+    let bucket = js.get_key_value("fleet_agent_sessions").await.unwrap();
+    let key = format!("r.{}.{}.{uuid}", user_key(USER), user_key(TOOL));
+    let lease = |until_ms: u64| {
+        serde_json::to_vec(&json!({"run_id": "run_dead", "holder": "dead-worker", "until_ms": until_ms}))
+            .unwrap()
+    };
+    env.llm.set(|b| b.text = Some("ok".into()));
+    let run = || {
+        inv.call(
+            "agent/session.run",
+            json!({"app_session_uuid": uuid, "content": "x", "allowed_tools": []}),
+        )
+    };
+    bucket.put(&key, lease(now_ms() + 60_000).into()).await.unwrap();
+    assert_eq!(code_of(&run().await).0, codes::AGENT_RATE_LIMITED.code);
+    // At its expiry instant the lease no longer holds.
+    bucket.put(&key, lease(now_ms()).into()).await.unwrap();
+    run().await.unwrap();
+}
+
+/// Another user's session is indistinguishable from a missing one on every worker, for every method; it is not
+/// listed, not counted, and cannot be deleted or cancelled by them.
+#[tokio::test]
+async fn another_users_session_is_unknown_on_every_worker() {
+    let env = env().await;
+    env.services
+        .grants()
+        .edit(
+            "user-2",
+            TOOL,
+            &["llm.sample".into(), "llm.agent.auto".into()],
+            &[],
+        )
+        .await
+        .unwrap();
+    let first = env.worker().await;
+    let second = env.worker().await;
+    let owner = env.invoke_on(&first, USER, "inv-own").await;
+    let uuid = owner.create(json!({})).await;
+    let thief = env.invoke_on(&second, "user-2", "inv-thief").await;
+    for (method, params) in [
+        (
+            "agent/session.run",
+            json!({"app_session_uuid": uuid, "content": "steal"}),
+        ),
+        ("agent/session.history", json!({"app_session_uuid": uuid})),
+        ("agent/session.refresh", json!({"app_session_uuid": uuid})),
+        (
+            "agent/session.cancel",
+            json!({"app_session_uuid": uuid, "run_id": "r"}),
+        ),
+    ] {
+        let r = thief.call(method, params).await;
+        assert_eq!(
+            code_of(&r),
+            (
+                codes::AGENT_SESSION_NOT_FOUND.code,
+                codes::AGENT_SESSION_NOT_FOUND.name.to_owned()
+            ),
+            "{method}"
+        );
+    }
+    let unknown = thief
+        .call(
+            "agent/session.history",
+            json!({"app_session_uuid": "aps_00000000000000000000000000000000"}),
+        )
+        .await;
+    assert_eq!(code_of(&unknown).0, codes::AGENT_SESSION_NOT_FOUND.code);
+    let deleted = thief
+        .call("agent/session.delete", json!({"app_session_uuid": uuid}))
+        .await
+        .unwrap();
+    assert_eq!(deleted["deleted"], false);
+    let listed = thief.call("agent/session.list", json!({})).await.unwrap();
+    assert_eq!(listed["sessions"], json!([]));
+    assert_eq!(second.agent().sessions_of("user-2").await.unwrap(), 0);
+    // A uuid that could not even be a key.
+    let r = thief
+        .call("agent/session.history", json!({"app_session_uuid": "aps_x.*"}))
+        .await;
+    assert_eq!(code_of(&r).0, codes::AGENT_SESSION_NOT_FOUND.code);
+    // Its owner still has it, on the other worker.
+    let again = env.invoke_on(&second, USER, "inv-own-2").await;
+    again
+        .call("agent/session.history", json!({"app_session_uuid": uuid}))
+        .await
+        .unwrap();
 }

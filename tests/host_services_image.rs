@@ -435,6 +435,7 @@ async fn n_caps_hold_at_their_boundaries() {
         Some(ImageGrant {
             max_per_call: Some(8),
             max_images_per_day: Some(100),
+            max_per_invoke: Some(8),
         }),
     )
     .await;
@@ -472,6 +473,7 @@ async fn the_daily_quota_is_exact_shared_and_refunded_on_failure() {
     let limits = Some(ImageGrant {
         max_images_per_day: Some(5),
         max_per_call: Some(8),
+        max_per_invoke: Some(8),
     });
     env.grant("alice", TOOL, IMAGE, limits).await;
     env.grant("alice", TOOL_2, IMAGE, limits).await;
@@ -522,6 +524,7 @@ async fn concurrent_calls_never_exceed_the_daily_quota() {
     let limits = Some(ImageGrant {
         max_images_per_day: Some(4),
         max_per_call: None,
+        max_per_invoke: None,
     });
     env.grant("carol", TOOL, IMAGE, limits).await;
     let calls = (0..7).map(|i| {
@@ -548,6 +551,118 @@ async fn concurrent_calls_never_exceed_the_daily_quota() {
         .collect();
     assert_eq!(served, 4, "{outcomes:?}");
     assert_eq!(refused, vec![-32102; 3]);
+}
+
+/// One invoke gets at most 4 images (spec §7.4 `image_token.max_images`), its `image/*` calls together: the 4th
+/// image is served, the 5th refused with `-32106` `{images, maxImages}` before the provider is asked; images not
+/// delivered are given back; another invoke has its own 4; the grant's `max_per_invoke` widens it.
+#[tokio::test]
+async fn one_invoke_gets_at_most_4_images() {
+    let env = env("img-invoke").await;
+    let limits = Some(ImageGrant {
+        max_images_per_day: Some(100),
+        max_per_call: None,
+        max_per_invoke: None,
+    });
+    env.grant("dave", TOOL, IMAGE, limits).await;
+    let tokens = image_tokens(&env.services, "dave", "inv-4").await;
+    let call = |n: u32| {
+        env.services.serve(reverse_call(
+            "dave",
+            "inv-4",
+            "image/generate",
+            json!({"prompt": "x", "n": n}),
+            tokens.clone(),
+        ))
+    };
+    call(3).await.expect("3 of 4");
+    // A provider failure delivers nothing and gives its image back.
+    env.fake.answer(Answer::Error(500, "server_error".into()));
+    assert_eq!(call(1).await.expect_err("provider failure").code, -32103);
+    env.fake.answer(Answer::B64);
+    let before = env.fake.requests().len();
+    let e = call(2).await.expect_err("3 + 2 > 4");
+    let data = e.data.clone().expect("data");
+    assert_eq!(
+        (
+            e.code,
+            data["errorCode"].clone(),
+            data["images"].clone(),
+            data["maxImages"].clone()
+        ),
+        (-32106, json!("IMAGE_MAX_IMAGES_EXCEEDED"), json!(5), json!(4)),
+        "{e:?}"
+    );
+    assert!(data.get("hostCap").is_none(), "{data}");
+    assert_eq!(env.fake.requests().len(), before, "refused before the provider");
+    call(1).await.expect("the 4th image");
+    assert_eq!(call(1).await.expect_err("the 5th").code, -32106);
+    assert_eq!(env.services.budget("inv-4").expect("budget").images_used(), 4);
+
+    // Another invoke of the same user has its own 4; the day quota counted only what was delivered.
+    let other = image_tokens(&env.services, "dave", "inv-4b").await;
+    let r = env
+        .services
+        .serve(reverse_call(
+            "dave",
+            "inv-4b",
+            "image/generate",
+            json!({"prompt": "x", "n": 4}),
+            other,
+        ))
+        .await
+        .expect("a fresh invoke");
+    assert_eq!(r["quota_used"]["images_today"], 8);
+
+    // Concurrent calls of one invoke race for its 4 images: exactly 4 are served.
+    let racing = image_tokens(&env.services, "dave", "inv-race").await;
+    let calls = (0..8).map(|_| {
+        env.services.serve(reverse_call(
+            "dave",
+            "inv-race",
+            "image/generate",
+            json!({"prompt": "x"}),
+            racing.clone(),
+        ))
+    });
+    let outcomes = futures::future::join_all(calls).await;
+    let served = outcomes.iter().filter(|r| r.is_ok()).count();
+    let refused: Vec<i64> = outcomes
+        .iter()
+        .filter_map(|r| r.as_ref().err().map(|e| e.code))
+        .collect();
+    assert_eq!(served, 4, "{outcomes:?}");
+    assert_eq!(refused, vec![-32106; 4]);
+
+    // The grant widens it.
+    env.grant(
+        "dave",
+        TOOL,
+        IMAGE,
+        Some(ImageGrant {
+            max_per_invoke: Some(6),
+            ..ImageGrant::default()
+        }),
+    )
+    .await;
+    let wide = image_tokens(&env.services, "dave", "inv-6").await;
+    let call = |n: u32| {
+        env.services.serve(reverse_call(
+            "dave",
+            "inv-6",
+            "image/generate",
+            json!({"prompt": "x", "n": n}),
+            wide.clone(),
+        ))
+    };
+    for _ in 0..3 {
+        call(2).await.expect("2 more, up to 6");
+    }
+    let e = call(1).await.expect_err("the 7th");
+    assert_eq!(
+        (e.code, e.data.as_ref().map(|d| d["maxImages"].clone())),
+        (-32106, Some(json!(6)))
+    );
 }
 
 /// The tokens of an invoke of [`TOOL`] that negotiated `image` and declares `llm.image` (calls served directly).
@@ -603,6 +718,7 @@ async fn validation_references_and_model_support() {
         Some(ImageGrant {
             max_per_call: Some(8),
             max_images_per_day: None,
+            max_per_invoke: Some(8),
         }),
     )
     .await;

@@ -9,16 +9,23 @@
 //! for the plugin that holds it (no self-recursion), and a delegated invoke's own delegation is one level deeper,
 //! refused past [`AGENT_DELEGATION_MAX_DEPTH`]. The child's timeout is cut to the parent's remaining time.
 //!
+//! Jobs (`tools.invokeAsync`) outlive their front: their delegations ([`JobDelegations`]) are records in JetStream KV
+//! that any front resolves, on `fleet.v1.delegate.jobs.<method>` (ARCHITECTURE.md "Delegated tool calls").
+//!
 //! What a compromised worker can do with a handle it was given is what the invoke's agent sessions could: call
 //! that user's tools until that invoke ends. Handles are compared by their full secret (a map lookup of the
 //! whole string; an unknown handle and an ended one are the same refusal).
 
 use std::sync::Arc;
 
+use async_nats::jetstream::{self, kv};
 use dashmap::DashMap;
-use fleet_proto::api::delegation::DelegationToken;
+use fleet_proto::api::JobId;
+use fleet_proto::api::delegation::{self, DelegationToken};
 use fleet_proto::limits::AGENT_DELEGATION_MAX_DEPTH;
 use fleet_proto::util::now_ms;
+use fleet_store::{Op, StoreError, StoreSettings};
+use serde::{Deserialize, Serialize};
 
 /// What a delegation stands for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,6 +60,9 @@ pub enum DelegationError {
     /// The plugin holding the delegation named itself.
     #[error("a plugin's agent session cannot call the plugin itself")]
     SelfCall,
+    /// The store of job delegations did not answer.
+    #[error("the job delegations cannot be read now")]
+    Unavailable,
 }
 
 /// The live delegations of one front.
@@ -143,6 +153,110 @@ impl Delegations {
     }
 }
 
+/// What a job's delegation stands for, as stored in `<prefix>_delegations` under the SHA-256 of its secret (never
+/// the secret itself).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobDelegation {
+    /// The user the job runs for.
+    pub user: String,
+    /// The job's plugin.
+    pub plugin: String,
+    /// The job (its invoke id).
+    pub job_id: JobId,
+    /// The job's deadline, Unix ms.
+    pub deadline_ms: u64,
+    /// 0: an app's job (jobs are never made by a delegated call).
+    pub depth: u32,
+}
+
+/// The delegations of jobs (`tools.invokeAsync`), which outlive the front that accepted them: minted by that
+/// front before the job is dispatched, recorded in the KV bucket `<prefix>_delegations` (only fronts may write
+/// it) under the SHA-256 of the handle's secret, resolved by **any** front on `fleet.v1.delegate.jobs.<method>`
+/// (queue group [`delegation::JOBS_QUEUE_GROUP`]), only while the job is `running` and before its deadline;
+/// deleted when a front decides the job's terminal state, and by the bucket's `max_age` anyway. The handle itself
+/// travels in the job's record (which the worker reads when it starts the job) and never reaches the plugin.
+#[derive(Debug, Clone)]
+pub struct JobDelegations {
+    kv: kv::Store,
+}
+
+/// The key of a job handle's record: the hex SHA-256 of its secret; `None` for a handle that is not a job's.
+fn job_key(token: &DelegationToken) -> Option<String> {
+    use sha2::Digest as _;
+    let (front, secret) = token.0.split_once('.')?;
+    (front == delegation::JOBS && token.front_id() == Some(delegation::JOBS))
+        .then(|| hex::encode(sha2::Sha256::digest(secret.as_bytes())))
+}
+
+impl JobDelegations {
+    /// Opens (fronts: creates) `<prefix>_delegations`.
+    pub async fn open(
+        js: &jetstream::Context,
+        settings: &StoreSettings,
+    ) -> Result<JobDelegations, StoreError> {
+        let kv = fleet_store::open_kv(js, settings.delegations_kv_config(), settings.provision).await?;
+        Ok(JobDelegations { kv })
+    }
+
+    /// A fresh handle for a job: `jobs.<256-bit secret>`.
+    pub fn mint() -> DelegationToken {
+        DelegationToken(format!(
+            "{}.{}",
+            delegation::JOBS,
+            hex::encode(rand::random::<[u8; 32]>())
+        ))
+    }
+
+    /// Records what `token` stands for (before the job is dispatched).
+    pub async fn record(&self, token: &DelegationToken, what: &JobDelegation) -> Result<(), StoreError> {
+        let Some(key) = job_key(token) else {
+            return Err(StoreError::Invalid {
+                op: Op::Delegation,
+                what: "job delegation",
+                reason: "not a job's handle".into(),
+            });
+        };
+        let bytes = serde_json::to_vec(what).map_err(|e| StoreError::Invalid {
+            op: Op::Delegation,
+            what: "job delegation",
+            reason: e.to_string(),
+        })?;
+        self.kv
+            .create(&key, bytes.into())
+            .await
+            .map(|_| ())
+            .map_err(|e| StoreError::Nats {
+                op: Op::Delegation,
+                source: e.into(),
+            })
+    }
+
+    /// What `token` stands for, before its deadline (the caller checks that its job still runs).
+    pub async fn resolve(&self, token: &DelegationToken) -> Result<JobDelegation, DelegationError> {
+        let key = job_key(token).ok_or(DelegationError::Foreign)?;
+        let found = fleet_store::read::<JobDelegation>(&self.kv, &key, Op::Delegation)
+            .await
+            .map_err(|e| {
+                tracing::warn!(error = %e, "cannot read a job delegation");
+                DelegationError::Unavailable
+            })?
+            .ok_or(DelegationError::Unknown)?;
+        if now_ms() >= found.value.deadline_ms {
+            return Err(DelegationError::Expired);
+        }
+        Ok(found.value)
+    }
+
+    /// Deletes `token`'s record (its job reached a terminal state). Best effort: it expires anyway.
+    pub async fn forget(&self, token: &DelegationToken) {
+        if let Some(key) = job_key(token)
+            && let Err(e) = self.kv.delete(&key).await
+        {
+            tracing::warn!(error = %e, "cannot delete a job delegation");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -187,6 +301,26 @@ mod tests {
         );
         let past = d.mint(what(0, now_ms().saturating_sub(1))).unwrap();
         assert_eq!(d.resolve(&past.token), Err(DelegationError::Expired));
+    }
+
+    #[test]
+    fn a_job_handle_is_keyed_by_the_hash_of_its_secret_only() {
+        let token = JobDelegations::mint();
+        assert_eq!(token.front_id(), Some(delegation::JOBS));
+        let secret = token.0.split_once('.').unwrap().1.to_owned();
+        assert_eq!(secret.len(), 64);
+        let key = job_key(&token).unwrap();
+        assert_eq!(key.len(), 64);
+        assert_ne!(key, secret, "the key is the secret's hash, not the secret");
+        assert!(!format!("{token:?}").contains(&secret));
+        assert_ne!(job_key(&JobDelegations::mint()), Some(key));
+        // A front's (sync) handle, and malformed ones, are not jobs' handles.
+        let d = Arc::new(Delegations::default());
+        let live = d.mint(what(0, now_ms() + 60_000)).unwrap();
+        assert_eq!(job_key(&live.token), None);
+        for bad in ["jobs.", "jobs", "jobs.a.b", "jobs.*"] {
+            assert_eq!(job_key(&DelegationToken(bad.into())), None, "{bad}");
+        }
     }
 
     #[test]

@@ -460,7 +460,8 @@ const SERVICES_KEYS: &[(&str, &str, &str)] = &[
     (
         "agent.max_sessions",
         "`4096`",
-        "Agent sessions one worker process keeps (least recently used evicted first; spec §8.2 \"LRU, ~4096\").",
+        "Agent sessions one user keeps, all plugins together (1–4096; a creation beyond it evicts the user's \
+         least recently used; spec §8.2 \"LRU, ~4096\"). Sessions live in the KV bucket `<prefix>_agent_sessions`.",
     ),
     (
         "llm.base_url",

@@ -24,7 +24,7 @@ use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use serde_json::{Value, json};
 use tracing::Instrument as _;
 
-use crate::delegation::{Delegated, Delegations};
+use crate::delegation::{Delegated, DelegationError, Delegations, JobDelegation, JobDelegations};
 use crate::dispatch::Dispatcher;
 use crate::in_flight::InFlight;
 use crate::job_steps::{Decider, JobSteps};
@@ -82,6 +82,8 @@ struct Inner {
     delegations: Arc<Delegations>,
     /// The grants, opened at the first delegated call (what the holder plugin's sessions may call).
     grants: tokio::sync::OnceCell<GrantStore>,
+    /// The delegations of jobs, which any front resolves (opened when the front starts serving).
+    job_delegations: tokio::sync::OnceCell<JobDelegations>,
 }
 
 /// The front. Cheap to clone.
@@ -192,6 +194,7 @@ impl Front {
                 client,
                 delegations: Arc::new(Delegations::default()),
                 grants: tokio::sync::OnceCell::new(),
+                job_delegations: tokio::sync::OnceCell::new(),
             }),
             metrics: Arc::new(FleetMetrics::new()),
         }
@@ -234,6 +237,18 @@ impl Front {
             .map_err(|e| self.js_error("grants", e))
     }
 
+    /// The delegations of jobs (`<prefix>_delegations`).
+    pub async fn job_delegations(&self) -> Result<&JobDelegations, ApiError> {
+        self.inner
+            .job_delegations
+            .get_or_try_init(|| async {
+                let js = async_nats::jetstream::new(self.inner.client.clone());
+                JobDelegations::open(&js, self.inner.store.settings()).await
+            })
+            .await
+            .map_err(|e| self.js_error("delegations", e))
+    }
+
     /// The finished jobs this front answers `getJob` for from memory.
     pub fn finished_jobs(&self) -> &FinishedJobs {
         &self.inner.finished
@@ -242,6 +257,11 @@ impl Front {
     /// Starts the NATS service: one endpoint per method under `fleet.v1.api`, queue group `fleet-api`.
     pub async fn serve(&self) -> Result<FrontService, async_nats::Error> {
         use async_nats::service::ServiceExt as _;
+        // Jobs' delegations: recorded at `invokeAsync`, resolved on the jobs' delegated subjects, deleted at the
+        // terminal steps this front decides.
+        self.job_delegations()
+            .await
+            .map_err(|e| format!("job delegations: {}", e.message))?;
         let service = self
             .inner
             .client
@@ -304,30 +324,41 @@ impl Front {
         }
         // Delegated tool calls of the agent sessions of the invokes this front dispatched (its own subjects; not
         // part of the service, so `stop` ends them itself once its requests in flight are answered).
+        // The jobs' delegated subjects are every front's (queue group): a job outlives the front that accepted it.
         let mut delegates = tokio::task::JoinSet::new();
         for method in delegation::METHODS {
-            let subject = delegation::subject(self.inner.delegations.front_id(), method);
-            let mut sub = self.inner.client.subscribe(subject).await?;
-            let front = self.clone();
-            let in_flight = in_flight.clone();
-            delegates.spawn(async move {
-                while let Some(message) = sub.next().await {
-                    let front = front.clone();
-                    let handling = in_flight.enter();
-                    tokio::spawn(async move {
-                        let _handling = handling;
-                        let Some(reply) = message.reply.clone() else {
-                            return;
-                        };
-                        let response = front
-                            .delegated(method, &message.payload)
-                            .instrument(api_span(method, "delegated"))
-                            .await;
-                        let payload = serde_json::to_vec(&response).unwrap_or_default();
-                        let _ = front.inner.client.publish(reply, Bytes::from(payload)).await;
-                    });
-                }
-            });
+            let own = delegation::subject(self.inner.delegations.front_id(), method);
+            let own = self.inner.client.subscribe(own).await?;
+            let jobs = self
+                .inner
+                .client
+                .queue_subscribe(
+                    delegation::subject(delegation::JOBS, method),
+                    delegation::JOBS_QUEUE_GROUP.to_owned(),
+                )
+                .await?;
+            for mut sub in [own, jobs] {
+                let front = self.clone();
+                let in_flight = in_flight.clone();
+                delegates.spawn(async move {
+                    while let Some(message) = sub.next().await {
+                        let front = front.clone();
+                        let handling = in_flight.enter();
+                        tokio::spawn(async move {
+                            let _handling = handling;
+                            let Some(reply) = message.reply.clone() else {
+                                return;
+                            };
+                            let response = front
+                                .delegated(method, &message.payload)
+                                .instrument(api_span(method, "delegated"))
+                                .await;
+                            let payload = serde_json::to_vec(&response).unwrap_or_default();
+                            let _ = front.inner.client.publish(reply, Bytes::from(payload)).await;
+                        });
+                    }
+                });
+            }
         }
         // The endpoints' subscriptions are processed by the server before `serve` returns (no "no responders"
         // right after): a message to our own inbox comes back only once every earlier SUB of this connection is in.
@@ -477,6 +508,7 @@ impl Front {
     /// This front's job transitions: its store, metrics and connection.
     pub fn steps(&self) -> JobSteps<'_> {
         JobSteps::new(&self.inner.store, &self.metrics, &self.inner.client)
+            .with_delegations(self.inner.job_delegations.get())
     }
 
     async fn list_tools(&self) -> Result<Value, ApiError> {
@@ -523,11 +555,14 @@ impl Front {
     async fn delegated_inner(&self, method: &str, payload: &[u8]) -> Result<Value, ApiError> {
         let call: delegation::DelegatedCall = serde_json::from_slice(payload)
             .map_err(|_| ApiError::new(ApiErrorCode::InvalidArg, "not a delegated call"))?;
-        let by = self
-            .inner
-            .delegations
-            .resolve(&call.delegation)
-            .map_err(|e| ApiError::new(ApiErrorCode::PermissionDenied, e.to_string()))?;
+        let by = if call.delegation.front_id() == Some(delegation::JOBS) {
+            self.resolve_job_delegation(&call.delegation).await?
+        } else {
+            self.inner
+                .delegations
+                .resolve(&call.delegation)
+                .map_err(|e| ApiError::new(ApiErrorCode::PermissionDenied, e.to_string()))?
+        };
         tracing::Span::current().record("fleet.user_hash", crate::telemetry::user_hash(&by.user));
         if self.inner.limiter.check_key(&by.user).is_err() {
             return Err(ApiError::new(
@@ -589,6 +624,40 @@ impl Front {
                 format!("{other:?} cannot be delegated"),
             )),
         }
+    }
+
+    /// What a job's delegation stands for: recorded by the front that accepted the job, before its deadline, and
+    /// only while the job is `running` (a terminal job's delegation is refused, deleted or not).
+    async fn resolve_job_delegation(
+        &self,
+        token: &delegation::DelegationToken,
+    ) -> Result<Delegated, ApiError> {
+        let denied = |e: DelegationError| ApiError::new(ApiErrorCode::PermissionDenied, e.to_string());
+        let found = self
+            .job_delegations()
+            .await?
+            .resolve(token)
+            .await
+            .map_err(denied)?;
+        let job = self
+            .inner
+            .store
+            .get_job(&found.user, &found.job_id)
+            .await
+            .map_err(|e| self.js_error("get_job", e))?;
+        let running = job.is_some_and(|r| {
+            r.value.state == JobState::Running && r.value.delegation.as_ref() == Some(token)
+        });
+        if !running {
+            return Err(denied(DelegationError::Unknown));
+        }
+        Ok(Delegated {
+            user: found.user,
+            plugin: found.plugin,
+            invoke_id: found.job_id.to_string(),
+            deadline_ms: found.deadline_ms,
+            depth: found.depth,
+        })
     }
 
     async fn invoke_target(
@@ -664,6 +733,17 @@ impl Front {
         );
         record.args = args.args.unwrap_or_default();
         record.client_tag = args.client_tag;
+        // The job's delegation for its agent sessions' tool calls, which any front resolves: recorded (under the
+        // SHA-256 of its secret) while the job is admitted, so before it can be dispatched.
+        let job_delegations = self.inner.job_delegations.get();
+        record.delegation = job_delegations.map(|_| JobDelegations::mint());
+        let delegated = JobDelegation {
+            user: user.to_owned(),
+            plugin: record.plugin.clone(),
+            job_id: job_id.clone(),
+            deadline_ms: record.deadline_ms,
+            depth: 0,
+        };
         let admission = tracing::info_span!(
             "admission",
             fleet.admission.kind = "quota",
@@ -673,7 +753,7 @@ impl Front {
         // Admission is idempotent by job id (the slot is found again, the record is never created twice): while
         // the store does not answer (a NATS node lost, its streams electing new leaders) it is tried again, up
         // to STORE_FAILOVER_WAIT (`fleet_store::failover`).
-        let created = fleet_store::failover::ride_out(
+        let admitted = fleet_store::failover::ride_out(
             fleet_store::Op::CreateJob,
             fleet_store::failover::give_up_at(None),
             || {
@@ -683,8 +763,23 @@ impl Front {
                     .instrument(admission.clone())
             },
             |_| self.metrics.jetstream_error("create_job"),
-        )
-        .await;
+        );
+        let recorded = async {
+            match (job_delegations, &record.delegation) {
+                (Some(store), Some(token)) => store.record(token, &delegated).await,
+                _ => Ok(()),
+            }
+        };
+        let (created, recorded) = tokio::join!(admitted, recorded);
+        if let Err(e) = recorded {
+            self.metrics.jetstream_error("delegations");
+            tracing::warn!(job = %job_id, error = %e, "cannot record the job's delegation: its agent sessions have no tools");
+        }
+        if created.is_err()
+            && let (Some(store), Some(token)) = (job_delegations, &record.delegation)
+        {
+            store.forget(token).await;
+        }
         admission.record(
             "fleet.admission.outcome",
             match &created {

@@ -90,6 +90,10 @@ pub struct GrantArgs {
     /// for generate, 1 for edit).
     #[arg(long, value_name = "N")]
     pub image_max_per_call: Option<u32>,
+    /// Images one invoke may get, all its `image/*` calls together (spec §7.4 `image_token.max_images`;
+    /// default 4).
+    #[arg(long, value_name = "N")]
+    pub image_max_per_invoke: Option<u32>,
     /// The spec's `web_grant` as JSON (`{"enabled":true,"allowSearch":true,"allowFetch":true,"allowAdvanced":false,
     /// "allowImageSearch":false,"allowImageFetch":false,"maxResultsPerCall":10}`): sets every `web.*` capability
     /// and the web settings; `{"enabled":false}` revokes web.
@@ -108,12 +112,14 @@ pub struct GrantArgs {
 pub async fn run_grant(args: &GrantArgs) -> Result<Value, ApiError> {
     let client = args.conn.client().await?;
     let wait = Duration::from_secs(10);
-    let image = (args.image_max_per_day.is_some() || args.image_max_per_call.is_some()).then_some(
-        grants::ImageGrant {
-            max_images_per_day: args.image_max_per_day,
-            max_per_call: args.image_max_per_call,
-        },
-    );
+    let image = (args.image_max_per_day.is_some()
+        || args.image_max_per_call.is_some()
+        || args.image_max_per_invoke.is_some())
+    .then_some(grants::ImageGrant {
+        max_images_per_day: args.image_max_per_day,
+        max_per_call: args.image_max_per_call,
+        max_per_invoke: args.image_max_per_invoke,
+    });
     let unchanged = args.allow.is_empty()
         && args.revoke.is_empty()
         && image.is_none()

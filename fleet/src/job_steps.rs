@@ -12,6 +12,7 @@ use fleet_proto::api::{ApiError, JobId, JobState, ProgressEvent, ToolJobEvent, s
 use fleet_proto::util::now_ms;
 use fleet_store::{JobRecord, Store, StoreError, Transition};
 
+use crate::delegation::JobDelegations;
 use crate::metrics::FleetMetrics;
 
 /// Who decided a transition, which picks the store's operation.
@@ -30,6 +31,8 @@ pub struct JobSteps<'a> {
     store: &'a Store,
     metrics: &'a FleetMetrics,
     client: &'a async_nats::Client,
+    /// The job delegations (fronts only: workers may not write them), deleted at a job's terminal state.
+    delegations: Option<&'a JobDelegations>,
 }
 
 impl std::fmt::Debug for JobSteps<'_> {
@@ -45,7 +48,14 @@ impl<'a> JobSteps<'a> {
             store,
             metrics,
             client,
+            delegations: None,
         }
+    }
+
+    /// Also deletes a job's delegation when a step ends it (a front's steps).
+    pub fn with_delegations(mut self, delegations: Option<&'a JobDelegations>) -> JobSteps<'a> {
+        self.delegations = delegations;
+        self
     }
 
     /// A job the store just created (`queued`): counted and announced.
@@ -73,6 +83,13 @@ impl<'a> JobSteps<'a> {
             Ok(Transition::Done(written)) => {
                 self.metrics.job_transition(Some(from(&written.value, to)), to);
                 self.announce(&written.value, to).await;
+                // The job's delegation ends with it (a worker's outcome leaves it to its TTL: fronts refuse a
+                // delegation whose job is not running anyway).
+                if to.is_terminal()
+                    && let (Some(delegations), Some(token)) = (self.delegations, &written.value.delegation)
+                {
+                    delegations.forget(token).await;
+                }
             }
             Ok(Transition::Refused(_) | Transition::NotFound) => {}
             Err(_) => self.metrics.jetstream_error("transition"),

@@ -955,6 +955,9 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
         app_timeout_ms: Some(record.timeout_ms),
         progress: Some(sink),
         extra_context: trace_context(),
+        // The job's delegation (its record's, written by the front that accepted it): the token source keeps it
+        // for the job's agent sessions, never the plugin.
+        delegation: record.delegation.clone(),
         ..InvokeRequest::default()
     };
     let result = ctx.pool.invoke(&user, &req.plugin, invoke).await;

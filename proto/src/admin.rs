@@ -116,8 +116,9 @@ pub mod grants {
         pub allowed_purposes: Option<Vec<String>>,
     }
 
-    /// Image limits of a grant (spec §8.6 `image_grant {max_images_per_day, max_per_call}`); unset fields are
-    /// the defaults of `limits` (`IMAGE_DEFAULT_MAX_PER_DAY`, `IMAGE_DEFAULT_MAX_PER_CALL_GENERATE` / `_EDIT`).
+    /// Image limits of a grant (spec §8.6 `image_grant {max_images_per_day, max_per_call}`, and §7.4's per-invoke
+    /// `max_images`); unset fields are the defaults of `limits` (`IMAGE_DEFAULT_MAX_PER_DAY`,
+    /// `IMAGE_DEFAULT_MAX_PER_CALL_GENERATE` / `_EDIT`, `IMAGE_DEFAULT_MAX_PER_INVOKE`).
     #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
     pub struct ImageGrant {
         /// Images the user may have generated or edited in any rolling 24 h (all plugins together).
@@ -126,6 +127,10 @@ pub mod grants {
         /// Images one `image/generate` or `image/edit` call may ask for (never above the host's cap of 8).
         #[serde(default, alias = "maxPerCall", skip_serializing_if = "Option::is_none")]
         pub max_per_call: Option<u32>,
+        /// Images one invoke may get, all its `image/*` calls together (spec §7.4 `image_token.max_images`;
+        /// default `IMAGE_DEFAULT_MAX_PER_INVOKE`, 4).
+        #[serde(default, alias = "maxPerInvoke", skip_serializing_if = "Option::is_none")]
+        pub max_per_invoke: Option<u32>,
     }
 
     impl ImageGrant {
@@ -134,6 +139,7 @@ pub mod grants {
             ImageGrant {
                 max_images_per_day: other.max_images_per_day.or(self.max_images_per_day),
                 max_per_call: other.max_per_call.or(self.max_per_call),
+                max_per_invoke: other.max_per_invoke.or(self.max_per_invoke),
             }
         }
     }

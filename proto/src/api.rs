@@ -1179,6 +1179,12 @@ pub mod delegation {
     pub const ALL: &str = "fleet.v1.delegate.>";
     /// The delegated methods.
     pub const METHODS: [&str; 2] = [super::methods::TOOLS_LIST, super::methods::TOOLS_INVOKE];
+    /// The "front id" of the delegations of jobs (`tools.invokeAsync`): `jobs.<secret>`, on
+    /// `fleet.v1.delegate.jobs.<method>`, which every front serves (a job outlives the front that accepted it).
+    /// Not a front's id (those are 16 hex digits).
+    pub const JOBS: &str = "jobs";
+    /// The queue group every front serves the jobs' delegated subjects in.
+    pub const JOBS_QUEUE_GROUP: &str = "fleet-delegate-jobs";
 
     /// The subject a delegated `method` goes to for the front `front_id`.
     pub fn subject(front_id: &str, method: &str) -> String {

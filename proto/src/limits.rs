@@ -146,6 +146,13 @@ pub const IMAGE_MAX_PER_CALL: u64 = 8;
 pub const IMAGE_DEFAULT_MAX_PER_CALL_GENERATE: u32 = 4;
 /// Images per `image/edit` call a grant allows when it sets no `max_per_call` (spec §7.4 `max_per_call_edit`: 1).
 pub const IMAGE_DEFAULT_MAX_PER_CALL_EDIT: u32 = 1;
+/// Images one invoke may get from `image/generate` and `image/edit` together when the grant sets no
+/// `max_per_invoke` (spec §7.4 `image_token.max_images`, `DEFAULT_IMAGE_MAX_IMAGES`: 4; over it `-32106` with
+/// `data.images`, `data.maxImages`).
+pub const IMAGE_DEFAULT_MAX_PER_INVOKE: u32 = 4;
+/// The window of the per-invoke image count (spec §7.4: Redis `img:invoke:{tool_invoke_id}`, 30-min TTL): an
+/// invoke's count starts again 30 min after its first image.
+pub const IMAGE_INVOKE_WINDOW: Duration = Duration::from_secs(30 * 60);
 /// Images per user in any rolling 24 h a grant allows when it sets no `max_images_per_day` (spec §8.6: the
 /// example's `images_quota: 50`).
 pub const IMAGE_DEFAULT_MAX_PER_DAY: u32 = 50;
@@ -192,6 +199,9 @@ pub const AGENT_STEP_MAX_TOKENS: u32 = 2_048;
 pub const AGENT_SESSION_MAX_MESSAGES: usize = 200;
 /// Tools offered to the upstream in one run (the OpenAI API's limit).
 pub const AGENT_MAX_TOOLS: usize = 128;
+/// Longest entry of a session's `quota_caps.allowed_tools` (a tool id, `tool_id.tool` or `*`; not a spec number:
+/// the fleet keeps sessions in JetStream KV, whose records are bounded).
+pub const AGENT_TOOL_PATTERN_MAX_BYTES: usize = 256;
 /// Longest OpenAI function name (`^[a-zA-Z0-9_-]{1,64}$`).
 pub const AGENT_TOOL_NAME_MAX_CHARS: usize = 64;
 /// Longest wait of one delegated tool call: the sync invoke ceiling (spec §10.3: 90 s), cut to the parent's time.

@@ -6,10 +6,11 @@
 //!   is MCP-shaped. It needs `llm.sample` only; no session is kept (the spec's throw-away session has nothing to
 //!   keep here).
 //! * **Sessions** (`agent/session.create` / `.run` / `.cancel` / `.history` / `.delete` / `.list` / `.refresh`)
-//!   need `llm.agent.auto` declared and granted (else `-32041`). A session lives in the worker process that
-//!   created it, keyed by (user, plugin, uuid) — another user's or plugin's uuid is `-32042` like an unknown
-//!   one (HR-AG-02) — for `ttl_seconds` after its last use (default 600, at most 7 200) and never more than
-//!   24 h after its creation; at most [`AgentConfig::max_sessions`] are kept, least recently used evicted first.
+//!   need `llm.agent.auto` declared and granted (else `-32041`). A session lives in JetStream KV ([`store`]), so
+//!   any worker serves it and a worker restart forgets nothing, keyed by (user, plugin, uuid) — another user's or
+//!   plugin's uuid is `-32042` like an unknown one (HR-AG-02) — for `ttl_seconds` after its last use (default
+//!   600, at most 7 200) and never more than 24 h after its creation; a user keeps at most
+//!   [`AgentConfig::max_sessions`], least recently used evicted first.
 //! * **A run** is an agent loop: each step is one chat completion (counted on the invoke's sampling budget,
 //!   spec §7.4: 8 calls, 32 000 tokens per invoke; exhausted → `-32045`), at most `recursion_limit` steps
 //!   (default 8, 1..=32). The upstream is offered the user's fleet tools as OpenAI `tools`; each `tool_calls`
@@ -23,14 +24,19 @@
 //!   (`echo-py`), a tool (`echo-py.echo`) or `*`. The plugin's own tools are never offered (the front refuses a
 //!   plugin calling itself) and a tool call made from inside a delegated invoke is one level deeper (capped).
 //! * Server-side limits surface as `-32046` with `data.status: 422` (HR-AG-03: `ttl_seconds`, `recursion_limit`,
-//!   `label`, `system_prompt`); malformed params are `-32043`; a second run on a session while one is running is
-//!   `-32047`; upstream 429 `-32047`, 402 / quota `-32045`, other failures and timeouts `-32046`.
+//!   `label`, `system_prompt`, more than 128 `quota_caps.allowed_tools`); malformed params are `-32043`; a second
+//!   run on a session while one is running — on any worker: the run holds a lease in KV — is `-32047`; upstream
+//!   429 `-32047`, 402 / quota `-32045`, other failures and timeouts `-32046`; the session store failing `-32046`.
+//! * **Cancel** (`agent/session.cancel`, from any worker) sets the run lease's cancel flag; the running worker
+//!   reads its lease before every step, so the run stops at its next step (`stopReason: "cancelled"`).
 //!
 //! Prompts, tool arguments and results, upstream bodies and the delegation are never logged.
 
+pub mod store;
+
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use fleet_proto::api::delegation::{self, DelegatedCall, DelegationToken};
@@ -41,6 +47,7 @@ use fleet_proto::limits;
 use fleet_proto::util::now_ms;
 use serde_json::{Map, Value, json};
 
+use self::store::{Owner, RunLease, SessionError, SessionRecord, SessionStore};
 use crate::CallContext;
 use crate::llm::{LlmService, StepError, UpstreamError};
 
@@ -54,7 +61,8 @@ pub const SESSION_PREFIX: &str = "aps_";
 #[derive(Debug, Clone, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AgentConfig {
-    /// Sessions kept per worker process (LRU; default [`limits::AGENT_SESSION_CACHE_MAX`]).
+    /// Sessions kept per user, all plugins together (least recently used evicted first; 1 to
+    /// [`limits::AGENT_SESSION_CACHE_MAX`], the default).
     #[serde(default = "default_max_sessions")]
     pub max_sessions: usize,
 }
@@ -71,82 +79,47 @@ impl Default for AgentConfig {
     }
 }
 
-type Key = (String, String, String);
-
-/// One session.
-#[derive(Debug)]
-struct Session {
-    uuid: String,
-    thread_id: String,
-    label: String,
-    system_prompt: Option<String>,
-    inherit_host_tools: bool,
-    granted_tools: Vec<String>,
-    ttl: Duration,
-    created_ms: u64,
-    last_active_ms: u64,
-    /// The service's use counter at its last use (LRU order; milliseconds tie).
-    last_used: u64,
-    /// The conversation (OpenAI chat messages, without the system prompt).
-    messages: Vec<Value>,
-    /// The run in progress: its id and cancel flag.
-    running: Option<(String, Arc<AtomicBool>)>,
-}
-
-impl Session {
-    fn max_lifetime_at(&self) -> u64 {
-        self.created_ms
-            .saturating_add(ms(limits::AGENT_SESSION_MAX_LIFETIME))
-    }
-
-    fn expires_at(&self) -> u64 {
-        self.last_active_ms
-            .saturating_add(ms(self.ttl))
-            .min(self.max_lifetime_at())
-    }
-
-    fn expired(&self, now: u64) -> bool {
-        now >= self.expires_at()
-    }
-
-    fn describe(&self) -> Value {
-        let now = now_ms();
-        json!({
-            "app_session_uuid": self.uuid,
-            "thread_id": self.thread_id,
-            "kind": "agent",
-            "agent_submode": "auto",
-            "submode": "auto",
-            "fixed_client_id": Value::Null,
-            "label": self.label,
-            "inherit_host_tools": self.inherit_host_tools,
-            "granted_tools": self.granted_tools,
-            "system_prompt": self.system_prompt,
-            "created_at": self.created_ms,
-            "last_active_at": self.last_active_ms,
-            "expires_at": self.expires_at(),
-            "max_lifetime_at": self.max_lifetime_at(),
-            "idle_ttl_seconds": self.ttl.as_secs(),
-            // Whole seconds, rounded up: a session just created or refreshed reports its full TTL.
-            "expires_in": self.expires_at().saturating_sub(now).div_ceil(1000),
-            "session_expires_in": self.max_lifetime_at().saturating_sub(now).div_ceil(1000),
-        })
-    }
-}
-
 fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
-/// The agent family's service (one per worker process).
+/// The agent family's service (one per worker process; the sessions are in [`SessionStore`]).
 #[derive(Debug)]
 pub struct AgentService {
-    config: AgentConfig,
-    sessions: Mutex<HashMap<Key, Session>>,
-    /// Uses so far (the LRU clock).
-    uses: std::sync::atomic::AtomicU64,
+    store: SessionStore,
     /// Where delegated tool calls go; `None`: sessions run without tools.
     client: Option<async_nats::Client>,
+}
+
+/// How a session call failed: the plugin's error, or the store's.
+enum Failed {
+    Plugin(ErrorObject),
+    Session(SessionError),
+}
+
+impl From<ErrorObject> for Failed {
+    fn from(e: ErrorObject) -> Self {
+        Failed::Plugin(e)
+    }
+}
+
+impl From<SessionError> for Failed {
+    fn from(e: SessionError) -> Self {
+        Failed::Session(e)
+    }
+}
+
+/// The plugin's error for a session store failure (never the plugin's bytes).
+fn session_error(ctx: &CallContext, e: SessionError) -> ErrorObject {
+    match e {
+        SessionError::NotFound => not_found(),
+        SessionError::Busy => codes::AGENT_RATE_LIMITED.error("a run of this session is already in progress"),
+        SessionError::Refused(e) => *e,
+        SessionError::Store(e) => {
+            tracing::warn!(invoke_id = %ctx.invoke_id, error = %e, "agent session store failed");
+            codes::AGENT_PROVIDER_ERROR.error("the agent session store is unavailable")
+        }
+    }
 }
 
 fn invalid(message: impl Into<String>) -> ErrorObject {
@@ -217,6 +190,8 @@ fn str_param<'a>(p: &'a Value, key: &str) -> Result<Option<&'a str>, ErrorObject
 
 fn uuid_param(p: &Value) -> Result<&str, ErrorObject> {
     match str_param(p, "app_session_uuid")? {
+        // No session has such a uuid (and it could not name a key).
+        Some(u) if u.starts_with(SESSION_PREFIX) && !store::valid_uuid(u) => Err(not_found()),
         Some(u) if u.starts_with(SESSION_PREFIX) && u.len() > SESSION_PREFIX.len() => Ok(u),
         _ => Err(invalid("app_session_uuid must be a session id (aps_…)")),
     }
@@ -350,40 +325,59 @@ struct RunPlan {
     allowed: Option<Vec<String>>,
 }
 
-/// Clears a session's running mark when the run ends, however it ends.
-struct Running<'a> {
-    service: &'a AgentService,
-    key: Key,
+/// A run's lease: renewed in the background while the run goes on, given back when it ends, however it ends.
+struct Leased {
+    store: SessionStore,
+    owner: Owner,
+    uuid: String,
+    holder: String,
+    renewal: tokio::task::JoinHandle<()>,
+    released: bool,
 }
 
-impl Drop for Running<'_> {
+impl Leased {
+    /// Gives the lease back now.
+    async fn release(mut self) {
+        self.renewal.abort();
+        self.store.release(&self.owner, &self.uuid, &self.holder).await;
+        self.released = true;
+    }
+}
+
+impl Drop for Leased {
     fn drop(&mut self) {
-        if let Some(s) = self.service.lock().get_mut(&self.key) {
-            s.running = None;
+        self.renewal.abort();
+        if self.released {
+            return;
+        }
+        let (store, owner, uuid, holder) = (
+            self.store.clone(),
+            self.owner.clone(),
+            std::mem::take(&mut self.uuid),
+            std::mem::take(&mut self.holder),
+        );
+        // Dropped inside the runtime (the run's future); the lease lapses by itself otherwise.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move { store.release(&owner, &uuid, &holder).await });
         }
     }
 }
 
 impl AgentService {
-    /// The service; `client` reaches the fronts for delegated tool calls (`None`: sessions have no tools).
-    pub fn new(config: &AgentConfig, client: Option<async_nats::Client>) -> AgentService {
-        AgentService {
-            config: config.clone(),
-            sessions: Mutex::new(HashMap::new()),
-            uses: std::sync::atomic::AtomicU64::new(0),
-            client,
-        }
+    /// The service over `store`; `client` reaches the fronts for delegated tool calls (`None`: sessions have no
+    /// tools).
+    pub fn new(store: SessionStore, client: Option<async_nats::Client>) -> AgentService {
+        AgentService { store, client }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Session>> {
-        self.sessions
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    /// The sessions' store.
+    pub fn store(&self) -> &SessionStore {
+        &self.store
     }
 
-    /// Sessions held now (expired ones included until swept).
-    pub fn sessions_held(&self) -> usize {
-        self.lock().len()
+    /// Live sessions `user` keeps now, every plugin.
+    pub async fn sessions_of(&self, user: &str) -> Result<usize, SessionError> {
+        self.store.count(user).await
     }
 
     /// Serves one `agent/*` call. `delegation` is the invoke's (sync invokes dispatched by a front).
@@ -412,16 +406,20 @@ impl AgentService {
         if !params.is_object() && !params.is_null() {
             return Err(invalid("params must be an object"));
         }
-        match sub {
-            "session.create" => self.create(ctx, params),
+        let result = match sub {
+            "session.create" => self.create(ctx, params).await,
             "session.run" => self.run(ctx, llm, params, delegation).await,
-            "session.cancel" => self.cancel(ctx, params),
-            "session.history" => self.history(ctx, params),
-            "session.delete" => self.delete(ctx, params),
-            "session.list" => self.list(ctx, params),
-            "session.refresh" => self.refresh(ctx, params),
-            _ => Err(method_not_found(method)),
-        }
+            "session.cancel" => self.cancel(ctx, params).await,
+            "session.history" => self.history(ctx, params).await,
+            "session.delete" => self.delete(ctx, params).await,
+            "session.list" => self.list(ctx, params).await,
+            "session.refresh" => self.refresh(ctx, params).await,
+            _ => return Err(method_not_found(method)),
+        };
+        result.map_err(|e| match e {
+            Failed::Plugin(e) => e,
+            Failed::Session(e) => session_error(ctx, e),
+        })
     }
 
     async fn complete(
@@ -451,28 +449,18 @@ impl AgentService {
         Ok(result)
     }
 
-    fn key(ctx: &CallContext, uuid: &str) -> Key {
-        (ctx.user.clone(), ctx.tool_id.clone(), uuid.to_owned())
+    fn owner(ctx: &CallContext) -> Owner {
+        Owner::new(&ctx.user, &ctx.tool_id)
     }
 
-    /// Removes expired sessions; then, while over the cap, the least recently used.
-    fn make_room(map: &mut HashMap<Key, Session>, cap: usize) {
-        let now = now_ms();
-        map.retain(|_, s| !s.expired(now) || s.running.is_some());
-        while map.len() >= cap.max(1) {
-            let Some(oldest) = map
-                .iter()
-                .filter(|(_, s)| s.running.is_none())
-                .min_by_key(|(_, s)| s.last_used)
-                .map(|(k, _)| k.clone())
-            else {
-                break;
-            };
-            map.remove(&oldest);
-        }
+    async fn create(&self, ctx: &CallContext, p: &Value) -> Result<Value, Failed> {
+        let session = Self::new_session(ctx, p)?;
+        self.store.create(&Self::owner(ctx), &session).await?;
+        Ok(session.describe(session.created_ms))
     }
 
-    fn create(&self, ctx: &CallContext, p: &Value) -> Result<Value, ErrorObject> {
+    /// The session `agent/session.create` asks for, validated.
+    fn new_session(ctx: &CallContext, p: &Value) -> Result<SessionRecord, ErrorObject> {
         let kind = str_param(p, "kind")?;
         let submode = str_param(p, "agent_submode")?;
         if let Some(k) = kind
@@ -539,54 +527,32 @@ impl AgentService {
             }
             Some(_) => return Err(invalid("quota_caps must be an object")),
         };
+        if granted_tools.len() > limits::AGENT_MAX_TOOLS
+            || granted_tools
+                .iter()
+                .any(|t| t.len() > limits::AGENT_TOOL_PATTERN_MAX_BYTES)
+        {
+            return Err(unprocessable(format!(
+                "quota_caps.allowed_tools must list at most {} tools of at most {} bytes",
+                limits::AGENT_MAX_TOOLS,
+                limits::AGENT_TOOL_PATTERN_MAX_BYTES
+            )));
+        }
         let now = now_ms();
         let uuid = format!("{SESSION_PREFIX}{}", random_hex(16));
-        let session = Session {
-            uuid: uuid.clone(),
+        let session = SessionRecord {
+            uuid,
             thread_id: format!("thread_{}", random_hex(8)),
             label,
             system_prompt,
             inherit_host_tools,
             granted_tools,
-            ttl,
+            ttl_ms: ms(ttl),
             created_ms: now,
             last_active_ms: now,
-            last_used: self.uses.fetch_add(1, Ordering::SeqCst),
             messages: Vec::new(),
-            running: None,
         };
-        let described = session.describe();
-        let mut map = self.lock();
-        Self::make_room(&mut map, self.config.max_sessions);
-        map.insert(Self::key(ctx, &uuid), session);
-        Ok(described)
-    }
-
-    /// The live session of `uuid` for this user and plugin, touched, through `f`.
-    fn with_session<T>(
-        &self,
-        ctx: &CallContext,
-        uuid: &str,
-        touch: bool,
-        f: impl FnOnce(&mut Session) -> Result<T, ErrorObject>,
-    ) -> Result<T, ErrorObject> {
-        let key = Self::key(ctx, uuid);
-        let mut map = self.lock();
-        let now = now_ms();
-        match map.get_mut(&key) {
-            Some(s) if !s.expired(now) => {
-                if touch {
-                    s.last_active_ms = now;
-                    s.last_used = self.uses.fetch_add(1, Ordering::SeqCst);
-                }
-                f(s)
-            }
-            Some(_) => {
-                map.remove(&key);
-                Err(not_found())
-            }
-            None => Err(not_found()),
-        }
+        Ok(session)
     }
 
     fn parse_run(p: &Value) -> Result<RunPlan, ErrorObject> {
@@ -674,33 +640,70 @@ impl AgentService {
         llm: &LlmService,
         p: &Value,
         delegation: Option<&DelegationToken>,
-    ) -> Result<Value, ErrorObject> {
+    ) -> Result<Value, Failed> {
         let uuid = uuid_param(p)?.to_owned();
         let plan = Self::parse_run(p)?;
-        let cancelled = Arc::new(AtomicBool::new(false));
-        let (history, system, granted, allowed) = self.with_session(ctx, &uuid, true, |s| {
-            if s.running.is_some() {
-                return Err(codes::AGENT_RATE_LIMITED.error("a run of this session is already in progress"));
-            }
-            let allowed = plan.allowed.clone().unwrap_or_else(|| s.granted_tools.clone());
-            if let Some(bad) = allowed.iter().find(|t| !within(t, &s.granted_tools)) {
-                return Err(codes::AGENT_TOOL_NOT_GRANTED.error_with(
-                    "allowed_tools names a tool the session was not granted",
-                    Map::from_iter([("tool".to_owned(), json!(bad))]),
-                ));
-            }
-            s.running = Some((plan.run_id.clone(), cancelled.clone()));
-            Ok((
-                s.messages.clone(),
-                plan.system.clone().or_else(|| s.system_prompt.clone()),
-                s.granted_tools.clone(),
-                allowed,
-            ))
-        })?;
-        let _running = Running {
-            service: self,
-            key: Self::key(ctx, &uuid),
+        let owner = Self::owner(ctx);
+        let (history, system, granted, allowed) = self
+            .store
+            .edit(&owner, &uuid, true, |s| {
+                let allowed = plan.allowed.clone().unwrap_or_else(|| s.granted_tools.clone());
+                if let Some(bad) = allowed.iter().find(|t| !within(t, &s.granted_tools)) {
+                    return Err(SessionError::Refused(Box::new(
+                        codes::AGENT_TOOL_NOT_GRANTED.error_with(
+                            "allowed_tools names a tool the session was not granted",
+                            Map::from_iter([("tool".to_owned(), json!(bad))]),
+                        ),
+                    )));
+                }
+                Ok((
+                    s.messages.clone(),
+                    plan.system.clone().or_else(|| s.system_prompt.clone()),
+                    s.granted_tools.clone(),
+                    allowed,
+                ))
+            })
+            .await?;
+        // One run of a session at a time, whichever worker runs it.
+        let holder = random_hex(16);
+        let lease = RunLease {
+            run_id: plan.run_id.clone(),
+            holder: holder.clone(),
+            until_ms: now_ms().saturating_add(ms(store::RUN_LEASE_TTL)),
+            cancel: false,
         };
+        self.store.acquire(&owner, &uuid, &lease).await?;
+        let cancelled = Arc::new(AtomicBool::new(false));
+        let renewal = tokio::spawn({
+            let (store, owner, uuid, holder) =
+                (self.store.clone(), owner.clone(), uuid.clone(), holder.clone());
+            let cancelled = cancelled.clone();
+            async move {
+                let mut every = tokio::time::interval(store::RUN_LEASE_RENEW);
+                every.tick().await;
+                loop {
+                    every.tick().await;
+                    match store.renew(&owner, &uuid, &holder).await {
+                        Ok(Some(cancel)) => {
+                            if cancel {
+                                cancelled.store(true, Ordering::SeqCst);
+                            }
+                        }
+                        Ok(None) => return,
+                        Err(e) => tracing::warn!(error = %e, "cannot renew an agent run lease"),
+                    }
+                }
+            }
+        });
+        let leased = Leased {
+            store: self.store.clone(),
+            owner: owner.clone(),
+            uuid: uuid.clone(),
+            holder: holder.clone(),
+            renewal,
+            released: false,
+        };
+        let outcome: Result<Value, Failed> = async move {
         let mut frames = Frames {
             stream_id: format!("stream_{}", random_hex(8)),
             frames: Vec::new(),
@@ -734,7 +737,17 @@ impl AgentService {
         let mut stop_reason = "recursion_limit";
         let mut model = String::new();
         for _ in 0..plan.recursion_limit {
-            if cancelled.load(Ordering::SeqCst) {
+            // A cancel from this worker or any other: the lease's flag, read before every step.
+            if cancelled.load(Ordering::SeqCst)
+                || self
+                    .store
+                    .cancel_asked(&owner, &uuid, &holder)
+                    .await
+                    .unwrap_or_else(|e| {
+                        tracing::warn!(error = %e, "cannot read an agent run lease");
+                        false
+                    })
+            {
                 stop_reason = "cancelled";
                 break;
             }
@@ -810,23 +823,34 @@ impl AgentService {
             "final",
             json!({"text": final_text, "usage": usage, "stopReason": stop_reason}),
         )?;
-        // The conversation goes on from here (bounded: the oldest turns are dropped).
-        self.with_session(ctx, &uuid, true, |s| {
-            s.messages.extend(added);
-            let excess = s
-                .messages
-                .len()
-                .saturating_sub(limits::AGENT_SESSION_MAX_MESSAGES);
-            s.messages.drain(..excess);
-            Ok(())
-        })
-        .ok();
+        // The conversation goes on from here (bounded: the oldest turns are dropped). A session deleted, expired
+        // or evicted meanwhile keeps nothing.
+        let kept = self
+            .store
+            .edit(&owner, &uuid, true, |s| {
+                s.messages.extend(added.iter().cloned());
+                store::bound_history(
+                    &mut s.messages,
+                    limits::AGENT_SESSION_MAX_MESSAGES,
+                    store::HISTORY_MAX_BYTES,
+                );
+                Ok(())
+            })
+            .await;
+        if let Err(e @ SessionError::Store(_)) = kept {
+            tracing::warn!(invoke_id = %ctx.invoke_id, error = %e, "cannot keep an agent run's turn");
+        }
         Ok(json!({
             "run_id": plan.run_id,
             "stream_id": frames.stream_id,
             "frames": frames.frames,
             "final": {"text": final_text, "usage": usage, "stopReason": stop_reason, "model": model},
         }))
+        }
+        .await;
+        // Given back before the answer: the session is free for the plugin's next call, on any worker.
+        leased.release().await;
+        outcome
     }
 
     /// The user's fleet tools the run may call, as OpenAI `tools`, by function name.
@@ -966,7 +990,7 @@ impl AgentService {
         args: Value,
     ) -> Result<Value, String> {
         let (Some(client), Some(token)) = (&self.client, delegation) else {
-            return Err("this invoke cannot call tools (only sync invokes dispatched by a front can)".into());
+            return Err("this invoke has no delegation for tool calls".into());
         };
         let Some(front) = token.front_id() else {
             return Err("this invoke's delegation is malformed".into());
@@ -990,25 +1014,19 @@ impl AgentService {
         }
     }
 
-    fn cancel(&self, ctx: &CallContext, p: &Value) -> Result<Value, ErrorObject> {
+    async fn cancel(&self, ctx: &CallContext, p: &Value) -> Result<Value, Failed> {
         let uuid = uuid_param(p)?;
         let run_id = match str_param(p, "run_id")? {
             Some(r) if !r.is_empty() => r.to_owned(),
-            _ => return Err(invalid("run_id is required")),
+            _ => return Err(invalid("run_id is required").into()),
         };
-        self.with_session(ctx, uuid, false, |s| {
-            let cancelled = match &s.running {
-                Some((id, flag)) if *id == run_id => {
-                    flag.store(true, Ordering::SeqCst);
-                    true
-                }
-                _ => false,
-            };
-            Ok(json!({"cancelled": cancelled, "run_id": run_id}))
-        })
+        let owner = Self::owner(ctx);
+        self.store.get(&owner, uuid).await?;
+        let cancelled = self.store.cancel(&owner, uuid, &run_id).await?;
+        Ok(json!({"cancelled": cancelled, "run_id": run_id}))
     }
 
-    fn history(&self, ctx: &CallContext, p: &Value) -> Result<Value, ErrorObject> {
+    async fn history(&self, ctx: &CallContext, p: &Value) -> Result<Value, Failed> {
         let uuid = uuid_param(p)?;
         let limit = limit_param(p, limits::AGENT_LIST_DEFAULT_LIMIT)?;
         let start = match str_param(p, "cursor")? {
@@ -1017,50 +1035,49 @@ impl AgentService {
                 .parse::<usize>()
                 .map_err(|_| invalid("cursor is not one this host returned"))?,
         };
-        self.with_session(ctx, uuid, false, |s| {
-            let page: Vec<Value> = s.messages.iter().skip(start).take(limit).cloned().collect();
-            let next = start + page.len();
-            Ok(json!({
-                "messages": page,
-                "next_cursor": if next < s.messages.len() { json!(next.to_string()) } else { Value::Null },
-            }))
-        })
+        let s = self.store.get(&Self::owner(ctx), uuid).await?;
+        let page: Vec<Value> = s.messages.iter().skip(start).take(limit).cloned().collect();
+        let next = start + page.len();
+        Ok(json!({
+            "messages": page,
+            "next_cursor": if next < s.messages.len() { json!(next.to_string()) } else { Value::Null },
+        }))
     }
 
-    fn delete(&self, ctx: &CallContext, p: &Value) -> Result<Value, ErrorObject> {
+    async fn delete(&self, ctx: &CallContext, p: &Value) -> Result<Value, Failed> {
         let uuid = uuid_param(p)?;
-        let deleted = self.lock().remove(&Self::key(ctx, uuid)).is_some();
+        let deleted = self.store.delete(&Self::owner(ctx), uuid).await?;
         Ok(json!({"deleted": deleted, "app_session_uuid": uuid}))
     }
 
-    fn list(&self, ctx: &CallContext, p: &Value) -> Result<Value, ErrorObject> {
+    async fn list(&self, ctx: &CallContext, p: &Value) -> Result<Value, Failed> {
         let limit = limit_param(p, limits::AGENT_LIST_DEFAULT_LIMIT)?;
-        let include_expired = match p.get("include_expired") {
-            None | Some(Value::Null) => false,
-            Some(Value::Bool(b)) => *b,
-            Some(_) => return Err(invalid("include_expired must be a boolean")),
-        };
+        match p.get("include_expired") {
+            None | Some(Value::Null | Value::Bool(_)) => {}
+            Some(_) => return Err(invalid("include_expired must be a boolean").into()),
+        }
         let now = now_ms();
-        let map = self.lock();
-        let mut mine: Vec<&Session> = map
+        let sessions: Vec<Value> = self
+            .store
+            .list(&Self::owner(ctx), limit)
+            .await?
             .iter()
-            .filter(|((user, plugin, _), s)| {
-                *user == ctx.user && *plugin == ctx.tool_id && (include_expired || !s.expired(now))
-            })
-            .map(|(_, s)| s)
+            .map(|s| s.describe(now))
             .collect();
-        mine.sort_by_key(|s| std::cmp::Reverse(s.last_active_ms));
-        let sessions: Vec<Value> = mine.iter().take(limit).map(|s| s.describe()).collect();
         Ok(json!({"sessions": sessions}))
     }
 
-    fn refresh(&self, ctx: &CallContext, p: &Value) -> Result<Value, ErrorObject> {
+    async fn refresh(&self, ctx: &CallContext, p: &Value) -> Result<Value, Failed> {
         let uuid = uuid_param(p)?;
         let ttl = ttl_param(p)?;
-        self.with_session(ctx, uuid, true, |s| {
-            s.ttl = ttl;
-            Ok(s.describe())
-        })
+        let refreshed = self
+            .store
+            .edit(&Self::owner(ctx), uuid, true, |s| {
+                s.ttl_ms = ms(ttl);
+                Ok(s.clone())
+            })
+            .await?;
+        Ok(refreshed.describe(refreshed.last_active_ms))
     }
 }
 

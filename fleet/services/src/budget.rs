@@ -10,6 +10,10 @@
 //! * storage (`storage/*` and `files/*`): every call counts; the 201st is `-32026`.
 //! * uploads: a file counts when it is stored (`inline`, `confirm`; `negotiate` is free); bytes are reserved
 //!   before the bytes are written and released if the write fails.
+//! * images (`image/generate` and `image/edit` together): a call's `n` is reserved before the provider is asked
+//!   and what it did not deliver is given back; past the cap (spec §7.4 `image_token.max_images`, 4) `-32106`. The
+//!   count starts again [`limits::IMAGE_INVOKE_WINDOW`] (30 min) after the window's first image, as the spec's
+//!   Redis key with its 30-min TTL does.
 
 use std::sync::Mutex;
 use std::time::Instant;
@@ -31,6 +35,8 @@ pub struct BudgetLimits {
     pub upload_total_bytes: u64,
     /// Largest single uploaded file (spec: 20 MiB token default).
     pub upload_file_bytes: u64,
+    /// Images per invoke, `image/generate` and `image/edit` together (spec: 4).
+    pub images_per_invoke: u32,
 }
 
 impl Default for BudgetLimits {
@@ -42,6 +48,7 @@ impl Default for BudgetLimits {
             upload_files: limits::UPLOAD_MAX_FILES_PER_INVOKE,
             upload_total_bytes: limits::UPLOAD_MAX_TOTAL_BYTES_PER_INVOKE as u64,
             upload_file_bytes: limits::UPLOAD_MAX_FILE_BYTES as u64,
+            images_per_invoke: limits::IMAGE_DEFAULT_MAX_PER_INVOKE,
         }
     }
 }
@@ -84,6 +91,17 @@ pub enum Exhausted {
         /// The cap.
         cap: u64,
     },
+    /// `-32106 IMAGE_MAX_IMAGES_EXCEEDED` with `data.images` (what the invoke would have had) and
+    /// `data.maxImages`.
+    #[error("{asked} more images would take the invoke to {images}, over its {cap} (spec §7.4 max_images)")]
+    Images {
+        /// Images asked for by this call.
+        asked: u32,
+        /// Images of the invoke had the call been served (reserved so far + `asked`).
+        images: u32,
+        /// The cap.
+        cap: u32,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -93,6 +111,10 @@ struct Counters {
     storage_calls: u32,
     upload_files: u32,
     upload_bytes: u64,
+    /// Images reserved or delivered in the current window.
+    images: u32,
+    /// When the current image window began (its first reservation), and its number.
+    images_window: Option<(Instant, u64)>,
 }
 
 /// The budget of one invoke.
@@ -206,6 +228,79 @@ impl InvokeBudget {
         let c = self.counters();
         (c.upload_files, c.upload_bytes)
     }
+
+    /// Reserves `n` images of the invoke's cap. Dropping the reservation gives them back; [`ImageReservation::
+    /// settle`] keeps what was delivered.
+    pub fn reserve_images(&self, n: u32) -> Result<ImageReservation<'_>, Exhausted> {
+        self.reserve_images_at(n, Instant::now())
+    }
+
+    /// [`Self::reserve_images`] as of `now` (the window's clock).
+    fn reserve_images_at(&self, n: u32, now: Instant) -> Result<ImageReservation<'_>, Exhausted> {
+        let cap = self.limits.images_per_invoke;
+        let mut c = self.counters();
+        let current = c.images_window;
+        let window = match current {
+            Some((start, number)) if now.duration_since(start) < limits::IMAGE_INVOKE_WINDOW => number,
+            previous => {
+                // The first image of the invoke, or the window passed: the count starts again.
+                let number = previous.map_or(0, |(_, number)| number + 1);
+                c.images = 0;
+                c.images_window = Some((now, number));
+                number
+            }
+        };
+        let images = c.images.saturating_add(n);
+        if images > cap {
+            return Err(Exhausted::Images {
+                asked: n,
+                images,
+                cap,
+            });
+        }
+        c.images = images;
+        Ok(ImageReservation {
+            budget: self,
+            window,
+            reserved: n,
+            delivered: 0,
+        })
+    }
+
+    /// Images reserved or delivered in the current window.
+    pub fn images_used(&self) -> u32 {
+        self.counters().images
+    }
+}
+
+/// Images reserved for one `image/*` call; see [`InvokeBudget::reserve_images`].
+#[derive(Debug)]
+pub struct ImageReservation<'a> {
+    budget: &'a InvokeBudget,
+    /// The window it was counted in (a refund never reaches into a later window).
+    window: u64,
+    reserved: u32,
+    delivered: u32,
+}
+
+impl ImageReservation<'_> {
+    /// `delivered` of the reserved images reached the plugin: keep them, give the rest back.
+    pub fn settle(mut self, delivered: u32) {
+        self.delivered = delivered.min(self.reserved);
+    }
+}
+
+impl Drop for ImageReservation<'_> {
+    fn drop(&mut self) {
+        let give_back = self.reserved - self.delivered;
+        if give_back == 0 {
+            return;
+        }
+        let mut c = self.budget.counters();
+        if c.images_window.is_some_and(|(_, number)| number == self.window) {
+            c.images = c.images.saturating_sub(give_back);
+        }
+    }
 }
 
 /// A reserved upload slot; see [`InvokeBudget::reserve_upload`].
@@ -311,5 +406,67 @@ mod tests {
             budget.reserve_upload(1).expect("fits").commit();
         }
         assert_eq!(budget.reserve_upload(1).err(), Some(Exhausted::UploadFiles(16)));
+    }
+
+    #[test]
+    fn images_admit_4_per_invoke_and_give_back_what_was_not_delivered() {
+        let budget = InvokeBudget::new(BudgetLimits::default());
+        budget.reserve_images(3).expect("3 of 4").settle(3);
+        assert_eq!(
+            budget.reserve_images(2).err(),
+            Some(Exhausted::Images {
+                asked: 2,
+                images: 5,
+                cap: 4
+            })
+        );
+        // A failed call (dropped) and a short one (settled for less) give their images back.
+        drop(budget.reserve_images(1).expect("the 4th"));
+        assert_eq!(budget.images_used(), 3);
+        budget.reserve_images(1).expect("the 4th").settle(0);
+        assert_eq!(budget.images_used(), 3);
+        budget.reserve_images(1).expect("the 4th").settle(1);
+        assert_eq!(budget.images_used(), 4);
+        assert!(matches!(
+            budget.reserve_images(1),
+            Err(Exhausted::Images { images: 5, .. })
+        ));
+    }
+
+    #[test]
+    fn concurrent_image_reservations_never_exceed_the_cap() {
+        let budget = Arc::new(InvokeBudget::new(BudgetLimits::default()));
+        let admitted: usize = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..8)
+                .map(|_| {
+                    s.spawn(|| match budget.reserve_images(1) {
+                        Ok(r) => {
+                            r.settle(1);
+                            1
+                        }
+                        Err(_) => 0,
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("thread")).sum()
+        });
+        assert_eq!(admitted, 4, "exactly 4 of 8 racers get an image");
+    }
+
+    #[test]
+    fn the_image_count_starts_again_30_minutes_after_its_window_began() {
+        let budget = InvokeBudget::new(BudgetLimits::default());
+        let t0 = Instant::now();
+        // Two images still being produced when the window passes, two delivered.
+        let held = budget.reserve_images_at(2, t0).expect("2");
+        budget.reserve_images_at(2, t0).expect("2 more").settle(2);
+        let just_before = t0 + limits::IMAGE_INVOKE_WINDOW - std::time::Duration::from_millis(1);
+        assert!(budget.reserve_images_at(1, just_before).is_err());
+        let at = t0 + limits::IMAGE_INVOKE_WINDOW;
+        budget.reserve_images_at(4, at).expect("a new window").settle(4);
+        // The old window's reservation, given back now, does not free images of the new one.
+        drop(held);
+        assert_eq!(budget.images_used(), 4);
+        assert!(budget.reserve_images_at(1, at).is_err());
     }
 }

@@ -185,6 +185,11 @@ impl GrantStore {
                 limits::IMAGE_MAX_PER_CALL
             )));
         }
+        if image.and_then(|i| i.max_per_invoke) == Some(0) {
+            return Err(GrantError::Invalid(
+                "image max_per_invoke must be at least 1".into(),
+            ));
+        }
         if let Some(max) = web_grant.and_then(|w| w.max_results_per_call)
             && (max == 0 || max as usize > limits::WEB_MAX_RESULTS_PER_CALL)
         {

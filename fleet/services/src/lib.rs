@@ -251,6 +251,17 @@ impl FleetServices {
         };
         let image_unconfigured = config.image.is_none() && !config.dev.is_explicit(DevFamily::Image);
         let web = web::WebService::with_fetcher(&config.web, fetcher, usage)?;
+        // Agent sessions in JetStream KV: any worker serves any session (a front creates the bucket).
+        let max_sessions = config.agent.max_sessions;
+        if max_sessions == 0 || max_sessions > fleet_proto::limits::AGENT_SESSION_CACHE_MAX {
+            return Err(ServicesError::Config(format!(
+                "agent.max_sessions must be 1–{}",
+                fleet_proto::limits::AGENT_SESSION_CACHE_MAX
+            )));
+        }
+        let agent_sessions = agent::store::SessionStore::open(js, settings, max_sessions)
+            .await
+            .map_err(|e| ServicesError::Store(e.to_string()))?;
         Ok(FleetServices {
             inner: Arc::new(Inner {
                 minter: TokenMinter::new().map_err(|e| ServicesError::Config(e.to_string()))?,
@@ -264,7 +275,7 @@ impl FleetServices {
                 image,
                 image_unconfigured,
                 web,
-                agent: agent::AgentService::new(&config.agent, Some(js.client())),
+                agent: agent::AgentService::new(agent_sessions, Some(js.client())),
                 delegations: DashMap::new(),
                 modes,
                 mocks: config.dev.mocks().clone(),
@@ -393,6 +404,9 @@ impl FleetServices {
         };
         let ttl = TokenMinter::ttl_for(req.deadline_ms);
         let mut limits = BudgetLimits::default();
+        if let Some(n) = grant.image.and_then(|i| i.max_per_invoke) {
+            limits.images_per_invoke = n;
+        }
         if let Some(u) = &grant.upload {
             limits.upload_files = u
                 .max_files
@@ -452,6 +466,7 @@ impl FleetServices {
                     .max_images_per_day
                     .unwrap_or(fleet_proto::limits::IMAGE_DEFAULT_MAX_PER_DAY),
             );
+            c.max_images = Some(limits.images_per_invoke);
             tokens.image = sign(&c);
         }
         if !web_caps.is_empty() || (web_denied && !web_served.is_empty()) {

@@ -444,7 +444,15 @@ fn image(ctx: &CallContext, site: &CallSite<'_>, entry: Option<&MockEntry>) -> R
     // The real service's validation (`-32104`, `-32106` over the host's cap).
     let kind = if edit { Kind::Edit } else { Kind::Generate };
     let n = ImageRequest::parse(kind, p)?.n;
-    answer(entry, site, ctx).unwrap_or_else(|| {
+    // The invoke's image cap, as the real service counts it.
+    let reserved = match ctx.budget.reserve_images(n) {
+        Ok(r) => r,
+        Err(crate::Exhausted::Images { asked, images, cap }) => {
+            return Err(crate::image::request::over_invoke_cap(asked, images, cap));
+        }
+        Err(other) => return Err(image::IMAGE_MAX_IMAGES_EXCEEDED.error(other.to_string())),
+    };
+    let answered = answer(entry, site, ctx).unwrap_or_else(|| {
         let (w, h) = p
             .get("size")
             .and_then(Value::as_str)
@@ -462,7 +470,11 @@ fn image(ctx: &CallContext, site: &CallSite<'_>, entry: Option<&MockEntry>) -> R
             "model": MOCK_MODEL,
             "_meta": {"provider": MOCK_MODEL},
         }))
-    })
+    });
+    if answered.is_ok() {
+        reserved.settle(n);
+    }
+    answered
 }
 
 fn upload(ctx: &CallContext, site: &CallSite<'_>, entry: Option<&MockEntry>) -> Result<Value, ErrorObject> {

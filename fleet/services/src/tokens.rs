@@ -105,6 +105,9 @@ pub struct ServiceClaims {
     /// Image: the user's images per rolling 24 h (spec §8.6 `max_images_per_day`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_images_per_day: Option<u32>,
+    /// Image: images per invoke, all its calls together (spec §7.4 `image_token.max_images`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_images: Option<u32>,
     /// Web: `search_depth: "advanced"` allowed (`web_grant.allowAdvanced`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub web_advanced: Option<bool>,
@@ -219,6 +222,7 @@ impl TokenMinter {
             max_per_call_generate: None,
             max_per_call_edit: None,
             max_images_per_day: None,
+            max_images: None,
             web_advanced: None,
             max_results: None,
             web_denied: None,

@@ -133,6 +133,10 @@ pub const APS_KV: Resource = kv("aps_kv");
 pub const APS_USAGE: Resource = kv("aps_usage");
 /// Daily usage per user and metered family (`image/*` images, `web/*` compute units).
 pub const USAGE: Resource = kv("usage");
+/// Agent sessions, their run leases and the per-user session indexes (`agent/session.*`).
+pub const AGENT_SESSIONS: Resource = kv("agent_sessions");
+/// The delegations of jobs (written by fronts only: a worker that could write one could act as any user).
+pub const DELEGATIONS: Resource = kv("delegations");
 /// APS file index.
 pub const APS_FILES: Resource = kv("aps_files");
 /// APS files begun, not completed.
@@ -145,7 +149,7 @@ pub const APS_STAGING: Resource = objects("aps_staging");
 pub const UPLOADS: Resource = objects("uploads");
 
 /// Every JetStream resource of the fleet.
-pub const RESOURCES: [Resource; 20] = [
+pub const RESOURCES: [Resource; 22] = [
     JOBS,
     ACTIVE,
     WORKERS,
@@ -166,6 +170,8 @@ pub const RESOURCES: [Resource; 20] = [
     APS_STAGING,
     UPLOADS,
     USAGE,
+    AGENT_SESSIONS,
+    DELEGATIONS,
 ];
 
 impl Resource {
@@ -241,6 +247,7 @@ pub fn jetstream_access(role: Role) -> Vec<(Resource, Access)> {
                 APS_STAGING,
                 UPLOADS,
                 USAGE,
+                AGENT_SESSIONS,
             ]
             .iter()
             .map(|r| (*r, Access::Write))
@@ -325,7 +332,15 @@ pub fn for_role(role: Role, prefix: &str) -> Permissions {
             // Spelled out although outside the allow list: a worker never acts as a front or an operator.
             publish_deny.extend(strings(&[ADMIN_SUBJECTS, WORKER_SUBJECTS, API_SUBJECTS]));
             publish_deny.extend(
-                [GRANTS, PLUGINS, PLUGIN_PACKAGES, APP_CREDS, CREDENTIALS].map(|r| r.data_subject(prefix)),
+                [
+                    GRANTS,
+                    PLUGINS,
+                    PLUGIN_PACKAGES,
+                    APP_CREDS,
+                    CREDENTIALS,
+                    DELEGATIONS,
+                ]
+                .map(|r| r.data_subject(prefix)),
             );
             publish_deny.push("$JS.API.STREAM.CREATE.>".to_owned());
             publish_deny.push("$JS.API.STREAM.UPDATE.>".to_owned());
@@ -511,6 +526,8 @@ mod tests {
                 (APS_STAGING, objects(s.aps_staging_config())),
                 (UPLOADS, objects(s.uploads_config())),
                 (USAGE, kv(s.usage_kv_config())),
+                (AGENT_SESSIONS, kv(s.agent_sessions_kv_config())),
+                (DELEGATIONS, kv(s.delegations_kv_config())),
             ];
             assert_eq!(configured.len(), RESOURCES.len(), "one config per resource");
             for resource in RESOURCES {

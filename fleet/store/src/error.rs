@@ -68,6 +68,10 @@ pub enum Op {
     StorageQuota,
     /// The daily usage counter of `image/*` and `web/*` (fleet-services `usage`).
     Usage,
+    /// The agent sessions of `agent/session.*` (fleet-services `agent::store`).
+    AgentSessions,
+    /// The delegations of jobs (fleet `delegation::JobDelegations`).
+    Delegation,
     /// `PluginStore::edit` (fleet).
     EditPlugin,
     /// Issuing or revoking an operator credential (fleet).
@@ -107,6 +111,8 @@ impl Op {
             Op::EditCredentials => "edit_credentials",
             Op::StorageQuota => "storage_quota",
             Op::Usage => "usage",
+            Op::AgentSessions => "agent_sessions",
+            Op::Delegation => "delegation",
             Op::EditPlugin => "edit_plugin",
             Op::EditCredential => "edit_credential",
         }

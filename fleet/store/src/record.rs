@@ -59,6 +59,11 @@ pub struct JobRecord {
     /// The highest progress seq folded into the record.
     #[serde(default)]
     pub last_seq: u64,
+    /// The job's delegation for its agent sessions' tool calls (`jobs.<secret>`, see the fleet crate's
+    /// `delegation::JobDelegations`): read by the worker that starts the job, never in a snapshot, an event or a
+    /// log (`Debug` shows `jobs` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delegation: Option<fleet_proto::api::delegation::DelegationToken>,
 }
 
 /// The last millisecond RFC 3339 can show (9999-12-31T23:59:59.999Z).
@@ -103,6 +108,7 @@ impl JobRecord {
             error: None,
             last_heartbeat_ms: None,
             last_seq: 0,
+            delegation: None,
         }
     }
 

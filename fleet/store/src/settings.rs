@@ -21,6 +21,8 @@
 //! | `<prefix>_aps_kv` | KV (fleet-services: `storage/*`) | `<user_key>.<scope>.<sha256(key)>` → a value's envelope | history 1, no `max_age`, `max_value_size` = 256 KiB + 64 KiB |
 //! | `<prefix>_aps_usage` | KV (fleet-services: storage quota) | `<user_key>` → the user's stored bytes | history 1, no `max_age`, `max_value_size` = 64 B |
 //! | `<prefix>_usage` | KV (fleet-services: the daily quotas of `image/*` and `web/*`) | `<family>.<user_key>` → the user's units of the family's window, per slot (`image.`: images per minute of the last 24 h; `web.`: compute units of the UTC day) | history 1, `max_age` = 25 h, `max_value_size` = 64 KiB |
+//! | `<prefix>_agent_sessions` | KV (fleet-services: `agent/session.*`) | `s.<user_key>.<hash of tool_id>.<uuid>` → a session (settings, history); `r.<user_key>.<hash of tool_id>.<uuid>` → its run lease (run id, holder, expiry, cancel flag); `u.<user_key>` → the user's sessions in least-recently-used order | history 1, `max_age` = a session's lifetime (24 h) + 1 h, `max_value_size` = 512 KiB |
+//! | `<prefix>_delegations` | KV (fleet: the delegations of jobs) | hex SHA-256 of a job delegation's secret → `{user, plugin, job_id, deadline_ms, depth}` (never the secret) | history 1, `max_age` = the longest job deadline (24 h) + 1 h, `max_value_size` = 4 KiB; written by fronts only |
 //! | `<prefix>_aps_files` | KV (fleet-services: `files/*`) | `f.<user_key>.<scope>.<sha256(path)>` → a file's index entry | history 1, no `max_age`, `max_value_size` = 16 KiB |
 //! | `<prefix>_aps_pending` | KV (fleet-services: `files/*`) | `<user_key>.<scope>.<sha256(path)>` → a begun upload | history 1, `max_age` = staging retention (1 h), `max_value_size` = 16 KiB |
 //! | `<prefix>_aps_objects` | object store (fleet-services: `files/*`) | the bytes of committed files | no `max_age` |
@@ -108,6 +110,21 @@ pub const USAGE_MAX_BYTES: usize = 64 * KIB;
 /// How long an untouched `<prefix>_usage` record is kept: the longest window (24 h) and an hour (a record older
 /// than its window counts nothing).
 pub const USAGE_MAX_AGE: Duration = Duration::from_secs(25 * 3600);
+
+/// Largest value of `<prefix>_agent_sessions`: a session (its settings and its bounded history) or a user's
+/// index of sessions (at most 4 096 entries of ~120 bytes).
+pub const AGENT_SESSIONS_MAX_BYTES: usize = 512 * KIB;
+
+/// How long an untouched `<prefix>_agent_sessions` record is kept: a session's hard lifetime (24 h, spec §8.2) and
+/// an hour (every session a record names has expired by then).
+pub const AGENT_SESSIONS_MAX_AGE: Duration =
+    Duration::from_secs(limits::AGENT_SESSION_MAX_LIFETIME.as_secs() + 3600);
+
+/// Largest value of `<prefix>_delegations`: a job delegation (a user id, a tool id, a job id, two numbers).
+pub const DELEGATION_MAX_BYTES: usize = 4 * KIB;
+
+/// How long a job delegation is kept at most: the longest job deadline (24 h) and an hour.
+pub const DELEGATION_MAX_AGE: Duration = Duration::from_millis(limits::JOB_DEADLINE_MAX_MS + 3_600_000);
 
 /// Largest value of `<prefix>_aps_usage`: one user's stored bytes, in decimal digits.
 pub const APS_USAGE_MAX_BYTES: usize = 64;
@@ -344,6 +361,16 @@ impl StoreSettings {
         format!("{}_usage", self.prefix)
     }
 
+    /// `<prefix>_agent_sessions`.
+    pub fn agent_sessions_bucket(&self) -> String {
+        format!("{}_agent_sessions", self.prefix)
+    }
+
+    /// `<prefix>_delegations`.
+    pub fn delegations_bucket(&self) -> String {
+        format!("{}_delegations", self.prefix)
+    }
+
     /// `<prefix>_aps_usage`.
     pub fn aps_usage_bucket(&self) -> String {
         format!("{}_aps_usage", self.prefix)
@@ -576,6 +603,27 @@ impl StoreSettings {
             "daily usage per user and family (image/*, web/*)",
             USAGE_MAX_AGE,
             USAGE_MAX_BYTES,
+        )
+    }
+
+    /// The agent sessions the fleet runs (`agent/session.*`), their run leases and each user's index, shared by
+    /// every worker.
+    pub fn agent_sessions_kv_config(&self) -> kv::Config {
+        self.kv(
+            self.agent_sessions_bucket(),
+            "agent sessions, run leases and per-user indexes (agent/session.*)",
+            AGENT_SESSIONS_MAX_AGE,
+            AGENT_SESSIONS_MAX_BYTES,
+        )
+    }
+
+    /// The delegations of jobs (the fleet crate's `delegation::JobDelegations`), written by fronts only.
+    pub fn delegations_kv_config(&self) -> kv::Config {
+        self.kv(
+            self.delegations_bucket(),
+            "delegations of jobs' agent-session tool calls (by SHA-256 of the secret)",
+            DELEGATION_MAX_AGE,
+            DELEGATION_MAX_BYTES,
         )
     }
 

@@ -13,19 +13,23 @@
 //!    `max_edit_n` `-32313`; a `size` outside the model's `sizes` (when listed) `-32104`;
 //! 4. **per-call cap** from the grant (`max_per_call`, default 4 for generate and 1 for edit): `-32106` with
 //!    `data.images` and `data.maxImages`;
-//! 5. **daily quota** ([`crate::usage`], family `image`): `n` images are reserved in the user's rolling 24 h (`max_images_per_day`,
+//! 5. **per-invoke cap** ([`crate::budget`]): `n` images are reserved of the invoke's 4 (`image_token.max_images`,
+//!    the grant's `max_per_invoke`), all its `image/*` calls together, counted again 30 min after the first; over
+//!    it: `-32106` with `data.images` (the invoke's count had the call been served) and `data.maxImages`. Images
+//!    not delivered are given back. (`-32108`, a declined confirm prompt, never happens: the fleet asks none.)
+//! 6. **daily quota** ([`crate::usage`], family `image`): `n` images are reserved in the user's rolling 24 h (`max_images_per_day`,
 //!    default 50, all plugins together, in JetStream KV); over it: `-32102` with
 //!    `data.images_today`/`data.images_quota`. Images not delivered (a failure, fewer images than asked) are
 //!    given back;
-//! 6. **inputs** ([`fetch`]): `image_url`, `mask_url` and references are fleet links of the caller (read from
+//! 7. **inputs** ([`fetch`]): `image_url`, `mask_url` and references are fleet links of the caller (read from
 //!    the object store) or public URLs fetched by the `web/*` family's fetcher under its SSRF policy; a failure is `-32314` naming the field;
-//! 7. **the upstream**, bounded by `min(_clientTimeoutS or request_timeout_s (180 s), 240 s)` and by the
+//! 8. **the upstream**, bounded by `min(_clientTimeoutS or request_timeout_s (180 s), 240 s)` and by the
 //!    parent invoke's deadline: past the former `-32103`, cut by the deadline `-32105`; both, and every other
 //!    `-32103`, carry `data.subcall = "image"` and `data.timeout_s` (the subcall's timeout). A generate asking for more images than the model's `max_n`
 //!    is split into several upstream requests. Provider failures (statuses, safety refusals, malformed
 //!    answers, anything that is not a PNG/JPEG/WebP/GIF) are `-32103` with `data.status` and the upstream's
 //!    short error code, never its body;
-//! 8. **storage**: each image (`b64_json`, or a `url` the provider returned: fetched with the upstream's client
+//! 9. **storage**: each image (`b64_json`, or a `url` the provider returned: fetched with the upstream's client
 //!    when on the upstream's own origin, else by the `web/*` fetcher under the SSRF policy) is stored under
 //!    `exec-images/<env>/<user_key>/<tool>/<invoke>/<ms>_<nonce>_<i>.<ext>`; a failure is `-32110`.
 //!
@@ -63,7 +67,7 @@ use super::llm::{ApiKey, DEFAULT_PROVIDER, KeySourceError, check_base_url, selec
 use super::upload::safe_segment;
 use super::usage::{self, Reserved, UsageCounter, UsageError};
 use super::web::fetch::Fetcher;
-use super::{CallContext, ServicesError};
+use super::{CallContext, Exhausted, ServicesError};
 
 /// Environment variable read for the API key when neither `api_key_file` nor `api_key_env` is configured.
 pub const DEFAULT_API_KEY_ENV: &str = "FLEET_IMAGE_API_KEY";
@@ -340,6 +344,15 @@ impl ImageService {
         if req.n > per_call {
             return Err(request::over_cap(req.n, per_call, false));
         }
+        // The invoke's images, all its calls together: reserved before the provider is asked, so concurrent calls
+        // of one invoke never get more than the cap; what is not delivered is given back when this is dropped.
+        let per_invoke = match ctx.budget.reserve_images(req.n) {
+            Ok(r) => r,
+            Err(Exhausted::Images { asked, images, cap }) => {
+                return Err(request::over_invoke_cap(asked, images, cap));
+            }
+            Err(other) => return Err(codes::IMAGE_MAX_IMAGES_EXCEEDED.error(other.to_string())),
+        };
         let day_cap = u64::from(
             ctx.claims
                 .max_images_per_day
@@ -390,6 +403,7 @@ impl ImageService {
             }
         };
         let delivered = links.len() as u64;
+        per_invoke.settle(u32::try_from(delivered).unwrap_or(u32::MAX));
         self.quota.refund(&ctx.user, reserved, delivered).await;
         Ok(json!({
             "images": links,

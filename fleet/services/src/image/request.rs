@@ -103,6 +103,18 @@ pub(crate) fn over_cap(n: u32, cap: u32, host: bool) -> ErrorObject {
     codes::IMAGE_MAX_IMAGES_EXCEEDED.error_with(format!("n = {n} is over {whose} of {cap}"), data)
 }
 
+/// `-32106` for a call that would take its invoke over the per-invoke cap (spec §7.4 `max_images`): `data.images`
+/// is the invoke's count had the call been served, `data.maxImages` the cap.
+pub(crate) fn over_invoke_cap(asked: u32, images: u32, cap: u32) -> ErrorObject {
+    codes::IMAGE_MAX_IMAGES_EXCEEDED.error_with(
+        format!("{asked} more images would take this invoke to {images}, over its cap of {cap}"),
+        Map::from_iter([
+            ("images".to_owned(), json!(images)),
+            ("maxImages".to_owned(), json!(cap)),
+        ]),
+    )
+}
+
 impl ImageRequest {
     /// Validates `params` of `kind`.
     pub(crate) fn parse(kind: Kind, params: &Value) -> Result<ImageRequest, ErrorObject> {
