@@ -85,6 +85,7 @@ impl Env {
                     .map(|s| (*s).to_owned())
                     .collect::<BTreeSet<_>>(),
                 declared: declared.iter().map(|s| (*s).to_owned()).collect(),
+                credentials: Vec::new(),
                 deadline_ms: now_ms() + 60_000,
             },
         )

@@ -127,6 +127,11 @@ pub const PLUGIN_PACKAGES: Resource = objects("plugin_packages");
 pub const APP_CREDS: Resource = kv("app_creds");
 /// Per-user credentials, sealed (written by the operator API only; workers read them at each invoke).
 pub const CREDENTIALS: Resource = kv("credentials");
+/// Users' connected OAuth accounts, sealed (written by fronts at the connect flow and by the user's account
+/// edits, and by workers when a refresh rotates a token or marks an account for re-authorization).
+pub const OAUTH_ACCOUNTS: Resource = kv("oauth_accounts");
+/// OAuth connect flows in progress (fronts only: started and finished on the HTTP listener).
+pub const OAUTH_STATE: Resource = kv("oauth_state");
 /// APS storage KV.
 pub const APS_KV: Resource = kv("aps_kv");
 /// APS bytes per user.
@@ -145,7 +150,7 @@ pub const APS_STAGING: Resource = objects("aps_staging");
 pub const UPLOADS: Resource = objects("uploads");
 
 /// Every JetStream resource of the fleet.
-pub const RESOURCES: [Resource; 20] = [
+pub const RESOURCES: [Resource; 22] = [
     JOBS,
     ACTIVE,
     WORKERS,
@@ -166,6 +171,8 @@ pub const RESOURCES: [Resource; 20] = [
     APS_STAGING,
     UPLOADS,
     USAGE,
+    OAUTH_ACCOUNTS,
+    OAUTH_STATE,
 ];
 
 impl Resource {
@@ -241,6 +248,7 @@ pub fn jetstream_access(role: Role) -> Vec<(Resource, Access)> {
                 APS_STAGING,
                 UPLOADS,
                 USAGE,
+                OAUTH_ACCOUNTS,
             ]
             .iter()
             .map(|r| (*r, Access::Write))
@@ -325,7 +333,15 @@ pub fn for_role(role: Role, prefix: &str) -> Permissions {
             // Spelled out although outside the allow list: a worker never acts as a front or an operator.
             publish_deny.extend(strings(&[ADMIN_SUBJECTS, WORKER_SUBJECTS, API_SUBJECTS]));
             publish_deny.extend(
-                [GRANTS, PLUGINS, PLUGIN_PACKAGES, APP_CREDS, CREDENTIALS].map(|r| r.data_subject(prefix)),
+                [
+                    GRANTS,
+                    PLUGINS,
+                    PLUGIN_PACKAGES,
+                    APP_CREDS,
+                    CREDENTIALS,
+                    OAUTH_STATE,
+                ]
+                .map(|r| r.data_subject(prefix)),
             );
             publish_deny.push("$JS.API.STREAM.CREATE.>".to_owned());
             publish_deny.push("$JS.API.STREAM.UPDATE.>".to_owned());
@@ -511,6 +527,8 @@ mod tests {
                 (APS_STAGING, objects(s.aps_staging_config())),
                 (UPLOADS, objects(s.uploads_config())),
                 (USAGE, kv(s.usage_kv_config())),
+                (OAUTH_ACCOUNTS, kv(s.oauth_accounts_kv_config())),
+                (OAUTH_STATE, kv(s.oauth_state_kv_config())),
             ];
             assert_eq!(configured.len(), RESOURCES.len(), "one config per resource");
             for resource in RESOURCES {
