@@ -805,6 +805,40 @@ async fn access_tokens_refresh_on_expiry_once_and_accounts_need_reauth_when_revo
     drop(env.cluster);
 }
 
+/// Two processes refreshing one account at once against a provider that rotates refresh tokens: the provider
+/// refuses the loser's (already rotated) refresh token, and the account does not end up `needs_reauth` for it —
+/// the winner's tokens are in the record, and the next call of either process uses them.
+#[tokio::test]
+async fn a_refresh_race_between_processes_leaves_the_account_active() {
+    let env = env("oauth-race").await;
+    env.fake.set_expires_in(31);
+    env.connect("alice", "").await;
+    env.fake.set_expires_in(3600);
+    env.fake.set_rotate(true);
+    env.fake.delay_refreshes(Duration::from_millis(300));
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let give_up = tokio::time::Instant::now() + Duration::from_secs(10);
+    let (a, b) = tokio::join!(
+        env.front.oauth().access_token("alice", "fake", None, give_up),
+        env.worker.oauth().access_token("alice", "fake", None, give_up),
+    );
+    assert_eq!(env.fake.refresh_grants(), 2, "one refresh per process");
+    assert!(a.is_ok() || b.is_ok(), "{a:?} {b:?}");
+    env.fake.delay_refreshes(Duration::ZERO);
+    assert_eq!(env.accounts("alice").await[0]["status"], "active");
+    let winner = env.fake.issued_access_tokens().last().unwrap().clone();
+    for services in [&env.front, &env.worker] {
+        let t = services
+            .oauth()
+            .access_token("alice", "fake", None, give_up)
+            .await
+            .unwrap();
+        assert_eq!(t.token.as_str(), winner);
+    }
+    assert_eq!(env.fake.refresh_grants(), 2, "nothing refreshed again");
+    drop(env.cluster);
+}
+
 /// Every error of `credentials/*` (spec §8.8, §9 HR-ER-01: each with `data.errorCode`), and the two ways a
 /// plugin can be without the family: not offered (no provider configured: absent from `initialize`, no token,
 /// -32061 "not offered") versus offered but not covered (its manifest maps no name: no token, -32061 "token

@@ -409,31 +409,31 @@ impl AccountStore {
     }
 
     /// Marks the account as needing re-authorization (the provider refused its refresh token) and forgets its
-    /// tokens, unless it was connected again after `since_ms` (a new refresh token already replaced the one that
-    /// failed).
+    /// tokens, unless it changed after `since_ms` (another process refreshed it, or the user connected it again:
+    /// a new refresh token already replaced the one that failed). Answers whether it marked it.
     pub(crate) async fn needs_reauth(
         &self,
         user: &str,
         provider: &str,
         account_id: &str,
         since_ms: u64,
-    ) -> Result<(), EditError> {
+    ) -> Result<bool, EditError> {
         self.edit(user, |current| {
             let Some(mut record) = current else {
-                return Ok(Edit::Keep(()));
+                return Ok(Edit::Keep(true));
             };
             let Some(account) = record.account_mut(provider, account_id) else {
-                return Ok(Edit::Keep(()));
+                return Ok(Edit::Keep(true));
             };
             if account.updated_at_ms > since_ms {
-                return Ok(Edit::Keep(()));
+                return Ok(Edit::Keep(false));
             }
             account.status = AccountStatus::NeedsReauth;
             account.refresh_token = None;
             account.access_token = None;
             account.updated_at_ms = now_ms();
             record.updated_at_ms = now_ms();
-            Ok(Edit::Write(record, ()))
+            Ok(Edit::Write(record, true))
         })
         .await
     }

@@ -670,10 +670,20 @@ impl OAuthService {
                 })
             }
             Err(upstream::UpstreamError::InvalidGrant(_)) => {
-                self.inner
+                let marked = self
+                    .inner
                     .accounts
                     .needs_reauth(user, provider, account_id, read_at)
                     .await?;
+                if !marked {
+                    // Another process refreshed the account meanwhile (a provider that rotates refresh tokens
+                    // refuses the one read before), or the user connected it again: its token is in the record.
+                    if let Some(record) = self.inner.accounts.read(user, give_up).await?
+                        && let Some(t) = self.sealed_access(&record, provider, account_id)?
+                    {
+                        return Ok(t);
+                    }
+                }
                 tracing::info!(
                     provider,
                     account_id,
