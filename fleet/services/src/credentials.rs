@@ -633,10 +633,128 @@ fn check_names<'a>(names: impl ExactSizeIterator<Item = &'a String>) -> Result<(
 // -------------------------------------------------------------------------------------------------------------
 // The store
 
+/// A bucket of one sealed record per user under the user's key (`<prefix>_credentials`,
+/// `<prefix>_oauth_accounts`): reads that ride out a store that does not answer, compare-and-set edits, and the
+/// rewrap of every record.
+#[derive(Debug, Clone)]
+pub(crate) struct UserRecords {
+    kv: kv::Store,
+    read_op: Op,
+    edit_op: Op,
+    /// What a record is and its largest size.
+    limit: (&'static str, usize),
+}
+
+impl UserRecords {
+    /// Creates (or updates to `config`, or attaches to) the bucket.
+    pub(crate) async fn open(
+        js: &jetstream::Context,
+        config: kv::Config,
+        settings: &StoreSettings,
+        (read_op, edit_op): (Op, Op),
+        limit: (&'static str, usize),
+    ) -> Result<UserRecords, CredentialError> {
+        let kv = store::open_kv(js, config, settings.provision).await?;
+        Ok(UserRecords {
+            kv,
+            read_op,
+            edit_op,
+            limit,
+        })
+    }
+
+    /// The user's record; a store that does not answer (a NATS node lost, the bucket electing a leader) is asked
+    /// again until `give_up`.
+    pub(crate) async fn read<T: serde::de::DeserializeOwned>(
+        &self,
+        user: &str,
+        give_up: tokio::time::Instant,
+    ) -> Result<Option<Revisioned<T>>, CredentialError> {
+        let key = user_key(user);
+        Ok(fleet_store::failover::ride_out(
+            self.read_op,
+            give_up,
+            || store::read(&self.kv, &key, self.read_op),
+            |_| {},
+        )
+        .await?)
+    }
+
+    /// A compare-and-set edit of the user's record: `decide` sees it (absent: `None`) and says what to write.
+    pub(crate) async fn edit<T, R, E>(
+        &self,
+        user: &str,
+        mut decide: impl FnMut(Option<T>) -> Result<Edit<T, R>, E>,
+    ) -> Result<R, E>
+    where
+        T: Serialize + serde::de::DeserializeOwned,
+        E: From<fleet_store::StoreError>,
+    {
+        let key = user_key(user);
+        let target = Target {
+            kv: &self.kv,
+            key: &key,
+            op: self.edit_op,
+            limit: self.limit,
+        };
+        let committed = compare_and_set(target, None, |current: Option<Revisioned<T>>| {
+            decide(current.map(|r| r.value))
+        })
+        .await?;
+        Ok(committed.out)
+    }
+
+    /// Runs `rewrap` (which answers whether it changed the record) on every record, each by compare-and-set;
+    /// answers (records seen, records rewrapped).
+    pub(crate) async fn rewrap<T>(
+        &self,
+        mut rewrap: impl FnMut(&mut T) -> Result<bool, CredentialError>,
+    ) -> Result<(u64, u64), CredentialError>
+    where
+        T: Serialize + serde::de::DeserializeOwned,
+    {
+        let mut keys = self
+            .kv
+            .keys()
+            .await
+            .map_err(|e| CredentialError::Store(e.to_string()))?;
+        let mut all = Vec::new();
+        while let Some(key) = keys.next().await {
+            all.push(key.map_err(|e| CredentialError::Store(e.to_string()))?);
+        }
+        let (mut records, mut rewrapped) = (0, 0);
+        for key in all {
+            let target = Target {
+                kv: &self.kv,
+                key: &key,
+                op: self.edit_op,
+                limit: self.limit,
+            };
+            let changed = compare_and_set(target, None, |current: Option<Revisioned<T>>| {
+                let Some(mut record) = current.map(|r| r.value) else {
+                    return Ok(Edit::Keep(None));
+                };
+                Ok::<_, CredentialError>(if rewrap(&mut record)? {
+                    Edit::Write(record, Some(true))
+                } else {
+                    Edit::Keep(Some(false))
+                })
+            })
+            .await?
+            .out;
+            if let Some(changed) = changed {
+                records += 1;
+                rewrapped += u64::from(changed);
+            }
+        }
+        Ok((records, rewrapped))
+    }
+}
+
 /// The credentials bucket and the keyring that seals it.
 #[derive(Debug, Clone)]
 pub struct CredentialStore {
-    kv: kv::Store,
+    records: UserRecords,
     keyring: Keyring,
 }
 
@@ -647,8 +765,15 @@ impl CredentialStore {
         settings: &StoreSettings,
         keyring: Keyring,
     ) -> Result<CredentialStore, CredentialError> {
-        let kv = store::open_kv(js, settings.credentials_kv_config(), settings.provision).await?;
-        Ok(CredentialStore { kv, keyring })
+        let records = UserRecords::open(
+            js,
+            settings.credentials_kv_config(),
+            settings,
+            (Op::ReadCredentials, Op::EditCredentials),
+            ("credentials record", CREDENTIALS_RECORD_MAX_BYTES),
+        )
+        .await?;
+        Ok(CredentialStore { records, keyring })
     }
 
     /// The keyring.
@@ -669,33 +794,15 @@ impl CredentialStore {
         user: &str,
         give_up: tokio::time::Instant,
     ) -> Result<Option<Revisioned<Record>>, CredentialError> {
-        let key = user_key(user);
-        Ok(fleet_store::failover::ride_out(
-            Op::ReadCredentials,
-            give_up,
-            || store::read(&self.kv, &key, Op::ReadCredentials),
-            |_| {},
-        )
-        .await?)
+        self.records.read(user, give_up).await
     }
 
     async fn edit<R>(
         &self,
         user: &str,
-        mut decide: impl FnMut(Option<Record>) -> Result<Edit<Record, R>, CredentialError>,
+        decide: impl FnMut(Option<Record>) -> Result<Edit<Record, R>, CredentialError>,
     ) -> Result<R, CredentialError> {
-        let key = user_key(user);
-        let target = Target {
-            kv: &self.kv,
-            key: &key,
-            op: Op::EditCredentials,
-            limit: ("credentials record", CREDENTIALS_RECORD_MAX_BYTES),
-        };
-        let committed = compare_and_set(target, None, |current: Option<Revisioned<Record>>| {
-            decide(current.map(|r| r.value))
-        })
-        .await?;
-        Ok(committed.out)
+        self.records.edit(user, decide).await
     }
 
     /// Stores `values` in one scope (the plugin's when `tool_id` is given, else user-wide); answers the names
@@ -849,66 +956,16 @@ impl CredentialStore {
     /// Wraps every record's data key under the keyring's wrapping key (after a rotation).
     pub async fn rewrap(&self) -> Result<Rewrapped, CredentialError> {
         let (kid, _) = self.keyring.wrapping();
-        let (records, rewrapped) = rewrap_all(
-            &self.kv,
-            Op::EditCredentials,
-            ("credentials record", CREDENTIALS_RECORD_MAX_BYTES),
-            |record: &mut Record| record.rewrap(&self.keyring),
-        )
-        .await?;
+        let (records, rewrapped) = self
+            .records
+            .rewrap(|record: &mut Record| record.rewrap(&self.keyring))
+            .await?;
         Ok(Rewrapped {
             key_id: kid,
             records,
             rewrapped,
         })
     }
-}
-
-/// Runs `rewrap` (which answers whether it changed the record) on every record of the bucket `kv`, each by
-/// compare-and-set; answers (records seen, records rewrapped).
-pub(crate) async fn rewrap_all<T>(
-    kv: &kv::Store,
-    op: Op,
-    limit: (&'static str, usize),
-    mut rewrap: impl FnMut(&mut T) -> Result<bool, CredentialError>,
-) -> Result<(u64, u64), CredentialError>
-where
-    T: Serialize + serde::de::DeserializeOwned,
-{
-    let mut keys = kv
-        .keys()
-        .await
-        .map_err(|e| CredentialError::Store(e.to_string()))?;
-    let mut all = Vec::new();
-    while let Some(key) = keys.next().await {
-        all.push(key.map_err(|e| CredentialError::Store(e.to_string()))?);
-    }
-    let (mut records, mut rewrapped) = (0, 0);
-    for key in all {
-        let target = Target {
-            kv,
-            key: &key,
-            op,
-            limit,
-        };
-        let changed = compare_and_set(target, None, |current: Option<Revisioned<T>>| {
-            let Some(mut record) = current.map(|r| r.value) else {
-                return Ok(Edit::Keep(None));
-            };
-            Ok::<_, CredentialError>(if rewrap(&mut record)? {
-                Edit::Write(record, Some(true))
-            } else {
-                Edit::Keep(Some(false))
-            })
-        })
-        .await?
-        .out;
-        if let Some(changed) = changed {
-            records += 1;
-            rewrapped += u64::from(changed);
-        }
-    }
-    Ok((records, rewrapped))
 }
 
 fn scoped(record: &Record, tool_id: Option<&str>) -> Vec<Entry> {

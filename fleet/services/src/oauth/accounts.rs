@@ -13,19 +13,18 @@
 
 use std::collections::BTreeMap;
 
-use async_nats::jetstream::{self, kv};
-use fleet_proto::api::user_key;
+use async_nats::jetstream;
 use fleet_proto::executa::credentials::{Account, AccountStatus};
 use fleet_proto::util::now_ms;
-use fleet_store::cas::{Edit, Target, compare_and_set};
+use fleet_store::cas::Edit;
 use fleet_store::settings::OAUTH_ACCOUNTS_RECORD_MAX_BYTES;
-use fleet_store::{self as store, Op, Revisioned, StoreSettings};
+use fleet_store::{Op, Revisioned, StoreSettings};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use zeroize::Zeroizing;
 
 use crate::credentials::{
-    CredentialError, Keyring, SealKey, WrappedKey, new_data_key, random_bytes, rewrap_all,
+    CredentialError, Keyring, SealKey, UserRecords, WrappedKey, new_data_key, random_bytes,
 };
 
 /// Accounts one user may connect at one provider.
@@ -251,7 +250,7 @@ impl From<fleet_store::StoreError> for EditError {
 /// The accounts bucket and the keyring that seals it.
 #[derive(Debug, Clone)]
 pub struct AccountStore {
-    kv: kv::Store,
+    records: UserRecords,
     keyring: Keyring,
 }
 
@@ -271,8 +270,15 @@ impl AccountStore {
         settings: &StoreSettings,
         keyring: Keyring,
     ) -> Result<AccountStore, CredentialError> {
-        let kv = store::open_kv(js, settings.oauth_accounts_kv_config(), settings.provision).await?;
-        Ok(AccountStore { kv, keyring })
+        let records = UserRecords::open(
+            js,
+            settings.oauth_accounts_kv_config(),
+            settings,
+            (Op::ReadAccounts, Op::EditAccounts),
+            ("OAuth accounts record", OAUTH_ACCOUNTS_RECORD_MAX_BYTES),
+        )
+        .await?;
+        Ok(AccountStore { records, keyring })
     }
 
     /// The keyring.
@@ -286,14 +292,7 @@ impl AccountStore {
         user: &str,
         give_up: tokio::time::Instant,
     ) -> Result<Option<AccountsRecord>, CredentialError> {
-        let key = user_key(user);
-        let record: Option<Revisioned<AccountsRecord>> = fleet_store::failover::ride_out(
-            Op::ReadAccounts,
-            give_up,
-            || store::read(&self.kv, &key, Op::ReadAccounts),
-            |_| {},
-        )
-        .await?;
+        let record: Option<Revisioned<AccountsRecord>> = self.records.read(user, give_up).await?;
         // Two users whose keys collide never share a record.
         Ok(record.map(|r| r.value).filter(|r| r.user == user))
     }
@@ -303,18 +302,11 @@ impl AccountStore {
         user: &str,
         mut decide: impl FnMut(Option<AccountsRecord>) -> Result<Edit<AccountsRecord, R>, EditError>,
     ) -> Result<R, EditError> {
-        let key = user_key(user);
-        let target = Target {
-            kv: &self.kv,
-            key: &key,
-            op: Op::EditAccounts,
-            limit: ("OAuth accounts record", OAUTH_ACCOUNTS_RECORD_MAX_BYTES),
-        };
-        let committed = compare_and_set(target, None, |current: Option<Revisioned<AccountsRecord>>| {
-            decide(current.map(|r| r.value).filter(|r| r.user == user))
-        })
-        .await?;
-        Ok(committed.out)
+        self.records
+            .edit(user, |current: Option<AccountsRecord>| {
+                decide(current.filter(|r| r.user == user))
+            })
+            .await
     }
 
     /// Stores a connected account: a new one, or — same provider identity (`subject`) — the existing one with
@@ -503,13 +495,9 @@ impl AccountStore {
 
     /// Wraps every record's data key under the keyring's wrapping key (after a rotation): (records, rewrapped).
     pub async fn rewrap(&self) -> Result<(u64, u64), CredentialError> {
-        rewrap_all(
-            &self.kv,
-            Op::EditAccounts,
-            ("OAuth accounts record", OAUTH_ACCOUNTS_RECORD_MAX_BYTES),
-            |record: &mut AccountsRecord| record.rewrap(&self.keyring),
-        )
-        .await
+        self.records
+            .rewrap(|record: &mut AccountsRecord| record.rewrap(&self.keyring))
+            .await
     }
 }
 
