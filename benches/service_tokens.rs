@@ -66,6 +66,7 @@ fn request(invoke: &str, with_caps: bool) -> TokenRequest {
         invoke_id: invoke.into(),
         negotiated,
         declared,
+        credentials: Vec::new(),
         deadline_ms: now_ms() + 60_000,
     }
 }

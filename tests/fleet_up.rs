@@ -2675,3 +2675,310 @@ fn an_agent_session_calls_the_users_own_tool_as_that_user_through_fleet_up() {
     assert!(!up.stderr().contains(secret), "a delegation in fleet up's logs");
     assert!(up.interrupt().success());
 }
+
+// -------------------------------------------------------------------------------------------------------------
+// OAuth accounts (issue 17, spec §4.2 and §8.8): platform credentials and `credentials/*`
+// -------------------------------------------------------------------------------------------------------------
+
+/// One HTTP/1.1 request over a plain TcpStream (`Connection: close`): (status, headers lower-cased, body).
+fn http_request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, Vec<(String, String)>, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(GUARD)).unwrap();
+    let mut request = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        request.push_str(&format!("{k}: {v}\r\n"));
+    }
+    request.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    s.write_all(request.as_bytes()).unwrap();
+    let mut response = Vec::new();
+    s.read_to_end(&mut response).unwrap();
+    let text = String::from_utf8_lossy(&response).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    (status, headers, body.to_owned())
+}
+
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+}
+
+/// `host:port` and path-and-query of an absolute `http://` URL.
+fn split_url(url: &str) -> (String, String) {
+    let rest = url.strip_prefix("http://").expect("an http:// URL");
+    let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
+    (host.to_owned(), format!("/{path}"))
+}
+
+/// The connect flow through `fleet up`'s HTTP listener, the test as the browser: `/start` with alice's API
+/// token, the fake provider's authorization, the callback with the binding cookie. Answers the callback's JSON.
+fn connect_through(up: &Up, token: &str) -> Value {
+    let bearer = format!("Bearer {token}");
+    let (status, headers, body) = http_request(
+        &up.http,
+        "GET",
+        "/v1/oauth/fake/start",
+        &[("Authorization", &bearer)],
+        "",
+    );
+    assert_eq!(status, 302, "{body}");
+    let cookie = header(&headers, "set-cookie")
+        .unwrap()
+        .split(';')
+        .next()
+        .unwrap()
+        .to_owned();
+    let (provider, authorize) = split_url(header(&headers, "location").unwrap());
+    let (status, headers, body) = http_request(&provider, "GET", &authorize, &[], "");
+    assert_eq!(status, 302, "the fake refused the authorization request: {body}");
+    let (listener, callback) = split_url(header(&headers, "location").unwrap());
+    assert_eq!(listener, up.http, "the redirect URI is fleet up's listener");
+    let (status, _, body) = http_request(
+        &up.http,
+        "GET",
+        &callback,
+        &[("Cookie", &cookie), ("Accept", "application/json")],
+        "",
+    );
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+/// Issue 17 (spec §4.2, §8.8) through a real `fleet up`: `[credentials.providers.fake]` in `--services-config`
+/// (a fake OAuth provider: no real one can exist here), a user connecting an account through fleet up's HTTP
+/// listener and setting a credential of their own with their API token, and the Python fixture (`--services
+/// --oauth`, written against the documented wire shapes) receiving the platform credential (the account's access
+/// token for the mapped name), a `credentials_token` (audience, claims, providers), `credentials/listAccounts`
+/// and `credentials/getToken` answers over stdio, including a token refreshed on expiry. A plugin whose manifest
+/// maps no name gets no token and `-32061`. Neither access nor refresh tokens nor the client secret nor the
+/// user's value are in the plugin's `/proc/<pid>/environ` or fleet up's logs; no refresh token ever crossed the
+/// plugin's stdio.
+#[test]
+fn a_python_plugin_gets_oauth_tokens_through_fleet_up() {
+    const OWN_VALUE: &str = "alice-own-other-key-3f9a";
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let fake = runtime.block_on(fleet_e2e_client::fake_oauth::FakeOAuth::start());
+    // Usable for a second: the fleet refreshes 30 s before expiry.
+    fake.set_expires_in(31);
+    let mut up = Up::start_over_with_env(&[("FLEET_LOG", "debug,async_nats=info")], |dir| {
+        let script = workspace_root().join("tests/plugins/python/echo_plugin.py");
+        for (tool_id, flags) in [
+            ("oauth-py", &["--services", "--oauth"][..]),
+            ("plain-py", &["--services"][..]),
+        ] {
+            let plugin = dir.join("catalogue").join(tool_id);
+            std::fs::create_dir_all(&plugin).unwrap();
+            let mut command = vec![json!("/usr/bin/python3"), json!(script)];
+            command.extend(flags.iter().map(|f| json!(f)));
+            let manifest = json!({"tool_id": tool_id, "type": "binary", "command": command});
+            std::fs::write(plugin.join("executa.json"), manifest.to_string()).unwrap();
+        }
+        let config = dir.join("services.toml");
+        std::fs::write(
+            &config,
+            fake.provider_toml("fake", &dir.join("client-secret"), &["FAKE_TOKEN"]),
+        )
+        .unwrap();
+        (
+            dir.join("catalogue"),
+            vec!["--services-config".into(), config.display().to_string()],
+        )
+    });
+    up.wait_ready();
+    let token = up.cli(&["token", "--user", "alice"]).ok()["token"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    // The family is offered in initialize, with the provider.
+    let offer = invoke_tool(&up, "alice", "oauth-py", "host_offer", "{}");
+    assert_eq!(offer["credentials"], json!({"providers": ["fake"]}), "{offer}");
+
+    // The user connects an account and sets a credential of their own, both with their API token.
+    let connected = connect_through(&up, &token);
+    let account_id = connected["account"]["account_id"].as_str().unwrap().to_owned();
+    assert_eq!(connected["account"]["email"], "alice@example.com");
+    let bearer = format!("Bearer {token}");
+    let (status, _, body) = http_request(
+        &up.http,
+        "PUT",
+        "/v1/credentials?tool_id=oauth-py",
+        &[("Authorization", &bearer)],
+        &json!({"values": {"OTHER_KEY": OWN_VALUE}}).to_string(),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(!body.contains(OWN_VALUE));
+
+    // The invoke: the mapped name is the account's access token, the other the user's value; a
+    // credentials_token for the provider; nothing in the environment.
+    let first = fake.issued_access_tokens()[0].clone();
+    let report = invoke_tool(&up, "alice", "oauth-py", "credentials", "{}");
+    assert_eq!(
+        report["received"],
+        json!({"FAKE_TOKEN": sha256_hex(&first), "OTHER_KEY": sha256_hex(OWN_VALUE)}),
+        "{report}"
+    );
+    assert_eq!(report["in_environment"], json!([]));
+    let claims = &report["credentials_token"];
+    assert_eq!(claims["aud"], "executa-credentials", "{report}");
+    assert_eq!(claims["user_id"], "alice");
+    assert_eq!(claims["executa_tool_id"], "oauth-py");
+    assert_eq!(claims["providers"], json!(["fake"]));
+    assert!(claims["tool_invoke_id"].as_str().is_some_and(|i| !i.is_empty()));
+
+    // credentials/listAccounts and credentials/getToken over stdio.
+    let listed = reverse_of(
+        &up,
+        "alice",
+        "oauth-py",
+        "credentials/listAccounts",
+        &json!({"provider": "fake"}),
+    );
+    let accounts = listed["result"]["accounts"].as_array().unwrap();
+    assert_eq!(accounts.len(), 1, "{listed}");
+    assert_eq!(accounts[0]["account_id"], account_id.as_str());
+    assert_eq!(accounts[0]["is_default"], true);
+    // The connect flow's token has expired meanwhile (usable for a second): getToken refreshes it.
+    std::thread::sleep(Duration::from_millis(1200));
+    fake.set_expires_in(3600);
+    let got = reverse_of(
+        &up,
+        "alice",
+        "oauth-py",
+        "credentials/getToken",
+        &json!({"provider": "fake"}),
+    );
+    let refreshed = fake.issued_access_tokens().last().unwrap().clone();
+    assert_ne!(refreshed, first);
+    assert_eq!(got["result"]["access_token"], refreshed.as_str(), "{got}");
+    assert_eq!(got["result"]["account_id"], account_id.as_str());
+    assert_eq!(fake.refresh_grants(), 1);
+    // Cached: the same token, no second refresh, and the mapped credential is it too.
+    let again = reverse_of(
+        &up,
+        "alice",
+        "oauth-py",
+        "credentials/getToken",
+        &json!({"provider": "fake"}),
+    );
+    assert_eq!(again["result"]["access_token"], refreshed.as_str());
+    assert_eq!(fake.refresh_grants(), 1);
+    let report = invoke_tool(&up, "alice", "oauth-py", "credentials", "{}");
+    assert_eq!(report["received"]["FAKE_TOKEN"], sha256_hex(&refreshed).as_str());
+    // The spec's error codes over stdio, each with data.errorCode.
+    for (params, code, name) in [
+        (
+            json!({"provider": "fake", "account_id": "alice@example.com"}),
+            -32062,
+            "CREDENTIALS_INVALID_REQUEST",
+        ),
+        (json!({"provider": "other"}), -32061, "CREDENTIALS_NOT_GRANTED"),
+        (
+            json!({"provider": "fake", "account_id": "acc_0000000000000000"}),
+            -32061,
+            "CREDENTIALS_NOT_GRANTED",
+        ),
+    ] {
+        let r = reverse_of(&up, "alice", "oauth-py", "credentials/getToken", &params);
+        assert_eq!(r["error"]["code"], code, "{params}: {r}");
+        assert_eq!(r["error"]["data"]["errorCode"], name, "{params}: {r}");
+    }
+    // Bob, with no account: -32061, nothing of alice's.
+    let bob = reverse_of(
+        &up,
+        "bob",
+        "oauth-py",
+        "credentials/getToken",
+        &json!({"provider": "fake"}),
+    );
+    assert_eq!(bob["error"]["code"], -32061, "{bob}");
+    let bob_report = invoke_tool(&up, "bob", "oauth-py", "credentials", "{}");
+    assert_eq!(bob_report["received"], json!({}), "{bob_report}");
+    // A plugin whose manifest maps no name: no credentials_token, -32061.
+    let plain = reverse_of(
+        &up,
+        "alice",
+        "plain-py",
+        "credentials/listAccounts",
+        &json!({"provider": "fake"}),
+    );
+    assert_eq!(plain["error"]["code"], -32061, "{plain}");
+    assert!(
+        plain["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("credentials_token missing")
+    );
+
+    // Nothing secret in the plugin's environment or fleet up's logs; no refresh token ever on the plugin's
+    // stdio (the transcript of everything it read).
+    let pid = report["pid"].as_u64().unwrap();
+    let environ =
+        String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/environ")).unwrap()).into_owned();
+    let transcript = invoke_tool(&up, "alice", "oauth-py", "stdio_transcript", "{}");
+    let transcript = transcript["lines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l.as_str().unwrap())
+        .collect::<Vec<_>>()
+        .join("");
+    assert!(
+        transcript.contains(&refreshed),
+        "the transcript is the plugin's stdin"
+    );
+    let refresh_tokens = fake.issued_refresh_tokens();
+    assert!(!refresh_tokens.is_empty());
+    for t in &refresh_tokens {
+        assert!(!transcript.contains(t.as_str()), "a refresh token crossed stdio");
+    }
+    let logs = format!("{}\n{}", up.stderr(), up.lines().join("\n"));
+    assert!(
+        logs.contains("\"level\":\"DEBUG\""),
+        "the logs were captured at debug level"
+    );
+    let secrets: Vec<String> = fake
+        .issued_access_tokens()
+        .into_iter()
+        .chain(refresh_tokens)
+        .chain([
+            OWN_VALUE.to_owned(),
+            fleet_e2e_client::fake_oauth::CLIENT_SECRET.to_owned(),
+        ])
+        .collect();
+    for secret in &secrets {
+        assert!(
+            !environ.contains(secret.as_str()),
+            "a secret in the plugin's environment"
+        );
+        assert!(!logs.contains(secret.as_str()), "a secret in fleet up's logs");
+    }
+    // Nor on disk in plaintext (JetStream's files included).
+    for file in files_under(&up.data_dir) {
+        let text = String::from_utf8_lossy(&std::fs::read(&file).unwrap_or_default()).into_owned();
+        for secret in &secrets {
+            assert!(
+                !text.contains(secret.as_str()),
+                "{} holds a secret in plaintext",
+                file.display()
+            );
+        }
+    }
+    let status = up.interrupt();
+    assert!(status.success(), "{status}");
+    drop(runtime);
+}

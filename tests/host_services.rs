@@ -64,6 +64,7 @@ fn request(invoke: &str, negotiated: &[&str], declared: &[&str]) -> TokenRequest
             .map(|s| (*s).to_owned())
             .collect::<BTreeSet<_>>(),
         declared: declared.iter().map(|s| (*s).to_owned()).collect(),
+        credentials: Vec::new(),
         deadline_ms: now_ms() + 60_000,
     }
 }

@@ -110,6 +110,7 @@ impl Env {
                     .map(|s| (*s).to_owned())
                     .collect::<BTreeSet<_>>(),
                 declared: vec!["llm.sample".into(), "llm.agent.auto".into()],
+                credentials: Vec::new(),
                 deadline_ms: now_ms() + 60_000,
             },
         )
@@ -135,6 +136,7 @@ impl Env {
                     .map(|s| (*s).to_owned())
                     .collect::<BTreeSet<_>>(),
                 declared: declared.iter().map(|s| (*s).to_owned()).collect(),
+                credentials: Vec::new(),
                 deadline_ms: now_ms() + 60_000,
             },
         )

@@ -137,6 +137,7 @@ impl Env {
                 invoke_id: invoke_id.clone(),
                 negotiated: BTreeSet::from(["storage".to_owned(), "upload".to_owned()]),
                 declared: caps,
+                credentials: Vec::new(),
                 deadline_ms,
             },
         )

@@ -675,6 +675,7 @@ async fn image_tokens(services: &FleetServices, user: &str, invoke_id: &str) -> 
             invoke_id: invoke_id.into(),
             negotiated: ["image".to_owned()].into(),
             declared: vec!["llm.image".into()],
+            credentials: Vec::new(),
             deadline_ms: now_ms() + 60_000,
         },
     )

@@ -97,6 +97,7 @@ impl Env {
                 invoke_id: invoke_id.into(),
                 negotiated: set(negotiated),
                 declared: declared.iter().map(|s| (*s).to_owned()).collect(),
+                credentials: Vec::new(),
                 deadline_ms,
             },
         )

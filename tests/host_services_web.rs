@@ -149,6 +149,7 @@ async fn invoke_on(services: &FleetServices, declared: &[&str]) -> Invoke {
                 invoke_id: invoke_id.clone(),
                 negotiated: BTreeSet::new(),
                 declared: declared.iter().map(|s| (*s).to_owned()).collect(),
+                credentials: Vec::new(),
                 deadline_ms: now_ms() + 120_000,
             },
         )

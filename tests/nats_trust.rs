@@ -182,6 +182,8 @@ async fn worker_credentials_cannot_write_grants_plugins_or_admin_subjects() {
         "$O.fleet_plugin_packages.C.x",
         "$KV.fleet_app_creds.x",
         "$KV.fleet_credentials.x",
+        // The OAuth connect flows' single-use states are the fronts' alone.
+        "$KV.fleet_oauth_state.x",
         "fleet.v1.admin.credentials.set",
         "$JS.API.STREAM.CREATE.KV_fleet_evil",
         "$JS.API.STREAM.UPDATE.KV_fleet_jobs",
@@ -210,6 +212,17 @@ async fn worker_credentials_cannot_write_grants_plugins_or_admin_subjects() {
         .await
         .expect("credentials bucket");
     assert!(credentials.get("nobody").await.unwrap().is_none());
+    // It writes the users' sealed OAuth accounts (a refresh's new tokens, an account needing re-authorization)
+    // and cannot reach the connect flows' states.
+    let accounts = js
+        .get_key_value("fleet_oauth_accounts")
+        .await
+        .expect("OAuth accounts bucket");
+    accounts
+        .put("trust.probe", "v".into())
+        .await
+        .expect("a worker writes OAuth account records");
+    assert!(js.get_key_value("fleet_oauth_state").await.is_err());
     c.shutdown().await;
 }
 

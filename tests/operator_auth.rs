@@ -69,10 +69,21 @@ async fn a_user_token_claiming_operator_is_refused_by_every_admin_api() {
     )
     .await
     .unwrap();
-    let credentials_api =
-        fleet::credentials::serve_admin(c.client.clone(), credentials.clone(), c.operator_verifier())
-            .await
-            .unwrap();
+    let accounts = fleet_services::oauth::accounts::AccountStore::open(
+        &js,
+        c.store.settings(),
+        fleet_services::credentials::Keyring::fixed(&[("k1", [3; 32])]),
+    )
+    .await
+    .unwrap();
+    let credentials_api = fleet::credentials::serve_admin(
+        c.client.clone(),
+        credentials.clone(),
+        accounts,
+        c.operator_verifier(),
+    )
+    .await
+    .unwrap();
     // A JetStream round trip on the services' connection: the server has processed their subscriptions (a flush
     // only writes them out; the operator's request comes on another connection).
     async_nats::jetstream::new(c.client.clone())

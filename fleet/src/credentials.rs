@@ -14,6 +14,7 @@ use fleet_proto::admin::ADMIN_QUEUE_GROUP;
 use fleet_proto::admin::credentials::{self as wire, AREA, DELETE, LIST, REWRAP, SET};
 use fleet_proto::api::{ApiError, ApiErrorCode};
 use fleet_services::credentials::{CredentialStore, KEYRING_FILE, rotate_key_file};
+use fleet_services::oauth::accounts::AccountStore;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
@@ -24,6 +25,7 @@ use crate::operator;
 pub async fn serve_admin(
     client: async_nats::Client,
     store: CredentialStore,
+    accounts: AccountStore,
     verifier: OperatorVerifier,
 ) -> Result<tokio::task::JoinHandle<()>, async_nats::Error> {
     operator::serve(
@@ -33,8 +35,8 @@ pub async fn serve_admin(
         verifier,
         "credentials are operator actions",
         move |method, payload| {
-            let store = store.clone();
-            async move { admin_call(&store, &method, &payload).await }
+            let (store, accounts) = (store.clone(), accounts.clone());
+            async move { admin_call(&store, &accounts, &method, &payload).await }
         },
     )
     .await
@@ -64,7 +66,12 @@ fn to_value(answer: &impl serde::Serialize) -> Value {
     serde_json::to_value(answer).unwrap_or(Value::Null)
 }
 
-async fn admin_call(store: &CredentialStore, method: &str, payload: &[u8]) -> Result<Value, ApiError> {
+async fn admin_call(
+    store: &CredentialStore,
+    accounts: &AccountStore,
+    method: &str,
+    payload: &[u8],
+) -> Result<Value, ApiError> {
     let api = |e: fleet_services::credentials::CredentialError| e.to_api_error();
     match method {
         SET => {
@@ -90,7 +97,14 @@ async fn admin_call(store: &CredentialStore, method: &str, payload: &[u8]) -> Re
                     .map_err(api)?,
             ))
         }
-        REWRAP => Ok(to_value(&store.rewrap().await.map_err(api)?)),
+        REWRAP => {
+            // Both sealed buckets: the stored values and the OAuth accounts.
+            let mut done = store.rewrap().await.map_err(api)?;
+            let (records, rewrapped) = accounts.rewrap().await.map_err(api)?;
+            done.records += records;
+            done.rewrapped += rewrapped;
+            Ok(to_value(&done))
+        }
         other => Err(ApiError::new(
             ApiErrorCode::NotFound,
             format!("no operator method credentials.{other}"),

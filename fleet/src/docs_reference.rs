@@ -436,8 +436,70 @@ const SERVICES_KEYS: &[(&str, &str, &str)] = &[
     (
         "public_url",
         "none (`fleet up`: `http://<--http>`)",
-        "The base URL of download and upload links (the fleet's HTTP listener as clients reach it); without it \
-         links are relative (`/v1/files/…`). `--public-url` overrides it.",
+        "The base URL of download and upload links and of the OAuth connect flow's redirect URIs \
+         (`<public_url>/v1/oauth/<provider>/callback`): the fleet's HTTP listener as clients reach it; without it \
+         links are relative (`/v1/files/…`) and the connect flow is refused. `--public-url` overrides it.",
+    ),
+    (
+        "credentials",
+        "—",
+        "Platform credentials (`[credentials]`): the OAuth providers users connect accounts of.",
+    ),
+    (
+        "credentials.providers",
+        "none",
+        "`[credentials.providers.<name>]`, one table per provider (`<name>`: 1–32 of `[a-z0-9_-]`, a path segment of \
+         `/v1/oauth/<name>/…`); none: `credentials/*` is not offered and no `credentials_token` is minted \
+         ([operator guide](operations.md#oauth-accounts)).",
+    ),
+    (
+        "credentials.providers.<name>.authorize_url",
+        "**required**",
+        "The provider's authorization endpoint (http(s), no credentials, no fragment).",
+    ),
+    (
+        "credentials.providers.<name>.token_url",
+        "**required**",
+        "The token endpoint: the code exchange (with the PKCE verifier) and the refreshes.",
+    ),
+    (
+        "credentials.providers.<name>.userinfo_url",
+        "none",
+        "An endpoint answering the account's `sub` (or `id`) and `email` for its access token; absent: the token \
+         response's `id_token` claims, else no identity (each connect then adds an account).",
+    ),
+    (
+        "credentials.providers.<name>.client_id",
+        "**required**",
+        "The client id registered at the provider.",
+    ),
+    (
+        "credentials.providers.<name>.client_secret_file",
+        "none (a public client)",
+        "File holding the client secret (surrounding whitespace ignored; read at start-up).",
+    ),
+    (
+        "credentials.providers.<name>.client_auth",
+        "`basic`",
+        "How the client authenticates at the token endpoint: `basic` (HTTP Basic) or `post` (in the form).",
+    ),
+    (
+        "credentials.providers.<name>.scopes",
+        "`[]`",
+        "The scopes the connect flow asks for.",
+    ),
+    (
+        "credentials.providers.<name>.authorize_params",
+        "`{}`",
+        "More authorization request parameters (e.g. `access_type = \"offline\"`, `prompt = \"consent\"` for a \
+         Google refresh token); the flow's own (`state`, `code_challenge`, `redirect_uri`, …) are refused.",
+    ),
+    (
+        "credentials.providers.<name>.credential_mapping",
+        "`{}`",
+        "Credential name → `\"$access_token\"`: a manifest declaring the name gets the live access token of the \
+         user's default account there first (spec §4.2), and a `credentials_token` for this provider (spec §8.8). \
+         `$refresh_token` and any other value are refused; a name is mapped by one provider at most.",
     ),
     (
         "llm",
@@ -697,6 +759,16 @@ fn services_keys() -> BTreeSet<String> {
             .into_iter()
             .map(|k| format!("agent.{k}")),
     );
+    keys.extend(
+        serde_names::<fleet_services::oauth::config::CredentialsConfig>()
+            .into_iter()
+            .map(|k| format!("credentials.{k}")),
+    );
+    keys.extend(
+        serde_names::<fleet_services::oauth::config::ProviderConfig>()
+            .into_iter()
+            .map(|k| format!("credentials.providers.<name>.{k}")),
+    );
     keys
 }
 
@@ -741,6 +813,12 @@ fn render_configuration() -> String {
     );
     for (key, default, meaning) in SERVICES_KEYS {
         let shown = match key.split_once('.') {
+            Some(("credentials", rest)) if rest.starts_with("providers.<name>.") => {
+                format!(
+                    "`[credentials.providers.<name>]` `{}`",
+                    &rest["providers.<name>.".len()..]
+                )
+            }
             Some((table @ ("llm" | "image"), rest)) if rest.starts_with("models.") => {
                 format!("`[[{table}.models]]` `{}`", &rest["models.".len()..])
             }

@@ -431,26 +431,33 @@ impl Front {
         response
     }
 
-    async fn handle_user(&self, user: &str, method: &str, payload: &[u8], direct: Option<&str>) -> Answer {
-        tracing::Span::current().record("fleet.user_hash", crate::telemetry::user_hash(user));
-        let admitted = {
-            let span = tracing::info_span!(
-                "admission",
-                fleet.admission.kind = "rate",
-                fleet.admission.outcome = tracing::field::Empty,
-            );
-            let ok = self.inner.limiter.check_key(&user.to_owned()).is_ok();
-            span.record(
-                "fleet.admission.outcome",
-                if ok { "admitted" } else { "rate_limited" },
-            );
-            ok
-        };
-        if !admitted {
-            return Answer::Respond(ApiResponse::Err(ApiError::new(
+    /// The per-user rate limit of every API call (also the HTTP listener's user routes: credentials, OAuth
+    /// accounts): `rate_limited` when `user` is over it.
+    pub fn admit(&self, user: &str) -> Result<(), ApiError> {
+        let span = tracing::info_span!(
+            "admission",
+            fleet.admission.kind = "rate",
+            fleet.admission.outcome = tracing::field::Empty,
+        );
+        let ok = self.inner.limiter.check_key(&user.to_owned()).is_ok();
+        span.record(
+            "fleet.admission.outcome",
+            if ok { "admitted" } else { "rate_limited" },
+        );
+        if ok {
+            Ok(())
+        } else {
+            Err(ApiError::new(
                 ApiErrorCode::RateLimited,
                 "too many requests; retry shortly",
-            )));
+            ))
+        }
+    }
+
+    async fn handle_user(&self, user: &str, method: &str, payload: &[u8], direct: Option<&str>) -> Answer {
+        tracing::Span::current().record("fleet.user_hash", crate::telemetry::user_hash(user));
+        if let Err(e) = self.admit(user) {
+            return Answer::Respond(ApiResponse::Err(e));
         }
         // Each method parses the body once, into its own arguments (no JSON tree in between).
         let args = payload;

@@ -463,6 +463,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     let credentials_api = crate::credentials::serve_admin(
         client.clone(),
         services.credential_store().clone(),
+        services.oauth().accounts().clone(),
         operator_verifier.clone(),
     )
     .await
@@ -510,12 +511,13 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     )
     .await
     .map_err(|e| other("HTTP gateway")(&e))?;
-    // Download and upload links of the host services are served here too.
+    // Download and upload links of the host services, the users' credentials and OAuth accounts and the connect
+    // flow are served here too.
     let http_drain = http_state.clone();
-    let http_task = tokio::spawn(crate::http::serve_with_files(
+    let http_task = tokio::spawn(crate::http::serve_with_services(
         http,
         http_state,
-        services.objects().clone(),
+        services.clone(),
     ));
     say(&format!(
         "front         fleet.v1.api.tools.* on {url}; HTTP http://{0}/ (operator page), http://{0}/v1/rpc, /healthz",

@@ -186,6 +186,7 @@ pub fn loadtest_bin() -> PathBuf {
 
 pub mod fake_images;
 pub mod fake_llm;
+pub mod fake_oauth;
 pub mod fake_web;
 
 /// The directory of `pid`'s cgroup: in the memory hierarchy (v1), or the unified one (v2).

@@ -3,7 +3,7 @@
 //! plugins and their binaries are, and the fake LLM upstream, are `fleet-e2e-client`'s (re-exported here).
 
 pub use fleet_e2e_client::{
-    cargo_build, echo_plugin_bin, fake_images, fake_llm, fake_web, fleet_bin, profile_dir,
+    cargo_build, echo_plugin_bin, fake_images, fake_llm, fake_oauth, fake_web, fleet_bin, profile_dir,
     python_plugin_path, sandbox_stub_bin, workspace_root,
 };
 

@@ -66,6 +66,9 @@ pub struct TokenRequest {
     pub negotiated: BTreeSet<String>,
     /// The manifest's `host_capabilities` (known strings only).
     pub declared: Vec<String>,
+    /// The manifest's `credentials[].name`s (spec §8.8: a name an OAuth provider maps makes the host mint a
+    /// `credentials_token`).
+    pub credentials: Vec<String>,
     /// Absolute deadline of the invoke, Unix epoch ms.
     pub deadline_ms: u64,
 }

@@ -127,7 +127,7 @@ impl From<StoreError> for CredentialError {
 // -------------------------------------------------------------------------------------------------------------
 // The envelope
 
-fn random_bytes<const N: usize>() -> [u8; N] {
+pub(crate) fn random_bytes<const N: usize>() -> [u8; N] {
     let mut out = [0u8; N];
     // The system's CSPRNG; it fails only where no such source exists, which no supported platform lacks.
     SystemRandom::new()
@@ -194,6 +194,65 @@ impl SealKey {
             .len();
         buf.truncate(len);
         Ok(buf)
+    }
+}
+
+fn tampered(user: &str, kid: &str) -> CredentialError {
+    CredentialError::Tampered {
+        user: user.to_owned(),
+        kid: kid.to_owned(),
+    }
+}
+
+/// A fresh random data key, and it wrapped for the place `aad` by the keyring's wrapping key: (the wrapping
+/// key's id, the wrapped key, the key). Every sealed record of a user (its credentials, its OAuth accounts)
+/// carries one.
+pub(crate) fn new_data_key(keyring: &Keyring, aad: &[u8]) -> (String, String, SealKey) {
+    let dek = Zeroizing::new(random_bytes::<KEY_BYTES>());
+    let (kid, kek) = keyring.wrapping();
+    let wrapped = kek.seal(aad, &*dek);
+    (kid, wrapped, SealKey::new(&dek))
+}
+
+/// A record's data key as stored: wrapped by the keyring key `kid`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WrappedKey<'a> {
+    /// The id of the keyring key that wrapped it.
+    pub kid: &'a str,
+    /// base64 of the sealed key.
+    pub wrapped: &'a str,
+}
+
+impl WrappedKey<'_> {
+    /// The key, unwrapped for the place `aad` of `user`'s record (errors name the user and the key id).
+    pub(crate) fn open(&self, keyring: &Keyring, aad: &[u8], user: &str) -> Result<SealKey, CredentialError> {
+        let raw = self.raw(keyring, aad, user)?;
+        let bytes: &[u8; KEY_BYTES] = raw.as_slice().try_into().map_err(|_| tampered(user, self.kid))?;
+        Ok(SealKey::new(bytes))
+    }
+
+    fn raw(&self, keyring: &Keyring, aad: &[u8], user: &str) -> Result<Zeroizing<Vec<u8>>, CredentialError> {
+        let kek = keyring.key(self.kid).ok_or_else(|| CredentialError::UnknownKey {
+            user: user.to_owned(),
+            kid: self.kid.to_owned(),
+        })?;
+        kek.open(aad, self.wrapped).map_err(|_| tampered(user, self.kid))
+    }
+
+    /// The key wrapped again by the keyring's wrapping key, as (its id, the wrapped key); `None` when it already
+    /// is.
+    pub(crate) fn rewrap(
+        &self,
+        keyring: &Keyring,
+        aad: &[u8],
+        user: &str,
+    ) -> Result<Option<(String, String)>, CredentialError> {
+        let (kid, kek) = keyring.wrapping();
+        if kid == self.kid {
+            return Ok(None);
+        }
+        let raw = self.raw(keyring, aad, user)?;
+        Ok(Some((kid, kek.seal(aad, &raw))))
     }
 }
 
@@ -456,56 +515,38 @@ impl Record {
 
     /// The data key, unwrapped with the keyring.
     fn data_key(&self, keyring: &Keyring) -> Result<SealKey, CredentialError> {
-        let kek = keyring
-            .key(&self.kid)
-            .ok_or_else(|| CredentialError::UnknownKey {
-                user: self.user.clone(),
-                kid: self.kid.clone(),
-            })?;
-        let raw = kek
-            .open(&dek_aad(&self.user), &self.data_key)
-            .map_err(|_| self.tampered())?;
-        let bytes: &[u8; KEY_BYTES] = raw.as_slice().try_into().map_err(|_| self.tampered())?;
-        Ok(SealKey::new(bytes))
+        self.wrapped().open(keyring, &dek_aad(&self.user), &self.user)
+    }
+
+    fn wrapped(&self) -> WrappedKey<'_> {
+        WrappedKey {
+            kid: &self.kid,
+            wrapped: &self.data_key,
+        }
     }
 
     fn tampered(&self) -> CredentialError {
-        CredentialError::Tampered {
-            user: self.user.clone(),
-            kid: self.kid.clone(),
-        }
+        tampered(&self.user, &self.kid)
     }
 
     /// A new, empty record with a fresh data key wrapped by the keyring's wrapping key.
     fn new(user: &str, keyring: &Keyring) -> (Record, SealKey) {
-        let dek = Zeroizing::new(random_bytes::<KEY_BYTES>());
-        let (kid, kek) = keyring.wrapping();
+        let (kid, data_key, dek) = new_data_key(keyring, &dek_aad(user));
         let record = Record {
             user: user.to_owned(),
             kid,
-            data_key: kek.seal(&dek_aad(user), &*dek),
+            data_key,
             ..Record::default()
         };
-        (record, SealKey::new(&dek))
+        (record, dek)
     }
 
     /// Wraps the data key again under the keyring's wrapping key; `false` when it already was.
     fn rewrap(&mut self, keyring: &Keyring) -> Result<bool, CredentialError> {
-        let (kid, kek) = keyring.wrapping();
-        if kid == self.kid {
+        let Some((kid, data_key)) = self.wrapped().rewrap(keyring, &dek_aad(&self.user), &self.user)? else {
             return Ok(false);
-        }
-        let old = keyring
-            .key(&self.kid)
-            .ok_or_else(|| CredentialError::UnknownKey {
-                user: self.user.clone(),
-                kid: self.kid.clone(),
-            })?;
-        let raw = old
-            .open(&dek_aad(&self.user), &self.data_key)
-            .map_err(|_| self.tampered())?;
-        self.data_key = kek.seal(&dek_aad(&self.user), &raw);
-        self.kid = kid;
+        };
+        (self.kid, self.data_key) = (kid, data_key);
         Ok(true)
     }
 
@@ -545,7 +586,7 @@ impl Record {
 // -------------------------------------------------------------------------------------------------------------
 // Validation
 
-fn check_user(user: &str) -> Result<(), CredentialError> {
+pub(crate) fn check_user(user: &str) -> Result<(), CredentialError> {
     if user.is_empty() || user.len() > 256 || user.chars().any(char::is_control) {
         return Err(CredentialError::Invalid(
             "user must be 1–256 characters without control characters".into(),
@@ -554,7 +595,7 @@ fn check_user(user: &str) -> Result<(), CredentialError> {
     Ok(())
 }
 
-fn check_tool(tool_id: Option<&str>) -> Result<(), CredentialError> {
+pub(crate) fn check_tool(tool_id: Option<&str>) -> Result<(), CredentialError> {
     match tool_id {
         Some(t) if t.is_empty() || t.len() > 128 || t.chars().any(char::is_control) => Err(
             CredentialError::Invalid("tool_id must be 1–128 characters without control characters".into()),
@@ -592,10 +633,128 @@ fn check_names<'a>(names: impl ExactSizeIterator<Item = &'a String>) -> Result<(
 // -------------------------------------------------------------------------------------------------------------
 // The store
 
+/// A bucket of one sealed record per user under the user's key (`<prefix>_credentials`,
+/// `<prefix>_oauth_accounts`): reads that ride out a store that does not answer, compare-and-set edits, and the
+/// rewrap of every record.
+#[derive(Debug, Clone)]
+pub(crate) struct UserRecords {
+    kv: kv::Store,
+    read_op: Op,
+    edit_op: Op,
+    /// What a record is and its largest size.
+    limit: (&'static str, usize),
+}
+
+impl UserRecords {
+    /// Creates (or updates to `config`, or attaches to) the bucket.
+    pub(crate) async fn open(
+        js: &jetstream::Context,
+        config: kv::Config,
+        settings: &StoreSettings,
+        (read_op, edit_op): (Op, Op),
+        limit: (&'static str, usize),
+    ) -> Result<UserRecords, CredentialError> {
+        let kv = store::open_kv(js, config, settings.provision).await?;
+        Ok(UserRecords {
+            kv,
+            read_op,
+            edit_op,
+            limit,
+        })
+    }
+
+    /// The user's record; a store that does not answer (a NATS node lost, the bucket electing a leader) is asked
+    /// again until `give_up`.
+    pub(crate) async fn read<T: serde::de::DeserializeOwned>(
+        &self,
+        user: &str,
+        give_up: tokio::time::Instant,
+    ) -> Result<Option<Revisioned<T>>, CredentialError> {
+        let key = user_key(user);
+        Ok(fleet_store::failover::ride_out(
+            self.read_op,
+            give_up,
+            || store::read(&self.kv, &key, self.read_op),
+            |_| {},
+        )
+        .await?)
+    }
+
+    /// A compare-and-set edit of the user's record: `decide` sees it (absent: `None`) and says what to write.
+    pub(crate) async fn edit<T, R, E>(
+        &self,
+        user: &str,
+        mut decide: impl FnMut(Option<T>) -> Result<Edit<T, R>, E>,
+    ) -> Result<R, E>
+    where
+        T: Serialize + serde::de::DeserializeOwned,
+        E: From<fleet_store::StoreError>,
+    {
+        let key = user_key(user);
+        let target = Target {
+            kv: &self.kv,
+            key: &key,
+            op: self.edit_op,
+            limit: self.limit,
+        };
+        let committed = compare_and_set(target, None, |current: Option<Revisioned<T>>| {
+            decide(current.map(|r| r.value))
+        })
+        .await?;
+        Ok(committed.out)
+    }
+
+    /// Runs `rewrap` (which answers whether it changed the record) on every record, each by compare-and-set;
+    /// answers (records seen, records rewrapped).
+    pub(crate) async fn rewrap<T>(
+        &self,
+        mut rewrap: impl FnMut(&mut T) -> Result<bool, CredentialError>,
+    ) -> Result<(u64, u64), CredentialError>
+    where
+        T: Serialize + serde::de::DeserializeOwned,
+    {
+        let mut keys = self
+            .kv
+            .keys()
+            .await
+            .map_err(|e| CredentialError::Store(e.to_string()))?;
+        let mut all = Vec::new();
+        while let Some(key) = keys.next().await {
+            all.push(key.map_err(|e| CredentialError::Store(e.to_string()))?);
+        }
+        let (mut records, mut rewrapped) = (0, 0);
+        for key in all {
+            let target = Target {
+                kv: &self.kv,
+                key: &key,
+                op: self.edit_op,
+                limit: self.limit,
+            };
+            let changed = compare_and_set(target, None, |current: Option<Revisioned<T>>| {
+                let Some(mut record) = current.map(|r| r.value) else {
+                    return Ok(Edit::Keep(None));
+                };
+                Ok::<_, CredentialError>(if rewrap(&mut record)? {
+                    Edit::Write(record, Some(true))
+                } else {
+                    Edit::Keep(Some(false))
+                })
+            })
+            .await?
+            .out;
+            if let Some(changed) = changed {
+                records += 1;
+                rewrapped += u64::from(changed);
+            }
+        }
+        Ok((records, rewrapped))
+    }
+}
+
 /// The credentials bucket and the keyring that seals it.
 #[derive(Debug, Clone)]
 pub struct CredentialStore {
-    kv: kv::Store,
+    records: UserRecords,
     keyring: Keyring,
 }
 
@@ -606,8 +765,15 @@ impl CredentialStore {
         settings: &StoreSettings,
         keyring: Keyring,
     ) -> Result<CredentialStore, CredentialError> {
-        let kv = store::open_kv(js, settings.credentials_kv_config(), settings.provision).await?;
-        Ok(CredentialStore { kv, keyring })
+        let records = UserRecords::open(
+            js,
+            settings.credentials_kv_config(),
+            settings,
+            (Op::ReadCredentials, Op::EditCredentials),
+            ("credentials record", CREDENTIALS_RECORD_MAX_BYTES),
+        )
+        .await?;
+        Ok(CredentialStore { records, keyring })
     }
 
     /// The keyring.
@@ -628,33 +794,15 @@ impl CredentialStore {
         user: &str,
         give_up: tokio::time::Instant,
     ) -> Result<Option<Revisioned<Record>>, CredentialError> {
-        let key = user_key(user);
-        Ok(fleet_store::failover::ride_out(
-            Op::ReadCredentials,
-            give_up,
-            || store::read(&self.kv, &key, Op::ReadCredentials),
-            |_| {},
-        )
-        .await?)
+        self.records.read(user, give_up).await
     }
 
     async fn edit<R>(
         &self,
         user: &str,
-        mut decide: impl FnMut(Option<Record>) -> Result<Edit<Record, R>, CredentialError>,
+        decide: impl FnMut(Option<Record>) -> Result<Edit<Record, R>, CredentialError>,
     ) -> Result<R, CredentialError> {
-        let key = user_key(user);
-        let target = Target {
-            kv: &self.kv,
-            key: &key,
-            op: Op::EditCredentials,
-            limit: ("credentials record", CREDENTIALS_RECORD_MAX_BYTES),
-        };
-        let committed = compare_and_set(target, None, |current: Option<Revisioned<Record>>| {
-            decide(current.map(|r| r.value))
-        })
-        .await?;
-        Ok(committed.out)
+        self.records.edit(user, decide).await
     }
 
     /// Stores `values` in one scope (the plugin's when `tool_id` is given, else user-wide); answers the names
@@ -808,45 +956,15 @@ impl CredentialStore {
     /// Wraps every record's data key under the keyring's wrapping key (after a rotation).
     pub async fn rewrap(&self) -> Result<Rewrapped, CredentialError> {
         let (kid, _) = self.keyring.wrapping();
-        let mut keys = self
-            .kv
-            .keys()
-            .await
-            .map_err(|e| CredentialError::Store(e.to_string()))?;
-        let mut users = Vec::new();
-        while let Some(key) = keys.next().await {
-            users.push(key.map_err(|e| CredentialError::Store(e.to_string()))?);
-        }
-        let mut result = Rewrapped {
+        let (records, rewrapped) = self
+            .records
+            .rewrap(|record: &mut Record| record.rewrap(&self.keyring))
+            .await?;
+        Ok(Rewrapped {
             key_id: kid,
-            ..Rewrapped::default()
-        };
-        for key in users {
-            let target = Target {
-                kv: &self.kv,
-                key: &key,
-                op: Op::EditCredentials,
-                limit: ("credentials record", CREDENTIALS_RECORD_MAX_BYTES),
-            };
-            let keyring = &self.keyring;
-            let changed = compare_and_set(target, None, |current: Option<Revisioned<Record>>| {
-                let Some(mut record) = current.map(|r| r.value) else {
-                    return Ok(Edit::Keep(None));
-                };
-                Ok::<_, CredentialError>(if record.rewrap(keyring)? {
-                    Edit::Write(record, Some(true))
-                } else {
-                    Edit::Keep(Some(false))
-                })
-            })
-            .await?
-            .out;
-            if let Some(changed) = changed {
-                result.records += 1;
-                result.rewrapped += u64::from(changed);
-            }
-        }
-        Ok(result)
+            records,
+            rewrapped,
+        })
     }
 }
 

@@ -20,7 +20,8 @@
 //! `off` (not offered, its "off" code), `mock` (answered by [`mock`] from F3 entries — after the same token,
 //! grant, validation and budget checks as a real upstream) or `real`. `agent/*` is real over `[llm]` ([`agent`]);
 //! `image/*` is real against the `[image]` upstream ([`image`]; without one it is not offered and answers
-//! `-32109`); `credentials/*` is never offered and answers its not-granted code. `web/*` ([`web`]) is outside the
+//! `-32109`); `credentials/*` ([`oauth`]) is offered when `[credentials.providers]` configures an OAuth provider
+//! and answers plugins whose manifest declares a credential a provider maps (their `credentials_token`). `web/*` ([`web`]) is outside the
 //! matrix: `web/fetch` is native (always served unless `[web] fetch = false`), `web/search` and
 //! `web/image_search` need a provider in `[web]` (docs/plugins.md "Host services").
 
@@ -35,6 +36,7 @@ pub mod image;
 pub mod kv;
 pub mod llm;
 pub mod mock;
+pub mod oauth;
 pub mod tokens;
 pub mod upload;
 pub mod usage;
@@ -46,8 +48,8 @@ use std::time::Duration;
 use dashmap::DashMap;
 use fleet_proto::executa::capabilities::{self, keys};
 use fleet_proto::executa::reverse::{
-    Family, family_of, image as image_codes, method_not_found, storage as storage_codes,
-    upload as upload_codes, web as web_codes,
+    Family, credentials as credentials_codes, family_of, image as image_codes, method_not_found,
+    storage as storage_codes, upload as upload_codes, web as web_codes,
 };
 use fleet_proto::jsonrpc::ErrorObject;
 use fleet_worker::services::{
@@ -157,6 +159,9 @@ pub struct ServicesConfig {
     /// Agent sessions (served over `llm`).
     #[serde(default)]
     pub agent: agent::AgentConfig,
+    /// Platform credentials: the OAuth providers users connect accounts of (`[credentials.providers.<name>]`).
+    #[serde(default)]
+    pub credentials: oauth::config::CredentialsConfig,
     /// The developer harness (`fleet up --mocks`, `--dev-mode`); not part of the TOML file.
     #[serde(skip)]
     pub dev: dev::DevSettings,
@@ -195,6 +200,8 @@ struct Inner {
     web: web::WebService,
     /// Agent sessions (`agent/*` when `real`).
     agent: agent::AgentService,
+    /// OAuth providers and accounts (`credentials/*`, platform credentials).
+    oauth: oauth::OAuthService,
     /// Each sync invoke's delegation for its sessions' tool calls (never given to the plugin).
     delegations: DashMap<String, fleet_proto::api::delegation::DelegationToken>,
     /// Every family's mode.
@@ -219,9 +226,17 @@ impl FleetServices {
         let grants = GrantStore::open(js, settings)
             .await
             .map_err(|e| ServicesError::Store(e.to_string()))?;
-        let credentials = CredentialStore::open(js, settings, keyring)
+        let credentials = CredentialStore::open(js, settings, keyring.clone())
             .await
             .map_err(|e| ServicesError::Store(e.to_string()))?;
+        let oauth = oauth::OAuthService::open(
+            js,
+            settings,
+            &config.credentials,
+            config.public_url.clone(),
+            keyring,
+        )
+        .await?;
         let llm = match &config.llm {
             Some(c) => Some(llm::LlmService::new(c)?),
             None => None,
@@ -276,6 +291,7 @@ impl FleetServices {
                 image_unconfigured,
                 web,
                 agent: agent::AgentService::new(agent_sessions, Some(js.client())),
+                oauth,
                 delegations: DashMap::new(),
                 modes,
                 mocks: config.dev.mocks().clone(),
@@ -301,6 +317,11 @@ impl FleetServices {
     /// The users' credentials.
     pub fn credential_store(&self) -> &CredentialStore {
         &self.inner.credentials
+    }
+
+    /// OAuth providers, accounts and the connect flow.
+    pub fn oauth(&self) -> &oauth::OAuthService {
+        &self.inner.oauth
     }
 
     /// The `web/*` service (its daily pool).
@@ -329,7 +350,34 @@ impl FleetServices {
             .retain(|_, b| b.created().elapsed() < BUDGET_MAX_AGE);
     }
 
+    /// The invoke's tokens: the services' ([`Self::mint_services`]) and the `credentials_token` (spec §8.8:
+    /// minted whenever the manifest declares a credential name a configured provider maps; no capability, no
+    /// grant).
     async fn mint(&self, req: TokenRequest) -> InvokeTokens {
+        let mut tokens = self.mint_services(&req).await;
+        let providers = self.inner.oauth.covering(&req.credentials);
+        if !providers.is_empty() {
+            let binding = Binding {
+                user: &req.user,
+                tool_id: &req.tool_id,
+                invoke_id: &req.invoke_id,
+            };
+            let ttl = TokenMinter::ttl_for(req.deadline_ms);
+            let mut c = TokenMinter::claims(binding, tokens::AUD_CREDENTIALS, ttl);
+            c.user_id = Some(req.user.clone());
+            c.providers = Some(providers);
+            match self.inner.minter.sign(&c) {
+                Ok(t) => {
+                    tokens.credentials = Some(t);
+                    tokens.renew_at_ms = tokens::renew_at_ms(now_ms(), ttl, req.deadline_ms);
+                }
+                Err(e) => tracing::error!(error = %e, "credentials token minting failed"),
+            }
+        }
+        tokens
+    }
+
+    async fn mint_services(&self, req: &TokenRequest) -> InvokeTokens {
         let offered = |k: &str| req.negotiated.contains(k);
         let declared = |c: &str| req.declared.iter().any(|d| d == c);
         // Nothing could be minted: skip the grant lookup entirely.
@@ -544,10 +592,21 @@ impl FleetServices {
                     call.method
                 )),
             ),
-            other => {
-                return Err(other
-                    .not_granted()
-                    .error(format!("{} is not offered on this host", call.method)));
+            Family::Credentials => {
+                if !self.inner.oauth.configured() {
+                    return Err(credentials_codes::CREDENTIALS_NOT_GRANTED.error(format!(
+                        "{} is not offered on this host (no [credentials.providers] is configured)",
+                        call.method
+                    )));
+                }
+                (
+                    tokens::AUD_CREDENTIALS,
+                    call.tokens.credentials.as_deref(),
+                    credentials_codes::CREDENTIALS_NOT_GRANTED.error(
+                        "credentials_token missing — the manifest's credentials[] declares no name a configured \
+                         OAuth provider maps",
+                    ),
+                )
             }
         };
         let binding = Binding {
@@ -647,7 +706,7 @@ impl FleetServices {
                     .not_granted()
                     .error("no LLM upstream is configured on this host")),
             },
-            _ => Err(method_not_found(&call.method)),
+            Family::Credentials => self.inner.oauth.call(&ctx, &call.method, &call.params).await,
         }
     }
 }
@@ -666,21 +725,20 @@ impl TokenSource for FleetServices {
         let this = self.clone();
         let (user, tool_id, names) = (user.to_owned(), tool_id.to_owned(), names.to_vec());
         Box::pin(async move {
-            let found = this
-                .inner
-                .credentials
-                .resolve(
-                    &user,
-                    &tool_id,
-                    &names,
-                    fleet_store::failover::instant_of_epoch_ms(deadline_ms),
-                )
-                .await
-                .map_err(|e| {
-                    // The error names the user and key id, never a value.
-                    tracing::warn!(tool_id = %tool_id, error = %e, "credentials lookup failed");
-                    CredentialsUnavailable(e.to_string())
-                })?;
+            let give_up = fleet_store::failover::instant_of_epoch_ms(deadline_ms);
+            // Spec §4.2 HR-CR-01: platform credentials (a provider's mapping, the default account's live access
+            // token) first, then the plugin's and the user's stored values; the manifest default is the worker's.
+            let (platform, stored) = tokio::join!(
+                this.inner.oauth.platform_credentials(&user, &names, give_up),
+                this.inner.credentials.resolve(&user, &tool_id, &names, give_up)
+            );
+            let unavailable = |e: credentials::CredentialError| {
+                // The error names the user and key id, never a value.
+                tracing::warn!(tool_id = %tool_id, error = %e, "credentials lookup failed");
+                CredentialsUnavailable(e.to_string())
+            };
+            let mut found = stored.map_err(unavailable)?;
+            found.extend(platform.map_err(unavailable)?);
             Ok(CredentialValues(
                 found
                     .into_iter()
@@ -734,6 +792,9 @@ impl HostServices for FleetServices {
         }
         if let Some(web) = self.inner.web.offer() {
             offer.insert(keys::WEB.into(), web);
+        }
+        if let Some(credentials) = self.inner.oauth.offer() {
+            offer.insert(keys::CREDENTIALS.into(), credentials);
         }
         offer.insert(keys::FILE_TRANSPORT.into(), Value::Bool(true));
         offer

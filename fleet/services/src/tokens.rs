@@ -35,6 +35,8 @@ pub const AUD_UPLOAD: &str = "executa-upload";
 pub const AUD_IMAGE: &str = "executa-image";
 /// `aud` of the web token (`web/*`; spec §8.9 names none: this one never leaves the host).
 pub const AUD_WEB: &str = "executa-web";
+/// `aud` of the credentials token (`credentials/*`; spec §8.8, §11).
+pub const AUD_CREDENTIALS: &str = "executa-credentials";
 
 /// How long before its tokens expire a still-running invoke gets new ones (spec §11 HR-JW-02).
 pub const RENEW_BEFORE_EXPIRY: Duration = Duration::from_secs(300);
@@ -117,6 +119,13 @@ pub struct ServiceClaims {
     /// Web: the user turned web off for this plugin (`web_grant.enabled: false`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub web_denied: Option<bool>,
+    /// Credentials: the user, as spec §11 names the claim (`sub` too).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user_id: Option<String>,
+    /// Credentials: the OAuth providers the manifest's declared credentials map to (spec §11 `providers[]`):
+    /// `credentials/*` answers for these only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub providers: Option<Vec<String>>,
 }
 
 impl fmt::Debug for ServiceClaims {
@@ -226,6 +235,8 @@ impl TokenMinter {
             web_advanced: None,
             max_results: None,
             web_denied: None,
+            user_id: None,
+            providers: None,
         }
     }
 

@@ -10,7 +10,10 @@
 //! | `GET /metrics` | [`FleetMetrics::encode`] | none |
 //! | `GET /` | the operator page (one embedded HTML file) ([`page`]) | none: it holds no data |
 //! | `GET /v1/ops/overview`, `GET /v1/ops/events` | the page's data: JSON snapshot, SSE stream | operator token (audience `cloud-agents-operator`, an operator key) |
-//! | `GET`, `PUT /v1/files/{bucket}/{object}` | host files and uploads: signed download links and presigned PUTs ([`files`]; only with [`serve_with_files`]) | the link's HMAC signature and expiry |
+//! | `GET`, `PUT /v1/files/{bucket}/{object}` | host files and uploads: signed download links and presigned PUTs ([`files`]; only with [`serve_with_services`]) | the link's HMAC signature and expiry |
+//! | `GET`, `PUT /v1/credentials`, `DELETE /v1/credentials/{name}` | the user's own plugin credentials ([`user`]; only with [`serve_with_services`]) | the user's API token (`Authorization: Bearer`) |
+//! | `GET /v1/oauth/providers`, `/v1/oauth/{provider}/accounts[/…]` | the user's own OAuth accounts ([`user`]) | the user's API token |
+//! | `GET /v1/oauth/{provider}/start`, `/v1/oauth/{provider}/callback` | the OAuth connect flow ([`user`]) | start: the user's API token; callback: the flow's single-use state and the browser's binding cookie |
 //!
 //! The gateway is a thin adapter: after authentication, the ACL and the per-window in-flight cap it calls
 //! [`Front::handle_as`], the same code the NATS API runs (per-user rate limit, validation, handlers).
@@ -20,6 +23,7 @@ pub mod ops_stats;
 pub mod page;
 pub mod rpc;
 pub mod sse;
+pub mod user;
 pub mod window;
 
 use std::collections::HashMap;
@@ -72,6 +76,8 @@ pub struct HttpState {
 struct Inner {
     front: Front,
     client: async_nats::Client,
+    /// API tokens (the user routes: credentials, OAuth accounts).
+    api: Verifier,
     window: Verifier,
     operator: OperatorVerifier,
     metrics: Arc<FleetMetrics>,
@@ -118,6 +124,7 @@ impl HttpState {
             inner: Arc::new(Inner {
                 front,
                 client,
+                api,
                 window,
                 operator,
                 metrics,
@@ -247,17 +254,21 @@ pub async fn serve(listener: tokio::net::TcpListener, state: HttpState) -> std::
     .await
 }
 
-/// Like [`serve`], with the routes of host files and uploads ([`files::router`]).
-pub async fn serve_with_files(
+/// Like [`serve`], with the routes of the host services: files and uploads ([`files::router`]), the user's
+/// credentials and OAuth accounts and the connect flow ([`user::router`]).
+pub async fn serve_with_services(
     listener: tokio::net::TcpListener,
     state: HttpState,
-    objects: fleet_services::files::HostObjects,
+    services: fleet_services::FleetServices,
 ) -> std::io::Result<()> {
     let drained = state.drained();
+    let objects = services.objects().clone();
+    let user = user::router(state.clone(), services);
     axum::serve(
         listener,
         router(state)
             .merge(files::router(objects))
+            .merge(user)
             .into_make_service_with_connect_info::<SocketAddr>(),
     )
     .with_graceful_shutdown(drained)

@@ -127,6 +127,11 @@ pub const PLUGIN_PACKAGES: Resource = objects("plugin_packages");
 pub const APP_CREDS: Resource = kv("app_creds");
 /// Per-user credentials, sealed (written by the operator API only; workers read them at each invoke).
 pub const CREDENTIALS: Resource = kv("credentials");
+/// Users' connected OAuth accounts, sealed (written by fronts at the connect flow and by the user's account
+/// edits, and by workers when a refresh rotates a token or marks an account for re-authorization).
+pub const OAUTH_ACCOUNTS: Resource = kv("oauth_accounts");
+/// OAuth connect flows in progress (fronts only: started and finished on the HTTP listener).
+pub const OAUTH_STATE: Resource = kv("oauth_state");
 /// APS storage KV.
 pub const APS_KV: Resource = kv("aps_kv");
 /// APS bytes per user.
@@ -149,7 +154,7 @@ pub const APS_STAGING: Resource = objects("aps_staging");
 pub const UPLOADS: Resource = objects("uploads");
 
 /// Every JetStream resource of the fleet.
-pub const RESOURCES: [Resource; 22] = [
+pub const RESOURCES: [Resource; 24] = [
     JOBS,
     ACTIVE,
     WORKERS,
@@ -172,6 +177,8 @@ pub const RESOURCES: [Resource; 22] = [
     USAGE,
     AGENT_SESSIONS,
     DELEGATIONS,
+    OAUTH_ACCOUNTS,
+    OAUTH_STATE,
 ];
 
 impl Resource {
@@ -248,6 +255,7 @@ pub fn jetstream_access(role: Role) -> Vec<(Resource, Access)> {
                 UPLOADS,
                 USAGE,
                 AGENT_SESSIONS,
+                OAUTH_ACCOUNTS,
             ]
             .iter()
             .map(|r| (*r, Access::Write))
@@ -339,6 +347,7 @@ pub fn for_role(role: Role, prefix: &str) -> Permissions {
                     APP_CREDS,
                     CREDENTIALS,
                     DELEGATIONS,
+                    OAUTH_STATE,
                 ]
                 .map(|r| r.data_subject(prefix)),
             );
@@ -528,6 +537,8 @@ mod tests {
                 (USAGE, kv(s.usage_kv_config())),
                 (AGENT_SESSIONS, kv(s.agent_sessions_kv_config())),
                 (DELEGATIONS, kv(s.delegations_kv_config())),
+                (OAUTH_ACCOUNTS, kv(s.oauth_accounts_kv_config())),
+                (OAUTH_STATE, kv(s.oauth_state_kv_config())),
             ];
             assert_eq!(configured.len(), RESOURCES.len(), "one config per resource");
             for resource in RESOURCES {

@@ -64,6 +64,12 @@ pub enum Op {
     ReadCredentials,
     /// `CredentialStore`'s edits (fleet-services).
     EditCredentials,
+    /// Reading a user's OAuth accounts (fleet-services `oauth`).
+    ReadAccounts,
+    /// Editing a user's OAuth accounts: connect, refresh, default, delete (fleet-services `oauth`).
+    EditAccounts,
+    /// An OAuth connect flow's single-use state (fleet-services `oauth`).
+    OAuthState,
     /// The storage service's per-user byte counter (fleet-services).
     StorageQuota,
     /// The daily usage counter of `image/*` and `web/*` (fleet-services `usage`).
@@ -109,6 +115,9 @@ impl Op {
             Op::EditGrant => "edit_grant",
             Op::ReadCredentials => "read_credentials",
             Op::EditCredentials => "edit_credentials",
+            Op::ReadAccounts => "read_accounts",
+            Op::EditAccounts => "edit_accounts",
+            Op::OAuthState => "oauth_state",
             Op::StorageQuota => "storage_quota",
             Op::Usage => "usage",
             Op::AgentSessions => "agent_sessions",

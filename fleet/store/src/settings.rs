@@ -18,6 +18,8 @@
 //! | `<prefix>_app_creds` | KV (fleet: app credentials) | `<name>` → the issued credential's record (no secrets) | history 1, no `max_age`, `max_value_size` = 64 KiB |
 //! | `<prefix>_grants` | KV (fleet-services: grants) | `<user_key>.<hash of tool_id>` → the user's grant to a plugin | history 1, no `max_age`, `max_value_size` = 16 KiB, file storage |
 //! | `<prefix>_credentials` | KV (fleet-services: per-user credentials) | `<user_key>` → the user's credentials, sealed (a wrapped data key and AES-256-GCM ciphertexts) | history 1, no `max_age`, `max_value_size` = 256 KiB, file storage |
+//! | `<prefix>_oauth_accounts` | KV (fleet-services: OAuth accounts, spec §8.8) | `<user_key>` → the user's connected accounts per provider, their refresh tokens and cached access tokens sealed (a wrapped data key and AES-256-GCM ciphertexts) | history 1, no `max_age`, `max_value_size` = 64 KiB, file storage |
+//! | `<prefix>_oauth_state` | KV (fleet-services: the OAuth connect flow) | `<sha256(state)>` → a started flow: its user, provider, binding digest and sealed PKCE verifier (single use) | history 1, `max_age` = 10 min, `max_value_size` = 4 KiB |
 //! | `<prefix>_aps_kv` | KV (fleet-services: `storage/*`) | `<user_key>.<scope>.<sha256(key)>` → a value's envelope | history 1, no `max_age`, `max_value_size` = 256 KiB + 64 KiB |
 //! | `<prefix>_aps_usage` | KV (fleet-services: storage quota) | `<user_key>` → the user's stored bytes | history 1, no `max_age`, `max_value_size` = 64 B |
 //! | `<prefix>_usage` | KV (fleet-services: the daily quotas of `image/*` and `web/*`) | `<family>.<user_key>` → the user's units of the family's window, per slot (`image.`: images per minute of the last 24 h; `web.`: compute units of the UTC day) | history 1, `max_age` = 25 h, `max_value_size` = 64 KiB |
@@ -32,7 +34,7 @@
 //! Each is created (or a KV bucket or stream updated to these settings; an existing object store is kept as it
 //! is) by the process that opens it with [`Provision::Create`](super::Provision::Create), and attached to
 //! otherwise. `replicas` applies to every one; `storage` to every one but `<prefix>_plugins`,
-//! `<prefix>_plugin_packages`, `<prefix>_grants` and `<prefix>_credentials`, which keep JetStream's default, file storage. The job
+//! `<prefix>_plugin_packages`, `<prefix>_grants`, `<prefix>_credentials` and `<prefix>_oauth_accounts`, which keep JetStream's default, file storage. The job
 //! layer's KV buckets and the progress stream allow direct gets: reads are answered by any replica without a
 //! consumer, and batched direct gets (the job index, `listJobs`' records, the progress ring's slices) need
 //! nats-server ≥ 2.11.
@@ -102,6 +104,17 @@ pub const GRANT_MAX_BYTES: usize = 16 * KIB;
 
 /// Largest record of `<prefix>_credentials`: one user's sealed credentials, every scope.
 pub const CREDENTIALS_RECORD_MAX_BYTES: usize = 256 * KIB;
+
+/// Largest record of `<prefix>_oauth_accounts`: one user's connected OAuth accounts, every provider (at most
+/// 10 per provider), each with its sealed refresh token and cached access token.
+pub const OAUTH_ACCOUNTS_RECORD_MAX_BYTES: usize = 64 * KIB;
+
+/// Largest value of `<prefix>_oauth_state`: one started connect flow.
+pub const OAUTH_STATE_MAX_BYTES: usize = 4 * KIB;
+
+/// How long a started OAuth connect flow may wait for its callback (`<prefix>_oauth_state`'s `max_age`): the
+/// state is single-use and forgotten after this.
+pub const OAUTH_STATE_TTL: Duration = Duration::from_secs(600);
 
 /// Largest value of `<prefix>_usage`: one user's units of one family's window, at most one entry per slot (a
 /// minute for `image/*`).
@@ -351,6 +364,16 @@ impl StoreSettings {
         format!("{}_credentials", self.prefix)
     }
 
+    /// `<prefix>_oauth_accounts`.
+    pub fn oauth_accounts_bucket(&self) -> String {
+        format!("{}_oauth_accounts", self.prefix)
+    }
+
+    /// `<prefix>_oauth_state`.
+    pub fn oauth_state_bucket(&self) -> String {
+        format!("{}_oauth_state", self.prefix)
+    }
+
     /// `<prefix>_aps_kv`.
     pub fn aps_kv_bucket(&self) -> String {
         format!("{}_aps_kv", self.prefix)
@@ -584,6 +607,30 @@ impl StoreSettings {
         }
     }
 
+    /// The users' connected OAuth accounts (fleet-services' `oauth`), sealed. `storage` is not applied (file
+    /// storage: a lost refresh token means the user connects again).
+    pub fn oauth_accounts_kv_config(&self) -> kv::Config {
+        kv::Config {
+            bucket: self.oauth_accounts_bucket(),
+            description: "Cloud Agents: users' OAuth accounts (tokens encrypted)".to_string(),
+            history: 1,
+            max_value_size: i32::try_from(OAUTH_ACCOUNTS_RECORD_MAX_BYTES).unwrap_or(i32::MAX),
+            num_replicas: self.replicas,
+            ..Default::default()
+        }
+    }
+
+    /// The OAuth connect flows started and not yet called back (fleet-services' `oauth`), kept for
+    /// [`OAUTH_STATE_TTL`].
+    pub fn oauth_state_kv_config(&self) -> kv::Config {
+        self.kv(
+            self.oauth_state_bucket(),
+            "OAuth connect flows in progress (single-use state)",
+            OAUTH_STATE_TTL,
+            OAUTH_STATE_MAX_BYTES,
+        )
+    }
+
     /// The APS storage KV (`storage/*`), whose values are envelopes of at most `max_value` bytes (the services'
     /// value cap plus the envelope).
     pub fn aps_kv_config(&self, max_value: usize) -> kv::Config {
@@ -737,6 +784,22 @@ mod tests {
                     "Cloud Agents: per-user plugin credentials (encrypted)",
                 ),
                 (1, 256 * 1024, Duration::ZERO, 0, file),
+            ),
+            (
+                s.oauth_accounts_kv_config(),
+                (
+                    "p_oauth_accounts",
+                    "Cloud Agents: users' OAuth accounts (tokens encrypted)",
+                ),
+                (1, 64 * 1024, Duration::ZERO, 0, file),
+            ),
+            (
+                s.oauth_state_kv_config(),
+                (
+                    "p_oauth_state",
+                    "OAuth connect flows in progress (single-use state)",
+                ),
+                (1, 4 * 1024, Duration::from_secs(600), -1, memory),
             ),
             (
                 s.aps_usage_kv_config(),

@@ -75,6 +75,9 @@ pub mod keys {
     /// Web search and fetch: offered by the host (host → plugin) with the methods it serves; the spec names no
     /// key a plugin must claim (§3.3 HR-LC-15: "(v2)"), so any v2 session may call `web/*`.
     pub const WEB: &str = "web";
+    /// `credentials/*` (spec §8.8): offered by the host (host → plugin) with its configured providers; the spec
+    /// names no key a plugin must claim (the `credentials_token` follows from the manifest's `credentials[]`).
+    pub const CREDENTIALS: &str = "credentials";
     /// File transport support (host → plugin advertisement).
     pub const FILE_TRANSPORT: &str = "fileTransport";
 }

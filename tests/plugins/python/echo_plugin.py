@@ -29,13 +29,20 @@ opens its own TCP connection to the NATS port on 127.0.0.1, sends ``CONNECT`` wi
 the tool ``confine_probe {connect, pids, read, write}`` (``confine_probe.py`` beside this file: the attacks on
 the sandbox, shared with the Animus fixture).
 
+``--oauth`` (with ``--services``) declares the credentials of the OAuth tests instead (spec §4.2, §8.8):
+``FAKE_TOKEN`` (optional; the tests' provider maps it to ``$access_token``) and ``OTHER_KEY`` (optional, mapped by
+no provider), and adds the tools ``credentials`` (as below, plus the claims of ``context.credentials_token`` if
+one came), ``stdio_transcript`` (every line it read on stdin so far: the tests look there for what must never
+cross stdio) and ``host_offer``; ``credentials/listAccounts`` and ``credentials/getToken`` go through ``reverse``.
+
 ``--credentials`` declares the credentials of the credentials tests instead of ``ECHO_API_KEY`` (spec §4.2):
 ``API_KEY`` (required, no default), ``REGION`` (optional, default ``eu-west``) and ``OPTIONAL_TOKEN``
 (optional, no default), and adds the tool ``credentials``, which reports the names it received in
 ``context.credentials`` with the SHA-256 of each value (never a value: the test compares digests of what it
 set), its pid, and whether any value it received is in its own environment.
 
-Run: ``python3 echo_plugin.py [--noop] [--services [--media] [--web] [--agent]] [--hostile] [--credentials]``.
+Run: ``python3 echo_plugin.py [--noop] [--services [--media] [--web] [--agent] [--oauth]] [--hostile]
+[--credentials]``.
 """
 
 from __future__ import annotations
@@ -213,15 +220,31 @@ if CREDENTIALS:
     ]
 
 
+def _jwt_claims(token):
+    """The claims of a JWT (unverified: the fixture only reports them), or None."""
+    try:
+        payload = token.split(".")[1]
+        return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    except (AttributeError, IndexError, ValueError):
+        return None
+
+
 def _credentials_report(context: dict) -> dict:
     creds = context.get("credentials") if isinstance(context, dict) else None
     creds = creds if isinstance(creds, dict) else {}
     environ = "\0".join(f"{k}={v}" for k, v in os.environ.items())
+    token = context.get("credentials_token") if isinstance(context, dict) else None
     return {
         "received": {k: hashlib.sha256(str(v).encode()).hexdigest() for k, v in creds.items()},
         "in_environment": [k for k, v in creds.items() if str(v) and str(v) in environ],
         "pid": os.getpid(),
+        "credentials_token": _jwt_claims(token) if token else None,
     }
+
+
+# Every line read on stdin (the `--oauth` tests look there for what must never cross stdio).
+_transcript: list = []
+_transcript_lock = threading.Lock()
 
 
 if SERVICES:
@@ -232,7 +255,27 @@ MEDIA = SERVICES and "--media" in sys.argv[1:]
 
 WEB = SERVICES and "--web" in sys.argv[1:]
 
-if MEDIA or WEB:
+OAUTH = SERVICES and "--oauth" in sys.argv[1:]
+
+if OAUTH:
+    MANIFEST["credentials"] = [
+        {"name": "FAKE_TOKEN", "display_name": "Fake provider token", "required": False, "sensitive": True},
+        {"name": "OTHER_KEY", "required": False, "sensitive": True},
+    ]
+    MANIFEST["tools"] = MANIFEST["tools"] + [
+        {
+            "name": "credentials",
+            "description": "Report the names of context.credentials with the SHA-256 of each value.",
+            "parameters": [],
+        },
+        {
+            "name": "stdio_transcript",
+            "description": "Every line read on stdin so far.",
+            "parameters": [],
+        },
+    ]
+
+if MEDIA or WEB or OAUTH:
     MANIFEST["tools"] = MANIFEST["tools"] + [
         {
             "name": "host_offer",
@@ -394,9 +437,12 @@ def _run_tool(tool: str, args: dict, context: dict):
         return "ok", _reverse(method, params, context)
     if SERVICES and tool == "summarize_and_save":
         return _summarize_and_save(args, context)
-    if CREDENTIALS and tool == "credentials":
+    if (CREDENTIALS or OAUTH) and tool == "credentials":
         return "ok", _credentials_report(context)
-    if (MEDIA or WEB) and tool == "host_offer":
+    if OAUTH and tool == "stdio_transcript":
+        with _transcript_lock:
+            return "ok", {"lines": list(_transcript)}
+    if (MEDIA or WEB or OAUTH) and tool == "host_offer":
         return "ok", _host_offer
     raise LookupError(tool)
 
@@ -492,6 +538,9 @@ def main(argv: list[str]) -> int:
         line = stdin.readline()
         if not line:
             return 0
+        if OAUTH:
+            with _transcript_lock:
+                _transcript.append(line.decode("utf-8", "replace"))
         _handle(line)
 
 

@@ -529,19 +529,20 @@ impl Session {
         let deadline_ms = req.deadline_ms.unwrap_or_else(|| {
             now_ms().saturating_add(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX))
         });
+        // Tokens and the user's stored credentials in one round trip (no lookup when none is declared).
+        let names: Vec<String> = hs.manifest.credentials.iter().map(|c| c.name.clone()).collect();
         let token_request = TokenRequest {
             user: shared.user.clone(),
             tool_id: shared.tool_id.clone(),
             invoke_id: req.invoke_id.clone(),
             negotiated: hs.negotiated.clone(),
             declared: hs.manifest.host_capabilities.clone(),
+            credentials: names.clone(),
             deadline_ms,
         };
         if let Some(d) = &req.delegation {
             shared.tokens.delegate(&req.invoke_id, d.clone());
         }
-        // Tokens and the user's stored credentials in one round trip (no lookup when none is declared).
-        let names: Vec<String> = hs.manifest.credentials.iter().map(|c| c.name.clone()).collect();
         let lookup = async {
             if names.is_empty() {
                 Ok(CredentialValues::default())
