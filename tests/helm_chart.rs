@@ -452,6 +452,15 @@ fn front_and_worker_share_the_link_signing_key_the_credentials_keyring_and_the_s
             mount(c, "image-api-key")["mountPath"],
             "/var/run/cloud-agents/image"
         );
+        // The OAuth providers' client secrets: the whole Secret, one file per provider.
+        assert_eq!(
+            volume(d, "oauth-client-secrets")["secret"]["secretName"],
+            "cloud-agents-oauth"
+        );
+        assert_eq!(
+            mount(c, "oauth-client-secrets")["mountPath"],
+            "/var/run/cloud-agents/oauth"
+        );
         assert_eq!(
             volume(d, "credentials-keyring")["secret"]["secretName"],
             "cloud-agents-credentials-keyring",

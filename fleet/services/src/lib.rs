@@ -21,9 +21,9 @@
 //! grant, validation and budget checks as a real upstream) or `real`. `agent/*` is real over `[llm]` ([`agent`]);
 //! `image/*` is real against the `[image]` upstream ([`image`]; without one it is not offered and answers
 //! `-32109`); `credentials/*` ([`oauth`]) is offered when `[credentials.providers]` configures an OAuth provider
-//! and answers plugins whose manifest declares a credential a provider maps (their `credentials_token`). `web/*` ([`web`]) is outside the
-//! matrix: `web/fetch` is native (always served unless `[web] fetch = false`), `web/search` and
-//! `web/image_search` need a provider in `[web]` (docs/plugins.md "Host services").
+//! and answers plugins whose manifest declares a credential a provider maps (their `credentials_token`). `web/*`
+//! ([`web`]) is outside the matrix: `web/fetch` is native (always served unless `[web] fetch = false`),
+//! `web/search` and `web/image_search` need a provider in `[web]` (docs/plugins.md "Host services").
 
 pub mod agent;
 pub mod args;

@@ -173,10 +173,6 @@ struct SetBody {
     values: BTreeMap<String, String>,
 }
 
-fn credential_error(e: &fleet_services::credentials::CredentialError) -> ApiError {
-    e.to_api_error()
-}
-
 async fn list_credentials(State(state): State<UserState>, headers: HeaderMap, uri: Uri) -> Response {
     let run = async {
         let user = user_of(&state, &headers)?;
@@ -186,7 +182,7 @@ async fn list_credentials(State(state): State<UserState>, headers: HeaderMap, ur
             .credential_store()
             .list(&user, q.tool_id.as_deref())
             .await
-            .map_err(|e| credential_error(&e))
+            .map_err(|e| e.to_api_error())
     };
     match run.await {
         Ok(listed) => ok(&listed),
@@ -219,7 +215,7 @@ async fn set_credentials(
             .credential_store()
             .set(&user, q.tool_id.as_deref(), &body.values)
             .await
-            .map_err(|e| credential_error(&e))?;
+            .map_err(|e| e.to_api_error())?;
         Ok::<_, ApiError>(listed)
     };
     match run.await {
@@ -242,7 +238,7 @@ async fn delete_credential(
             .credential_store()
             .delete(&user, q.tool_id.as_deref(), &[name])
             .await
-            .map_err(|e| credential_error(&e))
+            .map_err(|e| e.to_api_error())
     };
     match run.await {
         Ok(deleted) => ok(&deleted),

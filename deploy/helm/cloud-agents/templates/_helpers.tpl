@@ -167,6 +167,11 @@ seccompProfile:
   mountPath: /var/run/cloud-agents/image
   readOnly: true
 {{- end }}
+{{- if .Values.services.oauthClientSecrets.secretName }}
+- name: oauth-client-secrets
+  mountPath: /var/run/cloud-agents/oauth
+  readOnly: true
+{{- end }}
 {{- end }}
 
 {{/* Host-services volumes shared by front and worker. */}}
@@ -207,6 +212,12 @@ seccompProfile:
     items:
       - key: {{ .Values.services.imageApiKey.key }}
         path: api-key
+{{- end }}
+{{- if .Values.services.oauthClientSecrets.secretName }}
+- name: oauth-client-secrets
+  secret:
+    secretName: {{ .Values.services.oauthClientSecrets.secretName }}
+    defaultMode: 0440
 {{- end }}
 {{- end }}
 
