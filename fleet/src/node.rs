@@ -79,6 +79,10 @@ struct Ctx {
     draining: AtomicBool,
     /// Exec requests being served (sync invokes and jobs until their outcome is recorded).
     in_flight: InFlight,
+    /// The jobs this worker is starting or running ([`run_job`]): a second dispatch of one of them to this same
+    /// worker (the front's hand-off and a sweeper's re-dispatch of a job still queued) ends at once, so a start
+    /// that finds the job running under this worker's id and its own start time is this run's own write.
+    jobs_here: std::sync::Mutex<std::collections::HashSet<JobId>>,
     started_at_ms: u64,
     metrics: Arc<FleetMetrics>,
     /// Lazy installs of plugins published to the fleet (`crate::plugins`); `None` if its store cannot be opened.
@@ -128,6 +132,7 @@ impl WorkerNode {
             running_long: AtomicU64::new(0),
             draining: AtomicBool::new(false),
             in_flight: InFlight::default(),
+            jobs_here: std::sync::Mutex::default(),
             started_at_ms: now_ms(),
             metrics,
             installer,
@@ -519,14 +524,19 @@ async fn serve_exec_traced(ctx: Arc<Ctx>, msg: async_nats::Message) {
     span.record("executa.tool_id", req.plugin.as_str());
     span.record("executa.invoke_id", req.invoke_id.as_str());
     // A lazy install, then the call itself, can take long: the front hears every second that it still runs.
-    let ensured = fleet_client::nats_conn::keeping_alive(&ctx.client, &msg, ensure_plugin(&ctx, &req)).await;
-    if let Err(e) = ensured {
-        return respond(&ctx, &msg, &refuse(e)).await;
-    }
     match req.kind {
         ExecKind::Sync => {
             let reply_to = req.reply_to.take();
-            let reply = fleet_client::nats_conn::keeping_alive(&ctx.client, &msg, run_sync(&ctx, req)).await;
+            let ctx_ = &ctx;
+            let outcome = fleet_client::nats_conn::keeping_alive(&ctx.client, &msg, async move {
+                ensure_plugin(ctx_, &req).await?;
+                Ok::<_, ApiError>(run_sync(ctx_, req).await)
+            })
+            .await;
+            let reply = match outcome {
+                Ok(reply) => reply,
+                Err(e) => return respond(&ctx, &msg, &refuse(e)).await,
+            };
             match reply_to.as_deref() {
                 Some(to) if ctx.direct_replies && !reply.passes_to_next_worker() => {
                     deliver(&ctx, &msg, to, reply).await;
@@ -535,6 +545,11 @@ async fn serve_exec_traced(ctx: Arc<Ctx>, msg: async_nats::Message) {
             }
         }
         ExecKind::Job => {
+            let ensured =
+                fleet_client::nats_conn::keeping_alive(&ctx.client, &msg, ensure_plugin(&ctx, &req)).await;
+            if let Err(e) = ensured {
+                return respond(&ctx, &msg, &refuse(e)).await;
+            }
             let Ok(permit) = ctx.long_jobs.clone().try_acquire_owned() else {
                 ctx.metrics.rejection("long_job_capacity");
                 let e = ApiError::with_details(
@@ -873,21 +888,41 @@ fn job_outcome(
 
 async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
     let Some(job_id) = req.job_id.clone() else { return };
+    let Some(_here) = JobHere::enter(ctx, &job_id) else {
+        return; // this worker starts or runs it already
+    };
     let user = req.user.clone();
     let id = ctx.id.clone();
-    // queued → running, by CAS, before the plugin sees anything.
-    let started = ctx
-        .steps()
-        .step(&user, &job_id, JobState::Running, Decider::Worker, |r| {
-            r.worker = Some(id.clone());
-            r.started_at_ms = Some(now_ms());
-            r.last_heartbeat_ms = Some(now_ms());
-            r.attempt += 1;
-        })
-        .await;
+    let start = now_ms();
+    // queued → running, by CAS, before the plugin sees anything. This worker told the front it took the job: a
+    // store that does not answer for a while (a NATS node lost) is waited out, up to the job's deadline, rather
+    // than leaving the job to the sweeper's next dispatch. Safe to repeat: an attempt whose write got through
+    // although its answer was lost is recognised by the next one (running, under this worker, from `start`).
+    let steps = ctx.steps();
+    let started = fleet_store::failover::ride_out(
+        fleet_store::Op::Transition,
+        fleet_store::failover::give_up_at(req.deadline_ms.map(fleet_store::failover::instant_of_epoch_ms)),
+        || {
+            steps.step(&user, &job_id, JobState::Running, Decider::Worker, |r| {
+                r.worker = Some(id.clone());
+                r.started_at_ms = Some(start);
+                r.last_heartbeat_ms = Some(start);
+                r.attempt += 1;
+            })
+        },
+        |_| ctx.metrics.jetstream_error("start_job"),
+    )
+    .await;
     let record = match started {
         Ok(Transition::Done(r)) => r.value,
-        Ok(_) => return, // cancelled, expired or gone before it started
+        Ok(Transition::Refused(r))
+            if r.value.state == JobState::Running
+                && r.value.worker.as_deref() == Some(id.as_str())
+                && r.value.started_at_ms == Some(start) =>
+        {
+            r.value
+        }
+        Ok(_) => return, // cancelled, expired, started elsewhere or gone before it started
         Err(e) => {
             tracing::warn!(job = %job_id, error = %e, "cannot start the job");
             return;
@@ -994,6 +1029,36 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
         }
         Ok(_) => {}
         Err(e) => tracing::warn!(job = %job_id, error = %e, "cannot record the job's outcome"),
+    }
+}
+
+/// A job in [`Ctx::jobs_here`] for as long as it lives.
+struct JobHere<'a> {
+    ctx: &'a Ctx,
+    job_id: JobId,
+}
+
+impl<'a> JobHere<'a> {
+    /// `None` when this worker starts or runs `job_id` already.
+    fn enter(ctx: &'a Ctx, job_id: &JobId) -> Option<Self> {
+        let mut here = ctx
+            .jobs_here
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        here.insert(job_id.clone()).then(|| JobHere {
+            ctx,
+            job_id: job_id.clone(),
+        })
+    }
+}
+
+impl Drop for JobHere<'_> {
+    fn drop(&mut self) {
+        self.ctx
+            .jobs_here
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&self.job_id);
     }
 }
 

@@ -279,6 +279,10 @@ fn keepalive_subject(msg: &async_nats::Message) -> Option<String> {
 /// Runs `work` — the handling of `msg` — and, when `msg` asked for keepalives ([`KEEPALIVE_HEADER`]), tells the
 /// requester every [`KEEPALIVE_EVERY`] that it is still working ([`keepalive_subject`]), until `work` ends (the
 /// caller then publishes the answer).
+///
+/// The keepalives come from a task of their own, not from the task polling `work`: a long step inside `work`
+/// (a synchronous stretch of a plugin's start, a slow poll on a busy machine) must not silence them while the
+/// process is alive and its runtime has a thread free. The task ends with `work` (or when this future is dropped).
 pub async fn keeping_alive<F: std::future::Future>(
     client: &async_nats::Client,
     msg: &async_nats::Message,
@@ -287,21 +291,22 @@ pub async fn keeping_alive<F: std::future::Future>(
     let Some(reply) = keepalive_subject(msg) else {
         return work.await;
     };
-    tokio::pin!(work);
-    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + KEEPALIVE_EVERY, KEEPALIVE_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            out = &mut work => return out,
-            _ = tick.tick() => {
-                let mut headers = async_nats::HeaderMap::new();
-                headers.insert(STATUS_HEADER, STATUS_WORKING);
-                let _ = client
-                    .publish_with_headers(reply.clone(), headers, bytes::Bytes::new())
-                    .await;
-            }
+    let client = client.clone();
+    let ticking = tokio::spawn(async move {
+        let mut tick =
+            tokio::time::interval_at(tokio::time::Instant::now() + KEEPALIVE_EVERY, KEEPALIVE_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert(STATUS_HEADER, STATUS_WORKING);
+            let _ = client
+                .publish_with_headers(reply.clone(), headers, bytes::Bytes::new())
+                .await;
         }
-    }
+    });
+    let _stop = AbortOnDrop(ticking);
+    work.await
 }
 
 /// Sends `request` to `subject` and waits for its answer (at most the request's own timeout). Every request of

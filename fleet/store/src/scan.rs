@@ -21,6 +21,12 @@ const FETCH_BATCH: usize = 100;
 /// An abandoned scan consumer is removed by the server after this long.
 const SCAN_INACTIVE: Duration = Duration::from_secs(30);
 
+/// How long a scan waits for the next message of a fetch (the JetStream context's request timeout, like every
+/// other read of the store). A no-wait fetch of async-nats 0.51 has no expiry of its own: when the server that
+/// holds the scan's consumer dies (a NATS node of a cluster lost), nothing ever answers it, and without this
+/// bound the scan — and a sweeper or registry read waiting for it — would wait forever.
+pub(crate) const SCAN_READ_TIMEOUT: Duration = super::direct::DIRECT_READ_TIMEOUT;
+
 /// What to read.
 #[derive(Debug, Clone)]
 pub(crate) struct Scan {
@@ -73,7 +79,15 @@ async fn drain(
         let want = (total - out.len()).min(FETCH_BATCH);
         let mut batch = consumer.fetch().max_messages(want).messages().await?;
         let before = out.len();
-        while let Some(message) = batch.next().await {
+        loop {
+            let Ok(next) = tokio::time::timeout(SCAN_READ_TIMEOUT, batch.next()).await else {
+                return Err(format!(
+                    "scan: no message within {} ms of {total} expected (the consumer's server is gone?)",
+                    SCAN_READ_TIMEOUT.as_millis()
+                )
+                .into());
+            };
+            let Some(message) = next else { break };
             out.push(message?);
             if out.len() >= total {
                 break;
