@@ -997,7 +997,7 @@ fn both_dialects_in_one_fleet_up_through_the_cli() {
         .unwrap()
         .to_string();
     let mut child = std::process::Command::new(&bin)
-        .args(["up", "--workers", "1", "--http", &http])
+        .args(["up", "--workers", "1", "--nats-port", "0", "--http", &http])
         .arg("--data-dir")
         .arg(&data)
         .arg("--plugins-dir")

@@ -227,7 +227,7 @@ impl Up {
             .arg(&data_dir)
             .arg("--plugins-dir")
             .arg(&plugins)
-            .args(["--http", &http.to_string()])
+            .args(["--http", &http.to_string(), "--nats-port", "0"])
             .current_dir(tmp.path())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -1,5 +1,6 @@
 //! `fleet up` end to end with the real binary, driven exactly as the README documents: `fleet up` starts its own
-//! nats-server (no `--nats-url`: 4222 when free, else a free port, recorded in `<data-dir>/nats-url`), then the
+//! nats-server (no `--nats-url`; `--nats-port 0`, a free port, so a node a test restarts on its port never races
+//! another server for 4222 — a developer's default is 4222 when free; recorded in `<data-dir>/nats-url`), then the
 //! client subcommands (`token`, `invoke`, `invoke-async`, `job get|list|cancel`) find it through `--data-dir`;
 //! errors print their code and exit non-zero; `/healthz` answers; SIGINT stops everything (exit 0, "stopped", no
 //! nats-server or plugin process left).
@@ -40,7 +41,8 @@ fn wait_until(what: &str, cond: impl FnMut() -> bool) {
     wait_or_report(what, cond, String::new);
 }
 
-/// `fleet up --data-dir <data_dir> --plugins-dir <repo>/plugins --http <http>`, the environment not yet scrubbed.
+/// `fleet up --data-dir <data_dir> --plugins-dir <repo>/plugins --http <http> --nats-port 0`, the environment not
+/// yet scrubbed.
 fn up_command(data_dir: &std::path::Path, http: &str) -> Command {
     up_command_over(data_dir, http, &workspace_root().join("plugins"))
 }
@@ -53,7 +55,7 @@ fn up_command_over(data_dir: &std::path::Path, http: &str, plugins: &std::path::
         .arg(data_dir)
         .arg("--plugins-dir")
         .arg(plugins)
-        .args(["--http", http]);
+        .args(["--http", http, "--nats-port", "0"]);
     cmd
 }
 
@@ -441,6 +443,8 @@ fn fleet_up_serves_the_readme_cli_and_stops_cleanly() {
     assert!(alive(nats_pid));
     let recorded = std::fs::read_to_string(up.data_dir.join("nats-url")).unwrap();
     assert_eq!(recorded.trim(), url);
+    // `--nats-port 0`: a free port (the kernel's ephemeral range), never a developer's 4222.
+    assert!(!url.ends_with(":4222"), "--nats-port 0 took 4222: {url}");
     println!("fleet up: nats-server {url} (pid {nats_pid})");
     assert!(lines.iter().any(|l| l.starts_with("worker ")), "{lines:?}");
     assert!(

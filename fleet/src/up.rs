@@ -39,6 +39,11 @@ pub struct UpArgs {
     #[arg(long, env = "FLEET_NATS_CLUSTER", default_value_t = 1, conflicts_with = "nats_url",
           value_parser = parse_cluster_size)]
     pub nats_cluster: usize,
+    /// The client port of our own nats-server (of the first node of a cluster; the others, and every route and
+    /// monitoring port, are picked free). Default: 4222 when it is free, else any free port; 0: any free port
+    /// (what tests use, so a server of theirs restarted on its port never races another for 4222).
+    #[arg(long, env = "FLEET_NATS_PORT", conflicts_with = "nats_url")]
+    pub nats_port: Option<u16>,
     /// Credentials and TLS of the connections (`--nats-creds` is the front's; with --nats-url and no
     /// --nats-auth-dir, the in-process workers use it too).
     #[command(flatten)]
@@ -246,15 +251,17 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     let url = match &args.nats_url {
         Some(u) => u.clone(),
         None => {
-            let port = if std::net::TcpListener::bind("127.0.0.1:4222").is_ok() {
-                4222
-            } else {
-                free_port()?
+            let port = match args.nats_port {
+                Some(0) => free_port()?,
+                Some(port) => port,
+                None if std::net::TcpListener::bind("127.0.0.1:4222").is_ok() => 4222,
+                None => free_port()?,
             };
             let store = data_dir.join("nats");
             let s = match NatsServer::start_cluster(&store, args.nats_cluster, port) {
                 // Another server took 4222 between the check and the start (a second `fleet up`): any free port.
-                Err(crate::nats_server::NatsServerError::PortTaken(_)) => {
+                // A port asked for by --nats-port is that port or an error.
+                Err(crate::nats_server::NatsServerError::PortTaken(_)) if args.nats_port.is_none() => {
                     NatsServer::start_cluster(&store, args.nats_cluster, free_port()?)?
                 }
                 other => other?,

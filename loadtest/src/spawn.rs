@@ -62,8 +62,12 @@ impl SpawnedFleet {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::from(log.try_clone()?));
-        if nats_url.is_none() && nats_cluster > 1 {
-            cmd.arg("--nats-cluster").arg(nats_cluster.to_string());
+        if nats_url.is_none() {
+            // A free port: a node a scenario restarts on its port never races another server for 4222.
+            cmd.args(["--nats-port", "0"]);
+            if nats_cluster > 1 {
+                cmd.arg("--nats-cluster").arg(nats_cluster.to_string());
+            }
         }
         if let Some(url) = nats_url {
             cmd.arg("--nats-url").arg(url);
