@@ -64,6 +64,8 @@ struct Env {
     /// A front's services (grant edits; a second process counting the same quota).
     admin: FleetServices,
     fake: FakeImages,
+    /// The front's JetStream context (it may update streams: the test of a refused write seals one).
+    front_js: async_nats::jetstream::Context,
     base: String,
     http: reqwest::Client,
     server: tokio::task::JoinHandle<std::io::Result<()>>,
@@ -163,6 +165,7 @@ async fn env_with(name: &str, configured: bool, front_configured: bool) -> Env {
         services,
         admin,
         fake,
+        front_js,
         base,
         http: reqwest::Client::new(),
         server,
@@ -515,6 +518,45 @@ async fn the_daily_quota_is_exact_shared_and_refunded_on_failure() {
     // Another user has a quota of their own.
     env.grant("bob", TOOL, IMAGE, None).await;
     ok(&env.generate("bob", json!({"prompt": "x"})).await);
+}
+
+/// Spec §8.6: an image the object store refuses to store is `-32110` (`IMAGE_STORAGE_ERROR`), and the images of
+/// the failed call go back to the daily quota. The refusal is JetStream's own: the uploads object store's stream
+/// is sealed (a sealed stream takes no write), as the front's credential may do.
+#[tokio::test]
+async fn an_image_the_object_store_refuses_is_32110_and_refunded() {
+    let env = env("img-store").await;
+    env.grant("alice", TOOL, IMAGE, None).await;
+    let r = env.generate("alice", json!({"prompt": "x"})).await;
+    assert_eq!(ok(&r)["quota_used"]["images_today"], 1);
+    let stream_name = format!("OBJ_{}", StoreSettings::default().uploads_bucket());
+    let mut stream = env
+        .front_js
+        .get_stream(&stream_name)
+        .await
+        .expect("uploads stream");
+    let mut config = stream.info().await.expect("stream info").config.clone();
+    config.sealed = true;
+    env.front_js
+        .update_stream(&config)
+        .await
+        .expect("seal the uploads stream");
+
+    let (code, name, _) = err(&env.generate("alice", json!({"prompt": "x", "n": 2})).await);
+    assert_eq!((code, name.as_str()), (-32110, "IMAGE_STORAGE_ERROR"));
+    assert_eq!(
+        env.fake.requests().len(),
+        2,
+        "the provider was asked: the failure is the store's"
+    );
+    let used = env
+        .admin
+        .image()
+        .expect("configured")
+        .images_today("alice")
+        .await
+        .expect("count");
+    assert_eq!(used, 1, "the failed call's 2 images were given back");
 }
 
 /// Concurrent calls race for the last images of the quota: exactly the quota is delivered.
