@@ -6,10 +6,12 @@
 
 use std::collections::BTreeSet;
 use std::process::Command;
+use std::sync::Arc;
 
 use fleet::nats_server::NatsServer;
 use fleet_client::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER};
 use fleet_e2e::fleet_bin;
+use fleet_e2e::worker::{Plugin, TestWorker, data, test_config};
 use fleet_proto::executa::reverse::{Family, family_of};
 use fleet_proto::util::now_ms;
 use fleet_services::args::ServicesArgs;
@@ -602,5 +604,58 @@ async fn mocked_families_keep_the_grants_validation_and_budgets_of_real_ones() {
         .serve(call("m-2", "host/uploadFile", inline, t))
         .await;
     assert_eq!(code(&r).0, -32211);
+    drop(env.nats);
+}
+
+/// Spec §3.3 (issue 17): the SDK's embeddings demo claims `embeddings` in `initialize`, the documentation `embed`.
+/// Through a real worker and a real plugin process, a plugin claiming only `embeddings` (not `sampling`, which
+/// also unlocks embeddings) negotiates the family and its `embeddings/create` is served; one claiming nothing
+/// gets the family's not-negotiated code (`-32507`).
+#[tokio::test]
+async fn a_plugin_claiming_the_sdks_embeddings_key_negotiates_embeddings() {
+    let env = env_with(DevArgs {
+        mocks: Vec::new(),
+        dev_modes: vec![parse_dev_mode("embeddings=mock").unwrap()],
+    })
+    .await;
+    let claims_embeddings = "tool-embeddings";
+    let claims_nothing = "tool-unclaimed";
+    let plugin = |tool_id: &str, claims: &str| {
+        Plugin::echo(
+            tool_id,
+            &["--capabilities", claims, "--host-capabilities", "llm.embed"],
+        )
+    };
+    let worker = TestWorker::with_services(
+        test_config("embeddings-key"),
+        &[
+            plugin(claims_embeddings, "embeddings"),
+            plugin(claims_nothing, "storage"),
+        ],
+        Arc::new(env.services.clone()),
+        Arc::new(env.services.clone()),
+    );
+    for tool_id in [claims_embeddings, claims_nothing] {
+        env.services
+            .grants()
+            .edit(USER, tool_id, &["llm.embed".into()], &[])
+            .await
+            .unwrap();
+    }
+    let embed = |tool_id: &'static str| {
+        data(
+            &worker,
+            USER,
+            tool_id,
+            "reverse_rpc",
+            json!({"method": "embeddings/create", "params": {"input": "hello"}, "timeout_ms": 30_000}),
+        )
+    };
+    let served = embed(claims_embeddings).await;
+    let result = &served["response"]["result"];
+    assert!(result["data"][0]["embedding"].is_array(), "served: {served}");
+    let refused = embed(claims_nothing).await;
+    assert_eq!(refused["response"]["error"]["code"], -32507, "{refused}");
+    drop(worker);
     drop(env.nats);
 }

@@ -265,6 +265,27 @@ fn initialize_negotiated_is_the_union_ignoring_false_and_null() {
     assert_eq!(r.extra, extra);
 }
 
+/// Spec §3.3 (issue 17): the SDK's embeddings demo claims `embeddings`, the documentation `embed`; both negotiate
+/// the embeddings family, under the one key the host checks. `embeddings: false` claims nothing.
+#[test]
+fn initialize_negotiated_takes_the_sdks_embeddings_key_as_embed() {
+    for claims in [
+        json!({"client_capabilities": {"embeddings": {}}}),
+        json!({"capabilities": {"embeddings": true}}),
+        json!({"client_capabilities": {"embed": {}, "embeddings": {}}}),
+    ] {
+        let mut v = claims.clone();
+        v["protocolVersion"] = json!("2.0");
+        let r: InitializeResult = serde_json::from_value(v).unwrap();
+        assert_eq!(r.negotiated(), set(&["embed"]), "{claims}");
+    }
+    let r: InitializeResult = serde_json::from_value(
+        json!({"protocolVersion": "2.0", "client_capabilities": {"embeddings": false}}),
+    )
+    .unwrap();
+    assert_eq!(r.negotiated(), BTreeSet::new());
+}
+
 #[test]
 fn initialize_protocol_is_v2_only_for_2_0() {
     for (v, expected) in [

@@ -80,4 +80,16 @@ pub mod keys {
     pub const CREDENTIALS: &str = "credentials";
     /// File transport support (host → plugin advertisement).
     pub const FILE_TRANSPORT: &str = "fileTransport";
+
+    /// Other spellings the SDKs send for a key, and the key each stands for (spec §3.3: accept every key the SDKs
+    /// send). The SDK's embeddings demo claims `embeddings`, the documentation `embed`.
+    pub const ALIASES: &[(&str, &str)] = &[("embeddings", EMBED)];
+
+    /// The key `key` stands for: itself, or the key an alias names.
+    pub fn canonical(key: &str) -> &str {
+        ALIASES
+            .iter()
+            .find(|(alias, _)| *alias == key)
+            .map_or(key, |(_, canonical)| canonical)
+    }
 }

@@ -106,13 +106,14 @@ impl InitializeResult {
     }
 
     /// The plugin's negotiated capability keys: the union of `capabilities` and `client_capabilities`
-    /// (spec §3.3 HR-LC-13). A key counts when its value is not `false` or `null`.
+    /// (spec §3.3 HR-LC-13), each under its canonical name (`embeddings` is `embed`:
+    /// [`keys::ALIASES`](super::capabilities::keys::ALIASES)). A key counts when its value is not `false` or `null`.
     pub fn negotiated(&self) -> BTreeSet<String> {
         self.capabilities
             .iter()
             .chain(self.client_capabilities.iter())
             .filter(|(_, v)| !matches!(v, Value::Bool(false) | Value::Null))
-            .map(|(k, _)| k.clone())
+            .map(|(k, _)| super::capabilities::keys::canonical(k).to_owned())
             .collect()
     }
 }
