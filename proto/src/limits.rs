@@ -186,6 +186,9 @@ pub const AGENT_DEFAULT_RECURSION_LIMIT: u32 = 8;
 pub const AGENT_MAX_RECURSION_LIMIT: u32 = 32;
 /// `agent/session.run`: most image attachments (spec §8.2: images ≤ 6).
 pub const AGENT_MAX_ATTACHMENTS: usize = 6;
+/// `agent/session.run`: largest attachment (spec §8.2: ≤ 20 MB each, read as MiB), as the attachment states it
+/// (`size_bytes` or `size`) or as its inline `data:` URL carries it.
+pub const AGENT_MAX_ATTACHMENT_BYTES: u64 = 20 * 1024 * 1024;
 /// `agent/session.history`: `limit` range (spec §8.2: 1..200).
 pub const AGENT_HISTORY_MAX_LIMIT: u64 = 200;
 /// `agent/session.list`: default `limit` (spec §8.2: 50).

@@ -571,6 +571,15 @@ impl AgentService {
             }
             Some(_) => return Err(invalid("attachments must be an array")),
         };
+        for (i, a) in attachments.iter().enumerate() {
+            let bytes = attachment_bytes(a);
+            if bytes > limits::AGENT_MAX_ATTACHMENT_BYTES {
+                return Err(invalid(format!(
+                    "attachments[{i}] is {bytes} bytes: at most {} per attachment",
+                    limits::AGENT_MAX_ATTACHMENT_BYTES
+                )));
+            }
+        }
         let recursion_limit = match p.get("recursion_limit") {
             None | Some(Value::Null) => limits::AGENT_DEFAULT_RECURSION_LIMIT,
             Some(v) => {
@@ -1081,9 +1090,86 @@ impl AgentService {
     }
 }
 
+/// The size of an attachment (spec §8.2's "≤ 20 MB each"): the larger of what it states (`size_bytes`, or `size`)
+/// and what its inline `data:` URL carries (base64 decoded by length, else the raw payload). 0 when neither.
+fn attachment_bytes(a: &Value) -> u64 {
+    let stated = ["size_bytes", "size"]
+        .iter()
+        .find_map(|k| a.get(*k).and_then(Value::as_u64))
+        .unwrap_or(0);
+    let inline = a
+        .get("url")
+        .and_then(Value::as_str)
+        .and_then(|u| u.strip_prefix("data:"))
+        .and_then(|rest| rest.split_once(','))
+        .map_or(0, |(meta, payload)| {
+            let len = u64::try_from(payload.len()).unwrap_or(u64::MAX);
+            if meta.ends_with(";base64") {
+                let padding =
+                    u64::try_from(payload.bytes().rev().take_while(|b| *b == b'=').count()).unwrap_or(0);
+                (len / 4 * 3).saturating_sub(padding)
+            } else {
+                len
+            }
+        });
+    stated.max(inline)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Spec §8.2: at most 6 attachments, each at most 20 MB, at their boundaries: by count, by stated size and by
+    /// the bytes an inline `data:` URL carries.
+    #[test]
+    fn attachments_are_limited_in_count_and_size_at_the_boundary() {
+        let run = |attachments: Value| {
+            AgentService::parse_run(&json!({"content": "x", "attachments": attachments}))
+                .map(|_| ())
+                .map_err(|e| e.code)
+        };
+        let invalid = codes::AGENT_INVALID_REQUEST.code;
+        let image = json!({"type": "image", "url": "https://example.com/a.png"});
+        let six: Vec<Value> = (0..limits::AGENT_MAX_ATTACHMENTS)
+            .map(|_| image.clone())
+            .collect();
+        assert_eq!(run(json!(six)), Ok(()));
+        let mut seven = six.clone();
+        seven.push(image.clone());
+        assert_eq!(run(json!(seven)), Err(invalid));
+
+        let max = limits::AGENT_MAX_ATTACHMENT_BYTES;
+        for key in ["size_bytes", "size"] {
+            assert_eq!(
+                run(json!([{"url": "https://e.x/a.png", key: max}])),
+                Ok(()),
+                "{key}"
+            );
+            assert_eq!(
+                run(json!([image, {"url": "https://e.x/b.png", key: max + 1}])),
+                Err(invalid),
+                "{key}"
+            );
+        }
+        // 4 base64 characters carry 3 bytes; `=` padding carries none.
+        let exactly = |n: u64| {
+            let full = n / 3;
+            let tail = match n % 3 {
+                0 => "",
+                1 => "AA==",
+                _ => "AAA=",
+            };
+            format!(
+                "data:image/png;base64,{}{tail}",
+                "AAAA".repeat(usize::try_from(full).unwrap())
+            )
+        };
+        assert_eq!(attachment_bytes(&json!({"url": exactly(max)})), max);
+        assert_eq!(run(json!([{"url": exactly(max)}])), Ok(()));
+        assert_eq!(run(json!([{"url": exactly(max + 1)}])), Err(invalid));
+        assert_eq!(attachment_bytes(&json!({"url": "data:text/plain,abc"})), 3);
+        assert_eq!(attachment_bytes(&json!({"type": "image"})), 0);
+    }
 
     #[test]
     fn grant_patterns_cover_tool_ids_and_tools() {
