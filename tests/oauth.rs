@@ -529,6 +529,132 @@ async fn users_connect_accounts_and_plugins_get_their_tokens() {
     drop(env.cluster);
 }
 
+/// The connect flow's limits at their boundaries: a label of `LABEL_MAX_CHARS` characters (counted as characters,
+/// not bytes) is taken, one more is refused at `/start` before the provider is asked; a user connects
+/// `ACCOUNTS_PER_PROVIDER_MAX` identities at one provider, the next is refused at its callback, and an identity
+/// already connected still reconnects (it updates its account).
+#[tokio::test]
+async fn labels_and_accounts_per_provider_are_limited_at_their_boundaries() {
+    use fleet_services::oauth::accounts::{ACCOUNTS_PER_PROVIDER_MAX, LABEL_MAX_CHARS};
+    let env = env("oauth-limits").await;
+    // `é` is two bytes: the limit counts characters.
+    let at_max = "é".repeat(LABEL_MAX_CHARS);
+    let encoded = |n: usize| "%C3%A9".repeat(n);
+    let first = env
+        .connect("alice", &format!("?label={}", encoded(LABEL_MAX_CHARS)))
+        .await;
+    assert_eq!(first["account"]["label"], at_max.as_str());
+    let asked = env.fake.issued_access_tokens().len();
+    let too_long = send(
+        env.http
+            .get(format!(
+                "{}/v1/oauth/fake/start?label={}",
+                env.base,
+                encoded(LABEL_MAX_CHARS + 1)
+            ))
+            .header("authorization", env.bearer("alice")),
+    )
+    .await;
+    assert_eq!((too_long.status, too_long.code()), (400, "invalid_arg".into()));
+    assert!(too_long.location.is_none(), "{too_long:?}");
+
+    for i in 1..ACCOUNTS_PER_PROVIDER_MAX {
+        env.fake
+            .login_as(&format!("alice-{i}"), &format!("alice-{i}@example.com"));
+        env.connect("alice", "").await;
+    }
+    assert_eq!(env.accounts("alice").await.len(), ACCOUNTS_PER_PROVIDER_MAX);
+    assert_eq!(
+        env.fake.issued_access_tokens().len(),
+        asked + ACCOUNTS_PER_PROVIDER_MAX - 1,
+        "the refused label asked the provider nothing"
+    );
+
+    env.fake.login_as("alice-extra", "alice-extra@example.com");
+    let (url, cookie) = env.start("alice", "fake", "").await;
+    let back = env.authorize(&url).await;
+    let refused = env.callback(&back, Some(&cookie)).await;
+    assert_eq!((refused.status, refused.code()), (400, "invalid_arg".into()));
+    assert!(
+        refused.json()["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains(&ACCOUNTS_PER_PROVIDER_MAX.to_string())),
+        "{refused:?}"
+    );
+    assert_eq!(env.accounts("alice").await.len(), ACCOUNTS_PER_PROVIDER_MAX);
+
+    // An identity already connected reconnects: its account is updated, not added.
+    env.fake.login_as("alice-3", "alice-3@example.com");
+    let again = env.connect("alice", "").await;
+    assert_eq!(again["account"]["email"], "alice-3@example.com");
+    assert_eq!(env.accounts("alice").await.len(), ACCOUNTS_PER_PROVIDER_MAX);
+}
+
+/// The limits of stored credentials at their boundaries, through the user's own HTTP routes: a value of
+/// `VALUE_MAX_BYTES` is stored and one byte more refused; `NAMES_PER_CALL_MAX` names in one call are stored and one
+/// more refused; a user's record is capped at `CREDENTIALS_RECORD_MAX_BYTES` stored (sealed) bytes: the write that
+/// would pass it is refused, naming the cap, and every value stored before it is kept.
+#[tokio::test]
+async fn credential_values_names_and_records_are_limited_at_their_boundaries() {
+    use fleet_proto::admin::credentials::{NAMES_PER_CALL_MAX, VALUE_MAX_BYTES};
+    use fleet_store::settings::CREDENTIALS_RECORD_MAX_BYTES;
+    let env = env("credential-limits").await;
+    let put = |values: serde_json::Map<String, Value>| {
+        send(
+            env.http
+                .put(format!("{}/v1/credentials", env.base))
+                .header("authorization", env.bearer("alice"))
+                .json(&json!({ "values": values })),
+        )
+    };
+    let one =
+        |name: &str, len: usize| serde_json::Map::from_iter([(name.to_owned(), json!("v".repeat(len)))]);
+
+    assert_eq!(put(one("AT_MAX", VALUE_MAX_BYTES)).await.status, 200);
+    let over = put(one("OVER", VALUE_MAX_BYTES + 1)).await;
+    assert_eq!((over.status, over.code()), (400, "invalid_arg".into()));
+
+    let names = |n: usize, prefix: &str| {
+        serde_json::Map::from_iter((0..n).map(|i| (format!("{prefix}_{i}"), json!("x"))))
+    };
+    assert_eq!(put(names(NAMES_PER_CALL_MAX, "MANY")).await.status, 200);
+    let too_many = put(names(NAMES_PER_CALL_MAX + 1, "MORE")).await;
+    assert_eq!((too_many.status, too_many.code()), (400, "invalid_arg".into()));
+
+    // Fill the record with values of the largest size until the cap refuses one: it must come, and before the
+    // plain bytes alone reach the cap (sealing only adds).
+    let most = CREDENTIALS_RECORD_MAX_BYTES / VALUE_MAX_BYTES;
+    let mut stored = Vec::new();
+    let refused = loop {
+        let name = format!("BIG_{}", stored.len());
+        let r = put(one(&name, VALUE_MAX_BYTES)).await;
+        if r.status != 200 {
+            break r;
+        }
+        stored.push(name);
+        assert!(
+            stored.len() < most,
+            "{} values of {VALUE_MAX_BYTES} bytes stored",
+            stored.len()
+        );
+    };
+    assert_eq!((refused.status, refused.code()), (400, "invalid_arg".into()));
+    assert!(
+        refused.text.contains(&CREDENTIALS_RECORD_MAX_BYTES.to_string()),
+        "{refused:?}"
+    );
+    assert!(!stored.is_empty());
+    let names: Vec<&str> = stored
+        .iter()
+        .map(String::as_str)
+        .chain(["AT_MAX", "MANY_0"])
+        .collect();
+    let resolved = env.resolved("alice", &names).await;
+    for name in &names {
+        assert!(resolved[name].is_string(), "{name} kept: {resolved}");
+    }
+}
+
 /// The flow's guards: the state is single-use (a replayed callback is refused before the provider is asked),
 /// bound to the browser that started the flow (a callback without its cookie, or with another flow's, is
 /// refused and does not spend the state), and to its provider; PKCE S256 (the provider refuses a stolen code
