@@ -609,13 +609,17 @@ async fn mocked_families_keep_the_grants_validation_and_budgets_of_real_ones() {
 
 /// Spec §3.3 (issue 17): the SDK's embeddings demo claims `embeddings` in `initialize`, the documentation `embed`.
 /// Through a real worker and a real plugin process, a plugin claiming only `embeddings` (not `sampling`, which
-/// also unlocks embeddings) negotiates the family and its `embeddings/create` is served; one claiming nothing
-/// gets the family's not-negotiated code (`-32507`).
+/// also unlocks embeddings) negotiates the family and its `embeddings/create` is served; one claiming neither
+/// gets the family's not-negotiated code (`-32507`), and — the agent family offered and the plugin granted —
+/// `agent/complete` without `agent` or `sampling` claimed gets agent's (`-32041`, spec §8.2 has no other).
 #[tokio::test]
 async fn a_plugin_claiming_the_sdks_embeddings_key_negotiates_embeddings() {
     let env = env_with(DevArgs {
         mocks: Vec::new(),
-        dev_modes: vec![parse_dev_mode("embeddings=mock").unwrap()],
+        dev_modes: vec![
+            parse_dev_mode("embeddings=mock").unwrap(),
+            parse_dev_mode("agent=mock").unwrap(),
+        ],
     })
     .await;
     let claims_embeddings = "tool-embeddings";
@@ -623,7 +627,12 @@ async fn a_plugin_claiming_the_sdks_embeddings_key_negotiates_embeddings() {
     let plugin = |tool_id: &str, claims: &str| {
         Plugin::echo(
             tool_id,
-            &["--capabilities", claims, "--host-capabilities", "llm.embed"],
+            &[
+                "--capabilities",
+                claims,
+                "--host-capabilities",
+                "llm.embed,llm.sample",
+            ],
         )
     };
     let worker = TestWorker::with_services(
@@ -638,7 +647,7 @@ async fn a_plugin_claiming_the_sdks_embeddings_key_negotiates_embeddings() {
     for tool_id in [claims_embeddings, claims_nothing] {
         env.services
             .grants()
-            .edit(USER, tool_id, &["llm.embed".into()], &[])
+            .edit(USER, tool_id, &["llm.embed".into(), "llm.sample".into()], &[])
             .await
             .unwrap();
     }
@@ -656,6 +665,28 @@ async fn a_plugin_claiming_the_sdks_embeddings_key_negotiates_embeddings() {
     assert!(result["data"][0]["embedding"].is_array(), "served: {served}");
     let refused = embed(claims_nothing).await;
     assert_eq!(refused["response"]["error"]["code"], -32507, "{refused}");
+    let agent = data(
+        &worker,
+        USER,
+        claims_nothing,
+        "reverse_rpc",
+        json!({"method": "agent/complete", "params": {"messages": [{"role": "user", "content": "hi"}]},
+            "timeout_ms": 30_000}),
+    )
+    .await;
+    assert_eq!(
+        agent["response"]["error"]["code"],
+        Family::Agent.not_negotiated().code,
+        "{agent}"
+    );
+    assert_eq!(Family::Agent.not_negotiated().code, -32041);
+    // The same code as "not granted" (granted it is): the worker refused it for the handshake.
+    assert!(
+        agent["response"]["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("did not negotiate")),
+        "{agent}"
+    );
     drop(worker);
     drop(env.nats);
 }
