@@ -261,6 +261,36 @@ async fn complete_answers_mcp_shaped_over_the_upstream_and_counts_on_the_samplin
     assert_eq!(code_of(&r).0, codes::AGENT_QUOTA_EXCEEDED.code);
 }
 
+/// The sampling budget under concurrency: more `agent/complete` calls than the invoke may make, all at once, and
+/// exactly `SAMPLING_MAX_CALLS_PER_INVOKE` reach the upstream; the rest are `-32045` and cost nothing.
+#[tokio::test]
+async fn concurrent_completes_never_pass_the_invokes_calls_budget() {
+    let env = env().await;
+    env.llm.set(|b| b.text = Some("ok".into()));
+    let inv = env.invoke_declaring("inv-race", &["llm.sample"]).await;
+    let max = limits::SAMPLING_MAX_CALLS_PER_INVOKE;
+    let calls = (0..max + 6).map(|i| {
+        let inv = &inv;
+        async move {
+            inv.call(
+                "agent/complete",
+                json!({"messages": [{"role": "user", "content": format!("call {i}")}]}),
+            )
+            .await
+        }
+    });
+    let results = futures::future::join_all(calls).await;
+    let served = results.iter().filter(|r| r.is_ok()).count();
+    let refused: Vec<i64> = results
+        .iter()
+        .filter(|r| r.is_err())
+        .map(|r| code_of(r).0)
+        .collect();
+    assert_eq!(served, max as usize);
+    assert_eq!(refused, vec![codes::AGENT_QUOTA_EXCEEDED.code; 6]);
+    assert_eq!(env.services.budget("inv-race").unwrap().sampling_used().0, max);
+}
+
 #[tokio::test]
 async fn upstream_failures_map_to_the_agent_codes_without_echoing_the_body() {
     let env = env().await;
