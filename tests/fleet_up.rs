@@ -2499,7 +2499,8 @@ fn invokes_answered(up: &Up) -> f64 {
 /// was never offered (a session cannot call its own plugin) and fails in its frame. The frames come back in
 /// order with their `seq`. A worker credential watching the exec subjects sees the delegation the front sealed
 /// into the invoke, and the child invoke run as alice; once the invoke has ended, replaying that delegation — or
-/// forging one — is refused by the front (`permission_denied`), and no delegation ever reaches the logs.
+/// forging one — is refused by the front (`permission_denied`), and no delegation ever reaches the logs. The
+/// same session run by a job (`invoke-async`) calls `notes-py` as alice too, through the job's delegation.
 #[test]
 fn an_agent_session_calls_the_users_own_tool_as_that_user_through_fleet_up() {
     use fleet_proto::api::delegation::{self, DelegatedCall, DelegationToken};
@@ -2676,6 +2677,52 @@ fn an_agent_session_calls_the_users_own_tool_as_that_user_through_fleet_up() {
     let (front, secret) = token.split_once('.').unwrap();
     let forged = delegated(&format!("{front}.{}", "ab".repeat(32)));
     assert_eq!(forged["error"]["code"], "permission_denied", "{forged}");
+
+    // The same session run by a job (`invokeAsync`): the job's delegation (recorded by the accepting front, served
+    // by any front while the job runs) carries the tool call, as alice, through a worker.
+    llm.set(|b| {
+        b.script.push_back(json!({"role": "assistant", "content": null, "tool_calls": [
+            call("call_3", "notes-py__reverse", json!({"method": "storage/get", "params": {"scope": "tool", "key": "who"}})),
+        ]}));
+        b.script.push_back(json!({"role": "assistant", "content": "Still alice."}));
+    });
+    let args = json!({"method": "agent/session.run",
+        "params": {"app_session_uuid": uuid, "content": "And now?"}})
+    .to_string();
+    let created = up
+        .cli(&[
+            "invoke-async",
+            "--user",
+            "alice",
+            "--tool-id",
+            "agent-py",
+            "--tool",
+            "reverse",
+            "--args",
+            &args,
+        ])
+        .ok();
+    let job_id = created["jobId"].as_str().unwrap().to_owned();
+    let mut job = Value::Null;
+    wait_until("the agent job ending", || {
+        job = up.cli(&["job", "get", &job_id, "--user", "alice"]).ok();
+        matches!(
+            job["state"].as_str(),
+            Some("succeeded" | "failed" | "expired" | "cancelled")
+        )
+    });
+    assert_eq!(job["state"], "succeeded", "{job}");
+    let run = &job["result"]["result"];
+    let events: Vec<&str> = run["frames"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{job}"))
+        .iter()
+        .map(|f| f["event"].as_str().unwrap())
+        .collect();
+    assert_eq!(events, ["tool_call", "tool_result", "delta", "final"], "{job}");
+    assert_eq!(run["frames"][1]["ok"], true, "{job}");
+    assert_eq!(run["frames"][1]["data"]["result"]["value"], "alice", "{job}");
+    assert_eq!(run["final"]["text"], "Still alice.");
     assert!(!up.stderr().contains(secret), "a delegation in fleet up's logs");
     assert!(up.interrupt().success());
 }
