@@ -438,13 +438,8 @@ impl AccountStore {
         account_id: &str,
     ) -> Result<Vec<Account>, EditError> {
         self.edit(user, |current| {
-            let Some(mut record) = current else {
-                return Err(EditError::UnknownAccount(account_id.to_owned()));
-            };
-            let accounts = record.providers.entry(provider.to_owned()).or_default();
-            if !accounts.iter().any(|a| a.account_id == account_id) {
-                return Err(EditError::UnknownAccount(account_id.to_owned()));
-            }
+            let mut record = current.ok_or_else(|| EditError::UnknownAccount(account_id.to_owned()))?;
+            let (accounts, _) = holding(&mut record, provider, account_id)?;
             for a in accounts.iter_mut() {
                 a.is_default = a.account_id == account_id;
             }
@@ -464,15 +459,8 @@ impl AccountStore {
         account_id: &str,
     ) -> Result<Vec<Account>, EditError> {
         self.edit(user, |current| {
-            let Some(mut record) = current else {
-                return Err(EditError::UnknownAccount(account_id.to_owned()));
-            };
-            let Some(accounts) = record.providers.get_mut(provider) else {
-                return Err(EditError::UnknownAccount(account_id.to_owned()));
-            };
-            let Some(i) = accounts.iter().position(|a| a.account_id == account_id) else {
-                return Err(EditError::UnknownAccount(account_id.to_owned()));
-            };
+            let mut record = current.ok_or_else(|| EditError::UnknownAccount(account_id.to_owned()))?;
+            let (accounts, i) = holding(&mut record, provider, account_id)?;
             let gone = accounts.remove(i);
             if gone.is_default
                 && let Some(next) = accounts.first_mut()
@@ -499,6 +487,21 @@ impl AccountStore {
             .rewrap(|record: &mut AccountsRecord| record.rewrap(&self.keyring))
             .await
     }
+}
+
+/// The user's accounts at `provider` and the place of `account_id` among them, or `UnknownAccount`.
+fn holding<'r>(
+    record: &'r mut AccountsRecord,
+    provider: &str,
+    account_id: &str,
+) -> Result<(&'r mut Vec<StoredAccount>, usize), EditError> {
+    let unknown = || EditError::UnknownAccount(account_id.to_owned());
+    let accounts = record.providers.get_mut(provider).ok_or_else(unknown)?;
+    let i = accounts
+        .iter()
+        .position(|a| a.account_id == account_id)
+        .ok_or_else(unknown)?;
+    Ok((accounts, i))
 }
 
 /// The accounts' metadata, the default first.
