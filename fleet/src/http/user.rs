@@ -27,7 +27,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{Path, Query, State};
+use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
@@ -151,6 +152,18 @@ fn user_of(state: &UserState, headers: &HeaderMap) -> Result<String, ApiError> {
     Ok(principal.user)
 }
 
+/// The user whose API token the request presents ([`user_of`]), as an extractor: a request without a valid one is
+/// answered with [`user_of`]'s error, and the route's handler never runs.
+struct User(String);
+
+impl FromRequestParts<UserState> for User {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, state: &UserState) -> Result<Self, Response> {
+        user_of(state, &parts.headers).map(User).map_err(|e| error(&e))
+    }
+}
+
 /// The query string as `T`; an unknown or malformed parameter is `invalid_arg`.
 fn query<T: DeserializeOwned>(uri: &Uri) -> Result<T, ApiError> {
     Query::<T>::try_from_uri(uri)
@@ -173,9 +186,8 @@ struct SetBody {
     values: BTreeMap<String, String>,
 }
 
-async fn list_credentials(State(state): State<UserState>, headers: HeaderMap, uri: Uri) -> Response {
+async fn list_credentials(State(state): State<UserState>, uri: Uri, User(user): User) -> Response {
     let run = async {
-        let user = user_of(&state, &headers)?;
         let q: ToolQuery = query(&uri)?;
         state
             .services
@@ -192,12 +204,11 @@ async fn list_credentials(State(state): State<UserState>, headers: HeaderMap, ur
 
 async fn set_credentials(
     State(state): State<UserState>,
-    headers: HeaderMap,
     uri: Uri,
+    User(user): User,
     body: Bytes,
 ) -> Response {
     let run = async {
-        let user = user_of(&state, &headers)?;
         let q: ToolQuery = query(&uri)?;
         // Refused by position, never by content (it is a secret).
         let body: SetBody = serde_json::from_slice(&body).map_err(|e| {
@@ -226,12 +237,11 @@ async fn set_credentials(
 
 async fn delete_credential(
     State(state): State<UserState>,
-    headers: HeaderMap,
     uri: Uri,
     Path(name): Path<String>,
+    User(user): User,
 ) -> Response {
     let run = async {
-        let user = user_of(&state, &headers)?;
         let q: ToolQuery = query(&uri)?;
         state
             .services
@@ -246,11 +256,8 @@ async fn delete_credential(
     }
 }
 
-async fn providers(State(state): State<UserState>, headers: HeaderMap) -> Response {
-    match user_of(&state, &headers) {
-        Ok(_) => ok(&state.services.oauth().providers()),
-        Err(e) => error(&e),
-    }
+async fn providers(State(state): State<UserState>, _: User) -> Response {
+    ok(&state.services.oauth().providers())
 }
 
 fn provider_accounts(
@@ -265,26 +272,18 @@ fn provider_accounts(
 
 async fn accounts(
     State(state): State<UserState>,
-    headers: HeaderMap,
     Path(provider): Path<String>,
+    User(user): User,
 ) -> Response {
-    let user = match user_of(&state, &headers) {
-        Ok(u) => u,
-        Err(e) => return error(&e),
-    };
     let result = state.services.oauth().list(&user, &provider).await;
     provider_accounts(provider, result)
 }
 
 async fn set_default(
     State(state): State<UserState>,
-    headers: HeaderMap,
     Path((provider, account_id)): Path<(String, String)>,
+    User(user): User,
 ) -> Response {
-    let user = match user_of(&state, &headers) {
-        Ok(u) => u,
-        Err(e) => return error(&e),
-    };
     let result = state
         .services
         .oauth()
@@ -295,13 +294,9 @@ async fn set_default(
 
 async fn remove_account(
     State(state): State<UserState>,
-    headers: HeaderMap,
     Path((provider, account_id)): Path<(String, String)>,
+    User(user): User,
 ) -> Response {
-    let user = match user_of(&state, &headers) {
-        Ok(u) => u,
-        Err(e) => return error(&e),
-    };
     let result = state.services.oauth().remove(&user, &provider, &account_id).await;
     provider_accounts(provider, result)
 }
@@ -336,11 +331,8 @@ async fn start(
     headers: HeaderMap,
     uri: Uri,
     Path(provider): Path<String>,
+    User(user): User,
 ) -> Response {
-    let user = match user_of(&state, &headers) {
-        Ok(u) => u,
-        Err(e) => return error(&e),
-    };
     let q: StartQuery = match query(&uri) {
         Ok(q) => q,
         Err(e) => return error(&e),
