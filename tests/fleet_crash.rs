@@ -787,6 +787,70 @@ async fn unreadable_registry_does_not_fail_running_jobs() {
     c.shutdown().await;
 }
 
+/// A job recorded as `running` under a live, listed worker that does not run it (its start was written and the
+/// run then ended on that worker without an outcome: seen under a NATS node kill, where a replica's stale read
+/// made the worker's outcome write find "no such job") must not wait for its deadline (30 min by default): its
+/// heartbeat stops, the sweeper asks the worker which of its recorded jobs it still runs, and fails the one it
+/// does not (`worker_lost`, retriable). The jobs it does run stay running although their heartbeats are just as
+/// old: the worker's own answer tells a lost job from a late heartbeat (a store that cannot take writes for a
+/// while).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_its_listed_worker_no_longer_runs_is_failed_and_the_ones_it_runs_are_kept() {
+    let c = start("crash-held", 1, 1).await;
+    let limit = fleet_proto::limits::MAX_LONG_JOBS_PER_AGENT;
+    let mut running = Vec::new();
+    for _ in 0..limit {
+        let id = submit(&c, USER, "sleep", json!({ "ms": 600_000 })).await;
+        wait_job(&c, USER, &id, "running", |j| j["state"] == "running").await;
+        running.push(id);
+    }
+    // The agent's long-job slots are full: the next job waits, queued, and no worker is handed it.
+    let stray = submit(&c, USER, "sleep", json!({ "ms": 600_000 })).await;
+    let (queued, _) = record(&c, USER, &stray).await;
+    assert_eq!(queued.state, JobState::Queued);
+    let worker = c.workers[0].node.as_ref().unwrap().id().to_string();
+    let ttl_ms = u64::try_from(c.store.settings().worker_ttl.as_millis()).unwrap();
+    let silent_since = now_ms() - ttl_ms - 1_000;
+    // What a worker whose run of it ended without an outcome leaves behind: started by that worker, then silent.
+    let stray_id: JobId = stray.parse().unwrap();
+    let started = c
+        .store
+        .transition(USER, &stray_id, JobState::Running, |r| {
+            r.worker = Some(worker.clone());
+            r.started_at_ms = Some(now_ms());
+            r.last_heartbeat_ms = Some(silent_since);
+        })
+        .await
+        .unwrap();
+    assert!(matches!(started, fleet_store::Transition::Done(_)), "{started:?}");
+    // The jobs it runs, with heartbeats as old (a store that took none of the worker's writes for that long).
+    for id in &running {
+        let job_id: JobId = id.parse().unwrap();
+        c.store
+            .update_job(USER, &job_id, |r| {
+                r.last_heartbeat_ms = Some(silent_since);
+                true
+            })
+            .await
+            .unwrap()
+            .expect("running");
+    }
+
+    let (_, lost, _) = fleet::sweeper::sweep(&c.fronts[0].0).await;
+    assert_eq!(lost, 1, "exactly the job its worker does not run is lost");
+    let failed = get_job(&c, USER, &stray).await;
+    assert_eq!(failed["state"], "failed", "{failed}");
+    assert_eq!(failed["error"]["code"], "executa_unavailable", "{failed}");
+    assert_eq!(failed["error"]["details"]["reason"], "worker_lost", "{failed}");
+    assert_eq!(failed["error"]["details"]["retriable"], true, "{failed}");
+    for id in &running {
+        let job = get_job(&c, USER, id).await;
+        assert_eq!(job["state"], "running", "{job}");
+        cancel_job(&c, USER, id).await;
+    }
+    c.shutdown().await;
+}
+
 /// A front replica started to replace a dead one must serve as soon as `Front::serve` returned. Its endpoint
 /// subscriptions are only written to its own connection: nothing waits for the server to have processed them (the
 /// `client.flush()` being added to `serve` writes the socket, async-nats' flush is no server round trip), so a

@@ -234,7 +234,7 @@ impl JobDelegations {
     /// What `token` stands for, before its deadline (the caller checks that its job still runs).
     pub async fn resolve(&self, token: &DelegationToken) -> Result<JobDelegation, DelegationError> {
         let key = job_key(token).ok_or(DelegationError::Foreign)?;
-        let found = fleet_store::read::<JobDelegation>(&self.kv, &key, Op::Delegation)
+        let found = fleet_store::read_settled::<JobDelegation>(&self.kv, &key, Op::Delegation)
             .await
             .map_err(|e| {
                 tracing::warn!(error = %e, "cannot read a job delegation");

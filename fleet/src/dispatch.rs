@@ -7,8 +7,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fleet_client::nats_conn;
-use fleet_proto::api::worker::{CancelCommand, ExecKind, ExecReply, ExecRequest};
-use fleet_proto::api::{ApiError, ApiErrorCode, subjects};
+use fleet_proto::api::worker::{
+    CancelCommand, ExecKind, ExecReply, ExecRequest, JOBS_HELD_QUERY_MAX, JobsHeld, JobsHeldQuery,
+};
+use fleet_proto::api::{ApiError, ApiErrorCode, JobId, subjects};
 use sha2::{Digest, Sha256};
 use tracing::Instrument as _;
 
@@ -325,6 +327,30 @@ impl Dispatcher {
                 .await;
         }
         let _ = fleet_client::nats_conn::flush(&self.client).await;
+    }
+}
+
+impl Dispatcher {
+    /// Which of `job_ids` (running jobs recorded as started by `worker`; at most
+    /// [`JOBS_HELD_QUERY_MAX`] are asked about) `worker` still starts or runs, by its own account; `None` when it
+    /// does not answer within `wait` (gone, failing over, or busy: nothing can be concluded).
+    pub async fn jobs_held(&self, worker: &str, job_ids: &[JobId], wait: Duration) -> Option<HashSet<JobId>> {
+        let query = JobsHeldQuery {
+            job_ids: job_ids.iter().take(JOBS_HELD_QUERY_MAX).cloned().collect(),
+        };
+        let payload = serde_json::to_vec(&query).ok()?;
+        let subject = subjects::worker_jobs(worker);
+        let mut headers = async_nats::HeaderMap::new();
+        self.seals.seal(&subject, &payload, &mut headers);
+        let answer = tokio::time::timeout(
+            wait,
+            self.client.request_with_headers(subject, headers, payload.into()),
+        )
+        .await
+        .ok()?
+        .ok()?;
+        let held: JobsHeld = serde_json::from_slice(&answer.payload).ok()?;
+        Some(held.held.into_iter().collect())
     }
 }
 

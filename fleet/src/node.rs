@@ -13,7 +13,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use fleet_proto::api::worker::{CancelCommand, ExecKind, ExecReply, ExecRequest};
+use fleet_proto::api::worker::{
+    CancelCommand, ExecKind, ExecReply, ExecRequest, JOBS_HELD_QUERY_MAX, JobsHeld, JobsHeldQuery,
+};
 use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, JobId, JobState, ProgressEvent, subjects};
 use fleet_proto::limits::{MAX_JOB_RESULT_BYTES, MAX_SYNC_RESULT_BYTES};
 use fleet_worker::pool::{Pool, PoolError, Target};
@@ -114,6 +116,7 @@ impl WorkerNode {
         let exec = client.subscribe(subjects::worker_exec(id)).await?;
         let cancel = client.subscribe(subjects::worker_cancel(id)).await?;
         let matrix = client.subscribe(subjects::matrix_cancel(id)).await?;
+        let held = client.subscribe(subjects::worker_jobs(id)).await?;
         let installer = match crate::plugins::Installer::for_pool(&client, &store, &pool).await {
             Ok(i) => Some(Arc::new(i)),
             Err(e) => {
@@ -194,6 +197,7 @@ impl WorkerNode {
                 }
             });
         }
+        tasks.spawn(answer_jobs_held(ctx.clone(), held));
         let c = ctx.clone();
         tasks.spawn(async move {
             let mut tick = tokio::time::interval(policy::HEARTBEAT_EVERY);
@@ -478,6 +482,39 @@ async fn serve_exec(ctx: Arc<Ctx>, msg: async_nats::Message) {
 
 /// Whether `msg` carries a valid seal of a front; a refusal is counted and logged (the reason only: nothing of
 /// the message).
+/// Answers the sweepers' "which of these jobs do you still run?" ([`JobsHeldQuery`]) from [`Ctx::jobs_here`]: a job
+/// recorded as running here that this worker does not hold was lost by it (its start or its outcome never
+/// completed here), and a sweeper fails it rather than let it wait for its deadline. Answered while draining too
+/// (a draining worker still runs its jobs). Unsealed or malformed queries, and queries over
+/// [`JOBS_HELD_QUERY_MAX`] ids, get no answer.
+async fn answer_jobs_held(ctx: Arc<Ctx>, mut sub: async_nats::Subscriber) {
+    while let Some(msg) = sub.next().await {
+        let Some(reply) = msg.reply.clone() else { continue };
+        if !sealed(&ctx, &msg) {
+            continue;
+        }
+        let Ok(query) = serde_json::from_slice::<JobsHeldQuery>(&msg.payload) else {
+            continue;
+        };
+        if query.job_ids.len() > JOBS_HELD_QUERY_MAX {
+            continue;
+        }
+        let held: Vec<JobId> = {
+            let here = ctx
+                .jobs_here
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            query.job_ids.into_iter().filter(|j| here.contains(j)).collect()
+        };
+        let Ok(answer) = serde_json::to_vec(&JobsHeld { held }) else {
+            continue;
+        };
+        if let Err(e) = ctx.client.publish(reply, answer.into()).await {
+            tracing::warn!(worker = %ctx.id, error = %e, "cannot answer which jobs it holds");
+        }
+    }
+}
+
 fn sealed(ctx: &Ctx, msg: &async_nats::Message) -> bool {
     match ctx
         .seals
@@ -967,7 +1004,11 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
     let hb_ctx = ctx.clone();
     let (hb_user, hb_job) = (user.clone(), job_id.clone());
     let heartbeat = tokio::spawn(async move {
-        let mut tick = tokio::time::interval(policy::HEARTBEAT_EVERY);
+        // The start wrote the first heartbeat.
+        let mut tick = tokio::time::interval_at(
+            tokio::time::Instant::now() + policy::HEARTBEAT_EVERY,
+            policy::HEARTBEAT_EVERY,
+        );
         loop {
             tick.tick().await;
             let _ = hb_ctx

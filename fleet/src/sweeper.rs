@@ -1,8 +1,8 @@
 //! The sweeper, run by every front replica (idempotent through compare-and-set, no leader): expires jobs past
 //! their deadline (and cancels their execution wherever it runs), fails running jobs whose heartbeat stopped for
-//! longer than the worker TTL once the registry no longer lists the worker that started them
-//! (`executa_unavailable`, retriable, `details.reason = "worker_lost"`; a draining worker keeps its jobs'
-//! heartbeats, so a rolling restart fails none), and dispatches queued jobs
+//! longer than the worker TTL once the registry no longer lists the worker that started them, or that worker
+//! says it no longer runs them (`executa_unavailable`, retriable, `details.reason = "worker_lost"`; a draining
+//! worker keeps its jobs' heartbeats, so a rolling restart fails none), and dispatches queued jobs
 //! nobody took — within each user's agent slots (`MAX_LONG_JOBS_PER_AGENT`), interleaving users (round robin by
 //! user, not FIFO over everyone). Normally the job queue starts a queued job first; this is the safety net.
 //!
@@ -20,6 +20,7 @@ use tracing::Instrument as _;
 
 use crate::front::Front;
 use crate::job_steps::Decider;
+use fleet_proto::api::worker::JOBS_HELD_QUERY_MAX;
 use fleet_proto::util::now_ms;
 use fleet_store::{JobRecord, Transition};
 
@@ -46,6 +47,7 @@ pub async fn sweep(front: &Front) -> (usize, usize, usize) {
     let now = now_ms();
     let (mut expired, mut lost_jobs) = (0, 0);
     let mut waiting: BTreeMap<String, Vec<JobRecord>> = BTreeMap::new();
+    let mut silent: Vec<JobRecord> = Vec::new();
     // Each job's place among its user's active jobs (the records come in active-set order): only the first
     // `MAX_LONG_JOBS_PER_AGENT` may be dispatched.
     let mut seen: BTreeMap<String, usize> = BTreeMap::new();
@@ -95,32 +97,13 @@ pub async fn sweep(front: &Front) -> (usize, usize, usize) {
         }
         match r.state {
             JobState::Running => {
-                // Lost: the job's own heartbeat (refreshed every HEARTBEAT_EVERY, 2 s, by the worker running it,
-                // also while that worker drains) is older than the registry TTL, and the registry no longer lists
-                // the worker that started it — it died (its entry expired: the worker TTL after its last
-                // refresh, which may be later than the job's last heartbeat), or restarted under the same id and
-                // no longer runs it. A draining worker leaves the registry at once but keeps its jobs' heartbeats,
-                // so a rolling restart fails none.
+                // Silent: the job's own heartbeat (refreshed every HEARTBEAT_EVERY, 2 s, by the worker running
+                // it, also while that worker drains) is older than the registry TTL. Whether it is lost is decided
+                // below, per worker.
                 let ttl_ms = u64::try_from(store.settings().worker_ttl.as_millis()).unwrap_or(u64::MAX);
                 let last_sign_of_life = r.last_heartbeat_ms.unwrap_or(r.updated_at_ms);
-                let lost = now.saturating_sub(last_sign_of_life) > ttl_ms
-                    && !started_by_a_listed_worker(front, &r).await;
-                if lost {
-                    let outcome = front
-                        .steps()
-                        .step(&r.user, &r.job_id, JobState::Failed, Decider::Other, |rec| {
-                            rec.finished_at_ms = Some(now_ms());
-                            rec.error = Some(ApiError::with_details(
-                                ApiErrorCode::ExecutaUnavailable,
-                                "the worker running the job is gone",
-                                json!({ "reason": "worker_lost", "retriable": true, "worker": rec.worker }),
-                            ));
-                        })
-                        .await;
-                    if let Ok(Transition::Done(_)) = outcome {
-                        lost_jobs += 1;
-                        metrics.job_worker_lost();
-                    }
+                if now.saturating_sub(last_sign_of_life) > ttl_ms {
+                    silent.push(r);
                 }
             }
             JobState::Queued => {
@@ -136,6 +119,23 @@ pub async fn sweep(front: &Front) -> (usize, usize, usize) {
                 }
             }
             _ => {}
+        }
+    }
+    for (job, why) in lost(front, silent).await {
+        let outcome = front
+            .steps()
+            .step(&job.user, &job.job_id, JobState::Failed, Decider::Other, |rec| {
+                rec.finished_at_ms = Some(now_ms());
+                rec.error = Some(ApiError::with_details(
+                    ApiErrorCode::ExecutaUnavailable,
+                    why,
+                    json!({ "reason": "worker_lost", "retriable": true, "worker": rec.worker }),
+                ));
+            })
+            .await;
+        if let Ok(Transition::Done(_)) = outcome {
+            lost_jobs += 1;
+            metrics.job_worker_lost();
         }
     }
     // Round robin across users, oldest first within a user.
@@ -170,18 +170,50 @@ pub async fn run(front: Front) {
     }
 }
 
-/// Whether the registry still lists the incarnation of the worker that started `job` (its id, started no later
-/// than the job): then the job's heartbeat is late, not lost. A registry that cannot be read says nothing, and the
-/// job's heartbeat alone decides.
-async fn started_by_a_listed_worker(front: &Front, job: &JobRecord) -> bool {
-    let Some(worker) = job.worker.as_deref() else {
-        return false;
-    };
-    let Some(listed) = front.dispatcher().registry().await else {
-        return false;
-    };
-    let started = job.started_at_ms.unwrap_or(u64::MAX);
-    listed
-        .iter()
-        .any(|w| w.id == worker && w.started_at_ms <= started)
+/// Which of the `silent` running jobs (heartbeat older than the registry TTL) are lost, and why:
+/// * the registry no longer lists the incarnation of the worker that started it (its id, started no later than
+///   the job) — it died (its entry expired: the worker TTL after its last refresh, which may be later than the
+///   job's last heartbeat), or restarted under the same id. A registry that cannot be read says nothing, and the
+///   heartbeat alone decides;
+/// * that worker is listed but, asked ([`Dispatcher::jobs_held`](crate::dispatch::Dispatcher::jobs_held)), says
+///   it does not hold the job: its start or its outcome never completed there. A listed worker that does not
+///   answer keeps its jobs: a heartbeat is late when the store cannot take writes for a while (a NATS node lost),
+///   and the worker's own answer is the only evidence that tells the two apart.
+///
+/// A draining worker leaves the registry at once but keeps its jobs' heartbeats, so a rolling restart fails none.
+async fn lost(front: &Front, silent: Vec<JobRecord>) -> Vec<(JobRecord, &'static str)> {
+    if silent.is_empty() {
+        return Vec::new();
+    }
+    let listed = front.dispatcher().registry().await;
+    let mut out = Vec::new();
+    let mut ask: BTreeMap<String, Vec<JobRecord>> = BTreeMap::new();
+    for job in silent {
+        let started = job.started_at_ms.unwrap_or(u64::MAX);
+        let by_listed = match (&job.worker, &listed) {
+            (Some(worker), Some(listed)) => listed
+                .iter()
+                .any(|w| w.id == *worker && w.started_at_ms <= started),
+            _ => false,
+        };
+        match (&job.worker, by_listed) {
+            (Some(worker), true) => ask.entry(worker.clone()).or_default().push(job),
+            _ => out.push((job, "the worker running the job is gone")),
+        }
+    }
+    for (worker, jobs) in ask {
+        for batch in jobs.chunks(JOBS_HELD_QUERY_MAX) {
+            let ids: Vec<_> = batch.iter().map(|j| j.job_id.clone()).collect();
+            let Some(held) = front.dispatcher().jobs_held(&worker, &ids, SWEEP_EVERY).await else {
+                continue;
+            };
+            out.extend(
+                batch
+                    .iter()
+                    .filter(|j| !held.contains(&j.job_id))
+                    .map(|j| (j.clone(), "the worker that started the job no longer runs it")),
+            );
+        }
+    }
+    out
 }

@@ -1504,3 +1504,117 @@ async fn manifests_are_recorded_by_tool_id() {
     }))
     .await;
 }
+
+/// Direct gets — every KV read — may be answered by any replica, and a follower that has not applied the latest
+/// writes answers with an older revision or "absent" (JetStream gives direct gets no read-after-write). A
+/// compare-and-set write is safe on such a read (the leader refuses its stale revision); a decision that writes
+/// nothing is not, so the loop takes it on the leader's copy. Which replica answers a direct get cannot be chosen,
+/// so the stale read is handed to the loop as its first read — exactly what a lagging follower would have said.
+#[tokio::test]
+async fn a_decision_that_writes_nothing_is_taken_on_the_leaders_copy_of_a_replicated_key() {
+    use fleet_store::cas::{Edit, Target, compare_and_set};
+    use fleet_store::{Op, Provision};
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = fleet::nats_server::free_port().expect("port");
+    let server = NatsServer::start_cluster(dir.path(), 3, port).expect("a 3-node nats-server cluster");
+    let client = server
+        .connect(fleet_client::creds::Role::Front)
+        .await
+        .expect("connect");
+    guard(Box::pin(async {
+        let settings = StoreSettings {
+            replicas: 3,
+            ..StoreSettings::default()
+        };
+        let kv = fleet_store::open_kv(
+            &jetstream::new(client),
+            settings.jobs_kv_config(),
+            Provision::Create,
+        )
+        .await
+        .expect("an R3 bucket");
+        assert!(fleet_store::replicated(&kv));
+        let target = Target {
+            kv: &kv,
+            key: "k",
+            op: Op::GetJob,
+            limit: ("value", 1024),
+        };
+        // The revision a "keep" decision saw, and whether it saw the key at all.
+        let keep_seen =
+            |current: Option<Revisioned<Value>>| Ok::<_, StoreError>(Edit::Keep(current.map(|c| c.revision)));
+
+        // The leader's read: absent, then each write's revision, then absent again after a delete.
+        assert_eq!(
+            fleet_store::read_current::<Value>(&kv, "k", Op::GetJob)
+                .await
+                .expect("read"),
+            None
+        );
+        let first = kv
+            .put("k", json!({"v": 1}).to_string().into())
+            .await
+            .expect("put");
+        let second = kv
+            .update("k", json!({"v": 2}).to_string().into(), first)
+            .await
+            .expect("update");
+        let leader = fleet_store::read_current::<Value>(&kv, "k", Op::GetJob)
+            .await
+            .expect("read")
+            .expect("present");
+        assert_eq!((leader.revision, leader.value), (second, json!({"v": 2})));
+
+        // A follower that has not seen the key's creation says "absent": the decision is taken again on the
+        // leader's copy.
+        let kept = compare_and_set(target, Some(None), keep_seen).await.expect("cas");
+        assert_eq!(kept.out, Some(second), "a stale \"absent\" decided alone");
+        // One that has not seen the last write shows the first revision.
+        let stale = Revisioned {
+            value: json!({"v": 1}),
+            revision: first,
+        };
+        let kept = compare_and_set(target, Some(Some(stale.clone())), keep_seen)
+            .await
+            .expect("cas");
+        assert_eq!(kept.out, Some(second), "a stale revision decided alone");
+        // A read that agrees with the leader is kept as it is.
+        let current = Revisioned {
+            value: json!({"v": 2}),
+            revision: second,
+        };
+        let kept = compare_and_set(target, Some(Some(current)), keep_seen)
+            .await
+            .expect("cas");
+        assert_eq!(kept.out, Some(second));
+
+        // "Delete it if present", decided on a stale "absent", deletes the key the leader has.
+        let deleted = compare_and_set(target, Some(None), |current: Option<Revisioned<Value>>| {
+            Ok::<_, StoreError>(Edit::Delete(current.is_some()))
+        })
+        .await
+        .expect("cas");
+        assert!(deleted.out, "the decision saw the leader's copy");
+        assert_eq!(
+            fleet_store::read_current::<Value>(&kv, "k", Op::GetJob)
+                .await
+                .expect("read"),
+            None
+        );
+        // And now "absent" is the leader's answer too: kept.
+        let kept = compare_and_set(target, Some(None), keep_seen).await.expect("cas");
+        assert_eq!(kept.out, None);
+        // A write decided on a stale read is refused by the leader and decided again on a fresh read.
+        let written = compare_and_set(target, Some(Some(stale)), |current: Option<Revisioned<Value>>| {
+            Ok::<_, StoreError>(Edit::Write(json!({"v": 3}), current.map(|c| c.revision)))
+        })
+        .await
+        .expect("cas");
+        assert_eq!(
+            written.out, None,
+            "written over the delete, not over the stale revision"
+        );
+    }))
+    .await;
+}

@@ -115,6 +115,11 @@ pub mod subjects {
         format!("fleet.v1.worker.{worker_id}.cancel")
     }
 
+    /// A worker's job-holding subject: which of the jobs named it runs ([`super::worker::JobsHeldQuery`]).
+    pub fn worker_jobs(worker_id: &str) -> String {
+        format!("fleet.v1.worker.{worker_id}.jobs")
+    }
+
     /// `tool_job` events of one user (keyed by the user's subject-safe key).
     pub fn user_events(user_key: &str) -> String {
         format!("fleet.v1.events.{user_key}")
@@ -1156,6 +1161,26 @@ pub mod worker {
                 invoke_id: invoke_id.into(),
             }
         }
+    }
+
+    /// Most job ids one [`JobsHeldQuery`] may name (a worker answers a longer query with nothing).
+    pub const JOBS_HELD_QUERY_MAX: usize = 256;
+
+    /// A sweeper's question on `fleet.v1.worker.<id>.jobs`: which of these running jobs, recorded as started by
+    /// this worker, does it still run? Asked about jobs whose heartbeat stopped while the worker is listed.
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    pub struct JobsHeldQuery {
+        /// At most [`JOBS_HELD_QUERY_MAX`].
+        pub job_ids: Vec<JobId>,
+    }
+
+    /// The worker's answer to a [`JobsHeldQuery`]: the ids it names that the worker starts or runs now.
+    #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    pub struct JobsHeld {
+        /// A subset of the query's ids.
+        pub held: Vec<JobId>,
     }
 }
 

@@ -21,6 +21,8 @@ pub const DELEGATED_SUBJECTS: &str = fleet_proto::api::delegation::ALL;
 pub const WORKER_EXEC: &str = "fleet.v1.worker.*.exec";
 /// Every worker's cancel subjects (`fleet.v1.worker.<id>.cancel`).
 pub const WORKER_CANCEL: &str = "fleet.v1.worker.*.cancel";
+/// Every worker's job-holding subjects (`fleet.v1.worker.<id>.jobs`): a sweeper's "do you still run these?".
+pub const WORKER_JOBS: &str = "fleet.v1.worker.*.jobs";
 /// Every subject of the worker plane.
 pub const WORKER_SUBJECTS: &str = "fleet.v1.worker.>";
 /// Every subject of the operator APIs.
@@ -308,7 +310,12 @@ pub fn for_role(role: Role, prefix: &str) -> Permissions {
     }
     match role {
         Role::Front => {
-            publish_allow.extend(strings(&[WORKER_EXEC, WORKER_CANCEL, EVENT_SUBJECTS]));
+            publish_allow.extend(strings(&[
+                WORKER_EXEC,
+                WORKER_CANCEL,
+                WORKER_JOBS,
+                EVENT_SUBJECTS,
+            ]));
             // Its own inbox is among them. A front is trusted with every stream already; answering any
             // requester adds no reach.
             publish_allow.extend(strings(&ANY_REPLY));
@@ -336,7 +343,7 @@ pub fn for_role(role: Role, prefix: &str) -> Permissions {
             // The agent sessions' tool calls, with the delegation a front sealed into the invoke: the front
             // answers them only as the user and within the invoke that delegation names (`crate::delegation`).
             publish_allow.push(DELEGATED_SUBJECTS.to_owned());
-            subscribe_allow.extend(strings(&[WORKER_EXEC, WORKER_CANCEL, MATRIX_CANCEL]));
+            subscribe_allow.extend(strings(&[WORKER_EXEC, WORKER_CANCEL, WORKER_JOBS, MATRIX_CANCEL]));
             // Spelled out although outside the allow list: a worker never acts as a front or an operator.
             publish_deny.extend(strings(&[ADMIN_SUBJECTS, WORKER_SUBJECTS, API_SUBJECTS]));
             publish_deny.extend(

@@ -12,7 +12,7 @@ use fleet_proto::limits::MAX_LONG_JOBS_PER_AGENT;
 use fleet_proto::util::now_ms;
 
 use super::cas::{Edit, Target, compare_and_set};
-use super::{JobRecord, Op, Revisioned, Store, StoreError, read};
+use super::{JobRecord, Op, Revisioned, Store, StoreError, read, read_settled};
 
 /// The value at `<user_key>`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -180,7 +180,8 @@ impl Store {
         // Per slot: Some(whether the record is active), None when there is no record.
         let records: Vec<Option<bool>> = futures::stream::iter(job_keys)
             .map(|job_key| async move {
-                match read::<JobRecord>(&self.inner.jobs, &job_key, Op::HealActiveSet).await {
+                // "No record" drops the slot: the leader's answer, not a follower's that has not seen the creation.
+                match read_settled::<JobRecord>(&self.inner.jobs, &job_key, Op::HealActiveSet).await {
                     Ok(r) => Ok(r.map(|r| r.value.state.is_active())),
                     // A record that does not parse is no evidence the job is over: keep the slot.
                     Err(StoreError::Corrupt { .. }) => Ok(Some(true)),

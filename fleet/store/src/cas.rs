@@ -1,7 +1,9 @@
 //! The fleet's one compare-and-set loop. Every read-decide-write on a JetStream KV key (jobs, active sets, the
 //! job index, grants, plugin records, operator credentials, the storage service's quotas and entries) goes
-//! through it, so they share one retry cap ([`MAX_CAS_ATTEMPTS`]), one backoff ([`Races::lost`]) and one rule: a
-//! lost race (the key moved since it was read) is retried, any other JetStream error is reported at once.
+//! through it, so they share one retry cap ([`MAX_CAS_ATTEMPTS`]), one backoff ([`Races::lost`]) and two rules: a
+//! lost race (the key moved since it was read) is retried, any other JetStream error is reported at once; and a
+//! decision that writes nothing is taken on the leader's copy of the key ([`read_current`](super::read_current)),
+//! never on a replica's alone — a write's revision check catches a stale read, nothing catches a stale "keep".
 //!
 //! Two levels:
 //! * [`compare_and_set`]: a JSON value under a KV key, decided by a synchronous closure — the common case;
@@ -15,7 +17,7 @@ use bytes::Bytes;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::{Op, Revisioned, StoreError, read};
+use super::{Op, Revisioned, StoreError, read, read_current, replicated};
 
 /// Lost races in a row before a compare-and-set loop gives up ([`StoreError::Contention`], or [`Contended`]).
 /// With [`Races::lost`]'s backoff this is about 3 s of waiting, far beyond any real contention on one key.
@@ -98,7 +100,9 @@ pub struct Target<'a> {
 /// Reads the JSON value at `target` (absent, deleted and purged keys are `None`), lets `decide` choose an
 /// [`Edit`], and applies it at the revision read; when another writer moved the key in between, reads again and
 /// decides again, after [`Races::lost`]'s backoff. `first` is a read taken earlier (it saves the first read; the
-/// write still checks its revision). Errors of `decide` end the loop as they are.
+/// write still checks its revision). A decision that writes nothing ([`Edit::Keep`], or [`Edit::Delete`] of an
+/// absent key) taken on a replica's read of a replicated bucket is checked against the leader's copy, and taken
+/// again on it when the two differ. Errors of `decide` end the loop as they are.
 pub async fn compare_and_set<T, R, E>(
     target: Target<'_>,
     mut first: Option<Option<Revisioned<T>>>,
@@ -110,13 +114,32 @@ where
 {
     let Target { kv, key, op, limit } = target;
     let mut races = Races::new();
+    // Whether `current` is the leader's answer; a replica's may be older than the last write acknowledged.
+    let mut from_leader = !replicated(kv);
     loop {
         let current = match first.take() {
             Some(current) => current,
             None => read::<T>(kv, key, op).await?,
         };
         let revision = current.as_ref().map(|c| c.revision);
-        match decide(current)? {
+        let decision = decide(current)?;
+        // A decision that writes nothing is only as good as the read it was taken on, and no write checks it: one
+        // taken on a replica's read is taken again on the leader's when the two differ.
+        let writes = match &decision {
+            Edit::Keep(_) => false,
+            Edit::Write(..) => true,
+            Edit::Delete(_) => revision.is_some(),
+        };
+        if !writes && !from_leader {
+            let latest = read_current::<T>(kv, key, op).await?;
+            if latest.as_ref().map(|c| c.revision) != revision {
+                first = Some(latest);
+                from_leader = true;
+                continue;
+            }
+        }
+        from_leader = !replicated(kv);
+        match decision {
             Edit::Keep(out) => return Ok(Committed { out, written: None }),
             Edit::Write(value, out) => {
                 if let Ok(revision) = write(kv, key, &value, revision, limit, op).await? {

@@ -14,7 +14,8 @@ use super::active::{Acquired, ActiveSet};
 use super::cas::{Edit, Target, compare_and_set};
 use super::scan::{Scan, scan};
 use super::{
-    JobRecord, Op, Revisioned, Store, StoreError, Transition, encode, is_kv_marker, read, read_sized,
+    JobRecord, Op, Revisioned, Store, StoreError, Transition, encode, is_kv_marker, read, read_current_sized,
+    read_settled, read_sized, replicated,
 };
 
 /// Concurrent record reads of [`Store::active_jobs`].
@@ -158,8 +159,15 @@ impl Store {
                     self.ring_tail(user, job_id),
                 );
                 // The key already holds the user's hash; the id inside settles a (theoretical) collision.
+                let record = match record? {
+                    // "No such job" is the leader's answer, never a follower's that has not seen the creation.
+                    None if replicated(&self.inner.jobs) => {
+                        read_current_sized::<JobRecord>(&self.inner.jobs, &key, Op::GetJob).await?
+                    }
+                    found => found,
+                };
                 let Some((record, bytes)) =
-                    record?.filter(|(r, _)| r.value.user == user && r.value.job_id == *job_id)
+                    record.filter(|(r, _)| r.value.user == user && r.value.job_id == *job_id)
                 else {
                     return Ok(None);
                 };
@@ -201,7 +209,7 @@ impl Store {
         job_id: &JobId,
         op: Op,
     ) -> Result<Option<Revisioned<JobRecord>>, StoreError> {
-        let record = read::<JobRecord>(&self.inner.jobs, &Self::job_key(user, job_id), op).await?;
+        let record = read_settled::<JobRecord>(&self.inner.jobs, &Self::job_key(user, job_id), op).await?;
         Ok(Self::own(record, user, job_id))
     }
 

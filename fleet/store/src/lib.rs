@@ -212,21 +212,79 @@ pub(crate) async fn read_sized<T: DeserializeOwned>(
 ) -> Result<Option<(Revisioned<T>, usize)>, StoreError> {
     match kv.entry(key).await.map_err(|e| StoreError::nats(op, e))? {
         Some(entry) if entry.operation == kv::Operation::Put => {
-            let value = serde_json::from_slice(&entry.value).map_err(|source| StoreError::Corrupt {
-                op,
-                key: key.to_string(),
-                source,
-            })?;
-            Ok(Some((
-                Revisioned {
-                    value,
-                    revision: entry.revision,
-                },
-                entry.value.len(),
-            )))
+            decode(key, op, &entry.value, entry.revision).map(Some)
         }
         _ => Ok(None),
     }
+}
+
+/// The JSON value stored at `key` at `revision`, and its size.
+fn decode<T: DeserializeOwned>(
+    key: &str,
+    op: Op,
+    bytes: &[u8],
+    revision: u64,
+) -> Result<(Revisioned<T>, usize), StoreError> {
+    let value = serde_json::from_slice(bytes).map_err(|source| StoreError::Corrupt {
+        op,
+        key: key.to_string(),
+        source,
+    })?;
+    Ok((Revisioned { value, revision }, bytes.len()))
+}
+
+/// [`read`], answered by the bucket's stream leader (a `STREAM.MSG.GET` request, which only the leader answers)
+/// instead of by any replica. A [`read`] is a direct get, which JetStream lets every replica answer — a follower
+/// that has not applied the latest writes yet (one lagging by a few messages, or a restarted node catching up)
+/// answers with an older revision, or "absent" for a key created since: direct gets have no read-after-write
+/// (nats-server ADR-8 and "JetStream Read-after-Write"). Such a read is harmless before a compare-and-set write
+/// (the leader refuses a stale revision), but a decision that writes nothing — "no such job", "refused from this
+/// state", "nothing to change" — must be taken on the leader's answer: [`cas::compare_and_set`] confirms every
+/// such decision with this read.
+pub async fn read_current<T: DeserializeOwned>(
+    kv: &kv::Store,
+    key: &str,
+    op: Op,
+) -> Result<Option<Revisioned<T>>, StoreError> {
+    Ok(read_current_sized(kv, key, op).await?.map(|(value, _)| value))
+}
+
+/// [`read_current`], with the size of the stored JSON.
+pub(crate) async fn read_current_sized<T: DeserializeOwned>(
+    kv: &kv::Store,
+    key: &str,
+    op: Op,
+) -> Result<Option<(Revisioned<T>, usize)>, StoreError> {
+    use async_nats::jetstream::stream::LastRawMessageErrorKind;
+    let subject = format!("{}{key}", kv.prefix);
+    match kv.stream.get_last_raw_message_by_subject(&subject).await {
+        Ok(message) if is_marker(&message.headers) => Ok(None),
+        Ok(message) => decode(key, op, &message.payload, message.sequence).map(Some),
+        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+        Err(e) => Err(StoreError::nats(op, e)),
+    }
+}
+
+/// [`read`], with "absent" confirmed by the leader ([`read_current`]) on a replicated bucket: for reads whose
+/// "absent" is an answer someone acts on — "no such job" to a client, a job failed for an unknown tool, an agent
+/// call refused for an unknown delegation — where a follower that has not applied the key's creation yet must not
+/// decide. A value found is returned as read (it may be older than the last write: callers that decide on it
+/// write by compare-and-set).
+pub async fn read_settled<T: DeserializeOwned>(
+    kv: &kv::Store,
+    key: &str,
+    op: Op,
+) -> Result<Option<Revisioned<T>>, StoreError> {
+    match read(kv, key, op).await? {
+        None if replicated(kv) => read_current(kv, key, op).await,
+        found => Ok(found),
+    }
+}
+
+/// Whether replicas other than the leader may answer `kv`'s direct gets (more than one replica): only then can a
+/// [`read`] be older than the last write acknowledged.
+pub fn replicated(kv: &kv::Store) -> bool {
+    kv.stream.cached_info().config.num_replicas > 1
 }
 
 /// Whether a KV message (read through a consumer) is a delete/purge marker rather than a value.

@@ -9,7 +9,7 @@ use super::scan::{Scan, scan};
 use super::settings::MANIFEST_MAX_BYTES;
 use fleet_proto::api::user_key;
 
-use super::{Op, Store, StoreError, encode, is_kv_marker, read};
+use super::{Op, Store, StoreError, encode, is_kv_marker, read_settled};
 
 /// The value: the real tool id and its manifest.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -46,7 +46,8 @@ impl Store {
 
     /// The recorded manifest of a tool id, if any.
     pub async fn manifest(&self, tool_id: &str) -> Result<Option<Manifest>, StoreError> {
-        let entry = read::<ManifestEntry>(&self.inner.manifests, &user_key(tool_id), Op::GetManifest).await?;
+        let entry =
+            read_settled::<ManifestEntry>(&self.inner.manifests, &user_key(tool_id), Op::GetManifest).await?;
         Ok(entry
             .map(|e| e.value)
             .filter(|e| e.tool_id == tool_id)

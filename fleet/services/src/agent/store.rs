@@ -345,7 +345,8 @@ impl SessionStore {
     /// The live session `uuid` of `owner`.
     pub async fn get(&self, owner: &Owner, uuid: &str) -> Result<SessionRecord, SessionError> {
         let found =
-            fleet_store::read::<SessionRecord>(&self.kv, &owner.session_key(uuid), Op::AgentSessions).await?;
+            fleet_store::read_settled::<SessionRecord>(&self.kv, &owner.session_key(uuid), Op::AgentSessions)
+                .await?;
         match found {
             Some(r) if !r.value.expired(now_ms()) => Ok(r.value),
             Some(_) => {
