@@ -100,8 +100,8 @@ pub struct Target<'a> {
 /// Reads the JSON value at `target` (absent, deleted and purged keys are `None`), lets `decide` choose an
 /// [`Edit`], and applies it at the revision read; when another writer moved the key in between, reads again and
 /// decides again, after [`Races::lost`]'s backoff. `first` is a read taken earlier (it saves the first read; the
-/// write still checks its revision). A decision that writes nothing ([`Edit::Keep`], or [`Edit::Delete`] of an
-/// absent key) taken on a replica's read of a replicated bucket is checked against the leader's copy, and taken
+/// write still checks its revision). A decision that writes nothing ([`Edit::Keep`], [`Edit::Delete`] of an
+/// absent key, or an error of `decide`, e.g. a quota found full) taken on a replica's read of a replicated bucket is checked against the leader's copy, and taken
 /// again on it when the two differ. Errors of `decide` end the loop as they are.
 pub async fn compare_and_set<T, R, E>(
     target: Target<'_>,
@@ -122,13 +122,13 @@ where
             None => read::<T>(kv, key, op).await?,
         };
         let revision = current.as_ref().map(|c| c.revision);
-        let decision = decide(current)?;
-        // A decision that writes nothing is only as good as the read it was taken on, and no write checks it: one
-        // taken on a replica's read is taken again on the leader's when the two differ.
+        let decision = decide(current);
+        // A decision that writes nothing (a refusal included) is only as good as the read it was taken on, and no
+        // write checks it: one taken on a replica's read is taken again on the leader's when the two differ.
         let writes = match &decision {
-            Edit::Keep(_) => false,
-            Edit::Write(..) => true,
-            Edit::Delete(_) => revision.is_some(),
+            Ok(Edit::Keep(_)) | Err(_) => false,
+            Ok(Edit::Write(..)) => true,
+            Ok(Edit::Delete(_)) => revision.is_some(),
         };
         if !writes && !from_leader {
             let latest = read_current::<T>(kv, key, op).await?;
@@ -139,7 +139,7 @@ where
             }
         }
         from_leader = !replicated(kv);
-        match decision {
+        match decision? {
             Edit::Keep(out) => return Ok(Committed { out, written: None }),
             Edit::Write(value, out) => {
                 if let Ok(revision) = write(kv, key, &value, revision, limit, op).await? {
