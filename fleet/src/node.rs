@@ -1068,7 +1068,16 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
                 Duration::from_millis(finished.saturating_sub(started_at_ms)),
             );
         }
-        Ok(_) => {}
+        // Ended meanwhile (cancelled, expired, failed by a sweeper): its outcome is not this run's to write.
+        Ok(Transition::Refused(r)) if r.value.state.is_terminal() => {}
+        Ok(other) => tracing::warn!(
+            job = %job_id,
+            found = match &other {
+                Transition::Refused(r) => r.value.state.as_str(),
+                _ => "no record",
+            },
+            "the job's outcome was refused: its record is not running here"
+        ),
         Err(e) => tracing::warn!(job = %job_id, error = %e, "cannot record the job's outcome"),
     }
 }
