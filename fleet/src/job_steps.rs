@@ -10,7 +10,7 @@
 
 use fleet_proto::api::{ApiError, JobId, JobState, ProgressEvent, ToolJobEvent, subjects, user_key};
 use fleet_proto::util::now_ms;
-use fleet_store::{JobRecord, Store, StoreError, Transition};
+use fleet_store::{JobRecord, Revisioned, Store, StoreError, Transition};
 
 use crate::delegation::JobDelegations;
 use crate::metrics::FleetMetrics;
@@ -79,6 +79,32 @@ impl<'a> JobSteps<'a> {
             Decider::Worker => self.store.transition(user, job_id, to, edit).await,
             Decider::Other => self.store.finish(user, job_id, to, edit).await,
         };
+        self.settle(to, outcome).await
+    }
+
+    /// [`step`](Self::step) of the worker running the job, from `known`: the record as it last wrote it (its start
+    /// or a heartbeat), which saves the store's first read ([`Store::transition_from`]).
+    pub async fn step_from(
+        &self,
+        user: &str,
+        job_id: &JobId,
+        known: Revisioned<JobRecord>,
+        to: JobState,
+        edit: impl Fn(&mut JobRecord) + Send + Sync,
+    ) -> Result<Transition, StoreError> {
+        let outcome = self
+            .store
+            .transition_from(user, job_id, Some(known), to, edit)
+            .await;
+        self.settle(to, outcome).await
+    }
+
+    /// Counts and announces a step's written outcome; returns it as it is.
+    async fn settle(
+        &self,
+        to: JobState,
+        outcome: Result<Transition, StoreError>,
+    ) -> Result<Transition, StoreError> {
         match &outcome {
             Ok(Transition::Done(written)) => {
                 self.metrics.job_transition(Some(from(&written.value, to)), to);

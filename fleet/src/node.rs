@@ -950,14 +950,14 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
         |_| ctx.metrics.jetstream_error("start_job"),
     )
     .await;
-    let record = match started {
-        Ok(Transition::Done(r)) => r.value,
+    let written = match started {
+        Ok(Transition::Done(r)) => r,
         Ok(Transition::Refused(r))
             if r.value.state == JobState::Running
                 && r.value.worker.as_deref() == Some(id.as_str())
                 && r.value.started_at_ms == Some(start) =>
         {
-            r.value
+            r
         }
         Ok(_) => return, // cancelled, expired, started elsewhere or gone before it started
         Err(e) => {
@@ -965,6 +965,10 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
             return;
         }
     };
+    let record = written.value.clone();
+    // The record as this run last wrote it (the start, then each heartbeat): the outcome is written over it
+    // without reading it first ([`JobSteps::step_from`]; a write by anyone else since is caught by its revision).
+    let latest = Arc::new(std::sync::Mutex::new(written));
     let started_at_ms = record.started_at_ms.unwrap_or_else(now_ms);
     ctx.metrics.queue_wait(
         &req.plugin,
@@ -1002,7 +1006,7 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
     });
     // Heartbeats of the running job.
     let hb_ctx = ctx.clone();
-    let (hb_user, hb_job) = (user.clone(), job_id.clone());
+    let (hb_user, hb_job, hb_latest) = (user.clone(), job_id.clone(), latest.clone());
     let heartbeat = tokio::spawn(async move {
         // The start wrote the first heartbeat.
         let mut tick = tokio::time::interval_at(
@@ -1011,13 +1015,18 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
         );
         loop {
             tick.tick().await;
-            let _ = hb_ctx
+            if let Ok(Some(now)) = hb_ctx
                 .store
                 .update_job(&hb_user, &hb_job, |r| {
                     r.last_heartbeat_ms = Some(now_ms());
                     true
                 })
-                .await;
+                .await
+            {
+                *hb_latest
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = now;
+            }
         }
     });
 
@@ -1050,7 +1059,11 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
         fleet_store::Op::Transition,
         fleet_store::failover::give_up_at(None),
         || {
-            steps.step(&user, &job_id, state, Decider::Worker, |r| {
+            let known = latest
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .clone();
+            steps.step_from(&user, &job_id, known, state, |r| {
                 r.finished_at_ms = Some(now_ms());
                 r.result.clone_from(&result_value);
                 r.error.clone_from(&error);

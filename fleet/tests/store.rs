@@ -1571,11 +1571,15 @@ async fn a_decision_that_writes_nothing_is_taken_on_the_leaders_copy_of_a_replic
         let kept = compare_and_set(target, Some(None), keep_seen).await.expect("cas");
         assert_eq!(kept.out, Some(second), "a stale \"absent\" decided alone");
         // A refusal is a decision that writes nothing too.
-        let refused = compare_and_set(target, Some(None), |current: Option<Revisioned<Value>>| match current {
-            // What a full quota looks like to a decision.
-            None => Err(StoreError::QuotaExceeded { active: 5, max: 5 }),
-            Some(c) => Ok(Edit::Keep(Some(c.revision))),
-        })
+        let refused = compare_and_set(
+            target,
+            Some(None),
+            |current: Option<Revisioned<Value>>| match current {
+                // What a full quota looks like to a decision.
+                None => Err(StoreError::QuotaExceeded { active: 5, max: 5 }),
+                Some(c) => Ok(Edit::Keep(Some(c.revision))),
+            },
+        )
         .await;
         assert_eq!(refused.expect("decided on the leader's copy").out, Some(second));
         // One that has not seen the last write shows the first revision.

@@ -265,28 +265,47 @@ impl Store {
         to: JobState,
         edit: impl Fn(&mut JobRecord) + Send + Sync,
     ) -> Result<Transition, StoreError> {
+        self.transition_from(user, job_id, None, to, edit).await
+    }
+
+    /// [`transition`](Self::transition), starting from `known`: the record as this caller last wrote it (a
+    /// worker's start or heartbeat). It saves the first read; the write still checks its revision, so a record
+    /// written by anyone since is read again and decided on as usual.
+    pub async fn transition_from(
+        &self,
+        user: &str,
+        job_id: &JobId,
+        known: Option<Revisioned<JobRecord>>,
+        to: JobState,
+        edit: impl Fn(&mut JobRecord) + Send + Sync,
+    ) -> Result<Transition, StoreError> {
         let key = Self::job_key(user, job_id);
-        let committed = compare_and_set(self.job_target(&key, Op::Transition), None, |current| {
-            let Some(current) = Self::own(current, user, job_id) else {
-                return Ok::<_, StoreError>(Edit::Keep(Some(Transition::NotFound)));
-            };
-            if !current.value.state.can_become(to) {
-                return Ok(Edit::Keep(Some(Transition::Refused(current))));
-            }
-            let mut next = current.value.clone();
-            edit(&mut next);
-            keep_identity(&mut next, &current.value);
-            next.state = to;
-            let now = now_ms();
-            next.updated_at_ms = now;
-            if to == JobState::Running && next.started_at_ms.is_none() {
-                next.started_at_ms = Some(now);
-            }
-            if to.is_terminal() && next.finished_at_ms.is_none() {
-                next.finished_at_ms = Some(now);
-            }
-            Ok(Edit::Write(next, None))
-        })
+        let known = known.filter(|r| r.value.user == user && r.value.job_id == *job_id);
+        let committed = compare_and_set(
+            self.job_target(&key, Op::Transition),
+            known.map(Some),
+            |current| {
+                let Some(current) = Self::own(current, user, job_id) else {
+                    return Ok::<_, StoreError>(Edit::Keep(Some(Transition::NotFound)));
+                };
+                if !current.value.state.can_become(to) {
+                    return Ok(Edit::Keep(Some(Transition::Refused(current))));
+                }
+                let mut next = current.value.clone();
+                edit(&mut next);
+                keep_identity(&mut next, &current.value);
+                next.state = to;
+                let now = now_ms();
+                next.updated_at_ms = now;
+                if to == JobState::Running && next.started_at_ms.is_none() {
+                    next.started_at_ms = Some(now);
+                }
+                if to.is_terminal() && next.finished_at_ms.is_none() {
+                    next.finished_at_ms = Some(now);
+                }
+                Ok(Edit::Write(next, None))
+            },
+        )
         .await?;
         let Some(written) = committed.written else {
             // Every decision that writes nothing carries its outcome.
