@@ -1798,11 +1798,13 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
         outcomes.iter().filter(|o| o.1).count(),
         pending.len(),
     );
-    for (target, killed_at, catch_up) in &rounds {
+    for (round, (target, killed_at, catch_up)) in rounds.iter().enumerate() {
+        // The round lasts until the next round's kill (the last one, until the load stopped).
+        let round_end = rounds.get(round + 1).map(|r| r.1);
         let mut longest_gap = Duration::ZERO;
         let mut last_ok = *killed_at;
         for (at, _, _, r, _) in &outcomes {
-            if at > killed_at && r.is_ok() {
+            if at > killed_at && round_end.is_none_or(|end| *at <= end) && r.is_ok() {
                 longest_gap = longest_gap.max(at.duration_since(last_ok));
                 last_ok = *at;
             }

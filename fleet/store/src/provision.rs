@@ -61,14 +61,25 @@ pub enum ProvisionError {
     },
 }
 
-/// How long a front waits for a cluster that cannot place a resource's replicas yet ("no suitable peers for
-/// placement": a NATS cluster still forming, or a node restarting that the meta leader has not seen back), the
-/// same bound as an attaching process's wait for a front.
+/// How long a front waits for a cluster that cannot create a resource yet — it cannot place the replicas ("no
+/// suitable peers for placement": a NATS cluster still forming, or a node restarting that the meta leader has not
+/// seen back), or its JetStream API does not answer (the meta group electing a leader) — the same bound as an
+/// attaching process's wait for a front.
 pub const PLACEMENT_WAIT: Duration = ATTACH_WAIT;
 
-/// Whether `e` (or an error it wraps) is JetStream's "no suitable peers for placement" (`10005`): not enough
-/// cluster peers are online for the replicas asked, for now.
+/// Whether `e` (or an error it wraps) says the cluster cannot create a resource *for now*:
+/// * JetStream's "no suitable peers for placement" (`10005`): not enough cluster peers are online for the
+///   replicas asked;
+/// * "JetStream system temporarily unavailable" (`10008`), or no answer at all — the request timed out or found
+///   no responder: only the meta leader answers a create, and a cluster's meta group may elect (again) just
+///   after its servers report healthy, for a whole Raft election timeout (4–9 s in nats-server).
+///
+/// Creating again is safe: a create that was applied although its answer never came is found and updated to
+/// the same settings.
 fn placement_pending(e: &(dyn std::error::Error + 'static)) -> bool {
+    use jetstream::context::{
+        AccountErrorKind, CreateKeyValueErrorKind, CreateStreamErrorKind, RequestErrorKind,
+    };
     let mut next = Some(e);
     while let Some(e) = next {
         let code = e
@@ -81,7 +92,44 @@ fn placement_pending(e: &(dyn std::error::Error + 'static)) -> bool {
                         _ => None,
                     })
             });
-        if code == Some(jetstream::ErrorCode::CLUSTER_NO_PEERS) {
+        if matches!(
+            code,
+            Some(jetstream::ErrorCode::CLUSTER_NO_PEERS | jetstream::ErrorCode::CLUSTER_NOT_AVAILABLE)
+        ) {
+            return true;
+        }
+        let unanswered = e
+            .downcast_ref::<jetstream::context::CreateStreamError>()
+            .is_some_and(|c| {
+                matches!(
+                    c.kind(),
+                    CreateStreamErrorKind::TimedOut | CreateStreamErrorKind::JetStreamUnavailable
+                )
+            })
+            || e.downcast_ref::<jetstream::context::AccountError>()
+                .is_some_and(|a| match a.kind() {
+                    AccountErrorKind::TimedOut | AccountErrorKind::JetStreamUnavailable => true,
+                    AccountErrorKind::JetStream(j) => {
+                        j.error_code() == jetstream::ErrorCode::CLUSTER_NOT_AVAILABLE
+                    }
+                    AccountErrorKind::Other => false,
+                })
+            || e.downcast_ref::<jetstream::context::CreateKeyValueError>()
+                .is_some_and(|c| c.kind() == CreateKeyValueErrorKind::TimedOut)
+            || e.downcast_ref::<jetstream::context::RequestError>()
+                .is_some_and(|r| {
+                    matches!(
+                        r.kind(),
+                        RequestErrorKind::TimedOut | RequestErrorKind::NoResponders
+                    )
+                })
+            || e.downcast_ref::<async_nats::RequestError>().is_some_and(|r| {
+                matches!(
+                    r.kind(),
+                    async_nats::RequestErrorKind::TimedOut | async_nats::RequestErrorKind::NoResponders
+                )
+            });
+        if unanswered {
             return true;
         }
         next = e.source();
@@ -97,14 +145,17 @@ where
     Fut: std::future::Future<Output = Result<T, E>>,
 {
     let started = Instant::now();
+    let mut told = false;
     loop {
         match create().await {
             Ok(v) => return Ok(v),
             Err(e) if placement_pending(&e) && started.elapsed() < PLACEMENT_WAIT => {
-                if started.elapsed() < ATTACH_POLL {
+                if !told {
+                    told = true;
                     tracing::info!(
                         resource,
-                        "waiting for the NATS cluster's peers to place a JetStream resource"
+                        error = %e,
+                        "waiting for the NATS cluster to create a JetStream resource"
                     );
                 }
                 tokio::time::sleep(ATTACH_POLL).await;
@@ -253,6 +304,33 @@ mod tests {
         );
         assert!(placement_pending(&wrapped));
         assert!(!placement_pending(&create_error(10058)));
+        // No answer from the meta leader, as `create_or_update_key_value` and `create_stream` report it.
+        assert!(placement_pending(&create_error(10008)));
+        let timed_out = || {
+            jetstream::context::CreateStreamError::from(jetstream::context::RequestError::new(
+                jetstream::context::RequestErrorKind::TimedOut,
+            ))
+        };
+        assert!(placement_pending(&timed_out()));
+        assert!(placement_pending(
+            &jetstream::context::CreateKeyValueError::with_source(
+                jetstream::context::CreateKeyValueErrorKind::JetStream,
+                timed_out(),
+            )
+        ));
+        assert!(placement_pending(&jetstream::context::CreateStreamError::from(
+            jetstream::context::RequestError::new(jetstream::context::RequestErrorKind::NoResponders)
+        )));
+        // `create_or_update_key_value` asks for the account's limits first: that request goes unanswered too.
+        assert!(placement_pending(
+            &jetstream::context::CreateKeyValueError::with_source(
+                jetstream::context::CreateKeyValueErrorKind::JetStream,
+                jetstream::context::AccountError::new(jetstream::context::AccountErrorKind::TimedOut),
+            )
+        ));
+        assert!(!placement_pending(&jetstream::context::CreateStreamError::new(
+            jetstream::context::CreateStreamErrorKind::InvalidStreamName
+        )));
 
         let mut attempts = 0;
         let created = creating("s", || {
