@@ -77,64 +77,62 @@ pub const PLACEMENT_WAIT: Duration = ATTACH_WAIT;
 /// Creating again is safe: a create that was applied although its answer never came is found and updated to
 /// the same settings.
 fn placement_pending(e: &(dyn std::error::Error + 'static)) -> bool {
-    use jetstream::context::{
-        AccountErrorKind, CreateKeyValueErrorKind, CreateStreamErrorKind, RequestErrorKind,
-    };
     let mut next = Some(e);
     while let Some(e) = next {
-        let code = e
-            .downcast_ref::<jetstream::Error>()
-            .map(jetstream::Error::error_code)
-            .or_else(|| {
-                e.downcast_ref::<jetstream::context::CreateStreamError>()
-                    .and_then(|c| match c.kind() {
-                        jetstream::context::CreateStreamErrorKind::JetStream(j) => Some(j.error_code()),
-                        _ => None,
-                    })
-            });
-        if matches!(
-            code,
-            Some(jetstream::ErrorCode::CLUSTER_NO_PEERS | jetstream::ErrorCode::CLUSTER_NOT_AVAILABLE)
-        ) {
-            return true;
-        }
-        let unanswered = e
-            .downcast_ref::<jetstream::context::CreateStreamError>()
-            .is_some_and(|c| {
-                matches!(
-                    c.kind(),
-                    CreateStreamErrorKind::TimedOut | CreateStreamErrorKind::JetStreamUnavailable
-                )
-            })
-            || e.downcast_ref::<jetstream::context::AccountError>()
-                .is_some_and(|a| match a.kind() {
-                    AccountErrorKind::TimedOut | AccountErrorKind::JetStreamUnavailable => true,
-                    AccountErrorKind::JetStream(j) => {
-                        j.error_code() == jetstream::ErrorCode::CLUSTER_NOT_AVAILABLE
-                    }
-                    AccountErrorKind::Other => false,
-                })
-            || e.downcast_ref::<jetstream::context::CreateKeyValueError>()
-                .is_some_and(|c| c.kind() == CreateKeyValueErrorKind::TimedOut)
-            || e.downcast_ref::<jetstream::context::RequestError>()
-                .is_some_and(|r| {
-                    matches!(
-                        r.kind(),
-                        RequestErrorKind::TimedOut | RequestErrorKind::NoResponders
-                    )
-                })
-            || e.downcast_ref::<async_nats::RequestError>().is_some_and(|r| {
-                matches!(
-                    r.kind(),
-                    async_nats::RequestErrorKind::TimedOut | async_nats::RequestErrorKind::NoResponders
-                )
-            });
-        if unanswered {
+        if pending_here(e) {
             return true;
         }
         next = e.source();
     }
     false
+}
+
+/// [`placement_pending`] for one error of the chain, by its type: one downcast each, its JetStream code and its
+/// kind read together.
+fn pending_here(e: &(dyn std::error::Error + 'static)) -> bool {
+    use jetstream::ErrorCode;
+    use jetstream::context::{
+        AccountError, AccountErrorKind, CreateKeyValueError, CreateKeyValueErrorKind, CreateStreamError,
+        CreateStreamErrorKind, RequestError, RequestErrorKind,
+    };
+    let placement = |code: ErrorCode| {
+        matches!(
+            code,
+            ErrorCode::CLUSTER_NO_PEERS | ErrorCode::CLUSTER_NOT_AVAILABLE
+        )
+    };
+    if let Some(j) = e.downcast_ref::<jetstream::Error>() {
+        return placement(j.error_code());
+    }
+    if let Some(c) = e.downcast_ref::<CreateStreamError>() {
+        return match c.kind() {
+            CreateStreamErrorKind::JetStream(j) => placement(j.error_code()),
+            CreateStreamErrorKind::TimedOut | CreateStreamErrorKind::JetStreamUnavailable => true,
+            _ => false,
+        };
+    }
+    if let Some(a) = e.downcast_ref::<AccountError>() {
+        return match a.kind() {
+            AccountErrorKind::JetStream(j) => j.error_code() == ErrorCode::CLUSTER_NOT_AVAILABLE,
+            AccountErrorKind::TimedOut | AccountErrorKind::JetStreamUnavailable => true,
+            AccountErrorKind::Other => false,
+        };
+    }
+    if let Some(c) = e.downcast_ref::<CreateKeyValueError>() {
+        return c.kind() == CreateKeyValueErrorKind::TimedOut;
+    }
+    if let Some(r) = e.downcast_ref::<RequestError>() {
+        return matches!(
+            r.kind(),
+            RequestErrorKind::TimedOut | RequestErrorKind::NoResponders
+        );
+    }
+    e.downcast_ref::<async_nats::RequestError>().is_some_and(|r| {
+        matches!(
+            r.kind(),
+            async_nats::RequestErrorKind::TimedOut | async_nats::RequestErrorKind::NoResponders
+        )
+    })
 }
 
 /// Runs `create` until it succeeds, fails otherwise than [`placement_pending`], or [`PLACEMENT_WAIT`] passed.
