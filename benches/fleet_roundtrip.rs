@@ -700,6 +700,19 @@ fn print_table(s: Samples, plan: Plan, bench: &Bench) {
     }
 }
 
+/// Sequential A and B samples (each) after the pipelined phase of a profile run.
+const PROFILE_SEQUENTIAL: usize = 2_000;
+
+/// `FLEET_BENCH_PROFILE_SECS=<n>`: after the set-up, only B pipelined for `n` seconds (for a profiler attached
+/// to this process), then the median throughput of its batches and the p50 of sequential A and B; no criterion
+/// pass and no table.
+fn profile_secs() -> Option<Duration> {
+    let secs = std::env::var("FLEET_BENCH_PROFILE_SECS").ok()?;
+    Some(Duration::from_secs(
+        secs.parse().expect("FLEET_BENCH_PROFILE_SECS: whole seconds"),
+    ))
+}
+
 fn bench(c: &mut Criterion) {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--test") || !args.iter().any(|a| a == "--bench");
@@ -709,6 +722,32 @@ fn bench(c: &mut Criterion) {
         .build()
         .unwrap();
     let mut b = rt.block_on(Box::pin(Bench::new()));
+    if let Some(secs) = profile_secs() {
+        let t = Instant::now();
+        let mut batches = Vec::new();
+        while t.elapsed() < secs {
+            batches.push(rt.block_on(b.pipelined(true, plan.pipelined)));
+        }
+        let (mut a, mut bs) = (Vec::new(), Vec::new());
+        for _ in 0..PROFILE_SEQUENTIAL {
+            a.push(rt.block_on(b.raw_echo()));
+            bs.push(rt.block_on(b.invoke()));
+        }
+        a.sort();
+        bs.sort();
+        println!(
+            "profile: B pipelined for {secs:?}, {} batches of {}, median {:.0} req/s; then {PROFILE_SEQUENTIAL} \
+             sequential A and B: p50 {:.1} / {:.1} µs (B/A {:.2}x)",
+            batches.len(),
+            plan.pipelined,
+            median(batches),
+            us(pct(&a, 50.0)),
+            us(pct(&bs, 50.0)),
+            pct(&bs, 50.0).as_secs_f64() / pct(&a, 50.0).as_secs_f64(),
+        );
+        rt.block_on(b.shutdown());
+        return;
+    }
     {
         let mut g = c.benchmark_group("fleet_roundtrip");
         g.sampling_mode(SamplingMode::Flat)

@@ -1021,12 +1021,14 @@ async fn a_client_that_may_publish_on_worker_subjects_still_cannot_inject_work()
         .await
         .expect("the genuine request is overheard")
         .unwrap();
+    // Sealed with a session grant for this worker (its registry entry carries its session key), not signed.
+    let sealed_with = |name: &str| genuine.headers.as_ref().is_some_and(|h| h.get(name).is_some());
     assert!(
-        genuine
-            .headers
-            .as_ref()
-            .is_some_and(|h| h.get(fleet_proto::api::worker::SEAL_SIGNATURE_HEADER).is_some()),
-        "fronts seal what they send"
+        sealed_with(fleet_proto::api::worker::SEAL_GRANT_HEADER)
+            && sealed_with(fleet_proto::api::worker::SEAL_MAC_HEADER)
+            && !sealed_with(fleet_proto::api::worker::SEAL_SIGNATURE_HEADER),
+        "fronts seal what they send, with a session grant: {:?}",
+        genuine.headers
     );
     let mut forged: Value = serde_json::from_slice(&genuine.payload).unwrap();
     forged["user"] = json!("forged-user");

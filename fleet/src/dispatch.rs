@@ -125,6 +125,12 @@ impl Dispatcher {
         }
     }
 
+    /// The exec-seal session key of `worker` as the membership watch last saw it (`None`: sealed with the
+    /// Ed25519 signature, which every worker accepts).
+    fn seal_key(&self, worker: &str) -> Option<String> {
+        self.membership.seal_key(worker)
+    }
+
     /// Whether a worker is registered (heartbeat not expired); `None` when the registry cannot be read.
     pub async fn is_live(&self, worker_id: &str) -> Option<bool> {
         self.registry().await.map(|l| l.iter().any(|w| w.id == worker_id))
@@ -156,7 +162,8 @@ impl Dispatcher {
             fleet.worker = %worker,
         );
         let mut headers = crate::telemetry::headers(&span).unwrap_or_default();
-        self.seals.seal(&subject, &payload, &mut headers);
+        self.seals
+            .seal_for(self.seal_key(worker).as_deref(), &subject, &payload, &mut headers);
         let requester = self
             .requester
             .get_or_try_init(|| nats_conn::Requester::new(&self.client))
@@ -320,7 +327,8 @@ impl Dispatcher {
         for w in targets {
             let subject = subjects::worker_cancel(&w);
             let mut headers = trace.clone();
-            self.seals.seal(&subject, &payload, &mut headers);
+            self.seals
+                .seal_for(self.seal_key(&w).as_deref(), &subject, &payload, &mut headers);
             let _ = self
                 .client
                 .publish_with_headers(subject, headers, payload.clone().into())
@@ -341,7 +349,8 @@ impl Dispatcher {
         let payload = serde_json::to_vec(&query).ok()?;
         let subject = subjects::worker_jobs(worker);
         let mut headers = async_nats::HeaderMap::new();
-        self.seals.seal(&subject, &payload, &mut headers);
+        self.seals
+            .seal_for(self.seal_key(worker).as_deref(), &subject, &payload, &mut headers);
         let answer = tokio::time::timeout(
             wait,
             self.client.request_with_headers(subject, headers, payload.into()),

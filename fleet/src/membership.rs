@@ -74,6 +74,12 @@ impl Membership {
         Some(live_at(guard.as_ref()?, Instant::now(), self.shared.ttl))
     }
 
+    /// The exec-seal session key in the entry of worker `id` (live or not: a grant for a worker that left is
+    /// harmless), `None` when it has none or is unknown.
+    pub fn seal_key(&self, id: &str) -> Option<String> {
+        self.shared.lock().as_ref()?.get(id)?.0.seal_key.clone()
+    }
+
     /// A receiver that wakes on every change applied from now on.
     pub fn changes(&self) -> watch::Receiver<u64> {
         self.shared.version.subscribe()
@@ -167,6 +173,7 @@ mod tests {
                     long_jobs_running: 0,
                     sessions_warm: Vec::new(),
                     started_at_ms: 0,
+                    seal_key: None,
                 };
                 ((*id).to_owned(), (info, *at))
             })

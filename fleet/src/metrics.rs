@@ -180,7 +180,7 @@ impl FleetMetrics {
         );
         r.register(
             "exec_seal_refusals",
-            "Exec requests and cancel commands a worker refused for their seal, by reason (unsigned, malformed, bad_signature, stale, replayed)",
+            "Exec requests and cancel commands a worker refused for their seal, by reason (unsigned, malformed, bad_signature, bad_grant, stale, replayed)",
             m.exec_seal_refusals.clone(),
         );
         r.register(

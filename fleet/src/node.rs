@@ -313,6 +313,7 @@ async fn heartbeat(ctx: &Ctx) {
             .map(|s| (user_key(s.user()), s.tool_id().to_string()))
             .collect(),
         started_at_ms: ctx.started_at_ms,
+        seal_key: Some(ctx.seals.session_key().to_owned()),
     };
     if let Err(e) = ctx.store.heartbeat_worker(&info).await {
         ctx.metrics.jetstream_error("heartbeat_worker");

@@ -1389,6 +1389,7 @@ fn worker(id: &str, running: usize) -> WorkerInfo {
         long_jobs_running: running,
         sessions_warm: vec![(user_key("u"), "echo.run".to_string())],
         started_at_ms: 1,
+        seal_key: None,
     }
 }
 

@@ -1132,6 +1132,32 @@ pub mod worker {
     /// Header of every exec request and cancel command: `<issued Unix ms>.<32 hex digits of nonce>`, signed with
     /// the subject and the body.
     pub const SEAL_STAMP_HEADER: &str = "Fleet-Exec-Stamp";
+    /// Header of an exec request, cancel command or jobs query sealed by a session grant (instead of
+    /// [`SEAL_SIGNATURE_HEADER`]): HMAC-SHA256, base64url without padding, over [`seal_input`], keyed by the
+    /// key the grant in [`SEAL_GRANT_HEADER`] establishes between the front and the one worker it names.
+    pub const SEAL_MAC_HEADER: &str = "Fleet-Exec-Mac";
+    /// Header beside [`SEAL_MAC_HEADER`]: `<expires Unix ms>.<the front's X25519 session public key>.<the
+    /// front's Ed25519 signature over grant_input>`, both base64url without padding.
+    pub const SEAL_GRANT_HEADER: &str = "Fleet-Exec-Grant";
+    /// What a front signs to grant a session key to one worker: a domain tag, the worker's X25519 session public
+    /// key (as its registry entry spells it, so the grant is good for that worker only), the front's session
+    /// public key and the grant's expiry (Unix ms), each length-prefixed.
+    pub fn grant_input(worker_key: &str, front_key: &str, expires_ms: u64) -> Vec<u8> {
+        const DOMAIN: &[u8] = b"fleet-exec-grant-v1";
+        let expires = expires_ms.to_string();
+        let mut out =
+            Vec::with_capacity(DOMAIN.len() + worker_key.len() + front_key.len() + expires.len() + 32);
+        for part in [
+            DOMAIN,
+            worker_key.as_bytes(),
+            front_key.as_bytes(),
+            expires.as_bytes(),
+        ] {
+            out.extend_from_slice(&(part.len() as u64).to_be_bytes());
+            out.extend_from_slice(part);
+        }
+        out
+    }
     /// What the front signs: a domain tag, the subject (so a request cannot be redirected to another worker),
     /// the stamp (so it expires and is seen once) and the body, each length-prefixed.
     pub fn seal_input(subject: &str, stamp: &str, body: &[u8]) -> Vec<u8> {

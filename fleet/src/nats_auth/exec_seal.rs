@@ -19,19 +19,41 @@
 //!   keys ([`SealError::BadSignature`]), the stamp is within [`MAX_SKEW`] of the worker's clock
 //!   ([`SealError::Stale`]), and its nonce was not accepted before ([`SealError::Replayed`]): nonces are kept
 //!   for at least `2 × MAX_SKEW`, longer than any stamp is accepted.
+//! * **Session grants** (the fast path; one Ed25519 signature per front and worker every [`GRANT_ROTATE`]
+//!   instead of a signature and a verification per message). Each worker makes an X25519 session key pair at
+//!   start and publishes the public half in its registry entry ([`fleet_store::WorkerInfo::seal_key`]); each
+//!   front makes one too, again every [`GRANT_ROTATE`]. To seal for a worker whose entry carries a key, a front
+//!   derives the key it shares with that worker (X25519, then HKDF-SHA256) and signs once, with its exec key, a
+//!   *grant* naming both public keys and an expiry ([`GRANT_TTL`] ahead): header [`SEAL_GRANT_HEADER`]. Every
+//!   message then carries the grant, the stamp, and [`SEAL_MAC_HEADER`] = HMAC-SHA256 of [`seal_input`] under
+//!   the shared key. The worker verifies a grant's signature the first time it sees it (with the same public
+//!   keys), that it names the worker's own session key ([`SealError::BadGrant`] otherwise) and has not expired
+//!   ([`SealError::Stale`]; checked again at every use), keeps the derived key (at most [`GRANT_CACHE_MAX`]
+//!   grants), then checks the MAC, the stamp and the nonce as above. What this keeps: only a holder of the
+//!   signing seed can make a grant, and a grant is good for one worker only, so a worker (which holds only
+//!   public keys and its own session secret) still cannot seal anything another worker accepts, and a
+//!   credential that can publish on worker subjects still cannot seal at all. A worker entry without a key (a
+//!   worker of an earlier release) gets the Ed25519 seal, which every worker still accepts.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_nats::HeaderMap;
 use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use fleet_proto::api::worker::{SEAL_SIGNATURE_HEADER, SEAL_STAMP_HEADER, seal_input};
+use curve25519_dalek::montgomery::MontgomeryPoint;
+use fleet_proto::api::worker::{
+    SEAL_GRANT_HEADER, SEAL_MAC_HEADER, SEAL_SIGNATURE_HEADER, SEAL_STAMP_HEADER, grant_input, seal_input,
+};
+use fleet_proto::util::lock;
 use nkeys::{KeyPair, KeyPairType};
+use ring::rand::{SecureRandom as _, SystemRandom};
+use ring::{hkdf, hmac};
+use zeroize::Zeroizing;
 
 use super::NatsAuthError;
 use super::creds::{create_private_exclusive, ensure_private_file, write_private_atomic};
@@ -43,6 +65,19 @@ pub const EXEC_SEED_FILE: &str = "exec.seed";
 pub const EXEC_PUB_FILE: &str = "exec.pub";
 /// How far a seal's stamp may be from the verifying worker's clock, either way.
 pub const MAX_SKEW: Duration = Duration::from_secs(30);
+/// How long a session grant is good for after its front made its session key.
+pub const GRANT_TTL: Duration = Duration::from_secs(3600);
+/// How old a front's session key gets before the front makes a new one (and new grants): half of
+/// [`GRANT_TTL`], so every grant still in use has at least that long to live.
+pub const GRANT_ROTATE: Duration = Duration::from_secs(1800);
+/// Verified grants a worker keeps (each front's current one and the one before: far fewer in any fleet); beyond
+/// it the expired ones are dropped, then all.
+pub const GRANT_CACHE_MAX: usize = 256;
+/// Grants a front keeps (one per worker it sealed for with its current session key); beyond it all are dropped
+/// and made again as needed.
+const FRONT_GRANTS_MAX: usize = 4096;
+/// The HKDF salt of a grant's shared key.
+const GRANT_KDF_SALT: &[u8] = b"fleet-exec-grant-v1";
 
 /// Why a signing or verifying key could not be loaded. Never carries a seed.
 #[derive(Debug, thiserror::Error)]
@@ -138,6 +173,10 @@ pub enum SealError {
     /// The nonce was accepted before.
     #[error("the exec seal was already used")]
     Replayed,
+    /// The session grant's signature does not verify with any configured key, it names another worker's
+    /// session key, its front key is unusable, or it claims a longer life than any front gives.
+    #[error("the exec seal's session grant is not valid for this worker")]
+    BadGrant,
 }
 
 impl SealError {
@@ -149,6 +188,7 @@ impl SealError {
             SealError::BadSignature => "bad_signature",
             SealError::Stale => "stale",
             SealError::Replayed => "replayed",
+            SealError::BadGrant => "bad_grant",
         }
     }
 }
@@ -188,9 +228,80 @@ pub(crate) fn ensure_keys(dir: &Path) -> Result<(), NatsAuthError> {
     }
 }
 
+/// An X25519 key pair for session grants; the secret is zeroed when dropped and never leaves this module.
+struct SessionPair {
+    secret: Zeroizing<[u8; 32]>,
+    /// The public key, base64url without padding (as it travels in registry entries and grants).
+    public: String,
+}
+
+impl SessionPair {
+    fn generate() -> SessionPair {
+        let mut secret = Zeroizing::new([0u8; 32]);
+        if SystemRandom::new().fill(&mut secret[..]).is_err() {
+            // The OS random source failed (it does not, once the process runs): fall back to the thread RNG
+            // (a CSPRNG seeded from the OS) rather than an all-zero secret.
+            *secret = rand::random();
+        }
+        let public = MontgomeryPoint::mul_base_clamped(*secret).to_bytes();
+        SessionPair {
+            secret,
+            public: URL_SAFE_NO_PAD.encode(public),
+        }
+    }
+
+    /// The HMAC key this pair shares with the holder of `peer` (base64url) for the grant between `front` and
+    /// `worker` (both public keys, base64url); `None` for a peer key that is not 32 bytes or is of low order
+    /// (its shared secret would be all zeros).
+    fn shared(&self, peer: &str, front: &str, worker: &str) -> Option<hmac::Key> {
+        let peer: [u8; 32] = URL_SAFE_NO_PAD.decode(peer).ok()?.try_into().ok()?;
+        let dh = Zeroizing::new(MontgomeryPoint(peer).mul_clamped(*self.secret).to_bytes());
+        if dh.iter().all(|b| *b == 0) {
+            return None;
+        }
+        let prk = hkdf::Salt::new(hkdf::HKDF_SHA256, GRANT_KDF_SALT).extract(&dh[..]);
+        let info = [front.as_bytes(), b".", worker.as_bytes()];
+        let okm = prk.expand(&info, hmac::HMAC_SHA256).ok()?;
+        Some(hmac::Key::from(okm))
+    }
+}
+
+/// A grant a front made for one worker: its header and the key it establishes.
+struct Grant {
+    header: String,
+    key: hmac::Key,
+}
+
+/// A front's session key and the grants made with it.
+struct FrontSessions {
+    pair: SessionPair,
+    made: Instant,
+    /// The expiry of every grant made with `pair` (Unix ms).
+    expires_ms: u64,
+    /// By worker session key.
+    grants: HashMap<String, Arc<Grant>>,
+}
+
+impl FrontSessions {
+    fn new() -> FrontSessions {
+        FrontSessions {
+            pair: SessionPair::generate(),
+            made: Instant::now(),
+            expires_ms: now_ms().saturating_add(u64::try_from(GRANT_TTL.as_millis()).unwrap_or(u64::MAX)),
+            grants: HashMap::new(),
+        }
+    }
+}
+
+/// A fresh stamp: now and a random 128-bit nonce.
+fn new_stamp() -> String {
+    format!("{}.{:032x}", now_ms(), rand::random::<u128>())
+}
+
 /// Signs what a front sends to workers. Its `Debug` shows the public key only.
 pub struct ExecSigner {
     key: KeyPair,
+    sessions: Mutex<FrontSessions>,
 }
 
 impl std::fmt::Debug for ExecSigner {
@@ -206,7 +317,10 @@ impl ExecSigner {
     pub fn from_file(path: &Path) -> Result<ExecSigner, SealKeyError> {
         let text = fs::read_to_string(path).map_err(|e| io_error(path, e))?;
         match KeyPair::from_seed(text.trim()) {
-            Ok(key) if key.key_pair_type() == KeyPairType::Server => Ok(ExecSigner { key }),
+            Ok(key) if key.key_pair_type() == KeyPairType::Server => Ok(ExecSigner {
+                key,
+                sessions: Mutex::new(FrontSessions::new()),
+            }),
             _ => Err(SealKeyError::NotASeed {
                 path: path.to_path_buf(),
             }),
@@ -242,10 +356,56 @@ impl ExecSigner {
         KeyPair::from_public_key(&self.key.public_key()).unwrap_or_else(|_| KeyPair::new_server())
     }
 
-    /// Adds the seal of `body` sent on `subject` to `headers`.
+    /// Adds the Ed25519 seal of `body` sent on `subject` to `headers` (what any worker accepts).
     pub fn seal(&self, subject: &str, body: &[u8], headers: &mut HeaderMap) {
-        let stamp = format!("{}.{:032x}", now_ms(), rand::random::<u128>());
-        self.seal_with_stamp(subject, &stamp, body, headers);
+        self.seal_with_stamp(subject, &new_stamp(), body, headers);
+    }
+
+    /// Adds the seal of `body` sent on `subject` to the worker whose registry entry gives `worker_key` (its
+    /// session public key): a session grant and a MAC, or the Ed25519 seal when there is no key or it is not
+    /// usable.
+    pub fn seal_for(&self, worker_key: Option<&str>, subject: &str, body: &[u8], headers: &mut HeaderMap) {
+        let stamp = new_stamp();
+        match worker_key.and_then(|w| self.grant(w)) {
+            Some(grant) => {
+                let mac = hmac::sign(&grant.key, &seal_input(subject, &stamp, body));
+                headers.insert(SEAL_STAMP_HEADER, stamp.as_str());
+                headers.insert(SEAL_GRANT_HEADER, grant.header.as_str());
+                headers.insert(SEAL_MAC_HEADER, URL_SAFE_NO_PAD.encode(mac.as_ref()).as_str());
+            }
+            None => self.seal_with_stamp(subject, &stamp, body, headers),
+        }
+    }
+
+    /// The grant for the worker with session key `worker_key`, made (one X25519 and one signature) the first
+    /// time; the session key is made again once it is [`GRANT_ROTATE`] old.
+    fn grant(&self, worker_key: &str) -> Option<Arc<Grant>> {
+        let mut sessions = lock(&self.sessions);
+        if sessions.made.elapsed() >= GRANT_ROTATE {
+            *sessions = FrontSessions::new();
+        }
+        if let Some(grant) = sessions.grants.get(worker_key) {
+            return Some(grant.clone());
+        }
+        let front = sessions.pair.public.clone();
+        let key = sessions.pair.shared(worker_key, &front, worker_key)?;
+        let expires = sessions.expires_ms;
+        let sig = self.key.sign(&grant_input(worker_key, &front, expires)).ok()?;
+        let grant = Arc::new(Grant {
+            header: format!("{expires}.{front}.{}", URL_SAFE_NO_PAD.encode(sig)),
+            key,
+        });
+        if sessions.grants.len() >= FRONT_GRANTS_MAX {
+            sessions.grants.clear();
+        }
+        sessions.grants.insert(worker_key.to_owned(), grant.clone());
+        Some(grant)
+    }
+
+    /// Makes the session key again now, as [`GRANT_ROTATE`] does (tests of rotation).
+    #[doc(hidden)]
+    pub fn rotate_session(&self) {
+        *lock(&self.sessions) = FrontSessions::new();
     }
 
     /// [`ExecSigner::seal`] with a given stamp (tests of staleness and replays).
@@ -280,10 +440,21 @@ impl Seen {
 }
 
 /// Checks the seals of what a worker receives.
-#[derive(Debug)]
 pub struct ExecVerifier {
     keys: Vec<KeyPair>,
     seen: Mutex<Seen>,
+    session: SessionPair,
+    /// Verified grants (header → shared key, expiry in Unix ms).
+    grants: Mutex<HashMap<String, (Arc<hmac::Key>, u64)>>,
+}
+
+impl std::fmt::Debug for ExecVerifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecVerifier")
+            .field("keys", &self.keys.len())
+            .field("session_key", &self.session.public)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ExecVerifier {
@@ -318,7 +489,14 @@ impl ExecVerifier {
                 previous: HashSet::new(),
                 since: Instant::now(),
             }),
+            session: SessionPair::generate(),
+            grants: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// This worker's session public key (base64url), for its registry entry.
+    pub fn session_key(&self) -> &str {
+        &self.session.public
     }
 
     /// Loads `exec.pub`: one public key per line; blank lines and `#` comments are skipped.
@@ -348,18 +526,27 @@ impl ExecVerifier {
         Ok(ExecVerifier::with_keys(keys))
     }
 
-    /// Checks the seal of `body` received on `subject`.
+    /// Checks the seal of `body` received on `subject`: a session grant and its MAC, or an Ed25519 signature.
     pub fn verify(&self, subject: &str, headers: Option<&HeaderMap>, body: &[u8]) -> Result<(), SealError> {
         let header = |name: &str| headers.and_then(|h| h.get(name)).map(|v| v.as_str().to_owned());
-        let (Some(stamp), Some(sig)) = (header(SEAL_STAMP_HEADER), header(SEAL_SIGNATURE_HEADER)) else {
+        let Some(stamp) = header(SEAL_STAMP_HEADER) else {
             return Err(SealError::Unsigned);
         };
-        let (issued, nonce) = stamp.split_once('.').ok_or(SealError::Malformed)?;
-        if nonce.len() != 32 || issued.is_empty() || issued.len() > 20 {
-            return Err(SealError::Malformed);
+        if let Some(mac) = header(SEAL_MAC_HEADER) {
+            let grant = header(SEAL_GRANT_HEADER).ok_or(SealError::Malformed)?;
+            let (issued, nonce) = parse_stamp(&stamp)?;
+            let mac = URL_SAFE_NO_PAD
+                .decode(mac.as_bytes())
+                .map_err(|_| SealError::Malformed)?;
+            let key = self.granted_key(&grant)?;
+            hmac::verify(&key, &seal_input(subject, &stamp, body), &mac)
+                .map_err(|_| SealError::BadSignature)?;
+            return self.fresh_and_first(issued, nonce);
         }
-        let issued: u64 = issued.parse().map_err(|_| SealError::Malformed)?;
-        let nonce = u128::from_str_radix(nonce, 16).map_err(|_| SealError::Malformed)?;
+        let Some(sig) = header(SEAL_SIGNATURE_HEADER) else {
+            return Err(SealError::Unsigned);
+        };
+        let (issued, nonce) = parse_stamp(&stamp)?;
         let sig = URL_SAFE_NO_PAD
             .decode(sig.as_bytes())
             .map_err(|_| SealError::Malformed)?;
@@ -367,17 +554,82 @@ impl ExecVerifier {
         if !self.keys.iter().any(|k| k.verify(&input, &sig).is_ok()) {
             return Err(SealError::BadSignature);
         }
+        self.fresh_and_first(issued, nonce)
+    }
+
+    /// The key of `grant`: from the verified grants, else verified now (its signature, this worker's session key,
+    /// its expiry) and kept.
+    fn granted_key(&self, grant: &str) -> Result<Arc<hmac::Key>, SealError> {
+        let now = now_ms();
+        if let Some((key, expires)) = lock(&self.grants).get(grant) {
+            return if now > *expires {
+                Err(SealError::Stale)
+            } else {
+                Ok(key.clone())
+            };
+        }
+        let mut parts = grant.splitn(3, '.');
+        let (Some(expires), Some(front), Some(sig)) = (parts.next(), parts.next(), parts.next()) else {
+            return Err(SealError::Malformed);
+        };
+        if expires.is_empty() || expires.len() > 20 {
+            return Err(SealError::Malformed);
+        }
+        let expires_ms: u64 = expires.parse().map_err(|_| SealError::Malformed)?;
+        let sig = URL_SAFE_NO_PAD
+            .decode(sig.as_bytes())
+            .map_err(|_| SealError::Malformed)?;
+        let input = grant_input(&self.session.public, front, expires_ms);
+        if !self.keys.iter().any(|k| k.verify(&input, &sig).is_ok()) {
+            return Err(SealError::BadGrant);
+        }
+        let longest = u64::try_from((GRANT_TTL + MAX_SKEW).as_millis()).unwrap_or(u64::MAX);
+        if expires_ms > now.saturating_add(longest) {
+            return Err(SealError::BadGrant);
+        }
+        if now > expires_ms {
+            return Err(SealError::Stale);
+        }
+        let key = Arc::new(
+            self.session
+                .shared(front, front, &self.session.public)
+                .ok_or(SealError::BadGrant)?,
+        );
+        let mut grants = lock(&self.grants);
+        if grants.len() >= GRANT_CACHE_MAX {
+            grants.retain(|_, (_, expires)| now <= *expires);
+            if grants.len() >= GRANT_CACHE_MAX {
+                grants.clear();
+            }
+        }
+        grants.insert(grant.to_owned(), (key.clone(), expires_ms));
+        Ok(key)
+    }
+
+    /// The stamp's freshness, then its nonce seen once (only after the seal verified, so unauthenticated bytes
+    /// never reach the replay set).
+    fn fresh_and_first(&self, issued: u64, nonce: u128) -> Result<(), SealError> {
         let skew = u64::try_from(MAX_SKEW.as_millis()).unwrap_or(u64::MAX);
         if now_ms().abs_diff(issued) > skew {
             return Err(SealError::Stale);
         }
-        let first = self
-            .seen
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .first_time(nonce);
-        if first { Ok(()) } else { Err(SealError::Replayed) }
+        if lock(&self.seen).first_time(nonce) {
+            Ok(())
+        } else {
+            Err(SealError::Replayed)
+        }
     }
+}
+
+/// `<issued Unix ms>.<32 hex digits>` → (issued, nonce).
+fn parse_stamp(stamp: &str) -> Result<(u64, u128), SealError> {
+    let (issued, nonce) = stamp.split_once('.').ok_or(SealError::Malformed)?;
+    if nonce.len() != 32 || issued.is_empty() || issued.len() > 20 {
+        return Err(SealError::Malformed);
+    }
+    let issued: u64 = issued.parse().map_err(|_| SealError::Malformed)?;
+    let nonce = u128::from_str_radix(nonce, 16).map_err(|_| SealError::Malformed)?;
+    Ok((issued, nonce))
 }
 
 #[cfg(test)]
@@ -469,6 +721,198 @@ mod tests {
                 &mut h,
             );
             assert_eq!(verifier.verify("s", Some(&h), b"x"), want, "issued {issued}");
+        }
+    }
+
+    /// A grant as a front makes it, by hand: signed by `signer`'s exec key for `worker_key`, with front key
+    /// `front` (base64url) and expiry `expires_ms`.
+    fn grant_header(signer: &ExecSigner, worker_key: &str, front: &str, expires_ms: u64) -> String {
+        let sig = signer
+            .key
+            .sign(&grant_input(worker_key, front, expires_ms))
+            .unwrap();
+        format!("{expires_ms}.{front}.{}", URL_SAFE_NO_PAD.encode(sig))
+    }
+
+    /// Headers sealed under `grant` with the key `key`.
+    fn mac_sealed(grant: &str, key: &hmac::Key, subject: &str, body: &[u8]) -> HeaderMap {
+        let stamp = new_stamp();
+        let mut h = HeaderMap::new();
+        h.insert(SEAL_STAMP_HEADER, stamp.as_str());
+        h.insert(SEAL_GRANT_HEADER, grant);
+        let mac = hmac::sign(key, &seal_input(subject, &stamp, body));
+        h.insert(SEAL_MAC_HEADER, URL_SAFE_NO_PAD.encode(mac.as_ref()).as_str());
+        h
+    }
+
+    fn grant_ms(d: Duration) -> u64 {
+        u64::try_from(d.as_millis()).unwrap()
+    }
+
+    #[test]
+    fn a_session_grant_seals_for_its_worker_only_and_once() {
+        let (signer, worker) = pair();
+        let other = ExecVerifier::trusting(&signer);
+        let subject = "fleet.v1.worker.w1.exec";
+        let mut h = HeaderMap::new();
+        signer.seal_for(Some(worker.session_key()), subject, b"{}", &mut h);
+        assert!(h.get(SEAL_SIGNATURE_HEADER).is_none(), "no signature per message");
+        assert!(h.get(SEAL_GRANT_HEADER).is_some() && h.get(SEAL_MAC_HEADER).is_some());
+        // Another worker trusting the same front: the grant names the first worker's key.
+        assert_eq!(other.verify(subject, Some(&h), b"{}"), Err(SealError::BadGrant));
+        // The MAC covers the subject and the body.
+        assert_eq!(
+            worker.verify("fleet.v1.worker.w2.exec", Some(&h), b"{}"),
+            Err(SealError::BadSignature)
+        );
+        assert_eq!(
+            worker.verify(subject, Some(&h), b"{ }"),
+            Err(SealError::BadSignature)
+        );
+        assert_eq!(worker.verify(subject, Some(&h), b"{}"), Ok(()));
+        assert_eq!(worker.verify(subject, Some(&h), b"{}"), Err(SealError::Replayed));
+        // The grant is made once per worker, then reused.
+        let mut again = HeaderMap::new();
+        signer.seal_for(Some(worker.session_key()), subject, b"{}", &mut again);
+        assert_eq!(again.get(SEAL_GRANT_HEADER), h.get(SEAL_GRANT_HEADER));
+        assert_eq!(worker.verify(subject, Some(&again), b"{}"), Ok(()));
+        assert_eq!(lock(&worker.grants).len(), 1);
+        // A MAC without its grant, or one that is not base64.
+        let mut bad = HeaderMap::new();
+        for name in [SEAL_STAMP_HEADER, SEAL_MAC_HEADER] {
+            bad.insert(name, again.get(name).unwrap().as_str());
+        }
+        assert_eq!(
+            worker.verify(subject, Some(&bad), b"{}"),
+            Err(SealError::Malformed)
+        );
+        let mut bad = again.clone();
+        bad.insert(SEAL_MAC_HEADER, "not base64!");
+        assert_eq!(
+            worker.verify(subject, Some(&bad), b"{}"),
+            Err(SealError::Malformed)
+        );
+    }
+
+    #[test]
+    fn without_a_usable_worker_key_the_seal_is_the_signature() {
+        let (signer, worker) = pair();
+        for key in [None, Some("not base64!"), Some("AAAA"), Some("")] {
+            let mut h = HeaderMap::new();
+            signer.seal_for(key, "s", b"x", &mut h);
+            assert!(
+                h.get(SEAL_SIGNATURE_HEADER).is_some() && h.get(SEAL_MAC_HEADER).is_none(),
+                "{key:?}"
+            );
+            assert_eq!(worker.verify("s", Some(&h), b"x"), Ok(()), "{key:?}");
+        }
+    }
+
+    /// What a credential that may publish on worker subjects can try with a worker's public session key: grants
+    /// of its own making. Its own front key under a genuine grant's signature, a grant signed by another exec
+    /// key, a low-order front key (a shared secret it would know): all refused, and none is kept.
+    #[test]
+    fn a_grant_not_made_by_a_front_for_this_worker_is_refused_and_not_kept() {
+        let (signer, worker) = pair();
+        let (stranger, _) = pair();
+        let expires = now_ms() + grant_ms(GRANT_TTL);
+        let mine = SessionPair::generate();
+        let key = mine
+            .shared(worker.session_key(), &mine.public, worker.session_key())
+            .unwrap();
+        // The genuine grant's signature with the attacker's front key swapped in.
+        let genuine = grant_header(
+            &signer,
+            worker.session_key(),
+            &SessionPair::generate().public,
+            expires,
+        );
+        let sig = genuine.rsplit('.').next().unwrap();
+        let swapped = format!("{expires}.{}.{sig}", mine.public);
+        assert_eq!(
+            worker.verify("s", Some(&mac_sealed(&swapped, &key, "s", b"x")), b"x"),
+            Err(SealError::BadGrant)
+        );
+        // A grant signed by a key the worker does not trust.
+        let foreign = grant_header(&stranger, worker.session_key(), &mine.public, expires);
+        assert_eq!(
+            worker.verify("s", Some(&mac_sealed(&foreign, &key, "s", b"x")), b"x"),
+            Err(SealError::BadGrant)
+        );
+        // A low-order front key (the identity point): the shared secret would be all zeros.
+        let zero = URL_SAFE_NO_PAD.encode([0u8; 32]);
+        let low = grant_header(&signer, worker.session_key(), &zero, expires);
+        assert_eq!(
+            worker.verify("s", Some(&mac_sealed(&low, &key, "s", b"x")), b"x"),
+            Err(SealError::BadGrant)
+        );
+        assert!(lock(&worker.grants).is_empty(), "nothing unverified is kept");
+        for grant in [
+            "",
+            "1.2",
+            "x.AAAA.AAAA",
+            "123456789012345678901.AAAA.AAAA",
+            "1.AAAA.not base64!",
+        ] {
+            assert_eq!(
+                worker.verify("s", Some(&mac_sealed(grant, &key, "s", b"x")), b"x"),
+                Err(SealError::Malformed),
+                "{grant:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_grant_is_good_until_its_expiry_and_never_longer_than_a_front_gives() {
+        let (signer, worker) = pair();
+        let front = SessionPair::generate();
+        let key = front
+            .shared(worker.session_key(), &front.public, worker.session_key())
+            .unwrap();
+        let now = now_ms();
+        let longest = grant_ms(GRANT_TTL + MAX_SKEW);
+        // A second inside each bound: no clock step between sealing and checking reaches it.
+        for (expires, want) in [
+            (now + 1_000, Ok(())),
+            (now + longest - 1_000, Ok(())),
+            (now - 1_000, Err(SealError::Stale)),
+            (now + longest + 1_000, Err(SealError::BadGrant)),
+        ] {
+            let grant = grant_header(&signer, worker.session_key(), &front.public, expires);
+            assert_eq!(
+                worker.verify("s", Some(&mac_sealed(&grant, &key, "s", b"x")), b"x"),
+                want,
+                "expires in {} ms",
+                i128::from(expires) - i128::from(now)
+            );
+        }
+        // A kept grant is checked again at every use: once it has expired, it seals nothing.
+        let grant = grant_header(&signer, worker.session_key(), &front.public, now + 1_000);
+        lock(&worker.grants).insert(grant.clone(), (Arc::new(key.clone()), now - 1));
+        assert_eq!(
+            worker.verify("s", Some(&mac_sealed(&grant, &key, "s", b"x")), b"x"),
+            Err(SealError::Stale)
+        );
+    }
+
+    #[test]
+    fn a_rotated_session_makes_new_grants_and_the_worker_keeps_a_bounded_number() {
+        let (signer, worker) = pair();
+        let mut first = HeaderMap::new();
+        signer.seal_for(Some(worker.session_key()), "s", b"x", &mut first);
+        signer.rotate_session();
+        let mut second = HeaderMap::new();
+        signer.seal_for(Some(worker.session_key()), "s", b"x", &mut second);
+        assert_ne!(first.get(SEAL_GRANT_HEADER), second.get(SEAL_GRANT_HEADER));
+        // Messages sealed before the rotation are still good (their grant has not expired).
+        assert_eq!(worker.verify("s", Some(&first), b"x"), Ok(()));
+        assert_eq!(worker.verify("s", Some(&second), b"x"), Ok(()));
+        for _ in 0..GRANT_CACHE_MAX {
+            signer.rotate_session();
+            let mut h = HeaderMap::new();
+            signer.seal_for(Some(worker.session_key()), "s", b"x", &mut h);
+            assert_eq!(worker.verify("s", Some(&h), b"x"), Ok(()));
+            assert!(lock(&worker.grants).len() <= GRANT_CACHE_MAX);
         }
     }
 

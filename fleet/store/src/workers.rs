@@ -26,6 +26,11 @@ pub struct WorkerInfo {
     pub sessions_warm: Vec<(String, String)>,
     /// When it started (epoch ms).
     pub started_at_ms: u64,
+    /// Its exec-seal session public key (X25519, base64url): fronts seal what they send it with a session grant
+    /// for this key (`fleet::nats_auth::exec_seal`); absent (a worker of an earlier release), they sign each
+    /// message.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seal_key: Option<String>,
 }
 
 /// One change of the worker registry.

@@ -1,7 +1,8 @@
 //! `fleet-echo-plugin`: the fixture Executa plugin that every Cloud Agents test of the host runs.
 //!
 //! It speaks line-delimited JSON-RPC 2.0 over stdio (the Executa protocol, v2 by default) and serves many
-//! `invoke`s at once: the main thread reads stdin, each `invoke` runs on its own thread, every stdout frame is
+//! `invoke`s at once: the main thread reads stdin, each `invoke` runs on its own thread (but `echo`, which never
+//! waits, answered on the main thread), every stdout frame is
 //! written whole and flushed under one lock, and responses to the plugin's reverse-RPC requests are routed back
 //! to the waiting invoke by id. Flags (see `cli.rs`) and tool arguments (see `tools.rs`) choose the behaviour,
 //! including the misbehaviour a host must survive (junk output, crashes, hangs, floods, ignored shutdown).
@@ -414,6 +415,12 @@ fn dispatch(shared: &Arc<Shared>, id: &Value, method: &str, params: Value) {
             if !spawned {
                 shared.respond_err(id, code::INTERNAL_ERROR, "cannot spawn a thread", None);
             }
+        }
+        "invoke" if tools::answers_at_once(&params) => {
+            // A tool that never waits is answered on this thread: a thread per call would cost more than the
+            // call (and the host's round-trip benchmark would measure it).
+            let _guard = shared.begin_request();
+            tools::invoke(shared, id, params);
         }
         "invoke" => {
             let s = Arc::clone(shared);

@@ -187,6 +187,12 @@ pub(crate) fn invoke(shared: &Arc<Shared>, id: &Value, params: Value) {
     }
 }
 
+/// Whether the invoke of `params` is of a tool that never waits (no sleep, no reverse RPC, no file, no exit):
+/// `echo`.
+pub(crate) fn answers_at_once(params: &Value) -> bool {
+    params.get("tool").and_then(Value::as_str) == Some("echo")
+}
+
 fn parse_invoke(params: Value) -> Result<(String, Map<String, Value>, Value), RpcErr> {
     let Value::Object(mut p) = params else {
         return Err(bad_args("invoke params must be an object"));
