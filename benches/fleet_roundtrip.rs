@@ -80,6 +80,10 @@ use tracing_subscriber::Layer as _;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 
+/// The `fleet` binary's allocator: the front and the worker run in this process.
+#[global_allocator]
+static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// The user whose echo session is warm.
 const USER: &str = "bench-user";
 /// Size of the request body of A and B.

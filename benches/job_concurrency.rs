@@ -29,6 +29,10 @@ use fleet_store::JobRecord;
 use futures::StreamExt as _;
 use serde_json::json;
 
+/// The `fleet` binary's allocator: the fleet's parts run in this process.
+#[global_allocator]
+static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// The burst's job length.
 const BURST_JOB_MS: u64 = 2_000;
 /// The burst goal: every job done within this.

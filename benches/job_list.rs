@@ -33,6 +33,10 @@ use fleet_store::{JobRecord, Store, Transition};
 use futures::StreamExt as _;
 use serde_json::{Value, json};
 
+/// The `fleet` binary's allocator: the fleet's parts run in this process.
+#[global_allocator]
+static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// The small user's jobs.
 const FEW: usize = 100;
 /// The large user's jobs: the most one user may keep.

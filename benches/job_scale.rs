@@ -35,6 +35,10 @@ use fleet_store::{JobRecord, Store};
 use futures::StreamExt as _;
 use serde_json::{Value, json};
 
+/// The `fleet` binary's allocator: the fleet's parts run in this process.
+#[global_allocator]
+static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// Users of the large fleet (each with `MAX_ACTIVE_JOBS_PER_USER` active jobs: 10 000 in all).
 const MANY_USERS: usize = 2_000;
 /// Users of the small fleet (100 active jobs).

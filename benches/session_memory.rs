@@ -16,6 +16,10 @@ use fleet_e2e::worker::{Plugin, TestWorker, data, test_config};
 use futures::StreamExt as _;
 use serde_json::json;
 
+/// The `fleet` binary's allocator: the fleet's parts run in this process.
+#[global_allocator]
+static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// The goal per session.
 const GOAL_BYTES: u64 = 64 * 1024;
 /// Sessions started at once.
