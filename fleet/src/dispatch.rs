@@ -58,7 +58,7 @@ pub struct Dispatcher {
     /// The registry, pushed by a KV watch.
     membership: Membership,
     /// The last direct read, used only until the watch has read the registry.
-    cache: Mutex<Option<(Instant, Vec<WorkerInfo>)>>,
+    cache: Mutex<Option<(Instant, Vec<Arc<WorkerInfo>>)>>,
     /// See [`NO_WORKER_WAIT`].
     no_worker_wait: Duration,
     /// Seals every exec request and cancel command (workers serve nothing else).
@@ -89,7 +89,7 @@ impl Dispatcher {
 
     /// The live workers to dispatch to, as the membership watch sees them (pushed, no read per call); read from
     /// the registry while the watch does not know (not read yet, or broken); empty when neither answers.
-    pub async fn live(&self) -> Vec<WorkerInfo> {
+    pub async fn live(&self) -> Vec<Arc<WorkerInfo>> {
         if let Some(list) = self.membership.snapshot() {
             return list;
         }
@@ -99,7 +99,7 @@ impl Dispatcher {
     /// The live workers read from the registry itself (cached for half a second), or `None` when it cannot be
     /// read right now, so callers never mistake a JetStream hiccup for dead workers. This is what destructive
     /// decisions (the sweeper failing a lost worker's jobs) rest on: a watch that went quiet is not evidence.
-    pub async fn registry(&self) -> Option<Vec<WorkerInfo>> {
+    pub async fn registry(&self) -> Option<Vec<Arc<WorkerInfo>>> {
         if let Some((at, list)) = self
             .cache
             .lock()
@@ -111,6 +111,7 @@ impl Dispatcher {
         }
         match self.store.live_workers().await {
             Ok(list) => {
+                let list: Vec<Arc<WorkerInfo>> = list.into_iter().map(Arc::new).collect();
                 *self
                     .cache
                     .lock()
@@ -281,7 +282,7 @@ impl Dispatcher {
             .await
             .into_iter()
             .filter(|w| w.long_jobs_running >= w.capacity_long_jobs)
-            .map(|w| w.id)
+            .map(|w| w.id.clone())
             .collect();
         for worker in self.ranked(&req.user, &req.plugin).await {
             if busy.contains(&worker) {
@@ -321,7 +322,7 @@ impl Dispatcher {
         };
         let targets: Vec<String> = match worker {
             Some(w) => vec![w.to_string()],
-            None => self.live().await.into_iter().map(|w| w.id).collect(),
+            None => self.live().await.iter().map(|w| w.id.clone()).collect(),
         };
         let trace = crate::telemetry::headers(&tracing::Span::current()).unwrap_or_default();
         for w in targets {

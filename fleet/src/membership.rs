@@ -24,6 +24,9 @@ use crate::policy;
 /// How long to wait before watching again after the watch broke.
 const REWATCH_AFTER: Duration = Duration::from_millis(500);
 
+/// The registry's entries by worker id, each with when it was last seen refreshed.
+type Members = HashMap<String, (Arc<WorkerInfo>, Instant)>;
+
 /// The live workers known to this process, kept current by a background watch.
 #[derive(Debug)]
 pub struct Membership {
@@ -33,8 +36,9 @@ pub struct Membership {
 
 #[derive(Debug)]
 struct Shared {
-    /// `None` until the registry was read once.
-    members: Mutex<Option<HashMap<String, (WorkerInfo, Instant)>>>,
+    /// `None` until the registry was read once. Entries are shared, not copied, with every snapshot: an entry
+    /// lists up to 256 warm sessions, and a snapshot is taken at every dispatch.
+    members: Mutex<Option<Members>>,
     /// Bumped on every applied change.
     version: watch::Sender<u64>,
     /// An entry not refreshed for this long is dead (the registry bucket's `max_age`).
@@ -42,7 +46,7 @@ struct Shared {
 }
 
 impl Shared {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<HashMap<String, (WorkerInfo, Instant)>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Members>> {
         fleet_proto::util::lock(&self.members)
     }
 
@@ -69,7 +73,7 @@ impl Membership {
     /// stores refreshes that is now; once no worker's refresh has arrived for [`policy::REGISTRY_QUIET`], it is
     /// the newest refresh seen, so a registry that cannot store (its stream electing a leader) does not empty the
     /// membership, and entries age again from the first refresh it stores.
-    pub fn snapshot(&self) -> Option<Vec<WorkerInfo>> {
+    pub fn snapshot(&self) -> Option<Vec<Arc<WorkerInfo>>> {
         let guard = self.shared.lock();
         Some(live_at(guard.as_ref()?, Instant::now(), self.shared.ttl))
     }
@@ -94,14 +98,14 @@ impl Drop for Membership {
 
 /// The entries of `members` live at `now` (sorted by id): refreshed less than `ttl` before the registry's clock —
 /// `now`, or the newest refresh once none arrived for [`policy::REGISTRY_QUIET`].
-fn live_at(members: &HashMap<String, (WorkerInfo, Instant)>, now: Instant, ttl: Duration) -> Vec<WorkerInfo> {
+fn live_at(members: &Members, now: Instant, ttl: Duration) -> Vec<Arc<WorkerInfo>> {
     let newest = members.values().map(|(_, seen)| *seen).max().unwrap_or(now);
     let clock = if now.saturating_duration_since(newest) > policy::REGISTRY_QUIET {
         newest
     } else {
         now
     };
-    let mut live: Vec<WorkerInfo> = members
+    let mut live: Vec<Arc<WorkerInfo>> = members
         .values()
         .filter(|(_, seen)| clock.saturating_duration_since(*seen) < ttl)
         .map(|(info, _)| info.clone())
@@ -133,7 +137,7 @@ async fn follow_once(store: &Store, shared: &Shared) -> Result<(), StoreError> {
             .into_iter()
             .map(|(info, age)| {
                 let seen = now.checked_sub(age).unwrap_or(now);
-                (info.id.clone(), (info, seen))
+                (info.id.clone(), (Arc::new(info), seen))
             })
             .collect();
         *shared.lock() = Some(members);
@@ -146,7 +150,7 @@ async fn follow_once(store: &Store, shared: &Shared) -> Result<(), StoreError> {
             let members = guard.get_or_insert_with(HashMap::new);
             match change {
                 WorkerChange::Up(info) => {
-                    members.insert(info.id.clone(), (info, Instant::now()));
+                    members.insert(info.id.clone(), (Arc::new(info), Instant::now()));
                 }
                 WorkerChange::Down(id) => {
                     members.remove(&id);
@@ -164,7 +168,7 @@ mod tests {
 
     const TTL: Duration = Duration::from_secs(10);
 
-    fn members(seen: &[(&str, Instant)]) -> HashMap<String, (WorkerInfo, Instant)> {
+    fn members(seen: &[(&str, Instant)]) -> Members {
         seen.iter()
             .map(|(id, at)| {
                 let info = WorkerInfo {
@@ -175,12 +179,12 @@ mod tests {
                     started_at_ms: 0,
                     seal_key: None,
                 };
-                ((*id).to_owned(), (info, *at))
+                ((*id).to_owned(), (Arc::new(info), *at))
             })
             .collect()
     }
 
-    fn ids(live: &[WorkerInfo]) -> Vec<&str> {
+    fn ids(live: &[Arc<WorkerInfo>]) -> Vec<&str> {
         live.iter().map(|w| w.id.as_str()).collect()
     }
 

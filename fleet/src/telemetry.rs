@@ -84,12 +84,19 @@ pub fn layers(
         .build();
     let tracer = provider.tracer("cloud-agents");
     // Only this service's spans are exported (not log events, which may name users; not dependencies' spans),
-    // whatever the log filter prints.
-    let otel = tracing_opentelemetry::layer().with_tracer(tracer).with_filter(
-        tracing_subscriber::filter::filter_fn(|meta| {
+    // whatever the log filter prints. Left out of every span, for their cost on the request path (an async span
+    // is entered and left at every poll): busy/idle times (two clock reads per poll), the OpenTelemetry context
+    // made current at every poll (the fleet reads a span's context from the span itself, `headers`), the thread
+    // and the source location (four attributes per span).
+    let otel = tracing_opentelemetry::layer()
+        .with_tracer(tracer)
+        .with_tracked_inactivity(false)
+        .with_context_activation(false)
+        .with_threads(false)
+        .with_location(false)
+        .with_filter(tracing_subscriber::filter::filter_fn(|meta| {
             meta.is_span() && *meta.level() <= tracing::Level::INFO && meta.target().starts_with("fleet")
-        }),
-    );
+        }));
     Ok((Box::new(fmt.and_then(otel)), Some(provider)))
 }
 
