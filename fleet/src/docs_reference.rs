@@ -272,6 +272,12 @@ const OTHER_ENV: &[(&str, &str)] = &[
         "FLEET_BENCH_SESSIONS",
         "Benches: idle warm sessions `cargo bench --bench session_memory` opens on one worker (default 1000).",
     ),
+    (
+        "FLEET_BENCH_PROFILE_SECS",
+        "Benches: `fleet_roundtrip` runs only `tools.invoke` pipelined for this many seconds after its set-up (for a \
+         profiler attached to it), then 2 000 sequential A and B, and prints their throughput and p50 instead of its \
+         table.",
+    ),
 ];
 
 /// `fleet worker --config FILE`: the meaning of each key of [`fleet_worker::config::WorkerConfig`], by dotted
