@@ -208,6 +208,13 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
                 None,
                 args.nats.nats_creds.as_deref(),
             )
+            .and_then(|v| {
+                v.keep_session_in(
+                    &config
+                        .state_dir
+                        .join(crate::nats_auth::exec_seal::EXEC_SESSION_FILE),
+                )
+            })
             .map_err(|e| WorkerCmdError::Usage(e.to_string()))?;
             // Workers attach to the resources a front created: their NATS user may not create streams.
             let settings = fleet_store::StoreSettings {

@@ -61,6 +61,9 @@ use fleet_proto::util::now_ms;
 
 /// The signing seed, under the auth directory (fronts only).
 pub const EXEC_SEED_FILE: &str = "exec.seed";
+/// A worker's session secret, under its state directory (0600): a worker restarted with the same id and state
+/// directory keeps its session key, so the grants fronts made for it stay good across the restart.
+pub const EXEC_SESSION_FILE: &str = "exec-session.key";
 /// The public keys that verify seals, under the auth directory (what workers get).
 pub const EXEC_PUB_FILE: &str = "exec.pub";
 /// How far a seal's stamp may be from the verifying worker's clock, either way.
@@ -104,6 +107,12 @@ pub enum SealKeyError {
         path: PathBuf,
         /// The 1-based line.
         line: usize,
+    },
+    /// The file does not hold one session secret (32 bytes, base64url); its content is not quoted.
+    #[error("{}: not an exec session secret (delete it: the worker makes a new one)", path.display())]
+    NotASessionSecret {
+        /// The file.
+        path: PathBuf,
     },
     /// The file holds no key.
     #[error("{}: holds no exec public key", path.display())]
@@ -243,11 +252,44 @@ impl SessionPair {
             // (a CSPRNG seeded from the OS) rather than an all-zero secret.
             *secret = rand::random();
         }
+        SessionPair::from_secret(secret)
+    }
+
+    fn from_secret(secret: Zeroizing<[u8; 32]>) -> SessionPair {
         let public = MontgomeryPoint::mul_base_clamped(*secret).to_bytes();
         SessionPair {
             secret,
             public: URL_SAFE_NO_PAD.encode(public),
         }
+    }
+
+    /// The pair whose secret `path` holds, the file made first (0600, exclusively: two processes agree on one)
+    /// with a new secret when there is none.
+    fn kept_in(path: &Path) -> Result<SessionPair, SealKeyError> {
+        if !path.exists() {
+            if let Some(dir) = path.parent() {
+                fs::create_dir_all(dir).map_err(|e| io_error(dir, e))?;
+            }
+            let fresh = SessionPair::generate();
+            let text = Zeroizing::new(format!("{}\n", URL_SAFE_NO_PAD.encode(*fresh.secret)));
+            create_private_exclusive(path, text.as_bytes()).map_err(|e| SealKeyError::Io {
+                path: path.to_path_buf(),
+                source: io::Error::other(e.to_string()),
+            })?;
+        }
+        ensure_private_file(path).map_err(|e| SealKeyError::Io {
+            path: path.to_path_buf(),
+            source: io::Error::other(e.to_string()),
+        })?;
+        let text = Zeroizing::new(fs::read_to_string(path).map_err(|e| io_error(path, e))?);
+        let bytes = Zeroizing::new(URL_SAFE_NO_PAD.decode(text.trim()).unwrap_or_default());
+        let secret: [u8; 32] = bytes
+            .as_slice()
+            .try_into()
+            .map_err(|_| SealKeyError::NotASessionSecret {
+                path: path.to_path_buf(),
+            })?;
+        Ok(SessionPair::from_secret(Zeroizing::new(secret)))
     }
 
     /// The HMAC key this pair shares with the holder of `peer` (base64url) for the grant between `front` and
@@ -520,6 +562,16 @@ impl ExecVerifier {
             session: SessionPair::generate(),
             grants: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Keeps this worker's session secret in `path` (a worker's `<state dir>/`[`EXEC_SESSION_FILE`]): the
+    /// secret there when there is one, else a new one written there. Without it a worker makes a new session key
+    /// at every start, and a restart under the same id refuses (`bad_grant`) what fronts sealed for the previous
+    /// key until they see its new registry entry.
+    pub fn keep_session_in(mut self, path: &Path) -> Result<ExecVerifier, SealKeyError> {
+        self.session = SessionPair::kept_in(path)?;
+        lock(&self.grants).clear();
+        Ok(self)
     }
 
     /// This worker's session public key (base64url), for its registry entry.
@@ -942,6 +994,34 @@ mod tests {
             assert_eq!(worker.verify("s", Some(&h), b"x"), Ok(()));
             assert!(lock(&worker.grants).len() <= GRANT_CACHE_MAX);
         }
+    }
+
+    /// A worker restarted with the same state directory keeps its session key: what a front sealed for it before
+    /// the restart is good after it (no `bad_grant` until the front sees a new registry entry).
+    #[test]
+    fn a_kept_session_survives_a_restart_and_a_bad_file_is_named_not_quoted() {
+        let (signer, _) = pair();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state").join(EXEC_SESSION_FILE);
+        let before = ExecVerifier::trusting(&signer).keep_session_in(&path).unwrap();
+        let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&path).unwrap().permissions());
+        assert_eq!(mode & 0o777, 0o600);
+        let mut h = HeaderMap::new();
+        signer.seal_for(Some(before.session_key()), "s", b"x", &mut h);
+        let after = ExecVerifier::trusting(&signer).keep_session_in(&path).unwrap();
+        assert_eq!(after.session_key(), before.session_key());
+        assert_eq!(after.verify("s", Some(&h), b"x"), Ok(()));
+        // Without the file, a new key: the same seal is refused.
+        assert_eq!(
+            ExecVerifier::trusting(&signer).verify("s", Some(&h), b"x"),
+            Err(SealError::BadGrant)
+        );
+        std::fs::write(&path, "c2VjcmV0LWJ1dC10b28tc2hvcnQ\n").unwrap();
+        let err = ExecVerifier::trusting(&signer)
+            .keep_session_in(&path)
+            .unwrap_err();
+        assert!(matches!(err, SealKeyError::NotASessionSecret { .. }), "{err}");
+        assert!(!err.to_string().contains("c2VjcmV0"), "{err}");
     }
 
     #[test]
