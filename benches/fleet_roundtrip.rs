@@ -709,7 +709,7 @@ const PROFILE_SEQUENTIAL: usize = 2_000;
 
 /// `FLEET_BENCH_PROFILE_SECS=<n>`: after the set-up, only B pipelined for `n` seconds (for a profiler attached
 /// to this process), then the median throughput of its batches and the p50 of sequential A and B; no criterion
-/// pass and no table.
+/// pass and no table. With `FLEET_BENCH_PROFILE_TRACED` set, all of it with the production subscriber on (Bt).
 fn profile_secs() -> Option<Duration> {
     let secs = std::env::var("FLEET_BENCH_PROFILE_SECS").ok()?;
     Some(Duration::from_secs(
@@ -727,6 +727,10 @@ fn bench(c: &mut Criterion) {
         .unwrap();
     let mut b = rt.block_on(Box::pin(Bench::new()));
     if let Some(secs) = profile_secs() {
+        if std::env::var_os("FLEET_BENCH_PROFILE_TRACED").is_some() {
+            TRACING.store(true, Ordering::Relaxed);
+            tracing::callsite::rebuild_interest_cache();
+        }
         let t = Instant::now();
         let mut batches = Vec::new();
         while t.elapsed() < secs {

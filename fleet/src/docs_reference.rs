@@ -278,6 +278,11 @@ const OTHER_ENV: &[(&str, &str)] = &[
          profiler attached to it), then 2 000 sequential A and B, and prints their throughput and p50 instead of its \
          table.",
     ),
+    (
+        "FLEET_BENCH_PROFILE_TRACED",
+        "Benches: with `FLEET_BENCH_PROFILE_SECS`, `fleet_roundtrip`'s profile run has the production subscriber on \
+         (logs at `info`, spans exported over OTLP to its in-process receiver).",
+    ),
 ];
 
 /// `fleet worker --config FILE`: the meaning of each key of [`fleet_worker::config::WorkerConfig`], by dotted
