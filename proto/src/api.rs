@@ -1143,27 +1143,26 @@ pub mod worker {
     /// key (as its registry entry spells it, so the grant is good for that worker only), the front's session
     /// public key and the grant's expiry (Unix ms), each length-prefixed.
     pub fn grant_input(worker_key: &str, front_key: &str, expires_ms: u64) -> Vec<u8> {
-        const DOMAIN: &[u8] = b"fleet-exec-grant-v1";
         let expires = expires_ms.to_string();
-        let mut out =
-            Vec::with_capacity(DOMAIN.len() + worker_key.len() + front_key.len() + expires.len() + 32);
-        for part in [
-            DOMAIN,
+        length_prefixed(&[
+            b"fleet-exec-grant-v1",
             worker_key.as_bytes(),
             front_key.as_bytes(),
             expires.as_bytes(),
-        ] {
-            out.extend_from_slice(&(part.len() as u64).to_be_bytes());
-            out.extend_from_slice(part);
-        }
-        out
+        ])
     }
+
     /// What the front signs: a domain tag, the subject (so a request cannot be redirected to another worker),
     /// the stamp (so it expires and is seen once) and the body, each length-prefixed.
     pub fn seal_input(subject: &str, stamp: &str, body: &[u8]) -> Vec<u8> {
-        const DOMAIN: &[u8] = b"fleet-exec-seal-v1";
-        let mut out = Vec::with_capacity(DOMAIN.len() + subject.len() + stamp.len() + body.len() + 24);
-        for part in [DOMAIN, subject.as_bytes(), stamp.as_bytes(), body] {
+        length_prefixed(&[b"fleet-exec-seal-v1", subject.as_bytes(), stamp.as_bytes(), body])
+    }
+
+    /// `parts` concatenated, each preceded by its length (8 bytes, big-endian): no two lists of parts give the
+    /// same bytes.
+    fn length_prefixed(parts: &[&[u8]]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(parts.iter().map(|p| p.len() + 8).sum());
+        for part in parts {
             out.extend_from_slice(&(part.len() as u64).to_be_bytes());
             out.extend_from_slice(part);
         }

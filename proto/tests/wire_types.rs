@@ -1384,3 +1384,30 @@ fn keepalive_tokens_name_one_subject_and_nothing_else() {
         assert!(!keepalive_token_ok(&bad), "{bad:?} is refused");
     }
 }
+
+/// The bytes a front signs or MACs: each part preceded by its length, 8 bytes big-endian, domain tag first
+/// (a change here breaks every seal between releases).
+#[test]
+fn seal_and_grant_inputs_are_length_prefixed_parts() {
+    use fleet_proto::api::worker::{grant_input, seal_input};
+    let framed = |parts: &[&[u8]]| -> Vec<u8> {
+        parts
+            .iter()
+            .flat_map(|p| {
+                (p.len() as u64)
+                    .to_be_bytes()
+                    .into_iter()
+                    .chain(p.iter().copied())
+            })
+            .collect()
+    };
+    assert_eq!(
+        seal_input("fleet.v1.worker.w.exec", "1.ab", b"{}"),
+        framed(&[b"fleet-exec-seal-v1", b"fleet.v1.worker.w.exec", b"1.ab", b"{}"])
+    );
+    assert_eq!(&seal_input("s", "t", b"")[..8], &18u64.to_be_bytes());
+    assert_eq!(
+        grant_input("W", "F", 1_700_000_000_000),
+        framed(&[b"fleet-exec-grant-v1", b"W", b"F", b"1700000000000"])
+    );
+}

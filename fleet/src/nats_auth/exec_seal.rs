@@ -266,21 +266,16 @@ impl SessionPair {
     /// The pair whose secret `path` holds, the file made first (0600, exclusively: two processes agree on one)
     /// with a new secret when there is none.
     fn kept_in(path: &Path) -> Result<SessionPair, SealKeyError> {
+        let file_error = |e: NatsAuthError| io_error(path, io::Error::other(e.to_string()));
         if !path.exists() {
             if let Some(dir) = path.parent() {
                 fs::create_dir_all(dir).map_err(|e| io_error(dir, e))?;
             }
             let fresh = SessionPair::generate();
             let text = Zeroizing::new(format!("{}\n", URL_SAFE_NO_PAD.encode(*fresh.secret)));
-            create_private_exclusive(path, text.as_bytes()).map_err(|e| SealKeyError::Io {
-                path: path.to_path_buf(),
-                source: io::Error::other(e.to_string()),
-            })?;
+            create_private_exclusive(path, text.as_bytes()).map_err(file_error)?;
         }
-        ensure_private_file(path).map_err(|e| SealKeyError::Io {
-            path: path.to_path_buf(),
-            source: io::Error::other(e.to_string()),
-        })?;
+        ensure_private_file(path).map_err(file_error)?;
         let text = Zeroizing::new(fs::read_to_string(path).map_err(|e| io_error(path, e))?);
         let bytes = Zeroizing::new(URL_SAFE_NO_PAD.decode(text.trim()).unwrap_or_default());
         let secret: [u8; 32] = bytes

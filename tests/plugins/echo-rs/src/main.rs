@@ -1,11 +1,11 @@
 //! `fleet-echo-plugin`: the fixture Executa plugin that every Cloud Agents test of the host runs.
 //!
 //! It speaks line-delimited JSON-RPC 2.0 over stdio (the Executa protocol, v2 by default) and serves many
-//! `invoke`s at once: the main thread reads stdin, each `invoke` runs on its own thread (but `echo`, which never
-//! waits, answered on the main thread), every stdout frame is
-//! written whole and flushed under one lock, and responses to the plugin's reverse-RPC requests are routed back
-//! to the waiting invoke by id. Flags (see `cli.rs`) and tool arguments (see `tools.rs`) choose the behaviour,
-//! including the misbehaviour a host must survive (junk output, crashes, hangs, floods, ignored shutdown).
+//! `invoke`s at once: the main thread reads stdin, each `invoke` runs on its own thread (except `echo`, which
+//! never waits and is answered on the main thread), every stdout frame is written whole and flushed under one
+//! lock, and responses to the plugin's reverse-RPC requests are routed back to the waiting invoke by id. Flags
+//! (see `cli.rs`) and tool arguments (see `tools.rs`) choose the behaviour, including the misbehaviour a host
+//! must survive (junk output, crashes, hangs, floods, ignored shutdown).
 //!
 //! stdin EOF means shutdown: reverse RPCs still waiting fail at once, the requests in flight finish and write
 //! their responses, then the process exits 0 (or parks forever after `--ignore-eof` / `ignore_shutdown`).
