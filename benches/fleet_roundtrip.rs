@@ -13,6 +13,9 @@
 //! - A `raw_echo` — NATS request/reply to a responder task (its own connection) that answers every message with
 //!   its payload: the same ≈150-byte body and the same `Authorization` header as B. The physical floor of one
 //!   API call;
+//! - Ai the same echo as an API call makes it: from the `app` user, through the app account's service import of
+//!   `fleet.v1.api.>`, to a responder on a `front` connection (subject `fleet.v1.api.bench-raw-echo`, no method
+//!   of the API). What the trust boundary (the accounts) adds to every API call before the front sees it;
 //! - B `invoke` — `tools.invoke` of `echo.echo` through the API: JWT check, rate limiter, dispatch (rendezvous
 //!   over the cached worker registry), request/reply to the worker, the plugin's stdio round trip, and back;
 //! - A and B pipelined: N requests with 64 in flight (`buffer_unordered(64)`), in requests per second;
@@ -92,6 +95,8 @@ const BODY_BYTES: usize = 150;
 const IN_FLIGHT: usize = 64;
 /// The raw echo's subject.
 const ECHO_SUBJECT: &str = "fleet.v1.worker.bench-raw-echo.exec";
+/// Ai's method under the API prefix (no method of the API).
+const IMPORT_ECHO_METHOD: &str = "bench-raw-echo";
 /// The bucket of E and F.
 /// The scratch keys' prefix in the jobs bucket (no user key is `bench`: user keys are 32 hex characters).
 const SCRATCH_PREFIX: &str = "bench";
@@ -197,6 +202,8 @@ struct Bench {
     /// The `tools.invoke` / `tools.invokeAsync` body (`BODY_BYTES`).
     body: Bytes,
     responder: tokio::task::JoinHandle<()>,
+    /// Ai's responder.
+    import_responder: tokio::task::JoinHandle<()>,
     /// The warm user's `tool_job` events.
     events: async_nats::Subscriber,
     /// Dr's job, running with one progress event stored.
@@ -273,6 +280,21 @@ impl Bench {
             }
         });
 
+        // Ai: the responder behind the import, on a front connection of its own.
+        let import_client = connect(&cluster.nats, Role::Front).await;
+        let mut sub = import_client
+            .subscribe(subjects::api(IMPORT_ECHO_METHOD))
+            .await
+            .unwrap();
+        import_client.flush().await.unwrap();
+        let import_responder = tokio::spawn(async move {
+            while let Some(msg) = sub.next().await {
+                if let Some(reply) = msg.reply {
+                    let _ = import_client.publish(reply, msg.payload).await;
+                }
+            }
+        });
+
         let client = cluster.app.clone();
         let raw = cluster.client.clone();
         let mut headers = HeaderMap::new();
@@ -301,6 +323,7 @@ impl Bench {
             headers,
             body: invoke_body(),
             responder,
+            import_responder,
             events,
             running: None,
             scratch,
@@ -324,6 +347,7 @@ impl Bench {
         bench.kv_put().await;
         bench.kv_get().await;
         bench.raw_echo().await;
+        bench.import_echo().await;
         bench
     }
 
@@ -352,6 +376,17 @@ impl Bench {
     async fn raw_echo(&self) -> Duration {
         let t = Instant::now();
         let reply = self.send(ECHO_SUBJECT.into(), self.body.clone()).await;
+        let d = t.elapsed();
+        assert_eq!(reply.len(), BODY_BYTES);
+        d
+    }
+
+    /// Ai: one raw request/reply echo through the app account's import.
+    async fn import_echo(&self) -> Duration {
+        let t = Instant::now();
+        let reply = self
+            .send(subjects::api(IMPORT_ECHO_METHOD), self.body.clone())
+            .await;
         let d = t.elapsed();
         assert_eq!(reply.len(), BODY_BYTES);
         d
@@ -526,6 +561,7 @@ impl Bench {
             check_ok(methods::TOOLS_CANCEL_JOB, &reply);
         }
         self.responder.abort();
+        self.import_responder.abort();
         let _ = self
             .scratch
             .stream
@@ -573,6 +609,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 #[derive(Default)]
 struct Samples {
     a: Vec<Duration>,
+    ai: Vec<Duration>,
     b: Vec<Duration>,
     /// B with the production subscriber on.
     bt: Vec<Duration>,
@@ -595,6 +632,7 @@ async fn interleaved(bench: &mut Bench, plan: Plan) -> Samples {
     for _ in 0..plan.rounds {
         for _ in 0..plan.latency {
             s.a.push(bench.raw_echo().await);
+            s.ai.push(bench.import_echo().await);
             s.b.push(bench.invoke().await);
         }
         for _ in 0..plan.jobs {
@@ -640,7 +678,7 @@ fn print_table(s: Samples, plan: Plan, bench: &Bench) {
         stats(s.e),
         stats(s.f),
     );
-    let (dk, dr) = (stats(s.dk), stats(s.dr));
+    let (ai, dk, dr) = (stats(s.ai), stats(s.dk), stats(s.dr));
     let (bt, ct) = (stats(s.bt), stats(s.ct));
     let (a_rps, b_rps, bt_rps) = (median(s.a_rps), median(s.b_rps), median(s.bt_rps));
     println!();
@@ -663,6 +701,7 @@ fn print_table(s: Samples, plan: Plan, bench: &Bench) {
         println!("{name:<44} {n:>8} {:>10.1} {:>10.1} {rps:>10}", us(p50), us(p99));
     };
     row("A raw NATS request/reply echo", a, Some(a_rps));
+    row("Ai A through the app account's import", ai, None);
     row("B tools.invoke echo (front→worker→plugin)", b, Some(b_rps));
     row("C tools.invokeAsync (create job)", c, None);
     row("D tools.getJob (finished job, first read)", d, None);
@@ -680,6 +719,12 @@ fn print_table(s: Samples, plan: Plan, bench: &Bench) {
         ratio(b.2, a.2),
         b_rps / a_rps,
         us(b.1.saturating_sub(a.1))
+    );
+    println!(
+        "B/Ai p50 {:>6.2}x  p99 {:>6.2}x  (Ai/A p50 {:.2}x: the accounts' import on every API call)",
+        ratio(b.1, ai.1),
+        ratio(b.2, ai.2),
+        ratio(ai.1, a.1)
     );
     println!(
         "C/E  p50 {:>6.2}x  p99 {:>6.2}x",

@@ -1440,20 +1440,30 @@ async fn finished_jobs_are_answered_from_memory_and_only_to_their_user() {
         json!({"tool_id": "echo.sleep", "args": {"ms": 60_000}}),
     )
     .await;
+    // (`wait_state` reads the store, never the front.)
     wait_state(&c, "alice", &id, JobState::Succeeded).await;
     wait_state(&c, "alice", &running, JobState::Running).await;
-    assert!(front.finished_jobs().is_empty());
+    // The worker's terminal step announced the record: the front keeps it before anyone asked for it.
+    assert!(
+        eventually(GUARD, || front.finished_jobs().len() == 1).await,
+        "the announced finished record was not kept"
+    );
+    let announced = front.finished_jobs().bytes();
     // A running job is never kept.
     assert_eq!(
         get_job(&c, "alice", &running, json!({})).await["state"],
         "running"
     );
-    assert!(front.finished_jobs().is_empty());
-    // The first read of a finished job keeps it; the next is answered from memory, identically.
+    assert_eq!(front.finished_jobs().len(), 1);
+    // Answered from memory, exactly as the store's record reads.
     let first = get_job(&c, "alice", &id, json!({})).await;
     assert_eq!(first["state"], "succeeded");
-    assert_eq!(front.finished_jobs().len(), 1);
+    assert_eq!(
+        first["result"],
+        json!(wait_state(&c, "alice", &id, JobState::Succeeded).await.result)
+    );
     assert_eq!(get_job(&c, "alice", &id, json!({})).await, first);
+    assert_eq!(front.finished_jobs().len(), 1);
     // Its progress slices still come from the ring, cut and frozen as ever.
     let sliced = get_job(&c, "alice", &id, json!({"sinceSeq": 1, "limit": 1})).await;
     assert_eq!(
@@ -1464,6 +1474,31 @@ async fn finished_jobs_are_answered_from_memory_and_only_to_their_user() {
     assert_eq!((&tail["progress"], &tail["lastSeq"]), (&json!([]), &json!(3)));
     // Bob asking for alice's job finds nothing, exactly as for an id nobody has.
     not_found_like_an_unknown_id(&c, "bob", &id).await;
+
+    // A record over FINISHED_ANNOUNCE_MAX_BYTES is not announced: the first read keeps it. The small job that
+    // finishes after it on the same worker is announced after it (one connection's messages keep their order),
+    // so once that one is kept, the big one would have been too.
+    let big = create_job(
+        &c,
+        "alice",
+        json!({"tool_id": "echo.big_result", "args": {"bytes": subjects::FINISHED_ANNOUNCE_MAX_BYTES}}),
+    )
+    .await;
+    wait_state(&c, "alice", &big, JobState::Succeeded).await;
+    let small = create_job(&c, "alice", json!({"tool_id": "echo.echo", "args": {}})).await;
+    wait_state(&c, "alice", &small, JobState::Succeeded).await;
+    assert!(
+        eventually(GUARD, || front.finished_jobs().len() == 2).await,
+        "the small job's record was not kept"
+    );
+    assert!(front.finished_jobs().bytes() < announced + subjects::FINISHED_ANNOUNCE_MAX_BYTES);
+    let read = get_job(&c, "alice", &big, json!({})).await;
+    assert_eq!(
+        read["result"]["blob"].as_str().map(str::len),
+        Some(subjects::FINISHED_ANNOUNCE_MAX_BYTES)
+    );
+    assert_eq!(front.finished_jobs().len(), 3, "the first read keeps it");
+    assert_eq!(get_job(&c, "alice", &big, json!({})).await, read);
     cancel_job(&c, "alice", &running, None).await;
     c.shutdown().await;
 }

@@ -1562,6 +1562,15 @@ fn cluster_report(
     out
 }
 
+/// `at` − `from` in seconds, negative when `at` came first.
+fn signed_secs(at: Instant, from: Instant) -> f64 {
+    if at >= from {
+        at.duration_since(from).as_secs_f64()
+    } else {
+        -from.duration_since(at).as_secs_f64()
+    }
+}
+
 /// How long after `from` the first successful call of the kind sent after `from` answered: when the API
 /// answers again. (A call in flight at `from` is lost with its server; it fails on its own,
 /// `fleet_client::nats_conn::RECONNECT_GRACE` after its connection is re-established.)
@@ -1810,11 +1819,28 @@ fn a_three_node_nats_cluster_loses_a_node_under_load_and_loses_no_accepted_job()
             }
         }
         println!(
-            "  leader of {target} killed: API answers again after sync {:?} / async {:?}; longest gap without a \
+            "  leader of {target} killed ({:.2} s after the start): API answers again after sync {:?} / async {:?}; longest gap without a \
              success {longest_gap:?}; restarted node caught up in {catch_up:?}",
+            killed_at.duration_since(t0).as_secs_f64(),
             first_after(&outcomes, *killed_at, true),
             first_after(&outcomes, *killed_at, false),
         );
+        // The calls of the round that took longer than a second, with the CLI's stderr of those that failed: what
+        // a slow recovery needs to be understood from the suite's output alone.
+        for (at, sync, user, r, sent) in &outcomes {
+            let took = at.duration_since(*sent);
+            if *at > *killed_at && round_end.is_none_or(|end| *sent <= end) && took > Duration::from_secs(1) {
+                println!(
+                    "    slow {} call of {user}: sent {:+.2} s from the kill, took {:.2} s: {r:?}",
+                    if *sync { "sync" } else { "async" },
+                    signed_secs(*sent, *killed_at),
+                    took.as_secs_f64(),
+                );
+            }
+        }
+    }
+    for f in failures.lock().unwrap().iter() {
+        println!("    failed call: {f}");
     }
     // A NATS node lost is the store's trouble, never the plugin's: the reads an invoke needs (the user's
     // credentials, grants) wait out the election (`fleet_store::failover`), so no call may blame the plugin.

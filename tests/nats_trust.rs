@@ -132,6 +132,8 @@ async fn app_credentials_reach_the_api_and_nothing_else() {
         "$SYS.>",
         "_INBOX.front.>",
         "_INBOX.billing.>",
+        // Finished jobs' records, results included: the fronts' only.
+        subjects::JOBS_FINISHED,
         ">",
     ] {
         subscribe_refused(&app, &mut rx, subject).await;
@@ -141,6 +143,7 @@ async fn app_credentials_reach_the_api_and_nothing_else() {
         subjects::worker_exec(&worker_id),
         subjects::worker_cancel(&worker_id),
         "fleet.v1.admin.grants.set".to_owned(),
+        subjects::JOBS_FINISHED.to_owned(),
         "$KV.fleet_jobs.x".to_owned(),
         "$JS.API.STREAM.DELETE.KV_fleet_jobs".to_owned(),
     ] {

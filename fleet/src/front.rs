@@ -112,6 +112,8 @@ pub struct FrontService {
     /// The loops of this front's delegated-call subjects: they serve the agent sessions of the invokes in flight,
     /// so they stay until those are answered, then end with `stop` (their subscriptions dropped).
     delegates: tokio::task::JoinSet<()>,
+    /// The loop keeping announced finished records (ends with `stop`).
+    finished: tokio::task::JoinHandle<()>,
     /// Requests being handled.
     in_flight: InFlight,
     /// `invokeAsync` hand-offs running after their reply.
@@ -163,6 +165,7 @@ impl FrontService {
         }
         self.endpoints.abort_all();
         while self.endpoints.join_next().await.is_some() {}
+        self.finished.abort();
     }
 }
 
@@ -360,6 +363,15 @@ impl Front {
                 });
             }
         }
+        // Finished jobs' records as their terminal step writes them (any worker's or front's): `getJob` of a job
+        // that just finished is answered from memory, also the first time.
+        let mut finished_sub = self.inner.client.subscribe(subjects::JOBS_FINISHED).await?;
+        let front = self.clone();
+        let finished = tokio::spawn(async move {
+            while let Some(message) = finished_sub.next().await {
+                front.keep_finished(&message.payload);
+            }
+        });
         // The endpoints' subscriptions are processed by the server before `serve` returns (no "no responders"
         // right after): a message to our own inbox comes back only once every earlier SUB of this connection is in.
         let inbox = self.inner.client.new_inbox();
@@ -373,10 +385,27 @@ impl Front {
             service: Some(service),
             endpoints: tasks,
             delegates,
+            finished,
             in_flight,
             hand_offs: self.inner.hand_offs.clone(),
             client: self.inner.client.clone(),
         })
+    }
+
+    /// Keeps an announced terminal record (`fleet.v1.jobs.finished`) in the memory of finished jobs. Anything else
+    /// (not a record, not terminal, too big) is dropped: the first `getJob` reads the store then.
+    fn keep_finished(&self, payload: &[u8]) {
+        if payload.len() > subjects::FINISHED_ANNOUNCE_MAX_BYTES {
+            return;
+        }
+        match serde_json::from_slice::<JobRecord>(payload) {
+            Ok(record) => self
+                .inner
+                .finished
+                .insert(Arc::new(record), payload.len(), now_ms()),
+            // Not quoted: serde's message may carry the payload's bytes.
+            Err(_) => tracing::debug!("an announced finished record that does not parse"),
+        }
     }
 
     /// Handles one API call (also the HTTP gateway's entry point, later). Traced in the caller's span (the

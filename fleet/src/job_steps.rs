@@ -1,5 +1,6 @@
 //! The one transition step of a job: **compare-and-set** (the store's state machine), **count**
-//! (`fleet_job_transitions_total{from,to}`) and **announce** (a `tool_job` event on the user's events subject).
+//! (`fleet_job_transitions_total{from,to}`) and **announce** (a `tool_job` event on the user's events subject; a
+//! terminal record also on `fleet.v1.jobs.finished`, for the fronts' memory of finished jobs).
 //! Every transition of the front (creation, cancel, a job no worker can run), the worker node (start, outcome, a
 //! queued job no worker can run) and the sweeper (expiry, a lost worker) goes through [`JobSteps::step`], so a
 //! transition is counted exactly when it was written, and every job that reaches a terminal state announces it.
@@ -108,6 +109,11 @@ impl<'a> JobSteps<'a> {
         match &outcome {
             Ok(Transition::Done(written)) => {
                 self.metrics.job_transition(Some(from(&written.value, to)), to);
+                if to.is_terminal() {
+                    // Before the user's event: a front has the record by the time the app, told by the event,
+                    // asks for it (one connection's messages keep their order).
+                    self.publish_finished(&written.value).await;
+                }
                 self.announce(&written.value, to).await;
                 // The job's delegation ends with it (a worker's outcome leaves it to its TTL: fronts refuse a
                 // delegation whose job is not running anyway).
@@ -166,6 +172,16 @@ impl<'a> JobSteps<'a> {
             terminal: state.is_terminal(),
         };
         self.publish(&record.user, &ev).await;
+    }
+
+    /// A terminal record, for the fronts' memory of finished jobs ([`crate::finished`]). Best effort: a front
+    /// that misses it reads the record from the store at the first `getJob`.
+    async fn publish_finished(&self, record: &JobRecord) {
+        if let Ok(payload) = serde_json::to_vec(record)
+            && payload.len() <= subjects::FINISHED_ANNOUNCE_MAX_BYTES
+        {
+            let _ = self.client.publish(subjects::JOBS_FINISHED, payload.into()).await;
+        }
     }
 
     /// Best effort: events are a notification (the record is the truth, `getJob` reads it), so a failed publish

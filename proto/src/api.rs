@@ -120,6 +120,15 @@ pub mod subjects {
         format!("fleet.v1.worker.{worker_id}.jobs")
     }
 
+    /// Where a job's terminal record is published as it is written (its JSON, at most
+    /// [`FINISHED_ANNOUNCE_MAX_BYTES`]), for the fronts' memory of finished jobs: inside the fleet's account
+    /// only (neither exported nor open to apps).
+    pub const JOBS_FINISHED: &str = "fleet.v1.jobs.finished";
+
+    /// The largest terminal record announced on [`JOBS_FINISHED`]; a larger one (a big result) is read from the
+    /// store by the first `getJob` instead, so a front's share of the announcements stays small.
+    pub const FINISHED_ANNOUNCE_MAX_BYTES: usize = 64 * 1024;
+
     /// `tool_job` events of one user (keyed by the user's subject-safe key).
     pub fn user_events(user_key: &str) -> String {
         format!("fleet.v1.events.{user_key}")

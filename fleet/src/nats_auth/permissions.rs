@@ -23,6 +23,8 @@ pub const WORKER_EXEC: &str = "fleet.v1.worker.*.exec";
 pub const WORKER_CANCEL: &str = "fleet.v1.worker.*.cancel";
 /// Every worker's job-holding subjects (`fleet.v1.worker.<id>.jobs`): a sweeper's "do you still run these?".
 pub const WORKER_JOBS: &str = "fleet.v1.worker.*.jobs";
+/// Where terminal job records are announced to the fronts (`fleet_proto::api::subjects::JOBS_FINISHED`).
+pub const JOBS_FINISHED: &str = fleet_proto::api::subjects::JOBS_FINISHED;
 /// Every subject of the worker plane.
 pub const WORKER_SUBJECTS: &str = "fleet.v1.worker.>";
 /// Every subject of the operator APIs.
@@ -315,6 +317,7 @@ pub fn for_role(role: Role, prefix: &str) -> Permissions {
                 WORKER_CANCEL,
                 WORKER_JOBS,
                 EVENT_SUBJECTS,
+                JOBS_FINISHED,
             ]));
             // Its own inbox is among them. A front is trusted with every stream already; answering any
             // requester adds no reach.
@@ -324,12 +327,15 @@ pub fn for_role(role: Role, prefix: &str) -> Permissions {
                 DELEGATED_SUBJECTS,
                 ADMIN_SUBJECTS,
                 EVENT_SUBJECTS,
+                JOBS_FINISHED,
                 SERVICE_DISCOVERY,
             ]));
             allow_responses = true;
         }
         Role::Worker => {
             publish_allow.push(EVENT_SUBJECTS.to_owned());
+            // The terminal records of the jobs it runs. It adds no reach: a worker writes job records already.
+            publish_allow.push(JOBS_FINISHED.to_owned());
             publish_allow.push(inbox(name));
             // The fronts' inboxes, where it answers exec requests, also after its connection failed over to
             // another server (see [`ANY_REPLY`]). It adds no reach: the worker credential already receives every

@@ -20,6 +20,14 @@ use super::{Op, StoreError};
 /// caller gets the NATS error. Well under the 30 s clients wait for an answer.
 pub const STORE_FAILOVER_WAIT: Duration = Duration::from_secs(10);
 
+/// How long one attempt may go unanswered before it is abandoned and tried again. A request that reached a
+/// stream while its replicas elect a leader is never answered (the server drops it; the client would wait out its
+/// own request or ack timeout, 5–10 s, the whole of [`STORE_FAILOVER_WAIT`]), so without this bound one unlucky
+/// attempt outlasts the election and the call fails although the store answers again. A healthy JetStream
+/// operation answers in milliseconds, also on a loaded machine; an abandoned one is safe to repeat (see
+/// [`ride_out`]).
+pub const STORE_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// The first pause between two attempts while the store does not answer; it doubles up to
 /// [`STORE_RETRY_MAX_PAUSE`].
 pub const STORE_RETRY_FIRST_PAUSE: Duration = Duration::from_millis(50);
@@ -45,8 +53,9 @@ pub const FAR_DEADLINE: Duration = Duration::from_secs(24 * 3600);
 
 /// Runs `attempt` until it ends with anything but [`StoreError::Nats`], pausing between attempts
 /// ([`STORE_RETRY_FIRST_PAUSE`], doubling up to [`STORE_RETRY_MAX_PAUSE`]) and telling `on_retry` of every NATS
-/// failure it retries. At `give_up` (an attempt still running is abandoned then) the last NATS error is the
-/// answer — or, when no attempt ended by then, a timeout of `op`.
+/// failure it retries. An attempt unanswered for [`STORE_ATTEMPT_TIMEOUT`] is abandoned and counts as such a
+/// failure. At `give_up` (an attempt still running is abandoned then) the last NATS error is the answer — or,
+/// when no attempt ended by then, a timeout of `op`.
 ///
 /// `attempt` must be safe to repeat: a NATS error does not say whether a write was applied.
 pub async fn ride_out<T, F, Fut>(
@@ -61,9 +70,17 @@ where
 {
     let mut pause = STORE_RETRY_FIRST_PAUSE;
     loop {
-        let error = match tokio::time::timeout_at(give_up, attempt()).await {
+        let abandon_at = give_up.min(Instant::now() + STORE_ATTEMPT_TIMEOUT);
+        let error = match tokio::time::timeout_at(abandon_at, attempt()).await {
             Ok(Err(e @ StoreError::Nats { .. })) => e,
             Ok(done) => return done,
+            Err(_) if abandon_at < give_up => StoreError::nats(
+                op,
+                format!(
+                    "no answer from JetStream within {} ms",
+                    STORE_ATTEMPT_TIMEOUT.as_millis()
+                ),
+            ),
             Err(_) => {
                 return Err(StoreError::nats(
                     op,
@@ -148,6 +165,37 @@ mod tests {
         assert!(
             waited + STORE_RETRY_MAX_PAUSE >= STORE_FAILOVER_WAIT,
             "{waited:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_attempt_unanswered_for_the_attempt_timeout_is_abandoned_and_tried_again() {
+        let calls = AtomicU32::new(0);
+        let mut retried = Vec::new();
+        let started = Instant::now();
+        let out = ride_out(
+            Op::CreateJob,
+            give_up_at(None),
+            || {
+                let n = calls.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    if n < 2 {
+                        // Sent while the stream elects its leader: never answered.
+                        std::future::pending::<()>().await;
+                    }
+                    Ok(n)
+                }
+            },
+            |e| retried.push(e.to_string()),
+        )
+        .await;
+        assert_eq!(out.unwrap(), 2, "the third attempt answered");
+        assert_eq!(retried.len(), 2);
+        assert!(retried[0].contains("within 1000 ms"), "{retried:?}");
+        // Two abandoned attempts and the pauses after them, nothing more.
+        assert_eq!(
+            started.elapsed(),
+            2 * STORE_ATTEMPT_TIMEOUT + STORE_RETRY_FIRST_PAUSE + 2 * STORE_RETRY_FIRST_PAUSE
         );
     }
 
