@@ -208,6 +208,8 @@ struct Bench {
     events: async_nats::Subscriber,
     /// Dr's job, running with one progress event stored.
     running: Option<JobId>,
+    /// The set-up's finished job (the profile run's `getJob`).
+    finished: Option<JobId>,
     scratch: kv::Store,
     /// A KV value the size of a finished job record.
     value: Bytes,
@@ -326,6 +328,7 @@ impl Bench {
             import_responder,
             events,
             running: None,
+            finished: None,
             scratch,
             value: Bytes::new(),
             record_bytes: 0,
@@ -341,6 +344,7 @@ impl Bench {
         bench.record_bytes = bytes.len();
         bench.value = vec![b'v'; bytes.len()].into();
         let _ = bench.get_job(&job).await;
+        bench.finished = Some(job);
         let running = bench.start_running().await;
         bench.running = Some(running);
         let _ = bench.get_running().await;
@@ -526,6 +530,25 @@ impl Bench {
             } else {
                 assert_eq!(reply.len(), BODY_BYTES);
             }
+        }
+        n as f64 / secs
+    }
+
+    /// `n` `tools.getJob` of the set-up's finished job with `IN_FLIGHT` in flight; requests per second.
+    async fn pipelined_get_job(&self, n: usize) -> f64 {
+        let body: Bytes = serde_json::to_vec(&json!({ "jobId": self.finished.as_ref().unwrap() }))
+            .unwrap()
+            .into();
+        let subject = subjects::api(methods::TOOLS_GET_JOB);
+        let t = Instant::now();
+        let replies: Vec<Bytes> = futures::stream::iter(0..n)
+            .map(|_| self.send(subject.clone(), body.clone()))
+            .buffer_unordered(IN_FLIGHT)
+            .collect()
+            .await;
+        let secs = t.elapsed().as_secs_f64();
+        for reply in &replies {
+            check_ok(methods::TOOLS_GET_JOB, reply);
         }
         n as f64 / secs
     }
@@ -754,7 +777,8 @@ const PROFILE_SEQUENTIAL: usize = 2_000;
 
 /// `FLEET_BENCH_PROFILE_SECS=<n>`: after the set-up, only B pipelined for `n` seconds (for a profiler attached
 /// to this process), then the median throughput of its batches and the p50 of sequential A and B; no criterion
-/// pass and no table. With `FLEET_BENCH_PROFILE_TRACED` set, all of it with the production subscriber on (Bt).
+/// pass and no table. With `FLEET_BENCH_PROFILE_TRACED` set, all of it with the production subscriber on (Bt);
+/// with `FLEET_BENCH_PROFILE_GET_JOB` set, `tools.getJob` of a finished job is pipelined instead of B.
 fn profile_secs() -> Option<Duration> {
     let secs = std::env::var("FLEET_BENCH_PROFILE_SECS").ok()?;
     Some(Duration::from_secs(
@@ -778,8 +802,13 @@ fn bench(c: &mut Criterion) {
         }
         let t = Instant::now();
         let mut batches = Vec::new();
+        let get_job = std::env::var_os("FLEET_BENCH_PROFILE_GET_JOB").is_some();
         while t.elapsed() < secs {
-            batches.push(rt.block_on(b.pipelined(true, plan.pipelined)));
+            batches.push(if get_job {
+                rt.block_on(b.pipelined_get_job(plan.pipelined))
+            } else {
+                rt.block_on(b.pipelined(true, plan.pipelined))
+            });
         }
         let (mut a, mut bs) = (Vec::new(), Vec::new());
         for _ in 0..PROFILE_SEQUENTIAL {
@@ -789,8 +818,9 @@ fn bench(c: &mut Criterion) {
         a.sort();
         bs.sort();
         println!(
-            "profile: B pipelined for {secs:?}, {} batches of {}, median {:.0} req/s; then {PROFILE_SEQUENTIAL} \
+            "profile: {} pipelined for {secs:?}, {} batches of {}, median {:.0} req/s; then {PROFILE_SEQUENTIAL} \
              sequential A and B: p50 {:.1} / {:.1} µs (B/A {:.2}x)",
+            if get_job { "Dk" } else { "B" },
             batches.len(),
             plan.pipelined,
             median(batches),

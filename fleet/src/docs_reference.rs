@@ -283,6 +283,11 @@ const OTHER_ENV: &[(&str, &str)] = &[
         "Benches: with `FLEET_BENCH_PROFILE_SECS`, `fleet_roundtrip`'s profile run has the production subscriber on \
          (logs at `info`, spans exported over OTLP to its in-process receiver).",
     ),
+    (
+        "FLEET_BENCH_PROFILE_GET_JOB",
+        "Benches: with `FLEET_BENCH_PROFILE_SECS`, `fleet_roundtrip`'s profile run pipelines `tools.getJob` of a \
+         finished job (answered from the front's memory) instead of `tools.invoke`.",
+    ),
 ];
 
 /// `fleet worker --config FILE`: the meaning of each key of [`fleet_worker::config::WorkerConfig`], by dotted
