@@ -20,8 +20,9 @@
 //!   over the cached worker registry), request/reply to the worker, the plugin's stdio round trip, and back;
 //! - A and B pipelined: N requests with 64 in flight (`buffer_unordered(64)`), in requests per second;
 //! - C `invokeAsync` — create a job (active-set slot CAS, record create, event, hand-off to the worker) and
-//!   D `getJob` of the finished job, the first time (record and last progress message), Dk the same again (a
-//!   front keeps finished records), and Dr `getJob` of a running job polled with `sinceSeq` = its `lastSeq`
+//!   D `getJob` of the finished job, the first time (answered from the front's memory: the worker's terminal
+//!   step announced the record on `fleet.v1.jobs.finished`; a front that missed it reads the record and the last
+//!   progress message), Dk the same again, and Dr `getJob` of a running job polled with `sinceSeq` = its `lastSeq`
 //!   (an `echo.progress` job that stored one event and waits an hour for its second), against
 //!   E a single JetStream KV `put` and F a single KV `entry` read, on the jobs bucket itself (scratch keys
 //!   `bench.<n>` outside every user's key space, deleted at the end) with values the size of a finished job
