@@ -484,7 +484,7 @@ impl Front {
     }
 
     async fn handle_user(&self, user: &str, method: &str, payload: &[u8], direct: Option<&str>) -> Answer {
-        tracing::Span::current().record("fleet.user_hash", crate::telemetry::user_hash(user));
+        crate::telemetry::record_user(user);
         if let Err(e) = self.admit(user) {
             return Answer::Respond(ApiResponse::Err(e));
         }
@@ -599,7 +599,7 @@ impl Front {
                 .resolve(&call.delegation)
                 .map_err(|e| ApiError::new(ApiErrorCode::PermissionDenied, e.to_string()))?
         };
-        tracing::Span::current().record("fleet.user_hash", crate::telemetry::user_hash(&by.user));
+        crate::telemetry::record_user(&by.user);
         if self.inner.limiter.check_key(&by.user).is_err() {
             return Err(ApiError::new(
                 ApiErrorCode::RateLimited,

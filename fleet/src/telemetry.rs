@@ -242,6 +242,15 @@ pub fn traceparent(span: &tracing::Span) -> Option<String> {
     headers(span)?.get(TRACEPARENT).map(|v| v.as_str().to_string())
 }
 
+/// Records [`user_hash`] of `user` as `fleet.user_hash` on the current span; the hash is not even computed when
+/// no layer takes the span (traces off).
+pub fn record_user(user: &str) {
+    let span = tracing::Span::current();
+    if !span.is_disabled() {
+        span.record("fleet.user_hash", user_hash(user));
+    }
+}
+
 /// A user as span attributes may show it: the first 16 hex digits of SHA-256(user id), never the id itself.
 pub fn user_hash(user: &str) -> String {
     fleet_proto::api::user_key(user).chars().take(16).collect()
