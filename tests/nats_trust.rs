@@ -415,6 +415,142 @@ async fn a_request_lost_in_the_cluster_is_given_up_after_the_keepalive_silence()
     c.shutdown().await;
 }
 
+/// Returns once the server has processed every subscription `client` made before: a message to its own inbox
+/// comes back only after them (for a connection without JetStream, where [`registered`] cannot be used).
+async fn subscribed(client: &async_nats::Client) {
+    let inbox = client.new_inbox();
+    let mut echo = client.subscribe(inbox.clone()).await.unwrap();
+    client.publish(inbox, "".into()).await.unwrap();
+    tokio::time::timeout(GUARD, futures::StreamExt::next(&mut echo))
+        .await
+        .expect("the server echoes the connection's own message");
+}
+
+/// The churn issue, an app's side: the reply mapping of an app's request (the service import's) lives on the NATS
+/// server the app is connected to and dies with it, while the events export reaches the app again once it
+/// reconnected. A front's copy of the answer on the request's keepalive subject (`STATUS_ANSWERED`) is then what
+/// the app's requester returns — here the responder never answers on the reply subject at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_app_whose_answer_is_lost_takes_the_answer_copy() {
+    use fleet_client::nats_conn::{Requester, publish_answer_copy};
+    let c = Cluster::start("trust-answer-copy", 0, 0, &[]).await;
+    let front = c.nats.connector(Role::Front).connect("responder").await.unwrap();
+    let subject = subjects::api(methods::TOOLS_INVOKE_ASYNC);
+    let mut requests = front.subscribe(subject.clone()).await.unwrap();
+    registered(&front).await;
+    let requester = Requester::through_import(&c.app).await.unwrap();
+    let ask = tokio::spawn(async move {
+        // A timeout far beyond the guard: only the copy can end the wait in time.
+        requester
+            .request(subject, async_nats::HeaderMap::new(), "{}".into(), GUARD * 10)
+            .await
+    });
+    let msg = tokio::time::timeout(GUARD, futures::StreamExt::next(&mut requests))
+        .await
+        .expect("the request arrives")
+        .unwrap();
+    assert!(
+        msg.reply
+            .as_ref()
+            .is_some_and(|r| r.as_str().starts_with(subjects::IMPORTED_REPLY_PREFIX)),
+        "an app's request crosses the import"
+    );
+    let answer: &[u8] =
+        br#"{"ok":true,"result":{"jobId":"tjob_0123456789abcdef0123456789abcdef","state":"queued","deadlineMs":1}}"#;
+    publish_answer_copy(&front, &msg, answer.to_vec().into()).await;
+    let got = tokio::time::timeout(GUARD, ask)
+        .await
+        .expect("the copy ends the wait")
+        .unwrap()
+        .expect("taken for the answer");
+    assert_eq!(&got.payload[..], answer);
+    assert_eq!(
+        got.headers
+            .as_ref()
+            .and_then(|h| h.get(subjects::STATUS_HEADER))
+            .map(|v| v.as_str().to_owned()),
+        Some(subjects::STATUS_ANSWERED.to_owned())
+    );
+    c.shutdown().await;
+}
+
+/// A front copies the answer of an accepted job (`invokeAsync`, success) to the keepalive subject of an app's
+/// request, and nothing else: not a sync invoke's answer (it may carry the user's data), not a refused
+/// `invokeAsync` (no job exists).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_front_copies_only_an_accepted_jobs_answer() {
+    let c = Cluster::start("trust-answer-copy-e2e", 1, 1, &[Plugin::echo("echo", &[])]).await;
+    c.wait_for_api(GUARD).await;
+    // Another app connection on the events export, as an app's requester listens there.
+    let listener = c.nats.connector(Role::App).connect("listener").await.unwrap();
+    let mut heard = listener
+        .subscribe(format!("{}.copytest.*", subjects::KEEPALIVE_EVENTS_PREFIX))
+        .await
+        .unwrap();
+    subscribed(&listener).await;
+    let call = |method: &'static str, body: Value, token: &'static str| {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(
+            subjects::AUTH_HEADER,
+            format!("Bearer {}", c.token("copier")).as_str(),
+        );
+        headers.insert(subjects::KEEPALIVE_HEADER, token);
+        let request = async_nats::Request::new()
+            .headers(headers)
+            .payload(serde_json::to_vec(&body).unwrap().into())
+            .timeout(Some(GUARD));
+        let app = c.app.clone();
+        async move {
+            let reply = app.send_request(subjects::api(method), request).await.unwrap();
+            (
+                reply.payload.clone(),
+                serde_json::from_slice::<Value>(&reply.payload).unwrap(),
+            )
+        }
+    };
+    let (_, sync) = call(
+        methods::TOOLS_INVOKE,
+        json!({"tool_id": "echo.echo", "args": {"m": 1}}),
+        "copytest.1",
+    )
+    .await;
+    assert_eq!(sync["ok"], json!(true), "{sync}");
+    let (_, refused) = call(
+        methods::TOOLS_INVOKE_ASYNC,
+        json!({"tool_id": "echo.echo", "args": [1]}),
+        "copytest.2",
+    )
+    .await;
+    assert_eq!(refused["ok"], json!(false), "{refused}");
+    let (bytes, accepted) = call(
+        methods::TOOLS_INVOKE_ASYNC,
+        json!({"tool_id": "echo.echo", "args": {"m": 2}}),
+        "copytest.3",
+    )
+    .await;
+    assert_eq!(accepted["ok"], json!(true), "{accepted}");
+    // The first message heard that is not a keepalive is the accepted job's copy: the front publishes on one
+    // connection, in order, so a copy of either earlier answer would have come first.
+    let copy = loop {
+        let msg = tokio::time::timeout(GUARD, futures::StreamExt::next(&mut heard))
+            .await
+            .expect("the accepted job's answer is copied")
+            .unwrap();
+        let status = msg
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(subjects::STATUS_HEADER))
+            .map(|v| v.as_str().to_owned());
+        if status.as_deref() != Some(subjects::STATUS_WORKING) {
+            assert_eq!(status.as_deref(), Some(subjects::STATUS_ANSWERED));
+            break msg;
+        }
+    };
+    assert_eq!(copy.subject.as_str(), subjects::keepalive("copytest.3"));
+    assert_eq!(copy.payload, bytes, "the answer, byte for byte");
+    c.shutdown().await;
+}
+
 /// Keepalives through the fleet: a sync invoke that runs longer than `KEEPALIVE_SILENCE` is answered (the worker
 /// keeps the front's dispatch alive); an app's client that asks with a token hears the front's keepalives on the
 /// events export; and an app's request gets the answer as the only message on its reply subject (it reaches the

@@ -318,8 +318,20 @@ impl Front {
                         )
                         .await;
                         if let Answer::Respond(response) = answer {
-                            let payload = serde_json::to_vec(&response).unwrap_or_default();
-                            let _ = request.respond(Ok(Bytes::from(payload))).await;
+                            let accepted_job = *method == methods::TOOLS_INVOKE_ASYNC
+                                && matches!(response, ApiResponse::Ok(_));
+                            let payload = Bytes::from(serde_json::to_vec(&response).unwrap_or_default());
+                            let _ = request.respond(Ok(payload.clone())).await;
+                            if accepted_job {
+                                // The job exists: its id must reach the app even if the answer's way back
+                                // (the import's reply mapping, on the app's server) died (`STATUS_ANSWERED`).
+                                fleet_client::nats_conn::publish_answer_copy(
+                                    &front.inner.client,
+                                    &request.message,
+                                    payload,
+                                )
+                                .await;
+                            }
                         }
                     });
                 }

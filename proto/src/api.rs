@@ -93,6 +93,12 @@ pub mod subjects {
     }
     /// [`STATUS_HEADER`]'s value on a keepalive.
     pub const STATUS_WORKING: &str = "working";
+    /// [`STATUS_HEADER`]'s value on the copy of an accepted job's answer (`tools.invokeAsync`, success) that a
+    /// front also publishes on the keepalive subject of a request from another account: that request's reply
+    /// mapping lives on the NATS server the app is connected to and dies with it, while the events export reaches
+    /// the app again once it reconnected. So an app whose server died under its `invokeAsync` still learns the job
+    /// id. The payload is the answer's, byte for byte; only accepted jobs' answers are copied (no user data).
+    pub const STATUS_ANSWERED: &str = "answered";
     /// How often a responder asked for keepalives sends one while it works.
     pub const KEEPALIVE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
     /// How long a requester that asked for keepalives waits without hearing anything (neither a keepalive nor

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use async_nats::{ConnectErrorKind, ConnectOptions};
 use fleet_proto::api::subjects::{
-    KEEPALIVE_EVENTS_PREFIX, KEEPALIVE_EVERY, KEEPALIVE_HEADER, KEEPALIVE_SILENCE, STATUS_HEADER,
-    STATUS_WORKING, keepalive, keepalive_token_ok,
+    KEEPALIVE_EVENTS_PREFIX, KEEPALIVE_EVERY, KEEPALIVE_HEADER, KEEPALIVE_SILENCE, STATUS_ANSWERED,
+    STATUS_HEADER, STATUS_WORKING, keepalive, keepalive_token_ok,
 };
 
 use fleet_proto::util::lock;
@@ -274,6 +274,29 @@ fn keepalive_subject(msg: &async_nats::Message) -> Option<String> {
         return Some(reply.to_owned());
     }
     keepalive_token_ok(asked).then(|| keepalive(asked))
+}
+
+/// Publishes `answer` — what `msg` was just answered — again on the keepalive subject of `msg`, with
+/// [`STATUS_HEADER`] [`STATUS_ANSWERED`], when `msg` came from another account and asked for keepalives: a
+/// [`Requester::through_import`] whose answer was lost with its server takes this copy for the answer. Nothing
+/// for any other request.
+pub async fn publish_answer_copy(
+    client: &async_nats::Client,
+    msg: &async_nats::Message,
+    answer: bytes::Bytes,
+) {
+    let imported = msg
+        .reply
+        .as_ref()
+        .is_some_and(|r| r.as_str().starts_with(IMPORTED_REPLY_PREFIX));
+    if !imported {
+        return;
+    }
+    if let Some(subject) = keepalive_subject(msg) {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(STATUS_HEADER, STATUS_ANSWERED);
+        let _ = client.publish_with_headers(subject, headers, answer).await;
+    }
 }
 
 /// Runs `work` — the handling of `msg` — and, when `msg` asked for keepalives ([`KEEPALIVE_HEADER`]), tells the
