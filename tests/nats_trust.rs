@@ -508,27 +508,19 @@ async fn a_front_copies_only_an_accepted_jobs_answer() {
             )
         }
     };
-    let (_, sync) = call(
-        methods::TOOLS_INVOKE,
-        json!({"tool_id": "echo.echo", "args": {"m": 1}}),
-        "copytest.1",
-    )
-    .await;
-    assert_eq!(sync["ok"], json!(true), "{sync}");
-    let (_, refused) = call(
-        methods::TOOLS_INVOKE_ASYNC,
-        json!({"tool_id": "echo.echo", "args": [1]}),
-        "copytest.2",
-    )
-    .await;
-    assert_eq!(refused["ok"], json!(false), "{refused}");
-    let (bytes, accepted) = call(
-        methods::TOOLS_INVOKE_ASYNC,
-        json!({"tool_id": "echo.echo", "args": {"m": 2}}),
-        "copytest.3",
-    )
-    .await;
-    assert_eq!(accepted["ok"], json!(true), "{accepted}");
+    // A sync invoke (answered), a refused invokeAsync (args not an object), an accepted one: only the last is
+    // copied.
+    let mut last = None;
+    for (method, args, token, ok) in [
+        (methods::TOOLS_INVOKE, json!({"m": 1}), "copytest.1", true),
+        (methods::TOOLS_INVOKE_ASYNC, json!([1]), "copytest.2", false),
+        (methods::TOOLS_INVOKE_ASYNC, json!({"m": 2}), "copytest.3", true),
+    ] {
+        let (bytes, answer) = call(method, json!({"tool_id": "echo.echo", "args": args}), token).await;
+        assert_eq!(answer["ok"], json!(ok), "{method}: {answer}");
+        last = Some(bytes);
+    }
+    let bytes = last.unwrap();
     // The first message heard that is not a keepalive is the accepted job's copy: the front publishes on one
     // connection, in order, so a copy of either earlier answer would have come first.
     let copy = loop {
