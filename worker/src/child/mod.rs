@@ -331,11 +331,9 @@ impl ChildProcess {
         self.sandbox.signal_tree(self.pid, rustix::process::Signal::TERM);
     }
 
-    /// Kills the tree; killing a cgroup waits for the kernel: off the async threads.
+    /// Kills the tree (no process of the session starts meanwhile: [`Sandboxed::kill_tree_now`]).
     async fn kill_rest(&self) {
-        let sandbox = self.sandbox.clone();
-        let (pid, tool_id) = (self.pid, self.tool_id.clone());
-        let _ = tokio::task::spawn_blocking(move || sandbox.kill_tree(pid, &tool_id)).await;
+        self.sandbox.kill_tree_now(self.pid, &self.tool_id).await;
     }
 
     /// Hands an answer to its caller; an answer nobody waits for is counted and dropped.
