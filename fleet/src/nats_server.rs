@@ -461,6 +461,14 @@ impl NatsServer {
             format!("nats://127.0.0.1:{}", self.nodes[i].port),
             Some(self.creds(Role::Front)),
         );
+        // A refusal names the node's own last errors (an account it could not resolve, …): what a start that
+        // failed once in many needs to be understood afterwards.
+        let log = self.nodes[i].dir.join(SERVER_LOG);
+        let errors = move || {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let errs: Vec<&str> = text.lines().filter(|l| l.contains("[ERR]")).collect();
+            errs[errs.len().saturating_sub(3)..].join(" | ")
+        };
         // Callers may be inside a runtime (tests, `fleet up`): the check runs on a thread of its own.
         std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread()
@@ -468,10 +476,9 @@ impl NatsServer {
                 .build()
                 .map_err(|e| NatsServerError::Start(e.to_string()))?;
             runtime.block_on(async move {
-                let client = connector
-                    .connect("fleet-start")
-                    .await
-                    .map_err(|e| NatsServerError::Start(e.to_string()))?;
+                let client = connector.connect("fleet-start").await.map_err(|e| {
+                    NatsServerError::Start(format!("{e}; the node's last errors: {}", errors()))
+                })?;
                 let js = async_nats::jetstream::new(client);
                 loop {
                     let last = match js.query_account().await {
