@@ -239,6 +239,14 @@ async fn registered(client: &async_nats::Client) {
         .expect("a JetStream API round trip");
 }
 
+/// The next message of `sub` (at most [`GUARD`] away; `what` names it in the failure).
+async fn arrives(sub: &mut async_nats::Subscriber, what: &str) -> async_nats::Message {
+    tokio::time::timeout(GUARD, futures::StreamExt::next(sub))
+        .await
+        .unwrap_or_else(|_| panic!("failure guard: {what} did not arrive"))
+        .expect("the subscription is open")
+}
+
 /// Waits until `events` reports the connection (re-)established.
 async fn reconnected(events: &mut mpsc::UnboundedReceiver<String>) {
     let deadline = tokio::time::Instant::now() + GUARD;
@@ -277,10 +285,7 @@ async fn answers_survive_a_reconnect_of_the_responder() {
                 .timeout(Some(GUARD));
             asker.send_request(subject, request).await
         });
-        let request = tokio::time::timeout(GUARD, futures::StreamExt::next(&mut requests))
-            .await
-            .expect("the request arrives")
-            .expect("subscription");
+        let request = arrives(&mut requests, "the request").await;
         answerer.force_reconnect().await.unwrap();
         reconnected(&mut events).await;
         answerer
@@ -315,9 +320,7 @@ async fn a_request_whose_connection_fails_over_gives_up_after_the_grace() {
             .timeout(Some(GUARD * 10));
         fleet_client::nats_conn::request(&waiting, subject.to_owned(), request).await
     });
-    let _unanswered = tokio::time::timeout(GUARD, futures::StreamExt::next(&mut requests))
-        .await
-        .expect("the request arrives");
+    let _unanswered = arrives(&mut requests, "the request").await;
     asker.force_reconnect().await.unwrap();
     let outcome = tokio::time::timeout(GUARD, ask)
         .await
@@ -363,10 +366,7 @@ async fn a_request_lost_in_the_cluster_is_given_up_after_the_keepalive_silence()
             .await;
         (outcome, sent.elapsed())
     });
-    let lost = tokio::time::timeout(GUARD, futures::StreamExt::next(&mut requests))
-        .await
-        .expect("the request arrives")
-        .unwrap();
+    let lost = arrives(&mut requests, "the request").await;
     assert!(
         lost.headers
             .as_ref()
@@ -396,10 +396,7 @@ async fn a_request_lost_in_the_cluster_is_given_up_after_the_keepalive_silence()
             )
             .await
     });
-    let msg = tokio::time::timeout(GUARD, futures::StreamExt::next(&mut requests))
-        .await
-        .expect("the request arrives")
-        .unwrap();
+    let msg = arrives(&mut requests, "the request").await;
     let long_call = tokio::time::sleep(KEEPALIVE_SILENCE * 2);
     keeping_alive(&worker, &msg, long_call).await;
     worker
@@ -421,9 +418,7 @@ async fn subscribed(client: &async_nats::Client) {
     let inbox = client.new_inbox();
     let mut echo = client.subscribe(inbox.clone()).await.unwrap();
     client.publish(inbox, "".into()).await.unwrap();
-    tokio::time::timeout(GUARD, futures::StreamExt::next(&mut echo))
-        .await
-        .expect("the server echoes the connection's own message");
+    arrives(&mut echo, "the connection's own message, echoed").await;
 }
 
 /// The churn issue, an app's side: the reply mapping of an app's request (the service import's) lives on the NATS
@@ -445,10 +440,7 @@ async fn an_app_whose_answer_is_lost_takes_the_answer_copy() {
             .request(subject, async_nats::HeaderMap::new(), "{}".into(), GUARD * 10)
             .await
     });
-    let msg = tokio::time::timeout(GUARD, futures::StreamExt::next(&mut requests))
-        .await
-        .expect("the request arrives")
-        .unwrap();
+    let msg = arrives(&mut requests, "the request").await;
     assert!(
         msg.reply
             .as_ref()
@@ -524,10 +516,7 @@ async fn a_front_copies_only_an_accepted_jobs_answer() {
     // The first message heard that is not a keepalive is the accepted job's copy: the front publishes on one
     // connection, in order, so a copy of either earlier answer would have come first.
     let copy = loop {
-        let msg = tokio::time::timeout(GUARD, futures::StreamExt::next(&mut heard))
-            .await
-            .expect("the accepted job's answer is copied")
-            .unwrap();
+        let msg = arrives(&mut heard, "the copy of the accepted job's answer").await;
         let status = msg
             .headers
             .as_ref()
@@ -1148,10 +1137,7 @@ async fn a_client_that_may_publish_on_worker_subjects_still_cannot_inject_work()
         json!({"tool_id": "echo.echo", "args": {"text": "mine"}}),
     )
     .await;
-    let genuine = tokio::time::timeout(GUARD, futures::StreamExt::next(&mut tap))
-        .await
-        .expect("the genuine request is overheard")
-        .unwrap();
+    let genuine = arrives(&mut tap, "the genuine request, overheard").await;
     // Sealed with a session grant for this worker (its registry entry carries its session key), not signed.
     let sealed_with = |name: &str| genuine.headers.as_ref().is_some_and(|h| h.get(name).is_some());
     assert!(

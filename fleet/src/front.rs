@@ -295,12 +295,8 @@ impl Front {
                         let span = api_span(method, "nats");
                         crate::telemetry::extract_into(&span, request.message.headers.as_ref());
                         // An app's request (through the account import) may be answered by the worker itself.
-                        let direct = request
-                            .message
-                            .reply
-                            .as_ref()
-                            .filter(|r| r.starts_with(subjects::IMPORTED_REPLY_PREFIX))
-                            .map(|r| r.to_string());
+                        let direct =
+                            fleet_client::nats_conn::imported_reply(&request.message).map(str::to_owned);
                         let handled = Box::pin(
                             front
                                 .answer(

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use async_nats::{ConnectErrorKind, ConnectOptions};
 use fleet_proto::api::subjects::{
-    KEEPALIVE_EVENTS_PREFIX, KEEPALIVE_EVERY, KEEPALIVE_HEADER, KEEPALIVE_SILENCE, STATUS_ANSWERED,
-    STATUS_HEADER, STATUS_WORKING, keepalive, keepalive_token_ok,
+    IMPORTED_REPLY_PREFIX, KEEPALIVE_EVENTS_PREFIX, KEEPALIVE_EVERY, KEEPALIVE_HEADER, KEEPALIVE_SILENCE,
+    STATUS_ANSWERED, STATUS_HEADER, STATUS_WORKING, keepalive, keepalive_token_ok,
 };
 
 use fleet_proto::util::lock;
@@ -260,9 +260,14 @@ impl Requester {
     }
 }
 
-/// The reply subjects nats-server gives a request imported from another account (a service import's response
-/// mapping).
-pub const IMPORTED_REPLY_PREFIX: &str = "_R_.";
+/// The reply subject of `msg` when it came through a service import from another account (an app's request):
+/// one of the subjects nats-server maps such replies to ([`IMPORTED_REPLY_PREFIX`]).
+pub fn imported_reply(msg: &async_nats::Message) -> Option<&str> {
+    msg.reply
+        .as_ref()
+        .map(|r| r.as_str())
+        .filter(|r| r.starts_with(IMPORTED_REPLY_PREFIX))
+}
 
 /// Where the keepalives of `msg` go, if it asked for them: its reply subject, or — for a request imported from
 /// another account (an app's), whose response mapping passes one message, the answer — the keepalive subject
@@ -270,7 +275,7 @@ pub const IMPORTED_REPLY_PREFIX: &str = "_R_.";
 fn keepalive_subject(msg: &async_nats::Message) -> Option<String> {
     let asked = msg.headers.as_ref()?.get(KEEPALIVE_HEADER)?.as_str();
     let reply = msg.reply.as_ref()?.as_str();
-    if !reply.starts_with(IMPORTED_REPLY_PREFIX) {
+    if imported_reply(msg).is_none() {
         return Some(reply.to_owned());
     }
     keepalive_token_ok(asked).then(|| keepalive(asked))
@@ -285,11 +290,7 @@ pub async fn publish_answer_copy(
     msg: &async_nats::Message,
     answer: bytes::Bytes,
 ) {
-    let imported = msg
-        .reply
-        .as_ref()
-        .is_some_and(|r| r.as_str().starts_with(IMPORTED_REPLY_PREFIX));
-    if !imported {
+    if imported_reply(msg).is_none() {
         return;
     }
     if let Some(subject) = keepalive_subject(msg) {
