@@ -1,6 +1,7 @@
 //! The production log lines (`fleet::telemetry`): JSON events only — no span and its fields in any line — and,
-//! inside a span being traced, the trace id that finds the request's spans. One test per process: it installs the
-//! global subscriber, as `fleet up`, `fleet front` and `fleet worker` do.
+//! inside a span being traced, the trace id that finds the request's spans. The traced test installs the global
+//! subscriber, as `fleet up`, `fleet front` and `fleet worker` do (the trace id is read through it); the other one
+//! installs its subscriber for its own thread only.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -25,6 +26,43 @@ impl std::io::Write for Lines {
     }
 }
 
+impl Lines {
+    fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).unwrap()
+    }
+
+    fn parsed(&self) -> Vec<serde_json::Value> {
+        self.text()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+}
+
+#[test]
+fn without_traces_log_lines_have_no_trace_id_and_no_span_fields() {
+    let lines = Lines::default();
+    let out = lines.clone();
+    let (layers, provider) =
+        fleet::telemetry::layers_to(None, "fleet-test", "info", move || out.clone()).unwrap();
+    assert!(provider.is_none());
+    tracing::subscriber::with_default(tracing_subscriber::registry().with(layers), || {
+        let span = tracing::info_span!(target: "fleet::front", "request", fleet.user_hash = "u-hash");
+        span.in_scope(|| tracing::warn!(job = "tjob_1", "inside"));
+        tracing::warn!("outside");
+    });
+    let logged = lines.parsed();
+    assert_eq!(logged.len(), 2, "{logged:?}");
+    for line in &logged {
+        assert!(line.get("trace_id").is_none(), "{line}");
+        assert!(
+            line.get("span").is_none() && line.get("spans").is_none(),
+            "{line}"
+        );
+    }
+    assert!(!lines.text().contains("u-hash"));
+}
+
 // The OTLP exporter (tonic) is built inside a runtime, as in the fleet.
 #[tokio::test]
 async fn log_lines_carry_the_trace_id_of_a_traced_span_and_no_span_fields() {
@@ -44,11 +82,9 @@ async fn log_lines_carry_the_trace_id_of_a_traced_span_and_no_span_fields() {
     span.in_scope(|| tracing::warn!(job = "tjob_1", "inside"));
     tracing::warn!("outside");
     drop(span);
-    let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+    let (text, logged) = (lines.text(), lines.parsed());
     // Not shut down: that would wait out an export to nowhere (and log it); the process ends with the test.
     std::mem::forget(provider);
-
-    let logged: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(logged.len(), 2, "{text}");
     assert_eq!(trace_id.len(), 32);
     assert_ne!(trace_id, "0".repeat(32));
