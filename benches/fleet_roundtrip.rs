@@ -513,34 +513,29 @@ impl Bench {
 
     /// `n` requests of A (`invoke == false`) or B with `IN_FLIGHT` in flight; requests per second.
     async fn pipelined(&self, invoke: bool, n: usize) -> f64 {
-        let subject = if invoke {
-            subjects::api(methods::TOOLS_INVOKE)
+        if invoke {
+            let (subject, body) = (subjects::api(methods::TOOLS_INVOKE), self.body.clone());
+            self.pipelined_to(subject, body, n, |r| check_ok(methods::TOOLS_INVOKE, r))
+                .await
         } else {
-            ECHO_SUBJECT.to_string()
-        };
-        let t = Instant::now();
-        let replies: Vec<Bytes> = futures::stream::iter(0..n)
-            .map(|_| self.send(subject.clone(), self.body.clone()))
-            .buffer_unordered(IN_FLIGHT)
-            .collect()
-            .await;
-        let secs = t.elapsed().as_secs_f64();
-        for reply in &replies {
-            if invoke {
-                check_ok(methods::TOOLS_INVOKE, reply);
-            } else {
-                assert_eq!(reply.len(), BODY_BYTES);
-            }
+            self.pipelined_to(ECHO_SUBJECT.to_string(), self.body.clone(), n, |r| {
+                assert_eq!(r.len(), BODY_BYTES);
+            })
+            .await
         }
-        n as f64 / secs
     }
 
     /// `n` `tools.getJob` of the set-up's finished job with `IN_FLIGHT` in flight; requests per second.
     async fn pipelined_get_job(&self, n: usize) -> f64 {
-        let body: Bytes = serde_json::to_vec(&json!({ "jobId": self.finished.as_ref().unwrap() }))
-            .unwrap()
-            .into();
+        let body = serde_json::to_vec(&json!({ "jobId": self.finished.as_ref().unwrap() })).unwrap();
         let subject = subjects::api(methods::TOOLS_GET_JOB);
+        self.pipelined_to(subject, body.into(), n, |r| check_ok(methods::TOOLS_GET_JOB, r))
+            .await
+    }
+
+    /// `n` requests of `body` to `subject` with `IN_FLIGHT` in flight, each reply then checked by `check`;
+    /// requests per second.
+    async fn pipelined_to(&self, subject: String, body: Bytes, n: usize, check: impl Fn(&[u8])) -> f64 {
         let t = Instant::now();
         let replies: Vec<Bytes> = futures::stream::iter(0..n)
             .map(|_| self.send(subject.clone(), body.clone()))
@@ -549,7 +544,7 @@ impl Bench {
             .await;
         let secs = t.elapsed().as_secs_f64();
         for reply in &replies {
-            check_ok(methods::TOOLS_GET_JOB, reply);
+            check(reply);
         }
         n as f64 / secs
     }
