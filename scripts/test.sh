@@ -11,6 +11,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
+# A fresh clone gains nothing from incremental compilation but its ~6 GB of caches under target/ (CI run 36 ran
+# out of disk); a local loop can export CARGO_INCREMENTAL=1.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 
 log() { printf '\n== %s\n' "$*"; }
 

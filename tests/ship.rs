@@ -107,10 +107,13 @@ fn yaml_to_json(root: &Path, yaml: &str) -> Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
-/// The podman/buildah storage of the suite: its own root under `<target>/oci`, not the machine's.
+/// The podman/buildah storage of the suite: its own root under `<target>/oci`, not the machine's — and its own
+/// directory for the temporary copies of layers (containers/image writes them to `$TMPDIR`, `/var/tmp` by default,
+/// which a CI machine may have small or full: run 36 failed "no space left on device" there).
 struct Store {
     root: PathBuf,
     runroot: PathBuf,
+    tmp: PathBuf,
 }
 
 impl Store {
@@ -122,13 +125,15 @@ impl Store {
         ]
     }
     fn podman(&self) -> Command {
-        let mut c = Command::new("podman");
-        c.args(self.args());
-        c
+        self.command("podman")
     }
     fn buildah(&self) -> Command {
-        let mut c = Command::new("buildah");
-        c.args(self.args());
+        self.command("buildah")
+    }
+    fn command(&self, program: &str) -> Command {
+        std::fs::create_dir_all(&self.tmp).expect("the image store's temporary directory");
+        let mut c = Command::new(program);
+        c.args(self.args()).env("TMPDIR", &self.tmp);
         c
     }
 }
@@ -324,6 +329,7 @@ fn container_image_builds_from_a_debootstrap_base_and_runs_fleet_and_demo_plugin
     let store = Store {
         root: cache.join("storage"),
         runroot: cache.join("run"),
+        tmp: cache.join("tmp"),
     };
     let base = base_image(&cache, &store);
 
