@@ -55,6 +55,7 @@
     clippy::cast_precision_loss
 )]
 
+use fleet_benches::{pct, us};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -608,16 +609,6 @@ enum Measure {
     Invoke,
     KvPut,
     KvGet,
-}
-
-/// Nearest-rank percentile of sorted samples.
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
-fn us(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e6
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -20,6 +20,7 @@
     clippy::cast_precision_loss
 )]
 
+use fleet_benches::{pct, us};
 use std::time::{Duration, Instant};
 
 use async_nats::{HeaderMap, Request};
@@ -177,16 +178,6 @@ impl Bench {
         assert!(entry.is_some());
         d
     }
-}
-
-/// Nearest-rank percentile of sorted samples.
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
-fn us(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e6
 }
 
 fn bench(c: &mut Criterion) {

@@ -21,6 +21,7 @@
     clippy::cast_precision_loss
 )]
 
+use fleet_benches::{pct, us};
 use std::time::{Duration, Instant};
 
 use async_nats::{HeaderMap, Request};
@@ -182,16 +183,6 @@ impl Fleet {
         assert_eq!(r["state"], "queued", "{r}");
         d
     }
-}
-
-/// Nearest-rank percentile of sorted samples.
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
-fn us(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e6
 }
 
 fn bench(_c: &mut Criterion) {

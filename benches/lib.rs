@@ -3,7 +3,25 @@
 //! Every corpus is deterministic (no randomness), so runs and machines compare like with like.
 #![forbid(unsafe_code)]
 
+use std::time::Duration;
+
 use serde_json::json;
+
+/// Nearest-rank percentile `p` (0–100) of sorted samples (at least one).
+#[allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_precision_loss
+)]
+pub fn pct(sorted: &[Duration], p: f64) -> Duration {
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// A duration in microseconds.
+pub fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
 
 /// One corpus: a name and a byte stream of LF-terminated JSON-RPC frames.
 #[derive(Debug, Clone)]
