@@ -765,7 +765,8 @@ const PROFILE_SEQUENTIAL: usize = 2_000;
 /// `FLEET_BENCH_PROFILE_SECS=<n>`: after the set-up, only B pipelined for `n` seconds (for a profiler attached
 /// to this process), then the median throughput of its batches and the p50 of sequential A and B; no criterion
 /// pass and no table. With `FLEET_BENCH_PROFILE_TRACED` set, all of it with the production subscriber on (Bt);
-/// with `FLEET_BENCH_PROFILE_GET_JOB` set, `tools.getJob` of a finished job is pipelined instead of B.
+/// with `FLEET_BENCH_PROFILE_GET_JOB` set, `tools.getJob` of a finished job is pipelined instead of B; with
+/// `FLEET_BENCH_PROFILE_RAW` set, A (the raw round trip: the CPU a request costs at the floor, to compare with).
 fn profile_secs() -> Option<Duration> {
     let secs = std::env::var("FLEET_BENCH_PROFILE_SECS").ok()?;
     Some(Duration::from_secs(
@@ -790,11 +791,12 @@ fn bench(c: &mut Criterion) {
         let t = Instant::now();
         let mut batches = Vec::new();
         let get_job = std::env::var_os("FLEET_BENCH_PROFILE_GET_JOB").is_some();
+        let raw = std::env::var_os("FLEET_BENCH_PROFILE_RAW").is_some();
         while t.elapsed() < secs {
             batches.push(if get_job {
                 rt.block_on(b.pipelined_get_job(plan.pipelined))
             } else {
-                rt.block_on(b.pipelined(true, plan.pipelined))
+                rt.block_on(b.pipelined(!raw, plan.pipelined))
             });
         }
         let (mut a, mut bs) = (Vec::new(), Vec::new());
@@ -807,7 +809,13 @@ fn bench(c: &mut Criterion) {
         println!(
             "profile: {} pipelined for {secs:?}, {} batches of {}, median {:.0} req/s; then {PROFILE_SEQUENTIAL} \
              sequential A and B: p50 {:.1} / {:.1} µs (B/A {:.2}x)",
-            if get_job { "Dk" } else { "B" },
+            if get_job {
+                "Dk"
+            } else if raw {
+                "A"
+            } else {
+                "B"
+            },
             batches.len(),
             plan.pipelined,
             median(batches),

@@ -288,6 +288,11 @@ const OTHER_ENV: &[(&str, &str)] = &[
         "Benches: with `FLEET_BENCH_PROFILE_SECS`, `fleet_roundtrip`'s profile run pipelines `tools.getJob` of a \
          finished job (answered from the front's memory) instead of `tools.invoke`.",
     ),
+    (
+        "FLEET_BENCH_PROFILE_RAW",
+        "Benches: with `FLEET_BENCH_PROFILE_SECS`, `fleet_roundtrip`'s profile run pipelines A (the raw NATS round \
+         trip) instead of `tools.invoke`: the CPU a request costs at the floor, to compare with.",
+    ),
 ];
 
 /// `fleet worker --config FILE`: the meaning of each key of [`fleet_worker::config::WorkerConfig`], by dotted
