@@ -114,6 +114,8 @@ pub struct FrontService {
     delegates: tokio::task::JoinSet<()>,
     /// The loop keeping announced finished records (ends with `stop`).
     finished: tokio::task::JoinHandle<()>,
+    /// The watch keeping this front's copy of the active sets (ends with `stop`).
+    active_sets: tokio::task::JoinHandle<()>,
     /// Requests being handled.
     in_flight: InFlight,
     /// `invokeAsync` hand-offs running after their reply.
@@ -166,6 +168,7 @@ impl FrontService {
         self.endpoints.abort_all();
         while self.endpoints.join_next().await.is_some() {}
         self.finished.abort();
+        self.active_sets.abort();
     }
 }
 
@@ -371,6 +374,9 @@ impl Front {
                 });
             }
         }
+        // This front's copy of the users' active sets, current by a watch: admission starts its compare-and-set
+        // from it instead of reading the set first.
+        let active_sets = self.inner.store.watch_active_sets();
         // Finished jobs' records as their terminal step writes them (any worker's or front's): `getJob` of a job
         // that just finished is answered from memory, also the first time.
         let mut finished_sub = self.inner.client.subscribe(subjects::JOBS_FINISHED).await?;
@@ -394,6 +400,7 @@ impl Front {
             endpoints: tasks,
             delegates,
             finished,
+            active_sets,
             in_flight,
             hand_offs: self.inner.hand_offs.clone(),
             client: self.inner.client.clone(),

@@ -1,8 +1,9 @@
 //! `fleet::store` against a real nats-server (one per test, JetStream on a temp dir).
 //!
-//! No sleeps synchronise anything: racing tasks are joined, and time bounds are failure guards only. The one
-//! wait on the clock is the worker-TTL test, which polls (with a deadline) for JetStream's `max_age` expiry —
-//! the behaviour under test is the passing of time.
+//! No sleeps synchronise anything: racing tasks are joined, and time bounds are failure guards only. Two waits
+//! poll (bounded by the guard) for what is asynchronous by nature: the worker-TTL test for JetStream's `max_age`
+//! expiry (the behaviour under test is the passing of time), and the active-set copy test for a watch's delivery
+//! of another replica's write.
 
 use std::collections::BTreeSet;
 use std::future::Future;
@@ -406,28 +407,35 @@ async fn the_sixth_active_job_is_refused_until_one_ends() {
     .await;
 }
 
+/// Creations of `racer`'s jobs `ids` (as creation times), alternately on `a` and `b`, all at once with a quota of
+/// five: the ids created, and how many were refused for the quota (any other outcome fails the test).
+async fn race_creations(a: &Store, b: &Store, ids: std::ops::Range<u64>) -> (BTreeSet<JobId>, usize) {
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in ids {
+        let store = if i % 2 == 0 { a.clone() } else { b.clone() };
+        tasks.spawn(async move { store.create_job(record("racer", "echo.run", i), 5).await });
+    }
+    let mut created = BTreeSet::new();
+    let mut refused = 0;
+    while let Some(joined) = tasks.join_next().await {
+        match joined.expect("task") {
+            Ok(r) => {
+                created.insert(r.value.job_id);
+            }
+            Err(StoreError::QuotaExceeded { active: 5, max: 5 }) => refused += 1,
+            Err(e) => panic!("unexpected error: {e}"),
+        }
+    }
+    (created, refused)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_racing_twenty_creations_admit_exactly_five() {
     let n = nats();
     guard(Box::pin(async {
         let a = n.store(StoreSettings::default()).await;
         let b = n.store(StoreSettings::default()).await;
-        let mut tasks = tokio::task::JoinSet::new();
-        for i in 0..20u64 {
-            let store = if i % 2 == 0 { a.clone() } else { b.clone() };
-            tasks.spawn(async move { store.create_job(record("racer", "echo.run", i), 5).await });
-        }
-        let mut created = BTreeSet::new();
-        let mut refused = 0;
-        while let Some(joined) = tasks.join_next().await {
-            match joined.expect("task") {
-                Ok(r) => {
-                    created.insert(r.value.job_id);
-                }
-                Err(StoreError::QuotaExceeded { active: 5, max: 5 }) => refused += 1,
-                Err(e) => panic!("unexpected error: {e}"),
-            }
-        }
+        let (created, refused) = race_creations(&a, &b, 0..20).await;
         assert_eq!(created.len(), 5);
         assert_eq!(refused, 15);
         let set: BTreeSet<JobId> = a.active_set("racer").await.expect("set").into_iter().collect();
@@ -1628,6 +1636,153 @@ async fn a_decision_that_writes_nothing_is_taken_on_the_leaders_copy_of_a_replic
             written.out, None,
             "written over the delete, not over the stale revision"
         );
+    }))
+    .await;
+}
+
+/// A compare-and-set started from a stale guess (a cache's copy older than the key) loses nothing: its write at
+/// the guessed revision is refused, the key is read and the decision taken again on it; a decision that writes
+/// nothing taken on a stale guess is taken again on the leader's copy; a current guess is decided on once.
+#[tokio::test]
+async fn a_compare_and_set_from_a_stale_guess_decides_again_on_the_stored_value() {
+    use fleet_store::Op;
+    use fleet_store::cas::{Edit, Target, compare_and_set_guessed};
+    let n = nats();
+    guard(Box::pin(async {
+        let js = n.js().await;
+        let kv = js
+            .create_key_value(async_nats::jetstream::kv::Config {
+                bucket: "fleet_cas_guess".into(),
+                history: 1,
+                ..Default::default()
+            })
+            .await
+            .expect("bucket");
+        let target = Target {
+            kv: &kv,
+            key: "k",
+            op: Op::AcquireSlot,
+            limit: ("test value", 1024),
+        };
+        let r1 = kv.put("k", br#"{"n":1}"#.to_vec().into()).await.expect("put");
+        let r2 = kv.put("k", br#"{"n":2}"#.to_vec().into()).await.expect("put");
+        let stale = Revisioned {
+            value: json!({"n": 1}),
+            revision: r1,
+        };
+
+        // A write: decided on the guess (n = 1), refused, decided again on the stored value (n = 2).
+        let mut seen = Vec::new();
+        let committed = compare_and_set_guessed(
+            target,
+            Some(stale.clone()),
+            |current: Option<Revisioned<Value>>| {
+                let current = current.expect("the key exists");
+                seen.push((current.value["n"].as_u64().unwrap_or(0), current.revision));
+                let next = current.value["n"].as_u64().unwrap_or(0) + 1;
+                Ok::<_, StoreError>(Edit::Write(json!({ "n": next }), next))
+            },
+        )
+        .await
+        .expect("compare-and-set");
+        assert_eq!(seen, vec![(1, r1), (2, r2)]);
+        assert_eq!(
+            committed.out, 3,
+            "the update of the stored value, not of the guess"
+        );
+        let written = committed.written.expect("written");
+        assert!(written.revision > r2);
+        let stored = kv.entry("k").await.expect("entry").expect("present");
+        assert_eq!(stored.value.as_ref(), br#"{"n":3}"#);
+
+        // A refusal taken on the stale guess is checked on the stored value, where the decision differs.
+        let mut seen = Vec::new();
+        let refused = compare_and_set_guessed(target, Some(stale), |current: Option<Revisioned<Value>>| {
+            let n = current.expect("the key exists").value["n"].as_u64().unwrap_or(0);
+            seen.push(n);
+            if n < 3 {
+                Err(StoreError::QuotaExceeded { active: 5, max: 5 })
+            } else {
+                Ok(Edit::Keep(n))
+            }
+        })
+        .await
+        .expect("the stored value is not full");
+        assert_eq!(seen, vec![1, 3]);
+        assert_eq!(refused.out, 3);
+
+        // A current guess: one decision, one write.
+        let mut calls = 0;
+        let current = Revisioned {
+            value: json!({"n": 3}),
+            revision: written.revision,
+        };
+        let committed =
+            compare_and_set_guessed(target, Some(current), |current: Option<Revisioned<Value>>| {
+                calls += 1;
+                let n = current.expect("the key exists").value["n"].as_u64().unwrap_or(0);
+                Ok::<_, StoreError>(Edit::Write(json!({ "n": n + 1 }), n + 1))
+            })
+            .await
+            .expect("compare-and-set");
+        assert_eq!((calls, committed.out), (1, 4));
+    }))
+    .await;
+}
+
+/// A replica watching the active sets (as fronts do) keeps another replica's writes, at their revisions, and
+/// admits from its copy: two watching replicas racing twenty creations still admit exactly five, and a slot
+/// another replica gave back is taken again at once, whether the copy shows it free yet or still shows the set
+/// full (a refusal taken on the copy is checked against the stored set).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_admitting_from_their_copies_of_the_active_sets_keep_the_quota() {
+    let n = nats();
+    guard(Box::pin(async {
+        let a = n.store(StoreSettings::default()).await;
+        let b = n.store(StoreSettings::default()).await;
+        let watches = [a.watch_active_sets(), b.watch_active_sets()];
+        // The copy follows the other replica's write (the watch delivers it asynchronously: polled, bounded by
+        // the test's guard).
+        let first = b
+            .create_job(record("racer", "echo.run", 0), 5)
+            .await
+            .expect("create");
+        let (set, revision) = loop {
+            if let Some((set, revision)) = a.cached_active_set("racer") {
+                break (set, revision);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        assert_eq!(set, vec![first.value.job_id.clone()]);
+        assert!(revision > 0);
+
+        let (mut created, refused) = race_creations(&a, &b, 1..20).await;
+        created.insert(first.value.job_id.clone());
+        assert_eq!((created.len(), refused), (5, 15));
+        let set: BTreeSet<JobId> = a.active_set("racer").await.expect("set").into_iter().collect();
+        assert_eq!(set, created);
+
+        // B gives a slot back; A admits at once, whether its copy already shows the slot free or still full.
+        let done = created.iter().next().expect("a job").clone();
+        b.transition("racer", &done, JobState::Failed, |_| {})
+            .await
+            .expect("fail");
+        let again = a
+            .create_job(record("racer", "echo.run", 30), 5)
+            .await
+            .expect("the freed slot");
+        let mut expected = created.clone();
+        expected.remove(&done);
+        expected.insert(again.value.job_id);
+        let set: BTreeSet<JobId> = b.active_set("racer").await.expect("set").into_iter().collect();
+        assert_eq!(set, expected);
+
+        // A stopped watch leaves no copy to start from.
+        for w in watches {
+            w.abort();
+            let _ = w.await;
+        }
+        assert_eq!((a.cached_active_sets(), a.cached_active_set("racer")), (0, None));
     }))
     .await;
 }

@@ -11,7 +11,7 @@ use fleet_proto::api::user_key;
 use fleet_proto::limits::MAX_LONG_JOBS_PER_AGENT;
 use fleet_proto::util::now_ms;
 
-use super::cas::{Edit, Target, compare_and_set};
+use super::cas::{Edit, Target, compare_and_set_guessed};
 use super::{JobRecord, Op, Revisioned, Store, StoreError, read, read_settled};
 
 /// The value at `<user_key>`.
@@ -230,7 +230,9 @@ impl Store {
             op,
             limit: LIMIT,
         };
-        let committed = compare_and_set(target, None, |current: Option<Revisioned<ActiveSet>>| {
+        // Started from this replica's copy of the set while it keeps one (fronts: `watch_active_sets`).
+        let guess = self.inner.active_cache.guess(&key);
+        let committed = compare_and_set_guessed(target, guess, |current: Option<Revisioned<ActiveSet>>| {
             let set = current.map_or_else(
                 || ActiveSet {
                     user: user.to_string(),
@@ -247,6 +249,9 @@ impl Store {
             })
         })
         .await?;
+        if let Some(written) = &committed.written {
+            self.inner.active_cache.learn(&key, written);
+        }
         Ok(committed.out)
     }
 }

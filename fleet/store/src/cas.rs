@@ -105,7 +105,36 @@ pub struct Target<'a> {
 /// again on it when the two differ. Errors of `decide` end the loop as they are.
 pub async fn compare_and_set<T, R, E>(
     target: Target<'_>,
-    mut first: Option<Option<Revisioned<T>>>,
+    first: Option<Option<Revisioned<T>>>,
+    decide: impl FnMut(Option<Revisioned<T>>) -> Result<Edit<T, R>, E>,
+) -> Result<Committed<T, R>, E>
+where
+    T: Serialize + DeserializeOwned,
+    E: From<StoreError>,
+{
+    cas_loop(target, first.map(|read| (read, false)), decide).await
+}
+
+/// [`compare_and_set`] starting from a guess of the key's value (a cache's, [`crate::active_cache`]) instead of
+/// a read: when the guess is current this saves the read; when it is stale the write at its revision is refused
+/// and the loop reads and decides again at once (a stale guess is not a lost race: no backoff). A decision that
+/// writes nothing taken on the guess is checked against the leader's copy, on one server too.
+pub async fn compare_and_set_guessed<T, R, E>(
+    target: Target<'_>,
+    guess: Option<Revisioned<T>>,
+    decide: impl FnMut(Option<Revisioned<T>>) -> Result<Edit<T, R>, E>,
+) -> Result<Committed<T, R>, E>
+where
+    T: Serialize + DeserializeOwned,
+    E: From<StoreError>,
+{
+    cas_loop(target, guess.map(|guess| (Some(guess), true)), decide).await
+}
+
+/// The loop of [`compare_and_set`]; `first` is a value to start from, and whether it is a guess.
+async fn cas_loop<T, R, E>(
+    target: Target<'_>,
+    mut first: Option<(Option<Revisioned<T>>, bool)>,
     mut decide: impl FnMut(Option<Revisioned<T>>) -> Result<Edit<T, R>, E>,
 ) -> Result<Committed<T, R>, E>
 where
@@ -117,10 +146,13 @@ where
     // Whether `current` is the leader's answer; a replica's may be older than the last write acknowledged.
     let mut from_leader = !replicated(kv);
     loop {
-        let current = match first.take() {
-            Some(current) => current,
-            None => read::<T>(kv, key, op).await?,
+        let (current, guessed) = match first.take() {
+            Some(first) => first,
+            None => (read::<T>(kv, key, op).await?, false),
         };
+        if guessed {
+            from_leader = false;
+        }
         let revision = current.as_ref().map(|c| c.revision);
         let decision = decide(current);
         // A decision that writes nothing (a refusal included) is only as good as the read it was taken on, and no
@@ -133,7 +165,7 @@ where
         if !writes && !from_leader {
             let latest = read_current::<T>(kv, key, op).await?;
             if latest.as_ref().map(|c| c.revision) != revision {
-                first = Some(latest);
+                first = Some((latest, false));
                 from_leader = true;
                 continue;
             }
@@ -154,6 +186,9 @@ where
                     return Ok(Committed { out, written: None });
                 }
             }
+        }
+        if guessed {
+            continue;
         }
         races
             .lost()

@@ -30,6 +30,7 @@
 //!   `max_retained_jobs_per_user` jobs created within the retention ([`StoreError::RetainedQuotaExceeded`]).
 
 mod active;
+pub mod active_cache;
 pub mod cas;
 mod direct;
 mod error;
@@ -125,6 +126,7 @@ struct Inner {
     workers: kv::Store,
     manifests: kv::Store,
     index: kv::Store,
+    active_cache: active_cache::ActiveCache,
     progress: Stream,
     job_queue: Stream,
 }
@@ -165,6 +167,7 @@ impl Store {
                 workers,
                 manifests,
                 index,
+                active_cache: active_cache::ActiveCache::default(),
                 progress,
                 job_queue,
             }),
