@@ -63,6 +63,51 @@ async fn invoke(client: ApiClient, method: &str, args: Value) -> ApiResponse<Val
     }
 }
 
+
+/// Every request a worker's subscription already holds when it starts draining is answered — "draining" (the
+/// front tries the next worker) or run —: a burst of calls meets a drain and every call succeeds. A drain that
+/// waited only for "nothing in flight" could stop between two buffered requests and leave the rest unanswered
+/// (seen as a sync call failing `agent_unavailable` after the keepalive silence in `rolling-workers`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_meeting_a_drain_is_answered_in_full() {
+    let mut c = Cluster::start("churn-burst", 1, 2, &[Plugin::echo("echo", &[])]).await;
+    let ids: Vec<String> = c
+        .workers
+        .iter()
+        .map(|w| w.node.as_ref().unwrap().id().to_string())
+        .collect();
+    let first = rank(
+        ids.iter().map(String::as_str),
+        &format!("{}\u{0}echo", user_key(USER)),
+    )[0]
+    .clone();
+    let fi = usize::from(ids[0] != first);
+    // The first-ranked worker's session is warm: the burst reaches it at once.
+    assert!(matches!(
+        invoke(client(&c, USER), "echo", json!({ "warm": true })).await,
+        ApiResponse::Ok(_)
+    ));
+    // As many calls as one session takes at once (more would be refused for capacity by both workers).
+    let burst = fleet_worker::config::WorkerConfig::default().max_in_flight_per_session;
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..burst {
+        calls.spawn(invoke(client(&c, USER), "echo", json!({ "i": i })));
+    }
+    let node = c.workers[fi].node.take().unwrap();
+    let drain = tokio::spawn(node.drain(DRAIN_GRACE));
+    let mut answered = 0;
+    while let Some(joined) = calls.join_next().await {
+        match joined.unwrap() {
+            ApiResponse::Ok(v) => assert!(v["arguments"]["i"].is_u64(), "{v}"),
+            ApiResponse::Err(e) => panic!("a call of the burst failed during the drain: {e}"),
+        }
+        answered += 1;
+    }
+    assert_eq!(answered, burst);
+    drain.await.unwrap();
+    c.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draining_worker_finishes_its_calls_while_the_next_worker_takes_new_ones() {
     let mut c = Cluster::start("churn-drain", 1, 2, &[Plugin::echo("echo", &[])]).await;

@@ -256,9 +256,20 @@ impl WorkerNode {
         if let Some(stop) = self.stop_exec.take() {
             let _ = stop.send(());
         }
-        let drained = tokio::time::timeout(grace, self.ctx.in_flight.idle())
-            .await
-            .is_ok();
+        // First the exec loop's end — the drained subscription has handed over the last request the server sent
+        // (each is in flight from then on) —, then no request in flight. Waiting for "none in flight" alone could
+        // end between two buffered requests and abort the loop with requests no one would ever answer.
+        let mut exec_loop = self.exec_loop.take();
+        let mut exec_ended = false;
+        let drained = tokio::time::timeout(grace, async {
+            if let Some(exec) = exec_loop.as_mut() {
+                let _ = exec.await;
+                exec_ended = true;
+            }
+            self.ctx.in_flight.idle().await;
+        })
+        .await
+        .is_ok();
         if !drained {
             tracing::warn!(
                 worker = %self.id,
@@ -266,7 +277,7 @@ impl WorkerNode {
                 "drain grace elapsed; stopping the calls still running"
             );
         }
-        if let Some(exec) = self.exec_loop.take() {
+        if let Some(exec) = exec_loop.filter(|_| !exec_ended) {
             exec.abort();
             let _ = exec.await;
         }
