@@ -63,14 +63,9 @@ async fn invoke(client: ApiClient, method: &str, args: Value) -> ApiResponse<Val
     }
 }
 
-
-/// Every request a worker's subscription already holds when it starts draining is answered — "draining" (the
-/// front tries the next worker) or run —: a burst of calls meets a drain and every call succeeds. A drain that
-/// waited only for "nothing in flight" could stop between two buffered requests and leave the rest unanswered
-/// (seen as a sync call failing `agent_unavailable` after the keepalive silence in `rolling-workers`).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_burst_meeting_a_drain_is_answered_in_full() {
-    let mut c = Cluster::start("churn-burst", 1, 2, &[Plugin::echo("echo", &[])]).await;
+/// Of a two-worker cluster: the index of the worker ranked first for `USER`'s `echo`, the other's, and the first's
+/// id.
+fn first_ranked(c: &Cluster) -> (usize, usize, String) {
     let ids: Vec<String> = c
         .workers
         .iter()
@@ -82,6 +77,17 @@ async fn a_burst_meeting_a_drain_is_answered_in_full() {
     )[0]
     .clone();
     let fi = usize::from(ids[0] != first);
+    (fi, 1 - fi, first)
+}
+
+/// Every request a worker's subscription already holds when it starts draining is answered — "draining" (the
+/// front tries the next worker) or run —: a burst of calls meets a drain and every call succeeds. A drain that
+/// waited only for "nothing in flight" could stop between two buffered requests and leave the rest unanswered
+/// (seen as a sync call failing `agent_unavailable` after the keepalive silence in `rolling-workers`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_meeting_a_drain_is_answered_in_full() {
+    let mut c = Cluster::start("churn-burst", 1, 2, &[Plugin::echo("echo", &[])]).await;
+    let (fi, _, _) = first_ranked(&c);
     // The first-ranked worker's session is warm: the burst reaches it at once.
     assert!(matches!(
         invoke(client(&c, USER), "echo", json!({ "warm": true })).await,
@@ -111,17 +117,7 @@ async fn a_burst_meeting_a_drain_is_answered_in_full() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_draining_worker_finishes_its_calls_while_the_next_worker_takes_new_ones() {
     let mut c = Cluster::start("churn-drain", 1, 2, &[Plugin::echo("echo", &[])]).await;
-    let ids: Vec<String> = c
-        .workers
-        .iter()
-        .map(|w| w.node.as_ref().unwrap().id().to_string())
-        .collect();
-    let first = rank(
-        ids.iter().map(String::as_str),
-        &format!("{}\u{0}echo", user_key(USER)),
-    )[0]
-    .clone();
-    let (fi, other) = if ids[0] == first { (0, 1) } else { (1, 0) };
+    let (fi, other, first) = first_ranked(&c);
 
     // A long call runs on the first-ranked worker…
     let long = tokio::spawn(invoke(client(&c, USER), "sleep", json!({ "ms": 1500 })));
