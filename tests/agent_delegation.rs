@@ -60,24 +60,6 @@ fn invoke(tool_id: &str) -> Value {
     json!({"tool_id": tool_id, "method": "echo", "args": {"n": 1}})
 }
 
-/// Waits until `tools.list` shows `tool_ids` (the worker records each manifest after describing it at start-up).
-async fn wait_listed(c: &Cluster, tool_ids: &[&str]) {
-    let deadline = std::time::Instant::now() + GUARD;
-    loop {
-        let listed = c.ok("alice", "tools.list", json!({})).await;
-        let all = tool_ids.iter().all(|id| {
-            listed["tools"]
-                .as_array()
-                .is_some_and(|t| t.iter().any(|t| t["tool_id"] == *id))
-        });
-        if all {
-            return;
-        }
-        assert!(std::time::Instant::now() < deadline, "failure guard: {listed}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 fn what(depth: u32, deadline_ms: u64) -> Delegated {
     Delegated {
         user: "alice".into(),
@@ -98,7 +80,7 @@ async fn a_delegation_acts_only_as_its_user_within_its_grant_and_its_invoke() {
     )
     .await;
     c.wait_for_api(GUARD).await;
-    wait_listed(&c, &["echo-a", "echo-b"]).await;
+    c.wait_listed(&["echo-a", "echo-b"], GUARD).await;
     let grants = GrantStore::open(
         &async_nats::jetstream::new(c.client.clone()),
         &StoreSettings::default(),
@@ -338,7 +320,7 @@ async fn a_jobs_delegation_is_served_by_any_front_until_the_job_ends() {
     )
     .await;
     c.wait_for_api(GUARD).await;
-    wait_listed(&c, &[HOLDER, "echo-a", "echo-b"]).await;
+    c.wait_listed(&[HOLDER, "echo-a", "echo-b"], GUARD).await;
     let grants = GrantStore::open(
         &async_nats::jetstream::new(c.client.clone()),
         &StoreSettings::default(),

@@ -547,6 +547,8 @@ async fn every_token_failure_is_invalid_token() {
 #[tokio::test]
 async fn tools_methods_and_the_allow_list() {
     let g = start("gw-acl").await;
+    // The listings below narrow what `tools.list` shows: first it must show the plugin.
+    g.cluster.wait_listed(&["echo"], GUARD).await;
     let all = window_token(&g, "alice", "w-1", None);
     // invoke: the plugin's payload.
     let r = rpc_ok(

@@ -641,6 +641,25 @@ pub mod cluster {
             }
         }
 
+        /// Waits until `tools.list` shows every one of `tool_ids`: a worker records each manifest after describing
+        /// the plugin at start-up, so a listing right after the start may not show it yet. Bounded by `guard`.
+        pub async fn wait_listed(&self, tool_ids: &[&str], guard: Duration) {
+            let deadline = Instant::now() + guard;
+            loop {
+                let listed = self.ok("alice", "tools.list", serde_json::json!({})).await;
+                let all = tool_ids.iter().all(|id| {
+                    listed["tools"]
+                        .as_array()
+                        .is_some_and(|t| t.iter().any(|t| t["tool_id"] == *id))
+                });
+                if all {
+                    return;
+                }
+                assert!(Instant::now() < deadline, "failure guard: {listed}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+
         /// Calls an API method as `user` and returns the response envelope.
         pub async fn call(&self, user: &str, method: &str, args: Value) -> ApiResponse<Value> {
             self.call_with_token(&format!("Bearer {}", self.token(user)), method, args)
