@@ -131,7 +131,6 @@ impl Store {
         self.command("buildah")
     }
     fn command(&self, program: &str) -> Command {
-        std::fs::create_dir_all(&self.tmp).expect("the image store's temporary directory");
         let mut c = Command::new(program);
         c.args(self.args()).env("TMPDIR", &self.tmp);
         c
@@ -331,6 +330,7 @@ fn container_image_builds_from_a_debootstrap_base_and_runs_fleet_and_demo_plugin
         runroot: cache.join("run"),
         tmp: cache.join("tmp"),
     };
+    std::fs::create_dir_all(&store.tmp).expect("the image store's temporary directory");
     let base = base_image(&cache, &store);
 
     let ctx = cache.join("context");

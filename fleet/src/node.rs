@@ -260,11 +260,9 @@ impl WorkerNode {
         // (each is in flight from then on) —, then no request in flight. Waiting for "none in flight" alone could
         // end between two buffered requests and abort the loop with requests no one would ever answer.
         let mut exec_loop = self.exec_loop.take();
-        let mut exec_ended = false;
         let drained = tokio::time::timeout(grace, async {
             if let Some(exec) = exec_loop.as_mut() {
                 let _ = exec.await;
-                exec_ended = true;
             }
             self.ctx.in_flight.idle().await;
         })
@@ -277,7 +275,8 @@ impl WorkerNode {
                 "drain grace elapsed; stopping the calls still running"
             );
         }
-        if let Some(exec) = exec_loop.filter(|_| !exec_ended) {
+        // A finished loop's handle is not awaited again (its output may have been taken above).
+        if let Some(exec) = exec_loop.filter(|exec| !exec.is_finished()) {
             exec.abort();
             let _ = exec.await;
         }
