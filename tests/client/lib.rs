@@ -188,6 +188,7 @@ pub mod fake_images;
 pub mod fake_llm;
 pub mod fake_oauth;
 pub mod fake_web;
+pub mod hang_report;
 
 /// The directory of `pid`'s cgroup: in the memory hierarchy (v1), or the unified one (v2).
 pub fn cgroup_dir(pid: u32) -> std::path::PathBuf {

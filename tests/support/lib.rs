@@ -3,8 +3,8 @@
 //! plugins and their binaries are, and the fake LLM upstream, are `fleet-e2e-client`'s (re-exported here).
 
 pub use fleet_e2e_client::{
-    cargo_build, echo_plugin_bin, fake_images, fake_llm, fake_oauth, fake_web, fleet_bin, profile_dir,
-    python_plugin_path, sandbox_stub_bin, workspace_root,
+    cargo_build, echo_plugin_bin, fake_images, fake_llm, fake_oauth, fake_web, fleet_bin, hang_report,
+    profile_dir, python_plugin_path, sandbox_stub_bin, workspace_root,
 };
 
 /// The host services over `js` with `config`, a fixed link secret and credentials keyring (the services tests).
@@ -322,6 +322,7 @@ pub mod cluster {
     use fleet_worker::session::WorkerContext;
     use serde_json::Value;
 
+    use super::hang_report;
     use super::worker::{Plugin, test_config, write_catalogue};
 
     /// The HS256 secret of test tokens.
@@ -399,9 +400,12 @@ pub mod cluster {
         }
 
         async fn start_boxed(name: &str, fronts: usize, workers: usize, plugins: &[Plugin]) -> Cluster {
+            hang_report::arm();
+            hang_report::milestone(format!("cluster {name}: starting"));
             let root = tempfile::tempdir().expect("tempdir");
             let nats =
                 NatsServer::start(&root.path().join("nats")).expect("nats-server (run scripts/test.sh once)");
+            hang_report::milestone("nats-server ready");
             let client = connect(&nats, Role::Front).await;
             let app = connect(&nats, Role::App).await;
             let operator = connect(&nats, Role::Operator).await;
@@ -448,6 +452,7 @@ pub mod cluster {
             for _ in 0..workers {
                 cluster.add_worker().await;
             }
+            hang_report::milestone("cluster started");
             cluster
         }
 
@@ -480,6 +485,7 @@ pub mod cluster {
             let seals = Arc::new(self.nats.exec_signer().expect("exec signing key"));
             let front = Front::new(client, store, verifier, config, seals).with_metrics(self.metrics.clone());
             let service = front.serve().await.expect("serve");
+            hang_report::milestone("front serving");
             // Started means knowing the running workers (as `add_worker` waits for every front to know it).
             let ids: Vec<String> = self
                 .workers
@@ -551,6 +557,7 @@ pub mod cluster {
             .await
             .expect("worker node");
             let id = node.id().to_string();
+            hang_report::milestone(format!("worker {id} started"));
             self.workers.push(Worker {
                 node: Some(node),
                 sandbox,
@@ -569,6 +576,7 @@ pub mod cluster {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
             }
+            hang_report::milestone(format!("worker {id} known to every front"));
             i
         }
 
@@ -728,23 +736,28 @@ pub mod cluster {
 
         /// Shuts everything down.
         pub async fn shutdown(mut self) {
+            hang_report::milestone("shutdown: stopping the fronts");
             for (_, service) in self.fronts.drain(..) {
                 service.stop().await;
             }
+            hang_report::milestone("shutdown: draining the workers");
             // Teardown: no grace (a test that checks draining calls `WorkerNode::drain` itself).
             for w in &mut self.workers {
                 if let Some(node) = w.node.take() {
                     node.drain(Duration::ZERO).await;
                 }
             }
+            hang_report::milestone("shutdown: done");
         }
     }
 
     impl Drop for Cluster {
         fn drop(&mut self) {
+            hang_report::milestone("cluster dropped: removing the sandboxes");
             for w in &self.workers {
                 let _ = w.sandbox.remove_subtree();
             }
+            hang_report::milestone("cluster dropped: sandboxes removed");
         }
     }
 }
