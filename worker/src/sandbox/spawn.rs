@@ -69,6 +69,7 @@ use std::ffi::{CStr, CString};
 use std::io;
 use std::os::fd::{AsFd as _, OwnedFd};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use rustix::fs::{CWD, Mode, OFlags};
 use rustix::mount::{
@@ -208,6 +209,10 @@ pub(crate) fn pass_fd(cmd: &mut tokio::process::Command, fd: std::os::fd::RawFd)
 /// The probe child's exit code when it confined itself but the kernel refused the `favordynmods` mount.
 const FAVOR_REFUSED: i32 = 250;
 
+/// How long [`probe`] waits for its child (which ends within milliseconds; creating a network namespace on a busy
+/// machine can take a second or two) before it kills it and fails.
+pub(crate) const PROBE_WAIT: Duration = Duration::from_secs(30);
+
 /// Runs the confinement of `confine` in a forked child that exits at once, and reports whether it worked: what
 /// [`Sandbox::new`](super::Sandbox::new) does before it accepts sessions, so a worker that cannot confine
 /// plugins refuses to start instead of running them unconfined. No program is executed.
@@ -235,18 +240,18 @@ pub(crate) fn probe(confine: &Confinement, favor: Option<&CStr>) -> io::Result<b
         // SAFETY: see above.
         unsafe { libc::_exit(code) };
     }
-    let mut status = 0;
-    loop {
-        // SAFETY: plain waitpid on our own child with a valid pointer.
-        let rc = unsafe { libc::waitpid(pid, &mut status, 0) };
-        if rc == pid {
-            break;
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
+    // Bounded: a probe stuck in the kernel (a namespace or mount that never completes) fails the start with a
+    // reason instead of holding the caller for good.
+    let status = wait_exit(pid, PROBE_WAIT).map_err(|e| match e.kind() {
+        io::ErrorKind::TimedOut => io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!(
+                "the confinement probe did not finish within {} s",
+                PROBE_WAIT.as_secs()
+            ),
+        ),
+        _ => e,
+    })?;
     if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
         Ok(true)
     } else if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == FAVOR_REFUSED {
@@ -255,6 +260,41 @@ pub(crate) fn probe(confine: &Confinement, favor: Option<&CStr>) -> io::Result<b
         Err(io::Error::from_raw_os_error(libc::WEXITSTATUS(status)))
     } else {
         Err(io::Error::other("the confinement probe was killed"))
+    }
+}
+
+/// Waits up to `limit` for our own child `pid` to end and reaps it: its wait status. Past `limit` the child is
+/// killed (SIGKILL) and the error is `TimedOut`; one that does not die at once stays a zombie until this process
+/// ends. Polled with a growing pause (50 µs … 10 ms): for children that end within milliseconds.
+#[allow(unsafe_code)]
+pub(crate) fn wait_exit(pid: libc::pid_t, limit: Duration) -> io::Result<libc::c_int> {
+    let deadline = Instant::now() + limit;
+    let mut pause = Duration::from_micros(50);
+    let mut status = 0;
+    loop {
+        // SAFETY: plain non-blocking waitpid on our own child with a valid pointer.
+        let rc = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        if rc == pid {
+            return Ok(status);
+        }
+        if rc < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if Instant::now() >= deadline {
+            // SAFETY: signals our own child, not reaped yet (so its pid cannot have been reused), then reaps it
+            // if it died at once.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, &mut status, libc::WNOHANG);
+            }
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(10));
     }
 }
 
@@ -471,4 +511,43 @@ fn seccomp_child(confine: &Confinement) -> io::Result<()> {
         })?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use std::os::unix::process::ExitStatusExt as _;
+
+    fn pid_of(child: &std::process::Child) -> libc::pid_t {
+        libc::pid_t::try_from(child.id()).unwrap()
+    }
+
+    #[test]
+    #[allow(clippy::zombie_processes)] // reaped by `wait_exit`, which is what is tested
+    fn a_child_that_ends_is_reaped_with_its_status() {
+        let child = std::process::Command::new("/bin/sh")
+            .args(["-c", "exit 7"])
+            .spawn()
+            .unwrap();
+        let status = wait_exit(pid_of(&child), Duration::from_secs(30)).unwrap();
+        assert!(libc::WIFEXITED(status));
+        assert_eq!(libc::WEXITSTATUS(status), 7);
+    }
+
+    #[test]
+    fn a_child_still_running_at_the_limit_is_killed_and_reported() {
+        let mut child = std::process::Command::new("/bin/sh")
+            .args(["-c", "exec sleep 600"])
+            .spawn()
+            .unwrap();
+        let e = wait_exit(pid_of(&child), Duration::from_millis(20)).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        // Killed: reaped already by `wait_exit` (no child left to wait for), or a zombie killed by SIGKILL.
+        match child.wait() {
+            Err(e) => assert_eq!(e.raw_os_error(), Some(libc::ECHILD)),
+            Ok(status) => assert_eq!(status.signal(), Some(libc::SIGKILL)),
+        }
+    }
 }
