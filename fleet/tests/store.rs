@@ -1786,3 +1786,85 @@ async fn replicas_admitting_from_their_copies_of_the_active_sets_keep_the_quota(
     }))
     .await;
 }
+
+/// Two replicas keeping copies of the index heads, racing twenty creations for one user (pages of 2, a cap of 5
+/// retained jobs, no active-jobs quota in the way): each writes the new job's entry from its copy of the head,
+/// often a stale one (the other replica wrote since), and yet exactly five are admitted, each indexed once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_indexing_from_their_copies_of_the_heads_index_each_job_once_within_the_cap() {
+    let n = nats();
+    guard(Box::pin(async {
+        let settings = StoreSettings {
+            job_index_page: 2,
+            max_retained_jobs_per_user: 5,
+            ..Default::default()
+        };
+        let a = n.store(settings.clone()).await;
+        let b = n.store(settings).await;
+        let watches = [a.watch_index_heads(), b.watch_index_heads()];
+        // The copy follows the other replica's write (the watch delivers it asynchronously: polled, bounded by
+        // the test's guard).
+        let first = b
+            .create_job(record("indexer", "echo.run", now_ms()), 100)
+            .await
+            .expect("create");
+        let (ids, revision) = loop {
+            if let Some(head) = a.cached_index_head("indexer") {
+                break head;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        assert_eq!(ids, vec![first.value.job_id.clone()]);
+        assert!(revision > 0);
+
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 1..20u64 {
+            let store = if i % 2 == 0 { a.clone() } else { b.clone() };
+            tasks.spawn(async move {
+                store
+                    .create_job(record("indexer", "echo.run", now_ms() + i), 100)
+                    .await
+            });
+        }
+        let mut created = vec![first.value.job_id.clone()];
+        let mut refused = 0;
+        while let Some(joined) = tasks.join_next().await {
+            match joined.expect("task") {
+                Ok(r) => created.push(r.value.job_id),
+                Err(StoreError::RetainedQuotaExceeded {
+                    retained: 5, max: 5, ..
+                }) => refused += 1,
+                Err(e) => panic!("unexpected error: {e}"),
+            }
+        }
+        assert_eq!((created.len(), refused), (5, 15));
+        let listed = a
+            .list_jobs("indexer", &JobFilter::default(), 100, None)
+            .await
+            .expect("list");
+        assert!(!listed.truncated);
+        let mut listed: Vec<JobId> = listed.jobs.into_iter().map(|r| r.job_id).collect();
+        listed.sort();
+        created.sort();
+        assert_eq!(listed, created, "every admitted job listed, once");
+
+        // Both copies end at the head the last write left.
+        loop {
+            let (ha, hb) = (a.cached_index_head("indexer"), b.cached_index_head("indexer"));
+            if ha.is_some() && ha == hb {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // A stopped watch leaves no copy to start from.
+        for w in watches {
+            w.abort();
+            let _ = w.await;
+        }
+        assert_eq!(
+            (a.cached_index_heads(), a.cached_index_head("indexer")),
+            ((0, 0), None)
+        );
+    }))
+    .await;
+}

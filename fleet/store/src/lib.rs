@@ -30,8 +30,8 @@
 //!   `max_retained_jobs_per_user` jobs created within the retention ([`StoreError::RetainedQuotaExceeded`]).
 
 mod active;
-pub mod active_cache;
 pub mod cas;
+pub mod copies;
 mod direct;
 mod error;
 pub mod failover;
@@ -126,7 +126,9 @@ struct Inner {
     workers: kv::Store,
     manifests: kv::Store,
     index: kv::Store,
-    active_cache: active_cache::ActiveCache,
+    /// This replica's copies of the active sets and the index heads (fronts; [`copies`]).
+    active_copy: Arc<copies::KvCopy<active::ActiveSet>>,
+    index_copy: Arc<copies::KvCopy<index::IndexHead>>,
     progress: Stream,
     job_queue: Stream,
 }
@@ -167,7 +169,8 @@ impl Store {
                 workers,
                 manifests,
                 index,
-                active_cache: active_cache::ActiveCache::default(),
+                active_copy: Arc::new(copies::active_sets()),
+                index_copy: Arc::new(copies::index_heads()),
                 progress,
                 job_queue,
             }),
