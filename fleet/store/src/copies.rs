@@ -253,3 +253,63 @@ impl Store {
         self.inner.index_copy.held()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn v(n: u64, revision: u64) -> Revisioned<u64> {
+        Revisioned { value: n, revision }
+    }
+
+    #[test]
+    fn a_copy_is_consulted_only_while_its_watch_runs() {
+        let copy: KvCopy<u64> = KvCopy::new(10, 100);
+        copy.learn("k", &v(1, 1), 1);
+        assert_eq!(copy.guess("k"), None, "nothing is kept before the watch runs");
+        copy.reset(true);
+        copy.learn("k", &v(1, 1), 1);
+        assert_eq!(copy.guess("k"), Some(v(1, 1)));
+        copy.reset(false);
+        assert_eq!((copy.guess("k"), copy.held()), (None, (0, 0)));
+    }
+
+    #[test]
+    fn an_entry_only_moves_forward_by_revision() {
+        let copy: KvCopy<u64> = KvCopy::new(10, 100);
+        copy.reset(true);
+        copy.learn("k", &v(2, 5), 1);
+        copy.learn("k", &v(1, 4), 1);
+        copy.learn("k", &v(3, 5), 1);
+        assert_eq!(
+            copy.guess("k"),
+            Some(v(2, 5)),
+            "an older or equal revision is ignored"
+        );
+        copy.learn("k", &v(4, 6), 1);
+        assert_eq!(copy.guess("k"), Some(v(4, 6)));
+        copy.forget("k");
+        assert_eq!((copy.guess("k"), copy.held()), (None, (0, 0)));
+    }
+
+    #[test]
+    fn past_its_bounds_a_copy_only_updates_the_keys_it_holds() {
+        // Bytes: 10 at most.
+        let copy: KvCopy<u64> = KvCopy::new(10, 10);
+        copy.reset(true);
+        copy.learn("a", &v(1, 1), 6);
+        copy.learn("b", &v(1, 1), 6);
+        assert_eq!((copy.guess("b"), copy.held()), (None, (1, 6)));
+        copy.learn("a", &v(2, 2), 9);
+        assert_eq!((copy.guess("a"), copy.held()), (Some(v(2, 2)), (1, 9)));
+        copy.learn("b", &v(1, 1), 1);
+        assert_eq!(copy.held(), (2, 10), "exactly at the bound");
+        // Keys: 2 at most.
+        let copy: KvCopy<u64> = KvCopy::new(2, usize::MAX);
+        copy.reset(true);
+        for k in ["a", "b", "c"] {
+            copy.learn(k, &v(1, 1), 1);
+        }
+        assert_eq!((copy.guess("c"), copy.held()), (None, (2, 2)));
+    }
+}
