@@ -116,8 +116,6 @@ pub struct FrontService {
     finished: tokio::task::JoinHandle<()>,
     /// The watch keeping this front's copy of the active sets (ends with `stop`).
     active_sets: tokio::task::JoinHandle<()>,
-    /// The watch keeping this front's copy of the job index heads current.
-    index_heads: tokio::task::JoinHandle<()>,
     /// Requests being handled.
     in_flight: InFlight,
     /// `invokeAsync` hand-offs running after their reply.
@@ -171,7 +169,6 @@ impl FrontService {
         while self.endpoints.join_next().await.is_some() {}
         self.finished.abort();
         self.active_sets.abort();
-        self.index_heads.abort();
     }
 }
 
@@ -380,8 +377,6 @@ impl Front {
         // This front's copy of the users' active sets, current by a watch: admission starts its compare-and-set
         // from it instead of reading the set first.
         let active_sets = self.inner.store.watch_active_sets();
-        // And of the users' job index heads: a new job's index entry is written from it.
-        let index_heads = self.inner.store.watch_index_heads();
         // Finished jobs' records as their terminal step writes them (any worker's or front's): `getJob` of a job
         // that just finished is answered from memory, also the first time.
         let mut finished_sub = self.inner.client.subscribe(subjects::JOBS_FINISHED).await?;
@@ -406,7 +401,6 @@ impl Front {
             delegates,
             finished,
             active_sets,
-            index_heads,
             in_flight,
             hand_offs: self.inner.hand_offs.clone(),
             client: self.inner.client.clone(),

@@ -231,7 +231,7 @@ impl Store {
             limit: LIMIT,
         };
         // Started from this replica's copy of the set while it keeps one (fronts: `watch_active_sets`).
-        let guess = self.inner.active_copy.guess(&key);
+        let guess = self.inner.active_cache.guess(&key);
         let committed = compare_and_set_guessed(target, guess, |current: Option<Revisioned<ActiveSet>>| {
             let set = current.map_or_else(
                 || ActiveSet {
@@ -250,9 +250,7 @@ impl Store {
         })
         .await?;
         if let Some(written) = &committed.written {
-            self.inner
-                .active_copy
-                .learn(&key, written, committed.written_bytes);
+            self.inner.active_cache.learn(&key, written);
         }
         Ok(committed.out)
     }

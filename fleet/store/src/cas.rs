@@ -82,18 +82,6 @@ pub struct Committed<T, R> {
     pub out: R,
     /// The value written and its revision, when the decision was [`Edit::Write`].
     pub written: Option<Revisioned<T>>,
-    /// The size of the JSON written (0 when nothing was).
-    pub written_bytes: usize,
-}
-
-impl<T, R> Committed<T, R> {
-    fn nothing(out: R) -> Committed<T, R> {
-        Committed {
-            out,
-            written: None,
-            written_bytes: 0,
-        }
-    }
 }
 
 /// The key a [`compare_and_set`] works on, and the size limit of what it writes.
@@ -127,7 +115,7 @@ where
     cas_loop(target, first.map(|read| (read, false)), decide).await
 }
 
-/// [`compare_and_set`] starting from a guess of the key's value (a replica's copy, [`crate::copies`]) instead of
+/// [`compare_and_set`] starting from a guess of the key's value (a cache's, [`crate::active_cache`]) instead of
 /// a read: when the guess is current this saves the read; when it is stale the write at its revision is refused
 /// and the loop reads and decides again at once (a stale guess is not a lost race: no backoff). A decision that
 /// writes nothing taken on the guess is checked against the leader's copy, on one server too.
@@ -184,21 +172,18 @@ where
         }
         from_leader = !replicated(kv);
         match decision? {
-            Edit::Keep(out) => return Ok(Committed::nothing(out)),
+            Edit::Keep(out) => return Ok(Committed { out, written: None }),
             Edit::Write(value, out) => {
-                let bytes = encode(&value, limit, op)?;
-                let written_bytes = bytes.len();
-                if let Ok(revision) = write_bytes(kv, key, bytes, revision, op).await? {
+                if let Ok(revision) = write(kv, key, &value, revision, limit, op).await? {
                     return Ok(Committed {
                         out,
                         written: Some(Revisioned { value, revision }),
-                        written_bytes,
                     });
                 }
             }
             Edit::Delete(out) => {
                 if delete(kv, key, revision, op).await?.is_ok() {
-                    return Ok(Committed::nothing(out));
+                    return Ok(Committed { out, written: None });
                 }
             }
         }
@@ -212,9 +197,21 @@ where
     }
 }
 
-/// Writes `bytes` (a value encoded by [`encode`], which checks it fits): `create` when `revision` is `None`
-/// (absent or deleted key), else `update` expecting `revision`. `Ok(Err(Conflict))` when another writer got there
-/// first.
+/// Serializes `value`, checks it fits, and writes it: `create` when `revision` is `None` (absent or deleted key),
+/// else `update` expecting `revision`. `Ok(Err(Conflict))` when another writer got there first.
+pub(crate) async fn write<T: Serialize>(
+    kv: &kv::Store,
+    key: &str,
+    value: &T,
+    revision: Option<u64>,
+    limit: (&'static str, usize),
+    op: Op,
+) -> Result<Result<u64, Conflict>, StoreError> {
+    let bytes = encode(value, limit, op)?;
+    write_bytes(kv, key, bytes, revision, op).await
+}
+
+/// [`write`] of bytes already encoded.
 pub async fn write_bytes(
     kv: &kv::Store,
     key: &str,

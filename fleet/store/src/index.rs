@@ -23,8 +23,7 @@
 //! rarely may end a page early with a cursor (`truncated`).
 //!
 //! **Writes.** A job is added by compare-and-set on the head at its creation ([`Store::create_job`]); the head
-//! is read while the quota slot is taken (on a front: taken from its copy of the heads, [`crate::copies`], while
-//! that is kept) and written while the record is created. When the open page is full it
+//! is read while the quota slot is taken and written while the record is created. When the open page is full it
 //! is written as the next sealed page first (a retried seal writes the same page: its content is fixed by the
 //! head it came from), then the head moves on.
 //!
@@ -50,7 +49,7 @@ use serde::{Deserialize, Serialize};
 use super::cas::{self, Conflict, Races};
 use super::direct::{self, BatchRequest, MULTI_LAST_MAX};
 use super::settings::{INDEX_TOOL_ID_MAX_BYTES, JOB_INDEX_MAX_BYTES};
-use super::{JobFilter, JobRecord, Op, Revisioned, Store, StoreError, encode, is_marker, read, read_current};
+use super::{JobFilter, JobRecord, Op, Revisioned, Store, StoreError, encode, is_marker, read};
 
 /// Index entries one `listJobs` call examines at most (a page of the default size is 32 entries).
 pub const LIST_SCAN_ENTRIES_MAX: usize = 2048;
@@ -161,15 +160,6 @@ impl IndexHead {
     }
 }
 
-/// Where [`Store::index_job`] starts: a read of the head, or this replica's copy of it.
-#[derive(Debug)]
-pub(crate) enum HeadStart {
-    /// The head as read (its revision is checked by the write).
-    Read(Result<Option<Revisioned<IndexHead>>, StoreError>),
-    /// This replica's copy of the head.
-    Guess(Revisioned<IndexHead>),
-}
-
 /// `<user_key>.<n>`: a sealed page.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct IndexPage {
@@ -239,41 +229,27 @@ impl Store {
         read::<IndexHead>(&self.inner.index, &user_key(user), Op::IndexJob).await
     }
 
-    /// Where [`Store::index_job`] starts for `user`: this replica's copy of the head while it keeps one
-    /// ([`Store::watch_index_heads`]), else a read of the head.
-    pub(crate) async fn index_start(&self, user: &str) -> HeadStart {
-        match self.inner.index_copy.guess(&user_key(user)) {
-            Some(head) => HeadStart::Guess(head),
-            None => HeadStart::Read(self.index_head(user).await),
-        }
-    }
-
     /// Adds a new job to its user's index, by compare-and-set on the head (retried on conflict; the cap check
-    /// and the append are one atomic step, however many replicas race), starting from `start` ([`index_start`],
-    /// taken earlier): a read's revision is checked by the write; a stale copy costs one refused write and a read
-    /// (no backoff: a stale copy is not a lost race), and a refusal (the cap) taken on a copy is taken again on
-    /// the leader's head. Adding a job the open page holds already changes nothing.
-    ///
-    /// [`index_start`]: Store::index_start
-    pub(crate) async fn index_job(&self, record: &JobRecord, start: HeadStart) -> Result<(), StoreError> {
+    /// and the append are one atomic step, however many replicas race). `prefetched` is a read of the head
+    /// taken earlier (its revision is checked by the write). Adding a job the open page holds already changes
+    /// nothing.
+    pub(crate) async fn index_job(
+        &self,
+        record: &JobRecord,
+        prefetched: Result<Option<Revisioned<IndexHead>>, StoreError>,
+    ) -> Result<(), StoreError> {
         let settings = &self.inner.settings;
         let user = record.user.as_str();
         let key = user_key(user);
         let entry = IndexEntry::of(record);
         let retention_ms = ms(settings.job_retention);
         let cap = settings.max_retained_jobs_per_user;
-        let (mut next, mut guessed) = match start {
-            HeadStart::Guess(head) => (Some(Some(head)), true),
-            HeadStart::Read(read) => (read.ok(), false),
-        };
+        let mut prefetched = prefetched.ok();
         let mut races = Races::new();
-        'attempt: loop {
-            let current = match next.take() {
+        loop {
+            let current = match prefetched.take() {
                 Some(head) => head,
-                None => {
-                    guessed = false;
-                    self.index_head(user).await?
-                }
+                None => self.index_head(user).await?,
             };
             let (mut head, revision) = match current {
                 Some(r) if r.value.user == user => (r.value, Some(r.revision)),
@@ -286,7 +262,6 @@ impl Store {
                 }
                 None => (IndexHead::new(user, settings.job_index_page), None),
             };
-            // (Present in a copy means written: entries never leave a head but by sealing into a page.)
             if head.open.iter().any(|e| e.id == entry.id) {
                 return Ok(());
             }
@@ -297,12 +272,6 @@ impl Store {
                         if head.first < head.sealed && newest.saturating_add(retention_ms) <= now =>
                     {
                         self.drop_oldest_page(&key, &mut head).await?;
-                    }
-                    _ if guessed => {
-                        // A refusal taken on the copy: taken again on the leader's head.
-                        next = Some(read_current::<IndexHead>(&self.inner.index, &key, Op::IndexJob).await?);
-                        guessed = false;
-                        continue 'attempt;
                     }
                     newest => {
                         return Err(StoreError::RetainedQuotaExceeded {
@@ -321,21 +290,8 @@ impl Store {
                 self.seal_open_page(&key, &mut head).await?;
             }
             head.open.push(entry.clone());
-            let bytes = encode(&head, LIMIT, Op::IndexJob)?;
-            let size = bytes.len();
-            match cas::write_bytes(&self.inner.index, &key, bytes, revision, Op::IndexJob).await? {
-                Ok(revision) => {
-                    self.inner.index_copy.learn(
-                        &key,
-                        &Revisioned {
-                            value: head,
-                            revision,
-                        },
-                        size,
-                    );
-                    return Ok(());
-                }
-                Err(Conflict) if guessed => {}
+            match cas::write(&self.inner.index, &key, &head, revision, LIMIT, Op::IndexJob).await? {
+                Ok(_) => return Ok(()),
                 Err(Conflict) => races
                     .lost()
                     .await

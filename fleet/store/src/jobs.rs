@@ -60,7 +60,7 @@ impl Store {
         // costs no round trip of its own on this path.
         let (acquired, head) = tokio::join!(
             self.acquire_slot(&record.user, &record.job_id, max_active),
-            self.index_start(&record.user),
+            self.index_head(&record.user),
         );
         let acquired = acquired?;
         let (created, indexed) =

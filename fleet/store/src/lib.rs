@@ -30,8 +30,8 @@
 //!   `max_retained_jobs_per_user` jobs created within the retention ([`StoreError::RetainedQuotaExceeded`]).
 
 mod active;
+pub mod active_cache;
 pub mod cas;
-pub mod copies;
 mod direct;
 mod error;
 pub mod failover;
@@ -126,9 +126,7 @@ struct Inner {
     workers: kv::Store,
     manifests: kv::Store,
     index: kv::Store,
-    /// This replica's copies of the active sets and the index heads (fronts; [`copies`]).
-    active_copy: Arc<copies::KvCopy<active::ActiveSet>>,
-    index_copy: Arc<copies::KvCopy<index::IndexHead>>,
+    active_cache: active_cache::ActiveCache,
     progress: Stream,
     job_queue: Stream,
 }
@@ -169,8 +167,7 @@ impl Store {
                 workers,
                 manifests,
                 index,
-                active_copy: Arc::new(copies::active_sets()),
-                index_copy: Arc::new(copies::index_heads()),
+                active_cache: active_cache::ActiveCache::default(),
                 progress,
                 job_queue,
             }),
