@@ -11,6 +11,7 @@ use fleet::front::FrontConfig;
 use fleet::node::DRAIN_GRACE;
 use fleet_client::api::{ApiClient, CallError, api_request, bearer};
 use fleet_e2e::cluster::Cluster;
+use fleet_e2e::hang_report;
 use fleet_e2e::worker::Plugin;
 use fleet_proto::api::user_key;
 use fleet_proto::api::{ApiResponse, InvokeArgs, InvokeAsyncArgs, methods, subjects};
@@ -186,12 +187,14 @@ async fn a_call_that_finds_no_worker_waits_for_one_to_register() {
         (c.fronts[0].1.in_flight() == 1).then_some(())
     })
     .await;
+    hang_report::milestone("the front holds the call");
     // …and a worker that registers takes it.
     c.add_worker().await;
     match call.await.unwrap() {
         ApiResponse::Ok(v) => assert_eq!(v, json!({ "arguments": { "waited": true } })),
         ApiResponse::Err(e) => panic!("the call did not wait for the new worker: {e}"),
     }
+    hang_report::milestone("the call answered");
     c.shutdown().await;
 }
 
