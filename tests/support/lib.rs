@@ -533,6 +533,9 @@ pub mod cluster {
             assert!(problems.is_empty(), "{problems:?}");
             let sandbox = Sandbox::new(&config).expect("sandbox");
             sandbox.start_stubs();
+            hang_report::milestone(format!(
+                "worker {name}: sandbox ready (cgroups and the confinement probe)"
+            ));
             let metrics = Arc::new(WorkerMetrics::default());
             let ctx = WorkerContext {
                 config: Arc::new(config.clone()),
