@@ -83,7 +83,8 @@ fn report(after: Duration) {
         .stdin(std::process::Stdio::null())
         .output();
     match gdb {
-        Ok(out) if out.status.success() && !out.stdout.is_empty() => {
+        // (Attached: its backtraces name each thread; not attached — ptrace refused — it prints none.)
+        Ok(out) if out.status.success() && String::from_utf8_lossy(&out.stdout).contains("\nThread ") => {
             let _ = err.write_all(&out.stdout);
         }
         _ => {
