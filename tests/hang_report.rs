@@ -41,7 +41,7 @@ fn a_test_still_running_after_the_delay_reports_where_it_waits_and_aborts() {
     use std::os::unix::process::ExitStatusExt as _;
     assert_eq!(
         out.status.signal(),
-        Some(libc_sigabrt()),
+        Some(SIGABRT),
         "the hanging test is aborted: {:?}\n{stderr}",
         out.status
     );
@@ -87,9 +87,7 @@ fn is_root() -> bool {
 }
 
 /// SIGABRT (6 on Linux).
-fn libc_sigabrt() -> i32 {
-    6
-}
+const SIGABRT: i32 = 6;
 
 #[test]
 fn outside_a_process_per_test_run_nothing_is_armed() {

@@ -299,7 +299,7 @@ pub(crate) fn mkdir_ok_if_exists(path: &Path) -> io::Result<()> {
 
 /// Polls `done` with a growing pause (50 µs … 5 ms) until it is true or `limit` has passed; returns the last
 /// answer. Bounded waits on the kernel, never used as synchronisation by itself.
-fn poll_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+pub(super) fn poll_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
     let start = Instant::now();
     let mut pause = Duration::from_micros(50);
     loop {

@@ -69,7 +69,7 @@ use std::ffi::{CStr, CString};
 use std::io;
 use std::os::fd::{AsFd as _, OwnedFd};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rustix::fs::{CWD, Mode, OFlags};
 use rustix::mount::{
@@ -211,7 +211,7 @@ const FAVOR_REFUSED: i32 = 250;
 
 /// How long [`probe`] waits for its child (which ends within milliseconds; creating a network namespace on a busy
 /// machine can take a second or two) before it kills it and fails.
-pub(crate) const PROBE_WAIT: Duration = Duration::from_secs(30);
+const PROBE_WAIT: Duration = Duration::from_secs(30);
 
 /// Runs the confinement of `confine` in a forked child that exits at once, and reports whether it worked: what
 /// [`Sandbox::new`](super::Sandbox::new) does before it accepts sessions, so a worker that cannot confine
@@ -265,37 +265,36 @@ pub(crate) fn probe(confine: &Confinement, favor: Option<&CStr>) -> io::Result<b
 
 /// Waits up to `limit` for our own child `pid` to end and reaps it: its wait status. Past `limit` the child is
 /// killed (SIGKILL) and the error is `TimedOut`; one that does not die at once stays a zombie until this process
-/// ends. Polled with a growing pause (50 µs … 10 ms): for children that end within milliseconds.
+/// ends. Polled ([`super::control::poll_until`]): for children that end within milliseconds.
 #[allow(unsafe_code)]
-pub(crate) fn wait_exit(pid: libc::pid_t, limit: Duration) -> io::Result<libc::c_int> {
-    let deadline = Instant::now() + limit;
-    let mut pause = Duration::from_micros(50);
+fn wait_exit(pid: libc::pid_t, limit: Duration) -> io::Result<libc::c_int> {
     let mut status = 0;
-    loop {
-        // SAFETY: plain non-blocking waitpid on our own child with a valid pointer.
-        let rc = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
-        if rc == pid {
-            return Ok(status);
-        }
-        if rc < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
+    let mut outcome = None;
+    super::control::poll_until(limit, || {
+        loop {
+            // SAFETY: plain non-blocking waitpid on our own child with a valid pointer.
+            let rc = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+            if rc == pid {
+                outcome = Some(Ok(status));
+            } else if rc < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                outcome = Some(Err(e));
             }
-            return Err(e);
+            return outcome.is_some();
         }
-        if Instant::now() >= deadline {
-            // SAFETY: signals our own child, not reaped yet (so its pid cannot have been reused), then reaps it
-            // if it died at once.
-            unsafe {
-                libc::kill(pid, libc::SIGKILL);
-                libc::waitpid(pid, &mut status, libc::WNOHANG);
-            }
-            return Err(io::ErrorKind::TimedOut.into());
+    });
+    outcome.unwrap_or_else(|| {
+        // SAFETY: signals our own child, not reaped yet (so its pid cannot have been reused), then reaps it if it
+        // died at once.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+            libc::waitpid(pid, &mut status, libc::WNOHANG);
         }
-        std::thread::sleep(pause);
-        pause = (pause * 2).min(Duration::from_millis(10));
-    }
+        Err(io::ErrorKind::TimedOut.into())
+    })
 }
 
 /// Makes the process `cmd` spawns die (SIGKILL) when the thread that spawned it exits — with the whole parent
