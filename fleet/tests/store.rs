@@ -20,6 +20,7 @@ use fleet_store::{
     Acquired, JobFilter, JobPage, JobRecord, ListCursor, Revisioned, Store, StoreError, StoreSettings,
     Transition, WorkerInfo,
 };
+use futures::FutureExt as _;
 use serde_json::{Value, json};
 use tempfile::TempDir;
 
@@ -1740,9 +1741,13 @@ async fn replicas_admitting_from_their_copies_of_the_active_sets_keep_the_quota(
     guard(Box::pin(async {
         let a = n.store(StoreSettings::default()).await;
         let b = n.store(StoreSettings::default()).await;
+        // No watch runs yet: nothing to wait for.
+        assert!(a.active_sets_watched().now_or_never().is_none());
         let watches = [a.watch_active_sets(), b.watch_active_sets()];
-        // The copy follows the other replica's write (the watch delivers it asynchronously: polled, bounded by
-        // the test's guard).
+        a.active_sets_watched().await;
+        b.active_sets_watched().await;
+        // The copy follows the other replica's write, once the watch runs (it delivers the write asynchronously:
+        // polled, bounded by the test's guard).
         let first = b
             .create_job(record("racer", "echo.run", 0), 5)
             .await
@@ -1783,6 +1788,7 @@ async fn replicas_admitting_from_their_copies_of_the_active_sets_keep_the_quota(
             let _ = w.await;
         }
         assert_eq!((a.cached_active_sets(), a.cached_active_set("racer")), (0, None));
+        assert!(a.active_sets_watched().now_or_never().is_none());
     }))
     .await;
 }

@@ -6,8 +6,9 @@
 //! * the cache is only a guess: every write still goes through the key's revision check, so a stale entry costs
 //!   one refused write (then the key is read, as without a cache) and never a lost update; a decision that writes
 //!   nothing (a quota found full) taken on a cached value is always checked against the leader's copy;
-//! * it is consulted only while its watch runs ([`Store::watch_active_sets`]); the watch's end or failure empties
-//!   it, and a new watch starts from empty;
+//! * it is consulted only while its watch runs ([`Store::watch_active_sets`]; [`Store::active_sets_watched`] waits
+//!   for that); the watch's end or failure empties it, and a new watch starts from empty (no history: a set is
+//!   learnt at its first write after the watch started);
 //! * an entry only moves forward: a value older than the one held (by revision) is ignored, whoever brings it
 //!   (the watch, or this replica's own write);
 //! * at most [`MAX_CACHED_SETS`] users are held: past that, only users already held are updated.
@@ -35,9 +36,20 @@ struct State {
 }
 
 /// See the module documentation.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct ActiveCache {
     state: Mutex<State>,
+    /// Mirrors `State::watching` for those who wait for the watch to run ([`Store::active_sets_watched`]).
+    watching: tokio::sync::watch::Sender<bool>,
+}
+
+impl Default for ActiveCache {
+    fn default() -> Self {
+        Self {
+            state: Mutex::default(),
+            watching: tokio::sync::watch::Sender::new(false),
+        }
+    }
 }
 
 impl ActiveCache {
@@ -81,6 +93,8 @@ impl ActiveCache {
         let mut state = self.state();
         state.sets.clear();
         state.watching = watching;
+        // Under the state's lock: a waiter never sees the flag ahead of the copy it stands for.
+        self.watching.send_replace(watching);
     }
 
     /// One update the watch delivered.
@@ -146,6 +160,16 @@ impl Store {
                 tokio::time::sleep(WATCH_RETRY).await;
             }
         })
+    }
+
+    /// Resolves once this replica's watch of the active sets runs: every write of a set from then on reaches the
+    /// copy (the watch delivers no history, so a write before that is learnt only at the set's next write). Waits
+    /// for good while no watch runs ([`watch_active_sets`](Self::watch_active_sets) not called, or its watch
+    /// failed and is not yet started again): bound it with the caller's own deadline.
+    pub async fn active_sets_watched(&self) {
+        let mut watching = self.inner.active_cache.watching.subscribe();
+        // The sender lives as long as the store; `Err` (it dropped) cannot happen while `self` is borrowed.
+        let _ = watching.wait_for(|w| *w).await;
     }
 
     /// The active set this replica holds for `user`, with its revision, if any (tests, diagnostics): what the
