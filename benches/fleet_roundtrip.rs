@@ -275,7 +275,9 @@ impl Bench {
         // A: the responder, on its own connection.
         let responder_client = connect(&cluster.nats, Role::Worker).await;
         let mut sub = responder_client.subscribe(ECHO_SUBJECT).await.unwrap();
-        responder_client.flush().await.unwrap();
+        fleet_client::nats_conn::round_trip(&responder_client)
+            .await
+            .unwrap();
         let responder = tokio::spawn(async move {
             while let Some(msg) = sub.next().await {
                 if let Some(reply) = msg.reply {
@@ -290,7 +292,7 @@ impl Bench {
             .subscribe(subjects::api(IMPORT_ECHO_METHOD))
             .await
             .unwrap();
-        import_client.flush().await.unwrap();
+        fleet_client::nats_conn::round_trip(&import_client).await.unwrap();
         let import_responder = tokio::spawn(async move {
             while let Some(msg) = sub.next().await {
                 if let Some(reply) = msg.reply {
@@ -310,7 +312,7 @@ impl Bench {
             .subscribe(subjects::user_events(&user_key(USER)))
             .await
             .unwrap();
-        client.flush().await.unwrap();
+        fleet_client::nats_conn::round_trip(&client).await.unwrap();
 
         // E, F: the jobs bucket, on keys no user has.
         let scratch = async_nats::jetstream::new(raw.clone())

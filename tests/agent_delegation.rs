@@ -256,7 +256,7 @@ async fn every_sync_invoke_carries_a_delegation_that_ends_with_it() {
     let front = &c.fronts[0].0;
     let spy = connect(&c.nats, Role::Worker).await;
     let mut exec = spy.subscribe("fleet.v1.worker.*.exec").await.unwrap();
-    fleet_client::nats_conn::flush(&spy).await.unwrap();
+    fleet_client::nats_conn::round_trip(&spy).await.unwrap();
     let out = c
         .ok(
             "alice",

@@ -2597,17 +2597,11 @@ fn an_agent_session_calls_the_users_own_tool_as_that_user_through_fleet_up() {
     let url = std::fs::read_to_string(fleet_client::api::nats_url_file(&up.data_dir)).unwrap();
     let connector = fleet_client::nats_conn::Connector::new(url.trim(), Some(creds));
     let spy = runtime.block_on(connector.connect("spy")).unwrap();
-    let seen: Arc<Mutex<Vec<Value>>> = Arc::default();
     let mut exec = runtime.block_on(spy.subscribe("fleet.v1.worker.*.exec")).unwrap();
-    let sink = seen.clone();
-    runtime.spawn(async move {
-        while let Some(m) = exec.next().await {
-            if let Ok(v) = serde_json::from_slice::<Value>(&m.payload) {
-                sink.lock().unwrap().push(v);
-            }
-        }
-    });
-    runtime.block_on(fleet_client::nats_conn::flush(&spy)).unwrap();
+    // The subscription is in before anything is invoked.
+    runtime
+        .block_on(fleet_client::nats_conn::round_trip(&spy))
+        .unwrap();
 
     let call = |id: &str, name: &str, args: Value| json!({"id": id, "type": "function", "function": {"name": name, "arguments": args.to_string()}});
     llm.set(|b| {
@@ -2669,8 +2663,16 @@ fn an_agent_session_calls_the_users_own_tool_as_that_user_through_fleet_up() {
     let tool_message = &chats[chats.len() - 1]["messages"];
     assert!(tool_message.to_string().contains("alice"), "{tool_message}");
 
-    // The delegation rode in the sealed exec request; the child invoke ran as alice.
-    let seen = seen.lock().unwrap().clone();
+    // The delegation rode in the sealed exec request; the child invoke ran as alice. Every exec request the run
+    // made was routed to the spy before the run's answer; what the server routed before the spy's PONG is
+    // delivered before it.
+    runtime
+        .block_on(fleet_client::nats_conn::round_trip(&spy))
+        .unwrap();
+    let mut seen: Vec<Value> = Vec::new();
+    while let Some(Some(m)) = futures::FutureExt::now_or_never(exec.next()) {
+        seen.extend(serde_json::from_slice::<Value>(&m.payload).ok());
+    }
     let parent = seen
         .iter()
         .find(|r| r["plugin"] == "agent-py" && r["arguments"]["method"] == "agent/session.run")

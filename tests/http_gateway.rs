@@ -339,20 +339,26 @@ impl Sse {
         }
     }
 
-    /// The next `tool_job` events until one is terminal for `job_id`.
+    /// The next `tool_job` events until one is terminal for `job_id` (all within [`GUARD`]: heartbeats and
+    /// overviews keep each read short, so the whole wait has its own bound).
     async fn until_terminal(&mut self, job_id: &str) -> Vec<SseEvent> {
         let mut out = Vec::new();
-        loop {
-            let e = self.next().await.expect("stream ended before the terminal event");
-            if e.event != "tool_job" {
-                continue;
+        tokio::time::timeout(GUARD, async {
+            loop {
+                let e = self.next().await.expect("stream ended before the terminal event");
+                if e.event != "tool_job" {
+                    continue;
+                }
+                let done = e.data["job_id"] == json!(job_id) && e.data["terminal"] == json!(true);
+                out.push(e);
+                if done {
+                    return;
+                }
             }
-            let done = e.data["job_id"] == json!(job_id) && e.data["terminal"] == json!(true);
-            out.push(e);
-            if done {
-                return out;
-            }
-        }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("failure guard: no terminal event for {job_id} within {GUARD:?}"));
+        out
     }
 }
 
@@ -716,15 +722,8 @@ async fn draining_answers_the_calls_in_flight_and_accepts_no_new_connection() {
         json!({"tool_id": "echo.sleep", "args": {"ms": 1500}}),
     );
     let call = spawn_rpc(&g, &token, &slow);
-    // An SSE stream open at the same time.
-    let mut events = send_head(
-        g.addr,
-        "GET",
-        &format!("/v1/windows/w-1/events?token={token}"),
-        &[],
-        b"",
-    )
-    .await;
+    // An SSE stream open at the same time (its response head read: the gateway serves it).
+    let mut events = Sse::open(g.addr, &format!("/v1/windows/w-1/events?token={token}"), &[]).await;
     // The call is in flight once the plugin runs it.
     let running = eventually(GUARD, || {
         let node = g.cluster.workers[0].node.as_ref().unwrap();
@@ -735,7 +734,7 @@ async fn draining_answers_the_calls_in_flight_and_accepts_no_new_connection() {
     g.state.start_draining();
     // The SSE stream ends (the server closes it) while the call still runs.
     let mut rest = Vec::new();
-    tokio::time::timeout(GUARD, events.read_to_end(&mut rest))
+    tokio::time::timeout(GUARD, events.stream.read_to_end(&mut rest))
         .await
         .expect("the SSE stream ended")
         .unwrap();

@@ -230,13 +230,11 @@ async fn worker_credentials_cannot_write_grants_plugins_or_admin_subjects() {
 }
 
 /// Returns once the server has processed everything `client` sent before (its subscriptions are in place): a
-/// flush only writes them out, so a request from another connection could overtake them. A JetStream API round
-/// trip on the same connection is the barrier (a server reads a connection's protocol in order).
+/// flush only writes them out, so a message from another connection could overtake them.
 async fn registered(client: &async_nats::Client) {
-    async_nats::jetstream::new(client.clone())
-        .query_account()
+    fleet_client::nats_conn::round_trip(client)
         .await
-        .expect("a JetStream API round trip");
+        .expect("a PING round trip");
 }
 
 /// The next message of `sub` (at most [`GUARD`] away; `what` names it in the failure).
@@ -412,15 +410,6 @@ async fn a_request_lost_in_the_cluster_is_given_up_after_the_keepalive_silence()
     c.shutdown().await;
 }
 
-/// Returns once the server has processed every subscription `client` made before: a message to its own inbox
-/// comes back only after them (for a connection without JetStream, where [`registered`] cannot be used).
-async fn subscribed(client: &async_nats::Client) {
-    let inbox = client.new_inbox();
-    let mut echo = client.subscribe(inbox.clone()).await.unwrap();
-    client.publish(inbox, "".into()).await.unwrap();
-    arrives(&mut echo, "the connection's own message, echoed").await;
-}
-
 /// The churn issue, an app's side: the reply mapping of an app's request (the service import's) lives on the NATS
 /// server the app is connected to and dies with it, while the events export reaches the app again once it
 /// reconnected. A front's copy of the answer on the request's keepalive subject (`STATUS_ANSWERED`) is then what
@@ -479,7 +468,7 @@ async fn a_front_copies_only_an_accepted_jobs_answer() {
         .subscribe(format!("{}.copytest.*", subjects::KEEPALIVE_EVENTS_PREFIX))
         .await
         .unwrap();
-    subscribed(&listener).await;
+    registered(&listener).await;
     let call = |method: &'static str, body: Value, token: &'static str| {
         let mut headers = async_nats::HeaderMap::new();
         headers.insert(
@@ -1130,7 +1119,7 @@ async fn a_client_that_may_publish_on_worker_subjects_still_cannot_inject_work()
     let exec = subjects::worker_exec(worker.id());
     let glass = c.break_glass().await;
     let mut tap = glass.subscribe(exec.clone()).await.unwrap();
-    glass.flush().await.unwrap();
+    registered(&glass).await;
     c.ok(
         "victim",
         methods::TOOLS_INVOKE,

@@ -387,14 +387,10 @@ impl Front {
             }
         });
         // The endpoints' subscriptions are processed by the server before `serve` returns (no "no responders"
-        // right after): a message to our own inbox comes back only once every earlier SUB of this connection is in.
-        let inbox = self.inner.client.new_inbox();
-        let mut echo = self.inner.client.subscribe(inbox.clone()).await?;
-        self.inner.client.publish(inbox, Bytes::new()).await?;
-        fleet_client::nats_conn::flush(&self.inner.client).await?;
-        tokio::time::timeout(Duration::from_secs(10), echo.next())
+        // right after): the server answers a PING only once it has processed every earlier SUB of this connection.
+        fleet_client::nats_conn::round_trip(&self.inner.client)
             .await
-            .map_err(|_| "the NATS server did not confirm the API subscriptions")?;
+            .map_err(|e| format!("the NATS server did not confirm the API subscriptions: {e}"))?;
         Ok(FrontService {
             service: Some(service),
             endpoints: tasks,

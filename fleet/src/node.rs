@@ -142,10 +142,16 @@ impl WorkerNode {
             seals,
             direct_replies,
         });
+        // The watch of published plugins runs before this worker registers: a plugin published once the worker
+        // is known is prepared by it (the watch delivers no history).
+        let published = match &ctx.installer {
+            Some(installer) => Some((installer.clone(), watch_published(&ctx, installer).await)),
+            None => None,
+        };
         heartbeat(&ctx).await;
         let mut tasks = JoinSet::new();
-        if let Some(installer) = ctx.installer.clone() {
-            tasks.spawn(prepare_published(ctx.clone(), installer));
+        if let Some((installer, first)) = published {
+            tasks.spawn(prepare_published(ctx.clone(), installer, first));
         }
         let c = ctx.clone();
         let (stop_exec, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -334,23 +340,41 @@ async fn heartbeat(ctx: &Ctx) {
 /// Prepares every plugin version published from now on before its first call: the worker that the rendezvous
 /// ranks first for the tool id (among the live ones) installs it and describes it, so `tools.list` lists it at
 /// once. The others install it lazily on their first call, as before.
-async fn prepare_published(ctx: Arc<Ctx>, installer: Arc<crate::plugins::Installer>) {
+///
+/// `first` is the watch [`WorkerNode::start`] opened before the worker registered (`None` if that failed).
+async fn prepare_published(
+    ctx: Arc<Ctx>,
+    installer: Arc<crate::plugins::Installer>,
+    mut first: Option<PublishedWatch>,
+) {
     // The watch ends when its consumer is lost (a NATS restart): watch again, from then on.
     const REWATCH_AFTER: Duration = Duration::from_secs(1);
     loop {
-        match installer.plugins().watch_published().await {
-            Ok(updates) => {
-                let mut updates = std::pin::pin!(updates);
-                while let Some(tool_id) = updates.next().await {
-                    prepare_one(&ctx, &installer, &tool_id).await;
-                }
-                tracing::info!(worker = %ctx.id, "the watch of published plugins ended; watching again");
+        let watch = match first.take() {
+            Some(watch) => Some(watch),
+            None => watch_published(&ctx, &installer).await,
+        };
+        if let Some(mut updates) = watch {
+            while let Some(tool_id) = updates.next().await {
+                prepare_one(&ctx, &installer, &tool_id).await;
             }
-            Err(e) => {
-                tracing::warn!(worker = %ctx.id, error = %e, "cannot watch published plugins (retrying): until then they are described on first use");
-            }
+            tracing::info!(worker = %ctx.id, "the watch of published plugins ended; watching again");
         }
         tokio::time::sleep(REWATCH_AFTER).await;
+    }
+}
+
+/// The tool ids of plugin versions published from the moment it was opened.
+type PublishedWatch = std::pin::Pin<Box<dyn futures::Stream<Item = String> + Send>>;
+
+/// Opens a watch of published plugins; `None` (logged) when the store refuses.
+async fn watch_published(ctx: &Ctx, installer: &crate::plugins::Installer) -> Option<PublishedWatch> {
+    match installer.plugins().watch_published().await {
+        Ok(updates) => Some(Box::pin(updates)),
+        Err(e) => {
+            tracing::warn!(worker = %ctx.id, error = %e, "cannot watch published plugins (retrying): until then they are described on first use");
+            None
+        }
     }
 }
 

@@ -31,7 +31,8 @@ where
     Fut: Future<Output = Result<Value, ApiError>> + Send + 'static,
 {
     let mut sub = client.queue_subscribe(subject(area, "*"), queue).await?;
-    fleet_client::nats_conn::flush(&client).await?;
+    // Served from the moment this returns: the server has processed the subscription.
+    fleet_client::nats_conn::round_trip(&client).await?;
     Ok(tokio::spawn(async move {
         while let Some(msg) = sub.next().await {
             let (client, verifier, handler) = (client.clone(), verifier.clone(), handler.clone());

@@ -306,7 +306,7 @@ async fn every_role_connects_and_strangers_are_refused() {
     let (_tmp, material, server) = setup();
     for role in Role::ALL {
         let client = connect_role(&server, &material, role).await;
-        client.flush().await.unwrap();
+        fleet_client::nats_conn::round_trip(&client).await.unwrap();
     }
 
     // No credentials.
@@ -364,7 +364,7 @@ async fn app_requests_reach_a_fleet_service_and_permissions_are_enforced() {
     let (_tmp, material, server) = setup();
     let front = connect_role(&server, &material, Role::Front).await;
     let mut requests = front.subscribe("fleet.v1.api.tools.echo").await.unwrap();
-    front.flush().await.unwrap();
+    fleet_client::nats_conn::round_trip(&front).await.unwrap();
     let responder = front.clone();
     let serving = tokio::spawn(async move {
         while let Some(msg) = requests.next().await {
@@ -394,7 +394,7 @@ async fn app_requests_reach_a_fleet_service_and_permissions_are_enforced() {
 
     // Outside the allow list.
     app.publish("fleet.v1.internal.secret", "x".into()).await.unwrap();
-    app.flush().await.unwrap();
+    fleet_client::nats_conn::round_trip(&app).await.unwrap();
     let event = wait_for_event(&mut events, |e| matches!(e, Event::ServerError(_))).await;
     let Event::ServerError(err) = event else {
         unreachable!()
@@ -410,15 +410,45 @@ async fn fleet_events_reach_app_subscribers_through_the_stream_import() {
     let (_tmp, material, server) = setup();
     let app = connect_role(&server, &material, Role::App).await;
     let mut events = app.subscribe("fleet.v1.events.>").await.unwrap();
-    app.flush().await.unwrap();
+    fleet_client::nats_conn::round_trip(&app).await.unwrap();
 
     let front = connect_role(&server, &material, Role::Front).await;
     front.publish("fleet.v1.events.x", "hello".into()).await.unwrap();
-    front.flush().await.unwrap();
+    fleet_client::nats_conn::round_trip(&front).await.unwrap();
 
     let msg = tokio::time::timeout(WAIT, events.next()).await.unwrap().unwrap();
     assert_eq!(msg.subject.as_str(), "fleet.v1.events.x");
     assert_eq!(&msg.payload[..], b"hello");
+}
+
+/// `nats_conn::round_trip` is the barrier between subscribing and what the subscription waits for: once it
+/// returned, a message another connection publishes is delivered — and once that connection's own round trip
+/// returned and the subscriber's after it, the message is already in the subscription (no wait at all). For every
+/// role, an app too (a PING needs no permission). Without its server, a round trip fails.
+#[tokio::test]
+async fn a_round_trip_puts_a_subscription_in_place_for_every_other_connection() {
+    use futures::FutureExt as _;
+    let (_tmp, material, server) = setup();
+    let front = connect_role(&server, &material, Role::Front).await;
+    let app = connect_role(&server, &material, Role::App).await;
+    for i in 0..200 {
+        let subject = format!("fleet.v1.events.rt{i}");
+        let mut events = app.subscribe(subject.clone()).await.unwrap();
+        fleet_client::nats_conn::round_trip(&app).await.unwrap();
+        front.publish(subject, "x".into()).await.unwrap();
+        fleet_client::nats_conn::round_trip(&front).await.unwrap();
+        fleet_client::nats_conn::round_trip(&app).await.unwrap();
+        let msg = events
+            .next()
+            .now_or_never()
+            .unwrap_or_else(|| panic!("round {i}: the message is not in the subscription"))
+            .expect("the subscription is open");
+        assert_eq!(&msg.payload[..], b"x");
+    }
+    // The server gone, the PING is never answered: the round trip fails (the connection's loss, or
+    // `FLUSH_TIMEOUT`), it does not hang.
+    drop(server);
+    assert!(fleet_client::nats_conn::round_trip(&app).await.is_err());
 }
 
 #[tokio::test]
@@ -451,7 +481,7 @@ async fn a_revoked_app_user_is_disconnected_and_refused_even_after_a_restart() {
     let issued = material.issue_app_user("tenant-7", &app_permissions()).unwrap();
     let keeper = material.issue_app_user("tenant-8", &app_permissions()).unwrap();
     let (victim, mut victim_events) = connect_with_events(&server.url(), &issued.creds).await.unwrap();
-    victim.flush().await.unwrap();
+    fleet_client::nats_conn::round_trip(&victim).await.unwrap();
     let bystander = connect_creds_text(&server.url(), &keeper.creds).await.unwrap();
 
     let sys = connect_role(&server, &material, Role::Sys).await;
@@ -513,10 +543,8 @@ async fn a_revoked_app_user_is_disconnected_and_refused_even_after_a_restart() {
         "revoked user",
     );
     // ... and leaves the others alone.
-    bystander.flush().await.unwrap();
-    connect_role(&server, &material, Role::App)
-        .await
-        .flush()
+    fleet_client::nats_conn::round_trip(&bystander).await.unwrap();
+    fleet_client::nats_conn::round_trip(&connect_role(&server, &material, Role::App).await)
         .await
         .unwrap();
 
@@ -533,10 +561,7 @@ async fn a_revoked_app_user_is_disconnected_and_refused_even_after_a_restart() {
         connect_creds_text(&server.url(), &issued.creds).await,
         "revoked user after a restart",
     );
-    connect_creds_text(&server.url(), &keeper.creds)
-        .await
-        .unwrap()
-        .flush()
+    fleet_client::nats_conn::round_trip(&connect_creds_text(&server.url(), &keeper.creds).await.unwrap())
         .await
         .unwrap();
     assert_eq!(fs::read_to_string(&stored).unwrap().trim(), update);

@@ -158,16 +158,24 @@ impl FakeLlm {
             .collect()
     }
 
-    /// Waits until `n` requests have been received.
+    /// Waits until `n` requests have been received (panics after [`WAIT`]: what should have called the fake
+    /// did not).
     pub async fn received(&self, n: usize) {
         let mut rx = self.shared.received.subscribe();
-        let _ = rx.wait_for(|c| *c >= n).await;
+        tokio::time::timeout(WAIT, rx.wait_for(|c| *c >= n))
+            .await
+            .unwrap_or_else(|_| panic!("the fake LLM did not receive {n} requests within {WAIT:?}"))
+            .expect("the fake LLM runs");
     }
 
-    /// Waits until `n` requests were abandoned by their client before being answered (the handler dropped).
+    /// Waits until `n` requests were abandoned by their client before being answered (the handler dropped;
+    /// panics after [`WAIT`]).
     pub async fn abandoned(&self, n: usize) {
         let mut rx = self.shared.abandoned.subscribe();
-        let _ = rx.wait_for(|c| *c >= n).await;
+        tokio::time::timeout(WAIT, rx.wait_for(|c| *c >= n))
+            .await
+            .unwrap_or_else(|_| panic!("the fake LLM did not see {n} requests abandoned within {WAIT:?}"))
+            .expect("the fake LLM runs");
     }
 
     /// The last chat request's body.
@@ -184,6 +192,9 @@ impl Drop for FakeLlm {
 
 /// The chat completions path.
 pub const CHAT: &str = "/v1/chat/completions";
+
+/// The longest [`Fake::received`] and [`Fake::abandoned`] wait: a test's failure guard, far above any call's time.
+pub const WAIT: Duration = Duration::from_secs(60);
 /// The embeddings path.
 pub const EMBEDDINGS: &str = "/v1/embeddings";
 

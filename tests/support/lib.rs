@@ -191,7 +191,7 @@ pub mod worker {
     }
 
     /// Failure guard of the helpers below (never a synchronisation).
-    const CALL_GUARD: Duration = Duration::from_secs(60);
+    pub(crate) const CALL_GUARD: Duration = Duration::from_secs(60);
 
     /// An invoke of `tool` with `args` (a JSON object) and a fresh `inv-<pid>-<n>` invoke id.
     pub fn req(tool: &str, args: serde_json::Value) -> fleet_worker::session::InvokeRequest {
@@ -724,15 +724,25 @@ pub mod cluster {
                 .spawn()
                 .expect("fleet worker");
             let stdout = child.stdout.take().expect("stdout");
-            let lines = tokio::task::spawn_blocking(move || {
+            let reader = tokio::task::spawn_blocking(move || {
                 let mut lines = std::io::BufReader::new(stdout).lines();
                 let _swept = lines.next();
                 let ready = lines.next();
                 std::thread::spawn(move || for _ in lines {});
                 ready
-            })
-            .await
-            .expect("reader");
+            });
+            // Bounded: a worker that never prints its ready line is killed (which ends the reader) and named.
+            let lines = match tokio::time::timeout(super::worker::CALL_GUARD, reader).await {
+                Ok(lines) => lines.expect("reader"),
+                Err(_) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    panic!(
+                        "fleet worker {id} printed no ready line within {:?}",
+                        super::worker::CALL_GUARD
+                    );
+                }
+            };
             assert!(lines.is_some(), "fleet worker did not start");
             child
         }

@@ -42,9 +42,20 @@ pub enum FlushError {
     Drain(#[from] async_nats::client::DrainError),
 }
 
-/// Writes out what `client` has queued and waits for the server's confirmation, at most [`FLUSH_TIMEOUT`].
+/// Writes out what `client` has queued (to the socket: the server may not have read it yet), at most
+/// [`FLUSH_TIMEOUT`]. To know the server has processed it, [`round_trip`].
 pub async fn flush(client: &async_nats::Client) -> Result<(), FlushError> {
     tokio::time::timeout(FLUSH_TIMEOUT, client.flush())
+        .await
+        .map_err(|_| FlushError::TimedOut)??;
+    Ok(())
+}
+
+/// Waits, at most [`FLUSH_TIMEOUT`], until the server has processed everything `client` sent before (a PING and
+/// its PONG): a subscription made before this receives every message any connection publishes after it returns.
+/// The barrier between subscribing and triggering what the subscription waits for.
+pub async fn round_trip(client: &async_nats::Client) -> Result<(), FlushError> {
+    tokio::time::timeout(FLUSH_TIMEOUT, client.round_trip())
         .await
         .map_err(|_| FlushError::TimedOut)??;
     Ok(())

@@ -23,7 +23,7 @@ use axum::response::{Html, IntoResponse, Response};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use super::sse::{TokenQuery, forward, last_event_id, sse_response};
+use super::sse::{Feed, TokenQuery, forward, last_event_id, sse_response};
 use super::{HttpState, error_response, request_token};
 use fleet_proto::util::now_ms;
 
@@ -114,7 +114,8 @@ pub async fn ops_events(
     let hub = state.inner.hub.clone();
     let events_tx = tx.clone();
     // The job events (ids = the hub's) …
-    let events = tokio::spawn(async move { forward(&hub, None, after, &events_tx, stop).await });
+    let feed = Feed::open(&hub, after);
+    let events = tokio::spawn(async move { forward(&hub, feed, None, &events_tx, stop).await });
     // … and an overview now and every interval (no id: it does not move Last-Event-ID).
     let interval = state.inner.config.overview_interval;
     let heartbeat = state.inner.config.heartbeat;

@@ -110,8 +110,8 @@ pub(super) async fn start_pump(
 ) -> Result<tokio::task::JoinHandle<()>, async_nats::Error> {
     let prefix = fleet_proto::api::subjects::user_events("");
     let mut sub = client.subscribe(format!("{prefix}*")).await?;
-    // The subscription is in place once the server has seen it (a flush round trip).
-    fleet_client::nats_conn::flush(client).await?;
+    // The subscription is in place once the server has processed it (a PING round trip).
+    fleet_client::nats_conn::round_trip(client).await?;
     Ok(tokio::spawn(async move {
         while let Some(message) = sub.next().await {
             let Some(key) = message.subject.as_str().strip_prefix(prefix.as_str()) else {
@@ -170,22 +170,38 @@ pub(super) fn until(exp: u64) -> Duration {
     Duration::from_secs(exp.saturating_sub(unix_now()))
 }
 
-/// Replays the ring after `after`, then forwards live events, of `user` (`None`: every user) into `tx`, until
-/// `tx` is closed or `stop` elapses. Returns when done.
+/// Where a stream starts: taken when its request is handled (not when its task first runs), so an event the hub
+/// receives in between is replayed or received live, never skipped.
+pub(super) struct Feed {
+    live: broadcast::Receiver<Arc<HubEvent>>,
+    last: u64,
+}
+
+impl Feed {
+    /// A stream resuming after `after` (`Last-Event-ID`); an unknown id (another replica's, or from the future),
+    /// or none, starts from now.
+    pub(super) fn open(hub: &Hub, after: Option<u64>) -> Self {
+        // Subscribed before the ring's last id is read: an event in between is both, and deduplicated by id.
+        let live = hub.subscribe();
+        let last = match after {
+            Some(id) if id <= hub.last_id() => id,
+            _ => hub.last_id(),
+        };
+        Self { live, last }
+    }
+}
+
+/// Replays the ring after the feed's start, then forwards live events, of `user` (`None`: every user) into `tx`,
+/// until `tx` is closed or `stop` elapses. Returns when done.
 pub(super) async fn forward(
     hub: &Hub,
+    feed: Feed,
     user: Option<&str>,
-    after: Option<u64>,
     tx: &mpsc::Sender<Event>,
     stop: Duration,
 ) {
     let deadline = tokio::time::Instant::now() + stop;
-    let mut live = hub.subscribe();
-    // An unknown id (another replica's, or from the future) resumes from now.
-    let mut last = match after {
-        Some(id) if id <= hub.last_id() => id,
-        _ => hub.last_id(),
-    };
+    let Feed { mut live, mut last } = feed;
     let send = |e: &HubEvent| {
         Event::default()
             .event("tool_job")
@@ -264,7 +280,8 @@ pub async fn window_events(
     let hub = state.inner.hub.clone();
     let key = user_key(&claims.user);
     let stop = query.lifetime(claims.expires_at);
-    tokio::spawn(async move { forward(&hub, Some(&key), after, &tx, stop).await });
+    let feed = Feed::open(&hub, after);
+    tokio::spawn(async move { forward(&hub, feed, Some(&key), &tx, stop).await });
     sse_response(rx, state.inner.config.heartbeat, state.drained())
 }
 

@@ -890,6 +890,22 @@ impl Client {
         Ok(())
     }
 
+    /// PATCH (cloud-agents): writes out everything queued and waits for the server's answer to a PING sent after
+    /// it. Once this returns, the server has processed every command this client sent before the call: a
+    /// subscription made before it receives what any connection publishes from then on. ([`flush`](Self::flush)
+    /// only writes to the socket.) Fails with [`FlushErrorKind::FlushError`] when the connection is lost before the
+    /// answer.
+    pub async fn round_trip(&self) -> Result<(), FlushError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.sender
+            .send(Command::RoundTrip { observer: tx })
+            .await
+            .map_err(|err| FlushError::with_source(FlushErrorKind::SendError, err))?;
+        rx.await
+            .map_err(|err| FlushError::with_source(FlushErrorKind::FlushError, err))?;
+        Ok(())
+    }
+
     /// Drains all subscriptions, stops any new messages from being published, and flushes any remaining
     /// messages, then closes the connection. Once completed, any streams associated with the
     /// connection and its [Clients](crate::Client) will be closed, and further [crate::Client] commands will fail.

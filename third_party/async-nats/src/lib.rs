@@ -405,6 +405,10 @@ pub(crate) enum Command {
     Flush {
         observer: oneshot::Sender<()>,
     },
+    // PATCH (cloud-agents): a PING whose PONG tells the caller the server has processed everything before it.
+    RoundTrip {
+        observer: oneshot::Sender<()>,
+    },
     Drain {
         sid: Option<u64>,
     },
@@ -475,6 +479,8 @@ pub(crate) struct ConnectionHandler {
     drain_pings: VecDeque<(u64, u64)>,
     pings_sent: u64,
     pongs_received: u64,
+    // PATCH (cloud-agents): the callers of `Client::round_trip`, each with the number of its PING, in order.
+    round_trips: VecDeque<(u64, oneshot::Sender<()>)>,
 }
 
 impl ConnectionHandler {
@@ -501,6 +507,7 @@ impl ConnectionHandler {
             drain_pings: VecDeque::new(),
             pings_sent: 0,
             pongs_received: 0,
+            round_trips: VecDeque::new(),
         }
     }
 
@@ -729,6 +736,14 @@ impl ConnectionHandler {
                     self.drain_pings.pop_front();
                     self.subscriptions.remove(&sid);
                 }
+                while let Some((fence, _)) = self.round_trips.front() {
+                    if *fence > self.pongs_received {
+                        break;
+                    }
+                    if let Some((_, observer)) = self.round_trips.pop_front() {
+                        let _ = observer.send(());
+                    }
+                }
             }
             ServerOp::Error(error) => {
                 debug!("received ERROR: {:?}", error);
@@ -855,6 +870,12 @@ impl ConnectionHandler {
             }
             Command::Flush { observer } => {
                 self.flush_observers.push(observer);
+            }
+            Command::RoundTrip { observer } => {
+                self.connection.enqueue_write_op(&ClientOp::Ping);
+                self.pings_sent += 1;
+                self.pending_pings += 1;
+                self.round_trips.push_back((self.pings_sent, observer));
             }
             Command::Drain { sid } => {
                 // PATCH (cloud-agents): UNSUB each, then one PING whose PONG fences them all.
@@ -1003,6 +1024,8 @@ impl ConnectionHandler {
         for (sid, _) in self.drain_pings.drain(..) {
             self.subscriptions.remove(&sid);
         }
+        // A round trip in flight did not complete: its caller learns it (the observer is dropped).
+        self.round_trips.clear();
         self.connector.events_tx.try_send(Event::Disconnected).ok();
         self.connector.state_tx.send(State::Disconnected).ok();
 
