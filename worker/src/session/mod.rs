@@ -180,6 +180,7 @@ struct Inner {
     shared: Arc<SessionShared>,
     phase: watch::Sender<Phase>,
     demand: Notify,
+    /// Set once by [`Session::shutdown`] (with `send_replace`: it must hold before the supervisor subscribes).
     shutdown: watch::Sender<bool>,
     supervisor: Mutex<Option<JoinHandle<()>>>,
     first_launch: AtomicBool,
@@ -754,7 +755,9 @@ impl Session {
 
     /// Shuts the session down (close stdin → grace → SIGTERM → grace → SIGKILL of the tree), removes its cgroup.
     pub async fn shutdown(&self) {
-        let _ = self.inner.shutdown.send(true);
+        // `send_replace`, not `send`: `send` stores nothing while no receiver exists, which is the case until the
+        // supervisor first runs — a shutdown right after `new` was then lost and this waited for good.
+        self.inner.shutdown.send_replace(true);
         let task = self
             .inner
             .supervisor

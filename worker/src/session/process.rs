@@ -39,7 +39,8 @@ pub(crate) struct ActiveInvoke {
     /// What they were minted from (to mint them again).
     pub(crate) token_request: TokenRequest,
     pub(crate) deadline_ms: u64,
-    /// Set when the invoke ends (any way): pending reverse calls are abandoned.
+    /// Set when the invoke ends (any way): pending reverse calls are abandoned. Set with `send_replace` (`send`
+    /// stores nothing while no reverse call is subscribed, and one that subscribes later would wait for good).
     pub(crate) done: watch::Sender<bool>,
     /// Notified by `cancel`.
     pub(crate) cancel: Notify,
@@ -134,7 +135,7 @@ impl Process {
     /// Ends an active invoke: abandons its reverse calls.
     pub(crate) fn unregister(&self, invoke_id: &str) {
         if let Some(invoke) = lock(&self.invokes).remove(invoke_id) {
-            let _ = invoke.done.send(true);
+            invoke.done.send_replace(true);
             self.shared.services.invoke_finished(invoke_id);
         }
     }
@@ -475,7 +476,7 @@ impl Dialect for Process {
     async fn on_exit(&self, _info: &ExitInfo) {
         let invokes: Vec<_> = lock(&self.invokes).drain().collect();
         for (_, invoke) in invokes {
-            let _ = invoke.done.send(true);
+            invoke.done.send_replace(true);
         }
     }
 }
@@ -510,5 +511,19 @@ mod tests {
         assert_eq!(WorkerMetrics::get(&m.bytes_read), written as u64);
         assert_eq!(WorkerMetrics::get(&m.ignored_notifications), 1);
         s.shutdown().await;
+    }
+
+    /// A session shut down before its supervisor ever ran (a worker stopping right after a session was made —
+    /// its catalogue's describe at start-up): the supervisor sees the request when it first runs and ends. On
+    /// this current-thread runtime the spawned supervisor cannot run before `shutdown` has sent its request.
+    #[tokio::test]
+    async fn a_shutdown_before_the_supervisor_first_runs_is_not_lost() {
+        let w = worker("early-stop", |_| {});
+        let install = Arc::new(w.install("early-stop", &["/bin/cat"], json!({})));
+        let s = Session::new("alice", &install, &w.ctx).unwrap();
+        tokio::time::timeout(GUARD, s.shutdown())
+            .await
+            .expect("the shutdown ends");
+        assert!(matches!(s.state(), SessionState::Closed), "{:?}", s.state());
     }
 }
