@@ -1244,6 +1244,50 @@ async fn an_upgraded_install_is_detected_again_and_gets_fresh_processes() {
     w.pool.shutdown().await;
 }
 
+/// A call cancelled while its plugin process is still starting (the handshake not answered yet): the process it
+/// made ends — no call holds it and it is in no idle list — and gives its user's slot back (before, it lived on
+/// and kept the slot: `max_sessions_per_user` such cancels and the user could run nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_cancelled_during_its_cold_start_ends_the_process_it_started() {
+    let command = json!([
+        "/usr/bin/python3",
+        fixture().display().to_string(),
+        "--mode",
+        "provider",
+        "--init-delay-ms",
+        "30000"
+    ]);
+    let w = worker(
+        "coldcancel",
+        &[animus(
+            "slowstart",
+            "provider",
+            None,
+            json!({ "command": command }),
+        )],
+    );
+    let r = req("agent.run", json!({"prompt": "hello"}));
+    let id = r.invoke_id.clone();
+    let pool = w.pool.clone();
+    let task = tokio::spawn(async move { pool.invoke(USER, "slowstart", r).await });
+    let animus = w.pool.animus().clone();
+    assert!(
+        eventually(GUARD, || animus.live() == 1 && animus.has_invoke(&id)).await,
+        "the cold start spawned its process"
+    );
+    assert!(w.pool.cancel(&id));
+    let result = tokio::time::timeout(GUARD, task).await.unwrap().unwrap();
+    assert!(
+        matches!(result, Err(PoolError::Invoke(InvokeError::Cancelled))),
+        "{result:?}"
+    );
+    assert!(
+        eventually(GUARD, || animus.live() == 0).await,
+        "the half-started process ended and its slot is free"
+    );
+    w.pool.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_run_in_flight_per_provider_process() {
     let w = worker("one", &[animus("prov", "agent-cancel", None, json!({}))]);

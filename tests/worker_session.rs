@@ -410,6 +410,112 @@ async fn a_plugin_that_stops_reading_its_stdin_cannot_hold_up_shutdown() {
         .unwrap();
 }
 
+/// A plugin that stopped reading its stdin (the pipe and the writer's queue full, as above) cannot hold an invoke
+/// past its timeout or its cancel: its request cannot even be queued, and the invoke ends `Timeout` at its time
+/// and `Cancelled` on its cancel (before, both waited for queue space for good, and so did a drain).
+#[tokio::test]
+async fn an_invoke_to_a_plugin_that_stopped_reading_ends_on_its_timeout_and_its_cancel() {
+    const PIPE_BYTES: usize = 64 * 1024;
+    const ID_BYTES: usize = 2048;
+    let mut config = test_config("deaf-invoke");
+    config.shutdown_grace = Duration::from_millis(500);
+    let w = Arc::new(TestWorker::start(config, &[Plugin::echo("echo", &[])]));
+    let s = w.pool.prewarm("u", "echo", GUARD).await.unwrap();
+    let before = WorkerMetrics::get(&w.metrics.reverse_refused);
+    let full = (PIPE_BYTES / ID_BYTES + 1 + WRITE_QUEUE) as u64;
+    let args = json!({"requests": 4 * full, "id_bytes": ID_BYTES, "stop_reading": true});
+    let flooding = w.clone();
+    let flood = tokio::spawn(async move { call(&flooding, "u", "echo", req("flood", args)).await });
+    assert!(
+        eventually(GUARD, || WorkerMetrics::get(&w.metrics.reverse_refused) - before
+            > full)
+        .await,
+        "the host answered more requests than its pipe and queue can hold"
+    );
+
+    let mut timed = req("echo", json!({}));
+    timed.timeout = Some(Duration::from_millis(300));
+    match call(&w, "u", "echo", timed).await {
+        Err(InvokeError::Timeout(d)) => assert_eq!(d, Duration::from_millis(300)),
+        other => panic!("expected the invoke's timeout, got {other:?}"),
+    }
+
+    let cancelled = req("echo", json!({}));
+    let id = cancelled.invoke_id.clone();
+    let calling = w.clone();
+    let call_task = tokio::spawn(async move { call(&calling, "u", "echo", cancelled).await });
+    assert!(
+        eventually(GUARD, || s.has_invoke(&id)).await,
+        "the invoke is registered"
+    );
+    assert!(w.pool.cancel(&id));
+    assert!(matches!(
+        tokio::time::timeout(GUARD, call_task)
+            .await
+            .expect("failure guard: the cancelled invoke still waits")
+            .unwrap(),
+        Err(InvokeError::Cancelled)
+    ));
+
+    tokio::time::timeout(GUARD, w.pool.shutdown())
+        .await
+        .expect("failure guard: the shutdown waited on a plugin that does not read");
+    let _outcome = tokio::time::timeout(GUARD, flood)
+        .await
+        .expect("failure guard: the flood's call outlived the shutdown")
+        .unwrap();
+}
+
+/// A shutdown while the plugin is still starting (its `describe` not answered yet; a first launch may take
+/// `DESCRIBE_TIMEOUT_FIRST_LAUNCH`, 60 s) does not wait for the start: the process, which never served, is
+/// killed (it ignores stdin EOF and SIGTERM, so nothing else would end it). The shutdown's failure guard is half
+/// the describe timeout the start would otherwise have been given.
+#[tokio::test]
+async fn a_shutdown_during_the_start_kills_the_starting_plugin_at_once() {
+    let w = Arc::new(TestWorker::start(
+        test_config("startstop"),
+        &[Plugin::echo(
+            "echo",
+            &[
+                "--stderr-banner",
+                "starting",
+                "--describe-delay-ms",
+                "120000",
+                "--ignore-eof",
+                "--ignore-sigterm",
+            ],
+        )
+        .first_launch()],
+    ));
+    const STOP_GUARD: Duration = Duration::from_secs(30);
+    assert!(STOP_GUARD < fleet_proto::limits::DESCRIBE_TIMEOUT_FIRST_LAUNCH);
+    let warming = w.clone();
+    let prewarm =
+        tokio::spawn(async move { warming.pool.prewarm("u", "echo", STOP_GUARD).await.map(|_| ()) });
+    assert!(
+        eventually(GUARD, || w
+            .pool
+            .session("u", "echo")
+            .is_ok_and(|s| s.stderr_lines().iter().any(|l| l.contains("starting"))))
+        .await,
+        "the plugin runs and waits in its describe"
+    );
+    let s = w.pool.session("u", "echo").unwrap();
+    let kills = WorkerMetrics::get(&w.metrics.tree_kills);
+    tokio::time::timeout(STOP_GUARD, w.pool.shutdown())
+        .await
+        .expect("failure guard: the shutdown waited for the plugin's start");
+    assert_eq!(s.state(), SessionState::Closed);
+    assert!(
+        WorkerMetrics::get(&w.metrics.tree_kills) > kills,
+        "the starting plugin was killed"
+    );
+    assert!(
+        prewarm.await.unwrap().is_err(),
+        "the prewarm saw the session close"
+    );
+}
+
 #[tokio::test]
 async fn a_well_behaved_plugin_exits_on_stdin_eof() {
     let w = TestWorker::start(test_config("cleanexit"), &[Plugin::echo("echo", &[])]);

@@ -24,7 +24,7 @@ Prompts of agent/run steer the run: "slow" streams one delta every 50 ms until c
 "flood" sends 300 deltas at once, "big" sends a 10 KB delta, "error:<code>[:<category>]" answers a JSON-RPC error.
 `--probe-lib DIR` (with `--mode custom`) adds the method `confine/probe`: `confine_probe.probe(params)` from DIR
 (the Executa fixture's directory), so both dialects run the same attacks on the sandbox. `--no-manifest` makes `--manifest` unsupported (the plugin starts its loop instead); `--health S` sets the
-`health/check` status (default healthy).
+`health/check` status (default healthy). `--init-delay-ms N` answers `initialize` only after N ms (a slow start).
 """
 
 import json
@@ -196,6 +196,7 @@ def handle(msg):
                 sys.exit(0)
         return
     if method == "initialize":
+        time.sleep(int(arg("--init-delay-ms", "0")) / 1000)
         STATE["init_traceparent"] = (params.get("init_extensions") or {}).get("traceparent")
         answer(id_, {
             "protocol_version": VERSION,

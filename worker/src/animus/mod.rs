@@ -586,6 +586,12 @@ impl AnimusHost {
         };
         process.busy.store(true, Ordering::SeqCst);
         self.watch(process.clone(), install.clone());
+        // A start given up half-way (the call cancelled: this future dropped) ends the process it made: no call
+        // holds it and it is in no idle list, so nothing else would, and it would keep the user's slot.
+        let mut abandoned = ColdStart {
+            host: self,
+            process: Some(process.clone()),
+        };
         let handshake = process.handshake(traceparent).await.cloned();
         let info = match handshake {
             Ok(info) => info,
@@ -612,6 +618,7 @@ impl AnimusHost {
         // Health right after the start (not per call).
         let state = process.health_check().await;
         lock(&self.inner.health).insert(install.tool_id.clone(), state);
+        abandoned.process = None;
         Ok((process, false))
     }
 
@@ -1130,6 +1137,26 @@ impl AnimusHost {
             for h in pending {
                 let _ = h.await;
             }
+        }
+    }
+}
+
+/// Kills the process of a cold start that did not complete (see [`AnimusHost::acquire`]) when dropped armed.
+/// Its error paths kill it themselves; a kill of an ended process does nothing.
+struct ColdStart<'a> {
+    host: &'a AnimusHost,
+    process: Option<Arc<AnimusProcess>>,
+}
+
+impl Drop for ColdStart<'_> {
+    fn drop(&mut self) {
+        let Some(process) = self.process.take() else {
+            return;
+        };
+        // Dropped outside a runtime (it is going away): the child's own drop kills it.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            self.host
+                .background(async move { process.child.kill_tree().await });
         }
     }
 }

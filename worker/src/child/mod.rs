@@ -222,7 +222,9 @@ impl ChildProcess {
         &self.sandbox
     }
 
-    /// Sends a request; returns its id and where the answer will arrive.
+    /// Sends a request; returns its id and where the answer will arrive. Waits while the writer's queue is full
+    /// (a plugin that does not read its stdin): the caller bounds that wait, and a request given up before it was
+    /// queued leaves nothing behind.
     pub(crate) async fn request<P: Serialize>(
         &self,
         method: &str,
@@ -231,8 +233,12 @@ impl ChildProcess {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         lock(&self.pending).insert(id, tx);
+        // Until the frame is queued: failed or given up (this future dropped), the route goes.
+        let mut route = PendingRoute {
+            pending: &self.pending,
+            id: Some(id),
+        };
         if let Some(info) = self.exit_info() {
-            lock(&self.pending).remove(&id);
             return Err(Failure::Exited(info));
         }
         let request = Request {
@@ -242,12 +248,12 @@ impl ChildProcess {
             params,
         };
         if let Err(e) = self.writer.send(&request).await {
-            lock(&self.pending).remove(&id);
             return Err(match self.exit_info() {
                 Some(info) => Failure::Exited(info),
                 None => Failure::Write(format!("cannot write to the plugin: {e}")),
             });
         }
+        route.id = None;
         WorkerMetrics::inc(&self.metrics.frames_written);
         Ok((id, rx))
     }
@@ -399,6 +405,20 @@ impl Tasks {
         tokio::spawn(dialect.child().stderr.clone().drain(stderr));
         tokio::spawn(read_loop(dialect.clone(), FrameReader::new(stdout), eof_grace));
         tokio::spawn(wait_loop(dialect.clone(), child, exit_tx, oom_before));
+    }
+}
+
+/// Removes a request's route from `pending` when dropped armed (the request was not queued).
+struct PendingRoute<'a> {
+    pending: &'a Mutex<HashMap<u64, oneshot::Sender<Reply>>>,
+    id: Option<u64>,
+}
+
+impl Drop for PendingRoute<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.id {
+            lock(self.pending).remove(&id);
+        }
     }
 }
 

@@ -617,12 +617,22 @@ impl Session {
             return Err(InvokeError::Cancelled);
         }
         let started = Instant::now();
-        let (id, rx) = process
-            .child
-            .request(methods::INVOKE, Some(params))
-            .await
-            .map_err(|f| self.failure(f))?;
         let metrics = &shared.metrics;
+        // The invoke's time and its cancel hold from here: a plugin that stopped reading its stdin (the writer's
+        // queue full) cannot keep the request waiting past either, and it was never sent then.
+        let expires = tokio::time::Instant::now() + timeout;
+        let (id, rx) = tokio::select! {
+            sent = process.child.request(methods::INVOKE, Some(params)) => sent.map_err(|f| self.failure(f))?,
+            () = tokio::time::sleep_until(expires) => {
+                WorkerMetrics::inc(&metrics.invokes_timed_out);
+                tracing::warn!(tool_id = %shared.tool_id, pid = process.child.pid, "the plugin read none of its stdin for the invoke's whole timeout");
+                return Err(InvokeError::Timeout(timeout));
+            }
+            () = active.cancel.notified() => {
+                WorkerMetrics::inc(&metrics.invokes_cancelled);
+                return Err(InvokeError::Cancelled);
+            }
+        };
         tokio::select! {
             reply = rx => {
                 let reply = reply.unwrap_or_else(|_| Err(Failure::Exited(ExitInfo::unknown())));
@@ -635,7 +645,7 @@ impl Session {
                     Err(f) => Err(self.failure(f)),
                 }
             }
-            () = tokio::time::sleep(timeout) => {
+            () = tokio::time::sleep_until(expires) => {
                 process.child.abandon(id);
                 WorkerMetrics::inc(&metrics.invokes_timed_out);
                 self.cancel_fallback(process.clone(), id);
@@ -730,10 +740,15 @@ impl Session {
                 _ => Health::Unhealthy,
             };
         };
-        let Ok((id, rx)) = process.child.request::<Value>(methods::HEALTH, None).await else {
+        // One deadline for the write and the answer: a plugin that stopped reading its stdin is unhealthy, and
+        // cannot hold the health poller.
+        let expires = tokio::time::Instant::now() + limits::HEALTH_TIMEOUT;
+        let Ok(Ok((id, rx))) =
+            tokio::time::timeout_at(expires, process.child.request::<Value>(methods::HEALTH, None)).await
+        else {
             return Health::Unhealthy;
         };
-        match tokio::time::timeout(limits::HEALTH_TIMEOUT, rx).await {
+        match tokio::time::timeout_at(expires, rx).await {
             Ok(Ok(Ok(frame))) => match frame.kind() {
                 FrameKind::ErrorResponse => match frame.error() {
                     Some(Ok(e)) if e.code == codes::METHOD_NOT_FOUND => Health::Healthy,
@@ -881,9 +896,21 @@ async fn supervise(inner: Arc<Inner>) {
         );
         // The caller's span must not outlive the spawn (this loop iteration lasts the process's whole life).
         drop(parent);
+        // A shutdown does not wait for the start (spawn, `initialize`, `describe`: up to a minute on a first
+        // launch): the process it spawned, if any, is killed — it never served.
+        let spawned = Mutex::new(None);
         let started = {
             use tracing::Instrument as _;
-            start(&inner).instrument(span.clone()).await
+            tokio::select! {
+                started = start(&inner, &spawned).instrument(span.clone()) => started,
+                () = requested(&mut shutdown) => {
+                    let process = spawned.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+                    if let Some(process) = process {
+                        process.child.kill_tree().await;
+                    }
+                    break 'life;
+                }
+            }
         };
         match &started {
             Ok(p) => {
@@ -984,12 +1011,17 @@ async fn shutdown_ladder(process: &Arc<Process>, grace: Duration) {
     let _ = tokio::time::timeout(grace, process.child.exited()).await;
 }
 
-/// Spawn → `initialize` (v1 fallback) → `describe`.
-async fn start(inner: &Arc<Inner>) -> Result<Arc<Process>, StartError> {
+/// Spawn → `initialize` (v1 fallback) → `describe`. The process is put in `spawned` as soon as it runs (for
+/// the supervisor to kill if it gives the start up).
+async fn start(
+    inner: &Arc<Inner>,
+    spawned: &Mutex<Option<Arc<Process>>>,
+) -> Result<Arc<Process>, StartError> {
     let shared = &inner.shared;
     let process = Process::spawn(shared)
         .await
         .map_err(|e| StartError::Fatal(e.to_string()))?;
+    *spawned.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(process.clone());
     // A plugin that ended during the handshake may never have started (a stub's `exec` failed): that is a
     // spawn error, as fatal as a direct spawn's.
     let exited = async |what: &str, info: ExitInfo| match process.child.start_error().await {
