@@ -368,20 +368,21 @@ async fn a_plugin_ignoring_eof_and_sigterm_is_killed_on_schedule() {
     );
 }
 
-/// A plugin that stops reading its stdin and floods reverse-RPC requests the host must answer: the answers fill
-/// the pipe and then the writer's queue ([`WRITE_QUEUE`] frames), and the shutdown ladder still ends the plugin
-/// (closing stdin never waits for queue space; before, it waited forever).
-#[tokio::test]
-async fn a_plugin_that_stops_reading_its_stdin_cannot_hold_up_shutdown() {
+/// The flood in flight of a plugin that stopped reading its stdin.
+type Flood = tokio::task::JoinHandle<Result<fleet_worker::session::InvokeOutput, InvokeError>>;
+
+/// A worker whose session of `echo` (user `u`) stopped reading its stdin after flooding reverse-RPC requests the
+/// host must answer: returned once the answers filled the pipe and then the writer's queue ([`WRITE_QUEUE`]
+/// frames); the flood's call is still in flight.
+async fn deaf_plugin(name: &str) -> (Arc<TestWorker>, fleet_worker::session::Session, Flood) {
     /// Linux's default pipe capacity.
     const PIPE_BYTES: usize = 64 * 1024;
     /// Each answer echoes a request id this long, so the pipe holds fewer than `PIPE_BYTES / ID_BYTES` of them.
     const ID_BYTES: usize = 2048;
-    let mut config = test_config("deaf");
+    let mut config = test_config(name);
     config.shutdown_grace = Duration::from_millis(500);
     let w = Arc::new(TestWorker::start(config, &[Plugin::echo("echo", &[])]));
     let s = w.pool.prewarm("u", "echo", GUARD).await.unwrap();
-    let pid = s.pid().unwrap();
     let before = WorkerMetrics::get(&w.metrics.reverse_refused);
     // More answers than the pipe, the one frame being written and the queue can hold.
     let full = (PIPE_BYTES / ID_BYTES + 1 + WRITE_QUEUE) as u64;
@@ -394,6 +395,16 @@ async fn a_plugin_that_stops_reading_its_stdin_cannot_hold_up_shutdown() {
         .await,
         "the host answered more requests than its pipe and queue can hold"
     );
+    (w, s, flood)
+}
+
+/// A plugin that stops reading its stdin and floods reverse-RPC requests the host must answer: the answers fill
+/// the pipe and then the writer's queue ([`WRITE_QUEUE`] frames), and the shutdown ladder still ends the plugin
+/// (closing stdin never waits for queue space; before, it waited forever).
+#[tokio::test]
+async fn a_plugin_that_stops_reading_its_stdin_cannot_hold_up_shutdown() {
+    let (w, s, flood) = deaf_plugin("deaf").await;
+    let pid = s.pid().unwrap();
     tokio::time::timeout(GUARD, w.pool.shutdown())
         .await
         .expect("failure guard: the shutdown waited on a plugin that does not read");
@@ -415,23 +426,7 @@ async fn a_plugin_that_stops_reading_its_stdin_cannot_hold_up_shutdown() {
 /// and `Cancelled` on its cancel (before, both waited for queue space for good, and so did a drain).
 #[tokio::test]
 async fn an_invoke_to_a_plugin_that_stopped_reading_ends_on_its_timeout_and_its_cancel() {
-    const PIPE_BYTES: usize = 64 * 1024;
-    const ID_BYTES: usize = 2048;
-    let mut config = test_config("deaf-invoke");
-    config.shutdown_grace = Duration::from_millis(500);
-    let w = Arc::new(TestWorker::start(config, &[Plugin::echo("echo", &[])]));
-    let s = w.pool.prewarm("u", "echo", GUARD).await.unwrap();
-    let before = WorkerMetrics::get(&w.metrics.reverse_refused);
-    let full = (PIPE_BYTES / ID_BYTES + 1 + WRITE_QUEUE) as u64;
-    let args = json!({"requests": 4 * full, "id_bytes": ID_BYTES, "stop_reading": true});
-    let flooding = w.clone();
-    let flood = tokio::spawn(async move { call(&flooding, "u", "echo", req("flood", args)).await });
-    assert!(
-        eventually(GUARD, || WorkerMetrics::get(&w.metrics.reverse_refused) - before
-            > full)
-        .await,
-        "the host answered more requests than its pipe and queue can hold"
-    );
+    let (w, s, flood) = deaf_plugin("deaf-invoke").await;
 
     let mut timed = req("echo", json!({}));
     timed.timeout = Some(Duration::from_millis(300));
