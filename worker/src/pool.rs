@@ -273,7 +273,29 @@ impl Pool {
             }
             while set.join_next().await.is_some() {}
             if let Some(inner) = weak.upgrade() {
-                lock(&inner.draining).retain(|s| s.state() != crate::session::SessionState::Closed);
+                lock(&inner.draining).retain(|s| !s.finished());
+            }
+        })
+    }
+
+    /// Shuts `sessions` (already out of the map) down: asked at once, so the request holds even if the task
+    /// waiting for them never runs (a pool shutting down aborts the reaper), and kept in `draining` until they
+    /// have ended, so [`shutdown`](Self::shutdown) waits for them too. The handle ends with them.
+    fn retire(&self, sessions: Vec<Session>) -> JoinHandle<()> {
+        for s in &sessions {
+            WorkerMetrics::inc(&self.inner.ctx.metrics.evictions);
+            s.request_shutdown();
+        }
+        lock(&self.inner.draining).extend(sessions.iter().cloned());
+        let weak = Arc::downgrade(&self.inner);
+        tokio::spawn(async move {
+            let mut set = JoinSet::new();
+            for s in sessions {
+                set.spawn(async move { s.shutdown().await });
+            }
+            while set.join_next().await.is_some() {}
+            if let Some(inner) = weak.upgrade() {
+                lock(&inner.draining).retain(|s| !s.finished());
             }
         })
     }
@@ -348,9 +370,8 @@ impl Pool {
             sessions.insert(key, session.clone());
             session
         };
-        for s in evicted {
-            WorkerMetrics::inc(&self.inner.ctx.metrics.evictions);
-            tokio::spawn(async move { s.shutdown().await });
+        if !evicted.is_empty() {
+            drop(self.retire(evicted));
         }
         Ok(session)
     }
@@ -523,12 +544,9 @@ impl Pool {
             keys.iter().filter_map(|k| sessions.remove(k)).collect()
         };
         let n = victims.len();
-        let mut set = JoinSet::new();
-        for s in victims {
-            WorkerMetrics::inc(&self.inner.ctx.metrics.evictions);
-            set.spawn(async move { s.shutdown().await });
+        if n > 0 {
+            let _ = self.retire(victims).await;
         }
-        while set.join_next().await.is_some() {}
         let animus = self
             .inner
             .animus

@@ -37,7 +37,6 @@ use fleet_proto::jsonrpc::codes;
 use fleet_proto::limits;
 use serde_json::{Map, Value, json};
 use tokio::sync::{Notify, Semaphore, watch};
-use tokio::task::JoinHandle;
 
 use process::{ActiveInvoke, Handshake, Process};
 
@@ -182,7 +181,9 @@ struct Inner {
     demand: Notify,
     /// Set once by [`Session::shutdown`] (with `send_replace`: it must hold before the supervisor subscribes).
     shutdown: watch::Sender<bool>,
-    supervisor: Mutex<Option<JoinHandle<()>>>,
+    /// Set (with `send_replace`) when the supervisor has ended, however it ends (its last step is the cgroup's
+    /// removal): what every [`Session::shutdown`] waits for.
+    finished: watch::Sender<bool>,
     first_launch: AtomicBool,
     in_flight: Arc<Semaphore>,
     last_used: Mutex<Instant>,
@@ -282,18 +283,14 @@ impl Session {
             phase,
             demand: Notify::new(),
             shutdown,
-            supervisor: Mutex::new(None),
+            finished: watch::Sender::new(false),
             first_launch: AtomicBool::new(install.first_launch),
             in_flight: Arc::new(Semaphore::new(ctx.config.max_in_flight_per_session)),
             last_used: Mutex::new(Instant::now()),
             early_cancels: EarlyCancels::default(),
             spawn_parent: Mutex::new(None),
         });
-        let task = tokio::spawn(supervise(inner.clone()));
-        *inner
-            .supervisor
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(task);
+        tokio::spawn(supervise(inner.clone()));
         Ok(Session { inner })
     }
 
@@ -770,18 +767,24 @@ impl Session {
 
     /// Shuts the session down (close stdin → grace → SIGTERM → grace → SIGKILL of the tree), removes its cgroup.
     pub async fn shutdown(&self) {
+        self.request_shutdown();
+        let mut finished = self.inner.finished.subscribe();
+        // The sender lives in `self.inner`: the channel cannot close while this waits.
+        let _ = finished.wait_for(|f| *f).await;
+    }
+
+    /// Asks the supervisor to shut the session down and returns at once ([`shutdown`](Self::shutdown) also waits
+    /// for the end). For whoever takes a session out of the pool: the request holds even if the task meant to
+    /// wait for it never runs.
+    pub fn request_shutdown(&self) {
         // `send_replace`, not `send`: `send` stores nothing while no receiver exists, which is the case until the
         // supervisor first runs — a shutdown right after `new` was then lost and this waited for good.
         self.inner.shutdown.send_replace(true);
-        let task = self
-            .inner
-            .supervisor
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-        if let Some(task) = task {
-            let _ = task.await;
-        }
+    }
+
+    /// Whether the supervisor has ended (the process gone, the cgroup removed).
+    pub fn finished(&self) -> bool {
+        *self.inner.finished.borrow()
     }
 
     /// Clears a Stopped state so the next call starts the plugin afresh (an operator action).
@@ -861,6 +864,8 @@ pub(crate) fn withhold(tokens: InvokeTokens, hs: &Handshake) -> InvokeTokens {
 // -------------------------------------------------------------------------------------------------------------
 
 async fn supervise(inner: Arc<Inner>) {
+    // Told however the task ends (its end, a panic, an abort): no `shutdown` waits for good.
+    let _finished = Finished(inner.clone());
     let shared = inner.shared.clone();
     let mut shutdown = inner.shutdown.subscribe();
     let mut crashes: u32 = 0;
@@ -989,6 +994,15 @@ async fn supervise(inner: Arc<Inner>) {
     let removed = tokio::task::spawn_blocking(move || sandbox.release()).await;
     if let Ok(Err(e)) = removed {
         tracing::warn!(tool_id = %shared.tool_id, error = %e, "removing the session cgroup failed");
+    }
+}
+
+/// Sets `finished` when dropped (the end of the supervisor's task, however it ends).
+struct Finished(Arc<Inner>);
+
+impl Drop for Finished {
+    fn drop(&mut self) {
+        self.0.finished.send_replace(true);
     }
 }
 
