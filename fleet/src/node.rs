@@ -715,6 +715,8 @@ async fn pull_queued_jobs(ctx: Arc<Ctx>) {
                 continue;
             }
         };
+        // In flight from the pull on: a drain waits for this job's hand-over (ack and start, or hand back).
+        let guard = ctx.in_flight.enter();
         if ctx.draining.load(Ordering::SeqCst) {
             let _ = pulled.hand_back().await;
             return;
@@ -748,10 +750,14 @@ async fn pull_queued_jobs(ctx: Arc<Ctx>) {
             }
             continue;
         }
+        // A drain that began while the job was read and its plugin prepared: another worker takes it.
+        if ctx.draining.load(Ordering::SeqCst) {
+            let _ = pulled.hand_back().await;
+            return;
+        }
         // Acknowledged before the start: a worker dying in between leaves the job queued, and the sweeper
         // dispatches it (a job is never lost, only delayed by one sweep).
         let _ = pulled.ack().await;
-        let guard = ctx.in_flight.enter();
         let c = ctx.clone();
         tokio::spawn(async move {
             run_held_job(&c, req, permit).await;
