@@ -497,6 +497,11 @@ impl AnimusHost {
         });
         {
             let mut runs = lock(&self.inner.runs);
+            // Under the runs' lock, as `shutdown` sets it: a call either sees the host closed or is among the
+            // runs the shutdown cancels.
+            if self.inner.closed.load(Ordering::SeqCst) {
+                return Err(InvokeError::Closed);
+            }
             if runs.contains_key(&req.invoke_id) {
                 return Err(InvokeError::DuplicateInvokeId(req.invoke_id));
             }
@@ -1114,8 +1119,11 @@ impl AnimusHost {
 
     /// Refuses new calls, cancels the calls in flight and shuts every process down (each with its ladder).
     pub async fn shutdown(&self) {
-        self.inner.closed.store(true, Ordering::SeqCst);
-        let ids: Vec<String> = lock(&self.inner.runs).keys().cloned().collect();
+        let ids: Vec<String> = {
+            let runs = lock(&self.inner.runs);
+            self.inner.closed.store(true, Ordering::SeqCst);
+            runs.keys().cloned().collect()
+        };
         for id in ids {
             self.cancel(&id);
         }
