@@ -340,7 +340,7 @@ async fn a_request_whose_connection_fails_over_gives_up_after_the_grace() {
 /// alive is waited for as long as its call runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_lost_in_the_cluster_is_given_up_after_the_keepalive_silence() {
-    use fleet_client::nats_conn::{Keepalives, RequestError, Requester};
+    use fleet_client::nats_conn::{RequestError, Requester, keeping_alive};
     use fleet_proto::api::subjects::KEEPALIVE_SILENCE;
     let c = Cluster::start("trust-keepalive", 0, 0, &[]).await;
     let front = c.nats.connector(Role::Front).connect("asker").await.unwrap();
@@ -396,9 +396,7 @@ async fn a_request_lost_in_the_cluster_is_given_up_after_the_keepalive_silence()
     });
     let msg = arrives(&mut requests, "the request").await;
     let long_call = tokio::time::sleep(KEEPALIVE_SILENCE * 2);
-    Keepalives::new(worker.clone())
-        .keeping_alive(&msg, long_call)
-        .await;
+    keeping_alive(&worker, &msg, long_call).await;
     worker
         .publish(msg.reply.clone().unwrap(), "pong".into())
         .await

@@ -73,8 +73,6 @@ struct Inner {
     known: KnownPlugins,
     /// Hand-offs running after their reply (a drain waits for them too).
     hand_offs: InFlight,
-    /// The keepalives of the API requests in progress that asked for them.
-    keepalives: fleet_client::nats_conn::Keepalives,
     dispatcher: Dispatcher,
     verifier: Verifier,
     limiter: DefaultKeyedRateLimiter<String>,
@@ -195,7 +193,6 @@ impl Front {
                 finished: FinishedJobs::new(store.settings().job_retention),
                 known: KnownPlugins::default(),
                 hand_offs: InFlight::default(),
-                keepalives: fleet_client::nats_conn::Keepalives::new(client.clone()),
                 store,
                 verifier,
                 limiter: RateLimiter::keyed(quota),
@@ -313,11 +310,12 @@ impl Front {
                                 )
                                 .instrument(span),
                         );
-                        let answer = front
-                            .inner
-                            .keepalives
-                            .keeping_alive(&request.message, handled)
-                            .await;
+                        let answer = fleet_client::nats_conn::keeping_alive(
+                            &front.inner.client,
+                            &request.message,
+                            handled,
+                        )
+                        .await;
                         if let Answer::Respond(response) = answer {
                             let accepted_job = *method == methods::TOOLS_INVOKE_ASYNC
                                 && matches!(response, ApiResponse::Ok(_));

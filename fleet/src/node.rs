@@ -77,8 +77,6 @@ struct Ctx {
     running_long: AtomicU64,
     /// Whether it answers apps' sync calls on their reply subjects itself ([`direct_replies_allowed`]).
     direct_replies: bool,
-    /// The keepalives of the exec requests in progress that asked for them.
-    keepalives: fleet_client::nats_conn::Keepalives,
     /// Set when the node starts draining: it has left the registry and refuses new exec requests.
     draining: AtomicBool,
     /// Exec requests being served (sync invokes and jobs until their outcome is recorded).
@@ -143,7 +141,6 @@ impl WorkerNode {
             installer,
             seals,
             direct_replies,
-            keepalives: fleet_client::nats_conn::Keepalives::new(client.clone()),
         });
         // The watch of published plugins runs before this worker registers: a plugin published once the worker
         // is known is prepared by it (the watch delivers no history).
@@ -603,13 +600,11 @@ async fn serve_exec_traced(ctx: Arc<Ctx>, msg: async_nats::Message) {
         ExecKind::Sync => {
             let reply_to = req.reply_to.take();
             let ctx_ = &ctx;
-            let outcome = ctx
-                .keepalives
-                .keeping_alive(&msg, async move {
-                    ensure_plugin(ctx_, &req).await?;
-                    Ok::<_, ApiError>(run_sync(ctx_, req).await)
-                })
-                .await;
+            let outcome = fleet_client::nats_conn::keeping_alive(&ctx.client, &msg, async move {
+                ensure_plugin(ctx_, &req).await?;
+                Ok::<_, ApiError>(run_sync(ctx_, req).await)
+            })
+            .await;
             let reply = match outcome {
                 Ok(reply) => reply,
                 Err(e) => return respond(&ctx, &msg, &refuse(e)).await,
@@ -622,10 +617,8 @@ async fn serve_exec_traced(ctx: Arc<Ctx>, msg: async_nats::Message) {
             }
         }
         ExecKind::Job => {
-            let ensured = ctx
-                .keepalives
-                .keeping_alive(&msg, ensure_plugin(&ctx, &req))
-                .await;
+            let ensured =
+                fleet_client::nats_conn::keeping_alive(&ctx.client, &msg, ensure_plugin(&ctx, &req)).await;
             if let Err(e) = ensured {
                 return respond(&ctx, &msg, &refuse(e)).await;
             }

@@ -13,7 +13,7 @@ use futures::StreamExt as _;
 use serde_json::Value;
 
 use fleet_client::auth::OperatorVerifier;
-use fleet_client::nats_conn::Keepalives;
+use fleet_client::nats_conn::keeping_alive;
 
 /// Serves `fleet.v1.admin.<area>.*` in queue group `queue` until the client closes: every request from a token
 /// with the operator claim goes to `handler(method, payload)` (`what` names the area in the refusal of other
@@ -33,11 +33,9 @@ where
     let mut sub = client.queue_subscribe(subject(area, "*"), queue).await?;
     // Served from the moment this returns: the server has processed the subscription.
     fleet_client::nats_conn::round_trip(&client).await?;
-    let keepalives = Keepalives::new(client.clone());
     Ok(tokio::spawn(async move {
         while let Some(msg) = sub.next().await {
             let (client, verifier, handler) = (client.clone(), verifier.clone(), handler.clone());
-            let keepalives = keepalives.clone();
             tokio::spawn(async move {
                 let Some(reply) = msg.reply.clone() else { return };
                 let auth = msg
@@ -54,10 +52,7 @@ where
                     .to_owned();
                 let response = match verifier.authorize(auth.as_deref(), what) {
                     // An install can take minutes: the caller hears every second that it still runs.
-                    Ok(_) => match keepalives
-                        .keeping_alive(&msg, handler(method, msg.payload.clone()))
-                        .await
-                    {
+                    Ok(_) => match keeping_alive(&client, &msg, handler(method, msg.payload.clone())).await {
                         Ok(v) => ApiResponse::Ok(v),
                         Err(e) => ApiResponse::Err(e),
                     },

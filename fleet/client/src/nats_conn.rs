@@ -311,123 +311,37 @@ pub async fn publish_answer_copy(
     }
 }
 
-/// How often a [`Keepalives`] ticker looks for requests due a keepalive: a request hears its first keepalive
-/// between [`KEEPALIVE_EVERY`] and this much later, then one every [`KEEPALIVE_EVERY`] (well inside
-/// [`KEEPALIVE_SILENCE`]).
-pub const KEEPALIVE_TICK: Duration = Duration::from_millis(250);
-
-/// The keepalives of the requests one connection is handling (a front's API, a worker's exec, an operator area):
-/// one ticker task for all of them, not a task and a timer per request. Cheap to clone; the ticker ends with the
-/// last clone.
+/// Runs `work` — the handling of `msg` — and, when `msg` asked for keepalives ([`KEEPALIVE_HEADER`]), tells the
+/// requester every [`KEEPALIVE_EVERY`] that it is still working ([`keepalive_subject`]), until `work` ends (the
+/// caller then publishes the answer).
 ///
-/// The keepalives come from that task, not from the task polling a request's work: a long step inside the work
+/// The keepalives come from a task of their own, not from the task polling `work`: a long step inside `work`
 /// (a synchronous stretch of a plugin's start, a slow poll on a busy machine) must not silence them while the
-/// process is alive and its runtime has a thread free.
-#[derive(Clone)]
-pub struct Keepalives {
-    inner: Arc<KeepalivesInner>,
-}
-
-struct KeepalivesInner {
-    client: async_nats::Client,
-    next: AtomicU64,
-    /// The requests in progress that asked for keepalives: where each goes, and when its next one is due.
-    due: Mutex<HashMap<u64, (String, tokio::time::Instant)>>,
-    ticker: Mutex<Option<tokio::task::JoinHandle<()>>>,
-}
-
-impl Drop for KeepalivesInner {
-    fn drop(&mut self) {
-        if let Some(ticker) = lock(&self.ticker).take() {
-            ticker.abort();
+/// process is alive and its runtime has a thread free. The task ends with `work` (or when this future is dropped).
+pub async fn keeping_alive<F: std::future::Future>(
+    client: &async_nats::Client,
+    msg: &async_nats::Message,
+    work: F,
+) -> F::Output {
+    let Some(reply) = keepalive_subject(msg) else {
+        return work.await;
+    };
+    let client = client.clone();
+    let ticking = tokio::spawn(async move {
+        let mut tick =
+            tokio::time::interval_at(tokio::time::Instant::now() + KEEPALIVE_EVERY, KEEPALIVE_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert(STATUS_HEADER, STATUS_WORKING);
+            let _ = client
+                .publish_with_headers(reply.clone(), headers, bytes::Bytes::new())
+                .await;
         }
-    }
-}
-
-impl std::fmt::Debug for Keepalives {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Keepalives")
-            .field("in_progress", &lock(&self.inner.due).len())
-            .finish_non_exhaustive()
-    }
-}
-
-impl Keepalives {
-    /// Keepalives sent on `client` (the ticker starts, on the runtime of the first request that asks for
-    /// keepalives, with that request).
-    pub fn new(client: async_nats::Client) -> Self {
-        Keepalives {
-            inner: Arc::new(KeepalivesInner {
-                client,
-                next: AtomicU64::new(0),
-                due: Mutex::new(HashMap::new()),
-                ticker: Mutex::new(None),
-            }),
-        }
-    }
-
-    fn start_ticker(&self) {
-        let mut ticker = lock(&self.inner.ticker);
-        if ticker.is_some() {
-            return;
-        }
-        let weak = Arc::downgrade(&self.inner);
-        *ticker = Some(tokio::spawn(async move {
-            let mut tick = tokio::time::interval(KEEPALIVE_TICK);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                let Some(inner) = weak.upgrade() else { return };
-                let now = tokio::time::Instant::now();
-                let subjects: Vec<String> = lock(&inner.due)
-                    .values_mut()
-                    .filter(|(_, due)| *due <= now)
-                    .map(|(subject, due)| {
-                        *due = now + KEEPALIVE_EVERY;
-                        subject.clone()
-                    })
-                    .collect();
-                for subject in subjects {
-                    let mut headers = async_nats::HeaderMap::new();
-                    headers.insert(STATUS_HEADER, STATUS_WORKING);
-                    let _ = inner
-                        .client
-                        .publish_with_headers(subject, headers, bytes::Bytes::new())
-                        .await;
-                }
-            }
-        }));
-    }
-
-    /// Runs `work` — the handling of `msg` — and, when `msg` asked for keepalives ([`KEEPALIVE_HEADER`]), tells
-    /// the requester every [`KEEPALIVE_EVERY`] that it is still working ([`keepalive_subject`]), until `work`
-    /// ends (the caller then publishes the answer) or this future is dropped.
-    pub async fn keeping_alive<F: std::future::Future>(
-        &self,
-        msg: &async_nats::Message,
-        work: F,
-    ) -> F::Output {
-        let Some(subject) = keepalive_subject(msg) else {
-            return work.await;
-        };
-        self.start_ticker();
-        let id = self.inner.next.fetch_add(1, Ordering::Relaxed);
-        lock(&self.inner.due).insert(id, (subject, tokio::time::Instant::now() + KEEPALIVE_EVERY));
-        let _registered = KeptAlive { keepalives: self, id };
-        work.await
-    }
-}
-
-/// Ends a request's keepalives when dropped.
-struct KeptAlive<'a> {
-    keepalives: &'a Keepalives,
-    id: u64,
-}
-
-impl Drop for KeptAlive<'_> {
-    fn drop(&mut self) {
-        lock(&self.keepalives.inner.due).remove(&self.id);
-    }
+    });
+    let _stop = AbortOnDrop(ticking);
+    work.await
 }
 
 /// Sends `request` to `subject` and waits for its answer (at most the request's own timeout). Every request of
