@@ -601,6 +601,8 @@ impl AnimusHost {
         let info = match handshake {
             Ok(info) => info,
             Err(e) => {
+                // This path kills it itself (a second kill could reach a reused process group without cgroups).
+                abandoned.process = None;
                 process.child.kill_tree().await;
                 return Err(self.start_failed(install, e));
             }
@@ -613,6 +615,7 @@ impl AnimusHost {
                     "the handshake says kind `{}` protocol {} but detection recorded kind `{}` protocol {}",
                     info.plugin_info.plugin_kind, info.protocol_version, m.plugin_kind, m.protocol_version
                 );
+                abandoned.process = None;
                 process.child.kill_tree().await;
                 self.inner.registry.quarantine(install, reason.clone());
                 WorkerMetrics::inc(&self.inner.ctx.metrics.animus.quarantines);
@@ -1150,7 +1153,7 @@ impl AnimusHost {
 }
 
 /// Kills the process of a cold start that did not complete (see [`AnimusHost::acquire`]) when dropped armed.
-/// Its error paths kill it themselves; a kill of an ended process does nothing.
+/// Its error paths disarm it and kill the process themselves.
 struct ColdStart<'a> {
     host: &'a AnimusHost,
     process: Option<Arc<AnimusProcess>>,
