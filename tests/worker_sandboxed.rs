@@ -169,6 +169,21 @@ async fn idle_sessions_are_evicted_with_the_shutdown_ladder() {
     w.pool.shutdown().await;
 }
 
+/// A session still starting is not idle, however long its start takes: a prewarm of a plugin whose `describe`
+/// takes longer than the idle timeout gets its session (before, the reaper evicted it while it started, and the
+/// prewarm failed `Closed`).
+#[tokio::test]
+async fn a_session_still_starting_is_not_evicted_as_idle() {
+    let mut config = test_config("idle-start");
+    config.idle_timeout = Duration::from_millis(300);
+    let w = TestWorker::start(config, &[Plugin::echo("echo", &["--describe-delay-ms", "1500"])]);
+    let s = w.pool.prewarm("u", "echo", GUARD).await.unwrap();
+    let pid = s.pid().unwrap();
+    // Idle from then on: evicted as before.
+    assert!(eventually(GUARD, || w.pool.is_empty() && !alive(pid)).await);
+    w.pool.shutdown().await;
+}
+
 #[tokio::test]
 async fn session_caps_evict_the_least_recently_used_idle_session() {
     let mut config = test_config("lru");

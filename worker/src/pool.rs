@@ -537,7 +537,10 @@ impl Pool {
                         .install(s.tool_id())
                         .and_then(|i| i.idle_timeout)
                         .unwrap_or(self.inner.ctx.config.idle_timeout);
-                    s.in_flight() == 0 && now.duration_since(s.last_used()) >= timeout
+                    // A session still starting is not idle (a prewarm waits for it; its time counts from use).
+                    s.in_flight() == 0
+                        && s.state() != crate::session::SessionState::Starting
+                        && now.duration_since(s.last_used()) >= timeout
                 })
                 .map(|(k, _)| k.clone())
                 .collect();
