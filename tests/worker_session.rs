@@ -398,6 +398,18 @@ async fn deaf_plugin(name: &str) -> (Arc<TestWorker>, fleet_worker::session::Ses
     (w, s, flood)
 }
 
+/// Shuts the pool of a [`deaf_plugin`] down and waits for its flood's call to end (each within [`GUARD`]): the
+/// call's outcome depends on whether its answer was read before the host's reader blocked; it ends either way.
+async fn stop_deaf(w: &TestWorker, flood: Flood) {
+    tokio::time::timeout(GUARD, w.pool.shutdown())
+        .await
+        .expect("failure guard: the shutdown waited on a plugin that does not read");
+    let _outcome = tokio::time::timeout(GUARD, flood)
+        .await
+        .expect("failure guard: the flood's call outlived the shutdown")
+        .unwrap();
+}
+
 /// A plugin that stops reading its stdin and floods reverse-RPC requests the host must answer: the answers fill
 /// the pipe and then the writer's queue ([`WRITE_QUEUE`] frames), and the shutdown ladder still ends the plugin
 /// (closing stdin never waits for queue space; before, it waited forever).
@@ -405,20 +417,13 @@ async fn deaf_plugin(name: &str) -> (Arc<TestWorker>, fleet_worker::session::Ses
 async fn a_plugin_that_stops_reading_its_stdin_cannot_hold_up_shutdown() {
     let (w, s, flood) = deaf_plugin("deaf").await;
     let pid = s.pid().unwrap();
-    tokio::time::timeout(GUARD, w.pool.shutdown())
-        .await
-        .expect("failure guard: the shutdown waited on a plugin that does not read");
+    stop_deaf(&w, flood).await;
     assert!(!alive(pid));
     assert!(
         s.stderr_lines()
             .iter()
             .any(|l| l.contains("stopped reading stdin"))
     );
-    // Its outcome depends on whether its answer was read before the host's reader blocked; it ends either way.
-    let _outcome = tokio::time::timeout(GUARD, flood)
-        .await
-        .expect("failure guard: the flood's call outlived the shutdown")
-        .unwrap();
 }
 
 /// A plugin that stopped reading its stdin (the pipe and the writer's queue full, as above) cannot hold an invoke
@@ -452,13 +457,7 @@ async fn an_invoke_to_a_plugin_that_stopped_reading_ends_on_its_timeout_and_its_
         Err(InvokeError::Cancelled)
     ));
 
-    tokio::time::timeout(GUARD, w.pool.shutdown())
-        .await
-        .expect("failure guard: the shutdown waited on a plugin that does not read");
-    let _outcome = tokio::time::timeout(GUARD, flood)
-        .await
-        .expect("failure guard: the flood's call outlived the shutdown")
-        .unwrap();
+    stop_deaf(&w, flood).await;
 }
 
 /// A shutdown while the plugin is still starting (its `describe` not answered yet; a first launch may take

@@ -258,8 +258,7 @@ impl Pool {
         } else {
             Vec::new()
         };
-        lock(&self.inner.draining).extend(old.iter().cloned());
-        let weak = Arc::downgrade(&self.inner);
+        self.keep_draining(&old);
         tokio::spawn(async move {
             let mut set = JoinSet::new();
             for s in old {
@@ -272,32 +271,25 @@ impl Pool {
                 });
             }
             while set.join_next().await.is_some() {}
-            if let Some(inner) = weak.upgrade() {
-                lock(&inner.draining).retain(|s| !s.finished());
-            }
         })
     }
 
-    /// Shuts `sessions` (already out of the map) down: asked at once, so the request holds even if the task
-    /// waiting for them never runs (a pool shutting down aborts the reaper), and kept in `draining` until they
-    /// have ended, so [`shutdown`](Self::shutdown) waits for them too. The handle ends with them.
-    fn retire(&self, sessions: Vec<Session>) -> JoinHandle<()> {
-        for s in &sessions {
+    /// Keeps `sessions` (out of the map, stopping or about to) in `draining` until they have ended, so
+    /// [`shutdown`](Self::shutdown) waits for them too; the ones that have ended are forgotten here.
+    fn keep_draining(&self, sessions: &[Session]) {
+        let mut draining = lock(&self.inner.draining);
+        draining.retain(|s| !s.finished());
+        draining.extend(sessions.iter().cloned());
+    }
+
+    /// Evicts `sessions` (already out of the map): each is asked to stop now — its supervisor runs the ladder on
+    /// its own, whoever waits for it or not — and kept draining until it has ended.
+    fn retire(&self, sessions: &[Session]) {
+        for s in sessions {
             WorkerMetrics::inc(&self.inner.ctx.metrics.evictions);
             s.request_shutdown();
         }
-        lock(&self.inner.draining).extend(sessions.iter().cloned());
-        let weak = Arc::downgrade(&self.inner);
-        tokio::spawn(async move {
-            let mut set = JoinSet::new();
-            for s in sessions {
-                set.spawn(async move { s.shutdown().await });
-            }
-            while set.join_next().await.is_some() {}
-            if let Some(inner) = weak.upgrade() {
-                lock(&inner.draining).retain(|s| !s.finished());
-            }
-        })
+        self.keep_draining(sessions);
     }
 
     /// The shared context.
@@ -370,9 +362,7 @@ impl Pool {
             sessions.insert(key, session.clone());
             session
         };
-        if !evicted.is_empty() {
-            drop(self.retire(evicted));
-        }
+        self.retire(&evicted);
         Ok(session)
     }
 
@@ -547,8 +537,10 @@ impl Pool {
             keys.iter().filter_map(|k| sessions.remove(k)).collect()
         };
         let n = victims.len();
-        if n > 0 {
-            let _ = self.retire(victims).await;
+        self.retire(&victims);
+        // All asked at once: waiting for each in turn ends with the slowest.
+        for s in &victims {
+            s.shutdown().await;
         }
         let animus = self
             .inner

@@ -45,26 +45,30 @@ pub enum FlushError {
 /// Writes out what `client` has queued (to the socket: the server may not have read it yet), at most
 /// [`FLUSH_TIMEOUT`]. To know the server has processed it, [`round_trip`].
 pub async fn flush(client: &async_nats::Client) -> Result<(), FlushError> {
-    tokio::time::timeout(FLUSH_TIMEOUT, client.flush())
-        .await
-        .map_err(|_| FlushError::TimedOut)??;
-    Ok(())
+    within_flush_timeout(client.flush()).await
 }
 
 /// Waits, at most [`FLUSH_TIMEOUT`], until the server has processed everything `client` sent before (a PING and
 /// its PONG): a subscription made before this receives every message any connection publishes after it returns.
 /// The barrier between subscribing and triggering what the subscription waits for.
 pub async fn round_trip(client: &async_nats::Client) -> Result<(), FlushError> {
-    tokio::time::timeout(FLUSH_TIMEOUT, client.round_trip())
-        .await
-        .map_err(|_| FlushError::TimedOut)??;
-    Ok(())
+    within_flush_timeout(client.round_trip()).await
 }
 
 /// Drains `client` (unsubscribes everything, delivers what is buffered, closes), giving up after
 /// [`FLUSH_TIMEOUT`].
 pub async fn drain(client: &async_nats::Client) -> Result<(), FlushError> {
-    tokio::time::timeout(FLUSH_TIMEOUT, client.drain())
+    within_flush_timeout(client.drain()).await
+}
+
+/// `wait`, given up after [`FLUSH_TIMEOUT`].
+async fn within_flush_timeout<E>(
+    wait: impl std::future::Future<Output = Result<(), E>>,
+) -> Result<(), FlushError>
+where
+    FlushError: From<E>,
+{
+    tokio::time::timeout(FLUSH_TIMEOUT, wait)
         .await
         .map_err(|_| FlushError::TimedOut)??;
     Ok(())
