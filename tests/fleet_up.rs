@@ -1310,10 +1310,15 @@ fn a_taken_http_address_fails_before_any_nats_server_starts() {
 
 /// The churn issue: a `fleet up` whose nats-server died first (a crash, an OOM kill) still stops on SIGINT —
 /// nothing waits for a confirmation from a server that is gone (each flush gives up after
-/// `nats_conn::FLUSH_TIMEOUT`), and it says what it could not do.
+/// `nats_conn::FLUSH_TIMEOUT`), and it says what it could not do. Its drain grace is set far beyond the test's
+/// guard: the stop must not be ended by the grace (the worker's exec subscription once waited for its drain's
+/// confirmation until the grace ran out).
 #[test]
 fn fleet_up_stops_when_its_nats_server_died_first() {
-    let mut up = Up::start();
+    let grace = (GUARD * 10).as_secs().to_string();
+    let mut up = Up::start_over_with_env(&[("FLEET_DRAIN_GRACE_SECS", &grace)], |_| {
+        (workspace_root().join("plugins"), Vec::new())
+    });
     up.wait_ready();
     let nats_pid = up.nats_pid();
     up.nats_pid = Some(nats_pid);

@@ -158,6 +158,10 @@ impl WorkerNode {
         let exec_loop = tokio::spawn(async move {
             let mut exec = exec;
             let mut stopping = false;
+            // Once draining: the stream ends on the server's confirmation of the unsubscribe (one round trip), which
+            // never comes when the server is gone — bounded like every other wait for a confirmation.
+            let confirmed_by = tokio::time::sleep(Duration::MAX);
+            tokio::pin!(confirmed_by);
             loop {
                 let msg = tokio::select! {
                     m = exec.next() => m,
@@ -168,7 +172,14 @@ impl WorkerNode {
                             tracing::warn!(error = %e, "cannot drain the exec subscription");
                             break;
                         }
+                        confirmed_by
+                            .as_mut()
+                            .reset(tokio::time::Instant::now() + fleet_client::nats_conn::FLUSH_TIMEOUT);
                         continue;
+                    }
+                    () = &mut confirmed_by, if stopping => {
+                        tracing::warn!("the NATS server did not confirm the exec subscription's drain");
+                        break;
                     }
                 };
                 let Some(msg) = msg else { break };

@@ -244,7 +244,9 @@ impl Installer {
         let (temp, file) = TempPackage::create(&tmp, tool_id, "").await?;
         drop(file);
         let _ = tokio::fs::remove_file(temp.path()).await;
-        self.plugins.get_object(&package.object, temp.path()).await?;
+        self.plugins
+            .get_object(&package.object, temp.path(), Some(package.size))
+            .await?;
         let req = InstallRequest {
             package: temp.path().to_path_buf(),
             format: Some(package.format),

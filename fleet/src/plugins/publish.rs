@@ -68,7 +68,7 @@ pub async fn install(
         let (temp, file) = TempPackage::create(scratch, &hint, suffix).await?;
         drop(file);
         tokio::fs::remove_file(temp.path()).await.ok();
-        store.get_object(&object_name(&hex), temp.path()).await?;
+        store.get_object(&object_name(&hex), temp.path(), size).await?;
         uploaded = Some(object_name(&hex));
         let raw_name = Path::new(&name)
             .file_stem()

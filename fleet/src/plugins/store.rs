@@ -3,12 +3,14 @@
 //! is a compare-and-set on the key's revision).
 
 use std::path::Path;
+use std::time::Duration;
 
 use async_nats::jetstream::{self, kv, object_store};
 use futures::StreamExt as _;
-use tokio::io::AsyncWriteExt as _;
+use tokio::io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _};
 
-use super::{PluginError, PluginRecord};
+use super::download::READ_TIMEOUT;
+use super::{MAX_PACKAGE_BYTES, PluginError, PluginRecord};
 use fleet_proto::api::user_key;
 use fleet_store::cas::{Edit as CasEdit, Target, compare_and_set};
 use fleet_store::settings::PLUGIN_RECORD_MAX_BYTES;
@@ -168,22 +170,51 @@ impl PluginStore {
         Ok(())
     }
 
-    /// Copies a package object into `dest` (a new file).
-    pub async fn get_object(&self, name: &str, dest: &Path) -> Result<u64, PluginError> {
-        let mut object = self
+    /// Copies a package object into `dest` (a new file). With `expected_size` (the record's, or the publisher's
+    /// claim) the object must have that size; it is never more than [`MAX_PACKAGE_BYTES`]. No pause longer than
+    /// [`READ_TIMEOUT`] between two reads: a stalled read fails, it does not hold the caller (a worker's install
+    /// of the tool waits behind it).
+    pub async fn get_object(
+        &self,
+        name: &str,
+        dest: &Path,
+        expected_size: Option<u64>,
+    ) -> Result<u64, PluginError> {
+        let object = self
             .objects
             .get(name)
             .await
             .map_err(|e| PluginError::store("fetch a package")(&e))?;
+        let size = object.info.size as u64;
+        if let Some(expected) = expected_size.filter(|e| *e != size) {
+            return Err(fleet_worker::install::InstallError::SizeMismatch {
+                expected,
+                actual: size,
+            }
+            .into());
+        }
+        if size > MAX_PACKAGE_BYTES {
+            return Err(PluginError::BadRequest(format!(
+                "the package is larger than {MAX_PACKAGE_BYTES} bytes"
+            )));
+        }
         let mut file = tokio::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .open(dest)
             .await
             .map_err(PluginError::io(format!("create {}", dest.display())))?;
-        let n = tokio::io::copy(&mut object, &mut file)
+        // The object's chunks are bounded by its recorded size too (a record that lies is refused).
+        // Boxed: the object (its consumer, its stream) is large.
+        let n = Box::pin(copy_bounded(object, &mut file, size, READ_TIMEOUT))
             .await
-            .map_err(|e| PluginError::store("fetch a package")(&e))?;
+            .map_err(|e| match e {
+                CopyError::Read(e) => PluginError::store("fetch a package")(&e),
+                CopyError::Write(e) => PluginError::io(format!("write {}", dest.display()))(e),
+                e @ (CopyError::Stalled { .. } | CopyError::TooLarge { .. }) => {
+                    PluginError::store("fetch a package")(&e)
+                }
+            })?;
         file.flush()
             .await
             .map_err(PluginError::io(format!("write {}", dest.display())))?;
@@ -200,5 +231,70 @@ impl PluginStore {
             }
             Err(e) => Err(PluginError::store("delete a package")(&e)),
         }
+    }
+}
+
+/// Why [`copy_bounded`] stopped.
+#[derive(Debug, thiserror::Error)]
+enum CopyError {
+    #[error("reading failed: {0}")]
+    Read(std::io::Error),
+    #[error("writing failed: {0}")]
+    Write(std::io::Error),
+    #[error("no data for {} s after {after} bytes", stall.as_secs())]
+    Stalled { after: u64, stall: Duration },
+    #[error("more than the {cap} bytes expected")]
+    TooLarge { cap: u64 },
+}
+
+/// Copies `from` into `to` until its end: fails past `cap` bytes or when a read waits longer than `stall`.
+async fn copy_bounded(
+    mut from: impl AsyncRead + Unpin,
+    to: &mut (impl AsyncWrite + Unpin),
+    cap: u64,
+    stall: Duration,
+) -> Result<u64, CopyError> {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut copied = 0u64;
+    loop {
+        let n = tokio::time::timeout(stall, from.read(&mut buf))
+            .await
+            .map_err(|_| CopyError::Stalled { after: copied, stall })?
+            .map_err(CopyError::Read)?;
+        if n == 0 {
+            return Ok(copied);
+        }
+        copied += n as u64;
+        if copied > cap {
+            return Err(CopyError::TooLarge { cap });
+        }
+        to.write_all(&buf[..n]).await.map_err(CopyError::Write)?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_copy_fails_when_its_source_stalls_and_past_its_cap() {
+        let stall = Duration::from_secs(30);
+        // A source that sends 5 bytes, then nothing (its writer is kept open).
+        let (mut writer, reader) = tokio::io::duplex(64);
+        writer.write_all(b"hello").await.unwrap();
+        let mut out = Vec::new();
+        let err = copy_bounded(reader, &mut out, 1024, stall).await.unwrap_err();
+        assert!(matches!(err, CopyError::Stalled { after: 5, .. }), "{err}");
+        assert_eq!(out, b"hello");
+        drop(writer);
+
+        // At its cap exactly: copied; one byte more: refused.
+        let mut out = Vec::new();
+        assert_eq!(copy_bounded(&b"12345"[..], &mut out, 5, stall).await.unwrap(), 5);
+        assert_eq!(out, b"12345");
+        let err = copy_bounded(&b"123456"[..], &mut Vec::new(), 5, stall)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, CopyError::TooLarge { cap: 5 }), "{err}");
     }
 }
