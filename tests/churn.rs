@@ -4,6 +4,7 @@
 //! Every wait polls an observable under a failure guard; no test asserts on elapsed time.
 #![allow(clippy::unwrap_used)]
 
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use fleet::dispatch::rank;
@@ -389,7 +390,7 @@ async fn rolling_restart_of_every_front_under_load_fails_no_call_and_loses_no_jo
 /// A request sent while no front listens (every replica restarting, or failing over to another NATS server):
 /// `fleet_client::api::request` sends it again until a front answers (within `api::NO_FRONT_WAIT`), instead of
 /// failing with "no responders" — nothing ran, so sending it again is safe. The front is added only after the
-/// client's first attempt (a front's start opens its store first: many JetStream round trips).
+/// client's first attempt was refused (a front's start opens its store first: many JetStream round trips).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_sent_while_no_front_listens_is_answered_once_one_does() {
     let mut c = Cluster::start("churn-no-front", 0, 0, &[]).await;
@@ -402,6 +403,10 @@ async fn a_request_sent_while_no_front_listens_is_answered_once_one_does() {
         .await
         .expect_err("no front yet");
     assert_eq!(probe.kind(), async_nats::client::RequestErrorKind::NoResponders);
+    // The server's "no responders" answers reach the app's connection as messages: one more than now is the
+    // client's first attempt, refused.
+    let refusals = || c.app.statistics().in_messages.load(Ordering::Relaxed);
+    let before = refusals();
     let (app, token) = (c.app.clone(), c.token(USER));
     let ask = tokio::spawn(async move {
         fleet_client::api::request(
@@ -413,6 +418,10 @@ async fn a_request_sent_while_no_front_listens_is_answered_once_one_does() {
         )
         .await
     });
+    until("the first attempt's refusal", async || {
+        (refusals() > before).then_some(())
+    })
+    .await;
     c.add_front().await;
     let answer = tokio::time::timeout(GUARD, ask)
         .await

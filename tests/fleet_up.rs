@@ -457,6 +457,13 @@ fn fleet_up_serves_the_readme_cli_and_stops_cleanly() {
     let jwt = token["token"].as_str().unwrap();
     assert_eq!(jwt.split('.').count(), 3, "a JWT: {jwt}");
 
+    // Ready means listed: tools.list names every plugin of the catalogue at once (its worker registered before
+    // describing them).
+    let listed = tools_listed(&up, jwt);
+    for tool in ["echo-py.echo", "notes-py.summarize_and_save"] {
+        assert!(listed.iter().any(|t| t == tool), "{tool} in {listed:?}");
+    }
+
     // fleet invoke prints the payload.
     let invoked = up
         .cli(&[
@@ -1306,6 +1313,25 @@ fn a_taken_http_address_fails_before_any_nats_server_starts() {
         "no nats-server started first: {stdout}"
     );
     drop(taken);
+}
+
+/// `tools.list` of `up` as `plugin_name.tool_name`, called once with the app's credentials and `token`.
+fn tools_listed(up: &Up, token: &str) -> Vec<String> {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let url = std::fs::read_to_string(fleet_client::api::nats_url_file(&up.data_dir)).unwrap();
+        let creds = fleet_client::nats_conn::role_creds(&up.data_dir, fleet_client::creds::Role::App);
+        let connector = fleet_client::nats_conn::Connector::new(url.trim(), Some(creds));
+        let client = fleet_client::api::ApiClient::connect(&connector, "lister", token.to_owned())
+            .await
+            .unwrap();
+        let listed = client.list_tools(GUARD).await.unwrap();
+        listed
+            .tools
+            .iter()
+            .map(|t| format!("{}.{}", t.plugin_name, t.tool_name))
+            .collect()
+    })
 }
 
 /// The churn issue: a `fleet up` whose nats-server died first (a crash, an OOM kill) still stops on SIGINT —

@@ -281,12 +281,42 @@ fn start_fleet_worker(
         cmd.args(["--prewarm", p]);
     }
     let mut child = cmd.spawn().unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let swept: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
-    let ready: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
-    // Keep reading stdout in the background so the worker never blocks on it.
-    std::thread::spawn(move || for _ in lines {});
+    let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    // Read on a thread (which keeps reading to the end, so the worker never blocks on its stdout), each of the
+    // first two lines awaited at most GUARD.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut next = || match rx.recv_timeout(GUARD) {
+        Ok(line) => serde_json::from_str::<Value>(&line).unwrap(),
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("failure guard: no line from `fleet worker` within {GUARD:?} ({e})");
+        }
+    };
+    let swept = next();
+    let ready = next();
     (child, swept, ready)
+}
+
+/// Waits for `child`'s exit at most GUARD (killed and failed past it).
+async fn exit_of(child: &mut std::process::Child) -> std::process::ExitStatus {
+    let mut status = None;
+    let exited = eventually(GUARD, || {
+        status = child.try_wait().unwrap();
+        status.is_some()
+    })
+    .await;
+    if !exited {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("failure guard: `fleet worker` did not exit within {GUARD:?}");
+    }
+    status.unwrap()
 }
 
 /// The `fleet` binary, built on first use.
@@ -319,7 +349,7 @@ async fn sigterm_stops_the_worker_with_no_orphans_and_kill_9_leftovers_are_swept
     let orphans: Vec<u32> = ready["ready"].as_array().unwrap().iter().map(pid_field).collect();
     assert_eq!(orphans.len(), 2);
     first.kill().unwrap();
-    first.wait().unwrap();
+    exit_of(&mut first).await;
     assert!(orphans.iter().all(|p| alive(*p)), "kill -9 cannot clean up");
     // Besides the two sessions, the seats its waiting sandbox stubs sat in (`sandbox/seat.rs`; how many depends
     // on how far the stub pool had refilled). Nothing makes or removes cgroups between this count and the sweep.
@@ -340,7 +370,7 @@ async fn sigterm_stops_the_worker_with_no_orphans_and_kill_9_leftovers_are_swept
         .status()
         .unwrap();
     assert!(status.success());
-    let exit = second.wait().unwrap();
+    let exit = exit_of(&mut second).await;
     assert!(exit.success(), "{exit}");
     assert!(!alive(pid));
 }

@@ -17,7 +17,7 @@ use fleet_proto::api::worker::{
     CancelCommand, ExecKind, ExecReply, ExecRequest, JOBS_HELD_QUERY_MAX, JobsHeld, JobsHeldQuery,
 };
 use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, JobId, JobState, ProgressEvent, subjects};
-use fleet_proto::limits::{MAX_JOB_RESULT_BYTES, MAX_SYNC_RESULT_BYTES};
+use fleet_proto::limits::{DESCRIBE_TIMEOUT_FIRST_LAUNCH, MAX_JOB_RESULT_BYTES, MAX_SYNC_RESULT_BYTES};
 use fleet_worker::pool::{Pool, PoolError, Target};
 use fleet_worker::session::progress::ProgressUpdate;
 use fleet_worker::session::{InvokeError, InvokeOutput, InvokeRequest};
@@ -63,6 +63,8 @@ pub struct WorkerNode {
     /// Tells the exec loop to drain its subscription (answering what is still buffered with "draining").
     stop_exec: Option<tokio::sync::oneshot::Sender<()>>,
     exec_loop: Option<tokio::task::JoinHandle<()>>,
+    /// Set once every enabled catalogue plugin was described (its manifest recorded, or its failure logged).
+    listed: tokio::sync::watch::Receiver<bool>,
 }
 
 struct Ctx {
@@ -224,7 +226,11 @@ impl WorkerNode {
             }
         });
         let c = ctx.clone();
-        tasks.spawn(async move { publish_manifests(&c).await });
+        let (listed_tx, listed) = tokio::sync::watch::channel(false);
+        tasks.spawn(async move {
+            publish_manifests(&c).await;
+            listed_tx.send_replace(true);
+        });
         tasks.spawn(pull_queued_jobs(ctx.clone()));
         Ok(WorkerNode {
             id: id.to_string(),
@@ -234,6 +240,7 @@ impl WorkerNode {
             ctx,
             stop_exec: Some(stop_exec),
             exec_loop: Some(exec_loop),
+            listed,
         })
     }
 
@@ -250,6 +257,28 @@ impl WorkerNode {
     /// The pool.
     pub fn pool(&self) -> &Pool {
         &self.pool
+    }
+
+    /// Resolves once every enabled plugin of this worker's catalogue was described and its manifest recorded (a
+    /// plugin that failed is logged and skipped): from then on `tools.list` lists this worker's catalogue. A
+    /// worker registers before, so a new fleet would list nothing for the first moments without this wait.
+    /// Resolves too when the node stops first, and after [`DESCRIBE_TIMEOUT_FIRST_LAUNCH`] at most (saying so:
+    /// the rest is listed as it is described).
+    pub fn catalogue_listed(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut listed = self.listed.clone();
+        let id = self.id.clone();
+        async move {
+            if tokio::time::timeout(DESCRIBE_TIMEOUT_FIRST_LAUNCH, listed.wait_for(|l| *l))
+                .await
+                .is_err()
+            {
+                tracing::warn!(
+                    worker = %id,
+                    "the catalogue is still being described after {} s: tools.list lists each plugin once it is",
+                    DESCRIBE_TIMEOUT_FIRST_LAUNCH.as_secs()
+                );
+            }
+        }
     }
 
     /// Drains within [`DRAIN_GRACE`], then shuts every plugin session down (see [`drain`](Self::drain)).
@@ -429,7 +458,7 @@ async fn publish_manifests(ctx: &Ctx) {
         // Either dialect: Executa `describe`, or the tools an Animus plugin maps to (detected first, once).
         match ctx
             .pool
-            .describe(CATALOGUE_USER, &tool_id, Duration::from_secs(60))
+            .describe(CATALOGUE_USER, &tool_id, DESCRIBE_TIMEOUT_FIRST_LAUNCH)
             .await
         {
             Ok(m) => {

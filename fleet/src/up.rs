@@ -553,6 +553,8 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             dir.display()
         ));
     }
+    // The line below says the fleet is ready: by then `tools.list` lists every catalogue's tools.
+    futures::future::join_all(nodes.iter().map(WorkerNode::catalogue_listed)).await;
     say(
         "try           fleet invoke --user alice --tool-id echo-py --tool echo --args '{\"hello\":\"world\"}'",
     );

@@ -299,6 +299,10 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
             ))
         }
     };
+    // Ready once `tools.list` lists this worker's catalogue (a plugin that cannot be described is logged).
+    if let Some(node) = &node {
+        node.catalogue_listed().await;
+    }
     emit(&json!({ "ready": ready, "nats": args.nats_url, "http": http.as_ref().map(|h| &h.1) }));
 
     tokio::select! {

@@ -85,17 +85,32 @@ impl Stub {
     /// with the stub's stdio pipes) and the outcome of its `exec`, to await when it matters. What the caller
     /// writes to the child's stdin meanwhile waits in the pipe behind the claim for the plugin (the stub reads
     /// exactly its claim), so the plugin's first request costs no extra round trip.
+    /// The claim's write is bounded by [`STUB_WAIT`]: a claim larger than the pipe holds waits for the stub to
+    /// read it, and a stub that does not (stopped, stuck) is given up (dropped: killed) — its caller, which holds
+    /// the session's launch, tries the next stub or spawns directly.
     pub(crate) async fn claim(
+        self,
+        claim: &[u8],
+        program: String,
+    ) -> Result<(tokio::process::Child, ExecStatus), StubError> {
+        self.claim_within(claim, program, STUB_WAIT).await
+    }
+
+    async fn claim_within(
         mut self,
         claim: &[u8],
         program: String,
+        wait: Duration,
     ) -> Result<(tokio::process::Child, ExecStatus), StubError> {
         let stdin = self
             .child
             .stdin
             .as_mut()
             .ok_or_else(|| StubError::Io(std::io::ErrorKind::BrokenPipe.into()))?;
-        stdin.write_all(claim).await.map_err(StubError::Io)?;
+        tokio::time::timeout(wait, stdin.write_all(claim))
+            .await
+            .map_err(|_| StubError::Io(std::io::ErrorKind::TimedOut.into()))?
+            .map_err(StubError::Io)?;
         Ok((
             self.child,
             ExecStatus {
@@ -540,5 +555,52 @@ async fn start_stub(inner: &PoolInner) -> Result<Stub, StubError> {
             "the stub program exited before it was ready (is it a stub?)",
         ))),
         Status::Failed(step, source) => Err(StubError::Step { step, source }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stub that does not read its claim (stopped, stuck) does not hold the launch: a claim larger than the pipe
+    /// holds fails once its bound has passed, and the process is killed with the stub.
+    #[tokio::test]
+    async fn a_claim_the_stub_does_not_read_is_given_up() {
+        // A real process that never reads its stdin, standing in the stub's place.
+        let mut cmd = tokio::process::Command::new("/bin/sleep");
+        cmd.arg("600")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .kill_on_drop(true);
+        let child = cmd.spawn().unwrap();
+        let pid = child.id().unwrap();
+        let (_status_tx, status) = pipe::pipe().unwrap();
+        let stub = Stub {
+            child,
+            status,
+            seat: None,
+        };
+        // More than a pipe holds (64 KiB by default, at most 1 MiB unprivileged).
+        let claim = vec![0u8; 2 << 20];
+        let err = stub
+            .claim_within(&claim, "plugin".into(), Duration::from_millis(200))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, StubError::Io(e) if e.kind() == std::io::ErrorKind::TimedOut),
+            "{err}"
+        );
+        // Dropped with the stub: killed (a zombie until the runtime reaps it, so its state is looked at).
+        let dead = || {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
+                s.rsplit_once(')')
+                    .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+            })
+        };
+        let deadline = std::time::Instant::now() + STUB_WAIT;
+        while !dead() {
+            assert!(std::time::Instant::now() < deadline, "the stub was not killed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 }
