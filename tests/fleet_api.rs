@@ -1824,7 +1824,13 @@ async fn one_user_flooding_is_rate_limited_without_starving_another() {
         ..fleet::front::FrontConfig::default()
     };
     let seals = std::sync::Arc::new(c.nats.exec_signer().unwrap());
-    let front = fleet::front::Front::new(client, store, verifier, config, seals);
+    let front = fleet::front::Front::new(
+        client.clone(),
+        store.clone(),
+        verifier.clone(),
+        config,
+        seals.clone(),
+    );
     let flood = format!("Bearer {}", c.token("flooder"));
     let quiet = format!("Bearer {}", c.token("quiet"));
     let mut outcomes = Vec::new();
@@ -1845,6 +1851,31 @@ async fn one_user_flooding_is_rate_limited_without_starving_another() {
             front.handle(methods::TOOLS_LIST, Some(&quiet), b"{}").await,
             ApiResponse::Ok(_)
         ));
+    }
+    // The limiter's housekeeping keeps both (their buckets refill over seconds)...
+    assert_eq!(front.prune_rate_limits(), 2);
+    // ...and forgets users whose buckets are full again: the limiter holds the users of the last moments, not
+    // every user it ever saw (a bucket of one, refilled every millisecond, is full again 2 ms after its use).
+    let brief = fleet::front::FrontConfig {
+        rate_per_user: 1000,
+        burst_per_user: 1,
+        ..fleet::front::FrontConfig::default()
+    };
+    let front = fleet::front::Front::new(client, store, verifier, brief, seals);
+    for i in 0..20 {
+        let token = format!("Bearer {}", c.token(&format!("passer-{i}")));
+        assert!(matches!(
+            front.handle(methods::TOOLS_LIST, Some(&token), b"{}").await,
+            ApiResponse::Ok(_)
+        ));
+    }
+    let deadline = std::time::Instant::now() + GUARD;
+    while front.prune_rate_limits() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "failure guard: idle users never forgotten"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
     c.shutdown().await;
 }

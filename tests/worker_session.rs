@@ -666,7 +666,7 @@ async fn file_transport_outside_tmpdir_is_refused_and_the_file_left_alone() {
 }
 
 /// Hostile pointers: whatever sits in the TMPDIR (a link to a secret, a parent directory swapped for a link, a
-/// FIFO, a device, an oversized file), the call ends at once with a file-transport error that carries neither the
+/// FIFO, a device, an oversized file, a file that is not a frame), the call ends at once with a file-transport error that carries neither the
 /// path nor a byte of any file, nothing outside the TMPDIR is touched, and the session serves the next call.
 #[tokio::test]
 async fn hostile_file_transport_pointers_are_refused_at_once_and_the_session_goes_on() {
@@ -686,6 +686,8 @@ async fn hostile_file_transport_pointers_are_refused_at_once_and_the_session_goe
         0,
     )
     .unwrap();
+    let junk = tmpdir.join("junk.json");
+    std::fs::write(&junk, b"SECRET-JUNK, not a frame").unwrap();
     let big = tmpdir.join("big.json");
     std::fs::write(
         &big,
@@ -698,6 +700,7 @@ async fn hostile_file_transport_pointers_are_refused_at_once_and_the_session_goe
         (tmpdir.join("parent/key"), "symbolic link", false),
         (fifo, "not a regular file", true),
         (big, "over", true),
+        (junk, "not a JSON-RPC frame (invalid_json)", true),
         (tmpdir.join("missing.json"), "does not exist", true),
     ];
     // A character device (the null device's numbers): only root may make one, as the suite runs.

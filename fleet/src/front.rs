@@ -99,6 +99,10 @@ impl std::fmt::Debug for Front {
     }
 }
 
+/// How often a front forgets the users whose rate-limit buckets are full again (such a user's state is no
+/// different from a new one's): the limiter holds the users of the last moments, not every user ever seen.
+pub const RATE_LIMIT_PRUNE_EVERY: Duration = Duration::from_secs(60);
+
 /// How long [`FrontService::stop`] lets the requests in flight finish: the longest sync invoke the API admits,
 /// plus the time to answer it.
 pub const FRONT_DRAIN_GRACE: Duration = Duration::from_millis(INVOKE_TIMEOUT_MAX_MS + 5_000);
@@ -116,6 +120,8 @@ pub struct FrontService {
     finished: tokio::task::JoinHandle<()>,
     /// The watch keeping this front's copy of the active sets (ends with `stop`).
     active_sets: tokio::task::JoinHandle<()>,
+    /// Forgets idle users' rate-limit state every [`RATE_LIMIT_PRUNE_EVERY`] (ends with `stop`).
+    prune: tokio::task::JoinHandle<()>,
     /// Requests being handled.
     in_flight: InFlight,
     /// `invokeAsync` hand-offs running after their reply.
@@ -169,6 +175,7 @@ impl FrontService {
         while self.endpoints.join_next().await.is_some() {}
         self.finished.abort();
         self.active_sets.abort();
+        self.prune.abort();
     }
 }
 
@@ -386,6 +393,15 @@ impl Front {
                 front.keep_finished(&message.payload);
             }
         });
+        let front = self.clone();
+        let prune = tokio::spawn(async move {
+            let mut every = tokio::time::interval(RATE_LIMIT_PRUNE_EVERY);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                front.prune_rate_limits();
+            }
+        });
         // The endpoints' subscriptions are processed by the server before `serve` returns (no "no responders"
         // right after): the server answers a PING only once it has processed every earlier SUB of this connection.
         fleet_client::nats_conn::round_trip(&self.inner.client)
@@ -397,10 +413,19 @@ impl Front {
             delegates,
             finished,
             active_sets,
+            prune,
             in_flight,
             hand_offs: self.inner.hand_offs.clone(),
             client: self.inner.client.clone(),
         })
+    }
+
+    /// Forgets the users whose rate-limit buckets are full again (their state is a new user's); returns how many
+    /// users are still tracked. [`serve`](Self::serve) calls it every [`RATE_LIMIT_PRUNE_EVERY`].
+    pub fn prune_rate_limits(&self) -> usize {
+        self.inner.limiter.retain_recent();
+        self.inner.limiter.shrink_to_fit();
+        self.inner.limiter.len()
     }
 
     /// Keeps an announced terminal record (`fleet.v1.jobs.finished`) in the memory of finished jobs. Anything else

@@ -437,7 +437,8 @@ async fn prepare_one(ctx: &Ctx, installer: &crate::plugins::Installer, tool_id: 
 
 /// Describes every catalogue plugin once (under an internal user) and records its manifest for `tools.list`.
 async fn publish_manifests(ctx: &Ctx) {
-    const CATALOGUE_USER: &str = "fleet:catalogue";
+    // The fleet's own user (a token cannot name it), as for a published plugin's describe.
+    const CATALOGUE_USER: &str = crate::plugins::installer::DESCRIBE_USER;
     let ids: Vec<String> = ctx
         .pool
         .catalogue()

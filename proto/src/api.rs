@@ -43,6 +43,10 @@ pub mod methods {
     ];
 }
 
+/// The users of the fleet's own work (describing a catalogue plugin, detecting a plugin's dialect) are named
+/// `fleet:…`: no token may name one, so no tenant shares their sessions, directories or uids.
+pub const RESERVED_USER_PREFIX: &str = "fleet:";
+
 /// The subject-, key- and file-name-safe form of a user id: the first 32 hex digits (128 bits) of its
 /// SHA-256. It names the user's NATS subjects and KV keys, and the worker's per-user directories and cgroups.
 pub fn user_key(user: &str) -> String {

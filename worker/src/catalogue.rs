@@ -227,6 +227,17 @@ impl Install {
         }
     }
 
+    /// How long a session of this install may stay idle: its own `idle_timeout_secs`, else `base` (the worker's);
+    /// a package may only shorten it (a longer one would keep its sessions — their memory, their slots — warm
+    /// against the operator's setting), the operator's own catalogue entries may also lengthen it.
+    pub fn effective_idle_timeout(&self, base: Duration) -> Duration {
+        match self.idle_timeout {
+            Some(own) if self.packaged => own.min(base),
+            Some(own) => own,
+            None => base,
+        }
+    }
+
     /// The `executa.json` this install was loaded from.
     pub fn manifest_path(&self) -> PathBuf {
         self.dir.join(MANIFEST_FILE)

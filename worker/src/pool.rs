@@ -514,6 +514,14 @@ impl Pool {
         }
     }
 
+    /// How long a session of `tool_id` may stay idle ([`Install::effective_idle_timeout`]; the worker's own for a
+    /// tool id it does not know).
+    fn idle_timeout_of(&self, tool_id: &str) -> Duration {
+        let base = self.inner.ctx.config.idle_timeout;
+        self.install(tool_id)
+            .map_or(base, |i| i.effective_idle_timeout(base))
+    }
+
     /// Shuts down sessions idle longer than their idle timeout (the install's, else the worker's). Returns how
     /// many.
     pub async fn evict_idle(&self) -> usize {
@@ -523,10 +531,7 @@ impl Pool {
             let keys: Vec<Key> = sessions
                 .iter()
                 .filter(|(_, s)| {
-                    let timeout = self
-                        .install(s.tool_id())
-                        .and_then(|i| i.idle_timeout)
-                        .unwrap_or(self.inner.ctx.config.idle_timeout);
+                    let timeout = self.idle_timeout_of(s.tool_id());
                     // A session still starting is not idle (a prewarm waits for it; its time counts from use).
                     s.in_flight() == 0
                         && s.state() != crate::session::SessionState::Starting
@@ -545,11 +550,7 @@ impl Pool {
         let animus = self
             .inner
             .animus
-            .evict_idle(|tool_id| {
-                self.install(tool_id)
-                    .and_then(|i| i.idle_timeout)
-                    .unwrap_or(self.inner.ctx.config.idle_timeout)
-            })
+            .evict_idle(|tool_id| self.idle_timeout_of(tool_id))
             .await;
         n + animus
     }

@@ -13,7 +13,8 @@
 //! - `exp`, `iss`, `aud` and `sub` are required ([`AuthError::MissingClaim`], reported in that order when several
 //!   are missing). `iss` must be the configured issuer (a single string), `aud` the configured audience (a string,
 //!   or per RFC 7519 §4.1.3 an array containing it), `sub` a non-empty string of at most [`MAX_SUBJECT_LEN`]
-//!   bytes without control characters. `nbf` is honoured when present. `exp` and `nbf` get the leeway
+//!   bytes without control characters, not naming one of the fleet's own users (`fleet:…`,
+//!   [`RESERVED_USER_PREFIX`]). `nbf` is honoured when present. `exp` and `nbf` get the leeway
 //!   ([`DEFAULT_LEEWAY_SECS`], at most [`MAX_LEEWAY_SECS`]).
 //! - The custom claim `"operator": true` makes the principal an operator; `false` or absent does not; any other
 //!   value is [`AuthError::InvalidClaim`].
@@ -33,7 +34,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use fleet_proto::api::{ApiError, ApiErrorCode};
+use fleet_proto::api::{ApiError, ApiErrorCode, RESERVED_USER_PREFIX};
 use jsonwebtoken::crypto::CryptoProvider;
 use jsonwebtoken::errors::{Error as JwtError, ErrorKind};
 use jsonwebtoken::jwk::{AlgorithmParameters, Jwk};
@@ -620,9 +621,10 @@ impl SigningKey {
         ttl: Duration,
         extra: Map<String, Value>,
     ) -> Result<String, AuthError> {
-        if user.is_empty() || user.len() > MAX_SUBJECT_LEN || user.chars().any(char::is_control) {
+        if !valid_subject(user) {
             return Err(AuthError::Mint(format!(
-                "the user must be 1 to {MAX_SUBJECT_LEN} bytes without control characters"
+                "the user must be 1 to {MAX_SUBJECT_LEN} bytes without control characters, not starting with \
+                 {RESERVED_USER_PREFIX:?}"
             )));
         }
         if issuer.is_empty() || audience.is_empty() {
@@ -967,14 +969,19 @@ fn missing_claim(token: &str, library_name: &str) -> AuthError {
     AuthError::MissingClaim(static_claim(library_name))
 }
 
+/// A user id a token may carry: 1 to [`MAX_SUBJECT_LEN`] bytes, no control character, not one of the fleet's own
+/// users ([`RESERVED_USER_PREFIX`]).
+fn valid_subject(sub: &str) -> bool {
+    !sub.is_empty()
+        && sub.len() <= MAX_SUBJECT_LEN
+        && !sub.chars().any(char::is_control)
+        && !sub.starts_with(RESERVED_USER_PREFIX)
+}
+
 /// The principal of verified, validated claims, with the shapes the library is lenient about checked strictly.
 fn principal(claims: &Map<String, Value>) -> Result<Principal, AuthError> {
     let user = match claims.get("sub") {
-        Some(Value::String(sub))
-            if !sub.is_empty() && sub.len() <= MAX_SUBJECT_LEN && !sub.chars().any(char::is_control) =>
-        {
-            sub.clone()
-        }
+        Some(Value::String(sub)) if valid_subject(sub) => sub.clone(),
         _ => return Err(AuthError::InvalidClaim("sub")),
     };
     // The library accepts an array of issuers; an issuer is one StringOrURI (RFC 7519 §4.1.1).

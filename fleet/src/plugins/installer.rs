@@ -16,7 +16,8 @@ use super::store::PluginStore;
 use super::{EXECUTA_HOME_ENV, KEEP_VERSIONS_ENV, PackageVersion, PluginError};
 use fleet_store::Store;
 
-/// The internal user under which a newly installed version is described once (its manifest feeds `tools.list`).
+/// The internal user under which a newly installed version is described once (its manifest feeds `tools.list`);
+/// a token cannot name it ([`fleet_proto::api::RESERVED_USER_PREFIX`]).
 pub const DESCRIBE_USER: &str = "fleet:catalogue";
 
 /// A replaced version and the task that ends when its last session has stopped.
@@ -285,5 +286,13 @@ impl Installer {
                 Err(e) => tracing::warn!(%tool_id, error = %e, "describing the installed plugin failed"),
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_describe_user_is_one_no_token_can_name() {
+        assert!(super::DESCRIBE_USER.starts_with(fleet_proto::api::RESERVED_USER_PREFIX));
     }
 }

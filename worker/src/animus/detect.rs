@@ -433,6 +433,11 @@ mod tests {
     use super::parse_manifest;
 
     #[test]
+    fn the_probe_user_is_one_no_token_can_name() {
+        assert!(super::PROBE_USER.starts_with(fleet_proto::api::RESERVED_USER_PREFIX));
+    }
+
+    #[test]
     fn only_a_manifest_object_is_animus() {
         let m = br#"{"name":"p","version":"0.1.0","plugin_kind":"provider","protocol_version":"1.0.0","capabilities":["agent/run"]}"#;
         assert!(parse_manifest(m).is_some());

@@ -368,7 +368,8 @@ impl ChildProcess {
 
     fn on_bad_frame<D: Dialect>(&self, dialect: &D, e: &FrameError) {
         self.metrics.frame_error(e.kind());
-        tracing::debug!(tool_id = %self.tool_id, error = %e, "bad frame from plugin");
+        // Its kind only: the excerpt the error carries is the plugin's bytes.
+        tracing::debug!(tool_id = %self.tool_id, kind = e.kind(), "bad frame from plugin");
         if let FrameError::TooLarge {
             id_hint: Some(id), ..
         } = e

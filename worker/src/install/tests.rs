@@ -405,6 +405,7 @@ fn a_package_can_neither_pass_worker_env_nor_raise_its_limits() {
         "type": "binary",
         "env": ["FLEET_LLM_API_KEY", "AWS_SECRET_ACCESS_KEY"],
         "limits": {"memory_bytes": 1_u64 << 40, "pids_max": 1_000_000, "cpu_millis": 2},
+        "idle_timeout_secs": 86_400,
     });
     let executa = serde_json::to_vec(&executa).unwrap();
     let pkg = write(
@@ -439,6 +440,15 @@ fn a_package_can_neither_pass_worker_env_nor_raise_its_limits() {
     assert_eq!(effective.memory_bytes, base.memory_bytes, "not raised");
     assert_eq!(effective.pids_max, base.pids_max, "not raised");
     assert_eq!(effective.cpu_millis, 2, "lowered");
+    // Its sessions' idle timeout likewise: never longer than the worker's, shorter when it asks.
+    let day = std::time::Duration::from_secs(86_400);
+    let half_hour = std::time::Duration::from_secs(1_800);
+    assert_eq!(
+        loaded.effective_idle_timeout(half_hour),
+        half_hour,
+        "not lengthened"
+    );
+    assert_eq!(loaded.effective_idle_timeout(2 * day), day, "shortened");
 
     // An older install whose executa.json still names variables: ignored at load as well.
     let mut legacy = written.clone();
@@ -459,4 +469,5 @@ fn a_package_can_neither_pass_worker_env_nor_raise_its_limits() {
     assert!(!operator.packaged);
     assert_eq!(operator.env, ["FLEET_LLM_API_KEY"]);
     assert_eq!(operator.effective_limits(base).pids_max, 1_000_000);
+    assert_eq!(operator.effective_idle_timeout(half_hour), day);
 }

@@ -192,7 +192,13 @@ impl Process {
                     .await
                     .unwrap_or_else(|e| Err(format!("file transport task failed: {e}")))
                 };
-                match resolved.and_then(|bytes| Frame::parse(bytes).map_err(|e| e.to_string())) {
+                // The file is the plugin's: its bytes reach neither the log nor the error (the kind of fault only).
+                let parsed = resolved.and_then(|bytes| {
+                    Frame::parse(bytes).map_err(|e| {
+                        format!("the file-transport file is not a JSON-RPC frame ({})", e.kind())
+                    })
+                });
+                match parsed {
                     Ok(inner) => {
                         WorkerMetrics::inc(&self.shared.metrics.file_transports);
                         Box::pin(self.dispatch(inner, depth + 1)).await;
