@@ -1011,6 +1011,34 @@ async fn tokens_are_withheld_unless_negotiated_and_credentials_filtered_to_the_m
     w.pool.shutdown().await;
 }
 
+/// Spec §6 HR-SE-05: a careless plugin writing a credential it was given to stderr — the kept lines (and every
+/// error built from them) carry `<redacted-credential>` instead of the value.
+#[tokio::test]
+async fn a_credential_a_plugin_writes_to_stderr_is_redacted() {
+    let (w, _) = storage_worker("stderr-cred");
+    let mut r = req("stderr", json!({"text": "calling with key=sk-secret-123 now"}));
+    r.credentials = serde_json::from_value(json!({"ECHO_API_KEY": "sk-secret-123"})).unwrap();
+    call(&w, "u", "kv", r).await.unwrap();
+    let s = w.pool.session("u", "kv").unwrap();
+    assert!(
+        eventually(GUARD, || s
+            .stderr_lines()
+            .iter()
+            .any(|l| l.starts_with("calling with key=")))
+        .await,
+        "failure guard: the line never reached the ring"
+    );
+    let lines = s.stderr_lines();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l == "calling with key=<redacted-credential> now"),
+        "{lines:?}"
+    );
+    assert!(!lines.join("\n").contains("sk-secret-123"), "{lines:?}");
+    w.pool.shutdown().await;
+}
+
 #[tokio::test]
 async fn the_environment_is_scrubbed_and_carries_the_runtime_variables() {
     let w = TestWorker::start(test_config("env"), &[Plugin::echo("echo", &[])]);

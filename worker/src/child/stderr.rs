@@ -1,7 +1,7 @@
 //! The stderr ring of a plugin, both dialects (an Executa session's successive processes share one; an Animus
 //! process has its own): drained continuously so a chatty plugin can never block on a full pipe, bounded in
-//! bytes, long lines truncated, JWT-looking strings redacted (spec §6). Never parsed: it only feeds error
-//! messages and operators.
+//! bytes, long lines truncated, JWT-looking strings and the credential values the plugin was given redacted (spec
+//! §6). Never parsed: it only feeds error messages and operators.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -10,6 +10,16 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// Longest line kept; the rest of a longer line is dropped.
 const MAX_LINE: usize = 4096;
+
+/// Shortest credential value redacted from stderr: shorter ones (a region, a flag) are no secret worth the false
+/// matches.
+const MIN_SECRET_LEN: usize = 8;
+
+/// Credential values a ring remembers (the newest): a ring serves one user's one plugin.
+const MAX_SECRETS: usize = 32;
+
+/// What a remembered credential value is replaced by.
+const REDACTED_CREDENTIAL: &str = "<redacted-credential>";
 
 /// A bounded ring of stderr lines, shared between the drain task and readers.
 #[derive(Debug, Clone)]
@@ -23,6 +33,8 @@ struct Ring {
     bytes: usize,
     cap: usize,
     dropped_lines: u64,
+    /// Credential values the plugin was given ([`StderrRing::remember_secrets`]).
+    secrets: VecDeque<String>,
 }
 
 impl StderrRing {
@@ -33,13 +45,35 @@ impl StderrRing {
                 bytes: 0,
                 cap,
                 dropped_lines: 0,
+                secrets: VecDeque::new(),
             })),
         }
     }
 
-    pub(crate) fn push(&self, line: &[u8]) {
-        let text = redact(&String::from_utf8_lossy(line));
+    /// Credential values the plugin is given (spec §6 HR-SE-05: known credential values are redacted before
+    /// stderr is stored): every later line has them replaced. Values shorter than [`MIN_SECRET_LEN`] are not
+    /// remembered; past [`MAX_SECRETS`] the oldest is forgotten.
+    pub(crate) fn remember_secrets<'a>(&self, values: impl IntoIterator<Item = &'a str>) {
         let Ok(mut ring) = self.inner.lock() else { return };
+        for value in values {
+            if value.len() < MIN_SECRET_LEN || ring.secrets.iter().any(|s| s == value) {
+                continue;
+            }
+            if ring.secrets.len() == MAX_SECRETS {
+                ring.secrets.pop_front();
+            }
+            ring.secrets.push_back(value.to_owned());
+        }
+    }
+
+    pub(crate) fn push(&self, line: &[u8]) {
+        let mut text = redact(&String::from_utf8_lossy(line));
+        let Ok(mut ring) = self.inner.lock() else { return };
+        for secret in &ring.secrets {
+            if text.contains(secret.as_str()) {
+                text = text.replace(secret.as_str(), REDACTED_CREDENTIAL);
+            }
+        }
         ring.bytes += text.len();
         ring.lines.push_back(text);
         while ring.bytes > ring.cap {
@@ -160,6 +194,28 @@ mod tests {
         let kept = cut.strip_suffix(" …[truncated]").unwrap();
         assert!(kept.len() <= 4096 && kept.len() > 4090, "{}", kept.len());
         assert!(long.starts_with(kept));
+    }
+
+    #[test]
+    fn remembered_credential_values_are_redacted() {
+        let ring = StderrRing::new(1 << 20);
+        ring.remember_secrets(["sk-live-0123456789", "eu-1", "sk-live-0123456789"]);
+        ring.push(b"key sk-live-0123456789 twice sk-live-0123456789, region eu-1");
+        assert_eq!(
+            ring.lines(),
+            ["key <redacted-credential> twice <redacted-credential>, region eu-1"]
+        );
+        // At its length bound: remembered; one shorter: not.
+        ring.remember_secrets(["12345678", "1234567"]);
+        ring.push(b"12345678 1234567");
+        assert_eq!(ring.tail(1), "<redacted-credential> 1234567");
+        // The newest MAX_SECRETS are kept.
+        let many: Vec<String> = (0..=super::MAX_SECRETS)
+            .map(|i| format!("secret-value-{i:03}"))
+            .collect();
+        ring.remember_secrets(many.iter().map(String::as_str));
+        ring.push(b"secret-value-000 secret-value-032");
+        assert_eq!(ring.tail(1), "secret-value-000 <redacted-credential>");
     }
 
     #[test]

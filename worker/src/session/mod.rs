@@ -561,6 +561,12 @@ impl Session {
         .map_err(|_| InvokeError::Timeout(timeout))?;
         let stored = stored.map_err(|e| InvokeError::CredentialsUnavailable(e.0))?;
         let credentials = declared_credentials(&hs.manifest, &req.credentials, stored.0)?;
+        // A careless plugin logging what it was given keeps it out of its stderr ring (and every error built from it).
+        if let Some(given) = &credentials {
+            shared
+                .stderr
+                .remember_secrets(given.values().filter_map(Value::as_str));
+        }
         let tokens = withhold(minted, hs);
         let mut arguments = req.arguments;
         tool.apply_defaults(&mut arguments);
