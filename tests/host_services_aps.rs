@@ -1137,6 +1137,11 @@ async fn negotiate_put_confirm_round_trip_and_foreign_or_unknown_keys() {
     assert_eq!(neg["headers"]["Content-Type"], json!("video/mp4"));
     let budget = env.services.budget(&inv.invoke_id).expect("budget");
     assert_eq!(budget.upload_used(), (0, 0), "negotiate is free");
+    assert_eq!(
+        budget.uploads_offered(),
+        (1, video.len() as u64),
+        "but its bytes are held until its confirm"
+    );
 
     // Confirm before the PUT: nothing landed under the key.
     let e = env
@@ -1167,6 +1172,7 @@ async fn negotiate_put_confirm_round_trip_and_foreign_or_unknown_keys() {
     assert_envelope(&up, "confirm", video.len(), "video/mp4");
     assert_eq!(up["r2_key"], neg["r2_key"]);
     assert_eq!(budget.upload_used(), (1, video.len() as u64));
+    assert_eq!(budget.uploads_offered(), (0, 0), "the offer became the file");
     let resp = env.http.get(env.url(&up["url"])).send().await.expect("GET");
     assert_eq!(resp.headers()["content-type"], "video/mp4");
     assert!(
@@ -1294,35 +1300,51 @@ async fn the_per_invoke_upload_total_is_80_mib() {
         )
         .await;
     assert_eq!(code_name(&e), (-32202, "UPLOAD_MAX_BYTES_EXCEEDED".into()));
-    // The negotiate/confirm path is held to the same total.
-    let neg = env
-        .ok(
+    // The negotiate/confirm path is held to the same total, from the negotiate on: no link is handed out whose
+    // bytes would pass it (bytes PUT and never confirmed are bounded like confirmed ones).
+    let e = env
+        .err(
             &inv,
             "host/uploadFile",
             json!({"mode": "negotiate", "filename": "late.txt", "mime_type": "text/plain", "size_bytes": 1}),
         )
         .await;
+    assert_eq!(code_name(&e), (-32202, "UPLOAD_MAX_BYTES_EXCEEDED".into()));
+    assert_eq!(
+        env.services.budget(&inv.invoke_id).expect("budget").upload_used(),
+        (10, 80 * MIB as u64)
+    );
+}
+
+/// Negotiated links never confirmed are bounded like files: at most 16 wait for their confirm (the 17th is
+/// `-32211`), and a confirm frees its link's place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unconfirmed_negotiated_uploads_are_bounded_like_files() {
+    let env = env(None).await;
+    let inv = env.invoke("erin", "notes").await;
+    let negotiate = |i: usize| json!({"mode": "negotiate", "filename": format!("f{i}.txt"), "mime_type": "text/plain", "size_bytes": 1});
+    let mut links = Vec::new();
+    for i in 0..16 {
+        links.push(env.ok(&inv, "host/uploadFile", negotiate(i)).await);
+    }
+    let e = env.err(&inv, "host/uploadFile", negotiate(16)).await;
+    assert_eq!(code_name(&e), (-32211, "MAX_FILES_EXCEEDED".into()));
     let put = env
         .http
-        .put(env.url(&neg["put_url"]))
+        .put(env.url(&links[0]["put_url"]))
         .header("content-type", "text/plain")
         .body("x")
         .send()
         .await
         .expect("PUT");
     assert_eq!(put.status(), 200);
-    let e = env
-        .err(
-            &inv,
-            "host/uploadFile",
-            json!({"mode": "confirm", "r2_key": neg["r2_key"]}),
-        )
-        .await;
-    assert_eq!(e.code, -32202);
-    assert_eq!(
-        env.services.budget(&inv.invoke_id).expect("budget").upload_used(),
-        (10, 80 * MIB as u64)
-    );
+    env.ok(
+        &inv,
+        "host/uploadFile",
+        json!({"mode": "confirm", "r2_key": links[0]["r2_key"]}),
+    )
+    .await;
+    env.ok(&inv, "host/uploadFile", negotiate(16)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,12 +9,15 @@
 //!   `calls < max_calls` and `tokens_used < max_tokens_total`; otherwise `-32006` / `-32007`.
 //! * storage (`storage/*` and `files/*`): every call counts; the 201st is `-32026`.
 //! * uploads: a file counts when it is stored (`inline`, `confirm`; `negotiate` is free); bytes are reserved
-//!   before the bytes are written and released if the write fails.
+//!   before the bytes are written and released if the write fails. A `negotiate`'s link counts its bytes against
+//!   the total until its `confirm` turns it into the file, and at most as many links as files wait unconfirmed:
+//!   PUT bytes never confirmed are bounded like confirmed ones.
 //! * images (`image/generate` and `image/edit` together): a call's `n` is reserved before the provider is asked
 //!   and what it did not deliver is given back; past the cap (spec §7.4 `image_token.max_images`, 4) `-32106`. The
 //!   count starts again [`limits::IMAGE_INVOKE_WINDOW`] (30 min) after the window's first image, as the spec's
 //!   Redis key with its 30-min TTL does.
 
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -73,6 +76,10 @@ pub enum Exhausted {
     /// `-32211 MAX_FILES_EXCEEDED`.
     #[error("the invoke has stored all {0} files it may upload")]
     UploadFiles(u32),
+    /// `-32211 MAX_FILES_EXCEEDED`: as many negotiated uploads wait for their `confirm` as the invoke may store
+    /// files.
+    #[error("the invoke has {0} negotiated uploads not yet confirmed, as many as it may store")]
+    UploadOffers(u32),
     /// `-32204 TOO_LARGE`.
     #[error("{bytes} bytes exceed the {cap}-byte limit of one file")]
     UploadFileTooLarge {
@@ -111,10 +118,18 @@ struct Counters {
     storage_calls: u32,
     upload_files: u32,
     upload_bytes: u64,
+    /// PUT links `negotiate` handed out and no `confirm` took yet: r2_key → the bytes each allows.
+    upload_offers: HashMap<String, u64>,
     /// Images reserved or delivered in the current window.
     images: u32,
     /// When the current image window began (its first reservation), and its number.
     images_window: Option<(Instant, u64)>,
+}
+
+impl Counters {
+    fn offered_bytes(&self) -> u64 {
+        self.upload_offers.values().sum()
+    }
 }
 
 /// The budget of one invoke.
@@ -194,9 +209,17 @@ impl InvokeBudget {
         self.counters().storage_calls
     }
 
-    /// Reserves one file of `bytes` against the upload caps. Dropping the reservation without
-    /// [`UploadReservation::commit`] gives the file and its bytes back.
+    /// Reserves one file of `bytes` against the upload caps (the bytes of unconfirmed negotiated uploads count
+    /// too). Dropping the reservation without [`UploadReservation::commit`] gives the file and its bytes back.
     pub fn reserve_upload(&self, bytes: u64) -> Result<UploadReservation<'_>, Exhausted> {
+        self.reserve_upload_of(None, bytes)
+    }
+
+    /// Lets `negotiate` hand out a PUT link of up to `bytes` under `key`. Free in the files counter (spec §8.7:
+    /// a file counts at its `confirm`), but its bytes count against the invoke's upload total from now on, and at
+    /// most `upload_files` links wait unconfirmed: what a plugin can store without ever confirming is bounded by
+    /// the same caps as what it confirms.
+    pub fn offer_upload(&self, key: &str, bytes: u64) -> Result<(), Exhausted> {
         if bytes > self.limits.upload_file_bytes {
             return Err(Exhausted::UploadFileTooLarge {
                 bytes,
@@ -204,21 +227,64 @@ impl InvokeBudget {
             });
         }
         let mut c = self.counters();
-        if c.upload_files >= self.limits.upload_files {
-            return Err(Exhausted::UploadFiles(self.limits.upload_files));
+        if c.upload_offers.len() >= self.limits.upload_files as usize {
+            return Err(Exhausted::UploadOffers(self.limits.upload_files));
         }
-        if c.upload_bytes.saturating_add(bytes) > self.limits.upload_total_bytes {
+        let used = c.upload_bytes.saturating_add(c.offered_bytes());
+        if used.saturating_add(bytes) > self.limits.upload_total_bytes {
             return Err(Exhausted::UploadTotalBytes {
                 bytes,
-                used: c.upload_bytes,
+                used,
                 cap: self.limits.upload_total_bytes,
             });
+        }
+        c.upload_offers.insert(key.to_owned(), bytes);
+        Ok(())
+    }
+
+    /// Reserves the file a `confirm` stores under `key` ([`reserve_upload`](Self::reserve_upload)): the link's
+    /// offer, if this invoke made it, becomes the file (given back as an offer if the reservation is dropped).
+    pub fn reserve_confirmed_upload(
+        &self,
+        key: &str,
+        bytes: u64,
+    ) -> Result<UploadReservation<'_>, Exhausted> {
+        self.reserve_upload_of(Some(key), bytes)
+    }
+
+    fn reserve_upload_of(&self, key: Option<&str>, bytes: u64) -> Result<UploadReservation<'_>, Exhausted> {
+        if bytes > self.limits.upload_file_bytes {
+            return Err(Exhausted::UploadFileTooLarge {
+                bytes,
+                cap: self.limits.upload_file_bytes,
+            });
+        }
+        let mut c = self.counters();
+        let offer = key.and_then(|k| c.upload_offers.remove_entry(k));
+        let refused = if c.upload_files >= self.limits.upload_files {
+            Some(Exhausted::UploadFiles(self.limits.upload_files))
+        } else {
+            let used = c.upload_bytes.saturating_add(c.offered_bytes());
+            (used.saturating_add(bytes) > self.limits.upload_total_bytes).then_some(
+                Exhausted::UploadTotalBytes {
+                    bytes,
+                    used,
+                    cap: self.limits.upload_total_bytes,
+                },
+            )
+        };
+        if let Some(refused) = refused {
+            if let Some((k, v)) = offer {
+                c.upload_offers.insert(k, v);
+            }
+            return Err(refused);
         }
         c.upload_files += 1;
         c.upload_bytes += bytes;
         Ok(UploadReservation {
             budget: self,
             bytes,
+            offer,
             committed: false,
         })
     }
@@ -227,6 +293,12 @@ impl InvokeBudget {
     pub fn upload_used(&self) -> (u32, u64) {
         let c = self.counters();
         (c.upload_files, c.upload_bytes)
+    }
+
+    /// Negotiated uploads waiting for their `confirm`: how many, and the bytes they allow.
+    pub fn uploads_offered(&self) -> (usize, u64) {
+        let c = self.counters();
+        (c.upload_offers.len(), c.offered_bytes())
     }
 
     /// Reserves `n` images of the invoke's cap. Dropping the reservation gives them back; [`ImageReservation::
@@ -308,6 +380,8 @@ impl Drop for ImageReservation<'_> {
 pub struct UploadReservation<'a> {
     budget: &'a InvokeBudget,
     bytes: u64,
+    /// The negotiated offer the file was confirmed from, given back if it is not stored.
+    offer: Option<(String, u64)>,
     committed: bool,
 }
 
@@ -324,6 +398,9 @@ impl Drop for UploadReservation<'_> {
             let mut c = self.budget.counters();
             c.upload_files = c.upload_files.saturating_sub(1);
             c.upload_bytes = c.upload_bytes.saturating_sub(self.bytes);
+            if let Some((key, bytes)) = self.offer.take() {
+                c.upload_offers.insert(key, bytes);
+            }
         }
     }
 }
@@ -406,6 +483,68 @@ mod tests {
             budget.reserve_upload(1).expect("fits").commit();
         }
         assert_eq!(budget.reserve_upload(1).err(), Some(Exhausted::UploadFiles(16)));
+    }
+
+    /// Negotiated links: free in the files counter, but their bytes count until confirmed, and at most as many
+    /// links as files wait unconfirmed — a plugin that PUTs and never confirms stores no more than one that
+    /// confirms.
+    #[test]
+    fn negotiated_uploads_hold_their_bytes_until_confirmed() {
+        let mib = 1024 * 1024;
+        let budget = InvokeBudget::new(BudgetLimits::default());
+        for i in 0..4 {
+            budget
+                .offer_upload(&format!("k{i}"), 20 * mib)
+                .expect("80 MiB offered");
+        }
+        assert_eq!(budget.upload_used(), (0, 0), "no file counted yet");
+        assert_eq!(budget.uploads_offered(), (4, 80 * mib));
+        assert!(matches!(
+            budget.offer_upload("k4", 1),
+            Err(Exhausted::UploadTotalBytes { used, .. }) if used == 80 * mib
+        ));
+        assert!(matches!(
+            budget.reserve_upload(1),
+            Err(Exhausted::UploadTotalBytes { used, .. }) if used == 80 * mib
+        ));
+        // A confirm turns its offer into the file (for what was PUT: less than offered frees the rest)...
+        budget
+            .reserve_confirmed_upload("k0", 5 * mib)
+            .expect("its own offer")
+            .commit();
+        assert_eq!(budget.upload_used(), (1, 5 * mib));
+        assert_eq!(budget.uploads_offered(), (3, 60 * mib));
+        // ...and a confirm whose write fails gives the offer back.
+        drop(
+            budget
+                .reserve_confirmed_upload("k1", 20 * mib)
+                .expect("its own offer"),
+        );
+        assert_eq!(budget.uploads_offered(), (3, 60 * mib));
+        assert_eq!(budget.upload_used(), (1, 5 * mib));
+        // A confirm of a key this invoke never negotiated counts like an inline upload (the total is taken).
+        budget.offer_upload("k4", 15 * mib).expect("exactly the rest");
+        assert!(matches!(
+            budget.reserve_confirmed_upload("unknown", 1),
+            Err(Exhausted::UploadTotalBytes { .. })
+        ));
+
+        // At most as many links as files wait: the 16th is handed out, the 17th refused.
+        let budget = InvokeBudget::new(BudgetLimits::default());
+        for i in 0..16 {
+            budget.offer_upload(&format!("k{i}"), 1).expect("16 links");
+        }
+        assert_eq!(
+            budget.offer_upload("k16", 1).err(),
+            Some(Exhausted::UploadOffers(16))
+        );
+        budget
+            .reserve_confirmed_upload("k0", 1)
+            .expect("confirmed")
+            .commit();
+        budget
+            .offer_upload("k16", 1)
+            .expect("a link freed by its confirm");
     }
 
     #[test]

@@ -10,7 +10,9 @@
 //!   over 8 MiB after base64 decoding or over the token's `max_file_bytes` (`-32204`), malformed base64
 //!   (`-32203`), the per-invoke file count (`-32211`) and byte total (`-32202` `UPLOAD_MAX_BYTES_EXCEEDED`).
 //! * The files counter counts `inline` and `confirm` (`negotiate` is free); a re-`confirm` of the same key
-//!   returns a fresh envelope at no cost (the object carries a `confirmed` mark).
+//!   returns a fresh envelope at no cost (the object carries a `confirmed` mark). A `negotiate`'s bytes count
+//!   against the per-invoke total until its `confirm`, and at most as many links as files wait unconfirmed
+//!   (`-32211`): bytes PUT and never confirmed are bounded like confirmed ones.
 //! * The negotiate `put_url` is a signed PUT on the fleet's HTTP listener, 300 s, `Content-Type` must equal
 //!   `mime_type`, the body is capped at the negotiated size. Download links last 1800 s.
 
@@ -131,7 +133,9 @@ fn mime_essence(mime: &str) -> Option<String> {
 
 pub(crate) fn exhausted(e: Exhausted) -> ErrorObject {
     match e {
-        Exhausted::UploadFiles(_) => codes::MAX_FILES_EXCEEDED.error(e.to_string()),
+        Exhausted::UploadFiles(_) | Exhausted::UploadOffers(_) => {
+            codes::MAX_FILES_EXCEEDED.error(e.to_string())
+        }
         Exhausted::UploadFileTooLarge { bytes, cap } => codes::TOO_LARGE.error_with(
             e.to_string(),
             Map::from_iter([
@@ -420,6 +424,7 @@ impl UploadService {
     fn negotiate(&self, ctx: &CallContext, p: &Map<String, Value>) -> Result<Value, ErrorObject> {
         let (d, size) = check_negotiate(ctx, p)?;
         let key = self.new_key(ctx, &d);
+        ctx.budget.offer_upload(&key, size).map_err(exhausted)?;
         let (url, exp) =
             self.files
                 .objects()
@@ -472,7 +477,10 @@ impl UploadService {
         if is_confirmed(&info) {
             return Ok(self.envelope(key, &mime, size, "confirm"));
         }
-        let reservation = ctx.budget.reserve_upload(size).map_err(exhausted)?;
+        let reservation = ctx
+            .budget
+            .reserve_confirmed_upload(key, size)
+            .map_err(exhausted)?;
         // async-nats 0.51's `update_metadata` keeps the object's metadata map as it was and writes only the
         // name and the description: the confirmation mark is the description.
         store
