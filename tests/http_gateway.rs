@@ -951,6 +951,14 @@ async fn operator_data_needs_an_operator_token() {
         r.body.contains("<!doctype html>") && r.body.contains("EventSource"),
         "{r:?}"
     );
+    // Opened with `?token=`: the token is never sent on as a referrer.
+    assert!(
+        r.head
+            .to_ascii_lowercase()
+            .contains("referrer-policy: no-referrer"),
+        "{}",
+        r.head
+    );
     assert!(
         !r.body.contains("http://") && !r.body.contains("https://"),
         "no external resource"

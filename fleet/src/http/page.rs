@@ -39,6 +39,8 @@ pub async fn page() -> Response {
                 header::CONTENT_SECURITY_POLICY,
                 "default-src 'self'; style-src 'unsafe-inline'; script-src 'unsafe-inline'",
             ),
+            // The page is opened with `?token=` (its event stream cannot send a header): never passed on.
+            (header::REFERRER_POLICY, "no-referrer"),
         ],
         Html(PAGE),
     )
