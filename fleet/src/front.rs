@@ -122,6 +122,8 @@ pub struct FrontService {
     active_sets: tokio::task::JoinHandle<()>,
     /// Forgets idle users' rate-limit state every [`RATE_LIMIT_PRUNE_EVERY`] (ends with `stop`).
     prune: tokio::task::JoinHandle<()>,
+    /// The watch keeping this front's copy of the manifests (`tools.list`; ends with `stop`).
+    manifests: tokio::task::JoinHandle<()>,
     /// Requests being handled.
     in_flight: InFlight,
     /// `invokeAsync` hand-offs running after their reply.
@@ -176,6 +178,7 @@ impl FrontService {
         self.finished.abort();
         self.active_sets.abort();
         self.prune.abort();
+        self.manifests.abort();
     }
 }
 
@@ -384,6 +387,8 @@ impl Front {
         // This front's copy of the users' active sets, current by a watch: admission starts its compare-and-set
         // from it instead of reading the set first.
         let active_sets = self.inner.store.watch_active_sets();
+        // And of the manifests: `tools.list` answered from it (after one look at the bucket's last sequence).
+        let manifests = self.inner.store.watch_manifests();
         // Finished jobs' records as their terminal step writes them (any worker's or front's): `getJob` of a job
         // that just finished is answered from memory, also the first time.
         let mut finished_sub = self.inner.client.subscribe(subjects::JOBS_FINISHED).await?;
@@ -414,6 +419,7 @@ impl Front {
             finished,
             active_sets,
             prune,
+            manifests,
             in_flight,
             hand_offs: self.inner.hand_offs.clone(),
             client: self.inner.client.clone(),

@@ -1515,6 +1515,53 @@ async fn manifests_are_recorded_by_tool_id() {
     .await;
 }
 
+/// A front answers `tools.list` from its copy of the manifests, kept by a watch: only once the copy holds every
+/// write the bucket has (one look at its last sequence per call); until then, and once the watch stops, by a scan.
+/// Either way a manifest whose put was acknowledged is in the very next answer.
+#[tokio::test]
+async fn manifests_are_answered_from_the_watched_copy_once_it_is_complete() {
+    let n = nats();
+    guard(Box::pin(async {
+        let store = n.store(StoreSettings::default()).await;
+        let writer = n.store(StoreSettings::default()).await;
+        let manifest = |tool: &str| -> fleet_proto::executa::manifest::Manifest {
+            serde_json::from_value(json!({ "tools": [{ "name": tool, "description": "does it" }] }))
+                .expect("manifest")
+        };
+        let ids = |list: Vec<(String, fleet_proto::executa::manifest::Manifest)>| -> Vec<String> {
+            list.into_iter().map(|(id, _)| id).collect()
+        };
+        writer.put_manifest("a", &manifest("x")).await.expect("put");
+        let watch = store.watch_manifests();
+        // Right after the watch starts, whether or not it has caught up: the acknowledged put is listed.
+        assert_eq!(ids(store.manifests().await.expect("list")), ["a"]);
+        let deadline = Instant::now() + GUARD;
+        while !store.manifests_copied().await {
+            assert!(
+                Instant::now() < deadline,
+                "failure guard: the copy never caught up"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let scans = store.manifest_scans();
+        for _ in 0..5 {
+            assert_eq!(ids(store.manifests().await.expect("list")), ["a"]);
+        }
+        assert_eq!(store.manifest_scans(), scans, "answered from the copy");
+        // Another replica's writes are in the next answer at once (copied, or scanned while the copy is behind).
+        writer.put_manifest("b", &manifest("y")).await.expect("put");
+        writer.delete_manifest("a").await.expect("delete");
+        assert_eq!(ids(store.manifests().await.expect("list")), ["b"]);
+        // The watch stopped: scans again.
+        watch.abort();
+        let _ = watch.await;
+        let scans = store.manifest_scans();
+        assert_eq!(ids(store.manifests().await.expect("list")), ["b"]);
+        assert_eq!(store.manifest_scans(), scans + 1, "a scan once the watch stopped");
+    }))
+    .await;
+}
+
 /// Direct gets — every KV read — may be answered by any replica, and a follower that has not applied the latest
 /// writes answers with an older revision or "absent" (JetStream gives direct gets no read-after-write). A
 /// compare-and-set write is safe on such a read (the leader refuses its stale revision); a decision that writes

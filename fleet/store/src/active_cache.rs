@@ -15,19 +15,14 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::Duration;
 
 use async_nats::jetstream::kv;
-use futures::StreamExt as _;
 
 use super::active::ActiveSet;
 use super::{Revisioned, Store};
 
 /// Users whose active set a replica keeps (each a few hundred bytes: ids of queued and running jobs).
 pub const MAX_CACHED_SETS: usize = 100_000;
-
-/// The pause before a failed or ended watch is started again.
-const WATCH_RETRY: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Default)]
 struct State {
@@ -132,7 +127,7 @@ impl Drop for Stopped<'_> {
 
 impl Store {
     /// Starts keeping this replica's copy of the active sets current (a watch of `<prefix>_active`, restarted
-    /// after [`WATCH_RETRY`] when it fails or ends); admission starts from that copy from then on. For the
+    /// a second later when it fails or ends); admission starts from that copy from then on. For the
     /// replicas that admit jobs (fronts); the task runs until aborted.
     pub fn watch_active_sets(&self) -> tokio::task::JoinHandle<()> {
         let store = self.clone();
@@ -140,25 +135,13 @@ impl Store {
             let cache = &store.inner.active_cache;
             // Aborted (or ended) anywhere, the task leaves no copy behind that nothing keeps current.
             let _stopped = Stopped(cache);
-            loop {
-                match store.inner.active.watch_all().await {
-                    Ok(mut watch) => {
-                        cache.reset(true);
-                        while let Some(entry) = watch.next().await {
-                            match entry {
-                                Ok(entry) => cache.apply(&entry),
-                                Err(e) => {
-                                    tracing::warn!(error = %e, "the watch of the active sets failed; restarting it");
-                                    break;
-                                }
-                            }
-                        }
-                    }
-                    Err(e) => tracing::warn!(error = %e, "cannot watch the active sets"),
-                }
-                cache.reset(false);
-                tokio::time::sleep(WATCH_RETRY).await;
-            }
+            super::watched::keep_current(
+                "active sets",
+                || store.inner.active.watch_all(),
+                |watching| cache.reset(watching),
+                |entry| cache.apply(entry),
+            )
+            .await;
         })
     }
 

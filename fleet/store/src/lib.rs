@@ -44,6 +44,7 @@ mod queue;
 mod record;
 mod scan;
 pub mod settings;
+mod watched;
 mod workers;
 
 use std::sync::Arc;
@@ -127,6 +128,7 @@ struct Inner {
     manifests: kv::Store,
     index: kv::Store,
     active_cache: active_cache::ActiveCache,
+    manifest_copy: manifests::ManifestCopy,
     progress: Stream,
     job_queue: Stream,
 }
@@ -168,6 +170,7 @@ impl Store {
                 manifests,
                 index,
                 active_cache: active_cache::ActiveCache::default(),
+                manifest_copy: manifests::ManifestCopy::default(),
                 progress,
                 job_queue,
             }),
