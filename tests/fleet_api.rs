@@ -1880,6 +1880,66 @@ async fn one_user_flooding_is_rate_limited_without_starving_another() {
     c.shutdown().await;
 }
 
+/// A user holds at most `max_in_flight_per_user` API requests on a front at once: one more is `rate_limited` at
+/// once with `details.max_in_flight` (never queued), another user is not held back, and room frees as calls end.
+/// The held calls are sync invokes waiting for a worker to register (none is, until the test adds one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_holds_at_most_max_in_flight_requests_on_a_front() {
+    let mut c = Cluster::start("api-inflight", 0, 0, &[echo()]).await;
+    c.add_front_with(fleet::front::FrontConfig {
+        max_in_flight_per_user: 2,
+        no_worker_wait: GUARD,
+        ..fleet::front::FrontConfig::default()
+    })
+    .await;
+    c.wait_for_api(GUARD).await;
+    let held: Vec<_> = (0..2)
+        .map(|n| {
+            let (app, token) = (c.app.clone(), c.token("holder"));
+            tokio::spawn(async move {
+                fleet_client::api::request(
+                    &app,
+                    &token,
+                    subjects::api(methods::TOOLS_INVOKE),
+                    &json!({"tool_id": "echo.echo", "args": {"n": n}}),
+                    GUARD,
+                )
+                .await
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + GUARD;
+    while c.fronts[0].0.in_flight_of("holder") < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "failure guard: the two calls never reached the front"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let e = expect_err(
+        &c,
+        "holder",
+        methods::TOOLS_LIST,
+        json!({}),
+        ApiErrorCode::RateLimited,
+    )
+    .await;
+    assert_eq!(e.details, Some(json!({"max_in_flight": 2})), "{e:?}");
+    c.ok("bystander", methods::TOOLS_LIST, json!({})).await;
+    // A worker registers: the held calls are served, and the user has room again.
+    c.add_worker().await;
+    for call in held {
+        let answer = tokio::time::timeout(GUARD, call)
+            .await
+            .expect("failure guard")
+            .unwrap();
+        assert!(answer.is_ok(), "{answer:?}");
+    }
+    c.ok("holder", methods::TOOLS_LIST, json!({})).await;
+    assert_eq!(c.fronts[0].0.in_flight_of("holder"), 0);
+    c.shutdown().await;
+}
+
 /// A worker answers an app's sync call on the app's own reply subject (one hop fewer than through the front),
 /// with exactly the envelope the front gives: the same call answered directly over NATS and by the front
 /// in-process (`Front::handle`, the HTTP gateway's path, never direct) gives byte-identical JSON for a result, a

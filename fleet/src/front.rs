@@ -52,6 +52,8 @@ pub struct FrontConfig {
     pub burst_per_user: u32,
     /// How long a sync call that finds no worker waits for one to register (bounded by the call's timeout).
     pub no_worker_wait: Duration,
+    /// API requests of one user this front handles at once; one more is `rate_limited` at once.
+    pub max_in_flight_per_user: usize,
 }
 
 impl Default for FrontConfig {
@@ -61,6 +63,7 @@ impl Default for FrontConfig {
             rate_per_user: 50,
             burst_per_user: 100,
             no_worker_wait: crate::dispatch::NO_WORKER_WAIT,
+            max_in_flight_per_user: MAX_IN_FLIGHT_PER_USER,
         }
     }
 }
@@ -76,6 +79,8 @@ struct Inner {
     dispatcher: Dispatcher,
     verifier: Verifier,
     limiter: DefaultKeyedRateLimiter<String>,
+    /// Each user's API requests in progress here ([`FrontConfig::max_in_flight_per_user`]).
+    users_in_flight: crate::in_flight::PerKey,
     config: FrontConfig,
     client: async_nats::Client,
     /// The delegations of the sync invokes this front dispatches ([`crate::delegation`]).
@@ -98,6 +103,10 @@ impl std::fmt::Debug for Front {
         f.debug_struct("Front").finish_non_exhaustive()
     }
 }
+
+/// API requests of one user a front handles at once by default ([`FrontConfig::max_in_flight_per_user`]): the rate
+/// limit bounds how many a user starts per second, this how many they hold — sync invokes last up to 90 s.
+pub const MAX_IN_FLIGHT_PER_USER: usize = 256;
 
 /// How often a front forgets the users whose rate-limit buckets are full again (such a user's state is no
 /// different from a new one's): the limiter holds the users of the last moments, not every user ever seen.
@@ -206,6 +215,7 @@ impl Front {
                 store,
                 verifier,
                 limiter: RateLimiter::keyed(quota),
+                users_in_flight: crate::in_flight::PerKey::default(),
                 config,
                 client,
                 delegations: Arc::new(Delegations::default()),
@@ -426,6 +436,11 @@ impl Front {
         })
     }
 
+    /// API requests of `user` this front is handling now ([`FrontConfig::max_in_flight_per_user`]).
+    pub fn in_flight_of(&self, user: &str) -> usize {
+        self.inner.users_in_flight.current(user)
+    }
+
     /// Forgets the users whose rate-limit buckets are full again (their state is a new user's); returns how many
     /// users are still tracked. [`serve`](Self::serve) calls it every [`RATE_LIMIT_PRUNE_EVERY`].
     pub fn prune_rate_limits(&self) -> usize {
@@ -530,6 +545,16 @@ impl Front {
         if let Err(e) = self.admit(user) {
             return Answer::Respond(ApiResponse::Err(e));
         }
+        let cap = self.inner.config.max_in_flight_per_user;
+        let Some(_in_flight) = self.inner.users_in_flight.try_enter(user, cap) else {
+            return Answer::Respond(ApiResponse::Err(ApiError::with_details(
+                ApiErrorCode::RateLimited,
+                format!(
+                    "{cap} requests of this user are in progress on this front; retry when one has ended"
+                ),
+                json!({ "max_in_flight": cap }),
+            )));
+        };
         // Each method parses the body once, into its own arguments (no JSON tree in between).
         let args = payload;
         let result = match method {

@@ -119,6 +119,9 @@ pub struct UpArgs {
     /// Admission: burst per user.
     #[arg(long, env = "FLEET_RATE_LIMIT_BURST", default_value_t = 100)]
     pub rate_limit_burst: u32,
+    /// Admission: API requests of one user this front handles at once (more are `rate_limited`).
+    #[arg(long, env = "FLEET_MAX_IN_FLIGHT_PER_USER", default_value_t = crate::front::MAX_IN_FLIGHT_PER_USER)]
+    pub max_in_flight_per_user: usize,
     /// Host services (sampling, embeddings, APS storage and files, uploads).
     #[command(flatten)]
     pub services: fleet_services::args::ServicesArgs,
@@ -454,6 +457,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             max_active_jobs: args.max_active_jobs_per_user,
             rate_per_user: args.rate_limit_per_sec,
             burst_per_user: args.rate_limit_burst,
+            max_in_flight_per_user: args.max_in_flight_per_user,
             ..FrontConfig::default()
         },
         seal_signer.clone(),
