@@ -557,19 +557,26 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             dir.display()
         ));
     }
-    // The line below says the fleet is ready: by then `tools.list` lists every catalogue's tools.
-    futures::future::join_all(nodes.iter().map(WorkerNode::catalogue_listed)).await;
-    say(
-        "try           fleet invoke --user alice --tool-id echo-py --tool echo --args '{\"hello\":\"world\"}'",
-    );
-    say(&format!(
-        "              (data dir {}; Ctrl-C stops everything)",
-        data_dir.display()
-    ));
-
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
+    // The line below says the fleet is ready: by then `tools.list` lists every catalogue's tools. A signal in
+    // the meantime stops it at once.
+    let listed = futures::future::join_all(nodes.iter().map(WorkerNode::catalogue_listed));
+    let stopped_early = tokio::select! {
+        _ = listed => false,
+        _ = term.recv() => true,
+        _ = int.recv() => true,
+    };
+    if !stopped_early {
+        say(
+            "try           fleet invoke --user alice --tool-id echo-py --tool echo --args '{\"hello\":\"world\"}'",
+        );
+        say(&format!(
+            "              (data dir {}; Ctrl-C stops everything)",
+            data_dir.display()
+        ));
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
     }
     say("stopping      …");
     // The HTTP gateway drains like the NATS front: no new connection, /readyz 503, SSE streams ended, every

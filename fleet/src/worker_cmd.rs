@@ -18,6 +18,8 @@ use fleet_worker::services::{HostServices, NoServices, NoTokens, TokenSource};
 use fleet_worker::session::WorkerContext;
 use serde_json::json;
 
+use crate::node::WorkerNode;
+
 /// Options of `fleet worker`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct WorkerArgs {
@@ -299,15 +301,20 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
             ))
         }
     };
-    // Ready once `tools.list` lists this worker's catalogue (a plugin that cannot be described is logged).
-    if let Some(node) = &node {
-        node.catalogue_listed().await;
-    }
-    emit(&json!({ "ready": ready, "nats": args.nats_url, "http": http.as_ref().map(|h| &h.1) }));
-
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
+    // Ready once `tools.list` lists this worker's catalogue (a plugin that cannot be described is logged); a
+    // signal in the meantime stops it at once.
+    let listed = node.as_ref().map(WorkerNode::catalogue_listed);
+    let stopped_early = tokio::select! {
+        () = async { if let Some(listed) = listed { listed.await } } => false,
+        _ = term.recv() => true,
+        _ = int.recv() => true,
+    };
+    if !stopped_early {
+        emit(&json!({ "ready": ready, "nats": args.nats_url, "http": http.as_ref().map(|h| &h.1) }));
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
     }
     if let Some((task, _)) = http {
         task.abort();
