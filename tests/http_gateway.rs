@@ -759,6 +759,61 @@ async fn draining_answers_the_calls_in_flight_and_accepts_no_new_connection() {
 // SSE
 // -------------------------------------------------------------------------------------------------------------
 
+/// A user holds at most `max_streams_per_user` open event streams on a gateway (each holds a task and a place in
+/// the fan-out): one more is refused at once (429 `rate_limited`, `details.max_streams`), whatever window it is
+/// for; another user is not held back; a stream the client closed gives its place back.
+#[tokio::test]
+async fn a_user_holds_at_most_max_streams_per_user_event_streams() {
+    let config = HttpConfig {
+        max_streams_per_user: 2,
+        // The gateway notices a closed client at its next write: a heartbeat soon.
+        heartbeat: Duration::from_millis(100),
+        ..HttpConfig::default()
+    };
+    let g = start_with("gw-streams", 1, config).await;
+    let open = |user: &str, wid: &str| {
+        let token = window_token(&g, user, wid, None);
+        let path = format!("/v1/windows/{wid}/events?token={token}");
+        async move { Sse::open(g.addr, &path, &[]).await }
+    };
+    let first = open("alice", "w-1").await;
+    let second = open("alice", "w-2").await;
+    assert_eq!((first.status(), second.status()), (200, 200));
+    let mut refused = open("alice", "w-3").await;
+    assert_eq!(refused.status(), 429);
+    let body = loop {
+        match serde_json::from_str::<Value>(refused.buf.trim()) {
+            Ok(v) => break v,
+            Err(_) => assert!(
+                refused.read_some().await > 0,
+                "the refusal's body: {:?}",
+                refused.buf
+            ),
+        }
+    };
+    assert_eq!(body["error"]["code"], "rate_limited", "{body}");
+    assert_eq!(body["error"]["details"]["max_streams"], 2, "{body}");
+    assert_eq!(
+        open("bob", "w-b").await.status(),
+        200,
+        "another user is not held back"
+    );
+    // Alice closes one: its place comes back once the gateway has noticed.
+    drop(first);
+    let deadline = Instant::now() + GUARD;
+    loop {
+        if open("alice", "w-3").await.status() == 200 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "failure guard: the closed stream's place never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(second);
+}
+
 #[tokio::test]
 async fn sse_delivers_the_users_events_and_resumes() {
     let g = start("gw-sse").await;

@@ -48,6 +48,9 @@ use fleet_client::auth::{OperatorVerifier, Principal, Verifier};
 pub struct HttpConfig {
     /// Requests in flight per window (`window_uuid`) before `rate_limited`.
     pub max_in_flight_per_window: usize,
+    /// Open window event streams per user on this gateway before `rate_limited` (each holds a task and a place
+    /// in the events' fan-out for as long as it is open).
+    pub max_streams_per_user: usize,
     /// Events kept for `Last-Event-ID` resumption (all users together, newest kept).
     pub replay_capacity: usize,
     /// SSE heartbeat comment interval.
@@ -60,6 +63,7 @@ impl Default for HttpConfig {
     fn default() -> Self {
         HttpConfig {
             max_in_flight_per_window: 16,
+            max_streams_per_user: 32,
             replay_capacity: 10_000,
             heartbeat: Duration::from_secs(15),
             overview_interval: Duration::from_secs(2),
@@ -83,6 +87,8 @@ struct Inner {
     metrics: Arc<FleetMetrics>,
     config: HttpConfig,
     windows: Mutex<HashMap<String, Arc<Semaphore>>>,
+    /// Each user's open window event streams ([`HttpConfig::max_streams_per_user`]).
+    streams: crate::in_flight::PerKey,
     hub: Arc<sse::Hub>,
     ops: Arc<ops_stats::OpsStats>,
     pump: tokio::task::JoinHandle<()>,
@@ -130,6 +136,7 @@ impl HttpState {
                 metrics,
                 config,
                 windows: Mutex::new(HashMap::new()),
+                streams: crate::in_flight::PerKey::default(),
                 hub,
                 ops,
                 pump,

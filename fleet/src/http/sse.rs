@@ -275,13 +275,25 @@ pub async fn window_events(
     if claims.window != window_uuid {
         return error_response(&wid_mismatch());
     }
+    let key = user_key(&claims.user);
+    let cap = state.inner.config.max_streams_per_user;
+    // Held by the stream's task, which ends when the client's stream is dropped (`tx.closed()`).
+    let Some(open) = state.inner.streams.try_enter(&key, cap) else {
+        return error_response(&ApiError::with_details(
+            ApiErrorCode::RateLimited,
+            format!("{cap} event streams of this user are open on this gateway; close one first"),
+            serde_json::json!({ "max_streams": cap }),
+        ));
+    };
     let after = last_event_id(&headers);
     let (tx, rx) = mpsc::channel(64);
     let hub = state.inner.hub.clone();
-    let key = user_key(&claims.user);
     let stop = query.lifetime(claims.expires_at);
     let feed = Feed::open(&hub, after);
-    tokio::spawn(async move { forward(&hub, feed, Some(&key), &tx, stop).await });
+    tokio::spawn(async move {
+        let _open = open;
+        forward(&hub, feed, Some(&key), &tx, stop).await;
+    });
     sse_response(rx, state.inner.config.heartbeat, state.drained())
 }
 
