@@ -142,7 +142,7 @@ impl Fetcher {
             .map(str::to_ascii_lowercase);
         let body = read_capped(response, WEB_FETCH_MAX_BODY_BYTES).await?;
         let (title, text) = to_text(content_type.as_deref(), &body, options.format)?;
-        let (content, truncated) = cut(&text, options.max_chars);
+        let (content, truncated) = super::html::cut(&text, options.max_chars);
         Ok(Page {
             final_url: url.to_string(),
             title,
@@ -353,14 +353,6 @@ fn looks_like_html(text: &str) -> bool {
         .collect::<String>()
         .to_ascii_lowercase();
     head.starts_with("<!doctype html") || head.starts_with("<html") || head.contains("<body")
-}
-
-/// The first `max_chars` characters, and whether anything was cut.
-pub(crate) fn cut(text: &str, max_chars: usize) -> (String, bool) {
-    match text.char_indices().nth(max_chars) {
-        Some((at, _)) => (text[..at].to_owned(), true),
-        None => (text.to_owned(), false),
-    }
 }
 
 #[cfg(test)]
@@ -596,14 +588,6 @@ mod tests {
         let slow = f.page(&format!("{base}/never"), quick).await;
         assert_eq!(slow.error.as_deref(), Some("TIMEOUT"));
         task.abort();
-    }
-
-    #[test]
-    fn content_is_cut_at_max_chars_on_a_character_boundary() {
-        assert_eq!(cut("abc", 3), ("abc".to_owned(), false));
-        assert_eq!(cut("abcd", 3), ("abc".to_owned(), true));
-        assert_eq!(cut("ééé", 2), ("éé".to_owned(), true));
-        assert_eq!(cut("", 0), (String::new(), false));
     }
 
     #[test]

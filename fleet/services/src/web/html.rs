@@ -437,18 +437,31 @@ impl Walker {
         self.flush();
         let text = self.out.trim().to_owned();
         Extracted {
-            title: self
-                .title
-                .or(self.first_h1)
-                .map(|t| crate::web::fetch::cut(&t, MAX_TITLE_CHARS).0),
+            title: self.title.or(self.first_h1).map(|t| cut(&t, MAX_TITLE_CHARS).0),
             text,
         }
+    }
+}
+
+/// The first `max_chars` characters, and whether anything was cut.
+pub(crate) fn cut(text: &str, max_chars: usize) -> (String, bool) {
+    match text.char_indices().nth(max_chars) {
+        Some((at, _)) => (text[..at].to_owned(), true),
+        None => (text.to_owned(), false),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn content_is_cut_at_max_chars_on_a_character_boundary() {
+        assert_eq!(cut("abc", 3), ("abc".to_owned(), false));
+        assert_eq!(cut("abcd", 3), ("abc".to_owned(), true));
+        assert_eq!(cut("ééé", 2), ("éé".to_owned(), true));
+        assert_eq!(cut("", 0), (String::new(), false));
+    }
 
     const PAGE: &str = r#"<!doctype html>
 <html><head><meta charset="utf-8"><title> The  Cat &amp; Hat </title>

@@ -186,7 +186,7 @@ fn web_host(url: &str) -> Option<String> {
 }
 
 fn clip(s: &str, max: usize) -> String {
-    crate::web::fetch::cut(s.trim(), max).0
+    crate::web::html::cut(s.trim(), max).0
 }
 
 /// Web results: mapped, filtered by domain, at most `max`.
