@@ -220,16 +220,29 @@ impl InvokeBudget {
     /// most `upload_files` links wait unconfirmed: what a plugin can store without ever confirming is bounded by
     /// the same caps as what it confirms.
     pub fn offer_upload(&self, key: &str, bytes: u64) -> Result<(), Exhausted> {
+        self.check_file_size(bytes)?;
+        let mut c = self.counters();
+        if c.upload_offers.len() >= self.limits.upload_files as usize {
+            return Err(Exhausted::UploadOffers(self.limits.upload_files));
+        }
+        self.check_total(&c, bytes)?;
+        c.upload_offers.insert(key.to_owned(), bytes);
+        Ok(())
+    }
+
+    /// One file of `bytes` is within the single-file cap.
+    fn check_file_size(&self, bytes: u64) -> Result<(), Exhausted> {
         if bytes > self.limits.upload_file_bytes {
             return Err(Exhausted::UploadFileTooLarge {
                 bytes,
                 cap: self.limits.upload_file_bytes,
             });
         }
-        let mut c = self.counters();
-        if c.upload_offers.len() >= self.limits.upload_files as usize {
-            return Err(Exhausted::UploadOffers(self.limits.upload_files));
-        }
+        Ok(())
+    }
+
+    /// `bytes` more fit the invoke's upload total, counting stored files and unconfirmed offers.
+    fn check_total(&self, c: &Counters, bytes: u64) -> Result<(), Exhausted> {
         let used = c.upload_bytes.saturating_add(c.offered_bytes());
         if used.saturating_add(bytes) > self.limits.upload_total_bytes {
             return Err(Exhausted::UploadTotalBytes {
@@ -238,7 +251,6 @@ impl InvokeBudget {
                 cap: self.limits.upload_total_bytes,
             });
         }
-        c.upload_offers.insert(key.to_owned(), bytes);
         Ok(())
     }
 
@@ -253,27 +265,15 @@ impl InvokeBudget {
     }
 
     fn reserve_upload_of(&self, key: Option<&str>, bytes: u64) -> Result<UploadReservation<'_>, Exhausted> {
-        if bytes > self.limits.upload_file_bytes {
-            return Err(Exhausted::UploadFileTooLarge {
-                bytes,
-                cap: self.limits.upload_file_bytes,
-            });
-        }
+        self.check_file_size(bytes)?;
         let mut c = self.counters();
         let offer = key.and_then(|k| c.upload_offers.remove_entry(k));
-        let refused = if c.upload_files >= self.limits.upload_files {
-            Some(Exhausted::UploadFiles(self.limits.upload_files))
+        let admitted = if c.upload_files >= self.limits.upload_files {
+            Err(Exhausted::UploadFiles(self.limits.upload_files))
         } else {
-            let used = c.upload_bytes.saturating_add(c.offered_bytes());
-            (used.saturating_add(bytes) > self.limits.upload_total_bytes).then_some(
-                Exhausted::UploadTotalBytes {
-                    bytes,
-                    used,
-                    cap: self.limits.upload_total_bytes,
-                },
-            )
+            self.check_total(&c, bytes)
         };
-        if let Some(refused) = refused {
+        if let Err(refused) = admitted {
             if let Some((k, v)) = offer {
                 c.upload_offers.insert(k, v);
             }

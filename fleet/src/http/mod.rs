@@ -26,9 +26,8 @@ pub mod sse;
 pub mod user;
 pub mod window;
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -37,7 +36,6 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use fleet_proto::api::{ApiError, ApiErrorCode};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::front::Front;
 use crate::metrics::FleetMetrics;
@@ -86,7 +84,8 @@ struct Inner {
     operator: OperatorVerifier,
     metrics: Arc<FleetMetrics>,
     config: HttpConfig,
-    windows: Mutex<HashMap<String, Arc<Semaphore>>>,
+    /// Each window's requests in flight ([`HttpConfig::max_in_flight_per_window`]).
+    windows: crate::in_flight::PerKey,
     /// Each user's open window event streams ([`HttpConfig::max_streams_per_user`]).
     streams: crate::in_flight::PerKey,
     hub: Arc<sse::Hub>,
@@ -135,7 +134,7 @@ impl HttpState {
                 operator,
                 metrics,
                 config,
-                windows: Mutex::new(HashMap::new()),
+                windows: crate::in_flight::PerKey::default(),
                 streams: crate::in_flight::PerKey::default(),
                 hub,
                 ops,
@@ -160,52 +159,17 @@ impl HttpState {
         }
     }
 
-    /// Takes one of the window's in-flight slots, or `None` when it has none left.
-    fn acquire_window(&self, window: &str) -> Option<WindowPermit> {
-        let sem = {
-            let mut map = self.inner.windows.lock().unwrap_or_else(PoisonError::into_inner);
-            map.entry(window.to_owned())
-                .or_insert_with(|| Arc::new(Semaphore::new(self.inner.config.max_in_flight_per_window)))
-                .clone()
-        };
-        let permit = sem.clone().try_acquire_owned().ok()?;
-        Some(WindowPermit {
-            state: self.clone(),
-            window: window.to_owned(),
-            sem,
-            permit: Some(permit),
-        })
+    /// Takes one of the window's in-flight slots, or `None` when it has none left (the window is forgotten when
+    /// its last slot is returned).
+    fn acquire_window(&self, window: &str) -> Option<crate::in_flight::PerKeyGuard> {
+        self.inner
+            .windows
+            .try_enter(window, self.inner.config.max_in_flight_per_window)
     }
 
     /// Verifies an operator token ([`OperatorVerifier::authorize`]).
     fn operator(&self, token: Option<&str>) -> Result<Principal, ApiError> {
         self.inner.operator.authorize(token, "the operator page's data")
-    }
-}
-
-/// One in-flight slot of a window; the window's entry is forgotten when its last slot is returned.
-struct WindowPermit {
-    state: HttpState,
-    window: String,
-    sem: Arc<Semaphore>,
-    permit: Option<OwnedSemaphorePermit>,
-}
-
-impl Drop for WindowPermit {
-    fn drop(&mut self) {
-        drop(self.permit.take());
-        let mut map = self
-            .state
-            .inner
-            .windows
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        // The map's Arc and ours: nobody else holds or waits for this window.
-        if Arc::strong_count(&self.sem) == 2
-            && self.sem.available_permits() == self.state.inner.config.max_in_flight_per_window
-        {
-            map.remove(&self.window);
-        }
     }
 }
 

@@ -140,14 +140,23 @@ impl Store {
     /// Whether [`manifests`](Self::manifests) can answer from this replica's copy now (tests, diagnostics): the
     /// watch runs and has applied every write the bucket holds.
     pub async fn manifests_copied(&self) -> bool {
-        match self.inner.manifests.stream.get_info().await {
-            Ok(info) => self
-                .inner
-                .manifest_copy
-                .current(info.state.last_sequence)
-                .is_some(),
-            Err(_) => false,
+        matches!(self.copied_manifests().await, Ok(Some(_)))
+    }
+
+    /// Every manifest from this replica's copy, if its watch runs and it holds every write up to the bucket's last
+    /// sequence (read now: one request).
+    async fn copied_manifests(&self) -> Result<Option<Vec<(String, Manifest)>>, StoreError> {
+        if !self.inner.manifest_copy.watching() {
+            return Ok(None);
         }
+        let info = self
+            .inner
+            .manifests
+            .stream
+            .get_info()
+            .await
+            .map_err(|e| StoreError::nats(Op::ListManifests, e))?;
+        Ok(self.inner.manifest_copy.current(info.state.last_sequence))
     }
 
     /// How many calls of [`manifests`](Self::manifests) this replica answered by a scan of the bucket (tests,
@@ -198,15 +207,8 @@ impl Store {
     /// copy when it is complete up to the bucket's last sequence (one request), else by a scan of the bucket.
     pub async fn manifests(&self) -> Result<Vec<(String, Manifest)>, StoreError> {
         let manifests = &self.inner.manifests;
-        if self.inner.manifest_copy.watching() {
-            let info = manifests
-                .stream
-                .get_info()
-                .await
-                .map_err(|e| StoreError::nats(Op::ListManifests, e))?;
-            if let Some(copied) = self.inner.manifest_copy.current(info.state.last_sequence) {
-                return Ok(copied);
-            }
+        if let Some(copied) = self.copied_manifests().await? {
+            return Ok(copied);
         }
         self.inner
             .manifest_copy
