@@ -705,6 +705,28 @@ async fn progress_ring_keeps_the_newest_500() {
     assert_eq!(snap["lastSeq"], 501);
     assert_eq!(snap["progress"][0], event(2));
     assert_eq!(snap["progress"][499], event(501));
+    // The worker counted what the ring keeps — the newest 500 events, each with its overhead, not the first one
+    // the ring dropped — and the user's storage account is charged that and the record, its reserve given back.
+    let overhead = fleet_store::settings::STORED_MESSAGE_OVERHEAD;
+    let ring: u64 = snap["progress"]
+        .as_array()
+        .expect("progress")
+        .iter()
+        .map(|e| serde_json::to_vec(e).expect("json").len() as u64 + overhead)
+        .sum();
+    assert_eq!(record.progress_bytes, Some(ring));
+    let charged = serde_json::to_vec(&record).expect("json").len() as u64 + overhead + ring;
+    let reserve = c.store.settings().job_storage_reserve();
+    let deadline = Instant::now() + GUARD;
+    let account = loop {
+        // The account is settled beside the slot's release, after the terminal write the wait above saw.
+        let account = c.store.stored_job_bytes(u).await.expect("account");
+        if account != reserve || Instant::now() >= deadline {
+            break account;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(account, charged);
     // Defaults: sinceSeq 0, limit 500.
     assert_eq!(get_job(&c, u, &id, json!({})).await["progress"], snap["progress"]);
     // sinceSeq: only seq > sinceSeq.
@@ -1329,6 +1351,64 @@ async fn queued_jobs_default_limit_since_cap_and_cross_user() {
     c.shutdown().await;
 }
 
+/// An `invokeAsync` of `user` refused with `job_quota_exceeded` by a quota that says when room frees: its details.
+async fn job_quota_refusal(c: &Cluster, user: &str) -> Value {
+    let e = expect_err(
+        c,
+        user,
+        methods::TOOLS_INVOKE_ASYNC,
+        json!({"tool_id": "echo.echo"}),
+        ApiErrorCode::JobQuotaExceeded,
+    )
+    .await;
+    let details = e.details.clone().expect("details");
+    assert!(
+        details["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0),
+        "{e:?}"
+    );
+    details
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bytes_a_users_jobs_keep_are_a_job_quota() {
+    // No workers: jobs stay queued until cancelled. A front whose store lets each user keep two active jobs'
+    // reserves and 64 KiB (the cap's boundary, reachable in a test).
+    let mut c = Cluster::start("api-bytes", 0, 0, &[echo()]).await;
+    let base = StoreSettings::default();
+    let reserve = base.job_storage_reserve();
+    let max = 2 * reserve + 64 * 1024;
+    c.add_front_with_store(
+        fleet::front::FrontConfig::default(),
+        StoreSettings {
+            max_job_bytes_per_user: max,
+            ..base
+        },
+    )
+    .await;
+    c.wait_for_api(GUARD).await;
+    let u = "hoarder";
+    let first = create_job(&c, u, json!({"tool_id": "echo.echo"})).await;
+    create_job(&c, u, json!({"tool_id": "echo.echo"})).await;
+    // A third active job's reserve is over: job_quota_exceeded, saying what is kept, the cap and when room frees.
+    let details = job_quota_refusal(&c, u).await;
+    assert_eq!(
+        (
+            &details["stored_bytes"],
+            &details["job_reserve_bytes"],
+            &details["max_bytes"],
+            &details["retriable"]
+        ),
+        (&json!(2 * reserve), &json!(reserve), &json!(max), &json!(true)),
+        "{details}"
+    );
+    // Another user has room of their own.
+    create_job(&c, "neighbour", json!({"tool_id": "echo.echo"})).await;
+    // A cancel replaces the first job's reserve by its record: room for the third.
+    cancel_job(&c, u, &first, None).await;
+    create_job(&c, u, json!({"tool_id": "echo.echo"})).await;
+    c.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn list_jobs_pages_with_a_cursor_and_the_retained_cap_is_a_job_quota() {
     // No workers: jobs stay queued until cancelled. One front whose store caps each user at 5 jobs per retention,
@@ -1350,23 +1430,11 @@ async fn list_jobs_pages_with_a_cursor_and_the_retained_cap_is_a_job_quota() {
         ids.push(id);
     }
     // The sixth job of the retention: job_quota_exceeded, saying what the cap is and when room frees.
-    let e = expect_err(
-        &c,
-        u,
-        methods::TOOLS_INVOKE_ASYNC,
-        json!({"tool_id": "echo.echo"}),
-        ApiErrorCode::JobQuotaExceeded,
-    )
-    .await;
-    let details = e.details.clone().expect("details");
+    let details = job_quota_refusal(&c, u).await;
     assert_eq!(
         (&details["retained"], &details["max"], &details["retriable"]),
         (&json!(5), &json!(5), &json!(true)),
-        "{e:?}"
-    );
-    assert!(
-        details["retry_after_ms"].as_u64().is_some_and(|ms| ms > 0),
-        "{e:?}"
+        "{details}"
     );
     // Another user has room of their own.
     create_job(&c, "neighbour", json!({"tool_id": "echo.echo"})).await;

@@ -141,6 +141,9 @@ fn chart_lints_renders_validates_and_has_the_key_fields() {
 
     // The front: non-root, nothing added, seccomp, the generated HS256 key from a Secret.
     let c = container(front);
+    // The per-user storage cap renders as the integer the flag parses (a YAML number is a float to the templates:
+    // 2.68435456e+08 would stop the front at its start).
+    assert_eq!(env(c, "FLEET_MAX_JOB_BYTES_PER_USER"), Some("268435456"));
     let sc = &c["securityContext"];
     assert_eq!(sc["runAsNonRoot"], true);
     assert_eq!(sc["allowPrivilegeEscalation"], false);

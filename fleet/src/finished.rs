@@ -174,6 +174,7 @@ mod tests {
             error: None,
             last_heartbeat_ms: None,
             last_seq: 0,
+            progress_bytes: None,
             delegation: None,
         })
     }

@@ -887,14 +887,22 @@ impl Front {
             "fleet.admission.outcome",
             match &created {
                 Ok(_) => "admitted",
-                Err(StoreError::QuotaExceeded { .. }) => "job_quota_exceeded",
+                Err(
+                    StoreError::QuotaExceeded { .. }
+                    | StoreError::RetainedQuotaExceeded { .. }
+                    | StoreError::StorageQuotaExceeded { .. },
+                ) => "job_quota_exceeded",
                 Err(_) => "error",
             },
         );
         drop(admission);
         let (created, may_run) = match created {
             Ok((r, acquired)) => (r.value, fleet_store::may_run(acquired.position())),
-            Err(e @ (StoreError::QuotaExceeded { .. } | StoreError::RetainedQuotaExceeded { .. })) => {
+            Err(
+                e @ (StoreError::QuotaExceeded { .. }
+                | StoreError::RetainedQuotaExceeded { .. }
+                | StoreError::StorageQuotaExceeded { .. }),
+            ) => {
                 return Err(e.to_api_error());
             }
             Err(e @ StoreError::Nats { .. }) => {

@@ -8,6 +8,7 @@
 //! running, and the sweeper fails it with a retriable error once the worker's registry entry expires — never
 //! run twice.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -1065,6 +1066,15 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
     let progress_ctx = ctx.clone();
     let (p_user, p_job, p_tool) = (user.clone(), job_id.clone(), record.tool_id.clone());
     let mut seq = record.last_seq;
+    // What the job's ring keeps, for its user's storage account: the bytes of the newest `progress_max_per_job`
+    // events (an earlier attempt's events, whose sizes this run does not know, at their bound).
+    let ring_len = ctx.store.settings().progress_max_per_job;
+    let earlier_event_bound = ctx.store.settings().ring_storage_bound(1);
+    let mut ring: VecDeque<u64> = std::iter::repeat_n(
+        earlier_event_bound,
+        usize::try_from(seq).unwrap_or(usize::MAX).min(ring_len),
+    )
+    .collect();
     let progress_task = tokio::spawn(async move {
         while let Some(update) = rx.recv().await {
             seq += 1;
@@ -1074,17 +1084,25 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
                 kind: update.kind,
                 data,
             };
-            if let Err(e) = progress_ctx.store.append_progress(&p_user, &p_job, &event).await {
-                progress_ctx.metrics.jetstream_error("append_progress");
-                tracing::warn!(job = %p_job, error = %e, "cannot store a progress event");
-                continue;
+            match progress_ctx.store.append_progress(&p_user, &p_job, &event).await {
+                Ok(kept) => {
+                    if ring.len() == ring_len {
+                        ring.pop_front();
+                    }
+                    ring.push_back(kept);
+                }
+                Err(e) => {
+                    progress_ctx.metrics.jetstream_error("append_progress");
+                    tracing::warn!(job = %p_job, error = %e, "cannot store a progress event");
+                    continue;
+                }
             }
             progress_ctx
                 .steps()
                 .progress(&p_user, &p_job, &p_tool, event)
                 .await;
         }
-        seq
+        (seq, ring.iter().fold(0u64, |a, b| a.saturating_add(*b)))
     });
     // Heartbeats of the running job.
     let hb_ctx = ctx.clone();
@@ -1132,7 +1150,11 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
         ctx.metrics.rejection("worker_capacity");
     }
     heartbeat.abort();
-    let last_seq = progress_task.await.unwrap_or(record.last_seq);
+    let (last_seq, progress_bytes) = match progress_task.await {
+        Ok(done) => (done.0, Some(done.1)),
+        // The task panicked: its count is lost; the store charges the ring at its bound.
+        Err(_) => (record.last_seq, None),
+    };
     let (state, result_value, error) = job_outcome(&result, timeout_ms);
     // The outcome is the job's one product: a store that does not answer for a while (a NATS node lost) is
     // waited out. Safe to repeat: once written, the job is terminal and a second attempt is refused.
@@ -1150,6 +1172,7 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
                 r.result.clone_from(&result_value);
                 r.error.clone_from(&error);
                 r.last_seq = last_seq;
+                r.progress_bytes = progress_bytes;
             })
         },
         |_| {},

@@ -113,6 +113,10 @@ pub struct UpArgs {
     /// Active (queued + running) jobs per user (spec: 5).
     #[arg(long, env = "FLEET_MAX_ACTIVE_JOBS_PER_USER", default_value_t = fleet_proto::limits::MAX_ACTIVE_JOBS_PER_USER)]
     pub max_active_jobs_per_user: usize,
+    /// Bytes of job records and progress one user's jobs may keep in JetStream (admission refuses a job that
+    /// would pass it: `job_quota_exceeded`); at least one job's reserve (~4.9 MiB).
+    #[arg(long, env = "FLEET_MAX_JOB_BYTES_PER_USER", default_value_t = fleet_store::settings::MAX_JOB_BYTES_PER_USER)]
+    pub max_job_bytes_per_user: u64,
     /// Admission: requests per second per user (token bucket refill).
     #[arg(long, env = "FLEET_RATE_LIMIT_PER_SEC", default_value_t = 50)]
     pub rate_limit_per_sec: u32,
@@ -326,6 +330,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         } else {
             args.nats_cluster
         }),
+        max_job_bytes_per_user: args.max_job_bytes_per_user,
         ..StoreSettings::default()
     };
     let js = async_nats::jetstream::new(client.clone());

@@ -1115,6 +1115,203 @@ async fn retained_jobs_are_capped_per_user_at_the_boundary() {
     .await;
 }
 
+/// The bytes a terminal record of `store`'s keeps, as its storage account counts them (ring apart).
+fn record_charge(written: &Revisioned<JobRecord>) -> u64 {
+    serde_json::to_vec(&written.value).expect("json").len() as u64
+        + fleet_store::settings::STORED_MESSAGE_OVERHEAD
+}
+
+fn done(t: Transition) -> Revisioned<JobRecord> {
+    match t {
+        Transition::Done(r) => r,
+        other => panic!("not written: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn job_bytes_are_capped_per_user_at_the_boundary() {
+    let n = nats();
+    guard(Box::pin(async {
+        let base = StoreSettings::default();
+        let reserve = base.job_storage_reserve();
+        // Two active jobs' reserves and 64 KiB: a third active job is over; a finished small job leaves room.
+        let margin = 64 * 1024;
+        let settings = StoreSettings {
+            max_job_bytes_per_user: 2 * reserve + margin,
+            ..base
+        };
+        let kept_ms = settings.job_storage_kept_ms();
+        let store = n.store(settings).await;
+        let u = "hoarder";
+        let now = now_ms();
+        let a = store
+            .create_job(record(u, "echo.run", now), 100)
+            .await
+            .expect("a")
+            .value;
+        let b = store
+            .create_job(record(u, "echo.run", now), 100)
+            .await
+            .expect("b")
+            .value;
+        assert_eq!(store.stored_job_bytes(u).await.expect("account"), 2 * reserve);
+        let third = record(u, "echo.run", now);
+        let err = store
+            .create_job(third.clone(), 100)
+            .await
+            .expect_err("a third reserve is over the cap");
+        let StoreError::StorageQuotaExceeded {
+            stored,
+            reserve: r,
+            max,
+            retry_after_ms,
+        } = err
+        else {
+            panic!("unexpected: {err}");
+        };
+        assert_eq!((stored, r, max), (2 * reserve, reserve, 2 * reserve + margin));
+        // Room frees when the hour of these jobs leaves the account: its end plus how long its data is kept.
+        assert!(
+            retry_after_ms > kept_ms && retry_after_ms <= kept_ms + fleet_store::settings::STORAGE_SPAN_MS,
+            "{retry_after_ms}"
+        );
+        assert!(err.retryable());
+        let api = err.to_api_error();
+        assert_eq!(api.code, ApiErrorCode::JobQuotaExceeded);
+        assert_eq!(
+            api.details,
+            Some(json!({
+                "stored_bytes": stored, "job_reserve_bytes": reserve, "max_bytes": max,
+                "retry_after_ms": retry_after_ms, "retriable": true
+            }))
+        );
+        // Refused means nothing stays: no record, no slot, nothing charged.
+        assert_eq!(store.get_job(u, &third.job_id).await.expect("get"), None);
+        assert!(!store.active_set(u).await.expect("set").contains(&third.job_id));
+        assert_eq!(store.stored_job_bytes(u).await.expect("account"), 2 * reserve);
+        // The cap is per user.
+        store
+            .create_job(record("bystander", "echo.run", now), 100)
+            .await
+            .expect("another user");
+
+        // A job its worker finishes: its reserve becomes its record and the ring its worker counted.
+        store
+            .transition(u, &a.job_id, JobState::Running, |_| {})
+            .await
+            .expect("start");
+        let a_done = done(
+            store
+                .transition(u, &a.job_id, JobState::Succeeded, |r| {
+                    r.result = Some(json!({"text": "x".repeat(1000)}));
+                    r.last_seq = 3;
+                    r.progress_bytes = Some(1_234);
+                })
+                .await
+                .expect("succeed"),
+        );
+        let a_kept = record_charge(&a_done) + 1_234;
+        assert!(a_kept < margin);
+        assert_eq!(
+            store.stored_job_bytes(u).await.expect("account"),
+            reserve + a_kept
+        );
+        // Room for the third now, to the byte: reserve + a's bytes + reserve ≤ the cap.
+        let c = store
+            .create_job(third, 100)
+            .await
+            .expect("fits after a finished")
+            .value;
+        assert_eq!(
+            store.stored_job_bytes(u).await.expect("account"),
+            2 * reserve + a_kept
+        );
+
+        // A job finished by someone else (a cancel): its ring is charged at its bound for the events stored.
+        for seq in 1..=3 {
+            store
+                .append_progress(u, &b.job_id, &event(seq))
+                .await
+                .expect("event");
+        }
+        let b_done = done(
+            store
+                .finish(u, &b.job_id, JobState::Cancelled, |_| {})
+                .await
+                .expect("cancel"),
+        );
+        assert_eq!(b_done.value.last_seq, 3);
+        let b_kept = record_charge(&b_done) + store.settings().ring_storage_bound(3);
+        assert_eq!(
+            store.stored_job_bytes(u).await.expect("account"),
+            reserve + a_kept + b_kept
+        );
+        // A second terminal write is refused, and charges nothing more.
+        assert!(matches!(
+            store.transition(u, &b.job_id, JobState::Failed, |_| {}).await,
+            Ok(Transition::Refused(_))
+        ));
+        store
+            .transition(u, &c.job_id, JobState::Cancelled, |_| {})
+            .await
+            .expect("cancel c");
+        let account = store.stored_job_bytes(u).await.expect("account");
+        assert!(
+            account < 3 * margin,
+            "no reserve left once every job ended: {account}"
+        );
+    }))
+    .await;
+}
+
+#[tokio::test]
+async fn job_bytes_of_hours_whose_data_is_gone_leave_the_account() {
+    let n = nats();
+    guard(Box::pin(async {
+        let base = StoreSettings::default();
+        let reserve = base.job_storage_reserve();
+        let kept_ms = base.job_storage_kept_ms();
+        // Room for exactly one active job.
+        let store = n
+            .store(StoreSettings {
+                max_job_bytes_per_user: reserve,
+                ..base
+            })
+            .await;
+        let u = "returning";
+        let now = now_ms();
+        // A job created so long ago that its data can no longer be stored (its hour ended more than the kept time
+        // ago) still holds its reserve until the next admission looks.
+        let old = record(
+            u,
+            "echo.run",
+            now - kept_ms - 2 * fleet_store::settings::STORAGE_SPAN_MS,
+        );
+        store.create_job(old.clone(), 100).await.expect("old");
+        store
+            .transition(u, &old.job_id, JobState::Cancelled, |_| {})
+            .await
+            .expect("cancel");
+        // One active reserve fits exactly; the old hour left the account at this admission.
+        let fresh = store
+            .create_job(record(u, "echo.run", now), 100)
+            .await
+            .expect("fits")
+            .value;
+        assert_eq!(store.stored_job_bytes(u).await.expect("account"), reserve);
+        // And the boundary: while it is active, nothing else fits.
+        assert!(matches!(
+            store.create_job(record(u, "echo.run", now), 100).await,
+            Err(StoreError::StorageQuotaExceeded { stored, .. }) if stored == reserve
+        ));
+        store
+            .transition(u, &fresh.job_id, JobState::Cancelled, |_| {})
+            .await
+            .expect("cancel");
+    }))
+    .await;
+}
+
 #[tokio::test]
 async fn room_frees_a_page_at_a_time_as_jobs_leave_the_retention() {
     let n = nats();

@@ -277,8 +277,8 @@ impl ApiError {
         ApiError::with_details(ApiErrorCode::InvalidArg, message, json!({ "field": field }))
     }
 
-    /// `job_quota_exceeded` for either quota, its message and `details` made from `details` (the one place both
-    /// are spelled; the retained-jobs quota's `retriable` is always `true`).
+    /// `job_quota_exceeded` for any of the three quotas, its message and `details` made from `details` (the one
+    /// place both are spelled; the retained-jobs and stored-bytes quotas' `retriable` is always `true`).
     pub fn job_quota_exceeded(details: JobQuotaDetails) -> Self {
         let (message, details) = match details {
             JobQuotaDetails::Active { active, max } => (
@@ -298,6 +298,26 @@ impl ApiError {
                 JobQuotaDetails::Retained {
                     retained,
                     max,
+                    retry_after_ms,
+                    retriable: true,
+                },
+            ),
+            JobQuotaDetails::Stored {
+                stored_bytes,
+                job_reserve_bytes,
+                max_bytes,
+                retry_after_ms,
+                ..
+            } => (
+                format!(
+                    "the user's jobs keep {stored_bytes} bytes and one more may keep {job_reserve_bytes}, the \
+                     limit is {max_bytes}; retry in {} s",
+                    retry_after_ms.div_ceil(1000)
+                ),
+                JobQuotaDetails::Stored {
+                    stored_bytes,
+                    job_reserve_bytes,
+                    max_bytes,
                     retry_after_ms,
                     retriable: true,
                 },
@@ -343,6 +363,23 @@ pub enum JobQuotaDetails {
         #[serde(default)]
         retriable: bool,
     },
+    /// The bytes the user's jobs keep (records and progress), with what one more job may keep
+    /// (`job_reserve_bytes`), would pass `max_bytes` (the fleet's per-user storage cap); room frees when the
+    /// user's oldest jobs leave the store, `retry_after_ms` from the answer, or when an active job ends keeping
+    /// less than its reserve.
+    Stored {
+        /// Bytes the user's jobs keep now (active jobs counted at their reserve).
+        stored_bytes: u64,
+        /// What a new job reserves until it ends.
+        job_reserve_bytes: u64,
+        /// The cap.
+        max_bytes: u64,
+        /// When the oldest jobs' bytes leave the store, in ms from the answer.
+        retry_after_ms: u64,
+        /// Always `true`.
+        #[serde(default)]
+        retriable: bool,
+    },
     /// The user has `max` active (queued or running) jobs.
     Active {
         /// The user's active jobs.
@@ -357,7 +394,8 @@ impl JobQuotaDetails {
     /// quota frees when one of the user's jobs ends).
     pub fn retry_after(&self) -> Option<std::time::Duration> {
         match self {
-            JobQuotaDetails::Retained { retry_after_ms, .. } => {
+            JobQuotaDetails::Retained { retry_after_ms, .. }
+            | JobQuotaDetails::Stored { retry_after_ms, .. } => {
                 Some(std::time::Duration::from_millis(*retry_after_ms))
             }
             JobQuotaDetails::Active { .. } => None,

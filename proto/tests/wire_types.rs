@@ -1294,7 +1294,7 @@ fn tool_job_event_is_snake_case() {
 }
 
 #[test]
-fn job_quota_details_are_typed_for_both_quotas() {
+fn job_quota_details_are_typed_for_every_quota() {
     let active = ApiError::with_details(
         ApiErrorCode::JobQuotaExceeded,
         "5 jobs are active; at most 5 per user",
@@ -1328,6 +1328,39 @@ fn job_quota_details_are_typed_for_both_quotas() {
         Some(std::time::Duration::from_millis(1_001))
     );
     assert_eq!(active.job_quota().unwrap().retry_after(), None);
+    // The stored-bytes quota: its own fields, read back as themselves (not as the retained-jobs shape).
+    let made = ApiError::job_quota_exceeded(JobQuotaDetails::Stored {
+        stored_bytes: 268_000_000,
+        job_reserve_bytes: 5_000_000,
+        max_bytes: 268_435_456,
+        retry_after_ms: 3_600_000,
+        retriable: false,
+    });
+    assert_eq!(
+        made.message,
+        "the user's jobs keep 268000000 bytes and one more may keep 5000000, the limit is 268435456; retry in 3600 s"
+    );
+    assert_eq!(
+        made.details,
+        Some(json!({
+            "stored_bytes": 268_000_000u64, "job_reserve_bytes": 5_000_000, "max_bytes": 268_435_456u64,
+            "retry_after_ms": 3_600_000, "retriable": true
+        }))
+    );
+    assert_eq!(
+        made.job_quota(),
+        Some(JobQuotaDetails::Stored {
+            stored_bytes: 268_000_000,
+            job_reserve_bytes: 5_000_000,
+            max_bytes: 268_435_456,
+            retry_after_ms: 3_600_000,
+            retriable: true,
+        })
+    );
+    assert_eq!(
+        made.job_quota().and_then(|d| d.retry_after()),
+        Some(std::time::Duration::from_secs(3_600))
+    );
     let retained = ApiError::with_details(
         ApiErrorCode::JobQuotaExceeded,
         "10000 jobs created within the retention",

@@ -243,9 +243,12 @@ pub fn jetstream_access(role: Role) -> Vec<(Resource, Access)> {
     match role {
         Role::Front => RESOURCES.iter().map(|r| (*r, Access::Admin)).collect(),
         Role::Worker => {
+            // The job index with the jobs and the active sets: a job's terminal write, a worker's too, settles
+            // its user's storage account in the index head (a worker could already write any job record).
             let mut out: Vec<(Resource, Access)> = [
                 JOBS,
                 ACTIVE,
+                JOB_INDEX,
                 WORKERS,
                 MANIFESTS,
                 PROGRESS,
@@ -265,7 +268,7 @@ pub fn jetstream_access(role: Role) -> Vec<(Resource, Access)> {
             .map(|r| (*r, Access::Write))
             .collect();
             out.extend(
-                [GRANTS, PLUGINS, PLUGIN_PACKAGES, JOB_INDEX, CREDENTIALS]
+                [GRANTS, PLUGINS, PLUGIN_PACKAGES, CREDENTIALS]
                     .iter()
                     .map(|r| (*r, Access::Read)),
             );

@@ -82,6 +82,8 @@ pub struct Committed<T, R> {
     pub out: R,
     /// The value written and its revision, when the decision was [`Edit::Write`].
     pub written: Option<Revisioned<T>>,
+    /// The JSON bytes written (0 when nothing was).
+    pub written_bytes: usize,
 }
 
 /// The key a [`compare_and_set`] works on, and the size limit of what it writes.
@@ -172,18 +174,31 @@ where
         }
         from_leader = !replicated(kv);
         match decision? {
-            Edit::Keep(out) => return Ok(Committed { out, written: None }),
+            Edit::Keep(out) => {
+                return Ok(Committed {
+                    out,
+                    written: None,
+                    written_bytes: 0,
+                });
+            }
             Edit::Write(value, out) => {
-                if let Ok(revision) = write(kv, key, &value, revision, limit, op).await? {
+                let bytes = encode(&value, limit, op)?;
+                let written_bytes = bytes.len();
+                if let Ok(revision) = write_bytes(kv, key, bytes, revision, op).await? {
                     return Ok(Committed {
                         out,
                         written: Some(Revisioned { value, revision }),
+                        written_bytes,
                     });
                 }
             }
             Edit::Delete(out) => {
                 if delete(kv, key, revision, op).await?.is_ok() {
-                    return Ok(Committed { out, written: None });
+                    return Ok(Committed {
+                        out,
+                        written: None,
+                        written_bytes: 0,
+                    });
                 }
             }
         }

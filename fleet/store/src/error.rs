@@ -156,6 +156,22 @@ pub enum StoreError {
         /// When room frees, from now.
         retry_after_ms: u64,
     },
+    /// The user's jobs keep `stored` bytes; with the `reserve` a new job takes, that would pass `max`
+    /// (`max_job_bytes_per_user`); room frees when the oldest hour of the account leaves it, `retry_after_ms` from
+    /// now (or when an active job ends and keeps less than its reserve).
+    #[error(
+        "the user's jobs keep {stored} bytes; one more job may keep {reserve}, the limit is {max}; retry in {retry_after_ms} ms"
+    )]
+    StorageQuotaExceeded {
+        /// Bytes the user's storage account holds.
+        stored: u64,
+        /// What a new job reserves.
+        reserve: u64,
+        /// The limit.
+        max: u64,
+        /// When the account's oldest hour frees, from now.
+        retry_after_ms: u64,
+    },
     /// A record with this id exists already (never overwritten).
     #[error("{op}: job {job_id} exists already")]
     JobExists {
@@ -261,13 +277,15 @@ impl StoreError {
             self,
             StoreError::QuotaExceeded { .. }
                 | StoreError::RetainedQuotaExceeded { .. }
+                | StoreError::StorageQuotaExceeded { .. }
                 | StoreError::Contention { .. }
                 | StoreError::Nats { .. }
         )
     }
 
-    /// The app-facing error: `job_quota_exceeded` for either quota (`{active, max}` for the active jobs,
-    /// `{retained, max, retry_after_ms}` for the jobs kept), `internal_error` for everything else (the details
+    /// The app-facing error: `job_quota_exceeded` for any of the three quotas (`{active, max}` for the active jobs,
+    /// `{retained, max, retry_after_ms}` for the jobs kept, `{stored_bytes, job_reserve_bytes, max_bytes,
+    /// retry_after_ms}` for their bytes), `internal_error` for everything else (the details
     /// stay in logs).
     pub fn to_api_error(&self) -> ApiError {
         match self {
@@ -284,6 +302,18 @@ impl StoreError {
             } => ApiError::job_quota_exceeded(JobQuotaDetails::Retained {
                 retained: *retained as u64,
                 max: *max as u64,
+                retry_after_ms: *retry_after_ms,
+                retriable: true,
+            }),
+            StoreError::StorageQuotaExceeded {
+                stored,
+                reserve,
+                max,
+                retry_after_ms,
+            } => ApiError::job_quota_exceeded(JobQuotaDetails::Stored {
+                stored_bytes: *stored,
+                job_reserve_bytes: *reserve,
+                max_bytes: *max,
                 retry_after_ms: *retry_after_ms,
                 retriable: true,
             }),

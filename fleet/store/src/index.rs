@@ -36,8 +36,21 @@
 //! user creates jobs; a sealed page was written before the head's last write and expires first. A user who
 //! creates nothing for a retention loses the head with everything else, and starts a new index (another
 //! `epoch`: the old index's cursors end).
+//!
+//! **The storage account.** The count alone would let one user keep 10 000 records of up to 384 KiB and their
+//! progress rings (up to 500 events of 9 KiB each) — tens of GiB of the JetStream store every tenant shares. So
+//! the head also counts the bytes its user's jobs keep, per hour of creation ([`IndexHead::stored`]): admission
+//! (the same compare-and-set) refuses a job unless the account plus the most one job can keep
+//! ([`job_storage_reserve`](crate::StoreSettings::job_storage_reserve)) fits in `max_job_bytes_per_user`
+//! ([`StoreError::StorageQuotaExceeded`], with when the oldest hour frees), and adds that reserve. The job's
+//! terminal write replaces the reserve by what the job keeps — its record's bytes and its ring's
+//! ([`Store::settle_storage`], a compare-and-set on the head beside the slot's release, off the caller's path).
+//! An hour leaves the account once its jobs' data is gone from the store: a job's last write comes by its
+//! deadline (≤ 24 h), and its record and events are kept a retention after that. The account never counts less
+//! than the store keeps, except for jobs still running when their user's index expired (a retention without a
+//! creation) — at most `max_active` jobs.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::str::FromStr;
 
@@ -48,7 +61,7 @@ use serde::{Deserialize, Serialize};
 
 use super::cas::{self, Conflict, Races};
 use super::direct::{self, BatchRequest, MULTI_LAST_MAX};
-use super::settings::{INDEX_TOOL_ID_MAX_BYTES, JOB_INDEX_MAX_BYTES};
+use super::settings::{INDEX_TOOL_ID_MAX_BYTES, JOB_INDEX_MAX_BYTES, STORAGE_SPAN_MS};
 use super::{JobFilter, JobRecord, Op, Revisioned, Store, StoreError, encode, is_marker, read};
 
 /// Index entries one `listJobs` call examines at most (a page of the default size is 32 entries).
@@ -127,6 +140,11 @@ pub struct IndexHead {
     /// The open page, oldest first.
     #[serde(default)]
     pub open: Vec<IndexEntry>,
+    /// The user's storage account: bytes kept by the jobs created in each hour (the key: creation time ÷
+    /// [`STORAGE_SPAN_MS`]), a reserve while a job is active, what it keeps once terminal. An hour leaves the
+    /// account when its jobs' data can be stored no more ([`StoreSettings::job_storage_kept_ms`](crate::StoreSettings::job_storage_kept_ms)).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub stored: BTreeMap<u64, u64>,
 }
 
 impl IndexHead {
@@ -139,7 +157,28 @@ impl IndexHead {
             first_newest_ms: None,
             sealed: 0,
             open: Vec::new(),
+            stored: BTreeMap::new(),
         }
+    }
+
+    /// Bytes the account holds.
+    pub fn stored_bytes(&self) -> u64 {
+        self.stored.values().fold(0, |a, b| a.saturating_add(*b))
+    }
+
+    /// Drops the hours whose jobs' data is gone by `now`.
+    fn forget_stored(&mut self, now: u64, kept_ms: u64) {
+        self.stored
+            .retain(|hour, _| storage_gone_at(*hour, kept_ms) > now);
+    }
+
+    /// When the oldest hour of the account leaves it, from `now` (≥ 1).
+    fn stored_frees_in(&self, now: u64, kept_ms: u64) -> u64 {
+        self.stored
+            .keys()
+            .next()
+            .map_or(1, |hour| storage_gone_at(*hour, kept_ms).saturating_sub(now))
+            .max(1)
     }
 
     fn page_len(&self) -> u64 {
@@ -219,6 +258,18 @@ pub struct JobPage {
     pub cursor: Option<ListCursor>,
 }
 
+/// When the data of the jobs created in `hour` is gone: the hour's end, plus how long a job's bytes are kept.
+fn storage_gone_at(hour: u64, kept_ms: u64) -> u64 {
+    hour.saturating_add(1)
+        .saturating_mul(STORAGE_SPAN_MS)
+        .saturating_add(kept_ms)
+}
+
+/// The storage account's key of a job created at `at_ms`.
+fn storage_hour(at_ms: u64) -> u64 {
+    at_ms / STORAGE_SPAN_MS
+}
+
 fn ms(d: std::time::Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
@@ -286,9 +337,27 @@ impl Store {
                     }
                 }
             }
+            let now = now_ms();
+            let (kept_ms, reserve, budget) = (
+                settings.job_storage_kept_ms(),
+                settings.job_storage_reserve(),
+                settings.max_job_bytes_per_user,
+            );
+            head.forget_stored(now, kept_ms);
+            let stored = head.stored_bytes();
+            if stored.saturating_add(reserve) > budget {
+                return Err(StoreError::StorageQuotaExceeded {
+                    stored,
+                    reserve,
+                    max: budget,
+                    retry_after_ms: head.stored_frees_in(now, kept_ms),
+                });
+            }
             if head.open.len() >= head.page {
                 self.seal_open_page(&key, &mut head).await?;
             }
+            let hour = head.stored.entry(storage_hour(record.created_at_ms)).or_insert(0);
+            *hour = hour.saturating_add(reserve);
             head.open.push(entry.clone());
             match cas::write(&self.inner.index, &key, &head, revision, LIMIT, Op::IndexJob).await? {
                 Ok(_) => return Ok(()),
@@ -336,6 +405,53 @@ impl Store {
             );
         }
         Ok(())
+    }
+
+    /// Replaces a job's reserve in its user's storage account by `kept`, the bytes it keeps now that it is
+    /// terminal (its record and its ring), by compare-and-set on the head. Called once per job, by whoever wrote
+    /// its terminal record (the state machine allows one terminal write). Nothing changes when the account no
+    /// longer holds the job's hour (an index created again after expiring, or a job admitted before the account
+    /// existed).
+    pub(crate) async fn settle_storage(&self, record: &JobRecord, kept: u64) -> Result<(), StoreError> {
+        let key = user_key(&record.user);
+        let hour = storage_hour(record.created_at_ms);
+        let reserve = self.inner.settings.job_storage_reserve();
+        cas::compare_and_set(
+            cas::Target {
+                kv: &self.inner.index,
+                key: &key,
+                op: Op::IndexJob,
+                limit: LIMIT,
+            },
+            None,
+            |current: Option<Revisioned<IndexHead>>| {
+                let Some(mut head) = current.map(|c| c.value).filter(|h| h.user == record.user) else {
+                    return Ok::<_, StoreError>(cas::Edit::Keep(()));
+                };
+                let Some(bytes) = head.stored.get_mut(&hour) else {
+                    return Ok(cas::Edit::Keep(()));
+                };
+                *bytes = bytes.saturating_sub(reserve).saturating_add(kept);
+                Ok(cas::Edit::Write(head, ()))
+            },
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Bytes `user`'s storage account holds now (reserves of active jobs included): what admission compares with
+    /// [`StoreSettings::max_job_bytes_per_user`](crate::StoreSettings::max_job_bytes_per_user).
+    pub async fn stored_job_bytes(&self, user: &str) -> Result<u64, StoreError> {
+        let kept_ms = self.inner.settings.job_storage_kept_ms();
+        Ok(self
+            .index_head(user)
+            .await?
+            .filter(|h| h.value.user == user)
+            .map_or(0, |h| {
+                let mut head = h.value;
+                head.forget_stored(now_ms(), kept_ms);
+                head.stored_bytes()
+            }))
     }
 
     /// One user's jobs matching `filter`, newest first (in the order they were admitted), at most `limit` (≥ 1),
@@ -560,6 +676,52 @@ struct IndexScan<'a> {
 mod tests {
     use super::*;
 
+    /// An hour of the storage account stays until the last millisecond its jobs' data may be stored, and leaves
+    /// at it; the retry time names the oldest hour's departure.
+    #[test]
+    fn storage_hours_leave_the_account_when_their_data_is_gone() {
+        let kept = 9 * 24 * 3_600_000;
+        let mut head = IndexHead::new("u", 4);
+        let (h1, h2) = (
+            storage_hour(5 * STORAGE_SPAN_MS + 1),
+            storage_hour(7 * STORAGE_SPAN_MS),
+        );
+        assert_eq!((h1, h2), (5, 7));
+        head.stored.insert(h1, 100);
+        head.stored.insert(h2, 20);
+        assert_eq!(head.stored_bytes(), 120);
+        let gone = 6 * STORAGE_SPAN_MS + kept;
+        assert_eq!(storage_gone_at(h1, kept), gone);
+        assert_eq!(head.stored_frees_in(gone - 10, kept), 10);
+        head.forget_stored(gone - 1, kept);
+        assert_eq!(head.stored_bytes(), 120, "one millisecond before, the hour stays");
+        head.forget_stored(gone, kept);
+        assert_eq!(head.stored_bytes(), 20, "at its end it leaves");
+        assert_eq!(head.stored_frees_in(gone, kept), 2 * STORAGE_SPAN_MS);
+        head.stored.clear();
+        assert_eq!(
+            head.stored_frees_in(gone, kept),
+            1,
+            "an empty account: at least 1 ms"
+        );
+        // Saturating, never wrapping: a sum past u64::MAX is u64::MAX.
+        head.stored.insert(1, u64::MAX);
+        head.stored.insert(2, 1);
+        assert_eq!(head.stored_bytes(), u64::MAX);
+        // The account round-trips, and a head written before the account existed reads as an empty one.
+        let json = serde_json::to_value(&head).expect("json");
+        assert_eq!(serde_json::from_value::<IndexHead>(json).expect("back"), head);
+        let mut old = serde_json::to_value(IndexHead::new("u", 4)).expect("json");
+        assert!(old.get("stored").is_none(), "an empty account is not written");
+        old.as_object_mut().expect("object").remove("stored");
+        assert!(
+            serde_json::from_value::<IndexHead>(old)
+                .expect("old head")
+                .stored
+                .is_empty()
+        );
+    }
+
     #[test]
     fn cursors_round_trip_and_refuse_anything_else() {
         let c = ListCursor {
@@ -632,6 +794,12 @@ mod tests {
         let mut head = IndexHead::new(&worst(256), JOB_INDEX_PAGE_MAX);
         head.first_newest_ms = Some(u64::MAX);
         head.open = vec![entry; JOB_INDEX_PAGE_MAX];
+        // And a full storage account: every hour whose data may still be stored (the kept time and the current
+        // hour), each at the largest key and value.
+        let kept = crate::StoreSettings::default().job_storage_kept_ms();
+        let hours = kept / STORAGE_SPAN_MS + 2;
+        let last = u64::MAX / STORAGE_SPAN_MS;
+        head.stored = (last - hours..last).map(|h| (h, u64::MAX)).collect();
         let bytes = serde_json::to_vec(&head).expect("json").len();
         assert!(bytes <= JOB_INDEX_MAX_BYTES, "{bytes} > {JOB_INDEX_MAX_BYTES}");
         // One byte more of tool id and it is not kept (the record's is checked instead).

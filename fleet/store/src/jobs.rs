@@ -13,6 +13,7 @@ use fleet_proto::util::now_ms;
 use super::active::{Acquired, ActiveSet};
 use super::cas::{Edit, Target, compare_and_set};
 use super::scan::{Scan, scan};
+use super::settings::STORED_MESSAGE_OVERHEAD;
 use super::{
     JobRecord, Op, Revisioned, Store, StoreError, Transition, encode, is_kv_marker, read, read_current_sized,
     read_settled, read_sized, replicated,
@@ -257,7 +258,9 @@ impl Store {
     /// states. `edit` may set anything but the id, user, creation time and state; the store sets `updated_at_ms`,
     /// `started_at_ms` (on `running`) and `finished_at_ms` (on a terminal state) when `edit` left them unset.
     /// On a revision conflict the record is re-read and the check and `edit` run again (bounded).
-    /// Reaching a terminal state also gives the user's active slot back.
+    /// Reaching a terminal state also gives the user's active slot back and replaces the job's reserve in its
+    /// user's storage account by what it keeps: the record written and its ring — `progress_bytes` when its worker
+    /// counted it, else the ring's bound for `last_seq` events ([`StoreSettings::ring_storage_bound`](crate::StoreSettings::ring_storage_bound)).
     pub async fn transition(
         &self,
         user: &str,
@@ -311,12 +314,27 @@ impl Store {
             // Every decision that writes nothing carries its outcome.
             return Ok(committed.out.unwrap_or(Transition::NotFound));
         };
-        if to.is_terminal()
-            && let Err(e) = self.release_slot(user, job_id).await
-        {
-            // The job is terminal; the slot is healed later (heal_active_set, or the next admission that finds
-            // the set full).
-            tracing::warn!(job = %job_id, error = %e, "cannot give the slot of a finished job back");
+        if to.is_terminal() {
+            let settings = &self.inner.settings;
+            let ring = written
+                .value
+                .progress_bytes
+                .unwrap_or_else(|| settings.ring_storage_bound(written.value.last_seq));
+            let kept = (committed.written_bytes as u64 + STORED_MESSAGE_OVERHEAD).saturating_add(ring);
+            let (released, settled) = tokio::join!(
+                self.release_slot(user, job_id),
+                self.settle_storage(&written.value, kept)
+            );
+            if let Err(e) = released {
+                // The job is terminal; the slot is healed later (heal_active_set, or the next admission that
+                // finds the set full).
+                tracing::warn!(job = %job_id, error = %e, "cannot give the slot of a finished job back");
+            }
+            if let Err(e) = settled {
+                // The job's reserve stays in the account until its hour leaves it: the user is charged more
+                // than the job keeps, never less.
+                tracing::warn!(job = %job_id, error = %e, "cannot settle the storage of a finished job");
+            }
         }
         Ok(Transition::Done(written))
     }

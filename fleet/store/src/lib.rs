@@ -27,7 +27,10 @@
 //!   in admission order may run (the agent's long-job slots, [`may_run`]); whichever edit of the active set moves
 //!   a job into them queues it ([`Store::enqueue_job`]);
 //! * every job is in its user's index before [`Store::create_job`] returns, and a user never has more than
-//!   `max_retained_jobs_per_user` jobs created within the retention ([`StoreError::RetainedQuotaExceeded`]).
+//!   `max_retained_jobs_per_user` jobs created within the retention ([`StoreError::RetainedQuotaExceeded`]);
+//! * a user's jobs never keep more than `max_job_bytes_per_user` bytes of records and progress: admission reserves
+//!   the most a job can keep, its terminal write replaces the reserve by what it keeps
+//!   ([`StoreError::StorageQuotaExceeded`], the index's storage account).
 
 mod active;
 pub mod active_cache;

@@ -8,7 +8,7 @@ use async_nats::jetstream::stream::{DirectGetErrorKind, LastRawMessageErrorKind}
 use fleet_proto::api::{JobId, ProgressEvent};
 
 use super::direct::{self, BatchRequest};
-use super::settings::SEQ_HEADER;
+use super::settings::{SEQ_HEADER, STORED_MESSAGE_OVERHEAD};
 use fleet_proto::api::user_key;
 
 use super::{Op, Store, StoreError};
@@ -31,15 +31,17 @@ impl Store {
     /// Stores one event of a job: published to the job's subject with header `Fleet-Seq: <seq>` (the caller, the
     /// single writer of a running job, assigns seqs) and `Nats-Msg-Id: <job_id>.<seq>` (a retried publish within
     /// the duplicate window is stored once); payload = the event JSON (≤ `progress_max_bytes_per_event`, else
-    /// [`StoreError::TooLarge`]). Returns once JetStream acknowledged it.
+    /// [`StoreError::TooLarge`]). Returns, once JetStream acknowledged it, the bytes the message keeps as the
+    /// storage account counts them (payload + [`STORED_MESSAGE_OVERHEAD`]).
     pub async fn append_progress(
         &self,
         user: &str,
         job_id: &JobId,
         event: &ProgressEvent,
-    ) -> Result<(), StoreError> {
+    ) -> Result<u64, StoreError> {
         let max = self.inner.settings.progress_max_bytes_per_event;
         let payload = super::encode(event, ("progress event", max), Op::AppendProgress)?;
+        let kept = payload.len() as u64 + STORED_MESSAGE_OVERHEAD;
         let mut headers = HeaderMap::new();
         headers.insert(SEQ_HEADER, event.seq.to_string().as_str());
         headers.insert(
@@ -53,7 +55,7 @@ impl Store {
             .await
             .map_err(|e| StoreError::nats(Op::AppendProgress, e))?;
         ack.await.map_err(|e| StoreError::nats(Op::AppendProgress, e))?;
-        Ok(())
+        Ok(kept)
     }
 
     /// The seq of the job's last stored event (0 when none): one read of the last message through the stream's

@@ -59,6 +59,11 @@ pub struct JobRecord {
     /// The highest progress seq folded into the record.
     #[serde(default)]
     pub last_seq: u64,
+    /// The bytes the job's progress ring keeps, as counted by the worker that ran it (its events' payloads, each
+    /// with [`STORED_MESSAGE_OVERHEAD`](crate::settings::STORED_MESSAGE_OVERHEAD)): set with its outcome, and
+    /// charged to its user's storage account. Absent: the ring is charged at its bound for `last_seq` events.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress_bytes: Option<u64>,
     /// The job's delegation for its agent sessions' tool calls (`jobs.<secret>`, see the fleet crate's
     /// `delegation::JobDelegations`): read by the worker that starts the job, never in a snapshot, an event or a
     /// log (`Debug` shows `jobs` only).
@@ -108,6 +113,7 @@ impl JobRecord {
             error: None,
             last_heartbeat_ms: None,
             last_seq: 0,
+            progress_bytes: None,
             delegation: None,
         }
     }

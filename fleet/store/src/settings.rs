@@ -50,6 +50,19 @@ const KIB: usize = 1024;
 /// `{seq, type, data}` envelope around `data`.
 pub const PROGRESS_ENVELOPE_HEADROOM: usize = KIB;
 
+/// Bytes of job data (records and progress rings) one user may keep by default
+/// ([`StoreSettings::max_job_bytes_per_user`]): the fleet's own cap, not the spec's. A user at the caps of the
+/// spec could keep 10 000 records of up to 384 KiB and their rings of up to 500 × 9 KiB for the retention
+/// (≈ 45 GiB); this bounds what one tenant can take from the JetStream store all tenants share.
+pub const MAX_JOB_BYTES_PER_USER: u64 = 256 * 1024 * 1024;
+
+/// What a stored message costs beyond its payload, as the job storage budget counts it: its subject (a key of
+/// ≤ ~110 bytes), its headers and the file store's framing.
+pub const STORED_MESSAGE_OVERHEAD: u64 = 256;
+
+/// The span of creation time one entry of a user's storage account covers (see the job index's module docs).
+pub const STORAGE_SPAN_MS: u64 = 3_600_000;
+
 /// Largest active-set value (a few job ids; far above `max_active` × 60 bytes).
 pub const ACTIVE_SET_MAX_BYTES: usize = 64 * KIB;
 
@@ -80,7 +93,9 @@ pub const SEQ_HEADER: &str = "Fleet-Seq";
 
 /// Largest job index value (a head or a sealed page): [`JOB_INDEX_PAGE_MAX`] entries of at most ~2.4 KB (the
 /// id, the creation time, and the JSON — escapes included — of a tool id kept up to [`INDEX_TOOL_ID_MAX_BYTES`]
-/// and of a 120-character tag), and the user id (≤ 256 bytes, the API tokens' `sub`).
+/// and of a 120-character tag), and the user id (≤ 256 bytes, the API tokens' `sub`); a head also holds its
+/// user's storage account, one `"<hour>":<bytes>` entry (≤ 32 bytes) per hour of the ~9 days a job's bytes are
+/// kept (≤ 7 KiB).
 pub const JOB_INDEX_MAX_BYTES: usize = 192 * KIB;
 
 /// Entries per page of the job index by default: `listJobs`' default page (20) and its probe fit in the open
@@ -177,6 +192,11 @@ pub struct StoreSettings {
     /// ([`StoreError::RetainedQuotaExceeded`](super::StoreError::RetainedQuotaExceeded)) until the user's oldest
     /// index page leaves the window. Default [`limits::MAX_RETAINED_JOBS_PER_USER`]; more than one page.
     pub max_retained_jobs_per_user: usize,
+    /// Bytes of job records and progress rings one user may keep: a job is admitted only while what the user's
+    /// jobs keep, with the most a new job may take ([`job_storage_reserve`](Self::job_storage_reserve)), fits
+    /// ([`StoreError::StorageQuotaExceeded`](super::StoreError::StorageQuotaExceeded)). Default
+    /// [`MAX_JOB_BYTES_PER_USER`]; at least one job's reserve.
+    pub max_job_bytes_per_user: u64,
     /// An id in a user's active set whose job record does not exist is dropped by
     /// [`heal_active_set`](super::Store::heal_active_set) only once its slot is this old (a replica may be
     /// between taking the slot and creating the record). Default 30 s.
@@ -199,6 +219,7 @@ impl Default for StoreSettings {
             worker_ttl: Duration::from_secs(10),
             job_index_page: JOB_INDEX_PAGE_ENTRIES,
             max_retained_jobs_per_user: limits::MAX_RETAINED_JOBS_PER_USER,
+            max_job_bytes_per_user: MAX_JOB_BYTES_PER_USER,
             orphan_slot_grace: Duration::from_secs(30),
             provision: super::provision::Provision::Create,
         }
@@ -291,7 +312,37 @@ impl StoreSettings {
             cap > page,
             "more than job_index_page",
         )?;
+        let bytes = self.max_job_bytes_per_user;
+        range(
+            "max_job_bytes_per_user",
+            u128::from(bytes),
+            bytes >= self.job_storage_reserve(),
+            "at least one job's reserve (job_record_max_bytes + progress_max_per_job × the largest progress message, each with its overhead)",
+        )?;
         Ok(())
+    }
+
+    /// What admitting a job reserves in its user's storage account: the largest record and a full ring of the
+    /// largest events, each message with [`STORED_MESSAGE_OVERHEAD`]. Replaced by what the job keeps at its
+    /// terminal write. ≈ 4.8 MiB with the defaults.
+    pub fn job_storage_reserve(&self) -> u64 {
+        let record = self.job_record_max_bytes as u64 + STORED_MESSAGE_OVERHEAD;
+        record.saturating_add(self.ring_storage_bound(u64::MAX))
+    }
+
+    /// The most a ring of `events` appended events can keep (only the newest `progress_max_per_job` stay): what
+    /// a job finished by someone other than its worker is charged for its progress (its worker counts the ring
+    /// exactly).
+    pub fn ring_storage_bound(&self, events: u64) -> u64 {
+        let kept = events.min(self.progress_max_per_job as u64);
+        kept.saturating_mul(self.progress_max_message_bytes() as u64 + STORED_MESSAGE_OVERHEAD)
+    }
+
+    /// How long after its creation a job's bytes may still be stored: its last write comes by its deadline (at
+    /// most [`limits::JOB_DEADLINE_MAX_MS`]), and records and progress are kept `job_retention` after it.
+    pub fn job_storage_kept_ms(&self) -> u64 {
+        let retention = u64::try_from(self.job_retention.as_millis()).unwrap_or(u64::MAX);
+        retention.saturating_add(limits::JOB_DEADLINE_MAX_MS)
     }
 
     /// `<prefix>_jobs`.
@@ -746,6 +797,61 @@ mod tests {
 
     /// The buckets other crates open keep the exact configuration they were created with before they were
     /// configured here (a change would update live buckets at the next front start).
+    #[test]
+    fn the_storage_cap_needs_one_reserve_and_the_chart_says_so() {
+        let s = StoreSettings::default();
+        // The reserve: the largest record and a full ring of the largest events, each message with its overhead.
+        let per_event =
+            (limits::MAX_PROGRESS_EVENT_BYTES + PROGRESS_ENVELOPE_HEADROOM) as u64 + STORED_MESSAGE_OVERHEAD;
+        let reserve = s.job_record_max_bytes as u64
+            + STORED_MESSAGE_OVERHEAD
+            + limits::PROGRESS_RING_SIZE as u64 * per_event;
+        assert_eq!(s.job_storage_reserve(), reserve);
+        assert_eq!(s.ring_storage_bound(0), 0);
+        assert_eq!(s.ring_storage_bound(3), 3 * per_event);
+        assert_eq!(
+            s.ring_storage_bound(10_000),
+            limits::PROGRESS_RING_SIZE as u64 * per_event
+        );
+        // At the boundary: one reserve is enough, one byte less is refused.
+        let at = StoreSettings {
+            max_job_bytes_per_user: reserve,
+            ..StoreSettings::default()
+        };
+        assert_eq!(at.validate(), Ok(()));
+        let below = StoreSettings {
+            max_job_bytes_per_user: reserve - 1,
+            ..StoreSettings::default()
+        };
+        assert!(
+            matches!(
+                below.validate(),
+                Err(SettingsError::Range {
+                    field: "max_job_bytes_per_user",
+                    ..
+                })
+            ),
+            "{:?}",
+            below.validate()
+        );
+        // The chart's default and its schema's minimum are these numbers.
+        let chart = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/helm/cloud-agents");
+        let values = std::fs::read_to_string(format!("{chart}/values.yaml")).expect("values.yaml");
+        assert!(
+            values.contains(&format!("\n  maxJobBytesPerUser: {MAX_JOB_BYTES_PER_USER}\n")),
+            "values.yaml's quotas.maxJobBytesPerUser is MAX_JOB_BYTES_PER_USER"
+        );
+        let schema: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(format!("{chart}/values.schema.json")).expect("schema"),
+        )
+        .expect("schema JSON");
+        assert_eq!(
+            schema["properties"]["quotas"]["properties"]["maxJobBytesPerUser"]["minimum"],
+            serde_json::json!(reserve),
+            "the schema's minimum is one job's reserve"
+        );
+    }
+
     #[test]
     fn the_other_crates_buckets_keep_their_settings() {
         let s = StoreSettings {
