@@ -424,9 +424,25 @@ fn subtree_dirs(stderr: &str) -> Vec<PathBuf> {
 
 #[test]
 fn fleet_up_serves_the_readme_cli_and_stops_cleanly() {
-    let mut up = Up::start();
+    // With the metrics on a port of their own (the chart's setup): /metrics there, not on the public port.
+    let metrics = free_addr();
+    let mut up = Up::start_with(|_| vec!["--metrics-http".to_owned(), metrics.clone()]);
     up.wait_ready();
     let lines = up.lines();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("metrics ") && l.contains(&format!("http://{metrics}/metrics"))),
+        "{lines:?}"
+    );
+    let (status, body) = http_get(&metrics, "/metrics");
+    assert!(status.contains(" 200 "), "{status}");
+    assert!(body.contains("cloud_agents_"), "{body}");
+    assert!(
+        http_get(&up.http, "/metrics").0.contains(" 404 "),
+        "/metrics is not public"
+    );
+    assert!(http_get(&up.http, "/healthz").0.contains(" 200 "));
 
     // The first line names the nats-server it started; the clients find it through the data dir.
     let first = &lines[0];

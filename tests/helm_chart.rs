@@ -311,6 +311,28 @@ fn chart_lints_renders_validates_and_has_the_key_fields() {
     let dash = find(&objs, "ConfigMap", "-dashboard");
     assert_eq!(dash["metadata"]["labels"]["grafana_dashboard"], "1");
     assert_eq!(objs.iter().filter(|o| o["kind"] == "ServiceMonitor").count(), 2);
+    // Metrics are scraped on a port of their own, never through the public front Service.
+    for monitor in objs.iter().filter(|o| o["kind"] == "ServiceMonitor") {
+        assert_eq!(monitor["spec"]["endpoints"][0]["port"], "metrics", "{monitor}");
+    }
+    let front_c = container(find(&objs, "Deployment", "-front"));
+    assert!(
+        args(front_c).contains(&"--metrics-http=0.0.0.0:9091"),
+        "{front_c}"
+    );
+    let public = find(&objs, "Service", "-front");
+    assert!(
+        public["spec"]["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|p| p["name"] != "metrics"),
+        "{public}"
+    );
+    let scraped = find(&objs, "Service", "-front-metrics");
+    assert_eq!(scraped["spec"]["clusterIP"], "None");
+    assert_eq!(scraped["spec"]["ports"][0]["targetPort"], "metrics");
+    assert_eq!(scraped["spec"]["ports"][0]["port"], 9091);
 
     // Dev variant: no privileges at all.
     let objs = objects(out, "dev-no-isolation");

@@ -993,6 +993,39 @@ async fn health_readiness_and_metrics() {
     g.stop().await;
 }
 
+/// With a metrics listener of its own (`fleet up --metrics-http`), `/metrics` is served there and not on the
+/// public port; health and readiness on both.
+#[tokio::test]
+async fn metrics_on_their_own_listener_are_not_public() {
+    let g = start_with(
+        "gw-metrics",
+        1,
+        HttpConfig {
+            public_metrics: false,
+            ..HttpConfig::default()
+        },
+    )
+    .await;
+    assert_eq!(http(g.addr, "GET", "/metrics", &[], b"").await.status, 404);
+    assert_eq!(http(g.addr, "GET", "/readyz", &[], b"").await.status, 200);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let ops = listener.local_addr().expect("addr");
+    let _task = AbortOnDrop(tokio::spawn(fleet::http::serve_ops(listener, g.state.clone())));
+    let r = http(ops, "GET", "/metrics", &[], b"").await;
+    assert_eq!(r.status, 200, "{r:?}");
+    assert!(r.body.contains("cloud_agents_api_requests_total"), "{r:?}");
+    assert_eq!(http(ops, "GET", "/readyz", &[], b"").await.body, "ready\n");
+    assert_eq!(http(ops, "GET", "/healthz", &[], b"").await.status, 200);
+    // Nothing of the API there.
+    assert_eq!(http(ops, "GET", "/", &[], b"").await.status, 404);
+    assert_eq!(http(ops, "POST", "/v1/rpc", &[], b"{}").await.status, 404);
+    // A draining gateway is not ready on either port.
+    g.state.start_draining();
+    let r = http(ops, "GET", "/readyz", &[], b"").await;
+    assert_eq!(r.status, 503, "{r:?}");
+    g.stop().await;
+}
+
 // -------------------------------------------------------------------------------------------------------------
 // The operator page
 // -------------------------------------------------------------------------------------------------------------

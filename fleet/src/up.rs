@@ -103,6 +103,10 @@ pub struct UpArgs {
     /// The `aud` API tokens must carry.
     #[arg(long, env = "FLEET_JWT_AUDIENCE", default_value = DEFAULT_AUDIENCE)]
     pub jwt_audience: String,
+    /// Serve `/metrics` (and `/healthz`, `/readyz`) on this address, and not on --http: a port only Prometheus and
+    /// the probes reach (the chart sets it). Without it `/metrics` is served on --http.
+    #[arg(long, env = "FLEET_METRICS_HTTP")]
+    pub metrics_http: Option<String>,
     /// Export traces over OTLP/gRPC to this endpoint (e.g. http://127.0.0.1:4317); off when absent.
     #[arg(long, env = "FLEET_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
@@ -249,6 +253,14 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     let http = tokio::net::TcpListener::bind(&args.http)
         .await
         .map_err(|e| other(&format!("--http {}", args.http))(&e))?;
+    let metrics_http = match &args.metrics_http {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| other(&format!("--metrics-http {addr}"))(&e))?,
+        ),
+        None => None,
+    };
 
     // Metrics: one registry for the front, the sweeper and every in-process worker.
     let metrics = Arc::new(crate::metrics::FleetMetrics::new());
@@ -523,13 +535,25 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         verifier,
         operator_verifier,
         metrics.clone(),
-        crate::http::HttpConfig::default(),
+        crate::http::HttpConfig {
+            public_metrics: metrics_http.is_none(),
+            ..crate::http::HttpConfig::default()
+        },
     )
     .await
     .map_err(|e| other("HTTP gateway")(&e))?;
     // Download and upload links of the host services, the users' credentials and OAuth accounts and the connect
     // flow are served here too.
     let http_drain = http_state.clone();
+    let metrics_task = metrics_http.map(|listener| {
+        let addr = listener
+            .local_addr()
+            .map_or_else(|_| "?".to_owned(), |a| a.to_string());
+        say(&format!(
+            "metrics       http://{addr}/metrics, /healthz, /readyz (not on the public port)"
+        ));
+        tokio::spawn(crate::http::serve_ops(listener, http_state.clone()))
+    });
     let http_task = tokio::spawn(crate::http::serve_with_services(
         http,
         http_state,
@@ -595,6 +619,10 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     {
         tracing::warn!("the HTTP gateway's requests did not end within the drain grace: aborted");
         http_abort.abort();
+    }
+    if let Some(task) = metrics_task {
+        // Served through the drain (readiness 503, the drain's metrics); a scrape in progress is not waited for.
+        task.abort();
     }
     tracing::info!(step = "http", "stopping: the HTTP gateway has stopped");
     admin.abort();

@@ -7,7 +7,7 @@
 //! | `GET /v1/windows/{window_uuid}/events` | `tool_job` events of the window's user, SSE, `Last-Event-ID` resume ([`sse`]) | window token (`Authorization: Bearer` or `?token=`) |
 //! | `GET /healthz` | the process is alive | none |
 //! | `GET /readyz` | NATS connected, a JetStream round trip, ≥ 1 live worker (else 503 and the reason) | none |
-//! | `GET /metrics` | [`FleetMetrics::encode`] | none |
+//! | `GET /metrics` | [`FleetMetrics::encode`] — on the public port unless the metrics have their own listener ([`serve_ops`], `fleet up --metrics-http`) | none |
 //! | `GET /` | the operator page (one embedded HTML file) ([`page`]) | none: it holds no data |
 //! | `GET /v1/ops/overview`, `GET /v1/ops/events` | the page's data: JSON snapshot, SSE stream | operator token (audience `cloud-agents-operator`, an operator key) |
 //! | `GET`, `PUT /v1/files/{bucket}/{object}` | host files and uploads: signed download links and presigned PUTs ([`files`]; only with [`serve_with_services`]) | the link's HMAC signature and expiry |
@@ -55,6 +55,10 @@ pub struct HttpConfig {
     pub heartbeat: Duration,
     /// How often the operator stream pushes an `overview`.
     pub overview_interval: Duration,
+    /// Whether the public router serves `/metrics`. Off when the metrics have a listener of their own
+    /// ([`serve_ops`], `fleet up --metrics-http`): the counters name every installed tool and the fleet's load,
+    /// nothing anyone who reaches the public port should read.
+    pub public_metrics: bool,
 }
 
 impl Default for HttpConfig {
@@ -65,6 +69,7 @@ impl Default for HttpConfig {
             replay_capacity: 10_000,
             heartbeat: Duration::from_secs(15),
             overview_interval: Duration::from_secs(2),
+            public_metrics: true,
         }
     }
 }
@@ -199,18 +204,38 @@ fn error_response(e: &ApiError) -> Response {
     (status_of(e.code), axum::Json(body)).into_response()
 }
 
-/// The router.
+/// The router: the public routes, and `/metrics` unless [`HttpConfig::public_metrics`] is off.
 pub fn router(state: HttpState) -> Router {
-    Router::new()
+    let router = Router::new()
         .route("/", get(page::page))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
         .route("/v1/rpc", post(rpc::rpc))
         .route("/v1/windows/{window_uuid}/events", get(sse::window_events))
         .route("/v1/ops/overview", get(page::overview))
-        .route("/v1/ops/events", get(page::ops_events))
+        .route("/v1/ops/events", get(page::ops_events));
+    let router = if state.inner.config.public_metrics {
+        router.route("/metrics", get(metrics))
+    } else {
+        router
+    };
+    router.with_state(state)
+}
+
+/// The operations router of the metrics listener: `/metrics`, `/healthz` and `/readyz` (the gateway's).
+pub fn ops_router(state: HttpState) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
         .with_state(state)
+}
+
+/// Serves [`ops_router`] on `listener` (`fleet up --metrics-http`, a port only the metrics scraper and the
+/// probes reach) until the task is dropped or aborted — through a drain too: `/readyz` then answers 503 and the
+/// drain's metrics are still scraped.
+pub async fn serve_ops(listener: tokio::net::TcpListener, state: HttpState) -> std::io::Result<()> {
+    axum::serve(listener, ops_router(state)).await
 }
 
 /// Serves the router on `listener` until the task is dropped or aborted, or — after
