@@ -144,6 +144,11 @@ fn chart_lints_renders_validates_and_has_the_key_fields() {
     // The per-user storage cap renders as the integer the flag parses (a YAML number is a float to the templates:
     // 2.68435456e+08 would stop the front at its start).
     assert_eq!(env(c, "FLEET_MAX_JOB_BYTES_PER_USER"), Some("268435456"));
+    assert_eq!(
+        env(c, "FLEET_PACKAGE_SOURCE_ALLOW"),
+        None,
+        "public package hosts only"
+    );
     let sc = &c["securityContext"];
     assert_eq!(sc["runAsNonRoot"], true);
     assert_eq!(sc["allowPrivilegeEscalation"], false);
@@ -294,6 +299,10 @@ fn chart_lints_renders_validates_and_has_the_key_fields() {
     assert!(
         !objs.iter().any(|o| o["kind"] == "Secret"),
         "no generated key when keys are given"
+    );
+    assert_eq!(
+        env(c, "FLEET_PACKAGE_SOURCE_ALLOW"),
+        Some("10.20.0.0/16,fd00:20::/64")
     );
     assert_eq!(
         env(c, "OTEL_EXPORTER_OTLP_ENDPOINT"),

@@ -48,6 +48,7 @@ async fn a_user_token_claiming_operator_is_refused_by_every_admin_api() {
         c.store.clone(),
         c.operator_verifier(),
         c.root.path().join("scratch"),
+        fleet::plugins::download::SourcePolicy::default(),
     )
     .await
     .unwrap();

@@ -205,6 +205,8 @@ async fn env(name: &str, workers: usize) -> Env {
         cluster.store.clone(),
         verifier,
         cluster.root.path().join("plugin-scratch"),
+        // The tests' package server listens on this host.
+        fleet::plugins::download::SourcePolicy::allowing(vec!["127.0.0.1/32".parse().expect("cidr")]),
     )
     .await
     .expect("plugins API");

@@ -103,6 +103,11 @@ pub struct UpArgs {
     /// The `aud` API tokens must carry.
     #[arg(long, env = "FLEET_JWT_AUDIENCE", default_value = DEFAULT_AUDIENCE)]
     pub jwt_audience: String,
+    /// Package downloads (`fleet plugins install URL`) may connect to this range (a CIDR; repeat, or separate by
+    /// commas) although it is loopback, link-local or private: an operator's own package host. Without it only
+    /// public addresses are reached.
+    #[arg(long, env = "FLEET_PACKAGE_SOURCE_ALLOW", value_delimiter = ',')]
+    pub package_source_allow: Vec<ipnet::IpNet>,
     /// Serve `/metrics` (and `/healthz`, `/readyz`) on this address, and not on --http: a port only Prometheus and
     /// the probes reach (the chart sets it). Without it `/metrics` is served on --http.
     #[arg(long, env = "FLEET_METRICS_HTTP")]
@@ -502,6 +507,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         store.clone(),
         operator_verifier.clone(),
         crate::plugins::publish::scratch_dir(&data_dir),
+        crate::plugins::download::SourcePolicy::allowing(args.package_source_allow.clone()),
     )
     .await
     .map_err(|e| other("plugins API")(&e))?;

@@ -7,15 +7,17 @@ use fleet_proto::admin::plugins::{InstallArgs, Published};
 use fleet_worker::install::{self, Format, InstallError, InstallOptions, InstallRequest};
 use serde_json::{Value, json};
 
-use super::download::{TempPackage, download};
+use super::download::{SourcePolicy, TempPackage, download};
 use super::store::{Edit, PluginStore};
 use super::{PackageVersion, PluginError, PluginRecord, object_name};
 use fleet_proto::util::now_ms;
 
 /// Publishes a package: see the module docs. `scratch` holds temporary files and the validation home.
+/// A `source` or `binary_urls` download connects only where `source_policy` allows.
 pub async fn install(
     store: &PluginStore,
     scratch: &Path,
+    source_policy: &SourcePolicy,
     args: InstallArgs,
 ) -> Result<Published, PluginError> {
     tokio::fs::create_dir_all(scratch)
@@ -108,7 +110,7 @@ pub async fn install(
         let progress = move |got: u64, total: Option<u64>| {
             tracing::info!(url = %url_for_log, bytes = got, total = ?total, "plugin package download");
         };
-        let temp = download(&url, scratch, &hint, size, &progress).await?;
+        let temp = download(&url, scratch, &hint, size, source_policy, &progress).await?;
         let bytes = tokio::fs::metadata(temp.path())
             .await
             .map(|m| m.len())

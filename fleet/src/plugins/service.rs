@@ -15,6 +15,7 @@ use std::sync::Arc;
 use fleet_proto::api::{ApiError, ApiErrorCode};
 use serde_json::Value;
 
+use super::download::SourcePolicy;
 use super::publish;
 use super::store::PluginStore;
 use crate::operator;
@@ -30,20 +31,24 @@ struct Ctx {
     plugins: PluginStore,
     store: Store,
     scratch: PathBuf,
+    sources: SourcePolicy,
 }
 
-/// Serves the operator API until the client closes. Each request is handled on its own task.
+/// Serves the operator API until the client closes. Each request is handled on its own task. Package downloads
+/// connect only where `sources` allows.
 pub async fn serve(
     client: async_nats::Client,
     plugins: PluginStore,
     store: Store,
     verifier: OperatorVerifier,
     scratch: PathBuf,
+    sources: SourcePolicy,
 ) -> Result<tokio::task::JoinHandle<()>, async_nats::Error> {
     let ctx = Arc::new(Ctx {
         plugins,
         store,
         scratch,
+        sources,
     });
     operator::serve(
         client,
@@ -63,7 +68,7 @@ async fn call(ctx: &Ctx, method: &str, payload: &[u8]) -> Result<Value, ApiError
     match method {
         INSTALL => {
             let args: InstallArgs = parse(payload)?;
-            let published = publish::install(&ctx.plugins, &ctx.scratch, args)
+            let published = publish::install(&ctx.plugins, &ctx.scratch, &ctx.sources, args)
                 .await
                 .map_err(|e| e.to_api_error())?;
             Ok(serde_json::to_value(&published).unwrap_or(Value::Null))
