@@ -1370,16 +1370,40 @@ fn fleet_up_stops_when_its_nats_server_died_first() {
         .unwrap();
     assert!(killed.success());
     wait_until("the nats-server dying", || !alive(nats_pid));
+    // Both of its connections (the front's and the in-process worker's) have seen the loss.
+    wait_until("both NATS connections noticing the loss", || {
+        nats_events(&up, "disconnected") >= 2.0
+    });
     let status = up.interrupt();
     assert!(status.success(), "{status}");
     assert_eq!(up.lines().last().map(String::as_str), Some("stopped"));
     let stderr = up.stderr();
-    // Whether the worker had noticed the loss before the signal (it skips the attempt) or not (the attempt
-    // times out), it says so.
+    // The worker says it cannot leave the registry.
     assert!(
         stderr.contains("cannot leave the worker registry; it expires by TTL"),
         "{stderr}"
     );
+    // No confirmation of the stop was waited for: each of them says the connection is down, none timed out.
+    assert!(!stderr.contains("did not confirm"), "{stderr}");
+    for step in [
+        "the API endpoints' drain is not confirmed",
+        "the exec subscription's drain is not confirmed",
+        "nothing to confirm",
+    ] {
+        assert!(stderr.contains(step), "{step}: {stderr}");
+    }
+}
+
+/// `cloud_agents_nats_connection_events_total{event=...}` on the HTTP listener (every connection of the process).
+fn nats_events(up: &Up, event: &str) -> f64 {
+    let (_, body) = http_get(&up.http, "/metrics");
+    body.lines()
+        .filter(|l| {
+            l.starts_with("cloud_agents_nats_connection_events_total{")
+                && l.contains(&format!("event=\"{event}\""))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 /// One node of `fleet up --nats-cluster`'s servers, from its configuration file.

@@ -159,13 +159,17 @@ impl FrontService {
         // The endpoints' streams end once the server confirms their drain: one round trip, like a flush — never,
         // when the server is gone (it died before this stop), so that wait is bounded the same way. The requests
         // in flight are awaited either way (their own handlers; they may still answer after a reconnect).
-        let flush_timeout = fleet_client::nats_conn::FLUSH_TIMEOUT;
-        let ended = tokio::time::timeout(flush_timeout, async {
+        let wait = fleet_client::nats_conn::stop_wait(&self.client);
+        let ended = tokio::time::timeout(wait, async {
             while self.endpoints.join_next().await.is_some() {}
         })
         .await;
         if ended.is_err() {
-            tracing::warn!("the NATS server did not confirm the API endpoints' drain");
+            if wait.is_zero() {
+                tracing::warn!("the NATS connection is down: the API endpoints' drain is not confirmed");
+            } else {
+                tracing::warn!("the NATS server did not confirm the API endpoints' drain");
+            }
         }
         let drained = tokio::time::timeout(FRONT_DRAIN_GRACE, async {
             self.in_flight.idle().await;
@@ -179,7 +183,7 @@ impl FrontService {
         self.delegates.abort_all();
         while self.delegates.join_next().await.is_some() {}
         // The last answers may still be queued in the client: write them out before the caller may drop it.
-        if let Err(e) = fleet_client::nats_conn::flush(&self.client).await {
+        if let Err(e) = fleet_client::nats_conn::flush_for_stop(&self.client).await {
             tracing::warn!(error = %e, "cannot flush the last answers");
         }
         self.endpoints.abort_all();

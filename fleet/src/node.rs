@@ -175,13 +175,16 @@ impl WorkerNode {
                             tracing::warn!(error = %e, "cannot drain the exec subscription");
                             break;
                         }
-                        confirmed_by
-                            .as_mut()
-                            .reset(tokio::time::Instant::now() + fleet_client::nats_conn::FLUSH_TIMEOUT);
+                        let wait = fleet_client::nats_conn::stop_wait(&c.client);
+                        confirmed_by.as_mut().reset(tokio::time::Instant::now() + wait);
                         continue;
                     }
                     () = &mut confirmed_by, if stopping => {
-                        tracing::warn!("the NATS server did not confirm the exec subscription's drain");
+                        if fleet_client::nats_conn::connected(&c.client) {
+                            tracing::warn!("the NATS server did not confirm the exec subscription's drain");
+                        } else {
+                            tracing::warn!("the NATS connection is down: the exec subscription's drain is not confirmed");
+                        }
                         break;
                     }
                 };
@@ -328,7 +331,7 @@ impl WorkerNode {
             let _ = exec.await;
         }
         // The last answers and job records may still be queued in the client: write them out.
-        if let Err(e) = fleet_client::nats_conn::flush(&self.client).await {
+        if let Err(e) = fleet_client::nats_conn::flush_for_stop(&self.client).await {
             tracing::warn!(worker = %self.id, error = %e, "cannot flush the last answers");
         }
         self.tasks.abort_all();

@@ -648,8 +648,11 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         let _ = tokio::task::spawn_blocking(move || sandbox.remove_subtree()).await;
     }
     tracing::info!(step = "cgroups", "stopping: the workers' cgroups are removed");
-    let _ = fleet_client::nats_conn::drain(&worker_client).await;
-    let _ = fleet_client::nats_conn::drain(&client).await;
+    for c in [&worker_client, &client] {
+        if let Err(e) = fleet_client::nats_conn::drain_for_stop(c).await {
+            tracing::warn!(error = %e, "cannot drain a NATS connection");
+        }
+    }
     tracing::info!(step = "nats", "stopping: the NATS connections are drained");
     if let Some(mut s) = server {
         tokio::task::spawn_blocking(move || s.stop())

@@ -34,6 +34,10 @@ pub enum FlushError {
     /// No confirmation within [`FLUSH_TIMEOUT`] (the server is unreachable).
     #[error("the NATS server did not confirm within {} s", FLUSH_TIMEOUT.as_secs())]
     TimedOut,
+    /// A stop's wait ([`flush_for_stop`], [`drain_for_stop`]) found the connection down: nothing can be confirmed
+    /// before a reconnect, which a stop does not wait for.
+    #[error("the NATS connection is down: nothing to confirm")]
+    Disconnected,
     /// The client refused (it is closed).
     #[error("flushing to NATS failed: {0}")]
     Flush(#[from] async_nats::client::FlushError),
@@ -59,6 +63,40 @@ pub async fn round_trip(client: &async_nats::Client) -> Result<(), FlushError> {
 /// [`FLUSH_TIMEOUT`].
 pub async fn drain(client: &async_nats::Client) -> Result<(), FlushError> {
     within_flush_timeout(client.drain()).await
+}
+
+/// Whether `client` is connected now.
+pub fn connected(client: &async_nats::Client) -> bool {
+    client.connection_state() == async_nats::connection::State::Connected
+}
+
+/// How long a stopping process waits for `client`'s server to confirm something (a drained subscription's end, a
+/// flush): [`FLUSH_TIMEOUT`] while connected; nothing while the connection is down — the confirmation could only
+/// come after a reconnect, and a stop after its server died would otherwise spend [`FLUSH_TIMEOUT`] on every
+/// confirmation of its sequence, one after the other.
+pub fn stop_wait(client: &async_nats::Client) -> Duration {
+    if connected(client) {
+        FLUSH_TIMEOUT
+    } else {
+        Duration::ZERO
+    }
+}
+
+/// [`flush`] for a stop: [`FlushError::Disconnected`] at once when the connection is down ([`stop_wait`]).
+pub async fn flush_for_stop(client: &async_nats::Client) -> Result<(), FlushError> {
+    if !connected(client) {
+        return Err(FlushError::Disconnected);
+    }
+    flush(client).await
+}
+
+/// [`drain`] for a stop: when the connection is down nothing is waited for ([`FlushError::Disconnected`]), and
+/// the client is left to its drop.
+pub async fn drain_for_stop(client: &async_nats::Client) -> Result<(), FlushError> {
+    if !connected(client) {
+        return Err(FlushError::Disconnected);
+    }
+    drain(client).await
 }
 
 /// `wait`, given up after [`FLUSH_TIMEOUT`].
