@@ -479,6 +479,20 @@ fn fleet_up_serves_the_readme_cli_and_stops_cleanly() {
     for tool in ["echo-py.echo", "notes-py.summarize_and_save"] {
         assert!(listed.iter().any(|t| t == tool), "{tool} in {listed:?}");
     }
+    // A token living longer than --jwt-max-lifetime-secs (a day by default) is refused, saying why; a day exactly
+    // is accepted.
+    let day = fleet_client::auth::DEFAULT_MAX_LIFETIME_SECS.to_string();
+    let a_day = up.cli(&["token", "--user", "alice", "--ttl-secs", &day]).ok();
+    assert!(!tools_listed(&up, a_day["token"].as_str().unwrap()).is_empty());
+    let longer = (fleet_client::auth::DEFAULT_MAX_LIFETIME_SECS + 120).to_string();
+    let long = up.cli(&["token", "--user", "alice", "--ttl-secs", &longer]).ok();
+    let refused = list_tools_error(&up, long["token"].as_str().unwrap());
+    assert_eq!(
+        refused.code,
+        fleet_proto::api::ApiErrorCode::InvalidToken,
+        "{refused:?}"
+    );
+    assert_eq!(refused.details.as_ref().unwrap()["reason"], "lifetime_too_long");
 
     // fleet invoke prints the payload.
     let invoked = up
@@ -1332,7 +1346,11 @@ fn a_taken_http_address_fails_before_any_nats_server_starts() {
 }
 
 /// `tools.list` of `up` as `plugin_name.tool_name`, called once with the app's credentials and `token`.
-fn tools_listed(up: &Up, token: &str) -> Vec<String> {
+/// `tools.list` as an app with `token`: the answer or the API's error.
+fn list_tools(
+    up: &Up,
+    token: &str,
+) -> Result<fleet_proto::api::ListToolsResult, fleet_client::api::CallError> {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
         let url = std::fs::read_to_string(fleet_client::api::nats_url_file(&up.data_dir)).unwrap();
@@ -1341,13 +1359,25 @@ fn tools_listed(up: &Up, token: &str) -> Vec<String> {
         let client = fleet_client::api::ApiClient::connect(&connector, "lister", token.to_owned())
             .await
             .unwrap();
-        let listed = client.list_tools(GUARD).await.unwrap();
-        listed
-            .tools
-            .iter()
-            .map(|t| format!("{}.{}", t.plugin_name, t.tool_name))
-            .collect()
+        client.list_tools(GUARD).await
     })
+}
+
+/// `tools.list` with `token`, expected to be refused: the API error.
+fn list_tools_error(up: &Up, token: &str) -> fleet_proto::api::ApiError {
+    match list_tools(up, token) {
+        Err(fleet_client::api::CallError::Api(e)) => e,
+        other => panic!("not refused: {other:?}"),
+    }
+}
+
+fn tools_listed(up: &Up, token: &str) -> Vec<String> {
+    list_tools(up, token)
+        .unwrap()
+        .tools
+        .iter()
+        .map(|t| format!("{}.{}", t.plugin_name, t.tool_name))
+        .collect()
 }
 
 /// The churn issue: a `fleet up` whose nats-server died first (a crash, an OOM kill) still stops on SIGINT —

@@ -149,6 +149,7 @@ fn chart_lints_renders_validates_and_has_the_key_fields() {
         None,
         "public package hosts only"
     );
+    assert!(args(c).contains(&"--jwt-max-lifetime-secs=86400"), "{c}");
     let sc = &c["securityContext"];
     assert_eq!(sc["runAsNonRoot"], true);
     assert_eq!(sc["allowPrivilegeEscalation"], false);

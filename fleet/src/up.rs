@@ -103,6 +103,10 @@ pub struct UpArgs {
     /// The `aud` API tokens must carry.
     #[arg(long, env = "FLEET_JWT_AUDIENCE", default_value = DEFAULT_AUDIENCE)]
     pub jwt_audience: String,
+    /// The longest lifetime an API or window token may have when it is used: an `exp` further than this from
+    /// now is `invalid_token` (`lifetime_too_long`). 0 accepts any `exp`.
+    #[arg(long, env = "FLEET_JWT_MAX_LIFETIME_SECS", default_value_t = fleet_client::auth::DEFAULT_MAX_LIFETIME_SECS)]
+    pub jwt_max_lifetime_secs: u64,
     /// Package downloads (`fleet plugins install URL`) may connect to this range (a CIDR; repeat, or separate by
     /// commas) although it is loopback, link-local or private: an operator's own package host. Without it only
     /// public addresses are reached.
@@ -173,7 +177,10 @@ fn verifier(args: &UpArgs, data_dir: &Path) -> Result<Verifier, UpError> {
         let key = DevKey::load_or_create(data_dir).map_err(|e| other("dev signing key")(&e))?;
         keys.push(key.verify_key().map_err(|e| other("dev key")(&e))?);
     }
-    Verifier::new(keys, &args.jwt_issuer, &args.jwt_audience).map_err(|e| other("verifier")(&e))
+    let max_lifetime = (args.jwt_max_lifetime_secs > 0).then_some(args.jwt_max_lifetime_secs);
+    Verifier::new(keys, &args.jwt_issuer, &args.jwt_audience)
+        .map(|v| v.with_max_lifetime(max_lifetime))
+        .map_err(|e| other("verifier")(&e))
 }
 
 /// The operator verifier: the configured operator keys, or the dev operator key of the data dir when none is

@@ -15,7 +15,9 @@
 //!   or per RFC 7519 §4.1.3 an array containing it), `sub` a non-empty string of at most [`MAX_SUBJECT_LEN`]
 //!   bytes without control characters, not naming one of the fleet's own users (`fleet:…`,
 //!   [`RESERVED_USER_PREFIX`]). `nbf` is honoured when present. `exp` and `nbf` get the leeway
-//!   ([`DEFAULT_LEEWAY_SECS`], at most [`MAX_LEEWAY_SECS`]).
+//!   ([`DEFAULT_LEEWAY_SECS`], at most [`MAX_LEEWAY_SECS`]). With a cap ([`Verifier::with_max_lifetime`], `fleet up
+//!   --jwt-max-lifetime-secs`), an `exp` further than the cap (and the leeway) from now is
+//!   [`AuthError::LifetimeTooLong`].
 //! - The custom claim `"operator": true` makes the principal an operator; `false` or absent does not; any other
 //!   value is [`AuthError::InvalidClaim`].
 //!
@@ -46,6 +48,11 @@ use serde_json::{Map, Value, json};
 pub const DEFAULT_ISSUER: &str = "cloud-agents-dev";
 /// The audience `fleet up` and the CLI use.
 pub const DEFAULT_AUDIENCE: &str = "cloud-agents";
+
+/// The longest lifetime `fleet up` accepts of an API or window token by default (`--jwt-max-lifetime-secs`,
+/// [`Verifier::with_max_lifetime`]): a day. Apps mint short tokens (`fleet token`: an hour); one valid for longer
+/// is a leak that stays useful for longer.
+pub const DEFAULT_MAX_LIFETIME_SECS: u64 = 86_400;
 /// Default clock-skew leeway for `exp` and `nbf`, in seconds.
 pub const DEFAULT_LEEWAY_SECS: u64 = 5;
 /// Upper bound of the leeway: [`Verifier::with_leeway`] clamps to it (more is a broken clock, not skew).
@@ -89,6 +96,10 @@ pub enum AuthError {
     /// `nbf` is in the future, beyond the leeway.
     #[error("the token is not valid yet (nbf)")]
     NotYetValid,
+    /// `exp` is further from now than the verifier's longest accepted lifetime ([`Verifier::with_max_lifetime`]):
+    /// a token that stays valid for long is a leak that stays useful for long.
+    #[error("the token expires more than {0} s from now, the longest lifetime accepted")]
+    LifetimeTooLong(u64),
     /// `aud` is not the configured audience.
     #[error("the token is meant for another audience")]
     WrongAudience,
@@ -147,6 +158,7 @@ impl AuthError {
                 | AuthError::Malformed(_)
                 | AuthError::Expired
                 | AuthError::NotYetValid
+                | AuthError::LifetimeTooLong(_)
                 | AuthError::WrongAudience
                 | AuthError::WrongIssuer
                 | AuthError::MissingClaim(_)
@@ -164,6 +176,7 @@ impl AuthError {
             AuthError::Malformed(_) => "malformed",
             AuthError::Expired => "expired",
             AuthError::NotYetValid => "not_yet_valid",
+            AuthError::LifetimeTooLong(_) => "lifetime_too_long",
             AuthError::WrongAudience => "wrong_audience",
             AuthError::WrongIssuer => "wrong_issuer",
             AuthError::MissingClaim(_) => "missing_claim",
@@ -332,12 +345,20 @@ struct VerifierInner {
     issuer: String,
     audience: String,
     leeway: u64,
+    /// The longest lifetime accepted (`exp` − now, in seconds), when capped.
+    max_lifetime: Option<u64>,
     hs256: Validation,
     eddsa: Validation,
 }
 
 impl VerifierInner {
-    fn build(keys: Vec<VerifyKey>, issuer: String, audience: String, leeway: u64) -> Self {
+    fn build(
+        keys: Vec<VerifyKey>,
+        issuer: String,
+        audience: String,
+        leeway: u64,
+        max_lifetime: Option<u64>,
+    ) -> Self {
         let validation = |alg: KeyAlgorithm| {
             let mut v = Validation::new(alg.jwt());
             v.set_required_spec_claims(&REQUIRED_CLAIMS);
@@ -357,6 +378,7 @@ impl VerifierInner {
             issuer,
             audience,
             leeway,
+            max_lifetime,
         }
     }
 
@@ -386,6 +408,7 @@ impl Verifier {
                 issuer.to_owned(),
                 audience.to_owned(),
                 DEFAULT_LEEWAY_SECS,
+                None,
             )),
         })
     }
@@ -398,8 +421,29 @@ impl Verifier {
                 self.inner.issuer.clone(),
                 self.inner.audience.clone(),
                 secs.min(MAX_LEEWAY_SECS),
+                self.inner.max_lifetime,
             )),
         }
+    }
+
+    /// Refuses tokens whose `exp` is more than `secs` (plus the leeway) from the moment they are verified
+    /// ([`AuthError::LifetimeTooLong`]); `None` accepts any `exp`. Window tokens made by
+    /// [`for_audience`](Self::for_audience) keep the cap.
+    pub fn with_max_lifetime(self, secs: Option<u64>) -> Self {
+        Verifier {
+            inner: Arc::new(VerifierInner::build(
+                self.inner.keys.clone(),
+                self.inner.issuer.clone(),
+                self.inner.audience.clone(),
+                self.inner.leeway,
+                secs,
+            )),
+        }
+    }
+
+    /// The longest lifetime accepted, when capped.
+    pub fn max_lifetime(&self) -> Option<u64> {
+        self.inner.max_lifetime
     }
 
     /// The accepted issuer.
@@ -445,6 +489,12 @@ impl Verifier {
             }
         }
         let (principal, _) = self.verify_token(token)?;
+        // Checked once, before the token is remembered: its `exp` only comes closer.
+        if let Some(max) = self.inner.max_lifetime
+            && principal.expires_at > now.saturating_add(max).saturating_add(self.inner.leeway)
+        {
+            return Err(AuthError::LifetimeTooLong(max));
+        }
         let mut cache = fleet_proto::util::lock(&self.inner.verified);
         if cache.len() >= VERIFIED_CACHE_ENTRIES {
             cache.retain(|_, p| live(p));
@@ -468,6 +518,7 @@ impl Verifier {
                 self.inner.issuer.clone(),
                 audience.to_owned(),
                 self.inner.leeway,
+                self.inner.max_lifetime,
             )),
         })
     }
@@ -518,6 +569,7 @@ impl fmt::Debug for Verifier {
             .field("issuer", &self.inner.issuer)
             .field("audience", &self.inner.audience)
             .field("leeway", &self.inner.leeway)
+            .field("max_lifetime", &self.inner.max_lifetime)
             .finish()
     }
 }
@@ -1262,6 +1314,62 @@ mod tests {
             Err(AuthError::Expired)
         ));
         assert_eq!(cached(&v), 0);
+    }
+
+    #[test]
+    fn a_token_living_longer_than_the_cap_is_refused_at_the_boundary() {
+        let (v, key) = cache_pair();
+        let v = v.with_max_lifetime(Some(3_600));
+        assert_eq!(v.max_lifetime(), Some(3_600));
+        // The window tokens' verifier keeps the cap.
+        assert_eq!(v.for_audience("win").unwrap().max_lifetime(), Some(3_600));
+        let token = key
+            .mint("alice", "iss", "aud", Duration::from_secs(3_600), false)
+            .unwrap();
+        let exp = v
+            .clone()
+            .with_max_lifetime(None)
+            .verify(&token)
+            .unwrap()
+            .expires_at;
+        // exp exactly the cap from now: accepted; one second more: refused, with a token verdict, and never
+        // remembered (a later call is refused again).
+        let long = v.verify_at(&token, exp - 3_600 - 1);
+        assert!(matches!(long, Err(AuthError::LifetimeTooLong(3_600))), "{long:?}");
+        assert!(matches!(
+            v.verify_at(&token, exp - 3_600 - 1),
+            Err(AuthError::LifetimeTooLong(3_600))
+        ));
+        assert_eq!(cached(&v), 0);
+        let e = long.unwrap_err();
+        assert!(e.is_token_error());
+        let api = e.to_api_error();
+        assert_eq!(api.code, ApiErrorCode::InvalidToken);
+        assert_eq!(api.details, Some(json!({"reason": "lifetime_too_long"})));
+        assert!(v.verify_at(&token, exp - 3_600).is_ok());
+        // The leeway widens the cap like it widens `exp` (a fresh verifier each: a token verified once is
+        // remembered).
+        let lenient = || v.clone().with_leeway(30);
+        assert!(matches!(
+            lenient().verify_at(&token, exp - 3_600 - 31),
+            Err(AuthError::LifetimeTooLong(3_600))
+        ));
+        assert!(lenient().verify_at(&token, exp - 3_600 - 30).is_ok());
+        // Uncapped: any lifetime.
+        let forever = key
+            .mint(
+                "alice",
+                "iss",
+                "aud",
+                Duration::from_secs(10 * 365 * 86_400),
+                false,
+            )
+            .unwrap();
+        assert!(v.clone().with_max_lifetime(None).verify(&forever).is_ok());
+        assert!(matches!(
+            v.verify(&forever),
+            Err(AuthError::LifetimeTooLong(3_600))
+        ));
     }
 
     #[test]
