@@ -955,7 +955,7 @@ async fn supervise(inner: Arc<Inner>) {
                         }
                         WorkerMetrics::inc(&shared.metrics.crashes);
                         crashes = if process.answered.load(Ordering::Relaxed) { 1 } else { crashes + 1 };
-                        tracing::warn!(tool_id = %shared.tool_id, user = %shared.user, %exit, crashes, "plugin exited unexpectedly");
+                        tracing::warn!(tool_id = %shared.tool_id, user_key = %fleet_proto::api::user_key(&shared.user), %exit, crashes, "plugin exited unexpectedly");
                         format!("the plugin exited unexpectedly ({exit}); stderr: {}", shared.stderr.tail(5))
                     }
                     () = requested(&mut shutdown) => {
@@ -966,7 +966,7 @@ async fn supervise(inner: Arc<Inner>) {
             }
             Err(StartError::Fatal(msg)) => {
                 WorkerMetrics::inc(&shared.metrics.stopped);
-                tracing::warn!(tool_id = %shared.tool_id, user = %shared.user, error = %msg, "plugin session stopped");
+                tracing::warn!(tool_id = %shared.tool_id, user_key = %fleet_proto::api::user_key(&shared.user), error = %msg, "plugin session stopped");
                 inner.phase.send_replace(Phase::Stopped(msg.into()));
                 continue 'life;
             }
@@ -978,7 +978,7 @@ async fn supervise(inner: Arc<Inner>) {
         if crashes > shared.config.max_restarts {
             WorkerMetrics::inc(&shared.metrics.stopped);
             let msg = format!("stopped after {crashes} failures in a row; last: {last_error}");
-            tracing::warn!(tool_id = %shared.tool_id, user = %shared.user, error = %msg, "plugin session stopped");
+            tracing::warn!(tool_id = %shared.tool_id, user_key = %fleet_proto::api::user_key(&shared.user), error = %msg, "plugin session stopped");
             inner.phase.send_replace(Phase::Stopped(msg.into()));
             crashes = 0;
             continue 'life;
