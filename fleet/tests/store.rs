@@ -1264,6 +1264,64 @@ async fn job_bytes_are_capped_per_user_at_the_boundary() {
     .await;
 }
 
+/// A job admitted by a version without the storage account reserved nothing: its terminal write settles nothing,
+/// so the reserves of the jobs admitted since are never taken for its.
+#[tokio::test]
+async fn a_job_admitted_before_the_account_settles_nothing() {
+    let n = nats();
+    guard(Box::pin(async {
+        let store = n.store(StoreSettings::default()).await;
+        let reserve = store.settings().job_storage_reserve();
+        let u = "upgraded";
+        let now = now_ms();
+        let old = store
+            .create_job(record(u, "echo.run", now - 10), 100)
+            .await
+            .expect("old")
+            .value;
+        // The head as the version before wrote it: no account.
+        let index = n
+            .js()
+            .await
+            .get_key_value(format!("{}_job_index", store.settings().prefix))
+            .await
+            .expect("index bucket");
+        let key = user_key(u);
+        let mut head: Value =
+            serde_json::from_slice(&index.get(&key).await.expect("get").expect("head")).expect("json");
+        let fields = head.as_object_mut().expect("object");
+        assert!(fields.remove("stored").is_some() && fields.remove("stored_since_ms").is_some());
+        index
+            .put(&key, serde_json::to_vec(&head).expect("json").into())
+            .await
+            .expect("put");
+        assert_eq!(store.stored_job_bytes(u).await.expect("account"), 0);
+        // A job of the same hour admitted now reserves; the old job's end leaves that reserve alone.
+        let new = store
+            .create_job(record(u, "echo.run", now), 100)
+            .await
+            .expect("new")
+            .value;
+        assert_eq!(store.stored_job_bytes(u).await.expect("account"), reserve);
+        store
+            .transition(u, &old.job_id, JobState::Cancelled, |_| {})
+            .await
+            .expect("cancel old");
+        assert_eq!(store.stored_job_bytes(u).await.expect("account"), reserve);
+        let written = done(
+            store
+                .transition(u, &new.job_id, JobState::Cancelled, |_| {})
+                .await
+                .expect("cancel new"),
+        );
+        assert_eq!(
+            store.stored_job_bytes(u).await.expect("account"),
+            record_charge(&written)
+        );
+    }))
+    .await;
+}
+
 #[tokio::test]
 async fn job_bytes_of_hours_whose_data_is_gone_leave_the_account() {
     let n = nats();

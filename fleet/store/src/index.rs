@@ -145,6 +145,11 @@ pub struct IndexHead {
     /// account when its jobs' data can be stored no more ([`StoreSettings::job_storage_kept_ms`](crate::StoreSettings::job_storage_kept_ms)).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub stored: BTreeMap<u64, u64>,
+    /// The creation time of the first job this head reserved for: a job created before it (admitted by a version
+    /// without the account, or by a replica racing that first admission) holds no reserve here, so its terminal
+    /// write settles nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_since_ms: Option<u64>,
 }
 
 impl IndexHead {
@@ -158,6 +163,7 @@ impl IndexHead {
             sealed: 0,
             open: Vec::new(),
             stored: BTreeMap::new(),
+            stored_since_ms: None,
         }
     }
 
@@ -358,6 +364,7 @@ impl Store {
             }
             let hour = head.stored.entry(storage_hour(record.created_at_ms)).or_insert(0);
             *hour = hour.saturating_add(reserve);
+            head.stored_since_ms.get_or_insert(record.created_at_ms);
             head.open.push(entry.clone());
             match cas::write(&self.inner.index, &key, &head, revision, LIMIT, Op::IndexJob).await? {
                 Ok(_) => return Ok(()),
@@ -409,9 +416,9 @@ impl Store {
 
     /// Replaces a job's reserve in its user's storage account by `kept`, the bytes it keeps now that it is
     /// terminal (its record and its ring), by compare-and-set on the head. Called once per job, by whoever wrote
-    /// its terminal record (the state machine allows one terminal write). Nothing changes when the account no
-    /// longer holds the job's hour (an index created again after expiring, or a job admitted before the account
-    /// existed).
+    /// its terminal record (the state machine allows one terminal write). Nothing changes for a job created before
+    /// the account's first reserve ([`IndexHead::stored_since_ms`]: it reserved nothing), nor when the account no
+    /// longer holds the job's hour (an index created again after expiring).
     pub(crate) async fn settle_storage(&self, record: &JobRecord, kept: u64) -> Result<(), StoreError> {
         let key = user_key(&record.user);
         let hour = storage_hour(record.created_at_ms);
@@ -425,7 +432,11 @@ impl Store {
             },
             None,
             |current: Option<Revisioned<IndexHead>>| {
-                let Some(mut head) = current.map(|c| c.value).filter(|h| h.user == record.user) else {
+                let Some(mut head) = current.map(|c| c.value).filter(|h| {
+                    h.user == record.user
+                        && h.stored_since_ms
+                            .is_some_and(|since| record.created_at_ms >= since)
+                }) else {
                     return Ok::<_, StoreError>(cas::Edit::Keep(()));
                 };
                 let Some(bytes) = head.stored.get_mut(&hour) else {
@@ -800,6 +811,7 @@ mod tests {
         let hours = kept / STORAGE_SPAN_MS + 2;
         let last = u64::MAX / STORAGE_SPAN_MS;
         head.stored = (last - hours..last).map(|h| (h, u64::MAX)).collect();
+        head.stored_since_ms = Some(u64::MAX);
         let bytes = serde_json::to_vec(&head).expect("json").len();
         assert!(bytes <= JOB_INDEX_MAX_BYTES, "{bytes} > {JOB_INDEX_MAX_BYTES}");
         // One byte more of tool id and it is not kept (the record's is checked instead).
