@@ -15,9 +15,9 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
+use fleet_services::web::ssrf::Vetted;
 use fleet_worker::egress;
 use ipnet::IpNet;
 use reqwest::Url;
@@ -81,7 +81,7 @@ impl SourcePolicy {
 
     /// Resolves `url`'s host once and checks every address: the DNS name to pin (`None` for an IP literal) and
     /// the addresses to connect to.
-    async fn vet(&self, url: &Url) -> Result<(Option<String>, Vec<SocketAddr>), VetFailure> {
+    async fn vet(&self, url: &Url) -> Result<Vetted, VetFailure> {
         let port = url.port_or_known_default().unwrap_or(80);
         let (name, addrs) = match url.host() {
             None => return Err(VetFailure::Refused(SourceRefusal::NoHost)),
@@ -101,27 +101,13 @@ impl SourcePolicy {
         for addr in &addrs {
             self.check(addr.ip()).map_err(VetFailure::Refused)?;
         }
-        Ok((name, addrs))
+        Ok(Vetted { name, addrs })
     }
 }
 
 enum VetFailure {
     Refused(SourceRefusal),
     Resolve(std::io::Error),
-}
-
-/// A client whose resolver answers nothing: the only names it reaches are those pinned to checked addresses.
-#[derive(Debug)]
-struct NoLookup;
-
-impl reqwest::dns::Resolve for NoLookup {
-    fn resolve(&self, _name: reqwest::dns::Name) -> reqwest::dns::Resolving {
-        Box::pin(async {
-            Err::<reqwest::dns::Addrs, _>(Box::<dyn std::error::Error + Send + Sync>::from(
-                "not a checked package host",
-            ))
-        })
-    }
 }
 
 /// Connecting to the package host.
@@ -208,23 +194,21 @@ pub async fn download(
                 current.scheme()
             )));
         }
-        let (name, addrs) = policy.vet(&current).await.map_err(|e| match e {
+        let vetted = policy.vet(&current).await.map_err(|e| match e {
             VetFailure::Refused(why) => {
                 tracing::warn!(rule = ?why, "a plugin package URL was refused by the source policy");
                 fail(format!("refused: {why}"))
             }
             VetFailure::Resolve(e) => fail(format!("cannot resolve the host: {e}")),
         })?;
-        let mut builder = reqwest::Client::builder()
-            .no_proxy()
-            .redirect(reqwest::redirect::Policy::none())
-            .connect_timeout(CONNECT_TIMEOUT)
-            .read_timeout(READ_TIMEOUT)
-            .dns_resolver(Arc::new(NoLookup));
-        if let Some(name) = &name {
-            builder = builder.resolve_to_addrs(name, &addrs);
-        }
-        let client = builder.build().map_err(|e| fail(e.to_string()))?;
+        let client = vetted
+            .pin(
+                reqwest::Client::builder()
+                    .connect_timeout(CONNECT_TIMEOUT)
+                    .read_timeout(READ_TIMEOUT),
+            )
+            .build()
+            .map_err(|e| fail(e.to_string()))?;
         let response = client
             .get(current.clone())
             .send()
@@ -315,6 +299,7 @@ pub async fn download(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use axum::http::{StatusCode, header};

@@ -8,7 +8,6 @@
 //! turned into text ([`super::html`] for HTML; text types as they are; anything else `PARSE_FAILED`) and cut at
 //! `max_chars` (`truncated`). Nothing of the page — its URL, headers or body — is logged.
 
-use std::error::Error as StdError;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -214,17 +213,14 @@ impl Fetcher {
 
     /// One request to the vetted addresses of `url`, without following redirects.
     async fn request(&self, url: &Url, vetted: &Vetted) -> Result<reqwest::Response, PageError> {
-        let mut builder = reqwest::Client::builder()
-            .no_proxy()
-            .redirect(reqwest::redirect::Policy::none())
-            .connect_timeout(self.connect_timeout)
-            .user_agent(USER_AGENT)
-            // Any name not pinned below fails: nothing is looked up a second time.
-            .dns_resolver(Arc::new(NoLookup));
-        if let Some(name) = &vetted.name {
-            builder = builder.resolve_to_addrs(name, &vetted.addrs);
-        }
-        let client = builder.build().map_err(|_| PageError::Unreachable)?;
+        let client = vetted
+            .pin(
+                reqwest::Client::builder()
+                    .connect_timeout(self.connect_timeout)
+                    .user_agent(USER_AGENT),
+            )
+            .build()
+            .map_err(|_| PageError::Unreachable)?;
         client
             .get(url.clone())
             .header(
@@ -240,20 +236,6 @@ impl Fetcher {
                     PageError::Unreachable
                 }
             })
-    }
-}
-
-/// A resolver that resolves nothing: the fetch client may only use the addresses pinned for its one name.
-#[derive(Debug)]
-struct NoLookup;
-
-impl reqwest::dns::Resolve for NoLookup {
-    fn resolve(&self, _name: reqwest::dns::Name) -> reqwest::dns::Resolving {
-        Box::pin(async {
-            Err::<reqwest::dns::Addrs, Box<dyn StdError + Send + Sync>>(
-                "name not vetted by the fetch policy".into(),
-            )
-        })
     }
 }
 

@@ -127,6 +127,37 @@ pub struct Vetted {
     pub addrs: Vec<SocketAddr>,
 }
 
+impl Vetted {
+    /// `builder` made to reach these addresses only: no proxy, no automatic redirects (each hop is a new URL for
+    /// its caller to vet), and a resolver that answers nothing but [`Self::name`], pinned to [`Self::addrs`] —
+    /// nothing is looked up a second time. Every client that connects to a vetted URL is built through this
+    /// (the host's `web/*` and `image/*` fetches, the fleet's plugin package downloads).
+    pub fn pin(&self, builder: reqwest::ClientBuilder) -> reqwest::ClientBuilder {
+        let builder = builder
+            .no_proxy()
+            .redirect(reqwest::redirect::Policy::none())
+            .dns_resolver(std::sync::Arc::new(NoLookup));
+        match &self.name {
+            Some(name) => builder.resolve_to_addrs(name, &self.addrs),
+            None => builder,
+        }
+    }
+}
+
+/// A resolver that resolves nothing: a pinned client may only use the addresses pinned for its one name.
+#[derive(Debug)]
+struct NoLookup;
+
+impl reqwest::dns::Resolve for NoLookup {
+    fn resolve(&self, _name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        Box::pin(async {
+            Err::<reqwest::dns::Addrs, Box<dyn std::error::Error + Send + Sync>>(
+                "name not vetted by the fetch policy".into(),
+            )
+        })
+    }
+}
+
 /// The policy (see the module documentation).
 #[derive(Debug, Clone)]
 pub struct SsrfPolicy {
