@@ -165,11 +165,7 @@ impl FrontService {
         })
         .await;
         if ended.is_err() {
-            if wait.is_zero() {
-                tracing::warn!("the NATS connection is down: the API endpoints' drain is not confirmed");
-            } else {
-                tracing::warn!("the NATS server did not confirm the API endpoints' drain");
-            }
+            fleet_client::nats_conn::warn_unconfirmed(&self.client, "the API endpoints' drain");
         }
         let drained = tokio::time::timeout(FRONT_DRAIN_GRACE, async {
             self.in_flight.idle().await;

@@ -180,11 +180,7 @@ impl WorkerNode {
                         continue;
                     }
                     () = &mut confirmed_by, if stopping => {
-                        if fleet_client::nats_conn::connected(&c.client) {
-                            tracing::warn!("the NATS server did not confirm the exec subscription's drain");
-                        } else {
-                            tracing::warn!("the NATS connection is down: the exec subscription's drain is not confirmed");
-                        }
+                        fleet_client::nats_conn::warn_unconfirmed(&c.client, "the exec subscription's drain");
                         break;
                     }
                 };

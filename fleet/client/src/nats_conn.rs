@@ -82,6 +82,16 @@ pub fn stop_wait(client: &async_nats::Client) -> Duration {
     }
 }
 
+/// Logs that `what` (e.g. "the API endpoints' drain") was not confirmed within a stop's wait, and why: the
+/// connection is down, or the server did not answer.
+pub fn warn_unconfirmed(client: &async_nats::Client, what: &str) {
+    if connected(client) {
+        tracing::warn!("the NATS server did not confirm {what}");
+    } else {
+        tracing::warn!("the NATS connection is down: {what} is not confirmed");
+    }
+}
+
 /// [`flush`] for a stop: [`FlushError::Disconnected`] at once when the connection is down ([`stop_wait`]).
 pub async fn flush_for_stop(client: &async_nats::Client) -> Result<(), FlushError> {
     if !connected(client) {
