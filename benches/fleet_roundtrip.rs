@@ -28,6 +28,18 @@
 //!   `bench.<n>` outside every user's key space, deleted at the end) with values the size of a finished job
 //!   record.
 //!
+//! - the floors of the topology, built of the same messages and store operations with nothing of the fleet in
+//!   them (no JWT, no limiter, no routing, no envelope, no seal), so B/Bf, C/Cf and Dr/Drf are what the fleet's
+//!   own work adds and Bf/A, Cf/E and Drf/F what its shape costs before any of it:
+//!   Bf — an app request through the import to a relay on a `front` connection, which requests a raw worker task
+//!   on a `worker` connection with the app's reply subject in a header; the worker writes one JSON-RPC `invoke`
+//!   line to a release echo plugin's stdin (a plain child process, no cgroup), reads its answer line, publishes
+//!   it to the app's reply subject and a short notice to the relay (the four messages of B);
+//!   Cf — an app request through the import whose relay makes admission's two sequential phases on the scratch
+//!   keys (a compare-and-set ‖ a read, then a create ‖ a compare-and-set) and replies;
+//!   Drf — an app request through the import whose relay reads one record-sized KV entry and replies with it;
+//!   a finished job's getJob (D, Dk) is answered from the front's memory: its floor is Ai.
+//!
 //! The nats-server runs with authorization on, as in production: the API calls (B, C, D) go through an `app`
 //! user, A is a request from a `front` user to a `worker` user on a worker exec subject (the only core
 //! request/reply those users may make), E and F are the `front` user's.
@@ -99,7 +111,14 @@ const IN_FLIGHT: usize = 64;
 const ECHO_SUBJECT: &str = "fleet.v1.worker.bench-raw-echo.exec";
 /// Ai's method under the API prefix (no method of the API).
 const IMPORT_ECHO_METHOD: &str = "bench-raw-echo";
-/// The bucket of E and F.
+/// Bf's worker subject (a worker exec subject, like A's).
+const FLOOR_SUBJECT: &str = "fleet.v1.worker.bench-floor.exec";
+/// The header carrying the app's reply subject from Bf's relay to its worker.
+const FLOOR_REPLY_HEADER: &str = "Bench-Reply-To";
+/// The API-prefix methods (none of the API) of the floors' relays.
+const FLOOR_INVOKE_METHOD: &str = "bench-floor-invoke";
+const FLOOR_ASYNC_METHOD: &str = "bench-floor-async";
+const FLOOR_GET_METHOD: &str = "bench-floor-get";
 /// The scratch keys' prefix in the jobs bucket (no user key is `bench`: user keys are 32 hex characters).
 const SCRATCH_PREFIX: &str = "bench";
 /// A failure guard for a job to finish (never reached in a healthy run).
@@ -218,6 +237,8 @@ struct Bench {
     record_bytes: usize,
     /// Keys written so far on the scratch bucket.
     puts: u64,
+    /// The floors (Bf, Cf, Drf).
+    floors: Option<Floors>,
 }
 
 /// The `tools.invoke` body, padded to exactly `BODY_BYTES`.
@@ -233,6 +254,166 @@ fn invoke_body() -> Bytes {
     let body = make(BODY_BYTES.saturating_sub(base));
     assert_eq!(body.len(), BODY_BYTES.max(base));
     body.into()
+}
+
+/// The scratch keys of Cf and Drf (under `SCRATCH_PREFIX`, purged at the end).
+const FLOOR_SLOT_KEY: &str = "bench.floor.slot";
+const FLOOR_HEAD_KEY: &str = "bench.floor.head";
+const FLOOR_RECORD_KEY: &str = "bench.floor.record";
+/// Cf's slot and head values (the size of an active set with one job and of a small index head).
+const FLOOR_SMALL_VALUE: usize = 512;
+
+/// The floors' tasks and Bf's plugin (see the module docs).
+struct Floors {
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    plugin: tokio::process::Child,
+}
+
+impl Floors {
+    async fn start(cluster: &Cluster, record: Bytes) -> Floors {
+        let mut tasks = Vec::new();
+
+        // Bf's worker: a plain child process of the release echo plugin behind two pipes.
+        let mut plugin = tokio::process::Command::new(fleet_e2e::echo_plugin_bin())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut stdin = plugin.stdin.take().unwrap();
+        let stdout = plugin.stdout.take().unwrap();
+        let worker = connect(&cluster.nats, Role::Worker).await;
+        let mut sub = worker.subscribe(FLOOR_SUBJECT).await.unwrap();
+        fleet_client::nats_conn::round_trip(&worker).await.unwrap();
+        // The echo plugin answers `echo` on its reading thread, so in the order asked: a queue matches the
+        // answers (each answer's id is checked).
+        type Waiting = std::collections::VecDeque<(u64, async_nats::Subject, async_nats::Subject)>;
+        let waiting = Arc::new(std::sync::Mutex::new(Waiting::new()));
+        let (w, q) = (worker.clone(), Arc::clone(&waiting));
+        tasks.push(tokio::spawn(async move {
+            use tokio::io::AsyncBufReadExt as _;
+            let mut out = tokio::io::BufReader::new(stdout);
+            let mut line = Vec::new();
+            loop {
+                line.clear();
+                if out.read_until(b'\n', &mut line).await.unwrap_or(0) == 0 {
+                    return;
+                }
+                let (id, app, front) = q.lock().unwrap().pop_front().unwrap();
+                assert!(
+                    line.starts_with(format!("{{\"id\":{id},").as_bytes()),
+                    "Bf's plugin answered out of order: {}",
+                    String::from_utf8_lossy(&line)
+                );
+                let _ = w.publish(app, Bytes::copy_from_slice(&line)).await;
+                let _ = w.publish(front, Bytes::from_static(b"ok")).await;
+            }
+        }));
+        tasks.push(tokio::spawn(async move {
+            use tokio::io::AsyncWriteExt as _;
+            let mut id = 0_u64;
+            while let Some(msg) = sub.next().await {
+                let (Some(front), Some(app)) = (
+                    msg.reply,
+                    msg.headers.as_ref().and_then(|h| h.get(FLOOR_REPLY_HEADER)),
+                ) else {
+                    continue;
+                };
+                id += 1;
+                let mut line = format!(
+                    r#"{{"jsonrpc":"2.0","id":{id},"method":"invoke","params":{{"tool":"echo","arguments":"#
+                )
+                .into_bytes();
+                line.extend_from_slice(&msg.payload);
+                line.extend_from_slice(b"}}\n");
+                waiting
+                    .lock()
+                    .unwrap()
+                    .push_back((id, app.as_str().into(), front));
+                if stdin.write_all(&line).await.is_err() {
+                    return;
+                }
+            }
+        }));
+
+        // Bf's relay: the app's request, forwarded with its reply subject; the worker's notice awaited.
+        let front = connect(&cluster.nats, Role::Front).await;
+        let mut sub = front.subscribe(subjects::api(FLOOR_INVOKE_METHOD)).await.unwrap();
+        let relay = front.clone();
+        tasks.push(tokio::spawn(async move {
+            while let Some(msg) = sub.next().await {
+                let Some(reply) = msg.reply else { continue };
+                let relay = relay.clone();
+                tokio::spawn(async move {
+                    let mut headers = HeaderMap::new();
+                    headers.insert(FLOOR_REPLY_HEADER, reply.as_str());
+                    let request = Request::new().headers(headers).payload(msg.payload);
+                    let notice = relay.send_request(FLOOR_SUBJECT, request).await.unwrap();
+                    assert_eq!(&notice.payload[..], b"ok");
+                });
+            }
+        }));
+
+        // Cf's and Drf's relays, on the jobs bucket's scratch keys.
+        let kv = async_nats::jetstream::new(front.clone())
+            .get_key_value(cluster.store.settings().jobs_bucket())
+            .await
+            .unwrap();
+        let small = Bytes::from(vec![b's'; FLOOR_SMALL_VALUE]);
+        let slot_rev = kv.put(FLOOR_SLOT_KEY, small.clone()).await.unwrap();
+        kv.put(FLOOR_HEAD_KEY, small.clone()).await.unwrap();
+        kv.put(FLOOR_RECORD_KEY, record.clone()).await.unwrap();
+        let slot_rev = Arc::new(AtomicU64::new(slot_rev));
+        let created = Arc::new(AtomicU64::new(0));
+        let mut sub = front.subscribe(subjects::api(FLOOR_ASYNC_METHOD)).await.unwrap();
+        let (relay, store) = (front.clone(), kv.clone());
+        tasks.push(tokio::spawn(async move {
+            while let Some(msg) = sub.next().await {
+                let Some(reply) = msg.reply else { continue };
+                let (relay, kv) = (relay.clone(), store.clone());
+                let (small, record) = (small.clone(), record.clone());
+                let (slot_rev, created) = (Arc::clone(&slot_rev), Arc::clone(&created));
+                tokio::spawn(async move {
+                    // Admission's two phases: the slot's compare-and-set ‖ the index head's read, then the
+                    // record's create ‖ the head's compare-and-set.
+                    let (slot, head) = futures::join!(
+                        kv.update(FLOOR_SLOT_KEY, small.clone(), slot_rev.load(Ordering::Relaxed)),
+                        kv.entry(FLOOR_HEAD_KEY),
+                    );
+                    slot_rev.store(slot.unwrap(), Ordering::Relaxed);
+                    let head = head.unwrap().unwrap();
+                    let n = created.fetch_add(1, Ordering::Relaxed);
+                    let (made, headed) = futures::join!(
+                        kv.create(format!("{SCRATCH_PREFIX}.floor.j{n}"), record),
+                        kv.update(FLOOR_HEAD_KEY, small, head.revision),
+                    );
+                    made.unwrap();
+                    headed.unwrap();
+                    let _ = relay.publish(reply, Bytes::from_static(b"ok")).await;
+                });
+            }
+        }));
+        let mut sub = front.subscribe(subjects::api(FLOOR_GET_METHOD)).await.unwrap();
+        tasks.push(tokio::spawn(async move {
+            while let Some(msg) = sub.next().await {
+                let Some(reply) = msg.reply else { continue };
+                let (relay, kv) = (front.clone(), kv.clone());
+                tokio::spawn(async move {
+                    let entry = kv.entry(FLOOR_RECORD_KEY).await.unwrap().unwrap();
+                    let _ = relay.publish(reply, entry.value).await;
+                });
+            }
+        }));
+        Floors { tasks, plugin }
+    }
+
+    async fn stop(mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+        let _ = self.plugin.kill().await;
+    }
 }
 
 impl Bench {
@@ -337,6 +518,7 @@ impl Bench {
             value: Bytes::new(),
             record_bytes: 0,
             puts: 0,
+            floors: None,
         };
         // Warm the session (the first invoke spawns the plugin), then one job, which also gives the size of a
         // finished record.
@@ -356,6 +538,10 @@ impl Bench {
         bench.kv_get().await;
         bench.raw_echo().await;
         bench.import_echo().await;
+        bench.floors = Some(Floors::start(bench.cluster(), bench.value.clone()).await);
+        bench.floor_invoke().await;
+        bench.floor_async().await;
+        bench.floor_get().await;
         bench
     }
 
@@ -397,6 +583,31 @@ impl Bench {
             .await;
         let d = t.elapsed();
         assert_eq!(reply.len(), BODY_BYTES);
+        d
+    }
+
+    /// Bf: B's messages and plugin round trip with nothing of the fleet in them.
+    async fn floor_invoke(&self) -> Duration {
+        self.timed(FLOOR_INVOKE_METHOD, check_floor_invoke).await
+    }
+
+    /// Cf: admission's two JetStream phases behind the API hop.
+    async fn floor_async(&self) -> Duration {
+        self.timed(FLOOR_ASYNC_METHOD, |r| assert_eq!(r, b"ok")).await
+    }
+
+    /// Drf: one record read behind the API hop.
+    async fn floor_get(&self) -> Duration {
+        let len = self.record_bytes;
+        self.timed(FLOOR_GET_METHOD, |r| assert_eq!(r.len(), len)).await
+    }
+
+    /// One request of the body to `method` under the API prefix, timed; its reply then checked by `check`.
+    async fn timed(&self, method: &str, check: impl Fn(&[u8])) -> Duration {
+        let t = Instant::now();
+        let reply = self.send(subjects::api(method), self.body.clone()).await;
+        let d = t.elapsed();
+        check(&reply);
         d
     }
 
@@ -528,6 +739,13 @@ impl Bench {
         }
     }
 
+    /// `n` requests of Bf with `IN_FLIGHT` in flight; requests per second.
+    async fn pipelined_floor(&self, n: usize) -> f64 {
+        let subject = subjects::api(FLOOR_INVOKE_METHOD);
+        self.pipelined_to(subject, self.body.clone(), n, check_floor_invoke)
+            .await
+    }
+
     /// `n` `tools.getJob` of the set-up's finished job with `IN_FLIGHT` in flight; requests per second.
     async fn pipelined_get_job(&self, n: usize) -> f64 {
         let body = serde_json::to_vec(&json!({ "jobId": self.finished.as_ref().unwrap() })).unwrap();
@@ -584,6 +802,9 @@ impl Bench {
         }
         self.responder.abort();
         self.import_responder.abort();
+        if let Some(floors) = self.floors.take() {
+            floors.stop().await;
+        }
         let _ = self
             .scratch
             .stream
@@ -594,6 +815,15 @@ impl Bench {
             cluster.shutdown().await;
         }
     }
+}
+
+/// Panics unless `reply` is the echo plugin's answer line to Bf's request.
+fn check_floor_invoke(reply: &[u8]) {
+    assert!(
+        reply.starts_with(br#"{"id":"#) && memchr::memmem::find(reply, br#""result""#).is_some(),
+        "Bf failed: {}",
+        String::from_utf8_lossy(reply)
+    );
 }
 
 /// Panics unless `reply` is `{"ok":true,…}`.
@@ -623,6 +853,11 @@ struct Samples {
     a: Vec<Duration>,
     ai: Vec<Duration>,
     b: Vec<Duration>,
+    /// The floors.
+    bf: Vec<Duration>,
+    cf: Vec<Duration>,
+    drf: Vec<Duration>,
+    bf_rps: Vec<f64>,
     /// B with the production subscriber on.
     bt: Vec<Duration>,
     c: Vec<Duration>,
@@ -645,19 +880,23 @@ async fn interleaved(bench: &mut Bench, plan: Plan) -> Samples {
         for _ in 0..plan.latency {
             s.a.push(bench.raw_echo().await);
             s.ai.push(bench.import_echo().await);
+            s.bf.push(bench.floor_invoke().await);
             s.b.push(bench.invoke().await);
         }
         for _ in 0..plan.jobs {
             let (c, job) = bench.invoke_async().await;
             s.c.push(c);
+            s.cf.push(bench.floor_async().await);
             bench.wait_terminal(&job).await;
             s.d.push(bench.get_job(&job).await);
             s.dk.push(bench.get_job(&job).await);
             s.dr.push(bench.get_running().await);
+            s.drf.push(bench.floor_get().await);
             s.e.push(bench.kv_put().await);
             s.f.push(bench.kv_get().await);
         }
         s.a_rps.push(bench.pipelined(false, plan.pipelined).await);
+        s.bf_rps.push(bench.pipelined_floor(plan.pipelined).await);
         s.b_rps.push(bench.pipelined(true, plan.pipelined).await);
         // The traced phase: the same B and C, then B pipelined, with the production subscriber on.
         TRACING.store(true, Ordering::Relaxed);
@@ -692,6 +931,8 @@ fn print_table(s: Samples, plan: Plan, bench: &Bench) {
     );
     let (ai, dk, dr) = (stats(s.ai), stats(s.dk), stats(s.dr));
     let (bt, ct) = (stats(s.bt), stats(s.ct));
+    let (bf, cf, drf) = (stats(s.bf), stats(s.cf), stats(s.drf));
+    let bf_rps = median(s.bf_rps);
     let (a_rps, b_rps, bt_rps) = (median(s.a_rps), median(s.b_rps), median(s.bt_rps));
     println!();
     println!(
@@ -723,6 +964,9 @@ fn print_table(s: Samples, plan: Plan, bench: &Bench) {
     row("F JetStream KV get (scratch bucket)", f, None);
     row("Bt B with tracing on (info logs + OTLP)", bt, Some(bt_rps));
     row("Ct C with tracing on (info logs + OTLP)", ct, None);
+    row("Bf B's floor (its messages + the plugin)", bf, Some(bf_rps));
+    row("Cf C's floor (admission's two phases)", cf, None);
+    row("Drf Dr's floor (one record read)", drf, None);
     println!();
     let ratio = |x: Duration, y: Duration| x.as_secs_f64() / y.as_secs_f64();
     println!(
@@ -759,6 +1003,29 @@ fn print_table(s: Samples, plan: Plan, bench: &Bench) {
             ratio(x.2, f.2)
         );
     }
+    println!(
+        "the floors (the topology with nothing of the fleet in it) against the goals' baselines, and the fleet's own share:"
+    );
+    for (name, floor, base, fleet) in [
+        ("Bf/A ", bf, a, ("B/Bf  ", b)),
+        ("Ai/F ", ai, f, ("Dk/Ai ", dk)),
+        ("Drf/F", drf, f, ("Dr/Drf", dr)),
+        ("Cf/E ", cf, e, ("C/Cf  ", c)),
+    ] {
+        println!(
+            "{name} p50 {:>6.2}x  p99 {:>6.2}x    {} p50 {:>6.2}x  p99 {:>6.2}x",
+            ratio(floor.1, base.1),
+            ratio(floor.2, base.2),
+            fleet.0,
+            ratio(fleet.1.1, floor.1),
+            ratio(fleet.1.2, floor.2),
+        );
+    }
+    println!(
+        "Bf throughput {:.3}x of A; B {:.3}x of Bf",
+        bf_rps / a_rps,
+        b_rps / bf_rps
+    );
 }
 
 /// Sequential A and B samples (each) after the pipelined phase of a profile run.
@@ -768,7 +1035,8 @@ const PROFILE_SEQUENTIAL: usize = 2_000;
 /// to this process), then the median throughput of its batches and the p50 of sequential A and B; no criterion
 /// pass and no table. With `FLEET_BENCH_PROFILE_TRACED` set, all of it with the production subscriber on (Bt);
 /// with `FLEET_BENCH_PROFILE_GET_JOB` set, `tools.getJob` of a finished job is pipelined instead of B; with
-/// `FLEET_BENCH_PROFILE_RAW` set, A (the raw round trip: the CPU a request costs at the floor, to compare with).
+/// `FLEET_BENCH_PROFILE_RAW` set, A (the raw round trip: the CPU a request costs at the floor, to compare with);
+/// with `FLEET_BENCH_PROFILE_FLOOR` set, Bf (B's messages and plugin round trip with nothing of the fleet).
 fn profile_secs() -> Option<Duration> {
     let secs = std::env::var("FLEET_BENCH_PROFILE_SECS").ok()?;
     Some(Duration::from_secs(
@@ -794,9 +1062,12 @@ fn bench(c: &mut Criterion) {
         let mut batches = Vec::new();
         let get_job = std::env::var_os("FLEET_BENCH_PROFILE_GET_JOB").is_some();
         let raw = std::env::var_os("FLEET_BENCH_PROFILE_RAW").is_some();
+        let floor = std::env::var_os("FLEET_BENCH_PROFILE_FLOOR").is_some();
         while t.elapsed() < secs {
             batches.push(if get_job {
                 rt.block_on(b.pipelined_get_job(plan.pipelined))
+            } else if floor {
+                rt.block_on(b.pipelined_floor(plan.pipelined))
             } else {
                 rt.block_on(b.pipelined(!raw, plan.pipelined))
             });
@@ -813,6 +1084,8 @@ fn bench(c: &mut Criterion) {
              sequential A and B: p50 {:.1} / {:.1} µs (B/A {:.2}x)",
             if get_job {
                 "Dk"
+            } else if floor {
+                "Bf"
             } else if raw {
                 "A"
             } else {
