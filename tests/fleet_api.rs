@@ -1410,6 +1410,73 @@ async fn the_bytes_a_users_jobs_keep_are_a_job_quota() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nearly_full_job_store_refuses_new_jobs_for_everyone() {
+    // No workers. One front whose JetStream budget puts the high-water mark at exactly one job's reserve: the
+    // store already holds another tenant's job, so the next job of anyone is over it.
+    let mut c = Cluster::start("api-full", 0, 0, &[echo()]).await;
+    let base = StoreSettings::default();
+    let reserve = base.job_storage_reserve();
+    let mut budget = reserve;
+    while fleet_store::fill::high_water(budget) < reserve {
+        budget += 1;
+    }
+    let earlier = fleet_store::JobRecord::queued(
+        JobId::from_bytes([7; 16]),
+        "earlier",
+        "echo.echo",
+        "echo",
+        "echo",
+        fleet_proto::util::now_ms(),
+        60_000,
+    );
+    c.store.create_job(earlier, 5).await.expect("an earlier job");
+    let held = c.store.refresh_fill().await.expect("fill").used_bytes;
+    assert!(held > 0, "the store holds a job");
+    c.add_front_with_store(
+        fleet::front::FrontConfig::default(),
+        StoreSettings {
+            job_store_max_bytes: budget,
+            ..base
+        },
+    )
+    .await;
+    c.wait_for_api(GUARD).await;
+    for user in ["first", "second"] {
+        let e = expect_err(
+            &c,
+            user,
+            methods::TOOLS_INVOKE_ASYNC,
+            json!({"tool_id": "echo.echo"}),
+            ApiErrorCode::LongJobCapacity,
+        )
+        .await;
+        // Retriable, when to look again, and nothing of the store's size.
+        assert_eq!(
+            e.details,
+            Some(json!({"retriable": true, "retry_after_ms": 2000})),
+            "{e:?}"
+        );
+        assert!(!e.message.contains(&budget.to_string()), "{e:?}");
+    }
+    // Nothing was created.
+    let listed = c.ok("first", methods::TOOLS_LIST_JOBS, json!({})).await;
+    assert_eq!(ids_of(&listed), Vec::<String>::new(), "{listed}");
+    // Operators see it: the refusals and the fill admission decided on.
+    let text = c.metrics.encode();
+    assert!(
+        text.contains(r#"cloud_agents_rejections_total{kind="store_full"} 2"#),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            r#"cloud_agents_job_store_bytes{{kind="budget"}} {budget}"#
+        )),
+        "{text}"
+    );
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn list_jobs_pages_with_a_cursor_and_the_retained_cap_is_a_job_quota() {
     // No workers: jobs stay queued until cancelled. One front whose store caps each user at 5 jobs per retention,
     // indexed in pages of 2 (the cap's boundary, reachable in a test).

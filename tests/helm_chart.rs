@@ -144,6 +144,7 @@ fn chart_lints_renders_validates_and_has_the_key_fields() {
     // The per-user storage cap renders as the integer the flag parses (a YAML number is a float to the templates:
     // 2.68435456e+08 would stop the front at its start).
     assert_eq!(env(c, "FLEET_MAX_JOB_BYTES_PER_USER"), Some("268435456"));
+    assert_eq!(env(c, "FLEET_JOB_STORE_MAX_BYTES"), Some("0"));
     assert_eq!(
         env(c, "FLEET_PACKAGE_SOURCE_ALLOW"),
         None,

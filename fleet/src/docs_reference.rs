@@ -293,6 +293,11 @@ const OTHER_ENV: &[(&str, &str)] = &[
         "Benches: with `FLEET_BENCH_PROFILE_SECS`, `fleet_roundtrip`'s profile run pipelines A (the raw NATS round \
          trip) instead of `tools.invoke`: the CPU a request costs at the floor, to compare with.",
     ),
+    (
+        "FLEET_BENCH_PROFILE_FLOOR",
+        "Benches: with `FLEET_BENCH_PROFILE_SECS`, `fleet_roundtrip`'s profile run pipelines Bf (`tools.invoke`'s \
+         four messages and plugin round trip with nothing of the fleet in them) instead of `tools.invoke`.",
+    ),
 ];
 
 /// `fleet worker --config FILE`: the meaning of each key of [`fleet_worker::config::WorkerConfig`], by dotted

@@ -874,6 +874,7 @@ impl Front {
             }
         };
         let (created, recorded) = tokio::join!(admitted, recorded);
+        self.metrics.job_store(self.inner.store.fill());
         if let Err(e) = recorded {
             self.metrics.jetstream_error("delegations");
             tracing::warn!(job = %job_id, error = %e, "cannot record the job's delegation: its agent sessions have no tools");
@@ -892,6 +893,7 @@ impl Front {
                     | StoreError::RetainedQuotaExceeded { .. }
                     | StoreError::StorageQuotaExceeded { .. },
                 ) => "job_quota_exceeded",
+                Err(StoreError::StoreFull { .. }) => "store_full",
                 Err(_) => "error",
             },
         );
@@ -903,6 +905,11 @@ impl Front {
                 | StoreError::RetainedQuotaExceeded { .. }
                 | StoreError::StorageQuotaExceeded { .. }),
             ) => {
+                return Err(e.to_api_error());
+            }
+            Err(e @ StoreError::StoreFull { .. }) => {
+                self.metrics.rejection("store_full");
+                tracing::warn!(error = %e, "a job refused: the JetStream store is nearly full");
                 return Err(e.to_api_error());
             }
             Err(e @ StoreError::Nats { .. }) => {

@@ -287,7 +287,7 @@ async fn run() -> ExitCode {
                 }
             }
         }
-        Cmd::Worker(args) => match fleet::worker_cmd::run(&args).await {
+        Cmd::Worker(args) => match Box::pin(fleet::worker_cmd::run(&args)).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln_error(&e.to_string());

@@ -78,6 +78,7 @@ pub struct FleetMetrics {
     jetstream_errors: Family<L1, Counter>,
     exec_seal_refusals: Family<L1, Counter>,
     direct_replies: Counter,
+    job_store: Family<L1, Gauge>,
     workers: Arc<WorkerCollector>,
 }
 
@@ -116,6 +117,7 @@ impl FleetMetrics {
             jetstream_errors: Family::default(),
             exec_seal_refusals: Family::default(),
             direct_replies: Counter::default(),
+            job_store: Family::default(),
             workers: Arc::new(WorkerCollector::default()),
         };
         r.register(
@@ -145,7 +147,7 @@ impl FleetMetrics {
         );
         r.register(
             "rejections",
-            "Admission rejections by kind (job_quota, rate_limit, long_job_capacity, worker_capacity)",
+            "Admission rejections by kind (job_quota, rate_limit, long_job_capacity, worker_capacity, store_full)",
             m.rejections.clone(),
         );
         r.register(
@@ -187,6 +189,11 @@ impl FleetMetrics {
             "direct_replies",
             "Sync calls whose answer a worker published on the app's reply subject itself (not through the front)",
             m.direct_replies.clone(),
+        );
+        r.register(
+            "job_store_bytes",
+            "The FLEET account's JetStream store as this front's admission last read it: used (with the reserves it admitted since), budget (0 = no fleet-wide guard)",
+            m.job_store.clone(),
         );
         r.register_collector(Box::new(m.workers.clone()));
         *m.registry
@@ -245,7 +252,7 @@ impl FleetMetrics {
             .observe(took.as_secs_f64());
     }
 
-    /// An admission rejection: `job_quota`, `rate_limit`, `long_job_capacity`, `worker_capacity`.
+    /// An admission rejection: `job_quota`, `rate_limit`, `long_job_capacity`, `worker_capacity`, `store_full`.
     pub fn rejection(&self, kind: &'static str) {
         self.rejections.get_or_create(&[("kind", kind)]).inc();
     }
@@ -278,6 +285,17 @@ impl FleetMetrics {
     /// A worker refused an exec request or a cancel command for its seal (`SealError::as_str`).
     pub fn exec_seal_refused(&self, reason: &'static str) {
         self.exec_seal_refusals.get_or_create(&[("reason", reason)]).inc();
+    }
+
+    /// The JetStream store's fill as admission knows it.
+    pub fn job_store(&self, fill: fleet_store::FillReading) {
+        let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        self.job_store
+            .get_or_create(&[("kind", "used")])
+            .set(gauge(fill.used_bytes.saturating_add(fill.pending_bytes)));
+        self.job_store
+            .get_or_create(&[("kind", "budget")])
+            .set(gauge(fill.budget_bytes));
     }
 
     /// A worker answered a sync call's caller directly.

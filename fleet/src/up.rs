@@ -130,6 +130,11 @@ pub struct UpArgs {
     /// would pass it: `job_quota_exceeded`); at least one job's reserve (~4.9 MiB).
     #[arg(long, env = "FLEET_MAX_JOB_BYTES_PER_USER", default_value_t = fleet_store::settings::MAX_JOB_BYTES_PER_USER)]
     pub max_job_bytes_per_user: u64,
+    /// Bytes the FLEET account's JetStream store may hold, as the server counts them (in a cluster every replica
+    /// counts): new jobs are refused (`long_job_capacity`, retriable) above 90 % of it, the rest is kept for the
+    /// work already admitted. 0 = the account's own JetStream disk limit, or no fleet-wide guard when it has none.
+    #[arg(long, env = "FLEET_JOB_STORE_MAX_BYTES", default_value_t = 0)]
+    pub job_store_max_bytes: u64,
     /// Admission: requests per second per user (token bucket refill).
     #[arg(long, env = "FLEET_RATE_LIMIT_PER_SEC", default_value_t = 50)]
     pub rate_limit_per_sec: u32,
@@ -355,6 +360,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             args.nats_cluster
         }),
         max_job_bytes_per_user: args.max_job_bytes_per_user,
+        job_store_max_bytes: args.job_store_max_bytes,
         ..StoreSettings::default()
     };
     let js = async_nats::jetstream::new(client.clone());

@@ -2094,3 +2094,124 @@ async fn replicas_admitting_from_their_copies_of_the_active_sets_keep_the_quota(
     }))
     .await;
 }
+
+/// The smallest budget whose high-water mark is exactly `mark` (the mark steps by 0.9 byte per budget byte, so
+/// every mark is some budget's).
+fn budget_for_mark(mark: u64) -> u64 {
+    let mut budget = mark * 100 / fleet_store::settings::STORE_HIGH_WATER_PERCENT;
+    while fleet_store::fill::high_water(budget) < mark {
+        budget += 1;
+    }
+    assert_eq!(fleet_store::fill::high_water(budget), mark);
+    budget
+}
+
+#[tokio::test]
+async fn a_nearly_full_store_refuses_new_jobs_at_its_high_water_mark() {
+    let n = nats();
+    guard(Box::pin(async {
+        // Without a budget and without an account limit (the FLEET account's JetStream is unlimited), no guard.
+        let open = n.store(StoreSettings::default()).await;
+        open.create_job(record("w", "echo.run", now_ms()), 5)
+            .await
+            .expect("a job before any guard");
+        let reading = open.refresh_fill().await.expect("fill");
+        assert!(reading.used_bytes > 0, "{reading:?}");
+        assert_eq!((reading.budget_bytes, reading.pending_bytes), (0, 0));
+        let used = reading.used_bytes;
+        let reserve = StoreSettings::default().job_storage_reserve();
+        // Replicas whose budgets put the mark one byte under `used + reserve`, and exactly at it; no refresh
+        // within the test but the ones it asks for.
+        let with_mark = |mark| StoreSettings {
+            job_store_max_bytes: budget_for_mark(mark),
+            store_fill_refresh: Duration::from_secs(3600),
+            ..StoreSettings::default()
+        };
+        let under = n.store(with_mark(used + reserve - 1)).await;
+        let at = n.store(with_mark(used + reserve)).await;
+        let now = now_ms();
+
+        // One byte under: the first job is refused, with the figures; nothing stays.
+        let job = record("u", "echo.run", now);
+        let err = under
+            .create_job(job.clone(), 5)
+            .await
+            .expect_err("one byte over the mark");
+        let StoreError::StoreFull {
+            used: u,
+            reserve: r,
+            high_water,
+            budget,
+            retry_after_ms,
+        } = err
+        else {
+            panic!("unexpected: {err}");
+        };
+        assert_eq!(
+            (u, r, high_water, budget, retry_after_ms),
+            (
+                used,
+                reserve,
+                used + reserve - 1,
+                budget_for_mark(used + reserve - 1),
+                3_600_000
+            )
+        );
+        assert!(err.retryable());
+        // The app learns that it may retry and when, nothing of the store's size.
+        let api = err.to_api_error();
+        assert_eq!(api.code, ApiErrorCode::LongJobCapacity);
+        assert_eq!(
+            api.details,
+            Some(json!({"retriable": true, "retry_after_ms": 3_600_000}))
+        );
+        assert_eq!(under.get_job("u", &job.job_id).await.expect("get"), None);
+        assert!(!under.active_set("u").await.expect("set").contains(&job.job_id));
+        assert_eq!(under.fill().pending_bytes, 0);
+
+        // Exactly at the mark: admitted, and counted until the next reading.
+        let first = at
+            .create_job(record("u", "echo.run", now), 5)
+            .await
+            .expect("at the mark");
+        assert_eq!(
+            at.fill(),
+            fleet_store::FillReading {
+                used_bytes: used,
+                budget_bytes: budget_for_mark(used + reserve),
+                pending_bytes: reserve
+            }
+        );
+        // The next job of any user is over it (the guard is fleet-wide, not per user).
+        for user in ["u", "v"] {
+            let err = at
+                .create_job(record(user, "echo.run", now), 5)
+                .await
+                .expect_err("over the mark");
+            assert!(
+                matches!(err, StoreError::StoreFull { used: u, .. } if u == used + reserve),
+                "{err}"
+            );
+        }
+        // A new reading counts what was written instead of the reserve: the record and its index entry.
+        let after = at.refresh_fill().await.expect("fill");
+        assert_eq!(after.pending_bytes, 0);
+        assert!(
+            after.used_bytes > used && after.used_bytes < used + reserve,
+            "{after:?}"
+        );
+        // What is admitted is never refused by the guard: the job runs and ends.
+        let running = done(
+            at.transition("u", &first.value.job_id, JobState::Running, |_| {})
+                .await
+                .expect("running"),
+        );
+        assert_eq!(running.value.state, JobState::Running);
+        done(
+            at.transition("u", &first.value.job_id, JobState::Succeeded, |_| {})
+                .await
+                .expect("succeeded"),
+        );
+    }))
+    .await;
+}

@@ -5,7 +5,7 @@ use std::fmt;
 use fleet_proto::api::{ApiError, ApiErrorCode, JobId, JobQuotaDetails};
 
 use super::provision::BoxError;
-use super::settings::SettingsError;
+use super::settings::{STORE_HIGH_WATER_PERCENT, SettingsError};
 
 /// The store operation an error comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -78,6 +78,8 @@ pub enum Op {
     AgentSessions,
     /// The delegations of jobs (fleet `delegation::JobDelegations`).
     Delegation,
+    /// Reading the JetStream store's fill (`Store::refresh_fill`).
+    StoreFill,
     /// `PluginStore::edit` (fleet).
     EditPlugin,
     /// Issuing or revoking an operator credential (fleet).
@@ -122,6 +124,7 @@ impl Op {
             Op::Usage => "usage",
             Op::AgentSessions => "agent_sessions",
             Op::Delegation => "delegation",
+            Op::StoreFill => "store_fill",
             Op::EditPlugin => "edit_plugin",
             Op::EditCredential => "edit_credential",
         }
@@ -170,6 +173,24 @@ pub enum StoreError {
         /// The limit.
         max: u64,
         /// When the account's oldest hour frees, from now.
+        retry_after_ms: u64,
+    },
+    /// The FLEET account's JetStream store holds `used` bytes (with the reserves admitted since it was read); with
+    /// the `reserve` of a new job that passes `high_water` ([`STORE_HIGH_WATER_PERCENT`] of `budget`). Room frees as
+    /// jobs leave the store; the reading is refreshed every `retry_after_ms`.
+    #[error(
+        "the JetStream store holds {used} bytes; with a job's reserve of {reserve} that passes its high-water mark of {high_water} bytes ({STORE_HIGH_WATER_PERCENT} % of {budget})"
+    )]
+    StoreFull {
+        /// Bytes the store holds, with the reserves admitted since the reading.
+        used: u64,
+        /// What a new job reserves.
+        reserve: u64,
+        /// The mark.
+        high_water: u64,
+        /// The budget.
+        budget: u64,
+        /// How often the reading is refreshed.
         retry_after_ms: u64,
     },
     /// A record with this id exists already (never overwritten).
@@ -278,6 +299,7 @@ impl StoreError {
             StoreError::QuotaExceeded { .. }
                 | StoreError::RetainedQuotaExceeded { .. }
                 | StoreError::StorageQuotaExceeded { .. }
+                | StoreError::StoreFull { .. }
                 | StoreError::Contention { .. }
                 | StoreError::Nats { .. }
         )
@@ -285,8 +307,8 @@ impl StoreError {
 
     /// The app-facing error: `job_quota_exceeded` for any of the three quotas (`{active, max}` for the active jobs,
     /// `{retained, max, retry_after_ms}` for the jobs kept, `{stored_bytes, job_reserve_bytes, max_bytes,
-    /// retry_after_ms}` for their bytes), `internal_error` for everything else (the details
-    /// stay in logs).
+    /// retry_after_ms}` for their bytes), `long_job_capacity` `{retriable, retry_after_ms}` for a nearly full
+    /// store, `internal_error` for everything else (the details stay in logs).
     pub fn to_api_error(&self) -> ApiError {
         match self {
             StoreError::QuotaExceeded { active, max } => {
@@ -317,6 +339,12 @@ impl StoreError {
                 retry_after_ms: *retry_after_ms,
                 retriable: true,
             }),
+            // A fleet-wide capacity, not the caller's quota: nothing about the store's size reaches the app.
+            StoreError::StoreFull { retry_after_ms, .. } => ApiError::with_details(
+                ApiErrorCode::LongJobCapacity,
+                "the fleet's job store is nearly full; retry later",
+                serde_json::json!({ "retriable": true, "retry_after_ms": retry_after_ms }),
+            ),
             _ => ApiError::new(ApiErrorCode::InternalError, "the job store failed"),
         }
     }

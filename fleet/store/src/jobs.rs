@@ -57,6 +57,8 @@ impl Store {
         }
         let bytes = encode(&record, self.record_limit(), Op::CreateJob)?;
         let key = Self::job_key(&record.user, &record.job_id);
+        // The fleet-wide guard (`fill`): from this replica's last reading, no round trip unless it has none.
+        self.check_fill(self.inner.settings.job_storage_reserve()).await?;
         // The index head is read while the slot is taken, and written while the record is created: the index
         // costs no round trip of its own on this path.
         let (acquired, head) = tokio::join!(

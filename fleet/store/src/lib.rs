@@ -30,7 +30,9 @@
 //!   `max_retained_jobs_per_user` jobs created within the retention ([`StoreError::RetainedQuotaExceeded`]);
 //! * a user's jobs never keep more than `max_job_bytes_per_user` bytes of records and progress: admission reserves
 //!   the most a job can keep, its terminal write replaces the reserve by what it keeps
-//!   ([`StoreError::StorageQuotaExceeded`], the index's storage account).
+//!   ([`StoreError::StorageQuotaExceeded`], the index's storage account);
+//! * a job is admitted only while the FLEET account's JetStream store, as last read, stays under the high-water
+//!   mark of its budget ([`StoreError::StoreFull`], [`fill`]); what is already admitted is never refused by it.
 
 mod active;
 pub mod active_cache;
@@ -38,6 +40,7 @@ pub mod cas;
 mod direct;
 mod error;
 pub mod failover;
+pub mod fill;
 pub mod index;
 mod jobs;
 mod manifests;
@@ -59,6 +62,7 @@ use serde::de::DeserializeOwned;
 pub use active::Acquired;
 pub(crate) use cas::encode;
 pub use error::{Op, StoreError};
+pub use fill::FillReading;
 pub use index::{JobPage, ListCursor, ListCursorError};
 pub use jobs::JobView;
 pub use provision::{BoxError, Provision, ProvisionError};
@@ -134,6 +138,7 @@ struct Inner {
     manifest_copy: manifests::ManifestCopy,
     progress: Stream,
     job_queue: Stream,
+    fill: fill::Fill,
 }
 
 impl Store {
@@ -176,6 +181,7 @@ impl Store {
                 manifest_copy: manifests::ManifestCopy::default(),
                 progress,
                 job_queue,
+                fill: fill::Fill::default(),
             }),
         })
     }

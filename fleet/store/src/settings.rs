@@ -63,6 +63,14 @@ pub const STORED_MESSAGE_OVERHEAD: u64 = 256;
 /// The span of creation time one entry of a user's storage account covers (see the job index's module docs).
 pub const STORAGE_SPAN_MS: u64 = 3_600_000;
 
+/// Percent of the JetStream store's budget up to which new jobs are admitted ([`crate::fill`]); the rest is kept
+/// for the writes of work already admitted (progress, outcomes, grants, sessions), which the guard never refuses.
+pub const STORE_HIGH_WATER_PERCENT: u64 = 90;
+
+/// How old the reading of the store's fill may grow before an admission refreshes it in the background
+/// ([`StoreSettings::store_fill_refresh`]).
+pub const STORE_FILL_REFRESH: Duration = Duration::from_secs(2);
+
 /// Largest active-set value (a few job ids; far above `max_active` × 60 bytes).
 pub const ACTIVE_SET_MAX_BYTES: usize = 64 * KIB;
 
@@ -197,6 +205,15 @@ pub struct StoreSettings {
     /// ([`StoreError::StorageQuotaExceeded`](super::StoreError::StorageQuotaExceeded)). Default
     /// [`MAX_JOB_BYTES_PER_USER`]; at least one job's reserve.
     pub max_job_bytes_per_user: u64,
+    /// Bytes the FLEET account's JetStream store may hold, as the server counts them (`$JS.API.INFO`'s `storage`:
+    /// in a cluster every replica counts): a new job is admitted only while the store stays under
+    /// [`STORE_HIGH_WATER_PERCENT`] of it ([`StoreError::StoreFull`](super::StoreError::StoreFull), [`crate::fill`]).
+    /// 0 = the account's own JetStream disk limit, or no fleet-wide guard when it has none. Default 0; else at
+    /// least one job's reserve above the high-water mark.
+    pub job_store_max_bytes: u64,
+    /// How old the reading of the store's fill may grow before an admission refreshes it. Default
+    /// [`STORE_FILL_REFRESH`].
+    pub store_fill_refresh: Duration,
     /// An id in a user's active set whose job record does not exist is dropped by
     /// [`heal_active_set`](super::Store::heal_active_set) only once its slot is this old (a replica may be
     /// between taking the slot and creating the record). Default 30 s.
@@ -220,6 +237,8 @@ impl Default for StoreSettings {
             job_index_page: JOB_INDEX_PAGE_ENTRIES,
             max_retained_jobs_per_user: limits::MAX_RETAINED_JOBS_PER_USER,
             max_job_bytes_per_user: MAX_JOB_BYTES_PER_USER,
+            job_store_max_bytes: 0,
+            store_fill_refresh: STORE_FILL_REFRESH,
             orphan_slot_grace: Duration::from_secs(30),
             provision: super::provision::Provision::Create,
         }
@@ -318,6 +337,20 @@ impl StoreSettings {
             u128::from(bytes),
             bytes >= self.job_storage_reserve(),
             "at least one job's reserve (job_record_max_bytes + progress_max_per_job × the largest progress message, each with its overhead)",
+        )?;
+        let budget = self.job_store_max_bytes;
+        range(
+            "job_store_max_bytes",
+            u128::from(budget),
+            budget == 0 || crate::fill::high_water(budget) >= self.job_storage_reserve(),
+            "0 (the account's limit) or a budget whose high-water mark holds at least one job's reserve",
+        )?;
+        let t = self.store_fill_refresh;
+        range(
+            "store_fill_refresh",
+            t.as_millis(),
+            t >= Duration::from_millis(1),
+            "≥ 1 ms",
         )?;
         Ok(())
     }
@@ -797,6 +830,40 @@ mod tests {
 
     /// The buckets other crates open keep the exact configuration they were created with before they were
     /// configured here (a change would update live buckets at the next front start).
+    #[test]
+    fn a_store_budget_holds_one_reserve_under_its_mark() {
+        let reserve = StoreSettings::default().job_storage_reserve();
+        let with = |budget| StoreSettings {
+            job_store_max_bytes: budget,
+            ..StoreSettings::default()
+        };
+        // The smallest budget whose mark holds one reserve passes; one byte less is refused; 0 = no budget.
+        let mut budget = reserve;
+        while crate::fill::high_water(budget) < reserve {
+            budget += 1;
+        }
+        assert_eq!(with(budget).validate(), Ok(()));
+        assert!(matches!(
+            with(budget - 1).validate(),
+            Err(SettingsError::Range {
+                field: "job_store_max_bytes",
+                ..
+            })
+        ));
+        assert_eq!(with(0).validate(), Ok(()));
+        let no_refresh = StoreSettings {
+            store_fill_refresh: Duration::ZERO,
+            ..StoreSettings::default()
+        };
+        assert!(matches!(
+            no_refresh.validate(),
+            Err(SettingsError::Range {
+                field: "store_fill_refresh",
+                ..
+            })
+        ));
+    }
+
     #[test]
     fn the_storage_cap_needs_one_reserve_and_the_chart_says_so() {
         let s = StoreSettings::default();
