@@ -48,7 +48,8 @@
 //! `tool_job` event, so the user never holds more than two of its 5 active slots (the running job of Dr is the
 //! other, cancelled at the end) and no job starts a cold session. The front is built as `Cluster::add_front` builds one, with one change: the per-user rate limit
 //! (50/s, burst 100 by default) is raised out of reach, since one user drives thousands of calls per second
-//! here; the limiter is still consulted on every call.
+//! here; the limiter is still consulted on every call. Its store has a budget (`STORE_BUDGET`), so admission's
+//! fleet-wide guard on the JetStream store (`fleet_store::fill`) runs on every `invokeAsync`.
 //!
 //! Tracing: the production subscriber (`fleet::telemetry::layers`: JSON logs on stderr at `info`, spans exported
 //! over OTLP/gRPC to an in-process receiver, `opentelemetry-proto`'s `TraceServiceServer` on tonic) is installed
@@ -101,6 +102,8 @@ use tracing_subscriber::util::SubscriberInitExt as _;
 #[global_allocator]
 static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
+/// The front's JetStream store budget (1 TiB: the fleet-wide admission guard runs, never near its mark).
+const STORE_BUDGET: u64 = 1 << 40;
 /// The user whose echo session is warm.
 const USER: &str = "bench-user";
 /// Size of the request body of A and B.
@@ -431,9 +434,13 @@ impl Bench {
             .await;
         // The cluster's front, with the per-user rate limit out of reach (see the module docs).
         let front_client = connect(&cluster.nats, Role::Front).await;
+        // With a store budget, as production runs: admission's fleet-wide guard is on (far from its mark).
         let store = Store::open(
             async_nats::jetstream::new(front_client.clone()),
-            StoreSettings::default(),
+            StoreSettings {
+                job_store_max_bytes: STORE_BUDGET,
+                ..StoreSettings::default()
+            },
         )
         .await
         .unwrap();
