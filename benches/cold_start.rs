@@ -373,7 +373,7 @@ impl Bench {
             .plan(
                 noop_cgroup.as_ref(),
                 &space,
-                fleet_worker::sandbox::command_paths(&native.dir, &native.argv),
+                &fleet_worker::sandbox::command_paths(&native.dir, &native.argv),
             )
             .unwrap();
         let rt = tokio::runtime::Builder::new_multi_thread()

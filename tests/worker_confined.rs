@@ -35,6 +35,8 @@ fn python_dir() -> PathBuf {
 struct Hostile {
     pool: Pool,
     sandbox: Sandbox,
+    /// The worker's id (its cgroups and its stubs' seats are named after it).
+    worker_id: String,
     _root: tempfile::TempDir,
 }
 
@@ -46,7 +48,7 @@ impl Drop for Hostile {
 
 /// Where a test's state and catalogue live: under `/tmp` (development and tests: the private `/tmp` must
 /// mount the session's own paths back) or outside it (a production layout).
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 enum Layout {
     UnderTmp,
     OutsideTmp,
@@ -157,7 +159,11 @@ fn hostile_worker_with(name: &str, layout: Layout, configure: impl FnOnce(&mut W
     for p in [root.path(), catalogue.as_path()] {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755)).unwrap();
     }
-    let mut config = test_config(&format!("cf-{name}"));
+    // Unique within this process too: under `cargo test` every test's worker lives in it, and a worker removes
+    // its cgroup subtree (named after its id) when it is dropped.
+    static WORKERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = WORKERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut config = test_config(&format!("cf-{name}{n}"));
     config.catalogue_dir = catalogue;
     config.state_dir = root.path().join("state");
     configure(&mut config);
@@ -165,6 +171,7 @@ fn hostile_worker_with(name: &str, layout: Layout, configure: impl FnOnce(&mut W
     assert!(problems.is_empty(), "{problems:?}");
     let sandbox = Sandbox::new(&config).expect("sandbox (cgroups, namespaces, as root)");
     assert_eq!(sandbox.confinement(), (true, true));
+    let worker_id = config.worker_id.clone();
     let ctx = WorkerContext {
         config: Arc::new(config),
         sandbox: sandbox.clone(),
@@ -175,6 +182,7 @@ fn hostile_worker_with(name: &str, layout: Layout, configure: impl FnOnce(&mut W
     Hostile {
         pool: Pool::new(ctx, Arc::new(catalogue)),
         sandbox,
+        worker_id,
         _root: root,
     }
 }
@@ -250,6 +258,40 @@ async fn both_dialects_lose(tool_id: &str, layout: Layout, start: Start) {
     std::fs::write(sibling_tmp.join("secret"), "sibling's").unwrap();
     let marker = PathBuf::from(format!("/tmp/fleet-confine-marker-{}", std::process::id()));
     std::fs::write(&marker, "host /tmp").unwrap();
+    // Every world-writable directory of the host — the usual ones, and one an operator left open outside /tmp
+    // — and the host's /dev/shm, holding a marker.
+    let left_open = tempfile::tempdir_in("/var/tmp").unwrap();
+    std::fs::set_permissions(left_open.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let mut shared: Vec<PathBuf> = ["/var/tmp", "/run/lock", "/var/lock"]
+        .iter()
+        .filter_map(|d| std::fs::canonicalize(d).ok())
+        .filter(|d| std::fs::metadata(d).is_ok_and(|m| m.is_dir() && m.permissions().mode() & 0o002 != 0))
+        .collect();
+    shared.push(left_open.path().to_path_buf());
+    shared.sort();
+    shared.dedup();
+    // Tests of this file run at once: a name of this one's own.
+    let name = format!(
+        "fleet-confine-{}-{tool_id}-{layout:?}-{start:?}",
+        std::process::id()
+    );
+    let shm_marker = PathBuf::from(format!("/dev/shm/{name}-host"));
+    let host_shm = Path::new("/dev/shm").is_dir();
+    if host_shm {
+        std::fs::write(&shm_marker, "host shm").unwrap();
+    }
+    let space = w.sandbox.user_space("alice", tool_id).unwrap();
+    let own = [
+        space.tmpdir.join(&name),
+        space.workspace.join(&name),
+        Path::new("/tmp").join(&name),
+        Path::new("/dev/shm").join(&name),
+    ];
+    let creates: Vec<PathBuf> = shared
+        .iter()
+        .map(|d| d.join(&name))
+        .chain(own.iter().cloned())
+        .collect();
     if start == Start::Stub {
         assert!(
             eventually(GUARD, || w.sandbox.stubs_ready() > 0).await,
@@ -267,10 +309,12 @@ async fn both_dialects_lose(tool_id: &str, layout: Layout, start: Start) {
             "pids": [sibling_pid, bob_pid, std::process::id(), 1],
             "read": [sibling_tmp.join("secret"), sibling_tmp, format!("/proc/{sibling_pid}/fd/0")],
             "write": [format!("/proc/{sibling_pid}/fd/1"), format!("/proc/{bob_pid}/fd/1")],
+            "create": creates,
         }),
     )
     .await;
     let _ = std::fs::remove_file(&marker);
+    let _ = std::fs::remove_file(&shm_marker);
     // The attacker was started the way the test says.
     let expected = claims + u64::from(start == Start::Stub);
     assert_eq!(w.sandbox.stub_claims(), expected, "{start:?}");
@@ -327,6 +371,26 @@ async fn both_dialects_lose(tool_id: &str, layout: Layout, start: Start) {
         .collect();
     assert!(
         !tmp.contains(&marker.file_name().unwrap().to_str().unwrap()),
+        "{report}"
+    );
+    // Files: the host is read-only, every world-writable directory of it included; the plugin writes only to
+    // its own TMPDIR and workspace and its private /tmp and /dev/shm, where the host's marker is not.
+    for dir in &shared {
+        assert_eq!(
+            report["create"][dir.join(&name).display().to_string()],
+            "EROFS",
+            "{report}"
+        );
+    }
+    for path in &own {
+        assert_eq!(report["create"][path.display().to_string()], "ok", "{report}");
+    }
+    assert!(
+        !report["shm"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f.as_str() == shm_marker.file_name().and_then(|n| n.to_str())),
         "{report}"
     );
     // seccomp: no user namespace, no mount, no ptrace, no chroot.
@@ -832,9 +896,14 @@ async fn a_broken_stub_program_falls_back_to_direct_spawns() {
     w.pool.shutdown().await;
 }
 
-/// The pids of this test process's waiting sandbox stubs (its children started with the stub argument).
-fn waiting_stubs() -> Vec<u32> {
+/// The pids of `w`'s waiting sandbox stubs: children of this test process started with the stub argument, in
+/// cgroups named after `w`'s worker.
+fn waiting_stubs(w: &Hostile) -> Vec<u32> {
     let me = std::process::id();
+    // This worker's only: under `cargo test` the other tests' workers live in this process too.
+    let ours = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/cgroup")).is_ok_and(|c| c.contains(&w.worker_id))
+    };
     let mut pids = Vec::new();
     for entry in std::fs::read_dir("/proc").unwrap().flatten() {
         let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
@@ -851,7 +920,7 @@ fn waiting_stubs() -> Vec<u32> {
         let is_stub = cmdline
             .split(|b| *b == 0)
             .any(|arg| arg == fleet_worker::sandbox::STUB_ARG.as_bytes());
-        if ppid == Some(me) && is_stub && alive(pid) {
+        if ppid == Some(me) && is_stub && alive(pid) && ours(pid) {
             pids.push(pid);
         }
     }
@@ -939,7 +1008,7 @@ async fn killed_waiting_stubs_fall_back_to_a_direct_spawn() {
     });
     w.sandbox.start_stubs();
     assert!(eventually(GUARD, || w.sandbox.stubs_ready() == 2).await);
-    let stubs = waiting_stubs();
+    let stubs = waiting_stubs(&w);
     assert_eq!(stubs.len(), 2, "{stubs:?}");
     for pid in &stubs {
         rustix::process::kill_process(
@@ -955,7 +1024,7 @@ async fn killed_waiting_stubs_fall_back_to_a_direct_spawn() {
     // The pool refills with live stubs, and the next session starts from one.
     assert!(
         eventually(GUARD, || w.sandbox.stubs_ready() > 0
-            && !waiting_stubs().is_empty())
+            && !waiting_stubs(&w).is_empty())
         .await
     );
     let s = w.pool.prewarm("gina", "sibling", GUARD).await.unwrap();
@@ -974,7 +1043,7 @@ async fn a_worker_that_stops_leaves_no_stub_behind() {
     });
     w.sandbox.start_stubs();
     assert!(eventually(GUARD, || w.sandbox.stubs_ready() == 2).await);
-    let mut stubs = waiting_stubs();
+    let mut stubs = waiting_stubs(&w);
     assert_eq!(stubs.len(), 2, "{stubs:?}");
     // A session takes one: the pool starts its replacement while it stops.
     let s = w.pool.prewarm("hana", "sibling", GUARD).await.unwrap();
@@ -998,6 +1067,6 @@ async fn a_worker_that_stops_leaves_no_stub_behind() {
         children_left.is_empty(),
         "stubs left after the shutdown: {children_left:?}"
     );
-    assert!(waiting_stubs().is_empty(), "{:?}", waiting_stubs());
+    assert!(waiting_stubs(&w).is_empty(), "{:?}", waiting_stubs(&w));
     assert_eq!(w.sandbox.stubs_ready(), 0);
 }

@@ -1,9 +1,10 @@
 """What a hostile plugin tries against its confinement, for both dialects' fixtures (stdlib only).
 
 ``probe(request)`` takes ``{"connect": ["host:port", ...], "pids": [int, ...], "read": [path, ...],
-"write": [path, ...]}`` and reports, without raising, what each attempt gave: ``"ok"`` or the errno name
-(``ECONNREFUSED``, ``ENETUNREACH``, ``EACCES``, ``ENOENT``, ``EPERM``, ...). It also reports its own uid, how
-many processes ``/proc`` shows and how many of them belong to another uid, what ``/tmp`` holds, and what
+"write": [path, ...], "create": [path, ...]}`` and reports, without raising, what each attempt gave: ``"ok"`` or
+the errno name (``ECONNREFUSED``, ``ENETUNREACH``, ``EACCES``, ``ENOENT``, ``EPERM``, ``EROFS``, ...); a file it
+creates it removes again. It also reports its own uid, how many processes ``/proc`` shows and how many of them
+belong to another uid, what ``/tmp`` and ``/dev/shm`` hold, and what
 ``unshare(CLONE_NEWUSER)``, ``mount``, ``ptrace(PTRACE_TRACEME)`` and ``chroot`` return.
 
 Egress: ``"tunnel": ["host:port", ...]`` asks the proxy named by ``HTTPS_PROXY`` for a ``CONNECT`` to each target
@@ -132,11 +133,22 @@ def probe(req):
         except OSError as e:
             writes[path] = _err(e)
     out["write"] = writes
+    creates = {}
+    for path in req.get("create") or []:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            os.close(fd)
+            os.unlink(path)
+            creates[path] = "ok"
+        except OSError as e:
+            creates[path] = _err(e)
+    out["create"] = creates
 
-    try:
-        out["tmp"] = sorted(os.listdir("/tmp"))
-    except OSError as e:
-        out["tmp"] = _err(e)
+    for key, path in (("tmp", "/tmp"), ("shm", "/dev/shm")):
+        try:
+            out[key] = sorted(os.listdir(path))
+        except OSError as e:
+            out[key] = _err(e)
 
     libc = ctypes.CDLL(None, use_errno=True)
     out["unshare_newuser"] = _libc_call(libc.unshare, ctypes.c_int(CLONE_NEWUSER))

@@ -14,14 +14,16 @@
 //!   "equivalent" of a PID namespace the issue allows, chosen because a PID namespace makes the plugin pid 1
 //!   (it must reap orphans, and ignores `SIGTERM` it has no handler for) or needs an init process per session;
 //!   the cgroup already gives the tree kill a PID namespace would add.
-//! - **Files**: the mount namespace is private (nothing propagates back to the node). `/tmp` is a new tmpfs
-//!   (`confinement.tmp_bytes`, charged to the session's memory cgroup), so plugins of different uids share no
-//!   scratch space. Paths the session needs that happen to live under `/tmp` (its install, the directories of
-//!   its command's absolute paths, its TMPDIR and workspace — common in tests and development, never in a
-//!   production layout) are mounted back at the same paths. Everything else keeps its host permissions: the
-//!   worker's state, keys and credentials are root-owned and unreadable to plugin uids (tested).
-//!   A read-only bind of the install was considered and left out: installs are root-owned and not writable by
-//!   plugin uids already, and every extra mount is paid at every spawn.
+//! - **Files**: the mount namespace is private (nothing propagates back to the node), and every host mount in it
+//!   is read-only (`mount_setattr(2)`, recursively from `/`): a plugin writes only to its own TMPDIR and
+//!   workspace (bound back writable), a new tmpfs on `/tmp` and another on `/dev/shm` (`confinement.tmp_bytes`
+//!   each, charged to the session's memory cgroup) and its private `/proc`. So no world-writable directory of
+//!   the host (`/var/tmp`, the host's `/dev/shm`, `/run/lock`, one an operator left open) is shared between
+//!   plugins of different uids, none can fill a host disk or leave a file behind outside its own directories.
+//!   Paths the session needs that happen to live under `/tmp` (its install, the directories of its command's
+//!   absolute paths, its TMPDIR and workspace — common in tests and development, never in a production layout)
+//!   are mounted back at the same paths, read-only unless they hold the TMPDIR or workspace. Permissions apply on
+//!   top: the worker's state, keys and credentials are root-owned and unreadable to plugin uids (tested).
 //! - **IPC and host name**: new IPC and UTS namespaces (no System V objects or message queues shared).
 //! - **System calls**: the [`seccomp`](super::seccomp) profile.
 
@@ -57,6 +59,9 @@ pub(crate) struct Namespaces {
     pub(crate) tmp_root: CString,
     pub(crate) tmp_options: CString,
     pub(crate) kept: Vec<Kept>,
+    /// The session's writable directories outside `/tmp` (its TMPDIR and workspace in a production layout):
+    /// bound back writable over the read-only host view. Canonical, each once.
+    pub(crate) writable: Vec<CString>,
     /// The network namespace to join (an egress-granted session's, or an empty one from the pool); `None`: the
     /// spawn hook unshares a new one.
     pub(crate) join_net: Option<Arc<NetNs>>,
@@ -71,6 +76,8 @@ pub(crate) struct Kept {
     pub(crate) parents: Vec<CString>,
     /// A directory (else a file: the mount point is an empty file).
     pub(crate) is_dir: bool,
+    /// Mounted writable (it is or holds a writable directory of the session), else read-only.
+    pub(crate) writable: bool,
 }
 
 /// Why a plugin cannot be confined as configured.
@@ -91,32 +98,48 @@ pub enum ConfineError {
     Nul,
 }
 
-/// The namespace plan for a session whose paths are `paths` (install dir, command paths, TMPDIR, workspace;
-/// missing ones are skipped), with a private `/tmp` of `tmp_bytes`.
-pub(crate) fn namespaces(paths: &[PathBuf], tmp_bytes: u64) -> Result<Namespaces, ConfineError> {
+/// The namespace plan for a session whose paths are `paths` (install dir, command paths; missing ones are
+/// skipped) and whose writable directories are `writable` (TMPDIR, workspace: kept too), with a private `/tmp`
+/// and `/dev/shm` of `tmp_bytes` each.
+pub(crate) fn namespaces(
+    paths: &[PathBuf],
+    writable: &[PathBuf],
+    tmp_bytes: u64,
+) -> Result<Namespaces, ConfineError> {
     let tmp_root = std::fs::canonicalize("/tmp").unwrap_or_else(|_| PathBuf::from("/tmp"));
-    let candidates: Vec<(PathBuf, bool)> = paths
-        .iter()
-        .filter_map(|p| {
-            let canonical = std::fs::canonicalize(p).ok()?;
-            let is_dir = std::fs::metadata(&canonical).ok()?.is_dir();
-            Some((canonical, is_dir))
-        })
-        .collect();
-    let kept = kept_paths(&tmp_root, &candidates)?;
+    let existing = |p: &PathBuf| {
+        let canonical = std::fs::canonicalize(p).ok()?;
+        let is_dir = std::fs::metadata(&canonical).ok()?.is_dir();
+        Some((canonical, is_dir))
+    };
+    let writable: Vec<PathBuf> = writable.iter().filter_map(existing).map(|(p, _)| p).collect();
+    let candidates: Vec<(PathBuf, bool)> = paths.iter().chain(&writable).filter_map(existing).collect();
+    let kept = kept_paths(&tmp_root, &candidates, &writable)?;
     let c = |s: &[u8]| CString::new(s).map_err(|_| ConfineError::Nul);
+    let mut outside: Vec<&PathBuf> = writable.iter().filter(|p| !p.starts_with(&tmp_root)).collect();
+    outside.sort();
+    outside.dedup();
     Ok(Namespaces {
         proc_options: c(PROC_OPTIONS.as_bytes())?,
         tmp_root: c(tmp_root.as_os_str().as_bytes())?,
         tmp_options: c(format!("size={tmp_bytes},mode=1777").as_bytes())?,
         kept,
+        writable: outside
+            .into_iter()
+            .map(|p| c(p.as_os_str().as_bytes()))
+            .collect::<Result<_, _>>()?,
         join_net: None,
     })
 }
 
 /// The paths of `candidates` (canonical, with "is a directory") strictly beneath `tmp_root`, without those
-/// beneath another kept one, each with the ancestors to create.
-pub(crate) fn kept_paths(tmp_root: &Path, candidates: &[(PathBuf, bool)]) -> Result<Vec<Kept>, ConfineError> {
+/// beneath another kept one, each with the ancestors to create; writable when one of `writable` (canonical) is
+/// it or lies beneath it.
+pub(crate) fn kept_paths(
+    tmp_root: &Path,
+    candidates: &[(PathBuf, bool)],
+    writable: &[PathBuf],
+) -> Result<Vec<Kept>, ConfineError> {
     let mut under: Vec<&(PathBuf, bool)> = candidates
         .iter()
         .filter(|(p, _)| p.starts_with(tmp_root) && p.as_path() != tmp_root)
@@ -149,6 +172,7 @@ pub(crate) fn kept_paths(tmp_root: &Path, candidates: &[(PathBuf, bool)]) -> Res
                 path: c(path)?,
                 parents: parents.into_iter().map(c).collect::<Result<_, _>>()?,
                 is_dir: *is_dir,
+                writable: writable.iter().any(|w| w.starts_with(path)),
             })
         })
         .collect()
@@ -219,6 +243,7 @@ mod tests {
                 (PathBuf::from("/tmp/tmpfile"), false),
                 (PathBuf::from("/tmpx/other"), true),
             ],
+            &[PathBuf::from("/tmp/t1/data/state/users/k/tmp/echo")],
         )
         .unwrap();
         let paths: Vec<&str> = kept.iter().map(|k| s(&k.path)).collect();
@@ -230,6 +255,9 @@ mod tests {
         assert_eq!(parents, ["/tmp/t1", "/tmp/t1/data"]);
         assert!(kept[2].parents.is_empty());
         assert!(!kept[2].is_dir);
+        // Only the one holding a writable directory is mounted writable.
+        let writable: Vec<bool> = kept.iter().map(|k| k.writable).collect();
+        assert_eq!(writable, [true, false, false]);
     }
 
     #[test]
@@ -238,10 +266,10 @@ mod tests {
             .map(|i| (PathBuf::from(format!("/tmp/d{i}")), true))
             .collect();
         assert!(matches!(
-            kept_paths(Path::new("/tmp"), &many),
+            kept_paths(Path::new("/tmp"), &many, &[]),
             Err(ConfineError::TooManyKept { count, .. }) if count == MAX_KEPT + 1
         ));
-        assert!(kept_paths(Path::new("/tmp"), &many[..MAX_KEPT]).is_ok());
+        assert!(kept_paths(Path::new("/tmp"), &many[..MAX_KEPT], &[]).is_ok());
     }
 
     #[test]

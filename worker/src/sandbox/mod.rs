@@ -283,7 +283,7 @@ impl Sandbox {
         &self,
         cgroup: Option<&SessionCgroup>,
         space: &UserSpace,
-        paths: Vec<PathBuf>,
+        paths: &[PathBuf],
     ) -> Result<SpawnPlan, SandboxError> {
         self.plan_with(cgroup, space, paths, false)
     }
@@ -294,7 +294,7 @@ impl Sandbox {
         &self,
         cgroup: Option<&SessionCgroup>,
         space: &UserSpace,
-        mut paths: Vec<PathBuf>,
+        paths: &[PathBuf],
         egress: bool,
     ) -> Result<SpawnPlan, SandboxError> {
         let plan = SpawnPlan::for_user(cgroup, space);
@@ -303,11 +303,11 @@ impl Sandbox {
         };
         let mut env = Vec::new();
         let namespaces = if base.namespaces {
-            paths.push(space.tmpdir.clone());
-            paths.push(space.workspace.clone());
-            let mut ns = confine::namespaces(&paths, base.tmp_bytes).map_err(|e| SandboxError::Config {
-                reason: e.to_string(),
-            })?;
+            let writable = [space.tmpdir.clone(), space.workspace.clone()];
+            let mut ns =
+                confine::namespaces(paths, &writable, base.tmp_bytes).map_err(|e| SandboxError::Config {
+                    reason: e.to_string(),
+                })?;
             if let (true, Some(policy)) = (egress, &self.inner.egress) {
                 let (policy, counters) = (policy.clone(), self.inner.egress_counters.clone());
                 let net = NetNs::egress(EGRESS_PROXY_PORT, move |listener| {
@@ -425,7 +425,7 @@ impl Sandbox {
             Some((cgroup, stub)) => (Some(cgroup), Some(stub)),
             None => (self.create_session(&space.user_key, &name, limits)?, None),
         };
-        match self.plan_with(cgroup.as_ref(), &space, command_paths(dir, argv), egress) {
+        match self.plan_with(cgroup.as_ref(), &space, &command_paths(dir, argv), egress) {
             Ok(plan) => Ok(Prepared {
                 space,
                 cgroup,
@@ -689,7 +689,7 @@ fn prepare_confinement(config: &WorkerConfig, seats: seat::SeatPlan) -> Result<C
     }
     // The session-independent namespace plan: the confinement probe's, and what every stub sets up.
     let base_ns = if c.namespaces {
-        Some(confine::namespaces(&[], c.tmp_bytes).map_err(|e| unavailable(e.to_string()))?)
+        Some(confine::namespaces(&[], &[], c.tmp_bytes).map_err(|e| unavailable(e.to_string()))?)
     } else {
         None
     };

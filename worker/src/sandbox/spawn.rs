@@ -1,8 +1,9 @@
 //! Spawning a plugin into its session (and a helper process tied to its parent's life): with `netns.rs` (an
 //! egress namespace's `unshare` on a thread of its own, and the loopback ioctls both use) and `stub.rs` (a
 //! stub taking its status descriptor), the only code of this crate allowed to use `unsafe`. The namespace and
-//! mount steps ([`enter_namespaces`], [`mount_private_proc_and_tmp`], [`mount_back`]) serve both the spawn hook
-//! and the sandbox stubs (`stub.rs`), so a plugin is confined the same way whichever started it.
+//! mount steps ([`enter_namespaces`], [`mount_private_proc_and_tmp`], [`seal_host`], [`mount_back`],
+//! [`bind_writable`]) serve both the spawn hook and the sandbox stubs (`stub.rs`), so a plugin is confined the
+//! same way whichever started it.
 //!
 //! [`apply`] installs a `pre_exec` hook on a [`tokio::process::Command`]. The hook runs in the child between
 //! `fork` and `exec` and does, in this order:
@@ -24,8 +25,9 @@
 //!
 //! The `pre_exec` calls: [`apply`]'s (plugins), [`die_with_parent`]'s (helpers such as `fleet up`'s
 //! nats-server: one `prctl(PR_SET_PDEATHSIG)` and one `getppid`) and [`pass_fd`]'s (a stub's status pipe: one
-//! `fcntl`); besides them, the confinement probe's `fork`/`_exit`/`waitpid` and [`enter_namespaces`]'s
-//! `unshare` (no `CLONE_FILES`). The first is the call to
+//! `fcntl`); besides them, the confinement probe's `fork`/`_exit`/`waitpid`, [`enter_namespaces`]'s
+//! `unshare` (no `CLONE_FILES`) and [`set_read_only`]'s `mount_setattr(2)` (rustix has no wrapper: one raw
+//! `syscall` with a stack `struct mount_attr`, no allocation, no lock). The first is the call to
 //! `tokio::process::Command::pre_exec`. It is `unsafe` because the closure runs in a
 //! forked copy of a multi-threaded process, where only one thread exists and any lock another thread held at fork
 //! time stays locked forever; the closure must therefore only make async-signal-safe calls — in particular no
@@ -67,7 +69,7 @@
 
 use std::ffi::{CStr, CString};
 use std::io;
-use std::os::fd::{AsFd as _, OwnedFd};
+use std::os::fd::{AsFd as _, AsRawFd as _, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -160,6 +162,7 @@ impl SpawnPlan {
                 relative,
                 parents: k.parents.iter().map(|p| text(p)).collect::<Option<_>>()?,
                 is_dir: k.is_dir,
+                writable: k.writable,
                 path,
             });
         }
@@ -169,6 +172,7 @@ impl SpawnPlan {
             gid: self.gid,
             groups: self.groups.iter().map(|g| g.as_raw()).collect(),
             kept,
+            writable: ns.writable.iter().map(|p| text(p)).collect::<Option<_>>()?,
             argv: argv.to_vec(),
             env: env.to_vec(),
             cwd: dir.to_str()?.to_owned(),
@@ -404,6 +408,7 @@ fn namespaces_child(confine: &Confinement) -> io::Result<()> {
         )?);
     }
     mount_private_proc_and_tmp(&ns.proc_options, &ns.tmp_root, &ns.tmp_options)?;
+    seal_host(&ns.tmp_root)?;
     for (slot, kept) in held.iter_mut().zip(ns.kept.iter()) {
         if let Some(tree) = slot.take() {
             mount_back(
@@ -411,8 +416,12 @@ fn namespaces_child(confine: &Confinement) -> io::Result<()> {
                 kept.path.as_c_str(),
                 kept.parents.iter().map(CString::as_c_str),
                 kept.is_dir,
+                kept.writable,
             )?;
         }
+    }
+    for path in &ns.writable {
+        bind_writable(path.as_c_str())?;
     }
     Ok(())
 }
@@ -441,8 +450,12 @@ pub(super) fn enter_namespaces(new_net: bool) -> io::Result<()> {
     Ok(())
 }
 
-/// The private `/proc` (mounted with `proc_options`: other uids' processes hidden) and a tmpfs on `tmp_root`,
-/// in the caller's own mount namespace ([`enter_namespaces`]). Allocation-free.
+/// Where POSIX shared memory lives; a private tmpfs covers it (when the host has it).
+const SHM_DIR: &CStr = c"/dev/shm";
+
+/// The private `/proc` (mounted with `proc_options`: other uids' processes hidden), a tmpfs on `tmp_root` and
+/// another on `/dev/shm` (both with `tmp_options`; `/dev/shm` only where the host has it), in the caller's own
+/// mount namespace ([`enter_namespaces`]). Allocation-free.
 pub(super) fn mount_private_proc_and_tmp(
     proc_options: &CStr,
     tmp_root: &CStr,
@@ -455,25 +468,105 @@ pub(super) fn mount_private_proc_and_tmp(
         MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
         proc_options,
     )?;
-    mount(
-        c"tmpfs",
-        tmp_root,
-        c"tmpfs",
-        MountFlags::NOSUID | MountFlags::NODEV,
-        tmp_options,
+    for dir in [tmp_root, SHM_DIR] {
+        match mount(
+            c"tmpfs",
+            dir,
+            c"tmpfs",
+            MountFlags::NOSUID | MountFlags::NODEV,
+            tmp_options,
+        ) {
+            Err(rustix::io::Errno::NOENT) if dir == SHM_DIR => {}
+            other => other?,
+        }
+    }
+    Ok(())
+}
+
+/// `struct mount_attr` of `<linux/mount.h>` (`MOUNT_ATTR_SIZE_VER0`).
+#[repr(C)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+/// `MOUNT_ATTR_RDONLY`.
+const MOUNT_ATTR_RDONLY: u64 = 0x1;
+
+/// Makes the mount at `path` (relative to `dir`; `dir` itself, a detached tree's descriptor, with an empty
+/// path) and every mount beneath it read-only, or writable. Only the mounts' flag changes: a read-only
+/// filesystem stays read-only. Allocation-free.
+#[allow(unsafe_code)]
+pub(super) fn set_read_only(dir: BorrowedFd<'_>, path: &CStr, read_only: bool) -> io::Result<()> {
+    let attr = MountAttr {
+        attr_set: if read_only { MOUNT_ATTR_RDONLY } else { 0 },
+        attr_clr: if read_only { 0 } else { MOUNT_ATTR_RDONLY },
+        propagation: 0,
+        userns_fd: 0,
+    };
+    let empty = if path.is_empty() { libc::AT_EMPTY_PATH } else { 0 };
+    let flags = libc::AT_RECURSIVE | empty;
+    // SAFETY: mount_setattr(2) reads the NUL-terminated `path` and `size_of::<MountAttr>()` bytes of `attr`,
+    // both alive for the call, and writes nothing of this process's memory.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            dir.as_raw_fd(),
+            path.as_ptr(),
+            flags,
+            &raw const attr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Seals the host's filesystems in the caller's mount namespace: every mount read-only, recursively from `/`,
+/// then the private `/proc`, `tmp_root` and `/dev/shm` writable again (the session's own directories are bound
+/// back writable after this: [`mount_back`], [`bind_writable`]). Run after the session's cgroup was joined
+/// (`cgroup.procs` is on a host mount). Allocation-free.
+pub(super) fn seal_host(tmp_root: &CStr) -> io::Result<()> {
+    set_read_only(CWD, c"/", true)?;
+    for dir in [c"/proc", tmp_root, SHM_DIR] {
+        match set_read_only(CWD, dir, false) {
+            Err(e) if dir == SHM_DIR && e.raw_os_error() == Some(libc::ENOENT) => {}
+            other => other?,
+        }
+    }
+    Ok(())
+}
+
+/// Binds the directory `path` (outside the private `/tmp`) back over itself writable, on the sealed host
+/// ([`seal_host`]). Allocation-free.
+pub(super) fn bind_writable(path: &CStr) -> io::Result<()> {
+    let tree = open_tree(
+        CWD,
+        path,
+        OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC | OpenTreeFlags::AT_RECURSIVE,
     )?;
+    set_read_only(tree.as_fd(), c"", false)?;
+    move_mount(&tree, c"", CWD, path, MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH)?;
     Ok(())
 }
 
 /// Mounts the detached tree `tree` (a kept path's `open_tree` clone) at `path` in the private `/tmp`, after
-/// creating `parents` (outermost first) and the mount point (a directory, or an empty file). Allocation-free
-/// with `&CStr` paths.
+/// creating `parents` (outermost first) and the mount point (a directory, or an empty file); the tree is
+/// writable only when `writable` (it holds the session's TMPDIR or workspace). Allocation-free with `&CStr`
+/// paths.
 pub(super) fn mount_back<P: rustix::path::Arg + Copy>(
     tree: &OwnedFd,
     path: P,
     parents: impl IntoIterator<Item = P>,
     is_dir: bool,
+    writable: bool,
 ) -> io::Result<()> {
+    set_read_only(tree.as_fd(), c"", !writable)?;
     for dir in parents {
         mkdir_exists_ok(dir)?;
     }

@@ -12,10 +12,13 @@
 //! 2. It reads a [`Setup`] from stdin (one length-prefixed JSON message), then: `setsid`; new network, mount,
 //!    IPC and UTS namespaces (one `unshare`: this process has a single thread); `lo` up; mount propagation
 //!    private; an `O_PATH` descriptor of `/tmp` as it is, kept to reach the session's paths under it later;
-//!    a private `/proc` (`hidepid`) and a tmpfs on `/tmp`. It writes `R` on the status pipe: ready.
+//!    a private `/proc` (`hidepid`) and a tmpfs on `/tmp` and on `/dev/shm`. It writes `R` on the status pipe:
+//!    ready.
 //! 3. It blocks reading a [`Claim`]. EOF (the worker dropped it, or died) ends it quietly.
-//! 4. On a claim: join the session's cgroup in every hierarchy (`cgroup.procs` ← `0`), mount the session's
-//!    paths under `/tmp` back into its private `/tmp` (`open_tree` through the kept descriptor, `move_mount`),
+//! 4. On a claim: join the session's cgroup in every hierarchy (`cgroup.procs` ← `0`), seal the host's mounts
+//!    read-only (`spawn.rs`'s `seal_host`: only now, as `cgroup.procs` is on one of them), mount the session's
+//!    paths under `/tmp` back into its private `/tmp` (`open_tree` through the kept descriptor, `move_mount`;
+//!    writable where they hold its TMPDIR or workspace) and bind its writable directories elsewhere back writable,
 //!    drop supplementary groups and switch gid and uid (real, effective, saved), `PR_SET_NO_NEW_PRIVS`, install
 //!    the seccomp filters (last), and `exec` the plugin with the claim's argv, environment and working directory
 //!    (`std::process::Command::exec`, so the program is resolved exactly as a direct spawn resolves it). The
@@ -32,7 +35,7 @@
 //!
 //! Two blocks, both about the status descriptor the worker passed by number: checking that it is open, and
 //! taking ownership of it. The namespaces and mounts are `spawn.rs`'s own functions, shared with the direct
-//! spawn (`enter_namespaces`, `mount_private_proc_and_tmp`, `mount_back`).
+//! spawn (`enter_namespaces`, `mount_private_proc_and_tmp`, `seal_host`, `mount_back`, `bind_writable`).
 
 use std::ffi::{CString, OsStr};
 use std::io::{self, Write as _};
@@ -43,7 +46,7 @@ use rustix::fs::{Mode, OFlags};
 use rustix::mount::OpenTreeFlags;
 use rustix::process::Gid;
 
-use super::spawn::{enter_namespaces, mount_back, mount_private_proc_and_tmp};
+use super::spawn::{bind_writable, enter_namespaces, mount_back, mount_private_proc_and_tmp, seal_host};
 use super::stub_msg::{
     Claim, FAILED, FAILURE_BYTES, KeptPath, READY, STUB_ARG, STUB_PROTOCOL, Setup, Step, read_message,
 };
@@ -166,8 +169,24 @@ fn become_plugin(setup: &Setup, tmp: &OwnedFd, claim: &Claim) -> (Step, io::Erro
             return (Step::Cgroup, e);
         }
     }
+    // Sealed only now: `cgroup.procs` is on a host mount.
+    let tmp_root = match CString::new(setup.tmp_root.as_str()) {
+        Ok(t) => t,
+        Err(_) => return (Step::Message, einval()),
+    };
+    if let Err(e) = seal_host(&tmp_root) {
+        return (Step::Mounts, e);
+    }
     for kept in &claim.kept {
         if let Err(e) = mount_kept(tmp, kept) {
+            return (Step::Mounts, e);
+        }
+    }
+    for path in &claim.writable {
+        let bound = CString::new(path.as_str())
+            .map_err(|_| einval())
+            .and_then(|p| bind_writable(&p));
+        if let Err(e) = bound {
             return (Step::Mounts, e);
         }
     }
@@ -214,6 +233,7 @@ fn mount_kept(tmp: &OwnedFd, kept: &KeptPath) -> io::Result<()> {
         kept.path.as_str(),
         kept.parents.iter().map(String::as_str),
         kept.is_dir,
+        kept.writable,
     )
 }
 

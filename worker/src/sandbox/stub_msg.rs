@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 pub const STUB_ARG: &str = "__fleet-sandbox-stub";
 
 /// The version of the messages below: a stub from another build refuses a setup it was not built for.
-pub(crate) const STUB_PROTOCOL: u32 = 1;
+pub(crate) const STUB_PROTOCOL: u32 = 2;
 
 /// Largest message the stub accepts (a claim carries the plugin's argv and environment).
 pub(crate) const MAX_MESSAGE_BYTES: usize = 1024 * 1024;
@@ -50,6 +50,8 @@ pub(crate) struct Claim {
     pub(crate) groups: Vec<u32>,
     /// The session's paths under `/tmp` to mount back in.
     pub(crate) kept: Vec<KeptPath>,
+    /// The session's writable directories outside `/tmp`, bound back writable over the read-only host.
+    pub(crate) writable: Vec<String>,
     /// The plugin's command line, environment and working directory.
     pub(crate) argv: Vec<String>,
     pub(crate) env: Vec<(String, String)>,
@@ -66,6 +68,8 @@ pub(crate) struct KeptPath {
     /// Ancestors strictly between `/tmp` and it, outermost first.
     pub(crate) parents: Vec<String>,
     pub(crate) is_dir: bool,
+    /// Mounted writable, else read-only.
+    pub(crate) writable: bool,
 }
 
 /// Where a stub failed (the byte after [`FAILED`]).
@@ -167,6 +171,7 @@ mod tests {
             gid: Some(1000),
             groups: vec![],
             kept: vec![],
+            writable: vec!["/var/lib/fleet/users/k/tmp/t".into()],
             argv: vec!["/bin/true".into()],
             env: vec![("PATH".into(), "/usr/bin".into())],
             cwd: "/".into(),
