@@ -2215,3 +2215,46 @@ async fn a_nearly_full_store_refuses_new_jobs_at_its_high_water_mark() {
     }))
     .await;
 }
+
+#[tokio::test]
+async fn a_creation_retried_after_its_page_was_sealed_is_indexed_and_reserved_once() {
+    let n = nats();
+    guard(Box::pin(async {
+        // Pages of 2: the third creation seals the page holding the first job.
+        let store = n
+            .store(StoreSettings {
+                job_index_page: 2,
+                ..StoreSettings::default()
+            })
+            .await;
+        let reserve = store.settings().job_storage_reserve();
+        let u = "retrier";
+        let now = now_ms();
+        let first = record(u, "echo.run", now);
+        store.create_job(first.clone(), 5).await.expect("first");
+        for i in 1..3 {
+            store
+                .create_job(record(u, "echo.run", now + i), 5)
+                .await
+                .expect("more");
+        }
+        assert_eq!(store.stored_job_bytes(u).await.expect("account"), 3 * reserve);
+        // The first creation again, as a front retries it when it lost the answer: its slot is held, its record
+        // exists — and its index entry is in the sealed page, not the open one.
+        let err = store
+            .create_job(first.clone(), 5)
+            .await
+            .expect_err("the record exists");
+        assert!(matches!(err, StoreError::JobExists { .. }), "{err}");
+        // Indexed once, reserved once.
+        assert_eq!(store.stored_job_bytes(u).await.expect("account"), 3 * reserve);
+        let (listed, _) = list_all(&store, u, &JobFilter::default(), 10).await;
+        assert_eq!(listed.len(), 3, "{listed:?}");
+        assert_eq!(
+            listed.iter().filter(|id| **id == first.job_id).count(),
+            1,
+            "{listed:?}"
+        );
+    }))
+    .await;
+}

@@ -294,6 +294,7 @@ impl Store {
         &self,
         record: &JobRecord,
         prefetched: Result<Option<Revisioned<IndexHead>>, StoreError>,
+        retried: bool,
     ) -> Result<(), StoreError> {
         let settings = &self.inner.settings;
         let user = record.user.as_str();
@@ -320,6 +321,12 @@ impl Store {
                 None => (IndexHead::new(user, settings.job_index_page), None),
             };
             if head.open.iter().any(|e| e.id == entry.id) {
+                return Ok(());
+            }
+            // A retried creation (its slot was taken already) whose first attempt was indexed, after which the
+            // open page was sealed: the entry — and its reserve — are there already. (Two seals between the
+            // attempts, more than a page of creations within the retry, are not looked for.)
+            if retried && head.first < head.sealed && self.in_last_sealed_page(&head, &entry.id).await? {
                 return Ok(());
             }
             while head.count() >= cap {
@@ -374,6 +381,16 @@ impl Store {
                     .map_err(|c| StoreError::contended(Op::IndexJob, &key, c))?,
             }
         }
+    }
+
+    /// Whether the newest sealed page of `head`'s index lists `id`.
+    async fn in_last_sealed_page(&self, head: &IndexHead, id: &JobId) -> Result<bool, StoreError> {
+        let last = head.sealed.saturating_sub(1);
+        let page = self.read_pages(head, &[last]).await?;
+        Ok(page
+            .into_iter()
+            .flatten()
+            .any(|entries| entries.iter().any(|e| e.id == *id)))
     }
 
     /// Writes the open page as sealed page `head.sealed` and empties it (in `head`; the caller writes it).

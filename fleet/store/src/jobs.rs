@@ -66,8 +66,10 @@ impl Store {
             self.index_head(&record.user),
         );
         let acquired = acquired?;
-        let (created, indexed) =
-            tokio::join!(self.inner.jobs.create(&key, bytes), self.index_job(&record, head),);
+        let (created, indexed) = tokio::join!(
+            self.inner.jobs.create(&key, bytes),
+            self.index_job(&record, head, matches!(acquired, Acquired::Already { .. })),
+        );
         let revision = match created {
             Ok(revision) => revision,
             Err(e) => {
