@@ -616,6 +616,26 @@ fn compose_deployment_is_valid_and_wires_nats_front_workers_and_monitoring() {
             .to_string()
             .contains("--http=0.0.0.0:9090")
     );
+    // The front's store budget is what the NATS servers hold: each one's max_file_store, every replica counted.
+    let nats_conf = std::fs::read_to_string(root.join("deploy/compose/nats.conf")).unwrap();
+    let per_server_gib: u64 = nats_conf
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("max_file_store:"))
+        .and_then(|v| v.trim().strip_suffix('G'))
+        .and_then(|v| v.parse().ok())
+        .expect("nats.conf's max_file_store in G");
+    let servers = services
+        .keys()
+        .filter(|k| k.strip_prefix("nats-").is_some_and(|n| n.parse::<u32>().is_ok()))
+        .count() as u64;
+    assert!(
+        services["front"]["command"].to_string().contains(&format!(
+            "--job-store-max-bytes={}",
+            (servers * per_server_gib) << 30
+        )),
+        "{}",
+        services["front"]["command"]
+    );
     assert_eq!(prom["rule_files"][0], "/etc/prometheus/alerts.yml");
 }
 
