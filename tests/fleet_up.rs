@@ -533,6 +533,17 @@ fn fleet_up_serves_the_readme_cli_and_stops_cleanly() {
     assert!(created["deadlineMs"].as_u64().is_some());
     let job_id = created["jobId"].as_str().unwrap().to_string();
     assert!(job_id.starts_with("tjob_"), "{job_id}");
+    // Its own server's file store is capped, and admission guards the store with the same budget (a share of the
+    // disk the data dir is on; docs/operations.md "State in JetStream").
+    let (_, body) = http_get(&metrics, "/metrics");
+    let budget: u64 = body
+        .lines()
+        .find_map(|l| l.strip_prefix(r#"cloud_agents_job_store_bytes{kind="budget"} "#))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no store budget in /metrics: {body}"));
+    assert!(budget > 0, "{body}");
+    let conf = std::fs::read_to_string(up.data_dir.join("nats/nats.conf")).unwrap();
+    assert!(conf.contains(&format!("max_file_store: {budget}\n")), "{conf}");
 
     // fleet job get until it succeeded.
     let mut job = Value::Null;

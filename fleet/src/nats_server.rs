@@ -191,7 +191,7 @@ impl NatsServer {
 
     /// Like [`start`](Self::start), on a given port.
     pub fn start_on(store_dir: &Path, port: u16) -> Result<NatsServer, NatsServerError> {
-        Self::start_nodes(store_dir, &[port], false)
+        Self::start_nodes(store_dir, &[port], false, None)
     }
 
     /// Starts `size` clustered servers on loopback ([`CLUSTER_SIZES`]; 1 is [`start_on`](Self::start_on)): the
@@ -203,13 +203,24 @@ impl NatsServer {
         size: usize,
         first_port: u16,
     ) -> Result<NatsServer, NatsServerError> {
+        Self::start_cluster_with(store_dir, size, first_port, None)
+    }
+
+    /// [`start_cluster`](Self::start_cluster), each server's JetStream file store capped at `max_file_store`
+    /// bytes (`jetstream.max_file_store`; none: the server's own default).
+    pub fn start_cluster_with(
+        store_dir: &Path,
+        size: usize,
+        first_port: u16,
+        max_file_store: Option<u64>,
+    ) -> Result<NatsServer, NatsServerError> {
         if !CLUSTER_SIZES.contains(&size) {
             return Err(NatsServerError::Start(format!(
                 "a cluster has 1, 3 or 5 servers, not {size}"
             )));
         }
         if size == 1 {
-            return Self::start_on(store_dir, first_port);
+            return Self::start_nodes(store_dir, &[first_port], false, max_file_store);
         }
         let mut attempt = 1;
         loop {
@@ -220,7 +231,7 @@ impl NatsServer {
                     ports.push(p);
                 }
             }
-            match Self::start_nodes(store_dir, &ports, true) {
+            match Self::start_nodes(store_dir, &ports, true, max_file_store) {
                 Err(NatsServerError::PortsRaced(why)) if attempt < PORT_ATTEMPTS => {
                     tracing::info!(attempt, reason = %why, "a cluster port was taken; starting with other ports");
                     attempt += 1;
@@ -231,7 +242,12 @@ impl NatsServer {
         }
     }
 
-    fn start_nodes(store_dir: &Path, ports: &[u16], clustered: bool) -> Result<NatsServer, NatsServerError> {
+    fn start_nodes(
+        store_dir: &Path,
+        ports: &[u16],
+        clustered: bool,
+        max_file_store: Option<u64>,
+    ) -> Result<NatsServer, NatsServerError> {
         let bin = find()?;
         let dirs: Vec<PathBuf> = if clustered {
             (0..ports.len())
@@ -274,6 +290,9 @@ impl NatsServer {
             let mut text = format!(
                 "server_name: {server_name}\nmax_payload: {MAX_PAYLOAD}\nmax_control_line: {MAX_CONTROL_LINE}\n"
             );
+            if let Some(bytes) = max_file_store {
+                text.push_str(&format!("jetstream {{\n    max_file_store: {bytes}\n}}\n"));
+            }
             if clustered {
                 let peers: Vec<String> = routes
                     .iter()

@@ -132,7 +132,9 @@ pub struct UpArgs {
     pub max_job_bytes_per_user: u64,
     /// Bytes the FLEET account's JetStream store may hold, as the server counts them (in a cluster every replica
     /// counts): new jobs are refused (`long_job_capacity`, retriable) above 90 % of it, the rest is kept for the
-    /// work already admitted. 0 = the account's own JetStream disk limit, or no fleet-wide guard when it has none.
+    /// work already admitted; `fleet up`'s own servers get it as their file stores' cap (split between them).
+    /// 0 = with its own servers, 75 % of the disk free under the data dir at start; with --nats-url, the
+    /// account's own JetStream disk limit, or no fleet-wide guard when it has none.
     #[arg(long, env = "FLEET_JOB_STORE_MAX_BYTES", default_value_t = 0)]
     pub job_store_max_bytes: u64,
     /// Admission: requests per second per user (token bucket refill).
@@ -282,6 +284,13 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     // Metrics: one registry for the front, the sweeper and every in-process worker.
     let metrics = Arc::new(crate::metrics::FleetMetrics::new());
 
+    // The JetStream store's budget: given, or — with our own servers — a share of the disk the data dir is on,
+    // each server's file store capped at its part (each holds a replica of everything).
+    let store_budget = match (&args.nats_url, args.job_store_max_bytes) {
+        (_, given) if given > 0 => given,
+        (Some(_), _) => 0,
+        (None, _) => own_store_budget(&data_dir),
+    };
     // NATS: our own server (auth on, material in <data-dir>/nats), or the given one.
     let mut server = None;
     let url = match &args.nats_url {
@@ -294,11 +303,12 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
                 None => free_port()?,
             };
             let store = data_dir.join("nats");
-            let s = match NatsServer::start_cluster(&store, args.nats_cluster, port) {
+            let per_server = (store_budget > 0).then(|| store_budget / args.nats_cluster as u64);
+            let s = match NatsServer::start_cluster_with(&store, args.nats_cluster, port, per_server) {
                 // Another server took 4222 between the check and the start (a second `fleet up`): any free port.
                 // A port asked for by --nats-port is that port or an error.
                 Err(crate::nats_server::NatsServerError::PortTaken(_)) if args.nats_port.is_none() => {
-                    NatsServer::start_cluster(&store, args.nats_cluster, free_port()?)?
+                    NatsServer::start_cluster_with(&store, args.nats_cluster, free_port()?, per_server)?
                 }
                 other => other?,
             };
@@ -360,7 +370,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             args.nats_cluster
         }),
         max_job_bytes_per_user: args.max_job_bytes_per_user,
-        job_store_max_bytes: args.job_store_max_bytes,
+        job_store_max_bytes: store_budget,
         ..StoreSettings::default()
     };
     let js = async_nats::jetstream::new(client.clone());
@@ -674,4 +684,50 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
     }
     say("stopped");
     Ok(())
+}
+
+/// Percent of the disk free under the data dir that `fleet up`'s own NATS servers may fill with JetStream data
+/// when `--job-store-max-bytes` is not given.
+pub const OWN_STORE_DISK_PERCENT: u64 = 75;
+
+/// `fleet up`'s default JetStream budget with its own servers: [`OWN_STORE_DISK_PERCENT`] of the space free to
+/// unprivileged users on `dir`'s filesystem now; 0 (no guard) when that cannot be read, or is too small to hold a
+/// job's reserve under the admission mark.
+fn own_store_budget(dir: &std::path::Path) -> u64 {
+    let free = rustix::fs::statvfs(dir)
+        .map(|s| s.f_bavail.saturating_mul(s.f_frsize))
+        .unwrap_or(0);
+    store_budget_of_free(free)
+}
+
+/// [`own_store_budget`] for `free` bytes.
+fn store_budget_of_free(free: u64) -> u64 {
+    let budget =
+        u64::try_from(u128::from(free) * u128::from(OWN_STORE_DISK_PERCENT) / 100).unwrap_or(u64::MAX);
+    if fleet_store::fill::high_water(budget) >= StoreSettings::default().job_storage_reserve() {
+        budget
+    } else {
+        0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_own_servers_budget_is_three_quarters_of_the_free_disk_or_none() {
+        assert_eq!(OWN_STORE_DISK_PERCENT, 75);
+        assert_eq!(store_budget_of_free(40 << 30), 30 << 30);
+        assert_eq!(store_budget_of_free(u64::MAX), 13_835_058_055_282_163_711);
+        // Too small to admit one job under the mark: no guard rather than a fleet that refuses every job.
+        let reserve = StoreSettings::default().job_storage_reserve();
+        let mut free = reserve;
+        while fleet_store::fill::high_water(free * 3 / 4) < reserve {
+            free += 1;
+        }
+        assert_eq!(store_budget_of_free(free), free * 3 / 4);
+        assert_eq!(store_budget_of_free(free - 1), 0);
+        assert_eq!(store_budget_of_free(0), 0);
+    }
 }

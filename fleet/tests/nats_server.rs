@@ -53,3 +53,43 @@ fn a_server_left_on_the_store_is_named_not_duplicated() {
     let mut server = NatsServer::start(&store).expect("a server once the leftover is gone");
     server.stop();
 }
+
+/// `fleet up` caps its own servers' file stores (`start_cluster_with`): past the cap, JetStream refuses writes —
+/// the limit the front's store budget is derived from is really the server's.
+#[tokio::test]
+async fn a_server_given_a_file_store_cap_refuses_writes_beyond_it() {
+    const CAP: u64 = 4 << 20;
+    const VALUE: usize = 256 << 10;
+    let dir = tempfile::tempdir().unwrap();
+    let server = NatsServer::start_cluster_with(dir.path(), 1, free_port().unwrap(), Some(CAP)).unwrap();
+    let client = server.connect(fleet_client::creds::Role::Front).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let kv = js
+        .create_key_value(async_nats::jetstream::kv::Config {
+            bucket: "capped".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let value = bytes::Bytes::from(vec![b'x'; VALUE]);
+    let mut written = 0_u64;
+    let refused = loop {
+        match kv.put(format!("k{written}"), value.clone()).await {
+            Ok(_) => written += 1,
+            Err(e) => break e,
+        }
+        assert!(
+            written * VALUE as u64 <= CAP,
+            "{written} values of {VALUE} bytes stored under a cap of {CAP}"
+        );
+    };
+    // Refused for the cap (JetStream's "insufficient resources", 10023), once the store is at it.
+    assert!(
+        format!("{refused:?}").contains("insufficient resources"),
+        "{refused:?}"
+    );
+    assert!(
+        written * VALUE as u64 > CAP - 2 * VALUE as u64,
+        "refused at {written} values, far under the cap: {refused:?}"
+    );
+}
