@@ -702,9 +702,8 @@ fn own_store_budget(dir: &std::path::Path) -> u64 {
 
 /// [`own_store_budget`] for `free` bytes.
 fn store_budget_of_free(free: u64) -> u64 {
-    let budget =
-        u64::try_from(u128::from(free) * u128::from(OWN_STORE_DISK_PERCENT) / 100).unwrap_or(u64::MAX);
-    if fleet_store::fill::high_water(budget) >= StoreSettings::default().job_storage_reserve() {
+    let budget = fleet_store::fill::percent_of(free, OWN_STORE_DISK_PERCENT);
+    if StoreSettings::default().store_budget_holds_a_job(budget) {
         budget
     } else {
         0

@@ -21,13 +21,19 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
+use fleet_proto::util::lock;
+
 use crate::settings::STORE_HIGH_WATER_PERCENT;
 use crate::{Op, Store, StoreError};
 
+/// `percent` % of `bytes`, rounded down, without overflow.
+pub fn percent_of(bytes: u64, percent: u64) -> u64 {
+    u64::try_from(u128::from(bytes) * u128::from(percent) / 100).unwrap_or(u64::MAX)
+}
+
 /// The high-water mark of a budget: [`STORE_HIGH_WATER_PERCENT`] of it, rounded down.
 pub fn high_water(budget: u64) -> u64 {
-    let mark = u128::from(budget) * u128::from(STORE_HIGH_WATER_PERCENT) / 100;
-    u64::try_from(mark).unwrap_or(u64::MAX)
+    percent_of(budget, STORE_HIGH_WATER_PERCENT)
 }
 
 /// Whether a job reserving `reserve` bytes is admitted when the store holds `used` bytes and this replica admitted
@@ -56,15 +62,6 @@ pub(crate) struct Fill {
     /// When the last reading was taken; `None` before the first.
     read_at: Mutex<Option<Instant>>,
     refreshing: AtomicBool,
-}
-
-impl Fill {
-    fn read_at(&self) -> Option<Instant> {
-        *self
-            .read_at
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
 }
 
 impl Store {
@@ -99,10 +96,7 @@ impl Store {
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
                 Some(p.saturating_sub(counted))
             });
-        *fill
-            .read_at
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now());
+        *lock(&fill.read_at) = Some(Instant::now());
         Ok(self.fill())
     }
 
@@ -121,7 +115,8 @@ impl Store {
     /// background when it is older than the settings' `store_fill_refresh`.
     pub(crate) async fn check_fill(&self, reserve: u64) -> Result<(), StoreError> {
         let fill = &self.inner.fill;
-        match fill.read_at() {
+        let read_at = *lock(&fill.read_at);
+        match read_at {
             None => {
                 self.refresh_fill().await?;
             }

@@ -342,7 +342,7 @@ impl StoreSettings {
         range(
             "job_store_max_bytes",
             u128::from(budget),
-            budget == 0 || crate::fill::high_water(budget) >= self.job_storage_reserve(),
+            budget == 0 || self.store_budget_holds_a_job(budget),
             "0 (the account's limit) or a budget whose high-water mark holds at least one job's reserve",
         )?;
         let t = self.store_fill_refresh;
@@ -353,6 +353,12 @@ impl StoreSettings {
             "≥ 1 ms",
         )?;
         Ok(())
+    }
+
+    /// Whether a JetStream store budget (`job_store_max_bytes`) admits at least one job: its high-water mark holds
+    /// one [`job_storage_reserve`](Self::job_storage_reserve).
+    pub fn store_budget_holds_a_job(&self, budget: u64) -> bool {
+        crate::fill::high_water(budget) >= self.job_storage_reserve()
     }
 
     /// What admitting a job reserves in its user's storage account: the largest record and a full ring of the

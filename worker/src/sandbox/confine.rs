@@ -112,8 +112,10 @@ pub(crate) fn namespaces(
         let is_dir = std::fs::metadata(&canonical).ok()?.is_dir();
         Some((canonical, is_dir))
     };
-    let writable: Vec<PathBuf> = writable.iter().filter_map(existing).map(|(p, _)| p).collect();
-    let candidates: Vec<(PathBuf, bool)> = paths.iter().chain(&writable).filter_map(existing).collect();
+    // Each path canonicalised once (a spawn's path: these are system calls).
+    let writable_dirs: Vec<(PathBuf, bool)> = writable.iter().filter_map(existing).collect();
+    let writable: Vec<PathBuf> = writable_dirs.iter().map(|(p, _)| p.clone()).collect();
+    let candidates: Vec<(PathBuf, bool)> = paths.iter().filter_map(existing).chain(writable_dirs).collect();
     let kept = kept_paths(&tmp_root, &candidates, &writable)?;
     let c = |s: &[u8]| CString::new(s).map_err(|_| ConfineError::Nul);
     let mut outside: Vec<&PathBuf> = writable.iter().filter(|p| !p.starts_with(&tmp_root)).collect();

@@ -109,8 +109,8 @@ fn run(status: OwnedFd) -> i32 {
             &io::Error::from_raw_os_error(libc::EPROTO),
         );
     }
-    let tmp = match confine(&setup) {
-        Ok(tmp) => tmp,
+    let confined = match confine(&setup) {
+        Ok(confined) => confined,
         Err(e) => return fail(&mut status, Step::Confine, &e),
     };
     if status.write_all(&[READY]).is_err() {
@@ -121,7 +121,7 @@ fn run(status: OwnedFd) -> i32 {
         Ok(None) => return 0,
         Err(e) => return fail(&mut status, Step::Message, &e),
     };
-    let (step, e) = become_plugin(&setup, &tmp, &claim);
+    let (step, e) = become_plugin(&setup, &confined, &claim);
     fail(&mut status, step, &e)
 }
 
@@ -139,8 +139,16 @@ impl io::Read for RawStdin {
     }
 }
 
-/// Step 2: the session-independent confinement. Returns the `O_PATH` descriptor of `/tmp` as it was.
-fn confine(setup: &Setup) -> io::Result<OwnedFd> {
+/// What step 2 leaves for the claim.
+struct Confined {
+    /// The `O_PATH` descriptor of `/tmp` as it was, to reach the session's paths under it.
+    tmp: OwnedFd,
+    /// `/tmp` as the worker resolves it (the setup's).
+    tmp_root: CString,
+}
+
+/// Step 2: the session-independent confinement.
+fn confine(setup: &Setup) -> io::Result<Confined> {
     let c = |s: &str| CString::new(s).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL));
     let (tmp_root, tmp_options, proc_options) = (
         c(&setup.tmp_root)?,
@@ -155,11 +163,11 @@ fn confine(setup: &Setup) -> io::Result<OwnedFd> {
         Mode::empty(),
     )?;
     mount_private_proc_and_tmp(&proc_options, &tmp_root, &tmp_options)?;
-    Ok(tmp)
+    Ok(Confined { tmp, tmp_root })
 }
 
 /// Step 4; returns only on failure.
-fn become_plugin(setup: &Setup, tmp: &OwnedFd, claim: &Claim) -> (Step, io::Error) {
+fn become_plugin(setup: &Setup, confined: &Confined, claim: &Claim) -> (Step, io::Error) {
     let einval = || io::Error::from_raw_os_error(libc::EINVAL);
     if claim.uid == Some(u32::MAX) || claim.gid == Some(u32::MAX) || claim.argv.is_empty() {
         return (Step::Message, einval());
@@ -170,15 +178,11 @@ fn become_plugin(setup: &Setup, tmp: &OwnedFd, claim: &Claim) -> (Step, io::Erro
         }
     }
     // Sealed only now: `cgroup.procs` is on a host mount.
-    let tmp_root = match CString::new(setup.tmp_root.as_str()) {
-        Ok(t) => t,
-        Err(_) => return (Step::Message, einval()),
-    };
-    if let Err(e) = seal_host(&tmp_root) {
+    if let Err(e) = seal_host(&confined.tmp_root) {
         return (Step::Mounts, e);
     }
     for kept in &claim.kept {
-        if let Err(e) = mount_kept(tmp, kept) {
+        if let Err(e) = mount_kept(&confined.tmp, kept) {
             return (Step::Mounts, e);
         }
     }
