@@ -1272,10 +1272,11 @@ async fn an_interpreter_the_plugins_cannot_execute_is_reported_at_load_and_its_s
     w.pool.shutdown().await;
 }
 
-/// Stands in for `uv sync` (`uv` is not installed on the test machines): appends its arguments to `count`, fails
-/// while `fail` exists, waits for a line on the FIFO `<count>.gate` when there is one, and otherwise makes the
+/// Stands in for `uv sync` (the real one has a test of its own): appends its arguments to `count`, fails while
+/// `fail` exists, waits for a line on the FIFO `<count>.gate` when there is one, and otherwise makes the
 /// environment with the system's `python3` (the SDK example is stdlib-only, so an environment without packages is
-/// what `uv sync` would make of it).
+/// what `uv sync` would make of it). It runs confined like any preparation, so its switches live in the install's
+/// own directory, the only one it may write (and the only one of the test's it sees).
 fn fake_uv(
     path: &std::path::Path,
     count: &std::path::Path,
@@ -1330,13 +1331,14 @@ impl UvSetup {
             .expect("a system python3");
         let tools = w.root.path().join("uv-bin");
         std::fs::create_dir(&tools).expect("uv dir");
-        let (count, fail) = (w.root.path().join("uv-runs"), w.root.path().join("uv-fail"));
+        copy_into_catalogue(&w.config.catalogue_dir, "sdk-python");
+        let dir = w.config.catalogue_dir.join("sdk-python");
+        let (count, fail) = (dir.join(".uv-runs"), dir.join(".uv-fail"));
         fake_uv(&tools.join("uv"), &count, &fail, &python);
         before_load(&UvPaths {
             count: &count,
             fail: &fail,
         });
-        copy_into_catalogue(&w.config.catalogue_dir, "sdk-python");
         let opts = LoadOptions::with_search_path([tools.as_path(), python.parent().expect("bin dir")])
             .with_runner(Runner::of(&w.config));
         let (catalogue, problems) = Catalogue::load(&w.config.catalogue_dir, &opts).expect("catalogue");
@@ -1383,7 +1385,11 @@ async fn the_real_uv_prepares_the_sdk_example_and_it_runs_from_its_environment()
         "the real uv is missing from {}: `python3 -m pip install --prefix .tools/uv uv` (scripts/test.sh does)",
         tools.display()
     );
-    let w = TestWorker::start(test_config("uv-real"), &[]);
+    // The preparation reaches PyPI (the build back-end, hatchling) through its egress proxy, to the index hosts
+    // only; this machine's mirror lives on a range the proxy opens only when told.
+    let mut config = test_config("uv-real");
+    config.preparation.allow_cidrs = fleet_e2e::worker::index_host_ranges();
+    let w = TestWorker::start(config, &[]);
     let python = LoadOptions::with_search_path(["/usr/bin", "/bin"])
         .lookup("python3")
         .expect("a system python3");

@@ -113,6 +113,23 @@ pub mod worker {
         }
     }
 
+    /// The addresses this machine resolves the default package indexes
+    /// ([`fleet_worker::config::DEFAULT_INDEX_HOSTS`]) to, each as a range of one: a preparation's
+    /// `preparation.allow_cidrs` when it must reach them. The test machines reach PyPI through a mirror on a
+    /// documentation range (`203.0.113.0/24`), which the egress proxy refuses unless an operator opens it.
+    pub fn index_host_ranges() -> Vec<ipnet::IpNet> {
+        use std::net::ToSocketAddrs as _;
+        let mut ranges: Vec<ipnet::IpNet> = fleet_worker::config::DEFAULT_INDEX_HOSTS
+            .iter()
+            .filter_map(|host| (*host, 443).to_socket_addrs().ok())
+            .flatten()
+            .map(|addr| ipnet::IpNet::from(addr.ip()))
+            .collect();
+        ranges.sort();
+        ranges.dedup();
+        ranges
+    }
+
     /// Writes the catalogue for `plugins` under `root/catalogue`.
     pub fn write_catalogue(root: &Path, plugins: &[Plugin]) -> PathBuf {
         let dir = root.join("catalogue");

@@ -194,6 +194,52 @@ impl Default for Egress {
 /// other process shares it).
 pub const EGRESS_PROXY_PORT: u16 = 3128;
 
+/// How the one-time preparation of an install (`uv sync` and the build back-ends it runs) is confined
+/// (`worker/src/prepare.rs`). It runs package code, so it is confined like a plugin: a build uid of its own per
+/// tool and version, a cgroup with these limits, the plugins' namespaces and seccomp profile, a scrubbed
+/// environment, a mount view in which the worker's state directory and [`hidden_paths`](Self::hidden_paths) are
+/// empty, and network only through the egress proxy to [`index_hosts`](Self::index_hosts).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Preparation {
+    /// The package index hosts a preparation may reach (through the egress proxy, which still refuses private,
+    /// loopback, link-local and denied addresses); exact names, compared case-insensitively. Empty: no network
+    /// at all, and `uv` runs offline.
+    pub index_hosts: Vec<String>,
+    /// Ranges the index hosts may resolve into although the proxy refuses them by default (a mirror on a private
+    /// network). As `egress.allow_cidrs`, it never opens loopback, link-local, multicast, the worker's own
+    /// addresses or `egress.deny_cidrs` (the fleet's NATS servers among them).
+    pub allow_cidrs: Vec<ipnet::IpNet>,
+    /// The limits of a preparation's cgroup.
+    pub limits: ResourceLimits,
+    /// The longest a preparation may run before its whole tree is killed.
+    #[serde(with = "secs")]
+    pub timeout: Duration,
+    /// Directories that do not exist in a preparation's view, besides the worker's `state_dir` (which is always
+    /// hidden): the data directory, the NATS credentials' and the keys' directories. The binary that embeds the
+    /// worker fills them.
+    pub hidden_paths: Vec<PathBuf>,
+}
+
+/// The package indexes a preparation may reach by default: PyPI's index and its file host.
+pub const DEFAULT_INDEX_HOSTS: &[&str] = &["pypi.org", "files.pythonhosted.org"];
+
+impl Default for Preparation {
+    fn default() -> Self {
+        Preparation {
+            index_hosts: DEFAULT_INDEX_HOSTS.iter().map(|h| (*h).to_owned()).collect(),
+            allow_cidrs: Vec::new(),
+            limits: ResourceLimits {
+                memory_bytes: 2 * 1024 * 1024 * 1024,
+                pids_max: 512,
+                cpu_millis: 2000,
+            },
+            timeout: Duration::from_secs(600),
+            hidden_paths: Vec::new(),
+        }
+    }
+}
+
 /// The ceiling on the sum of one user's sessions on a worker: a parent cgroup per user.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -256,6 +302,8 @@ pub struct WorkerConfig {
     pub user_limits: UserLimits,
     /// Network egress granted to some plugins.
     pub egress: Egress,
+    /// How installs are prepared (`uv sync`).
+    pub preparation: Preparation,
     /// Ask the kernel (Linux >= 6.1, from the host's cgroup namespace, with namespaces on) to favor dynamic
     /// cgroup modifications: a `cgroup2` mount with `favordynmods`, made once at start in the confinement
     /// probe's private mount namespace. Without it the first move of a process into a cgroup after a quiet
@@ -319,6 +367,7 @@ impl Default for WorkerConfig {
             confinement: Confinement::default(),
             user_limits: UserLimits::default(),
             egress: Egress::default(),
+            preparation: Preparation::default(),
             favor_dynmods: true,
             sandbox_stub: None,
             env_allowlist: ["PATH", "LANG", "LC_ALL", "TZ"]

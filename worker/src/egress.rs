@@ -116,11 +116,14 @@ pub enum Refusal {
     /// A port outside `ports`.
     #[error("a port that is not allowed")]
     Port,
+    /// A host name outside the policy's host allow-list (a preparation's package indexes).
+    #[error("a host that is not allowed")]
+    Host,
 }
 
 impl Refusal {
     /// Every rule, in declaration order (the index of [`EgressCounters::refused`]).
-    pub const ALL: [Refusal; 7] = [
+    pub const ALL: [Refusal; 8] = [
         Refusal::Loopback,
         Refusal::LinkLocal,
         Refusal::Multicast,
@@ -128,6 +131,7 @@ impl Refusal {
         Refusal::Denied,
         Refusal::Private,
         Refusal::Port,
+        Refusal::Host,
     ];
 
     /// The metric label.
@@ -140,6 +144,7 @@ impl Refusal {
             Refusal::Denied => "denied",
             Refusal::Private => "private",
             Refusal::Port => "port",
+            Refusal::Host => "host",
         }
     }
 }
@@ -161,6 +166,8 @@ pub struct Policy {
     special: Vec<IpNet>,
     ports: Vec<u16>,
     max_connections: usize,
+    /// Host names a connection may name (lowercase); `None`: any name (the addresses are checked either way).
+    hosts: Option<Vec<String>>,
 }
 
 impl Policy {
@@ -176,7 +183,23 @@ impl Policy {
             special: special_ranges(),
             ports: config.ports.clone(),
             max_connections: config.max_connections,
+            hosts: None,
         })
+    }
+
+    /// The policy of `config` (its ranges and ports), reaching only the host names `hosts` (a preparation's
+    /// package indexes): a request naming any other host, or an address literal, is refused ([`Refusal::Host`]).
+    pub fn for_hosts(config: &Egress, hosts: &[String]) -> Result<Policy, PolicyError> {
+        let mut policy = Policy::new(config)?;
+        policy.hosts = Some(hosts.iter().map(|h| h.to_ascii_lowercase()).collect());
+        Ok(policy)
+    }
+
+    /// Whether a request may name `host` (as the request spelled it, brackets and all).
+    pub fn allows_host(&self, host: &str) -> bool {
+        self.hosts
+            .as_ref()
+            .is_none_or(|hosts| hosts.iter().any(|h| h.eq_ignore_ascii_case(host)))
     }
 
     /// Whether the operator granted egress to `tool_id`.
@@ -387,6 +410,9 @@ enum Outcome {
 /// Resolves `target` and connects to the first address the policy allows (the first refusal is the answer when
 /// none is allowed).
 async fn connect(target: &Target, policy: &Policy) -> Result<TcpStream, Outcome> {
+    if !policy.allows_host(&target.host) {
+        return Err(Outcome::Refused(Refusal::Host));
+    }
     let host = target.host.trim_start_matches('[').trim_end_matches(']');
     let addrs: Vec<SocketAddr> = match host.parse::<IpAddr>() {
         Ok(ip) => vec![SocketAddr::new(ip, target.port)],
@@ -592,6 +618,36 @@ mod tests {
         let p = policy(&[], &[], &[443]);
         assert_eq!(p.check(at("1.1.1.1:443")), Ok(()));
         assert_eq!(p.check(at("1.1.1.1:22")), Err(Refusal::Port));
+    }
+
+    #[test]
+    fn a_host_allow_list_admits_only_its_names() {
+        let base = Egress::default();
+        let indexes =
+            Policy::for_hosts(&base, &["pypi.org".into(), "Files.PythonHosted.org".into()]).unwrap();
+        assert!(indexes.allows_host("pypi.org"));
+        assert!(indexes.allows_host("PYPI.ORG"));
+        assert!(indexes.allows_host("files.pythonhosted.org"));
+        for other in ["evil.pypi.org", "pypi.org.evil", "127.0.0.1", "[::1]", "", "pypi"] {
+            assert!(!indexes.allows_host(other), "{other}");
+        }
+        let none = Policy::for_hosts(&base, &[]).unwrap();
+        assert!(!none.allows_host("pypi.org"));
+        assert!(policy(&[], &[], &[]).allows_host("anything.example"));
+    }
+
+    #[tokio::test]
+    async fn a_host_outside_the_allow_list_is_refused_before_any_lookup() {
+        let p = Policy::for_hosts(&Egress::default(), &["pypi.org".into()]).unwrap();
+        let target = Target {
+            host: "localhost".into(),
+            port: 4222,
+            forward: None,
+        };
+        assert!(matches!(
+            connect(&target, &p).await,
+            Err(Outcome::Refused(Refusal::Host))
+        ));
     }
 
     #[test]

@@ -3,12 +3,29 @@
 //! [`UV_VENV_DIR`](crate::catalogue::UV_VENV_DIR).
 //!
 //! It runs at the install's first use (before the dialect probe, so neither the probe nor the first
-//! `initialize` ever waits on a dependency download), as the worker, with its own timeout
-//! ([`UV_SYNC_TIMEOUT`]); concurrent first uses wait for the one run. A success is recorded in the environment
-//! ([`PREPARED_MARKER`]: a digest of `pyproject.toml` and `uv.lock`), so a restarted worker does not sync an
-//! unchanged project again; a failure is not remembered (the next use tries again). The plugin itself then runs
-//! the environment's interpreter (or script) under its own uid: it needs neither `uv`, nor `uv`'s cache, nor a
-//! writable project directory, and what it runs is checked to be within its reach ([`crate::sandbox::reach`]).
+//! `initialize` ever waits on a dependency download), with its own wall-clock cap (`preparation.timeout`);
+//! concurrent first uses wait for the one run. A success is recorded in the environment ([`PREPARED_MARKER`]: a
+//! digest of `pyproject.toml` and `uv.lock`), so a restarted worker does not sync an unchanged project again; a
+//! failure is not remembered (the next use tries again). The plugin itself then runs the environment's
+//! interpreter (or script) under its own uid: it needs neither `uv`, nor `uv`'s cache, nor a writable project
+//! directory, and what it runs is checked to be within its reach ([`crate::sandbox::reach`]).
+//!
+//! # Confined like a plugin
+//!
+//! `uv sync` runs code the package controls (its build back-end, the back-ends of its sdist dependencies), so
+//! it never runs as the worker ([`crate::sandbox::Sandbox::prepare_build`]):
+//!
+//! - under a build uid of its own per tool and version (never root, never a user's plugin uid), in a cgroup of
+//!   its own (`preparation.limits`), with the plugins' namespaces and seccomp profile;
+//! - with a scrubbed environment ([`build_env`]: none of the worker's variables);
+//! - in a view where the worker's state directory and `preparation.hidden_paths` are empty, the host read-only,
+//!   and only the install's directory (its environment target inside it) and the build's TMPDIR writable;
+//! - with network only through the egress proxy to `preparation.index_hosts` (none: `uv` runs offline).
+//!
+//! The install's tree belongs to the build uid only while the build runs ([`hand_over`]); once its cgroup is
+//! empty, the tree is the worker's again, readable by every plugin uid and writable by none ([`take_back`]). A
+//! failed or timed-out preparation is one line of error (the end of its stderr, redacted) and leaves nothing
+//! behind: its processes killed with the cgroup, the partial environment removed, the build's TMPDIR wiped.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -18,14 +35,13 @@ use std::time::Duration;
 
 use fleet_proto::util::lock;
 use sha2::{Digest as _, Sha256};
-use tokio::io::AsyncReadExt as _;
 use tokio::sync::watch;
 
 use crate::catalogue::{Install, PYPROJECT_FILE, Prepare, Runner};
+use crate::child::{Sandboxed, StderrRing};
+use crate::sandbox::UserSpace;
 use crate::sandbox::reach::{self, Access};
-
-/// How long one `uv sync` may take (resolution, downloads, builds) before it is killed.
-pub const UV_SYNC_TIMEOUT: Duration = Duration::from_secs(600);
+use crate::types::WorkerContext;
 
 /// The file, in a prepared environment, recording what it was prepared from.
 pub const PREPARED_MARKER: &str = ".fleet-prepared";
@@ -33,20 +49,37 @@ pub const PREPARED_MARKER: &str = ".fleet-prepared";
 /// The lock file `uv` keeps beside `pyproject.toml` (part of what the environment is prepared from).
 pub const UV_LOCK_FILE: &str = "uv.lock";
 
-/// The most of `uv sync`'s stderr kept for an error (its end).
+/// The most of a preparation's stderr kept (its end) while it runs.
 const STDERR_TAIL_BYTES: usize = 4096;
+
+/// The lines of that end an error names.
+const STDERR_TAIL_LINES: usize = 8;
+
+/// The longest an error's account of the stderr may be, in bytes (its end is kept).
+const STDERR_LINE_BYTES: usize = 600;
+
+/// The search path of a preparation, after the directories of `uv` and the interpreter.
+const BUILD_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
 
 /// Why an install could not be prepared.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PrepareError {
-    /// The preparation did not finish in time; it was killed.
+    /// The preparation did not finish in time; its whole tree was killed.
     #[error("`{command}` did not finish within {timeout:?} (killed; the next use tries again)")]
     Timeout {
         /// The command.
         command: String,
         /// The limit.
         timeout: Duration,
+    },
+    /// The preparation's sandbox could not be made.
+    #[error("cannot confine `{command}`: {reason}")]
+    Sandbox {
+        /// The command.
+        command: String,
+        /// The sandbox's answer.
+        reason: String,
     },
     /// The preparation could not be started.
     #[error("cannot run `{command}`: {reason}")]
@@ -63,7 +96,7 @@ pub enum PrepareError {
         command: String,
         /// Its exit status.
         status: String,
-        /// The end of its stderr.
+        /// The end of its stderr, on one line, redacted.
         stderr: String,
     },
     /// It succeeded, but what the plugin runs is not there (a script the project does not declare).
@@ -112,12 +145,17 @@ enum Slot {
 
 impl Preparations {
     /// Prepares `install` if it needs it and has not been prepared yet (by this worker, or before a restart with
-    /// the same project files). The preparation runs in a task of its own, so a caller that gives up (its
-    /// request timed out) does not kill it: concurrent and later callers wait for the same run.
+    /// the same project files), confined in `ctx`'s sandbox. The preparation runs in a task of its own, so a
+    /// caller that gives up (its request timed out) does not kill it: concurrent and later callers wait for the
+    /// same run.
     ///
     /// # Errors
     /// [`PrepareError`]: nothing is remembered, the next call tries again.
-    pub async fn ensure(self: &Arc<Self>, install: &Install, runner: Runner) -> Result<(), PrepareError> {
+    pub async fn ensure(
+        self: &Arc<Self>,
+        ctx: &WorkerContext,
+        install: &Install,
+    ) -> Result<(), PrepareError> {
         if install.prepare.is_none() {
             return Ok(());
         }
@@ -129,9 +167,9 @@ impl Preparations {
                 None => {
                     let (tx, rx) = watch::channel(None);
                     slots.insert(install.dir.clone(), Slot::Running(rx.clone()));
-                    let (this, install) = (self.clone(), install.clone());
+                    let (this, ctx, install) = (self.clone(), ctx.clone(), install.clone());
                     tokio::spawn(async move {
-                        let result = prepare(&install, runner).await;
+                        let result = prepare(&ctx, &install).await;
                         let mut slots = lock(&this.slots);
                         if result.is_ok() {
                             slots.insert(install.dir.clone(), Slot::Done);
@@ -158,91 +196,319 @@ impl Preparations {
 }
 
 /// Runs `install`'s preparation, then checks what its launch runs.
-async fn prepare(install: &Install, runner: Runner) -> Result<(), PrepareError> {
+async fn prepare(ctx: &WorkerContext, install: &Install) -> Result<(), PrepareError> {
     let Some(prepare) = &install.prepare else {
         return Ok(());
     };
     match prepare {
         Prepare::UvSync { uv, python, venv } => {
-            uv_sync(install, uv, python.as_deref(), venv, UV_SYNC_TIMEOUT).await?;
+            let sync = UvSync {
+                uv,
+                python: python.as_deref(),
+                venv,
+            };
+            sync.run(ctx, install).await?;
         }
     }
-    check_launch(install, prepare, runner)
+    check_launch(install, prepare, Runner::of(&ctx.config))
 }
 
-/// `uv sync` of `install`'s project into `venv`, unless the environment's marker says it was made from the
-/// same `pyproject.toml` and `uv.lock`.
-async fn uv_sync(
-    install: &Install,
-    uv: &Path,
-    python: Option<&Path>,
-    venv: &Path,
-    timeout: Duration,
-) -> Result<(), PrepareError> {
-    let stamp = project_digest(&install.dir)?;
-    let marker = venv.join(PREPARED_MARKER);
-    if std::fs::read_to_string(&marker).is_ok_and(|s| s.trim() == stamp) {
-        return Ok(());
+/// One `uv sync` of an install's project into its environment.
+struct UvSync<'a> {
+    uv: &'a Path,
+    python: Option<&'a Path>,
+    venv: &'a Path,
+}
+
+impl UvSync<'_> {
+    /// The command line.
+    fn argv(&self, install: &Install) -> Vec<String> {
+        let mut argv = vec![
+            self.uv.display().to_string(),
+            "sync".into(),
+            "--project".into(),
+            install.dir.display().to_string(),
+            "--no-dev".into(),
+        ];
+        if let Some(python) = self.python {
+            argv.extend(["--python".into(), python.display().to_string()]);
+        }
+        argv
     }
-    let mut cmd = tokio::process::Command::new(uv);
-    cmd.arg("sync").arg("--project").arg(&install.dir).arg("--no-dev");
-    if let Some(python) = python {
-        cmd.arg("--python").arg(python);
-    }
-    let command = format!(
-        "{} sync --project {} --no-dev{}",
-        uv.display(),
-        install.dir.display(),
-        python
-            .map(|p| format!(" --python {}", p.display()))
-            .unwrap_or_default()
-    );
-    cmd.current_dir(&install.dir)
-        .env("UV_PROJECT_ENVIRONMENT", venv)
-        // Copies, not links into the worker's cache: the plugins' uids read the environment, not the cache.
-        .env("UV_LINK_MODE", "copy")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    tracing::info!(tool_id = %install.tool_id, %command, "preparing the install");
-    let mut child = cmd.spawn().map_err(|e| PrepareError::Spawn {
-        command: command.clone(),
-        reason: e.to_string(),
-    })?;
-    let mut stderr = Vec::new();
-    let run = async {
-        if let Some(mut err) = child.stderr.take() {
-            let _ = err.read_to_end(&mut stderr).await;
+
+    /// `uv sync`, confined, unless the environment's marker says it was made from the same `pyproject.toml` and
+    /// `uv.lock`.
+    async fn run(&self, ctx: &WorkerContext, install: &Install) -> Result<(), PrepareError> {
+        let stamp = project_digest(&install.dir)?;
+        let marker = self.venv.join(PREPARED_MARKER);
+        if std::fs::read_to_string(&marker).is_ok_and(|s| s.trim() == stamp) {
+            return Ok(());
         }
-        child.wait().await
-    };
-    let status = match tokio::time::timeout(timeout, run).await {
-        Err(_) => {
-            // `kill_on_drop` ends it when `child` goes out of scope.
-            return Err(PrepareError::Timeout { command, timeout });
-        }
-        Ok(Err(e)) => {
-            return Err(PrepareError::Spawn {
-                command,
-                reason: e.to_string(),
-            });
-        }
-        Ok(Ok(status)) => status,
-    };
-    if !status.success() {
-        let from = stderr.len().saturating_sub(STDERR_TAIL_BYTES);
-        return Err(PrepareError::Failed {
-            command,
-            status: status.to_string(),
-            stderr: String::from_utf8_lossy(&stderr[from..]).trim().to_string(),
+        let argv = self.argv(install);
+        let command = argv.join(" ");
+        let sandbox_err = |e: &dyn std::fmt::Display| PrepareError::Sandbox {
+            command: command.clone(),
+            reason: e.to_string(),
+        };
+        let prepared = ctx
+            .sandbox
+            .prepare_build(&build_id(install), &install.dir, &argv)
+            .map_err(|e| sandbox_err(&e))?;
+        let sandbox = Sandboxed::new(prepared);
+        let space = sandbox.space().clone();
+        tracing::info!(tool_id = %install.tool_id, %command, "preparing the install (confined)");
+        let ran = match hand_over(&install.dir, &space) {
+            Ok(()) => {
+                let env = build_env(&space, self, ctx.sandbox.build_has_network());
+                self.spawn_and_wait(&sandbox, &argv, &install.dir, env, ctx.config.preparation.timeout)
+                    .await
+                    .map_err(|e| e.into_error(&command))
+            }
+            Err(e) => Err(e),
+        };
+        // The cgroup emptied (every process of the build killed) before the tree is taken back.
+        let released = tokio::task::spawn_blocking(move || sandbox.release()).await;
+        let taken = take_back(&install.dir);
+        wipe(&space);
+        let result = ran.and(taken).and(match released {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(sandbox_err(&e)),
+            Err(e) => Err(sandbox_err(&e)),
         });
+        if result.is_err() {
+            // Nothing of a failed preparation is left for a plugin to run.
+            let _ = std::fs::remove_dir_all(self.venv);
+            return result;
+        }
+        std::fs::write(&marker, format!("{stamp}\n")).map_err(|e| PrepareError::Io {
+            path: marker,
+            reason: e.to_string(),
+        })
     }
-    std::fs::write(&marker, format!("{stamp}\n")).map_err(|e| PrepareError::Io {
-        path: marker,
+
+    /// Spawns `argv` in `sandbox` and waits for it within `timeout`, keeping the end of its stderr.
+    async fn spawn_and_wait(
+        &self,
+        sandbox: &Sandboxed,
+        argv: &[String],
+        dir: &Path,
+        env: Vec<(String, String)>,
+        timeout: Duration,
+    ) -> Result<(), RunError> {
+        let mut cmd = sandbox.command(argv, dir, env);
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().map_err(|e| RunError::Spawn(e.to_string()))?;
+        let ring = StderrRing::new(STDERR_TAIL_BYTES);
+        let drained = child
+            .stderr
+            .take()
+            .map(|err| tokio::spawn(ring.clone().drain(err)));
+        let status = match tokio::time::timeout(timeout, child.wait()).await {
+            // The tree is killed with its cgroup when the sandbox is released; `kill_on_drop` ends the leader.
+            Err(_) => return Err(RunError::Timeout(timeout)),
+            Ok(Err(e)) => return Err(RunError::Spawn(e.to_string())),
+            Ok(Ok(status)) => status,
+        };
+        if let Some(drained) = drained {
+            // The pipe closes when the last process holding it ends; a descendant still holding it is killed
+            // with the cgroup, so this waits no longer than the cap.
+            let _ = tokio::time::timeout(timeout, drained).await;
+        }
+        if status.success() {
+            Ok(())
+        } else {
+            Err(RunError::Failed {
+                status: status.to_string(),
+                stderr: one_line(&ring.tail(STDERR_TAIL_LINES)),
+            })
+        }
+    }
+}
+
+/// How a confined run ended, before it is an error of a command.
+enum RunError {
+    Spawn(String),
+    Timeout(Duration),
+    Failed { status: String, stderr: String },
+}
+
+impl RunError {
+    fn into_error(self, command: &str) -> PrepareError {
+        let command = command.to_owned();
+        match self {
+            RunError::Spawn(reason) => PrepareError::Spawn { command, reason },
+            RunError::Timeout(timeout) => PrepareError::Timeout { command, timeout },
+            RunError::Failed { status, stderr } => PrepareError::Failed {
+                command,
+                status,
+                stderr,
+            },
+        }
+    }
+}
+
+/// The identity a preparation of `install` runs under: its tool and a digest of its directory (one per tool
+/// and version: a version is installed in a directory of its own).
+fn build_id(install: &Install) -> String {
+    let digest = Sha256::digest(install.dir.as_os_str().as_encoded_bytes());
+    format!("{}@{}", install.tool_id, &hex::encode(digest)[..12])
+}
+
+/// The whole environment of a preparation: a search path holding `uv` and the interpreter, its TMPDIR as home,
+/// cache and temporary directory, the environment target, copies rather than links, no interpreter downloads,
+/// and offline unless it has the network (then the egress proxy's variables are added by the sandbox's plan).
+fn build_env(space: &UserSpace, sync: &UvSync<'_>, network: bool) -> Vec<(String, String)> {
+    let mut path: Vec<String> = [Some(sync.uv), sync.python]
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p.parent().map(|d| d.display().to_string()))
+        .collect();
+    path.dedup();
+    path.push(BUILD_PATH.to_owned());
+    let tmp = space.tmpdir.display().to_string();
+    let mut env = vec![
+        ("PATH".to_owned(), path.join(":")),
+        ("HOME".to_owned(), tmp.clone()),
+        ("TMPDIR".to_owned(), tmp.clone()),
+        ("XDG_CACHE_HOME".to_owned(), format!("{tmp}/.cache")),
+        ("XDG_CONFIG_HOME".to_owned(), format!("{tmp}/.config")),
+        ("XDG_DATA_HOME".to_owned(), format!("{tmp}/.local/share")),
+        ("UV_CACHE_DIR".to_owned(), format!("{tmp}/uv-cache")),
+        (
+            "UV_PROJECT_ENVIRONMENT".to_owned(),
+            sync.venv.display().to_string(),
+        ),
+        // Copies, not links into the build's cache: the plugins' uids read the environment, and the cache is
+        // wiped with the build's TMPDIR.
+        ("UV_LINK_MODE".to_owned(), "copy".to_owned()),
+        ("UV_PYTHON_DOWNLOADS".to_owned(), "never".to_owned()),
+        // The node's trust store (an operator's mirror or TLS-inspecting proxy has its CA there), not only the
+        // roots built into `uv`.
+        ("UV_NATIVE_TLS".to_owned(), "1".to_owned()),
+        ("LANG".to_owned(), "C.UTF-8".to_owned()),
+    ];
+    if !network {
+        env.push(("UV_OFFLINE".to_owned(), "1".to_owned()));
+    }
+    env
+}
+
+/// Gives the install's tree to the build's uid for the time of the build (nothing without a uid of its own:
+/// `run_as = "inherit"`). Symbolic links are changed, never followed.
+fn hand_over(dir: &Path, space: &UserSpace) -> Result<(), PrepareError> {
+    let Some(uid) = space.uid else {
+        return Ok(());
+    };
+    walk(dir, &mut |path, _| {
+        std::os::unix::fs::lchown(path, Some(uid), space.gid.or(Some(uid)))
+    })
+}
+
+/// Takes the install's tree back from the build's uid: owned by the worker, readable by everyone, writable by
+/// the owner alone, no set-id bit (what the build made included). Symbolic links are changed, never followed.
+fn take_back(dir: &Path) -> Result<(), PrepareError> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let (uid, gid) = (
+        rustix::process::getuid().as_raw(),
+        rustix::process::getgid().as_raw(),
+    );
+    walk(dir, &mut |path, meta| {
+        std::os::unix::fs::lchown(path, Some(uid), Some(gid))?;
+        if meta.file_type().is_symlink() {
+            return Ok(());
+        }
+        let mode = meta.permissions().mode();
+        let exec = meta.is_dir() || mode & 0o100 != 0;
+        let sealed = 0o644 | if exec { 0o111 } else { 0 };
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(sealed))
+    })
+}
+
+/// Runs `f` on `dir` and everything beneath it (children first is not needed: no entry is removed), without
+/// following symbolic links.
+fn walk(
+    dir: &Path,
+    f: &mut dyn FnMut(&Path, &std::fs::Metadata) -> std::io::Result<()>,
+) -> Result<(), PrepareError> {
+    let io = |path: &Path, e: std::io::Error| PrepareError::Io {
+        path: path.to_path_buf(),
         reason: e.to_string(),
-    })?;
+    };
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(path) = stack.pop() {
+        let meta = std::fs::symlink_metadata(&path).map_err(|e| io(&path, e))?;
+        f(&path, &meta).map_err(|e| io(&path, e))?;
+        if meta.is_dir() {
+            for entry in std::fs::read_dir(&path).map_err(|e| io(&path, e))? {
+                stack.push(entry.map_err(|e| io(&path, e))?.path());
+            }
+        }
+    }
     Ok(())
+}
+
+/// Empties the build identity's directories (its cache, what the build left in its TMPDIR).
+fn wipe(space: &UserSpace) {
+    for dir in [&space.tmpdir, &space.workspace] {
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            for entry in entries.flatten() {
+                let path = entry.path();
+                let _ = match entry.file_type() {
+                    Ok(t) if t.is_dir() => std::fs::remove_dir_all(&path),
+                    _ => std::fs::remove_file(&path),
+                };
+            }
+        }
+    }
+}
+
+/// The end of a build's stderr as one line of an error: lines joined by ` | `, control characters dropped,
+/// JWT-looking words and the credentials of URLs (`scheme://user:secret@`) redacted, at most
+/// [`STDERR_LINE_BYTES`] (the end kept).
+fn one_line(tail: &str) -> String {
+    let joined: String = tail
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" | ")
+        .chars()
+        .filter(|c| !c.is_control())
+        .collect();
+    let redacted = redact_userinfo(&crate::child::redact(&joined));
+    let mut start = redacted.len().saturating_sub(STDERR_LINE_BYTES);
+    while !redacted.is_char_boundary(start) {
+        start += 1;
+    }
+    if start == 0 {
+        redacted
+    } else {
+        format!("…{}", &redacted[start..])
+    }
+}
+
+/// `scheme://user:secret@host` → `scheme://<redacted>@host`.
+fn redact_userinfo(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("://") {
+        let (head, tail) = rest.split_at(i + 3);
+        out.push_str(head);
+        let authority_end = tail
+            .find(|c: char| c == '/' || c.is_whitespace())
+            .unwrap_or(tail.len());
+        match tail[..authority_end].rfind('@') {
+            Some(at) => {
+                out.push_str("<redacted>");
+                rest = &tail[at..];
+            }
+            None => rest = tail,
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 /// SHA-256 (hex) of `pyproject.toml` and, when present, `uv.lock`.

@@ -182,7 +182,7 @@ impl Registry {
         // first `initialize` waits on a dependency download.
         self.inner
             .preparations
-            .ensure(install, crate::catalogue::Runner::of(&ctx.config))
+            .ensure(ctx, install)
             .await
             .map_err(|e| DetectError::Prepare(e.to_string()))?;
         let cell = lock(&self.inner.cells).entry(key(install)).or_default().clone();

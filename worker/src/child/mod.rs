@@ -37,7 +37,7 @@ use tokio::sync::{oneshot, watch};
 
 pub use exit::ExitInfo;
 pub(crate) use sandboxed::Sandboxed;
-pub(crate) use stderr::{StderrRing, for_log};
+pub(crate) use stderr::{StderrRing, for_log, redact};
 
 use crate::metrics::WorkerMetrics;
 

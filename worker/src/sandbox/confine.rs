@@ -24,6 +24,10 @@
 //!   absolute paths, its TMPDIR and workspace — common in tests and development, never in a production layout)
 //!   are mounted back at the same paths, read-only unless they hold the TMPDIR or workspace. Permissions apply on
 //!   top: the worker's state, keys and credentials are root-owned and unreadable to plugin uids (tested).
+//! - **Hidden directories** (a preparation's view, `crate::prepare`): each directory of a session's `hidden`
+//!   list (the worker's state directory, its data directory, the credentials' and keys' directories) is covered
+//!   by an empty, read-only tmpfs, and only the session's own paths beneath it (its install, its TMPDIR) are
+//!   mounted back: the rest does not exist for it, whatever its permissions.
 //! - **IPC and host name**: new IPC and UTS namespaces (no System V objects or message queues shared).
 //! - **System calls**: the [`seccomp`](super::seccomp) profile.
 
@@ -65,6 +69,18 @@ pub(crate) struct Namespaces {
     /// The network namespace to join (an egress-granted session's, or an empty one from the pool); `None`: the
     /// spawn hook unshares a new one.
     pub(crate) join_net: Option<Arc<NetNs>>,
+    /// Directories hidden from the session, outermost first (none for a plugin's session).
+    pub(crate) masks: Vec<Mask>,
+}
+
+/// A directory hidden from a session: an empty read-only tmpfs covers it, and the session's own paths beneath
+/// it are mounted back.
+#[derive(Debug)]
+pub(crate) struct Mask {
+    /// Absolute, canonical.
+    pub(crate) root: CString,
+    /// The session's paths beneath it, as [`Kept`] paths of that root.
+    pub(crate) kept: Vec<Kept>,
 }
 
 /// A path under `/tmp` mounted back into the private `/tmp`.
@@ -96,6 +112,12 @@ pub enum ConfineError {
     /// A path has a NUL byte (never a Linux path).
     #[error("a path of this session contains a NUL byte")]
     Nul,
+    /// A directory to hide is one the session needs, or an ancestor of the filesystem's root.
+    #[error("{path} is to be hidden from this session, but the session needs it")]
+    HidesNeeded {
+        /// The directory.
+        path: String,
+    },
 }
 
 /// The namespace plan for a session whose paths are `paths` (install dir, command paths; missing ones are
@@ -105,6 +127,16 @@ pub(crate) fn namespaces(
     paths: &[PathBuf],
     writable: &[PathBuf],
     tmp_bytes: u64,
+) -> Result<Namespaces, ConfineError> {
+    namespaces_hiding(paths, writable, tmp_bytes, &[])
+}
+
+/// [`namespaces`], with the directories `hidden` (missing ones skipped) covered ([`Mask`]).
+pub(crate) fn namespaces_hiding(
+    paths: &[PathBuf],
+    writable: &[PathBuf],
+    tmp_bytes: u64,
+    hidden: &[PathBuf],
 ) -> Result<Namespaces, ConfineError> {
     let tmp_root = std::fs::canonicalize("/tmp").unwrap_or_else(|_| PathBuf::from("/tmp"));
     let existing = |p: &PathBuf| {
@@ -117,6 +149,7 @@ pub(crate) fn namespaces(
     let writable: Vec<PathBuf> = writable_dirs.iter().map(|(p, _)| p.clone()).collect();
     let candidates: Vec<(PathBuf, bool)> = paths.iter().filter_map(existing).chain(writable_dirs).collect();
     let kept = kept_paths(&tmp_root, &candidates, &writable)?;
+    let masks = masks(hidden, &candidates, &writable)?;
     let c = |s: &[u8]| CString::new(s).map_err(|_| ConfineError::Nul);
     let mut outside: Vec<&PathBuf> = writable.iter().filter(|p| !p.starts_with(&tmp_root)).collect();
     outside.sort();
@@ -131,7 +164,46 @@ pub(crate) fn namespaces(
             .map(|p| c(p.as_os_str().as_bytes()))
             .collect::<Result<_, _>>()?,
         join_net: None,
+        masks,
     })
+}
+
+/// The masks of the directories `hidden` (canonical, existing, outermost only), each keeping the
+/// `candidates` beneath it. Hiding `/` or one of the candidates' own paths is an error (a hidden directory
+/// strictly beneath a candidate is covered inside what the session keeps).
+fn masks(
+    hidden: &[PathBuf],
+    candidates: &[(PathBuf, bool)],
+    writable: &[PathBuf],
+) -> Result<Vec<Mask>, ConfineError> {
+    let mut roots: Vec<PathBuf> = hidden
+        .iter()
+        .filter_map(|p| std::fs::canonicalize(p).ok())
+        .collect();
+    roots.sort();
+    roots.dedup();
+    let mut outermost: Vec<PathBuf> = Vec::new();
+    for root in roots {
+        if !outermost.iter().any(|o| root.starts_with(o)) {
+            outermost.push(root);
+        }
+    }
+    let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).map_err(|_| ConfineError::Nul);
+    outermost
+        .into_iter()
+        .map(|root| {
+            let needed = root.parent().is_none() || candidates.iter().any(|(p, _)| *p == root);
+            if needed {
+                return Err(ConfineError::HidesNeeded {
+                    path: root.display().to_string(),
+                });
+            }
+            Ok(Mask {
+                root: c(&root)?,
+                kept: kept_paths(&root, candidates, writable)?,
+            })
+        })
+        .collect()
 }
 
 /// The paths of `candidates` (canonical, with "is a directory") strictly beneath `tmp_root`, without those

@@ -157,7 +157,23 @@ struct Inner {
     egress: Option<Arc<Policy>>,
     /// What the egress proxies did.
     egress_counters: Arc<EgressCounters>,
+    /// How preparations are confined.
+    build: BuildBase,
 }
+
+/// What every preparation's confinement starts from ([`Sandbox::prepare_build`]).
+#[derive(Debug)]
+struct BuildBase {
+    /// Directories that do not exist in a preparation's view: the state directory and the configured ones.
+    hidden: Vec<PathBuf>,
+    /// The policy of the proxy a preparation reaches its package indexes through (none: no network).
+    egress: Option<Arc<Policy>>,
+    limits: ResourceLimits,
+}
+
+/// The internal user whose identities run preparations, one per tool and version ([`Sandbox::prepare_build`]);
+/// a token cannot name it (`fleet:` is reserved).
+pub const BUILD_USER: &str = "fleet:build";
 
 /// What every session's [`Confinement`] starts from.
 #[derive(Debug)]
@@ -263,6 +279,7 @@ impl Sandbox {
             }
             _ => None,
         };
+        let build = build_base(config, confine.as_ref().is_some_and(|c| c.namespaces))?;
         Ok(Sandbox {
             inner: Arc::new(Inner {
                 subtree,
@@ -272,8 +289,92 @@ impl Sandbox {
                 user_cgroups: Arc::default(),
                 egress,
                 egress_counters: Arc::default(),
+                build,
             }),
         })
+    }
+
+    /// Everything a preparation of an install (`uv sync` in `dir`, `argv` the programs it runs) needs before
+    /// it is spawned, confined like a plugin under an identity of its own: the [`BUILD_USER`]'s for `build_id`
+    /// (one per tool and version: never root, never a user's plugin uid), a new cgroup with
+    /// `preparation.limits`, and a plan whose only writable paths are `dir` and the identity's TMPDIR, whose
+    /// view hides the state directory and `preparation.hidden_paths`, and whose network is the egress proxy to
+    /// `preparation.index_hosts` (none when that list is empty). Never from a stub. Nothing is left behind on
+    /// failure.
+    pub fn prepare_build(
+        &self,
+        build_id: &str,
+        dir: &std::path::Path,
+        argv: &[String],
+    ) -> Result<Prepared, SandboxError> {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let space = self.user_space(BUILD_USER, build_id)?;
+        let name = format!("build-{build_id}-{}", SEQ.fetch_add(1, Ordering::Relaxed));
+        let cgroup = self.create_session(&space.user_key, &name, self.inner.build.limits)?;
+        match self.build_plan(cgroup.as_ref(), &space, dir, argv) {
+            Ok(plan) => Ok(Prepared {
+                space,
+                cgroup,
+                plan,
+                stubs: None,
+                seated: None,
+            }),
+            Err(e) => {
+                if let Some(cg) = cgroup {
+                    let _ = cg.remove();
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The spawn plan of a preparation ([`prepare_build`](Self::prepare_build)).
+    fn build_plan(
+        &self,
+        cgroup: Option<&SessionCgroup>,
+        space: &UserSpace,
+        dir: &std::path::Path,
+        argv: &[String],
+    ) -> Result<SpawnPlan, SandboxError> {
+        let plan = SpawnPlan::for_user(cgroup, space);
+        let Some(base) = &self.inner.confine else {
+            return Ok(plan);
+        };
+        let mut env = Vec::new();
+        let namespaces = if base.namespaces {
+            let writable = [space.tmpdir.clone(), dir.to_path_buf()];
+            let paths = command_paths(dir, argv);
+            let mut ns =
+                confine::namespaces_hiding(&paths, &writable, base.tmp_bytes, &self.inner.build.hidden)
+                    .map_err(|e| SandboxError::Config {
+                        reason: e.to_string(),
+                    })?;
+            if let Some(policy) = &self.inner.build.egress {
+                let (policy, counters) = (policy.clone(), self.inner.egress_counters.clone());
+                let net = NetNs::egress(EGRESS_PROXY_PORT, move |listener| {
+                    crate::egress::serve(listener, policy, counters)
+                })
+                .map_err(|e| SandboxError::Unavailable {
+                    reason: format!("cannot prepare the egress network namespace: {e}"),
+                })?;
+                ns.join_net = Some(Arc::new(net));
+                env = crate::egress::proxy_env();
+            }
+            Some(ns)
+        } else {
+            None
+        };
+        Ok(plan
+            .confined(Some(Arc::new(Confinement {
+                namespaces,
+                seccomp: base.seccomp.clone(),
+            })))
+            .with_env(env))
+    }
+
+    /// Whether a preparation reaches the network (through the egress proxy to the package indexes).
+    pub fn build_has_network(&self) -> bool {
+        self.inner.build.egress.is_some()
     }
 
     /// The spawn plan of a session: join `cgroup`, take `space`'s ids, and — with isolation — the configured
@@ -664,6 +765,34 @@ fn sweep_level(parent: &Dirs, top: bool, report: &mut SweepReport, first_error: 
             }
         }
     }
+}
+
+/// How preparations are confined: the hidden directories and, with namespaces and index hosts, the policy of
+/// their proxy.
+fn build_base(config: &WorkerConfig, namespaces: bool) -> Result<BuildBase, SandboxError> {
+    let p = &config.preparation;
+    let egress = if namespaces && !p.index_hosts.is_empty() {
+        let ranges = crate::config::Egress {
+            tools: Vec::new(),
+            allow_cidrs: p.allow_cidrs.clone(),
+            deny_cidrs: config.egress.deny_cidrs.clone(),
+            ports: Vec::new(),
+            max_connections: config.egress.max_connections,
+        };
+        let policy = Policy::for_hosts(&ranges, &p.index_hosts).map_err(|e| SandboxError::Config {
+            reason: e.to_string(),
+        })?;
+        Some(Arc::new(policy))
+    } else {
+        None
+    };
+    let mut hidden = vec![config.state_dir.clone()];
+    hidden.extend(p.hidden_paths.iter().cloned());
+    Ok(BuildBase {
+        hidden,
+        egress,
+        limits: p.limits,
+    })
 }
 
 /// Compiles the seccomp profile and proves the configured confinement works in a forked probe.

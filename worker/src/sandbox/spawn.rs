@@ -140,8 +140,8 @@ impl SpawnPlan {
 
     /// What a sandbox stub needs to become the plugin `argv` run from `dir` with exactly `env` under this plan
     /// (`stub.rs`); `None` when a stub cannot carry the plan: no namespaces (a stub always makes them), a
-    /// network namespace to join (an egress-granted plugin's holds the worker's proxy), extra variables, or a
-    /// path that is not UTF-8.
+    /// network namespace to join (an egress-granted plugin's holds the worker's proxy), hidden directories (a
+    /// preparation's), extra variables, or a path that is not UTF-8.
     pub(crate) fn stub_claim(
         &self,
         argv: &[String],
@@ -149,7 +149,7 @@ impl SpawnPlan {
         env: &[(String, String)],
     ) -> Option<super::stub_msg::Claim> {
         let ns = self.confine.as_ref()?.namespaces.as_ref()?;
-        if ns.join_net.is_some() || !self.env.is_empty() || argv.is_empty() {
+        if ns.join_net.is_some() || !ns.masks.is_empty() || !self.env.is_empty() || argv.is_empty() {
             return None;
         }
         let text = |c: &CStr| c.to_str().ok().map(str::to_owned);
@@ -423,6 +423,54 @@ fn namespaces_child(confine: &Confinement) -> io::Result<()> {
     for path in &ns.writable {
         bind_writable(path.as_c_str())?;
     }
+    for mask in &ns.masks {
+        hide(mask)?;
+    }
+    Ok(())
+}
+
+/// The mount options of the empty tmpfs that hides a directory ([`hide`]).
+const MASK_OPTIONS: &CStr = c"size=1m,nr_inodes=1024,mode=755";
+
+/// Covers `mask.root` with an empty tmpfs, mounts the session's paths beneath it back (as they were in the
+/// view, writable only when they hold a writable directory), then makes the tmpfs itself read-only. A root the
+/// view does not hold (beneath the private `/tmp`, and not kept) is hidden already. Allocation-free.
+fn hide(mask: &super::confine::Mask) -> io::Result<()> {
+    let mut held: [Option<OwnedFd>; MAX_KEPT] = [const { None }; MAX_KEPT];
+    for (slot, kept) in held.iter_mut().zip(mask.kept.iter()) {
+        *slot = Some(open_tree(
+            CWD,
+            kept.path.as_c_str(),
+            OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC | OpenTreeFlags::AT_RECURSIVE,
+        )?);
+    }
+    match mount(
+        c"tmpfs",
+        mask.root.as_c_str(),
+        c"tmpfs",
+        MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+        MASK_OPTIONS,
+    ) {
+        Err(rustix::io::Errno::NOENT) if mask.kept.is_empty() => return Ok(()),
+        other => other?,
+    }
+    for (slot, kept) in held.iter_mut().zip(mask.kept.iter()) {
+        if let Some(tree) = slot.take() {
+            mount_back(
+                &tree,
+                kept.path.as_c_str(),
+                kept.parents.iter().map(CString::as_c_str),
+                kept.is_dir,
+                kept.writable,
+            )?;
+        }
+    }
+    // This mount only (a bind remount changes the mount's flags, not those of the trees mounted back on it).
+    rustix::mount::mount_remount(
+        mask.root.as_c_str(),
+        MountFlags::BIND | MountFlags::RDONLY | MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+        c"",
+    )?;
     Ok(())
 }
 
