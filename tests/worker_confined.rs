@@ -1,7 +1,8 @@
 //! Plugins as hostile code, on real namespaces, seccomp and cgroups (as root): a hostile fixture per attack, in
 //! both dialects (the Executa Python fixture's `confine_probe` tool and the Animus fixture's `confine/probe`
-//! method run the same `tests/plugins/python/confine_probe.py`), and one tenant's memory bomb against another
-//! tenant's session on the same worker.
+//! method run the same `tests/plugins/python/confine_probe.py`: the network, other processes, the host's files,
+//! the seccomp profile and its side doors, descriptors), and one tenant's memory bomb against another tenant's
+//! session on the same worker.
 #![allow(clippy::unwrap_used, clippy::cast_possible_truncation, clippy::print_stderr)]
 
 use std::net::TcpListener;
@@ -225,8 +226,29 @@ enum Start {
     Direct,
 }
 
+/// `confine_probe.py`'s `syscalls()` from this test's own, unconfined process: what the kernel answers without
+/// the worker's filters.
+fn unconfined_syscalls() -> Value {
+    let out = std::process::Command::new(PYTHON)
+        .arg(python_dir().join("confine_probe.py"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// The attacks both dialects must lose, whichever way the plugin was started.
 async fn both_dialects_lose(tool_id: &str, layout: Layout, start: Start) {
+    // A descriptor of the worker's process without close-on-exec (what `loopback_up`'s socket was, on a thread
+    // racing the fork of a plugin), open before the worker starts its stubs: neither a stub nor a direct spawn
+    // hands it on.
+    let leaked =
+        rustix::io::dup(std::fs::File::open(python_dir().join("confine_probe.py")).unwrap()).unwrap();
+    assert!(
+        !rustix::io::fcntl_getfd(&leaked)
+            .unwrap()
+            .contains(rustix::io::FdFlags::CLOEXEC)
+    );
     let w = hostile_worker_with(&tool_id[..4], layout, |c| {
         if start == Start::Direct {
             c.confinement.stub_pool = 0;
@@ -397,6 +419,31 @@ async fn both_dialects_lose(tool_id: &str, layout: Layout, start: Start) {
     for call in ["unshare_newuser", "mount", "ptrace", "chroot"] {
         assert_eq!(report[call], "EPERM", "{call}: {report}");
     }
+    // ... and no side door around the filter. Without it this kernel answers an x32 number with ENOSYS (x32
+    // off) or runs it (x32 on); confined, the guard refuses it with EPERM. An i386 call (`int 0x80`) runs
+    // unconfined where the kernel emulates i386; confined, it kills the caller.
+    let unconfined = unconfined_syscalls();
+    assert!(
+        ["ENOSYS", "ok"].contains(&unconfined["x32_getpid"].as_str().unwrap()),
+        "{unconfined}"
+    );
+    assert_eq!(report["x32_getpid"], "EPERM", "{report}");
+    if unconfined["i386_getpid"] == "ok" {
+        assert_eq!(report["i386_getpid"], "SIGSYS", "{report}");
+    } else {
+        eprintln!(
+            "this kernel runs no i386 call ({unconfined}): the foreign-architecture attack is not tried"
+        );
+    }
+    // Descriptors: its stdio and nothing else — not the worker's leaked one, not a stub's status pipe.
+    let fds: Vec<&str> = report["fds"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(fds, ["0", "1", "2"], "{report}");
+    drop(leaked);
     assert!(alive(sibling_pid) && alive(bob_pid));
     w.pool.shutdown().await;
 }

@@ -5,7 +5,10 @@
 the errno name (``ECONNREFUSED``, ``ENETUNREACH``, ``EACCES``, ``ENOENT``, ``EPERM``, ``EROFS``, ...); a file it
 creates it removes again. It also reports its own uid, how many processes ``/proc`` shows and how many of them
 belong to another uid, what ``/tmp`` and ``/dev/shm`` hold, and what
-``unshare(CLONE_NEWUSER)``, ``mount``, ``ptrace(PTRACE_TRACEME)`` and ``chroot`` return.
+``unshare(CLONE_NEWUSER)``, ``mount``, ``ptrace(PTRACE_TRACEME)`` and ``chroot`` return; the descriptors it holds
+(``"fds"``: number → ``readlink``, taken first thing); and the side doors around a seccomp filter (``syscalls()``:
+``getpid`` under its x32 number, and i386's ``getpid`` through ``int 0x80`` in a child, which a filter kills).
+Run as a script, it prints ``syscalls()`` as JSON: the same calls from an unconfined process.
 
 Egress: ``"tunnel": ["host:port", ...]`` asks the proxy named by ``HTTPS_PROXY`` for a ``CONNECT`` to each target
 and, when it answers 200, sends a ``GET /`` through the tunnel: ``{"status": "200", "body": "..."}``, the
@@ -15,13 +18,29 @@ variables does: ``{"status": 200, "body": "..."}`` or ``{"error": ...}``.
 
 import ctypes
 import errno
+import json
 import os
+import platform
+import signal
 import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
 CLONE_NEWUSER = 0x10000000
 PTRACE_TRACEME = 0
+X32_SYSCALL_BIT = 0x40000000
+SYS_GETPID = 39  # x86_64 and x32
+
+# Run in a child (a filter kills it): i386's getpid (20) through `int 0x80` from this 64-bit process, as machine
+# code in an executable mapping — `mov eax, 20; int 0x80; ret`.
+I386_GETPID = r"""
+import ctypes, mmap
+m = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+m.write(b"\xb8\x14\x00\x00\x00\xcd\x80\xc3")
+print(ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(m)))())
+"""
 
 
 def _err(e):
@@ -36,6 +55,38 @@ def _libc_call(fn, *args):
     if rc == -1:
         return errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))
     return "ok"
+
+
+def _open_fds():
+    """Every descriptor this process holds, with what it points to (the listing's own is closed by then)."""
+    fds = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds[name] = os.readlink("/proc/self/fd/" + name)
+        except OSError:
+            pass
+    return fds
+
+
+def syscalls():
+    """``x32_getpid``: ``"ok"`` or the errno name; ``i386_getpid``: ``"ok"``, the signal that ended the child
+    (``"SIGSYS"``: a seccomp filter killed it) or ``"exit N"`` (``"n/a"`` off x86_64)."""
+    out = {}
+    libc = ctypes.CDLL(None, use_errno=True)
+    ctypes.set_errno(0)
+    rc = libc.syscall(ctypes.c_long(X32_SYSCALL_BIT + SYS_GETPID))
+    out["x32_getpid"] = "ok" if rc >= 0 else errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))
+    if platform.machine() != "x86_64":
+        out["i386_getpid"] = "n/a"
+    else:
+        child = subprocess.run([sys.executable, "-c", I386_GETPID], capture_output=True)
+        if child.returncode < 0:
+            out["i386_getpid"] = signal.Signals(-child.returncode).name
+        elif child.returncode == 0:
+            out["i386_getpid"] = "ok"
+        else:
+            out["i386_getpid"] = "exit %d" % child.returncode
+    return out
 
 
 def _recv_all(sock, limit=65536):
@@ -86,7 +137,7 @@ def _fetch(url):
 
 
 def probe(req):
-    out = {"uid": os.getuid()}
+    out = {"fds": _open_fds(), "uid": os.getuid()}
     connect = {}
     for target in req.get("connect") or []:
         host, port = target.rsplit(":", 1)
@@ -155,4 +206,9 @@ def probe(req):
     out["mount"] = _libc_call(libc.mount, b"none", b"/tmp", b"tmpfs", ctypes.c_ulong(0), None)
     out["ptrace"] = _libc_call(libc.ptrace, ctypes.c_long(PTRACE_TRACEME), 0, None, None)
     out["chroot"] = _libc_call(libc.chroot, b"/")
+    out.update(syscalls())
     return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(syscalls()))

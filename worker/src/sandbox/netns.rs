@@ -187,12 +187,15 @@ fn this_thread_into_new_namespace() -> io::Result<OwnedFd> {
 const IFF_UP: libc::c_short = 0x1;
 
 /// Brings `lo` up in the calling thread's network namespace (`SIOCGIFFLAGS`, `| IFF_UP`, `SIOCSIFFLAGS`): a
-/// child's new one (`spawn.rs`), or one made here for an egress proxy. Allocation-free.
+/// child's new one (`spawn.rs`), or one made here for an egress proxy. Allocation-free. The socket is
+/// close-on-exec: this runs on the pool's and the egress threads while other threads fork plugins, and a plugin
+/// must not inherit a socket of another session's namespace.
 #[allow(unsafe_code)]
 pub(super) fn loopback_up() -> io::Result<()> {
-    let sock = rustix::net::socket(
+    let sock = rustix::net::socket_with(
         rustix::net::AddressFamily::INET,
         rustix::net::SocketType::DGRAM,
+        rustix::net::SocketFlags::CLOEXEC,
         None,
     )?;
     // SAFETY: `ifreq` is plain old data, valid when zeroed.

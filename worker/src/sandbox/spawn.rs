@@ -322,7 +322,10 @@ pub fn die_with_parent(cmd: &mut std::process::Command) {
     }
 }
 
-/// Runs in the forked child: async-signal-safe and allocation-free (module documentation).
+/// Runs in the forked child: async-signal-safe and allocation-free (module documentation). Before the filters it
+/// marks every descriptor above stderr close-on-exec (`stub.rs`'s `cloexec_above_stderr`, the stub's own step):
+/// the plugin starts with 0, 1 and 2 only, whatever the worker's other threads had open without the flag at the
+/// `fork`, while std's exec-error pipe keeps working until the `exec`.
 fn child_setup(plan: &SpawnPlan) -> io::Result<()> {
     // `(uid_t)-1` means "unchanged" to the kernel: refuse it rather than silently keep root.
     if plan.uid == Some(u32::MAX) || plan.gid == Some(u32::MAX) {
@@ -340,6 +343,7 @@ fn child_setup(plan: &SpawnPlan) -> io::Result<()> {
         namespaces_child(confine)?;
     }
     switch_ids(plan.uid, plan.gid, &plan.groups)?;
+    super::stub::cloexec_above_stderr()?;
     if let Some(confine) = &plan.confine {
         seccomp_child(confine)?;
     }

@@ -19,10 +19,12 @@
 //!    read-only (`spawn.rs`'s `seal_host`: only now, as `cgroup.procs` is on one of them), mount the session's
 //!    paths under `/tmp` back into its private `/tmp` (`open_tree` through the kept descriptor, `move_mount`;
 //!    writable where they hold its TMPDIR or workspace) and bind its writable directories elsewhere back writable,
-//!    drop supplementary groups and switch gid and uid (real, effective, saved), `PR_SET_NO_NEW_PRIVS`, install
-//!    the seccomp filters (last), and `exec` the plugin with the claim's argv, environment and working directory
+//!    drop supplementary groups and switch gid and uid (real, effective, saved), `PR_SET_NO_NEW_PRIVS`, mark
+//!    every descriptor above stderr close-on-exec ([`cloexec_above_stderr`]), install the seccomp filters
+//!    (last), and `exec` the plugin with the claim's argv, environment and working directory
 //!    (`std::process::Command::exec`, so the program is resolved exactly as a direct spawn resolves it). The
-//!    status pipe is close-on-exec: the worker reads EOF when the `exec` succeeded.
+//!    status pipe is close-on-exec: the worker reads EOF when the `exec` succeeded, and the plugin starts with
+//!    descriptors 0, 1 and 2 only.
 //! 5. Any failure writes `E`, the [`Step`] and the `errno` (6 bytes) on the status pipe and exits 1: the worker
 //!    reports it as the spawn error a direct spawn would have given.
 //!
@@ -33,8 +35,9 @@
 //!
 //! # `unsafe`
 //!
-//! Two blocks, both about the status descriptor the worker passed by number: checking that it is open, and
-//! taking ownership of it. The namespaces and mounts are `spawn.rs`'s own functions, shared with the direct
+//! Two blocks about the status descriptor the worker passed by number (checking that it is open, and taking
+//! ownership of it), and [`cloexec_above_stderr`]'s `close_range(2)` (rustix has no wrapper: one raw `syscall`
+//! with three integers; the direct spawn's hook calls it too). The namespaces and mounts are `spawn.rs`'s own functions, shared with the direct
 //! spawn (`enter_namespaces`, `mount_private_proc_and_tmp`, `seal_host`, `mount_back`, `bind_writable`).
 
 use std::ffi::{CString, OsStr};
@@ -197,6 +200,9 @@ fn become_plugin(setup: &Setup, confined: &Confined, claim: &Claim) -> (Step, io
     if let Err(e) = switch_ids(claim) {
         return (Step::Ids, e);
     }
+    if let Err(e) = cloexec_above_stderr() {
+        return (Step::Descriptors, e);
+    }
     for program in &setup.seccomp {
         let program: seccompiler::BpfProgram = program
             .iter()
@@ -217,6 +223,31 @@ fn become_plugin(setup: &Setup, confined: &Confined, claim: &Claim) -> (Step, io
         .current_dir(&claim.cwd)
         .exec();
     (Step::Exec, e)
+}
+
+/// Marks every descriptor above stderr close-on-exec: `close_range(3, ~0, CLOSE_RANGE_CLOEXEC)` (Linux ≥ 5.11,
+/// below the 5.12 the read-only view needs). Whatever the worker — or whoever started the worker — left open
+/// without the flag is gone at the `exec`, so a plugin starts with 0, 1 and 2 only; a descriptor still needed
+/// until the `exec` stays usable (a stub's status pipe, std's exec-error pipe of a direct spawn, which a plain
+/// `close_range` would break). Run by the stub before its `exec` and by the direct spawn's hook (`spawn.rs`'s
+/// `child_setup`): one raw system call, async-signal-safe and allocation-free.
+#[allow(unsafe_code)]
+pub(super) fn cloexec_above_stderr() -> io::Result<()> {
+    // SAFETY: close_range(2) takes three integers and reads or writes no memory of this process; with
+    // CLOSE_RANGE_CLOEXEC it closes nothing, so no `OwnedFd` of this process is invalidated.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3 as libc::c_uint,
+            libc::c_uint::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }
 
 /// Moves this process into the cgroup whose `cgroup.procs` is `file`.

@@ -86,6 +86,8 @@ pub enum Step {
     Mounts = 4,
     /// Groups, gid, uid, no-new-privileges.
     Ids = 5,
+    /// Marking the descriptors above stderr close-on-exec.
+    Descriptors = 8,
     /// The seccomp filters.
     Seccomp = 6,
     /// The `exec` of the plugin.
@@ -101,6 +103,7 @@ impl Step {
             Step::Cgroup,
             Step::Mounts,
             Step::Ids,
+            Step::Descriptors,
             Step::Seccomp,
             Step::Exec,
         ]
@@ -116,6 +119,7 @@ impl Step {
             Step::Cgroup => "joining the session's cgroup",
             Step::Mounts => "mounting the session's paths",
             Step::Ids => "switching to the plugin's ids",
+            Step::Descriptors => "marking the worker's descriptors close-on-exec",
             Step::Seccomp => "installing the seccomp filters",
             Step::Exec => "executing the plugin",
         }
