@@ -161,7 +161,15 @@ impl Up {
         env: &[(&str, &str)],
         setup: impl FnOnce(&std::path::Path) -> (PathBuf, Vec<String>),
     ) -> Up {
-        let tmp = tempfile::tempdir().unwrap();
+        Up::start_in(tempfile::tempdir().unwrap(), env, setup)
+    }
+
+    /// [`Up::start_over_with_env`] in the temporary directory `tmp` (removed with the `Up`).
+    fn start_in(
+        tmp: tempfile::TempDir,
+        env: &[(&str, &str)],
+        setup: impl FnOnce(&std::path::Path) -> (PathBuf, Vec<String>),
+    ) -> Up {
         let data_dir = tmp.path().join("data");
         let http = free_addr();
         let stderr_file = tmp.path().join("up.stderr");
@@ -1018,6 +1026,215 @@ fn files_under(dir: &std::path::Path) -> Vec<PathBuf> {
         }
     }
     out
+}
+
+/// The outcome `hostile_common.py` recorded for a path or address (`ok`, or an errno name).
+fn outcomes(report: &Value, kind: &str) -> BTreeMap<String, String> {
+    report[kind]
+        .as_object()
+        .unwrap_or_else(|| panic!("no {kind} in {report}"))
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+        .collect()
+}
+
+/// The hostile package fixture (`tests/plugins/hostile-build`) in `dir`, its sdist dependency vendored as
+/// `vendor/hostile_dep-1.0.0.tar.gz`, both with `targets` (what their back-ends try) beside their code.
+fn hostile_package(dir: &std::path::Path, targets: &Value) -> PathBuf {
+    let fixture = workspace_root().join("tests/plugins/hostile-build");
+    let pkg = dir.join("hostile-build");
+    std::fs::create_dir_all(pkg.join("vendor")).unwrap();
+    for name in [
+        "executa.json",
+        "pyproject.toml",
+        "hostile_backend.py",
+        "hostile_common.py",
+        "hostile_plugin.py",
+    ] {
+        std::fs::copy(fixture.join(name), pkg.join(name)).unwrap();
+    }
+    let targets = serde_json::to_vec(targets).unwrap();
+    std::fs::write(pkg.join("targets.json"), &targets).unwrap();
+    let mut sdist = tar::Builder::new(flate2::write::GzEncoder::new(
+        std::fs::File::create(pkg.join("vendor/hostile_dep-1.0.0.tar.gz")).unwrap(),
+        flate2::Compression::fast(),
+    ));
+    let pkg_info = b"Metadata-Version: 2.1\nName: hostile-dep\nVersion: 1.0.0\n".to_vec();
+    let common = std::fs::read(fixture.join("hostile_common.py")).unwrap();
+    for (name, bytes) in [
+        (
+            "pyproject.toml",
+            std::fs::read(fixture.join("dep/pyproject.toml")).unwrap(),
+        ),
+        (
+            "dep_backend.py",
+            std::fs::read(fixture.join("dep/dep_backend.py")).unwrap(),
+        ),
+        (
+            "hostile_dep/__init__.py",
+            std::fs::read(fixture.join("dep/hostile_dep/__init__.py")).unwrap(),
+        ),
+        ("hostile_common.py", common),
+        ("targets.json", targets.clone()),
+        ("PKG-INFO", pkg_info),
+    ] {
+        let mut header = tar::Header::new_gnu();
+        header.set_size(bytes.len() as u64);
+        header.set_mode(0o644);
+        header.set_cksum();
+        sdist
+            .append_data(&mut header, format!("hostile_dep-1.0.0/{name}"), bytes.as_slice())
+            .unwrap();
+    }
+    sdist.into_inner().unwrap().finish().unwrap();
+    pkg
+}
+
+/// Issue 42: a published Python package whose build back-end is its own code (`backend-path = ["."]`), and whose
+/// sdist dependency's is too, is prepared by `uv sync` as soon as it is published — confined. Each back-end tries
+/// to read every file of `fleet up`'s data directory (NATS credentials, keys, the state), list it, write outside
+/// its build directory, reach NATS and the front directly and through its proxy, and records its uid and
+/// environment: every attempt fails, it runs as neither root nor the plugin's uid, nothing of `fleet up`'s
+/// environment reaches it, and the preparation still succeeds as the package's own (the plugin then answers).
+/// What it produced belongs to root, writable by no one else. The fleet runs from a directory outside `/tmp`, so
+/// the hidden directories are hidden by the preparation's own mounts, not by its private `/tmp`.
+#[test]
+fn a_hostile_packages_build_backends_run_confined_and_reach_nothing_of_the_fleet() {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+    let uv = workspace_root().join(".tools/uv/bin");
+    assert!(
+        uv.join("uv").is_file(),
+        "scripts/test.sh installs uv into {}",
+        uv.display()
+    );
+    let base = tempfile::Builder::new()
+        .prefix("fleet-hostile-")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    std::fs::set_permissions(base.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let pkg_dir = base.path().join("src");
+    std::fs::create_dir(&pkg_dir).unwrap();
+    let path = format!("{}:{}", uv.display(), std::env::var("PATH").unwrap_or_default());
+    let canary = format!("fleet-canary-{}", std::process::id());
+    let mut up = Up::start_in(
+        base,
+        &[("PATH", path.as_str()), ("FLEET_TEST_CANARY", canary.as_str())],
+        |dir| {
+            let plugins = dir.join("plugins");
+            std::fs::create_dir(&plugins).unwrap();
+            (plugins, Vec::new())
+        },
+    );
+    up.wait_ready();
+    let data = up.data_dir.clone();
+    let secrets = files_under(&data);
+    assert!(
+        secrets.iter().any(|f| f.ends_with("nats/worker.creds")),
+        "{secrets:?}"
+    );
+    let nats_port: u16 = std::fs::read_to_string(fleet_client::api::nats_url_file(&data))
+        .unwrap()
+        .trim()
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .unwrap();
+    let http_port: u16 = up.http.rsplit(':').next().unwrap().parse().unwrap();
+    let outside = pkg_dir.parent().unwrap();
+    let targets = json!({
+        "read": secrets,
+        "list": [data, data.join("nats"), up.state_dir],
+        "write": [
+            data.join("hostile"),
+            data.join("nats/hostile"),
+            up.state_dir.join("hostile"),
+            up.state_dir.join("executa/hostile"),
+            outside.join("hostile"),
+            format!("/var/tmp/hostile-{}", std::process::id()),
+            "/etc/hostile",
+        ],
+        "connect": [["127.0.0.1", nats_port], ["127.0.0.1", http_port]],
+    });
+    let pkg = hostile_package(&pkg_dir, &targets);
+    up.cli(&["plugins", "install", pkg.to_str().unwrap()]).ok();
+    // Published, then prepared and described by the first worker before anyone calls it.
+    let token = up.cli(&["token", "--user", "alice"]).ok()["token"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    wait_until("the hostile package is listed", || {
+        tools_listed(&up, &token).contains(&"hostile-build.whoami".to_owned())
+    });
+    let plugin = invoke_tool(&up, "alice", "hostile-build", "whoami", "{}");
+    let plugin_uid = plugin["uid"].as_u64().unwrap_or_else(|| panic!("{plugin}"));
+
+    let install = up.state_dir.join("executa/tools/hostile-build/v1.0.0");
+    for who in ["backend", "sdist"] {
+        let file = install.join(format!(".report-{who}.json"));
+        let report: Value = serde_json::from_slice(
+            &std::fs::read(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display())),
+        )
+        .unwrap();
+        let uid = report["uid"].as_u64().unwrap();
+        assert!(uid != 0 && report["euid"] != 0, "{who} ran as root: {report}");
+        assert_ne!(uid, plugin_uid, "{who} ran under the plugin's uid");
+        for (what, outcome) in outcomes(&report, "read") {
+            assert_ne!(outcome, "ok", "{who} read {what}");
+        }
+        for (what, outcome) in outcomes(&report, "write") {
+            assert_ne!(outcome, "ok", "{who} wrote {what}");
+        }
+        for (what, outcome) in outcomes(&report, "connect") {
+            assert_ne!(outcome, "ok", "{who} connected to {what}");
+        }
+        for (what, status) in outcomes(&report, "proxy") {
+            assert!(
+                status == "403" || status == "no-proxy",
+                "{who}'s proxy to {what}: {status}"
+            );
+        }
+        // The data directory holds nothing but the way to the build's own directories.
+        let listed = &report["list"];
+        assert_eq!(
+            listed[data.to_str().unwrap()],
+            json!(["state"]),
+            "{who}: {listed}"
+        );
+        assert_eq!(
+            listed[data.join("nats").to_str().unwrap()],
+            "ENOENT",
+            "{who}: {listed}"
+        );
+        assert_eq!(
+            listed[up.state_dir.to_str().unwrap()],
+            json!(["executa", "users"]),
+            "{who}: {listed}"
+        );
+        // No variable of `fleet up`'s environment, and nothing of the canary, reaches it.
+        let env = report["env"].as_object().unwrap();
+        for (key, value) in env {
+            let value = value.as_str().unwrap_or_default();
+            assert!(!value.contains(&canary), "{who}: {key}");
+            assert!(
+                !key.starts_with("FLEET_") && !key.starts_with("CARGO"),
+                "{who}: {key}"
+            );
+        }
+        for (key, _) in std::env::vars() {
+            let ours = ["PATH", "HOME", "LANG", "TMPDIR", "PWD", "SHLVL", "_"].contains(&key.as_str());
+            assert!(
+                ours || !env.contains_key(&key),
+                "{who} got {key} of the test's environment"
+            );
+        }
+    }
+    // What the preparation produced is the worker's, writable by no other uid.
+    for file in files_under(&install) {
+        let meta = std::fs::symlink_metadata(&file).unwrap();
+        assert_eq!((meta.uid(), meta.gid()), (0, 0), "{}", file.display());
+        assert_eq!(meta.mode() & 0o7022, 0, "{}", file.display());
+    }
+    assert!(up.interrupt().success());
 }
 
 /// Issue 17 (spec §4.2): per-user credentials set with `fleet credentials` reach a plugin in

@@ -232,6 +232,27 @@ fn chart_lints_renders_validates_and_has_the_key_fields() {
         "{toml}"
     );
     assert!(toml.contains("memory_bytes = 536870912"), "{toml}");
+    // The worker reads it as a WorkerConfig: preparations reach PyPI only and see none of the mounted secrets.
+    let parsed: fleet_worker::config::WorkerConfig =
+        toml::from_str(toml).expect("worker.toml is a WorkerConfig");
+    assert_eq!(
+        parsed.preparation.index_hosts,
+        fleet_worker::config::DEFAULT_INDEX_HOSTS
+    );
+    assert_eq!(
+        parsed.preparation.hidden_paths,
+        [
+            std::path::PathBuf::from("/var/run/cloud-agents"),
+            std::path::PathBuf::from("/etc/cloud-agents")
+        ]
+    );
+    assert_eq!(
+        parsed.preparation,
+        fleet_worker::config::Preparation {
+            hidden_paths: parsed.preparation.hidden_paths.clone(),
+            ..fleet_worker::config::Preparation::default()
+        }
+    );
     assert_eq!(
         find(&objs, "PodDisruptionBudget", "-worker")["spec"]["maxUnavailable"],
         1
@@ -408,6 +429,7 @@ fn chart_lints_renders_validates_and_has_the_key_fields() {
     );
     assert!(message("unknown key (typo)").contains("'replica' not allowed"));
     assert!(message("public URL without a scheme").contains("/services/publicUrl"));
+    assert!(message("files URL without a scheme").contains("/services/filesPublicUrl"));
     assert!(message("grace shorter than the shutdown ladder").contains("shutdown ladder"));
 }
 
@@ -472,6 +494,8 @@ fn front_and_worker_share_the_link_signing_key_the_credentials_keyring_and_the_s
         let d = find(&objs, "Deployment", deployment);
         let c = container(d);
         assert!(args(c).contains(&"--public-url=https://fleet.example.com"));
+        // User content on an origin of its own: front (serves the links) and worker (signs them) alike.
+        assert!(args(c).contains(&"--files-public-url=https://files.fleet-usercontent.example"));
         assert!(args(c).contains(&"--services-config=/var/run/cloud-agents/services/services.toml"));
         let volumes = d["spec"]["template"]["spec"]["volumes"].as_array().unwrap();
         let link = volumes.iter().find(|v| v["name"] == "link-key").unwrap();

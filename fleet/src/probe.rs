@@ -225,7 +225,12 @@ pub async fn run(opts: &ProbeOptions) -> Result<ProbeReport, ProbeError> {
     let (program, args) = opts.command.split_first().ok_or(ProbeError::NoCommand)?;
     let started = Instant::now();
     let mut cmd = Command::new(program);
+    // The plugin gets none of the caller's variables (tokens, credential paths): only the worker's default
+    // allow-list, as a worker would pass it.
+    let allowed = fleet_worker::config::WorkerConfig::default().env_allowlist;
     cmd.args(args)
+        .env_clear()
+        .envs(std::env::vars_os().filter(|(k, _)| allowed.iter().any(|a| k == a.as_str())))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

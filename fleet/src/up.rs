@@ -112,6 +112,15 @@ pub struct UpArgs {
     /// public addresses are reached.
     #[arg(long, env = "FLEET_PACKAGE_SOURCE_ALLOW", value_delimiter = ',')]
     pub package_source_allow: Vec<ipnet::IpNet>,
+    /// The package index hosts an install's confined preparation (`uv sync`) may reach through its egress proxy
+    /// (repeat, or separate by commas; `none` for no network at all: `uv` then runs offline). Default: PyPI
+    /// (`pypi.org`, `files.pythonhosted.org`).
+    #[arg(long, env = "FLEET_PREPARE_INDEX_HOSTS", value_delimiter = ',')]
+    pub prepare_index_host: Vec<String>,
+    /// Ranges those index hosts may resolve into although the proxy refuses them by default (a mirror on a
+    /// private network; a CIDR, repeat or separate by commas).
+    #[arg(long, env = "FLEET_PREPARE_ALLOW_CIDRS", value_delimiter = ',')]
+    pub prepare_allow_cidr: Vec<ipnet::IpNet>,
     /// Serve `/metrics` (and `/healthz`, `/readyz`) on this address, and not on --http: a port only Prometheus and
     /// the probes reach (the chart sets it). Without it `/metrics` is served on --http.
     #[arg(long, env = "FLEET_METRICS_HTTP")]
@@ -176,6 +185,20 @@ fn sandbox_hint(e: &SandboxError, root: bool) -> String {
         SandboxError::Config { .. } => format!("{e} (the state directory is <--data-dir>/state)"),
         _ => e.to_string(),
     }
+}
+
+/// How the in-process workers prepare installs: the index hosts and ranges of the flags, and the whole data
+/// directory (the NATS credentials, the keys, the state) hidden from every preparation.
+fn preparation(args: &UpArgs, data_dir: &Path) -> fleet_worker::config::Preparation {
+    let mut p = fleet_worker::config::Preparation {
+        allow_cidrs: args.prepare_allow_cidr.clone(),
+        hidden_paths: vec![data_dir.to_path_buf()],
+        ..fleet_worker::config::Preparation::default()
+    };
+    if !args.prepare_index_host.is_empty() {
+        p.index_hosts = crate::worker_cmd::index_hosts(&args.prepare_index_host);
+    }
+    p
 }
 
 fn verifier(args: &UpArgs, data_dir: &Path) -> Result<Verifier, UpError> {
@@ -443,6 +466,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             isolation,
             run_as: if root { RunAs::default() } else { RunAs::Inherit },
             sandbox_stub: Some(crate::worker_cmd::STUB_PROGRAM.into()),
+            preparation: preparation(args, &data_dir),
             ..WorkerConfig::default()
         };
         let (catalogue, problems) = Catalogue::load(&config.catalogue_dir, &LoadOptions::for_worker(&config))

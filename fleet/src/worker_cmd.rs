@@ -145,6 +145,28 @@ pub fn config(args: &WorkerArgs) -> Result<WorkerConfig, WorkerCmdError> {
     Ok(config)
 }
 
+/// The index hosts of `--prepare-index-host` values: `none` alone means no network; names are trimmed and empty
+/// ones dropped.
+pub fn index_hosts(values: &[String]) -> Vec<String> {
+    values
+        .iter()
+        .map(|h| h.trim())
+        .filter(|h| !h.is_empty() && *h != "none")
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The directories holding the worker's NATS credentials and the fronts' seal keys (hidden from preparations).
+fn secret_dirs(creds: Option<&std::path::Path>, exec_key: Option<&std::path::Path>) -> Vec<PathBuf> {
+    [creds, exec_key]
+        .into_iter()
+        .flatten()
+        .filter_map(|file| file.parent())
+        .filter(|dir| !dir.as_os_str().is_empty())
+        .map(std::path::Path::to_path_buf)
+        .collect()
+}
+
 /// The addresses of the NATS servers in `urls` (comma-separated `nats://`/`tls://` URLs or `host:port`), as
 /// single-address ranges; names that do not resolve are skipped (they cannot be connected to either).
 async fn nats_addresses(urls: &str) -> Vec<ipnet::IpNet> {
@@ -183,6 +205,11 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
         // Egress-granted plugins must never reach the bus, whatever range the operator opens.
         config.egress.deny_cidrs.extend(nats_addresses(urls).await);
     }
+    // What preparations must not see, whatever the configuration file lists: the worker's credentials and keys.
+    config.preparation.hidden_paths.extend(secret_dirs(
+        args.nats.nats_creds.as_deref(),
+        args.exec_verify_key.as_deref(),
+    ));
     let (catalogue, problems) = Catalogue::load(&config.catalogue_dir, &LoadOptions::for_worker(&config))?;
     for p in &problems {
         tracing::warn!(problem = %p, "catalogue entry skipped");

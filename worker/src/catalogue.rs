@@ -1297,7 +1297,7 @@ fn python_launch(entry: &Entry, dir: &Path, opts: &LoadOptions) -> Result<Launch
         })
         .and_then(path_string)
     };
-    let uv_sync = opts.lookup_for_worker("uv").map(|uv| {
+    let uv_sync = opts.lookup("uv").map(|uv| {
         let venv = dir.join(UV_VENV_DIR);
         Prepare::UvSync {
             uv,

@@ -1,0 +1,1 @@
+"""An sdist dependency of the hostile package (test fixture)."""
