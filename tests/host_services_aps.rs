@@ -798,11 +798,17 @@ async fn files_round_trip_through_the_object_store_and_the_download_link() {
         .await;
     assert_eq!(link["expires_in"], json!(60));
     let resp = env.http.get(env.url(&link["get_url"])).send().await.expect("GET");
+    // Plain text is inline (a browser runs nothing of it; `nosniff`); HTML and the rest are attachments
+    // (tests/user_content.rs).
     assert!(
         resp.headers()["content-disposition"]
             .to_str()
             .expect("ascii")
-            .starts_with("attachment")
+            .starts_with("inline")
+    );
+    assert_eq!(
+        resp.headers()["content-security-policy"],
+        fleet::http::files::USER_CONTENT_CSP
     );
     assert_eq!(resp.text().await.expect("body"), "hello");
 

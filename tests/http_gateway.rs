@@ -15,7 +15,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fleet::http::window::{WINDOW_AUDIENCE, WindowToken};
 use fleet::http::{HttpConfig, HttpState};
-use fleet_client::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER, Verifier};
+use fleet_client::auth::{DEFAULT_AUDIENCE, DEFAULT_ISSUER};
 use fleet_e2e::cluster::{Cluster, SECRET};
 use fleet_e2e::worker::{Plugin, eventually};
 use fleet_proto::api::methods;
@@ -60,23 +60,7 @@ async fn start_with(name: &str, workers: usize, config: HttpConfig) -> Gateway {
     let cluster = Cluster::start(name, 1, workers, &[Plugin::echo("echo", &[])]).await;
     // Front::serve returns before the server has seen every endpoint: wait until the API answers.
     cluster.wait_for_api(GUARD).await;
-    let front = cluster.fronts[0].0.clone();
-    let verifier = Verifier::new(
-        vec![cluster.key.verify_key().expect("verify key")],
-        DEFAULT_ISSUER,
-        DEFAULT_AUDIENCE,
-    )
-    .expect("verifier");
-    let state = HttpState::start(
-        front.clone(),
-        cluster.client.clone(),
-        verifier,
-        cluster.operator_verifier(),
-        front.metrics().clone(),
-        config,
-    )
-    .await
-    .expect("gateway state");
+    let state = cluster.http_state(config).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     let task = tokio::spawn(fleet::http::serve(listener, state.clone()));
@@ -1101,55 +1085,17 @@ fn operator_token(g: &Gateway) -> String {
     g.cluster.operator_token()
 }
 
-/// `chromium`, or a failure saying how to get it.
-fn chromium() -> String {
-    for bin in ["chromium", "chromium-browser"] {
-        if std::process::Command::new(bin)
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success())
-        {
-            return bin.to_owned();
-        }
-    }
-    panic!(
-        "the operator-page test needs headless Chromium: `apt-get install -y chromium` (scripts/test.sh installs it \
-         when run as root)"
-    );
-}
-
-/// Runs headless Chromium on `url` with `extra` flags; returns stdout. Killed after the guard.
+/// Headless Chromium on `url` with `extra` flags, on virtual time (the page's polling runs out, then the DOM or
+/// the screenshot is taken).
 async fn run_chromium(url: &str, profile: &std::path::Path, extra: &[&str]) -> String {
-    let mut cmd = tokio::process::Command::new(chromium());
-    cmd.args([
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-dev-shm-usage",
-        "--virtual-time-budget=5000",
-    ])
-    .arg(format!("--user-data-dir={}", profile.display()))
-    .args(extra)
-    .arg(url)
-    .kill_on_drop(true)
-    .stdin(std::process::Stdio::null())
-    .stderr(std::process::Stdio::null());
-    let out = tokio::time::timeout(Duration::from_secs(90), cmd.output())
-        .await
-        .expect("chromium finished within 90 s")
-        .expect("chromium ran");
-    assert!(out.status.success(), "chromium failed: {:?}", out.status);
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    let mut flags = vec!["--virtual-time-budget=5000"];
+    flags.extend_from_slice(extra);
+    fleet_e2e::chromium::run(url, profile, &flags).await
 }
 
 #[tokio::test]
 async fn operator_page_in_headless_chromium() {
-    let bin = chromium(); // fail first, clearly, if it is missing
+    let bin = fleet_e2e::chromium::binary(); // fail first, clearly, if it is missing
     let g = start("gw-browser").await;
     // A script submits a job through the API (over NATS, as any app dispatcher).
     let job = g

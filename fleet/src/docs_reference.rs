@@ -467,6 +467,14 @@ const SERVICES_KEYS: &[(&str, &str, &str)] = &[
          links are relative (`/v1/files/…`) and the connect flow is refused. `--public-url` overrides it.",
     ),
     (
+        "files_public_url",
+        "none (links use `public_url`)",
+        "The base URL of file download and upload links (`<files_public_url>/v1/files/…`) when user content is \
+         served from an origin of its own: recommended in production, a cookieless host with no OAuth or app routes \
+         that routes only `/v1/files/` to the fronts (docs/operations.md \"User content\"). An `http://` or `https://` \
+         URL. `--files-public-url` overrides it.",
+    ),
+    (
         "credentials",
         "—",
         "Platform credentials (`[credentials]`): the OAuth providers users connect accounts of.",

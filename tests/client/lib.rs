@@ -184,6 +184,7 @@ pub fn loadtest_bin() -> PathBuf {
     .clone()
 }
 
+pub mod chromium;
 pub mod fake_images;
 pub mod fake_llm;
 pub mod fake_oauth;

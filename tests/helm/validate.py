@@ -105,6 +105,7 @@ BAD_VALUES = [
      "must be at least worker.drainGraceSeconds + 2 × worker.config.shutdownGraceSeconds + 10"),
     ("no API key at all", {"auth": {"generateHs256Secret": False}}, "list at least one key"),
     ("public URL without a scheme", {"services": {"publicUrl": "fleet.example.com"}}, "/services/publicUrl"),
+    ("files URL without a scheme", {"services": {"filesPublicUrl": "files.example.com"}}, "/services/filesPublicUrl"),
 ]
 
 

@@ -3,8 +3,8 @@
 //! plugins and their binaries are, and the fake LLM upstream, are `fleet-e2e-client`'s (re-exported here).
 
 pub use fleet_e2e_client::{
-    cargo_build, echo_plugin_bin, fake_images, fake_llm, fake_oauth, fake_web, fleet_bin, hang_report,
-    profile_dir, python_plugin_path, sandbox_stub_bin, workspace_root,
+    cargo_build, chromium, echo_plugin_bin, fake_images, fake_llm, fake_oauth, fake_web, fleet_bin,
+    hang_report, profile_dir, python_plugin_path, sandbox_stub_bin, workspace_root,
 };
 
 /// The host services over `js` with `config`, a fixed link secret and credentials keyring (the services tests).
@@ -623,6 +623,28 @@ pub mod cluster {
                 DEFAULT_ISSUER,
             )
             .expect("operator verifier")
+        }
+
+        /// The HTTP gateway's state over the first front: API tokens of the cluster's key, operator tokens of its
+        /// operator key, the front's metrics.
+        pub async fn http_state(&self, config: fleet::http::HttpConfig) -> fleet::http::HttpState {
+            let front = self.fronts[0].0.clone();
+            let verifier = Verifier::new(
+                vec![self.key.verify_key().expect("verify key")],
+                DEFAULT_ISSUER,
+                DEFAULT_AUDIENCE,
+            )
+            .expect("verifier");
+            fleet::http::HttpState::start(
+                front.clone(),
+                self.client.clone(),
+                verifier,
+                self.operator_verifier(),
+                front.metrics().clone(),
+                config,
+            )
+            .await
+            .expect("gateway state")
         }
 
         /// A valid operator token.

@@ -22,6 +22,11 @@ pub struct ServicesArgs {
     /// The base URL download links point at (overrides `public_url` of the services config).
     #[arg(long, env = "FLEET_PUBLIC_URL")]
     pub public_url: Option<String>,
+    /// The base URL of file download and upload links when user content has an origin of its own (overrides
+    /// `files_public_url` of the services config; default: the public URL). Recommended in production: a
+    /// cookieless host that routes only `/v1/files/` to the fronts.
+    #[arg(long, env = "FLEET_FILES_PUBLIC_URL")]
+    pub files_public_url: Option<String>,
     /// A file with the secret (64 hex digits or ≥ 32 bytes) that signs download and upload links; every fleet
     /// process must share it. Default: `<data-dir>/link-signing-key`, created on first use.
     #[arg(long, env = "FLEET_LINK_SIGNING_KEY_FILE")]
@@ -47,6 +52,9 @@ impl ServicesArgs {
         };
         if let Some(url) = &self.public_url {
             config.public_url = Some(url.clone());
+        }
+        if let Some(url) = &self.files_public_url {
+            config.files_public_url = Some(url.clone());
         }
         Ok(config)
     }

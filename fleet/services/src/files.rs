@@ -11,9 +11,11 @@
 //! | `<prefix>_aps_staging` | object store, `max_age` 1 h | bytes PUT after `upload_begin`, until `upload_complete` (abandoned ones expire) |
 //! | `<prefix>_uploads` | object store, `max_age` 24 h | `host/uploadFile` objects, named by their `r2_key` |
 //!
-//! Flow: `upload_begin` checks the path, the size (≤ 256 MiB, `-32025`) and that the quota has room (`-32024`),
-//! records the pending upload and returns a signed PUT link (600 s) into staging; the PUT streams the body into
-//! the object store (capped at the declared size, same `Content-Type`); `upload_complete` claims the pending
+//! Flow: `upload_begin` checks the path, the content type (one media type, [`MediaType::parse`]: `-32028` for a
+//! list, quotes, anything but token parameters; stored, signed, answered and served normalised), the size
+//! (≤ 256 MiB, `-32025`) and that the quota has room (`-32024`), records the pending upload and returns a signed
+//! PUT link (600 s) into staging; the PUT streams the body into the object store (capped at the declared size,
+//! the same media type); `upload_complete` claims the pending
 //! record (a compare-and-set purge: of two racing completes of one begin, the second finds nothing pending,
 //! `-32022`), reserves the quota for the bytes that landed, copies them from staging into
 //! `<prefix>_aps_objects`, swaps the index entry with a compare-and-set, and removes what it replaced; a failure
@@ -23,7 +25,9 @@
 //!
 //! Links: `GET|PUT /v1/files/{bucket}/{base64url(object)}?exp=<unix s>&…&sig=<hex>`, where `sig` is
 //! HMAC-SHA256, keyed with the secret every fleet process shares ([`LinkSigner`]), over the method, the bucket,
-//! the object, the expiry and (GET) the disposition and file name or (PUT) the content type and the byte cap.
+//! the object, the expiry and (GET) the disposition ([`MediaType::disposition`] of the stored type) and file name
+//! or (PUT) the content type and the byte cap. Links are on `files_public_url` when one is configured (user
+//! content on an origin of its own), else on `public_url`.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -42,6 +46,7 @@ use sha2::{Digest, Sha256};
 use super::kv::{
     Head, Index, IndexError, Page, Quota, Scope, heads_headers, object, paging, required_str, scope, timed,
 };
+use super::media_type::{Disposition, MediaType};
 use super::{CallContext, ServicesError};
 use fleet_proto::util::now_ms;
 use fleet_store::cas::Races;
@@ -150,22 +155,6 @@ impl Bucket {
     }
 }
 
-/// `inline` only for `image/*`, `audio/*`, `video/*` and `application/pdf` (spec §8.7); `image/svg+xml`, which
-/// can carry script, is an attachment too.
-pub fn disposition_for(content_type: &str) -> &'static str {
-    let ct = content_type
-        .split(';')
-        .next()
-        .unwrap_or_default()
-        .trim()
-        .to_ascii_lowercase();
-    let inline = (ct.starts_with("image/") && ct != "image/svg+xml")
-        || ct.starts_with("audio/")
-        || ct.starts_with("video/")
-        || ct == "application/pdf";
-    if inline { "inline" } else { "attachment" }
-}
-
 /// Why a link was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LinkError {
@@ -187,8 +176,8 @@ pub struct GetLink {
     pub bucket: Bucket,
     /// The object name.
     pub object: String,
-    /// `inline` or `attachment`.
-    pub disposition: String,
+    /// The disposition the link was signed with (the served type's at signing).
+    pub disposition: Disposition,
     /// The file name for `Content-Disposition`.
     pub filename: String,
 }
@@ -226,13 +215,13 @@ struct ObjectsInner {
     staging: object_store::ObjectStore,
     uploads: object_store::ObjectStore,
     signer: LinkSigner,
-    public_url: Option<String>,
+    link_base: Option<String>,
 }
 
 impl std::fmt::Debug for ObjectsInner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostObjects")
-            .field("public_url", &self.public_url)
+            .field("link_base", &self.link_base)
             .finish_non_exhaustive()
     }
 }
@@ -250,12 +239,13 @@ async fn open_objects(
 
 impl HostObjects {
     /// Opens (creating if needed) `<prefix>_aps_objects`, `<prefix>_aps_staging` and `<prefix>_uploads`.
-    /// `public_url` makes links absolute (`https://fleet.example.com` + `/v1/files/…`).
+    /// `link_base` makes links absolute (`https://files.example.com` + `/v1/files/…`): the services'
+    /// [`ServicesConfig::files_link_base`](crate::ServicesConfig::files_link_base).
     pub async fn open(
         js: &jetstream::Context,
         settings: &StoreSettings,
         signer: LinkSigner,
-        public_url: Option<String>,
+        link_base: Option<String>,
     ) -> Result<HostObjects, ServicesError> {
         let files = open_objects(js, settings, settings.aps_objects_config()).await?;
         let staging = open_objects(js, settings, settings.aps_staging_config()).await?;
@@ -266,7 +256,7 @@ impl HostObjects {
                 staging,
                 uploads,
                 signer,
-                public_url: public_url.map(|u| u.trim_end_matches('/').to_owned()),
+                link_base: link_base.map(|u| u.trim_end_matches('/').to_owned()),
             }),
         })
     }
@@ -281,23 +271,24 @@ impl HostObjects {
     }
 
     fn base(&self) -> &str {
-        self.inner.public_url.as_deref().unwrap_or("")
+        self.inner.link_base.as_deref().unwrap_or("")
     }
 
-    /// A signed GET link valid for `ttl`; returns the URL and its expiry (Unix seconds).
+    /// A signed GET link valid for `ttl`, with the disposition of `media` (the object's stored type); returns the
+    /// URL and its expiry (Unix seconds).
     pub fn get_link(
         &self,
         bucket: Bucket,
         object: &str,
         filename: &str,
-        content_type: &str,
+        media: &MediaType,
         ttl: Duration,
     ) -> (String, u64) {
         let exp = now_ms() / 1000 + ttl.as_secs();
         let (b, o, d, f) = (
             bucket.as_str(),
             b64(object),
-            disposition_for(content_type),
+            media.disposition().as_str(),
             b64(filename),
         );
         let e = exp.to_string();
@@ -308,12 +299,13 @@ impl HostObjects {
         )
     }
 
-    /// A signed PUT link valid for `ttl`; returns the URL and its expiry (Unix seconds).
+    /// A signed PUT link valid for `ttl`, whose body must be sent as `media`; returns the URL and its expiry (Unix
+    /// seconds).
     pub fn put_link(
         &self,
         bucket: Bucket,
         object: &str,
-        content_type: &str,
+        media: &MediaType,
         max_bytes: u64,
         ttl: Duration,
     ) -> (String, u64) {
@@ -321,7 +313,7 @@ impl HostObjects {
         let (b, o, ct, n) = (
             bucket.as_str(),
             b64(object),
-            b64(content_type),
+            b64(media.as_str()),
             max_bytes.to_string(),
         );
         let e = exp.to_string();
@@ -354,10 +346,15 @@ impl HostObjects {
     ) -> Result<GetLink, LinkError> {
         let e = exp.to_string();
         self.check(&["GET", bucket, object, &e, disposition, filename], sig, exp)?;
+        let disposition = match disposition {
+            "inline" => Disposition::Inline,
+            "attachment" => Disposition::Attachment,
+            _ => return Err(LinkError::Malformed("d")),
+        };
         Ok(GetLink {
             bucket: Bucket::parse(bucket).ok_or(LinkError::Malformed("bucket"))?,
             object: unb64(object).ok_or(LinkError::Malformed("object"))?,
-            disposition: disposition.to_owned(),
+            disposition,
             filename: unb64(filename).ok_or(LinkError::Malformed("fn"))?,
         })
     }
@@ -401,19 +398,6 @@ pub(crate) fn etag_of_digest(digest: Option<&str>) -> String {
     h
 }
 
-/// A content type's syntax: `type/subtype[; params]` with token characters, ≤ 120 characters.
-pub(crate) fn valid_content_type(ct: &str) -> bool {
-    let token = |s: &str| {
-        !s.is_empty()
-            && s.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"!#$&-^_.+".contains(&b))
-    };
-    let essence = ct.split(';').next().unwrap_or_default().trim();
-    ct.chars().count() <= limits::FILES_CONTENT_TYPE_MAX_CHARS
-        && !ct.chars().any(char::is_control)
-        && essence.split_once('/').is_some_and(|(t, s)| token(t) && token(s))
-}
-
 // ------------------------------------------------------------------------------------------------------------
 // files/*
 // ------------------------------------------------------------------------------------------------------------
@@ -445,6 +429,12 @@ pub fn validate_path(path: &str) -> Result<(), ErrorObject> {
         ));
     }
     Ok(())
+}
+
+/// `files/upload_begin`'s `content_type`, validated and normalised by [`MediaType::parse`] → `-32028` (the message
+/// says what is wrong, never repeating the text).
+pub fn content_type(raw: &str) -> Result<MediaType, ErrorObject> {
+    MediaType::parse(raw).map_err(|e| codes::INVALID_REQUEST.error(format!("content_type: {e}")))
 }
 
 /// A committed file.
@@ -519,9 +509,9 @@ impl FilesService {
         settings: &StoreSettings,
         quota: Quota,
         links: LinkSigner,
-        public_url: Option<String>,
+        link_base: Option<String>,
     ) -> Result<FilesService, ServicesError> {
-        let objects = HostObjects::open(js, settings, links, public_url).await?;
+        let objects = HostObjects::open(js, settings, links, link_base).await?;
         let max = 16 * 1024;
         let index = Index::open(js, settings, settings.aps_files_kv_config(max)).await?;
         let pending = Index::open(js, settings, settings.aps_pending_kv_config(max)).await?;
@@ -644,13 +634,7 @@ impl FilesService {
     ) -> Result<Value, ErrorObject> {
         let path = required_str(p, "path")?;
         validate_path(path)?;
-        let ct = required_str(p, "content_type")?.trim();
-        if !valid_content_type(ct) {
-            return Err(codes::INVALID_REQUEST.error(format!(
-                "content_type {ct:?} is not a media type of at most {} characters",
-                limits::FILES_CONTENT_TYPE_MAX_CHARS
-            )));
-        }
+        let media = content_type(required_str(p, "content_type")?)?;
         let size = super::kv::opt_u64(p, "size_bytes")?
             .ok_or_else(|| codes::INVALID_REQUEST.error("missing required field 'size_bytes'"))?;
         if size > limits::FILES_OBJECT_MAX_BYTES {
@@ -677,7 +661,7 @@ impl FilesService {
         let rec = PendingRecord {
             path: path.to_owned(),
             object: object.clone(),
-            content_type: ct.to_owned(),
+            content_type: media.as_str().to_owned(),
             size,
             expires_at_ms,
         };
@@ -686,16 +670,16 @@ impl FilesService {
             .write(&Self::pending_key(scope, path), None, headers, body)
             .await
             .map_err(|e| e.to_rpc())?;
-        let (url, exp) = self
-            .objects
-            .put_link(Bucket::Staging, &object, ct, size, limits::FILES_UPLOAD_TTL);
+        let (url, exp) =
+            self.objects
+                .put_link(Bucket::Staging, &object, &media, size, limits::FILES_UPLOAD_TTL);
         let expires_at = rfc3339_ms(exp * 1000);
         Ok(json!({
             "upload_id": upload_id,
             "put_url": url,
             "presigned_url": url,
             "method": "PUT",
-            "headers": { "Content-Type": ct },
+            "headers": { "Content-Type": media.as_str() },
             "fields": {},
             "expires_at": expires_at,
             "expires_in": limits::FILES_UPLOAD_TTL.as_secs(),
@@ -712,12 +696,14 @@ impl FilesService {
     ) -> Result<Value, ErrorObject> {
         let path = required_str(p, "path")?;
         validate_path(path)?;
-        let (pending_rev, Some(pending)) = self.pending_slot(scope, path).await? else {
+        let (pending_rev, Some(mut pending)) = self.pending_slot(scope, path).await? else {
             return Err(codes::NOT_FOUND.error(format!(
                 "no pending upload for {path:?} in scope '{}' (call files/upload_begin first)",
                 scope.name
             )));
         };
+        // Begun by a version that validated less: stored only as a valid, normalised type.
+        pending.content_type = content_type(&pending.content_type)?.as_str().to_owned();
         // One complete per begin: the call that removes the pending record at the revision it read owns the
         // upload; a racing one finds nothing pending. A failure below puts the record back.
         match self
@@ -886,7 +872,7 @@ impl FilesService {
             Bucket::Files,
             &rec.object,
             filename,
-            &rec.content_type,
+            &MediaType::parse_or_octet_stream(Some(&rec.content_type)),
             Duration::from_secs(ttl),
         );
         Ok(json!({
@@ -987,24 +973,20 @@ mod tests {
     }
 
     #[test]
-    fn disposition_is_inline_only_for_media_and_pdf() {
-        for ct in [
-            "image/png",
-            "audio/mpeg",
-            "video/mp4",
-            "application/pdf",
-            "IMAGE/JPEG; q=1",
-        ] {
-            assert_eq!(disposition_for(ct), "inline", "{ct}");
-        }
-        for ct in [
-            "text/html",
-            "application/json",
-            "image/svg+xml",
-            "application/octet-stream",
-        ] {
-            assert_eq!(disposition_for(ct), "attachment", "{ct}");
-        }
+    fn upload_begin_refuses_an_invalid_type_with_its_invalid_request_code() {
+        assert_eq!(
+            content_type(" Image/PNG ").map(|m| m.to_string()),
+            Ok("image/png".to_owned())
+        );
+        let Err(e) = content_type("image/png;x=1,text/html") else {
+            panic!("a comma list was accepted");
+        };
+        assert_eq!(e.code, -32028);
+        assert!(
+            e.message.starts_with("content_type: ") && !e.message.contains("html"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]

@@ -35,6 +35,7 @@ pub mod grants;
 pub mod image;
 pub mod kv;
 pub mod llm;
+pub mod media_type;
 pub mod mock;
 pub mod oauth;
 pub mod tokens;
@@ -144,6 +145,11 @@ pub struct ServicesConfig {
     /// `https://fleet.example.com`. Without it, links are relative (`/v1/files/…`).
     #[serde(default)]
     pub public_url: Option<String>,
+    /// The base URL of file download and upload links when user content has an origin of its own (a cookieless
+    /// host that routes only `/v1/files/` to the fleet), e.g. `https://files.fleet-usercontent.example`; without
+    /// it, links use `public_url`.
+    #[serde(default)]
+    pub files_public_url: Option<String>,
     /// The OpenAI-compatible upstream for sampling and embeddings; absent: neither is offered.
     #[serde(default)]
     pub llm: Option<llm::LlmConfig>,
@@ -176,6 +182,20 @@ pub enum ServicesError {
     /// Configuration.
     #[error("host services configuration: {0}")]
     Config(String),
+}
+
+impl ServicesConfig {
+    /// The base URL of file links: `files_public_url` (which must be an `http://` or `https://` URL), else
+    /// `public_url`, else none (relative links).
+    pub fn files_link_base(&self) -> Result<Option<String>, ServicesError> {
+        match &self.files_public_url {
+            Some(url) if !(url.starts_with("https://") || url.starts_with("http://")) => Err(
+                ServicesError::Config("files_public_url must be an http:// or https:// URL".to_owned()),
+            ),
+            Some(url) => Ok(Some(url.clone())),
+            None => Ok(self.public_url.clone()),
+        }
+    }
 }
 
 /// The fleet's host services and token source (one per worker process).
@@ -244,7 +264,7 @@ impl FleetServices {
         // One per-user byte quota for KV values and files.
         let quota = kv::Quota::open(js, settings, &config.storage).await?;
         let kv = kv::KvService::open(js, settings, quota.clone()).await?;
-        let files = files::FilesService::open(js, settings, quota, links, config.public_url.clone()).await?;
+        let files = files::FilesService::open(js, settings, quota, links, config.files_link_base()?).await?;
         let upload = upload::UploadService::new(files.clone()).with_env(&settings.prefix);
         // One fetcher, one SSRF policy, for every URL a plugin or a provider names.
         let fetcher = web::fetcher(&config.web, Arc::new(web::ssrf::SystemResolver));

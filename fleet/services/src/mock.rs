@@ -494,7 +494,7 @@ fn upload(ctx: &CallContext, site: &CallSite<'_>, entry: Option<&MockEntry>) -> 
                 Ok(upload_envelope(
                     &mock_key(ctx, &d.filename),
                     &url,
-                    &d.mime,
+                    d.mime.as_str(),
                     bytes.len() as u64,
                     "inline",
                 ))
@@ -509,7 +509,7 @@ fn upload(ctx: &CallContext, site: &CallSite<'_>, entry: Option<&MockEntry>) -> 
                 Ok(json!({
                     "r2_key": mock_key(ctx, &d.filename),
                     "put_url": "data:,",
-                    "headers": {"Content-Type": d.mime},
+                    "headers": {"Content-Type": d.mime.as_str()},
                     "expires_in": ttl,
                     "expires_at": rfc3339_ms(now_ms() + ttl * 1000),
                     "_meta": {"mode": "presigned-put", "provider": MOCK_MODEL},

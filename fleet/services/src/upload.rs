@@ -5,16 +5,17 @@
 //!   (`<env>` is the store prefix; a tool or invoke id with characters outside `[A-Za-z0-9._-]` is replaced by
 //!   a hash). `confirm` accepts only keys of the calling user, plugin and invoke (`-32203` otherwise) and
 //!   answers `-32212` when no bytes were PUT under the key.
-//! * Checks, in order: mode (`-32203`), file name and MIME present (`-32203`), MIME syntax and denylist
-//!   (`-32205`), purpose in the spec's list and the token's `allowed_purposes` (`-32206`), then the size: inline
-//!   over 8 MiB after base64 decoding or over the token's `max_file_bytes` (`-32204`), malformed base64
-//!   (`-32203`), the per-invoke file count (`-32211`) and byte total (`-32202` `UPLOAD_MAX_BYTES_EXCEEDED`).
+//! * Checks, in order: mode (`-32203`), file name and MIME present (`-32203`), MIME syntax ([`MediaType::parse`];
+//!   stored and served without its parameters) and denylist (`-32205`), purpose in the spec's list and the
+//!   token's `allowed_purposes` (`-32206`), then the size: inline over 8 MiB after base64 decoding or over the
+//!   token's `max_file_bytes` (`-32204`), malformed base64 (`-32203`), the per-invoke file count (`-32211`) and
+//!   byte total (`-32202` `UPLOAD_MAX_BYTES_EXCEEDED`).
 //! * The files counter counts `inline` and `confirm` (`negotiate` is free); a re-`confirm` of the same key
 //!   returns a fresh envelope at no cost (the object carries a `confirmed` mark). A `negotiate`'s bytes count
 //!   against the per-invoke total until its `confirm`, and at most as many links as files wait unconfirmed
 //!   (`-32211`): bytes PUT and never confirmed are bounded like confirmed ones.
-//! * The negotiate `put_url` is a signed PUT on the fleet's HTTP listener, 300 s, `Content-Type` must equal
-//!   `mime_type`, the body is capped at the negotiated size. Download links last 1800 s.
+//! * The negotiate `put_url` is a signed PUT on the fleet's HTTP listener, 300 s, `Content-Type` must be
+//!   `mime_type` (the answer's `headers`), the body is capped at the negotiated size. Download links last 1800 s.
 
 use std::collections::HashMap;
 
@@ -29,6 +30,7 @@ use serde_json::{Map, Value, json};
 use super::CallContext;
 use super::budget::Exhausted;
 use super::files::{Bucket, FilesService, META_CONFIRMED, META_CONTENT_TYPE, nonce};
+use super::media_type::MediaType;
 use fleet_proto::api::user_key;
 use fleet_proto::util::now_ms;
 use fleet_store::rfc3339_ms;
@@ -119,18 +121,6 @@ fn safe_name(name: &str) -> String {
     out
 }
 
-/// The essence of a MIME type (lowercase `type/subtype`), if it is well formed.
-fn mime_essence(mime: &str) -> Option<String> {
-    let essence = mime.split(';').next()?.trim().to_ascii_lowercase();
-    let token = |s: &str| {
-        !s.is_empty()
-            && s.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"!#$&-^_.+".contains(&b))
-    };
-    let (t, s) = essence.split_once('/')?;
-    (token(t) && token(s) && mime.len() <= 255).then_some(essence)
-}
-
 pub(crate) fn exhausted(e: Exhausted) -> ErrorObject {
     match e {
         Exhausted::UploadFiles(_) | Exhausted::UploadOffers(_) => {
@@ -169,22 +159,22 @@ fn storage_error(e: impl std::fmt::Display) -> ErrorObject {
 /// The checked common fields of `inline` and `negotiate`.
 pub(crate) struct Described {
     pub(crate) filename: String,
-    pub(crate) mime: String,
+    /// Validated, without parameters: what is stored and served.
+    pub(crate) mime: MediaType,
     pub(crate) purpose: String,
 }
 
 /// The checked `filename`, `mime_type` and `purpose` of `inline` and `negotiate` (`-32203`, `-32205`, `-32206`).
 pub(crate) fn describe(ctx: &CallContext, p: &Map<String, Value>) -> Result<Described, ErrorObject> {
     let field = |name: &str| match p.get(name) {
-        Some(Value::String(s)) if !s.trim().is_empty() => Ok(s.trim().to_owned()),
+        Some(Value::String(s)) if !s.trim().is_empty() => Ok(s.as_str()),
         _ => Err(codes::INVALID_REQUEST.error(format!("missing or empty '{name}'"))),
     };
-    let filename = field("filename")?;
-    let raw_mime = field("mime_type")?;
-    let Some(mime) = mime_essence(&raw_mime) else {
-        return Err(codes::MIME_REJECTED.error(format!("malformed MIME type {raw_mime:?}")));
-    };
-    if MIME_DENYLIST.contains(&mime.as_str()) {
+    let filename = field("filename")?.trim().to_owned();
+    let mime = MediaType::parse(field("mime_type")?)
+        .map_err(|e| codes::MIME_REJECTED.error(format!("mime_type: {e}")))?
+        .without_parameters();
+    if MIME_DENYLIST.contains(&mime.essence()) {
         return Err(codes::MIME_REJECTED.error(format!("MIME type {mime} is not accepted for uploads")));
     }
     let purpose = match p.get("purpose") {
@@ -371,11 +361,18 @@ impl UploadService {
         )
     }
 
-    fn envelope(&self, key: &str, mime: &str, size: u64, mode: &str) -> Value {
+    fn envelope(&self, key: &str, mime: &MediaType, size: u64, mode: &str) -> Value {
         let filename = key.rsplit('/').next().unwrap_or(key);
         let filename = filename.splitn(3, '_').nth(2).unwrap_or(filename);
         let (url, exp) = self.link(key, filename, mime);
-        result_envelope(key, &url, mime, size, exp * 1000, &json!({ "mode": mode }))
+        result_envelope(
+            key,
+            &url,
+            mime.as_str(),
+            size,
+            exp * 1000,
+            &json!({ "mode": mode }),
+        )
     }
 
     async fn inline(&self, ctx: &CallContext, p: &Map<String, Value>) -> Result<Value, ErrorObject> {
@@ -399,7 +396,7 @@ impl UploadService {
         let meta = object_store::ObjectMetadata {
             name: key.clone(),
             metadata: HashMap::from([
-                (META_CONTENT_TYPE.to_owned(), d.mime.clone()),
+                (META_CONTENT_TYPE.to_owned(), d.mime.as_str().to_owned()),
                 (META_CONFIRMED.to_owned(), "1".to_owned()),
             ]),
             ..Default::default()
@@ -415,7 +412,7 @@ impl UploadService {
     }
 
     /// A signed download link of a stored upload, valid 30 min: (url, expiry in Unix seconds).
-    pub(crate) fn link(&self, key: &str, filename: &str, mime: &str) -> (String, u64) {
+    pub(crate) fn link(&self, key: &str, filename: &str, mime: &MediaType) -> (String, u64) {
         self.files
             .objects()
             .get_link(Bucket::Uploads, key, filename, mime, limits::UPLOAD_GET_URL_TTL)
@@ -432,7 +429,7 @@ impl UploadService {
         Ok(json!({
             "r2_key": key,
             "put_url": url,
-            "headers": { "Content-Type": d.mime },
+            "headers": { "Content-Type": d.mime.as_str() },
             "expires_in": limits::UPLOAD_PUT_URL_TTL.as_secs(),
             "expires_at": rfc3339_ms(exp * 1000),
             "_meta": { "mode": "presigned-put" },
@@ -469,11 +466,7 @@ impl UploadService {
             Err(e) => return Err(storage_error(e)),
         };
         let size = info.size as u64;
-        let mime = info
-            .metadata
-            .get(META_CONTENT_TYPE)
-            .cloned()
-            .unwrap_or_else(|| "application/octet-stream".to_owned());
+        let mime = MediaType::parse_or_octet_stream(info.metadata.get(META_CONTENT_TYPE).map(String::as_str));
         if is_confirmed(&info) {
             return Ok(self.envelope(key, &mime, size, "confirm"));
         }
@@ -534,12 +527,5 @@ mod tests {
         assert_eq!(safe_name("///"), "file");
         assert_eq!(safe_segment("echo-rs"), "echo-rs");
         assert!(safe_segment("a/b").starts_with('h'));
-    }
-
-    #[test]
-    fn mime_essence_lowercases_and_refuses_garbage() {
-        assert_eq!(mime_essence("Image/PNG; charset=x").as_deref(), Some("image/png"));
-        assert_eq!(mime_essence("png"), None);
-        assert_eq!(mime_essence("a/b c"), None);
     }
 }

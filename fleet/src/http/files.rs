@@ -3,11 +3,19 @@
 //! | Route | What |
 //! |---|---|
 //! | `GET /v1/files/{bucket}/{object}?exp&d&fn&sig` | streams the object; `Content-Type` as stored, `Content-Disposition: <d>; filename=…` |
-//! | `PUT /v1/files/{bucket}/{object}?exp&ct&n&sig` | stores the body (at most `n` bytes, `Content-Type` must equal `ct`) |
+//! | `PUT /v1/files/{bucket}/{object}?exp&ct&n&sig` | stores the body (at most `n` bytes, `Content-Type` must be the media type `ct`) |
+//!
+//! User content cannot script the origin that serves it: the stored type is parsed again by
+//! [`MediaType::parse`] and served as that value (one that does not parse, from an object stored before types
+//! were validated, is served as `application/octet-stream`); the disposition is `inline` only when the link was
+//! signed `inline` **and** the served type is one a browser does not run ([`MediaType::disposition`]); and every
+//! response of these routes carries `Content-Security-Policy: sandbox; default-src 'none'` and
+//! `X-Content-Type-Options: nosniff` ([`USER_CONTENT_CSP`]).
 //!
 //! A link whose signature does not verify is `403`; an expired one is `410`; an object that is not there is
-//! `404`; a PUT with another `Content-Type` is `400`; a body over the signed size is `413`. Bodies are streamed
-//! both ways (the object store reads and writes in chunks), so memory does not grow with the object.
+//! `404`; a PUT whose `Content-Type` is not the signed media type (compared after both are normalised) is
+//! `400`; a body over the signed size is `413`. Bodies are streamed both ways (the object store reads and writes
+//! in chunks), so memory does not grow with the object.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -21,6 +29,7 @@ use axum::body::{Body, BodyDataStream};
 use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::map_response;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use bytes::{Bytes, BytesMut};
@@ -28,15 +37,35 @@ use futures::Stream;
 use tokio::io::{AsyncRead, AsyncReadExt as _, ReadBuf};
 
 use fleet_services::files::{Bucket, HostObjects, LinkError, META_CONTENT_TYPE};
+use fleet_services::media_type::{Disposition, MediaType, OCTET_STREAM};
 
 /// Bytes read from the object store per response chunk.
 const CHUNK: usize = 64 * 1024;
+
+/// The `Content-Security-Policy` of every response of these routes: a document served from a link runs no
+/// script, loads nothing and has an origin of its own, whatever its type.
+pub const USER_CONTENT_CSP: &str = "sandbox; default-src 'none'";
 
 /// The routes, with their own state (merge into the gateway's router).
 pub fn router(objects: HostObjects) -> Router {
     Router::new()
         .route("/v1/files/{bucket}/{object}", get(download).put(upload))
+        .layer(map_response(user_content_headers))
         .with_state(objects)
+}
+
+/// Adds [`USER_CONTENT_CSP`] and `X-Content-Type-Options: nosniff` to a response.
+async fn user_content_headers(mut response: Response) -> Response {
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(USER_CONTENT_CSP),
+    );
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    response
 }
 
 /// Serves only these routes on `listener` (tests, or a process that serves nothing else).
@@ -84,7 +113,7 @@ fn refused(e: &LinkError) -> Response {
 }
 
 /// `attachment; filename="a.txt"; filename*=UTF-8''a.txt`.
-fn content_disposition(disposition: &str, filename: &str) -> HeaderValue {
+fn content_disposition(disposition: Disposition, filename: &str) -> HeaderValue {
     let ascii: String = filename
         .chars()
         .map(|c| {
@@ -103,11 +132,7 @@ fn content_disposition(disposition: &str, filename: &str) -> HeaderValue {
             encoded.push_str(&format!("%{b:02X}"));
         }
     }
-    let d = if disposition == "inline" {
-        "inline"
-    } else {
-        "attachment"
-    };
+    let d = disposition.as_str();
     HeaderValue::from_str(&format!("{d}; filename=\"{ascii}\"; filename*=UTF-8''{encoded}"))
         .unwrap_or_else(|_| HeaderValue::from_static("attachment"))
 }
@@ -135,25 +160,16 @@ async fn download(
         Err(e) => return plain(StatusCode::BAD_GATEWAY, format!("object store: {e}")),
     };
     let info = obj.info().clone();
-    let content_type = info
-        .metadata
-        .get(META_CONTENT_TYPE)
-        .cloned()
-        .unwrap_or_else(|| "application/octet-stream".to_owned());
+    let media = MediaType::parse_or_octet_stream(info.metadata.get(META_CONTENT_TYPE).map(String::as_str));
     let mut headers = HeaderMap::new();
     headers.insert(
         header::CONTENT_TYPE,
-        HeaderValue::from_str(&content_type)
-            .unwrap_or_else(|_| HeaderValue::from_static("application/octet-stream")),
+        HeaderValue::from_str(media.as_str()).unwrap_or_else(|_| HeaderValue::from_static(OCTET_STREAM)),
     );
     headers.insert(header::CONTENT_LENGTH, HeaderValue::from(info.size as u64));
     headers.insert(
         header::CONTENT_DISPOSITION,
-        content_disposition(&link.disposition, &link.filename),
-    );
-    headers.insert(
-        header::X_CONTENT_TYPE_OPTIONS,
-        HeaderValue::from_static("nosniff"),
+        content_disposition(link.disposition.narrowest(media.disposition()), &link.filename),
     );
     headers.insert(
         header::CACHE_CONTROL,
@@ -236,18 +252,20 @@ async fn upload(
             "forbidden: committed files are not written by PUT",
         );
     }
+    let Ok(signed) = MediaType::parse(&link.content_type) else {
+        return plain(
+            StatusCode::BAD_REQUEST,
+            "bad request: the link's media type is not accepted; begin the upload again",
+        );
+    };
     let sent = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .trim();
-    if !sent.eq_ignore_ascii_case(link.content_type.trim()) {
+        .map(MediaType::parse);
+    if !matches!(sent, Some(Ok(ref m)) if *m == signed) {
         return plain(
             StatusCode::BAD_REQUEST,
-            format!(
-                "Content-Type must be {:?} (as signed), got {sent:?}",
-                link.content_type
-            ),
+            format!("bad request: Content-Type must be {signed} (the media type the link was signed for)"),
         );
     }
     if let Some(len) = headers
@@ -280,7 +298,7 @@ async fn upload(
     };
     let meta = object_store::ObjectMetadata {
         name: link.object.clone(),
-        metadata: HashMap::from([(META_CONTENT_TYPE.to_owned(), link.content_type.clone())]),
+        metadata: HashMap::from([(META_CONTENT_TYPE.to_owned(), signed.as_str().to_owned())]),
         ..Default::default()
     };
     match store.put(meta, &mut reader).await {

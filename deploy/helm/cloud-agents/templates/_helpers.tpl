@@ -139,6 +139,9 @@ seccompProfile:
 {{- if .Values.services.publicUrl }}
 - --public-url={{ .Values.services.publicUrl }}
 {{- end }}
+{{- if .Values.services.filesPublicUrl }}
+- --files-public-url={{ .Values.services.filesPublicUrl }}
+{{- end }}
 {{- if .Values.services.config }}
 - --services-config=/var/run/cloud-agents/services/services.toml
 {{- end }}

@@ -64,6 +64,7 @@ use self::fetch::FetchError;
 use self::request::{ImageRequest, Kind};
 use super::files::{Bucket, HostObjects, META_CONTENT_TYPE, nonce};
 use super::llm::{ApiKey, DEFAULT_PROVIDER, KeySourceError, check_base_url, select_by_hints, upstream_code};
+use super::media_type::MediaType;
 use super::upload::safe_segment;
 use super::usage::{self, Reserved, UsageCounter, UsageError};
 use super::web::fetch::Fetcher;
@@ -669,22 +670,24 @@ impl ImageService {
             safe_segment(&ctx.invoke_id),
             p.sniffed.ext
         );
+        let stored = || codes::IMAGE_STORAGE_ERROR.error("the generated image could not be stored");
+        let media = MediaType::parse(p.sniffed.mime).map_err(|_| stored())?;
         let meta = object_store::ObjectMetadata {
             name: key.clone(),
-            metadata: HashMap::from([(META_CONTENT_TYPE.to_owned(), p.sniffed.mime.to_owned())]),
+            metadata: HashMap::from([(META_CONTENT_TYPE.to_owned(), media.as_str().to_owned())]),
             ..Default::default()
         };
         let mut reader: &[u8] = &p.bytes;
         if let Err(e) = self.objects.store(Bucket::Uploads).put(meta, &mut reader).await {
             tracing::warn!(invoke_id = %ctx.invoke_id, error = %e, "storing a generated image failed");
-            return Err(codes::IMAGE_STORAGE_ERROR.error("the generated image could not be stored"));
+            return Err(stored());
         }
         let filename = format!("image.{}", p.sniffed.ext);
         let (url, exp) = self.objects.get_link(
             Bucket::Uploads,
             &key,
             &filename,
-            p.sniffed.mime,
+            &media,
             limits::R2_TRANSIENT_PRESIGN_EXPIRY,
         );
         Ok(json!({

@@ -38,6 +38,7 @@ use fleet_proto::limits::{
 };
 use serde_json::{Map, Value};
 
+use crate::media_type::MediaType;
 use crate::upload::{Described, UploadService};
 use crate::usage::{self, Reserved, UsageCounter, UsageError};
 use crate::{CallContext, ServicesError};
@@ -390,14 +391,15 @@ impl WebService {
         })?;
         let described = Described {
             filename: format!("image.{ext}"),
-            mime: mime.to_owned(),
+            mime: MediaType::parse(mime)
+                .map_err(|_| codes::WEB_PROVIDER_ERROR.error("the image could not be stored"))?,
             purpose: "user_artifact".to_owned(),
         };
         let path = uploads
             .store(ctx, &described, &bytes)
             .await
             .map_err(|_| codes::WEB_PROVIDER_ERROR.error("the image could not be stored"))?;
-        let (get_url, _) = uploads.link(&path, &described.filename, mime);
+        let (get_url, _) = uploads.link(&path, &described.filename, &described.mime);
         use sha2::Digest as _;
         Ok(ImageFetchResult {
             path,
