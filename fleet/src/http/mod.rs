@@ -10,7 +10,7 @@
 //! | `GET /metrics` | [`FleetMetrics::encode`] — on the public port unless the metrics have their own listener ([`serve_ops`], `fleet up --metrics-http`) | none |
 //! | `GET /` | the operator page (one embedded HTML file) ([`page`]) | none: it holds no data |
 //! | `GET /v1/ops/overview`, `GET /v1/ops/events` | the page's data: JSON snapshot, SSE stream | operator token (audience `cloud-agents-operator`, an operator key) |
-//! | `GET`, `PUT /v1/files/{bucket}/{object}` | host files and uploads: signed download links and presigned PUTs ([`files`]; only with [`serve_with_services`]) | the link's HMAC signature and expiry |
+//! | `GET`, `PUT /v1/files/{bucket}/{object}` | host files and uploads: signed download links and presigned PUTs ([`files`]; only with [`serve_with_services`]); user content: every response `Content-Security-Policy: sandbox; default-src 'none'` and `nosniff`, `inline` only for types a browser does not run | the link's HMAC signature and expiry |
 //! | `GET`, `PUT /v1/credentials`, `DELETE /v1/credentials/{name}` | the user's own plugin credentials ([`user`]; only with [`serve_with_services`]) | the user's API token (`Authorization: Bearer`) |
 //! | `GET /v1/oauth/providers`, `/v1/oauth/{provider}/accounts[/…]` | the user's own OAuth accounts ([`user`]) | the user's API token |
 //! | `GET /v1/oauth/{provider}/start`, `/v1/oauth/{provider}/callback` | the OAuth connect flow ([`user`]) | start: the user's API token; callback: the flow's single-use state and the browser's binding cookie |
