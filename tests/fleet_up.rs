@@ -1237,6 +1237,81 @@ fn a_hostile_packages_build_backends_run_confined_and_reach_nothing_of_the_fleet
     assert!(up.interrupt().success());
 }
 
+/// Issue 42: a plugin gets what its recorded manifest declares (the one `tools.list` shows, from the fleet's own
+/// describe), nothing more. `drifter` describes itself cleanly to that describe and, to real users' sessions,
+/// declares the credential `UNDECLARED_X`, the host capability `aps.kv` and the tool `extra`: none is given, and
+/// the session is counted in `cloud_agents_manifest_drift_total{tool_id}`. `honest` declares the same to everyone:
+/// it gets the value.
+#[test]
+fn a_plugin_declaring_more_at_run_time_than_its_recorded_manifest_gets_none_of_it() {
+    let mut up = Up::start_over(|dir| {
+        let plugins = dir.join("plugins");
+        for (tool_id, flag) in [("drifter", "--drift"), ("honest", "--declare-extra")] {
+            let dir = plugins.join(tool_id);
+            std::fs::create_dir_all(&dir).unwrap();
+            let manifest = json!({
+                "tool_id": tool_id,
+                "type": "binary",
+                "command": ["/usr/bin/python3", fleet_e2e_client::python_plugin_path(), "--credentials", flag],
+            });
+            std::fs::write(dir.join("executa.json"), manifest.to_string()).unwrap();
+        }
+        (plugins, Vec::new())
+    });
+    up.wait_ready();
+    let (api_key, extra) = ("sk-recorded-31a9", "gmail-token-not-recorded-77e1");
+    up.cli(&[
+        "credentials",
+        "set",
+        "--user",
+        "alice",
+        &format!("API_KEY={api_key}"),
+        &format!("UNDECLARED_X={extra}"),
+    ])
+    .ok();
+    let received =
+        |tool_id: &str| invoke_tool(&up, "alice", tool_id, "credentials", "{}")["received"].clone();
+    let digest = |v: &str| Value::String(sha256_hex(v));
+    assert_eq!(
+        received("drifter"),
+        json!({ "API_KEY": digest(api_key), "REGION": digest("eu-west") }),
+        "the name its recorded manifest does not declare is withheld"
+    );
+    assert_eq!(
+        received("honest"),
+        json!({ "API_KEY": digest(api_key), "REGION": digest("eu-west"), "UNDECLARED_X": digest(extra) }),
+        "a recorded name is given"
+    );
+    let refused = up.cli(&[
+        "invoke",
+        "--user",
+        "alice",
+        "--tool-id",
+        "drifter",
+        "--tool",
+        "extra",
+        "--args",
+        "{}",
+    ]);
+    assert!(
+        !refused.success,
+        "a tool the record does not list is not routed: {refused:?}"
+    );
+    let (_, metrics) = http_get(&up.http, "/metrics");
+    let drift: Vec<&str> = metrics
+        .lines()
+        .filter(|l| l.starts_with("cloud_agents_manifest_drift_total{"))
+        .collect();
+    assert_eq!(drift.len(), 1, "{drift:?}");
+    assert!(
+        drift[0].starts_with("cloud_agents_manifest_drift_total{tool_id=\"drifter\"} "),
+        "{drift:?}"
+    );
+    let counted: f64 = drift[0].rsplit(' ').next().unwrap().parse().unwrap();
+    assert!(counted >= 1.0, "{drift:?}");
+    assert!(up.interrupt().success());
+}
+
 /// Issue 17 (spec §4.2): per-user credentials set with `fleet credentials` reach a plugin in
 /// `params.context.credentials` — exactly the names its manifest declares, the plugin's value over the user-wide
 /// one over the manifest default, a required one without a value refused before the plugin is invoked — and

@@ -1324,8 +1324,16 @@ impl UvSetup {
 
     /// `before_load` runs once the fake `uv` is in place (to set its switches).
     fn start(name: &str, before_load: impl FnOnce(&UvPaths<'_>)) -> UvSetup {
+        Self::start_with(fleet_e2e::worker::test_config(name), before_load)
+    }
+
+    /// [`UvSetup::start`] with a worker of `config`.
+    fn start_with(
+        config: fleet_worker::config::WorkerConfig,
+        before_load: impl FnOnce(&UvPaths<'_>),
+    ) -> UvSetup {
         use fleet_worker::catalogue::{Catalogue, LoadOptions, Runner};
-        let w = fleet_e2e::worker::TestWorker::start(fleet_e2e::worker::test_config(name), &[]);
+        let w = fleet_e2e::worker::TestWorker::start(config, &[]);
         let python = LoadOptions::with_search_path(["/usr/bin", "/bin"])
             .lookup("python3")
             .expect("a system python3");
@@ -1541,4 +1549,97 @@ async fn a_caller_that_gives_up_does_not_stop_the_preparation() {
     assert_eq!(out["words"], 2, "{out}");
     assert_eq!(runs(), 1, "one `uv sync`, not restarted by the second caller");
     w.pool.shutdown().await;
+}
+
+/// A preparation that does not finish within `preparation.timeout` (a `uv` that waits for ever on its gate) is
+/// killed whole and says so in one line; nothing of it is left: no process in the worker's cgroups, no partial
+/// environment, nothing in the build's TMPDIR. The install's tree is the worker's again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_preparation_past_its_wall_clock_cap_is_killed_and_leaves_nothing_behind() {
+    use fleet_worker::pool::PoolError;
+    use fleet_worker::sandbox::BUILD_USER;
+    use std::os::unix::fs::MetadataExt as _;
+
+    const ID: &str = UvSetup::ID;
+    let mut config = fleet_e2e::worker::test_config("uv-timeout");
+    config.preparation.timeout = Duration::from_secs(1);
+    let setup = UvSetup::start_with(config, |uv| {
+        let gate = uv.count.with_extension("gate");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&gate)
+            .status()
+            .expect("mkfifo");
+        assert!(made.success());
+    });
+    let w = &setup.w;
+    let err = tokio::time::timeout(
+        GUARD,
+        w.pool.invoke(
+            "jill",
+            ID,
+            fleet_e2e::worker::req("word_count", json!({ "text": "a" })),
+        ),
+    )
+    .await
+    .expect("ends")
+    .expect_err("the preparation times out");
+    let PoolError::Refused(refusal) = &err else {
+        panic!("expected a refused preparation, got {err}");
+    };
+    let message = refusal.to_string();
+    assert!(message.contains("did not finish within 1s"), "{message}");
+    assert!(!message.contains('\n'), "one line: {message}");
+    assert_eq!(setup.runs(), 1, "it started");
+    // Its whole tree was killed with its cgroup, which is gone (the waiting sandbox stubs have cgroups of their
+    // own, `seat`s).
+    for dir in w.sandbox.subtree_paths() {
+        let procs = files_named(dir, "cgroup.procs");
+        assert!(
+            !procs.iter().any(|f| f.to_string_lossy().contains("build-")),
+            "a build cgroup is left: {procs:?}"
+        );
+        for file in procs.iter().filter(|f| !f.to_string_lossy().contains("seat")) {
+            let pids = std::fs::read_to_string(&file).unwrap_or_default();
+            assert!(pids.trim().is_empty(), "{} holds {pids}", file.display());
+        }
+    }
+    let venv = setup.install.dir.join(fleet_worker::catalogue::UV_VENV_DIR);
+    assert!(!venv.exists(), "no partial environment");
+    let build = w.sandbox.user_space(BUILD_USER, "unused").expect("build space");
+    let users = build.tmpdir.parent().expect("tmp root");
+    for dir in std::fs::read_dir(users).expect("build tmp dirs").flatten() {
+        let left: Vec<_> = std::fs::read_dir(dir.path()).expect("dir").flatten().collect();
+        assert!(left.is_empty(), "{} holds {left:?}", dir.path().display());
+    }
+    for entry in walk(&setup.install.dir) {
+        let meta = std::fs::symlink_metadata(&entry).expect("meta");
+        assert_eq!(meta.uid(), 0, "{}", entry.display());
+        assert_eq!(meta.mode() & 0o7022, 0, "{}", entry.display());
+    }
+}
+
+/// Every path under `dir` (itself included), without following links.
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = vec![dir.to_path_buf()];
+    let mut i = 0;
+    while i < out.len() {
+        if std::fs::symlink_metadata(&out[i]).is_ok_and(|m| m.is_dir()) {
+            let children: Vec<_> = std::fs::read_dir(&out[i])
+                .expect("dir")
+                .flatten()
+                .map(|e| e.path())
+                .collect();
+            out.extend(children);
+        }
+        i += 1;
+    }
+    out
+}
+
+/// The files called `name` under `dir`.
+fn files_named(dir: &std::path::Path, name: &str) -> Vec<std::path::PathBuf> {
+    walk(dir)
+        .into_iter()
+        .filter(|p| p.file_name().is_some_and(|n| n == name))
+        .collect()
 }

@@ -40,6 +40,7 @@ pub mod operator;
 pub mod plugins;
 pub mod policy;
 pub mod probe;
+pub mod recorded;
 pub mod replay;
 pub mod sweeper;
 pub mod telemetry;

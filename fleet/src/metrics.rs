@@ -598,6 +598,20 @@ impl Collector for WorkerCollector {
             "Sandbox stubs waiting for a session",
             ready as f64,
         )?;
+        // Sessions whose runtime manifest declared more than the recorded one (the extra withheld), by tool id.
+        let mut drift: BTreeMap<String, u64> = BTreeMap::new();
+        for pool in &pools {
+            for (tool_id, n) in pool.context().metrics.manifest_drifts() {
+                *drift.entry(tool_id).or_default() += n;
+            }
+        }
+        let rows: Vec<(ToolLabel, u64)> = drift.into_iter().map(|(t, n)| ([("tool_id", t)], n)).collect();
+        counter_family(
+            &mut e,
+            "manifest_drift",
+            "Plugin sessions whose runtime manifest declared credentials, host capabilities or tools their recorded manifest does not (withheld)",
+            &rows,
+        )?;
         // Egress through the proxies of egress-granted plugins, by outcome (refusals by the rule that refused).
         let mut outcomes: BTreeMap<&str, u64> = BTreeMap::new();
         for pool in &pools {

@@ -493,7 +493,10 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             config: Arc::new(config.clone()),
             sandbox: sandbox.clone(),
             services: Arc::new(worker_services.clone()),
-            tokens: Arc::new(worker_services.clone()),
+            tokens: Arc::new(crate::recorded::RecordedTokens::new(
+                worker_services.clone(),
+                worker_store.clone(),
+            )),
             metrics: Arc::new(WorkerMetrics::default()),
         };
         let pool = Pool::new(ctx, Arc::new(catalogue));

@@ -264,7 +264,10 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
         }
     };
     let (services, tokens): (Arc<dyn HostServices>, Arc<dyn TokenSource>) = match &joined {
-        Some((_, _, _, s, _)) => (Arc::new(s.clone()), Arc::new(s.clone())),
+        Some((_, _, store, s, _)) => (
+            Arc::new(s.clone()),
+            Arc::new(crate::recorded::RecordedTokens::new(s.clone(), store.clone())),
+        ),
         None => (Arc::new(NoServices), Arc::new(NoTokens)),
     };
     let ctx = WorkerContext {

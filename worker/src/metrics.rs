@@ -112,6 +112,8 @@ pub struct WorkerMetrics {
     pub reverse_budget_exhausted: AtomicU64,
     /// The Animus driver's counters (detection probes, liveness, cancellation paths).
     pub animus: AnimusMetrics,
+    /// Sessions whose runtime manifest declared more than the recorded one, by tool id (`session/pin.rs`).
+    pub manifest_drift: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
 }
 
 /// Counters of the Animus driver (exported with `dialect="animus"`).
@@ -173,6 +175,20 @@ pub const FRAME_ERROR_KINDS: [&str; 6] = [
 ];
 
 impl WorkerMetrics {
+    /// Counts a session of `tool_id` whose runtime manifest declared more than the recorded one.
+    pub fn manifest_drift(&self, tool_id: &str) {
+        let mut drift = fleet_proto::util::lock(&self.manifest_drift);
+        *drift.entry(tool_id.to_owned()).or_default() += 1;
+    }
+
+    /// [`manifest_drift`](Self::manifest_drift) so far, by tool id.
+    pub fn manifest_drifts(&self) -> Vec<(String, u64)> {
+        fleet_proto::util::lock(&self.manifest_drift)
+            .iter()
+            .map(|(k, v)| (k.clone(), *v))
+            .collect()
+    }
+
     /// Adds one to a counter.
     pub fn inc(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);

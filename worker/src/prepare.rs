@@ -386,6 +386,8 @@ fn build_env(space: &UserSpace, sync: &UvSync<'_>, network: bool) -> Vec<(String
         ("UV_PYTHON_DOWNLOADS".to_owned(), "never".to_owned()),
         // The node's trust store (an operator's mirror or TLS-inspecting proxy has its CA there), not only the
         // roots built into `uv`.
+        ("UV_SYSTEM_CERTS".to_owned(), "1".to_owned()),
+        // (`uv` before 0.13 reads this name only; later ones warn that it is deprecated.)
         ("UV_NATIVE_TLS".to_owned(), "1".to_owned()),
         ("LANG".to_owned(), "C.UTF-8".to_owned()),
     ];
@@ -565,4 +567,37 @@ fn check_launch(install: &Install, prepare: &Prepare, runner: Runner) -> Result<
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{STDERR_LINE_BYTES, one_line, redact_userinfo};
+
+    #[test]
+    fn a_builds_stderr_is_one_bounded_redacted_line() {
+        let tail = "  Building x\n\nerror: Failed to fetch https://bob:hunter2@mirror.example/simple/x/\n\
+                    token eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJ4In0.c2ln\u{7}\n";
+        let line = one_line(tail);
+        assert_eq!(
+            line,
+            "Building x | error: Failed to fetch https://<redacted>@mirror.example/simple/x/ | token <redacted-jwt>"
+        );
+        let long = "é".repeat(STDERR_LINE_BYTES);
+        let cut = one_line(&long);
+        assert!(
+            cut.starts_with('…') && cut.len() <= STDERR_LINE_BYTES + '…'.len_utf8(),
+            "{cut}"
+        );
+        assert!(!one_line("a\nb\r\nc").contains(['\n', '\r']));
+    }
+
+    #[test]
+    fn only_the_userinfo_of_urls_is_redacted() {
+        assert_eq!(
+            redact_userinfo("see http://host/a@b and ssh://u@h:22/x, no url@here"),
+            "see http://host/a@b and ssh://<redacted>@h:22/x, no url@here"
+        );
+        assert_eq!(redact_userinfo("://"), "://");
+        assert_eq!(redact_userinfo("x://@"), "x://<redacted>@");
+    }
 }

@@ -119,7 +119,30 @@ pub trait TokenSource: Send + Sync + fmt::Debug {
     fn delegate(&self, invoke_id: &str, delegation: fleet_proto::api::delegation::DelegationToken) {
         let _ = (invoke_id, delegation);
     }
+
+    /// The manifest recorded for `tool_id` ([`Recorded`]). The default keeps no record.
+    fn recorded_manifest(&self, tool_id: &str) -> RecordedFuture {
+        let _ = tool_id;
+        Box::pin(async { Recorded::Unrestricted })
+    }
 }
+
+/// What the fleet recorded of a plugin's manifest when its version was published or catalogued (the manifest
+/// `tools.list` and `fleet plugins describe` show): what a session of a real user may use, whatever the plugin
+/// declares at run time (`session/pin.rs`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Recorded {
+    /// No record is kept (a worker outside a fleet): the runtime manifest stands.
+    Unrestricted,
+    /// The recorded manifest.
+    Manifest(Box<fleet_proto::executa::manifest::Manifest>),
+    /// A fleet that keeps records has none for the tool (not described yet) or could not read it in time: the
+    /// plugin gets no credential and no host capability.
+    Missing,
+}
+
+/// The boxed future a recorded-manifest lookup returns.
+pub type RecordedFuture = Pin<Box<dyn Future<Output = Recorded> + Send>>;
 
 /// No tokens, ever.
 #[derive(Debug, Clone, Copy, Default)]

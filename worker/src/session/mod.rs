@@ -17,6 +17,7 @@
 //! after a host-initiated kill (cancel fallback), and the shutdown ladder (close stdin → grace → SIGTERM →
 //! grace → SIGKILL of the whole tree).
 
+mod pin;
 mod process;
 mod transport;
 
@@ -1142,6 +1143,13 @@ async fn start(
             }
         }
     };
+    let manifest = match pinned(shared, manifest, describe_timeout).await {
+        Ok(m) => m,
+        Err(e) => {
+            process.child.kill_tree().await;
+            return Err(e);
+        }
+    };
     if first {
         inner.first_launch.store(false, Ordering::Relaxed);
         if let Err(e) = shared.install.mark_described() {
@@ -1154,6 +1162,43 @@ async fn start(
         manifest,
     });
     Ok(process)
+}
+
+/// For a real user's session, the runtime manifest narrowed to the one the fleet recorded (`pin.rs`), waiting
+/// for the record at most `wait`; the fleet's own describe (a reserved user) is what gets recorded, so it stands.
+/// A plugin that declares credentials or host capabilities while no record can be read (not recorded yet, the
+/// store away) does not start ([`StartError::Transient`]: the next call tries again), rather than run for its
+/// whole life without them.
+async fn pinned(
+    shared: &SessionShared,
+    manifest: Arc<Manifest>,
+    wait: Duration,
+) -> Result<Arc<Manifest>, StartError> {
+    use crate::services::Recorded;
+    if shared.user.starts_with(fleet_proto::api::RESERVED_USER_PREFIX) {
+        return Ok(manifest);
+    }
+    let recorded = tokio::time::timeout(wait, shared.tokens.recorded_manifest(&shared.tool_id))
+        .await
+        .unwrap_or(Recorded::Missing);
+    let (kept, drift) = pin::restrict(Arc::unwrap_or_clone(manifest), &recorded);
+    if recorded == Recorded::Missing && drift.any() {
+        return Err(StartError::Transient(
+            "the plugin's manifest is not recorded yet; it gets no credential or host capability until it is"
+                .into(),
+        ));
+    }
+    if drift.any() {
+        shared.metrics.manifest_drift(&shared.tool_id);
+        tracing::warn!(
+            tool_id = %shared.tool_id,
+            extra_credentials = drift.credentials,
+            extra_host_capabilities = drift.host_capabilities,
+            extra_tools = drift.tools,
+            "the plugin declares more than its recorded manifest; the extra is withheld"
+        );
+    }
+    Ok(Arc::new(kept))
 }
 
 fn object(v: Value) -> Map<String, Value> {
