@@ -1,8 +1,8 @@
 //! Plugins as hostile code, on real namespaces, seccomp and cgroups (as root): a hostile fixture per attack, in
 //! both dialects (the Executa Python fixture's `confine_probe` tool and the Animus fixture's `confine/probe`
 //! method run the same `tests/plugins/python/confine_probe.py`: the network, other processes, the host's files,
-//! the seccomp profile and its side doors, descriptors), and one tenant's memory bomb against another tenant's
-//! session on the same worker.
+//! the seccomp profile and its side doors, descriptors, what `/sys/fs/cgroup` and `/dev` show), and one tenant's
+//! memory bomb against another tenant's session on the same worker.
 #![allow(clippy::unwrap_used, clippy::cast_possible_truncation, clippy::print_stderr)]
 
 use std::net::TcpListener;
@@ -19,7 +19,7 @@ use fleet_worker::catalogue::{Catalogue, LoadOptions};
 use fleet_worker::config::{ResourceLimits, UserLimits, WorkerConfig};
 use fleet_worker::metrics::WorkerMetrics;
 use fleet_worker::pool::{Pool, PoolError};
-use fleet_worker::sandbox::Sandbox;
+use fleet_worker::sandbox::{CgroupVersion, Sandbox};
 use fleet_worker::services::{NoServices, NoTokens};
 use fleet_worker::session::{InvokeError, WorkerContext};
 use serde_json::{Value, json};
@@ -237,6 +237,16 @@ fn unconfined_syscalls() -> Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// The strings of a report's array.
+fn strings(array: &Value) -> Vec<&str> {
+    array
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .collect()
+}
+
 /// The attacks both dialects must lose, whichever way the plugin was started.
 async fn both_dialects_lose(tool_id: &str, layout: Layout, start: Start) {
     // A descriptor of the worker's process without close-on-exec (what `loopback_up`'s socket was, on a thread
@@ -321,6 +331,40 @@ async fn both_dialects_lose(tool_id: &str, layout: Layout, start: Start) {
         );
     }
     let claims = w.sandbox.stub_claims();
+    // Another tenant's usage, where the worker (and, unconfined, anyone) reads it.
+    let bob_cgroup = cgroup_dir(bob_pid);
+    let bob_usage = ["memory.current", "memory.usage_in_bytes"]
+        .iter()
+        .map(|f| bob_cgroup.join(f))
+        .find(|p| p.is_file())
+        .expect("bob's session's memory usage file");
+    // Host devices outside the minimal /dev, there for the worker (which of them this machine has; the listing
+    // of /dev below catches any other).
+    let host_devices: Vec<PathBuf> = [
+        "/dev/kmsg",
+        "/dev/kvm",
+        "/dev/fuse",
+        "/dev/loop-control",
+        "/dev/vda",
+        "/dev/console",
+    ]
+    .iter()
+    .map(PathBuf::from)
+    .filter(|p| p.exists())
+    .collect();
+    assert!(!host_devices.is_empty(), "the host has none of these devices");
+
+    let reads: Vec<PathBuf> = [
+        sibling_tmp.join("secret"),
+        sibling_tmp.clone(),
+        PathBuf::from(format!("/proc/{sibling_pid}/fd/0")),
+        bob_usage.clone(),
+        PathBuf::from("/dev/urandom"),
+        PathBuf::from("/dev/zero"),
+    ]
+    .into_iter()
+    .chain(host_devices.iter().cloned())
+    .collect();
 
     let report = probe(
         &w,
@@ -329,8 +373,13 @@ async fn both_dialects_lose(tool_id: &str, layout: Layout, start: Start) {
         json!({
             "connect": targets,
             "pids": [sibling_pid, bob_pid, std::process::id(), 1],
-            "read": [sibling_tmp.join("secret"), sibling_tmp, format!("/proc/{sibling_pid}/fd/0")],
-            "write": [format!("/proc/{sibling_pid}/fd/1"), format!("/proc/{bob_pid}/fd/1")],
+            "read": reads,
+            "write": [
+                format!("/proc/{sibling_pid}/fd/1"),
+                format!("/proc/{bob_pid}/fd/1"),
+                "/dev/null".to_owned(),
+                "/dev/full".to_owned(),
+            ],
             "create": creates,
         }),
     )
@@ -385,12 +434,7 @@ async fn both_dialects_lose(tool_id: &str, layout: Layout, start: Start) {
         "{report}"
     );
     // A private /tmp: the host's marker is not there.
-    let tmp: Vec<&str> = report["tmp"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(Value::as_str)
-        .collect();
+    let tmp = strings(&report["tmp"]);
     assert!(
         !tmp.contains(&marker.file_name().unwrap().to_str().unwrap()),
         "{report}"
@@ -435,6 +479,67 @@ async fn both_dialects_lose(tool_id: &str, layout: Layout, start: Start) {
             "this kernel runs no i386 call ({unconfined}): the foreign-architecture attack is not tried"
         );
     }
+    // What the view shows of the host: under /sys/fs/cgroup only its own session's cgroup, as the root of each
+    // of the worker's hierarchies (a cgroup namespace rooted there, and new mounts), so no other tenant and its
+    // own limit; and a minimal /dev whose devices work. Collected, so one run without the confinement shows
+    // every difference.
+    let own_cgroup = cgroup_dir(u32::try_from(report["pid"].as_u64().unwrap()).unwrap());
+    let own_limit = ["memory.max", "memory.limit_in_bytes"]
+        .iter()
+        .find_map(|f| std::fs::read_to_string(own_cgroup.join(f)).ok())
+        .expect("the session's memory limit");
+    let mut view = Vec::new();
+    // v2: one hierarchy, no directory in the session's cgroup; v1: one directory per hierarchy of the worker's
+    // controllers (co-mounted ones named by the host: `cpu,cpuacct`), and none within.
+    let controllers = ["memory", "pids", "cpu", "cpuacct", "freezer"];
+    let tree = strings(&report["cgroup_tree"]);
+    let only_hierarchies = tree
+        .iter()
+        .all(|d| d.split(',').all(|c| controllers.contains(&c)));
+    let v2 = w.sandbox.version() == Some(CgroupVersion::V2);
+    if !only_hierarchies || tree.is_empty() != v2 {
+        view.push(format!("/sys/fs/cgroup holds {tree:?}"));
+    }
+    let mut expect = |what: &str, got: &Value, want: Value| {
+        if *got != want {
+            view.push(format!("{what}: {got} (expected {want})"));
+        }
+    };
+    expect("cgroup names", &report["cgroup_names"], json!([]));
+    expect(
+        "its own memory limit",
+        &report["cgroup_memory_limit"],
+        json!(own_limit.trim()),
+    );
+    expect(
+        "another session's usage",
+        &report["read"][bob_usage.display().to_string()],
+        json!("ENOENT"),
+    );
+    expect("/proc/self/cgroup", &report["proc_cgroup"], json!(["/"]));
+    expect(
+        "/dev",
+        &report["dev"],
+        json!([
+            "fd", "full", "null", "ptmx", "pts", "random", "shm", "stderr", "stdin", "stdout", "tty",
+            "urandom", "zero"
+        ]),
+    );
+    for device in &host_devices {
+        expect(
+            &device.display().to_string(),
+            &report["read"][device.display().to_string()],
+            json!("ENOENT"),
+        );
+    }
+    for device in ["/dev/urandom", "/dev/zero"] {
+        expect(device, &report["read"][device], json!("ok"));
+    }
+    for device in ["/dev/null", "/dev/full"] {
+        expect(device, &report["write"][device], json!("ok"));
+    }
+    expect("a pseudo-terminal", &report["pty"], json!("ok"));
+    assert!(view.is_empty(), "{view:#?}\n{report}");
     // Descriptors: its stdio and nothing else — not the worker's leaked one, not a stub's status pipe.
     let fds: Vec<&str> = report["fds"]
         .as_object()
@@ -814,6 +919,12 @@ async fn fleet_probe_runs_the_plugin_confined() {
     assert_eq!(data["proc_foreign"], 0, "{data}");
     assert_eq!(data["pids"][std::process::id().to_string()], "absent", "{data}");
     assert_eq!(data["unshare_newuser"], "EPERM", "{data}");
+    assert_eq!(data["cgroup_names"], json!([]), "{data}");
+    assert_eq!(data["proc_cgroup"], json!(["/"]), "{data}");
+    assert!(
+        !data["dev"].as_array().unwrap().contains(&json!("kmsg")),
+        "{data}"
+    );
 }
 
 /// Network namespaces made ahead of need go to one session each: no two plugins — of one user or of two, made

@@ -3,8 +3,11 @@
 ``probe(request)`` takes ``{"connect": ["host:port", ...], "pids": [int, ...], "read": [path, ...],
 "write": [path, ...], "create": [path, ...]}`` and reports, without raising, what each attempt gave: ``"ok"`` or
 the errno name (``ECONNREFUSED``, ``ENETUNREACH``, ``EACCES``, ``ENOENT``, ``EPERM``, ``EROFS``, ...); a file it
-creates it removes again. It also reports its own uid, how many processes ``/proc`` shows and how many of them
-belong to another uid, what ``/tmp`` and ``/dev/shm`` hold, and what
+creates it removes again. It also reports its own uid and pid, how many processes ``/proc`` shows and how many of them
+belong to another uid, what ``/tmp``, ``/dev/shm``, ``/dev`` and ``/sys/fs/cgroup`` hold, the cgroup directories
+named like the worker's or a user's anywhere beneath ``/sys/fs/cgroup`` (``"cgroup_names"``), the directories
+there (``"cgroup_tree"``), its memory limit as the cgroup files there say (``"cgroup_memory_limit"``), the paths of
+``/proc/self/cgroup`` (``"proc_cgroup"``), whether a pseudo-terminal opens and carries a line (``"pty"``), and what
 ``unshare(CLONE_NEWUSER)``, ``mount``, ``ptrace(PTRACE_TRACEME)`` and ``chroot`` return; the descriptors it holds
 (``"fds"``: number → ``readlink``, taken first thing); and the side doors around a seccomp filter (``syscalls()``:
 ``getpid`` under its x32 number, and i386's ``getpid`` through ``int 0x80`` in a child, which a filter kills).
@@ -66,6 +69,37 @@ def _open_fds():
         except OSError:
             pass
     return fds
+
+
+def _cgroup_names():
+    """Every directory under ``/sys/fs/cgroup`` (all hierarchies, walked whole) named like the worker's
+    subtree (``cloud-agents-…``) or a user's ceiling (``user-…``)."""
+    names = set()
+    for _top, dirs, _files in os.walk("/sys/fs/cgroup"):
+        names.update(d for d in dirs if d.startswith(("cloud-agents-", "user-")))
+    return sorted(names)
+
+
+def _cgroup_tree(limit=50):
+    """The directories under ``/sys/fs/cgroup``, relative, sorted (at most ``limit``)."""
+    found = []
+    for top, dirs, _files in os.walk("/sys/fs/cgroup"):
+        found.extend(os.path.relpath(os.path.join(top, d), "/sys/fs/cgroup") for d in dirs)
+        if len(found) >= limit:
+            break
+    return sorted(found)[:limit]
+
+
+def _first_line(paths):
+    """The first line of the first of ``paths`` that reads, else the last error's name."""
+    result = "ENOENT"
+    for path in paths:
+        try:
+            with open(path) as f:
+                return f.readline().strip()
+        except OSError as e:
+            result = _err(e)
+    return result
 
 
 def syscalls():
@@ -137,7 +171,7 @@ def _fetch(url):
 
 
 def probe(req):
-    out = {"fds": _open_fds(), "uid": os.getuid()}
+    out = {"fds": _open_fds(), "uid": os.getuid(), "pid": os.getpid()}
     connect = {}
     for target in req.get("connect") or []:
         host, port = target.rsplit(":", 1)
@@ -195,11 +229,23 @@ def probe(req):
             creates[path] = _err(e)
     out["create"] = creates
 
-    for key, path in (("tmp", "/tmp"), ("shm", "/dev/shm")):
+    for key, path in (("tmp", "/tmp"), ("shm", "/dev/shm"), ("dev", "/dev"), ("cgroup_dir", "/sys/fs/cgroup")):
         try:
             out[key] = sorted(os.listdir(path))
         except OSError as e:
             out[key] = _err(e)
+    out["cgroup_names"], out["cgroup_tree"] = _cgroup_names(), _cgroup_tree()
+    out["cgroup_memory_limit"] = _first_line(("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+    with open("/proc/self/cgroup") as f:
+        out["proc_cgroup"] = sorted({line.rstrip("\n").split(":", 2)[2] for line in f if line.strip()})
+    try:
+        master, slave = os.openpty()
+        os.write(master, b"x\n")
+        out["pty"] = "ok" if os.read(slave, 2) == b"x\n" else "garbled"
+        os.close(master)
+        os.close(slave)
+    except OSError as e:
+        out["pty"] = _err(e)
 
     libc = ctypes.CDLL(None, use_errno=True)
     out["unshare_newuser"] = _libc_call(libc.unshare, ctypes.c_int(CLONE_NEWUSER))

@@ -1,5 +1,6 @@
 //! What confining a plugin means, prepared in the worker before any fork (the spawn hook only replays it):
-//! the namespaces, the private `/proc` and `/tmp`, the paths kept visible in that `/tmp`, the seccomp profile.
+//! the namespaces, the private `/proc` and `/tmp`, the paths kept visible in that `/tmp`, what the plugin sees
+//! of the cgroup hierarchies, the seccomp profile.
 //!
 //! # The view a confined plugin has
 //!
@@ -24,6 +25,23 @@
 //!   absolute paths, its TMPDIR and workspace — common in tests and development, never in a production layout)
 //!   are mounted back at the same paths, read-only unless they hold the TMPDIR or workspace. Permissions apply on
 //!   top: the worker's state, keys and credentials are root-owned and unreadable to plugin uids (tested).
+//! - **Devices**: a minimal `/dev` of its own (a new tmpfs, mode 0755, `nosuid,nodev,noexec`, read-only but
+//!   `/dev/shm`): the host's `null`, `zero`, `full`, `random`, `urandom` and `tty` bound in (a bind mount of
+//!   the host's node: making nodes needs `mknod`, which a runtime may refuse), a new `devpts` instance on
+//!   `/dev/pts` (`ptmxmode=0666`, `/dev/ptmx` a link to its `ptmx`: the plugin's terminals are its own, the
+//!   host's and other plugins' are not in it — binding the host's `/dev/pts` would list them all), the private
+//!   `/dev/shm` and the links `fd`, `stdin`, `stdout`, `stderr`. No other device of the host (`/dev/kmsg`,
+//!   `/dev/kvm`, disks, consoles) exists for it, whatever its mode or the worker's privileges.
+//! - **Cgroups**: a cgroup namespace rooted at the session's own cgroup (its `/proc/self/cgroup` reads `/`),
+//!   and under `/sys/fs/cgroup` new read-only mounts, made in that namespace, of the hierarchies the worker uses
+//!   ([`CgroupView`]: the unified one, or each v1 hierarchy under the host's name, over an empty tmpfs). Each
+//!   shows the session's cgroup as its root: the plugin reads its own limits and usage — what runtimes size
+//!   their heaps and thread pools from (Node, Go, the JVM), as they did before — and nothing of the worker's
+//!   subtree, its users' keys or other sessions' names, limits and usage. An empty mount would hide as much but
+//!   leave those runtimes without their limits; a cgroup namespace alone hides nothing (the host's mounts,
+//!   already in the view, still show the whole tree). Made at the claim of a stub or in the direct spawn's
+//!   hook, after the session's cgroup is joined (`cgroup.procs` is beneath `/sys/fs/cgroup`); the worker sees,
+//!   moves, limits and kills the plugin at its full path as before.
 //! - **Hidden directories** (a preparation's view, `crate::prepare`): each directory of a session's `hidden`
 //!   list (the worker's state directory, its data directory, the credentials' and keys' directories) is covered
 //!   by an empty, read-only tmpfs, and only the session's own paths beneath it (its install, its TMPDIR) are
@@ -35,6 +53,8 @@ use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
 
 use super::netns::NetNs;
 use super::seccomp::SeccompProfile;
@@ -55,6 +75,91 @@ pub(crate) struct Confinement {
     pub(crate) seccomp: Option<Arc<SeccompProfile>>,
 }
 
+/// What a confined plugin is shown under `/sys/fs/cgroup` (one per worker: `detect::plugin_view`): its own
+/// session's cgroup as the root of each hierarchy the worker uses — new mounts of them, made in a cgroup
+/// namespace rooted at that cgroup — and nothing else. Sent to the stubs as it is ([`stub_msg::Setup`]).
+///
+/// [`stub_msg::Setup`]: super::stub_msg::Setup
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct CgroupView {
+    /// The unified hierarchy (v2): one `cgroup2` mount on `/sys/fs/cgroup`. Else the v1 `hierarchies`, each a
+    /// directory of a tmpfs there.
+    pub(crate) unified: bool,
+    /// v1: the hierarchies holding the worker's controllers.
+    pub(crate) hierarchies: Vec<ViewHierarchy>,
+    /// Absolute mount points of the worker's hierarchies outside `/sys/fs/cgroup` (a host mounting them
+    /// elsewhere), each covered by an empty read-only tmpfs. Never the worker's private `cgroup2` mount: its
+    /// directory is mode 0700 (`detect.rs`).
+    pub(crate) covered: Vec<String>,
+}
+
+/// One v1 hierarchy of a [`CgroupView`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct ViewHierarchy {
+    /// Its directory's name under `/sys/fs/cgroup` (the host's: `memory`, `cpu,cpuacct`).
+    pub(crate) name: String,
+    /// Its mount options: the host mount's super options but `rw`/`ro` (its controllers and flags, so the
+    /// kernel finds the same hierarchy and has no option to complain about).
+    pub(crate) options: String,
+    /// Names linking to it (`cpu` and `cpuacct` → `cpu,cpuacct`, as the host has them).
+    pub(crate) links: Vec<String>,
+}
+
+/// Where a plugin's view shows the cgroup hierarchies.
+pub(crate) const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+
+/// A [`CgroupView`] as C strings for the child ([`super::spawn`]'s `mount_own_cgroups`).
+#[derive(Debug, Default)]
+pub(crate) struct CgroupMounts {
+    pub(crate) unified: bool,
+    pub(crate) hierarchies: Vec<HierarchyMount>,
+    pub(crate) covered: Vec<CString>,
+}
+
+/// One v1 hierarchy of [`CgroupMounts`].
+#[derive(Debug)]
+pub(crate) struct HierarchyMount {
+    /// `/sys/fs/cgroup/<name>`.
+    pub(crate) dir: CString,
+    pub(crate) options: CString,
+    /// (target: the hierarchy's name, link: `/sys/fs/cgroup/<controller>`).
+    pub(crate) links: Vec<(CString, CString)>,
+}
+
+impl CgroupMounts {
+    /// The C strings of `view`; a name with `/` (or `.`/`..`) or a NUL byte is refused.
+    pub(crate) fn new(view: &CgroupView) -> Result<CgroupMounts, ConfineError> {
+        let c = |s: &str| CString::new(s).map_err(|_| ConfineError::Nul);
+        let in_root = |name: &str| {
+            if name.is_empty() || name == "." || name == ".." || name.contains('/') {
+                return Err(ConfineError::CgroupName {
+                    name: name.to_owned(),
+                });
+            }
+            c(&format!("{CGROUP_ROOT}/{name}"))
+        };
+        Ok(CgroupMounts {
+            unified: view.unified,
+            hierarchies: view
+                .hierarchies
+                .iter()
+                .map(|h| {
+                    Ok(HierarchyMount {
+                        dir: in_root(&h.name)?,
+                        options: c(&h.options)?,
+                        links: h
+                            .links
+                            .iter()
+                            .map(|l| Ok((c(&h.name)?, in_root(l)?)))
+                            .collect::<Result<_, ConfineError>>()?,
+                    })
+                })
+                .collect::<Result<_, ConfineError>>()?,
+            covered: view.covered.iter().map(|p| c(p)).collect::<Result<_, _>>()?,
+        })
+    }
+}
+
 /// The namespace part of a [`Confinement`], as C strings for the child.
 #[derive(Debug)]
 pub(crate) struct Namespaces {
@@ -71,6 +176,8 @@ pub(crate) struct Namespaces {
     pub(crate) join_net: Option<Arc<NetNs>>,
     /// Directories hidden from the session, outermost first (none for a plugin's session).
     pub(crate) masks: Vec<Mask>,
+    /// What the session sees under `/sys/fs/cgroup` (the worker's, shared by every session).
+    pub(crate) cgroups: Arc<CgroupMounts>,
 }
 
 /// A directory hidden from a session: an empty read-only tmpfs covers it, and the session's own paths beneath
@@ -112,6 +219,12 @@ pub enum ConfineError {
     /// A path has a NUL byte (never a Linux path).
     #[error("a path of this session contains a NUL byte")]
     Nul,
+    /// A hierarchy's name under `/sys/fs/cgroup` is not a plain name.
+    #[error("the cgroup hierarchy name {name:?} is not a plain directory name")]
+    CgroupName {
+        /// The name.
+        name: String,
+    },
     /// A directory to hide is one the session needs, or an ancestor of the filesystem's root.
     #[error("{path} is to be hidden from this session, but the session needs it")]
     HidesNeeded {
@@ -122,13 +235,14 @@ pub enum ConfineError {
 
 /// The namespace plan for a session whose paths are `paths` (install dir, command paths; missing ones are
 /// skipped) and whose writable directories are `writable` (TMPDIR, workspace: kept too), with a private `/tmp`
-/// and `/dev/shm` of `tmp_bytes` each.
+/// and `/dev/shm` of `tmp_bytes` each, showing `cgroups` under `/sys/fs/cgroup`.
 pub(crate) fn namespaces(
     paths: &[PathBuf],
     writable: &[PathBuf],
     tmp_bytes: u64,
+    cgroups: &Arc<CgroupMounts>,
 ) -> Result<Namespaces, ConfineError> {
-    namespaces_hiding(paths, writable, tmp_bytes, &[])
+    namespaces_hiding(paths, writable, tmp_bytes, &[], cgroups)
 }
 
 /// [`namespaces`], with the directories `hidden` (missing ones skipped) covered ([`Mask`]).
@@ -137,6 +251,7 @@ pub(crate) fn namespaces_hiding(
     writable: &[PathBuf],
     tmp_bytes: u64,
     hidden: &[PathBuf],
+    cgroups: &Arc<CgroupMounts>,
 ) -> Result<Namespaces, ConfineError> {
     let tmp_root = std::fs::canonicalize("/tmp").unwrap_or_else(|_| PathBuf::from("/tmp"));
     let existing = |p: &PathBuf| {
@@ -165,6 +280,7 @@ pub(crate) fn namespaces_hiding(
             .collect::<Result<_, _>>()?,
         join_net: None,
         masks,
+        cgroups: cgroups.clone(),
     })
 }
 

@@ -23,6 +23,7 @@ use std::path::{Component, Path, PathBuf};
 
 use rustix::mount::MountFlags;
 
+use super::confine::{CGROUP_ROOT, CgroupView, ViewHierarchy};
 use super::control::{Dirs, V1Dirs, mkdir_ok_if_exists, read_file, write_file};
 
 /// Controllers a v2 session needs enabled.
@@ -244,6 +245,85 @@ pub(crate) fn detect(
             why_not_v2.join("; ")
         )),
     }
+}
+
+/// The controllers of a v1 worker: one hierarchy each, or co-mounted ([`V1Dirs`]).
+const V1_CONTROLLERS: [&str; 5] = ["memory", "pids", "cpu", "cpuacct", "freezer"];
+
+/// What a confined plugin is shown of the hierarchies holding the worker's cgroup `own` ([`detect`]'s, from the
+/// same `mountinfo`): the unified hierarchy, or each v1 hierarchy of [`V1_CONTROLLERS`] once, named as the host
+/// names it under `/sys/fs/cgroup` (else after its controllers), with the host mount's options and links from
+/// each controller name that differs (pure). A mount point outside `/sys/fs/cgroup` (and outside
+/// [`PRIVATE_CGROUP_DIR`], mode 0700) is to be covered.
+pub(crate) fn plugin_view(mountinfo: &str, own: &Dirs) -> CgroupView {
+    let mounts = parse_mountinfo(mountinfo);
+    let root = Path::new(CGROUP_ROOT);
+    // The mount a directory of the worker's lies in: the deepest one of the right kind holding it.
+    let holding = |dir: &Path, v2: bool, controller: Option<&str>| {
+        mounts
+            .iter()
+            .filter(|m| m.v2 == v2 && dir.starts_with(&m.mount_point))
+            .filter(|m| controller.is_none_or(|c| m.options.iter().any(|o| o == c)))
+            .max_by_key(|m| m.mount_point.components().count())
+    };
+    let elsewhere =
+        |m: &CgroupMount| !m.mount_point.starts_with(root) && !m.mount_point.starts_with(PRIVATE_CGROUP_DIR);
+    let mut view = CgroupView::default();
+    match own {
+        Dirs::V2 { dir } => {
+            view.unified = true;
+            if let Some(m) = holding(dir, true, None).filter(|m| elsewhere(m)) {
+                view.covered.push(m.mount_point.display().to_string());
+            }
+        }
+        Dirs::V1(v1) => {
+            let dirs = [&v1.memory, &v1.pids, &v1.cpu, &v1.cpuacct, &v1.freezer];
+            let mut used: Vec<&CgroupMount> = Vec::new();
+            for (controller, dir) in V1_CONTROLLERS.into_iter().zip(dirs) {
+                if let Some(m) = holding(dir, false, Some(controller))
+                    && !used.iter().any(|u| u.mount_point == m.mount_point)
+                {
+                    used.push(m);
+                }
+            }
+            for m in &used {
+                let controllers: Vec<&str> = m
+                    .options
+                    .iter()
+                    .map(String::as_str)
+                    .filter(|o| V1_CONTROLLERS.contains(o))
+                    .collect();
+                let name = match (m.mount_point.parent(), m.mount_point.file_name()) {
+                    (Some(parent), Some(name)) if parent == root => name.to_string_lossy().into_owned(),
+                    _ => controllers.join(","),
+                };
+                view.hierarchies.push(ViewHierarchy {
+                    options: m
+                        .options
+                        .iter()
+                        .filter(|o| *o != "rw" && *o != "ro")
+                        .cloned()
+                        .collect::<Vec<_>>()
+                        .join(","),
+                    links: controllers
+                        .iter()
+                        .filter(|c| **c != name)
+                        .map(|c| (*c).to_owned())
+                        .collect(),
+                    name,
+                });
+                if elsewhere(m) {
+                    view.covered.push(m.mount_point.display().to_string());
+                }
+            }
+            // A link never shadows a hierarchy's own directory.
+            let names: Vec<String> = view.hierarchies.iter().map(|h| h.name.clone()).collect();
+            for h in &mut view.hierarchies {
+                h.links.retain(|l| !names.contains(l));
+            }
+        }
+    }
+    view
 }
 
 /// The private directory (made mode 0700, owned by the worker) holding the worker's own cgroup2 mount, at
@@ -585,15 +665,100 @@ mod tests {
     }
 
     #[test]
-    fn detects_v1_with_comounted_cpu_cpuacct() {
+    fn a_plugin_sees_each_v1_hierarchy_of_the_worker_once_under_its_host_name() {
+        let own = detect(MOUNTINFO_V1, PROC_V1, |_| Ok("hugetlb\n".to_owned())).unwrap();
+        let view = plugin_view(MOUNTINFO_V1, &own);
+        assert!(!view.unified);
+        let names: Vec<(&str, &str)> = view
+            .hierarchies
+            .iter()
+            .map(|h| (h.name.as_str(), h.options.as_str()))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("memory", "memory"),
+                ("pids", "pids"),
+                ("cpu", "cpu"),
+                ("cpuacct", "cpuacct"),
+                ("freezer", "freezer")
+            ]
+        );
+        assert!(view.hierarchies.iter().all(|h| h.links.is_empty()));
+        assert!(view.covered.is_empty());
+
+        // systemd's layout: cpu and cpuacct co-mounted, with flags, linked by both names.
         let mountinfo = "\
+25 24 0:22 / /sys/fs/cgroup ro,nosuid,nodev,noexec - tmpfs tmpfs ro,mode=755
+30 25 0:27 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid - cgroup cgroup rw,cpu,cpuacct
+31 25 0:28 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory
+32 25 0:29 / /sys/fs/cgroup/pids rw,nosuid - cgroup cgroup rw,pids
+33 25 0:30 / /sys/fs/cgroup/freezer rw,nosuid - cgroup cgroup rw,freezer,xattr
+";
+        let proc = "5:cpu,cpuacct:/w\n4:memory:/w\n3:pids:/w\n2:freezer:/w\n";
+        let own = detect(mountinfo, proc, |_| Err(io::ErrorKind::NotFound.into())).unwrap();
+        let view = plugin_view(mountinfo, &own);
+        let cpu = view.hierarchies.iter().find(|h| h.name == "cpu,cpuacct").unwrap();
+        assert_eq!(cpu.options, "cpu,cpuacct");
+        assert_eq!(cpu.links, ["cpu", "cpuacct"]);
+        let freezer = view.hierarchies.iter().find(|h| h.name == "freezer").unwrap();
+        assert_eq!(freezer.options, "freezer,xattr");
+        assert_eq!(view.hierarchies.len(), 4);
+
+        // Mounted elsewhere: named after the controllers, and the host's mount points covered.
+        let own = detect(MOUNTINFO_ELSEWHERE, PROC_ELSEWHERE, |_| {
+            Err(io::ErrorKind::NotFound.into())
+        })
+        .unwrap();
+        let view = plugin_view(MOUNTINFO_ELSEWHERE, &own);
+        let names: Vec<&str> = view.hierarchies.iter().map(|h| h.name.as_str()).collect();
+        assert_eq!(names, ["memory", "pids", "cpu,cpuacct", "freezer"]);
+        assert_eq!(
+            view.covered,
+            ["/cg/memory", "/cg/pids", "/cg/cpu,cpuacct", "/cg/freezer"]
+        );
+    }
+
+    #[test]
+    fn a_plugin_sees_the_unified_hierarchy_and_the_workers_private_mount_stays_uncovered() {
+        let mountinfo = "29 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n";
+        let own = Dirs::V2 {
+            dir: PathBuf::from("/sys/fs/cgroup/kubepods/pod1/ctr/cloud-agents-w"),
+        };
+        let view = plugin_view(mountinfo, &own);
+        assert!(view.unified);
+        assert!(view.hierarchies.is_empty() && view.covered.is_empty());
+        // The runtime's read-only mount and the worker's own, in its 0700 directory.
+        let mountinfo = "\
+29 23 0:26 / /sys/fs/cgroup ro,nosuid - cgroup2 cgroup2 rw
+40 23 0:26 / /run/cloud-agents/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw
+";
+        let own = Dirs::V2 {
+            dir: PathBuf::from("/run/cloud-agents/cgroup/unified/cloud-agents-w"),
+        };
+        assert!(plugin_view(mountinfo, &own).covered.is_empty());
+        // A unified hierarchy mounted elsewhere is covered.
+        let mountinfo = "29 23 0:26 / /cgroup2 rw - cgroup2 cgroup2 rw\n";
+        let own = Dirs::V2 {
+            dir: PathBuf::from("/cgroup2/cloud-agents-w"),
+        };
+        assert_eq!(plugin_view(mountinfo, &own).covered, ["/cgroup2"]);
+    }
+
+    /// v1 hierarchies outside `/sys/fs/cgroup`, `cpu` and `cpuacct` co-mounted.
+    const MOUNTINFO_ELSEWHERE: &str = "\
 1 0 0:1 / /cg/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct
 2 0 0:2 / /cg/memory rw - cgroup cgroup rw,memory
 3 0 0:3 / /cg/pids rw - cgroup cgroup rw,pids
 4 0 0:4 / /cg/freezer rw - cgroup cgroup rw,freezer
 ";
-        let proc = "4:cpu,cpuacct:/a\n3:memory:/a\n2:pids:/a\n1:freezer:/a\n";
-        let dirs = detect(mountinfo, proc, |_| Err(io::ErrorKind::NotFound.into()));
+    const PROC_ELSEWHERE: &str = "4:cpu,cpuacct:/a\n3:memory:/a\n2:pids:/a\n1:freezer:/a\n";
+
+    #[test]
+    fn detects_v1_with_comounted_cpu_cpuacct() {
+        let dirs = detect(MOUNTINFO_ELSEWHERE, PROC_ELSEWHERE, |_| {
+            Err(io::ErrorKind::NotFound.into())
+        });
         let Ok(Dirs::V1(v1)) = dirs else {
             panic!("{dirs:?}")
         };

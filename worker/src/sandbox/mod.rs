@@ -69,7 +69,7 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use rustix::process::{Pid, Signal};
 
-use confine::Confinement;
+use confine::{CgroupMounts, Confinement};
 pub use confine::{ConfineError, command_paths};
 use control::{Dirs, rmdir_cgroup};
 pub use control::{SessionCgroup, Usage};
@@ -185,6 +185,8 @@ struct ConfineBase {
     netns_pool: Option<NetnsPool>,
     /// Sandbox stubs made ahead of need (with namespaces on and a stub program).
     stub_pool: Option<StubPool>,
+    /// What every session sees under `/sys/fs/cgroup`.
+    cgroups: Arc<CgroupMounts>,
 }
 
 /// A user's ceiling cgroup, alive while one of the user's session cgroups holds it; removed (if empty) when
@@ -260,13 +262,13 @@ impl Sandbox {
                 (None, None)
             }
             IsolationMode::Cgroup => {
-                let subtree = prepare_cgroups(&config.worker_id)?;
+                let (subtree, view) = prepare_cgroups(&config.worker_id)?;
                 let seats = seat::SeatPlan {
                     root: subtree.clone(),
                     user_limits: config.user_limits,
                     session_limits: config.limits,
                 };
-                (Some(subtree), Some(prepare_confinement(config, seats)?))
+                (Some(subtree), Some(prepare_confinement(config, seats, &view)?))
             }
         };
         let egress = match &confine {
@@ -344,11 +346,16 @@ impl Sandbox {
         let namespaces = if base.namespaces {
             let writable = [space.tmpdir.clone(), dir.to_path_buf()];
             let paths = command_paths(dir, argv);
-            let mut ns =
-                confine::namespaces_hiding(&paths, &writable, base.tmp_bytes, &self.inner.build.hidden)
-                    .map_err(|e| SandboxError::Config {
-                        reason: e.to_string(),
-                    })?;
+            let mut ns = confine::namespaces_hiding(
+                &paths,
+                &writable,
+                base.tmp_bytes,
+                &self.inner.build.hidden,
+                &base.cgroups,
+            )
+            .map_err(|e| SandboxError::Config {
+                reason: e.to_string(),
+            })?;
             if let Some(policy) = &self.inner.build.egress {
                 let (policy, counters) = (policy.clone(), self.inner.egress_counters.clone());
                 let net = NetNs::egress(EGRESS_PROXY_PORT, move |listener| {
@@ -406,8 +413,10 @@ impl Sandbox {
         let namespaces = if base.namespaces {
             let writable = [space.tmpdir.clone(), space.workspace.clone()];
             let mut ns =
-                confine::namespaces(paths, &writable, base.tmp_bytes).map_err(|e| SandboxError::Config {
-                    reason: e.to_string(),
+                confine::namespaces(paths, &writable, base.tmp_bytes, &base.cgroups).map_err(|e| {
+                    SandboxError::Config {
+                        reason: e.to_string(),
+                    }
                 })?;
             if let (true, Some(policy)) = (egress, &self.inner.egress) {
                 let (policy, counters) = (policy.clone(), self.inner.egress_counters.clone());
@@ -795,8 +804,13 @@ fn build_base(config: &WorkerConfig, namespaces: bool) -> Result<BuildBase, Sand
     })
 }
 
-/// Compiles the seccomp profile and proves the configured confinement works in a forked probe.
-fn prepare_confinement(config: &WorkerConfig, seats: seat::SeatPlan) -> Result<ConfineBase, SandboxError> {
+/// Compiles the seccomp profile and proves the configured confinement works in a forked probe; `view` is what
+/// the plugins are to see of the worker's cgroup hierarchies.
+fn prepare_confinement(
+    config: &WorkerConfig,
+    seats: seat::SeatPlan,
+    view: &confine::CgroupView,
+) -> Result<ConfineBase, SandboxError> {
     let c = &config.confinement;
     let unavailable = |reason: String| SandboxError::Unavailable { reason };
     let seccomp = if c.seccomp {
@@ -816,9 +830,10 @@ fn prepare_confinement(config: &WorkerConfig, seats: seat::SeatPlan) -> Result<C
             "namespaces are off (confinement.namespaces = false): plugins share the worker's network, /proc and /tmp"
         );
     }
+    let cgroups = Arc::new(CgroupMounts::new(view).map_err(|e| unavailable(e.to_string()))?);
     // The session-independent namespace plan: the confinement probe's, and what every stub sets up.
     let base_ns = if c.namespaces {
-        Some(confine::namespaces(&[], &[], c.tmp_bytes).map_err(|e| unavailable(e.to_string()))?)
+        Some(confine::namespaces(&[], &[], c.tmp_bytes, &cgroups).map_err(|e| unavailable(e.to_string()))?)
     } else {
         None
     };
@@ -830,6 +845,7 @@ fn prepare_confinement(config: &WorkerConfig, seats: seat::SeatPlan) -> Result<C
                 tmp_root: text(&ns.tmp_root),
                 tmp_options: text(&ns.tmp_options),
                 proc_options: text(&ns.proc_options),
+                cgroups: view.clone(),
                 seccomp: seccomp
                     .as_ref()
                     .map(|p| {
@@ -861,6 +877,7 @@ fn prepare_confinement(config: &WorkerConfig, seats: seat::SeatPlan) -> Result<C
         seccomp,
         netns_pool,
         stub_pool,
+        cgroups,
     };
     let probe = Confinement {
         namespaces: base_ns,
@@ -899,16 +916,17 @@ fn prepare_confinement(config: &WorkerConfig, seats: seat::SeatPlan) -> Result<C
     Ok(base)
 }
 
-/// Detects the cgroup version, creates the worker's subtree and proves it usable with a probe session.
-fn prepare_cgroups(worker_id: &str) -> Result<Dirs, SandboxError> {
+/// Detects the cgroup version, creates the worker's subtree and proves it usable with a probe session; also
+/// what a confined plugin is to see of those hierarchies (`detect::plugin_view`).
+fn prepare_cgroups(worker_id: &str) -> Result<(Dirs, confine::CgroupView), SandboxError> {
     let unavailable = |reason: String| SandboxError::Unavailable { reason };
     let read = |path: &str| fs::read_to_string(path).map_err(|e| unavailable(format!("reading {path}: {e}")));
     // A read-only unified hierarchy (an unprivileged container): the worker mounts its own (detect.rs).
     detect::ensure_writable_v2()?;
-    let own = detect::detect(&read("/proc/self/mountinfo")?, &read("/proc/self/cgroup")?, |p| {
-        fs::read_to_string(p)
-    })
-    .map_err(unavailable)?;
+    let mountinfo = read("/proc/self/mountinfo")?;
+    let own = detect::detect(&mountinfo, &read("/proc/self/cgroup")?, |p| fs::read_to_string(p))
+        .map_err(unavailable)?;
+    let view = detect::plugin_view(&mountinfo, &own);
     let subtree_name = format!("cloud-agents-{}", names::readable_name(worker_id));
     let subtree = detect::prepare_subtree(&own, &subtree_name).map_err(unavailable)?;
 
@@ -934,7 +952,7 @@ fn prepare_cgroups(worker_id: &str) -> Result<Dirs, SandboxError> {
 
     let dirs: Vec<String> = subtree.unique().iter().map(|d| d.display().to_string()).collect();
     tracing::info!(version = ?subtree.version(), subtree = ?dirs, "cgroup isolation ready");
-    Ok(subtree)
+    Ok((subtree, view))
 }
 
 /// Sends `signal` to the process group `pgid` — the fallback for reaching a plugin's tree without a cgroup (a

@@ -1,9 +1,9 @@
 //! Spawning a plugin into its session (and a helper process tied to its parent's life): with `netns.rs` (an
 //! egress namespace's `unshare` on a thread of its own, and the loopback ioctls both use) and `stub.rs` (a
 //! stub taking its status descriptor), the only code of this crate allowed to use `unsafe`. The namespace and
-//! mount steps ([`enter_namespaces`], [`mount_private_proc_and_tmp`], [`seal_host`], [`mount_back`],
-//! [`bind_writable`]) serve both the spawn hook and the sandbox stubs (`stub.rs`), so a plugin is confined the
-//! same way whichever started it.
+//! mount steps ([`enter_namespaces`], [`mount_private_proc_and_tmp`] with its minimal `/dev`, [`seal_host`]
+//! with the session's own cgroups, [`mount_back`], [`bind_writable`]) serve both the spawn hook and the sandbox
+//! stubs (`stub.rs`), so a plugin is confined the same way whichever started it.
 //!
 //! [`apply`] installs a `pre_exec` hook on a [`tokio::process::Command`]. The hook runs in the child between
 //! `fork` and `exec` and does, in this order:
@@ -14,9 +14,15 @@
 //!    in its cgroup before `exec`, i.e. before the plugin's first instruction, and on v1 everything it charges
 //!    from then on (the exec'd image, its heap) is charged to the session (v1 never moves charges made before an
 //!    attach, so attaching after spawn would leave the plugin's start-up memory outside its limit);
-//! 3. if a uid/gid is given: `setgroups([])`, `setresgid(g, g, g)`, `setresuid(u, u, u)` — real, effective and
+//! 3. with namespaces (`namespaces_child`): new network, mount, IPC and UTS namespaces, a private `/proc`, `/tmp`
+//!    and a minimal `/dev` ([`mount_private_proc_and_tmp`]), then [`seal_host`] — only now, after step 2: it
+//!    enters a cgroup namespace rooted at the cgroup just joined and covers `/sys/fs/cgroup` (where
+//!    `cgroup.procs` was) with that cgroup's own hierarchies, then makes the host read-only — and the session's
+//!    paths mounted back;
+//! 4. if a uid/gid is given: `setgroups([])`, `setresgid(g, g, g)`, `setresuid(u, u, u)` — real, effective and
 //!    saved ids, so the plugin cannot regain root — and then `PR_SET_NO_NEW_PRIVS`, so it cannot gain privileges
-//!    through set-uid binaries or file capabilities either.
+//!    through set-uid binaries or file capabilities either;
+//! 5. every descriptor above stderr marked close-on-exec, and the seccomp filters last.
 //!
 //! std's own `Command::uid`/`gid` are not used: std switches ids *before* running `pre_exec` hooks, and the
 //! unprivileged child could then no longer write to the root-owned `cgroup.procs`.
@@ -25,18 +31,19 @@
 //!
 //! The `pre_exec` calls: [`apply`]'s (plugins), [`die_with_parent`]'s (helpers such as `fleet up`'s
 //! nats-server: one `prctl(PR_SET_PDEATHSIG)` and one `getppid`) and [`pass_fd`]'s (a stub's status pipe: one
-//! `fcntl`); besides them, the confinement probe's `fork`/`_exit`/`waitpid`, [`enter_namespaces`]'s
-//! `unshare` (no `CLONE_FILES`) and [`set_read_only`]'s `mount_setattr(2)` (rustix has no wrapper: one raw
-//! `syscall` with a stack `struct mount_attr`, no allocation, no lock). The first is the call to
-//! `tokio::process::Command::pre_exec`. It is `unsafe` because the closure runs in a
+//! `fcntl`); besides them, the confinement probe's `fork`/`_exit`/`waitpid`, [`enter_namespaces`]'s and
+//! `mount_own_cgroups`' `unshare` (no `CLONE_FILES`) and [`set_read_only`]'s `mount_setattr(2)` (rustix has
+//! no wrapper: one raw `syscall` with a stack `struct mount_attr`, no allocation, no lock). The first is the
+//! call to `tokio::process::Command::pre_exec`. It is `unsafe` because the closure runs in a
 //! forked copy of a multi-threaded process, where only one thread exists and any lock another thread held at fork
 //! time stays locked forever; the closure must therefore only make async-signal-safe calls — in particular no
 //! allocation (the allocator's lock) and no logging. [`child_setup`] upholds that:
 //! - every path is a `CString` built in the parent ([`SpawnPlan::new`]), borrowed as `&CStr` (rustix passes a
 //!   `&CStr` straight to the syscall, without copying);
 //! - every call is a direct system call through rustix's `linux_raw` backend (`setsid`, `open`, `write`,
-//!   `close` via `OwnedFd`'s drop, `setgroups`, `setresgid`, `setresuid`, `prctl`), not a libc wrapper with
-//!   its own locking (glibc's `setuid` would signal the — non-existent — other threads to switch them too);
+//!   `close` via `OwnedFd`'s drop, `unshare`, `mount`, `open_tree`, `move_mount`, `mkdir`, `symlinkat`,
+//!   `setgroups`, `setresgid`, `setresuid`, `prctl`), not a libc wrapper with its own locking (glibc's
+//!   `setuid` would signal the — non-existent — other threads to switch them too);
 //! - the rustix ids are per-thread calls, which is exactly right here: the child has a single thread;
 //! - errors become `io::Error::from_raw_os_error` / `io::ErrorKind` values, which do not allocate; std sends
 //!   them to the parent through its exec-status pipe, so they surface as the `spawn()` error.
@@ -81,7 +88,7 @@ use rustix::mount::{
 use rustix::process::{Gid, Uid};
 use rustix::thread::{LinkNameSpaceType, UnshareFlags};
 
-use super::confine::{Confinement, MAX_KEPT};
+use super::confine::{CgroupMounts, Confinement, MAX_KEPT};
 use super::netns::loopback_up;
 use super::{SessionCgroup, UserSpace};
 
@@ -340,7 +347,7 @@ fn child_setup(plan: &SpawnPlan) -> io::Result<()> {
         drop(fd);
     }
     if let Some(confine) = &plan.confine {
-        namespaces_child(confine)?;
+        namespaces_child(confine, None)?;
     }
     switch_ids(plan.uid, plan.gid, &plan.groups)?;
     super::stub::cloexec_above_stderr()?;
@@ -371,15 +378,7 @@ pub(super) fn switch_ids(uid: Option<u32>, gid: Option<u32>, groups: &[Gid]) -> 
 /// The probe's child: everything [`child_setup`] does to confine, without cgroups or ids (and the
 /// `favordynmods` mount, whose outcome it returns).
 fn confine_child(confine: &Confinement, favor: Option<&CStr>) -> io::Result<bool> {
-    namespaces_child(confine)?;
-    let favored = match favor {
-        Some(dir) => mkdir_exists_ok(dir)
-            .and_then(|()| {
-                mount(c"none", dir, c"cgroup2", MountFlags::empty(), c"favordynmods").map_err(Into::into)
-            })
-            .is_ok(),
-        None => true,
-    };
+    let favored = namespaces_child(confine, favor)?;
     seccomp_child(confine)?;
     // The filter is in force: a refused call must now fail.
     if confine.seccomp.is_some() {
@@ -392,11 +391,16 @@ fn confine_child(confine: &Confinement, favor: Option<&CStr>) -> io::Result<bool
     Ok(favored)
 }
 
-/// New network, mount, IPC and UTS namespaces; loopback up; a private `/proc` (other uids' processes hidden)
-/// and a private `/tmp` with the session's own paths mounted back in.
-fn namespaces_child(confine: &Confinement) -> io::Result<()> {
+/// New network, mount, IPC and UTS namespaces; loopback up; a private `/proc` (other uids' processes hidden),
+/// a private `/tmp` with the session's own paths mounted back in and a minimal `/dev`; the host sealed, its
+/// cgroups replaced by the session's own in a cgroup namespace rooted there (joined before: [`child_setup`]).
+///
+/// With `favor` (the confinement probe's), the `favordynmods` `cgroup2` mount of [`probe`] happens before the
+/// cgroup namespace (the kernel applies a cgroup2 mount's flags only from the initial one); its outcome is
+/// returned (`true` without `favor`).
+fn namespaces_child(confine: &Confinement, favor: Option<&CStr>) -> io::Result<bool> {
     let Some(ns) = &confine.namespaces else {
-        return Ok(());
+        return Ok(true);
     };
     if let Some(net) = &ns.join_net {
         rustix::thread::move_into_link_name_space(net.ns.as_fd(), Some(LinkNameSpaceType::Network))?;
@@ -412,7 +416,17 @@ fn namespaces_child(confine: &Confinement) -> io::Result<()> {
         )?);
     }
     mount_private_proc_and_tmp(&ns.proc_options, &ns.tmp_root, &ns.tmp_options)?;
-    seal_host(&ns.tmp_root)?;
+    // The probe's: from the initial cgroup namespace (the kernel applies a cgroup2 mount's flags only there),
+    // so before `seal_host` enters a new one.
+    let favored = match favor {
+        Some(dir) => mkdir_exists_ok(dir)
+            .and_then(|()| {
+                mount(c"none", dir, c"cgroup2", MountFlags::empty(), c"favordynmods").map_err(Into::into)
+            })
+            .is_ok(),
+        None => true,
+    };
+    seal_host(&ns.tmp_root, &ns.cgroups)?;
     for (slot, kept) in held.iter_mut().zip(ns.kept.iter()) {
         if let Some(tree) = slot.take() {
             mount_back(
@@ -430,7 +444,7 @@ fn namespaces_child(confine: &Confinement) -> io::Result<()> {
     for mask in &ns.masks {
         hide(mask)?;
     }
-    Ok(())
+    Ok(favored)
 }
 
 /// The mount options of the empty tmpfs that hides a directory ([`hide`]).
@@ -502,12 +516,163 @@ pub(super) fn enter_namespaces(new_net: bool) -> io::Result<()> {
     Ok(())
 }
 
-/// Where POSIX shared memory lives; a private tmpfs covers it (when the host has it).
+/// Where the cgroup hierarchies are mounted (by every runtime and init system; the worker's own `cgroup2`
+/// mount, when it needs one, is in a directory mode 0700: `detect.rs`).
+const CGROUP_DIR: &CStr = c"/sys/fs/cgroup";
+
+/// The flags of every mount of a plugin's cgroup view.
+const CGROUP_VIEW_FLAGS: MountFlags = MountFlags::RDONLY
+    .union(MountFlags::NOSUID)
+    .union(MountFlags::NODEV)
+    .union(MountFlags::NOEXEC);
+
+/// The session's own cgroups as the caller's view of `/sys/fs/cgroup` (`view`): a new cgroup namespace,
+/// rooted at the cgroup the caller is in — the session's, joined before —, then, covering whatever the host
+/// has there, new read-only mounts of the worker's hierarchies made in it (the unified one on
+/// `/sys/fs/cgroup`; v1: a tmpfs there with a directory per hierarchy and the links to it). So the plugin reads
+/// its own limits and usage (runtimes size their heaps and threads from them) and nothing of the worker's
+/// subtree, its users' keys or other sessions — a cgroup namespace alone would not do that: it changes
+/// `/proc/self/cgroup` (now `/`) and what a *new* mount shows, not the host's mounts already in the view. The
+/// worker still sees, limits and kills the plugin at its full path. The hierarchies' mount points elsewhere
+/// (`view.covered`) get an empty read-only tmpfs. Run after the session's cgroup was joined (`cgroup.procs` is
+/// beneath it). Allocation-free.
+#[allow(unsafe_code)]
+fn mount_own_cgroups(view: &CgroupMounts) -> io::Result<()> {
+    // SAFETY: CLONE_NEWCGROUP is not CLONE_FILES, so no file descriptor another part of the process holds is
+    // affected; the callers are single-threaded (a forked child, a sandbox stub).
+    unsafe { rustix::thread::unshare_unsafe(UnshareFlags::NEWCGROUP)? };
+    for dir in &view.covered {
+        mount(
+            c"tmpfs",
+            dir.as_c_str(),
+            c"tmpfs",
+            CGROUP_VIEW_FLAGS,
+            MASK_OPTIONS,
+        )?;
+    }
+    if view.unified {
+        return mount(c"cgroup2", CGROUP_DIR, c"cgroup2", CGROUP_VIEW_FLAGS, c"").map_err(Into::into);
+    }
+    // Read-only with the rest of the host (`seal_host`, right after).
+    mount(
+        c"tmpfs",
+        CGROUP_DIR,
+        c"tmpfs",
+        MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+        MASK_OPTIONS,
+    )?;
+    for h in &view.hierarchies {
+        mkdir_exists_ok(h.dir.as_c_str())?;
+        mount(
+            c"cgroup",
+            h.dir.as_c_str(),
+            c"cgroup",
+            CGROUP_VIEW_FLAGS,
+            h.options.as_c_str(),
+        )?;
+        for (target, link) in &h.links {
+            rustix::fs::symlinkat(target.as_c_str(), CWD, link.as_c_str())?;
+        }
+    }
+    Ok(())
+}
+
+/// The host's device nodes a plugin's `/dev` holds, each bound from the host's own (those the host has): a
+/// node of a new `/dev` would need `mknod`, which a runtime may refuse.
+const DEV_NODES: [&CStr; 6] = [
+    c"/dev/null",
+    c"/dev/zero",
+    c"/dev/full",
+    c"/dev/random",
+    c"/dev/urandom",
+    c"/dev/tty",
+];
+
+/// The symbolic links of a plugin's `/dev` (target, link).
+const DEV_LINKS: [(&CStr, &CStr); 5] = [
+    (c"/proc/self/fd", c"/dev/fd"),
+    (c"/proc/self/fd/0", c"/dev/stdin"),
+    (c"/proc/self/fd/1", c"/dev/stdout"),
+    (c"/proc/self/fd/2", c"/dev/stderr"),
+    (c"pts/ptmx", c"/dev/ptmx"),
+];
+
+/// The mount options of a plugin's `/dev` (its nodes are mounts of their own; it holds only their mount
+/// points, the links and two directories).
+const DEV_OPTIONS: &CStr = c"size=64k,nr_inodes=64,mode=755";
+
+/// Where pseudo-terminals live; a new `devpts` instance of the plugin's own covers it.
+const PTS_DIR: &CStr = c"/dev/pts";
+
+/// The mount options of a plugin's `devpts`: an instance of its own (`newinstance`: the only kind since Linux
+/// 4.7, said for older ones), whose `ptmx` anyone may open; new terminals are their opener's.
+const PTS_OPTIONS: &CStr = c"newinstance,ptmxmode=0666,mode=0620";
+
+/// Where POSIX shared memory lives; a private tmpfs covers it.
 const SHM_DIR: &CStr = c"/dev/shm";
 
-/// The private `/proc` (mounted with `proc_options`: other uids' processes hidden), a tmpfs on `tmp_root` and
-/// another on `/dev/shm` (both with `tmp_options`; `/dev/shm` only where the host has it), in the caller's own
-/// mount namespace ([`enter_namespaces`]). Allocation-free.
+/// Replaces `/dev` in the caller's mount namespace by a minimal one: a new tmpfs (mode 0755, `nosuid`,
+/// `nodev`, `noexec`) holding the host's [`DEV_NODES`] bound back (a bind mount keeps the node usable on a
+/// `nodev` parent), a new `devpts` instance on `/dev/pts`, a private tmpfs on `/dev/shm` (`shm_options`) and
+/// the links [`DEV_LINKS`]. Every other device of the host (`/dev/kmsg`, `/dev/kvm`, disks, the host's own
+/// terminals) is absent. Allocation-free.
+fn minimal_dev(shm_options: &CStr) -> io::Result<()> {
+    // Detached copies of the host's nodes, taken before `/dev` is covered.
+    let mut held: [Option<OwnedFd>; DEV_NODES.len()] = [const { None }; DEV_NODES.len()];
+    for (slot, node) in held.iter_mut().zip(DEV_NODES) {
+        *slot = match open_tree(
+            CWD,
+            node,
+            OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC,
+        ) {
+            Ok(tree) => Some(tree),
+            Err(rustix::io::Errno::NOENT) => None,
+            Err(e) => return Err(e.into()),
+        };
+    }
+    mount(
+        c"tmpfs",
+        c"/dev",
+        c"tmpfs",
+        MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+        DEV_OPTIONS,
+    )?;
+    for (slot, node) in held.iter_mut().zip(DEV_NODES) {
+        if let Some(tree) = slot.take() {
+            drop(rustix::fs::open(
+                node,
+                OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::CLOEXEC,
+                Mode::empty(),
+            )?);
+            move_mount(&tree, c"", CWD, node, MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH)?;
+        }
+    }
+    mkdir_exists_ok(PTS_DIR)?;
+    mount(
+        c"devpts",
+        PTS_DIR,
+        c"devpts",
+        MountFlags::NOSUID | MountFlags::NOEXEC,
+        PTS_OPTIONS,
+    )?;
+    mkdir_exists_ok(SHM_DIR)?;
+    mount(
+        c"tmpfs",
+        SHM_DIR,
+        c"tmpfs",
+        MountFlags::NOSUID | MountFlags::NODEV,
+        shm_options,
+    )?;
+    for (target, link) in DEV_LINKS {
+        rustix::fs::symlinkat(target, CWD, link)?;
+    }
+    Ok(())
+}
+
+/// The private `/proc` (mounted with `proc_options`: other uids' processes hidden), a tmpfs on `tmp_root` and a
+/// minimal `/dev` ([`minimal_dev`]) whose `/dev/shm` is a tmpfs too (both tmpfs with `tmp_options`), in the
+/// caller's own mount namespace ([`enter_namespaces`]). Session-independent: a stub does it before its claim.
+/// Allocation-free.
 pub(super) fn mount_private_proc_and_tmp(
     proc_options: &CStr,
     tmp_root: &CStr,
@@ -520,19 +685,14 @@ pub(super) fn mount_private_proc_and_tmp(
         MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
         proc_options,
     )?;
-    for dir in [tmp_root, SHM_DIR] {
-        match mount(
-            c"tmpfs",
-            dir,
-            c"tmpfs",
-            MountFlags::NOSUID | MountFlags::NODEV,
-            tmp_options,
-        ) {
-            Err(rustix::io::Errno::NOENT) if dir == SHM_DIR => {}
-            other => other?,
-        }
-    }
-    Ok(())
+    mount(
+        c"tmpfs",
+        tmp_root,
+        c"tmpfs",
+        MountFlags::NOSUID | MountFlags::NODEV,
+        tmp_options,
+    )?;
+    minimal_dev(tmp_options)
 }
 
 /// `struct mount_attr` of `<linux/mount.h>` (`MOUNT_ATTR_SIZE_VER0`).
@@ -579,17 +739,17 @@ pub(super) fn set_read_only(dir: BorrowedFd<'_>, path: &CStr, read_only: bool) -
     }
 }
 
-/// Seals the host's filesystems in the caller's mount namespace: every mount read-only, recursively from `/`,
-/// then the private `/proc`, `tmp_root` and `/dev/shm` writable again (the session's own directories are bound
-/// back writable after this: [`mount_back`], [`bind_writable`]). Run after the session's cgroup was joined
-/// (`cgroup.procs` is on a host mount). Allocation-free.
-pub(super) fn seal_host(tmp_root: &CStr) -> io::Result<()> {
+/// Seals the host's filesystems in the caller's mount namespace: `/sys/fs/cgroup` shows the session's own
+/// cgroups only ([`mount_own_cgroups`]: a cgroup namespace), every mount read-only, recursively from `/` (the
+/// minimal `/dev` and its nodes included: a device node works on a read-only mount), then the private `/proc`,
+/// `tmp_root` and `/dev/shm` writable again (the session's own directories are bound back writable after this:
+/// [`mount_back`], [`bind_writable`]). Run after the session's cgroup was joined (`cgroup.procs` is on a host
+/// mount). Allocation-free.
+pub(super) fn seal_host(tmp_root: &CStr, cgroups: &CgroupMounts) -> io::Result<()> {
+    mount_own_cgroups(cgroups)?;
     set_read_only(CWD, c"/", true)?;
     for dir in [c"/proc", tmp_root, SHM_DIR] {
-        match set_read_only(CWD, dir, false) {
-            Err(e) if dir == SHM_DIR && e.raw_os_error() == Some(libc::ENOENT) => {}
-            other => other?,
-        }
+        set_read_only(CWD, dir, false)?;
     }
     Ok(())
 }

@@ -12,13 +12,16 @@
 //! 2. It reads a [`Setup`] from stdin (one length-prefixed JSON message), then: `setsid`; new network, mount,
 //!    IPC and UTS namespaces (one `unshare`: this process has a single thread); `lo` up; mount propagation
 //!    private; an `O_PATH` descriptor of `/tmp` as it is, kept to reach the session's paths under it later;
-//!    a private `/proc` (`hidepid`) and a tmpfs on `/tmp` and on `/dev/shm`. It writes `R` on the status pipe:
-//!    ready.
+//!    a private `/proc` (`hidepid`), a tmpfs on `/tmp` and a minimal `/dev` (the host's `null`, `zero`, `full`,
+//!    `random`, `urandom`, `tty`, a `devpts` of its own, a tmpfs on `/dev/shm`). It writes `R` on the status
+//!    pipe: ready.
 //! 3. It blocks reading a [`Claim`]. EOF (the worker dropped it, or died) ends it quietly.
 //! 4. On a claim: join the session's cgroup in every hierarchy (`cgroup.procs` ← `0`), seal the host's mounts
-//!    read-only (`spawn.rs`'s `seal_host`: only now, as `cgroup.procs` is on one of them), mount the session's
-//!    paths under `/tmp` back into its private `/tmp` (`open_tree` through the kept descriptor, `move_mount`;
-//!    writable where they hold its TMPDIR or workspace) and bind its writable directories elsewhere back writable,
+//!    (`spawn.rs`'s `seal_host`: only now, as `cgroup.procs` is on one of them — a cgroup namespace rooted at the
+//!    session's cgroup, `/sys/fs/cgroup` covered by that cgroup's own hierarchies, the [`Setup`]'s view, then
+//!    everything read-only), mount the session's paths under `/tmp` back into its private `/tmp` (`open_tree`
+//!    through the kept descriptor, `move_mount`; writable where they hold its TMPDIR or workspace) and bind its
+//!    writable directories elsewhere back writable,
 //!    drop supplementary groups and switch gid and uid (real, effective, saved), `PR_SET_NO_NEW_PRIVS`, mark
 //!    every descriptor above stderr close-on-exec ([`cloexec_above_stderr`]), install the seccomp filters
 //!    (last), and `exec` the plugin with the claim's argv, environment and working directory
@@ -49,6 +52,7 @@ use rustix::fs::{Mode, OFlags};
 use rustix::mount::OpenTreeFlags;
 use rustix::process::Gid;
 
+use super::confine::CgroupMounts;
 use super::spawn::{bind_writable, enter_namespaces, mount_back, mount_private_proc_and_tmp, seal_host};
 use super::stub_msg::{
     Claim, FAILED, FAILURE_BYTES, KeptPath, READY, STUB_ARG, STUB_PROTOCOL, Setup, Step, read_message,
@@ -148,6 +152,8 @@ struct Confined {
     tmp: OwnedFd,
     /// `/tmp` as the worker resolves it (the setup's).
     tmp_root: CString,
+    /// What the plugin is to see under `/sys/fs/cgroup` (the setup's).
+    cgroups: CgroupMounts,
 }
 
 /// Step 2: the session-independent confinement.
@@ -158,6 +164,8 @@ fn confine(setup: &Setup) -> io::Result<Confined> {
         c(&setup.tmp_options)?,
         c(&setup.proc_options)?,
     );
+    let cgroups =
+        CgroupMounts::new(&setup.cgroups).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
     rustix::process::setsid()?;
     enter_namespaces(true)?;
     let tmp = rustix::fs::open(
@@ -166,7 +174,11 @@ fn confine(setup: &Setup) -> io::Result<Confined> {
         Mode::empty(),
     )?;
     mount_private_proc_and_tmp(&proc_options, &tmp_root, &tmp_options)?;
-    Ok(Confined { tmp, tmp_root })
+    Ok(Confined {
+        tmp,
+        tmp_root,
+        cgroups,
+    })
 }
 
 /// Step 4; returns only on failure.
@@ -180,8 +192,8 @@ fn become_plugin(setup: &Setup, confined: &Confined, claim: &Claim) -> (Step, io
             return (Step::Cgroup, e);
         }
     }
-    // Sealed only now: `cgroup.procs` is on a host mount.
-    if let Err(e) = seal_host(&confined.tmp_root) {
+    // Sealed only now: `cgroup.procs` is on a host mount (and the cgroup namespace is rooted where the stub is).
+    if let Err(e) = seal_host(&confined.tmp_root, &confined.cgroups) {
         return (Step::Mounts, e);
     }
     for kept in &claim.kept {

@@ -10,8 +10,9 @@ use serde::{Deserialize, Serialize};
 /// `argv[1]` of a stub.
 pub const STUB_ARG: &str = "__fleet-sandbox-stub";
 
-/// The version of the messages below: a stub from another build refuses a setup it was not built for.
-pub(crate) const STUB_PROTOCOL: u32 = 2;
+/// The version of the messages below and of the confinement they ask for: a stub from another build refuses a
+/// setup it was not built for (3: the minimal `/dev`, the session's own cgroups in a cgroup namespace).
+pub(crate) const STUB_PROTOCOL: u32 = 3;
 
 /// Largest message the stub accepts (a claim carries the plugin's argv and environment).
 pub(crate) const MAX_MESSAGE_BYTES: usize = 1024 * 1024;
@@ -34,6 +35,9 @@ pub(crate) struct Setup {
     pub(crate) tmp_options: String,
     /// Mount options of the private `/proc`.
     pub(crate) proc_options: String,
+    /// What the plugin sees under `/sys/fs/cgroup` (mounted on the claim, in a cgroup namespace rooted at the
+    /// session's cgroup).
+    pub(crate) cgroups: super::confine::CgroupView,
     /// The seccomp programs, instruction by instruction (`code`, `jt`, `jf`, `k`), applied in order.
     pub(crate) seccomp: Vec<Vec<(u16, u8, u8, u32)>>,
 }
@@ -78,11 +82,12 @@ pub(crate) struct KeptPath {
 pub enum Step {
     /// Reading or parsing a message (or a setup of another protocol).
     Message = 1,
-    /// `setsid`, the namespaces, `lo`, the private `/proc` and `/tmp`.
+    /// `setsid`, the namespaces, `lo`, the private `/proc`, `/tmp` and `/dev`.
     Confine = 2,
     /// Joining the session's cgroup.
     Cgroup = 3,
-    /// Mounting the session's paths into the private `/tmp`.
+    /// Sealing the host's mounts (read-only; the session's own cgroups, in a cgroup namespace) and mounting the
+    /// session's paths back.
     Mounts = 4,
     /// Groups, gid, uid, no-new-privileges.
     Ids = 5,
