@@ -404,6 +404,39 @@ const WORKER_KEYS: &[(&str, &str)] = &[
         "Connections through the proxy at once, per session.",
     ),
     (
+        "preparation.index_hosts",
+        "The only hosts an install's confined preparation (`uv sync`) reaches, through the egress proxy; `[]`: no \
+         network, `uv` runs offline (docs/operations.md \"Preparing installs\").",
+    ),
+    (
+        "preparation.allow_cidrs",
+        "Private ranges the index hosts may resolve into (an in-cluster mirror); never loopback, link-local, the \
+         worker's addresses or `egress.deny_cidrs`.",
+    ),
+    (
+        "preparation.limits.memory_bytes",
+        "Memory of a preparation's cgroup, in bytes.",
+    ),
+    (
+        "preparation.limits.pids_max",
+        "Processes and threads of a preparation's cgroup.",
+    ),
+    (
+        "preparation.limits.cpu_millis",
+        "CPU of a preparation's cgroup, in millicores.",
+    ),
+    (
+        "preparation.timeout",
+        "Seconds before a preparation's whole cgroup is killed (the install is then refused at that call; the \
+         next call tries again).",
+    ),
+    (
+        "preparation.hidden_paths",
+        "Directories that are empty in a preparation's view, besides the state directory (always hidden): every \
+         directory holding a secret of the worker (`fleet up` adds its data directory, `fleet worker` the \
+         directories of `--nats-creds` and `--exec-verify-key`).",
+    ),
+    (
         "favor_dynmods",
         "Once at start, ask the kernel (Linux ≥ 6.1, host cgroup namespace) to favor dynamic cgroup changes \
          (`cgroup2` mount option `favordynmods`): a plugin's move into its cgroup then never waits for an RCU \
