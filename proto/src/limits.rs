@@ -24,6 +24,13 @@ pub const MAX_FILE_TRANSPORT_BYTES: usize = MAX_FRAME_BYTES;
 /// How much of a bad frame is quoted back in an error (derived: bounded excerpts, spec §2 HR-TX-07).
 pub const FRAME_EXCERPT_BYTES: usize = 256;
 
+/// Bytes of reverse-RPC request frames one plugin session may have in flight at once (host policy, not a spec
+/// number: 32 MiB, two [`MAX_FRAME_BYTES`] frames, so one legal frame of the largest size always fits while another
+/// is served). Each request holds its frame's length from before its params are parsed until its answer is
+/// written; a request past what is left is refused like one past the count cap (`-32603`), never queued. It bounds
+/// what a plugin can make the worker hold, outside the plugin's cgroup, as raw and parsed params.
+pub const MAX_REVERSE_BYTES_IN_FLIGHT: usize = 2 * MAX_FRAME_BYTES;
+
 // ---------------------------------------------------------------------------------------------------------------
 // Plugin lifecycle timeouts (spec §3.1, §3.9)
 // ---------------------------------------------------------------------------------------------------------------

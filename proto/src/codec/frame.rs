@@ -270,6 +270,16 @@ impl Frame {
         self.method.as_deref()
     }
 
+    /// The same frame over a copy of its own line: holding it no longer keeps alive the read buffer it was cut
+    /// from (a short line cut from a buffer grown for a long one would otherwise pin the whole buffer).
+    #[must_use]
+    pub fn detached(&self) -> Frame {
+        Frame {
+            line: Bytes::copy_from_slice(&self.line),
+            ..self.clone()
+        }
+    }
+
     /// The whole line, without its LF (a CR before the LF is also stripped).
     pub fn as_bytes(&self) -> &Bytes {
         &self.line

@@ -15,6 +15,7 @@ use fleet_proto::executa::lifecycle::ProtocolVersion;
 use fleet_proto::executa::manifest::Manifest;
 use fleet_proto::executa::reverse::{Family, correlation, family_of, method_not_found, upload};
 use fleet_proto::jsonrpc::{ErrorObject, Id, Response, codes};
+use fleet_proto::limits::MAX_REVERSE_BYTES_IN_FLIGHT;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
@@ -78,10 +79,32 @@ pub(crate) struct Process {
     pub(crate) answered: AtomicBool,
     /// Reverse-RPC calls being served: bounded, so a plugin flooding requests cannot spawn unbounded work.
     reverse_slots: Arc<tokio::sync::Semaphore>,
+    /// Bytes of the reverse-RPC request frames being served, one permit per byte
+    /// ([`MAX_REVERSE_BYTES_IN_FLIGHT`]): bounded, so a plugin cannot make the worker hold more of its params.
+    reverse_bytes: Arc<tokio::sync::Semaphore>,
 }
 
 /// Reverse-RPC calls served at once per process; more are refused with -32603 until one finishes.
 pub(crate) const MAX_CONCURRENT_REVERSE_CALLS: usize = 256;
+
+/// Why a reverse-RPC request was refused before it was parsed (answered with -32603; the plugin may retry once
+/// one of its calls in flight has been answered).
+#[derive(Debug, thiserror::Error)]
+enum ReverseRefusal {
+    #[error("more than {MAX_CONCURRENT_REVERSE_CALLS} reverse-RPC calls in flight")]
+    Calls,
+    #[error(
+        "more than {MAX_REVERSE_BYTES_IN_FLIGHT} bytes of reverse-RPC requests in flight (this one is {0} bytes)"
+    )]
+    Bytes(usize),
+}
+
+/// What a reverse-RPC request holds while it is served: one call of the count cap and its frame's bytes of the
+/// byte budget; both are given back when it is dropped (its answer written, or the call abandoned).
+struct ReverseSlot {
+    _call: tokio::sync::OwnedSemaphorePermit,
+    _bytes: tokio::sync::OwnedSemaphorePermit,
+}
 
 impl std::fmt::Debug for Process {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -117,6 +140,7 @@ impl Process {
             tmpdirs: super::transport::tmpdir_forms(&shared.sandbox.space().tmpdir),
             answered: AtomicBool::new(false),
             reverse_slots: Arc::new(tokio::sync::Semaphore::new(MAX_CONCURRENT_REVERSE_CALLS)),
+            reverse_bytes: Arc::new(tokio::sync::Semaphore::new(MAX_REVERSE_BYTES_IN_FLIGHT)),
         });
         tasks.start(&process);
         Ok(process)
@@ -156,16 +180,14 @@ impl Process {
         match frame.kind() {
             // An answer inside a file-transport pointer.
             FrameKind::Response | FrameKind::ErrorResponse => self.child.answer(frame),
-            FrameKind::Request => match self.reverse_slots.clone().try_acquire_owned() {
+            FrameKind::Request => match self.admit_reverse(&frame) {
                 Ok(slot) => {
-                    tokio::spawn(self.clone().on_request(frame, slot));
+                    // Held while served: only its own bytes, as counted (not the read buffer it was cut from).
+                    tokio::spawn(self.clone().on_request(frame.detached(), slot));
                 }
-                Err(_) => {
+                Err(refusal) => {
                     if let Some(id) = frame.id().cloned() {
-                        let error = ErrorObject::new(
-                            codes::INTERNAL_ERROR,
-                            format!("more than {MAX_CONCURRENT_REVERSE_CALLS} reverse-RPC calls in flight"),
-                        );
+                        let error = ErrorObject::new(codes::INTERNAL_ERROR, refusal.to_string());
                         WorkerMetrics::inc(&self.shared.metrics.reverse_refused);
                         let _ = self.child.writer().send(&Response::<Value>::err(id, error)).await;
                     }
@@ -267,7 +289,26 @@ impl Process {
     // Reverse RPC (spec §7)
     // ---------------------------------------------------------------------------------------------------------
 
-    async fn on_request(self: Arc<Self>, frame: Frame, _slot: tokio::sync::OwnedSemaphorePermit) {
+    /// Takes a call of the count cap and the frame's length of the byte budget, before anything of the frame is
+    /// parsed; refuses (never waits: the reader must go on reading answers) when either is used up.
+    fn admit_reverse(&self, frame: &Frame) -> Result<ReverseSlot, ReverseRefusal> {
+        let len = frame.as_bytes().len();
+        let call = self
+            .reverse_slots
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| ReverseRefusal::Calls)?;
+        let bytes = u32::try_from(len)
+            .ok()
+            .and_then(|n| self.reverse_bytes.clone().try_acquire_many_owned(n).ok())
+            .ok_or(ReverseRefusal::Bytes(len))?;
+        Ok(ReverseSlot {
+            _call: call,
+            _bytes: bytes,
+        })
+    }
+
+    async fn on_request(self: Arc<Self>, frame: Frame, _slot: ReverseSlot) {
         use tracing::Instrument as _;
         let Some(id) = frame.id().cloned() else { return };
         let method = frame.method().unwrap_or_default();

@@ -327,6 +327,20 @@ pub(crate) fn manifest(cfg: &Config) -> Value {
                     false,
                     Some(json!(10000)),
                 ),
+                p(
+                    "count",
+                    "integer",
+                    "Requests written at once; above 1 every answer is awaited and returned (responses).",
+                    false,
+                    Some(json!(1)),
+                ),
+                p(
+                    "frame_bytes",
+                    "integer",
+                    "Pads each request (params.pad) to exactly this many bytes of line; answers as count does.",
+                    false,
+                    Some(json!(0)),
+                ),
             ],
         ),
         tool(

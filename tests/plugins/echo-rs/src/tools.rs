@@ -598,6 +598,11 @@ fn reverse_rpc(shared: &Shared, args: &Args<'_>, context: &Value) -> ToolResult 
             ctx.insert("invoke_id".to_owned(), iid);
         }
     }
+    let count = args.usize_or("count", 1)?;
+    let frame_bytes = args.usize_or("frame_bytes", 0)?;
+    if count > 1 || frame_bytes > 0 {
+        return reverse_burst(shared, method, &params, count, frame_bytes, timeout);
+    }
     let id = Value::String(shared.next_rpc_id());
     let rx = shared.expect_response(&id);
     shared.send(&json!({ "jsonrpc": "2.0", "id": id, "method": method, "params": params }));
@@ -613,4 +618,47 @@ fn reverse_rpc(shared: &Shared, args: &Args<'_>, context: &Value) -> ToolResult 
             "reverse rpc {id}: stdin closed before the answer"
         ))),
     }
+}
+
+/// `reverse_rpc` with `count` and/or `frame_bytes`: writes `count` requests at once, each padded
+/// (`params.pad`) to exactly `frame_bytes` bytes of line when that is more than the unpadded line, then waits
+/// for every answer (`timeout_ms` in all) and returns them in order (`responses`).
+fn reverse_burst(
+    shared: &Shared,
+    method: &str,
+    params: &Map<String, Value>,
+    count: usize,
+    frame_bytes: usize,
+    timeout: u64,
+) -> ToolResult {
+    let mut waiting = Vec::with_capacity(count);
+    for _ in 0..count {
+        let id = Value::String(shared.next_rpc_id());
+        let mut params = params.clone();
+        params.insert("pad".to_owned(), Value::String(String::new()));
+        let bare = json!({ "jsonrpc": "2.0", "id": id, "method": method, "params": params });
+        let bare_len = bare.to_string().len();
+        params.insert(
+            "pad".to_owned(),
+            Value::String("x".repeat(frame_bytes.saturating_sub(bare_len))),
+        );
+        let rx = shared.expect_response(&id);
+        shared.send(&json!({ "jsonrpc": "2.0", "id": id, "method": method, "params": params }));
+        waiting.push((id, rx));
+    }
+    let deadline = std::time::Instant::now() + Duration::from_millis(timeout);
+    let mut responses = Vec::with_capacity(count);
+    for (id, rx) in waiting {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(response) => responses.push(response),
+            Err(_) => {
+                shared.forget_response(&id);
+                return Ok(Outcome::Fail(format!(
+                    "reverse rpc {id} got no answer within {timeout} ms"
+                )));
+            }
+        }
+    }
+    Ok(Outcome::Data(json!({ "responses": responses })))
 }
