@@ -327,6 +327,14 @@ fn chart_lints_renders_validates_and_has_the_key_fields() {
         env(c, "FLEET_PACKAGE_SOURCE_ALLOW"),
         Some("10.20.0.0/16,fd00:20::/64")
     );
+    // The cluster's own ranges reach the front's fetches and the worker's proxy and preparations alike.
+    let worker = container(find(&objs, "Deployment", "-worker"));
+    for c in [c, worker] {
+        assert_eq!(
+            env(c, "FLEET_CLUSTER_CIDRS"),
+            Some("10.0.0.0/8,2600:1f18:4000::/40")
+        );
+    }
     assert_eq!(
         env(c, "OTEL_EXPORTER_OTLP_ENDPOINT"),
         Some("http://otel-collector.observability.svc:4317")

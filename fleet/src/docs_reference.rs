@@ -674,6 +674,11 @@ const SERVICES_KEYS: &[(&str, &str, &str)] = &[
          counted fleet-wide in the `<prefix>_usage` KV bucket.",
     ),
     (
+        "web.deny_cidrs",
+        "Ranges always refused to `web/fetch` and image inputs: the cluster's pod, service and node CIDRs (IPv6 \
+         ones are global unicast). `--cluster-cidr` adds to it.",
+    ),
+    (
         "web.test_allow_addrs",
         "`[]`",
         "FOR TESTS ONLY: exact `ip:port` pairs `web/*` fetches and `image/*` inputs may reach despite the SSRF \

@@ -467,6 +467,10 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             run_as: if root { RunAs::default() } else { RunAs::Inherit },
             sandbox_stub: Some(crate::worker_cmd::STUB_PROGRAM.into()),
             preparation: preparation(args, &data_dir),
+            egress: fleet_worker::config::Egress {
+                deny_cidrs: args.services.cluster_cidr.clone(),
+                ..fleet_worker::config::Egress::default()
+            },
             ..WorkerConfig::default()
         };
         let (catalogue, problems) = Catalogue::load(&config.catalogue_dir, &LoadOptions::for_worker(&config))

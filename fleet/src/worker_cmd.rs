@@ -205,6 +205,11 @@ pub async fn run(args: &WorkerArgs) -> Result<(), WorkerCmdError> {
         // Egress-granted plugins must never reach the bus, whatever range the operator opens.
         config.egress.deny_cidrs.extend(nats_addresses(urls).await);
     }
+    // The cluster's own ranges: never reached through the proxy (plugins' or preparations'), whatever is opened.
+    config
+        .egress
+        .deny_cidrs
+        .extend(args.services.cluster_cidr.iter().copied());
     // What preparations must not see, whatever the configuration file lists: the worker's credentials and keys.
     config.preparation.hidden_paths.extend(secret_dirs(
         args.nats.nats_creds.as_deref(),

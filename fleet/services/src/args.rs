@@ -36,6 +36,12 @@ pub struct ServicesArgs {
     /// share it. Default: `<data-dir>/credentials.keys`, created (mode 0600) on first use.
     #[arg(long, env = "FLEET_CREDENTIALS_KEY_FILE")]
     pub credentials_key_file: Option<PathBuf>,
+    /// The cluster's own ranges — pod, service and node CIDRs, IPv4 and IPv6 (a CIDR; repeat, or separate by
+    /// commas) — refused to `web/fetch` and image inputs and, on a worker, to the egress proxy and preparations,
+    /// whatever else is allowed. Needed on dual-stack and IPv6 clusters, whose addresses are global unicast (the
+    /// private IPv4 ranges are refused anyway).
+    #[arg(long, env = "FLEET_CLUSTER_CIDRS", value_delimiter = ',')]
+    pub cluster_cidr: Vec<ipnet::IpNet>,
 }
 
 impl ServicesArgs {
@@ -56,6 +62,7 @@ impl ServicesArgs {
         if let Some(url) = &self.files_public_url {
             config.files_public_url = Some(url.clone());
         }
+        config.web.deny_cidrs.extend(self.cluster_cidr.iter().copied());
         Ok(config)
     }
 

@@ -88,6 +88,10 @@ app.kubernetes.io/component: {{ .component }}
   value: {{ .ctx.Values.logLevel | quote }}
 - name: FLEET_JETSTREAM_REPLICAS
   value: {{ .ctx.Values.jetstream.replicas | quote }}
+{{- with .ctx.Values.clusterCidrs }}
+- name: FLEET_CLUSTER_CIDRS
+  value: {{ join "," . | quote }}
+{{- end }}
 - name: POD_NAME
   valueFrom:
     fieldRef:

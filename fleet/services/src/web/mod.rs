@@ -85,6 +85,10 @@ pub struct WebConfig {
     /// policy (a test server on this host). Never ranges; each entry is logged at warning level at start-up. Leave empty in production.
     #[serde(default)]
     pub test_allow_addrs: Vec<SocketAddr>,
+    /// Ranges always refused on top of the built-in ones: the cluster's pod, service and node CIDRs (IPv6 ones
+    /// are global unicast). `--cluster-cidr` adds to it.
+    #[serde(default)]
+    pub deny_cidrs: Vec<ipnet::IpNet>,
 }
 
 fn yes() -> bool {
@@ -100,6 +104,7 @@ impl Default for WebConfig {
             fetch: true,
             daily_quota_cu: None,
             test_allow_addrs: Vec::new(),
+            deny_cidrs: Vec::new(),
         }
     }
 }
@@ -147,7 +152,8 @@ pub fn fetcher(config: &WebConfig, resolver: Arc<dyn ssrf::Resolve>) -> fetch::F
              policy — FOR TESTS ONLY, remove it in production"
         );
     }
-    fetch::Fetcher::new(ssrf::SsrfPolicy::new(config.test_allow_addrs.clone()), resolver)
+    let policy = ssrf::SsrfPolicy::new(config.test_allow_addrs.clone()).denying(&config.deny_cidrs);
+    fetch::Fetcher::new(policy, resolver)
 }
 
 /// The web service.

@@ -163,6 +163,8 @@ impl reqwest::dns::Resolve for NoLookup {
 pub struct SsrfPolicy {
     refused_ranges: Vec<IpNet>,
     test_allow: Vec<SocketAddr>,
+    /// The operator's ranges (the cluster's): refused before any exception.
+    denied: Vec<IpNet>,
 }
 
 impl SsrfPolicy {
@@ -177,7 +179,16 @@ impl SsrfPolicy {
         SsrfPolicy {
             refused_ranges,
             test_allow,
+            denied: Vec::new(),
         }
+    }
+
+    /// This policy refusing `ranges` too (the cluster's own, `WebConfig::deny_cidrs`), whatever
+    /// `test_allow_addrs` says.
+    #[must_use]
+    pub fn denying(mut self, ranges: &[IpNet]) -> SsrfPolicy {
+        self.denied.extend(ranges.iter().map(IpNet::trunc));
+        self
     }
 
     /// The URL's own rules (scheme, host, port), before any lookup. Returns the host and port.
@@ -199,6 +210,9 @@ impl SsrfPolicy {
     /// Whether the fetcher may connect to `addr`.
     pub fn check_addr(&self, addr: SocketAddr) -> Result<(), Blocked> {
         let ip = egress::canonical(addr.ip());
+        if self.denied.iter().any(|n| n.contains(&ip)) {
+            return Err(Blocked::Private);
+        }
         if self.test_allow.contains(&SocketAddr::new(ip, addr.port())) {
             return Ok(());
         }
@@ -505,6 +519,31 @@ mod tests {
         assert_eq!(table.lookups.load(Ordering::SeqCst), 1);
         // A second vet (a redirect back to the same name) looks up again and is refused.
         assert!(matches!(p.vet(&url, &table).await, Err(VetError::Blocked(_))));
+    }
+
+    #[test]
+    fn the_clusters_own_ranges_are_refused_even_where_global() {
+        let cluster: Vec<IpNet> = vec![
+            "2600:1f18:4000::/40".parse().unwrap(),
+            "34.118.224.0/20".parse().unwrap(),
+        ];
+        let p = SsrfPolicy::new(vec![addr("[2600:1f18:4000::7]:443")]).denying(&cluster);
+        for refused in [
+            "[2600:1f18:4000::7]:443",
+            "[2600:1f18:40ff::1]:80",
+            "34.118.230.1:443",
+            "[::ffff:34.118.230.1]:443",
+        ] {
+            assert_eq!(p.check_addr(addr(refused)), Err(Blocked::Private), "{refused}");
+        }
+        // Just outside them, the public internet as before.
+        for allowed in ["[2600:1f18:4100::1]:443", "34.118.240.1:443"] {
+            assert_eq!(p.check_addr(addr(allowed)), Ok(()), "{allowed}");
+        }
+        assert_eq!(
+            SsrfPolicy::new(Vec::new()).check_addr(addr("[2600:1f18:4000::7]:443")),
+            Ok(())
+        );
     }
 
     #[test]
