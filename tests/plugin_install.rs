@@ -1377,6 +1377,19 @@ struct UvPaths<'a> {
     fail: &'a std::path::Path,
 }
 
+impl UvPaths<'_> {
+    /// Makes the FIFO `uv` waits on for a line before it prepares anything: its path.
+    fn gate(&self) -> std::path::PathBuf {
+        let gate = self.count.with_extension("gate");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&gate)
+            .status()
+            .expect("mkfifo");
+        assert!(made.success());
+        gate
+    }
+}
+
 /// The real `uv` (PyPI `uv`, which `scripts/test.sh` installs into `./.tools/uv`, off PATH): the SDK Python example
 /// as shipped (a `[project.scripts]` entry, a hatchling build backend, no dependencies) is prepared at its first use
 /// by `uv sync` into its `.fleet-venv` — the project installed there with its console script — and runs from that
@@ -1520,14 +1533,7 @@ async fn a_caller_that_gives_up_does_not_stop_the_preparation() {
 
     const ID: &str = UvSetup::ID;
     let mut gate = std::path::PathBuf::new();
-    let setup = UvSetup::start("uv-prepare-abandoned", |uv| {
-        gate = uv.count.with_extension("gate");
-        let made = std::process::Command::new("mkfifo")
-            .arg(&gate)
-            .status()
-            .expect("mkfifo");
-        assert!(made.success());
-    });
+    let setup = UvSetup::start("uv-prepare-abandoned", |uv| gate = uv.gate());
     let w = &setup.w;
     let runs = || setup.runs();
 
@@ -1564,12 +1570,7 @@ async fn a_preparation_past_its_wall_clock_cap_is_killed_and_leaves_nothing_behi
     let mut config = fleet_e2e::worker::test_config("uv-timeout");
     config.preparation.timeout = Duration::from_secs(1);
     let setup = UvSetup::start_with(config, |uv| {
-        let gate = uv.count.with_extension("gate");
-        let made = std::process::Command::new("mkfifo")
-            .arg(&gate)
-            .status()
-            .expect("mkfifo");
-        assert!(made.success());
+        uv.gate();
     });
     let w = &setup.w;
     let err = tokio::time::timeout(

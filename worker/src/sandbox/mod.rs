@@ -357,14 +357,7 @@ impl Sandbox {
                 reason: e.to_string(),
             })?;
             if let Some(policy) = &self.inner.build.egress {
-                let (policy, counters) = (policy.clone(), self.inner.egress_counters.clone());
-                let net = NetNs::egress(EGRESS_PROXY_PORT, move |listener| {
-                    crate::egress::serve(listener, policy, counters)
-                })
-                .map_err(|e| SandboxError::Unavailable {
-                    reason: format!("cannot prepare the egress network namespace: {e}"),
-                })?;
-                ns.join_net = Some(Arc::new(net));
+                ns.join_net = Some(self.egress_net(policy)?);
                 env = crate::egress::proxy_env();
             }
             Some(ns)
@@ -419,14 +412,7 @@ impl Sandbox {
                     }
                 })?;
             if let (true, Some(policy)) = (egress, &self.inner.egress) {
-                let (policy, counters) = (policy.clone(), self.inner.egress_counters.clone());
-                let net = NetNs::egress(EGRESS_PROXY_PORT, move |listener| {
-                    crate::egress::serve(listener, policy, counters)
-                })
-                .map_err(|e| SandboxError::Unavailable {
-                    reason: format!("cannot prepare the egress network namespace: {e}"),
-                })?;
-                ns.join_net = Some(Arc::new(net));
+                ns.join_net = Some(self.egress_net(policy)?);
                 env = crate::egress::proxy_env();
             } else if let Some(pooled) = base.netns_pool.as_ref().and_then(NetnsPool::take) {
                 ns.join_net = Some(Arc::new(pooled));
@@ -441,6 +427,18 @@ impl Sandbox {
                 seccomp: base.seccomp.clone(),
             })))
             .with_env(env))
+    }
+
+    /// A network namespace whose loopback holds a proxy enforcing `policy` (counted in this sandbox's counters).
+    fn egress_net(&self, policy: &Arc<Policy>) -> Result<Arc<NetNs>, SandboxError> {
+        let (policy, counters) = (policy.clone(), self.inner.egress_counters.clone());
+        let net = NetNs::egress(EGRESS_PROXY_PORT, move |listener| {
+            crate::egress::serve(listener, policy, counters)
+        })
+        .map_err(|e| SandboxError::Unavailable {
+            reason: format!("cannot prepare the egress network namespace: {e}"),
+        })?;
+        Ok(Arc::new(net))
     }
 
     /// Whether the operator granted `tool_id` egress (and this sandbox can give it: namespaces on).

@@ -18,7 +18,8 @@
 //!    and a minimal `/dev` ([`mount_private_proc_and_tmp`]), then [`seal_host`] — only now, after step 2: it
 //!    enters a cgroup namespace rooted at the cgroup just joined and covers `/sys/fs/cgroup` (where
 //!    `cgroup.procs` was) with that cgroup's own hierarchies, then makes the host read-only — and the session's
-//!    paths mounted back;
+//!    paths mounted back; for a preparation, last, the hidden directories covered by empty tmpfs mounts with the
+//!    build's own paths mounted back (`hide`);
 //! 4. if a uid/gid is given: `setgroups([])`, `setresgid(g, g, g)`, `setresuid(u, u, u)` — real, effective and
 //!    saved ids, so the plugin cannot regain root — and then `PR_SET_NO_NEW_PRIVS`, so it cannot gain privileges
 //!    through set-uid binaries or file capabilities either;
@@ -407,14 +408,7 @@ fn namespaces_child(confine: &Confinement, favor: Option<&CStr>) -> io::Result<b
     }
     enter_namespaces(ns.join_net.is_none())?;
     // Detached copies of the kept paths, taken before `/tmp` is covered.
-    let mut held: [Option<OwnedFd>; MAX_KEPT] = [const { None }; MAX_KEPT];
-    for (slot, kept) in held.iter_mut().zip(ns.kept.iter()) {
-        *slot = Some(open_tree(
-            CWD,
-            kept.path.as_c_str(),
-            OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC | OpenTreeFlags::AT_RECURSIVE,
-        )?);
-    }
+    let mut held = hold(&ns.kept)?;
     mount_private_proc_and_tmp(&ns.proc_options, &ns.tmp_root, &ns.tmp_options)?;
     // The probe's: from the initial cgroup namespace (the kernel applies a cgroup2 mount's flags only there),
     // so before `seal_host` enters a new one.
@@ -427,7 +421,33 @@ fn namespaces_child(confine: &Confinement, favor: Option<&CStr>) -> io::Result<b
         None => true,
     };
     seal_host(&ns.tmp_root, &ns.cgroups)?;
-    for (slot, kept) in held.iter_mut().zip(ns.kept.iter()) {
+    mount_all_back(&mut held, &ns.kept)?;
+    for path in &ns.writable {
+        bind_writable(path.as_c_str())?;
+    }
+    for mask in &ns.masks {
+        hide(mask)?;
+    }
+    Ok(favored)
+}
+
+/// Detached copies (`open_tree` clones) of the `kept` paths, taken before what holds them is covered.
+/// Allocation-free.
+fn hold(kept: &[super::confine::Kept]) -> io::Result<[Option<OwnedFd>; MAX_KEPT]> {
+    let mut held: [Option<OwnedFd>; MAX_KEPT] = [const { None }; MAX_KEPT];
+    for (slot, kept) in held.iter_mut().zip(kept.iter()) {
+        *slot = Some(open_tree(
+            CWD,
+            kept.path.as_c_str(),
+            OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC | OpenTreeFlags::AT_RECURSIVE,
+        )?);
+    }
+    Ok(held)
+}
+
+/// Mounts each of [`hold`]'s copies back at its path ([`mount_back`]). Allocation-free.
+fn mount_all_back(held: &mut [Option<OwnedFd>; MAX_KEPT], kept: &[super::confine::Kept]) -> io::Result<()> {
+    for (slot, kept) in held.iter_mut().zip(kept.iter()) {
         if let Some(tree) = slot.take() {
             mount_back(
                 &tree,
@@ -438,13 +458,7 @@ fn namespaces_child(confine: &Confinement, favor: Option<&CStr>) -> io::Result<b
             )?;
         }
     }
-    for path in &ns.writable {
-        bind_writable(path.as_c_str())?;
-    }
-    for mask in &ns.masks {
-        hide(mask)?;
-    }
-    Ok(favored)
+    Ok(())
 }
 
 /// The mount options of the empty tmpfs that hides a directory ([`hide`]).
@@ -454,14 +468,7 @@ const MASK_OPTIONS: &CStr = c"size=1m,nr_inodes=1024,mode=755";
 /// view, writable only when they hold a writable directory), then makes the tmpfs itself read-only. A root the
 /// view does not hold (beneath the private `/tmp`, and not kept) is hidden already. Allocation-free.
 fn hide(mask: &super::confine::Mask) -> io::Result<()> {
-    let mut held: [Option<OwnedFd>; MAX_KEPT] = [const { None }; MAX_KEPT];
-    for (slot, kept) in held.iter_mut().zip(mask.kept.iter()) {
-        *slot = Some(open_tree(
-            CWD,
-            kept.path.as_c_str(),
-            OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC | OpenTreeFlags::AT_RECURSIVE,
-        )?);
-    }
+    let mut held = hold(&mask.kept)?;
     match mount(
         c"tmpfs",
         mask.root.as_c_str(),
@@ -472,17 +479,7 @@ fn hide(mask: &super::confine::Mask) -> io::Result<()> {
         Err(rustix::io::Errno::NOENT) if mask.kept.is_empty() => return Ok(()),
         other => other?,
     }
-    for (slot, kept) in held.iter_mut().zip(mask.kept.iter()) {
-        if let Some(tree) = slot.take() {
-            mount_back(
-                &tree,
-                kept.path.as_c_str(),
-                kept.parents.iter().map(CString::as_c_str),
-                kept.is_dir,
-                kept.writable,
-            )?;
-        }
-    }
+    mount_all_back(&mut held, &mask.kept)?;
     // This mount only (a bind remount changes the mount's flags, not those of the trees mounted back on it).
     rustix::mount::mount_remount(
         mask.root.as_c_str(),
