@@ -20,6 +20,8 @@ use tokio::sync::watch;
 
 /// Failure guard only.
 const GUARD: Duration = Duration::from_secs(60);
+/// [`GUARD`] in milliseconds: the plugin's own wait for its answers.
+const GUARD_MS: u64 = 60_000;
 
 /// The user whose calls the service holds until the test opens it.
 const HELD_USER: &str = "u";
@@ -99,7 +101,7 @@ async fn reverse_requests_past_the_session_byte_budget_are_refused_and_memory_st
     // Held at most: the admitted frames (the budget) and their parsed params (as much again); the two
     // sessions' read buffers (each grown to hold at most two frames of the largest size).
     const BOUND: usize = 2 * MAX_REVERSE_BYTES_IN_FLIGHT + 4 * MAX_FRAME_BYTES;
-    const _: () = assert!(MAX_REVERSE_BYTES_IN_FLIGHT % FRAME == 0 && FITS >= 2);
+    const _: () = assert!(MAX_REVERSE_BYTES_IN_FLIGHT.is_multiple_of(FRAME) && FITS >= 2);
     // Without the budget every request would be held, raw and parsed: well above the bound.
     const _: () = assert!(2 * SENT * FRAME > 2 * BOUND);
 
@@ -123,7 +125,7 @@ async fn reverse_requests_past_the_session_byte_budget_are_refused_and_memory_st
     let flooding = w.clone();
     let burst = json!({
         "method": "storage/set", "params": {"key": "k"}, "count": SENT, "frame_bytes": FRAME,
-        "timeout_ms": GUARD.as_millis() as u64,
+        "timeout_ms": GUARD_MS,
     });
     let flood =
         tokio::spawn(async move { call(&flooding, HELD_USER, "kv", req("reverse_rpc", burst)).await });
@@ -150,7 +152,7 @@ async fn reverse_requests_past_the_session_byte_budget_are_refused_and_memory_st
     // Another session is unaffected: a request of the largest legal size is served while the first is full.
     let largest = json!({
         "method": "storage/set", "params": {"key": "k"}, "frame_bytes": MAX_FRAME_BYTES,
-        "timeout_ms": GUARD.as_millis() as u64,
+        "timeout_ms": GUARD_MS,
     });
     let other = data(&w, "v", "kv", "reverse_rpc", largest).await;
     let answer = &other["responses"][0];
@@ -190,7 +192,7 @@ async fn reverse_requests_past_the_session_byte_budget_are_refused_and_memory_st
     gate.open.send_replace(false);
     let two = json!({
         "method": "storage/set", "params": {"key": "k"}, "count": 2, "frame_bytes": MAX_FRAME_BYTES,
-        "timeout_ms": GUARD.as_millis() as u64,
+        "timeout_ms": GUARD_MS,
     });
     let arrived_before = *gate.arrived.borrow();
     let again = w.clone();
