@@ -430,6 +430,95 @@ async fn eight_concurrent_calls_race_for_the_last_slot() {
 }
 
 // -------------------------------------------------------------------------------------------------------------
+// The daily meter (per user, UTC day, every invoke and worker together)
+// -------------------------------------------------------------------------------------------------------------
+
+/// A call of its own invoke (the per-invoke budget never binds), `max_tokens` asked.
+async fn day_call(env: &Env, n: u64, max_tokens: u64) -> Result<Value, ErrorObject> {
+    let inv = env.invoke(&format!("inv-day-{n}")).await;
+    inv.sample(json!({"messages": messages(1), "maxTokens": max_tokens}))
+        .await
+}
+
+#[track_caller]
+fn daily_refusal(r: &Result<Value, ErrorObject>, used: u64, limit: u64) {
+    assert_eq!(code(r), -32002, "the sampling quota family: {r:?}");
+    let Err(e) = r else { unreachable!() };
+    let data = e.data.as_ref().expect("data");
+    assert_eq!(
+        (data["used"].clone(), data["limit"].clone()),
+        (json!(used), json!(limit)),
+        "{e:?}"
+    );
+}
+
+/// An upstream that reports no usage: each call is charged its `maxTokens` (the service's own estimate), so the
+/// call that takes the day exactly to the cap is admitted and the next is refused before the upstream.
+#[tokio::test]
+async fn the_daily_token_cap_admits_the_call_that_reaches_it_and_refuses_the_next() {
+    const CAP: u64 = 300;
+    const MAX_TOKENS: u64 = 100;
+    let env = env_with(|c| {
+        Some(LlmConfig {
+            daily_quota_tokens: Some(CAP),
+            ..c
+        })
+    })
+    .await;
+    env.llm.set(|b| b.usage = None);
+    for n in 0..CAP / MAX_TOKENS {
+        day_call(&env, n, MAX_TOKENS)
+            .await
+            .unwrap_or_else(|e| panic!("call {n} fits the day: {e:?}"));
+    }
+    let upstream_calls = env.llm.requests().len();
+    let refused = day_call(&env, 99, 1).await;
+    daily_refusal(&refused, CAP, CAP);
+    assert_eq!(
+        env.llm.requests().len(),
+        upstream_calls,
+        "a refused call never reaches the upstream"
+    );
+}
+
+/// An upstream that reports usage: the day is charged prompt + completion as reported (more than `maxTokens`); a
+/// failed upstream call is charged nothing; a call whose `maxTokens` fits exactly what is left is admitted and its
+/// overshoot counted, and the next is refused.
+#[tokio::test]
+async fn the_daily_token_meter_counts_reported_prompt_and_completion_tokens() {
+    const PROMPT: u64 = 300;
+    const COMPLETION: u64 = 100;
+    const REPORTED: u64 = PROMPT + COMPLETION;
+    const MAX_TOKENS: u64 = 100;
+    // Two calls leave exactly MAX_TOKENS of the day.
+    const CAP: u64 = 2 * REPORTED + MAX_TOKENS;
+    let env = env_with(|c| {
+        Some(LlmConfig {
+            daily_quota_tokens: Some(CAP),
+            ..c
+        })
+    })
+    .await;
+    env.llm.set(|b| b.usage = Some((PROMPT, COMPLETION)));
+    for n in 0..2 {
+        day_call(&env, n, MAX_TOKENS)
+            .await
+            .unwrap_or_else(|e| panic!("call {n} fits the day: {e:?}"));
+    }
+    // One token more than what is left is refused.
+    daily_refusal(&day_call(&env, 2, MAX_TOKENS + 1).await, 2 * REPORTED, CAP);
+    // A failed upstream call gives its reservation back.
+    env.llm.set(|b| b.status = Some(500));
+    assert_eq!(code(&day_call(&env, 3, MAX_TOKENS).await), -32003);
+    env.llm.set(|b| b.status = None);
+    // Exactly what is left: admitted, charged what the upstream reports.
+    day_call(&env, 4, MAX_TOKENS)
+        .await
+        .expect("the call that fits exactly what is left");
+    daily_refusal(&day_call(&env, 5, 1).await, 3 * REPORTED, CAP);
+}
+
+// -------------------------------------------------------------------------------------------------------------
 // Gating: negotiated AND declared AND granted, else no token
 // -------------------------------------------------------------------------------------------------------------
 

@@ -636,6 +636,13 @@ const SERVICES_KEYS: &[(&str, &str, &str)] = &[
         "More embedding aliases: alias → upstream model.",
     ),
     (
+        "llm.daily_quota_tokens",
+        "`1000000`",
+        "Each user's LLM tokens per UTC day, sampling and agent steps together (prompt + completion as the upstream \
+         reports them, else `maxTokens`), counted fleet-wide in the `<prefix>_usage` KV bucket: a call is admitted \
+         while its `maxTokens` fits what is left, else `-32002` (`agent/*`: `-32045`) with `data: {used, limit}`.",
+    ),
+    (
         "llm.models.name",
         "**required**",
         "The upstream model id, e.g. `gpt-4o-mini`.",

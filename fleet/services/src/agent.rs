@@ -140,6 +140,7 @@ fn step_error(e: &StepError) -> ErrorObject {
     match e {
         StepError::Budget(b) => codes::AGENT_QUOTA_EXCEEDED.error(b.to_string()),
         StepError::Upstream(u) => upstream_error(u),
+        StepError::Daily(d) => d.error(codes::AGENT_QUOTA_EXCEEDED, codes::AGENT_PROVIDER_ERROR),
     }
 }
 

@@ -257,10 +257,6 @@ impl FleetServices {
             keyring,
         )
         .await?;
-        let llm = match &config.llm {
-            Some(c) => Some(llm::LlmService::new(c)?),
-            None => None,
-        };
         // One per-user byte quota for KV values and files.
         let quota = kv::Quota::open(js, settings, &config.storage).await?;
         let kv = kv::KvService::open(js, settings, quota.clone()).await?;
@@ -268,9 +264,13 @@ impl FleetServices {
         let upload = upload::UploadService::new(files.clone()).with_env(&settings.prefix);
         // One fetcher, one SSRF policy, for every URL a plugin or a provider names.
         let fetcher = web::fetcher(&config.web, Arc::new(web::ssrf::SystemResolver));
-        // One daily-usage counter for every metered family (`image/*`, `web/*`), shared by all workers; a front
+        // One daily-usage counter for every metered family (`image/*`, `web/*`, `llm.*`), shared by all workers; a front
         // creates its bucket whatever its own configuration.
         let usage = usage::UsageCounter::open(js, settings).await?;
+        let llm = match &config.llm {
+            Some(c) => Some(llm::LlmService::new(c)?.metered(usage.clone())),
+            None => None,
+        };
         let image = match (&config.image, modes.get(DevFamily::Image)) {
             (Some(c), DevMode::Real) => Some(
                 image::ImageService::open(

@@ -21,6 +21,14 @@
 //! 6. **settlement**: the upstream's reported `usage.total_tokens` is added to the invoke's budget (an upstream
 //!    that reports no usage is charged `maxTokens`). A failed upstream call still counts as a call.
 //!
+//! **The daily meter** ([`crate::usage`], family `llm`, the UTC day): each user's tokens over every sampling call and
+//! agent step, all workers together, capped by `daily_quota_tokens` (default [`DEFAULT_DAILY_QUOTA_TOKENS`]). A call
+//! reserves its `maxTokens` after step 4 and is refused with `-32002` (`agent/*`: `-32045`), `data: {used, limit}`,
+//! when that does not fit what is left of the day; at step 6 it is settled at what it was charged (the reported
+//! total, else `maxTokens`; a failed upstream call at nothing): the rest given back, or the excess (the prompt's
+//! tokens) counted whatever the cap, so a day's spend passes the cap by at most one call's prompt. A call abandoned
+//! while the upstream runs keeps its reservation counted (the user loses quota, never gains it).
+//!
 //! Upstream failures: HTTP 429 / 402 / `insufficient_quota` → `-32002`; other statuses, network failures and
 //! unreadable bodies → `-32003`; the timeout → `-32005`. Embeddings: every provider failure is `-32503`
 //! (spec §8.5 "flattened"), the timeout (30 s, or less when the invoke ends sooner) `-32505`, bad input
@@ -44,6 +52,7 @@ use reqwest::header::{AUTHORIZATION, HeaderValue};
 use serde_json::{Map, Value, json};
 
 use super::{CallContext, Exhausted, ServicesError};
+use crate::usage::{self, Reserved, UsageCounter, UsageError};
 
 /// The host-stable embedding alias served by default (spec §8.5: `anna-managed-v1`).
 pub const DEFAULT_EMBED_ALIAS: &str = "anna-managed-v1";
@@ -53,6 +62,9 @@ pub const DEFAULT_PROVIDER: &str = "openai-compatible";
 
 /// Environment variable read for the API key when neither `api_key_file` nor `api_key_env` is configured.
 pub const DEFAULT_API_KEY_ENV: &str = "FLEET_LLM_API_KEY";
+
+/// Each user's LLM tokens per UTC day when `[llm]` sets no `daily_quota_tokens`.
+pub const DEFAULT_DAILY_QUOTA_TOKENS: u64 = 1_000_000;
 
 /// Largest upstream response body read (a result must fit in one stdio frame anyway).
 const MAX_UPSTREAM_BODY_BYTES: usize = limits::MAX_FRAME_BYTES;
@@ -96,6 +108,11 @@ pub struct LlmConfig {
     /// More embedding aliases: alias → upstream embedding model.
     #[serde(default)]
     pub embedding_aliases: BTreeMap<String, String>,
+    /// Each user's LLM tokens per UTC day (default 1 000 000), sampling and agent steps together, counted
+    /// fleet-wide: a call is admitted while its `maxTokens` fits what is left and charged what the upstream
+    /// reports (prompt + completion, else `maxTokens`).
+    #[serde(default)]
+    pub daily_quota_tokens: Option<u64>,
 }
 
 /// One chat model (`[[services.llm.models]]`).
@@ -278,6 +295,50 @@ pub struct LlmService {
     default_model: ModelConfig,
     /// alias → upstream embedding model; empty: embeddings are not served.
     embed_aliases: BTreeMap<String, String>,
+    /// Each user's tokens per UTC day.
+    daily_tokens: u64,
+    /// The daily-usage counter the tokens are metered on; `None`: not metered (unit tests only).
+    usage: Option<UsageCounter>,
+}
+
+/// Why the daily meter refused a call.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum DailyRefusal {
+    /// The call's `maxTokens` does not fit what is left of the user's day.
+    #[error(
+        "the user's daily LLM quota is spent: {used} of {cap} tokens used today, {asked} more asked (maxTokens)"
+    )]
+    Spent {
+        /// Tokens used today.
+        used: u64,
+        /// The cap.
+        cap: u64,
+        /// The call's `maxTokens`.
+        asked: u64,
+    },
+    /// The counter could not be read or written.
+    #[error("the daily LLM quota could not be read or written")]
+    Store,
+}
+
+impl DailyRefusal {
+    /// The error of a refused call, in `code`'s family, with `data: {used, limit}` when spent.
+    pub(crate) fn error(
+        &self,
+        spent: fleet_proto::executa::reverse::RpcCode,
+        store: fleet_proto::executa::reverse::RpcCode,
+    ) -> ErrorObject {
+        match self {
+            DailyRefusal::Spent { used, cap, .. } => spent.error_with(
+                self.to_string(),
+                Map::from_iter([
+                    ("used".to_owned(), Value::from(*used)),
+                    ("limit".to_owned(), Value::from(*cap)),
+                ]),
+            ),
+            DailyRefusal::Store => store.error(self.to_string()),
+        }
+    }
 }
 
 impl LlmService {
@@ -343,7 +404,43 @@ impl LlmService {
             models,
             default_model,
             embed_aliases,
+            daily_tokens: config.daily_quota_tokens.unwrap_or(DEFAULT_DAILY_QUOTA_TOKENS),
+            usage: None,
         })
+    }
+
+    /// Meters every call's tokens per user and UTC day on `usage` (all workers share its bucket).
+    #[must_use]
+    pub fn metered(mut self, usage: UsageCounter) -> LlmService {
+        self.usage = Some(usage);
+        self
+    }
+
+    /// Reserves `max_tokens` of the caller's day.
+    async fn reserve_day(
+        &self,
+        ctx: &CallContext,
+        max_tokens: u32,
+    ) -> Result<Option<Reserved>, DailyRefusal> {
+        let Some(usage) = &self.usage else { return Ok(None) };
+        match usage
+            .reserve(usage::LLM, &ctx.user, u64::from(max_tokens), self.daily_tokens)
+            .await
+        {
+            Ok(reserved) => Ok(Some(reserved)),
+            Err(UsageError::Exhausted { used, cap, asked }) => Err(DailyRefusal::Spent { used, cap, asked }),
+            Err(e @ UsageError::Store(_)) => {
+                tracing::warn!(invoke_id = %ctx.invoke_id, error = %e, "daily LLM quota unavailable");
+                Err(DailyRefusal::Store)
+            }
+        }
+    }
+
+    /// Settles a reservation of [`reserve_day`](Self::reserve_day) at the tokens the call was charged.
+    async fn settle_day(&self, ctx: &CallContext, reserved: Option<Reserved>, spent: u64) {
+        if let (Some(usage), Some(reserved)) = (&self.usage, reserved) {
+            usage.settle(&ctx.user, reserved, spent).await;
+        }
     }
 
     /// Whether `embeddings/create` is served (an embedding model is configured).
@@ -380,12 +477,23 @@ impl LlmService {
         body.insert("max_tokens".into(), Value::from(max_tokens));
         body.insert("stream".into(), Value::Bool(false));
         ctx.budget.admit_sampling().map_err(StepError::Budget)?;
-        let reply = self
+        let day = self
+            .reserve_day(ctx, max_tokens)
+            .await
+            .map_err(StepError::Daily)?;
+        let reply = match self
             .post(&self.chat_url, &Value::Object(body), sampling_timeout(ctx))
             .await
-            .map_err(StepError::Upstream)?;
-        ctx.budget
-            .settle_sampling(Usage::of_chat(&reply).charge(max_tokens));
+        {
+            Ok(reply) => reply,
+            Err(e) => {
+                self.settle_day(ctx, day, 0).await;
+                return Err(StepError::Upstream(e));
+            }
+        };
+        let charged = Usage::of_chat(&reply).charge(max_tokens);
+        ctx.budget.settle_sampling(charged);
+        self.settle_day(ctx, day, charged).await;
         Ok((reply, model))
     }
 
@@ -396,6 +504,10 @@ impl LlmService {
         let format = resolve_format(req.response_format.as_ref(), req.on_unsupported, model)?;
         let body = chat_body(&req, model, format.as_ref());
         ctx.budget.admit_sampling().map_err(exhausted)?;
+        let day = self
+            .reserve_day(ctx, req.max_tokens)
+            .await
+            .map_err(|e| e.error(codes::SAMPLING_QUOTA_EXCEEDED, codes::SAMPLING_PROVIDER_ERROR))?;
         let timeout = sampling_timeout(ctx);
         let started = Instant::now();
         let reply = self.post(&self.chat_url, &body, timeout).await;
@@ -404,12 +516,14 @@ impl LlmService {
             Ok(v) => v,
             Err(e) => {
                 tracing::warn!(invoke_id = %ctx.invoke_id, model = %model.name, error = %e, "sampling upstream failed");
+                self.settle_day(ctx, day, 0).await;
                 return Err(e.sampling_error());
             }
         };
         let usage = Usage::of_chat(&reply);
         let charged = usage.charge(req.max_tokens);
         ctx.budget.settle_sampling(charged);
+        self.settle_day(ctx, day, charged).await;
         let completion = Completion::of(&reply, &req.stop).ok_or_else(|| {
             tracing::warn!(invoke_id = %ctx.invoke_id, model = %model.name, "sampling upstream answered without a choice");
             codes::SAMPLING_PROVIDER_ERROR.error("the LLM provider returned no completion")
@@ -596,6 +710,9 @@ pub(crate) enum StepError {
     /// The upstream.
     #[error("the LLM provider failed: {0}")]
     Upstream(UpstreamError),
+    /// The user's daily LLM quota.
+    #[error("{0}")]
+    Daily(DailyRefusal),
 }
 
 /// How an upstream call failed. `Display` carries no URL, key or upstream body.

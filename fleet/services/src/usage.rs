@@ -1,4 +1,5 @@
-//! The per-user daily-usage counter of the metered families (`image/*`'s images, `web/*`'s compute units): one
+//! The per-user daily-usage counter of the metered families (`image/*`'s images, `web/*`'s compute units,
+//! `llm.*`'s tokens): one
 //! record per (family, user) in the JetStream KV bucket `<prefix>_usage` (key `<family>.<user_key>`), so that
 //! every worker counts against the same pool. A record holds the units of each slot of the family's window
 //! (`image`: each minute of a rolling 24 h; `web`: the current UTC day, one slot); slots that left the window
@@ -41,6 +42,13 @@ pub const IMAGE: Family = Family {
 /// `web/*`: compute units of the current UTC day (spec §8.9 `-32522`).
 pub const WEB: Family = Family {
     name: "web",
+    slot_ms: DAY_MS,
+    window_slots: 1,
+};
+
+/// `llm.*` (`sampling/createMessage`, `agent/complete`, agent session steps): tokens of the current UTC day.
+pub const LLM: Family = Family {
+    name: "llm",
     slot_ms: DAY_MS,
     window_slots: 1,
 };
@@ -212,6 +220,29 @@ impl UsageCounter {
             tracing::warn!(family = reserved.family.name, error = %e, "usage refund failed");
         }
     }
+
+    /// Settles `reserved` at `spent` units: gives back what it did not use, or counts what it used beyond the
+    /// reservation whatever the cap (the spend happened; the next reservation sees it).
+    pub async fn settle(&self, user: &str, reserved: Reserved, spent: u64) {
+        let Some(extra) = spent.checked_sub(reserved.units).filter(|n| *n > 0) else {
+            return self.refund(user, reserved, spent).await;
+        };
+        let key = reserved.family.key(user);
+        let result = compare_and_set(self.target(&key), None, |current: Option<Revisioned<Usage>>| {
+            let mut usage = current.map(|r| r.value).unwrap_or_default();
+            usage.prune(reserved.family, reserved.family.slot_now());
+            match usage.slots.iter_mut().find(|(s, _)| *s == reserved.slot) {
+                Some((_, n)) => *n = n.saturating_add(extra),
+                // The reservation's slot left the window meanwhile: nothing of it counts any more.
+                None => return Ok::<_, UsageError>(Edit::Keep(())),
+            }
+            Ok(Edit::Write(usage, ()))
+        })
+        .await;
+        if let Err(e) = result {
+            tracing::warn!(family = reserved.family.name, error = %e, "usage settlement failed");
+        }
+    }
 }
 
 #[cfg(test)]
@@ -244,6 +275,7 @@ mod tests {
     #[test]
     fn families_have_their_own_keys() {
         assert_ne!(IMAGE.key("alice"), WEB.key("alice"));
+        assert_ne!(LLM.key("alice"), WEB.key("alice"));
         assert!(WEB.key("alice").starts_with("web."));
     }
 }
