@@ -184,6 +184,7 @@ def probe(req):
     out["tunnel"] = {t: _tunnel(t) for t in req.get("tunnel") or []}
     out["fetch"] = {u: _fetch(u) for u in req.get("fetch") or []}
     out["proxy_env"] = os.environ.get("HTTP_PROXY")
+    out["env_keys"] = sorted(os.environ)
 
     visible = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     foreign = 0
