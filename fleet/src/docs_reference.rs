@@ -682,6 +682,7 @@ const SERVICES_KEYS: &[(&str, &str, &str)] = &[
     ),
     (
         "web.deny_cidrs",
+        "`[]`",
         "Ranges always refused to `web/fetch` and image inputs: the cluster's pod, service and node CIDRs (IPv6 \
          ones are global unicast). `--cluster-cidr` adds to it.",
     ),
