@@ -57,8 +57,15 @@ async fn env(quota_bytes: Option<u64>) -> Env {
     env_with(quota_bytes, false).await
 }
 
-/// `absolute`: configure `public_url`, so links are absolute.
-async fn env_with(quota_bytes: Option<u64>, absolute: bool) -> Env {
+/// `absolute`: configure `public_url`, so links are absolute. Boxed: the setup's future is large.
+fn env_with(
+    quota_bytes: Option<u64>,
+    absolute: bool,
+) -> std::pin::Pin<Box<impl std::future::Future<Output = Env>>> {
+    Box::pin(make_env(quota_bytes, absolute))
+}
+
+async fn make_env(quota_bytes: Option<u64>, absolute: bool) -> Env {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("addr"));
     let root = tempfile::tempdir().expect("tempdir");

@@ -1600,7 +1600,7 @@ async fn a_preparation_past_its_wall_clock_cap_is_killed_and_leaves_nothing_behi
             "a build cgroup is left: {procs:?}"
         );
         for file in procs.iter().filter(|f| !f.to_string_lossy().contains("seat")) {
-            let pids = std::fs::read_to_string(&file).unwrap_or_default();
+            let pids = std::fs::read_to_string(file).unwrap_or_default();
             assert!(pids.trim().is_empty(), "{} holds {pids}", file.display());
         }
     }

@@ -926,8 +926,19 @@ async fn fleet_probe_runs_the_plugin_confined() {
         "{data}"
     );
     // None of the caller's variables (cargo's CARGO_* among them) but the worker's own allow-list.
-    let allowed = ["PATH", "LANG", "LC_ALL", "TZ", "HOME", "TMPDIR", "ANNA_WORKSPACE_DIR"];
-    assert!(std::env::vars().any(|(k, _)| k.starts_with("CARGO")), "the test runs under cargo");
+    let allowed = [
+        "PATH",
+        "LANG",
+        "LC_ALL",
+        "TZ",
+        "HOME",
+        "TMPDIR",
+        "ANNA_WORKSPACE_DIR",
+    ];
+    assert!(
+        std::env::vars().any(|(k, _)| k.starts_with("CARGO")),
+        "the test runs under cargo"
+    );
     for key in data["env_keys"].as_array().unwrap() {
         let key = key.as_str().unwrap();
         assert!(allowed.contains(&key), "the probed plugin got {key}: {data}");
