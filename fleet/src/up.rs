@@ -196,9 +196,20 @@ fn preparation(args: &UpArgs, data_dir: &Path) -> fleet_worker::config::Preparat
         ..fleet_worker::config::Preparation::default()
     };
     if !args.prepare_index_host.is_empty() {
-        p.index_hosts = crate::worker_cmd::index_hosts(&args.prepare_index_host);
+        p.index_hosts = index_hosts(&args.prepare_index_host);
     }
     p
+}
+
+/// The index hosts of `--prepare-index-host` values: `none` alone means no network; names are trimmed and empty
+/// ones dropped.
+fn index_hosts(values: &[String]) -> Vec<String> {
+    values
+        .iter()
+        .map(|h| h.trim())
+        .filter(|h| !h.is_empty() && *h != "none")
+        .map(str::to_owned)
+        .collect()
 }
 
 fn verifier(args: &UpArgs, data_dir: &Path) -> Result<Verifier, UpError> {

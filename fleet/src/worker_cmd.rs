@@ -145,17 +145,6 @@ pub fn config(args: &WorkerArgs) -> Result<WorkerConfig, WorkerCmdError> {
     Ok(config)
 }
 
-/// The index hosts of `--prepare-index-host` values: `none` alone means no network; names are trimmed and empty
-/// ones dropped.
-pub fn index_hosts(values: &[String]) -> Vec<String> {
-    values
-        .iter()
-        .map(|h| h.trim())
-        .filter(|h| !h.is_empty() && *h != "none")
-        .map(str::to_owned)
-        .collect()
-}
-
 /// The directories holding the worker's NATS credentials and the fronts' seal keys (hidden from preparations).
 fn secret_dirs(creds: Option<&std::path::Path>, exec_key: Option<&std::path::Path>) -> Vec<PathBuf> {
     [creds, exec_key]

@@ -38,9 +38,9 @@
 //! directory and the `chmod` that opens it ([`crate::sandbox::reach`]). With a private `/tmp` the directories
 //! leading to what the sandbox mounts back into it do not count (they are re-created there).
 //!
-//! **`uv` installs are prepared once.** With `uv` on the worker's search path, a `python` install carries
-//! [`Prepare::UvSync`]: at its first use, before the dialect probe, the worker runs `uv sync` into
-//! `<dir>/`[`UV_VENV_DIR`] with its own timeout ([`crate::prepare`]), and the plugin runs that environment's
+//! **`uv` installs are prepared once.** With `uv` on the worker's search path (executable by the plugins' uids:
+//! a build uid runs it), a `python` install carries [`Prepare::UvSync`]: at its first use, before the dialect
+//! probe, a confined `uv sync` fills `<dir>/`[`UV_VENV_DIR`] ([`crate::prepare`]), and the plugin runs that environment's
 //! interpreter (with the script launcher) or its `bin/<tool_id>` — never `uv` itself, so its first `initialize`
 //! cannot race a dependency download and its uid needs neither `uv`'s cache nor a writable project directory.
 //! Without `uv`, stdlib-only projects run on `python3`.
@@ -370,16 +370,6 @@ impl LoadOptions {
     /// [`Runner`] can execute.
     pub fn lookup(&self, program: &str) -> Option<PathBuf> {
         self.search(program).ok()
-    }
-
-    /// [`lookup`](Self::lookup) of a program the worker itself runs (`uv` for [`Prepare::UvSync`]): its own
-    /// permissions apply, not the plugins'.
-    pub fn lookup_for_worker(&self, program: &str) -> Option<PathBuf> {
-        LoadOptions {
-            search_path: self.search_path.clone(),
-            runner: Runner::Worker,
-        }
-        .lookup(program)
     }
 
     /// [`lookup`](Self::lookup), or every candidate found and what stops the runner from executing it (empty:

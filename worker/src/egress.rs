@@ -166,7 +166,8 @@ pub struct Policy {
     special: Vec<IpNet>,
     ports: Vec<u16>,
     max_connections: usize,
-    /// Host names a connection may name (lowercase); `None`: any name (the addresses are checked either way).
+    /// Host names a connection may name (compared case-insensitively); `None`: any name (the addresses are checked
+    /// either way).
     hosts: Option<Vec<String>>,
 }
 
@@ -191,7 +192,7 @@ impl Policy {
     /// package indexes): a request naming any other host, or an address literal, is refused ([`Refusal::Host`]).
     pub fn for_hosts(config: &Egress, hosts: &[String]) -> Result<Policy, PolicyError> {
         let mut policy = Policy::new(config)?;
-        policy.hosts = Some(hosts.iter().map(|h| h.to_ascii_lowercase()).collect());
+        policy.hosts = Some(hosts.to_vec());
         Ok(policy)
     }
 

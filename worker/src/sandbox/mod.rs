@@ -171,6 +171,17 @@ struct BuildBase {
     limits: ResourceLimits,
 }
 
+/// Where a planned process's network namespace comes from.
+#[derive(Debug, Clone, Copy)]
+enum Net<'a> {
+    /// One holding a proxy that enforces this policy.
+    Proxy(&'a Arc<Policy>),
+    /// An empty one from the pool when one waits, else its own (made at spawn).
+    Pooled,
+    /// Its own, made at spawn.
+    Own,
+}
+
 /// The internal user whose identities run preparations, one per tool and version ([`Sandbox::prepare_build`]);
 /// a token cannot name it (`fleet:` is reserved).
 pub const BUILD_USER: &str = "fleet:build";
@@ -313,63 +324,17 @@ impl Sandbox {
         let space = self.user_space(BUILD_USER, build_id)?;
         let name = format!("build-{build_id}-{}", SEQ.fetch_add(1, Ordering::Relaxed));
         let cgroup = self.create_session(&space.user_key, &name, self.inner.build.limits)?;
-        match self.build_plan(cgroup.as_ref(), &space, dir, argv) {
-            Ok(plan) => Ok(Prepared {
-                space,
-                cgroup,
-                plan,
-                stubs: None,
-                seated: None,
-            }),
-            Err(e) => {
-                if let Some(cg) = cgroup {
-                    let _ = cg.remove();
-                }
-                Err(e)
-            }
-        }
-    }
-
-    /// The spawn plan of a preparation ([`prepare_build`](Self::prepare_build)).
-    fn build_plan(
-        &self,
-        cgroup: Option<&SessionCgroup>,
-        space: &UserSpace,
-        dir: &std::path::Path,
-        argv: &[String],
-    ) -> Result<SpawnPlan, SandboxError> {
-        let plan = SpawnPlan::for_user(cgroup, space);
-        let Some(base) = &self.inner.confine else {
-            return Ok(plan);
-        };
-        let mut env = Vec::new();
-        let namespaces = if base.namespaces {
-            let writable = [space.tmpdir.clone(), dir.to_path_buf()];
-            let paths = command_paths(dir, argv);
-            let mut ns = confine::namespaces_hiding(
-                &paths,
-                &writable,
-                base.tmp_bytes,
-                &self.inner.build.hidden,
-                &base.cgroups,
-            )
-            .map_err(|e| SandboxError::Config {
-                reason: e.to_string(),
-            })?;
-            if let Some(policy) = &self.inner.build.egress {
-                ns.join_net = Some(self.egress_net(policy)?);
-                env = crate::egress::proxy_env();
-            }
-            Some(ns)
-        } else {
-            None
-        };
-        Ok(plan
-            .confined(Some(Arc::new(Confinement {
-                namespaces,
-                seccomp: base.seccomp.clone(),
-            })))
-            .with_env(env))
+        let net = self.inner.build.egress.as_ref().map_or(Net::Own, Net::Proxy);
+        let writable = [space.tmpdir.clone(), dir.to_path_buf()];
+        let planned = self.confined_plan(
+            cgroup.as_ref(),
+            &space,
+            &command_paths(dir, argv),
+            &writable,
+            &self.inner.build.hidden,
+            net,
+        );
+        Self::planned(space, cgroup, planned, None, None)
     }
 
     /// Whether a preparation reaches the network (through the egress proxy to the package indexes).
@@ -398,24 +363,45 @@ impl Sandbox {
         paths: &[PathBuf],
         egress: bool,
     ) -> Result<SpawnPlan, SandboxError> {
+        let net = match (egress, &self.inner.egress) {
+            (true, Some(policy)) => Net::Proxy(policy),
+            _ => Net::Pooled,
+        };
+        let writable = [space.tmpdir.clone(), space.workspace.clone()];
+        self.confined_plan(cgroup, space, paths, &writable, &[], net)
+    }
+
+    /// The spawn plan of a process of `space` in `cgroup`: with isolation, the configured seccomp and — with
+    /// namespaces — `paths` kept visible, `writable` bound back writable, `hidden` covered, and its network as
+    /// `net` says.
+    fn confined_plan(
+        &self,
+        cgroup: Option<&SessionCgroup>,
+        space: &UserSpace,
+        paths: &[PathBuf],
+        writable: &[PathBuf],
+        hidden: &[PathBuf],
+        net: Net<'_>,
+    ) -> Result<SpawnPlan, SandboxError> {
         let plan = SpawnPlan::for_user(cgroup, space);
         let Some(base) = &self.inner.confine else {
             return Ok(plan);
         };
         let mut env = Vec::new();
         let namespaces = if base.namespaces {
-            let writable = [space.tmpdir.clone(), space.workspace.clone()];
-            let mut ns =
-                confine::namespaces(paths, &writable, base.tmp_bytes, &base.cgroups).map_err(|e| {
-                    SandboxError::Config {
-                        reason: e.to_string(),
-                    }
-                })?;
-            if let (true, Some(policy)) = (egress, &self.inner.egress) {
-                ns.join_net = Some(self.egress_net(policy)?);
-                env = crate::egress::proxy_env();
-            } else if let Some(pooled) = base.netns_pool.as_ref().and_then(NetnsPool::take) {
-                ns.join_net = Some(Arc::new(pooled));
+            let mut ns = confine::namespaces_hiding(paths, writable, base.tmp_bytes, hidden, &base.cgroups)
+                .map_err(|e| SandboxError::Config {
+                reason: e.to_string(),
+            })?;
+            match net {
+                Net::Proxy(policy) => {
+                    ns.join_net = Some(self.egress_net(policy)?);
+                    env = crate::egress::proxy_env();
+                }
+                Net::Pooled => {
+                    ns.join_net = base.netns_pool.as_ref().and_then(NetnsPool::take).map(Arc::new);
+                }
+                Net::Own => {}
             }
             Some(ns)
         } else {
@@ -427,6 +413,32 @@ impl Sandbox {
                 seccomp: base.seccomp.clone(),
             })))
             .with_env(env))
+    }
+
+    /// What a prepared process needs, once its cgroup is made: `planned`'s plan, or — when planning failed — the
+    /// cgroup removed and the error.
+    fn planned(
+        space: UserSpace,
+        cgroup: Option<SessionCgroup>,
+        planned: Result<SpawnPlan, SandboxError>,
+        stubs: Option<StubPool>,
+        seated: Option<Stub>,
+    ) -> Result<Prepared, SandboxError> {
+        match planned {
+            Ok(plan) => Ok(Prepared {
+                space,
+                cgroup,
+                plan,
+                stubs,
+                seated,
+            }),
+            Err(e) => {
+                if let Some(cg) = cgroup {
+                    let _ = cg.remove();
+                }
+                Err(e)
+            }
+        }
     }
 
     /// A network namespace whose loopback holds a proxy enforcing `policy` (counted in this sandbox's counters).
@@ -533,21 +545,8 @@ impl Sandbox {
             Some((cgroup, stub)) => (Some(cgroup), Some(stub)),
             None => (self.create_session(&space.user_key, &name, limits)?, None),
         };
-        match self.plan_with(cgroup.as_ref(), &space, &command_paths(dir, argv), egress) {
-            Ok(plan) => Ok(Prepared {
-                space,
-                cgroup,
-                plan,
-                stubs: self.stub_pool().cloned(),
-                seated,
-            }),
-            Err(e) => {
-                if let Some(cg) = cgroup {
-                    let _ = cg.remove();
-                }
-                Err(e)
-            }
-        }
+        let planned = self.plan_with(cgroup.as_ref(), &space, &command_paths(dir, argv), egress);
+        Self::planned(space, cgroup, planned, self.stub_pool().cloned(), seated)
     }
 
     /// For a user with no live ceiling, a seated stub whose seat becomes the user's ceiling and the session's
