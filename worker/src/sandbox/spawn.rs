@@ -1,8 +1,8 @@
 //! Spawning a plugin into its session (and a helper process tied to its parent's life): with `netns.rs` (an
 //! egress namespace's `unshare` on a thread of its own, and the loopback ioctls both use) and `stub.rs` (a
 //! stub taking its status descriptor), the only code of this crate allowed to use `unsafe`. The namespace and
-//! mount steps ([`enter_namespaces`], [`mount_private_proc_and_tmp`] with its minimal `/dev`, [`seal_host`]
-//! with the session's own cgroups, [`mount_back`], [`bind_writable`]) serve both the spawn hook and the sandbox
+//! mount steps ([`enter_namespaces`], [`mount_private_views`] with its minimal `/dev`, [`seal_host`] with the
+//! session's own cgroups, [`mount_back`], [`bind_writable`]) serve both the spawn hook and the sandbox
 //! stubs (`stub.rs`), so a plugin is confined the same way whichever started it.
 //!
 //! [`apply`] installs a `pre_exec` hook on a [`tokio::process::Command`]. The hook runs in the child between
@@ -15,10 +15,10 @@
 //!    from then on (the exec'd image, its heap) is charged to the session (v1 never moves charges made before an
 //!    attach, so attaching after spawn would leave the plugin's start-up memory outside its limit);
 //! 3. with namespaces (`namespaces_child`): new network, mount, IPC and UTS namespaces, a private `/proc`, `/tmp`
-//!    and a minimal `/dev` ([`mount_private_proc_and_tmp`]), then [`seal_host`] — only now, after step 2: it
-//!    enters a cgroup namespace rooted at the cgroup just joined and covers `/sys/fs/cgroup` (where
-//!    `cgroup.procs` was) with that cgroup's own hierarchies, then makes the host read-only — and the session's
-//!    paths mounted back; for a preparation, last, the hidden directories covered by empty tmpfs mounts with the
+//!    and a minimal `/dev`, and an empty tmpfs over `/sys/fs/cgroup` (where `cgroup.procs` was) with a
+//!    directory per v1 hierarchy ([`mount_private_views`]), then [`seal_host`] — after step 2: it enters a
+//!    cgroup namespace rooted at the cgroup just joined and mounts that cgroup's own hierarchies there, then
+//!    makes the host read-only — and the session's paths mounted back; for a preparation, last, the hidden directories covered by empty tmpfs mounts with the
 //!    build's own paths mounted back (`hide`);
 //! 4. if a uid/gid is given: `setgroups([])`, `setresgid(g, g, g)`, `setresuid(u, u, u)` — real, effective and
 //!    saved ids, so the plugin cannot regain root — and then `PR_SET_NO_NEW_PRIVS`, so it cannot gain privileges
@@ -409,7 +409,7 @@ fn namespaces_child(confine: &Confinement, favor: Option<&CStr>) -> io::Result<b
     enter_namespaces(ns.join_net.is_none())?;
     // Detached copies of the kept paths, taken before `/tmp` is covered.
     let mut held = hold(&ns.kept)?;
-    mount_private_proc_and_tmp(&ns.proc_options, &ns.tmp_root, &ns.tmp_options)?;
+    mount_private_views(&ns.proc_options, &ns.tmp_root, &ns.tmp_options, &ns.cgroups)?;
     // The probe's: from the initial cgroup namespace (the kernel applies a cgroup2 mount's flags only there),
     // so before `seal_host` enters a new one.
     let favored = match favor {
@@ -523,16 +523,42 @@ const CGROUP_VIEW_FLAGS: MountFlags = MountFlags::RDONLY
     .union(MountFlags::NODEV)
     .union(MountFlags::NOEXEC);
 
-/// The session's own cgroups as the caller's view of `/sys/fs/cgroup` (`view`): a new cgroup namespace,
-/// rooted at the cgroup the caller is in — the session's, joined before —, then, covering whatever the host
-/// has there, new read-only mounts of the worker's hierarchies made in it (the unified one on
-/// `/sys/fs/cgroup`; v1: a tmpfs there with a directory per hierarchy and the links to it). So the plugin reads
-/// its own limits and usage (runtimes size their heaps and threads from them) and nothing of the worker's
-/// subtree, its users' keys or other sessions — a cgroup namespace alone would not do that: it changes
-/// `/proc/self/cgroup` (now `/`) and what a *new* mount shows, not the host's mounts already in the view. The
-/// worker still sees, limits and kills the plugin at its full path. The hierarchies' mount points elsewhere
-/// (`view.covered`) get an empty read-only tmpfs. Run after the session's cgroup was joined (`cgroup.procs` is
-/// beneath it). Allocation-free.
+/// The session-independent half of a plugin's cgroup view (`view`), made with its other private mounts
+/// ([`mount_private_views`]; a stub's while it waits): on v1, an empty tmpfs over `/sys/fs/cgroup` with a
+/// directory per hierarchy and the links to them, where [`mount_own_cgroups`] mounts the hierarchies; nothing on
+/// v2 (one mount there). It covers the host's `cgroup.procs` files: the direct spawn makes it after joining the
+/// session's cgroup, a stub joins through a descriptor of `/sys/fs/cgroup` opened before (`stub.rs`).
+/// Allocation-free.
+fn cgroup_skeleton(view: &CgroupMounts) -> io::Result<()> {
+    if view.unified {
+        return Ok(());
+    }
+    // Read-only with the rest of the host (`seal_host`).
+    mount(
+        c"tmpfs",
+        CGROUP_DIR,
+        c"tmpfs",
+        MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
+        MASK_OPTIONS,
+    )?;
+    for h in &view.hierarchies {
+        mkdir_exists_ok(h.dir.as_c_str())?;
+        for (target, link) in &h.links {
+            rustix::fs::symlinkat(target.as_c_str(), CWD, link.as_c_str())?;
+        }
+    }
+    Ok(())
+}
+
+/// The session's own cgroups as the caller's view of `/sys/fs/cgroup` (`view`, on its [`cgroup_skeleton`]): a
+/// new cgroup namespace, rooted at the cgroup the caller is in — the session's, joined before —, then new
+/// read-only mounts, made in it, of the worker's hierarchies, covering whatever the host has there (the unified
+/// one on `/sys/fs/cgroup`; v1: each on its directory of the skeleton). So the plugin reads its own limits and
+/// usage (runtimes size their heaps and threads from them) and nothing of the worker's subtree, its users' keys
+/// or other sessions — a cgroup namespace alone would not do that: it changes `/proc/self/cgroup` (now `/`) and
+/// what a *new* mount shows, not the host's mounts already in the view. The worker still sees, limits and kills
+/// the plugin at its full path. The hierarchies' mount points elsewhere (`view.covered`) get an empty read-only
+/// tmpfs. Allocation-free.
 #[allow(unsafe_code)]
 fn mount_own_cgroups(view: &CgroupMounts) -> io::Result<()> {
     // SAFETY: CLONE_NEWCGROUP is not CLONE_FILES, so no file descriptor another part of the process holds is
@@ -550,16 +576,7 @@ fn mount_own_cgroups(view: &CgroupMounts) -> io::Result<()> {
     if view.unified {
         return mount(c"cgroup2", CGROUP_DIR, c"cgroup2", CGROUP_VIEW_FLAGS, c"").map_err(Into::into);
     }
-    // Read-only with the rest of the host (`seal_host`, right after).
-    mount(
-        c"tmpfs",
-        CGROUP_DIR,
-        c"tmpfs",
-        MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOEXEC,
-        MASK_OPTIONS,
-    )?;
     for h in &view.hierarchies {
-        mkdir_exists_ok(h.dir.as_c_str())?;
         mount(
             c"cgroup",
             h.dir.as_c_str(),
@@ -567,9 +584,6 @@ fn mount_own_cgroups(view: &CgroupMounts) -> io::Result<()> {
             CGROUP_VIEW_FLAGS,
             h.options.as_c_str(),
         )?;
-        for (target, link) in &h.links {
-            rustix::fs::symlinkat(target.as_c_str(), CWD, link.as_c_str())?;
-        }
     }
     Ok(())
 }
@@ -666,14 +680,15 @@ fn minimal_dev(shm_options: &CStr) -> io::Result<()> {
     Ok(())
 }
 
-/// The private `/proc` (mounted with `proc_options`: other uids' processes hidden), a tmpfs on `tmp_root` and a
-/// minimal `/dev` ([`minimal_dev`]) whose `/dev/shm` is a tmpfs too (both tmpfs with `tmp_options`), in the
-/// caller's own mount namespace ([`enter_namespaces`]). Session-independent: a stub does it before its claim.
-/// Allocation-free.
-pub(super) fn mount_private_proc_and_tmp(
+/// The private `/proc` (mounted with `proc_options`: other uids' processes hidden), a tmpfs on `tmp_root`, a
+/// minimal `/dev` ([`minimal_dev`]) whose `/dev/shm` is a tmpfs too (both tmpfs with `tmp_options`) and the
+/// skeleton of the cgroup view `cgroups` ([`cgroup_skeleton`]), in the caller's own mount namespace
+/// ([`enter_namespaces`]). Session-independent: a stub does it before its claim. Allocation-free.
+pub(super) fn mount_private_views(
     proc_options: &CStr,
     tmp_root: &CStr,
     tmp_options: &CStr,
+    cgroups: &CgroupMounts,
 ) -> io::Result<()> {
     mount(
         c"proc",
@@ -689,7 +704,8 @@ pub(super) fn mount_private_proc_and_tmp(
         MountFlags::NOSUID | MountFlags::NODEV,
         tmp_options,
     )?;
-    minimal_dev(tmp_options)
+    minimal_dev(tmp_options)?;
+    cgroup_skeleton(cgroups)
 }
 
 /// `struct mount_attr` of `<linux/mount.h>` (`MOUNT_ATTR_SIZE_VER0`).
@@ -737,7 +753,8 @@ pub(super) fn set_read_only(dir: BorrowedFd<'_>, path: &CStr, read_only: bool) -
 }
 
 /// Seals the host's filesystems in the caller's mount namespace: `/sys/fs/cgroup` shows the session's own
-/// cgroups only ([`mount_own_cgroups`]: a cgroup namespace), every mount read-only, recursively from `/` (the
+/// cgroups only ([`mount_own_cgroups`] on the skeleton [`mount_private_views`] made: a cgroup namespace), every
+/// mount read-only, recursively from `/` (the
 /// minimal `/dev` and its nodes included: a device node works on a read-only mount), then the private `/proc`,
 /// `tmp_root` and `/dev/shm` writable again (the session's own directories are bound back writable after this:
 /// [`mount_back`], [`bind_writable`]). Run after the session's cgroup was joined (`cgroup.procs` is on a host

@@ -11,15 +11,16 @@
 //!    for tests and benches that link the worker as a library).
 //! 2. It reads a [`Setup`] from stdin (one length-prefixed JSON message), then: `setsid`; new network, mount,
 //!    IPC and UTS namespaces (one `unshare`: this process has a single thread); `lo` up; mount propagation
-//!    private; an `O_PATH` descriptor of `/tmp` as it is, kept to reach the session's paths under it later;
-//!    a private `/proc` (`hidepid`), a tmpfs on `/tmp` and a minimal `/dev` (the host's `null`, `zero`, `full`,
-//!    `random`, `urandom`, `tty`, a `devpts` of its own, a tmpfs on `/dev/shm`). It writes `R` on the status
-//!    pipe: ready.
+//!    private; `O_PATH` descriptors of `/tmp` and `/sys/fs/cgroup` as they are, kept to reach the session's
+//!    paths and `cgroup.procs` under them later; a private `/proc` (`hidepid`), a tmpfs on `/tmp`, a minimal
+//!    `/dev` (the host's `null`, `zero`, `full`, `random`, `urandom`, `tty`, a `devpts` of its own, a tmpfs on
+//!    `/dev/shm`) and the skeleton of the cgroup view (v1: an empty tmpfs on `/sys/fs/cgroup` with a directory
+//!    per hierarchy). It writes `R` on the status pipe: ready.
 //! 3. It blocks reading a [`Claim`]. EOF (the worker dropped it, or died) ends it quietly.
-//! 4. On a claim: join the session's cgroup in every hierarchy (`cgroup.procs` ← `0`), seal the host's mounts
-//!    (`spawn.rs`'s `seal_host`: only now, as `cgroup.procs` is on one of them — a cgroup namespace rooted at the
-//!    session's cgroup, `/sys/fs/cgroup` covered by that cgroup's own hierarchies, the [`Setup`]'s view, then
-//!    everything read-only), mount the session's paths under `/tmp` back into its private `/tmp` (`open_tree`
+//! 4. On a claim: join the session's cgroup in every hierarchy (`cgroup.procs` ← `0`, through the kept
+//!    descriptor), seal the host's mounts (`spawn.rs`'s `seal_host`: only now, as `cgroup.procs` is on one of
+//!    them — a cgroup namespace rooted at the session's cgroup, that cgroup's own hierarchies mounted on the
+//!    skeleton, the [`Setup`]'s view, then everything read-only), mount the session's paths under `/tmp` back into its private `/tmp` (`open_tree`
 //!    through the kept descriptor, `move_mount`; writable where they hold its TMPDIR or workspace) and bind its
 //!    writable directories elsewhere back writable,
 //!    drop supplementary groups and switch gid and uid (real, effective, saved), `PR_SET_NO_NEW_PRIVS`, mark
@@ -41,7 +42,7 @@
 //! Two blocks about the status descriptor the worker passed by number (checking that it is open, and taking
 //! ownership of it), and [`cloexec_above_stderr`]'s `close_range(2)` (rustix has no wrapper: one raw `syscall`
 //! with three integers; the direct spawn's hook calls it too). The namespaces and mounts are `spawn.rs`'s own functions, shared with the direct
-//! spawn (`enter_namespaces`, `mount_private_proc_and_tmp`, `seal_host`, `mount_back`, `bind_writable`).
+//! spawn (`enter_namespaces`, `mount_private_views`, `seal_host`, `mount_back`, `bind_writable`).
 
 use std::ffi::{CString, OsStr};
 use std::io::{self, Write as _};
@@ -52,8 +53,8 @@ use rustix::fs::{Mode, OFlags};
 use rustix::mount::OpenTreeFlags;
 use rustix::process::Gid;
 
-use super::confine::CgroupMounts;
-use super::spawn::{bind_writable, enter_namespaces, mount_back, mount_private_proc_and_tmp, seal_host};
+use super::confine::{CGROUP_ROOT, CgroupMounts};
+use super::spawn::{bind_writable, enter_namespaces, mount_back, mount_private_views, seal_host};
 use super::stub_msg::{
     Claim, FAILED, FAILURE_BYTES, KeptPath, READY, STUB_ARG, STUB_PROTOCOL, Setup, Step, read_message,
 };
@@ -154,6 +155,9 @@ struct Confined {
     tmp_root: CString,
     /// What the plugin is to see under `/sys/fs/cgroup` (the setup's).
     cgroups: CgroupMounts,
+    /// The `O_PATH` descriptor of `/sys/fs/cgroup` as it was (none where the host has none), to reach the
+    /// session's `cgroup.procs` beneath the cgroup view's skeleton.
+    cgroup_root: Option<OwnedFd>,
 }
 
 /// Step 2: the session-independent confinement.
@@ -173,11 +177,21 @@ fn confine(setup: &Setup) -> io::Result<Confined> {
         OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
         Mode::empty(),
     )?;
-    mount_private_proc_and_tmp(&proc_options, &tmp_root, &tmp_options)?;
+    let cgroup_root = match rustix::fs::open(
+        CGROUP_ROOT,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) {
+        Ok(fd) => Some(fd),
+        Err(rustix::io::Errno::NOENT) => None,
+        Err(e) => return Err(e.into()),
+    };
+    mount_private_views(&proc_options, &tmp_root, &tmp_options, &cgroups)?;
     Ok(Confined {
         tmp,
         tmp_root,
         cgroups,
+        cgroup_root,
     })
 }
 
@@ -188,7 +202,7 @@ fn become_plugin(setup: &Setup, confined: &Confined, claim: &Claim) -> (Step, io
         return (Step::Message, einval());
     }
     for file in &claim.procs {
-        if let Err(e) = join(file) {
+        if let Err(e) = join(confined.cgroup_root.as_ref(), file) {
             return (Step::Cgroup, e);
         }
     }
@@ -262,9 +276,18 @@ pub(super) fn cloexec_above_stderr() -> io::Result<()> {
     }
 }
 
-/// Moves this process into the cgroup whose `cgroup.procs` is `file`.
-fn join(file: &str) -> io::Result<()> {
-    let mut f = std::fs::OpenOptions::new().write(true).open(file)?;
+/// Moves this process into the cgroup whose `cgroup.procs` is `file`: beneath `/sys/fs/cgroup` through
+/// `cgroup_root` (the descriptor of it from before the cgroup view's skeleton covered it), elsewhere by its path.
+fn join(cgroup_root: Option<&OwnedFd>, file: &str) -> io::Result<()> {
+    let flags = OFlags::WRONLY | OFlags::CLOEXEC;
+    let beneath = file
+        .strip_prefix(CGROUP_ROOT)
+        .and_then(|rest| rest.strip_prefix('/'));
+    let fd = match (cgroup_root, beneath) {
+        (Some(root), Some(relative)) => rustix::fs::openat(root, relative, flags, Mode::empty())?,
+        _ => rustix::fs::open(file, flags, Mode::empty())?,
+    };
+    let mut f = std::fs::File::from(fd);
     f.write_all(b"0")
 }
 
