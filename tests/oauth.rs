@@ -60,13 +60,18 @@ fn keyring() -> Keyring {
 /// A fleet whose services configure two providers on the fake: `fake` (maps `FAKE_TOKEN`) and `fake2` (maps
 /// `FAKE2_TOKEN`).
 async fn env(name: &str) -> Env {
+    env_with(name, "").await
+}
+
+/// [`env`] with `credentials` (the keys of `[credentials]` besides its providers) in the services TOML.
+async fn env_with(name: &str, credentials: &str) -> Env {
     let cluster = Cluster::start(name, 1, 0, &[]).await;
     let dir = tempfile::tempdir().unwrap();
     let fake = FakeOAuth::start().await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let toml = format!(
-        "{}\n{}",
+        "[credentials]\n{credentials}\n{}\n{}",
         fake.provider_toml("fake", &dir.path().join("secret"), &[MAPPED]),
         fake.provider_toml("fake2", &dir.path().join("secret2"), &["FAKE2_TOKEN"]),
     );
@@ -1208,5 +1213,134 @@ async fn users_manage_their_own_credentials_and_never_anothers() {
     .await;
     assert_eq!(deleted.json()["deleted"], json!(["API_KEY"]));
     assert_eq!(env.resolved("alice", &["API_KEY"]).await, json!({}));
+    drop(env.cluster);
+}
+
+/// `[credentials] require_grant = true` (the recommended production setting): a plugin whose manifest declares a
+/// mapped name gets neither the platform credential nor a `credentials_token` until the user's grant to that tool
+/// names it (`credential:<NAME>`); a grant to one tool gives another nothing; the user's own stored values still
+/// resolve; grant entries naming no valid credential are refused.
+#[tokio::test]
+async fn with_require_grant_platform_credentials_go_only_to_tools_granted_them() {
+    let env = env_with("oauth-require-grant", "require_grant = true").await;
+    let connected = env.connect("alice", "").await;
+    let account = connected["account"]["account_id"].as_str().unwrap().to_owned();
+    let live = env.fake.issued_access_tokens()[0].clone();
+    env.front
+        .credential_store()
+        .set(
+            "alice",
+            Some(TOOL),
+            &[(UNMAPPED.to_owned(), "other".to_owned())].into_iter().collect(),
+        )
+        .await
+        .unwrap();
+
+    // Not granted: no token, no platform value, listAccounts refused; the stored value still resolves.
+    let tokens = env
+        .tokens(&env.worker, "alice", "inv-1", &[MAPPED, UNMAPPED])
+        .await;
+    assert!(tokens.credentials.is_none(), "{tokens:?}");
+    assert_eq!(
+        env.resolved("alice", &[MAPPED, UNMAPPED]).await,
+        json!({UNMAPPED: "other"})
+    );
+    let listed = env
+        .reverse(
+            &env.worker,
+            "alice",
+            "inv-1",
+            &tokens,
+            "credentials/listAccounts",
+            json!({"provider": "fake"}),
+        )
+        .await;
+    assert_eq!(code_of(&listed).0, -32061, "{listed:?}");
+
+    // Granted to TOOL: both tiers, and the token covers the provider.
+    let grants = env.front.grants();
+    let grant = vec![format!("credential:{MAPPED}")];
+    grants.edit("alice", TOOL, &grant, &[]).await.unwrap();
+    let tokens = env.tokens(&env.worker, "alice", "inv-2", &[MAPPED]).await;
+    let jwt = tokens
+        .credentials
+        .clone()
+        .expect("a credentials_token once granted");
+    assert_eq!(claims(&jwt)["providers"], json!(["fake"]));
+    assert_eq!(env.resolved("alice", &[MAPPED]).await, json!({MAPPED: live}));
+    let token = env
+        .reverse(
+            &env.worker,
+            "alice",
+            "inv-2",
+            &tokens,
+            "credentials/getToken",
+            json!({"provider": "fake"}),
+        )
+        .await
+        .unwrap();
+    assert_eq!(token["account_id"], account.as_str());
+
+    // Another tool of the same user, and the same tool of another user, get nothing from alice's grant to TOOL.
+    let other_tool = env
+        .worker
+        .tokens(TokenRequest {
+            user: "alice".into(),
+            tool_id: "weather".into(),
+            invoke_id: "inv-3".into(),
+            negotiated: BTreeSet::new(),
+            declared: Vec::new(),
+            credentials: vec![MAPPED.to_owned()],
+            deadline_ms: now_ms() + 60_000,
+        })
+        .await;
+    assert!(other_tool.credentials.is_none());
+    let names = vec![MAPPED.to_owned()];
+    let weather = env
+        .worker
+        .credentials("alice", "weather", &names, now_ms() + 60_000)
+        .await
+        .unwrap();
+    assert!(weather.0.is_empty(), "{:?}", weather.0.keys());
+
+    // Revoked: gone again.
+    grants.edit("alice", TOOL, &[], &grant).await.unwrap();
+    assert!(
+        env.tokens(&env.worker, "alice", "inv-4", &[MAPPED])
+            .await
+            .credentials
+            .is_none()
+    );
+    assert_eq!(env.resolved("alice", &[MAPPED]).await, json!({}));
+
+    // Grant entries: a valid name is a capability; anything else is refused, naming the entry.
+    for bad in [
+        "credential:",
+        "credential:BAD-NAME",
+        "credential:1X",
+        "credentials:FAKE_TOKEN",
+    ] {
+        let e = grants
+            .edit("alice", TOOL, &[bad.to_owned()], &[])
+            .await
+            .expect_err(bad);
+        assert!(e.to_string().contains(bad), "{bad}: {e}");
+    }
+    drop(env.cluster);
+}
+
+/// Without `require_grant` (the spec's default) the mapped name needs no grant: the published manifest suffices.
+#[tokio::test]
+async fn without_require_grant_the_manifest_alone_gets_the_platform_credential() {
+    let env = env_with("oauth-no-grant", "require_grant = false").await;
+    env.connect("alice", "").await;
+    let live = env.fake.issued_access_tokens()[0].clone();
+    assert!(
+        env.tokens(&env.worker, "alice", "inv-1", &[MAPPED])
+            .await
+            .credentials
+            .is_some()
+    );
+    assert_eq!(env.resolved("alice", &[MAPPED]).await, json!({MAPPED: live}));
     drop(env.cluster);
 }

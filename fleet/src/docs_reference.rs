@@ -513,6 +513,14 @@ const SERVICES_KEYS: &[(&str, &str, &str)] = &[
         "Platform credentials (`[credentials]`): the OAuth providers users connect accounts of.",
     ),
     (
+        "credentials.require_grant",
+        "`false`",
+        "`true`: a plugin receives a platform credential (a name a provider maps) and a `credentials_token` for its \
+         provider only when the user's grant to that tool allows it (`fleet grant --allow credential:<NAME>`); \
+         `false`: any plugin whose published manifest declares the name (spec §8.8). **Recommended `true` in \
+         production** ([operator guide](operations.md#oauth-accounts)).",
+    ),
+    (
         "credentials.providers",
         "none",
         "`[credentials.providers.<name>]`, one table per provider (`<name>`: 1–32 of `[a-z0-9_-]`, a path segment of \

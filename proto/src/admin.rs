@@ -269,12 +269,26 @@ pub mod grants {
             self.allow.contains(capability)
         }
 
+        /// Whether the platform credential `name` (a name an OAuth provider maps) is granted: `credential:<name>`
+        /// in [`Grant::allow`]. Consulted only where the operator makes platform credentials need a grant.
+        pub fn allows_credential(&self, name: &str) -> bool {
+            credential_capability(name).is_some_and(|c| self.allow.contains(&c))
+        }
+
         /// Whether this plugin's agent sessions may call `tool` of `tool_id` ([`Grant::granted_tools`]).
         pub fn allows_agent_tool(&self, tool_id: &str, tool: &str) -> bool {
             self.granted_tools
                 .as_ref()
                 .is_none_or(|set| set.iter().any(|p| tool_pattern_covers(p, tool_id, tool)))
         }
+    }
+
+    /// The prefix of a grant entry that allows one platform credential (`credential:GMAIL_ACCESS_TOKEN`).
+    pub const CREDENTIAL_PREFIX: &str = "credential:";
+
+    /// The grant entry allowing the platform credential `name`; `None` for an empty name.
+    pub fn credential_capability(name: &str) -> Option<String> {
+        (!name.is_empty()).then(|| format!("{CREDENTIAL_PREFIX}{name}"))
     }
 
     /// Whether the tool pattern `pattern` — `*`, a tool id, or `tool_id.tool` — covers `tool` of `tool_id`.

@@ -10,7 +10,7 @@
 //! image limits (`image`: images per rolling day, images per call) are set by operators with the grant.
 
 use async_nats::jetstream::{self, kv};
-use fleet_proto::admin::grants::{Grant, ImageGrant, REVOKE_ALL, WebGrantShape};
+use fleet_proto::admin::grants::{CREDENTIAL_PREFIX, Grant, ImageGrant, REVOKE_ALL, WebGrantShape};
 use fleet_proto::api::{ApiError, ApiErrorCode, user_key};
 use fleet_proto::executa::capabilities::is_known_host_capability;
 use fleet_proto::limits;
@@ -24,7 +24,8 @@ use fleet_store::{self as store, Op, Revisioned, StoreError, StoreSettings};
 pub enum GrantError {
     /// A capability string not on the platform allow-list.
     #[error(
-        "unknown host capabilities {0:?}; known: aps.kv, aps.files, llm.sample, llm.embed, host.upload, …"
+        "unknown host capabilities {0:?}; known: aps.kv, aps.files, llm.sample, llm.embed, host.upload, …, \
+         and credential:<NAME> for a platform credential"
     )]
     Unknown(Vec<String>),
     /// Missing or bad user / tool id.
@@ -45,6 +46,13 @@ impl GrantError {
             GrantError::Store(_) => ApiError::new(ApiErrorCode::InternalError, self.to_string()),
         }
     }
+}
+
+/// Whether `entry` is `credential:<NAME>` with a valid credential name (a platform credential's grant).
+fn is_credential_entry(entry: &str) -> bool {
+    entry
+        .strip_prefix(CREDENTIAL_PREFIX)
+        .is_some_and(crate::credentials::valid_name)
 }
 
 fn store_err(e: impl std::fmt::Display) -> GrantError {
@@ -201,7 +209,7 @@ impl GrantStore {
         let unknown: Vec<String> = allow
             .iter()
             .chain(revoke.iter().filter(|r| r.as_str() != REVOKE_ALL))
-            .filter(|c| !is_known_host_capability(c))
+            .filter(|c| !is_known_host_capability(c) && !is_credential_entry(c))
             .cloned()
             .collect();
         if !unknown.is_empty() {

@@ -222,6 +222,8 @@ struct Inner {
     agent: agent::AgentService,
     /// OAuth providers and accounts (`credentials/*`, platform credentials).
     oauth: oauth::OAuthService,
+    /// `[credentials] require_grant`: platform credentials only where the user's grant names them.
+    platform_needs_grant: bool,
     /// Each sync invoke's delegation for its sessions' tool calls (never given to the plugin).
     delegations: DashMap<String, fleet_proto::api::delegation::DelegationToken>,
     /// Every family's mode.
@@ -312,6 +314,7 @@ impl FleetServices {
                 web,
                 agent: agent::AgentService::new(agent_sessions, Some(js.client())),
                 oauth,
+                platform_needs_grant: config.credentials.require_grant,
                 delegations: DashMap::new(),
                 modes,
                 mocks: config.dev.mocks().clone(),
@@ -371,11 +374,15 @@ impl FleetServices {
     }
 
     /// The invoke's tokens: the services' ([`Self::mint_services`]) and the `credentials_token` (spec §8.8:
-    /// minted whenever the manifest declares a credential name a configured provider maps; no capability, no
-    /// grant).
+    /// minted whenever the manifest declares a credential name a configured provider maps; with
+    /// `[credentials] require_grant`, only for the names the user's grant allows — [`Self::platform_names`]).
     async fn mint(&self, req: TokenRequest) -> InvokeTokens {
         let mut tokens = self.mint_services(&req).await;
-        let providers = self.inner.oauth.covering(&req.credentials);
+        let give_up = fleet_store::failover::instant_of_epoch_ms(req.deadline_ms);
+        let names = self
+            .platform_names(&req.user, &req.tool_id, &req.credentials, give_up)
+            .await;
+        let providers = self.inner.oauth.covering(&names);
         if !providers.is_empty() {
             let binding = Binding {
                 user: &req.user,
@@ -395,6 +402,32 @@ impl FleetServices {
             }
         }
         tokens
+    }
+
+    /// Of `names` (a manifest's credential names), those whose platform credential `tool_id` may receive for `user`:
+    /// all of them, unless `[credentials] require_grant` is on — then those a provider maps and the user's grant
+    /// allows (`credential:<NAME>`). A grant that cannot be read grants none (logged without values).
+    async fn platform_names(
+        &self,
+        user: &str,
+        tool_id: &str,
+        names: &[String],
+        give_up: tokio::time::Instant,
+    ) -> Vec<String> {
+        let mapped = self.inner.oauth.mapped(names);
+        if !self.inner.platform_needs_grant || mapped.is_empty() {
+            return mapped;
+        }
+        match self.inner.grants.get_until(user, tool_id, give_up).await {
+            Ok(grant) => mapped
+                .into_iter()
+                .filter(|n| grant.allows_credential(n))
+                .collect(),
+            Err(e) => {
+                tracing::warn!(tool_id = %tool_id, error = %e, "grant lookup failed: no platform credentials");
+                Vec::new()
+            }
+        }
     }
 
     async fn mint_services(&self, req: &TokenRequest) -> InvokeTokens {
@@ -748,8 +781,11 @@ impl TokenSource for FleetServices {
             let give_up = fleet_store::failover::instant_of_epoch_ms(deadline_ms);
             // Spec §4.2 HR-CR-01: platform credentials (a provider's mapping, the default account's live access
             // token) first, then the plugin's and the user's stored values; the manifest default is the worker's.
+            let platform_names = this.platform_names(&user, &tool_id, &names, give_up).await;
             let (platform, stored) = tokio::join!(
-                this.inner.oauth.platform_credentials(&user, &names, give_up),
+                this.inner
+                    .oauth
+                    .platform_credentials(&user, &platform_names, give_up),
                 this.inner.credentials.resolve(&user, &tool_id, &names, give_up)
             );
             let unavailable = |e: credentials::CredentialError| {

@@ -52,6 +52,12 @@ pub struct CredentialsConfig {
     /// `credentials/*` is not offered and no `credentials_token` is minted.
     #[serde(default)]
     pub providers: BTreeMap<String, ProviderConfig>,
+    /// Platform credentials (the names a provider maps) only for plugins the user's grant allows them to
+    /// (`credential:<NAME>` among the grant's capabilities, `fleet grant --allow credential:<NAME>`), and the
+    /// `credentials_token` covering only those providers; off: any plugin whose published manifest declares a mapped
+    /// name receives it (spec §8.8). Recommended in production.
+    #[serde(default)]
+    pub require_grant: bool,
 }
 
 /// How the client authenticates at the token endpoint (RFC 6749 §2.3.1).

@@ -309,6 +309,15 @@ impl OAuthService {
         self.inner.providers.covering(names)
     }
 
+    /// Those of `names` a configured provider maps (platform credentials), in their order.
+    pub fn mapped(&self, names: &[String]) -> Vec<String> {
+        names
+            .iter()
+            .filter(|n| self.inner.providers.for_credential(n).is_some())
+            .cloned()
+            .collect()
+    }
+
     /// The configured providers, for users.
     pub fn providers(&self) -> wire::Providers {
         wire::Providers {
