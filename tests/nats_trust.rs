@@ -1203,3 +1203,189 @@ async fn a_client_that_may_publish_on_worker_subjects_still_cannot_inject_work()
     .await;
     c.shutdown().await;
 }
+
+/// The values of `cloud_agents_job_seal_rejected_total{reason, by}` for the reasons `unsealed` and
+/// `bad_signature` in `text` (0 when absent).
+fn job_seal_rejections(text: &str, by: &str) -> (u64, u64) {
+    let value = |reason: &str| {
+        let series = format!("cloud_agents_job_seal_rejected_total{{reason=\"{reason}\",by=\"{by}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(series.as_str()))
+            .map_or(0, |v| v.trim().parse().unwrap())
+    };
+    (value("unsealed"), value("bad_signature"))
+}
+
+/// Puts `record` at its key of the jobs bucket as it is (no compare-and-set, no slot): `nats kv put`.
+async fn kv_put_job(kv: &async_nats::jetstream::kv::Store, record: &fleet_store::JobRecord) {
+    let key = format!("{}.{}", fleet_proto::api::user_key(&record.user), record.job_id);
+    kv.put(key, serde_json::to_vec(record).unwrap().into())
+        .await
+        .expect("the worker credential writes job records");
+}
+
+/// Waits until `user`'s job `id` is terminal and returns it.
+async fn ended(
+    store: &fleet_store::Store,
+    user: &str,
+    id: &fleet_proto::api::JobId,
+) -> fleet_store::JobRecord {
+    let deadline = Instant::now() + GUARD;
+    loop {
+        if let Some(r) = store.get_job(user, id).await.unwrap()
+            && r.value.state.is_terminal()
+        {
+            return r.value;
+        }
+        assert!(Instant::now() < deadline, "failure guard: job {id} never ended");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Refused for its seal: failed with `permission_denied`, reason `job_seal`, `seal` = `why`, no result.
+fn refused_for_seal(r: &fleet_store::JobRecord, why: &str) {
+    let error = r.error.as_ref().expect("an error");
+    assert_eq!(
+        (r.state, error.code, r.result.as_ref()),
+        (
+            fleet_proto::api::JobState::Failed,
+            fleet_proto::api::ApiErrorCode::PermissionDenied,
+            None
+        ),
+        "{r:?}"
+    );
+    let details = error.details.as_ref().expect("details");
+    assert_eq!(
+        (&details["reason"], &details["seal"]),
+        (&json!("job_seal"), &json!(why)),
+        "{r:?}"
+    );
+}
+
+/// Issue 43 (finding 5 of the second security review): only a front can create work. With the worker role's own
+/// credentials (what a stolen `worker.creds` gives), a queued job record written into the jobs bucket — forged
+/// without a seal, or a front's genuine record altered (its arguments, its user) — and named on the job queue, or
+/// put in the victim's active set for the sweeper to dispatch, or handed to a worker by a front (as a sweeper
+/// racing a rewrite of the record would), is failed and counted in `cloud_agents_job_seal_rejected_total`, never
+/// run: no plugin session ever starts for the victim, no result is ever written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_credentials_cannot_make_a_worker_or_a_sweeper_run_a_job() {
+    use fleet_proto::api::{JobId, JobState};
+    use fleet_store::JobRecord;
+
+    let c = Cluster::start("trust-jobs", 1, 2, &[Plugin::echo("echo", &[])]).await;
+    let front = c.fronts[0].0.clone();
+    // The attacker's side: the worker role's credentials, and the store as a worker opens it.
+    let stolen = connect(&c.nats, Role::Worker).await;
+    let js = async_nats::jetstream::new(stolen.clone());
+    let store = fleet_store::Store::open(js.clone(), fleet_e2e::cluster::worker_settings())
+        .await
+        .unwrap();
+    let jobs = js
+        .get_key_value(fleet_store::StoreSettings::default().jobs_bucket())
+        .await
+        .unwrap();
+    let victim = "victim";
+    let forged = |args: Value| {
+        let mut r = JobRecord::queued(
+            fleet::node::new_invoke_id(),
+            victim,
+            "echo.echo",
+            "echo",
+            "echo",
+            fleet_proto::util::now_ms(),
+            60_000,
+        );
+        r.args = args.as_object().unwrap().clone();
+        r
+    };
+
+    // A genuine job: sealed by the front that created it, run.
+    let created = c
+        .ok(
+            "alice",
+            methods::TOOLS_INVOKE_ASYNC,
+            json!({"tool_id": "echo.echo", "args": {"text": "mine"}}),
+        )
+        .await;
+    let alice_job: JobId = created["jobId"].as_str().unwrap().parse().unwrap();
+    let genuine = ended(&store, "alice", &alice_job).await;
+    assert_eq!(genuine.state, JobState::Succeeded, "{genuine:?}");
+    assert!(genuine.seal.is_some(), "a front seals the records it creates");
+
+    // 1. The job queue (the workers' path): a forged record, and the genuine one altered — its arguments under
+    //    its own key, its user under the victim's — each put back `queued` and named on the queue.
+    let unsealed = forged(json!({"text": "forged"}));
+    let mut other_args = genuine.clone();
+    other_args.state = JobState::Queued;
+    other_args.result = None;
+    other_args.finished_at_ms = None;
+    other_args.deadline_ms = fleet_proto::util::now_ms() + 60_000;
+    other_args
+        .args
+        .insert("text".into(), json!("not what alice asked"));
+    let mut other_user = other_args.clone();
+    other_user.args = genuine.args.clone();
+    other_user.user = victim.into();
+    for record in [&unsealed, &other_args, &other_user] {
+        kv_put_job(&jobs, record).await;
+        store.enqueue_job(&record.user, &record.job_id).await.unwrap();
+    }
+    refused_for_seal(&ended(&store, victim, &unsealed.job_id).await, "unsealed");
+    refused_for_seal(&ended(&store, "alice", &alice_job).await, "bad_signature");
+    refused_for_seal(&ended(&store, victim, &other_user.job_id).await, "bad_signature");
+    let text = c.metrics.encode();
+    assert_eq!(job_seal_rejections(&text, "worker"), (1, 2), "{text}");
+
+    // 2. The sweeper's dispatch: forged records admitted into the victim's active set (slot and index, as a front
+    //    admits a job), never queued; one sweep fails them instead of dispatching them.
+    let mut sealed_elsewhere = forged(json!({"text": "sealed for another job"}));
+    sealed_elsewhere.seal = genuine.seal.clone();
+    let unsealed = forged(json!({"text": "forged for the sweeper"}));
+    for record in [&sealed_elsewhere, &unsealed] {
+        store.create_job(record.clone(), 5).await.unwrap();
+    }
+    let (_, _, dispatched) = fleet::sweeper::sweep(&front).await;
+    assert_eq!(dispatched, 0);
+    refused_for_seal(
+        &ended(&store, victim, &sealed_elsewhere.job_id).await,
+        "bad_signature",
+    );
+    refused_for_seal(&ended(&store, victim, &unsealed.job_id).await, "unsealed");
+    let text = c.metrics.encode();
+    assert_eq!(job_seal_rejections(&text, "sweeper"), (1, 1), "{text}");
+    assert!(
+        store.active_set(victim).await.unwrap().is_empty(),
+        "their slots are given back"
+    );
+
+    // 3. A front's exec request for a record it did not seal (a sweeper that read the record before it was
+    //    rewritten): the worker checks the record its start won, and runs nothing.
+    let unsealed = forged(json!({"text": "handed over"}));
+    store.create_job(unsealed.clone(), 5).await.unwrap();
+    assert_eq!(front.dispatch_job(&unsealed).await, Ok(true), "a worker took it");
+    refused_for_seal(&ended(&store, victim, &unsealed.job_id).await, "unsealed");
+    let text = c.metrics.encode();
+    assert_eq!(job_seal_rejections(&text, "worker"), (2, 2), "{text}");
+
+    // Nothing of it reached a plugin: no worker ever started a session for the victim.
+    for w in &c.workers {
+        let node = w.node.as_ref().unwrap();
+        assert!(
+            node.pool().sessions().iter().all(|s| s.user() != victim),
+            "nothing forged ran on {}",
+            node.id()
+        );
+    }
+    // The fleet itself is unaffected: the victim's own job runs.
+    let created = c
+        .ok(
+            victim,
+            methods::TOOLS_INVOKE_ASYNC,
+            json!({"tool_id": "echo.echo"}),
+        )
+        .await;
+    let own: JobId = created["jobId"].as_str().unwrap().parse().unwrap();
+    assert_eq!(ended(&store, victim, &own).await.state, JobState::Succeeded);
+    c.shutdown().await;
+}

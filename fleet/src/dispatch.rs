@@ -81,6 +81,11 @@ impl Dispatcher {
         }
     }
 
+    /// The front's exec key: it seals job records too, and checks their seals before a sweeper dispatches one.
+    pub fn seals(&self) -> &ExecSigner {
+        &self.seals
+    }
+
     /// How long a sync call that finds no worker waits for one (default [`NO_WORKER_WAIT`]).
     pub fn with_no_worker_wait(mut self, wait: Duration) -> Dispatcher {
         self.no_worker_wait = wait;

@@ -176,6 +176,7 @@ mod tests {
             last_seq: 0,
             progress_bytes: None,
             delegation: None,
+            seal: None,
         })
     }
 

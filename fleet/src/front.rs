@@ -925,6 +925,8 @@ impl Front {
                 ));
             }
             Err(e) => return Err(self.js_error("create_job", e)),
+        // Only a front makes work: workers and sweepers run or dispatch a queued job only under this seal.
+        record.seal = Some(self.inner.dispatcher.seals().seal_job(&record));
         };
         self.steps().created(&created).await;
         let answer = to_value(&InvokeAsyncResult {

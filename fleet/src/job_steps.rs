@@ -9,12 +9,15 @@
 //! terminal`): `running` is reached only from `queued`, and a terminal state from `running` exactly when the
 //! record has a start time.
 
-use fleet_proto::api::{ApiError, JobId, JobState, ProgressEvent, ToolJobEvent, subjects, user_key};
+use fleet_proto::api::{
+    ApiError, ApiErrorCode, JobId, JobState, ProgressEvent, ToolJobEvent, subjects, user_key,
+};
 use fleet_proto::util::now_ms;
 use fleet_store::{JobRecord, Revisioned, Store, StoreError, Transition};
 
 use crate::delegation::JobDelegations;
 use crate::metrics::FleetMetrics;
+use crate::nats_auth::exec_seal::JobSealError;
 
 /// Who decided a transition, which picks the store's operation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,6 +135,13 @@ impl<'a> JobSteps<'a> {
     /// Fails a queued job that no worker can run (e.g. its tool id is unknown to the fleet) with `error`, by
     /// whoever found out (the front at dispatch, a worker pulling it from the job queue).
     pub async fn fail_undispatchable(&self, record: &JobRecord, error: ApiError) {
+        self.fail(record, error, "cannot fail a job no worker can run")
+            .await;
+    }
+
+    /// Fails `record`'s job with `error` (a step of its own: not the worker's run); a store failure is logged as
+    /// `failed_to`.
+    async fn fail(&self, record: &JobRecord, error: ApiError, failed_to: &'static str) {
         let outcome = self
             .step(
                 &record.user,
@@ -145,8 +155,36 @@ impl<'a> JobSteps<'a> {
             )
             .await;
         if let Err(e) = outcome {
-            tracing::warn!(job = %record.job_id, error = %e, "cannot fail a job no worker can run");
+            tracing::warn!(job = %record.job_id, error = %e, "{failed_to}");
         }
+    }
+
+    /// Fails a job whose record's seal did not verify (`why`), found by `by` (`worker` before it starts one,
+    /// `sweeper` before it dispatches one) instead of running it: counted in `cloud_agents_job_seal_rejected_total`
+    /// and logged with the reason and the job id only — nothing of the record, which is not a front's.
+    pub async fn fail_unsealed(&self, record: &JobRecord, why: JobSealError, by: &'static str) {
+        self.metrics.job_seal_rejected(why.as_str(), by);
+        tracing::warn!(
+            job = %record.job_id,
+            reason = why.as_str(),
+            by,
+            "refused a job whose record a front did not seal as it reads now: failed, not run"
+        );
+        let error = ApiError::with_details(
+            ApiErrorCode::PermissionDenied,
+            format!(
+                "{why}: the job was not run (a job created before job seals existed may be submitted again)"
+            ),
+            serde_json::json!({
+                "reason": "job_seal",
+                "seal": why.as_str(),
+                // A record without a seal is what a job created before seals existed looks like: its caller may
+                // submit it again. One whose seal does not verify was written by no front.
+                "retriable": why == JobSealError::Unsealed,
+            }),
+        );
+        self.fail(record, error, "cannot fail a job whose seal does not verify")
+            .await;
     }
 
     /// A progress event of a running job, announced (stored by the caller first).

@@ -77,6 +77,7 @@ pub struct FleetMetrics {
     jobs_worker_lost: Counter,
     jetstream_errors: Family<L1, Counter>,
     exec_seal_refusals: Family<L1, Counter>,
+    job_seal_rejected: Family<L2, Counter>,
     direct_replies: Counter,
     job_store: Family<L1, Gauge>,
     workers: Arc<WorkerCollector>,
@@ -116,6 +117,7 @@ impl FleetMetrics {
             jobs_worker_lost: Counter::default(),
             jetstream_errors: Family::default(),
             exec_seal_refusals: Family::default(),
+            job_seal_rejected: Family::default(),
             direct_replies: Counter::default(),
             job_store: Family::default(),
             workers: Arc::new(WorkerCollector::default()),
@@ -184,6 +186,11 @@ impl FleetMetrics {
             "exec_seal_refusals",
             "Exec requests and cancel commands a worker refused for their seal, by reason (unsigned, malformed, bad_signature, bad_grant, stale, replayed)",
             m.exec_seal_refusals.clone(),
+        );
+        r.register(
+            "job_seal_rejected",
+            "Queued jobs a worker (by=worker) or a sweeper (by=sweeper) failed instead of running or dispatching them because their record's seal did not verify, by reason (unsealed, malformed, bad_signature)",
+            m.job_seal_rejected.clone(),
         );
         r.register(
             "direct_replies",
@@ -285,6 +292,13 @@ impl FleetMetrics {
     /// A worker refused an exec request or a cancel command for its seal (`SealError::as_str`).
     pub fn exec_seal_refused(&self, reason: &'static str) {
         self.exec_seal_refusals.get_or_create(&[("reason", reason)]).inc();
+    }
+
+    /// A queued job failed for its record's seal (`JobSealError::as_str`), by `worker` or `sweeper`.
+    pub fn job_seal_rejected(&self, reason: &'static str, by: &'static str) {
+        self.job_seal_rejected
+            .get_or_create(&[("reason", reason), ("by", by)])
+            .inc();
     }
 
     /// The JetStream store's fill as admission knows it.

@@ -781,6 +781,12 @@ async fn pull_queued_jobs(ctx: Arc<Ctx>) {
                 continue;
             }
         };
+        // Only what a front sealed is run, or even prepared for (checked again on the record the start writes).
+        if let Err(why) = ctx.seals.verify_job(&record) {
+            ctx.steps().fail_unsealed(&record, why, "worker").await;
+            let _ = pulled.ack().await;
+            continue;
+        }
         let req = crate::dispatch::job_request(&record);
         if let Err(e) = ensure_plugin(&ctx, &req).await {
             if e.code == ApiErrorCode::PermissionDenied {
@@ -1052,8 +1058,26 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
     // without reading it first ([`JobSteps::step_from`]; a write by anyone else since is caught by its revision).
     let latest = Arc::new(std::sync::Mutex::new(written));
     let started_at_ms = record.started_at_ms.unwrap_or_else(now_ms);
+    // What runs is the record this start won (whoever dispatched it, from whatever it read): only when a front
+    // sealed it, and before its sealed deadline. The plugin sees nothing of a job refused here.
+    if let Err(why) = ctx.seals.verify_job(&record) {
+        ctx.steps().fail_unsealed(&record, why, "worker").await;
+        return;
+    }
+    if now_ms() >= record.deadline_ms {
+        let _ = steps
+            .step_from(&user, &job_id, written, JobState::Expired, |r| {
+                r.finished_at_ms = Some(now_ms());
+                r.error = Some(ApiError::new(
+                    ApiErrorCode::ToolTimeout,
+                    "the job's deadline passed before it started",
+                ));
+            })
+            .await;
+        return;
+    }
     ctx.metrics.queue_wait(
-        &req.plugin,
+        &record.plugin,
         Duration::from_millis(started_at_ms.saturating_sub(record.created_at_ms)),
     );
 
@@ -1131,8 +1155,8 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
 
     let timeout_ms = record.deadline_ms.saturating_sub(now_ms()).max(1);
     let invoke = InvokeRequest {
-        tool: req.tool,
-        arguments: req.arguments,
+        tool: record.tool.clone(),
+        arguments: record.args.clone(),
         invoke_id: job_id.to_string(),
         timeout: Some(Duration::from_millis(timeout_ms)),
         deadline_ms: Some(record.deadline_ms),
@@ -1144,7 +1168,7 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
         delegation: record.delegation.clone(),
         ..InvokeRequest::default()
     };
-    let result = ctx.pool.invoke(&user, &req.plugin, invoke).await;
+    let result = ctx.pool.invoke(&record.user, &record.plugin, invoke).await;
     if matches!(result, Err(PoolError::Capacity { .. })) {
         ctx.metrics.rejection("worker_capacity");
     }
@@ -1181,7 +1205,7 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
         Ok(Transition::Done(r)) => {
             let finished = r.value.finished_at_ms.unwrap_or_else(now_ms);
             ctx.metrics.run_time(
-                &req.plugin,
+                &record.plugin,
                 Duration::from_millis(finished.saturating_sub(started_at_ms)),
             );
         }

@@ -4,7 +4,8 @@
 //! says it no longer runs them (`executa_unavailable`, retriable, `details.reason = "worker_lost"`; a draining
 //! worker keeps its jobs' heartbeats, so a rolling restart fails none), and dispatches queued jobs
 //! nobody took — within each user's agent slots (`MAX_LONG_JOBS_PER_AGENT`), interleaving users (round robin by
-//! user, not FIFO over everyone). Normally the job queue starts a queued job first; this is the safety net.
+//! user, not FIFO over everyone). Normally the job queue starts a queued job first; this is the safety net. A
+//! queued job whose record's seal does not verify is failed, never dispatched (`JobSteps::fail_unsealed`).
 //!
 //! Bounds: a job is terminal at most one sweep period (1 s) after its deadline while any front runs; a job whose
 //! worker died is failed within the worker TTL (10 s) after the later of its last heartbeat and the worker's last
@@ -148,6 +149,11 @@ pub async fn sweep(front: &Front) -> (usize, usize, usize) {
         for jobs in waiting.values_mut() {
             if let Some(job) = jobs.pop() {
                 any = true;
+                // Only what a front sealed is dispatched: the record came from KV, which workers may write.
+                if let Err(why) = front.dispatcher().seals().verify_job(&job) {
+                    front.steps().fail_unsealed(&job, why, "sweeper").await;
+                    continue;
+                }
                 if matches!(front.dispatch_job(&job).await, Ok(true)) {
                     dispatched += 1;
                 }

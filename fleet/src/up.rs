@@ -396,7 +396,7 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             Err(e) => return Err(UpError::Other(e.to_string())),
         },
     );
-    let seal_signer = Arc::new(seal_signer);
+    let seal_signer = Arc::new(seal_signer.also_verifying_jobs_with(&seal_verifier));
     let settings = StoreSettings {
         replicas: args.jetstream_replicas.unwrap_or(if args.nats_url.is_some() {
             1

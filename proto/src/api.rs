@@ -1299,6 +1299,50 @@ pub mod delegation {
     }
 
     /// A delegation: `<front id>.<secret>`. `Debug` shows the front id only.
+    /// What a job's seal covers: everything of a job record that decides what runs, as whom and until when. A
+    /// front signs [`job_seal_input`] of it with its exec key when it creates the record (`JobRecord::seal`), and
+    /// workers and the fronts' sweepers verify it before they start or dispatch a queued job.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct JobSealed<'a> {
+        /// The user the job runs as (the JWT's `sub`).
+        pub user: &'a str,
+        /// The user's tenant. The fleet has no tenants yet: always `""` (a slot, so that sealing one later
+        /// changes the domain tag, not the layout).
+        pub tenant: &'a str,
+        /// The tool id as the caller named it.
+        pub tool_id: &'a str,
+        /// The installed plugin.
+        pub plugin: &'a str,
+        /// The method: the tool inside the plugin.
+        pub tool: &'a str,
+        /// SHA-256 of the arguments' JSON as the record holds them.
+        pub args_sha256: &'a [u8; 32],
+        /// The job id (also the plugin-side invoke id).
+        pub job_id: &'a str,
+        /// The absolute deadline (Unix epoch ms).
+        pub deadline_ms: u64,
+        /// The (clamped) timeout the deadline was computed from.
+        pub timeout_ms: u64,
+    }
+
+    /// What a front signs to seal a job record: a domain tag and every field of `sealed`, each length-prefixed.
+    pub fn job_seal_input(sealed: &JobSealed<'_>) -> Vec<u8> {
+        let deadline = sealed.deadline_ms.to_string();
+        let timeout = sealed.timeout_ms.to_string();
+        length_prefixed(&[
+            b"fleet-job-seal-v1",
+            sealed.user.as_bytes(),
+            sealed.tenant.as_bytes(),
+            sealed.tool_id.as_bytes(),
+            sealed.plugin.as_bytes(),
+            sealed.tool.as_bytes(),
+            sealed.args_sha256,
+            sealed.job_id.as_bytes(),
+            deadline.as_bytes(),
+            timeout.as_bytes(),
+        ])
+    }
+
     #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
     #[serde(transparent)]
     pub struct DelegationToken(pub String);

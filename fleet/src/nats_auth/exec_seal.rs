@@ -34,6 +34,19 @@
 //!   public keys and its own session secret) still cannot seal anything another worker accepts, and a
 //!   credential that can publish on worker subjects still cannot seal at all. A worker entry without a key (a
 //!   worker of an earlier release) gets the Ed25519 seal, which every worker still accepts.
+//! * **Restarts.** A worker refuses every stamp issued before its verifier was made ([`SealError::Stale`]): its
+//!   nonce set lives in memory, so without this a message sealed in the 30 s before a restart could be replayed
+//!   to it once after.
+//! * **Job seals.** A job does not travel in an exec request only: its record waits in KV (`fleet_jobs`) and its
+//!   id on the job queue, both of which the worker credential may write. So a front also seals each job record
+//!   at creation ([`ExecSigner::seal_job`]: the exec key's Ed25519 signature over
+//!   [`job_seal_input`](fleet_proto::api::worker::job_seal_input) of the user, tool id, plugin, method, the
+//!   arguments' SHA-256, job id, deadline and timeout, in `JobRecord::seal`), and a worker
+//!   ([`ExecVerifier::verify_job`]) and a sweeper ([`ExecSigner::verify_job`]) start or dispatch a queued job
+//!   only when its seal verifies ([`JobSealError`] otherwise). A job seal carries no nonce: the record is the
+//!   job, and a job runs at most once per `queued → running` compare-and-set; what a writer of the bucket can
+//!   still do with a genuine record is put it back to `queued` before its sealed deadline (documented in
+//!   ARCHITECTURE.md, "The gap NATS cannot close").
 
 use std::collections::{HashMap, HashSet};
 use std::fs;
@@ -47,9 +60,11 @@ use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use curve25519_dalek::montgomery::MontgomeryPoint;
 use fleet_proto::api::worker::{
-    SEAL_GRANT_HEADER, SEAL_MAC_HEADER, SEAL_SIGNATURE_HEADER, SEAL_STAMP_HEADER, grant_input, seal_input,
+    JobSealed, SEAL_GRANT_HEADER, SEAL_MAC_HEADER, SEAL_SIGNATURE_HEADER, SEAL_STAMP_HEADER, grant_input,
+    job_seal_input, seal_input,
 };
 use fleet_proto::util::lock;
+use fleet_store::JobRecord;
 use nkeys::{KeyPair, KeyPairType};
 use ring::rand::{SecureRandom as _, SystemRandom};
 use ring::{hkdf, hmac};
@@ -202,6 +217,74 @@ impl SealError {
     }
 }
 
+/// Why a job record's seal was refused. The variants are the `reason` label of
+/// `cloud_agents_job_seal_rejected_total`. Never carries anything of the record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum JobSealError {
+    /// The record has no seal: not made by a front, or made before job seals existed.
+    #[error("the job record carries no front's seal")]
+    Unsealed,
+    /// The seal is not base64url.
+    #[error("the job record's seal is malformed")]
+    Malformed,
+    /// The seal does not verify with any configured key over what the record says now: forged, or sealed for
+    /// other content (another user, tool, arguments, id or deadline).
+    #[error("the job record's seal does not verify")]
+    BadSignature,
+}
+
+impl JobSealError {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobSealError::Unsealed => "unsealed",
+            JobSealError::Malformed => "malformed",
+            JobSealError::BadSignature => "bad_signature",
+        }
+    }
+}
+
+/// SHA-256 of the arguments' JSON as the record holds them (the same bytes wherever the record is read: a JSON
+/// map serializes the same after a round trip).
+fn args_sha256(args: &serde_json::Map<String, serde_json::Value>) -> [u8; 32] {
+    let json = serde_json::to_vec(args).unwrap_or_default();
+    let digest = ring::digest::digest(&ring::digest::SHA256, &json);
+    let mut out = [0u8; 32];
+    out.copy_from_slice(digest.as_ref());
+    out
+}
+
+/// What a job's seal is made over: the record's sealed content. The fleet has no tenants yet: the tenant slot is
+/// empty.
+fn job_input(record: &JobRecord) -> Vec<u8> {
+    let args = args_sha256(&record.args);
+    job_seal_input(&JobSealed {
+        user: &record.user,
+        tenant: "",
+        tool_id: &record.tool_id,
+        plugin: &record.plugin,
+        tool: &record.tool,
+        args_sha256: &args,
+        job_id: record.job_id.as_str(),
+        deadline_ms: record.deadline_ms,
+        timeout_ms: record.timeout_ms,
+    })
+}
+
+/// Whether `record`'s seal verifies with one of `keys`.
+fn verify_job_with(keys: &[KeyPair], record: &JobRecord) -> Result<(), JobSealError> {
+    let seal = record.seal.as_deref().ok_or(JobSealError::Unsealed)?;
+    let sig = URL_SAFE_NO_PAD
+        .decode(seal.as_bytes())
+        .map_err(|_| JobSealError::Malformed)?;
+    let input = job_input(record);
+    if keys.iter().any(|k| k.verify(&input, &sig).is_ok()) {
+        Ok(())
+    } else {
+        Err(JobSealError::BadSignature)
+    }
+}
+
 fn io_error(path: &Path, source: io::Error) -> SealKeyError {
     SealKeyError::Io {
         path: path.to_path_buf(),
@@ -339,6 +422,9 @@ fn new_stamp() -> String {
 pub struct ExecSigner {
     key: KeyPair,
     sessions: Mutex<FrontSessions>,
+    /// The public keys a job's seal may verify with: this front's own, and those of
+    /// [`ExecSigner::also_verifying_jobs_with`] (a key rotation: jobs other fronts sealed with the old key).
+    job_keys: Vec<KeyPair>,
 }
 
 impl std::fmt::Debug for ExecSigner {
@@ -354,10 +440,14 @@ impl ExecSigner {
     pub fn from_file(path: &Path) -> Result<ExecSigner, SealKeyError> {
         let text = fs::read_to_string(path).map_err(|e| io_error(path, e))?;
         match KeyPair::from_seed(text.trim()) {
-            Ok(key) if key.key_pair_type() == KeyPairType::Server => Ok(ExecSigner {
-                key,
-                sessions: Mutex::new(FrontSessions::new()),
-            }),
+            Ok(key) if key.key_pair_type() == KeyPairType::Server => {
+                let own = public_half(&key);
+                Ok(ExecSigner {
+                    key,
+                    sessions: Mutex::new(FrontSessions::new()),
+                    job_keys: vec![own],
+                })
+            }
             _ => Err(SealKeyError::NotASeed {
                 path: path.to_path_buf(),
             }),
@@ -388,9 +478,33 @@ impl ExecSigner {
     }
 
     fn key_for_verifying(&self) -> KeyPair {
-        // The public half only: a verifier never holds the seed. Parsing a key's own public key cannot fail; the
-        // fallback (a fresh key, which verifies nothing) keeps it fail-closed anyway.
-        KeyPair::from_public_key(&self.key.public_key()).unwrap_or_else(|_| KeyPair::new_server())
+        public_half(&self.key)
+    }
+
+    /// Also accepts job seals made with the keys `verifier` trusts (the workers' `exec.pub`): during a rotation of
+    /// the exec key, jobs the fronts still on the old key sealed are dispatched by the sweepers of those on the
+    /// new one.
+    pub fn also_verifying_jobs_with(mut self, verifier: &ExecVerifier) -> ExecSigner {
+        for key in &verifier.keys {
+            if !self.job_keys.iter().any(|k| k.public_key() == key.public_key()) {
+                self.job_keys.push(public_half(key));
+            }
+        }
+        self
+    }
+
+    /// The seal of `record` as it is now (its sealed content: see [`JobSealed`]), for `JobRecord::seal`.
+    pub fn seal_job(&self, record: &JobRecord) -> String {
+        // Signing with a seed-backed key cannot fail; an empty seal (never built here) verifies nothing.
+        self.key
+            .sign(&job_input(record))
+            .map(|sig| URL_SAFE_NO_PAD.encode(sig))
+            .unwrap_or_default()
+    }
+
+    /// Whether `record`'s seal verifies (a sweeper, before it dispatches a queued job).
+    pub fn verify_job(&self, record: &JobRecord) -> Result<(), JobSealError> {
+        verify_job_with(&self.job_keys, record)
     }
 
     /// Adds the Ed25519 seal of `body` sent on `subject` to `headers` (what any worker accepts).
@@ -457,6 +571,12 @@ impl ExecSigner {
     }
 }
 
+/// The public half of `key`: a verifier never holds a seed. Parsing a key's own public key cannot fail; the
+/// fallback (a fresh key, which verifies nothing) keeps it fail-closed anyway.
+fn public_half(key: &KeyPair) -> KeyPair {
+    KeyPair::from_public_key(&key.public_key()).unwrap_or_else(|_| KeyPair::new_server())
+}
+
 /// Hashes a nonce by folding its two halves: nonces are random, and only sealed messages (whose seal verified)
 /// reach the set, so no sender can choose colliding ones; SipHash's flood resistance would only cost time on
 /// every message.
@@ -511,6 +631,9 @@ pub struct ExecVerifier {
     session: SessionPair,
     /// Verified grants (header → shared key, expiry in Unix ms).
     grants: Mutex<HashMap<String, (Arc<hmac::Key>, u64)>>,
+    /// When this verifier was made (Unix ms): stamps issued before are refused, since the nonces seen before
+    /// (by this process's previous run) are not known.
+    not_before_ms: u64,
 }
 
 impl std::fmt::Debug for ExecVerifier {
@@ -556,7 +679,20 @@ impl ExecVerifier {
             }),
             session: SessionPair::generate(),
             grants: Mutex::new(HashMap::new()),
+            not_before_ms: now_ms(),
         }
+    }
+
+    /// Whether `record`'s seal verifies (a worker, before it starts a queued job).
+    pub fn verify_job(&self, record: &JobRecord) -> Result<(), JobSealError> {
+        verify_job_with(&self.keys, record)
+    }
+
+    /// Accepts stamps from `ms` on instead of from its making (tests of the freshness window).
+    #[cfg(test)]
+    fn accepting_from(mut self, ms: u64) -> ExecVerifier {
+        self.not_before_ms = ms;
+        self
     }
 
     /// Keeps this worker's session secret in `path` (a worker's `<state dir>/`[`EXEC_SESSION_FILE`]): the
@@ -681,11 +817,11 @@ impl ExecVerifier {
         Ok(key)
     }
 
-    /// The stamp's freshness, then its nonce seen once (only after the seal verified, so unauthenticated bytes
-    /// never reach the replay set).
+    /// The stamp's freshness (within [`MAX_SKEW`], and not before this verifier was made), then its nonce seen
+    /// once (only after the seal verified, so unauthenticated bytes never reach the replay set).
     fn fresh_and_first(&self, issued: u64, nonce: u128) -> Result<(), SealError> {
         let skew = u64::try_from(MAX_SKEW.as_millis()).unwrap_or(u64::MAX);
-        if now_ms().abs_diff(issued) > skew {
+        if now_ms().abs_diff(issued) > skew || issued < self.not_before_ms {
             return Err(SealError::Stale);
         }
         if lock(&self.seen).first_time(nonce) {
@@ -777,9 +913,19 @@ mod tests {
         assert_eq!(verifier.verify("s", Some(&bad), b"x"), Err(SealError::Malformed));
     }
 
+    /// `b"x"` on subject `s`, signed with a stamp issued at `issued` (Unix ms) and a random nonce.
+    fn stamped(signer: &ExecSigner, issued: u64) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        let stamp = format!("{issued}.{:032x}", rand::random::<u128>());
+        signer.seal_with_stamp("s", &stamp, b"x", &mut h);
+        h
+    }
+
     #[test]
     fn the_stamp_is_accepted_within_max_skew_and_not_beyond() {
         let (signer, verifier) = pair();
+        // A verifier running for longer than the window (one made now refuses every earlier stamp).
+        let verifier = verifier.accepting_from(0);
         let skew = u64::try_from(MAX_SKEW.as_millis()).unwrap();
         // A second inside the window either way: no clock step between sealing and checking reaches it.
         for (issued, want) in [
@@ -788,13 +934,7 @@ mod tests {
             (now_ms() - skew - 1_000, Err(SealError::Stale)),
             (now_ms() + skew + 1_000, Err(SealError::Stale)),
         ] {
-            let mut h = HeaderMap::new();
-            signer.seal_with_stamp(
-                "s",
-                &format!("{issued}.{:032x}", rand::random::<u128>()),
-                b"x",
-                &mut h,
-            );
+            let h = stamped(&signer, issued);
             assert_eq!(verifier.verify("s", Some(&h), b"x"), want, "issued {issued}");
         }
     }
@@ -1003,12 +1143,29 @@ mod tests {
         assert_eq!(mode & 0o777, 0o600);
         let mut h = HeaderMap::new();
         signer.seal_for(Some(before.session_key()), "s", b"x", &mut h);
-        let after = ExecVerifier::trusting(&signer).keep_session_in(&path).unwrap();
+        let issued: u64 = h
+            .get(SEAL_STAMP_HEADER)
+            .and_then(|s| s.as_str().split('.').next()?.parse().ok())
+            .unwrap();
+        // The restart happens a millisecond after the seal at the earliest.
+        let after = ExecVerifier::trusting(&signer)
+            .keep_session_in(&path)
+            .unwrap()
+            .accepting_from(issued + 1);
         assert_eq!(after.session_key(), before.session_key());
-        assert_eq!(after.verify("s", Some(&h), b"x"), Ok(()));
-        // Without the file, a new key: the same seal is refused.
+        // What was sealed before the restart is refused (its nonce may have been seen by the previous run)…
+        assert_eq!(after.verify("s", Some(&h), b"x"), Err(SealError::Stale));
+        // …what the front seals after it with the same grant is good.
+        let mut later = HeaderMap::new();
+        signer.seal_for(Some(before.session_key()), "s", b"x", &mut later);
+        assert_eq!(later.get(SEAL_GRANT_HEADER), h.get(SEAL_GRANT_HEADER));
+        let after = after.accepting_from(issued);
+        assert_eq!(after.verify("s", Some(&later), b"x"), Ok(()));
+        // Without the file, a new key: a seal for the old one is refused.
         assert_eq!(
-            ExecVerifier::trusting(&signer).verify("s", Some(&h), b"x"),
+            ExecVerifier::trusting(&signer)
+                .accepting_from(0)
+                .verify("s", Some(&h), b"x"),
             Err(SealError::BadGrant)
         );
         std::fs::write(&path, "c2VjcmV0LWJ1dC10b28tc2hvcnQ\n").unwrap();
@@ -1017,6 +1174,101 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, SealKeyError::NotASessionSecret { .. }), "{err}");
         assert!(!err.to_string().contains("c2VjcmV0"), "{err}");
+    }
+
+    /// Finding 16 of the second security review: the nonce set lives in memory, so a restarted worker refuses
+    /// every stamp issued before it started, even one well within [`MAX_SKEW`].
+    #[test]
+    fn a_restarted_worker_refuses_seals_stamped_before_it_started() {
+        let (signer, _) = pair();
+        let issued = now_ms();
+        let h = stamped(&signer, issued);
+        let running = ExecVerifier::trusting(&signer).accepting_from(issued);
+        assert_eq!(running.verify("s", Some(&h), b"x"), Ok(()));
+        assert_eq!(running.verify("s", Some(&h), b"x"), Err(SealError::Replayed));
+        let restarted = ExecVerifier::trusting(&signer).accepting_from(issued + 1);
+        assert_eq!(restarted.verify("s", Some(&h), b"x"), Err(SealError::Stale));
+        // A verifier made now: a stamp of a second ago is within the skew but before its start.
+        let fresh = ExecVerifier::trusting(&signer);
+        let old = stamped(&signer, now_ms() - 1_000);
+        assert_eq!(fresh.verify("s", Some(&old), b"x"), Err(SealError::Stale));
+    }
+
+    fn sealed_job(signer: &ExecSigner) -> JobRecord {
+        let mut r = JobRecord::queued(
+            fleet_proto::api::JobId::from_bytes([3; 16]),
+            "alice",
+            "echo.echo",
+            "echo",
+            "echo",
+            1_000,
+            60_000,
+        );
+        r.args = serde_json::json!({"text": "hi", "n": 1.5, "nested": {"b": [1, 2], "a": null}})
+            .as_object()
+            .unwrap()
+            .clone();
+        r.seal = Some(signer.seal_job(&r));
+        r
+    }
+
+    /// A job record's seal covers its user, tool id, plugin, method, arguments, id, deadline and timeout: changing
+    /// any of them, removing the seal or mangling it is refused by workers and sweepers alike; what the record's
+    /// life changes (state, worker, times, result) is not sealed.
+    #[test]
+    fn a_job_seal_covers_what_runs_and_nothing_else() {
+        let (signer, worker) = pair();
+        let genuine = sealed_job(&signer);
+        assert_eq!(worker.verify_job(&genuine), Ok(()));
+        assert_eq!(signer.verify_job(&genuine), Ok(()));
+        // Read back from JSON, as the bucket gives it.
+        let read: JobRecord = serde_json::from_slice(&serde_json::to_vec(&genuine).unwrap()).unwrap();
+        assert_eq!(worker.verify_job(&read), Ok(()));
+        let mut lived = genuine.clone();
+        lived.state = fleet_proto::api::JobState::Running;
+        lived.worker = Some("w1".into());
+        lived.started_at_ms = Some(2_000);
+        lived.attempt = 3;
+        lived.last_heartbeat_ms = Some(2_500);
+        assert_eq!(worker.verify_job(&lived), Ok(()));
+        type Alter = fn(&mut JobRecord);
+        let altered: [(&str, Alter); 9] = [
+            ("user", |r| r.user = "mallory".into()),
+            ("tool_id", |r| r.tool_id = "echo.write_file".into()),
+            ("plugin", |r| r.plugin = "other".into()),
+            ("tool", |r| r.tool = "write_file".into()),
+            ("args", |r| {
+                r.args.insert("text".into(), serde_json::json!("bye"));
+            }),
+            ("no args", |r| r.args.clear()),
+            ("job_id", |r| {
+                r.job_id = fleet_proto::api::JobId::from_bytes([4; 16])
+            }),
+            ("deadline", |r| r.deadline_ms += 1),
+            ("timeout", |r| r.timeout_ms += 1),
+        ];
+        for (what, alter) in altered {
+            let mut r = genuine.clone();
+            alter(&mut r);
+            assert_eq!(worker.verify_job(&r), Err(JobSealError::BadSignature), "{what}");
+            assert_eq!(signer.verify_job(&r), Err(JobSealError::BadSignature), "{what}");
+        }
+        let mut r = genuine.clone();
+        r.seal = None;
+        assert_eq!(worker.verify_job(&r), Err(JobSealError::Unsealed));
+        r.seal = Some("not base64!".into());
+        assert_eq!(worker.verify_job(&r), Err(JobSealError::Malformed));
+        r.seal = Some(String::new());
+        assert_eq!(worker.verify_job(&r), Err(JobSealError::BadSignature));
+        // Another exec key (a credential holder's own): refused, unless the other side trusts it.
+        let (stranger, stranger_worker) = pair();
+        let foreign = sealed_job(&stranger);
+        assert_eq!(worker.verify_job(&foreign), Err(JobSealError::BadSignature));
+        assert_eq!(signer.verify_job(&foreign), Err(JobSealError::BadSignature));
+        let (other_front, _) = pair();
+        let rotating = other_front.also_verifying_jobs_with(&stranger_worker);
+        assert_eq!(rotating.verify_job(&foreign), Ok(()));
+        assert_eq!(rotating.verify_job(&genuine), Err(JobSealError::BadSignature));
     }
 
     #[test]

@@ -69,6 +69,13 @@ pub struct JobRecord {
     /// log (`Debug` shows `jobs` only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delegation: Option<fleet_proto::api::delegation::DelegationToken>,
+    /// The front's seal on what the job runs (`fleet_proto::api::worker::job_seal_input` of the user, tool id,
+    /// plugin, method, the arguments' digest, job id, deadline and timeout): its exec key's Ed25519 signature,
+    /// base64url, set once at creation. Workers and sweepers run or dispatch a queued job only when it verifies
+    /// (the fleet crate's `nats_auth::exec_seal`); a record without one (written before seals existed, or not by
+    /// a front) is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seal: Option<String>,
 }
 
 /// The last millisecond RFC 3339 can show (9999-12-31T23:59:59.999Z).
@@ -115,6 +122,7 @@ impl JobRecord {
             last_seq: 0,
             progress_bytes: None,
             delegation: None,
+            seal: None,
         }
     }
 
