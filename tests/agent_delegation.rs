@@ -67,6 +67,7 @@ fn what(depth: u32, deadline_ms: u64) -> Delegated {
         invoke_id: format!("inv-parent-{depth}"),
         deadline_ms,
         depth,
+        window_tools: None,
     }
 }
 
@@ -412,4 +413,165 @@ async fn a_jobs_delegation_is_served_by_any_front_until_the_job_ends() {
     let ended = done.delegation.expect("a delegation");
     let why = refused(&delegated(&worker, &ended, &ended, "tools.invoke", invoke("echo-a")).await);
     assert!(why.contains("ended"), "{why}");
+}
+
+/// Delegations cannot widen a window (issue 43, review 2 finding 10): an invoke made through an app window whose
+/// token allows `echo-h` and `echo-a` carries that allow-list into its delegation — a sync invoke's and a job's —
+/// so the holder's agent sessions reach `echo-a` but not `echo-b` (refused, and not listed), even with a grant of
+/// every tool. An app's own invoke (no window) is narrowed by the grant only.
+#[tokio::test]
+async fn a_delegation_made_under_a_window_reaches_only_what_the_window_allows() {
+    use fleet::http::window::WindowToken;
+    use futures::StreamExt as _;
+
+    let c = Cluster::start(
+        "delegation-window",
+        1,
+        1,
+        &[
+            Plugin::echo("echo-h", &[]),
+            Plugin::echo("echo-a", &[]),
+            Plugin::echo("echo-b", &[]),
+        ],
+    )
+    .await;
+    c.wait_for_api(GUARD).await;
+    c.wait_listed(&["echo-h", "echo-a", "echo-b"], GUARD).await;
+    let grants = GrantStore::open(
+        &async_nats::jetstream::new(c.client.clone()),
+        &StoreSettings::default(),
+    )
+    .await
+    .unwrap();
+    grants
+        .edit_with(
+            "alice",
+            "echo-h",
+            &["llm.sample".into(), "llm.agent.auto".into()],
+            &[],
+            GrantSettings {
+                granted_tools: Some(&["*".into()]),
+                ..GrantSettings::default()
+            },
+        )
+        .await
+        .unwrap();
+    let state = c.http_state(fleet::http::HttpConfig::default()).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}/v1/rpc", listener.local_addr().unwrap());
+    let _gateway = AbortOnDrop(tokio::spawn(fleet::http::serve(listener, state)));
+    let allowed = vec!["echo-h".to_owned(), "required:echo-a".to_owned()];
+    let window = WindowToken {
+        user: "alice",
+        window: "w-1",
+        app: "app-1",
+        version: "v1",
+        tools: Some(&allowed),
+        ttl: Duration::from_secs(120),
+    }
+    .mint(&c.key, None)
+    .unwrap();
+    let spy = connect(&c.nats, Role::Worker).await;
+    let mut exec = spy.subscribe("fleet.v1.worker.*.exec").await.unwrap();
+    fleet_client::nats_conn::round_trip(&spy).await.unwrap();
+
+    // A sync invoke of echo-h through the window, held open while its delegation is used.
+    let body = json!({"id": "1", "window_uuid": "w-1", "ns": "tools", "method": "invoke",
+        "args": {"tool_id": "echo-h", "method": "sleep", "args": {"ms": 80_000}, "timeout_ms": 90_000}});
+    let http = reqwest::Client::new();
+    let request = http.post(&base).bearer_auth(&window).json(&body);
+    let _held = AbortOnDrop(tokio::spawn(async move { request.send().await.map(drop) }));
+    let sent = tokio::time::timeout(GUARD, exec.next())
+        .await
+        .expect("failure guard")
+        .unwrap();
+    let request: Value = serde_json::from_slice(&sent.payload).unwrap();
+    let token = DelegationToken(request["delegation"].as_str().expect("a delegation").to_owned());
+    let ids = |v: &Value| -> Vec<String> {
+        v["tools"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["tool_id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    match delegated(&spy, &token, &token, "tools.list", json!({})).await {
+        ApiResponse::Ok(v) => assert!(
+            !ids(&v).is_empty() && ids(&v).iter().all(|t| t == "echo-a"),
+            "{v}"
+        ),
+        ApiResponse::Err(e) => panic!("{e:?}"),
+    }
+    match delegated(&spy, &token, &token, "tools.invoke", invoke("echo-a")).await {
+        ApiResponse::Ok(v) => assert_eq!(v["arguments"], json!({"n": 1})),
+        ApiResponse::Err(e) => panic!("{e:?}"),
+    }
+    let why = refused(&delegated(&spy, &token, &token, "tools.invoke", invoke("echo-b")).await);
+    assert!(why.contains("window"), "{why}");
+
+    // A job made through the window: its recorded delegation carries the same list, on any front.
+    let body = json!({"id": "2", "window_uuid": "w-1", "ns": "tools", "method": "invokeAsync",
+        "args": {"tool_id": "echo-h", "method": "sleep", "args": {"ms": 80_000}, "timeout_ms": 90_000}});
+    let made: Value = http
+        .post(&base)
+        .bearer_auth(&window)
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let job: fleet_proto::api::JobId =
+        serde_json::from_value(made["result"]["jobId"].clone()).unwrap_or_else(|e| panic!("{e}: {made}"));
+    let record = job_in(&c, &job, fleet_proto::api::JobState::Running).await;
+    let jobs = record.delegation.expect("the job's delegation");
+    match delegated(&spy, &jobs, &jobs, "tools.invoke", invoke("echo-a")).await {
+        ApiResponse::Ok(v) => assert_eq!(v["arguments"], json!({"n": 1})),
+        ApiResponse::Err(e) => panic!("{e:?}"),
+    }
+    let why = refused(&delegated(&spy, &jobs, &jobs, "tools.invoke", invoke("echo-b")).await);
+    assert!(why.contains("window"), "{why}");
+
+    // The same user's invoke made by the app itself (no window): the grant alone decides; echo-b is reached.
+    let own = front_invoke_delegation(&c, &mut exec).await;
+    match delegated(&spy, &own, &own, "tools.invoke", invoke("echo-b")).await {
+        ApiResponse::Ok(v) => assert_eq!(v["arguments"], json!({"n": 1})),
+        ApiResponse::Err(e) => panic!("{e:?}"),
+    }
+}
+
+/// Starts a held sync invoke of `echo-h` by alice's app (over NATS, no window) and answers its delegation.
+async fn front_invoke_delegation(c: &Cluster, exec: &mut async_nats::Subscriber) -> DelegationToken {
+    use futures::StreamExt as _;
+    let request = fleet_client::api::api_request(
+        &format!("Bearer {}", c.token("alice")),
+        &json!({"tool_id": "echo-h", "method": "sleep", "args": {"ms": 80_000}, "timeout_ms": 90_000}),
+        GUARD,
+    );
+    let app = c.app.clone();
+    let subject = fleet_proto::api::subjects::api(fleet_proto::api::methods::TOOLS_INVOKE);
+    tokio::spawn(async move { app.send_request(subject, request).await.map(drop) });
+    // The first sync request of echo-h (the delegated calls' and the job's went out on the same subjects before).
+    loop {
+        let sent = tokio::time::timeout(GUARD, exec.next())
+            .await
+            .expect("failure guard")
+            .unwrap();
+        let request: Value = serde_json::from_slice(&sent.payload).unwrap();
+        if let Some(d) = request["delegation"].as_str()
+            && request["plugin"] == "echo-h"
+            && !d.starts_with(&format!("{}.", delegation::JOBS))
+        {
+            return DelegationToken(d.to_owned());
+        }
+    }
+}
+
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }

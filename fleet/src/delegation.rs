@@ -22,6 +22,7 @@ use async_nats::jetstream::{self, kv};
 use dashmap::DashMap;
 use fleet_proto::api::JobId;
 use fleet_proto::api::delegation::{self, DelegationToken};
+use fleet_proto::app_manifest::list_admits;
 use fleet_proto::limits::AGENT_DELEGATION_MAX_DEPTH;
 use fleet_proto::util::now_ms;
 use fleet_store::{Op, StoreError, StoreSettings};
@@ -40,6 +41,10 @@ pub struct Delegated {
     pub deadline_ms: u64,
     /// 0 for an invoke an app made; n + 1 for an invoke made with a depth-n delegation.
     pub depth: u32,
+    /// The allow-list of the app window the invoke was made under (its token's `tools`), handed down to every
+    /// delegation below it: a delegated call may reach only what the window could ([`list_admits`]). `None`: no
+    /// window narrowed the invoke.
+    pub window_tools: Option<Vec<String>>,
 }
 
 /// Why a delegated call is refused. Never carries the handle.
@@ -60,6 +65,9 @@ pub enum DelegationError {
     /// The plugin holding the delegation named itself.
     #[error("a plugin's agent session cannot call the plugin itself")]
     SelfCall,
+    /// The tool is outside the allow-list of the app window the invoke was made under.
+    #[error("the app window this invoke was made under does not allow that tool")]
+    OutsideWindow,
     /// The store of job delegations did not answer.
     #[error("the job delegations cannot be read now")]
     Unavailable,
@@ -145,6 +153,9 @@ impl Delegations {
         if plugin == by.plugin {
             return Err(DelegationError::SelfCall);
         }
+        if !list_admits(by.window_tools.as_deref(), plugin) {
+            return Err(DelegationError::OutsideWindow);
+        }
         let depth = by.depth + 1;
         if depth > AGENT_DELEGATION_MAX_DEPTH {
             return Err(DelegationError::TooDeep);
@@ -167,6 +178,9 @@ pub struct JobDelegation {
     pub deadline_ms: u64,
     /// 0: an app's job (jobs are never made by a delegated call).
     pub depth: u32,
+    /// [`Delegated::window_tools`] of the window the job was made under (absent: none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_tools: Option<Vec<String>>,
 }
 
 /// The delegations of jobs (`tools.invokeAsync`), which outlive the front that accepted them: minted by that
@@ -270,6 +284,7 @@ mod tests {
             invoke_id: "inv-1".into(),
             deadline_ms,
             depth,
+            window_tools: None,
         }
     }
 

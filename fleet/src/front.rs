@@ -34,6 +34,7 @@ use crate::nats_auth::exec_seal::ExecSigner;
 use crate::node::new_invoke_id;
 use crate::policy::{self, SyncTimeout};
 use fleet_client::auth::Verifier;
+use fleet_proto::app_manifest::list_admits;
 use fleet_proto::util::now_ms;
 use fleet_services::agent::LLM_AGENT_AUTO;
 use fleet_services::grants::GrantStore;
@@ -485,7 +486,10 @@ impl Front {
                 "missing Authorization header",
             ))),
             Some(h) => match self.inner.verifier.verify(h) {
-                Ok(p) => self.handle_user(&p.user, method, payload, direct).await,
+                Ok(p) => {
+                    self.handle_user(Caller::app(&p.user), method, payload, direct)
+                        .await
+                }
                 Err(e) => Answer::Respond(ApiResponse::Err(e.to_api_error())),
             },
         };
@@ -495,13 +499,13 @@ impl Front {
         answer
     }
 
-    /// Handles one API call for an already authenticated `user` (the HTTP gateway verifies window tokens
+    /// Handles one API call for an already authenticated caller (the HTTP gateway verifies window tokens
     /// itself): the same rate limit, validation, handlers and metrics as [`Front::handle`], without the token.
-    pub async fn handle_as(&self, user: &str, method: &str, payload: &[u8]) -> ApiResponse<Value> {
+    pub async fn handle_as(&self, caller: Caller<'_>, method: &str, payload: &[u8]) -> ApiResponse<Value> {
         let started = std::time::Instant::now();
         let span = api_span(method, "http");
         let response = match self
-            .handle_user(user, method, payload, None)
+            .handle_user(caller, method, payload, None)
             .instrument(span.clone())
             .await
         {
@@ -540,21 +544,53 @@ impl Front {
         }
     }
 
-    async fn handle_user(&self, user: &str, method: &str, payload: &[u8], direct: Option<&str>) -> Answer {
+    async fn handle_user(
+        &self,
+        caller: Caller<'_>,
+        method: &str,
+        payload: &[u8],
+        direct: Option<&str>,
+    ) -> Answer {
+        let user = caller.user;
         crate::telemetry::record_user(user);
         if let Err(e) = self.admit(user) {
             return Answer::Respond(ApiResponse::Err(e));
         }
         let cap = self.inner.config.max_in_flight_per_user;
-        let Some(_in_flight) = self.inner.users_in_flight.try_enter(user, cap) else {
-            return Answer::Respond(ApiResponse::Err(ApiError::with_details(
-                ApiErrorCode::RateLimited,
-                format!(
-                    "{cap} requests of this user are in progress on this front; retry when one has ended"
-                ),
-                json!({ "max_in_flight": cap }),
-            )));
+        let max_bytes = self.inner.config.max_bytes_in_flight_per_user;
+        let _in_flight = match self
+            .inner
+            .users_in_flight
+            .try_enter_bytes(user, cap, payload.len(), max_bytes)
+        {
+            Ok(guard) => guard,
+            Err(held) if held.count >= cap => {
+                return Answer::Respond(ApiResponse::Err(ApiError::with_details(
+                    ApiErrorCode::RateLimited,
+                    format!(
+                        "{cap} requests of this user are in progress on this front; retry when one has ended"
+                    ),
+                    json!({ "max_in_flight": cap }),
+                )));
+            }
+            Err(held) => {
+                return Answer::Respond(ApiResponse::Err(ApiError::with_details(
+                    ApiErrorCode::RateLimited,
+                    format!(
+                        "requests of this user hold {} bytes on this front, and this one {} more: the limit is \
+                         {max_bytes}; retry when one has ended",
+                        held.bytes,
+                        payload.len()
+                    ),
+                    json!({ "max_bytes_in_flight": max_bytes, "bytes_in_flight": held.bytes }),
+                )));
+            }
         };
+        // Bounded before anything is parsed: what a request makes the front hold is a small multiple of this.
+        let max = self.inner.config.max_args_bytes;
+        if payload.len() > max {
+            return Answer::Respond(ApiResponse::Err(ApiError::args_too_large(payload.len(), max)));
+        }
         // Each method parses the body once, into its own arguments (no JSON tree in between).
         let args = payload;
         let result = match method {
@@ -637,11 +673,16 @@ impl Front {
         to_value(&ListToolsResult { tools })
     }
 
-    async fn invoke(&self, user: &str, args: &[u8], direct: Option<&str>) -> Result<Invoked, ApiError> {
-        let args: InvokeArgs = parse_body(args)?;
+    async fn invoke(
+        &self,
+        caller: Caller<'_>,
+        args: &[u8],
+        direct: Option<&str>,
+    ) -> Result<Invoked, ApiError> {
+        let args: RawInvokeArgs = parse_body(args)?;
         let target = args.validate()?;
         let timeout = SyncTimeout::resolve(args.timeout_ms)?;
-        self.invoke_target(user, args, target, timeout, direct, 0).await
+        self.invoke_target(caller, args, target, timeout, direct, 0).await
     }
 
     /// A delegated call (`fleet.v1.delegate.<this front>.<method>`): `tools.list` or `tools.invoke` as the user
@@ -695,15 +736,20 @@ impl Front {
                     tools.retain(|t| {
                         let field = |k: &str| t.get(k).and_then(Value::as_str).unwrap_or_default();
                         field("tool_id") != by.plugin
+                            && list_admits(by.window_tools.as_deref(), field("tool_id"))
                             && grant.allows_agent_tool(field("tool_id"), field("tool_name"))
                     });
                 }
                 Ok(listed)
             }
             methods::TOOLS_INVOKE => {
-                let args: InvokeArgs = parse_args(&call.args)?;
+                let args: RawInvokeArgs = parse_args(&call.args)?;
                 let target = args.validate()?;
                 let depth = Delegations::admit(&by, &target.plugin).map_err(|e| denied(e.to_string()))?;
+                let caller = Caller {
+                    user: &by.user,
+                    window_tools: by.window_tools.as_deref(),
+                };
                 if !grant.allows_agent_tool(&target.plugin, &target.tool) {
                     return Err(denied(format!(
                         "the grant does not let {}'s agent sessions call {}.{}",
@@ -760,13 +806,14 @@ impl Front {
             invoke_id: found.job_id.to_string(),
             deadline_ms: found.deadline_ms,
             depth: found.depth,
+            window_tools: found.window_tools,
         })
     }
 
     async fn invoke_target(
         &self,
-        user: &str,
-        args: InvokeArgs,
+        caller: Caller<'_>,
+        args: RawInvokeArgs,
         target: fleet_proto::api::Target,
         timeout: SyncTimeout,
         direct: Option<&str>,
@@ -775,12 +822,14 @@ impl Front {
         let invoke_id = new_invoke_id();
         let wait = Duration::from_millis(timeout.front_wait_ms());
         // Revoked when this function returns: the front has the invoke's answer (or gave up on it).
+        let user = caller.user;
         let live = self.inner.delegations.mint(Delegated {
             user: user.to_owned(),
             plugin: target.plugin.clone(),
             invoke_id: invoke_id.to_string(),
             deadline_ms: now_ms() + timeout.front_wait_ms(),
             depth,
+            window_tools: caller.window_tools.map(<[String]>::to_vec),
         });
         let req = ExecRequest {
             kind: ExecKind::Sync,
@@ -819,7 +868,8 @@ impl Front {
         crate::exec_answer::api_answer(&reply).map(Invoked::Answer)
     }
 
-    async fn invoke_async(&self, user: &str, args: &[u8]) -> Result<Value, ApiError> {
+    async fn invoke_async(&self, caller: Caller<'_>, args: &[u8]) -> Result<Value, ApiError> {
+        let user = caller.user;
         let args: InvokeAsyncArgs = parse_body(args)?;
         let target = args.validate()?;
         let timeout_ms = policy::job_timeout_ms(args.timeout_ms);
@@ -840,12 +890,15 @@ impl Front {
         // SHA-256 of its secret) while the job is admitted, so before it can be dispatched.
         let job_delegations = self.inner.job_delegations.get();
         record.delegation = job_delegations.map(|_| JobDelegations::mint());
+        // Only a front makes work: workers and sweepers run or dispatch a queued job only under this seal.
+        record.seal = Some(self.inner.dispatcher.seals().seal_job(&record));
         let delegated = JobDelegation {
             user: user.to_owned(),
             plugin: record.plugin.clone(),
             job_id: job_id.clone(),
             deadline_ms: record.deadline_ms,
             depth: 0,
+            window_tools: caller.window_tools.map(<[String]>::to_vec),
         };
         let admission = tracing::info_span!(
             "admission",
@@ -1084,6 +1137,26 @@ impl Front {
             truncated: page.truncated,
             cursor: page.cursor.map(|c| c.to_string()),
         })
+    }
+}
+
+/// Who makes an API call: the user, and the allow-list of the app window it comes through (its token's `tools`),
+/// which every delegation made under the call inherits ([`Delegated::window_tools`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Caller<'a> {
+    /// The user.
+    pub user: &'a str,
+    /// The window's allow-list; `None`: not through a window (an app over NATS), or a window without one.
+    pub window_tools: Option<&'a [String]>,
+}
+
+impl<'a> Caller<'a> {
+    /// An app's call for `user`, narrowed by no window.
+    pub fn app(user: &'a str) -> Caller<'a> {
+        Caller {
+            user,
+            window_tools: None,
+        }
     }
 }
 

@@ -100,7 +100,7 @@ pub struct GrantArgs {
     #[arg(long, value_parser = parse_web_grant)]
     pub web_grant: Option<grants::WebGrantShape>,
     /// The tools the plugin's agent sessions may call as the user, comma-separated (`*`, a tool id, or
-    /// `tool_id.tool`; an empty value: none); replaces the list (unset: every tool).
+    /// `tool_id.tool`; an empty value: none); replaces the list (never set: none).
     #[arg(long, value_delimiter = ',')]
     pub granted_tools: Option<Vec<String>>,
     /// `--nats-url`, `--data-dir`, `--token`.

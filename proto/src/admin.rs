@@ -255,7 +255,7 @@ pub mod grants {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub web: Option<WebGrant>,
         /// The user's tools this plugin's agent sessions may call (spec §8.2 `granted_tools`): patterns of
-        /// [`tool_pattern_covers`]; absent: every tool (`["*"]`, the spec's default); empty: none.
+        /// [`tool_pattern_covers`]; absent or empty: none (a user grants tools explicitly; `["*"]`: every tool).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         pub granted_tools: Option<BTreeSet<String>>,
         /// Last change, Unix ms (0: never set).
@@ -279,7 +279,7 @@ pub mod grants {
         pub fn allows_agent_tool(&self, tool_id: &str, tool: &str) -> bool {
             self.granted_tools
                 .as_ref()
-                .is_none_or(|set| set.iter().any(|p| tool_pattern_covers(p, tool_id, tool)))
+                .is_some_and(|set| set.iter().any(|p| tool_pattern_covers(p, tool_id, tool)))
         }
     }
 

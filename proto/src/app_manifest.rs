@@ -65,10 +65,63 @@ impl AppManifestAcl {
     }
 }
 
+/// Whether one `ui.host_api.tools` entry, as a window token carries it, admits the plugin `tool_id` (spec §10.1):
+/// `*`; `<prefix>:*` (the host that minted the token resolved `required:*` / `optional:*`); the bare `tool_id`; or
+/// `<prefix>:<tool_id>` with a one-segment prefix — `required:bundled:x` admits `bundled:x` and never `x`.
+pub fn entry_admits(entry: &str, tool_id: &str) -> bool {
+    if tool_id.is_empty() {
+        return false;
+    }
+    if entry == "*" || entry == tool_id {
+        return true;
+    }
+    entry
+        .split_once(':')
+        .is_some_and(|(prefix, rest)| !prefix.is_empty() && (rest == "*" || rest == tool_id))
+}
+
+/// Whether the allow-list `tools` (a window token's, or a delegation's made under one) admits `tool_id`: absent or
+/// empty admits every tool (the spec's optional narrowing, §16 A-61).
+pub fn list_admits(tools: Option<&[String]>, tool_id: &str) -> bool {
+    match tools {
+        None | Some([]) => true,
+        Some(list) => list.iter().any(|e| entry_admits(e, tool_id)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn allow_list_entries_admit_only_what_they_name() {
+        assert!(entry_admits("*", "echo"));
+        assert!(entry_admits("required:*", "echo"));
+        assert!(entry_admits("optional:*", "bundled:x"));
+        assert!(entry_admits("echo", "echo"));
+        assert!(entry_admits("required:echo", "echo"));
+        assert!(entry_admits(
+            "required:bundled:long-task-engine",
+            "bundled:long-task-engine"
+        ));
+        // The suffix form no longer admits the last segment alone.
+        assert!(!entry_admits(
+            "required:bundled:long-task-engine",
+            "long-task-engine"
+        ));
+        assert!(!entry_admits("required:bundled:x", "x"));
+        assert!(!entry_admits("echo", "echo2"));
+        assert!(!entry_admits("required:echo", "xecho"));
+        assert!(!entry_admits("required:echo", "other"));
+        assert!(!entry_admits("a:b:*", "echo"));
+        assert!(!entry_admits(":echo", "echo"));
+        assert!(!entry_admits(":*", "echo"));
+        assert!(!entry_admits("*", ""));
+        assert!(list_admits(None, "x"));
+        assert!(list_admits(Some(&[]), "x"));
+        assert!(!list_admits(Some(&["y".to_owned()]), "x"));
+    }
 
     #[test]
     fn reads_the_documented_shapes() {

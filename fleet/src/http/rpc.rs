@@ -26,11 +26,13 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use fleet_client::auth::Verifier;
 use fleet_proto::api::{ApiError, ApiErrorCode, ApiResponse, Target};
 use serde_json::{Map, Value, json};
 
 use super::window::{WindowClaims, verify_window};
 use super::{HttpState, status_of};
+use crate::front::Caller;
 
 /// The `tools` methods, as the envelope names them.
 pub const TOOLS_METHODS: &[&str] = &["list", "invoke", "invokeAsync", "getJob", "cancelJob", "listJobs"];
@@ -184,7 +186,11 @@ pub async fn rpc(State(state): State<HttpState>, headers: HeaderMap, body: Bytes
     };
     let payload = serde_json::to_vec(&env.args).unwrap_or_default();
     let started = Instant::now();
-    let mut response = state.inner.front.handle_as(&claims.user, &full, &payload).await;
+    let caller = Caller {
+        user: &claims.user,
+        window_tools: claims.tools.as_deref(),
+    };
+    let mut response = state.inner.front.handle_as(caller, &full, &payload).await;
     if env.method == "list"
         && let ApiResponse::Ok(result) = response
     {

@@ -2,13 +2,16 @@
 //!
 //! Claims: `aud` = [`WINDOW_AUDIENCE`], `iss` = the API issuer, `sub` = the user, `wid` = the window uuid, `app` =
 //! the app id, `ver` = the app version id, `exp` (TTL [`WINDOW_TOKEN_TTL`] when minted here), and optionally
-//! `tools`, the app's `host_api.tools` allow-list (an array of patterns, see [`allows_tool`]). Verified with the
+//! `tools`, the app's `host_api.tools` allow-list (an array of patterns, see [`entry_admits`]). Verified with the
 //! API's keys (algorithms pinned per key) by a separate [`Verifier`] whose audience is [`WINDOW_AUDIENCE`].
 
 use std::path::Path;
 use std::time::Duration;
 
 use fleet_proto::api::{ApiError, ApiErrorCode};
+#[cfg(doc)]
+use fleet_proto::app_manifest::entry_admits;
+use fleet_proto::app_manifest::list_admits;
 use serde_json::{Map, Value, json};
 
 use fleet_client::auth::{AuthError, DEFAULT_ISSUER, DevKey, Principal, SigningKey, Verifier};
@@ -40,32 +43,10 @@ pub struct WindowClaims {
 }
 
 impl WindowClaims {
-    /// Whether the allow-list lets this window use the plugin `tool_id`.
+    /// Whether the allow-list lets this window use the plugin `tool_id` ([`list_admits`]).
     pub fn allows(&self, tool_id: &str) -> bool {
-        match &self.tools {
-            None => true,
-            Some(list) if list.is_empty() => true,
-            Some(list) => list.iter().any(|p| allows_tool(p, tool_id)),
-        }
+        list_admits(self.tools.as_deref(), tool_id)
     }
-}
-
-/// Whether one `host_api.tools` entry admits `tool_id` (the plugin's id, e.g. `echo`, `bundled:long-task-engine`).
-///
-/// Kept simple: `*` admits everything; so does `<prefix>:*` (`required:*`, `optional:*`: the gateway does not see
-/// the manifest's `required_executas` / `optional_executas`, so the host that mints the token resolves those);
-/// the bare `tool_id` admits itself; `<prefix>:<tool_id>` (e.g. `required:bundled:long-task-engine`) admits the
-/// `tool_id` it ends with.
-pub fn allows_tool(pattern: &str, tool_id: &str) -> bool {
-    if pattern == "*" || pattern == tool_id {
-        return true;
-    }
-    if let Some(prefix) = pattern.strip_suffix(":*") {
-        return !prefix.contains(':');
-    }
-    pattern
-        .strip_suffix(tool_id)
-        .is_some_and(|head| head.ends_with(':') && !tool_id.is_empty())
 }
 
 /// The window verifier: the API verifier's keys and issuer, audience [`WINDOW_AUDIENCE`].
@@ -172,31 +153,5 @@ impl WindowToken<'_> {
     pub fn mint_dev(&self, data_dir: &Path) -> Result<String, ApiError> {
         let key = DevKey::load(data_dir).map_err(|e| e.to_api_error())?;
         self.mint(&key, None).map_err(|e| e.to_api_error())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn allow_list_patterns() {
-        assert!(allows_tool("*", "echo"));
-        assert!(allows_tool("required:*", "echo"));
-        assert!(allows_tool("optional:*", "bundled:x"));
-        assert!(allows_tool("echo", "echo"));
-        assert!(allows_tool("required:echo", "echo"));
-        assert!(allows_tool(
-            "required:bundled:long-task-engine",
-            "bundled:long-task-engine"
-        ));
-        assert!(allows_tool(
-            "required:bundled:long-task-engine",
-            "long-task-engine"
-        ));
-        assert!(!allows_tool("echo", "echo2"));
-        assert!(!allows_tool("required:echo", "xecho"));
-        assert!(!allows_tool("required:echo", "other"));
-        assert!(!allows_tool("a:b:*", "echo"));
     }
 }
