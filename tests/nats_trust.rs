@@ -1389,3 +1389,116 @@ async fn worker_credentials_cannot_make_a_worker_or_a_sweeper_run_a_job() {
     assert_eq!(ended(&store, victim, &own).await.state, JobState::Succeeded);
     c.shutdown().await;
 }
+
+/// Answers reach only their caller (issue 43, review 2 finding 4b): a requester's keepalive subject is random per
+/// request (not derived from its inbox, not sequential), and another app that hears it on the events export and
+/// sends a real `invokeAsync` naming it gets the front to publish its job's answer copy there — which the victim's
+/// requester ignores, because the copy carries the other request's secret, not its own. The victim gets its own
+/// answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_app_that_hears_a_keepalive_subject_cannot_answer_in_its_place() {
+    use fleet_client::nats_conn::Requester;
+    use fleet_proto::api::subjects::{
+        ANSWER_TOKEN_HEADER, KEEPALIVE_EVERY, KEEPALIVE_SILENCE, answer_token_ok,
+    };
+    let c = Cluster::start("trust-answer-token", 1, 1, &[Plugin::echo("echo", &[])]).await;
+    c.wait_for_api(GUARD).await;
+    let hostile = c.nats.connector(Role::App).connect("hostile").await.unwrap();
+    let mut heard = hostile
+        .subscribe(format!("{}.>", subjects::KEEPALIVE_EVENTS_PREFIX))
+        .await
+        .unwrap();
+    registered(&hostile).await;
+
+    // The victim: a long sync call through its requester, kept alive on the events export.
+    let long_ms = u64::try_from((KEEPALIVE_SILENCE + KEEPALIVE_EVERY * 3).as_millis()).unwrap();
+    let requester = Requester::through_import(&c.app).await.unwrap();
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(
+        subjects::AUTH_HEADER,
+        format!("Bearer {}", c.token("victim")).as_str(),
+    );
+    let body = json!({"tool_id": "echo.sleep", "args": {"ms": long_ms}});
+    let victim = tokio::spawn(async move {
+        requester
+            .request(
+                subjects::api(methods::TOOLS_INVOKE),
+                headers,
+                serde_json::to_vec(&body).unwrap().into(),
+                GUARD,
+            )
+            .await
+    });
+
+    // The hostile app hears a keepalive: its subject is two random parts, and it carries the victim's secret.
+    let keepalive = arrives(&mut heard, "the victim's first keepalive").await;
+    let token = keepalive
+        .subject
+        .as_str()
+        .strip_prefix(&format!("{}.", subjects::KEEPALIVE_EVENTS_PREFIX))
+        .unwrap()
+        .to_owned();
+    let parts: Vec<&str> = token.split('.').collect();
+    assert_eq!(
+        parts.iter().map(|p| p.len()).collect::<Vec<_>>(),
+        [16, 32],
+        "{token}"
+    );
+    assert!(
+        !c.app.new_inbox().contains(parts[0]),
+        "the keepalive prefix is not the inbox's"
+    );
+    let secret = keepalive
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(ANSWER_TOKEN_HEADER))
+        .map(|v| v.as_str().to_owned())
+        .expect("the keepalive carries the victim's secret");
+    assert!(answer_token_ok(&secret), "{secret}");
+
+    // It makes a job whose answer copy goes to the victim's keepalive subject, with its own secret.
+    let mut forged = async_nats::HeaderMap::new();
+    forged.insert(
+        subjects::AUTH_HEADER,
+        format!("Bearer {}", c.token("hostile")).as_str(),
+    );
+    forged.insert(subjects::KEEPALIVE_HEADER, token.as_str());
+    forged.insert(ANSWER_TOKEN_HEADER, "0".repeat(32).as_str());
+    let request = async_nats::Request::new()
+        .headers(forged)
+        .payload(
+            serde_json::to_vec(&json!({"tool_id": "echo.echo", "args": {"forged": true}}))
+                .unwrap()
+                .into(),
+        )
+        .timeout(Some(GUARD));
+    let made = hostile
+        .send_request(subjects::api(methods::TOOLS_INVOKE_ASYNC), request)
+        .await
+        .unwrap();
+    let made: Value = serde_json::from_slice(&made.payload).unwrap();
+    assert_eq!(made["ok"], json!(true), "{made}");
+    // The copy was published where the victim listens (the front publishes on one connection, in order).
+    let copy = loop {
+        let msg = arrives(&mut heard, "the hostile job's answer copy").await;
+        let status = msg
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(subjects::STATUS_HEADER))
+            .map(|v| v.as_str().to_owned());
+        if status.as_deref() == Some(subjects::STATUS_ANSWERED) {
+            break msg;
+        }
+    };
+    assert_eq!(copy.subject.as_str(), subjects::keepalive(&token));
+
+    // The victim takes its own answer, not the copy.
+    let answer = tokio::time::timeout(GUARD, victim)
+        .await
+        .expect("failure guard")
+        .unwrap()
+        .expect("the victim's answer");
+    let answer: Value = serde_json::from_slice(&answer.payload).unwrap();
+    assert_eq!(answer["result"]["slept_ms"], json!(long_ms), "{answer}");
+    c.shutdown().await;
+}

@@ -73,13 +73,27 @@ pub mod subjects {
     pub const STATUS_HEADER: &str = "Fleet-Status";
     /// Where a front sends the keepalives of a request it got from another account (an app's: its reply
     /// subject passes one message, the answer): `fleet.v1.events.keepalive.<token>`, the token being the
-    /// [`KEEPALIVE_HEADER`]'s value ([`keepalive_token_ok`]). Apps hear the events export already.
+    /// [`KEEPALIVE_HEADER`]'s value ([`keepalive_token_ok`]; the fleet's client sends random ones, never derived
+    /// from its inbox). Apps hear the events export already: what arrives there is taken only with the request's
+    /// [`ANSWER_TOKEN_HEADER`].
     pub const KEEPALIVE_EVENTS_PREFIX: &str = "fleet.v1.events.keepalive";
     /// The reply subjects NATS gives a request that came through a service import (an app's API request, seen
     /// from the fleet's account): `_R_.<token>…`. Only these are answered by a worker directly.
     pub const IMPORTED_REPLY_PREFIX: &str = "_R_.";
     /// The longest [`KEEPALIVE_HEADER`] token a front accepts.
     pub const KEEPALIVE_TOKEN_MAX: usize = 64;
+    /// Request header: a secret of the request, [`ANSWER_TOKEN_HEX`] lowercase hex digits (128 random bits), that a
+    /// responder repeats on every message it sends to the request's keepalive subject (its keepalives, an answer
+    /// copy). Keepalive subjects are heard by other apps; a requester takes a message there only with its own
+    /// secret, so no one who learned the subject can answer in the requester's place.
+    pub const ANSWER_TOKEN_HEADER: &str = "Fleet-Answer-Token";
+    /// The length of an [`ANSWER_TOKEN_HEADER`] value: 32 hex digits, 128 bits.
+    pub const ANSWER_TOKEN_HEX: usize = 32;
+
+    /// Whether `token` is an [`ANSWER_TOKEN_HEADER`] value: [`ANSWER_TOKEN_HEX`] lowercase hex digits.
+    pub fn answer_token_ok(token: &str) -> bool {
+        token.len() == ANSWER_TOKEN_HEX && token.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    }
 
     /// The subject of the keepalives of token `token` (see [`KEEPALIVE_EVENTS_PREFIX`]).
     pub fn keepalive(token: &str) -> String {

@@ -6,14 +6,14 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::{ConnectErrorKind, ConnectOptions};
 use fleet_proto::api::subjects::{
-    IMPORTED_REPLY_PREFIX, KEEPALIVE_EVENTS_PREFIX, KEEPALIVE_EVERY, KEEPALIVE_HEADER, KEEPALIVE_SILENCE,
-    STATUS_ANSWERED, STATUS_HEADER, STATUS_WORKING, keepalive, keepalive_token_ok,
+    ANSWER_TOKEN_HEADER, IMPORTED_REPLY_PREFIX, KEEPALIVE_EVENTS_PREFIX, KEEPALIVE_EVERY, KEEPALIVE_HEADER,
+    KEEPALIVE_SILENCE, STATUS_ANSWERED, STATUS_HEADER, STATUS_WORKING, answer_token_ok, keepalive,
+    keepalive_token_ok,
 };
 
 use fleet_proto::util::lock;
@@ -157,18 +157,33 @@ pub enum RequestError {
 }
 
 /// Requests whose responder says it is still working (the [`KEEPALIVE_HEADER`] protocol): one subscription per
-/// connection on `<inbox>.*`, each request's messages routed to it by the last token of its reply subject. A
-/// request is answered, or fails as [`RequestError::Silent`] once nothing was heard for [`KEEPALIVE_SILENCE`],
-/// or at its own timeout. Cheap to clone.
+/// connection on `<inbox>.*`, each request's messages routed to it by the last token of its reply subject — a
+/// random 128-bit id per request. A request is answered, or fails as [`RequestError::Silent`] once nothing was
+/// heard for [`KEEPALIVE_SILENCE`], or at its own timeout. Cheap to clone.
+///
+/// A requester of an app's account ([`Requester::through_import`]) also hears its keepalives on the events export
+/// (`KEEPALIVE_EVENTS_PREFIX.<connection id>.<request id>`, both random, neither derived from the inbox), where
+/// other apps may hear and publish: a message there is taken only with the request's own
+/// [`ANSWER_TOKEN_HEADER`] secret.
 #[derive(Clone)]
 pub struct Requester {
     client: async_nats::Client,
     prefix: String,
-    /// For a connection of an app's account: the token prefix its keepalives are sent under.
+    /// For a connection of an app's account: the random token prefix its keepalives are sent under.
     keepalive_prefix: Option<String>,
-    pending: Arc<Mutex<HashMap<u64, tokio::sync::mpsc::UnboundedSender<async_nats::Message>>>>,
-    next: Arc<AtomicU64>,
+    pending: Arc<Mutex<HashMap<String, Pending>>>,
     _router: Arc<AbortOnDrop>,
+}
+
+/// One request in flight: its secret and where its messages go.
+struct Pending {
+    secret: String,
+    to: tokio::sync::mpsc::UnboundedSender<async_nats::Message>,
+}
+
+/// 128 random bits as 32 lowercase hex digits (a request's id, its answer secret).
+fn random_hex_128() -> String {
+    format!("{:032x}", rand::random::<u128>())
 }
 
 impl std::fmt::Debug for Requester {
@@ -190,8 +205,8 @@ impl Drop for AbortOnDrop {
 
 /// Removes a request's route when it ends, however it ends.
 struct Route<'a> {
-    pending: &'a Mutex<HashMap<u64, tokio::sync::mpsc::UnboundedSender<async_nats::Message>>>,
-    token: u64,
+    pending: &'a Mutex<HashMap<String, Pending>>,
+    token: String,
 }
 
 impl Drop for Route<'_> {
@@ -227,8 +242,8 @@ impl Requester {
         use futures::StreamExt as _;
         let prefix = client.new_inbox();
         let replies = client.subscribe(format!("{prefix}.*")).await?;
-        // The inbox's last token: unique to this connection, subject-safe.
-        let keepalive_prefix = imported.then(|| prefix.rsplit('.').next().unwrap_or_default().to_owned());
+        // Random, unrelated to the inbox (others hear the keepalive subjects; the inbox must stay unknown).
+        let keepalive_prefix = imported.then(|| format!("{:016x}", rand::random::<u64>()));
         let mut messages = match &keepalive_prefix {
             Some(nuid) => {
                 let keepalives = client
@@ -238,20 +253,19 @@ impl Requester {
             }
             None => replies.boxed(),
         };
-        let pending: Arc<Mutex<HashMap<u64, tokio::sync::mpsc::UnboundedSender<async_nats::Message>>>> =
-            Arc::default();
+        let pending: Arc<Mutex<HashMap<String, Pending>>> = Arc::default();
         let routes = pending.clone();
         let router = tokio::spawn(async move {
             while let Some(msg) = messages.next().await {
-                let token = msg
-                    .subject
-                    .as_str()
-                    .rsplit('.')
-                    .next()
-                    .and_then(|t| t.parse::<u64>().ok());
-                let Some(token) = token else { continue };
-                if let Some(to) = lock(&routes).get(&token) {
-                    let _ = to.send(msg);
+                let subject = msg.subject.as_str();
+                let Some(id) = subject.rsplit('.').next() else {
+                    continue;
+                };
+                let shared = subject.starts_with(KEEPALIVE_EVENTS_PREFIX);
+                if let Some(p) = lock(&routes).get(id)
+                    && (!shared || carries_secret(&msg, &p.secret))
+                {
+                    let _ = p.to.send(msg);
                 }
             }
         });
@@ -260,7 +274,6 @@ impl Requester {
             prefix,
             keepalive_prefix,
             pending,
-            next: Arc::default(),
             _router: Arc::new(AbortOnDrop(router)),
         })
     }
@@ -275,17 +288,21 @@ impl Requester {
         timeout: Duration,
     ) -> Result<async_nats::Message, RequestError> {
         use async_nats::client::RequestErrorKind as Kind;
-        let token = self.next.fetch_add(1, Ordering::Relaxed);
+        let token = random_hex_128();
+        let secret = random_hex_128();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        lock(&self.pending).insert(token, tx);
-        let _route = Route {
-            pending: &self.pending,
-            token,
-        };
         match &self.keepalive_prefix {
-            Some(nuid) => headers.insert(KEEPALIVE_HEADER, format!("{nuid}.{token}").as_str()),
+            Some(conn) => {
+                headers.insert(KEEPALIVE_HEADER, format!("{conn}.{token}").as_str());
+                headers.insert(ANSWER_TOKEN_HEADER, secret.as_str());
+            }
             None => headers.insert(KEEPALIVE_HEADER, "1"),
         }
+        lock(&self.pending).insert(token.clone(), Pending { secret, to: tx });
+        let _route = Route {
+            pending: &self.pending,
+            token: token.clone(),
+        };
         self.client
             .publish_with_reply_and_headers(subject, format!("{}.{token}", self.prefix), headers, payload)
             .await
@@ -344,6 +361,34 @@ fn keepalive_subject(msg: &async_nats::Message) -> Option<String> {
     keepalive_token_ok(asked).then(|| keepalive(asked))
 }
 
+/// Whether `msg` carries [`ANSWER_TOKEN_HEADER`] `secret` (compared in constant time).
+fn carries_secret(msg: &async_nats::Message, secret: &str) -> bool {
+    msg.headers
+        .as_ref()
+        .and_then(|h| h.get(ANSWER_TOKEN_HEADER))
+        .is_some_and(|v| {
+            let (a, b) = (v.as_str().as_bytes(), secret.as_bytes());
+            a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+        })
+}
+
+/// The headers of a message a responder sends to `msg`'s keepalive subject: `status`, and `msg`'s
+/// [`ANSWER_TOKEN_HEADER`] when it gave a well-formed one.
+fn keepalive_headers(msg: &async_nats::Message, status: &str) -> async_nats::HeaderMap {
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(STATUS_HEADER, status);
+    if let Some(secret) = msg
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(ANSWER_TOKEN_HEADER))
+        .map(|v| v.as_str())
+        .filter(|v| answer_token_ok(v))
+    {
+        headers.insert(ANSWER_TOKEN_HEADER, secret);
+    }
+    headers
+}
+
 /// Publishes `answer` — what `msg` was just answered — again on the keepalive subject of `msg`, with
 /// [`STATUS_HEADER`] [`STATUS_ANSWERED`], when `msg` came from another account and asked for keepalives: a
 /// [`Requester::through_import`] whose answer was lost with its server takes this copy for the answer. Nothing
@@ -357,8 +402,7 @@ pub async fn publish_answer_copy(
         return;
     }
     if let Some(subject) = keepalive_subject(msg) {
-        let mut headers = async_nats::HeaderMap::new();
-        headers.insert(STATUS_HEADER, STATUS_ANSWERED);
+        let headers = keepalive_headers(msg, STATUS_ANSWERED);
         let _ = client.publish_with_headers(subject, headers, answer).await;
     }
 }
@@ -379,14 +423,14 @@ pub async fn keeping_alive<F: std::future::Future>(
         return work.await;
     };
     let client = client.clone();
+    let headers = keepalive_headers(msg, STATUS_WORKING);
     let ticking = tokio::spawn(async move {
         let mut tick =
             tokio::time::interval_at(tokio::time::Instant::now() + KEEPALIVE_EVERY, KEEPALIVE_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            let mut headers = async_nats::HeaderMap::new();
-            headers.insert(STATUS_HEADER, STATUS_WORKING);
+            let headers = headers.clone();
             let _ = client
                 .publish_with_headers(reply.clone(), headers, bytes::Bytes::new())
                 .await;
