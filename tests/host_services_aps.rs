@@ -32,6 +32,8 @@ struct Env {
     admin: FleetServices,
     base: String,
     http: reqwest::Client,
+    /// A front's JetStream (to look at the stores as they are).
+    js: async_nats::jetstream::Context,
     server: tokio::task::JoinHandle<std::io::Result<()>>,
     _nats: NatsServer,
     _root: tempfile::TempDir,
@@ -77,11 +79,12 @@ async fn make_env(quota_bytes: Option<u64>, absolute: bool) -> Env {
         .await
         .expect("connect");
     let front_js = async_nats::jetstream::new(front);
+    let js = front_js.clone();
     let client = nats
         .connect(fleet_client::creds::Role::Worker)
         .await
         .expect("connect");
-    let js = async_nats::jetstream::new(client);
+    let worker_js = async_nats::jetstream::new(client);
     let settings = StoreSettings::default();
     let config = ServicesConfig {
         storage: StorageConfig { quota_bytes },
@@ -102,7 +105,7 @@ async fn make_env(quota_bytes: Option<u64>, absolute: bool) -> Env {
         ..settings.clone()
     };
     let services = Box::pin(FleetServices::open(
-        &js,
+        &worker_js,
         &worker_settings,
         &config,
         LinkSigner::new(SECRET),
@@ -120,6 +123,7 @@ async fn make_env(quota_bytes: Option<u64>, absolute: bool) -> Env {
         admin,
         base,
         http: reqwest::Client::new(),
+        js,
         server,
         _nats: nats,
         _root: root,
@@ -128,6 +132,11 @@ async fn make_env(quota_bytes: Option<u64>, absolute: bool) -> Env {
 
 impl Env {
     async fn invoke(&self, user: &str, tool_id: &str) -> Invoke {
+        self.invoke_on(&self.services, user, tool_id).await
+    }
+
+    /// An invoke whose tokens `services` minted (and only it verifies).
+    async fn invoke_on(&self, services: &FleetServices, user: &str, tool_id: &str) -> Invoke {
         let caps: Vec<String> = ["aps.kv", "aps.files", "host.upload"].map(String::from).to_vec();
         self.admin
             .grants()
@@ -137,7 +146,7 @@ impl Env {
         let invoke_id = format!("inv-{}-{}", now_ms(), NEXT_INVOKE.fetch_add(1, Ordering::Relaxed));
         let deadline_ms = now_ms() + 600_000;
         let tokens = <FleetServices as TokenSource>::tokens(
-            &self.services,
+            services,
             TokenRequest {
                 user: user.to_owned(),
                 tool_id: tool_id.to_owned(),
@@ -1503,4 +1512,296 @@ async fn a_complete_that_outlives_its_timeout_counts_its_bytes_once() {
         )
         .await;
     assert_eq!(e.code, -32022, "{e:?}");
+}
+
+impl Env {
+    /// PUTs `body` to a signed link as `content_type`, which must store it.
+    async fn put_ok(&self, link: &Value, content_type: &str, body: impl Into<reqwest::Body>) {
+        let put = self
+            .http
+            .put(self.url(link))
+            .header("content-type", content_type)
+            .body(body)
+            .send()
+            .await
+            .expect("PUT");
+        assert_eq!(put.status(), 200);
+    }
+}
+
+/// The user's `<prefix>_aps_usage` value, as JSON (`{"used", "holds"}`; bare digits read as `{"used"}`).
+async fn usage_of(env: &Env, user: &str) -> (Value, u64) {
+    let kv = env
+        .js
+        .get_key_value(StoreSettings::default().aps_usage_bucket())
+        .await
+        .expect("usage bucket");
+    let entry = kv
+        .entry(fleet_proto::api::user_key(user))
+        .await
+        .expect("entry")
+        .expect("a usage value");
+    let value = serde_json::from_slice::<Value>(&entry.value).expect("usage JSON");
+    let value = if value.is_u64() {
+        json!({"used": value, "holds": []})
+    } else {
+        value
+    };
+    (value, entry.revision)
+}
+
+/// Issue 42: a begin holds its whole size of the user's quota until its complete (or delete): the quota counts
+/// what signed PUT links may store, at the first byte over it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_begin_holds_its_size_until_complete_or_delete() {
+    let env = env(Some(1000)).await;
+    let inv = env.invoke("hana", "notes").await;
+    let begin = |path: &str, size: u64| json!({"scope": "tool", "path": path, "content_type": "application/octet-stream", "size_bytes": size});
+    let a = env.ok(&inv, "files/upload_begin", begin("a.bin", 600)).await;
+    // 600 held: 401 more is one byte over, refused with the limit; 400 fills the quota exactly.
+    let e = env.err(&inv, "files/upload_begin", begin("b.bin", 401)).await;
+    assert_eq!(code_name(&e), (-32024, "QUOTA_EXCEEDED".into()));
+    let data = e.data.as_ref().expect("data");
+    assert_eq!(
+        (
+            &data["used_bytes"],
+            &data["reserved_bytes"],
+            &data["quota_bytes"],
+            &data["requested_bytes"]
+        ),
+        (&json!(0), &json!(600), &json!(1000), &json!(401)),
+        "{e:?}"
+    );
+    env.ok(&inv, "files/upload_begin", begin("b.bin", 400)).await;
+    // What uploads hold, KV values cannot take either.
+    let e = env
+        .err(
+            &inv,
+            "storage/set",
+            json!({"scope": "tool", "key": "k", "value": 1}),
+        )
+        .await;
+    assert_eq!(e.code, -32024, "{e:?}");
+    // A complete turns its hold into the stored bytes.
+    env.put_ok(&a["put_url"], "application/octet-stream", vec![1u8; 600])
+        .await;
+    env.ok(
+        &inv,
+        "files/upload_complete",
+        json!({"scope": "tool", "path": "a.bin"}),
+    )
+    .await;
+    let (usage, _) = usage_of(&env, "hana").await;
+    assert_eq!(usage["used"], json!(600));
+    assert_eq!(usage["holds"].as_array().map(Vec::len), Some(1), "{usage}");
+    // Deleting the pending upload gives its hold back: exactly 400 bytes are free.
+    assert_eq!(
+        env.ok(&inv, "files/delete", json!({"scope": "tool", "path": "b.bin"}))
+            .await,
+        json!({"deleted": true})
+    );
+    env.assert_free(&inv, 400).await;
+}
+
+/// Issue 42: a `host/uploadFile` negotiate holds its bytes in the user's storage quota until its confirm.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_negotiated_upload_holds_its_bytes_until_its_confirm() {
+    let env = env(Some(1000)).await;
+    let inv = env.invoke("iris", "notes").await;
+    let negotiate = |size: u64| json!({"mode": "negotiate", "filename": "a.png", "mime_type": "image/png", "expected_bytes": size});
+    let neg = env.ok(&inv, "host/uploadFile", negotiate(700)).await;
+    let e = env
+        .err(
+            &inv,
+            "files/upload_begin",
+            json!({"scope": "tool", "path": "c.bin", "content_type": "a/b", "size_bytes": 301}),
+        )
+        .await;
+    assert_eq!(code_name(&e), (-32024, "QUOTA_EXCEEDED".into()));
+    let e = env.err(&inv, "host/uploadFile", negotiate(301)).await;
+    assert_eq!(code_name(&e), (-32202, "STORAGE_QUOTA_EXCEEDED".into()));
+    let data = e.data.as_ref().expect("data");
+    assert_eq!(
+        (&data["reserved_bytes"], &data["quota_bytes"], &data["size_bytes"]),
+        (&json!(700), &json!(1000), &json!(301)),
+        "{e:?}"
+    );
+    // The refused negotiate took nothing of the invoke's upload budget.
+    let budget = env.services.budget(&inv.invoke_id).expect("budget");
+    assert_eq!(budget.uploads_offered(), (1, 700));
+    env.ok(&inv, "host/uploadFile", negotiate(300)).await;
+    env.put_ok(&neg["put_url"], "image/png", vec![2u8; 700]).await;
+    env.ok(
+        &inv,
+        "host/uploadFile",
+        json!({"mode": "confirm", "r2_key": neg["r2_key"]}),
+    )
+    .await;
+    // The confirmed 700 are free again; the other negotiate still holds 300.
+    let (usage, _) = usage_of(&env, "iris").await;
+    assert_eq!(usage["used"], json!(0));
+    assert_eq!(usage["holds"][0]["bytes"], json!(300), "{usage}");
+    env.assert_free(&inv, 700).await;
+}
+
+/// Issue 42: a hold carries its expiry. Once expired it no longer counts, and the next hold of its user removes
+/// the bytes its link staged. (The expiry is moved into the past in the store itself: no waiting.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_hold_stops_counting_and_its_staged_bytes_are_removed() {
+    let env = env(Some(1000)).await;
+    let inv = env.invoke("jade", "notes").await;
+    let begin = |path: &str, size: u64| json!({"scope": "tool", "path": path, "content_type": "application/octet-stream", "size_bytes": size});
+    let x = env.ok(&inv, "files/upload_begin", begin("x.bin", 800)).await;
+    env.put_ok(&x["put_url"], "application/octet-stream", vec![3u8; 800])
+        .await;
+    let (mut usage, revision) = usage_of(&env, "jade").await;
+    let id = usage["holds"][0]["id"].as_str().expect("hold id").to_owned();
+    let object = id.strip_prefix("s/").expect("a staging hold").to_owned();
+    let staging = env
+        .js
+        .get_object_store(StoreSettings::default().aps_staging_bucket())
+        .await
+        .expect("staging");
+    assert!(
+        staging
+            .info(&object)
+            .await
+            .is_ok_and(|i| !i.deleted && i.size == 800),
+        "the PUT staged its bytes"
+    );
+    // Still live: 201 more is over.
+    let e = env.err(&inv, "files/upload_begin", begin("y.bin", 201)).await;
+    assert_eq!(e.code, -32024, "{e:?}");
+    let exp = usage["holds"][0]["exp"].as_u64().expect("exp");
+    assert!(
+        exp >= now_ms() + 600_000,
+        "a hold outlives its 600 s link by its grace: {usage}"
+    );
+    usage["holds"][0]["exp"] = json!(now_ms() - 1);
+    let kv = env
+        .js
+        .get_key_value(StoreSettings::default().aps_usage_bucket())
+        .await
+        .expect("usage bucket");
+    kv.update(
+        fleet_proto::api::user_key("jade"),
+        serde_json::to_vec(&usage).expect("JSON").into(),
+        revision,
+    )
+    .await
+    .expect("expire the hold");
+    // Expired: the whole quota is there for a new hold, and that hold removed the expired one's staged bytes.
+    env.ok(&inv, "files/upload_begin", begin("y.bin", 1000)).await;
+    let (usage, _) = usage_of(&env, "jade").await;
+    let holds: Vec<&str> = usage["holds"]
+        .as_array()
+        .expect("holds")
+        .iter()
+        .filter_map(|h| h["id"].as_str())
+        .collect();
+    assert_eq!(holds.len(), 1, "{usage}");
+    assert_ne!(holds[0], id, "{usage}");
+    assert!(
+        staging.info(&object).await.is_ok_and(|i| i.deleted),
+        "the expired hold's staged bytes were removed"
+    );
+}
+
+/// Issue 42: holds are exact across replicas: 20 begins of 100 bytes race through a front's and a worker's
+/// services for a 1000-byte quota, and exactly 10 win.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_begins_on_two_replicas_hold_the_quota_exactly() {
+    let env = env(Some(1000)).await;
+    let on_worker = env.invoke("kate", "notes").await;
+    let on_front = env.invoke_on(&env.admin, "kate", "notes").await;
+    let calls = (0..20).map(|i| {
+        let (services, inv) = if i % 2 == 0 {
+            (&env.services, on_worker.clone())
+        } else {
+            (&env.admin, on_front.clone())
+        };
+        async move {
+            services
+                .serve(ReverseCall {
+                    user: inv.user.clone(),
+                    tool_id: inv.tool_id.clone(),
+                    invoke_id: inv.invoke_id.clone(),
+                    tool: "run".into(),
+                    method: "files/upload_begin".to_owned(),
+                    family: family_of("files/upload_begin").expect("a known family"),
+                    params: json!({"scope": "tool", "path": format!("r{i}.bin"), "content_type": "a/b", "size_bytes": 100}),
+                    client_timeout_s: None,
+                    deadline_ms: inv.deadline_ms,
+                    tokens: inv.tokens.clone(),
+                })
+                .await
+        }
+    });
+    let results = futures::future::join_all(calls).await;
+    let won = results.iter().filter(|r| r.is_ok()).count();
+    for r in &results {
+        if let Err(e) = r {
+            assert_eq!(e.code, -32024, "{e:?}");
+        }
+    }
+    assert_eq!(won, 10, "{results:?}");
+    let (usage, _) = usage_of(&env, "kate").await;
+    assert_eq!(usage["holds"].as_array().map(Vec::len), Some(10), "{usage}");
+}
+
+/// Issue 42: a user's uploads begun and not completed are capped (`files/upload_begin` and `negotiate`
+/// together): the 32nd is admitted, the 33rd refused with the limit, and a complete makes room for one more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pending_begins_are_capped_per_user() {
+    let max = fleet_proto::limits::PENDING_UPLOADS_MAX_PER_USER;
+    assert_eq!(max, 32);
+    let env = env(None).await;
+    let inv = env.invoke("lena", "notes").await;
+    let begin = |i: usize| json!({"scope": "tool", "path": format!("p{i}.txt"), "content_type": "text/plain", "size_bytes": 1});
+    let first = env.ok(&inv, "files/upload_begin", begin(0)).await;
+    for i in 1..max - 1 {
+        env.ok(&inv, "files/upload_begin", begin(i)).await;
+    }
+    // The 32nd through host/uploadFile.
+    env.ok(
+        &inv,
+        "host/uploadFile",
+        json!({"mode": "negotiate", "filename": "n.png", "mime_type": "image/png", "expected_bytes": 1}),
+    )
+    .await;
+    let e = env.err(&inv, "files/upload_begin", begin(max)).await;
+    assert_eq!(code_name(&e), (-32024, "QUOTA_EXCEEDED".into()));
+    let data = e.data.as_ref().expect("data");
+    assert_eq!(
+        (
+            &data["reason"],
+            &data["pending_uploads"],
+            &data["max_pending_uploads"]
+        ),
+        (&json!("pending_uploads"), &json!(max), &json!(max)),
+        "{e:?}"
+    );
+    let e = env
+        .err(
+            &inv,
+            "host/uploadFile",
+            json!({"mode": "negotiate", "filename": "m.png", "mime_type": "image/png", "expected_bytes": 1}),
+        )
+        .await;
+    assert_eq!(code_name(&e), (-32202, "PENDING_UPLOADS_EXCEEDED".into()));
+    assert_eq!(e.data.as_ref().expect("data")["max_pending_uploads"], json!(max));
+    // Another user is not affected.
+    let other = env.invoke("mona", "notes").await;
+    env.ok(&other, "files/upload_begin", begin(0)).await;
+    // Completing one makes room for exactly one.
+    env.put_ok(&first["put_url"], "text/plain", "x").await;
+    env.ok(
+        &inv,
+        "files/upload_complete",
+        json!({"scope": "tool", "path": "p0.txt"}),
+    )
+    .await;
+    env.ok(&inv, "files/upload_begin", begin(max)).await;
+    let e = env.err(&inv, "files/upload_begin", begin(max + 1)).await;
+    assert_eq!(e.code, -32024, "{e:?}");
 }

@@ -266,6 +266,10 @@ pub const FILES_OBJECT_MAX_BYTES: u64 = 256 * 1024 * 1024;
 pub const FILES_CONTENT_TYPE_MAX_CHARS: usize = 120;
 /// `files/upload_begin` presigned PUT lifetime (spec §8.4: soft reservation `ttl_seconds=600`).
 pub const FILES_UPLOAD_TTL: Duration = Duration::from_secs(600);
+/// Uploads one user may have begun and not completed at once, `files/upload_begin` and `host/uploadFile`
+/// `negotiate` together (ours; each holds its bytes of the user's quota until it completes or expires) → `-32024` /
+/// `-32202` past it.
+pub const PENDING_UPLOADS_MAX_PER_USER: usize = 32;
 /// `files/download_url` default link lifetime (spec §8.4, §16 A-26: `ttl` default 300).
 pub const FILES_DOWNLOAD_TTL_DEFAULT: Duration = Duration::from_secs(300);
 /// `files/download_url` longest link lifetime (spec §8.4, §16 A-26: `ttl` 1..3600).

@@ -12,14 +12,22 @@
 //! | `<prefix>_uploads` | object store, `max_age` 24 h | `host/uploadFile` objects, named by their `r2_key` |
 //!
 //! Flow: `upload_begin` checks the path, the content type (one media type, [`MediaType::parse`]: `-32028` for a
-//! list, quotes, anything but token parameters; stored, signed, answered and served normalised), the size
-//! (≤ 256 MiB, `-32025`) and that the quota has room (`-32024`), records the pending upload and returns a signed
-//! PUT link (600 s) into staging; the PUT streams the body into the object store (capped at the declared size,
-//! the same media type); `upload_complete` claims the pending
+//! list, quotes, anything but token parameters; stored, signed, answered and served normalised) and the size
+//! (≤ 256 MiB, `-32025`), **holds** the whole size in the user's quota (`-32024` at the first byte over, stored
+//! bytes and every live hold counted: a replaced file's bytes stay stored until the complete), records the pending
+//! upload and returns a signed PUT link (600 s) into staging; the PUT streams the body into the object store
+//! (capped at the declared size, the same media type); `upload_complete` claims the pending
 //! record (a compare-and-set purge: of two racing completes of one begin, the second finds nothing pending,
-//! `-32022`), reserves the quota for the bytes that landed, copies them from staging into
-//! `<prefix>_aps_objects`, swaps the index entry with a compare-and-set, and removes what it replaced; a failure
-//! before the swap puts the pending record back, so the complete can be retried. `download_url` signs a GET link
+//! `-32022`), reserves the quota for the bytes that landed (its own hold not counted), copies them from staging
+//! into `<prefix>_aps_objects`, swaps the index entry with a compare-and-set, removes what it replaced and gives
+//! the hold back; a failure before the swap puts the pending record back (the hold stays), so the complete can be
+//! retried.
+//!
+//! Holds ([`Quota::hold`]) live in the user's `<prefix>_aps_usage` value next to the stored bytes, changed by
+//! compare-and-set, so every front and worker counts the same. A hold carries its expiry: its link's, plus
+//! [`HOLD_GRACE`] for a PUT still streaming. It is given back by the complete, by `files/delete` of the pending
+//! path, by `host/uploadFile` `confirm` (a `negotiate` holds its bytes the same way); an expired hold no longer
+//! counts, and the user's next hold removes what its link stored and nobody completed. `download_url` signs a GET link
 //! (1..3600 s, default 300). Every call runs to its end on a task of its own (`kv::timed`): the subcall timeout
 //! abandons the wait, never a reservation.
 //!
@@ -44,7 +52,8 @@ use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
 
 use super::kv::{
-    Head, Index, IndexError, Page, Quota, Scope, heads_headers, object, paging, required_str, scope, timed,
+    HOLD_GRACE, Head, Hold, Index, IndexError, Page, Quota, Scope, heads_headers, object, paging,
+    required_str, scope, timed,
 };
 use super::media_type::{Disposition, MediaType};
 use super::{CallContext, ServicesError};
@@ -380,6 +389,11 @@ impl HostObjects {
     }
 }
 
+/// The id of the quota hold of an upload into `bucket` under `object`: `<bucket>/<object>`.
+pub(crate) fn hold_id(bucket: Bucket, object: &str) -> String {
+    format!("{}/{object}", bucket.as_str())
+}
+
 /// A random 32-hex nonce.
 pub(crate) fn nonce() -> String {
     let mut b = [0_u8; 16];
@@ -626,6 +640,56 @@ impl FilesService {
         }
     }
 
+    /// Holds `bytes` of the user's quota for the upload `id` whose link expires at `link_exp_ms` (and
+    /// [`HOLD_GRACE`] after), or refuses past the quota. Removes what the user's expired holds left behind.
+    pub(crate) async fn hold(
+        &self,
+        user: &str,
+        id: &str,
+        bytes: u64,
+        link_exp_ms: u64,
+    ) -> Result<(), IndexError> {
+        let grace = u64::try_from(HOLD_GRACE.as_millis()).unwrap_or(u64::MAX);
+        let hold = Hold {
+            id: id.to_owned(),
+            bytes,
+            exp: link_exp_ms.saturating_add(grace),
+        };
+        let expired = self.quota.hold(user, hold).await?;
+        for h in expired {
+            self.drop_uncompleted(&h.id).await;
+        }
+        Ok(())
+    }
+
+    /// Gives the hold `id` back (its upload was completed, confirmed or deleted).
+    pub(crate) async fn unhold(&self, user: &str, id: &str) {
+        self.quota.unhold(user, id).await;
+    }
+
+    /// Removes the bytes an expired hold's link stored, if they were never completed: a staged object, or a
+    /// `host/uploadFile` object never confirmed (best effort: staging and uploads expire on their own).
+    async fn drop_uncompleted(&self, id: &str) {
+        let Some((bucket, object)) = id.split_once('/') else {
+            return;
+        };
+        match Bucket::parse(bucket) {
+            Some(Bucket::Staging) => {
+                let _ = self.objects.store(Bucket::Staging).delete(object).await;
+            }
+            Some(Bucket::Uploads) => {
+                let store = self.objects.store(Bucket::Uploads);
+                if let Ok(info) = store.info(object).await
+                    && !info.deleted
+                    && !super::upload::is_confirmed(&info)
+                {
+                    let _ = store.delete(object).await;
+                }
+            }
+            Some(Bucket::Files) | None => {}
+        }
+    }
+
     async fn begin(
         &self,
         ctx: &CallContext,
@@ -643,21 +707,14 @@ impl FilesService {
                 limits::FILES_OBJECT_MAX_BYTES
             )));
         }
-        let (_, current) = self.record(scope, path).await?;
-        let old = current.map_or(0, |c| c.size);
-        let used = self.quota.used(&ctx.user).await.map_err(|e| e.to_rpc())?;
-        let cap = self.quota.cap();
-        if used.saturating_add(size.saturating_sub(old)) > cap {
-            return Err(IndexError::Quota {
-                used,
-                cap,
-                wanted: size.saturating_sub(old),
-            }
-            .to_rpc());
-        }
         let object = Self::object_name(scope, path);
         let upload_id = object.rsplit('/').next().unwrap_or_default().to_owned();
         let expires_at_ms = now_ms() + limits::FILES_UPLOAD_TTL.as_secs() * 1000;
+        // The whole size is held, a replaced file's bytes included: until the complete, both are stored.
+        let hold = hold_id(Bucket::Staging, &object);
+        self.hold(&ctx.user, &hold, size, expires_at_ms)
+            .await
+            .map_err(|e| e.to_rpc())?;
         let rec = PendingRecord {
             path: path.to_owned(),
             object: object.clone(),
@@ -665,11 +722,18 @@ impl FilesService {
             size,
             expires_at_ms,
         };
-        let (headers, body) = rec.entry()?;
-        self.pending
-            .write(&Self::pending_key(scope, path), None, headers, body)
-            .await
-            .map_err(|e| e.to_rpc())?;
+        let written = match rec.entry() {
+            Ok((headers, body)) => self
+                .pending
+                .write(&Self::pending_key(scope, path), None, headers, body)
+                .await
+                .map_err(|e| e.to_rpc()),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = written {
+            self.quota.unhold(&ctx.user, &hold).await;
+            return Err(e);
+        }
         let (url, exp) =
             self.objects
                 .put_link(Bucket::Staging, &object, &media, size, limits::FILES_UPLOAD_TTL);
@@ -721,7 +785,14 @@ impl FilesService {
             Err(e) => return Err(e.to_rpc()),
         }
         let staging = self.objects.store(Bucket::Staging);
-        let info = match staging.info(&pending.object).await {
+        let found = match staging.info(&pending.object).await {
+            // Deleted (a delete marker): as if never PUT.
+            Ok(i) if i.deleted => Err(object_store::InfoError::new(
+                object_store::InfoErrorKind::NotFound,
+            )),
+            found => found,
+        };
+        let info = match found {
             Ok(i) => i,
             Err(e) if e.kind() == object_store::InfoErrorKind::NotFound => {
                 self.unclaim(scope, &pending).await;
@@ -747,6 +818,9 @@ impl FilesService {
             }
             Err(Failed::Superseded(e)) => {
                 let _ = staging.delete(&pending.object).await;
+                self.quota
+                    .unhold(&ctx.user, &hold_id(Bucket::Staging, &pending.object))
+                    .await;
                 Err(e)
             }
         }
@@ -766,8 +840,9 @@ impl FilesService {
         let key = Self::key(scope, path);
         let (revision, current) = self.record(scope, path).await.map_err(Failed::Retry)?;
         let old = current.as_ref().map_or(0, |c| c.size);
+        let hold = hold_id(Bucket::Staging, &pending.object);
         self.quota
-            .reserve_growth(&ctx.user, old, size)
+            .reserve_growth(&ctx.user, old, size, Some(&hold))
             .await
             .map_err(|e| Failed::Retry(e.to_rpc()))?;
         // A name of its own: a write of the same path that wins the index swap leaves this copy to be removed.
@@ -830,7 +905,7 @@ impl FilesService {
                 e => Failed::Retry(e.to_rpc()),
             });
         }
-        self.quota.settle(&ctx.user, old, size).await;
+        self.quota.settle(&ctx.user, old, size, Some(&hold)).await;
         if let Some(c) = current {
             let _ = self.objects.store(Bucket::Files).delete(&c.object).await;
         }
@@ -921,6 +996,9 @@ impl FilesService {
         if let Some(pend) = &pending {
             let _ = self.objects.store(Bucket::Staging).delete(&pend.object).await;
             let _ = self.pending.remove(&Self::pending_key(scope, path)).await;
+            self.quota
+                .unhold(&ctx.user, &hold_id(Bucket::Staging, &pend.object))
+                .await;
         }
         let key = Self::key(scope, path);
         let mut races = Races::new();

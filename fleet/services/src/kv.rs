@@ -16,7 +16,8 @@
 //! * **Quota.** Bytes per user (KV values and files together) in `<prefix>_aps_usage`, one compare-and-set
 //!   counter per user: a write reserves `new − old` before it is written and gives it back if the write loses; a
 //!   delete or a shrinking overwrite releases after it succeeded. Default 5 GiB (`[services.storage]
-//!   quota_bytes`); `-32024` at the first byte over.
+//!   quota_bytes`); `-32024` at the first byte over. Uploads begun and not completed hold their bytes in the same
+//!   value until they complete or expire ([`Hold`]); every write counts the live holds.
 //! * **List.** Keys in byte order; `cursor` is the base64url of the last key returned; `limit` 1..1000 (default
 //!   100, silently clamped); items are heads only. Memory is bounded by `limit`: a scan keeps the `limit + 1`
 //!   smallest keys past the cursor in a heap.
@@ -290,14 +291,26 @@ pub(crate) enum IndexError {
     #[error("stored entry {0} is corrupt")]
     Corrupt(String),
     /// The quota would be exceeded.
-    #[error("storage quota exceeded: {used} of {cap} bytes used, {wanted} more requested")]
+    #[error(
+        "storage quota exceeded: {used} of {cap} bytes stored, {reserved} held by uploads not completed, {wanted} more requested"
+    )]
     Quota {
         /// Bytes in use.
         used: u64,
+        /// Bytes held by uploads begun and not completed.
+        reserved: u64,
         /// The cap.
         cap: u64,
         /// Bytes requested.
         wanted: u64,
+    },
+    /// The user has as many uploads begun and not completed as they may.
+    #[error("{pending} uploads begun and not completed, at most {max} at once: complete or delete one first")]
+    PendingUploads {
+        /// Live holds.
+        pending: usize,
+        /// The cap.
+        max: usize,
     },
     /// Too many lost compare-and-sets.
     #[error("too much contention on the entry")]
@@ -319,12 +332,26 @@ impl IndexError {
     pub(crate) fn to_rpc(&self) -> ErrorObject {
         match self {
             IndexError::Conflict => codes::PRECONDITION_FAILED.error(self.to_string()),
-            IndexError::Quota { used, cap, wanted } => codes::QUOTA_EXCEEDED.error_with(
+            IndexError::Quota {
+                used,
+                reserved,
+                cap,
+                wanted,
+            } => codes::QUOTA_EXCEEDED.error_with(
                 self.to_string(),
                 Map::from_iter([
                     ("used_bytes".to_owned(), json!(used)),
+                    ("reserved_bytes".to_owned(), json!(reserved)),
                     ("quota_bytes".to_owned(), json!(cap)),
                     ("requested_bytes".to_owned(), json!(wanted)),
+                ]),
+            ),
+            IndexError::PendingUploads { pending, max } => codes::QUOTA_EXCEEDED.error_with(
+                self.to_string(),
+                Map::from_iter([
+                    ("reason".to_owned(), json!("pending_uploads")),
+                    ("pending_uploads".to_owned(), json!(pending)),
+                    ("max_pending_uploads".to_owned(), json!(max)),
                 ]),
             ),
             _ => codes::UPSTREAM_ERROR.error(self.to_string()),
@@ -577,7 +604,85 @@ impl Page {
     }
 }
 
-/// The per-user byte quota (KV values and files together).
+/// How long past its link's expiry an upload's hold is kept: a PUT begun just before the expiry may still be
+/// streaming its body into the object store. Past it the hold no longer counts, and the next hold of its user
+/// removes the bytes that were never completed ([`Quota::hold`]).
+pub(crate) const HOLD_GRACE: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// A reservation of quota for an upload begun and not completed (`files/upload_begin`, `host/uploadFile`
+/// `negotiate`): the bytes its signed PUT link may store, until its expiry.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Hold {
+    /// `s/<staging object>` or `u/<r2_key>`: where the link puts its bytes.
+    pub id: String,
+    /// The bytes reserved (the link's byte cap).
+    pub bytes: u64,
+    /// When it stops counting, Unix ms.
+    pub exp: u64,
+}
+
+/// One user's `<prefix>_aps_usage` value: the bytes stored and the uploads held. Kept as bare decimal digits
+/// while nothing is held (the format before holds), as JSON otherwise.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct Usage {
+    used: u64,
+    #[serde(default)]
+    holds: Vec<Hold>,
+}
+
+impl Usage {
+    fn parse(raw: &[u8]) -> Option<Usage> {
+        let s = std::str::from_utf8(raw).ok()?;
+        match s.parse::<u64>() {
+            Ok(used) => Some(Usage {
+                used,
+                holds: Vec::new(),
+            }),
+            Err(_) => serde_json::from_str(s).ok(),
+        }
+    }
+
+    fn encode(&self) -> Bytes {
+        if self.holds.is_empty() {
+            Bytes::from(self.used.to_string())
+        } else {
+            Bytes::from(serde_json::to_vec(self).unwrap_or_default())
+        }
+    }
+
+    /// Bytes of the holds live at `now`, but the one named `except`.
+    fn held(&self, now: u64, except: Option<&str>) -> u64 {
+        self.holds
+            .iter()
+            .filter(|h| h.exp > now && Some(h.id.as_str()) != except)
+            .fold(0, |sum, h| sum.saturating_add(h.bytes))
+    }
+
+    /// Removes and returns the holds expired at `now`.
+    fn expire(&mut self, now: u64) -> Vec<Hold> {
+        let (live, expired) = std::mem::take(&mut self.holds)
+            .into_iter()
+            .partition(|h| h.exp > now);
+        self.holds = live;
+        expired
+    }
+
+    /// Refuses `wanted` more bytes past the cap, counting the live holds but `except`.
+    fn room(&self, cap: u64, wanted: u64, now: u64, except: Option<&str>) -> Result<(), IndexError> {
+        let reserved = self.held(now, except);
+        if self.used.saturating_add(reserved).saturating_add(wanted) > cap {
+            return Err(IndexError::Quota {
+                used: self.used,
+                reserved,
+                cap,
+                wanted,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The per-user byte quota (KV values and files together), with the uploads each user holds.
 #[derive(Debug, Clone)]
 pub(crate) struct Quota {
     kv: kv::Store,
@@ -606,66 +711,53 @@ impl Quota {
         })
     }
 
-    /// The per-user cap.
-    pub(crate) fn cap(&self) -> u64 {
-        self.cap
-    }
-
-    /// Bytes the user has stored.
-    pub(crate) async fn used(&self, user: &str) -> Result<u64, IndexError> {
-        Ok(self.read(&user_key(user)).await?.0)
-    }
-
-    async fn read(&self, key: &str) -> Result<(u64, Option<u64>), IndexError> {
+    async fn read(&self, key: &str) -> Result<(Usage, Option<u64>), IndexError> {
         match self.kv.entry(key).await.map_err(IndexError::nats)? {
             Some(e) if e.operation == kv::Operation::Put => {
-                let n = std::str::from_utf8(&e.value)
-                    .ok()
-                    .and_then(|s| s.parse().ok())
-                    .ok_or_else(|| IndexError::Corrupt(key.to_owned()))?;
-                Ok((n, Some(e.revision)))
+                let usage = Usage::parse(&e.value).ok_or_else(|| IndexError::Corrupt(key.to_owned()))?;
+                Ok((usage, Some(e.revision)))
             }
-            Some(e) => Ok((0, Some(e.revision))),
-            None => Ok((0, None)),
+            Some(e) => Ok((Usage::default(), Some(e.revision))),
+            None => Ok((Usage::default(), None)),
         }
     }
 
-    async fn adjust(&self, user: &str, delta: i128) -> Result<(), IndexError> {
+    /// Changes the user's usage with `change` (given the usage and the time) by compare-and-set, retrying lost
+    /// races; `change` refusing writes nothing. Returns what `change` returned.
+    async fn update<T>(
+        &self,
+        user: &str,
+        mut change: impl FnMut(&mut Usage, u64) -> Result<T, IndexError>,
+    ) -> Result<T, IndexError> {
         let key = user_key(user);
         let mut races = Races::new();
         loop {
-            let (used, rev) = self.read(&key).await?;
-            let next = i128::from(used) + delta;
-            if delta > 0 && next > i128::from(self.cap) {
-                return Err(IndexError::Quota {
-                    used,
-                    cap: self.cap,
-                    wanted: u64::try_from(delta).unwrap_or(u64::MAX),
-                });
+            let (mut usage, rev) = self.read(&key).await?;
+            let before = usage.clone();
+            let out = change(&mut usage, now_ms())?;
+            if usage == before {
+                return Ok(out);
             }
-            let next = u64::try_from(next.max(0)).unwrap_or(u64::MAX);
-            match cas::write_bytes(
-                &self.kv,
-                &key,
-                Bytes::from(next.to_string()),
-                rev,
-                Op::StorageQuota,
-            )
-            .await
-            {
-                Ok(Ok(_)) => return Ok(()),
+            match cas::write_bytes(&self.kv, &key, usage.encode(), rev, Op::StorageQuota).await {
+                Ok(Ok(_)) => return Ok(out),
                 Ok(Err(Conflict)) => races.lost().await.map_err(|_| IndexError::Contention)?,
                 Err(e) => return Err(IndexError::nats(e)),
             }
         }
     }
 
-    /// Reserves `bytes` for `user`, or refuses at the first byte over the quota.
-    pub(crate) async fn reserve(&self, user: &str, bytes: u64) -> Result<(), IndexError> {
-        if bytes == 0 {
-            return Ok(());
-        }
-        self.adjust(user, i128::from(bytes)).await
+    /// Adds `delta` to the user's stored bytes; growth is refused at the first byte over the cap, counting the
+    /// live holds but `except`.
+    async fn adjust(&self, user: &str, delta: i128, except: Option<&str>) -> Result<(), IndexError> {
+        let cap = self.cap;
+        self.update(user, |u, now| {
+            if delta > 0 {
+                u.room(cap, u64::try_from(delta).unwrap_or(u64::MAX), now, except)?;
+            }
+            u.used = u64::try_from((i128::from(u.used) + delta).max(0)).unwrap_or(u64::MAX);
+            Ok(())
+        })
+        .await
     }
 
     /// Gives `bytes` back (best effort: a failure is logged).
@@ -673,24 +765,84 @@ impl Quota {
         if bytes == 0 {
             return;
         }
-        if let Err(e) = self.adjust(user, -i128::from(bytes)).await {
+        if let Err(e) = self.adjust(user, -i128::from(bytes), None).await {
             tracing::warn!(error = %e, bytes, "storage quota release failed");
         }
     }
 
-    /// Reserves or releases `new − old`: reserving before a write, releasing is left to [`Quota::settle`].
-    pub(crate) async fn reserve_growth(&self, user: &str, old: u64, new: u64) -> Result<(), IndexError> {
-        self.reserve(user, new.saturating_sub(old)).await
+    /// Reserves `new − old` before a write; releasing is left to [`Quota::settle`]. The write's own hold
+    /// (`hold`, when it completes an upload) is not counted against it: it is given back at the settle.
+    pub(crate) async fn reserve_growth(
+        &self,
+        user: &str,
+        old: u64,
+        new: u64,
+        hold: Option<&str>,
+    ) -> Result<(), IndexError> {
+        let growth = new.saturating_sub(old);
+        if growth == 0 {
+            return Ok(());
+        }
+        self.adjust(user, i128::from(growth), hold).await
     }
 
-    /// After a write of `new` over `old` succeeded: releases the shrink.
-    pub(crate) async fn settle(&self, user: &str, old: u64, new: u64) {
-        self.release(user, old.saturating_sub(new)).await;
+    /// After a write of `new` over `old` succeeded: releases the shrink, and the write's hold with it.
+    pub(crate) async fn settle(&self, user: &str, old: u64, new: u64, hold: Option<&str>) {
+        let shrink = old.saturating_sub(new);
+        let settled = self
+            .update(user, |u, _| {
+                u.used = u.used.saturating_sub(shrink);
+                if let Some(id) = hold {
+                    u.holds.retain(|h| h.id != id);
+                }
+                Ok(())
+            })
+            .await;
+        if let Err(e) = settled {
+            tracing::warn!(error = %e, bytes = shrink, "storage quota settle failed");
+        }
     }
 
-    /// After a write failed: gives the growth back.
+    /// After a write failed: gives the growth back (the write's hold stays, for a retry).
     pub(crate) async fn undo_growth(&self, user: &str, old: u64, new: u64) {
         self.release(user, new.saturating_sub(old)).await;
+    }
+
+    /// Holds `hold.bytes` of the user's quota for an upload until `hold.exp` (or [`Quota::unhold`]): refused
+    /// with [`IndexError::PendingUploads`] when the user holds [`limits::PENDING_UPLOADS_MAX_PER_USER`] already,
+    /// with [`IndexError::Quota`] at the first byte over the cap (stored bytes and live holds counted). Returns
+    /// the user's holds that had expired, dropped by this write: their bytes, if they landed, were never
+    /// completed, and the caller removes them.
+    pub(crate) async fn hold(&self, user: &str, hold: Hold) -> Result<Vec<Hold>, IndexError> {
+        let cap = self.cap;
+        self.update(user, |u, now| {
+            let expired = u.expire(now);
+            let max = limits::PENDING_UPLOADS_MAX_PER_USER;
+            if u.holds.len() >= max {
+                return Err(IndexError::PendingUploads {
+                    pending: u.holds.len(),
+                    max,
+                });
+            }
+            u.room(cap, hold.bytes, now, None)?;
+            u.holds.push(hold.clone());
+            Ok(expired)
+        })
+        .await
+    }
+
+    /// Gives an upload's hold back (completed, confirmed or deleted; best effort: a failure is logged and the
+    /// hold expires on its own).
+    pub(crate) async fn unhold(&self, user: &str, id: &str) {
+        let dropped = self
+            .update(user, |u, _| {
+                u.holds.retain(|h| h.id != id);
+                Ok(())
+            })
+            .await;
+        if let Err(e) = dropped {
+            tracing::warn!(error = %e, "releasing an upload's quota hold failed; it expires on its own");
+        }
     }
 }
 
@@ -1014,12 +1166,12 @@ impl KvService {
                 content_type: None,
             });
             self.quota
-                .reserve_growth(&ctx.user, old, size)
+                .reserve_growth(&ctx.user, old, size, None)
                 .await
                 .map_err(|e| e.to_rpc())?;
             match self.index.write(&entry_key, Some(revision), headers, body).await {
                 Ok(generation) => {
-                    self.quota.settle(&ctx.user, old, size).await;
+                    self.quota.settle(&ctx.user, old, size, None).await;
                     return Ok(json!({
                         "etag": etag,
                         "generation": generation,
@@ -1139,6 +1291,76 @@ impl KvService {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn ids(holds: &[Hold]) -> Vec<&str> {
+        holds.iter().map(|h| h.id.as_str()).collect()
+    }
+
+    #[test]
+    fn holds_count_until_their_expiry_and_the_bare_counter_still_reads() {
+        // The format before holds reads, and is written again while nothing is held.
+        let bare = Usage::parse(b"1234").expect("digits");
+        assert_eq!(
+            bare,
+            Usage {
+                used: 1234,
+                holds: Vec::new()
+            }
+        );
+        assert_eq!(bare.encode(), Bytes::from("1234"));
+        for corrupt in [&b"x"[..], b"-1", b"[]", b""] {
+            assert_eq!(Usage::parse(corrupt), None, "{corrupt:?}");
+        }
+        let hold = |id: &str, bytes, exp| Hold {
+            id: id.to_owned(),
+            bytes,
+            exp,
+        };
+        let mut u = Usage {
+            used: 100,
+            holds: vec![hold("s/a", 300, 1000), hold("u/b", 600, 2000)],
+        };
+        assert_eq!(Usage::parse(&u.encode()), Some(u.clone()));
+        // At the boundary: 100 stored + 900 held fill a 1000-byte quota; one byte more is refused, with the limit.
+        assert!(u.room(1000, 0, 999, None).is_ok());
+        assert!(matches!(
+            u.room(1000, 1, 999, None),
+            Err(IndexError::Quota {
+                used: 100,
+                reserved: 900,
+                cap: 1000,
+                wanted: 1
+            })
+        ));
+        // A write completing an upload is not counted against its own hold.
+        assert!(u.room(1000, 600, 999, Some("u/b")).is_ok());
+        assert!(u.room(1000, 601, 999, Some("u/b")).is_err());
+        // A hold stops counting at its expiry.
+        assert_eq!(u.held(999, None), 900);
+        assert_eq!(u.held(1000, None), 600);
+        assert!(u.room(1000, 300, 1000, None).is_ok());
+        assert!(u.room(1000, 301, 1000, None).is_err());
+        // Expiring removes exactly the expired ones.
+        assert_eq!(ids(&u.expire(999)), Vec::<&str>::new());
+        assert_eq!(ids(&u.expire(1000)), ["s/a"]);
+        assert_eq!(ids(&u.holds), ["u/b"]);
+    }
+
+    #[test]
+    fn a_full_set_of_the_longest_holds_fits_the_usage_value() {
+        // An r2_key is at most ~600 bytes (its segments' caps), a staging object name ~140.
+        let full = Usage {
+            used: u64::MAX,
+            holds: (0..limits::PENDING_UPLOADS_MAX_PER_USER)
+                .map(|_| Hold {
+                    id: format!("u/{}", "k".repeat(700)),
+                    bytes: u64::MAX,
+                    exp: u64::MAX,
+                })
+                .collect(),
+        };
+        assert!(full.encode().len() <= fleet_store::settings::APS_USAGE_MAX_BYTES);
+    }
 
     fn head(name: &str) -> Head {
         Head {

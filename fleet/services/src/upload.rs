@@ -13,7 +13,9 @@
 //! * The files counter counts `inline` and `confirm` (`negotiate` is free); a re-`confirm` of the same key
 //!   returns a fresh envelope at no cost (the object carries a `confirmed` mark). A `negotiate`'s bytes count
 //!   against the per-invoke total until its `confirm`, and at most as many links as files wait unconfirmed
-//!   (`-32211`): bytes PUT and never confirmed are bounded like confirmed ones.
+//!   (`-32211`): bytes PUT and never confirmed are bounded like confirmed ones. A `negotiate` also holds its bytes
+//!   in the user's storage quota until its `confirm` (`-32202`, `errorCode` `STORAGE_QUOTA_EXCEEDED`, past the
+//!   quota); an expired hold's unconfirmed object is removed (see `files`).
 //! * The negotiate `put_url` is a signed PUT on the fleet's HTTP listener, 300 s, `Content-Type` must be
 //!   `mime_type` (the answer's `headers`), the body is capped at the negotiated size. Download links last 1800 s.
 
@@ -29,7 +31,8 @@ use serde_json::{Map, Value, json};
 
 use super::CallContext;
 use super::budget::Exhausted;
-use super::files::{Bucket, FilesService, META_CONFIRMED, META_CONTENT_TYPE, nonce};
+use super::files::{Bucket, FilesService, META_CONFIRMED, META_CONTENT_TYPE, hold_id, nonce};
+use super::kv::IndexError;
 use super::media_type::MediaType;
 use fleet_proto::api::user_key;
 use fleet_proto::util::now_ms;
@@ -133,23 +136,61 @@ pub(crate) fn exhausted(e: Exhausted) -> ErrorObject {
                 ("max_file_bytes".to_owned(), json!(cap)),
             ]),
         ),
-        Exhausted::UploadTotalBytes { bytes, used, cap } => {
-            let mut err = codes::QUOTA_EXCEEDED.error_with(
-                e.to_string(),
-                Map::from_iter([
-                    ("size_bytes".to_owned(), json!(bytes)),
-                    ("used_bytes".to_owned(), json!(used)),
-                    ("max_total_bytes".to_owned(), json!(cap)),
-                ]),
-            );
-            if let Some(Value::Object(m)) = err.data.as_mut() {
-                m.insert("errorCode".to_owned(), json!("UPLOAD_MAX_BYTES_EXCEEDED"));
-                m.insert("error_name".to_owned(), json!("QUOTA_EXCEEDED"));
-            }
-            err
-        }
+        Exhausted::UploadTotalBytes { bytes, used, cap } => quota_exceeded(
+            e.to_string(),
+            "UPLOAD_MAX_BYTES_EXCEEDED",
+            [
+                ("size_bytes", json!(bytes)),
+                ("used_bytes", json!(used)),
+                ("max_total_bytes", json!(cap)),
+            ],
+        ),
         other => codes::STORAGE_ERROR.error(other.to_string()),
     }
+}
+
+/// A refused quota hold of a `negotiate`: `-32202` with the user's storage quota (`errorCode`
+/// `STORAGE_QUOTA_EXCEEDED`) or their pending uploads' cap (`PENDING_UPLOADS_EXCEEDED`), `-32207` when the quota
+/// could not be read.
+fn held(e: &IndexError) -> ErrorObject {
+    match *e {
+        IndexError::PendingUploads { pending, max } => quota_exceeded(
+            e.to_string(),
+            "PENDING_UPLOADS_EXCEEDED",
+            [
+                ("pending_uploads", json!(pending)),
+                ("max_pending_uploads", json!(max)),
+            ],
+        ),
+        IndexError::Quota {
+            used,
+            reserved,
+            cap,
+            wanted,
+        } => quota_exceeded(
+            e.to_string(),
+            "STORAGE_QUOTA_EXCEEDED",
+            [
+                ("size_bytes", json!(wanted)),
+                ("used_bytes", json!(used)),
+                ("reserved_bytes", json!(reserved)),
+                ("quota_bytes", json!(cap)),
+            ],
+        ),
+        _ => codes::STORAGE_ERROR.error(e.to_string()),
+    }
+}
+
+/// `-32202` with `data`, its `errorCode` and `error_name: QUOTA_EXCEEDED`.
+fn quota_exceeded<const N: usize>(
+    message: String,
+    error_code: &str,
+    data: [(&str, Value); N],
+) -> ErrorObject {
+    let mut data: Map<String, Value> = data.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+    data.insert("errorCode".to_owned(), json!(error_code));
+    data.insert("error_name".to_owned(), json!("QUOTA_EXCEEDED"));
+    codes::QUOTA_EXCEEDED.error_with(message, data)
 }
 
 fn storage_error(e: impl std::fmt::Display) -> ErrorObject {
@@ -331,7 +372,7 @@ impl UploadService {
         let work = async {
             match mode {
                 "inline" => Box::pin(self.inline(ctx, &p)).await,
-                "negotiate" => self.negotiate(ctx, &p),
+                "negotiate" => Box::pin(self.negotiate(ctx, &p)).await,
                 "confirm" => Box::pin(self.confirm(ctx, &p)).await,
                 other => Err(codes::INVALID_REQUEST.error(format!(
                     "unknown mode {other:?}; one of inline, negotiate, confirm"
@@ -418,10 +459,20 @@ impl UploadService {
             .get_link(Bucket::Uploads, key, filename, mime, limits::UPLOAD_GET_URL_TTL)
     }
 
-    fn negotiate(&self, ctx: &CallContext, p: &Map<String, Value>) -> Result<Value, ErrorObject> {
+    async fn negotiate(&self, ctx: &CallContext, p: &Map<String, Value>) -> Result<Value, ErrorObject> {
         let (d, size) = check_negotiate(ctx, p)?;
         let key = self.new_key(ctx, &d);
-        ctx.budget.offer_upload(&key, size).map_err(exhausted)?;
+        // The link's bytes are held in the user's storage quota until the confirm (or the hold's expiry).
+        let hold = hold_id(Bucket::Uploads, &key);
+        let link_exp_ms = now_ms() + limits::UPLOAD_PUT_URL_TTL.as_secs() * 1000;
+        self.files
+            .hold(&ctx.user, &hold, size, link_exp_ms)
+            .await
+            .map_err(|e| held(&e))?;
+        if let Err(e) = ctx.budget.offer_upload(&key, size) {
+            self.files.unhold(&ctx.user, &hold).await;
+            return Err(exhausted(e));
+        }
         let (url, exp) =
             self.files
                 .objects()
@@ -457,7 +508,13 @@ impl UploadService {
         let _serial = self.confirms[shard % CONFIRM_SHARDS].lock().await;
         let store = self.files.objects().store(Bucket::Uploads);
         let info = match store.info(key).await {
-            Ok(i) => i,
+            // Deleted: removed with its expired hold.
+            Ok(i) if !i.deleted => i,
+            Ok(_) => {
+                return Err(codes::NOT_FOUND.error(format!(
+                    "no upload under r2_key {key:?} any more (its link expired unconfirmed)"
+                )));
+            }
             Err(e) if e.kind() == object_store::InfoErrorKind::NotFound => {
                 return Err(codes::NOT_FOUND.error(format!(
                     "no upload landed under r2_key {key:?} (PUT the bytes to put_url first)"
@@ -489,6 +546,7 @@ impl UploadService {
             .await
             .map_err(storage_error)?;
         reservation.commit();
+        self.files.unhold(&ctx.user, &hold_id(Bucket::Uploads, key)).await;
         Ok(self.envelope(key, &mime, size, "confirm"))
     }
 }

@@ -21,7 +21,7 @@
 //! | `<prefix>_oauth_accounts` | KV (fleet-services: OAuth accounts, spec §8.8) | `<user_key>` → the user's connected accounts per provider, their refresh tokens and cached access tokens sealed (a wrapped data key and AES-256-GCM ciphertexts) | history 1, no `max_age`, `max_value_size` = 64 KiB, file storage |
 //! | `<prefix>_oauth_state` | KV (fleet-services: the OAuth connect flow) | `<sha256(state)>` → a started flow: its user, provider, binding digest and sealed PKCE verifier (single use) | history 1, `max_age` = 10 min, `max_value_size` = 4 KiB |
 //! | `<prefix>_aps_kv` | KV (fleet-services: `storage/*`) | `<user_key>.<scope>.<sha256(key)>` → a value's envelope | history 1, no `max_age`, `max_value_size` = 256 KiB + 64 KiB |
-//! | `<prefix>_aps_usage` | KV (fleet-services: storage quota) | `<user_key>` → the user's stored bytes | history 1, no `max_age`, `max_value_size` = 64 B |
+//! | `<prefix>_aps_usage` | KV (fleet-services: storage quota) | `<user_key>` → the user's stored bytes (decimal), or with the holds of their uploads not completed `{used, holds: [{id, bytes, exp}]}` | history 1, no `max_age`, `max_value_size` = 32 KiB |
 //! | `<prefix>_usage` | KV (fleet-services: the daily quotas of `image/*` and `web/*`) | `<family>.<user_key>` → the user's units of the family's window, per slot (`image.`: images per minute of the last 24 h; `web.`: compute units of the UTC day) | history 1, `max_age` = 25 h, `max_value_size` = 64 KiB |
 //! | `<prefix>_agent_sessions` | KV (fleet-services: `agent/session.*`) | `s.<user_key>.<hash of tool_id>.<uuid>` → a session (settings, history); `r.<user_key>.<hash of tool_id>.<uuid>` → its run lease (run id, holder, expiry, cancel flag); `u.<user_key>` → the user's sessions in least-recently-used order | history 1, `max_age` = a session's lifetime (24 h) + 1 h, `max_value_size` = 512 KiB |
 //! | `<prefix>_delegations` | KV (fleet: the delegations of jobs) | hex SHA-256 of a job delegation's secret → `{user, plugin, job_id, deadline_ms, depth}` (never the secret) | history 1, `max_age` = the longest job deadline (24 h) + 1 h, `max_value_size` = 4 KiB; written by fronts only |
@@ -162,8 +162,10 @@ pub const DELEGATION_MAX_BYTES: usize = 4 * KIB;
 /// How long a job delegation is kept at most: the longest job deadline (24 h) and an hour.
 pub const DELEGATION_MAX_AGE: Duration = Duration::from_millis(limits::JOB_DEADLINE_MAX_MS + 3_600_000);
 
-/// Largest value of `<prefix>_aps_usage`: one user's stored bytes, in decimal digits.
-pub const APS_USAGE_MAX_BYTES: usize = 64;
+/// Largest value of `<prefix>_aps_usage`: one user's stored bytes and the holds of their uploads not completed
+/// (at most [`limits::PENDING_UPLOADS_MAX_PER_USER`], each an object name of at most ~700 bytes, its size and its
+/// expiry), in JSON: 1 KiB per hold.
+pub const APS_USAGE_MAX_BYTES: usize = limits::PENDING_UPLOADS_MAX_PER_USER * KIB;
 
 /// How long staged APS file bytes (`<prefix>_aps_staging`) and their pending records (`<prefix>_aps_pending`)
 /// are kept without `upload_complete`.
@@ -983,7 +985,7 @@ mod tests {
             (
                 s.aps_usage_kv_config(),
                 ("p_aps_usage", "APS storage bytes per user"),
-                (1, 64, Duration::ZERO, 0, memory),
+                (1, 32 * 1024, Duration::ZERO, 0, memory),
             ),
             (
                 s.aps_kv_config(320 * 1024),
