@@ -51,6 +51,7 @@ const RUST_TOOLS: &[&str] = &[
     "write_file",
     "read_file",
     "exit_after",
+    "fill",
 ];
 
 async fn guard<T>(what: &str, fut: impl Future<Output = T>) -> T {
@@ -379,6 +380,14 @@ async fn v2_handshake_and_describe_camel() {
     assert_eq!(
         params("exit_after"),
         owned(&[("ms", "integer", true), ("code", "integer", false)])
+    );
+    assert_eq!(
+        params("fill"),
+        owned(&[
+            ("name", "string", true),
+            ("mib", "integer", true),
+            ("workspace", "boolean", false)
+        ])
     );
 
     assert_eq!(

@@ -633,6 +633,7 @@ async fn one_users_memory_bomb_across_sessions_leaves_another_user_alive() {
     config.user_limits = UserLimits {
         memory_bytes: 100 << 20,
         pids_max: 1024,
+        ..UserLimits::default()
     };
     let plugins = [
         Plugin::echo("a1", &[]),
@@ -1245,4 +1246,63 @@ async fn a_worker_that_stops_leaves_no_stub_behind() {
     );
     assert!(waiting_stubs(&w).is_empty(), "{:?}", waiting_stubs(&w));
     assert_eq!(w.sandbox.stubs_ready(), 0);
+}
+
+/// The bytes of a user's TMPDIRs and workspaces together are capped by the kernel: a plugin writing past its
+/// user's cap gets `ENOSPC` at exactly the cap (its other tool's workspace counts), while another user's plugin
+/// on the same worker writes its own whole cap at the same moment, and both sessions live on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_writing_past_its_users_disk_gets_enospc_and_another_user_writes_on() {
+    const DISK_MIB: u64 = 16;
+    const ENOSPC: i64 = 28;
+    let mut config: WorkerConfig = test_config("disk");
+    config.user_limits.disk_bytes = DISK_MIB << 20;
+    let plugins = [Plugin::echo("d1", &[]), Plugin::echo("d2", &[])];
+    let w = Arc::new(TestWorker::start(config, &plugins));
+    let fill = |user: &'static str, tool: &'static str, name: &'static str, mib: u64, workspace: bool| {
+        let w = w.clone();
+        async move {
+            let out = call(
+                &w,
+                user,
+                tool,
+                req("fill", json!({"name": name, "mib": mib, "workspace": workspace})),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{user}/{tool}: {e}"));
+            assert!(out.success(), "{:?}", out.error_message());
+            out.data().unwrap()
+        }
+    };
+    // Half of alice's cap in one tool's workspace.
+    let half = fill("alice", "d1", "half", DISK_MIB / 2, true).await;
+    assert_eq!(half, json!({"written": (DISK_MIB / 2) << 20, "errno": null}));
+    let alice_pid = w.pool.session("alice", "d2").unwrap();
+    let bob = w.pool.session("bob", "d1").unwrap();
+    // At the same moment: alice's other tool tries her whole cap in its TMPDIR, bob writes exactly his.
+    let (over, within) = tokio::join!(
+        fill("alice", "d2", "over", DISK_MIB, false),
+        fill("bob", "d1", "all", DISK_MIB, false),
+    );
+    assert_eq!(
+        over,
+        json!({"written": (DISK_MIB / 2) << 20, "errno": ENOSPC}),
+        "stopped at the user's cap, both tools and both directories counted"
+    );
+    assert_eq!(within, json!({"written": DISK_MIB << 20, "errno": null}));
+    // Nothing else noticed: both sessions serve on, alice's in the same process.
+    let pid = alice_pid.pid();
+    let echo = call(&w, "alice", "d2", req("echo", json!({"x": 1})))
+        .await
+        .unwrap();
+    assert!(echo.success());
+    assert_eq!(alice_pid.pid(), pid);
+    assert!(
+        call(&w, "bob", "d1", req("echo", json!({"x": 1})))
+            .await
+            .unwrap()
+            .success()
+    );
+    assert!(bob.pid().is_some());
+    w.pool.shutdown().await;
 }

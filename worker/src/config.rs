@@ -248,6 +248,18 @@ pub struct UserLimits {
     pub memory_bytes: u64,
     /// Processes and threads of all the user's sessions together.
     pub pids_max: u64,
+    /// Bytes all the user's TMPDIRs and workspaces on a worker may hold together: the size of the user's own
+    /// tmpfs (with isolation; `crate::sandbox` "Disk"). A plugin writing past it gets `ENOSPC`.
+    #[serde(default = "default_user_disk_bytes")]
+    pub disk_bytes: u64,
+}
+
+/// [`UserLimits::disk_bytes`]' default: 256 MiB, below a session's default memory limit (512 MiB) because the
+/// tmpfs's pages are charged to the memory cgroup of the session that writes them.
+pub const DEFAULT_USER_DISK_BYTES: u64 = 256 * 1024 * 1024;
+
+fn default_user_disk_bytes() -> u64 {
+    DEFAULT_USER_DISK_BYTES
 }
 
 impl Default for UserLimits {
@@ -255,6 +267,7 @@ impl Default for UserLimits {
         UserLimits {
             memory_bytes: 2 * 1024 * 1024 * 1024,
             pids_max: 1024,
+            disk_bytes: DEFAULT_USER_DISK_BYTES,
         }
     }
 }
@@ -300,6 +313,11 @@ pub struct WorkerConfig {
     pub sandbox_stub: Option<PathBuf>,
     /// The ceiling on each user's sessions together.
     pub user_limits: UserLimits,
+    /// What the users this worker admits may hold together, in bytes: a new user is admitted only while the
+    /// sum of the admitted users' memory ceilings and disk caps (`user_limits.memory_bytes +
+    /// user_limits.disk_bytes` each) stays within it. 0: the worker's own memory limit (its cgroup's, else the
+    /// machine's memory).
+    pub user_budget_bytes: u64,
     /// Network egress granted to some plugins.
     pub egress: Egress,
     /// How installs are prepared (`uv sync`).
@@ -366,6 +384,7 @@ impl Default for WorkerConfig {
             workspace: WorkspaceSharing::default(),
             confinement: Confinement::default(),
             user_limits: UserLimits::default(),
+            user_budget_bytes: 0,
             egress: Egress::default(),
             preparation: Preparation::default(),
             favor_dynmods: true,

@@ -21,10 +21,12 @@ pub enum PoolError {
     /// No such plugin in the catalogue.
     #[error("unknown plugin {0:?}")]
     UnknownPlugin(String),
-    /// Every session slot is busy.
+    /// Every session slot is busy, or the worker admits no more users (retriable: another worker may have room,
+    /// and this one has once sessions go idle).
     #[error("no session slot free ({scope} limit {limit}; every session is busy)")]
     Capacity {
-        /// `worker` or `user`.
+        /// `worker` or `user` (the session caps), `user_budget` (the users' memory ceilings and disk caps fill
+        /// the worker's budget: `limit` users are admitted) or `uids` (every uid of the range is held).
         scope: &'static str,
         /// The limit.
         limit: usize,
@@ -358,7 +360,7 @@ impl Pool {
                 })?;
                 evicted.extend(sessions.remove(&victim));
             }
-            let session = Session::new(user, &install, &self.inner.ctx)?;
+            let session = Session::new(user, &install, &self.inner.ctx).map_err(admission)?;
             sessions.insert(key, session.clone());
             session
         };
@@ -579,6 +581,22 @@ impl Pool {
         let sandbox = self.inner.ctx.sandbox.clone();
         set.spawn(async move { sandbox.shutdown_stubs().await });
         while set.join_next().await.is_some() {}
+    }
+}
+
+/// A session refused because the worker's users fill its budget or its uids is a [`PoolError::Capacity`].
+fn admission(e: SessionError) -> PoolError {
+    use crate::sandbox::SandboxError;
+    match e {
+        SessionError::Sandbox(SandboxError::UserBudget { admitted, .. }) => PoolError::Capacity {
+            scope: "user_budget",
+            limit: admitted,
+        },
+        SessionError::Sandbox(SandboxError::UidRangeExhausted { count, .. }) => PoolError::Capacity {
+            scope: "uids",
+            limit: usize::try_from(count).unwrap_or(usize::MAX),
+        },
+        e => PoolError::Session(e),
     }
 }
 

@@ -583,18 +583,17 @@ async fn user_spaces_are_separate_stable_and_safe() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(stderr.matches("Permission denied").count(), 2, "{out:?}");
 
-    // Stable across a restart on the same state_dir; a newcomer gets a fresh uid.
-    let restarted = Sandbox::new(&f.config).expect("sandbox");
-    assert_eq!(restarted.user_space("bob", "tool-a").expect("bob").uid, bob.uid);
-    assert_eq!(
-        restarted.user_space("alice", "other").expect("alice").uid,
-        alice_other.uid
-    );
-    let carol = restarted
-        .user_space("carol", "t")
-        .expect("carol")
-        .uid
-        .expect("uid");
+    // Stable across a restart on the same state_dir (the table a predecessor left); a newcomer gets a fresh uid.
+    let mut config = f.config.clone();
+    // Room for every user below held at once (each costs its memory ceiling and its disk cap).
+    config.user_budget_bytes = 16 * (config.user_limits.memory_bytes + config.user_limits.disk_bytes);
+    let restarted = Sandbox::new(&config).expect("sandbox");
+    let bob_again = restarted.user_space("bob", "tool-a").expect("bob");
+    assert_eq!(bob_again.uid, bob.uid);
+    let alice_again = restarted.user_space("alice", "other").expect("alice");
+    assert_eq!(alice_again.uid, alice_other.uid);
+    let carol_space = restarted.user_space("carol", "t").expect("carol");
+    let carol = carol_space.uid.expect("uid");
     assert!(carol != a_uid && carol != b_uid && (FIRST_UID..FIRST_UID + 1000).contains(&carol));
     let table: BTreeMap<String, u32> = serde_json::from_str(
         &std::fs::read_to_string(f.config.state_dir.join("uids.json")).expect("uids.json"),
@@ -614,8 +613,8 @@ async fn user_spaces_are_separate_stable_and_safe() {
     );
     assert_eq!(table.len(), 4, "{table:?}");
 
-    // Hostile user and tool ids map to distinct, safe keys inside state_dir/users.
-    let users_dir = f.config.state_dir.join("users");
+    // Hostile user and tool ids map to distinct, safe keys and directories inside state_dir (a user's directory
+    // is its disk, `disks/<worker>/<n>`, with isolation).
     let hostile = [
         "../../etc",
         "a/b",
@@ -629,8 +628,22 @@ async fn user_spaces_are_separate_stable_and_safe() {
     ];
     let mut keys = HashSet::new();
     let mut uids = HashSet::new();
+    let mut user_dirs = HashSet::new();
+    let mut held = Vec::new();
     for user in hostile {
         let space = restarted.user_space(user, "../../tool/../x").expect("user_space");
+        let user_dir = space
+            .tmpdir
+            .parent()
+            .and_then(Path::parent)
+            .expect("user dir")
+            .to_path_buf();
+        assert!(
+            user_dir.starts_with(&f.config.state_dir),
+            "{}",
+            user_dir.display()
+        );
+        assert!(user_dirs.insert(user_dir.clone()), "a directory per user");
         assert_eq!(space.user_key.len(), 32);
         assert!(space.user_key.bytes().all(|b| b.is_ascii_hexdigit()));
         let tool_key = space
@@ -638,14 +651,8 @@ async fn user_spaces_are_separate_stable_and_safe() {
             .file_name()
             .and_then(|n| n.to_str())
             .expect("tool key");
-        assert_eq!(
-            space.workspace,
-            users_dir.join(&space.user_key).join("workspaces").join(tool_key)
-        );
-        assert_eq!(
-            space.tmpdir.parent(),
-            Some(users_dir.join(&space.user_key).join("tmp").as_path())
-        );
+        assert_eq!(space.workspace, user_dir.join("workspaces").join(tool_key));
+        assert_eq!(space.tmpdir.parent(), Some(user_dir.join("tmp").as_path()));
         let tool_key = space
             .tmpdir
             .file_name()
@@ -656,8 +663,9 @@ async fn user_spaces_are_separate_stable_and_safe() {
             "{tool_key}"
         );
         assert!(space.tmpdir.is_dir() && space.workspace.is_dir());
-        keys.insert(space.user_key);
+        keys.insert(space.user_key.clone());
         uids.insert(space.uid);
+        held.push(space);
     }
     assert_eq!(keys.len(), hostile.len());
     assert_eq!(uids.len(), hostile.len());
@@ -750,13 +758,18 @@ fn users_only_config(state: &Path, count: u32) -> WorkerConfig {
     }
 }
 
+/// Exhaustion only when every uid of the range is held by a live identity; known identities are still served.
 #[tokio::test]
-async fn uid_range_exhaustion_is_an_error() {
+async fn uid_range_exhaustion_is_an_error_only_while_every_uid_is_held() {
     let state = tempfile::tempdir().expect("tempdir");
     let sb = Sandbox::new(&users_only_config(state.path(), 2)).expect("sandbox");
-    let a = sb.user_space("a", "t").expect("a").uid;
-    let b = sb.user_space("b", "t").expect("b").uid;
-    assert_eq!((a, b), (Some(FIRST_UID), Some(FIRST_UID + 1)), "sequential");
+    let a = sb.user_space("a", "t").expect("a");
+    let b = sb.user_space("b", "t").expect("b");
+    assert_eq!(
+        (a.uid, b.uid),
+        (Some(FIRST_UID), Some(FIRST_UID + 1)),
+        "sequential"
+    );
     let err = sb.user_space("c", "t").expect_err("range of 2 is full");
     assert!(
         matches!(err, sandbox::SandboxError::UidRangeExhausted { count: 2, .. }),
@@ -764,9 +777,160 @@ async fn uid_range_exhaustion_is_an_error() {
     );
     assert_eq!(
         sb.user_space("a", "t").expect("known user").uid,
-        a,
+        a.uid,
         "known users still served"
     );
+    // Once an identity is idle (no hold left), its uid goes to the next new one.
+    drop(a);
+    let c = sb.user_space("c", "t").expect("a's uid was reclaimed");
+    assert_eq!(c.uid, Some(FIRST_UID));
+    drop((b, c));
+}
+
+/// More distinct users than the uid range over time: every idle identity's uid is reused and its directories
+/// wiped, so a stream of fresh users never exhausts the range.
+#[tokio::test]
+async fn a_stream_of_fresh_users_never_exhausts_the_uid_range() {
+    const RANGE: u32 = 3;
+    let state = tempfile::tempdir().expect("tempdir");
+    let sb = Sandbox::new(&users_only_config(state.path(), RANGE)).expect("sandbox");
+    // One user stays live throughout: its uid is never handed to anyone else.
+    let resident = sb.user_space("resident", "t").expect("resident");
+    let mut seen = HashSet::new();
+    for i in 0..(RANGE * 10) {
+        let user = format!("churn-{i}");
+        let a = sb.user_space(&user, "t1").expect("never exhausted");
+        let b = sb.user_space(&user, "t2").expect("never exhausted");
+        assert_ne!(a.uid, resident.uid, "a live identity's uid is never reused");
+        assert_ne!(b.uid, resident.uid);
+        assert_ne!(a.uid, b.uid, "two live identities never share a uid");
+        std::fs::write(a.tmpdir.join("secret"), user.as_bytes()).expect("write");
+        std::fs::write(b.workspace.join("secret"), user.as_bytes()).expect("write");
+        seen.extend([a.uid, b.uid]);
+        let dirs = [a.tmpdir.clone(), a.workspace.clone(), b.tmpdir.clone()];
+        drop((a, b));
+        for d in dirs {
+            assert!(
+                !d.exists(),
+                "an idle identity's directory is wiped: {}",
+                d.display()
+            );
+        }
+        let user_dir = state.path().join("users").join(names_user_key(&user));
+        assert!(!user_dir.exists(), "an idle user's directory is wiped");
+    }
+    assert_eq!(seen.len(), 2, "the two free uids were reused: {seen:?}");
+    let table: BTreeMap<String, u32> =
+        serde_json::from_slice(&std::fs::read(state.path().join("uids.json")).expect("uids.json"))
+            .expect("json");
+    assert_eq!(
+        table.values().copied().collect::<Vec<_>>(),
+        vec![resident.uid.unwrap()],
+        "only the live identity keeps an entry"
+    );
+}
+
+/// The user key (`UserSpace::user_key`) of `user`, through the sandbox's own function.
+fn names_user_key(user: &str) -> String {
+    fleet_proto::api::user_key(user)
+}
+
+/// Entries a previous worker left in `uids.json` (its users not live here) are reclaimed when the range is full.
+#[tokio::test]
+async fn a_predecessors_idle_uids_are_reclaimed_when_the_range_is_full() {
+    let state = tempfile::tempdir().expect("tempdir");
+    {
+        let before = Sandbox::new(&users_only_config(state.path(), 2)).expect("sandbox");
+        let a = sb_keep(&before, "old-a");
+        let b = sb_keep(&before, "old-b");
+        // A killed worker runs no reclaim: its entries stay.
+        std::mem::forget((a, b));
+    }
+    let sb = Sandbox::new(&users_only_config(state.path(), 2)).expect("restarted");
+    let c = sb
+        .user_space("new-c", "t")
+        .expect("the predecessor's idle uids are reclaimed");
+    let d = sb.user_space("new-d", "t").expect("and the second one");
+    assert_ne!(c.uid, d.uid);
+    assert!(
+        !state.path().join("users").join(names_user_key("old-a")).exists(),
+        "its directories wiped first"
+    );
+    let err = sb.user_space("new-e", "t").expect_err("both held now");
+    assert!(
+        matches!(err, sandbox::SandboxError::UidRangeExhausted { .. }),
+        "{err}"
+    );
+}
+
+fn sb_keep(sb: &Sandbox, user: &str) -> UserSpace {
+    let space = sb.user_space(user, "t").expect("user_space");
+    std::fs::write(space.tmpdir.join("f"), b"x").expect("write");
+    space
+}
+
+/// A worker admits users while their memory ceilings and disk caps fit its budget: the last one that fits is
+/// admitted, the next is refused with a typed, retriable error, and admitted once another user went idle.
+#[tokio::test]
+async fn admission_stops_at_the_budget_boundary() {
+    const USERS: usize = 3;
+    let state = tempfile::tempdir().expect("tempdir");
+    let mut config = users_only_config(state.path(), 100);
+    // Without isolation no disk is capped: each user costs its memory ceiling. One byte short of a fourth.
+    config.user_budget_bytes = 4 * config.user_limits.memory_bytes - 1;
+    let sb = Sandbox::new(&config).expect("sandbox");
+    assert_eq!(sb.admitted_users(), (0, USERS));
+    let mut held: Vec<UserSpace> = (0..USERS)
+        .map(|i| sb.user_space(&format!("u{i}"), "t").expect("within the budget"))
+        .collect();
+    assert_eq!(sb.admitted_users(), (USERS, USERS));
+    // An admitted user's other tools cost nothing more.
+    let second_tool = sb
+        .user_space("u0", "other")
+        .expect("an admitted user's second tool");
+    let err = sb.user_space("next", "t").expect_err("past the budget");
+    match err {
+        sandbox::SandboxError::UserBudget {
+            admitted,
+            per_user,
+            budget,
+        } => {
+            assert_eq!(admitted, USERS);
+            assert_eq!(per_user, config.user_limits.memory_bytes);
+            assert_eq!(budget, config.user_budget_bytes);
+        }
+        other => panic!("{other}"),
+    }
+    // The preparations' internal user is not a tenant: never refused by the budget.
+    let build = sb
+        .user_space(sandbox::BUILD_USER, "tool-1")
+        .expect("builds are not admitted users");
+    drop(build);
+    // u0 still holds an identity: still admitted.
+    drop(held.remove(0));
+    assert!(
+        sb.user_space("next", "t").is_err(),
+        "u0 is still held by its second tool"
+    );
+    drop(second_tool);
+    let next = sb
+        .user_space("next", "t")
+        .expect("admitted once a user went idle");
+    assert_eq!(sb.admitted_users(), (USERS, USERS));
+    drop((next, held));
+}
+
+/// A budget that holds not even one user is refused at start, naming the setting.
+#[tokio::test]
+async fn a_budget_below_one_user_is_refused_at_start() {
+    let state = tempfile::tempdir().expect("tempdir");
+    let mut config = users_only_config(state.path(), 10);
+    config.user_budget_bytes = config.user_limits.memory_bytes - 1;
+    let err = Sandbox::new(&config).expect_err("no user fits");
+    assert!(err.to_string().contains("user_budget_bytes"), "{err}");
+    config.user_budget_bytes = config.user_limits.memory_bytes;
+    let sb = Sandbox::new(&config).expect("exactly one fits");
+    assert_eq!(sb.admitted_users(), (0, 1));
 }
 
 #[tokio::test]

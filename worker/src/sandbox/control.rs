@@ -739,6 +739,7 @@ mod tests {
         let limits = UserLimits {
             memory_bytes: 1 << 30,
             pids_max: 500,
+            ..UserLimits::default()
         };
         let v2 = user_limit_writes(
             &Dirs::V2 {

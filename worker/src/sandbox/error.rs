@@ -102,13 +102,40 @@ pub enum SandboxError {
         #[source]
         source: io::Error,
     },
-    /// [`user_space`](super::Sandbox::user_space): every uid of the `run_as` range is taken.
+    /// [`user_space`](super::Sandbox::user_space): every uid of the `run_as` range is held by a live identity
+    /// (idle identities are reclaimed first).
     #[error("the per-user uid range [{first}, {first}+{count}) is exhausted")]
     UidRangeExhausted {
         /// First uid of the range.
         first: u32,
         /// Size of the range.
         count: u32,
+    },
+    /// [`user_space`](super::Sandbox::user_space): a new user would take the admitted users' memory ceilings and
+    /// disk caps past the worker's budget (`user_budget_bytes`). Retriable: users are admitted again as others go
+    /// idle, and another worker may have room.
+    #[error(
+        "this worker admits no more users: {admitted} admitted, each {per_user} bytes of the budget {budget}"
+    )]
+    UserBudget {
+        /// Users admitted now (the most the budget holds).
+        admitted: usize,
+        /// What each costs: its memory ceiling plus its disk cap.
+        per_user: u64,
+        /// The budget, in bytes.
+        budget: u64,
+    },
+    /// [`Sandbox::new`](super::Sandbox::new): a user's disk (a size-capped tmpfs) could not be mounted or
+    /// wiped.
+    #[error("user disk {path}: {action}: {source}")]
+    UserDisk {
+        /// The mount point.
+        path: PathBuf,
+        /// What failed (`mount`, `unmount`, `wipe`).
+        action: &'static str,
+        /// The OS error.
+        #[source]
+        source: io::Error,
     },
     /// [`user_space`](super::Sandbox::user_space): the persisted uid table could not be read, parsed or written.
     #[error("uid table {path}: {source}")]

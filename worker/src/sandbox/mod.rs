@@ -48,6 +48,7 @@
 mod confine;
 mod control;
 mod detect;
+mod disk;
 mod error;
 mod names;
 mod netns;
@@ -82,8 +83,8 @@ pub use stub_msg::STUB_ARG;
 pub use stub_msg::Step as StubStep;
 pub use stub_pool::{ExecStatus, StubError};
 pub(crate) use stub_pool::{Stub, StubPool};
-pub use users::UserSpace;
-use users::Users;
+use users::{Admission, Users};
+pub use users::{Hold, UserSpace};
 
 use crate::config::{EGRESS_PROXY_PORT, IsolationMode, ResourceLimits, UserLimits, WorkerConfig};
 use crate::egress::{EgressCounters, Policy};
@@ -262,7 +263,27 @@ impl Sandbox {
     /// forked probe that executes nothing; a worker that cannot confine as configured refuses to start
     /// ([`SandboxError::Unavailable`] naming the setting to turn off).
     pub fn new(config: &WorkerConfig) -> Result<Sandbox, SandboxError> {
-        let users = Users::new(&config.state_dir, &config.run_as, config.workspace)?;
+        // The users' disks are mounted before the first stub unshares its mount namespace (`disk.rs`).
+        let disk = (config.isolation == IsolationMode::Cgroup && rustix::process::geteuid().is_root())
+            .then_some(config.user_limits.disk_bytes);
+        if disk.is_none() {
+            tracing::warn!(
+                "the users' TMPDIRs and workspaces are not capped (that needs isolation and root)"
+            );
+        }
+        let budget = match config.user_budget_bytes {
+            0 => users::worker_memory_limit(),
+            set => set,
+        };
+        let per_user = config.user_limits.memory_bytes.saturating_add(disk.unwrap_or(0));
+        let admission = Admission::new(budget, per_user)?;
+        let users = Users::new(
+            &config.state_dir,
+            &config.run_as,
+            config.workspace,
+            admission,
+            disk.map(|bytes| (bytes, config.worker_id.as_str())),
+        )?;
         let (subtree, confine) = match config.isolation {
             IsolationMode::None => {
                 tracing::warn!(
@@ -696,6 +717,12 @@ impl Sandbox {
     /// the range is full.
     pub fn user_space(&self, user: &str, tool_id: &str) -> Result<UserSpace, SandboxError> {
         self.inner.users.user_space(user, tool_id)
+    }
+
+    /// How many users hold an identity on this worker now, and the most its budget admits at once
+    /// (`user_budget_bytes` over each user's memory ceiling plus disk cap).
+    pub fn admitted_users(&self) -> (usize, usize) {
+        self.inner.users.admitted()
     }
 }
 

@@ -25,17 +25,18 @@
 //! `fchown`/`fchmod` on the opened descriptor, so even a symlink planted where a directory should be makes the
 //! call fail (`ELOOP`/`ENOTDIR`) instead of making the root worker chown or chmod the link's target.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs;
 use std::io::{self, Write};
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use rustix::fs::{FlockOperation, Gid, Mode, OFlags, Uid};
 use rustix::io::Errno;
 
+use super::disk::Disks;
 use super::{SandboxError, names};
 use crate::config::{RunAs, WorkspaceSharing};
 
@@ -55,6 +56,8 @@ pub struct UserSpace {
     pub tmpdir: PathBuf,
     /// The first 32 hex digits of sha256(user id).
     pub user_key: String,
+    /// Keeps this identity (its uid and directories) and its user's admission while any clone of this lives.
+    pub hold: Hold,
 }
 
 /// The `run_as: per_user` uid range, validated.
@@ -112,22 +115,127 @@ pub(crate) fn parse_table(text: &str, range: UidRange) -> Result<BTreeMap<String
     Ok(table)
 }
 
-/// Per-user identities and directories.
+/// Per-user identities, directories, disks and admission.
 #[derive(Debug)]
 pub(crate) struct Users {
+    shared: Arc<Shared>,
+}
+
+/// What [`Users`] and the holds of its identities share.
+#[derive(Debug)]
+struct Shared {
     state_dir: PathBuf,
     range: Option<UidRange>,
     sharing: WorkspaceSharing,
-    /// Cache of `uids.json` (entries never change once assigned); the lock also serialises allocation.
+    /// Cache of `uids.json`; the lock also serialises allocation. Taken after `live`'s, never before.
     table: Mutex<BTreeMap<String, u32>>,
+    /// The identities and users held in this process.
+    live: Mutex<Live>,
+    /// The users' disks (none without isolation: their directories are then on the state volume, uncapped).
+    disks: Option<Disks>,
+    admission: Admission,
+}
+
+/// How many users the worker's budget admits at once (see [`Sandbox::new`](super::Sandbox::new)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Admission {
+    /// The budget, in bytes.
+    pub(crate) budget: u64,
+    /// What one user costs: its memory ceiling, plus its disk cap when disks are capped.
+    pub(crate) per_user: u64,
+    /// `budget / per_user`, at most [`MAX_ADMITTED_USERS`].
+    pub(crate) max_users: usize,
+}
+
+/// The most users a worker admits at once, whatever its budget (each has a tmpfs mounted at start).
+pub(crate) const MAX_ADMITTED_USERS: usize = 1024;
+
+impl Admission {
+    /// The admission of `budget` for users costing `per_user` each; an error when not even one fits.
+    pub(crate) fn new(budget: u64, per_user: u64) -> Result<Admission, SandboxError> {
+        let max_users = usize::try_from(budget / per_user.max(1))
+            .unwrap_or(usize::MAX)
+            .min(MAX_ADMITTED_USERS);
+        if max_users == 0 {
+            return Err(SandboxError::Config {
+                reason: format!(
+                    "user_budget_bytes ({budget}) is smaller than one user's memory ceiling and disk cap                      ({per_user}): no user could be admitted"
+                ),
+            });
+        }
+        Ok(Admission {
+            budget,
+            per_user,
+            max_users,
+        })
+    }
+}
+
+/// What this process holds.
+#[derive(Debug, Default)]
+struct Live {
+    /// Holds per identity (`<user_key>/<tool_key>`).
+    identities: HashMap<String, usize>,
+    /// Per user key.
+    users: HashMap<String, LiveUser>,
+    /// Slots of [`Disks`] no user has.
+    free_slots: Vec<usize>,
+}
+
+#[derive(Debug)]
+struct LiveUser {
+    /// Its identities held.
+    identities: usize,
+    /// Its disk.
+    slot: Option<usize>,
+    /// Counted by the admission (every user but the worker's internal ones, `fleet:…`).
+    admitted: bool,
+}
+
+/// Keeps an identity (a (user, tool) uid and its directories) and its user's admission and disk: while any
+/// [`UserSpace`] holding it lives. When the last hold of an identity goes, its TMPDIR and workspace are wiped
+/// and its uid is free again; when the last identity of a user goes, the user's directories (its disk) are
+/// wiped and it leaves the admission. Holds compare equal: a hold is not part of what an identity is.
+#[derive(Clone, Default)]
+pub struct Hold(Option<Arc<Held>>);
+
+impl PartialEq for Hold {
+    fn eq(&self, _: &Hold) -> bool {
+        true
+    }
+}
+
+impl Eq for Hold {}
+
+impl std::fmt::Debug for Hold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "Hold" } else { "Hold(none)" })
+    }
+}
+
+struct Held {
+    shared: Arc<Shared>,
+    identity: String,
+    user_key: String,
+    /// The identity's own directories (its TMPDIR; its workspace unless shared by the user's tools).
+    dirs: Vec<PathBuf>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.shared.release(self);
+    }
 }
 
 impl Users {
-    /// Validates `run_as` (per-user needs root and a sane range) and prepares `state_dir`.
+    /// Validates `run_as` (per-user needs root and a sane range) and prepares `state_dir`; with `disk` (the cap
+    /// in bytes), mounts a disk per user `admission` admits (`disk.rs`) under `worker_id`'s directory.
     pub(crate) fn new(
         state_dir: &Path,
         run_as: &RunAs,
         sharing: WorkspaceSharing,
+        admission: Admission,
+        disk: Option<(u64, &str)>,
     ) -> Result<Users, SandboxError> {
         let range = match run_as {
             RunAs::Inherit => None,
@@ -172,20 +280,144 @@ impl Users {
                 });
             }
         }
+        let disks = match disk {
+            Some((bytes, worker_id)) => Some(Disks::mount(state_dir, worker_id, bytes, admission.max_users)?),
+            None => None,
+        };
+        let live = Live {
+            free_slots: disks
+                .as_ref()
+                .map(|_| (0..admission.max_users).rev().collect())
+                .unwrap_or_default(),
+            ..Live::default()
+        };
         Ok(Users {
-            state_dir: state_dir.to_path_buf(),
-            range,
-            sharing,
-            table: Mutex::new(BTreeMap::new()),
+            shared: Arc::new(Shared {
+                state_dir: state_dir.to_path_buf(),
+                range,
+                sharing,
+                table: Mutex::new(BTreeMap::new()),
+                live: Mutex::new(live),
+                disks,
+                admission,
+            }),
         })
+    }
+
+    /// How many users are admitted now, and the most the budget admits.
+    pub(crate) fn admitted(&self) -> (usize, usize) {
+        let live = self.shared.live.lock().unwrap_or_else(PoisonError::into_inner);
+        (
+            live.users.values().filter(|u| u.admitted).count(),
+            self.shared.admission.max_users,
+        )
     }
 
     /// See [`Sandbox::user_space`](super::Sandbox::user_space).
     pub(crate) fn user_space(&self, user: &str, tool_id: &str) -> Result<UserSpace, SandboxError> {
+        let shared = &self.shared;
         let user_key = names::user_key(user);
         let tool_key = names::unique_name(tool_id);
+        let identity = format!("{user_key}/{tool_key}");
+        let mut live = shared.live.lock().unwrap_or_else(PoisonError::into_inner);
+        let known = live.users.get(&user_key).map(|u| u.slot);
+        // The worker's internal users (a preparation's, a detection probe's: `fleet:`, which no token can name)
+        // are not tenants: not admitted, no disk of their own.
+        let admitted = !user.starts_with(fleet_proto::api::RESERVED_USER_PREFIX);
+        let slot = match known {
+            Some(slot) => slot,
+            None => shared.admit(&mut live, admitted)?,
+        };
+        let made = shared.make(&mut live, &user_key, &tool_key, slot);
+        let space = match made {
+            Ok(space) => space,
+            Err(e) => {
+                if let (None, Some(n)) = (known, slot) {
+                    shared.give_back(&mut live, n);
+                }
+                return Err(e);
+            }
+        };
+        let holds = live.identities.entry(identity.clone()).or_insert(0);
+        *holds += 1;
+        let first_hold = *holds == 1;
+        let entry = live.users.entry(user_key.clone()).or_insert(LiveUser {
+            identities: 0,
+            slot,
+            admitted,
+        });
+        if first_hold {
+            entry.identities += 1;
+        }
+        drop(live);
+        let mut dirs = vec![space.tmpdir.clone()];
+        if shared.sharing == WorkspaceSharing::PerTool {
+            dirs.push(space.workspace.clone());
+        }
+        Ok(UserSpace {
+            hold: Hold(Some(Arc::new(Held {
+                shared: shared.clone(),
+                identity,
+                user_key,
+                dirs,
+            }))),
+            ..space
+        })
+    }
+}
+
+impl Shared {
+    /// Admits a new user if it fits the budget (`admitted`: counted by it), with its disk's slot.
+    fn admit(&self, live: &mut Live, admitted: bool) -> Result<Option<usize>, SandboxError> {
+        if !admitted {
+            return Ok(None);
+        }
+        if live.users.values().filter(|u| u.admitted).count() >= self.admission.max_users {
+            return Err(self.full(live));
+        }
+        match &self.disks {
+            Some(_) => live.free_slots.pop().map(Some).ok_or_else(|| self.full(live)),
+            None => Ok(None),
+        }
+    }
+
+    fn full(&self, live: &Live) -> SandboxError {
+        SandboxError::UserBudget {
+            admitted: live.users.values().filter(|u| u.admitted).count(),
+            per_user: self.admission.per_user,
+            budget: self.admission.budget,
+        }
+    }
+
+    /// The directory of `user_key`'s files: its disk's slot, else `<state_dir>/users/<user_key>`.
+    fn user_dir(&self, user_key: &str, slot: Option<usize>) -> PathBuf {
+        match (&self.disks, slot) {
+            (Some(disks), Some(n)) => disks.slot(n),
+            _ => self.state_dir.join("users").join(user_key),
+        }
+    }
+
+    /// Empties slot `n` and gives it to the next user; a slot that cannot be emptied is never given again.
+    fn give_back(&self, live: &mut Live, n: usize) {
+        let Some(disks) = &self.disks else { return };
+        match disks.wipe(n) {
+            Ok(()) => live.free_slots.push(n),
+            Err(e) => {
+                tracing::warn!(slot = %disks.slot(n).display(), error = %e, "cannot empty a user's disk; it is not used again")
+            }
+        }
+    }
+
+    /// The identity `<user_key>/<tool_key>`'s uid (allocated if new) and directories, made.
+    fn make(
+        &self,
+        live: &mut Live,
+        user_key: &str,
+        tool_key: &str,
+        slot: Option<usize>,
+    ) -> Result<UserSpace, SandboxError> {
         let uid = match self.range {
-            Some(range) => Some(self.uid_for(&format!("{user_key}/{tool_key}"), range)?),
+            Some(range) => Some(self.uid_for(live, &format!("{user_key}/{tool_key}"), range)?),
             None => None,
         };
         let me = (
@@ -193,32 +425,38 @@ impl Users {
             rustix::process::getegid().as_raw(),
         );
         let owner = uid.map_or(me, |uid| (uid, uid));
-
-        let state = rustix::fs::open(
-            &self.state_dir,
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(|e| SandboxError::UserDir {
-            path: self.state_dir.clone(),
-            action: "open",
-            source: e.into(),
-        })?;
-        let users_path = self.state_dir.join("users");
-        let users = ensure_dir(&state, &users_path, me, 0o711)?;
-        let user_path = users_path.join(&user_key);
-        let user_dir = ensure_dir(&users, &user_path, me, 0o711)?;
+        let open_dir = |path: &Path| {
+            rustix::fs::open(
+                path,
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(|e| SandboxError::UserDir {
+                path: path.to_path_buf(),
+                action: "open",
+                source: e.into(),
+            })
+        };
+        let user_path = self.user_dir(user_key, slot);
+        let user_dir = if slot.is_some() && self.disks.is_some() {
+            open_dir(&user_path)?
+        } else {
+            let state = open_dir(&self.state_dir)?;
+            let users_path = self.state_dir.join("users");
+            let users = ensure_dir(&state, &users_path, me, 0o711)?;
+            ensure_dir(&users, &user_path, me, 0o711)?
+        };
         let (workspace, groups) = match self.sharing {
             WorkspaceSharing::PerTool => {
                 let all_path = user_path.join("workspaces");
                 let all = ensure_dir(&user_dir, &all_path, me, 0o711)?;
-                let workspace = all_path.join(&tool_key);
+                let workspace = all_path.join(tool_key);
                 ensure_dir(&all, &workspace, owner, 0o700)?;
                 (workspace, Vec::new())
             }
             WorkspaceSharing::PerUser => {
                 let group = match self.range {
-                    Some(range) => Some(self.uid_for(&user_key, range)?),
+                    Some(range) => Some(self.uid_for(live, user_key, range)?),
                     None => None,
                 };
                 let workspace = user_path.join("workspace");
@@ -235,7 +473,7 @@ impl Users {
         };
         let tmp_path = user_path.join("tmp");
         let tmp = ensure_dir(&user_dir, &tmp_path, me, 0o711)?;
-        let tmpdir = tmp_path.join(&tool_key);
+        let tmpdir = tmp_path.join(tool_key);
         ensure_dir(&tmp, &tmpdir, owner, 0o700)?;
         Ok(UserSpace {
             uid,
@@ -243,17 +481,128 @@ impl Users {
             groups,
             workspace,
             tmpdir,
-            user_key,
+            user_key: user_key.to_owned(),
+            hold: Hold::default(),
+        })
+    }
+
+    /// The last hold of `held`'s identity went: its directories are wiped and its uid freed (kept, and its
+    /// directories with it, when they cannot be wiped: a uid is never given to another identity while files of
+    /// the previous one remain where that uid can reach them); the user's too when it was the user's last.
+    fn release(&self, held: &Held) {
+        let mut live = self.live.lock().unwrap_or_else(PoisonError::into_inner);
+        match live.identities.get_mut(&held.identity) {
+            Some(holds) if *holds > 1 => {
+                *holds -= 1;
+                return;
+            }
+            Some(_) => {
+                live.identities.remove(&held.identity);
+            }
+            None => return,
+        }
+        let mut forget = Vec::new();
+        let wiped = held.dirs.iter().try_for_each(|d| remove_tree(d));
+        match wiped {
+            Ok(()) => forget.push(held.identity.clone()),
+            Err(e) => {
+                tracing::warn!(identity = %held.identity, error = %e, "cannot wipe an idle identity's directories; its uid stays taken")
+            }
+        }
+        let last = match live.users.get_mut(&held.user_key) {
+            Some(user) => {
+                user.identities = user.identities.saturating_sub(1);
+                user.identities == 0
+            }
+            None => false,
+        };
+        if last && let Some(user) = live.users.remove(&held.user_key) {
+            let wiped = match (&self.disks, user.slot) {
+                (Some(disks), Some(n)) => disks.wipe(n),
+                _ => remove_tree(&self.user_dir(&held.user_key, None)),
+            };
+            match wiped {
+                Ok(()) => {
+                    if let Some(n) = user.slot {
+                        live.free_slots.push(n);
+                    }
+                    forget.push(held.user_key.clone());
+                }
+                Err(e) => {
+                    tracing::warn!(user_key = %held.user_key, error = %e, "cannot wipe an idle user's directories; its uids stay taken")
+                }
+            }
+        }
+        if let Some(range) = self.range
+            && !forget.is_empty()
+            && let Err(e) = self.forget(&forget, range)
+        {
+            tracing::warn!(error = %e, "cannot free the uids of idle identities");
+        }
+    }
+
+    /// Removes from the uid table each of `keys`: an identity's key, or a user key (its group and every one of
+    /// its identities).
+    fn forget(&self, keys: &[String], range: UidRange) -> Result<(), SandboxError> {
+        self.edit_table(range, |table| {
+            table.retain(|k, _| {
+                !keys
+                    .iter()
+                    .any(|key| k == key || (!key.contains('/') && k.split('/').next() == Some(key.as_str())))
+            });
+            Ok(true)
         })
     }
 
     /// The id of `key` (`<user_key>/<tool_key>` for a tool's uid, `<user_key>` for a user's group), allocating
-    /// (and persisting) the next free one on first sight.
-    fn uid_for(&self, user_key: &str, range: UidRange) -> Result<u32, SandboxError> {
-        let mut cache = self.table.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(&uid) = cache.get(user_key) {
+    /// (and persisting) the lowest free one on first sight. When the range is full, the entries of users this
+    /// process does not hold (a predecessor's, or whose reclaim failed) are wiped and forgotten first.
+    fn uid_for(&self, live: &Live, key: &str, range: UidRange) -> Result<u32, SandboxError> {
+        if let Some(&uid) = self.table.lock().unwrap_or_else(PoisonError::into_inner).get(key) {
             return Ok(uid);
         }
+        let mut found = None;
+        self.edit_table(range, |table| {
+            if let Some(&uid) = table.get(key) {
+                found = Some(uid);
+                return Ok(false);
+            }
+            if next_free_uid(table, range).is_none() {
+                let idle: HashSet<String> = table
+                    .keys()
+                    .filter_map(|k| k.split('/').next())
+                    .filter(|u| !live.users.contains_key(*u))
+                    .map(str::to_owned)
+                    .collect();
+                for user_key in idle {
+                    match remove_tree(&self.user_dir(&user_key, None)) {
+                        Ok(()) => table.retain(|k, _| k.split('/').next() != Some(user_key.as_str())),
+                        Err(e) => tracing::warn!(user_key = %user_key, error = %e, "cannot wipe an idle user's directories"),
+                    }
+                }
+            }
+            let uid = next_free_uid(table, range).ok_or(SandboxError::UidRangeExhausted {
+                first: range.first,
+                count: range.count,
+            })?;
+            table.insert(key.to_owned(), uid);
+            found = Some(uid);
+            Ok(true)
+        })?;
+        found.ok_or(SandboxError::UidRangeExhausted {
+            first: range.first,
+            count: range.count,
+        })
+    }
+
+    /// Reads `uids.json` under its file lock, lets `edit` change it (`Ok(true)`: changed, written back), and
+    /// keeps the result as the cache.
+    fn edit_table(
+        &self,
+        range: UidRange,
+        edit: impl FnOnce(&mut BTreeMap<String, u32>) -> Result<bool, SandboxError>,
+    ) -> Result<(), SandboxError> {
+        let mut cache = self.table.lock().unwrap_or_else(PoisonError::into_inner);
         let table_path = self.state_dir.join("uids.json");
         let lock_path = self.state_dir.join("uids.json.lock");
         let table_err = |path: &Path, source| SandboxError::UidTable {
@@ -276,20 +625,46 @@ impl Users {
             Err(e) if e.kind() == io::ErrorKind::NotFound => BTreeMap::new(),
             Err(e) => return Err(table_err(&table_path, e)),
         };
-        let uid = match table.get(user_key) {
-            Some(&uid) => uid,
-            None => {
-                let uid = next_free_uid(&table, range).ok_or(SandboxError::UidRangeExhausted {
-                    first: range.first,
-                    count: range.count,
-                })?;
-                table.insert(user_key.to_owned(), uid);
-                save_table(&self.state_dir, &table_path, &table)?;
-                uid
-            }
-        };
+        let changed = edit(&mut table)?;
+        if changed {
+            save_table(&self.state_dir, &table_path, &table)?;
+        }
         *cache = table;
-        Ok(uid)
+        Ok(())
+    }
+}
+
+/// The worker's own memory limit: its memory cgroup's (`memory.max` on v2, `memory.limit_in_bytes` on v1, read
+/// where `/proc/self/cgroup` places it under `/sys/fs/cgroup`) when it has one below the machine's memory, else
+/// the machine's (`MemTotal`).
+pub(crate) fn worker_memory_limit() -> u64 {
+    let total = fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| super::control::parse_keyed(&t.replace(':', ""), "MemTotal"))
+        .map_or(u64::MAX, |kib| kib.saturating_mul(1024));
+    let cgroup = fs::read_to_string("/proc/self/cgroup").ok().and_then(|text| {
+        text.lines().find_map(|line| {
+            let mut parts = line.splitn(3, ':');
+            let (id, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+            let (dir, file) = if id == "0" && controllers.is_empty() {
+                (PathBuf::from("/sys/fs/cgroup"), "memory.max")
+            } else if controllers.split(',').any(|c| c == "memory") {
+                (PathBuf::from("/sys/fs/cgroup/memory"), "memory.limit_in_bytes")
+            } else {
+                return None;
+            };
+            let path = dir.join(path.trim_start_matches('/')).join(file);
+            fs::read_to_string(path).ok()?.trim().parse::<u64>().ok()
+        })
+    });
+    cgroup.map_or(total, |limit| limit.min(total))
+}
+
+/// Removes `dir` and everything beneath it (symbolic links removed, never followed); a missing `dir` is fine.
+fn remove_tree(dir: &Path) -> io::Result<()> {
+    match fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
     }
 }
 

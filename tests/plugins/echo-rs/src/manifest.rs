@@ -28,6 +28,7 @@ pub(crate) const TOOL_NAMES: &[&str] = &[
     "write_file",
     "read_file",
     "exit_after",
+    "fill",
 ];
 
 fn p(name: &str, ty: &str, description: &str, required: bool, default: Option<Value>) -> Value {
@@ -340,6 +341,22 @@ pub(crate) fn manifest(cfg: &Config) -> Value {
                     "Pads each request (params.pad) to exactly this many bytes of line; answers as count does.",
                     false,
                     Some(json!(0)),
+                ),
+            ],
+        ),
+        tool(
+            "fill",
+            "Writes `mib` MiB of zeros to `name` in its TMPDIR (or, with `workspace`, `ANNA_WORKSPACE_DIR`), 1 MiB at a time, and \
+             keeps the file; returns written (bytes) and errno (the OS error that stopped it, else null).",
+            &[
+                p("name", "string", "The file's name.", true, None),
+                p("mib", "integer", "MiB to write.", true, None),
+                p(
+                    "workspace",
+                    "boolean",
+                    "Write in the cwd (the workspace) instead of TMPDIR.",
+                    false,
+                    Some(json!(false)),
                 ),
             ],
         ),

@@ -304,6 +304,7 @@ fn run_tool(shared: &Arc<Shared>, tool: &str, args: &Args<'_>, context: &Value) 
         }
         "spawn_grandchild" => Ok(spawn_grandchild()),
         "alloc" => alloc(args),
+        "fill" => fill(args),
         "fork" => fork(args),
         "spin" => spin(args),
         "reverse_rpc" => reverse_rpc(shared, args, context),
@@ -530,6 +531,38 @@ fn alloc(args: &Args<'_>) -> ToolResult {
     thread::sleep(Duration::from_millis(hold));
     drop(v);
     Ok(Outcome::Data(json!({ "allocated_mib": mib })))
+}
+
+fn fill(args: &Args<'_>) -> ToolResult {
+    use std::io::Write as _;
+    let name = args.str_req("name")?;
+    let mib = args.u64_req("mib")?;
+    let var = if args.bool_or("workspace", false)? {
+        "ANNA_WORKSPACE_DIR"
+    } else {
+        "TMPDIR"
+    };
+    let dir = std::path::PathBuf::from(std::env::var_os(var).ok_or_else(|| bad_args("no such directory"))?);
+    let chunk = vec![0u8; 1 << 20];
+    let mut written = 0u64;
+    let errno = match std::fs::File::create(dir.join(name)) {
+        Ok(mut file) => (0..mib)
+            .try_for_each(|_| {
+                let n = file.write(&chunk)?;
+                written += n as u64;
+                if n < chunk.len() {
+                    file.write_all(&chunk[n..])?;
+                    written += (chunk.len() - n) as u64;
+                }
+                Ok::<(), std::io::Error>(())
+            })
+            .err()
+            .map(|e| e.raw_os_error()),
+        Err(e) => Some(e.raw_os_error()),
+    };
+    Ok(Outcome::Data(
+        json!({ "written": written, "errno": errno.flatten() }),
+    ))
 }
 
 fn fork(args: &Args<'_>) -> ToolResult {
