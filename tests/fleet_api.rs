@@ -561,7 +561,7 @@ async fn invoke_async_shape_deadlines_limits_and_results() {
     .await;
     assert_eq!(
         e.details,
-        Some(json!({"field": "args", "size": 65_537, "max": 65_536}))
+        Some(json!({"field": "args", "reason": "args_too_large", "size": 65_537, "max": 65_536}))
     );
 
     // clientTag ≤ 120 characters (not bytes).
@@ -2015,6 +2015,35 @@ async fn one_user_flooding_is_rate_limited_without_starving_another() {
     c.shutdown().await;
 }
 
+/// Sends each of `bodies` as a sync invoke of `user` in a task of its own, and returns once the first front
+/// handles all of them (the calls wait there until a worker registers).
+async fn hold_invokes(
+    c: &Cluster,
+    user: &str,
+    bodies: Vec<Value>,
+) -> Vec<tokio::task::JoinHandle<Result<Value, ApiError>>> {
+    let n = bodies.len();
+    let held = bodies
+        .into_iter()
+        .map(|body| {
+            let (app, token) = (c.app.clone(), c.token(user));
+            tokio::spawn(async move {
+                fleet_client::api::request(&app, &token, subjects::api(methods::TOOLS_INVOKE), &body, GUARD)
+                    .await
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + GUARD;
+    while c.fronts[0].0.in_flight_of(user) < n {
+        assert!(
+            Instant::now() < deadline,
+            "failure guard: the calls never reached the front"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    held
+}
+
 /// A user holds at most `max_in_flight_per_user` API requests on a front at once: one more is `rate_limited` at
 /// once with `details.max_in_flight` (never queued), another user is not held back, and room frees as calls end.
 /// The held calls are sync invokes waiting for a worker to register (none is, until the test adds one).
@@ -2028,29 +2057,8 @@ async fn a_user_holds_at_most_max_in_flight_requests_on_a_front() {
     })
     .await;
     c.wait_for_api(GUARD).await;
-    let held: Vec<_> = (0..2)
-        .map(|n| {
-            let (app, token) = (c.app.clone(), c.token("holder"));
-            tokio::spawn(async move {
-                fleet_client::api::request(
-                    &app,
-                    &token,
-                    subjects::api(methods::TOOLS_INVOKE),
-                    &json!({"tool_id": "echo.echo", "args": {"n": n}}),
-                    GUARD,
-                )
-                .await
-            })
-        })
-        .collect();
-    let deadline = Instant::now() + GUARD;
-    while c.fronts[0].0.in_flight_of("holder") < 2 {
-        assert!(
-            Instant::now() < deadline,
-            "failure guard: the two calls never reached the front"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let bodies = (0..2).map(|n| json!({"tool_id": "echo.echo", "args": {"n": n}}));
+    let held = hold_invokes(&c, "holder", bodies.collect()).await;
     let e = expect_err(
         &c,
         "holder",
@@ -2072,6 +2080,110 @@ async fn a_user_holds_at_most_max_in_flight_requests_on_a_front() {
     }
     c.ok("holder", methods::TOOLS_LIST, json!({})).await;
     assert_eq!(c.fronts[0].0.in_flight_of("holder"), 0);
+    c.shutdown().await;
+}
+
+/// A user's requests on a front are bounded in bytes as well as in count (`max_bytes_in_flight_per_user`): two
+/// held sync invokes exactly at the byte cap are admitted, one more request (even a 2-byte `tools.list`) is
+/// `rate_limited` at once with `{max_bytes_in_flight, bytes_in_flight}`, another user is not held back, and the
+/// bytes are given back as the calls end. The held calls wait for a worker to register.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_holds_at_most_max_bytes_in_flight_on_a_front() {
+    let mut c = Cluster::start("api-inflight-bytes", 0, 0, &[echo()]).await;
+    let bodies: Vec<Value> = (0..2)
+        .map(|n| json!({"tool_id": "echo.echo", "args": {"n": n, "s": "x".repeat(1000 * (n + 1))}}))
+        .collect();
+    let max = bodies.iter().map(|b| b.to_string().len()).sum::<usize>();
+    c.add_front_with(fleet::front::FrontConfig {
+        max_bytes_in_flight_per_user: max,
+        no_worker_wait: GUARD,
+        ..fleet::front::FrontConfig::default()
+    })
+    .await;
+    c.wait_for_api(GUARD).await;
+    let held = hold_invokes(&c, "heavy", bodies).await;
+    assert_eq!(c.fronts[0].0.bytes_in_flight_of("heavy"), max);
+    let e = expect_err(
+        &c,
+        "heavy",
+        methods::TOOLS_LIST,
+        json!({}),
+        ApiErrorCode::RateLimited,
+    )
+    .await;
+    assert_eq!(
+        e.details,
+        Some(json!({"max_bytes_in_flight": max, "bytes_in_flight": max})),
+        "{e:?}"
+    );
+    c.ok("light", methods::TOOLS_LIST, json!({})).await;
+    c.add_worker().await;
+    for call in held {
+        let answer = tokio::time::timeout(GUARD, call)
+            .await
+            .expect("failure guard")
+            .unwrap();
+        assert!(answer.is_ok(), "{answer:?}");
+    }
+    assert_eq!(c.fronts[0].0.bytes_in_flight_of("heavy"), 0);
+    c.ok("heavy", methods::TOOLS_LIST, json!({})).await;
+    c.shutdown().await;
+}
+
+/// A request's arguments are capped before they are parsed (`max_args_bytes`): a sync invoke of exactly the cap
+/// runs, one byte more is `invalid_arg` with `{field: "args", reason: "args_too_large", size, max}` — also when
+/// the bytes are not JSON at all (the size is judged first), over NATS and in-process alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_over_the_args_cap_is_refused_before_it_is_parsed() {
+    const MAX: usize = 1000;
+    let mut c = Cluster::start("api-args-cap", 0, 1, &[echo()]).await;
+    c.add_front_with(fleet::front::FrontConfig {
+        max_args_bytes: MAX,
+        ..fleet::front::FrontConfig::default()
+    })
+    .await;
+    c.wait_for_api(GUARD).await;
+    // `{"tool_id":"echo.echo","args":{"s":"xx…"}}` of exactly `len` bytes.
+    let sized = |len: usize| -> Value {
+        let frame = json!({"tool_id": "echo.echo", "args": {"s": ""}})
+            .to_string()
+            .len();
+        json!({"tool_id": "echo.echo", "args": {"s": "x".repeat(len - frame)}})
+    };
+    assert_eq!(sized(MAX).to_string().len(), MAX);
+    let at_cap = c.ok("capped", methods::TOOLS_INVOKE, sized(MAX)).await;
+    assert_eq!(at_cap, json!({"arguments": sized(MAX)["args"]}));
+    let over = expect_err(
+        &c,
+        "capped",
+        methods::TOOLS_INVOKE,
+        sized(MAX + 1),
+        ApiErrorCode::InvalidArg,
+    )
+    .await;
+    assert_eq!(
+        over.details,
+        Some(json!({"field": "args", "reason": "args_too_large", "size": MAX + 1, "max": MAX})),
+        "{over:?}"
+    );
+    let token = format!("Bearer {}", c.token("capped"));
+    let front = &c.fronts[0].0;
+    let not_json = vec![b'['; MAX + 1];
+    match front.handle(methods::TOOLS_INVOKE, Some(&token), &not_json).await {
+        ApiResponse::Err(e) => assert_eq!(
+            e.details,
+            Some(json!({"field": "args", "reason": "args_too_large", "size": MAX + 1, "max": MAX})),
+            "{e:?}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    match front
+        .handle(methods::TOOLS_INVOKE, Some(&token), &not_json[..MAX])
+        .await
+    {
+        ApiResponse::Err(e) => assert!(e.message.starts_with("arguments are not JSON"), "{e:?}"),
+        other => panic!("{other:?}"),
+    }
     c.shutdown().await;
 }
 

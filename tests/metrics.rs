@@ -128,7 +128,7 @@ async fn workload(name: &str) -> Cluster {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workload_counts_and_promtool_check_metrics() {
     let promtool = require("promtool");
-    let c = workload("metrics-counts").await;
+    let c = Box::pin(workload("metrics-counts")).await;
     // The worker-side counters settle once the jobs' invokes reached their sessions: 4 sync invokes, 2 jobs, and
     // the long jobs that ran (the agent's slots, plus the one the cancel started; the last still waits).
     let m = c.metrics.clone();
@@ -299,7 +299,7 @@ impl Drop for Child {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_prometheus_scrapes_the_fleet() {
     let prometheus = require("prometheus");
-    let c = workload("metrics-scrape").await;
+    let c = Box::pin(workload("metrics-scrape")).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let target = listener.local_addr().expect("addr").to_string();
     let server = tokio::spawn(fleet::metrics::serve(

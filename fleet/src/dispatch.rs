@@ -377,7 +377,7 @@ pub fn job_request(record: &fleet_store::JobRecord) -> ExecRequest {
         tool_id: record.tool_id.clone(),
         plugin: record.plugin.clone(),
         tool: record.tool.clone(),
-        arguments: record.args.clone(),
+        arguments: fleet_proto::api::RawArgs::from_map(&record.args),
         invoke_id: record.job_id.to_string(),
         timeout_ms: Some(record.timeout_ms),
         default_timeout_ms: record.timeout_ms,

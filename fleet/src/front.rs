@@ -11,8 +11,8 @@ use bytes::Bytes;
 use fleet_proto::api::delegation;
 use fleet_proto::api::worker::{ExecKind, ExecRequest};
 use fleet_proto::api::{
-    ApiError, ApiErrorCode, ApiResponse, CancelJobArgs, CancelJobResult, GetJobArgs, InvokeArgs,
-    InvokeAsyncArgs, InvokeAsyncResult, JobId, JobState, ListJobsArgs, ListJobsResult, ListToolsResult,
+    ApiError, ApiErrorCode, ApiResponse, CancelJobArgs, CancelJobResult, GetJobArgs, InvokeAsyncArgs,
+    InvokeAsyncResult, JobId, JobState, ListJobsArgs, ListJobsResult, ListToolsResult, RawInvokeArgs,
     ToolInfo, methods, parse_args, parse_body, subjects,
 };
 use fleet_proto::limits::{
@@ -55,6 +55,12 @@ pub struct FrontConfig {
     pub no_worker_wait: Duration,
     /// API requests of one user this front handles at once; one more is `rate_limited` at once.
     pub max_in_flight_per_user: usize,
+    /// Bytes of one API request's arguments (its whole payload: a sync `tools.invoke`'s `args` and envelope)
+    /// this front reads; a larger request is `invalid_arg` with reason `args_too_large` before it is parsed.
+    pub max_args_bytes: usize,
+    /// Bytes of API requests of one user this front holds at once (their payloads together); one more that would
+    /// pass it is `rate_limited` at once, like one past [`FrontConfig::max_in_flight_per_user`].
+    pub max_bytes_in_flight_per_user: usize,
 }
 
 impl Default for FrontConfig {
@@ -65,6 +71,8 @@ impl Default for FrontConfig {
             burst_per_user: 100,
             no_worker_wait: crate::dispatch::NO_WORKER_WAIT,
             max_in_flight_per_user: MAX_IN_FLIGHT_PER_USER,
+            max_args_bytes: MAX_ARGS_BYTES,
+            max_bytes_in_flight_per_user: MAX_BYTES_IN_FLIGHT_PER_USER,
         }
     }
 }
@@ -108,6 +116,22 @@ impl std::fmt::Debug for Front {
 /// API requests of one user a front handles at once by default ([`FrontConfig::max_in_flight_per_user`]): the rate
 /// limit bounds how many a user starts per second, this how many they hold — sync invokes last up to 90 s.
 pub const MAX_IN_FLIGHT_PER_USER: usize = 256;
+
+/// Bytes of one API request's arguments a front reads by default ([`FrontConfig::max_args_bytes`]): 1 MiB, room
+/// for a sync `tools.invoke` of inline text or a small file (larger inputs go through host files), and a bound on
+/// what one request makes a front hold (the request, its arguments kept as text, the worker's copy being sent).
+pub const MAX_ARGS_BYTES: usize = 1024 * 1024;
+
+/// Bytes of API requests one user has in flight on a front by default
+/// ([`FrontConfig::max_bytes_in_flight_per_user`]): 16 MiB, sixteen requests of [`MAX_ARGS_BYTES`]. A request in
+/// flight holds its payload, its arguments as text and, while it is sent to a worker, the sealed request: at most
+/// [`FRONT_COPIES_PER_REQUEST`] times its bytes, so one user makes a front hold at most 48 MiB of requests.
+pub const MAX_BYTES_IN_FLIGHT_PER_USER: usize = 16 * 1024 * 1024;
+
+/// Copies of a request's bytes a front holds while it serves it (the payload as received, the arguments as text,
+/// the exec request being sent): what [`MAX_BYTES_IN_FLIGHT_PER_USER`] is multiplied by to bound the memory one
+/// user's requests take.
+pub const FRONT_COPIES_PER_REQUEST: usize = 3;
 
 /// How often a front forgets the users whose rate-limit buckets are full again (such a user's state is no
 /// different from a new one's): the limiter holds the users of the last moments, not every user ever seen.
@@ -442,6 +466,12 @@ impl Front {
         self.inner.users_in_flight.current(user)
     }
 
+    /// Bytes of the API requests of `user` this front is handling now
+    /// ([`FrontConfig::max_bytes_in_flight_per_user`]).
+    pub fn bytes_in_flight_of(&self, user: &str) -> usize {
+        self.inner.users_in_flight.held(user).bytes
+    }
+
     /// Forgets the users whose rate-limit buckets are full again (their state is a new user's); returns how many
     /// users are still tracked. [`serve`](Self::serve) calls it every [`RATE_LIMIT_PRUNE_EVERY`].
     pub fn prune_rate_limits(&self) -> usize {
@@ -697,6 +727,11 @@ impl Front {
     }
 
     async fn delegated_inner(&self, method: &str, payload: &[u8]) -> Result<Value, ApiError> {
+        // The same cap as the API's, before parsing; the delegation's few hundred bytes ride within it.
+        let max = self.inner.config.max_args_bytes;
+        if payload.len() > max {
+            return Err(ApiError::args_too_large(payload.len(), max));
+        }
         let call: delegation::DelegatedCall = serde_json::from_slice(payload)
             .map_err(|_| ApiError::new(ApiErrorCode::InvalidArg, "not a delegated call"))?;
         let by = if call.delegation.front_id() == Some(delegation::JOBS) {

@@ -844,9 +844,13 @@ async fn run_sync(ctx: &Ctx, req: ExecRequest) -> ExecReply {
         req.default_timeout_ms,
         req.max_timeout_ms,
     );
+    // The arguments' tree is built here, where the plugin needs it (the front forwarded their text).
+    let Ok(arguments) = req.arguments.to_map() else {
+        return refuse(ApiError::invalid_arg("args", "args must be a JSON object"));
+    };
     let invoke = InvokeRequest {
         tool: req.tool,
-        arguments: req.arguments,
+        arguments,
         invoke_id: req.invoke_id,
         timeout: Some(Duration::from_millis(timeout_ms)),
         deadline_ms: Some(now_ms() + timeout_ms),

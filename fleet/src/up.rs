@@ -155,6 +155,14 @@ pub struct UpArgs {
     /// Admission: API requests of one user this front handles at once (more are `rate_limited`).
     #[arg(long, env = "FLEET_MAX_IN_FLIGHT_PER_USER", default_value_t = crate::front::MAX_IN_FLIGHT_PER_USER)]
     pub max_in_flight_per_user: usize,
+    /// Admission: bytes of one API request's arguments (a sync tools.invoke's whole request) this front reads;
+    /// larger requests are refused before they are parsed (invalid_arg, details.reason args_too_large).
+    #[arg(long, env = "FLEET_MAX_ARGS_BYTES", default_value_t = crate::front::MAX_ARGS_BYTES)]
+    pub max_args_bytes: usize,
+    /// Admission: bytes of API requests of one user this front holds at once (their payloads together; more are
+    /// rate_limited). A request held costs the front at most 3 times its bytes.
+    #[arg(long, env = "FLEET_MAX_BYTES_IN_FLIGHT_PER_USER", default_value_t = crate::front::MAX_BYTES_IN_FLIGHT_PER_USER)]
+    pub max_bytes_in_flight_per_user: usize,
     /// Host services (sampling, embeddings, APS storage and files, uploads).
     #[command(flatten)]
     pub services: fleet_services::args::ServicesArgs,
@@ -545,6 +553,8 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
             rate_per_user: args.rate_limit_per_sec,
             burst_per_user: args.rate_limit_burst,
             max_in_flight_per_user: args.max_in_flight_per_user,
+            max_args_bytes: args.max_args_bytes,
+            max_bytes_in_flight_per_user: args.max_bytes_in_flight_per_user,
             ..FrontConfig::default()
         },
         seal_signer.clone(),

@@ -364,6 +364,17 @@ impl ApiError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum JobQuotaDetails {
+    /// `invalid_arg` for a request's arguments over a size cap, with `{field: "args", reason: "args_too_large",
+    /// size, max}` ([`ARGS_TOO_LARGE`]): a sync `tools.invoke` request over the front's cap (refused before it is
+    /// parsed), or `tools.invokeAsync` args over 64 KB (spec §10.4).
+    pub fn args_too_large(size: usize, max: usize) -> Self {
+        ApiError::with_details(
+            ApiErrorCode::InvalidArg,
+            format!("args are {size} bytes, over the limit of {max}"),
+            json!({ "field": "args", "reason": ARGS_TOO_LARGE, "size": size, "max": max }),
+        )
+    }
+
     /// `max_retained_jobs_per_user` jobs were created within the retention; room frees when the user's oldest
     /// jobs leave it, `retry_after_ms` from the answer.
     Retained {
@@ -374,6 +385,10 @@ pub enum JobQuotaDetails {
         /// When a creation may succeed again, in ms from the answer.
         retry_after_ms: u64,
         /// Always `true`.
+/// The `details.reason` of an `invalid_arg` refusing arguments over a size cap ([`ApiError::args_too_large`]): the
+/// code stays `invalid_arg` (spec §10.10's closed list), the reason tells it from a malformed argument.
+pub const ARGS_TOO_LARGE: &str = "args_too_large";
+
         #[serde(default)]
         retriable: bool,
     },
@@ -791,6 +806,78 @@ pub struct InvokeAsyncArgs {
     /// The job deadline in ms (clamped to [60 s, 24 h], default 30 min).
     #[serde(rename = "timeoutMs", default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
+/// A tool's arguments kept as their JSON text, always an object: what a front forwards to a worker without building
+/// their tree ([`RawInvokeArgs::args`], [`worker::ExecRequest::arguments`]); the same JSON on the wire as a map.
+/// The default is `{}`.
+#[derive(Debug, Clone, Serialize)]
+#[serde(transparent)]
+pub struct RawArgs(Box<serde_json::value::RawValue>);
+
+impl RawArgs {
+    /// The arguments of `map`.
+    pub fn from_map(map: &Map<String, Value>) -> RawArgs {
+        serde_json::value::to_raw_value(map).map_or_else(|_| RawArgs::default(), RawArgs)
+    }
+
+    /// Their tree, where it is needed (the worker, handing them to the plugin).
+    pub fn to_map(&self) -> Result<Map<String, Value>, serde_json::Error> {
+        serde_json::from_str(self.0.get())
+    }
+
+    /// Their JSON text.
+    pub fn get(&self) -> &str {
+        self.0.get()
+    }
+}
+
+impl Default for RawArgs {
+    fn default() -> Self {
+        RawArgs(serde_json::value::RawValue::from_string("{}".to_owned()).unwrap_or_default())
+    }
+}
+
+impl PartialEq for RawArgs {
+    fn eq(&self, other: &Self) -> bool {
+        self.get() == other.get()
+    }
+}
+
+impl<'de> Deserialize<'de> for RawArgs {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let raw = Box::<serde_json::value::RawValue>::deserialize(deserializer)?;
+        // The text is valid JSON already; an object is the one shape tool arguments take.
+        if raw.get().trim_start().starts_with('{') {
+            Ok(RawArgs(raw))
+        } else {
+            Err(D::Error::custom("invalid type: arguments must be a JSON object"))
+        }
+    }
+}
+
+/// `tools.invoke` arguments as a front reads them: [`InvokeArgs`] with `args` kept as text ([`RawArgs`]), since the
+/// front only forwards them.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct RawInvokeArgs {
+    /// The tool id.
+    pub tool_id: String,
+    /// The tool name; required for ids without `.` or `__`.
+    #[serde(default)]
+    pub method: Option<String>,
+    /// The tool's arguments.
+    #[serde(default)]
+    pub args: Option<RawArgs>,
+    /// Requested timeout in ms (≥ 1000; clamped to 90 000).
+    #[serde(rename = "timeoutMs", default)]
+    pub timeout_ms: Option<u64>,
+}
+
+impl RawInvokeArgs {
+    /// [`InvokeArgs::validate`].
+    pub fn validate(&self) -> Result<Target, ApiError> {
+        validate_invoke(&self.tool_id, self.method.as_deref(), self.timeout_ms)
+    }
+}
+
     /// ≤ 120 chars.
     #[serde(rename = "clientTag", default, skip_serializing_if = "Option::is_none")]
     pub client_tag: Option<String>,
@@ -1004,18 +1091,7 @@ fn check_limit(field: &str, value: Option<u32>, max: u32) -> Result<(), ApiError
 impl InvokeArgs {
     /// The contract's format rules: `timeoutMs` ≥ 1000 (spec §10.3 HR-SI-01); the tool resolves.
     pub fn validate(&self) -> Result<Target, ApiError> {
-        if let Some(t) = self.timeout_ms
-            && t < limits::INVOKE_TIMEOUT_MIN_MS
-        {
-            return Err(ApiError::invalid_arg(
-                "timeoutMs",
-                format!(
-                    "timeoutMs must be at least {} ms, got {t}",
-                    limits::INVOKE_TIMEOUT_MIN_MS
-                ),
-            ));
-        }
-        Target::resolve(&self.tool_id, self.method.as_deref())
+        validate_invoke(&self.tool_id, self.method.as_deref(), self.timeout_ms)
     }
 }
 
@@ -1025,14 +1101,23 @@ impl InvokeAsyncArgs {
         if let Some(args) = &self.args {
             let size = serde_json::to_vec(args).map(|v| v.len()).unwrap_or(usize::MAX);
             if size > limits::MAX_JOB_ARGS_BYTES {
-                return Err(ApiError::with_details(
-                    ApiErrorCode::InvalidArg,
-                    format!(
-                        "args are {size} bytes, over the limit of {}",
-                        limits::MAX_JOB_ARGS_BYTES
-                    ),
-                    json!({ "field": "args", "size": size, "max": limits::MAX_JOB_ARGS_BYTES }),
-                ));
+                return Err(ApiError::args_too_large(size, limits::MAX_JOB_ARGS_BYTES));
+/// `tools.invoke`'s format rules, whichever way its arguments were read.
+fn validate_invoke(tool_id: &str, method: Option<&str>, timeout_ms: Option<u64>) -> Result<Target, ApiError> {
+    if let Some(t) = timeout_ms
+        && t < limits::INVOKE_TIMEOUT_MIN_MS
+    {
+        return Err(ApiError::invalid_arg(
+            "timeoutMs",
+            format!(
+                "timeoutMs must be at least {} ms, got {t}",
+                limits::INVOKE_TIMEOUT_MIN_MS
+            ),
+        ));
+    }
+    Target::resolve(tool_id, method)
+}
+
             }
         }
         check_chars(
@@ -1084,7 +1169,6 @@ impl ListJobsArgs {
 pub mod worker {
     use serde::{Deserialize, Serialize};
     use serde_json::value::RawValue;
-    use serde_json::{Map, Value};
 
     use super::{ApiError, JobId};
 
@@ -1111,9 +1195,9 @@ pub mod worker {
         pub plugin: String,
         /// The tool inside it.
         pub tool: String,
-        /// Arguments.
+        /// Arguments, as the app sent them (the front never parses them into a tree).
         #[serde(default)]
-        pub arguments: Map<String, Value>,
+        pub arguments: super::RawArgs,
         /// The invoke id (= job id for jobs).
         pub invoke_id: String,
         /// Explicit plugin-facing timeout (clamped); `None`: the manifest's tool timeout if declared, else

@@ -1031,7 +1031,7 @@ fn invoke_async_args_size_limit_is_exact() {
     assert_eq!(e.code, ApiErrorCode::InvalidArg);
     assert_eq!(
         e.details,
-        Some(json!({"field": "args", "size": 65_537, "max": 65_536}))
+        Some(json!({"field": "args", "reason": "args_too_large", "size": 65_537, "max": 65_536}))
     );
 }
 
@@ -1443,4 +1443,60 @@ fn seal_and_grant_inputs_are_length_prefixed_parts() {
         grant_input("W", "F", 1_700_000_000_000),
         framed(&[b"fleet-exec-grant-v1", b"W", b"F", b"1700000000000"])
     );
+}
+
+/// A front reads `tools.invoke`'s `args` as text (`RawInvokeArgs`): kept byte for byte, `null` or absent is no
+/// args, anything but an object is `invalid_arg` as with `InvokeArgs`; forwarded in the exec request, they are the
+/// same JSON a map gives, and the worker's tree is the app's.
+#[test]
+fn raw_invoke_args_keep_the_apps_text_and_forward_the_same_json() {
+    use fleet_proto::api::worker::ExecRequest;
+    use fleet_proto::api::{RawArgs, RawInvokeArgs};
+    let body =
+        br#"{"tool_id": "p", "method": "m", "args": {"q": [1, {"r": "s"}],  "t": 1.50}, "timeoutMs": 5000}"#;
+    let raw: RawInvokeArgs = parse_body(body).unwrap();
+    let tree: InvokeArgs = parse_body(body).unwrap();
+    let args = raw.args.clone().unwrap();
+    assert_eq!(
+        args.get(),
+        r#"{"q": [1, {"r": "s"}],  "t": 1.50}"#,
+        "the app's bytes, not re-serialized"
+    );
+    assert_eq!(args.to_map().unwrap(), tree.args.clone().unwrap());
+    assert_eq!(raw.validate().unwrap(), tree.validate().unwrap());
+    for none in [
+        &br#"{"tool_id": "a.b"}"#[..],
+        br#"{"tool_id": "a.b", "args": null}"#,
+    ] {
+        assert_eq!(parse_body::<RawInvokeArgs>(none).unwrap().args, None);
+    }
+    for bad in [
+        &br#"{"tool_id": "a.b", "args": [1]}"#[..],
+        br#"{"tool_id": "a.b", "args": "x"}"#,
+    ] {
+        let e = parse_body::<RawInvokeArgs>(bad).unwrap_err();
+        assert_eq!(e.code, ApiErrorCode::InvalidArg, "{e:?}");
+        assert!(e.message.starts_with("invalid arguments"), "{e:?}");
+    }
+    // From a tree too (a delegated call's arguments).
+    let from_tree: RawInvokeArgs = parse_args(&json!({"tool_id": "a.b", "args": {"k": "v"}})).unwrap();
+    assert_eq!(
+        from_tree.args.unwrap().to_map().unwrap(),
+        json!({"k": "v"}).as_object().unwrap().clone()
+    );
+    // The exec request: the same wire as a map, and `{}` when absent.
+    let map = tree.args.unwrap();
+    let req: ExecRequest = serde_json::from_value(json!({
+        "kind": "sync", "user": "u", "tool_id": "p", "plugin": "p", "tool": "m", "arguments": map,
+        "invoke_id": "i", "default_timeout_ms": 1, "max_timeout_ms": 2,
+    }))
+    .unwrap();
+    assert_eq!(req.arguments, RawArgs::from_map(&map));
+    let wire: Value = serde_json::to_value(&req).unwrap();
+    assert_eq!(wire["arguments"], Value::Object(map));
+    let mut bare = wire;
+    bare.as_object_mut().unwrap().remove("arguments");
+    let req: ExecRequest = serde_json::from_value(bare).unwrap();
+    assert_eq!(req.arguments.get(), "{}");
+    assert_eq!(RawArgs::default().to_map().unwrap(), Map::new());
 }
