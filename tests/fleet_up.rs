@@ -3467,3 +3467,125 @@ fn a_python_plugin_gets_oauth_tokens_through_fleet_up() {
     assert!(status.success(), "{status}");
     drop(runtime);
 }
+
+/// Issue 43, the review's probe as written (finding 5): with the `worker.creds` `fleet up` wrote, a `queued` job
+/// record for a victim is put into `fleet_jobs` (`nats kv put`) and named on the job queue (`nats pub`). Its tool
+/// would write a file (the echo plugin's `write_file`, unconfined under `--isolation none`): no worker runs it —
+/// the file never appears, the job is failed for its seal and `cloud_agents_job_seal_rejected_total` counts it —
+/// while the same call made through a front (`fleet invoke-async`) writes its file.
+#[test]
+fn a_job_forged_with_fleet_ups_worker_credentials_is_not_run() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let mut up = Up::start_over(|dir| {
+        let plugin = dir.join("catalogue").join("echo");
+        std::fs::create_dir_all(&plugin).unwrap();
+        let manifest = json!({
+            "tool_id": "echo",
+            "type": "binary",
+            "command": [fleet_e2e_client::echo_plugin_bin()],
+        });
+        std::fs::write(plugin.join("executa.json"), manifest.to_string()).unwrap();
+        (
+            dir.join("catalogue"),
+            vec!["--isolation".to_owned(), "none".to_owned()],
+        )
+    });
+    up.wait_ready();
+    // Where the plugin (under a uid of its own) may write.
+    let out = up._tmp.path().join("out");
+    std::fs::create_dir(&out).unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(up._tmp.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+        std::fs::set_permissions(&out, std::fs::Permissions::from_mode(0o777)).unwrap();
+    }
+    let forged_file = out.join("written-by-a-forged-job");
+    let genuine_file = out.join("written-by-a-genuine-job");
+    let url = std::fs::read_to_string(up.data_dir.join("nats-url")).unwrap();
+    let creds = up.data_dir.join("nats").join("worker.creds");
+    let now = fleet_proto::util::now_ms();
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let job_id = format!("tjob_{nanos:032x}");
+    let victim = fleet_proto::api::user_key("victim");
+    let record = json!({
+        "job_id": job_id, "user": "victim", "tool_id": "echo.write_file", "plugin": "echo", "tool": "write_file",
+        "args": {"path": forged_file, "content": "forged"}, "state": "queued",
+        "created_at_ms": now, "updated_at_ms": now, "deadline_ms": now + 60_000, "timeout_ms": 60_000,
+    });
+    let failed: Value = runtime.block_on(async {
+        let client = fleet_client::nats_conn::Connector::new(url.trim(), Some(creds))
+            .connect("attacker")
+            .await
+            .expect("fleet up's worker.creds connect");
+        let js = async_nats::jetstream::new(client);
+        let jobs = js.get_key_value("fleet_jobs").await.unwrap();
+        let key = format!("{victim}.{job_id}");
+        jobs.put(key.as_str(), record.to_string().into())
+            .await
+            .expect("the worker credential writes job records");
+        js.publish(
+            format!("fleet.v1.job_queue.{victim}"),
+            json!({"user": "victim", "job_id": job_id}).to_string().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .expect("the worker credential queues jobs");
+        let deadline = Instant::now() + GUARD;
+        loop {
+            let now: Value = serde_json::from_slice(&jobs.get(key.as_str()).await.unwrap().unwrap()).unwrap();
+            if !matches!(now["state"].as_str(), Some("queued" | "running")) {
+                break now;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "failure guard: the forged job never ended: {now}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    assert_eq!(
+        (
+            &failed["state"],
+            &failed["error"]["code"],
+            &failed["error"]["details"]["seal"]
+        ),
+        (&json!("failed"), &json!("permission_denied"), &json!("unsealed")),
+        "{failed}"
+    );
+    assert!(failed.get("result").is_none_or(Value::is_null), "{failed}");
+    let (_, metrics) = http_get(&up.http, "/metrics");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "cloud_agents_job_seal_rejected_total{reason=\"unsealed\",by=\"worker\"} 1"),
+        "{metrics}"
+    );
+    // The same call through a front runs, and its plugin writes.
+    let args = json!({"path": genuine_file, "content": "genuine"}).to_string();
+    let created = up
+        .cli(&[
+            "invoke-async",
+            "--user",
+            "victim",
+            "--tool-id",
+            "echo",
+            "--tool",
+            "write_file",
+            "--args",
+            &args,
+        ])
+        .ok();
+    let genuine = created["jobId"].as_str().unwrap().to_owned();
+    let mut job = Value::Null;
+    wait_until("the genuine job's end", || {
+        job = up.cli(&["job", "get", &genuine, "--user", "victim"]).ok();
+        !matches!(job["state"].as_str(), Some("queued" | "running"))
+    });
+    assert_eq!(job["state"], "succeeded", "{job}");
+    assert!(genuine_file.exists(), "{job}");
+    assert!(!forged_file.exists(), "the forged job never reached the plugin");
+}
