@@ -328,10 +328,11 @@ async fn provider_run_streams_progress_and_returns_the_response() {
         drop(s);
         (meta["cwd"].as_str().unwrap().to_string(), ())
     };
-    // The tool's own workspace (one per (user, tool_id)): `users/<user key>/workspaces/<tool key>`.
+    // The tool's own workspace (one per (user, tool_id)): `workspaces/<tool key>` in the user's directory (its
+    // disk, `disks/<worker>/<n>`, with isolation; `users/<user key>` without).
     let tool_dir = std::path::Path::new(&workspace);
     assert!(
-        workspace.contains("/users/")
+        (workspace.contains("/disks/") || workspace.contains("/users/"))
             && tool_dir.parent().and_then(|p| p.file_name()) == Some("workspaces".as_ref())
             && tool_dir
                 .file_name()

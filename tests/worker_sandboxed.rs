@@ -422,3 +422,69 @@ async fn without_isolation_the_process_group_still_takes_the_tree_down() {
     assert!(eventually(GUARD, || !alive(pid) && !alive(grandchild)).await);
     w.pool.shutdown().await;
 }
+
+/// A worker admits users while their memory ceilings and disk caps fit its budget: with room for two, the
+/// second user is admitted, the third refused with the typed, retriable capacity error (its call never starts a
+/// process), and admitted once a user's sessions have gone idle and been reclaimed.
+#[tokio::test]
+async fn a_new_user_past_the_budget_is_refused_with_a_retriable_capacity_error() {
+    let mut config = test_config("budget");
+    let per_user = config.user_limits.memory_bytes + config.user_limits.disk_bytes;
+    // One byte short of a third user.
+    config.user_budget_bytes = 3 * per_user - 1;
+    config.idle_timeout = Duration::from_millis(400);
+    let w = Arc::new(TestWorker::start(config, &[Plugin::echo("a", &[])]));
+    assert_eq!(w.sandbox.admitted_users(), (0, 2));
+    // Two users busy (a busy session is never idle, so neither can be reclaimed while they run).
+    let mut running = Vec::new();
+    for user in ["u0", "u1"] {
+        let r = req("sleep", json!({"ms": 60_000}));
+        let id = r.invoke_id.clone();
+        let wc = w.clone();
+        running.push((
+            id.clone(),
+            tokio::spawn(async move { call(&wc, user, "a", r).await }),
+        ));
+        assert!(
+            eventually(GUARD, || w
+                .pool
+                .session(user, "a")
+                .is_ok_and(|s| s.has_invoke(&id)))
+            .await
+        );
+    }
+    assert_eq!(
+        w.sandbox.admitted_users(),
+        (2, 2),
+        "the last user that fits is admitted"
+    );
+    match w.pool.session("u2", "a") {
+        Err(PoolError::Capacity { scope, limit }) => assert_eq!((scope, limit), ("user_budget", 2)),
+        other => panic!("expected Capacity, got {other:?}"),
+    }
+    let refused = w.pool.invoke("u2", "a", req("echo", json!({}))).await;
+    assert!(
+        matches!(
+            refused,
+            Err(PoolError::Capacity {
+                scope: "user_budget",
+                ..
+            })
+        ),
+        "{refused:?}"
+    );
+    // u0's call ends: its session goes idle, is evicted, its identity reclaimed, and u2 fits.
+    let (id0, t0) = running.remove(0);
+    assert!(w.pool.cancel(&id0));
+    let _ = t0.await;
+    assert!(
+        eventually(GUARD, || w.sandbox.admitted_users().0 == 1).await,
+        "u0 left the admission once idle"
+    );
+    let out = call(&w, "u2", "a", req("echo", json!({"x": 1}))).await.unwrap();
+    assert!(out.success(), "{:?}", out.error_message());
+    let (id1, t1) = running.remove(0);
+    assert!(w.pool.cancel(&id1));
+    let _ = t1.await;
+    w.pool.shutdown().await;
+}

@@ -314,8 +314,9 @@ const WORKER_KEYS: &[(&str, &str)] = &[
     ),
     (
         "state_dir",
-        "Per-(user, tool) state: `users/<sha256(user)[..32]>/workspaces/<tool>`, `…/tmp/<tool>`, `uids.json`; \
-         published plugins under `executa/`. `--state-dir` overrides it.",
+        "Per-(user, tool) state: `users/<sha256(user)[..32]>/workspaces/<tool>`, `…/tmp/<tool>` (with isolation \
+         the same layout in the user's tmpfs, `disks/<worker_id>/<n>/…`), `uids.json`; published plugins under \
+         `executa/`. `--state-dir` overrides it.",
     ),
     (
         "isolation",
@@ -337,9 +338,10 @@ const WORKER_KEYS: &[(&str, &str)] = &[
     ),
     (
         "run_as.mode",
-        "`per_user`: each (user, tool_id) runs as a dedicated uid from `[first, first + count)`, allocated once \
-         per node and persisted, no supplementary groups (but a shared workspace's), `no_new_privs`; `inherit`: \
-         the worker's own uid (development; the only choice when not root).",
+        "`per_user`: each (user, tool_id) runs as a dedicated uid from `[first, first + count)`, allocated on \
+         first use and persisted, reclaimed (its directories wiped) once no session or process of it is left, no \
+         supplementary groups (but a shared workspace's), `no_new_privs`; `inherit`: the worker's own uid \
+         (development; the only choice when not root).",
     ),
     ("run_as.first", "First uid of the `per_user` range."),
     ("run_as.count", "Size of the `per_user` range."),
@@ -384,6 +386,20 @@ const WORKER_KEYS: &[(&str, &str)] = &[
     (
         "user_limits.pids_max",
         "Processes and threads of all of one user's sessions together.",
+    ),
+    (
+        "user_limits.disk_bytes",
+        "Bytes all of one user's TMPDIRs and workspaces on this worker may hold together: a tmpfs of that size per \
+         admitted user (with isolation), so a plugin writing past it gets `ENOSPC`. In memory: its pages count \
+         against the writing session's memory limit (keep it below `limits.memory_bytes`) and, in the admission, \
+         on top of `user_limits.memory_bytes`. Workspaces do not outlive the user's last session on the worker.",
+    ),
+    (
+        "user_budget_bytes",
+        "What the users the worker admits at once may hold together: a new user is admitted only while the \
+         admitted users' `user_limits.memory_bytes + user_limits.disk_bytes` each fit in it (at most 1024 users); \
+         past it a new user's call is refused with `agent_unavailable` (retriable). 0: the worker's memory limit \
+         (its cgroup's, else the machine's memory).",
     ),
     (
         "egress.tools",
