@@ -1148,3 +1148,87 @@ async fn operator_page_in_headless_chromium() {
     }
     g.stop().await;
 }
+
+/// The gateway survives slow and many clients (`HttpConfig::listener`, set short here: a configured limit at its
+/// boundary). With a cap of 2 connections, two clients that never finish their request heads hold both slots: a
+/// third client's complete request is served only once the header timeout has closed them (never before it), and
+/// each of the two reads the end of its connection no earlier than the timeout. A body that never completes fails
+/// at the body timeout: the request is not served and its connection ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_clients_are_closed_at_the_timeouts_and_the_connection_cap_holds() {
+    let limits = fleet::http::listener::ListenerLimits {
+        header_read_timeout: Duration::from_secs(1),
+        body_read_timeout: Duration::from_secs(1),
+        max_connections: 2,
+    };
+    let g = start_with(
+        "http-slow",
+        1,
+        HttpConfig {
+            listener: limits,
+            ..HttpConfig::default()
+        },
+    )
+    .await;
+    let started = Instant::now();
+    let mut slow = Vec::new();
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(g.addr).await.unwrap();
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .unwrap();
+        slow.push(s);
+    }
+    let mut third = TcpStream::connect(g.addr).await.unwrap();
+    third.write_all(b"GET /healthz HTTP/1.0\r\n\r\n").await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(GUARD, third.read_to_end(&mut answer))
+        .await
+        .expect("failure guard: the third client was never served")
+        .unwrap();
+    let served_after = started.elapsed();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.0 200") && answer.ends_with("ok\n"),
+        "{answer}"
+    );
+    assert!(
+        served_after >= limits.header_read_timeout,
+        "served after {served_after:?}: the cap of 2 let a third connection in while two were held"
+    );
+    for mut s in slow {
+        let mut rest = Vec::new();
+        tokio::time::timeout(GUARD, s.read_to_end(&mut rest))
+            .await
+            .expect("failure guard: a slow client's connection was never closed")
+            .unwrap();
+        assert!(rest.is_empty() || !rest.starts_with(b"HTTP/1.1 200"), "{rest:?}");
+    }
+    assert!(started.elapsed() >= limits.header_read_timeout);
+
+    // A body promised but never sent: the request fails at the body timeout, the connection ends.
+    let token = window_token(&g, "slow", "w-slow", None);
+    let mut s = TcpStream::connect(g.addr).await.unwrap();
+    let sent = Instant::now();
+    s.write_all(
+        format!(
+            "POST /v1/rpc HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\n\
+             Content-Length: 100\r\n\r\n{{\"id\":"
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut rest = Vec::new();
+    tokio::time::timeout(GUARD, s.read_to_end(&mut rest))
+        .await
+        .expect("failure guard: a stalled body was never given up")
+        .unwrap();
+    assert!(sent.elapsed() >= limits.body_read_timeout);
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(
+        !rest.starts_with("HTTP/1.1 200"),
+        "a request whose body never came was served: {rest}"
+    );
+    g.stop().await;
+}

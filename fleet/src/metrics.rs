@@ -849,5 +849,6 @@ pub async fn serve(
                 }
             }),
         );
-    axum::serve(listener, router).await
+    let limits = crate::http::listener::ListenerLimits::default();
+    crate::http::listener::serve(listener, router, limits, std::future::pending()).await
 }

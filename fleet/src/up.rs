@@ -163,6 +163,18 @@ pub struct UpArgs {
     /// rate_limited). A request held costs the front at most 3 times its bytes.
     #[arg(long, env = "FLEET_MAX_BYTES_IN_FLIGHT_PER_USER", default_value_t = crate::front::MAX_BYTES_IN_FLIGHT_PER_USER)]
     pub max_bytes_in_flight_per_user: usize,
+    /// HTTP listeners (--http, --metrics-http): seconds a client may take to send a request's head (or, on an
+    /// idle keep-alive connection, the next one) before the connection is closed.
+    #[arg(long, env = "FLEET_HTTP_HEADER_TIMEOUT_SECS", value_parser = clap::value_parser!(u64).range(1..), default_value_t = crate::http::listener::HEADER_READ_TIMEOUT.as_secs())]
+    pub http_header_timeout_secs: u64,
+    /// HTTP listeners: seconds a client may take to send a request's body, from its head (uploads included); a
+    /// body not complete by then fails and its connection is closed.
+    #[arg(long, env = "FLEET_HTTP_BODY_TIMEOUT_SECS", value_parser = clap::value_parser!(u64).range(1..), default_value_t = crate::http::listener::BODY_READ_TIMEOUT.as_secs())]
+    pub http_body_timeout_secs: u64,
+    /// HTTP listeners: connections each serves at once; further connections wait in the kernel's backlog until
+    /// one closes.
+    #[arg(long, env = "FLEET_HTTP_MAX_CONNECTIONS", default_value_t = crate::http::listener::MAX_CONNECTIONS)]
+    pub http_max_connections: usize,
     /// Host services (sampling, embeddings, APS storage and files, uploads).
     #[command(flatten)]
     pub services: fleet_services::args::ServicesArgs,
@@ -618,6 +630,11 @@ pub async fn run(args: &UpArgs) -> Result<(), UpError> {
         metrics.clone(),
         crate::http::HttpConfig {
             public_metrics: metrics_http.is_none(),
+            listener: crate::http::listener::ListenerLimits {
+                header_read_timeout: Duration::from_secs(args.http_header_timeout_secs),
+                body_read_timeout: Duration::from_secs(args.http_body_timeout_secs),
+                max_connections: args.http_max_connections,
+            },
             ..crate::http::HttpConfig::default()
         },
     )

@@ -70,7 +70,8 @@ async fn user_content_headers(mut response: Response) -> Response {
 
 /// Serves only these routes on `listener` (tests, or a process that serves nothing else).
 pub async fn serve(listener: tokio::net::TcpListener, objects: HostObjects) -> std::io::Result<()> {
-    axum::serve(listener, router(objects)).await
+    let limits = super::listener::ListenerLimits::default();
+    super::listener::serve(listener, router(objects), limits, std::future::pending()).await
 }
 
 /// The query of a GET link.

@@ -19,6 +19,7 @@
 //! [`Front::handle_as`], the same code the NATS API runs (per-user rate limit, validation, handlers).
 
 pub mod files;
+pub mod listener;
 pub mod ops_stats;
 pub mod page;
 pub mod rpc;
@@ -26,7 +27,6 @@ pub mod sse;
 pub mod user;
 pub mod window;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -59,6 +59,9 @@ pub struct HttpConfig {
     /// ([`serve_ops`], `fleet up --metrics-http`): the counters name every installed tool and the fleet's load,
     /// nothing anyone who reaches the public port should read.
     pub public_metrics: bool,
+    /// What a client may hold of the gateway's listeners: header- and body-read timeouts, connections at once
+    /// ([`listener::ListenerLimits`]).
+    pub listener: listener::ListenerLimits,
 }
 
 impl Default for HttpConfig {
@@ -70,6 +73,7 @@ impl Default for HttpConfig {
             heartbeat: Duration::from_secs(15),
             overview_interval: Duration::from_secs(2),
             public_metrics: true,
+            listener: listener::ListenerLimits::default(),
         }
     }
 }
@@ -235,19 +239,16 @@ pub fn ops_router(state: HttpState) -> Router {
 /// probes reach) until the task is dropped or aborted — through a drain too: `/readyz` then answers 503 and the
 /// drain's metrics are still scraped.
 pub async fn serve_ops(listener: tokio::net::TcpListener, state: HttpState) -> std::io::Result<()> {
-    axum::serve(listener, ops_router(state)).await
+    let limits = state.inner.config.listener;
+    listener::serve(listener, ops_router(state), limits, std::future::pending()).await
 }
 
 /// Serves the router on `listener` until the task is dropped or aborted, or — after
 /// [`HttpState::start_draining`] — until every request in flight is answered (no new connection is accepted).
 pub async fn serve(listener: tokio::net::TcpListener, state: HttpState) -> std::io::Result<()> {
     let drained = state.drained();
-    axum::serve(
-        listener,
-        router(state).into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(drained)
-    .await
+    let limits = state.inner.config.listener;
+    listener::serve(listener, router(state), limits, drained).await
 }
 
 /// Like [`serve`], with the routes of the host services: files and uploads ([`files::router`]), the user's
@@ -258,17 +259,11 @@ pub async fn serve_with_services(
     services: fleet_services::FleetServices,
 ) -> std::io::Result<()> {
     let drained = state.drained();
+    let limits = state.inner.config.listener;
     let objects = services.objects().clone();
     let user = user::router(state.clone(), services);
-    axum::serve(
-        listener,
-        router(state)
-            .merge(files::router(objects))
-            .merge(user)
-            .into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(drained)
-    .await
+    let router = router(state).merge(files::router(objects)).merge(user);
+    listener::serve(listener, router, limits, drained).await
 }
 
 async fn healthz() -> &'static str {
