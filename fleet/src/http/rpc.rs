@@ -150,27 +150,47 @@ fn filter_list(claims: &WindowClaims, mut result: Value) -> Value {
     result
 }
 
+/// A refusal of steps 1–3: the `id` to echo, the method as `ns.method` (empty before the envelope is read), the
+/// error.
+type Refusal = (Value, String, ApiError);
+
+/// Steps 1–3: the envelope, the window token (its `wid` equal to `window_uuid`), the ACL.
+fn checked(window: &Verifier, authorization: &str, body: &[u8]) -> Result<(Envelope, WindowClaims), Refusal> {
+    let env = parse(body).map_err(|(id, e)| (id, String::new(), e))?;
+    let full = format!("{}.{}", env.ns, env.method);
+    let claims = match verify_window(window, authorization) {
+        Ok(c) => c,
+        Err(e) => return Err((env.id, full, e)),
+    };
+    if claims.window != env.window_uuid {
+        return Err((env.id, full, super::sse::wid_mismatch()));
+    }
+    if let Err(e) = acl(&claims, &env) {
+        return Err((env.id, full, e));
+    }
+    Ok((env, claims))
+}
+
+/// Steps 1–3 of [`rpc`] on a request's `Authorization` value and body, before anything else is touched. Public
+/// only for the fuzz targets (fuzz/).
+#[doc(hidden)]
+pub fn check_request(window: &Verifier, authorization: &str, body: &[u8]) -> Result<(), ApiError> {
+    checked(window, authorization, body)
+        .map(drop)
+        .map_err(|(_, _, e)| e)
+}
+
 /// `POST /v1/rpc`.
 pub async fn rpc(State(state): State<HttpState>, headers: HeaderMap, body: Bytes) -> Response {
-    let env = match parse(&body) {
-        Ok(env) => env,
-        Err((id, e)) => return refuse(&state, &id, "", e),
-    };
-    let full = format!("{}.{}", env.ns, env.method);
     let auth = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    let claims = match verify_window(&state.inner.window, auth) {
-        Ok(c) => c,
-        Err(e) => return refuse(&state, &env.id, &full, e),
+    let (env, claims) = match checked(&state.inner.window, auth, &body) {
+        Ok(checked) => checked,
+        Err((id, full, e)) => return refuse(&state, &id, &full, e),
     };
-    if claims.window != env.window_uuid {
-        return refuse(&state, &env.id, &full, super::sse::wid_mismatch());
-    }
-    if let Err(e) = acl(&claims, &env) {
-        return refuse(&state, &env.id, &full, e);
-    }
+    let full = format!("{}.{}", env.ns, env.method);
     let Some(_permit) = state.acquire_window(&claims.window) else {
         let cap = state.inner.config.max_in_flight_per_window;
         return refuse(

@@ -418,8 +418,10 @@ async fn probe_manifest(
     result
 }
 
-/// One JSON object that is a `PluginManifest` (string kind and version, array capabilities).
-fn parse_manifest(out: &[u8]) -> Option<PluginManifest> {
+/// One JSON object that is a `PluginManifest` (string kind and version, array capabilities). Public only for the
+/// fuzz targets (fuzz/).
+#[doc(hidden)]
+pub fn parse_manifest(out: &[u8]) -> Option<PluginManifest> {
     let text = std::str::from_utf8(out).ok()?.trim();
     let value: serde_json::Value = serde_json::from_str(text).ok()?;
     if !value.get("capabilities").is_some_and(serde_json::Value::is_array) {
