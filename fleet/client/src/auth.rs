@@ -29,9 +29,9 @@
 //! header pre-parse (so `alg: none` is reported as such), key selection, and the stricter claim shapes.
 
 use std::fmt;
-use std::fs::{self, DirBuilder, File, OpenOptions};
-use std::io::{self, Read, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::fs::{DirBuilder, File};
+use std::io::{self, Read};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -853,7 +853,7 @@ fn create_secret_file(data_dir: &Path, path: &Path) -> Result<bool, AuthError> {
         .map_err(|e| io_err(io::Error::other(e)))?;
     let mut text = hex_encode(&secret).into_bytes();
     text.push(b'\n');
-    let created = create_no_replace(data_dir, path, &text).map_err(io_err);
+    let created = crate::private_file::create_exclusive(path, &text).map_err(io_err);
     wipe(&mut secret);
     wipe(&mut text);
     created
@@ -1144,61 +1144,6 @@ fn wipe(bytes: &mut [u8]) {
 
 // ---------------------------------------------------------------------------------------------------------------
 // Dev key file helpers.
-
-/// Writes `contents` to `path` unless it exists: temp file (0600, fsynced) in `dir`, then an atomic no-replace
-/// rename. `Ok(true)` if this call created the file, `Ok(false)` if it already existed.
-fn create_no_replace(dir: &Path, path: &Path, contents: &[u8]) -> io::Result<bool> {
-    let mut nonce = [0u8; 8];
-    rand::rngs::OsRng
-        .try_fill_bytes(&mut nonce)
-        .map_err(io::Error::other)?;
-    let tmp = TempFile(dir.join(format!(
-        ".{DEV_KEY_FILE}.{}.{}.tmp",
-        std::process::id(),
-        hex_encode(&nonce)
-    )));
-    let mut file = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp.0)?;
-    // The umask can only clear bits of 0600; set it explicitly anyway.
-    file.set_permissions(fs::Permissions::from_mode(0o600))?;
-    file.write_all(contents)?;
-    file.sync_all()?;
-    drop(file);
-    let created = match rustix::fs::renameat_with(
-        rustix::fs::CWD,
-        &tmp.0,
-        rustix::fs::CWD,
-        path,
-        rustix::fs::RenameFlags::NOREPLACE,
-    ) {
-        Ok(()) => true,
-        Err(rustix::io::Errno::EXIST) => false,
-        // No RENAME_NOREPLACE on this filesystem or kernel: link(2) fails on an existing target too.
-        Err(rustix::io::Errno::INVAL | rustix::io::Errno::NOSYS) => match fs::hard_link(&tmp.0, path) {
-            Ok(()) => true,
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => false,
-            Err(e) => return Err(e),
-        },
-        Err(e) => return Err(e.into()),
-    };
-    // Make the new name durable; a failure here does not undo the rename.
-    if let Ok(dir) = File::open(dir) {
-        let _ = dir.sync_all();
-    }
-    Ok(created)
-}
-
-/// Removes the file on drop (after a successful rename it no longer exists, and the error is ignored).
-struct TempFile(PathBuf);
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = fs::remove_file(&self.0);
-    }
-}
 
 fn hex_encode(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";

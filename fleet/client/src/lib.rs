@@ -8,7 +8,8 @@
 //!   inboxes, NATS JWT decoding;
 //! - [`auth`]: the API's JWTs (mint and verify, one module so the token format has one home), the dev keys of
 //!   `fleet up`'s data dir and its secret files;
-//! - [`api`]: request/response plumbing and [`api::ApiClient`], the typed client of the app and operator APIs.
+//! - [`api`]: request/response plumbing and [`api::ApiClient`], the typed client of the app and operator APIs;
+//! - [`private_file`]: the one writer of the fleet's secret files (0600, atomic, durable).
 //!
 //! Depends only on `fleet-proto` among the workspace's crates.
 #![forbid(unsafe_code)]
@@ -17,3 +18,4 @@ pub mod api;
 pub mod auth;
 pub mod creds;
 pub mod nats_conn;
+pub mod private_file;

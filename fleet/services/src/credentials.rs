@@ -24,7 +24,6 @@
 //! their refresh tokens sealed under the same data key) survive edits by older fronts.
 
 use std::collections::BTreeMap;
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
@@ -344,30 +343,12 @@ const KEYRING_HEADER: &str = "# Cloud Agents credentials keyring: `<key id> <64 
                               wraps, every key unwraps.\n# Rotate: `fleet credentials rotate-key`, then `fleet \
                               credentials rewrap`; drop old lines only after the rewrap.\n";
 
-/// Writes `text` to `path` atomically with mode 0600 (a temporary file beside it, then a rename).
+/// Writes `text` to `path` atomically and durably with mode 0600 ([`fleet_client::private_file::write_atomic`]).
 fn write_private(path: &Path, text: &str) -> Result<(), CredentialError> {
-    use std::os::unix::fs::OpenOptionsExt as _;
     let dir = path.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(|e| keyring_err(path, e.to_string()))?;
-    let tmp = dir.join(format!(
-        ".{}.{}",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("keyring"),
-        hex::encode(random_bytes::<6>())
-    ));
-    let result = (|| {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        f.write_all(text.as_bytes())?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result.map_err(|e| keyring_err(path, e.to_string()))
+    fleet_client::private_file::write_atomic(path, text.as_bytes())
+        .map_err(|e| keyring_err(path, e.to_string()))
 }
 
 /// Prepends a new random key to the keyring file (created with mode 0600 when absent): it wraps from now on;

@@ -2,11 +2,12 @@
 //! and replaced atomically (temporary file in the same directory, `fsync`, `rename`, `fsync` of the directory).
 //! The `.creds` format itself is the client's (`fleet_client::creds`).
 
-use std::fs::{self, DirBuilder, File, OpenOptions};
-use std::io::{self, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::fs::{self, DirBuilder};
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::Path;
+
+use fleet_client::private_file;
 
 use super::NatsAuthError;
 
@@ -54,69 +55,15 @@ pub(crate) fn ensure_private_file(path: &Path) -> Result<(), NatsAuthError> {
     Ok(())
 }
 
-/// A fresh temporary path next to `path`.
-fn temp_path(path: &Path) -> PathBuf {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let name = path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default();
-    path.with_file_name(format!(".{name}.{}.{n}.tmp", std::process::id()))
-}
-
-/// Writes `data` to a new 0600 temporary file next to `path` and syncs it; returns the temporary path.
-fn write_temp(path: &Path, data: &[u8]) -> Result<PathBuf, NatsAuthError> {
-    let tmp = temp_path(path);
-    let result = (|| {
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        // The umask can only remove bits; make sure of 0600 anyway before any byte is written.
-        file.set_permissions(fs::Permissions::from_mode(0o600))?;
-        file.write_all(data)?;
-        file.sync_all()
-    })();
-    match result {
-        Ok(()) => Ok(tmp),
-        Err(e) => {
-            let _ = fs::remove_file(&tmp);
-            Err(io_error(&tmp, e))
-        }
-    }
-}
-
-fn sync_parent(path: &Path) -> Result<(), NatsAuthError> {
-    let parent = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    File::open(parent)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| io_error(parent, e))
-}
-
-/// Replaces `path` with `data` atomically; the file is 0600 from its creation.
+/// Replaces `path` with `data` atomically; the file is 0600 from its creation ([`private_file::write_atomic`]).
 pub(crate) fn write_private_atomic(path: &Path, data: &[u8]) -> Result<(), NatsAuthError> {
-    let tmp = write_temp(path, data)?;
-    if let Err(e) = fs::rename(&tmp, path) {
-        let _ = fs::remove_file(&tmp);
-        return Err(io_error(path, e));
-    }
-    sync_parent(path)
+    private_file::write_atomic(path, data).map_err(|e| io_error(path, e))
 }
 
 /// Creates `path` with `data` (0600, atomically) only if it does not exist: `Ok(false)` when another writer got
-/// there first (the existing file is left alone).
+/// there first ([`private_file::create_exclusive`]).
 pub(crate) fn create_private_exclusive(path: &Path, data: &[u8]) -> Result<bool, NatsAuthError> {
-    let tmp = write_temp(path, data)?;
-    // `link` never replaces an existing file, so two processes creating the same dir agree on one winner.
-    let linked = fs::hard_link(&tmp, path);
-    let _ = fs::remove_file(&tmp);
-    match linked {
-        Ok(()) => sync_parent(path).map(|()| true),
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
-        Err(e) => Err(io_error(path, e)),
-    }
+    private_file::create_exclusive(path, data).map_err(|e| io_error(path, e))
 }
 
 #[cfg(test)]

@@ -337,6 +337,7 @@ mod tests {
                 .iter()
                 .map(|(n, p)| ((*n).to_owned(), p.clone()))
                 .collect(),
+            require_grant: false,
         })
         .map_err(|e| e.to_string())
     }
