@@ -119,7 +119,7 @@ fi
 if [ "${FLEET_TEST_SKIP_FUZZ:-0}" != 1 ]; then
     log "fuzz"
     # Every fuzz target (fuzz/) for FUZZ_SECONDS each, 20 s by default: ~3 min with the build kept from an earlier
-    # run; a fresh machine adds the build (~9.5 CPU-minutes) and cargo-fuzz's install (~50 s) (docs/testing.md,
+    # run; a fresh machine adds the build (~33 CPU-minutes) and cargo-fuzz's install (~50 s) (docs/testing.md,
     # "Fuzzing"). Before the tests, so their summary closes the run.
     ./scripts/fuzz.sh "${FUZZ_SECONDS:-20}"
 fi
