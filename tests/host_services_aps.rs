@@ -64,10 +64,10 @@ fn env_with(
     quota_bytes: Option<u64>,
     absolute: bool,
 ) -> std::pin::Pin<Box<impl std::future::Future<Output = Env>>> {
-    Box::pin(make_env(quota_bytes, absolute))
+    Box::pin(make_env(quota_bytes, absolute, StoreSettings::default()))
 }
 
-async fn make_env(quota_bytes: Option<u64>, absolute: bool) -> Env {
+async fn make_env(quota_bytes: Option<u64>, absolute: bool, settings: StoreSettings) -> Env {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let base = format!("http://{}", listener.local_addr().expect("addr"));
     let root = tempfile::tempdir().expect("tempdir");
@@ -85,7 +85,6 @@ async fn make_env(quota_bytes: Option<u64>, absolute: bool) -> Env {
         .await
         .expect("connect");
     let worker_js = async_nats::jetstream::new(client);
-    let settings = StoreSettings::default();
     let config = ServicesConfig {
         storage: StorageConfig { quota_bytes },
         public_url: absolute.then(|| format!("{base}/")),
@@ -1804,4 +1803,69 @@ async fn pending_begins_are_capped_per_user() {
     env.ok(&inv, "files/upload_begin", begin(max)).await;
     let e = env.err(&inv, "files/upload_begin", begin(max + 1)).await;
     assert_eq!(e.code, -32024, "{e:?}");
+}
+
+/// Issue 42: staging has a `max_bytes`, its share of the store budget (5 %, per replica): a PUT past it is refused
+/// and nothing of it can be completed; a front started with another budget updates the cap of the existing bucket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn staging_is_capped_at_its_share_of_the_store_budget() {
+    const KIB: usize = 1024;
+    let settings = StoreSettings {
+        job_store_max_bytes: 20 * MIB as u64,
+        ..StoreSettings::default()
+    };
+    let env = Box::pin(make_env(None, false, settings.clone())).await;
+    let stream = format!("OBJ_{}", settings.aps_staging_bucket());
+    let max_bytes = |env: &Env| {
+        let js = env.js.clone();
+        let stream = stream.clone();
+        async move {
+            js.get_stream(stream)
+                .await
+                .expect("staging stream")
+                .cached_info()
+                .config
+                .max_bytes
+        }
+    };
+    assert_eq!(max_bytes(&env).await, MIB as i64, "5 % of 20 MiB");
+    let inv = env.invoke("nina", "notes").await;
+    let begin = |path: &str| json!({"scope": "tool", "path": path, "content_type": "application/octet-stream", "size_bytes": 700 * KIB});
+    let a = env.ok(&inv, "files/upload_begin", begin("a.bin")).await;
+    env.put_ok(&a["put_url"], "application/octet-stream", vec![1u8; 700 * KIB])
+        .await;
+    // 1400 KiB do not fit a 1 MiB staging bucket: the second PUT is refused.
+    let b = env.ok(&inv, "files/upload_begin", begin("b.bin")).await;
+    let put = env
+        .http
+        .put(env.url(&b["put_url"]))
+        .header("content-type", "application/octet-stream")
+        .body(vec![2u8; 700 * KIB])
+        .send()
+        .await
+        .expect("PUT");
+    assert!(!put.status().is_success(), "{}", put.status());
+    let e = env
+        .err(
+            &inv,
+            "files/upload_complete",
+            json!({"scope": "tool", "path": "b.bin"}),
+        )
+        .await;
+    assert_eq!(e.code, -32029, "{e:?}");
+    env.ok(
+        &inv,
+        "files/upload_complete",
+        json!({"scope": "tool", "path": "a.bin"}),
+    )
+    .await;
+    // Another budget, the existing bucket's cap follows it.
+    let doubled = StoreSettings {
+        job_store_max_bytes: 40 * MIB as u64,
+        ..settings
+    };
+    HostObjects::open(&env.js, &doubled, LinkSigner::new(SECRET), None)
+        .await
+        .expect("objects");
+    assert_eq!(max_bytes(&env).await, 2 * MIB as i64);
 }

@@ -2258,3 +2258,78 @@ async fn a_creation_retried_after_its_page_was_sealed_is_indexed_and_reserved_on
     }))
     .await;
 }
+
+/// Issue 42: the guard counts staging and uploads as full. Their `max_bytes` is a share of the budget, and signed
+/// PUT links can fill them at any time. A budget whose mark holds two jobs' reserves admits only one once the buckets
+/// exist, and the reading adds exactly their remaining room to the account's use.
+#[tokio::test]
+async fn the_fill_guard_counts_staging_and_uploads_up_to_their_caps() {
+    let n = nats();
+    guard(Box::pin(async {
+        let js = n.js().await;
+        let open = n.store(StoreSettings::default()).await;
+        let used = open.refresh_fill().await.expect("fill").used_bytes;
+        let reserve = StoreSettings::default().job_storage_reserve();
+        let settings = StoreSettings {
+            job_store_max_bytes: budget_for_mark(used + 2 * reserve),
+            store_fill_refresh: Duration::from_secs(3600),
+            ..StoreSettings::default()
+        };
+        let budget = settings.job_store_max_bytes;
+        let staging_max = fleet_store::fill::percent_of(budget, fleet_store::settings::STAGING_STORE_PERCENT);
+        let uploads_max = fleet_store::fill::percent_of(budget, fleet_store::settings::UPLOADS_STORE_PERCENT);
+        assert!(
+            staging_max + uploads_max <= reserve,
+            "one job still fits beside the buckets"
+        );
+        let staging = fleet_store::provision::object_store(
+            &js,
+            settings.aps_staging_config(),
+            fleet_store::Provision::Create,
+        )
+        .await
+        .expect("staging");
+        fleet_store::provision::object_store(&js, settings.uploads_config(), fleet_store::Provision::Create)
+            .await
+            .expect("uploads");
+        let info = js
+            .get_stream(format!("OBJ_{}", settings.aps_staging_bucket()))
+            .await
+            .expect("stream");
+        assert_eq!(
+            info.cached_info().config.max_bytes,
+            i64::try_from(staging_max).expect("i64")
+        );
+
+        // Empty buckets count their whole caps; bytes put into one count once (as stored, not as room).
+        let store = n.store(settings.clone()).await;
+        let account = js.query_account().await.expect("account").storage;
+        let reading = store.refresh_fill().await.expect("fill");
+        assert_eq!(reading.used_bytes, account + staging_max + uploads_max);
+        let mut body: &[u8] = &[9u8; 1000];
+        staging.put("x", &mut body).await.expect("put");
+        let account = js.query_account().await.expect("account").storage;
+        let held = js
+            .get_stream(format!("OBJ_{}", settings.aps_staging_bucket()))
+            .await
+            .expect("stream")
+            .cached_info()
+            .state
+            .bytes;
+        assert!(held >= 1000, "{held}");
+        let reading = store.refresh_fill().await.expect("fill");
+        assert_eq!(reading.used_bytes, account + staging_max - held + uploads_max);
+
+        // The mark held two reserves over the jobs' use: with the buckets counted, one job is admitted, not two.
+        store
+            .create_job(record("u", "echo.run", now_ms()), 5)
+            .await
+            .expect("the first job fits");
+        let err = store
+            .create_job(record("u", "echo.run", now_ms()), 5)
+            .await
+            .expect_err("the buckets' share leaves no room for a second");
+        assert!(matches!(err, StoreError::StoreFull { .. }), "{err}");
+    }))
+    .await;
+}

@@ -9,6 +9,12 @@
 //! budget is for the writes of work already admitted (progress, outcomes, grants, sessions), which this guard never
 //! refuses.
 //!
+//! The buckets that take a share of the budget by their `max_bytes` — `<prefix>_aps_staging` and `<prefix>_uploads`
+//! ([`STAGING_STORE_PERCENT`](crate::settings::STAGING_STORE_PERCENT) and
+//! [`UPLOADS_STORE_PERCENT`](crate::settings::UPLOADS_STORE_PERCENT)), filled through signed PUT links at any
+//! time — are counted as full: the reading adds what they may still take to the account's use. So jobs, staging
+//! and uploads together stay under the mark.
+//!
 //! The budget is [`StoreSettings::job_store_max_bytes`](crate::StoreSettings::job_store_max_bytes), or when it is
 //! 0 the account's own JetStream disk limit, or — the account has none — there is no guard. The reading is
 //! refreshed in the background (one refresh at a time) by an admission that finds it older than
@@ -89,7 +95,8 @@ impl Store {
                 .and_then(|m| u64::try_from(m).ok())
                 .unwrap_or(0)
         };
-        fill.used.store(account.storage, Ordering::Release);
+        let used = account.storage.saturating_add(self.budget_share_room().await?);
+        fill.used.store(used, Ordering::Release);
         fill.budget.store(budget, Ordering::Release);
         let _ = fill
             .pending
@@ -98,6 +105,39 @@ impl Store {
             });
         *lock(&fill.read_at) = Some(Instant::now());
         Ok(self.fill())
+    }
+
+    /// What the buckets sized by a share of the budget (staging and uploads,
+    /// [`StoreSettings::budget_share_streams`](crate::StoreSettings::budget_share_streams)) may still take before
+    /// their `max_bytes`, every replica counted: the guard counts them full. A bucket not created yet, or without
+    /// a cap, counts nothing.
+    async fn budget_share_room(&self) -> Result<u64, StoreError> {
+        let mut room = 0_u64;
+        for name in self.inner.settings.budget_share_streams() {
+            let mut stream = match self.inner.js.get_stream(&name).await {
+                Ok(s) => s,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        async_nats::jetstream::context::GetStreamErrorKind::JetStream(ref j)
+                            if j.error_code() == async_nats::jetstream::ErrorCode::STREAM_NOT_FOUND
+                    ) =>
+                {
+                    continue;
+                }
+                Err(e) => return Err(StoreError::nats(Op::StoreFill, e)),
+            };
+            let info = stream
+                .info()
+                .await
+                .map_err(|e| StoreError::nats(Op::StoreFill, e))?;
+            let Ok(max) = u64::try_from(info.config.max_bytes) else {
+                continue;
+            };
+            let replicas = u64::try_from(info.config.num_replicas.max(1)).unwrap_or(1);
+            room = room.saturating_add(max.saturating_sub(info.state.bytes).saturating_mul(replicas));
+        }
+        Ok(room)
     }
 
     /// The fill as this replica knows it now (no round trip).

@@ -258,6 +258,10 @@ pub async fn object_store(
         wait_for_stream(js, &format!("OBJ_{bucket}"), &bucket).await?;
     }
     match js.get_object_store(&bucket).await {
+        Ok(s) if provision == Provision::Create => {
+            cap_object_store(js, &bucket, config.max_bytes).await?;
+            Ok(s)
+        }
         Ok(s) => Ok(s),
         Err(e) if provision == Provision::Attach => Err(ProvisionError::Open {
             resource: bucket,
@@ -269,6 +273,31 @@ pub async fn object_store(
             Err(e) => js.get_object_store(&bucket).await.map_err(|_| e),
         },
     }
+}
+
+/// Sets an existing object store's `max_bytes` to `max_bytes` (≤ 0: none) when it differs: the one setting of an
+/// object store updated after its creation (a budget given or changed later caps the buckets it sizes).
+async fn cap_object_store(
+    js: &jetstream::Context,
+    bucket: &str,
+    max_bytes: i64,
+) -> Result<(), ProvisionError> {
+    let update = |e: BoxError| ProvisionError::Create {
+        resource: bucket.to_owned(),
+        source: e,
+    };
+    let want = if max_bytes > 0 { max_bytes } else { -1 };
+    let mut stream = js
+        .get_stream(format!("OBJ_{bucket}"))
+        .await
+        .map_err(|e| update(e.into()))?;
+    let mut config = stream.info().await.map_err(|e| update(e.into()))?.config.clone();
+    if config.max_bytes == want {
+        return Ok(());
+    }
+    config.max_bytes = want;
+    js.update_stream(config).await.map_err(|e| update(e.into()))?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -28,11 +28,11 @@
 //! | `<prefix>_aps_files` | KV (fleet-services: `files/*`) | `f.<user_key>.<scope>.<sha256(path)>` → a file's index entry | history 1, no `max_age`, `max_value_size` = 16 KiB |
 //! | `<prefix>_aps_pending` | KV (fleet-services: `files/*`) | `<user_key>.<scope>.<sha256(path)>` → a begun upload | history 1, `max_age` = staging retention (1 h), `max_value_size` = 16 KiB |
 //! | `<prefix>_aps_objects` | object store (fleet-services: `files/*`) | the bytes of committed files | no `max_age` |
-//! | `<prefix>_aps_staging` | object store (fleet-services: `files/*`) | bytes uploaded, not yet completed | `max_age` = staging retention (1 h) |
-//! | `<prefix>_uploads` | object store (fleet-services: `host/uploadFile`) | uploaded objects, named by their `r2_key` | `max_age` = upload retention (24 h) |
+//! | `<prefix>_aps_staging` | object store (fleet-services: `files/*`) | bytes uploaded, not yet completed | `max_age` = staging retention (1 h), `max_bytes` = 5 % of `job_store_max_bytes` ÷ `replicas` (none without a budget) |
+//! | `<prefix>_uploads` | object store (fleet-services: `host/uploadFile`) | uploaded objects, named by their `r2_key` | `max_age` = upload retention (24 h), `max_bytes` = 5 % of `job_store_max_bytes` ÷ `replicas` (none without a budget) |
 //!
 //! Each is created (or a KV bucket or stream updated to these settings; an existing object store is kept as it
-//! is) by the process that opens it with [`Provision::Create`](super::Provision::Create), and attached to
+//! is but for its `max_bytes`, set to the settings') by the process that opens it with [`Provision::Create`](super::Provision::Create), and attached to
 //! otherwise. `replicas` applies to every one; `storage` to every one but `<prefix>_plugins`,
 //! `<prefix>_plugin_packages`, `<prefix>_grants`, `<prefix>_credentials` and `<prefix>_oauth_accounts`, which keep JetStream's default, file storage. The job
 //! layer's KV buckets and the progress stream allow direct gets: reads are answered by any replica without a
@@ -66,6 +66,15 @@ pub const STORAGE_SPAN_MS: u64 = 3_600_000;
 /// Percent of the JetStream store's budget up to which new jobs are admitted ([`crate::fill`]); the rest is kept
 /// for the writes of work already admitted (progress, outcomes, grants, sessions), which the guard never refuses.
 pub const STORE_HIGH_WATER_PERCENT: u64 = 90;
+
+/// Percent of the JetStream store's budget (`job_store_max_bytes`) that `<prefix>_aps_staging` may hold, every
+/// replica counted: its `max_bytes` is this share divided by `replicas` (a stream's `max_bytes` is per replica,
+/// and JetStream reserves it on every replica's file store). The fill guard counts it as used ([`crate::fill`]).
+pub const STAGING_STORE_PERCENT: u64 = 5;
+
+/// Percent of the JetStream store's budget that `<prefix>_uploads` may hold, the same way as
+/// [`STAGING_STORE_PERCENT`].
+pub const UPLOADS_STORE_PERCENT: u64 = 5;
 
 /// How old the reading of the store's fill may grow before an admission refreshes it in the background
 /// ([`StoreSettings::store_fill_refresh`]).
@@ -800,12 +809,26 @@ impl StoreSettings {
         )
     }
 
+    /// The `max_bytes` of a bucket given `percent` of the store budget: that share, every replica counted, divided
+    /// by `replicas`; 0 (no cap) without a configured budget.
+    pub fn budget_share_max_bytes(&self, percent: u64) -> i64 {
+        let share = crate::fill::percent_of(self.job_store_max_bytes, percent) / self.replicas.max(1) as u64;
+        i64::try_from(share).unwrap_or(i64::MAX)
+    }
+
     /// The object store of `bucket`, with `storage` and `replicas`.
-    fn objects(&self, bucket: String, description: &str, max_age: Duration) -> object_store::Config {
+    fn objects(
+        &self,
+        bucket: String,
+        description: &str,
+        max_age: Duration,
+        max_bytes: i64,
+    ) -> object_store::Config {
         object_store::Config {
             bucket,
             description: Some(description.to_string()),
             max_age,
+            max_bytes,
             storage: self.storage,
             num_replicas: self.replicas,
             ..Default::default()
@@ -814,21 +837,38 @@ impl StoreSettings {
 
     /// The bytes of committed APS files.
     pub fn aps_objects_config(&self) -> object_store::Config {
-        self.objects(self.aps_objects_bucket(), "APS files", Duration::ZERO)
+        self.objects(self.aps_objects_bucket(), "APS files", Duration::ZERO, 0)
     }
 
-    /// The bytes of APS files uploaded but not completed, kept for [`STAGING_RETENTION`].
+    /// The bytes of APS files uploaded but not completed, kept for [`STAGING_RETENTION`], at most
+    /// [`STAGING_STORE_PERCENT`] of the store budget.
     pub fn aps_staging_config(&self) -> object_store::Config {
         self.objects(
             self.aps_staging_bucket(),
             "APS files uploaded but not completed",
             STAGING_RETENTION,
+            self.budget_share_max_bytes(STAGING_STORE_PERCENT),
         )
     }
 
-    /// The `host/uploadFile` objects, kept for [`UPLOAD_RETENTION`].
+    /// The `host/uploadFile` objects, kept for [`UPLOAD_RETENTION`], at most [`UPLOADS_STORE_PERCENT`] of the
+    /// store budget.
     pub fn uploads_config(&self) -> object_store::Config {
-        self.objects(self.uploads_bucket(), "host/uploadFile objects", UPLOAD_RETENTION)
+        self.objects(
+            self.uploads_bucket(),
+            "host/uploadFile objects",
+            UPLOAD_RETENTION,
+            self.budget_share_max_bytes(UPLOADS_STORE_PERCENT),
+        )
+    }
+
+    /// The streams behind the object stores whose `max_bytes` is a share of the store budget (staging and
+    /// uploads): what the fill guard counts as used up to their caps.
+    pub fn budget_share_streams(&self) -> [String; 2] {
+        [
+            format!("OBJ_{}", self.aps_staging_bucket()),
+            format!("OBJ_{}", self.uploads_bucket()),
+        ]
     }
 }
 
@@ -924,6 +964,30 @@ mod tests {
             schema["properties"]["quotas"]["properties"]["maxJobBytesPerUser"]["minimum"],
             serde_json::json!(reserve),
             "the schema's minimum is one job's reserve"
+        );
+    }
+
+    #[test]
+    fn staging_and_uploads_take_their_share_of_the_store_budget_per_replica() {
+        let with = |budget, replicas| StoreSettings {
+            job_store_max_bytes: budget,
+            replicas,
+            ..StoreSettings::default()
+        };
+        // 5 % of 30 GiB, every replica counted, over 3 replicas: 512 MiB each.
+        let s = with(30 << 30, 3);
+        assert_eq!((STAGING_STORE_PERCENT, UPLOADS_STORE_PERCENT), (5, 5));
+        assert_eq!(s.aps_staging_config().max_bytes, 512 << 20);
+        assert_eq!(s.uploads_config().max_bytes, 512 << 20);
+        // Rounded down at the boundary: 5 % of 1003 is 50, over 3 replicas 16.
+        assert_eq!(with(1003, 3).budget_share_max_bytes(5), 16);
+        assert_eq!(with(1003, 1).budget_share_max_bytes(5), 50);
+        // The committed files and the other object stores are not capped; without a budget nothing is.
+        assert_eq!(s.aps_objects_config().max_bytes, 0);
+        assert_eq!(with(0, 3).aps_staging_config().max_bytes, 0);
+        assert_eq!(
+            s.budget_share_streams(),
+            ["OBJ_fleet_aps_staging".to_owned(), "OBJ_fleet_uploads".to_owned()]
         );
     }
 
@@ -1040,7 +1104,7 @@ mod tests {
                 (bucket, Some(description))
             );
             assert_eq!(c.max_age, max_age, "{bucket}: max_age");
-            assert_eq!(c.max_bytes, 0, "{bucket}: max_bytes");
+            assert_eq!(c.max_bytes, 0, "{bucket}: max_bytes without a store budget");
             assert_eq!(c.storage, storage, "{bucket}: storage");
             assert_eq!(c.num_replicas, 3, "{bucket}: replicas");
         }
