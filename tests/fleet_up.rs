@@ -3589,3 +3589,92 @@ fn a_job_forged_with_fleet_ups_worker_credentials_is_not_run() {
     assert!(genuine_file.exists(), "{job}");
     assert!(!forged_file.exists(), "the forged job never reached the plugin");
 }
+
+/// `VmRSS` and `VmHWM` (the peak) of `pid` in bytes, from `/proc/<pid>/status`.
+fn rss_and_peak(pid: u32) -> (usize, usize) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| -> usize {
+        let line = status.lines().find(|l| l.starts_with(name)).unwrap();
+        let kb: usize = line[name.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .unwrap();
+        kb * 1024
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// Issue 43's measurement: 16 concurrent `tools.invoke` calls of one user, each a 7 MiB JSON array, once took a
+/// `fleet up` from 29 to 804 MiB resident. Each is now refused before it is parsed (`invalid_arg`,
+/// `args_too_large`, with the default limit), and the front's peak resident memory grows by at most what it
+/// must receive (each call's bytes once) plus what one user's admitted requests may make it hold
+/// (`MAX_BYTES_IN_FLIGHT_PER_USER` × `FRONT_COPIES_PER_REQUEST`).
+#[test]
+fn sixteen_concurrent_7_mib_invokes_of_one_user_are_refused_before_parsing_within_a_stated_rss_bound() {
+    const CALLS: usize = 16;
+    const SIZE: usize = 7 * 1024 * 1024;
+    let mut up = Up::start();
+    up.wait_ready();
+    let token = up.cli(&["token", "--user", "alice"]).ok()["token"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // `{"tool_id":"echo.echo","args":{"a":[0,0,…]}}` of at least 7 MiB.
+    let body = json!({"tool_id": "echo.echo", "args": {"a": vec![0; SIZE / 2]}});
+    let size = serde_json::to_vec(&body).unwrap().len();
+    assert!(size >= SIZE);
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let (before, _) = rss_and_peak(up.pid);
+    let refusals = runtime.block_on(async {
+        let url = std::fs::read_to_string(fleet_client::api::nats_url_file(&up.data_dir)).unwrap();
+        let creds = fleet_client::nats_conn::role_creds(&up.data_dir, fleet_client::creds::Role::App);
+        let connector = fleet_client::nats_conn::Connector::new(url.trim(), Some(creds));
+        let client = Arc::new(
+            fleet_client::api::ApiClient::connect(&connector, "heavy", token)
+                .await
+                .unwrap(),
+        );
+        let body = Arc::new(body);
+        let calls: Vec<_> = (0..CALLS)
+            .map(|_| {
+                let (client, body) = (client.clone(), body.clone());
+                tokio::spawn(async move { client.call("tools.invoke", &body, GUARD).await })
+            })
+            .collect();
+        let mut refusals = Vec::new();
+        for call in calls {
+            refusals.push(call.await.unwrap().unwrap_err());
+        }
+        refusals
+    });
+    let max = fleet::front::MAX_ARGS_BYTES;
+    for e in &refusals {
+        assert_eq!(e.code, fleet_proto::api::ApiErrorCode::InvalidArg, "{e:?}");
+        assert_eq!(
+            e.details,
+            Some(json!({"field": "args", "reason": "args_too_large", "size": size, "max": max})),
+            "{e:?}"
+        );
+    }
+    let (after, peak) = rss_and_peak(up.pid);
+    let bound = before
+        + CALLS * size
+        + fleet::front::MAX_BYTES_IN_FLIGHT_PER_USER * fleet::front::FRONT_COPIES_PER_REQUEST;
+    let mib = |b: usize| b / (1024 * 1024);
+    eprintln!(
+        "fleet up resident: {} MiB before, {} MiB after, peak {} MiB; bound {} MiB",
+        mib(before),
+        mib(after),
+        mib(peak),
+        mib(bound)
+    );
+    assert!(
+        peak <= bound,
+        "the front's peak resident memory {} MiB passed the bound {} MiB (from {} MiB)",
+        mib(peak),
+        mib(bound),
+        mib(before)
+    );
+}
