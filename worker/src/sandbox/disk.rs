@@ -47,7 +47,8 @@ pub(crate) struct Disks {
 
 impl Disks {
     /// Mounts `count` tmpfs slots of `bytes` each under `<state_dir>/disks/<worker_id>` (root-owned, 0711; the
-    /// tmpfs `nosuid`, `nodev`).
+    /// tmpfs `nosuid`. Not `nodev`: a plugin's uid cannot make a device node anyway, and the worker's file
+    /// transport tells a device in a TMPDIR apart by its type, which `nodev` would hide behind `EACCES`).
     pub(crate) fn mount(
         state_dir: &Path,
         worker_id: &str,
@@ -78,7 +79,7 @@ impl Disks {
                 "cloud-agents-user",
                 &slot,
                 "tmpfs",
-                MountFlags::NOSUID | MountFlags::NODEV,
+                MountFlags::NOSUID,
                 options.as_c_str(),
             )
             .map_err(|e| err(&slot, "mount", e.into()))?;
