@@ -628,12 +628,12 @@ impl Front {
                 Ok(_) => self.list_tools().await,
                 Err(e) => Err(e),
             },
-            methods::TOOLS_INVOKE => match self.invoke(user, args, direct).await {
+            methods::TOOLS_INVOKE => match self.invoke(caller, args, direct).await {
                 Ok(Invoked::Delivered(code)) => return Answer::Delivered(code),
                 Ok(Invoked::Answer(v)) => Ok(v),
                 Err(e) => Err(e),
             },
-            methods::TOOLS_INVOKE_ASYNC => self.invoke_async(user, args).await,
+            methods::TOOLS_INVOKE_ASYNC => self.invoke_async(caller, args).await,
             methods::TOOLS_GET_JOB => self.get_job(user, args).await,
             methods::TOOLS_CANCEL_JOB => self.cancel_job(user, args).await,
             methods::TOOLS_LIST_JOBS => self.list_jobs(user, args).await,
@@ -796,7 +796,7 @@ impl Front {
                 let wanted = args.timeout_ms.unwrap_or(policy::SYNC_DEFAULT_MS);
                 let timeout = SyncTimeout::resolve(Some(wanted.min(left)))?;
                 match self
-                    .invoke_target(&by.user, args, target, timeout, None, depth)
+                    .invoke_target(caller, args, target, timeout, None, depth)
                     .await?
                 {
                     Invoked::Answer(v) => Ok(v),
@@ -1013,8 +1013,6 @@ impl Front {
                 ));
             }
             Err(e) => return Err(self.js_error("create_job", e)),
-        // Only a front makes work: workers and sweepers run or dispatch a queued job only under this seal.
-        record.seal = Some(self.inner.dispatcher.seals().seal_job(&record));
         };
         self.steps().created(&created).await;
         let answer = to_value(&InvokeAsyncResult {

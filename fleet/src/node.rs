@@ -1058,10 +1058,6 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
         }
     };
     let record = written.value.clone();
-    // The record as this run last wrote it (the start, then each heartbeat): the outcome is written over it
-    // without reading it first ([`JobSteps::step_from`]; a write by anyone else since is caught by its revision).
-    let latest = Arc::new(std::sync::Mutex::new(written));
-    let started_at_ms = record.started_at_ms.unwrap_or_else(now_ms);
     // What runs is the record this start won (whoever dispatched it, from whatever it read): only when a front
     // sealed it, and before its sealed deadline. The plugin sees nothing of a job refused here.
     if let Err(why) = ctx.seals.verify_job(&record) {
@@ -1080,6 +1076,10 @@ async fn run_job(ctx: &Arc<Ctx>, req: ExecRequest) {
             .await;
         return;
     }
+    // The record as this run last wrote it (the start, then each heartbeat): the outcome is written over it
+    // without reading it first ([`JobSteps::step_from`]; a write by anyone else since is caught by its revision).
+    let latest = Arc::new(std::sync::Mutex::new(written));
+    let started_at_ms = record.started_at_ms.unwrap_or_else(now_ms);
     ctx.metrics.queue_wait(
         &record.plugin,
         Duration::from_millis(started_at_ms.saturating_sub(record.created_at_ms)),

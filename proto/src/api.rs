@@ -350,20 +350,6 @@ impl ApiError {
         JobQuotaDetails::deserialize(self.details.as_ref()?).ok()
     }
 
-    /// `result_too_large` with `{size, max, retriable: false}` (spec §10.3 HR-SI-05).
-    pub fn result_too_large(size: usize, max: usize) -> Self {
-        ApiError::with_details(
-            ApiErrorCode::ResultTooLarge,
-            format!("the result is {size} bytes, over the limit of {max}"),
-            json!({ "size": size, "max": max, "retriable": false }),
-        )
-    }
-}
-
-/// The `details` of `job_quota_exceeded` (`tools.invokeAsync`): which of the two quotas refused the job.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(untagged)]
-pub enum JobQuotaDetails {
     /// `invalid_arg` for a request's arguments over a size cap, with `{field: "args", reason: "args_too_large",
     /// size, max}` ([`ARGS_TOO_LARGE`]): a sync `tools.invoke` request over the front's cap (refused before it is
     /// parsed), or `tools.invokeAsync` args over 64 KB (spec §10.4).
@@ -375,6 +361,24 @@ pub enum JobQuotaDetails {
         )
     }
 
+    /// `result_too_large` with `{size, max, retriable: false}` (spec §10.3 HR-SI-05).
+    pub fn result_too_large(size: usize, max: usize) -> Self {
+        ApiError::with_details(
+            ApiErrorCode::ResultTooLarge,
+            format!("the result is {size} bytes, over the limit of {max}"),
+            json!({ "size": size, "max": max, "retriable": false }),
+        )
+    }
+}
+
+/// The `details.reason` of an `invalid_arg` refusing arguments over a size cap ([`ApiError::args_too_large`]): the
+/// code stays `invalid_arg` (spec §10.10's closed list), the reason tells it from a malformed argument.
+pub const ARGS_TOO_LARGE: &str = "args_too_large";
+
+/// The `details` of `job_quota_exceeded` (`tools.invokeAsync`): which of the two quotas refused the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum JobQuotaDetails {
     /// `max_retained_jobs_per_user` jobs were created within the retention; room frees when the user's oldest
     /// jobs leave it, `retry_after_ms` from the answer.
     Retained {
@@ -385,10 +389,6 @@ pub enum JobQuotaDetails {
         /// When a creation may succeed again, in ms from the answer.
         retry_after_ms: u64,
         /// Always `true`.
-/// The `details.reason` of an `invalid_arg` refusing arguments over a size cap ([`ApiError::args_too_large`]): the
-/// code stays `invalid_arg` (spec §10.10's closed list), the reason tells it from a malformed argument.
-pub const ARGS_TOO_LARGE: &str = "args_too_large";
-
         #[serde(default)]
         retriable: bool,
     },
@@ -792,20 +792,6 @@ pub struct InvokeArgs {
     pub timeout_ms: Option<u64>,
 }
 
-/// `tools.invokeAsync` arguments (spec §10.4).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct InvokeAsyncArgs {
-    /// The tool id.
-    pub tool_id: String,
-    /// The tool name; required for ids without `.` or `__`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub method: Option<String>,
-    /// The tool's arguments (≤ 64 KB serialized).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub args: Option<Map<String, Value>>,
-    /// The job deadline in ms (clamped to [60 s, 24 h], default 30 min).
-    #[serde(rename = "timeoutMs", default, skip_serializing_if = "Option::is_none")]
-    pub timeout_ms: Option<u64>,
 /// A tool's arguments kept as their JSON text, always an object: what a front forwards to a worker without building
 /// their tree ([`RawInvokeArgs::args`], [`worker::ExecRequest::arguments`]); the same JSON on the wire as a map.
 /// The default is `{}`.
@@ -878,6 +864,20 @@ impl RawInvokeArgs {
     }
 }
 
+/// `tools.invokeAsync` arguments (spec §10.4).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InvokeAsyncArgs {
+    /// The tool id.
+    pub tool_id: String,
+    /// The tool name; required for ids without `.` or `__`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+    /// The tool's arguments (≤ 64 KB serialized).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args: Option<Map<String, Value>>,
+    /// The job deadline in ms (clamped to [60 s, 24 h], default 30 min).
+    #[serde(rename = "timeoutMs", default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
     /// ≤ 120 chars.
     #[serde(rename = "clientTag", default, skip_serializing_if = "Option::is_none")]
     pub client_tag: Option<String>,
@@ -1095,13 +1095,6 @@ impl InvokeArgs {
     }
 }
 
-impl InvokeAsyncArgs {
-    /// The contract's format rules: args ≤ 64 KB, `clientTag` ≤ 120 chars (spec §10.4); the tool resolves.
-    pub fn validate(&self) -> Result<Target, ApiError> {
-        if let Some(args) = &self.args {
-            let size = serde_json::to_vec(args).map(|v| v.len()).unwrap_or(usize::MAX);
-            if size > limits::MAX_JOB_ARGS_BYTES {
-                return Err(ApiError::args_too_large(size, limits::MAX_JOB_ARGS_BYTES));
 /// `tools.invoke`'s format rules, whichever way its arguments were read.
 fn validate_invoke(tool_id: &str, method: Option<&str>, timeout_ms: Option<u64>) -> Result<Target, ApiError> {
     if let Some(t) = timeout_ms
@@ -1118,6 +1111,13 @@ fn validate_invoke(tool_id: &str, method: Option<&str>, timeout_ms: Option<u64>)
     Target::resolve(tool_id, method)
 }
 
+impl InvokeAsyncArgs {
+    /// The contract's format rules: args ≤ 64 KB, `clientTag` ≤ 120 chars (spec §10.4); the tool resolves.
+    pub fn validate(&self) -> Result<Target, ApiError> {
+        if let Some(args) = &self.args {
+            let size = serde_json::to_vec(args).map(|v| v.len()).unwrap_or(usize::MAX);
+            if size > limits::MAX_JOB_ARGS_BYTES {
+                return Err(ApiError::args_too_large(size, limits::MAX_JOB_ARGS_BYTES));
             }
         }
         check_chars(
@@ -1313,6 +1313,50 @@ pub mod worker {
         length_prefixed(&[b"fleet-exec-seal-v1", subject.as_bytes(), stamp.as_bytes(), body])
     }
 
+    /// What a job's seal covers: everything of a job record that decides what runs, as whom and until when. A
+    /// front signs [`job_seal_input`] of it with its exec key when it creates the record (`JobRecord::seal`), and
+    /// workers and the fronts' sweepers verify it before they start or dispatch a queued job.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct JobSealed<'a> {
+        /// The user the job runs as (the JWT's `sub`).
+        pub user: &'a str,
+        /// The user's tenant. The fleet has no tenants yet: always `""` (a slot, so that sealing one later
+        /// changes the domain tag, not the layout).
+        pub tenant: &'a str,
+        /// The tool id as the caller named it.
+        pub tool_id: &'a str,
+        /// The installed plugin.
+        pub plugin: &'a str,
+        /// The method: the tool inside the plugin.
+        pub tool: &'a str,
+        /// SHA-256 of the arguments' JSON as the record holds them.
+        pub args_sha256: &'a [u8; 32],
+        /// The job id (also the plugin-side invoke id).
+        pub job_id: &'a str,
+        /// The absolute deadline (Unix epoch ms).
+        pub deadline_ms: u64,
+        /// The (clamped) timeout the deadline was computed from.
+        pub timeout_ms: u64,
+    }
+
+    /// What a front signs to seal a job record: a domain tag and every field of `sealed`, each length-prefixed.
+    pub fn job_seal_input(sealed: &JobSealed<'_>) -> Vec<u8> {
+        let deadline = sealed.deadline_ms.to_string();
+        let timeout = sealed.timeout_ms.to_string();
+        length_prefixed(&[
+            b"fleet-job-seal-v1",
+            sealed.user.as_bytes(),
+            sealed.tenant.as_bytes(),
+            sealed.tool_id.as_bytes(),
+            sealed.plugin.as_bytes(),
+            sealed.tool.as_bytes(),
+            sealed.args_sha256,
+            sealed.job_id.as_bytes(),
+            deadline.as_bytes(),
+            timeout.as_bytes(),
+        ])
+    }
+
     /// `parts` concatenated, each preceded by its length (8 bytes, big-endian): no two lists of parts give the
     /// same bytes.
     fn length_prefixed(parts: &[&[u8]]) -> Vec<u8> {
@@ -1397,50 +1441,6 @@ pub mod delegation {
     }
 
     /// A delegation: `<front id>.<secret>`. `Debug` shows the front id only.
-    /// What a job's seal covers: everything of a job record that decides what runs, as whom and until when. A
-    /// front signs [`job_seal_input`] of it with its exec key when it creates the record (`JobRecord::seal`), and
-    /// workers and the fronts' sweepers verify it before they start or dispatch a queued job.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-    pub struct JobSealed<'a> {
-        /// The user the job runs as (the JWT's `sub`).
-        pub user: &'a str,
-        /// The user's tenant. The fleet has no tenants yet: always `""` (a slot, so that sealing one later
-        /// changes the domain tag, not the layout).
-        pub tenant: &'a str,
-        /// The tool id as the caller named it.
-        pub tool_id: &'a str,
-        /// The installed plugin.
-        pub plugin: &'a str,
-        /// The method: the tool inside the plugin.
-        pub tool: &'a str,
-        /// SHA-256 of the arguments' JSON as the record holds them.
-        pub args_sha256: &'a [u8; 32],
-        /// The job id (also the plugin-side invoke id).
-        pub job_id: &'a str,
-        /// The absolute deadline (Unix epoch ms).
-        pub deadline_ms: u64,
-        /// The (clamped) timeout the deadline was computed from.
-        pub timeout_ms: u64,
-    }
-
-    /// What a front signs to seal a job record: a domain tag and every field of `sealed`, each length-prefixed.
-    pub fn job_seal_input(sealed: &JobSealed<'_>) -> Vec<u8> {
-        let deadline = sealed.deadline_ms.to_string();
-        let timeout = sealed.timeout_ms.to_string();
-        length_prefixed(&[
-            b"fleet-job-seal-v1",
-            sealed.user.as_bytes(),
-            sealed.tenant.as_bytes(),
-            sealed.tool_id.as_bytes(),
-            sealed.plugin.as_bytes(),
-            sealed.tool.as_bytes(),
-            sealed.args_sha256,
-            sealed.job_id.as_bytes(),
-            deadline.as_bytes(),
-            timeout.as_bytes(),
-        ])
-    }
-
     #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
     #[serde(transparent)]
     pub struct DelegationToken(pub String);
