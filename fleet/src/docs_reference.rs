@@ -243,6 +243,16 @@ const OTHER_ENV: &[(&str, &str)] = &[
         "Test suite: `FLEET_TEST_SKIP_LINT=1 ./scripts/test.sh` skips `cargo fmt --check` and clippy.",
     ),
     (
+        "FLEET_TEST_FUZZ",
+        "Test suite: `FLEET_TEST_FUZZ=1 ./scripts/test.sh` also runs every fuzz target for `FUZZ_SECONDS` (20 s) \
+         each (docs/testing.md); off by default: the fuzz build from nothing costs ~33 CPU-minutes.",
+    ),
+    (
+        "FLEET_FUZZ_TARGET_DIR",
+        "Fuzzing: where `scripts/fuzz.sh` keeps its build (default `~/.cache/cloud-agents/fuzz-target`, outside the \
+         checkout, so a fresh clone on the same machine reuses it).",
+    ),
+    (
         "FLEET_TEST_ARTIFACTS",
         "Test suite: a directory where `tests/http_gateway.rs` keeps the operator page's screenshot (`ops.png`).",
     ),
