@@ -1257,6 +1257,8 @@ async fn a_plugin_writing_past_its_users_disk_gets_enospc_and_another_user_write
     const ENOSPC: i64 = 28;
     let mut config: WorkerConfig = test_config("disk");
     config.user_limits.disk_bytes = DISK_MIB << 20;
+    // Disks come with a user budget (none is derived on a machine whose worker has no memory limit).
+    config.user_budget_bytes = 4 * (config.user_limits.memory_bytes + config.user_limits.disk_bytes);
     let plugins = [Plugin::echo("d1", &[]), Plugin::echo("d2", &[])];
     let w = Arc::new(TestWorker::start(config, &plugins));
     let fill = |user: &'static str, tool: &'static str, name: &'static str, mib: u64, workspace: bool| {

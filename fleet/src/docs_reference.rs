@@ -409,7 +409,8 @@ const WORKER_KEYS: &[(&str, &str)] = &[
         "What the users the worker admits at once may hold together: a new user is admitted only while the \
          admitted users' `user_limits.memory_bytes + user_limits.disk_bytes` each fit in it (at most 1024 users); \
          past it a new user's call is refused with `agent_unavailable` (retriable). 0: the worker's memory limit \
-         (its cgroup's, else the machine's memory).",
+         when its cgroup has one (a pod's, a container's); without one (a development machine) no budget: users \
+         are admitted without limit and have no disk caps (the worker logs so). Set it in production.",
     ),
     (
         "egress.tools",

@@ -315,8 +315,8 @@ pub struct WorkerConfig {
     pub user_limits: UserLimits,
     /// What the users this worker admits may hold together, in bytes: a new user is admitted only while the
     /// sum of the admitted users' memory ceilings and disk caps (`user_limits.memory_bytes +
-    /// user_limits.disk_bytes` each) stays within it. 0: the worker's own memory limit (its cgroup's, else the
-    /// machine's memory).
+    /// user_limits.disk_bytes` each) stays within it. 0: the worker's own memory limit when its cgroup has one;
+    /// without one, no budget (every user admitted, no disk caps).
     pub user_budget_bytes: u64,
     /// Network egress granted to some plugins.
     pub egress: Egress,

@@ -264,19 +264,32 @@ impl Sandbox {
     /// ([`SandboxError::Unavailable`] naming the setting to turn off).
     pub fn new(config: &WorkerConfig) -> Result<Sandbox, SandboxError> {
         // The users' disks are mounted before the first stub unshares its mount namespace (`disk.rs`).
-        let disk = (config.isolation == IsolationMode::Cgroup && rustix::process::geteuid().is_root())
-            .then_some(config.user_limits.disk_bytes);
-        if disk.is_none() {
-            tracing::warn!(
-                "the users' TMPDIRs and workspaces are not capped (that needs isolation and root)"
-            );
-        }
+        // No budget (none set, and no memory limit on the worker's cgroup: a development machine): no admission
+        // and no per-user disks, as each disk is a tmpfs mounted at start for an admitted user.
         let budget = match config.user_budget_bytes {
             0 => users::worker_memory_limit(),
-            set => set,
+            set => Some(set),
         };
+        let disk = (config.isolation == IsolationMode::Cgroup
+            && rustix::process::geteuid().is_root()
+            && budget.is_some())
+        .then_some(config.user_limits.disk_bytes);
+        if disk.is_none() {
+            tracing::warn!(
+                "the users' TMPDIRs and workspaces are not capped (that needs isolation, root and a user budget)"
+            );
+        }
         let per_user = config.user_limits.memory_bytes.saturating_add(disk.unwrap_or(0));
-        let admission = Admission::new(budget, per_user)?;
+        let admission = match budget {
+            Some(budget) => Admission::new(budget, per_user)?,
+            None => {
+                tracing::warn!(
+                    "no user budget: users are admitted without limit (set user_budget_bytes, or run the worker \
+                     in a memory-limited cgroup)"
+                );
+                Admission::unbounded(per_user)
+            }
+        };
         let users = Users::new(
             &config.state_dir,
             &config.run_as,

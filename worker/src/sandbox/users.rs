@@ -169,6 +169,15 @@ impl Admission {
             max_users,
         })
     }
+
+    /// No budget: every user is admitted (and no user has a disk of its own).
+    pub(crate) fn unbounded(per_user: u64) -> Admission {
+        Admission {
+            budget: u64::MAX,
+            per_user,
+            max_users: usize::MAX,
+        }
+    }
 }
 
 /// What this process holds.
@@ -635,9 +644,9 @@ impl Shared {
 }
 
 /// The worker's own memory limit: its memory cgroup's (`memory.max` on v2, `memory.limit_in_bytes` on v1, read
-/// where `/proc/self/cgroup` places it under `/sys/fs/cgroup`) when it has one below the machine's memory, else
-/// the machine's (`MemTotal`).
-pub(crate) fn worker_memory_limit() -> u64 {
+/// where `/proc/self/cgroup` places it under `/sys/fs/cgroup`) when it has one below the machine's memory (a pod's
+/// or a container's limit); `None` without one (a development machine: no budget).
+pub(crate) fn worker_memory_limit() -> Option<u64> {
     let total = fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|t| super::control::parse_keyed(&t.replace(':', ""), "MemTotal"))
@@ -657,7 +666,7 @@ pub(crate) fn worker_memory_limit() -> u64 {
             fs::read_to_string(path).ok()?.trim().parse::<u64>().ok()
         })
     });
-    cgroup.map_or(total, |limit| limit.min(total))
+    cgroup.filter(|limit| *limit < total)
 }
 
 /// Removes `dir` and everything beneath it (symbolic links removed, never followed); a missing `dir` is fine.

@@ -345,22 +345,6 @@ pub(crate) fn manifest(cfg: &Config) -> Value {
             ],
         ),
         tool(
-            "fill",
-            "Writes `mib` MiB of zeros to `name` in its TMPDIR (or, with `workspace`, `ANNA_WORKSPACE_DIR`), 1 MiB at a time, and \
-             keeps the file; returns written (bytes) and errno (the OS error that stopped it, else null).",
-            &[
-                p("name", "string", "The file's name.", true, None),
-                p("mib", "integer", "MiB to write.", true, None),
-                p(
-                    "workspace",
-                    "boolean",
-                    "Write in the cwd (the workspace) instead of TMPDIR.",
-                    false,
-                    Some(json!(false)),
-                ),
-            ],
-        ),
-        tool(
             "write_file",
             "Writes `content` to `path`; returns written (bytes). An I/O error gives success:false with the OS \
              error text.",
@@ -392,6 +376,22 @@ pub(crate) fn manifest(cfg: &Config) -> Value {
             &[
                 p("ms", "integer", "Delay before exiting.", true, None),
                 p("code", "integer", "Exit status.", false, Some(json!(0))),
+            ],
+        ),
+        tool(
+            "fill",
+            "Writes `mib` MiB of zeros to `name` in its TMPDIR (or, with `workspace`, `ANNA_WORKSPACE_DIR`), 1 MiB at a time, and \
+             keeps the file; returns written (bytes) and errno (the OS error that stopped it, else null).",
+            &[
+                p("name", "string", "The file's name.", true, None),
+                p("mib", "integer", "MiB to write.", true, None),
+                p(
+                    "workspace",
+                    "boolean",
+                    "Write in the cwd (the workspace) instead of TMPDIR.",
+                    false,
+                    Some(json!(false)),
+                ),
             ],
         ),
     ];
