@@ -56,6 +56,33 @@ fn refused(r: &ApiResponse<Value>) -> String {
     }
 }
 
+/// The grants bucket of `c`.
+async fn grants_of(c: &Cluster) -> GrantStore {
+    GrantStore::open(
+        &async_nats::jetstream::new(c.client.clone()),
+        &StoreSettings::default(),
+    )
+    .await
+    .unwrap()
+}
+
+/// Alice grants `holder` `llm.sample` and `llm.agent.auto`, its agent sessions limited to `tools` (one pattern).
+async fn grant_agent(grants: &GrantStore, holder: &str, tools: &str) {
+    grants
+        .edit_with(
+            "alice",
+            holder,
+            &["llm.sample".into(), "llm.agent.auto".into()],
+            &[],
+            GrantSettings {
+                granted_tools: Some(&[tools.into()]),
+                ..GrantSettings::default()
+            },
+        )
+        .await
+        .unwrap();
+}
+
 fn invoke(tool_id: &str) -> Value {
     json!({"tool_id": tool_id, "method": "echo", "args": {"n": 1}})
 }
@@ -82,12 +109,7 @@ async fn a_delegation_acts_only_as_its_user_within_its_grant_and_its_invoke() {
     .await;
     c.wait_for_api(GUARD).await;
     c.wait_listed(&["echo-a", "echo-b"], GUARD).await;
-    let grants = GrantStore::open(
-        &async_nats::jetstream::new(c.client.clone()),
-        &StoreSettings::default(),
-    )
-    .await
-    .unwrap();
+    let grants = grants_of(&c).await;
     // What a compromised worker holds.
     let worker = connect(&c.nats, Role::Worker).await;
     let front = &c.fronts[0].0;
@@ -103,19 +125,7 @@ async fn a_delegation_acts_only_as_its_user_within_its_grant_and_its_invoke() {
     refused(&call("tools.invoke", invoke("echo-a")).await);
 
     // Granted, with its sessions limited to echo-a.
-    grants
-        .edit_with(
-            "alice",
-            HOLDER,
-            &["llm.sample".into(), "llm.agent.auto".into()],
-            &[],
-            GrantSettings {
-                granted_tools: Some(&["echo-a".into()]),
-                ..GrantSettings::default()
-            },
-        )
-        .await
-        .unwrap();
+    grant_agent(&grants, HOLDER, "echo-a").await;
     let listed = match call("tools.list", json!({})).await {
         ApiResponse::Ok(v) => v,
         ApiResponse::Err(e) => panic!("{e:?}"),
@@ -322,25 +332,8 @@ async fn a_jobs_delegation_is_served_by_any_front_until_the_job_ends() {
     .await;
     c.wait_for_api(GUARD).await;
     c.wait_listed(&[HOLDER, "echo-a", "echo-b"], GUARD).await;
-    let grants = GrantStore::open(
-        &async_nats::jetstream::new(c.client.clone()),
-        &StoreSettings::default(),
-    )
-    .await
-    .unwrap();
-    grants
-        .edit_with(
-            "alice",
-            HOLDER,
-            &["llm.sample".into(), "llm.agent.auto".into()],
-            &[],
-            GrantSettings {
-                granted_tools: Some(&["echo-a".into()]),
-                ..GrantSettings::default()
-            },
-        )
-        .await
-        .unwrap();
+    let grants = grants_of(&c).await;
+    grant_agent(&grants, HOLDER, "echo-a").await;
     let worker = connect(&c.nats, Role::Worker).await;
     let sleeping =
         |ms: u64| json!({"tool_id": HOLDER, "method": "sleep", "args": {"ms": ms}, "timeoutMs": 120_000});
@@ -437,25 +430,8 @@ async fn a_delegation_made_under_a_window_reaches_only_what_the_window_allows() 
     .await;
     c.wait_for_api(GUARD).await;
     c.wait_listed(&["echo-h", "echo-a", "echo-b"], GUARD).await;
-    let grants = GrantStore::open(
-        &async_nats::jetstream::new(c.client.clone()),
-        &StoreSettings::default(),
-    )
-    .await
-    .unwrap();
-    grants
-        .edit_with(
-            "alice",
-            "echo-h",
-            &["llm.sample".into(), "llm.agent.auto".into()],
-            &[],
-            GrantSettings {
-                granted_tools: Some(&["*".into()]),
-                ..GrantSettings::default()
-            },
-        )
-        .await
-        .unwrap();
+    let grants = grants_of(&c).await;
+    grant_agent(&grants, "echo-h", "*").await;
     let state = c.http_state(fleet::http::HttpConfig::default()).await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}/v1/rpc", listener.local_addr().unwrap());
